@@ -1,0 +1,20 @@
+"""Base models the pipeline starts from: the tiny Wan 2.1 the project makes itself."""
+
+from distillery.base.tiny import (
+    TinyBaseConfig,
+    TinyTextEncoderConfig,
+    TinyTransformerConfig,
+    TinyVAEConfig,
+    make_tiny_base,
+)
+from distillery.base.tokenizer import build_tokenizer, write_tokenizer
+
+__all__ = [
+    "TinyBaseConfig",
+    "TinyTextEncoderConfig",
+    "TinyTransformerConfig",
+    "TinyVAEConfig",
+    "build_tokenizer",
+    "make_tiny_base",
+    "write_tokenizer",
+]

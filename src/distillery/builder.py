@@ -1,0 +1,93 @@
+"""Build a run's parts from a typed :class:`RunConfig`: role models, method, callbacks, data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from distillery.callbacks.base import Callback
+from distillery.config.schema import RunConfig
+from distillery.distributed import DistEnv, shard_transformer
+from distillery.errors import UserError
+from distillery.methods.base import TrainingMethod
+from distillery.models.base import ModelBase
+
+
+@dataclass
+class BuiltRun:
+    models: dict[str, ModelBase]
+    method: TrainingMethod
+    callbacks: list[Callback]
+
+
+def build_models(config: RunConfig) -> dict[str, ModelBase]:
+    """Instantiate each role's model (on CPU, fp32) from its component entry."""
+    models = {}
+    for role, comp in config.models.items():
+        if not (isinstance(comp.cls, type) and issubclass(comp.cls, ModelBase)):
+            raise UserError(f"config error: models.{role}._target_: {comp.target} is not a distillery model (ModelBase)")
+        models[role] = comp.cls(comp.config, role=role)
+    return models
+
+
+def build_method(config: RunConfig, models: dict[str, ModelBase], rank: int) -> TrainingMethod:
+    comp = config.method
+    if not (isinstance(comp.cls, type) and issubclass(comp.cls, TrainingMethod)):
+        raise UserError(f"config error: method._target_: {comp.target} is not a distillery method (TrainingMethod)")
+    comp.cls.check_roles(models)
+    return comp.cls(comp.config, models, config.training, rank=rank)
+
+
+def build_callbacks(config: RunConfig) -> list[Callback]:
+    out = []
+    for name, comp in config.callbacks.items():
+        if not (isinstance(comp.cls, type) and issubclass(comp.cls, Callback)):
+            raise UserError(f"config error: callbacks.{name}._target_: {comp.target} is not a distillery callback")
+        out.append(comp.cls(comp.config, name=name))
+    return out
+
+
+def check_roles_early(config: RunConfig) -> None:
+    """Role/method fit, checked before any model is loaded (cheap, for --dry-run and stages)."""
+    for role, model in config.models.items():
+        if not (isinstance(model.cls, type) and issubclass(model.cls, ModelBase)):
+            raise UserError(f"config error: models.{role}._target_: {model.target} is not a distillery model (ModelBase)")
+    comp = config.method
+    if not (isinstance(comp.cls, type) and issubclass(comp.cls, TrainingMethod)):
+        raise UserError(f"config error: method._target_: {comp.target} is not a distillery method (TrainingMethod)")
+    comp.cls.check_roles({role: c.config for role, c in config.models.items()})
+
+
+def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
+    """Models → method → FSDP2 sharding → optimizers → callbacks."""
+    check_roles_early(config)
+    models = build_models(config)
+    method = build_method(config, models, env.rank)
+    for model in models.values():
+        if config.training.model.activation_checkpointing and hasattr(model, "enable_activation_checkpointing"):
+            model.enable_activation_checkpointing()
+        shard_transformer(model.transformer, model.shardable_blocks(), env, config.training.distributed, config.training.model)
+        model.bind_device(env.device)
+    method.build_optimizers()
+    return BuiltRun(models=models, method=method, callbacks=build_callbacks(config))
+
+
+def check_data_path(path: str) -> Path:
+    if not path:
+        raise UserError("config error: training.data.path: required (a folder of latent parquet shards)")
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"config error: training.data.path: {p} is not a folder")
+    return p
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -1,0 +1,220 @@
+"""DCP checkpoints for crash resume: ``<output_dir>/checkpoint-<step>/``.
+
+Layout of one checkpoint::
+
+    checkpoint-<step>/
+      dcp/                    # torch.distributed.checkpoint: trainable weights, optimizer states,
+                              # callback tensors (EMA) — sharded, reshardable on load
+      roles/<role>/config.json  # each trainable role's transformer architecture (for export)
+      state.pt                # rank-independent host state: step, LR schedulers, data position
+      rng/rank-<r>.pt         # per-rank RNG: python, numpy, torch CPU/CUDA, the method generator
+      metadata.json           # human-readable summary (step, world size, roles, time, tracking run)
+
+It is written into ``.tmp-checkpoint-<step>/`` and renamed when complete, so a crash mid-save
+never leaves a checkpoint that looks complete; ``metadata.json`` is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from distillery.distributed import barrier, broadcast_object
+from distillery.errors import UserError
+from distillery.log import get_logger
+
+log = get_logger("checkpoint")
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+class RoleState(Stateful):
+    """DCP view of one trainable role: its (sharded) transformer and optimizer."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.module = module
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        optimizers = [self.optimizer] if self.optimizer is not None else []
+        model_sd, optim_sd = get_state_dict(self.module, optimizers)
+        out = {"model": model_sd}
+        if self.optimizer is not None:
+            out["optim"] = optim_sd
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        optimizers = [self.optimizer] if self.optimizer is not None else []
+        set_state_dict(
+            self.module,
+            optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim", {}),
+            options=StateDictOptions(strict=True),
+        )
+
+
+class CallbackState(Stateful):
+    """DCP view of a callback's tensor state (e.g. EMA shadow weights)."""
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.callback.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.callback.load_state_dict(state)
+
+
+def capture_rng(method_state: dict[str, Any]) -> dict[str, Any]:
+    """Every RNG this process uses, plus the method's generator state."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "method": method_state,
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> dict[str, Any]:
+    """Restore the process RNGs; return the method's saved state for the method to load."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    return state["method"]
+
+
+def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (those with ``metadata.json``) in ``output_dir``, oldest first."""
+    found = []
+    if output_dir.is_dir():
+        for child in output_dir.iterdir():
+            m = CHECKPOINT_RE.match(child.name)
+            if m and (child / "metadata.json").is_file():
+                found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def resolve_resume(resume: str, output_dir: Path) -> Path | None:
+    """The checkpoint to resume from for ``resume`` = "latest" | "none" | a path."""
+    if resume == "none":
+        return None
+    if resume == "latest":
+        found = list_checkpoints(output_dir)
+        return found[-1][1] if found else None
+    path = Path(resume)
+    if not (path / "metadata.json").is_file():
+        raise UserError(f"config error: training.checkpoint.resume: {path} is not a complete checkpoint (no metadata.json)")
+    return path
+
+
+@dataclass
+class CheckpointPayload:
+    """Everything a checkpoint holds, as the trainer hands it over."""
+
+    dcp_state: dict[str, Stateful]  # "role.<role>" → RoleState, "callback.<name>" → CallbackState
+    host_state: dict[str, Any]  # step, schedulers, data position (same on every rank)
+    rng_state: dict[str, Any]  # this rank's RNGs
+    role_configs: dict[str, dict[str, Any]]  # trainable role → transformer config.json content
+    metadata: dict[str, Any]  # extra human-readable facts
+
+
+class CheckpointManager:
+    def __init__(self, output_dir: str | Path, keep_last: int, rank: int, world_size: int) -> None:
+        self.output_dir = Path(output_dir)
+        self.keep_last = keep_last
+        self.rank = rank
+        self.world_size = world_size
+
+    def save(self, step: int, payload: CheckpointPayload) -> Path:
+        """Collective: every rank calls it. Returns the final checkpoint folder."""
+        final = self.output_dir / f"checkpoint-{step}"
+        tmp = self.output_dir / f".tmp-checkpoint-{step}"
+        if self.rank == 0:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / "rng").mkdir(parents=True)
+        barrier()
+        started = time.perf_counter()
+        dcp.save(payload.dcp_state, checkpoint_id=str(tmp / "dcp"))
+        torch.save(payload.rng_state, tmp / "rng" / f"rank-{self.rank}.pt")
+        barrier()
+        if self.rank == 0:
+            for role, cfg in payload.role_configs.items():
+                role_dir = tmp / "roles" / role
+                role_dir.mkdir(parents=True)
+                (role_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+            torch.save(payload.host_state, tmp / "state.pt")
+            meta = {
+                "step": step,
+                "world_size": self.world_size,
+                "roles": sorted(payload.role_configs),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **payload.metadata,
+            }
+            (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            self._prune()
+        barrier()
+        log.info("saved %s in %.1f s", final, time.perf_counter() - started)
+        return final
+
+    def _prune(self) -> None:
+        for child in self.output_dir.glob(".tmp-checkpoint-*"):
+            shutil.rmtree(child, ignore_errors=True)
+        if self.keep_last:
+            for _, path in list_checkpoints(self.output_dir)[: -self.keep_last]:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def load(self, path: Path, payload: CheckpointPayload) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Load into ``payload.dcp_state`` in place; return (host state, this rank's RNG or None).
+
+        Raises a UserError when the checkpoint's roles or architectures differ from this run's.
+        """
+        meta = json.loads((path / "metadata.json").read_text())
+        saved_roles = set(meta.get("roles", []))
+        if saved_roles != set(payload.role_configs):
+            raise UserError(
+                f"{path}: checkpoint holds trainable roles {sorted(saved_roles)}, this run trains {sorted(payload.role_configs)}"
+            )
+        for role, cfg in payload.role_configs.items():
+            saved = json.loads((path / "roles" / role / "config.json").read_text())
+            current = json.loads(json.dumps(cfg, sort_keys=True, default=str))
+            diff = sorted(k for k in set(saved) | set(current) if not k.startswith("_") and saved.get(k) != current.get(k))
+            if diff:
+                k = diff[0]
+                raise UserError(
+                    f"{path}: checkpoint is from a different model for role {role}: {k}={saved.get(k)!r} there, {current.get(k)!r} here"
+                )
+        dcp.load(payload.dcp_state, checkpoint_id=str(path / "dcp"))
+        host = torch.load(path / "state.pt", weights_only=False)
+        rng_file = path / "rng" / f"rank-{self.rank}.pt"
+        rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
+        host["saved_world_size"] = int(meta.get("world_size", self.world_size))
+        return host, rng
+
+    def resume_path(self, resume: str) -> Path | None:
+        """Rank 0 decides which checkpoint to resume from; every rank gets the same answer."""
+        path = resolve_resume(resume, self.output_dir) if self.rank == 0 else None
+        return broadcast_object(path)  # type: ignore[return-value]

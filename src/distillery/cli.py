@@ -1,0 +1,119 @@
+"""The ``distillery`` command.
+
+    distillery train --config X [--dry-run] [--allow-target-prefix P] [--a.b.c VALUE ...]
+    distillery base make-tiny --out DIR [--seed N] [--overwrite]
+    distillery latents demo --out DIR [--num-samples N] [--seed N]
+    distillery export-weights CHECKPOINT --role student --out DIR [--ema NAME]
+
+User errors (bad config, missing file, wrong checkpoint) print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from distillery.errors import UserError
+
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "DO_NOT_TRACK": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DVC_NO_ANALYTICS": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
+
+
+def set_offline_env() -> None:
+    for k, v in OFFLINE_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def run_guarded(fn: Callable[[], int]) -> int:
+    """Run ``fn``; a UserError becomes one line on stderr and exit code 2."""
+    set_offline_env()
+    try:
+        return fn()
+    except UserError as exc:
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            sys.stderr.write(f"error: {exc}\n")
+        return UserError.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from distillery.base.tiny import make_tiny_base
+
+    out = make_tiny_base(Path(args.out), seed=args.seed, overwrite=args.overwrite,
+                         command=" ".join(["distillery", *sys.argv[1:]]) if sys.argv[1:2] == ["base"] else None)
+    sys.stdout.write(f"wrote tiny Wan base model to {out}\n")
+    return 0
+
+
+def _demo_latents(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from distillery.data.demo import make_demo_latents
+
+    out = make_demo_latents(Path(args.out), num_samples=args.num_samples, seed=args.seed)
+    sys.stdout.write(f"wrote {args.num_samples} demo latent samples to {out}\n")
+    return 0
+
+
+def _export_weights(args: argparse.Namespace) -> int:
+    from distillery.export import export_weights
+
+    out = export_weights(args.checkpoint, args.role, args.out, ema=args.ema)
+    sys.stdout.write(f"wrote {out}\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distillery", description="train and distill video diffusion models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="train from a run config (one process; use torchrun -m distillery.train for N)",
+                   add_help=False)
+    base = sub.add_parser("base", help="base models")
+    base_sub = base.add_subparsers(dest="base_command", required=True)
+    tiny = base_sub.add_parser("make-tiny", help="write a tiny Wan 2.1 T2V model in diffusers layout")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--overwrite", action="store_true")
+    tiny.set_defaults(func=_make_tiny)
+    latents = sub.add_parser("latents", help="latent datasets")
+    latents_sub = latents.add_subparsers(dest="latents_command", required=True)
+    demo = latents_sub.add_parser("demo", help="write a small synthetic latent set that fits the tiny base model")
+    demo.add_argument("--out", required=True)
+    demo.add_argument("--num-samples", type=int, default=16)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_demo_latents)
+    exp = sub.add_parser("export-weights", help="write a checkpoint role's transformer as a diffusers folder")
+    exp.add_argument("checkpoint")
+    exp.add_argument("--role", default="student")
+    exp.add_argument("--out", required=True)
+    exp.add_argument("--ema", default=None, metavar="CALLBACK", help="export the shadow weights of this EMA callback")
+    exp.set_defaults(func=_export_weights)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        from distillery.train import run_training
+
+        return run_guarded(lambda: run_training(argv[1:]))
+    args = build_parser().parse_args(argv)
+    return run_guarded(lambda: args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

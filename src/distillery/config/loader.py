@@ -1,0 +1,194 @@
+"""Load a run config: YAML file → dotted overrides → typed, validated :class:`RunConfig`.
+
+Overrides are ``(dotted.key, value_text)`` pairs; the value text is parsed as YAML (``10`` is an
+int, ``true`` a bool, ``[1, 2]`` a list). An override must name a key that exists in the schema
+(a dataclass field or a component's ``_target_``/config field), else a one-line UserError.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distillery.config.schema import Component, RunConfig, TrainingConfig
+from distillery.config.targets import resolve_target
+from distillery.config.typed import config_error, field_types, from_mapping
+from distillery.errors import UserError
+
+TOP_LEVEL_KEYS = ("models", "method", "training", "callbacks")
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping, turning a missing file or a syntax error into a one-line UserError."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config error: {p}: file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"config error: {p}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"config error: {p}: the top level must be a mapping with keys {', '.join(TOP_LEVEL_KEYS)}")
+    return data
+
+
+def parse_override_args(args: list[str]) -> list[tuple[str, str]]:
+    """Turn ``["--training.loop.max_train_steps", "10", "--a.b=3"]`` into key/value pairs."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) <= 2:
+            raise UserError(f"config error: unexpected argument {arg!r}; overrides look like --training.loop.max_train_steps 10")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise UserError(f"config error: override --{key} has no value")
+            value = args[i + 1]
+            i += 2
+        pairs.append((key, value))
+    return pairs
+
+
+def _config_class(cls: Any, where: str) -> type:
+    config_cls = getattr(cls, "config_class", None)
+    if config_cls is None or not dataclasses.is_dataclass(config_cls):
+        raise UserError(f"config error: {where}._target_: {cls.__module__}.{cls.__qualname__} is not a distillery component (no config_class)")
+    return config_cls
+
+
+def _valid_keys_for(tp: Any) -> list[str]:
+    return list(field_types(tp)) if dataclasses.is_dataclass(tp) else []
+
+
+def _check_dataclass_path(tp: Any, parts: list[str], where: str) -> None:
+    """Check that ``parts`` names an existing (possibly nested) field of dataclass ``tp``."""
+    for i, part in enumerate(parts):
+        types_by_name = field_types(tp)
+        key = ".".join([where, *parts[: i + 1]])
+        if part not in types_by_name:
+            raise config_error(key, f"unknown key; valid keys: {', '.join(types_by_name)}")
+        tp = types_by_name[part]
+        if i + 1 < len(parts) and not dataclasses.is_dataclass(tp):
+            origin = typing.get_origin(tp)
+            if origin in (dict,):
+                return  # free-form mapping (e.g. tracker.tags.<name>)
+            raise config_error(key, "is not a section; it has no sub-keys")
+
+
+def apply_override(raw: dict[str, Any], key: str, value_text: str, prefixes: tuple[str, ...]) -> None:
+    """Set ``key`` (dotted) in the raw config to the YAML-parsed ``value_text`` after checking it exists."""
+    parts = key.split(".")
+    if not all(parts):
+        raise UserError(f"config error: --{key}: malformed key")
+    try:
+        value = yaml.safe_load(value_text)
+    except yaml.YAMLError:
+        value = value_text
+    head = parts[0]
+    if head not in TOP_LEVEL_KEYS:
+        raise config_error(head, f"unknown key; valid keys: {', '.join(TOP_LEVEL_KEYS)}")
+    if head == "training":
+        if len(parts) < 2:
+            raise config_error(key, "override a single key, e.g. training.loop.max_train_steps")
+        _check_dataclass_path(TrainingConfig, parts[1:], "training")
+    elif head == "method":
+        if len(parts) < 2:
+            raise config_error(key, "override a single key, e.g. method.chunk_size")
+        section = raw.get("method") or {}
+        if parts[1] != "_target_":
+            cls = resolve_target(section.get("_target_"), "method", prefixes)
+            _check_dataclass_path(_config_class(cls, "method"), parts[1:], "method")
+    else:  # models / callbacks: <name>.<key>
+        if len(parts) < 3:
+            raise config_error(key, f"override a single key, e.g. {head}.<name>.<key>")
+        entries = raw.get(head) or {}
+        name = parts[1]
+        if name not in entries:
+            raise config_error(f"{head}.{name}", f"unknown {head[:-1] if head != 'callbacks' else 'callback'}; valid: {', '.join(entries) or '(none)'}")
+        if parts[2] != "_target_":
+            where = f"{head}.{name}"
+            cls = resolve_target((entries[name] or {}).get("_target_"), where, prefixes)
+            _check_dataclass_path(_config_class(cls, where), parts[2:], where)
+    node = raw
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def build_component(entry: Any, where: str, prefixes: tuple[str, ...], kind: tuple[type, str] | None = None) -> Component:
+    """Resolve one ``{_target_: ..., knobs...}`` entry into a :class:`Component`.
+
+    ``kind`` is (required base class, its name in messages): a target of another kind is refused
+    before its knobs are checked.
+    """
+    if not isinstance(entry, dict) or "_target_" not in entry:
+        raise config_error(where, "expected a mapping with a _target_ key")
+    target = entry["_target_"]
+    cls = resolve_target(target, where, prefixes)
+    if kind is not None and not (isinstance(cls, type) and issubclass(cls, kind[0])):
+        raise config_error(f"{where}._target_", f"{target} is not a distillery {kind[1]} ({kind[0].__name__})")
+    config_cls = _config_class(cls, where)
+    knobs = {k: v for k, v in entry.items() if k != "_target_"}
+    return Component(target=target, cls=cls, config=from_mapping(config_cls, knobs, where))
+
+
+def build_run_config(raw: dict[str, Any], prefixes: tuple[str, ...]) -> RunConfig:
+    """Validate the raw mapping and build the typed :class:`RunConfig`."""
+    unknown = [k for k in raw if k not in TOP_LEVEL_KEYS]
+    if unknown:
+        raise config_error(str(unknown[0]), f"unknown key; valid keys: {', '.join(TOP_LEVEL_KEYS)}")
+    models_raw = raw.get("models")
+    if not isinstance(models_raw, dict) or not models_raw:
+        raise config_error("models", "required: a mapping of role -> {_target_: ..., ...} with at least a student")
+    if "method" not in raw:
+        raise config_error("method", "required key is missing ({_target_: ..., knobs})")
+    from distillery.callbacks.base import Callback
+    from distillery.methods.base import TrainingMethod
+    from distillery.models.base import ModelBase
+
+    models = {
+        role: build_component(entry, f"models.{role}", prefixes, (ModelBase, "model")) for role, entry in models_raw.items()
+    }
+    method = build_component(raw["method"], "method", prefixes, (TrainingMethod, "method"))
+    training = from_mapping(TrainingConfig, raw.get("training") or {}, "training")
+    callbacks_raw = raw.get("callbacks") or {}
+    if not isinstance(callbacks_raw, dict):
+        raise config_error("callbacks", "expected a mapping of name -> {_target_: ..., ...}")
+    callbacks = {
+        name: build_component(entry, f"callbacks.{name}", prefixes, (Callback, "callback")) for name, entry in callbacks_raw.items()
+    }
+    return RunConfig(models=models, method=method, training=training, callbacks=callbacks)
+
+
+def load_run_config(
+    path: str | Path | None = None,
+    overrides: list[tuple[str, str]] = (),  # type: ignore[assignment]
+    prefixes: tuple[str, ...] = ("distillery.",),
+    raw: dict[str, Any] | None = None,
+) -> RunConfig:
+    """Read ``path`` (or take ``raw``), apply overrides, and return the typed run config."""
+    data = copy.deepcopy(raw) if raw is not None else read_yaml(path)  # type: ignore[arg-type]
+    for key, value in overrides:
+        apply_override(data, key, value, prefixes)
+    return build_run_config(data, prefixes)
+
+
+def dump_run_config(config: RunConfig) -> str:
+    """The resolved config as YAML text (what ``--dry-run`` prints and tracking stores)."""
+    return yaml.safe_dump(config.to_plain(), sort_keys=False)

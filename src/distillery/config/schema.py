@@ -1,0 +1,145 @@
+"""Typed sections of a run config (the ``training:`` block) and the whole ``RunConfig``.
+
+A run config YAML has four top-level keys::
+
+    models:    {role: {_target_: ..., <the model class's config fields>}}
+    method:    {_target_: ..., <the method class's config fields>}
+    training:  {distributed, data, optimizer, loop, checkpoint, tracker, model}
+    callbacks: {name: {_target_: ..., <the callback class's config fields>}}
+
+Every class named by ``_target_`` declares its knobs as a dataclass in ``config_class``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from distillery.config.typed import to_plain
+
+
+@dataclass
+class DistributedConfig:
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl when CUDA is present, else gloo
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when present, else cpu
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"  # auto: bf16 compute on cuda, fp32 on cpu
+    replicate_size: int = 1  # HSDP: size of the replicate mesh dim (1 = plain FSDP over all ranks)
+    reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3)
+
+    def __post_init__(self) -> None:
+        if self.replicate_size < 1:
+            raise ValueError("replicate_size must be >= 1")
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # folder of latent parquet shards (holds train/ and validation/)
+    split: str = "train"  # sub-folder of path to train on
+    batch_size: int = 1  # samples per rank per micro-batch
+    text_max_length: int = 512  # prompt embeddings are zero-padded/truncated to this many tokens
+    drop_last: bool = True  # every rank gets only full batches
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if self.text_max_length < 1:
+            raise ValueError("text_max_length must be >= 1")
+
+
+@dataclass
+class OptimizerConfig:
+    learning_rate: float = 1e-4  # peak learning rate
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    weight_decay: float = 0.01  # decoupled weight decay
+    eps: float = 1e-8  # AdamW epsilon
+    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"  # decay after warmup
+    warmup_steps: int = 0  # linear warmup from 0 over this many optimizer steps
+    min_lr_ratio: float = 0.0  # floor of cosine/linear decay, as a fraction of learning_rate
+
+    def __post_init__(self) -> None:
+        if self.learning_rate < 0 or self.warmup_steps < 0:
+            raise ValueError("learning_rate and warmup_steps must be >= 0")
+
+
+@dataclass
+class LoopConfig:
+    max_train_steps: int = 100  # optimizer steps in the whole run (a resumed run stops here too)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    seed: int = 0  # seeds python/numpy/torch, the data order and the method's random stream
+    stop_at_step: int | None = None  # end this invocation at this step (checkpointed); rerun to continue
+    log_every: int = 1  # steps between metric logs
+    progress_bar: bool = True  # rank-0 progress bar
+
+    def __post_init__(self) -> None:
+        if self.max_train_steps < 0 or self.grad_accum_steps < 1 or self.log_every < 1:
+            raise ValueError("max_train_steps >= 0, grad_accum_steps >= 1 and log_every >= 1 are required")
+        if self.stop_at_step is not None and self.stop_at_step < 0:
+            raise ValueError("stop_at_step must be >= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    output_dir: str = "runs/train"  # checkpoint-<step>/ folders are written here
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end of the run
+    keep_last: int = 2  # keep this many newest checkpoints (0 = keep all)
+    resume: str = "latest"  # "latest" (newest complete checkpoint in output_dir, if any), "none", or a checkpoint path
+    save_final: bool = True  # always write a checkpoint at the last step
+
+    def __post_init__(self) -> None:
+        if self.save_every < 0 or self.keep_last < 0:
+            raise ValueError("save_every and keep_last must be >= 0")
+
+
+@dataclass
+class TrackerConfig:
+    backend: Literal["mlflow", "none"] = "mlflow"
+    tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db
+    experiment: str = "distillery"
+    run_name: str | None = None
+    parent_run_id: str | None = None  # nest this run under a pipeline-level parent run
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ModelRuntimeConfig:
+    compile: bool = False  # torch.compile each transformer block (regional compilation)
+    activation_checkpointing: bool = False  # recompute block activations in backward
+
+
+@dataclass
+class TrainingConfig:
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    model: ModelRuntimeConfig = field(default_factory=ModelRuntimeConfig)
+
+
+@dataclass
+class Component:
+    """One ``_target_`` entry: the dotted path, the resolved class and its typed config."""
+
+    target: str
+    cls: Any
+    config: Any
+
+    def to_plain(self) -> dict[str, Any]:
+        return {"_target_": self.target, **to_plain(self.config)}
+
+
+@dataclass
+class RunConfig:
+    models: dict[str, Component]
+    method: Component
+    training: TrainingConfig
+    callbacks: dict[str, Component]
+
+    def to_plain(self) -> dict[str, Any]:
+        return {
+            "models": {k: v.to_plain() for k, v in self.models.items()},
+            "method": self.method.to_plain(),
+            "training": to_plain(self.training),
+            "callbacks": {k: v.to_plain() for k, v in self.callbacks.items()},
+        }

@@ -1,0 +1,169 @@
+"""Strict conversion of plain YAML data into typed config dataclasses.
+
+``from_mapping(cls, data, where)`` builds dataclass ``cls`` from a mapping, recursing into
+nested dataclasses, ``list``/``tuple``/``dict`` and ``Optional``/``Literal`` fields. Unknown
+keys, missing required keys and wrong types raise :class:`~distillery.errors.UserError` with
+one line naming the dotted key and what is valid. Explicit zeros and ``false`` are kept as given:
+only absent keys take defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, Union
+
+from distillery.errors import UserError
+
+_MISSING = dataclasses.MISSING
+
+
+def config_error(where: str, message: str) -> UserError:
+    """Build the one-line config error for the dotted key ``where``."""
+    return UserError(f"config error: {where}: {message}")
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved type hints of a dataclass's fields (string annotations evaluated)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(tp))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against type ``tp`` and convert it (int → float, list → tuple, dict → dataclass)."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices or isinstance(value, bool) != any(isinstance(c, bool) for c in choices if c == value):
+            raise config_error(where, f"got {value!r}; valid values: {', '.join(repr(c) for c in choices)}")
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise config_error(where, f"must not be null; expected {_type_name(tp)}")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, where)
+            except UserError as exc:
+                errors.append(str(exc))
+        raise config_error(where, f"got {value!r}; expected {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise config_error(where, f"expected a mapping with keys {', '.join(field_types(tp))}, got {value!r}")
+        return from_mapping(tp, value, where)
+    if origin in (list, tuple, typing.Sequence, _abc_sequence()):
+        if not isinstance(value, (list, tuple)):
+            raise config_error(where, f"expected a list ({_type_name(tp)}), got {value!r}")
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise config_error(where, f"expected {len(args)} items ({_type_name(tp)}), got {len(value)}")
+            return tuple(coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item_tp = args[0] if args else Any
+        items = [coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, typing.Mapping, _abc_mapping()):
+        if not isinstance(value, dict):
+            raise config_error(where, f"expected a mapping, got {value!r}")
+        key_tp, val_tp = typing.get_args(tp) or (Any, Any)
+        return {coerce(k, key_tp, f"{where}") : coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise config_error(where, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise config_error(where, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise config_error(where, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise config_error(where, f"expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise config_error(where, f"got {value!r}; expected {_type_name(tp)}")
+
+
+def _abc_sequence() -> Any:
+    import collections.abc
+
+    return collections.abc.Sequence
+
+
+def _abc_mapping() -> Any:
+    import collections.abc
+
+    return collections.abc.Mapping
+
+
+def from_mapping(cls: type, data: dict[str, Any], where: str) -> Any:
+    """Build dataclass ``cls`` from ``data``; every key must be a field, every required field present."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise config_error(where, f"expected a mapping, got {data!r}")
+    types_by_name = field_types(cls)
+    unknown = [k for k in data if k not in types_by_name]
+    if unknown:
+        raise config_error(
+            _join(where, str(unknown[0])), f"unknown key; valid keys: {', '.join(types_by_name) or '(none)'}"
+        )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = _join(where, f.name)
+        if f.name in data:
+            kwargs[f.name] = coerce(data[f.name], types_by_name[f.name], key)
+        elif f.default is _MISSING and f.default_factory is _MISSING:  # type: ignore[misc]
+            raise config_error(key, f"required key is missing ({_type_name(types_by_name[f.name])})")
+    try:
+        obj = cls(**kwargs)
+    except UserError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise config_error(where or cls.__name__, str(exc)) from None
+    return obj
+
+
+def to_plain(obj: Any) -> Any:
+    """Turn a config dataclass tree back into plain YAML-able data (tuples become lists)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if hasattr(obj, "to_plain"):
+            return obj.to_plain()
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    return obj
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key

@@ -1,0 +1,249 @@
+"""Reading latent shards into memory and collating them into training batches.
+
+:class:`LatentDataset` loads every shard of one split at construction (columns decoded once,
+vectorised) and serves rows as tensor views. :func:`collate_latents` builds the model-boundary
+batch (``[B, C, T, H, W]`` latents, text embeddings padded the way diffusers' ``WanPipeline`` pads
+its prompt embeddings). The empty-prompt embedding used as the CFG negative lives beside the
+splits in ``empty_prompt.safetensors``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..errors import UserError
+from .latent_format import (
+    LATENT_NDIM,
+    TEXT_NDIM,
+    ColumnError,
+    TensorColumn,
+    decode_tensor_column,
+    schema_problems,
+)
+
+__all__ = [
+    "EMPTY_PROMPT_FILE",
+    "EMPTY_PROMPT_KEY",
+    "LatentDataset",
+    "collate_latents",
+    "read_empty_prompt_embedding",
+    "write_empty_prompt_embedding",
+]
+
+logger = logging.getLogger("distillery.data")
+
+#: File (beside the split folders) and key of the stored empty/negative prompt embedding [L, D].
+EMPTY_PROMPT_FILE = "empty_prompt.safetensors"
+EMPTY_PROMPT_KEY = "text_embedding"
+
+_READ_COLUMNS = [
+    "id",
+    "caption",
+    "latent_bytes",
+    "latent_shape",
+    "latent_dtype",
+    "text_embedding_bytes",
+    "text_embedding_shape",
+    "text_embedding_dtype",
+]
+
+
+class _Shard:
+    """The decoded columns of one shard file."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            schema = pq.read_schema(path)
+        except (pa.ArrowException, OSError) as e:
+            raise UserError(f"{path} is not a readable parquet file ({e}); rewrite it with the latents stage") from None
+        problems = schema_problems(schema)
+        if problems:
+            raise UserError(
+                f"{path} is not a latent shard: {'; '.join(problems)}. "
+                "Regenerate it with the latents stage (distillery.data.write_latent_shards)"
+            )
+        try:
+            table = pq.read_table(path, columns=_READ_COLUMNS)
+            self.ids: list[str] = table.column("id").to_pylist()
+            self.captions: list[str] = table.column("caption").to_pylist()
+            if any(v is None for v in self.ids) or any(v is None for v in self.captions):
+                raise ColumnError("id or caption contains null values")
+            self.latents: TensorColumn = decode_tensor_column(
+                table.column("latent_bytes"), table.column("latent_shape"), table.column("latent_dtype"), LATENT_NDIM
+            )
+            self.texts: TensorColumn = decode_tensor_column(
+                table.column("text_embedding_bytes"),
+                table.column("text_embedding_shape"),
+                table.column("text_embedding_dtype"),
+                TEXT_NDIM,
+            )
+        except ColumnError as e:
+            raise UserError(f"{path} is a corrupt latent shard: {e}; regenerate it with the latents stage") from None
+        except (pa.ArrowException, OSError) as e:
+            raise UserError(f"{path} could not be read ({e}); regenerate it with the latents stage") from None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class LatentDataset:
+    """All rows of ``root/<split>/*.parquet`` (shards in name order), held in memory.
+
+    ``dataset[i]`` is a dict: ``latents`` (``[C, T, H, W]``, stored dtype), ``text_embedding``
+    (``[L, D]``, stored dtype, unpadded), ``caption`` (str), ``id`` (str). The tensors are
+    read-only-by-convention views of the loaded shard buffers: clone before writing in place.
+    Raises :class:`UserError` naming the path if the split folder is missing, holds no shards, or a
+    shard is not a (valid) latent shard.
+    """
+
+    def __init__(self, root: Path, split: str = "train") -> None:
+        self.root = Path(root)
+        self.split = split
+        folder = self.root / split
+        if not folder.is_dir():
+            raise UserError(
+                f"latent split folder {folder} does not exist; run the latents stage or point data at "
+                f"the folder that holds '{split}/'"
+            )
+        self.shard_paths: list[Path] = sorted(folder.glob("*.parquet"), key=lambda p: p.name)
+        if not self.shard_paths:
+            raise UserError(f"latent split folder {folder} holds no *.parquet shards; run the latents stage")
+        self._shards = [_Shard(p) for p in self.shard_paths]
+        sizes = np.array([len(s) for s in self._shards], dtype=np.int64)
+        self._ends = np.cumsum(sizes)
+        self._shard_of = np.repeat(np.arange(len(sizes)), sizes)
+        logger.info("loaded %d rows from %d shard(s) in %s", len(self), len(self._shards), folder)
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def _locate(self, i: int) -> tuple[_Shard, int]:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} out of range for a dataset of {n} rows")
+        i %= n
+        k = int(self._shard_of[i])
+        local = i - (int(self._ends[k - 1]) if k else 0)
+        return self._shards[k], local
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        shard, j = self._locate(int(i))
+        return {
+            "latents": shard.latents[j],
+            "text_embedding": shard.texts[j],
+            "caption": shard.captions[j],
+            "id": shard.ids[j],
+        }
+
+
+def collate_latents(
+    items: Sequence[dict[str, Any]], text_max_length: int, dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """Stack dataset items into one batch.
+
+    Returns ``latents`` ``[B, C, T, H, W]``; ``text_embeds`` ``[B, text_max_length, D]`` holding each
+    prompt's first ``min(L, text_max_length)`` token embeddings followed by zeros (the layout
+    ``WanPipeline`` gives its prompt embeddings: trimmed to the real tokens, truncated to the max
+    sequence length, zero-padded); ``text_lengths`` int64 ``[B]`` (real tokens kept per row);
+    ``captions`` and ``ids`` lists of str. Tensors are new (not views of the dataset). With
+    ``dtype`` both tensors are cast to it; without, all items must share a dtype.
+
+    :class:`UserError` if two latents differ in shape, or text widths ``D`` differ, or dtypes differ
+    with ``dtype=None`` (the message names both ids).
+    """
+    if not items:
+        raise ValueError("cannot collate an empty batch")
+    if text_max_length < 1:
+        raise ValueError(f"text_max_length must be >= 1, got {text_max_length}")
+    first = items[0]
+    for it in items[1:]:
+        a, b = first["latents"], it["latents"]
+        if a.shape != b.shape:
+            raise UserError(
+                f"latents in one batch must share a shape: {first['id']!r} has {list(a.shape)}, "
+                f"{it['id']!r} has {list(b.shape)}; preprocess all clips to one resolution and length"
+            )
+        a, b = first["text_embedding"], it["text_embedding"]
+        if a.shape[1] != b.shape[1]:
+            raise UserError(
+                f"text embeddings in one batch must share a width: {first['id']!r} has D={a.shape[1]}, "
+                f"{it['id']!r} has D={b.shape[1]}; encode all captions with one text encoder"
+            )
+        if dtype is None:
+            for key in ("latents", "text_embedding"):
+                a, b = first[key], it[key]
+                if a.dtype != b.dtype:
+                    raise UserError(
+                        f"'{key}' in one batch have different dtypes: {first['id']!r} is {a.dtype}, "
+                        f"{it['id']!r} is {b.dtype}; pass a dtype to cast to"
+                    )
+    latents = torch.stack([it["latents"] for it in items])
+    if dtype is not None:
+        latents = latents.to(dtype)
+    width = first["text_embedding"].shape[1]
+    text_dtype = dtype if dtype is not None else first["text_embedding"].dtype
+    text = torch.zeros(len(items), text_max_length, width, dtype=text_dtype)
+    lengths = torch.empty(len(items), dtype=torch.long)
+    for b, it in enumerate(items):
+        emb = it["text_embedding"][:text_max_length]
+        text[b, : emb.shape[0]] = emb
+        lengths[b] = emb.shape[0]
+    return {
+        "latents": latents,
+        "text_embeds": text,
+        "text_lengths": lengths,
+        "captions": [str(it["caption"]) for it in items],
+        "ids": [str(it["id"]) for it in items],
+    }
+
+
+def read_empty_prompt_embedding(root: Path) -> torch.Tensor | None:
+    """The stored empty/negative prompt embedding ``[L, D]`` (stored dtype), or ``None`` if absent.
+
+    Reads ``root/empty_prompt.safetensors`` key ``text_embedding``. :class:`UserError` if the file
+    exists but is unreadable, lacks the key, or is not 2-D.
+    """
+    path = Path(root) / EMPTY_PROMPT_FILE
+    if not path.is_file():
+        return None
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{path} is not a readable safetensors file ({e}); rerun the latents stage") from None
+    if EMPTY_PROMPT_KEY not in tensors:
+        raise UserError(f"{path} has no '{EMPTY_PROMPT_KEY}' tensor (found {sorted(tensors)}); rerun the latents stage")
+    t = tensors[EMPTY_PROMPT_KEY]
+    if t.ndim != TEXT_NDIM:
+        raise UserError(f"{path}: '{EMPTY_PROMPT_KEY}' must be [L, D], got shape {list(t.shape)}")
+    return t
+
+
+def write_empty_prompt_embedding(root: Path, tensor: torch.Tensor) -> Path:
+    """Store the empty/negative prompt embedding ``[L, D]`` at ``root/empty_prompt.safetensors``.
+
+    Keeps the tensor's dtype; written to a temp file in ``root`` and renamed (atomic). Returns the
+    path. ``ValueError`` if ``tensor`` is not 2-D.
+    """
+    if tensor.ndim != TEXT_NDIM:
+        raise ValueError(f"empty prompt embedding must be [L, D], got shape {list(tensor.shape)}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / EMPTY_PROMPT_FILE
+    tmp = root / f".{EMPTY_PROMPT_FILE}.{uuid.uuid4().hex}.tmp"
+    try:
+        save_file({EMPTY_PROMPT_KEY: tensor.detach().to("cpu").contiguous()}, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

@@ -1,0 +1,131 @@
+"""Writing latent shards: one :class:`LatentRecord` per row, zstd parquet, atomic per shard.
+
+Called by the preprocessing (``latents``) stage. A shard is written to a hidden temp file in its
+destination folder and renamed into place, so a shard path either holds a complete shard or does
+not exist; a resumed stage writes only the shards that are missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from .latent_format import LATENT_NDIM, SCHEMA, TEXT_NDIM, tensor_to_record_fields
+
+__all__ = ["LatentRecord", "shard_path", "write_latent_shards", "write_shard"]
+
+logger = logging.getLogger("distillery.data")
+
+#: Low-cardinality string columns that benefit from dictionary encoding.
+_DICTIONARY_COLUMNS = ["latent_dtype", "text_embedding_dtype", "source"]
+
+
+@dataclass
+class LatentRecord:
+    """One preprocessed clip, as stored in one parquet row.
+
+    Tensors keep their dtype on disk (float32, float16 or bfloat16).
+    """
+
+    id: str  # unique sample id
+    caption: str  # the prompt the text embedding was computed from
+    latent: torch.Tensor  # [C, T, H, W] VAE latent (channels, latent frames, latent height, latent width)
+    text_embedding: torch.Tensor  # [L, D] unpadded text-encoder output; L may be 0 (empty prompt)
+    num_frames: int  # video frames of the source clip
+    height: int  # source clip height, pixels
+    width: int  # source clip width, pixels
+    fps: float  # source clip frame rate, frames per second
+    source: str  # where the clip came from (file path, URL, generator name)
+
+    def __post_init__(self) -> None:
+        if self.latent.ndim != LATENT_NDIM:
+            raise ValueError(
+                f"record {self.id!r}: latent must be [C, T, H, W], got shape {list(self.latent.shape)}"
+            )
+        if self.text_embedding.ndim != TEXT_NDIM:
+            raise ValueError(
+                f"record {self.id!r}: text_embedding must be [L, D], got shape {list(self.text_embedding.shape)}"
+            )
+
+
+def shard_path(out_dir: Path, split: str, index: int) -> Path:
+    """Path of shard ``index`` of ``split``: ``out_dir/<split>/shard-<index:05d>.parquet``."""
+    return Path(out_dir) / split / f"shard-{index:05d}.parquet"
+
+
+def _records_to_table(records: list[LatentRecord]) -> pa.Table:
+    lat = [tensor_to_record_fields(r.latent) for r in records]
+    txt = [tensor_to_record_fields(r.text_embedding) for r in records]
+    columns = {
+        "id": [r.id for r in records],
+        "caption": [r.caption for r in records],
+        "latent_bytes": [b for b, _, _ in lat],
+        "latent_shape": [s for _, s, _ in lat],
+        "latent_dtype": [d for _, _, d in lat],
+        "text_embedding_bytes": [b for b, _, _ in txt],
+        "text_embedding_shape": [s for _, s, _ in txt],
+        "text_embedding_dtype": [d for _, _, d in txt],
+        "num_frames": [int(r.num_frames) for r in records],
+        "height": [int(r.height) for r in records],
+        "width": [int(r.width) for r in records],
+        "fps": [float(r.fps) for r in records],
+        "source": [r.source for r in records],
+    }
+    return pa.Table.from_pydict(columns, schema=SCHEMA)
+
+
+def write_shard(records: Iterable[LatentRecord], path: Path) -> Path:
+    """Write ``records`` as one zstd parquet shard at ``path``, atomically; returns ``path``.
+
+    The parent folder is created if needed. Data goes to a hidden temp file beside ``path``
+    (never matching ``*.parquet``) and is renamed over ``path`` only once complete; on any error
+    the temp file is removed and ``path`` is left as it was. ``ValueError`` for an empty record list
+    or an unsupported tensor dtype.
+    """
+    path = Path(path)
+    rows = list(records)
+    if not rows:
+        raise ValueError(f"no records to write to {path}")
+    table = _records_to_table(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        pq.write_table(table, tmp, compression="zstd", use_dictionary=_DICTIONARY_COLUMNS)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    logger.debug("wrote %d rows to %s", len(rows), path)
+    return path
+
+
+def _batched(it: Iterable[LatentRecord], n: int) -> Iterator[list[LatentRecord]]:
+    it = iter(it)
+    while chunk := list(islice(it, n)):
+        yield chunk
+
+
+def write_latent_shards(
+    records: Iterable[LatentRecord], out_dir: Path, rows_per_shard: int, split: str = "train"
+) -> list[Path]:
+    """Write ``records`` as shards ``out_dir/<split>/shard-00000.parquet``, ``shard-00001``, ….
+
+    Every shard holds ``rows_per_shard`` rows except possibly the last. Records are consumed
+    lazily (at most one shard in memory). Each shard is written atomically by :func:`write_shard`.
+    Returns the shard paths in order (empty when there were no records).
+    """
+    if rows_per_shard < 1:
+        raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
+    paths = []
+    for index, chunk in enumerate(_batched(records, rows_per_shard)):
+        paths.append(write_shard(chunk, shard_path(out_dir, split, index)))
+    logger.info("wrote %d shard(s) to %s", len(paths), Path(out_dir) / split)
+    return paths

@@ -1,0 +1,33 @@
+"""The project logger.
+
+Everything logs through ``logging.getLogger("distillery")`` (or a child of it). Under
+torchrun only rank 0 emits INFO; other ranks emit warnings and errors only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+LOGGER_NAME = "distillery"
+
+
+def get_logger(name: str | None = None) -> logging.Logger:
+    """Return the project logger or a child of it (``distillery.<name>``)."""
+    return logging.getLogger(LOGGER_NAME if not name else f"{LOGGER_NAME}.{name}")
+
+
+def setup_logging(rank: int | None = None, level: int = logging.INFO) -> None:
+    """Configure the project logger once per process: rank 0 at ``level``, others at WARNING."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    logger = logging.getLogger(LOGGER_NAME)
+    if not any(getattr(h, "_distillery", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        prefix = f"[rank{rank}] " if rank else ""
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", "%H:%M:%S"))
+        handler._distillery = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level if rank == 0 else logging.WARNING)

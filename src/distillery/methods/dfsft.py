@@ -1,0 +1,88 @@
+"""Diffusion-Forcing SFT: independent noise levels per chunk of latent frames (student only).
+
+Each chunk of ``chunk_size`` latent frames gets one timestep, drawn as an index ``i`` into the
+descending shifted timestep table (``FlowMatchSchedule.timestep_table``, n = 1000 entries) within
+``[min_timestep_ratio·n, max_timestep_ratio·n)``. The per-frame MSE is weighted by
+``w(i) = g(i) − min g`` with ``g(i) = exp(−2((i − n/2)/n)²)`` over all table indices ``i < n``,
+scaled so that the mean of ``w`` over the table is 1. This trains the student for the mixed noise
+levels of causal / streaming generation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distillery.methods.base import StepOutput, TrainingMethod, apply_caption_dropout, flow_matching_loss
+from distillery.models.schedule import FlowMatchSchedule
+
+
+@dataclass
+class DFSFTConfig:
+    chunk_size: int = 3  # latent frames that share one timestep
+    min_timestep_ratio: float = 0.0  # lowest table index drawn, as a fraction of the table
+    max_timestep_ratio: float = 1.0  # highest table index drawn (exclusive), as a fraction
+    precondition_outputs: bool = False  # loss on x0 instead of on the velocity
+    caption_dropout: float = 0.0  # probability of the empty prompt per sample
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        if not 0.0 <= self.min_timestep_ratio < self.max_timestep_ratio <= 1.0:
+            raise ValueError("need 0 <= min_timestep_ratio < max_timestep_ratio <= 1")
+        if not 0.0 <= self.caption_dropout <= 1.0:
+            raise ValueError("caption_dropout must be in [0, 1]")
+
+
+def dfsft_index_weights(n: int) -> torch.Tensor:
+    """``w(i)`` for i = 0 … n−1: ``g(i) − min g`` with ``g(i) = exp(−2((i − n/2)/n)²)``, mean 1."""
+    i = torch.arange(n, dtype=torch.float64)
+    g = torch.exp(-2.0 * ((i - n / 2) / n) ** 2)
+    w = g - g.min()
+    return (w / w.mean()).float()
+
+
+def index_range(n: int, min_ratio: float, max_ratio: float) -> tuple[int, int]:
+    """Half-open table index range ``[lo, hi)`` for the ratio bounds (at least one index)."""
+    lo = int(math.floor(min_ratio * n))
+    hi = min(n, int(math.ceil(max_ratio * n)))
+    return lo, max(hi, lo + 1)
+
+
+class DFSFTMethod(TrainingMethod):
+    """SFT with per-chunk timesteps ``[B, T]`` and the table-index loss weighting above."""
+
+    config_class = DFSFTConfig
+
+    def __init__(self, config: DFSFTConfig, role_models: dict, training: Any, rank: int = 0) -> None:
+        super().__init__(config, role_models, training, rank)
+        schedule: FlowMatchSchedule = self.student.schedule
+        self.table = schedule.timestep_table()
+        self.weights = dfsft_index_weights(len(self.table))
+        self.index_lo, self.index_hi = index_range(len(self.table), config.min_timestep_ratio, config.max_timestep_ratio)
+
+    def sample_frame_indices(self, batch_size: int, num_frames: int) -> torch.Tensor:
+        """Table indices ``[B, T]``: one draw per chunk, repeated over the chunk's frames."""
+        num_chunks = math.ceil(num_frames / self.config.chunk_size)
+        chunk_idx = self.rng.randint(self.index_lo, self.index_hi, (batch_size, num_chunks))
+        return chunk_idx.repeat_interleave(self.config.chunk_size, dim=1)[:, :num_frames]
+
+    def single_train_step(self, batch: dict[str, Any], step: int) -> StepOutput:
+        latents = batch["latents"]
+        b, _, t = latents.shape[:3]
+        idx = self.sample_frame_indices(b, t).to(self.student.device)
+        table = self.table.to(self.student.device)
+        timesteps = table[idx]  # [B, T]
+        tb = self.student.prepare_batch(batch, self.rng, timesteps=timesteps)
+        apply_caption_dropout(tb, self.config.caption_dropout, self.rng)
+        pred = self.student.predict_noise(tb.noisy_latents, tb.timesteps, tb, conditional=True)
+        per_frame = flow_matching_loss(pred, tb, self.config.precondition_outputs).mean(dim=(1, 3, 4))  # [B, T]
+        weights = self.weights.to(per_frame.device)[idx]
+        loss = (weights * per_frame).mean()
+        return StepOutput(
+            losses={"total_loss": loss, "flow_loss": per_frame.detach().mean()},
+            metrics={"mean_timestep": timesteps.float().mean().detach()},
+        )

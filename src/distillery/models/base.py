@@ -1,0 +1,129 @@
+"""Model plugin interface: one role's transformer plus its noise schedule.
+
+Methods talk to models only through this interface. Tensor layout at the boundary is
+``[B, C, T, H, W]`` (latent channels, latent frames, latent height, latent width); timesteps are
+``[B]`` (one per sample) or ``[B, T]`` (one per latent frame) in ``[0, 1000]``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distillery.models.schedule import FlowMatchSchedule
+from distillery.rng import BatchRNG
+
+
+@dataclass
+class TrainingBatch:
+    """Forward-ready tensors for one micro-batch (all on the model's device)."""
+
+    latents: torch.Tensor  # clean x0 [B, C, T, H, W]
+    text_embeds: torch.Tensor  # [B, L, D] zero-padded prompt embeddings
+    negative_text_embeds: torch.Tensor | None = None  # [B, L, D] empty-prompt embeddings (CFG)
+    noise: torch.Tensor | None = None  # ε [B, C, T, H, W]
+    timesteps: torch.Tensor | None = None  # [B] or [B, T] in [0, 1000]
+    sigmas: torch.Tensor | None = None  # same shape as timesteps, σ = t / 1000
+    noisy_latents: torch.Tensor | None = None  # x_t [B, C, T, H, W]
+
+
+class ModelBase(ABC):
+    """Owns one role's transformer (``self.transformer``) and noise schedule (``self.schedule``).
+
+    Subclasses set ``config_class`` (a dataclass of their knobs). The trainer moves the
+    transformer to its device and wraps it with FSDP2 after construction; ``self.device`` is then
+    set by :meth:`bind_device`.
+    """
+
+    config_class: type
+    transformer: torch.nn.Module
+    schedule: FlowMatchSchedule
+
+    def __init__(self, config: Any, role: str) -> None:
+        self.config = config
+        self.role = role
+        self.device = torch.device("cpu")
+
+    @property
+    def trainable(self) -> bool:
+        return bool(getattr(self.config, "trainable", False))
+
+    def bind_device(self, device: torch.device) -> None:
+        """Record the device the (sharded) transformer computes on."""
+        self.device = device
+
+    @abstractmethod
+    def shardable_blocks(self) -> list[torch.nn.Module]:
+        """The repeated blocks FSDP2 shards one by one before the root."""
+
+    @abstractmethod
+    def transformer_config(self) -> dict[str, Any]:
+        """The transformer's architecture config (diffusers ``config.json`` content)."""
+
+    @abstractmethod
+    def sample_timesteps(self, batch_size: int, rng: BatchRNG) -> torch.Tensor:
+        """Training timesteps ``[batch_size]`` in ``[0, 1000]`` (float32)."""
+
+    def prepare_batch(
+        self,
+        raw: dict[str, Any],
+        rng: BatchRNG,
+        timesteps: torch.Tensor | None = None,
+    ) -> TrainingBatch:
+        """Move a collated batch to the device and draw noise (and timesteps unless given).
+
+        ``raw`` holds ``latents`` [B,C,T,H,W], ``text_embeds`` [B,L,D] and optionally
+        ``negative_text_embeds`` [B,L,D] or ``empty_text_embeds`` [L,D]. All randomness comes from
+        ``rng`` (per-sample draws, independent of the rank split).
+        """
+        latents = raw["latents"].to(self.device, torch.float32, non_blocking=True)
+        text = raw["text_embeds"].to(self.device, non_blocking=True)
+        negative = raw.get("negative_text_embeds")
+        if negative is None and raw.get("empty_text_embeds") is not None:
+            negative = raw["empty_text_embeds"].unsqueeze(0).expand_as(raw["text_embeds"])
+        if negative is not None:
+            negative = negative.to(self.device, non_blocking=True)
+        if timesteps is None:
+            timesteps = self.sample_timesteps(latents.shape[0], rng)
+        timesteps = timesteps.to(self.device)
+        noise = rng.randn(latents.shape).to(self.device)
+        batch = TrainingBatch(latents=latents, text_embeds=text, negative_text_embeds=negative, noise=noise)
+        batch.timesteps = timesteps
+        batch.sigmas = self.schedule.sigma(timesteps)
+        batch.noisy_latents = self.add_noise(latents, noise, timesteps)
+        return batch
+
+    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """``x_t = (1 − σ) x0 + σ ε`` with σ from ``timesteps`` ([B] or per-frame [B, T])."""
+        sigma = FlowMatchSchedule.broadcast(self.schedule.sigma(timesteps), x0.ndim).to(x0.dtype)
+        return (1.0 - sigma) * x0 + sigma * noise
+
+    @abstractmethod
+    def predict_noise(
+        self,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        batch: TrainingBatch,
+        conditional: bool = True,
+    ) -> torch.Tensor:
+        """Predicted flow velocity ``v = ε − x0`` ``[B, C, T, H, W]`` (float32)."""
+
+    def predict_x0(
+        self,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        batch: TrainingBatch,
+        conditional: bool = True,
+    ) -> torch.Tensor:
+        """Predicted clean latents ``x0 = x_t − σ v`` ``[B, C, T, H, W]`` (float32)."""
+        v = self.predict_noise(noisy_latents, timesteps, batch, conditional)
+        sigma = FlowMatchSchedule.broadcast(self.schedule.sigma(timesteps), v.ndim)
+        return noisy_latents.float() - sigma * v
+
+    def backward(self, loss: torch.Tensor, ctx: Any = None, grad_accum_rounds: int = 1) -> None:
+        """Backpropagate ``loss / grad_accum_rounds`` through this role's transformer."""
+        del ctx
+        (loss / max(1, grad_accum_rounds)).backward()

@@ -1,0 +1,152 @@
+"""Wan 2.1 text-to-video plugin over ``diffusers.WanTransformer3DModel``.
+
+``init_from`` names a diffusers model folder (holding ``transformer/`` and ``scheduler/``) or a
+transformer folder itself (``config.json`` + safetensors, e.g. an earlier stage's output, with the
+scheduler config in a sibling ``scheduler/`` folder). The flow shift is read from that scheduler
+config unless given explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from distillery.errors import UserError
+from distillery.log import get_logger
+from distillery.models.base import ModelBase, TrainingBatch
+from distillery.models.schedule import FlowMatchSchedule, read_scheduler_shift
+from distillery.rng import BatchRNG
+
+log = get_logger("models.wan")
+
+# The transformer's output is a reshaped view; we never modify it in place, so FSDP2's warning
+# about in-place ops on returned views does not apply.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+TRANSFORMER_CLASS = "WanTransformer3DModel"
+
+
+@dataclass
+class WanModelConfig:
+    init_from: str  # diffusers model folder (with transformer/) or a transformer folder
+    trainable: bool = True  # False: frozen (teacher); no optimizer, no gradients
+    random_init: bool = False  # build from config.json only with random weights (benchmarks)
+    shift: float | None = None  # flow shift; null: read from the scheduler config beside the weights
+    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"  # how training σ are drawn
+    logit_mean: float = 0.0  # logit-normal location
+    logit_std: float = 1.0  # logit-normal scale
+
+    def __post_init__(self) -> None:
+        if self.logit_std <= 0:
+            raise ValueError("logit_std must be > 0")
+        if self.shift is not None and self.shift <= 0:
+            raise ValueError("shift must be > 0")
+
+
+def locate_transformer(init_from: str | Path) -> tuple[Path, Path | None]:
+    """Return (transformer folder, scheduler folder or None) for a model or transformer folder."""
+    root = Path(init_from).expanduser()
+    if not root.exists():
+        raise UserError(f"model folder {root} does not exist")
+    for candidate in (root / "transformer", root):
+        cfg = candidate / "config.json"
+        if cfg.is_file():
+            try:
+                class_name = json.loads(cfg.read_text()).get("_class_name")
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{cfg}: not valid JSON ({exc.msg})") from None
+            if class_name != TRANSFORMER_CLASS:
+                raise UserError(f"{cfg}: holds a {class_name}, not a {TRANSFORMER_CLASS}; point init_from at a Wan model")
+            for sched in (candidate.parent / "scheduler", root / "scheduler"):
+                if (sched / "scheduler_config.json").is_file():
+                    return candidate, sched
+            return candidate, None
+    raise UserError(f"{root}: no transformer/config.json or config.json found; expected a diffusers Wan folder")
+
+
+class WanModel(ModelBase):
+    """One role backed by a diffusers ``WanTransformer3DModel`` (fp32 master weights on CPU at build)."""
+
+    config_class = WanModelConfig
+
+    def __init__(self, config: WanModelConfig, role: str) -> None:
+        super().__init__(config, role)
+        from diffusers import WanTransformer3DModel
+
+        transformer_dir, scheduler_dir = locate_transformer(config.init_from)
+        self.transformer_dir = transformer_dir
+        if config.random_init:
+            arch = WanTransformer3DModel.load_config(transformer_dir)
+            self.transformer = WanTransformer3DModel.from_config(arch)
+        else:
+            try:
+                self.transformer = WanTransformer3DModel.from_pretrained(transformer_dir, torch_dtype=torch.float32)
+            except (OSError, ValueError, RuntimeError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise UserError(f"{transformer_dir}: cannot load the transformer weights: {first}") from None
+        self.transformer.requires_grad_(config.trainable)
+        if not config.trainable:
+            self.transformer.eval()
+        shift = config.shift
+        if shift is None:
+            if scheduler_dir is None:
+                raise UserError(f"models.{role}: no scheduler/scheduler_config.json beside {transformer_dir}; set models.{role}.shift")
+            shift = read_scheduler_shift(scheduler_dir)
+        self.scheduler_dir = scheduler_dir
+        self.schedule = FlowMatchSchedule(shift=shift)
+        cfg = self.transformer.config
+        self.patch_size = tuple(cfg.patch_size)
+        self.in_channels = int(cfg.in_channels)
+        self.text_dim = int(cfg.text_dim)
+        log.info("role %s: %s from %s (%.1f M params, shift %.2f)", role, TRANSFORMER_CLASS, transformer_dir,
+                 sum(p.numel() for p in self.transformer.parameters()) / 1e6, shift)
+
+    def shardable_blocks(self) -> list[torch.nn.Module]:
+        return list(self.transformer.blocks)
+
+    def transformer_config(self) -> dict[str, Any]:
+        return dict(self.transformer.config)
+
+    def enable_activation_checkpointing(self) -> None:
+        """Recompute each block's activations in backward (diffusers' gradient checkpointing)."""
+        self.transformer.enable_gradient_checkpointing()
+
+    def sample_timesteps(self, batch_size: int, rng: BatchRNG) -> torch.Tensor:
+        sigmas = self.schedule.sample_sigmas(
+            batch_size, rng, self.config.timestep_sampling, self.config.logit_mean, self.config.logit_std
+        )
+        return sigmas * self.schedule.num_train_timesteps
+
+    def _model_timesteps(self, timesteps: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """Per-sample ``[B]`` stays; per-frame ``[B, T]`` becomes per-token ``[B, T/pt · H/ph · W/pw]``."""
+        if timesteps.ndim == 1:
+            return timesteps
+        p_t, p_h, p_w = self.patch_size
+        _, _, t, h, w = latents.shape
+        if timesteps.shape[1] != t:
+            raise ValueError(f"per-frame timesteps {tuple(timesteps.shape)} do not match {t} latent frames")
+        per_patch_frame = timesteps[:, ::p_t]
+        return per_patch_frame.repeat_interleave((h // p_h) * (w // p_w), dim=1)
+
+    def predict_noise(
+        self,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        batch: TrainingBatch,
+        conditional: bool = True,
+    ) -> torch.Tensor:
+        text = batch.text_embeds if conditional else batch.negative_text_embeds
+        if text is None:
+            text = torch.zeros_like(batch.text_embeds)
+        out = self.transformer(
+            hidden_states=noisy_latents,
+            timestep=self._model_timesteps(timesteps, noisy_latents),
+            encoder_hidden_states=text,
+            return_dict=False,
+        )[0]
+        return out.float()

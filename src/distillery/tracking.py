@@ -1,0 +1,124 @@
+"""Experiment tracking: MLflow on a local store by default, nothing sent to the network.
+
+The tracking URI is ``training.tracker.tracking_uri`` if set, else ``$MLFLOW_TRACKING_URI``,
+else ``sqlite:///<cwd>/mlflow.db`` (artifacts in ``<cwd>/mlruns``). Only rank 0 talks to MLflow;
+other ranks get a :class:`NullTracker`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from distillery.config.schema import TrackerConfig
+from distillery.log import get_logger
+
+log = get_logger("tracking")
+
+MLFLOW_PARAM_MAX = 6000
+
+
+class NullTracker:
+    run_id: str | None = None
+    tracking_uri: str | None = None
+    experiment: str | None = None
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_text(self, text: str, artifact_file: str) -> None: ...
+
+    def finish(self, status: str = "FINISHED") -> None: ...
+
+
+def default_tracking_uri(cfg: TrackerConfig) -> str:
+    if cfg.tracking_uri:
+        return cfg.tracking_uri
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (lists kept whole)."""
+    out: dict[str, Any] = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    else:
+        out[prefix[:-1]] = tree
+    return out
+
+
+class MLflowTracker:
+    """One MLflow run; resumes ``run_id`` when given (a resumed training continues its run)."""
+
+    def __init__(self, cfg: TrackerConfig, run_id: str | None = None) -> None:
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self.tracking_uri = default_tracking_uri(cfg)
+        self.experiment = cfg.experiment
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        exp = self.client.get_experiment_by_name(cfg.experiment)
+        if exp is None:
+            artifact_location = None
+            if self.tracking_uri.startswith("sqlite:///"):
+                db = Path(self.tracking_uri[len("sqlite:///"):])
+                artifact_location = (db.parent / "mlruns").resolve().as_uri()
+            exp_id = self.client.create_experiment(cfg.experiment, artifact_location=artifact_location)
+        else:
+            exp_id = exp.experiment_id
+        if run_id is not None:
+            try:
+                self.client.update_run(run_id, status="RUNNING")
+                self.run_id = run_id
+            except mlflow.exceptions.MlflowException:
+                log.warning("MLflow run %s not found in %s; starting a new run", run_id, self.tracking_uri)
+                run_id = None
+        if run_id is None:
+            tags = dict(cfg.tags)
+            if cfg.parent_run_id:
+                tags["mlflow.parentRunId"] = cfg.parent_run_id
+            run = self.client.create_run(exp_id, run_name=cfg.run_name, tags=tags)
+            self.run_id = run.info.run_id
+        log.info("MLflow run %s at %s", self.run_id, self.tracking_uri)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        existing = self.client.get_run(self.run_id).data.params
+        batch = []
+        for k, v in flatten(params).items():
+            text = str(v)[:MLFLOW_PARAM_MAX]
+            if k in existing:
+                continue  # params are immutable; a resumed run keeps the first values
+            batch.append(Param(k[:250], text))
+        for i in range(0, len(batch), 100):
+            self.client.log_batch(self.run_id, params=batch[i : i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(batch), 500):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 500])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def build_tracker(cfg: TrackerConfig, is_main: bool, run_id: str | None = None) -> MLflowTracker | NullTracker:
+    if not is_main or cfg.backend == "none":
+        return NullTracker()
+    return MLflowTracker(cfg, run_id=run_id)

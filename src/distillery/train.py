@@ -1,0 +1,72 @@
+"""Training entry point: ``distillery train --config X`` (one process) or
+``torchrun --nproc_per_node N -m distillery.train --config X`` (FSDP2 over N ranks).
+
+Arguments: ``--config PATH``, ``--dry-run`` (build everything, print the resolved config, train
+nothing), ``--allow-target-prefix PREFIX`` (repeatable), then dotted overrides
+(``--training.loop.max_train_steps 10``). A user error prints one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from distillery.errors import UserError
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="distillery train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="run config YAML")
+    parser.add_argument("--dry-run", action="store_true", help="build everything, print the resolved config, train nothing")
+    parser.add_argument("--allow-target-prefix", action="append", default=[], metavar="PREFIX",
+                        help="also allow _target_ callables under this module prefix (repeatable)")
+    return parser.parse_known_args(argv)
+
+
+def run_training(argv: list[str]) -> int:
+    """Parse, load, build and train; returns the process exit code."""
+    from distillery.config import allowed_prefixes, dump_run_config, load_run_config, parse_override_args
+    from distillery.log import setup_logging
+
+    args, rest = parse_args(argv)
+    setup_logging()
+    prefixes = allowed_prefixes(args.allow_target_prefix)
+    config = load_run_config(args.config, parse_override_args(rest), prefixes)
+    from distillery.builder import check_roles_early
+
+    check_roles_early(config)
+    from distillery.distributed import init_distributed, shutdown
+
+    env = init_distributed(config.training.distributed)
+    setup_logging(env.rank)
+    try:
+        if args.dry_run:
+            from distillery.builder import build_run, check_data_path
+
+            build_run(config, env)
+            check_data_path(config.training.data.path)
+            if env.is_main:
+                sys.stdout.write(dump_run_config(config))
+            return 0
+        from distillery.trainer import Trainer
+
+        result = Trainer(config, env).fit()
+        if env.is_main:
+            last = result.history[-1] if result.history else {}
+            sys.stdout.write(f"trained to step {result.final_step}; checkpoint {result.checkpoint}; "
+                             f"loss {last.get('total_loss', float('nan')):.5f}\n")
+        return 0
+    finally:
+        shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from distillery.cli import run_guarded
+
+    return run_guarded(lambda: run_training(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())

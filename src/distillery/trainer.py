@@ -1,0 +1,199 @@
+"""The training loop: gradient accumulation, callbacks, one host sync per step, checkpoints.
+
+``Trainer(config, env).fit()`` trains ``training.loop.max_train_steps`` optimizer steps,
+resuming from the newest checkpoint in ``training.checkpoint.output_dir`` when one exists
+(``resume: latest``), and returns a :class:`TrainResult`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from distillery.builder import build_run, check_data_path, seed_everything
+from distillery.callbacks.base import CallbackContext
+from distillery.checkpoint import CallbackState, CheckpointManager, CheckpointPayload, RoleState, capture_rng, restore_rng
+from distillery.config.loader import dump_run_config
+from distillery.config.schema import RunConfig
+from distillery.data import LatentBatchLoader, LatentDataset, ShardedBatchSampler, read_empty_prompt_embedding
+from distillery.distributed import DistEnv, all_reduce_mean
+from distillery.log import get_logger
+from distillery.tracking import build_tracker
+
+log = get_logger("trainer")
+
+
+@dataclass
+class TrainResult:
+    final_step: int
+    checkpoint: Path | None
+    history: list[dict[str, float]] = field(default_factory=list)  # per logged step: metrics
+    mlflow_run_id: str | None = None
+
+
+def pad_empty_embedding(empty: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """Empty-prompt embedding ``[L, D]`` → ``[length, D]`` zero-padded (as the pipeline pads)."""
+    if empty is None:
+        return None
+    out = torch.zeros(length, empty.shape[1], dtype=empty.dtype)
+    n = min(length, empty.shape[0])
+    out[:n] = empty[:n]
+    return out
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, env: DistEnv) -> None:
+        self.config = config
+        self.env = env
+        t = config.training
+        seed_everything(t.loop.seed)
+        self.run = build_run(config, env)
+        self.method = self.run.method
+        data_root = check_data_path(t.data.path)
+        dataset = LatentDataset(data_root, t.data.split)
+        sampler = ShardedBatchSampler(len(dataset), t.data.batch_size, env.rank, env.world_size, t.loop.seed, t.data.drop_last)
+        self.loader = LatentBatchLoader(dataset, sampler, t.data.text_max_length)
+        self.empty_text = pad_empty_embedding(read_empty_prompt_embedding(data_root), t.data.text_max_length)
+        self.ctx = CallbackContext(self.method, env.rank, env.world_size, t.loop.max_train_steps)
+        self.ckpt = CheckpointManager(t.checkpoint.output_dir, t.checkpoint.keep_last, env.rank, env.world_size)
+        self.samples_per_step = t.data.batch_size * t.loop.grad_accum_steps * env.world_size
+
+    # -- checkpoint payload ---------------------------------------------------------------
+    def _payload(self, step: int) -> CheckpointPayload:
+        dcp_state: dict[str, Any] = {}
+        role_configs = {}
+        for role, model in self.run.models.items():
+            if model.trainable:
+                dcp_state[f"role.{role}"] = RoleState(model.transformer, self.method.optimizers.get(role))
+                role_configs[role] = model.transformer_config()
+        for cb in self.run.callbacks:
+            if cb.state_dict():
+                dcp_state[f"callback.{cb.name}"] = CallbackState(cb)
+        host = {
+            "step": step,
+            "lr_schedulers": {r: s.state_dict() for r, s in self.method.lr_schedulers.items()},
+            "data": self.loader.state_dict(),
+            "mlflow_run_id": getattr(self, "tracker", None) and self.tracker.run_id,
+        }
+        meta = {"method": self.config.method.target, "mlflow_run_id": host["mlflow_run_id"]}
+        return CheckpointPayload(dcp_state, host, capture_rng(self.method.state_dict()), role_configs, meta)
+
+    def _resume(self) -> tuple[int, str | None]:
+        path = self.ckpt.resume_path(self.config.training.checkpoint.resume)
+        if path is None:
+            return 0, None
+        host, rng = self.ckpt.load(path, self._payload(0))
+        for role, state in host["lr_schedulers"].items():
+            self.method.lr_schedulers[role].load_state_dict(state)
+        self.loader.load_state_dict(host["data"])
+        if rng is None:  # more ranks than saved: the random stream is the same on every rank
+            rng = torch.load(path / "rng" / "rank-0.pt", weights_only=False)
+        self.method.load_state_dict(restore_rng(rng))
+        log.info("resumed from %s at step %d", path, host["step"])
+        return int(host["step"]), host.get("mlflow_run_id")
+
+    # -- one optimizer step -----------------------------------------------------------------
+    def _next_batch(self) -> dict[str, Any]:
+        batch = next(self.loader)
+        if self.empty_text is not None:
+            batch["empty_text_embeds"] = self.empty_text
+        return batch
+
+    def _train_step(self, step: int) -> dict[str, torch.Tensor]:
+        accum = self.config.training.loop.grad_accum_steps
+        sums: dict[str, torch.Tensor] = {}
+        for micro in range(accum):
+            out = self.method.single_train_step(self._next_batch(), step)
+            self.method.backward(out, grad_accum_rounds=accum)
+            for k, v in {**out.losses, **out.metrics}.items():
+                sums[k] = sums.get(k, 0) + v.detach().float() / accum
+        for cb in self.run.callbacks:
+            sums.update(cb.on_before_optimizer_step(self.ctx, step))
+        self.method.optimizers_step(step)
+        self.method.zero_grad(step)
+        for cb in self.run.callbacks:
+            sums.update(cb.on_training_step_end(self.ctx, step))
+        return sums
+
+    def _read_metrics(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The step's one host sync: stack, average over ranks, copy to the host once."""
+        names = sorted(tensors)
+        if not names:
+            return {}
+        stacked = torch.stack([tensors[n].to(self.env.device, torch.float32).reshape(()) for n in names])
+        values = all_reduce_mean(stacked).tolist()
+        return dict(zip(names, values))
+
+    # -- the per-step log (rank 0): <output_dir>/train_log.jsonl, one JSON object per logged step --
+    @property
+    def log_path(self) -> Path:
+        return Path(self.config.training.checkpoint.output_dir) / "train_log.jsonl"
+
+    def _append_log(self, row: dict[str, float]) -> None:
+        if self.env.is_main:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+
+    def _trim_log(self, start_step: int) -> None:
+        """Drop rows past the resumed step (left by a run killed after its last checkpoint)."""
+        if self.env.is_main and self.log_path.is_file():
+            rows = [line for line in self.log_path.read_text().splitlines() if line.strip()]
+            kept = [line for line in rows if json.loads(line)["step"] <= start_step]
+            self.log_path.write_text("".join(line + "\n" for line in kept))
+
+    # -- the loop ---------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        t = self.config.training
+        self.method.on_train_start(self.env.device, self.env.world_size)
+        for cb in self.run.callbacks:
+            cb.on_train_start(self.ctx)
+        self.tracker = None
+        start_step, run_id = self._resume()
+        self._trim_log(start_step)
+        self.tracker = build_tracker(t.tracker, self.env.is_main, run_id)
+        if start_step == 0:
+            self.tracker.log_params(self.config.to_plain())
+            self.tracker.log_text(dump_run_config(self.config), "config.yaml")
+        result = TrainResult(final_step=start_step, checkpoint=None, mlflow_run_id=self.tracker.run_id)
+        bar = tqdm(total=t.loop.max_train_steps, initial=start_step, disable=not (self.env.is_main and t.loop.progress_bar),
+                   desc="train", dynamic_ncols=True, mininterval=1.0)
+        status = "FAILED"
+        try:
+            for step in range(start_step + 1, t.loop.max_train_steps + 1):
+                started = time.perf_counter()
+                tensors = self._train_step(step)
+                metrics = self._read_metrics(tensors)
+                elapsed = time.perf_counter() - started
+                metrics.update({"step_time_s": elapsed, "samples_per_s": self.samples_per_step / elapsed})
+                metrics.update({f"lr/{r}": lr for r, lr in self.method.learning_rates().items()})
+                if step % t.loop.log_every == 0 or step == t.loop.max_train_steps:
+                    self.tracker.log_metrics(metrics, step)
+                    result.history.append({"step": step, **metrics})
+                    self._append_log({"step": step, **metrics})
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics.get('total_loss', float('nan')):.4f}", refresh=False)
+                result.final_step = step
+                every = t.checkpoint.save_every
+                stopping = step == t.loop.stop_at_step
+                if (every and step % every == 0) or stopping or (step == t.loop.max_train_steps and t.checkpoint.save_final):
+                    result.checkpoint = self.ckpt.save(step, self._payload(step))
+                if stopping:
+                    log.info("stopping at step %d as asked (training.loop.stop_at_step); rerun to continue", step)
+                    break
+            for cb in self.run.callbacks:
+                cb.on_train_end(self.ctx, result.final_step)
+            status = "FINISHED"
+        finally:
+            bar.close()
+            self.tracker.finish(status if status == "FINISHED" else "KILLED")
+        if result.checkpoint is None and start_step == t.loop.max_train_steps:
+            found = self.ckpt.resume_path("latest")
+            result.checkpoint = found
+        return result

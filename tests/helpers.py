@@ -1,0 +1,77 @@
+"""Shared builders for tests: a fixed tiny latent set and run configs over the tiny Wan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from distillery.data.demo import LATENT_SHAPE, TEXT_DIM  # noqa: F401
+
+
+def run_config(
+    base: Path,
+    data: Path,
+    output_dir: Path,
+    method: str = "distillery.methods.sft.SFTMethod",
+    method_knobs: dict[str, Any] | None = None,
+    steps: int = 10,
+    batch_size: int = 4,
+    lr: float = 1e-3,
+    save_every: int = 0,
+    callbacks: dict[str, Any] | None = None,
+    tracker: str = "none",
+    tracking_uri: str | None = None,
+) -> dict[str, Any]:
+    cfg = {
+        "models": {"student": {"_target_": "distillery.models.wan.WanModel", "init_from": str(base)}},
+        "method": {"_target_": method, **(method_knobs or {})},
+        "training": {
+            "data": {"path": str(data), "batch_size": batch_size, "text_max_length": 8},
+            "optimizer": {"learning_rate": lr, "weight_decay": 0.0},
+            "loop": {"max_train_steps": steps, "seed": 0, "progress_bar": False},
+            "checkpoint": {"output_dir": str(output_dir), "save_every": save_every, "keep_last": 0},
+            "tracker": {"backend": tracker, **({"tracking_uri": tracking_uri} if tracking_uri else {})},
+        },
+        "callbacks": callbacks if callbacks is not None else {},
+    }
+    return cfg
+
+
+def write_config(path: Path, cfg: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def train_in_process(raw: dict[str, Any]):
+    """Train one process in this interpreter (a world of one); returns the TrainResult."""
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.distributed import init_distributed, shutdown
+    from distillery.trainer import Trainer
+
+    config = load_run_config(raw=raw, prefixes=allowed_prefixes())
+    env = init_distributed(config.training.distributed)
+    try:
+        return Trainer(config, env).fit()
+    finally:
+        shutdown()
+
+
+def role_state(checkpoint: Path, role: str = "student", ema: str | None = None) -> dict[str, torch.Tensor]:
+    """The role's transformer weights (or EMA shadow) stored in a checkpoint, as a plain state dict."""
+    import json
+
+    from distillery.export import build_transformer_from_config, load_role_weights
+
+    config = json.loads((checkpoint / "roles" / role / "config.json").read_text())
+    module = build_transformer_from_config(config)
+    load_role_weights(checkpoint, role, module, ema)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def read_log(output_dir: Path) -> list[dict[str, float]]:
+    import json
+
+    return [json.loads(line) for line in (output_dir / "train_log.jsonl").read_text().splitlines() if line.strip()]

@@ -1,0 +1,158 @@
+"""Run-config loading: typed sections, the _target_ allowlist, overrides, one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distillery.config import allowed_prefixes, load_run_config
+from distillery.config.loader import parse_override_args
+from distillery.errors import UserError
+from helpers import run_config, write_config
+
+PREFIXES = allowed_prefixes()
+
+
+def _raw(tmp_path: Path) -> dict:
+    return run_config(tmp_path / "base", tmp_path / "data", tmp_path / "run")
+
+
+def _error(raw: dict, overrides: list[str] = (), prefixes=PREFIXES) -> str:
+    with pytest.raises(UserError) as info:
+        load_run_config(raw=raw, overrides=parse_override_args(list(overrides)), prefixes=prefixes)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_typed_config_and_explicit_zeros(tmp_path):
+    raw = _raw(tmp_path)
+    raw["training"]["optimizer"].update({"weight_decay": 0, "warmup_steps": 0, "learning_rate": 0})
+    raw["callbacks"] = {"ema": {"_target_": "distillery.callbacks.ema.EMACallback", "decay": 0, "start_step": 0}}
+    cfg = load_run_config(raw=raw, prefixes=PREFIXES)
+    assert cfg.training.optimizer.weight_decay == 0.0 and isinstance(cfg.training.optimizer.weight_decay, float)
+    assert cfg.training.optimizer.learning_rate == 0.0
+    assert cfg.callbacks["ema"].config.decay == 0.0  # not replaced by the 0.999 default
+    assert cfg.training.loop.max_train_steps == 10
+    assert cfg.models["student"].config.init_from == str(tmp_path / "base")
+    plain = cfg.to_plain()
+    assert plain["method"]["_target_"] == "distillery.methods.sft.SFTMethod"
+    assert plain["callbacks"]["ema"]["decay"] == 0.0
+
+
+def test_overrides_apply_and_parse_yaml_values(tmp_path):
+    cfg = load_run_config(
+        raw=_raw(tmp_path),
+        overrides=parse_override_args(["--training.loop.max_train_steps", "0", "--method.caption_dropout=0.25",
+                                       "--models.student.shift", "5", "--training.optimizer.betas", "[0.0, 0.99]"]),
+        prefixes=PREFIXES,
+    )
+    assert cfg.training.loop.max_train_steps == 0
+    assert cfg.method.config.caption_dropout == 0.25
+    assert cfg.models["student"].config.shift == 5.0
+    assert cfg.training.optimizer.betas == (0.0, 0.99)
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda r: r["training"]["loop"].update(max_train_stepz=3), "training.loop.max_train_stepz: unknown key; valid keys: max_train_steps"),
+        (lambda r: r["training"]["loop"].update(max_train_steps="ten"), "training.loop.max_train_steps: expected an integer, got 'ten'"),
+        (lambda r: r["training"]["loop"].update(max_train_steps=1.5), "training.loop.max_train_steps: expected an integer"),
+        (lambda r: r["training"]["optimizer"].update(lr_scheduler="exp"), "training.optimizer.lr_scheduler: got 'exp'; valid values: 'constant', 'cosine', 'linear'"),
+        (lambda r: r["training"].update(optimiser={}), "training.optimiser: unknown key; valid keys: distributed, data, optimizer"),
+        (lambda r: r.update(trainer={}), "trainer: unknown key; valid keys: models, method, training, callbacks"),
+        (lambda r: r["models"]["student"].update(lora_rank=4), "models.student.lora_rank: unknown key; valid keys: init_from, trainable"),
+        (lambda r: r["models"]["student"].pop("init_from"), "models.student.init_from: required key is missing"),
+        (lambda r: r["method"].update(chunk_size=3), "method.chunk_size: unknown key; valid keys: precondition_outputs, caption_dropout"),
+        (lambda r: r["method"].update(caption_dropout=2.0), "method: caption_dropout must be in [0, 1]"),
+        (lambda r: r["method"].update(_target_="os.system"), "method._target_: os.system is outside the allowed prefixes (distillery.)"),
+        (lambda r: r["method"].update(_target_="distillery.methods.base.torch.save"), "is defined in torch.serialization, outside the allowed prefixes"),
+        (lambda r: r["method"].update(_target_="distillery.methods.sft.Nope"), "method._target_: distillery.methods.sft.Nope does not exist"),
+        (lambda r: r["method"].update(_target_="distillery.models.wan.WanModel"), "method._target_: distillery.models.wan.WanModel is not a distillery method"),
+        (lambda r: r["models"].update(teacher=dict(r["models"]["student"])), "models: SFTMethod needs roles student; unexpected teacher"),
+        (lambda r: r["models"]["student"].update(trainable=False), "models.student.trainable: SFTMethod trains the student; set it to true"),
+    ],
+)
+def test_config_errors_are_one_line_naming_the_key(tmp_path, mutate, expected):
+    from distillery.builder import check_roles_early
+
+    raw = _raw(tmp_path)
+    mutate(raw)
+    with pytest.raises(UserError) as info:
+        check_roles_early(load_run_config(raw=raw, prefixes=PREFIXES))
+    message = str(info.value)
+    assert "\n" not in message
+    assert expected in message
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (["--training.loop.max_train_stepz", "10"], "training.loop.max_train_stepz: unknown key; valid keys: max_train_steps"),
+        (["--training.loops.max_train_steps", "10"], "training.loops: unknown key; valid keys: distributed, data"),
+        (["--models.teacher.shift", "3"], "models.teacher: unknown model; valid: student"),
+        (["--models.student.shfit", "3"], "models.student.shfit: unknown key; valid keys: init_from"),
+        (["--method.chunk_size", "3"], "method.chunk_size: unknown key"),
+        (["--training.loop.max_train_steps", "many"], "training.loop.max_train_steps: expected an integer, got 'many'"),
+        (["--training.loop.max_train_steps"], "override --training.loop.max_train_steps has no value"),
+        (["--training.loop.max_train_steps.x", "1"], "training.loop.max_train_steps: is not a section"),
+    ],
+)
+def test_override_errors(tmp_path, override, expected):
+    assert expected in _error(_raw(tmp_path), override)
+
+
+def test_granted_prefix_is_needed_for_user_code(tmp_path, monkeypatch):
+    raw = _raw(tmp_path)
+    raw["callbacks"] = {"mine": {"_target_": "helpers_callbacks.CountingCallback"}}
+    assert "outside the allowed prefixes" in _error(raw)
+    (tmp_path / "helpers_callbacks.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from distillery.callbacks.base import Callback\n"
+        "@dataclass\nclass Cfg:\n    every: int = 1\n"
+        "class CountingCallback(Callback):\n    config_class = Cfg\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_run_config(raw=raw, prefixes=allowed_prefixes(["helpers_callbacks"]))
+    assert cfg.callbacks["mine"].config.every == 1
+    monkeypatch.setenv("DISTILLERY_ALLOWED_TARGET_PREFIXES", "helpers_callbacks")
+    assert load_run_config(raw=raw, prefixes=allowed_prefixes()).callbacks["mine"].target == "helpers_callbacks.CountingCallback"
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "distillery.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_config_errors_exit_2_with_one_line(tmp_path, tiny_base, latent_set):
+    cfg = run_config(tiny_base, latent_set, tmp_path / "run")
+    path = write_config(tmp_path / "run.yaml", cfg)
+    bad_key = _cli("train", "--config", str(path), "--training.loop.max_train_stepz", "10", cwd=tmp_path)
+    assert bad_key.returncode == 2
+    assert bad_key.stderr.strip().count("\n") == 0 and "Traceback" not in bad_key.stderr
+    assert "training.loop.max_train_stepz: unknown key" in bad_key.stderr
+    cfg["method"]["_target_"] = "distillery.cli.os.system"
+    outside = _cli("train", "--config", str(write_config(tmp_path / "bad.yaml", cfg)), cwd=tmp_path)
+    assert outside.returncode == 2 and outside.stderr.strip().count("\n") == 0
+    assert "defined in posix" in outside.stderr or "defined in os" in outside.stderr
+    (tmp_path / "broken.yaml").write_text("models: [unclosed\n")
+    broken = _cli("train", "--config", str(tmp_path / "broken.yaml"), cwd=tmp_path)
+    assert broken.returncode == 2 and "invalid YAML (line" in broken.stderr and broken.stderr.strip().count("\n") == 0
+    missing = _cli("train", "--config", str(tmp_path / "nope.yaml"), cwd=tmp_path)
+    assert missing.returncode == 2 and "file not found" in missing.stderr
+
+
+def test_dry_run_prints_resolved_config_and_trains_nothing(tmp_path, tiny_base, latent_set):
+    path = write_config(tmp_path / "run.yaml", run_config(tiny_base, latent_set, tmp_path / "run"))
+    out = _cli("train", "--config", str(path), "--dry-run", "--training.optimizer.warmup_steps", "0", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    resolved = yaml.safe_load(out.stdout)
+    assert resolved["training"]["optimizer"]["warmup_steps"] == 0
+    assert resolved["training"]["distributed"]["backend"] == "auto"  # defaults are filled in
+    assert resolved["models"]["student"]["_target_"] == "distillery.models.wan.WanModel"
+    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "mlflow.db").exists()

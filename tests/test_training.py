@@ -1,0 +1,152 @@
+"""Single-process training on the tiny Wan: SFT/DFSFT learn, resume is bitwise, export matches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from distillery.errors import UserError
+from helpers import read_log, role_state, run_config, train_in_process
+
+CALLBACKS = {
+    "grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0},
+    "ema": {"_target_": "distillery.callbacks.ema.EMACallback", "decay": 0.9},
+}
+
+
+def _mean(rows, key="total_loss"):
+    return sum(r[key] for r in rows) / len(rows)
+
+
+@pytest.mark.parametrize(
+    "method, knobs",
+    [("distillery.methods.sft.SFTMethod", {}), ("distillery.methods.dfsft.DFSFTMethod", {"chunk_size": 1})],
+)
+def test_loss_falls_within_50_steps(tmp_path, tiny_base, latent_set, method, knobs):
+    cfg = run_config(tiny_base, latent_set, tmp_path / "run", method=method, method_knobs=knobs, steps=50, lr=1e-3)
+    train_in_process(cfg)
+    rows = read_log(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(1, 51))
+    first, last = _mean(rows[:8]), _mean(rows[-8:])
+    assert last < 0.6 * first, (first, last)
+
+
+def test_stopped_and_resumed_run_is_bitwise_equal(tmp_path, tiny_base, latent_set):
+    steps = 8
+    full = run_config(tiny_base, latent_set, tmp_path / "full", steps=steps, callbacks=CALLBACKS)
+    full["training"]["optimizer"].update(lr_scheduler="cosine", warmup_steps=2)
+    train_in_process(full)
+    split = json.loads(json.dumps(full))
+    split["training"]["checkpoint"]["output_dir"] = str(tmp_path / "split")
+    split["training"]["loop"]["stop_at_step"] = steps // 2
+    first = train_in_process(split)
+    assert first.final_step == steps // 2
+    split["training"]["loop"]["stop_at_step"] = None
+    second = train_in_process(split)  # the same command again: resumes from checkpoint-4
+    assert second.final_step == steps and second.history[0]["step"] == steps // 2 + 1
+    a, b = tmp_path / "full" / f"checkpoint-{steps}", tmp_path / "split" / f"checkpoint-{steps}"
+    for ema in (None, "ema"):
+        sa, sb = role_state(a, ema=ema), role_state(b, ema=ema)
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), (ema, k)
+    assert read_log(tmp_path / "full") == [
+        {**r, "step_time_s": f["step_time_s"], "samples_per_s": f["samples_per_s"]}
+        for r, f in zip(read_log(tmp_path / "split"), read_log(tmp_path / "full"))
+    ]
+    assert not role_state(a, ema="ema")["proj_out.weight"].equal(role_state(a)["proj_out.weight"])
+
+
+def test_rerun_of_a_finished_run_trains_nothing(tmp_path, tiny_base, latent_set):
+    cfg = run_config(tiny_base, latent_set, tmp_path / "run", steps=3)
+    train_in_process(cfg)
+    again = train_in_process(cfg)
+    assert again.history == [] and again.final_step == 3
+    assert again.checkpoint == tmp_path / "run" / "checkpoint-3"
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path, tiny_base, latent_set):
+    cfg = run_config(tiny_base, latent_set, tmp_path / "run", steps=6, save_every=2)
+    cfg["training"]["checkpoint"]["keep_last"] = 2
+    train_in_process(cfg)
+    names = sorted(p.name for p in (tmp_path / "run").iterdir() if p.is_dir())
+    assert names == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_checkpoint_from_another_model_is_refused(tmp_path, tiny_base, latent_set):
+    from distillery.base.tiny import TinyBaseConfig, TinyTransformerConfig, make_tiny_base
+
+    cfg = run_config(tiny_base, latent_set, tmp_path / "run", steps=2)
+    train_in_process(cfg)
+    other = make_tiny_base(tmp_path / "other", TinyBaseConfig(transformer=TinyTransformerConfig(num_layers=2)))
+    cfg["models"]["student"]["init_from"] = str(other)
+    cfg["training"]["loop"]["max_train_steps"] = 4
+    with pytest.raises(UserError, match="checkpoint is from a different model for role student: num_layers=4 there, 2 here"):
+        train_in_process(cfg)
+
+
+def test_mlflow_run_has_metrics_params_and_config(tmp_path, tiny_base, latent_set):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = run_config(tiny_base, latent_set, tmp_path / "run", steps=4, tracker="mlflow", tracking_uri=uri, callbacks=CALLBACKS)
+    result = train_in_process(cfg)
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["training.loop.max_train_steps"] == "4"
+    assert run.data.params["method._target_"] == "distillery.methods.sft.SFTMethod"
+    for key in ("total_loss", "grad_norm/student", "lr/student", "step_time_s", "samples_per_s"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert [m.step for m in history] == [1, 2, 3, 4], key
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"config.yaml"}
+    local = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path)))
+    assert "distillery.models.wan.WanModel" in local.read_text()
+    assert str(tmp_path) in run.info.artifact_uri  # a local store, next to the database
+
+
+def test_exported_transformer_reproduces_the_trained_module(tmp_path, tiny_base, latent_set):
+    from diffusers import WanTransformer3DModel
+
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.distributed import init_distributed, shutdown
+    from distillery.export import export_weights
+    from distillery.trainer import Trainer
+
+    config = load_run_config(raw=run_config(tiny_base, latent_set, tmp_path / "run", steps=5), prefixes=allowed_prefixes())
+    env = init_distributed(config.training.distributed)
+    try:
+        trainer = Trainer(config, env)
+        result = trainer.fit()
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(2, 8, 3, 8, 8, generator=g)
+        text = torch.randn(2, 8, 32, generator=g)
+        t = torch.tensor([250.0, 900.0])
+        with torch.no_grad():
+            trained = trainer.run.models["student"].transformer(x, t, text, return_dict=False)[0]
+    finally:
+        shutdown()
+    out = export_weights(result.checkpoint, "student", tmp_path / "export")
+    assert out == tmp_path / "export" / "transformer"
+    loaded = WanTransformer3DModel.from_pretrained(out)
+    with torch.no_grad():
+        exported = loaded(x, t, text, return_dict=False)[0]
+    torch.testing.assert_close(exported, trained, rtol=0, atol=1e-6)
+    base = WanTransformer3DModel.from_pretrained(tiny_base / "transformer")
+    with torch.no_grad():
+        assert (base(x, t, text, return_dict=False)[0] - trained).abs().max() > 1e-3  # it did train
+
+
+def test_export_errors_are_user_errors(tmp_path, tiny_base, latent_set):
+    from distillery.export import export_weights
+
+    result = train_in_process(run_config(tiny_base, latent_set, tmp_path / "run", steps=1))
+    with pytest.raises(UserError, match="no trainable role 'critic'; it holds student"):
+        export_weights(result.checkpoint, "critic", tmp_path / "out")
+    with pytest.raises(UserError, match="not a complete checkpoint"):
+        export_weights(tmp_path, "student", tmp_path / "out")
+    with pytest.raises(UserError, match="cannot load EMA callback 'ema'"):
+        export_weights(result.checkpoint, "student", tmp_path / "out", ema="ema")
