@@ -73,19 +73,20 @@ class ModelBase(ABC):
         rng: BatchRNG,
         timesteps: torch.Tensor | None = None,
     ) -> TrainingBatch:
-        """Move a collated batch to the device and draw noise (and timesteps unless given).
+        """Move a collated batch to the device (as float32; FSDP's mixed-precision policy casts the
+        transformer's inputs to the compute dtype) and draw noise (and timesteps unless given).
 
         ``raw`` holds ``latents`` [B,C,T,H,W], ``text_embeds`` [B,L,D] and optionally
         ``negative_text_embeds`` [B,L,D] or ``empty_text_embeds`` [L,D]. All randomness comes from
         ``rng`` (per-sample draws, independent of the rank split).
         """
         latents = raw["latents"].to(self.device, torch.float32, non_blocking=True)
-        text = raw["text_embeds"].to(self.device, non_blocking=True)
+        text = raw["text_embeds"].to(self.device, torch.float32, non_blocking=True)
         negative = raw.get("negative_text_embeds")
         if negative is None and raw.get("empty_text_embeds") is not None:
             negative = raw["empty_text_embeds"].unsqueeze(0).expand_as(raw["text_embeds"])
         if negative is not None:
-            negative = negative.to(self.device, non_blocking=True)
+            negative = negative.to(self.device, torch.float32, non_blocking=True)
         if timesteps is None:
             timesteps = self.sample_timesteps(latents.shape[0], rng)
         timesteps = timesteps.to(self.device)

@@ -1,0 +1,162 @@
+"""Benchmark: distillery's SFT training step on the Wan2.1-T2V-1.3B shape vs the plain-diffusers anchor.
+
+Runs, in one GPU job, each configuration in its own process (so peak memory is per config):
+  - our SFT step through the real Trainer (FSDP2 world of one, bf16 compute, fp32 master weights,
+    fused AdamW, grad clipping, parquet data loading, one host sync per step), eager and with
+    regional torch.compile, at latents 21×30×52 and 21×60×104 (random init, batch 1, 512×4096 text);
+  - reads the anchor's figures from ``$OUT/wan_step.json`` (run the anchor first in the same job).
+
+Usage (device machine):  python bench/sft_step.py [--anchor-json $OUT/wan_step.json]
+Prints a table and writes ``$OUT/sft_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WAN_1_3B = dict(
+    _class_name="WanTransformer3DModel", patch_size=[1, 2, 2], num_attention_heads=12, attention_head_dim=128,
+    in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30,
+    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+)
+SIZES = [(21, 30, 52), (21, 60, 104)]
+TEXT_LEN, TEXT_DIM = 512, 4096
+if os.environ.get("BENCH_SMOKE") == "1":  # a CPU check of this script itself, tiny shapes
+    WAN_1_3B.update(num_attention_heads=2, attention_head_dim=16, text_dim=64, ffn_dim=64, num_layers=2)
+    SIZES, TEXT_LEN, TEXT_DIM = [(3, 8, 8)], 16, 64
+
+
+def flops_per_sample(t: int, h: int, w: int, text: int = TEXT_LEN) -> tuple[float, int]:
+    """Training FLOPs (3 × forward) of one sample, the anchor's formula; and the token count."""
+    d, layers, ffn = 1536, 30, 8960
+    n = t * (h // 2) * (w // 2)
+    dense = n * layers * 2 * (4 * d * d + 2 * d * d + 2 * d * ffn) + text * layers * 2 * (2 * d * d)
+    attn = layers * (4 * n * n * d + 4 * n * text * d)
+    return 3 * (dense + attn), n
+
+
+def make_assets(root: Path, size: tuple[int, int, int]) -> tuple[Path, Path]:
+    """A config-only Wan-1.3B folder (random init) and a 2-sample latent set of ``size``."""
+    import torch
+
+    from distillery.data import LatentRecord, write_latent_shards
+
+    model = root / "wan-1.3b"
+    (model / "transformer").mkdir(parents=True, exist_ok=True)
+    (model / "scheduler").mkdir(parents=True, exist_ok=True)
+    (model / "transformer" / "config.json").write_text(json.dumps(WAN_1_3B))
+    (model / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps({"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, "num_train_timesteps": 1000}))
+    data = root / f"latents-{'x'.join(map(str, size))}"
+    g = torch.Generator().manual_seed(0)
+    records = [
+        LatentRecord(id=f"s{i}", caption="bench", latent=torch.randn(16, *size, generator=g).bfloat16(),
+                     text_embedding=torch.randn(TEXT_LEN, TEXT_DIM, generator=g).bfloat16(), num_frames=4 * (size[0] - 1) + 1,
+                     height=size[1] * 8, width=size[2] * 8, fps=16.0, source="bench")
+        for i in range(2)
+    ]
+    write_latent_shards(records, data, rows_per_shard=2)
+    return model, data
+
+
+def run_one(size: tuple[int, int, int], compile_blocks: bool, steps: int, warmup: int) -> dict:
+    """Train ``steps`` steps with the real Trainer; report the median of the post-warm-up step times."""
+    import torch
+
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.distributed import init_distributed, shutdown
+    from distillery.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, data = make_assets(Path(tmp), size)
+        raw = {
+            "models": {"student": {"_target_": "distillery.models.wan.WanModel", "init_from": str(model), "random_init": True}},
+            "method": {"_target_": "distillery.methods.sft.SFTMethod"},
+            "training": {
+                "data": {"path": str(data), "batch_size": 1, "text_max_length": TEXT_LEN},
+                "optimizer": {"learning_rate": 1e-5},
+                "loop": {"max_train_steps": steps, "progress_bar": False},
+                "checkpoint": {"output_dir": str(Path(tmp) / "run"), "save_final": False},
+                "tracker": {"backend": "none"},
+                "model": {"compile": compile_blocks},
+            },
+            "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}},
+        }
+        config = load_run_config(raw=raw, prefixes=allowed_prefixes())
+        env = init_distributed(config.training.distributed)
+        try:
+            trainer = Trainer(config, env)
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            result = trainer.fit()
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+        finally:
+            shutdown()
+    times = [row["step_time_s"] for row in result.history]
+    step_s = statistics.median(times[warmup:])
+    flops, tokens = flops_per_sample(*size)
+    return {"size": list(size), "tokens": tokens, "compile": compile_blocks, "step_s": step_s,
+            "first_step_s": times[0], "tflops": flops / step_s / 1e12, "peak_mem_gib": peak,
+            "step_times": times, "final_loss": result.history[-1]["total_loss"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--one", nargs=4, metavar=("T", "H", "W", "COMPILE"))
+    parser.add_argument("--anchor-json", default=os.path.join(os.environ.get("OUT", "/tmp"), "wan_step.json"))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4)
+    args = parser.parse_args()
+    if args.one:
+        t, h, w, comp = args.one
+        out = run_one((int(t), int(h), int(w)), comp == "1", args.steps, args.warmup)
+        print("RESULT " + json.dumps(out), flush=True)
+        return 0
+    anchor = json.loads(Path(args.anchor_json).read_text()) if Path(args.anchor_json).is_file() else {}
+    rows = []
+    for size in SIZES:
+        for comp in (0, 1):
+            cmd = [sys.executable, __file__, "--one", *map(str, size), str(comp), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not line:
+                tail = (proc.stderr or proc.stdout)[-1500:]
+                print(f"FAILED size={size} compile={comp}:\n{tail}", flush=True)
+                rows.append({"size": list(size), "compile": bool(comp), "error": tail[-300:]})
+                continue
+            row = json.loads(line[0][len("RESULT "):])
+            key = f"eager_{size[0]}x{size[1]}x{size[2]}"
+            ref = anchor.get(key)
+            if isinstance(ref, dict):
+                row["anchor_eager_step_s"] = ref["step_s"]
+                row["anchor_eager_peak_mem_gib"] = ref["peak_mem_gib"]
+                row["ratio_to_anchor_eager"] = row["step_s"] / ref["step_s"]
+            cref = anchor.get(f"compiled_{size[0]}x{size[1]}x{size[2]}")
+            if isinstance(cref, dict):
+                row["anchor_compiled_step_s"] = cref["step_s"]
+                row["ratio_to_anchor_compiled"] = row["step_s"] / cref["step_s"]
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "step_times"}), flush=True)
+    out = {"anchor": anchor, "ours": rows}
+    Path(os.environ.get("OUT", "/tmp"), "sft_step.json").write_text(json.dumps(out, indent=1))
+    print(f"\n{'latent':>12} {'mode':>8} {'step s':>8} {'TFLOP/s':>8} {'mem GiB':>8} {'anchor s':>9} {'ratio':>6}")
+    for r in rows:
+        if "error" in r:
+            print(f"{'x'.join(map(str, r['size'])):>12} {'compile' if r['compile'] else 'eager':>8}  FAILED")
+            continue
+        print(f"{'x'.join(map(str, r['size'])):>12} {'compile' if r['compile'] else 'eager':>8} {r['step_s']:8.3f} "
+              f"{r['tflops']:8.1f} {r['peak_mem_gib']:8.1f} {r.get('anchor_eager_step_s', float('nan')):9.3f} "
+              f"{r.get('ratio_to_anchor_eager', float('nan')):6.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
