@@ -150,3 +150,14 @@ def test_export_errors_are_user_errors(tmp_path, tiny_base, latent_set):
         export_weights(tmp_path, "student", tmp_path / "out")
     with pytest.raises(UserError, match="cannot load EMA callback 'ema'"):
         export_weights(result.checkpoint, "student", tmp_path / "out", ema="ema")
+
+
+@pytest.mark.parametrize("shard_single_rank", [False, True])
+def test_bf16_mixed_precision_trains_with_fp32_master_weights(tmp_path, tiny_base, latent_set, shard_single_rank):
+    cfg = run_config(tiny_base, latent_set, tmp_path / "run", steps=30, lr=1e-3)
+    cfg["training"]["distributed"] = {"mixed_precision": "bf16", "shard_single_rank": shard_single_rank}
+    train_in_process(cfg)
+    rows = read_log(tmp_path / "run")
+    assert _mean(rows[-5:]) < 0.7 * _mean(rows[:5])
+    state = role_state(tmp_path / "run" / "checkpoint-30")
+    assert all(t.dtype == torch.float32 for t in state.values())  # master weights stay fp32

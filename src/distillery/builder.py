@@ -9,7 +9,7 @@ import torch
 
 from distillery.callbacks.base import Callback
 from distillery.config.schema import RunConfig
-from distillery.distributed import DistEnv, shard_transformer
+from distillery.distributed import DistEnv, shard_transformer, uses_fsdp
 from distillery.errors import UserError
 from distillery.methods.base import TrainingMethod
 from distillery.models.base import ModelBase
@@ -69,7 +69,7 @@ def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
         if config.training.model.activation_checkpointing and hasattr(model, "enable_activation_checkpointing"):
             model.enable_activation_checkpointing()
         shard_transformer(model.transformer, model.shardable_blocks(), env, config.training.distributed, config.training.model)
-        model.bind_device(env.device)
+        model.bind_device(env.device, env.compute_dtype, autocast=not uses_fsdp(env, config.training.distributed))
     method.build_optimizers()
     return BuiltRun(models=models, method=method, callbacks=build_callbacks(config))
 

@@ -77,6 +77,11 @@ def init_distributed(cfg: DistributedConfig) -> DistEnv:
     return DistEnv(rank, world, local_rank, device, backend, mesh, torch.bfloat16 if bf16 else torch.float32)
 
 
+def uses_fsdp(env: DistEnv, cfg: DistributedConfig) -> bool:
+    """FSDP2 wraps the transformers on more than one rank (or when asked to on one)."""
+    return env.world_size > 1 or cfg.shard_single_rank
+
+
 def shard_transformer(
     transformer: torch.nn.Module,
     blocks: list[torch.nn.Module],
@@ -84,15 +89,34 @@ def shard_transformer(
     cfg: DistributedConfig,
     runtime: ModelRuntimeConfig,
 ) -> torch.nn.Module:
-    """Move ``transformer`` to the device and apply FSDP2 per block, then at the root (in place)."""
+    """Move ``transformer`` to the device and apply FSDP2 per block, then at the root (in place).
+
+    Parameters are gathered in the compute dtype (bf16 under mixed precision) and gradients are
+    reduced in fp32 into fp32 master weights. Forward inputs are *not* cast by FSDP: the model
+    casts latents and text to the compute dtype itself and keeps timesteps and rotary tables in
+    fp32, as diffusers' inference pipelines do. With a shard group of one rank, resharding after
+    forward is skipped by default (it would only re-gather the same weights in backward).
+
+    With ``shard_single_rank: false`` on a world of one rank nothing is wrapped: the module stays
+    plain (fp32 weights) and the model runs its forward under ``torch.autocast`` — bf16 matmuls,
+    fp32 master weights and gradients, without FSDP's per-block host hooks (which dominate the
+    step time of small latents on one GPU). Eager, this costs activation memory with diffusers'
+    modules (their norms compute in the weights' dtype, fp32 here); compiled it is the fastest
+    single-GPU step measured (BENCHMARKS.md).
+    """
     transformer.to(env.device)
     if runtime.compile:
         for block in blocks:
             block.compile()
-    mp = MixedPrecisionPolicy(param_dtype=env.compute_dtype, reduce_dtype=torch.float32) if env.compute_dtype != torch.float32 else MixedPrecisionPolicy()
+    if not uses_fsdp(env, cfg):
+        return transformer
+    mp = MixedPrecisionPolicy(param_dtype=env.compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    reshard = cfg.reshard_after_forward
+    if reshard is None:
+        reshard = env.mesh.size(env.mesh.ndim - 1) > 1
     for block in blocks:
-        fully_shard(block, mesh=env.mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
-    fully_shard(transformer, mesh=env.mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(block, mesh=env.mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(transformer, mesh=env.mesh, mp_policy=mp, reshard_after_forward=reshard)
     return transformer
 
 

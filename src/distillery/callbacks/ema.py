@@ -31,7 +31,7 @@ class EMAConfig:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t._local_tensor if isinstance(t, DTensor) else t  # the shard itself, no DTensor dispatch
 
 
 class EMACallback(Callback):

@@ -1,11 +1,18 @@
-"""Gradient-norm clipping per role, with the pre-clip norm logged as ``grad_norm/<role>``."""
+"""Gradient-norm clipping per role, with the pre-clip norm logged as ``grad_norm/<role>``.
+
+The norm is computed on each rank's local gradient shards with two fused (foreach) kernels and
+one all-reduce over the shard group, instead of per-parameter DTensor dispatch: with FSDP2 a
+1.3B-parameter Wan has ~800 sharded gradients, and per-tensor DTensor bookkeeping would cost tens
+of milliseconds of host time per step.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from distillery.callbacks.base import Callback, CallbackContext
 
@@ -13,22 +20,51 @@ from distillery.callbacks.base import Callback, CallbackContext
 @dataclass
 class GradClipConfig:
     max_grad_norm: float | None = 1.0  # clip each role's global L2 grad norm to this; null: log only
-    norm_type: float = 2.0  # p of the p-norm
+    norm_type: float = 2.0  # p of the p-norm (finite, >= 1)
 
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError("max_grad_norm must be > 0 (or null to only log the norm)")
+        if not 1.0 <= self.norm_type < float("inf"):
+            raise ValueError("norm_type must be a finite p >= 1")
 
 
-def total_grad_norm(params: list[torch.nn.Parameter], norm_type: float) -> torch.Tensor:
-    """Global grad norm over (possibly FSDP-sharded) parameters, as a plain replicated tensor."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t  # the shard itself, no DTensor dispatch
+
+
+def _shard_group(grads: list[torch.Tensor]) -> dist.ProcessGroup | None:
+    """Process group over which the gradients are sharded (None when not sharded)."""
+    for g in grads:
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            sharded = [i for i, p in enumerate(g.placements) if not isinstance(p, Replicate)]
+            if not sharded or mesh.size(sharded[-1]) == 1:
+                return None
+            return mesh.get_group(sharded[-1])
+    return None
+
+
+def total_grad_norm(params: list[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+    """Global p-norm of the gradients of (possibly FSDP-sharded) ``params``: a 0-dim fp32 tensor."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return norm
+    local = [_local(g) for g in grads]
+    per_tensor = torch._foreach_norm(local, norm_type)
+    total = torch.stack([n.float() for n in per_tensor]).pow(norm_type).sum()
+    group = _shard_group(grads)
+    if group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total.pow(1.0 / norm_type)
+
+
+def clip_to_norm(params: list[torch.nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
+    """Scale gradients in place by ``min(1, max_norm / total)`` (no host sync)."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if grads:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).to(grads[0].device)
+        torch._foreach_mul_(grads, coef)
 
 
 class GradClipCallback(Callback):
@@ -39,7 +75,7 @@ class GradClipCallback(Callback):
         for role, module in ctx.method.grad_clip_targets(step).items():
             params = [p for p in module.parameters() if p.grad is not None]
             norm = total_grad_norm(params, self.config.norm_type)
-            if self.config.max_grad_norm is not None and params:
-                torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, norm.to(params[0].grad.device), foreach=True)
+            if self.config.max_grad_norm is not None:
+                clip_to_norm(params, self.config.max_grad_norm, norm)
             metrics[f"grad_norm/{role}"] = norm.detach()
         return metrics

@@ -24,7 +24,8 @@ class DistributedConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when present, else cpu
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"  # auto: bf16 compute on cuda, fp32 on cpu
     replicate_size: int = 1  # HSDP: size of the replicate mesh dim (1 = plain FSDP over all ranks)
-    reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3)
+    shard_single_rank: bool = True  # FSDP2 (bf16 mixed precision) even on a world of one; false: plain module + autocast (fastest on 1 GPU with model.compile, see BENCHMARKS.md)
+    reshard_after_forward: bool | None = None  # FSDP2: free gathered params after forward (ZeRO-3); null: only when the shard group has >1 rank
 
     def __post_init__(self) -> None:
         if self.replicate_size < 1:

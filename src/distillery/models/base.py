@@ -46,14 +46,31 @@ class ModelBase(ABC):
         self.config = config
         self.role = role
         self.device = torch.device("cpu")
+        self.compute_dtype = torch.float32
+        self.autocast = False
 
     @property
     def trainable(self) -> bool:
         return bool(getattr(self.config, "trainable", False))
 
-    def bind_device(self, device: torch.device) -> None:
-        """Record the device the (sharded) transformer computes on."""
+    def bind_device(self, device: torch.device, compute_dtype: torch.dtype = torch.float32, autocast: bool = False) -> None:
+        """Record the device and dtype the transformer computes in.
+
+        ``autocast``: the weights are plain fp32 (not FSDP mixed precision), so a lower compute
+        dtype is reached with ``torch.autocast`` around the forward.
+        """
         self.device = device
+        self.compute_dtype = compute_dtype
+        self.autocast = autocast and compute_dtype != torch.float32
+
+    def input_dtype(self) -> torch.dtype:
+        """dtype for latents/text fed to the transformer: the compute dtype, with FSDP mixed
+        precision and under autocast alike, so the residual stream is carried in bf16 (fp32
+        inputs under autocast would keep it in fp32: double the activation memory)."""
+        return self.compute_dtype
+
+    def autocast_context(self) -> Any:
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast)
 
     @abstractmethod
     def shardable_blocks(self) -> list[torch.nn.Module]:

@@ -143,10 +143,12 @@ class WanModel(ModelBase):
         text = batch.text_embeds if conditional else batch.negative_text_embeds
         if text is None:
             text = torch.zeros_like(batch.text_embeds)
-        out = self.transformer(
-            hidden_states=noisy_latents,
-            timestep=self._model_timesteps(timesteps, noisy_latents),
-            encoder_hidden_states=text,
-            return_dict=False,
-        )[0]
+        dtype = self.input_dtype()
+        with self.autocast_context():
+            out = self.transformer(
+                hidden_states=noisy_latents.to(dtype),
+                timestep=self._model_timesteps(timesteps, noisy_latents).float(),
+                encoder_hidden_states=text.to(dtype),
+                return_dict=False,
+            )[0]
         return out.float()
