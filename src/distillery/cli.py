@@ -2,6 +2,9 @@
 
     distillery train --config X [--dry-run] [--allow-target-prefix P] [--a.b.c VALUE ...]
     distillery base make-tiny --out DIR [--seed N] [--overwrite]
+    distillery base make-tiny --fit --out DIR [--seed N] [--vae-seconds S] [--dit-steps N]
+    distillery clips make --out DIR [--seed N] ...
+    distillery preprocess --base MODEL --data DATA --out DIR [--frames N --height H --width W --fps F]
     distillery latents demo --out DIR [--num-samples N] [--seed N]
     distillery export-weights CHECKPOINT --role student --out DIR [--ema NAME]
 
@@ -33,6 +36,19 @@ def set_offline_env() -> None:
         os.environ.setdefault(k, v)
 
 
+def quiet_library_progress() -> None:
+    """Silence transformers'/diffusers' own load/save progress bars (ours are enough)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        import diffusers.utils.logging as dlog
+        import transformers.utils.logging as tlog
+
+        tlog.disable_progress_bar()
+        dlog.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
 def run_guarded(fn: Callable[[], int]) -> int:
     """Run ``fn``; a UserError becomes one line on stderr and exit code 2."""
     set_offline_env()
@@ -51,10 +67,29 @@ def run_guarded(fn: Callable[[], int]) -> int:
 def _make_tiny(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    command = " ".join(["distillery", *sys.argv[1:]]) if sys.argv[1:2] == ["base"] else None
+    if args.fit:
+        from distillery.base.fit import FitConfig, fit_tiny_base
+
+        cfg = FitConfig(seed=args.seed, vae_seconds=args.vae_seconds)
+        cfg.dit.steps = args.dit_steps
+        if args.vae_max_steps is not None:
+            cfg.vae_max_steps = args.vae_max_steps
+        if args.eval_prompts is not None:
+            cfg.eval.max_prompts = args.eval_prompts
+        if args.num_train_clips is not None:
+            cfg.num_train_clips = args.num_train_clips
+        if args.num_validation_clips is not None:
+            cfg.num_validation_clips = args.num_validation_clips
+        if args.batch_size is not None:
+            cfg.dit.batch_size = args.batch_size
+        out = fit_tiny_base(Path(args.out), cfg, overwrite=args.overwrite, command=command,
+                            work_dir=Path(args.work_dir) if args.work_dir else None)
+        sys.stdout.write(f"wrote fitted tiny Wan base model to {out} (model card: {out / 'README.md'})\n")
+        return 0
     from distillery.base.tiny import make_tiny_base
 
-    out = make_tiny_base(Path(args.out), seed=args.seed, overwrite=args.overwrite,
-                         command=" ".join(["distillery", *sys.argv[1:]]) if sys.argv[1:2] == ["base"] else None)
+    out = make_tiny_base(Path(args.out), seed=args.seed, overwrite=args.overwrite, command=command)
     sys.stdout.write(f"wrote tiny Wan base model to {out}\n")
     return 0
 
@@ -88,7 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--overwrite", action="store_true")
+    tiny.add_argument("--fit", action="store_true", help="fit VAE and transformer to synthetic clips (minutes on a CPU)")
+    tiny.add_argument("--vae-seconds", type=float, default=240.0, help="--fit: VAE fitting budget, seconds")
+    tiny.add_argument("--vae-max-steps", type=int, default=None, help="--fit: cap on VAE steps")
+    tiny.add_argument("--dit-steps", type=int, default=800, help="--fit: transformer SFT steps")
+    tiny.add_argument("--batch-size", type=int, default=None, help="--fit: transformer SFT batch size")
+    tiny.add_argument("--num-train-clips", type=int, default=None)
+    tiny.add_argument("--num-validation-clips", type=int, default=None)
+    tiny.add_argument("--eval-prompts", type=int, default=None, help="--fit: adherence on at most this many prompts")
+    tiny.add_argument("--work-dir", default=None, help="--fit: keep clips, latents and runs here")
     tiny.set_defaults(func=_make_tiny)
+    from distillery.preprocess import add_preprocess_command
+
+    add_preprocess_command(sub)
+    from distillery.clips.cli import add_clips_commands
+
+    add_clips_commands(sub)
     latents = sub.add_parser("latents", help="latent datasets")
     latents_sub = latents.add_subparsers(dest="latents_command", required=True)
     demo = latents_sub.add_parser("demo", help="write a small synthetic latent set that fits the tiny base model")

@@ -49,6 +49,9 @@ def pad_empty_embedding(empty: torch.Tensor | None, length: int) -> torch.Tensor
 
 class Trainer:
     def __init__(self, config: RunConfig, env: DistEnv) -> None:
+        from distillery.cli import quiet_library_progress
+
+        quiet_library_progress()
         self.config = config
         self.env = env
         t = config.training

@@ -1,0 +1,108 @@
+"""The base model's VAE and text encoder, used exactly as diffusers' WanPipeline uses them.
+
+Contracts:
+- videos: ``uint8 [B, T, H, W, 3]`` RGB frames ↔ latents ``float32 [B, C, T', H', W']`` with
+  ``T' = (T − 1) / 4 + 1`` and ``H' = H / s``, ``W' = W / s`` (s = the VAE's spatial factor).
+  Latents are the posterior **mean** (no sampling), **normalised** with the VAE config's
+  ``latents_mean``/``latents_std``: ``z_norm = (z − mean) / std``. This is where normalisation
+  happens; WanPipeline undoes it before decoding (``z = z_norm · std + mean``), so training on
+  these latents matches sampling with the stock pipeline.
+- prompts: ``prompt_clean`` → tokenizer (pad to ``max_sequence_length``, truncate, add ``</s>``) →
+  encoder with the attention mask → each row trimmed to its real token count: ``[L_i, D]``
+  unpadded. Training pads them back with zeros to the same ``max_sequence_length``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from distillery.errors import UserError
+
+
+def read_max_sequence_length(base: Path, default: int = 512) -> int:
+    """The prompt length the base model is meant to be used with.
+
+    A distillery model card front matter (``max_sequence_length:``) wins; else the tokenizer's
+    ``model_max_length`` when it is a sane number; else ``default`` (Wan 2.1 uses 512).
+    """
+    card = base / "README.md"
+    if card.is_file():
+        for line in card.read_text(encoding="utf-8").splitlines()[:40]:
+            if line.strip().startswith("max_sequence_length:"):
+                try:
+                    return int(line.split(":", 1)[1].strip())
+                except ValueError:
+                    break
+    cfg = base / "tokenizer" / "tokenizer_config.json"
+    if cfg.is_file():
+        value = json.loads(cfg.read_text()).get("model_max_length")
+        if isinstance(value, int) and 0 < value <= 4096:
+            return value
+    return default
+
+
+class BaseEncoders:
+    """VAE + tokenizer + text encoder of a diffusers Wan folder, frozen, on ``device``."""
+
+    def __init__(self, base: str | Path, device: str | torch.device = "cpu", max_sequence_length: int | None = None) -> None:
+        from diffusers import AutoencoderKLWan
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        from distillery.cli import quiet_library_progress
+
+        quiet_library_progress()
+        self.base = Path(base)
+        for part in ("vae", "text_encoder", "tokenizer"):
+            if not (self.base / part).is_dir():
+                raise UserError(f"{self.base}: no {part}/ folder; --base must be a diffusers Wan model folder")
+        self.device = torch.device(device)
+        self.vae = AutoencoderKLWan.from_pretrained(self.base / "vae", torch_dtype=torch.float32).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.base / "tokenizer")
+        self.text_encoder = UMT5EncoderModel.from_pretrained(self.base / "text_encoder", torch_dtype=torch.float32)
+        self.text_encoder.to(self.device).eval()
+        self.max_sequence_length = max_sequence_length or read_max_sequence_length(self.base)
+        cfg = self.vae.config
+        self.z_dim = int(cfg.z_dim)
+        self.latents_mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
+        self.latents_std = torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1)
+        if self.latents_mean.shape[1] != self.z_dim or self.latents_std.shape[1] != self.z_dim:
+            raise UserError(
+                f"{self.base / 'vae'}: latents_mean/latents_std have {self.latents_mean.shape[1]} entries, z_dim is {self.z_dim}"
+            )
+        self.text_dim = int(self.text_encoder.config.d_model)
+
+    @torch.no_grad()
+    def encode_videos(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """``uint8 [B, T, H, W, 3]`` → normalised posterior-mean latents ``float32 [B, C, T', H', W']`` (CPU)."""
+        x = torch.as_tensor(frames)
+        x = x.permute(0, 4, 1, 2, 3).float().div(127.5).sub(1.0).to(self.device)
+        z = self.vae.encode(x).latent_dist.mode()
+        z = (z - self.latents_mean.to(z.device)) / self.latents_std.to(z.device)
+        return z.float().cpu()
+
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor) -> np.ndarray:
+        """Normalised latents ``[B, C, T', H', W']`` → ``uint8 [B, T, H, W, 3]`` frames."""
+        z = latents.float().to(self.device) * self.latents_std.to(self.device) + self.latents_mean.to(self.device)
+        video = self.vae.decode(z, return_dict=False)[0].clamp(-1, 1)
+        frames = ((video + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+        return frames.permute(0, 2, 3, 4, 1).cpu().numpy()
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> list[torch.Tensor]:
+        """Captions → unpadded embeddings ``[L_i, D]`` (float32, CPU), as WanPipeline computes them."""
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        cleaned = [prompt_clean(p) for p in prompts]
+        tokens = self.tokenizer(
+            cleaned, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+            add_special_tokens=True, return_attention_mask=True, return_tensors="pt",
+        )
+        mask = tokens.attention_mask
+        lengths = mask.gt(0).sum(dim=1)
+        hidden = self.text_encoder(tokens.input_ids.to(self.device), mask.to(self.device)).last_hidden_state.float().cpu()
+        return [h[: int(n)].clone() for h, n in zip(hidden, lengths)]

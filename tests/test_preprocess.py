@@ -1,0 +1,136 @@
+"""Latent preprocessing: schema and contents, skipped items, kill + rerun identical, torchrun split."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distillery.clips.synthetic import ClipSetConfig, make_clip_set
+from distillery.data import LatentDataset, read_empty_prompt_embedding
+from distillery.data.encoders import BaseEncoders
+from distillery.errors import UserError
+from distillery.preprocess import PreprocessConfig, preprocess
+
+CFG = PreprocessConfig(num_frames=9, height=32, width=32, fps=8.0, rows_per_shard=4, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory) -> Path:
+    return make_clip_set(tmp_path_factory.mktemp("clips") / "clips", ClipSetConfig(num_train=12, num_validation=4, num_frames=9))
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "distillery.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _pp_args(base: Path, data: Path, out: Path) -> list[str]:
+    return ["preprocess", "--base", str(base), "--data", str(data), "--out", str(out), "--frames", "9",
+            "--rows-per-shard", "4", "--batch-size", "4"]
+
+
+def _shard_bytes(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("shard-*"))}
+
+
+def test_latents_match_the_base_models_encoders(tmp_path, tiny_base, clips):
+    manifest = preprocess(tiny_base, clips, tmp_path / "lat", CFG)
+    assert manifest["splits"]["train"]["rows"] == 12 and manifest["splits"]["validation"]["rows"] == 4
+    assert manifest["settings"]["max_sequence_length"] == 32
+    ds = LatentDataset(tmp_path / "lat", "train")
+    assert len(ds) == 12 and len(LatentDataset(tmp_path / "lat", "validation")) == 4
+    assert sorted(p.name for p in (tmp_path / "lat" / "train").glob("*.parquet")) == [f"shard-0000{i}.parquet" for i in range(3)]
+    item = ds[0]
+    assert item["latents"].shape == (8, 3, 8, 8) and item["latents"].dtype == torch.float32
+    enc = BaseEncoders(tiny_base)
+    from distillery.data.videos import IngestConfig, load_clips
+
+    first = load_clips(clips / "train", IngestConfig(num_frames=9, height=32, width=32, fps=8.0)).items[0]
+    assert item["caption"] == first.caption and item["id"] == first.id
+    torch.testing.assert_close(item["latents"], enc.encode_videos(first.frames[None])[0])
+    text = enc.encode_prompts([first.caption])[0]
+    torch.testing.assert_close(item["text_embedding"], text)
+    assert text.shape[0] == len(first.caption.split()) + 1  # words + </s>, unpadded
+    empty = read_empty_prompt_embedding(tmp_path / "lat")
+    assert empty is not None and empty.shape == (1, 32)
+    # normalisation: z_norm·std + mean is what the VAE decodes (WanPipeline's un-normalisation)
+    z = item["latents"][None] * enc.latents_std + enc.latents_mean
+    with torch.no_grad():
+        direct = enc.vae.decode(z, return_dict=False)[0]
+    frames = torch.from_numpy(enc.decode_latents(item["latents"][None])).permute(0, 4, 1, 2, 3).float() / 127.5 - 1
+    assert (frames - direct.clamp(-1, 1)).abs().max() < 1.5 / 127.5
+
+
+def test_bad_items_are_skipped_with_reasons_and_nothing_else_is_lost(tmp_path, tiny_base, clips):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(clips / "train", data)
+    lines = (data / "captions.jsonl").read_text().splitlines()
+    entries = [json.loads(line) for line in lines]
+    (data / entries[1]["path"]).write_bytes(b"not a video")
+    entries[2]["caption"] = "   "
+    entries[5]["path"] = "../outside.mp4"
+    entries.append({"path": "videos/missing.mp4", "caption": "a red circle moving left on a black background"})
+    (data / "captions.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries) + "{broken\n")
+    manifest = preprocess(tiny_base, data, tmp_path / "lat", CFG)
+    reasons = {json.loads(line)["reason"] for line in (tmp_path / "lat" / "skipped.jsonl").read_text().splitlines()}
+    assert reasons == {"unreadable", "empty_caption", "path_escapes_data_folder", "missing_file", "bad_caption_entry"}
+    assert manifest["splits"]["train"]["rows"] == 12 - 3
+    ids = {LatentDataset(tmp_path / "lat")[i]["caption"] for i in range(9)}
+    good = {e["caption"] for i, e in enumerate(entries[:12]) if i not in (1, 2, 5)}
+    assert ids == good
+
+
+def test_too_many_bad_items_exit_2_with_one_line(tmp_path, tiny_base, clips):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(clips / "validation", data)
+    for p in (data / "videos").iterdir():
+        p.write_bytes(b"")
+    proc = _cli(*_pp_args(tiny_base, data, tmp_path / "lat"), cwd=tmp_path)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2
+    last = err.strip().splitlines()[-1]  # progress bars may precede it; the error is one line
+    assert last.startswith("error: preprocess: train: 4 of 4 items unusable (unreadable 4)") and "skipped.jsonl" in last
+    assert "Traceback" not in err
+
+
+def test_killed_run_resumes_to_identical_shards(tmp_path, tiny_base, clips):
+    ref = _cli(*_pp_args(tiny_base, clips, tmp_path / "ref"), cwd=tmp_path)
+    assert ref.wait(timeout=300) == 0, ref.stderr.read()
+    proc = _cli(*_pp_args(tiny_base, clips, tmp_path / "out"), cwd=tmp_path)
+    deadline = time.time() + 240
+    while not (tmp_path / "out" / "train" / "shard-00000.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "preprocess ended before its first shard"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = sorted(p.name for p in (tmp_path / "out").rglob("shard-*.json"))
+    assert 1 <= len(written) < 4 and not (tmp_path / "out" / "preprocess.json").exists()
+    again = _cli(*_pp_args(tiny_base, clips, tmp_path / "out"), cwd=tmp_path)
+    assert again.wait(timeout=300) == 0, again.stderr.read()
+    assert _shard_bytes(tmp_path / "out") == _shard_bytes(tmp_path / "ref")
+    manifest = json.loads((tmp_path / "out" / "preprocess.json").read_text())
+    assert manifest["clips_this_run"] < 16  # only the missing shards were redone
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_split_the_shards(tmp_path, tiny_base, clips):
+    single = tmp_path / "single"
+    preprocess(tiny_base, clips, single, CFG)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "distillery.cli",
+           *_pp_args(tiny_base, clips, tmp_path / "two")]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _shard_bytes(tmp_path / "two") == _shard_bytes(single)
