@@ -8,14 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from distillery.cli import OFFLINE_ENV  # noqa: E402
+
 for _k, _v in {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "DO_NOT_TRACK": "1",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "DVC_NO_ANALYTICS": "1",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    **OFFLINE_ENV,
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",

@@ -68,15 +68,27 @@ def _make_tiny(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     command = " ".join(["distillery", *sys.argv[1:]]) if sys.argv[1:2] == ["base"] else None
+    if args.fit and args.shipped:
+        raise UserError("choose one of --fit and --shipped")
+    if args.shipped:
+        from distillery.base.shipped import copy_shipped_tiny_base
+
+        out = copy_shipped_tiny_base(Path(args.out), overwrite=args.overwrite)
+        sys.stdout.write(f"copied the shipped fitted tiny Wan base to {out} (model card: {out / 'README.md'})\n")
+        return 0
     if args.fit:
         from distillery.base.fit import FitConfig, fit_tiny_base
 
         cfg = FitConfig(seed=args.seed, vae_seconds=args.vae_seconds)
-        cfg.dit.steps = args.dit_steps
-        if args.vae_max_steps is not None:
-            cfg.vae_max_steps = args.vae_max_steps
+        if args.dit_steps is not None:
+            cfg.dit.steps = args.dit_steps
+        if args.vae_steps is not None:
+            cfg.vae_steps = args.vae_steps
+            cfg.vae_warmup_steps = min(cfg.vae_warmup_steps, max(1, args.vae_steps // 4))
         if args.eval_prompts is not None:
             cfg.eval.max_prompts = args.eval_prompts
+        if args.eval_steps is not None:
+            cfg.eval.num_inference_steps = args.eval_steps
         if args.num_train_clips is not None:
             cfg.num_train_clips = args.num_train_clips
         if args.num_validation_clips is not None:
@@ -124,21 +136,25 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--overwrite", action="store_true")
     tiny.add_argument("--fit", action="store_true", help="fit VAE and transformer to synthetic clips (minutes on a CPU)")
-    tiny.add_argument("--vae-seconds", type=float, default=240.0, help="--fit: VAE fitting budget, seconds")
-    tiny.add_argument("--vae-max-steps", type=int, default=None, help="--fit: cap on VAE steps")
-    tiny.add_argument("--dit-steps", type=int, default=800, help="--fit: transformer SFT steps")
+    tiny.add_argument("--shipped", action="store_true", help="copy the fitted tiny base shipped with distillery (made by --fit)")
+    tiny.add_argument("--vae-steps", type=int, default=None, help="--fit: VAE optimizer steps")
+    tiny.add_argument("--vae-seconds", type=float, default=None, help="--fit: optional wall-clock cap on the VAE fit")
+    tiny.add_argument("--dit-steps", type=int, default=None, help="--fit: transformer SFT steps")
     tiny.add_argument("--batch-size", type=int, default=None, help="--fit: transformer SFT batch size")
     tiny.add_argument("--num-train-clips", type=int, default=None)
     tiny.add_argument("--num-validation-clips", type=int, default=None)
     tiny.add_argument("--eval-prompts", type=int, default=None, help="--fit: adherence on at most this many prompts")
+    tiny.add_argument("--eval-steps", type=int, default=None, help="--fit: sampling steps of the adherence check")
     tiny.add_argument("--work-dir", default=None, help="--fit: keep clips, latents and runs here")
     tiny.set_defaults(func=_make_tiny)
-    from distillery.preprocess import add_preprocess_command
+    from distillery.preprocess_cli import add_preprocess_command
 
     add_preprocess_command(sub)
     from distillery.clips.cli import add_clips_commands
+    from distillery.lineage_cli import add_lineage_command
 
     add_clips_commands(sub)
+    add_lineage_command(sub)
     latents = sub.add_parser("latents", help="latent datasets")
     latents_sub = latents.add_subparsers(dest="latents_command", required=True)
     demo = latents_sub.add_parser("demo", help="write a small synthetic latent set that fits the tiny base model")
@@ -162,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_guarded(lambda: run_training(argv[1:]))
     args = build_parser().parse_args(argv)
+    from distillery.log import setup_logging
+
+    setup_logging()
     return run_guarded(lambda: args.func(args))
 
 

@@ -217,20 +217,3 @@ def main_preprocess(args: Any) -> int:
         rows = ", ".join(f"{s}: {c['rows']}" for s, c in manifest["splits"].items())
         sys.stdout.write(f"wrote latents to {args.out} ({rows}; {manifest['seconds_this_run']:.1f} s)\n")
     return 0
-
-
-def add_preprocess_command(sub: Any) -> None:
-    p = sub.add_parser("preprocess", help="encode captioned videos into parquet latent shards")
-    p.add_argument("--base", required=True, help="diffusers Wan folder (VAE, text encoder, tokenizer)")
-    p.add_argument("--data", required=True, help="videos/ + captions.jsonl, or train/ and validation/ such folders")
-    p.add_argument("--out", required=True)
-    p.add_argument("--frames", type=int, default=17)
-    p.add_argument("--height", type=int, default=32)
-    p.add_argument("--width", type=int, default=32)
-    p.add_argument("--fps", type=float, default=8.0)
-    p.add_argument("--rows-per-shard", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-bad-fraction", type=float, default=0.5)
-    p.add_argument("--max-sequence-length", type=int, default=None)
-    p.add_argument("--device", default="cpu")
-    p.set_defaults(func=main_preprocess)

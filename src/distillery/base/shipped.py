@@ -1,0 +1,44 @@
+"""The fitted tiny Wan that ships inside the package (made by ``distillery base make-tiny --fit``).
+
+The default pipeline starts from it exactly as it would from a real Wan2.1-T2V-1.3B-Diffusers
+folder: it is an ordinary diffusers folder (``model_index.json``, ``transformer/``, ``vae/``,
+``text_encoder/``, ``tokenizer/``, ``scheduler/``), plus its model card (``README.md``), the fit
+report (``fit_report.json``) and the analyzer thresholds calibrated on its VAE (``analyzer.json``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from distillery.errors import UserError
+
+SHIPPED_TINY_BASE = Path(__file__).resolve().parent.parent / "assets" / "tiny-wan"
+
+
+def shipped_tiny_base() -> Path:
+    """Path of the shipped fitted tiny base (read-only: copy it before changing anything)."""
+    if not (SHIPPED_TINY_BASE / "model_index.json").is_file():
+        raise UserError(f"the shipped tiny base is missing from {SHIPPED_TINY_BASE}; reinstall distillery or run "
+                        "`distillery base make-tiny --fit --out DIR`")
+    return SHIPPED_TINY_BASE
+
+
+def copy_shipped_tiny_base(out: Path, overwrite: bool = False) -> Path:
+    """Copy the shipped fitted tiny base to ``out`` (atomically: temp sibling, then rename)."""
+    from distillery.base.tiny import _check_destination, _make_readable, _publish
+
+    src = shipped_tiny_base()
+    out = Path(out)
+    _check_destination(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        shutil.copytree(src, staging, dirs_exist_ok=True)
+        _make_readable(staging)
+        _publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
