@@ -122,7 +122,8 @@ def test_fit_lowers_loss_and_reports(vae) -> None:
 
     def train_mse() -> float:
         with torch.no_grad():
-            return float(torch.nn.functional.mse_loss(decode_unclamped(model, encode_moments(model, train)[:, :8]), train))
+            mean = encode_moments(model, train)[:, :8]
+            return float(torch.nn.functional.mse_loss(decode_unclamped(model, mean), train))
 
     before = train_mse()
     cfg = VAEFitConfig(seconds=None, max_steps=12, warmup_seconds=None, warmup_steps=4, batch_size=4, log_every=4,

@@ -153,8 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     from distillery.clips.cli import add_clips_commands
     from distillery.lineage_cli import add_lineage_command
 
+    from distillery.pipeline.stages import add_stage_command
+
     add_clips_commands(sub)
     add_lineage_command(sub)
+    add_stage_command(sub)
     latents = sub.add_parser("latents", help="latent datasets")
     latents_sub = latents.add_subparsers(dest="latents_command", required=True)
     demo = latents_sub.add_parser("demo", help="write a small synthetic latent set that fits the tiny base model")

@@ -11,8 +11,8 @@ The recipe (measured in TOOLCHAIN.md, "A tiny Wan that learns on 2 CPU cores"):
    warm-up budget; phase 2 on random ``clip_frames``-frame windows (≥ 9, so the chunked,
    cached causal path that longer clips use is exercised). Training runs through the
    same chunked path as ``vae.encode`` / ``vae.decode`` (the temporal resamplers only act
-   there); validation uses the real, clamped ``encode(...).latent_dist.mode()`` →
-   ``decode`` path the pipeline uses.
+   there); an optional linear lr cooldown ends the budget. Validation uses the real,
+   clamped ``encode(...).latent_dist.mode()`` → ``decode`` path the pipeline uses.
 3. ``latent_stats`` / ``set_latent_stats``: measure the per-channel mean and std of the
    posterior means and write them into the VAE config as ``latents_mean``/``latents_std``.
 
@@ -241,7 +241,7 @@ def val_psnr(vae: AutoencoderKLWan, clips: torch.Tensor, batch_size: int = 8) ->
     """PSNR (dB) of ``reconstruct(vae, clips)`` against ``clips``, over the whole set."""
     sq_err, count = 0.0, 0
     for batch in clips.split(batch_size):
-        recon = reconstruct(vae, batch, batch_size)
+        recon = reconstruct(vae, batch, len(batch))
         sq_err += float((recon.double() - batch.double()).pow(2).sum())
         count += batch.numel()
     return psnr_db(sq_err / count)
@@ -265,9 +265,9 @@ def fit_vae(
     ``warmup_seconds`` / ``warmup_steps`` run out; phase 2 ("clips") draws ``batch_size``
     random clips, each cut to a random ``clip_frames`` window, until ``seconds`` /
     ``max_steps`` run out (both count phase 1 too). With ``lr_cooldown`` > 0 the learning
-    rate falls linearly to 0 over that final fraction of the budget. Batches, windows and posterior noise
-    come from a ``torch.Generator`` seeded with ``cfg.seed`` (CPU kernels may still vary in
-    the last bits between runs). Validation time is not counted in the budget. The model is
+    rate falls linearly to 0 over that final fraction of the budget. Batches, windows and
+    posterior noise come from a ``torch.Generator`` seeded with ``cfg.seed`` (CPU kernels may
+    still vary in the last bits between runs). Validation time is not counted in the budget. The model is
     left in eval mode, weights fp32 as given. The VAE should be initialised first (see
     ``init_as_framewise_autoencoder``); ``fit_vae`` does not re-initialise it.
     """
@@ -402,7 +402,9 @@ def latent_stats(vae: AutoencoderKLWan, clips: torch.Tensor, batch_size: int = 8
     return mean.float(), std.float()
 
 
-def set_latent_stats(vae: AutoencoderKLWan, mean: Sequence[float] | torch.Tensor, std: Sequence[float] | torch.Tensor) -> None:
+def set_latent_stats(
+    vae: AutoencoderKLWan, mean: Sequence[float] | torch.Tensor, std: Sequence[float] | torch.Tensor
+) -> None:
     """Write ``latents_mean`` / ``latents_std`` (``[z_dim]`` each, std > 0) into ``vae.config``.
 
     ``save_pretrained`` then stores them in ``config.json``, where ``WanPipeline`` reads them.

@@ -1,0 +1,464 @@
+"""The ``distillery-pipeline`` Prefect flow, built from ``dvc.yaml`` (DESIGN.md §1).
+
+One task per DVC stage (task name = stage name). Each task runs
+
+    python -m dvc --wait-for-lock repro --single-item <stage>
+
+in the repo (env ``DVC_NO_ANALYTICS=1``), so DVC decides whether the stage's code, params or
+inputs changed, runs it or skips it, and ``dvc.lock`` stays the truth; Prefect adds retries,
+timeouts, logs, artifacts and schedules on top, never a second DAG.
+
+Scheduling: every task is *submitted* at once with ``wait_for=`` the futures of its upstream
+stages (from :func:`flows.dag.stage_order`), so a stage starts as soon as its own inputs are done
+and independent stages (e.g. two distillation branches) run concurrently, instead of waiting for
+the slowest stage of a level. DVC allows this: it releases its repo lock while a stage's command
+runs and ``--wait-for-lock`` makes concurrent ``dvc`` calls queue for the short locked parts
+(reading/writing ``dvc.lock``) instead of failing.
+
+Per task:
+- output of ``dvc repro`` (and so of the stage command) is streamed line by line into the task's
+  Prefect log; the last lines go into the error when the stage fails;
+- training stages (``training_stages``; default: every stage) get ``retries`` with
+  ``retry_delay_seconds`` (a list is a per-attempt backoff, like Prefect's
+  ``exponential_backoff``); every task gets ``timeout_seconds`` (the task is async, so Prefect's
+  timeout really interrupts it; the stage's process group is then terminated);
+- artifacts: ``<stage>-metrics`` (table of the stage's ``metrics`` JSON/YAML files, flattened to
+  dotted keys) and, when the stage's outputs hold ``*.gif``/``*.mp4`` files,
+  ``<stage>-validation-grid`` (markdown list of their paths). Keys are the stage name lower-cased
+  with other characters turned into ``-`` (Prefect's key alphabet).
+
+The flow returns ``{stage: {"status", "seconds", "metrics"}}`` where status is ``ran``,
+``skipped`` (DVC: "didn't change"), ``restored`` (from DVC's run cache) or, only in the error of
+a failed run, ``failed`` / ``not-run``. Any failed stage fails the flow with
+:class:`PipelineFailedError` naming the stages and carrying the dvc output tail.
+
+Use: ``build_pipeline_flow(repo, ...)()`` or ``run_pipeline(repo, ...)`` or
+``python -m flows.pipeline --repo . [--retries N] [--retry-delay S ...] [--timeout S]``.
+"""
+
+from __future__ import annotations
+
+import flows  # noqa: F401  (sets the quiet env before Prefect is imported)
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import yaml
+from prefect import Flow, flow, get_run_logger, task
+from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import wait
+
+from flows.dag import StageSpec, load_dvc_stages, stage_order
+
+__all__ = [
+    "FLOW_NAME",
+    "PipelineFailedError",
+    "StageFailedError",
+    "artifact_key",
+    "build_pipeline_flow",
+    "distillery_pipeline",
+    "dvc_repro_command",
+    "flatten_metrics",
+    "media_files",
+    "retry_delays",
+    "read_stage_metrics",
+    "run_pipeline",
+    "run_stage",
+]
+
+FLOW_NAME = "distillery-pipeline"
+DEFAULT_RETRY_DELAYS: tuple[int, ...] = (10, 60)  # seconds before retry 1, 2 (then the last)
+DEFAULT_TIMEOUT_SECONDS = 6 * 3600.0
+TAIL_LINES = 40  # dvc output lines kept for the error of a failed stage
+MEDIA_SUFFIXES = (".gif", ".mp4")
+
+
+class StageFailedError(RuntimeError):
+    """``dvc repro`` of one stage exited non-zero; the message ends with its output tail."""
+
+    def __init__(self, stage: str, returncode: int, tail: Sequence[str]):
+        self.stage, self.returncode, self.tail = stage, returncode, list(tail)
+        super().__init__(
+            f"stage {stage!r}: `dvc repro --single-item {stage}` exited with {returncode}; "
+            f"last {len(self.tail)} lines of its output:\n" + "\n".join(self.tail)
+        )
+
+
+class PipelineFailedError(RuntimeError):
+    """One or more stages failed; ``results`` is the flow's per-stage dict so far."""
+
+    def __init__(self, message: str, results: dict[str, dict[str, Any]]):
+        super().__init__(message)
+        self.results = results
+
+
+# --------------------------------------------------------------------------------------------
+# helpers (plain functions, unit-testable without Prefect)
+
+
+def dvc_repro_command(stage: str) -> list[str]:
+    """The command a stage task runs: DVC of this interpreter, queueing on DVC's repo lock."""
+    return [sys.executable, "-m", "dvc", "--wait-for-lock", "repro", "--single-item", stage]
+
+
+def stage_env() -> dict[str, str]:
+    """Environment for ``dvc repro``: ours + quiet defaults, this interpreter's bin first on PATH
+    (so a stage ``cmd`` of ``python ...`` / ``distillery ...`` resolves to the same venv)."""
+    env = {**flows.QUIET_ENV, **os.environ, "DVC_NO_ANALYTICS": "1"}
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([bindir, env.get("PATH", "")])
+    return env
+
+
+def artifact_key(stage: str, suffix: str) -> str:
+    """Prefect artifact key: lowercase letters, digits and dashes only."""
+    slug = re.sub(r"[^a-z0-9]+", "-", stage.lower()).strip("-") or "stage"
+    return f"{slug}-{suffix}"
+
+
+def flatten_metrics(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings/lists → ``{"a.b": 1, "c.0": 2}``; leaves are kept as they are."""
+    out: dict[str, Any] = {}
+    if isinstance(data, Mapping):
+        items: Iterable[tuple[Any, Any]] = data.items()
+    elif isinstance(data, list):
+        items = enumerate(data)
+    else:
+        return {prefix or "value": data}
+    for k, v in items:
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, (Mapping, list)) and v:
+            out.update(flatten_metrics(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def read_stage_metrics(repo: Path, spec: StageSpec) -> dict[str, dict[str, Any]]:
+    """``{metrics file: flat metrics}`` for the stage's ``metrics`` files that exist (JSON or
+    YAML); an unreadable file maps to ``{"error": "..."}`` rather than failing the stage."""
+    found: dict[str, dict[str, Any]] = {}
+    for rel in spec.metrics:
+        path = Path(repo) / rel
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+            found[rel] = flatten_metrics(data)
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            found[rel] = {"error": f"{type(e).__name__}: {e}"}
+    return found
+
+
+def media_files(repo: Path, spec: StageSpec) -> list[str]:
+    """Repo-relative paths of ``*.gif``/``*.mp4`` files among (or inside) the stage's outputs."""
+    repo = Path(repo)
+    hits: set[str] = set()
+    for rel in spec.all_outs:
+        path = repo / rel
+        if path.is_file() and path.suffix.lower() in MEDIA_SUFFIXES:
+            hits.add(path.relative_to(repo).as_posix())
+        elif path.is_dir():
+            for p in path.rglob("*"):
+                if p.is_file() and p.suffix.lower() in MEDIA_SUFFIXES:
+                    hits.add(p.relative_to(repo).as_posix())
+    return sorted(hits)
+
+
+def _status_from_output(lines: Iterable[str]) -> str:
+    status = "ran"
+    for line in lines:
+        if "didn't change, skipping" in line:
+            status = "skipped"
+        elif "is cached - skipping run" in line:
+            status = "restored"
+    return status
+
+
+def _signal_group(proc: asyncio.subprocess.Process, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the process leads its own session (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def _run_dvc(repo: Path, stage: str, on_line: Callable[[str], None]) -> tuple[int, list[str]]:
+    """Run ``dvc repro --single-item stage``; every output line goes to ``on_line``.
+
+    Returns (exit code, all lines). If cancelled (Prefect timeout), the process group gets
+    SIGTERM, then SIGKILL after 10 s, before the cancellation propagates.
+    """
+    proc = await asyncio.create_subprocess_exec(
+        *dvc_repro_command(stage),
+        cwd=str(repo),
+        env=stage_env(),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+
+    def emit(raw: bytes) -> None:
+        # progress bars rewrite a line with "\r": keep what a terminal would finally show
+        text = raw.decode("utf-8", errors="replace").rstrip("\r").split("\r")[-1].rstrip()
+        if text:
+            lines.append(text)
+            on_line(text)
+
+    try:
+        assert proc.stdout is not None
+        buf = b""
+        while chunk := await proc.stdout.read(65536):
+            buf += chunk
+            *complete, buf = buf.split(b"\n")
+            for raw in complete:
+                emit(raw)
+        if buf:
+            emit(buf)
+        rc = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            with anyio.CancelScope(shield=True):
+                _signal_group(proc, signal.SIGTERM)
+                with anyio.move_on_after(10):
+                    await proc.wait()
+                if proc.returncode is None:
+                    _signal_group(proc, signal.SIGKILL)
+                    await proc.wait()
+    return rc, lines
+
+
+# --------------------------------------------------------------------------------------------
+# the task
+
+
+@task(name="dvc-stage", cache_policy=NO_CACHE, persist_result=False)
+async def run_stage(repo: str, spec: StageSpec) -> dict[str, Any]:
+    """Reproduce one stage through DVC, log its output, publish its artifacts.
+
+    Returns ``{"status", "seconds", "metrics"}``; raises :class:`StageFailedError` on a
+    non-zero exit (Prefect then retries it if the task was given retries).
+    """
+    logger = get_run_logger()
+    root = Path(repo)
+    logger.info("$ dvc %s  (cwd %s)", " ".join(dvc_repro_command(spec.name)[3:]), root)
+    t0 = time.monotonic()
+    rc, lines = await _run_dvc(root, spec.name, logger.info)
+    seconds = round(time.monotonic() - t0, 3)
+    if rc != 0:
+        raise StageFailedError(spec.name, rc, lines[-TAIL_LINES:])
+    status = _status_from_output(lines)
+
+    per_file = read_stage_metrics(root, spec)
+    flat: dict[str, Any] = {}
+    for rel, values in per_file.items():
+        prefix = "" if len(per_file) == 1 else f"{rel}:"
+        flat.update({f"{prefix}{k}": v for k, v in values.items()})
+    if per_file:
+        await acreate_table_artifact(
+            key=artifact_key(spec.name, "metrics"),
+            table=[
+                {"file": rel, "metric": k, "value": v}
+                for rel, values in per_file.items()
+                for k, v in values.items()
+            ],
+            description=f"Metrics of DVC stage `{spec.name}` ({status}, {seconds:.1f} s): "
+            + ", ".join(f"`{rel}`" for rel in per_file),
+        )
+    media = media_files(root, spec)
+    if media:
+        body = "\n".join(
+            f"- [{rel}]({(root / rel).resolve().as_uri()}) ({(root / rel).stat().st_size} bytes)"
+            for rel in media
+        )
+        await acreate_markdown_artifact(
+            key=artifact_key(spec.name, "validation-grid"),
+            markdown=f"### Videos written by stage `{spec.name}`\n\n{body}\n",
+            description=f"GIF/MP4 outputs of DVC stage `{spec.name}`",
+        )
+    logger.info("stage %s: %s in %.1f s, %d metrics, %d videos", spec.name, status, seconds,
+                len(flat), len(media))
+    return {"status": status, "seconds": seconds, "metrics": flat}
+
+
+# --------------------------------------------------------------------------------------------
+# the flow
+
+
+def retry_delays(retry_delay_seconds: Any, retries: int) -> list[int | float] | int | float:
+    """Seconds, a per-retry list, or a callable like ``exponential_backoff(10)`` → the JSON-able
+    value Prefect's ``retry_delay_seconds`` takes (a callable is evaluated for ``retries``)."""
+    if callable(retry_delay_seconds):  # e.g. prefect.tasks.exponential_backoff(10)
+        retry_delay_seconds = retry_delay_seconds(max(retries, 1))
+    if isinstance(retry_delay_seconds, (int, float)):
+        return retry_delay_seconds
+    return [int(d) if float(d).is_integer() else float(d) for d in retry_delay_seconds]
+
+
+def _run_stages(
+    repo: str,
+    retries: int,
+    retry_delay_seconds: Any,
+    timeout_seconds: float | None,
+    training_stages: Iterable[str] | None,
+) -> dict[str, dict[str, Any]]:
+    """Body of the flow: read dvc.yaml now (so each run sees the current DAG), submit one task
+    per stage with ``wait_for`` its upstream, wait for all, fail loudly on any failure."""
+    logger = get_run_logger()
+    root = Path(repo).resolve()
+    stages = load_dvc_stages(root)
+    levels = stage_order(stages)
+    logger.info("dvc.yaml DAG (%d stages): %s", len(stages),
+                " -> ".join("[" + ", ".join(lvl) + "]" for lvl in levels))
+    training = None if training_stages is None else set(training_stages)
+    delays = retry_delays(retry_delay_seconds, retries)
+
+    futures = {}
+    for level in levels:
+        for name in level:
+            spec = stages[name]
+            is_training = training is None or name in training
+            stage_task = run_stage.with_options(
+                name=name,
+                task_run_name=name,
+                retries=retries if is_training else 0,
+                retry_delay_seconds=delays if is_training else 0,
+                timeout_seconds=timeout_seconds,
+            )
+            futures[name] = stage_task.submit(
+                str(root), spec, wait_for=[futures[u] for u in spec.upstream]
+            )
+    wait(list(futures.values()))
+
+    results: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    for level in levels:
+        for name in level:
+            fut = futures[name]
+            if fut.state.is_completed():
+                results[name] = fut.result()
+                continue
+            try:
+                fut.result()  # raises the stage's own exception (StageFailedError, timeout ...)
+                message = f"ended in state {fut.state.name}"
+            except Exception as e:  # noqa: BLE001 — collected, re-raised below
+                message = f"{type(e).__name__}: {e}"
+            upstream_failed = any(u in errors for u in stages[name].upstream)
+            status = "not-run" if upstream_failed else "failed"
+            results[name] = {"status": status, "seconds": None, "metrics": {}}
+            errors[name] = message
+    if errors:
+        failed = [n for n, r in results.items() if r["status"] == "failed"]
+        skipped = [n for n, r in results.items() if r["status"] == "not-run"]
+        msg = f"pipeline failed: stage(s) {', '.join(failed)} failed"
+        if skipped:
+            msg += f"; not run (upstream failed): {', '.join(skipped)}"
+        msg += "".join(f"\n\n--- {n} ---\n{errors[n]}" for n in failed)
+        raise PipelineFailedError(msg, results)
+    return results
+
+
+@flow(name=FLOW_NAME, description="The dvc.yaml DAG, one task per stage via `dvc repro`.")
+def distillery_pipeline(
+    repo: str = ".",
+    retries: int = 2,
+    retry_delay_seconds: list[float] | float = list(DEFAULT_RETRY_DELAYS),  # noqa: B006
+    timeout_seconds: float | None = DEFAULT_TIMEOUT_SECONDS,
+    training_stages: list[str] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Module-level form of the pipeline flow, loadable by entrypoint
+    (``flows/pipeline.py:distillery_pipeline``): what deployments run, with ``repo`` etc. as
+    deployment parameters. Same arguments as :func:`build_pipeline_flow`."""
+    return _run_stages(repo, retries, retry_delay_seconds, timeout_seconds, training_stages)
+
+
+def build_pipeline_flow(
+    repo: Path,
+    *,
+    retries: int = 2,
+    retry_delay_seconds: Sequence[float] | float | Callable[[int], list[float]] = DEFAULT_RETRY_DELAYS,
+    timeout_seconds: float | None = DEFAULT_TIMEOUT_SECONDS,
+    training_stages: set[str] | None = None,
+) -> Flow[..., dict[str, dict[str, Any]]]:
+    """The ``distillery-pipeline`` flow for ``repo`` with these options bound as parameter
+    defaults: ``build_pipeline_flow(repo)()`` runs it.
+
+    ``dvc.yaml`` is parsed now (a bad file or a cycle fails here) and again at each run.
+    ``retries``/``retry_delay_seconds`` apply to ``training_stages`` (None: all stages);
+    ``retry_delay_seconds`` is seconds, a per-retry list, or a callable like
+    ``prefect.tasks.exponential_backoff(backoff_factor=10)``. ``timeout_seconds`` applies to every
+    stage task (None: no timeout).
+    """
+    root = Path(repo).resolve()
+    stage_order(load_dvc_stages(root))  # fail fast on a broken dvc.yaml
+    bound_repo = str(root)
+    bound_delays = retry_delays(retry_delay_seconds, retries)
+    bound_training = None if training_stages is None else sorted(training_stages)
+    bound_retries, bound_timeout = retries, timeout_seconds
+
+    def distillery_pipeline(  # noqa: F811 — same name so an entrypoint resolves to the module flow
+        repo: str = bound_repo,
+        retries: int = bound_retries,
+        retry_delay_seconds: list[float] | float = bound_delays,
+        timeout_seconds: float | None = bound_timeout,
+        training_stages: list[str] | None = bound_training,
+    ) -> dict[str, dict[str, Any]]:
+        return _run_stages(repo, retries, retry_delay_seconds, timeout_seconds, training_stages)
+
+    # a deployment made from this flow records `flows/pipeline.py:distillery_pipeline` as its
+    # entrypoint, i.e. the module-level flow above (pass `parameters={"repo": ...}` to it)
+    distillery_pipeline.__qualname__ = "distillery_pipeline"
+    return flow(
+        name=FLOW_NAME,
+        description=f"The dvc.yaml DAG of {bound_repo}, one task per stage via `dvc repro`.",
+    )(distillery_pipeline)
+
+
+def run_pipeline(repo: Path, **kw: Any) -> dict[str, dict[str, Any]]:
+    """Build the flow for ``repo`` (keywords as :func:`build_pipeline_flow`) and run it once."""
+    return build_pipeline_flow(repo, **kw)()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.split("\n")[0])
+    p.add_argument("--repo", type=Path, default=Path("."), help="DVC repo root (has dvc.yaml)")
+    p.add_argument("--retries", type=int, default=2, help="retries of training stages")
+    p.add_argument("--retry-delay", type=float, nargs="+", default=list(DEFAULT_RETRY_DELAYS),
+                   help="seconds before each retry (last value repeats)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS,
+                   help="per-stage timeout in seconds (0: none)")
+    p.add_argument("--training-stage", action="append", dest="training_stages", default=None,
+                   help="stage that gets retries (repeatable; default: all stages)")
+    a = p.parse_args(argv)
+    try:
+        results = run_pipeline(
+            a.repo,
+            retries=a.retries,
+            retry_delay_seconds=a.retry_delay,
+            timeout_seconds=a.timeout or None,
+            training_stages=set(a.training_stages) if a.training_stages else None,
+        )
+    except PipelineFailedError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    for name, r in results.items():
+        print(f"{name:24s} {r['status']:9s} {r['seconds']:8.1f} s  {len(r['metrics'])} metrics")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

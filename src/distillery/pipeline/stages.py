@@ -1,0 +1,301 @@
+"""``distillery stage <name>``: one pipeline stage = params.yaml → work → ``artifacts/<name>/``.
+
+Every stage writes its payload into ``artifacts/<name>.tmp/`` and renames it to
+``artifacts/<name>/`` when complete, then adds ``metrics.json`` and ``lineage.json`` (DESIGN.md §2)
+and logs an MLflow child run under the pipeline's parent run. Training stages (teacher, pretrain)
+check the whole chain before training, write their run config to ``runs/<name>/run.yaml``, and
+launch ``torchrun`` with ``params.yaml: gpus``; their checkpoints live in ``runs/<name>/`` (not a
+DVC out), so a killed stage rerun by ``dvc repro`` resumes from its last checkpoint. A changed run
+config starts the run afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distillery.errors import UserError
+from distillery.log import get_logger
+from distillery.pipeline.params import Params
+
+log = get_logger("stage")
+
+ARTIFACTS = Path("artifacts")
+RUNS = Path("runs")
+
+# The params.yaml keys each stage reads (dvc.yaml lists the same keys as the stage's params).
+STAGE_PARAMS: dict[str, list[str]] = {
+    "clips": ["seed", "clips"],
+    "base": ["base.path"],
+    "latents": ["clips.num_frames", "clips.size", "clips.fps", "latents"],
+    "teacher": ["seed", "gpus", "teacher"],
+    "pretrain": ["seed", "gpus", "pretrain"],
+    "validate": ["seed", "validate"],
+    "export": ["export"],
+}
+
+
+# -- artifact folders ---------------------------------------------------------------------------
+def fresh_staging(stage: str) -> Path:
+    tmp = ARTIFACTS / f"{stage}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish(stage: str, staging: Path) -> Path:
+    final = ARTIFACTS / stage
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    return final
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def finish(stage: str, artifact: Path, *, kind: str, params: Params, metrics: dict[str, Any], inputs: list[tuple[str, Path]],
+           method: str | None = None, config: dict | None = None, mlflow: dict | None = None) -> None:
+    """metrics.json + the MLflow child run (unless the trainer made one) + lineage.json."""
+    from distillery.lineage import Input, write_lineage
+    from distillery.pipeline.tracking import log_stage_run, parent_run_id
+
+    write_json_atomic(artifact / "metrics.json", metrics)
+    Path("metrics").mkdir(exist_ok=True)
+    write_json_atomic(Path("metrics") / f"{stage}.json", metrics)  # what dvc.yaml declares as metrics
+    read = params.subset(STAGE_PARAMS[stage])
+    if mlflow is None:
+        mlflow = log_stage_run(stage, parent_run_id(params.path.read_text()), read, metrics)
+    write_lineage(artifact, kind=kind, stage=stage, method=method, config=config, params=read,
+                  inputs=[Input(role, path) for role, path in inputs], mlflow=mlflow, metrics=metrics)
+
+
+# -- stages -------------------------------------------------------------------------------------
+def stage_clips(params: Params) -> None:
+    from distillery.clips.synthetic import ClipSetConfig, make_clip_set
+
+    c = params.get("clips")
+    staging = fresh_staging("clips")
+    started = time.perf_counter()
+    cfg = ClipSetConfig(num_train=c["num_train"], num_validation=c["num_validation"], num_frames=c["num_frames"],
+                        height=c["size"], width=c["size"], fps=c["fps"], seed=params.get("seed"))
+    make_clip_set(staging / "data", cfg)
+    artifact = publish("clips", staging)
+    finish("clips", artifact, kind="data", params=params, inputs=[],
+           metrics={"clips_train": c["num_train"], "clips_validation": c["num_validation"],
+                    "seconds": round(time.perf_counter() - started, 2)})
+
+
+def resolve_base(path: str) -> Path:
+    if path == "tiny":
+        from distillery.base.shipped import shipped_tiny_base
+
+        return shipped_tiny_base()
+    p = Path(path).expanduser()
+    if not (p / "model_index.json").is_file():
+        raise UserError(f"params.yaml: base.path: {p} is not a diffusers model folder (no model_index.json); use 'tiny' or a Wan2.1 folder")
+    return p
+
+
+def stage_base(params: Params) -> None:
+    source = resolve_base(params.get("base.path"))
+    staging = fresh_staging("base")
+    shutil.copytree(source, staging / "model", ignore=shutil.ignore_patterns("lineage.json"))
+    artifact = publish("base", staging)
+    cfg = json.loads((artifact / "model" / "transformer" / "config.json").read_text())
+    finish("base", artifact, kind="model", params=params, inputs=[("source", source)],
+           metrics={"transformer_layers": cfg.get("num_layers"), "latent_channels": cfg.get("in_channels")})
+
+
+def stage_latents(params: Params) -> None:
+    from distillery.preprocess import PreprocessConfig, preprocess
+
+    data = params.get("latents.data") or str(ARTIFACTS / "clips" / "data")
+    staging = fresh_staging("latents")
+    l = params.get("latents")
+    cfg = PreprocessConfig(num_frames=params.get("clips.num_frames"), height=params.get("clips.size"),
+                           width=params.get("clips.size"), fps=float(params.get("clips.fps")),
+                           rows_per_shard=l["rows_per_shard"], max_bad_fraction=l["max_bad_fraction"])
+    manifest = preprocess(ARTIFACTS / "base" / "model", Path(data), staging / "data", cfg)
+    artifact = publish("latents", staging)
+    metrics = {f"{s}_clips": c["rows"] for s, c in manifest["splits"].items()}
+    metrics.update({f"{s}_skipped": c["skipped"] for s, c in manifest["splits"].items()})
+    metrics["seconds"] = manifest["seconds_this_run"]
+    inputs = [("base", ARTIFACTS / "base"), ("videos", ARTIFACTS / "clips" if not params.get("latents.data") else Path(data))]
+    finish("latents", artifact, kind="data", params=params, inputs=inputs, metrics=metrics)
+
+
+TRAINING = {
+    # stage: (template, init artifact, method short name)
+    "teacher": ("stages/teacher_sft.yaml", "base"),
+    "pretrain": ("stages/pretrain_dfsft.yaml", "teacher"),
+}
+
+
+def build_run_config(stage: str, params: Params) -> dict[str, Any]:
+    """The stage's run config: its template with paths and params.yaml values filled in."""
+    from distillery.pipeline.tracking import parent_run_id
+
+    template, init = TRAINING[stage]
+    raw = yaml.safe_load(Path(template).read_text())
+    p = params.get(stage)
+    latents = json.loads((ARTIFACTS / "latents" / "data" / "preprocess.json").read_text())
+    raw["models"]["student"]["init_from"] = str(ARTIFACTS / init / "model")
+    t = raw["training"]
+    t["data"].update(path=str(ARTIFACTS / "latents" / "data"), batch_size=p["batch_size"],
+                     text_max_length=latents["settings"]["max_sequence_length"])
+    t["optimizer"]["learning_rate"] = p["learning_rate"]
+    t["loop"].update(max_train_steps=p["steps"], seed=params.get("seed"), progress_bar=False)
+    t["checkpoint"].update(output_dir=str(RUNS / stage), save_every=p.get("save_every", 0))
+    t["tracker"].update(parent_run_id=parent_run_id(params.path.read_text()), run_name=stage, tags={"distillery.stage": stage})
+    if stage == "pretrain":
+        raw["method"]["chunk_size"] = p["chunk_size"]
+    return raw
+
+
+def check_chain(stage: str, raw: dict[str, Any]) -> None:
+    """Before any training: the config builds, the roles fit the method, and the init model fits the data."""
+    from distillery.builder import check_roles_early
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.models.wan import locate_transformer
+
+    config = load_run_config(raw=raw, prefixes=allowed_prefixes())
+    check_roles_early(config)
+    latents = json.loads((Path(config.training.data.path) / "preprocess.json").read_text())
+    tdir, _ = locate_transformer(config.models["student"].config.init_from)
+    arch = json.loads((tdir / "config.json").read_text())
+    if arch.get("in_channels") != latents["latent_channels"]:
+        raise UserError(f"stage {stage}: the model in {tdir} takes {arch.get('in_channels')} latent channels, "
+                        f"the latents have {latents['latent_channels']}; preprocess with this model's VAE")
+    if arch.get("text_dim") != latents["text_dim"]:
+        raise UserError(f"stage {stage}: the model in {tdir} takes text_dim {arch.get('text_dim')}, the latents' "
+                        f"prompt embeddings have {latents['text_dim']}; preprocess with this model's text encoder")
+
+
+def torchrun_command(params: Params, config_path: Path) -> list[str]:
+    g = params.get("gpus")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(g["nproc_per_node"])]
+    if int(g.get("nnodes", 1)) > 1:
+        if not g.get("rdzv_endpoint"):
+            raise UserError("params.yaml: gpus.rdzv_endpoint: required when gpus.nnodes > 1 (host:port)")
+        cmd += ["--nnodes", str(g["nnodes"]), "--rdzv_backend", "c10d", "--rdzv_endpoint", str(g["rdzv_endpoint"])]
+    else:
+        cmd += ["--standalone"]
+    return cmd + ["-m", "distillery.train", "--config", str(config_path)]
+
+
+def prepare_run_dir(stage: str, raw: dict[str, Any]) -> Path:
+    """``runs/<stage>/run.yaml``; a different config than the one the checkpoints came from starts afresh."""
+    run_dir = RUNS / stage
+    path = run_dir / "run.yaml"
+    text = yaml.safe_dump(raw, sort_keys=True)
+
+    def training_part(config: dict[str, Any]) -> dict[str, Any]:  # tracking metadata does not change the run
+        return {**config, "training": {k: v for k, v in config["training"].items() if k != "tracker"}}
+
+    if path.is_file() and training_part(yaml.safe_load(path.read_text())) != training_part(raw):
+        log.info("run config of %s changed: discarding its old checkpoints", stage)
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def stage_training(stage: str, params: Params) -> None:
+    from distillery.checkpoint import list_checkpoints
+    from distillery.export import export_weights
+    from distillery.models.wan import locate_transformer
+
+    raw = build_run_config(stage, params)
+    check_chain(stage, raw)
+    config_path = prepare_run_dir(stage, raw)
+    started = time.perf_counter()
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if params.get("gpus.nproc_per_node") > 1 else "2")}
+    proc = subprocess.run(torchrun_command(params, config_path), env=env)
+    if proc.returncode != 0:
+        raise SystemExit(proc.returncode if proc.returncode != 2 else 2)
+    found = list_checkpoints(RUNS / stage)
+    if not found or found[-1][0] != raw["training"]["loop"]["max_train_steps"]:
+        raise UserError(f"stage {stage}: training ended without its final checkpoint in {RUNS / stage}")
+    checkpoint = found[-1][1]
+    staging = fresh_staging(stage)
+    export_weights(checkpoint, "student", staging / "model")
+    _, scheduler = locate_transformer(raw["models"]["student"]["init_from"])
+    if scheduler is not None:
+        shutil.copytree(scheduler, staging / "model" / "scheduler")
+    meta = json.loads((checkpoint / "metadata.json").read_text())
+    rows = [json.loads(line) for line in (RUNS / stage / "train_log.jsonl").read_text().splitlines() if line.strip()]
+    loss = [{"step": r["step"], "loss": r["total_loss"]} for r in rows]
+    (staging / "loss.json").write_text(json.dumps(loss))
+    Path("plots").mkdir(exist_ok=True)
+    write_json_atomic(Path("plots") / f"{stage}_loss.json", loss)
+    shift = json.loads((staging / "model" / "scheduler" / "scheduler_config.json").read_text()).get("shift") if scheduler else None
+    write_json_atomic(staging / "model" / "sampling.json", {"sampler": "euler", "shift": shift, "num_train_timesteps": 1000})
+    artifact = publish(stage, staging)
+    last = rows[-10:] or [{"total_loss": float("nan")}]
+    metrics = {"final_loss": round(sum(r["total_loss"] for r in last) / len(last), 5), "steps": meta["step"],
+               "seconds": round(time.perf_counter() - started, 1)}
+    from distillery.tracking import default_tracking_uri
+    from distillery.config.schema import TrackerConfig
+
+    mlflow = {"tracking_uri": default_tracking_uri(TrackerConfig()), "experiment": raw["training"]["tracker"]["experiment"],
+              "run_id": meta.get("mlflow_run_id"), "parent_run_id": raw["training"]["tracker"]["parent_run_id"]}
+    init = TRAINING[stage][1]
+    finish(stage, artifact, kind="checkpoint", params=params, metrics=metrics, method=raw["method"]["_target_"], config=raw,
+           inputs=[("student_init", ARTIFACTS / init), ("data", ARTIFACTS / "latents")], mlflow=mlflow)
+
+
+def stage_export(params: Params) -> None:
+    """A complete diffusers folder: the base's parts + the chosen student's transformer, lineage inside."""
+    student = params.get("export.student")
+    if student not in TRAINING:
+        raise UserError(f"params.yaml: export.student: {student!r}; valid: {', '.join(TRAINING)}")
+    staging = fresh_staging("export")
+    model = staging  # the artifact *is* the diffusers folder, lineage.json inside
+    shutil.copytree(ARTIFACTS / "base" / "model", model, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("lineage.json", "fit_report.json"))
+    shutil.rmtree(model / "transformer")
+    shutil.copytree(ARTIFACTS / student / "model" / "transformer", model / "transformer")
+    shutil.copy2(ARTIFACTS / student / "model" / "sampling.json", model / "sampling.json")
+    artifact = publish("export", staging)
+    finish("export", artifact, kind="export", params=params, metrics={"student_stage": 0 if student == "teacher" else 1},
+           inputs=[("student", ARTIFACTS / student), ("base", ARTIFACTS / "base")])
+
+
+STAGES: dict[str, Callable[[Params], None]] = {
+    "clips": stage_clips,
+    "base": stage_base,
+    "latents": stage_latents,
+    "teacher": lambda p: stage_training("teacher", p),
+    "pretrain": lambda p: stage_training("pretrain", p),
+    "export": stage_export,
+}
+
+
+def run_stage(name: str, params_path: str = "params.yaml") -> int:
+    if name not in STAGES:
+        raise UserError(f"unknown stage {name!r}; valid: {', '.join(STAGES)}")
+    params = Params.load(params_path)
+    STAGES[name](params)
+    log.info("stage %s done: %s", name, ARTIFACTS / name)
+    return 0
+
+
+def add_stage_command(sub: Any) -> None:
+    p = sub.add_parser("stage", help="run one pipeline stage (what dvc.yaml calls)")
+    p.add_argument("name", help="clips | base | latents | teacher | pretrain | validate | export")
+    p.add_argument("--params", default="params.yaml")
+    p.set_defaults(func=lambda args: run_stage(args.name, args.params))

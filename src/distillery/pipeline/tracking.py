@@ -1,0 +1,56 @@
+"""One MLflow parent run per pipeline run; each stage logs a child run under it.
+
+A pipeline run is identified by ``$DISTILLERY_PIPELINE_RUN`` when set (the Prefect flow sets it),
+else by the hash of params.yaml's content and the code commit: every stage of one ``dvc repro``
+finds the same parent run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from distillery.config.schema import TrackerConfig
+from distillery.lineage import code_info
+from distillery.tracking import MLflowTracker, default_tracking_uri
+
+EXPERIMENT = "distillery"
+
+
+def pipeline_key(params_text: str) -> str:
+    env = os.environ.get("DISTILLERY_PIPELINE_RUN")
+    if env:
+        return env
+    commit = code_info().get("git_commit") or "no-git"
+    return hashlib.sha256((params_text + commit).encode()).hexdigest()[:16]
+
+
+def parent_run_id(params_text: str, experiment: str = EXPERIMENT) -> str:
+    """Find or create the parent run of this pipeline run; returns its id."""
+    from mlflow.tracking import MlflowClient
+
+    key = pipeline_key(params_text)
+    cfg = TrackerConfig(experiment=experiment, run_name=f"pipeline-{key}", tags={"distillery.pipeline_key": key,
+                                                                              "distillery.kind": "pipeline"})
+    client = MlflowClient(tracking_uri=default_tracking_uri(cfg))
+    exp = client.get_experiment_by_name(experiment)
+    if exp is not None:
+        found = client.search_runs([exp.experiment_id], f"tags.`distillery.pipeline_key` = '{key}'", max_results=1)
+        if found:
+            return found[0].info.run_id
+    tracker = MLflowTracker(cfg)
+    client.set_terminated(tracker.run_id, status="FINISHED")
+    return tracker.run_id
+
+
+def log_stage_run(stage: str, parent: str, params: dict[str, Any], metrics: dict[str, float]) -> dict[str, str]:
+    """A child run for a stage that does not train (clips, latents, validate, export)."""
+    cfg = TrackerConfig(experiment=EXPERIMENT, run_name=stage, parent_run_id=parent, tags={"distillery.stage": stage})
+    tracker = MLflowTracker(cfg)
+    tracker.log_params(params)
+    numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if numeric:
+        tracker.log_metrics(numeric, step=0)
+    tracker.finish()
+    return {"tracking_uri": tracker.tracking_uri, "experiment": EXPERIMENT, "run_id": tracker.run_id, "parent_run_id": parent}

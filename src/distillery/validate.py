@@ -1,0 +1,397 @@
+"""Validation: sample every candidate model on the same prompts and noise, and score the videos.
+
+For each :class:`Candidate` (a teacher at several step counts counts as several candidates, see
+:func:`teacher_candidates`) and each prompt ``i``, :func:`run_validation` samples one video with
+the shared samplers of :mod:`distillery.sampling`, starting from the same initial noise (a
+generator seeded ``cfg.seed + i``) for every candidate, with text embeddings from the base's
+text encoder (empty prompt as the CFG negative) and decoding through the base's VAE. It reports,
+per candidate:
+
+- ``colour``, ``shape``, ``direction``, ``all`` — prompt adherence read back from the decoded
+  frames by :mod:`distillery.clips.analyzer` (thresholds from ``base_dir/analyzer.json`` when it
+  exists), as fractions of the prompts;
+- ``latency_s`` — mean wall seconds per video for sampling + VAE decode (batch 1, after one untimed
+  warm-up forward; text encoding excluded);
+- ``nfe`` — transformer forward evaluations per video: steps × (2 with CFG, else 1);
+- ``distance_to_teacher`` — mean over prompts of the mean squared difference of the decoded
+  frames (RGB in [0, 1]) from the reference candidate's (by default the first candidate: put the
+  teacher first), so the reference itself scores exactly 0.
+
+Output folder (written to a temporary sibling, then renamed into place)::
+
+    out_dir/samples/<candidate>/<i>.mp4   every video (H.264 lossless yuv444p)
+    out_dir/grid.gif, out_dir/grid.mp4    rows = candidates, columns = prompts, 1-px separators
+    out_dir/metrics.json                  flat {"<candidate>/<metric>": number} (DVC metrics)
+    out_dir/plots/adherence.csv           one row per candidate: candidate, nfe, adherence, ...
+                                          (DVC plots: x = nfe, y = adherence)
+    out_dir/report.json                   prompts, candidates and per-prompt results
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from distillery.errors import UserError
+
+log = logging.getLogger("distillery")
+
+SAMPLERS = ("euler", "few_step_x0")
+GRID_FORMATS = ("gif", "mp4")
+METRIC_NAMES = ("colour", "shape", "direction", "all", "latency_s", "nfe", "distance_to_teacher")
+SEPARATOR_RGB = (96, 96, 96)  # colour of the 1-px lines between grid tiles
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class ValidationConfig:
+    """What to sample and how; one per validation run (``params.yaml: validate``)."""
+
+    prompts: list[str] | None = None  # prompts to sample; None: the clip validation captions given to run_validation
+    num_frames: int = 17  # frames per video (VAE temporal factor × k + 1)
+    height: int = 32  # video height, pixels
+    width: int = 32  # video width, pixels
+    fps: float = 8.0  # frame rate of the written videos and grids
+    teacher_steps: list[int] = field(default_factory=lambda: [40, 4])  # teacher baselines: many- and few-step Euler
+    guidance_scale: float = 4.0  # CFG scale of the teacher baselines (empty-prompt negative)
+    seed: int = 0  # prompt i starts from noise drawn by a generator seeded seed + i, for every candidate
+    grid_formats: list[str] = field(default_factory=lambda: ["gif", "mp4"])  # grid files to write
+    max_sequence_length: int | None = None  # prompt length; None: the base model's (model card / tokenizer)
+    device: str = "cpu"  # where the models run ("cpu", "cuda", "cuda:1", ...)
+    progress_bar: bool = True  # tqdm bar over the videos
+
+    def __post_init__(self) -> None:
+        if self.num_frames < 1 or self.height < 1 or self.width < 1:
+            raise UserError(f"validate: num_frames, height and width must be >= 1, got {self.num_frames}, "
+                            f"{self.height}, {self.width}")
+        if self.fps <= 0:
+            raise UserError(f"validate.fps must be > 0, got {self.fps}")
+        if any(int(s) < 1 for s in self.teacher_steps):
+            raise UserError(f"validate.teacher_steps must be positive step counts, got {self.teacher_steps}")
+        if self.guidance_scale < 0:
+            raise UserError(f"validate.guidance_scale must be >= 0, got {self.guidance_scale}")
+        bad = [f for f in self.grid_formats if f not in GRID_FORMATS]
+        if bad:
+            raise UserError(f"validate.grid_formats: unknown format {bad[0]!r}; valid: {', '.join(GRID_FORMATS)}")
+        if self.prompts is not None and not self.prompts:
+            raise UserError("validate.prompts is empty; give at least one prompt or null for the validation captions")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One model × sampler setting to validate."""
+
+    name: str  # label in metric keys, sample folders and plots (letters, digits, '.', '_', '-')
+    model_dir: Path  # diffusers Wan folder, or a folder with transformer/ (the base supplies VAE and text encoder)
+    num_steps: int  # sampling steps (Euler steps, or few-step ladder length)
+    guidance_scale: float  # CFG scale; CFG runs (2 forwards per step) when > 1
+    sampler: Literal["euler", "few_step_x0"] = "euler"  # many-step Euler ODE, or DMD-style x0 + re-noise
+    timesteps: tuple[float, ...] | None = None  # few_step_x0 ladder in [0, 1000]; None: first num_steps of the Euler grid
+    shift: float | None = None  # flow shift; None: model_dir's scheduler config, else the base's
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise UserError(f"candidate name {self.name!r} must be letters, digits, '.', '_' or '-' (it names files)")
+        if self.sampler not in SAMPLERS:
+            raise UserError(f"candidate {self.name}: unknown sampler {self.sampler!r}; valid: {', '.join(SAMPLERS)}")
+        if self.num_steps < 1:
+            raise UserError(f"candidate {self.name}: num_steps must be >= 1, got {self.num_steps}")
+        if self.timesteps is not None and len(self.timesteps) != self.num_steps:
+            raise UserError(f"candidate {self.name}: {len(self.timesteps)} timesteps given for num_steps={self.num_steps}")
+
+    @property
+    def nfe(self) -> int:
+        """Transformer forward evaluations per video."""
+        from distillery.sampling import nfe_per_video
+
+        return nfe_per_video(self.num_steps, self.guidance_scale)
+
+
+def teacher_candidates(teacher_dir: Path, cfg: ValidationConfig) -> list[Candidate]:
+    """The teacher as one Euler candidate per ``cfg.teacher_steps`` entry, named ``teacher_<steps>``."""
+    return [Candidate(f"teacher_{int(n)}", Path(teacher_dir), int(n), cfg.guidance_scale, "euler")
+            for n in cfg.teacher_steps]
+
+
+@dataclass
+class _Loaded:
+    """A candidate's transformer and flow shift, ready to sample."""
+
+    transformer: torch.nn.Module  # WanTransformer3DModel, eval, fp32, on the run device
+    shift: float  # flow shift of its schedule
+
+
+class _Context:
+    """Base-model parts shared by every candidate: encoders, prompt embeddings, latent shape, analyzer."""
+
+    def __init__(self, base_dir: Path, prompts: list[str], cfg: ValidationConfig) -> None:
+        from distillery.clips.analyzer import AnalyzerConfig
+        from distillery.data.encoders import BaseEncoders
+
+        self.base_dir = base_dir
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.encoders = BaseEncoders(base_dir, self.device, cfg.max_sequence_length)
+        length = self.encoders.max_sequence_length
+        embeds = self.encoders.encode_prompts(list(prompts) + [""])
+        self.text = [self._pad(e, length) for e in embeds[:-1]]  # each [1, L, D]
+        self.negative = self._pad(embeds[-1], length)  # [1, L, D]
+        vae_cfg = self.encoders.vae.config
+        tf, sf = int(vae_cfg.scale_factor_temporal), int(vae_cfg.scale_factor_spatial)
+        if (cfg.num_frames - 1) % tf or cfg.height % sf or cfg.width % sf:
+            raise UserError(f"validate: num_frames − 1 must be a multiple of {tf} and height/width of {sf} for the VAE of "
+                            f"{base_dir}, got {cfg.num_frames}×{cfg.height}×{cfg.width}")
+        self.latent_shape = (self.encoders.z_dim, (cfg.num_frames - 1) // tf + 1, cfg.height // sf, cfg.width // sf)
+        analyzer_json = base_dir / "analyzer.json"
+        self.analyzer = AnalyzerConfig(**json.loads(analyzer_json.read_text())) if analyzer_json.is_file() else None
+        self.base_shift = self._scheduler_shift(base_dir / "scheduler")
+        self._last: tuple[Path, torch.nn.Module] | None = None  # last transformer loaded (teacher step counts share it)
+
+    @staticmethod
+    def _pad(embed: torch.Tensor, length: int) -> torch.Tensor:
+        """Unpadded ``[L_i, D]`` → zero-padded ``[1, length, D]`` (as WanPipeline pads)."""
+        out = embed.new_zeros(length, embed.shape[1])
+        out[: embed.shape[0]] = embed[:length]
+        return out[None]
+
+    @staticmethod
+    def _scheduler_shift(folder: Path | None) -> float | None:
+        from distillery.models.schedule import read_scheduler_shift
+
+        if folder is None or not (folder / "scheduler_config.json").is_file():
+            return None
+        return read_scheduler_shift(folder)
+
+    def load(self, cand: Candidate) -> _Loaded:
+        """Load a candidate's transformer and check it fits the base's latents and text embeddings."""
+        from diffusers import WanTransformer3DModel
+
+        from distillery.models.wan import locate_transformer
+
+        transformer_dir, scheduler_dir = locate_transformer(cand.model_dir)
+        if self._last is not None and self._last[0] == transformer_dir.resolve():
+            transformer = self._last[1]
+        else:
+            self._last = None
+            try:
+                transformer = WanTransformer3DModel.from_pretrained(transformer_dir, dtype=torch.float32)
+            except (OSError, ValueError, RuntimeError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise UserError(f"candidate {cand.name}: cannot load {transformer_dir}: {first}") from None
+            transformer = transformer.to(self.device).eval().requires_grad_(False)
+        conf = transformer.config
+        if int(conf.in_channels) != self.latent_shape[0] or int(conf.text_dim) != self.encoders.text_dim:
+            raise UserError(f"candidate {cand.name}: {transformer_dir} takes {conf.in_channels} latent channels and "
+                            f"text_dim {conf.text_dim}, but the base {self.base_dir} gives {self.latent_shape[0]} and "
+                            f"{self.encoders.text_dim}; validate it against the base it was trained from")
+        shift = cand.shift if cand.shift is not None else self._scheduler_shift(scheduler_dir)
+        shift = shift if shift is not None else self.base_shift
+        if shift is None:
+            raise UserError(f"candidate {cand.name}: no scheduler config beside {transformer_dir} or in {self.base_dir}; "
+                            "set the candidate's shift")
+        self._last = (transformer_dir.resolve(), transformer)
+        return _Loaded(transformer, float(shift))
+
+    def sample(self, cand: Candidate, loaded: _Loaded, index: int) -> torch.Tensor:
+        """Normalised latents ``[1, C, T, H, W]`` for prompt ``index`` (noise seeded ``cfg.seed + index``)."""
+        from distillery.sampling import EulerSampler, few_step_timesteps, few_step_x0
+
+        generator = torch.Generator().manual_seed(self.cfg.seed + index)
+        text = self.text[index].to(self.device)
+        negative = self.negative.to(self.device)
+        with torch.no_grad():
+            if cand.sampler == "euler":
+                return EulerSampler().sample(loaded.transformer, text, negative, self.latent_shape, cand.num_steps,
+                                             cand.guidance_scale, loaded.shift, generator)
+            ladder = cand.timesteps or tuple(few_step_timesteps(cand.num_steps, loaded.shift))
+            return few_step_x0(loaded.transformer, text, negative, self.latent_shape, ladder, cand.guidance_scale, generator)
+
+    def warm_up(self, loaded: _Loaded) -> None:
+        """One untimed forward (and decode) so lazy initialisation does not count as latency."""
+        with torch.no_grad():
+            x = torch.zeros(1, *self.latent_shape, device=self.device)
+            loaded.transformer(hidden_states=x, timestep=torch.zeros(1, device=self.device),
+                               encoder_hidden_states=self.negative.to(self.device), return_dict=False)
+            self.encoders.decode_latents(x)
+        _synchronize(self.device)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Grid:
+    """Video mosaic ``uint8 [T, R·H + R − 1, C·W + C − 1, 3]``: rows = candidates, columns = prompts."""
+
+    def __init__(self, rows: int, cols: int, frames: int, height: int, width: int) -> None:
+        self.h, self.w = height, width
+        self.pixels = np.empty((frames, rows * (height + 1) - 1, cols * (width + 1) - 1, 3), dtype=np.uint8)
+        self.pixels[...] = np.asarray(SEPARATOR_RGB, dtype=np.uint8)
+
+    def put(self, row: int, col: int, video: np.ndarray) -> None:
+        """Place one video ``uint8 [T, H, W, 3]`` at (row, col)."""
+        y, x = row * (self.h + 1), col * (self.w + 1)
+        self.pixels[:, y: y + self.h, x: x + self.w] = video
+
+
+def _check_candidates(candidates: list[Candidate], reference: str | None) -> Candidate:
+    if not candidates:
+        raise UserError("validate: no candidates to sample")
+    names = [c.name for c in candidates]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise UserError(f"validate: candidate names must be unique; repeated: {', '.join(dupes)}")
+    if reference is None:
+        return candidates[0]
+    if reference not in names:
+        raise UserError(f"validate: reference candidate {reference!r} is not one of {', '.join(names)}")
+    return candidates[names.index(reference)]
+
+
+def _write_grid(grid: np.ndarray, stage: Path, cfg: ValidationConfig) -> None:
+    from distillery.clips.video_io import write_video
+
+    if "gif" in cfg.grid_formats:
+        import imageio.v3 as iio
+
+        iio.imwrite(stage / "grid.gif", grid, extension=".gif", duration=1000.0 / cfg.fps, loop=0)
+    if "mp4" in cfg.grid_formats:
+        write_video(stage / "grid.mp4", grid, cfg.fps)
+
+
+def _write_tables(stage: Path, metrics: dict[str, float], rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
+    (stage / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    (stage / "plots").mkdir()
+    columns = ["candidate", "sampler", "nfe", "adherence", "colour", "shape", "direction", "latency_s", "distance_to_teacher"]
+    with (stage / "plots" / "adherence.csv").open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    (stage / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def _publish(stage: Path, out_dir: Path) -> None:
+    """Rename ``stage`` to ``out_dir``, replacing a previous folder there (moved aside first)."""
+    if not out_dir.exists():
+        os.replace(stage, out_dir)
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    os.replace(out_dir, trash / "old")
+    try:
+        os.replace(stage, out_dir)
+    except BaseException:
+        os.replace(trash / "old", out_dir)
+        raise
+    finally:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def run_validation(
+    base_dir: Path,
+    candidates: list[Candidate],
+    prompts: list[str],
+    out_dir: Path,
+    cfg: ValidationConfig | None = None,
+    reference: str | None = None,
+) -> dict[str, float]:
+    """Sample, score and compare every candidate on every prompt; write ``out_dir`` (layout above).
+
+    ``base_dir``: diffusers Wan folder whose text encoder, tokenizer, VAE (and ``analyzer.json``)
+    are used for every candidate. ``prompts``: used when ``cfg.prompts`` is None. ``reference``:
+    name of the candidate that ``distance_to_teacher`` is measured against (default: the first).
+    Returns the flat metrics dict written to ``metrics.json``.
+    """
+    from tqdm import tqdm
+
+    from distillery.clips.analyzer import SCORE_KEYS, score
+    from distillery.clips.video_io import write_video
+
+    cfg = cfg or ValidationConfig()
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    prompts = list(cfg.prompts if cfg.prompts is not None else prompts)
+    if not prompts:
+        raise UserError("validate: no prompts (the clip set has no validation captions and validate.prompts is unset)")
+    ref = _check_candidates(candidates, reference)
+    started = time.perf_counter()
+    ctx = _Context(base_dir, prompts, cfg)
+    order = [ref] + [c for c in candidates if c is not ref]  # the reference first: others compare against it
+    row_of = {c.name: i for i, c in enumerate(candidates)}
+    grid = _Grid(len(candidates), len(prompts), cfg.num_frames, cfg.height, cfg.width)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    stage.chmod(0o755)
+    try:
+        metrics: dict[str, float] = {}
+        rows: list[dict[str, Any]] = []
+        per_prompt: dict[str, list[dict[str, Any]]] = {}
+        reference_frames: list[np.ndarray] = []
+        shifts: dict[str, float] = {}
+        bar = tqdm(total=len(order) * len(prompts), desc="validate", unit="video", disable=not cfg.progress_bar,
+                   mininterval=1.0)
+        for cand in order:
+            loaded = ctx.load(cand)
+            shifts[cand.name] = loaded.shift
+            ctx.warm_up(loaded)
+            hits = dict.fromkeys(SCORE_KEYS, 0)
+            seconds, distances, results = [], [], []
+            for i, prompt in enumerate(prompts):
+                t0 = time.perf_counter()
+                latents = ctx.sample(cand, loaded, i)
+                video = ctx.encoders.decode_latents(latents)[0]  # uint8 [T, H, W, 3]
+                _synchronize(ctx.device)
+                seconds.append(time.perf_counter() - t0)
+                if cand is ref:
+                    reference_frames.append(video)
+                diff = video.astype(np.float64) / 255.0 - reference_frames[i].astype(np.float64) / 255.0
+                distances.append(float(np.mean(diff**2)))
+                scores = score(video, prompt, ctx.analyzer)
+                for key in SCORE_KEYS:
+                    hits[key] += int(bool(scores[key]))
+                write_video(stage / "samples" / cand.name / f"{i}.mp4", video, cfg.fps)
+                grid.put(row_of[cand.name], i, video)
+                results.append({"prompt": prompt, **{k: bool(v) for k, v in scores.items()},
+                                "latency_s": round(seconds[-1], 6), "distance_to_teacher": distances[-1]})
+                bar.update()
+            values = {key: hits[key] / len(prompts) for key in SCORE_KEYS}
+            values.update(latency_s=float(np.mean(seconds)), nfe=cand.nfe, distance_to_teacher=float(np.mean(distances)))
+            for key in METRIC_NAMES:
+                metrics[f"{cand.name}/{key}"] = values[key] if key == "nfe" else round(float(values[key]), 6)
+            rows.append({"candidate": cand.name, "sampler": cand.sampler, "nfe": cand.nfe, "adherence": metrics[f"{cand.name}/all"],
+                         **{k: metrics[f"{cand.name}/{k}"] for k in ("colour", "shape", "direction", "latency_s",
+                                                                    "distance_to_teacher")}})
+            per_prompt[cand.name] = results
+            log.info("validate %s: %s NFE, adherence colour %.2f shape %.2f direction %.2f all %.2f, %.3f s/video, "
+                     "distance to %s %.5f", cand.name, cand.nfe, values["colour"], values["shape"], values["direction"],
+                     values["all"], values["latency_s"], ref.name, values["distance_to_teacher"])
+        bar.close()
+        metrics = {f"{c.name}/{k}": metrics[f"{c.name}/{k}"] for c in candidates for k in METRIC_NAMES}  # input order
+        rows.sort(key=lambda r: row_of[r["candidate"]])
+        _write_grid(grid.pixels, stage, cfg)
+        report = {
+            "base_dir": str(base_dir), "reference": ref.name, "prompts": prompts, "config": asdict(cfg),
+            "candidates": [{**asdict(c), "model_dir": str(c.model_dir), "nfe": c.nfe, "shift": shifts[c.name]}
+                           for c in candidates],
+            "grid": {"rows": [c.name for c in candidates], "tile_hw": [cfg.height, cfg.width], "separator_px": 1},
+            "per_prompt": {c.name: per_prompt[c.name] for c in candidates},
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+        _write_tables(stage, metrics, rows, report)
+        _publish(stage, out_dir)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    log.info("validation of %d candidates on %d prompts written to %s", len(candidates), len(prompts), out_dir)
+    return metrics
