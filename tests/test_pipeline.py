@@ -55,7 +55,8 @@ def repo(tmp_path_factory) -> Path:
         (shutil.copytree if src.is_dir() else shutil.copy2)(src, repo / name)
     shutil.copytree(ROOT / "src" / "distillery", repo / "src" / "distillery", ignore=shutil.ignore_patterns("__pycache__"))
     set_params(repo, clips__num_train=16, clips__num_validation=4, teacher__steps=6, teacher__batch_size=4,
-               teacher__save_every=3, pretrain__steps=6, pretrain__batch_size=4, pretrain__save_every=3)
+               teacher__save_every=3, pretrain__steps=6, pretrain__batch_size=4, pretrain__save_every=3,
+               validate__num_prompts=2, validate__teacher_steps=[6, 2], validate__student_steps=4)
     sh(["git", "init", "-q"], repo)
     sh(["git", "config", "user.email", "ci@example.com"], repo)
     sh(["git", "config", "user.name", "ci"], repo)
@@ -70,7 +71,12 @@ def repo(tmp_path_factory) -> Path:
 
 def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"clips", "base", "latents", "teacher", "pretrain", "export"}
+    assert set(lock["stages"]) == {"clips", "base", "latents", "teacher", "pretrain", "validate", "export"}
+    report = repo / "artifacts" / "validate" / "report"
+    assert (report / "grid.gif").is_file() and (report / "grid.mp4").is_file()
+    scores = json.loads((repo / "metrics" / "validate.json").read_text())
+    assert scores["teacher_6/nfe"] == 12 and scores["teacher_2/nfe"] == 4 and scores["pretrain_4/nfe"] == 8
+    assert scores["teacher_6/distance_to_teacher"] == 0.0 and 0.0 <= scores["pretrain_4/colour"] <= 1.0
     for stage in lock["stages"]:
         assert (repo / "artifacts" / stage / "lineage.json").is_file(), stage
         assert json.loads((repo / "metrics" / f"{stage}.json").read_text()) == json.loads(
@@ -89,14 +95,14 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
     parents = [r for r in runs if r.data.tags.get("distillery.kind") == "pipeline"]
     assert len(parents) == 1
     children = {r.data.tags.get("mlflow.runName") for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
-    assert children >= {"clips", "base", "latents", "teacher", "pretrain", "export"}
+    assert children >= {"clips", "base", "latents", "teacher", "pretrain", "validate", "export"}
 
 
 def test_lineage_of_a_copied_export_verifies_and_names_an_altered_file(repo, tmp_path):
     elsewhere = tmp_path / "elsewhere" / "export"
     shutil.copytree(repo / "artifacts" / "export", elsewhere)
     tree = sh(["distillery", "lineage", str(elsewhere)], tmp_path).stdout
-    for stage in ("export", "pretrain", "teacher", "latents", "base", "clips"):
+    for stage in ("export", "pretrain", "teacher", "latents", "base", "clips"):  # validate is a sibling, not an input
         assert f"{stage} [" in tree or f": {stage} [" in tree, stage
     manifest = json.loads(sh(["distillery", "lineage", str(elsewhere), "--json"], tmp_path).stdout)
     assert manifest["stage"] == "export" and manifest["inputs"][0]["lineage"]["stage"] == "pretrain"
@@ -131,7 +137,7 @@ def test_changing_a_pretrain_param_reruns_only_pretrain_and_what_follows(repo):
     assert "pretrain" in status and "teacher:" not in status and "latents:" not in status
     out = sh(["dvc", "repro"], repo).stdout
     ran = [line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")]
-    assert ran == ["pretrain", "export"], out
+    assert ran[0] == "pretrain" and set(ran) == {"pretrain", "validate", "export"}, out
 
 
 def test_killed_pretrain_resumes_to_the_same_weights(repo, tmp_path):

@@ -39,7 +39,7 @@ STAGE_PARAMS: dict[str, list[str]] = {
     "latents": ["clips.num_frames", "clips.size", "clips.fps", "latents"],
     "teacher": ["seed", "gpus", "teacher"],
     "pretrain": ["seed", "gpus", "pretrain"],
-    "validate": ["seed", "validate"],
+    "validate": ["seed", "validate", "clips.num_frames", "clips.size", "clips.fps"],
     "export": ["export"],
 }
 
@@ -258,6 +258,46 @@ def stage_training(stage: str, params: Params) -> None:
            inputs=[("student_init", ARTIFACTS / init), ("data", ARTIFACTS / "latents")], mlflow=mlflow)
 
 
+def validation_prompts(n: int) -> list[str]:
+    """The first ``n`` distinct captions of the latents' validation split (train split if none)."""
+    from distillery.data import LatentDataset
+
+    root = ARTIFACTS / "latents" / "data"
+    split = "validation" if (root / "validation").is_dir() and any((root / "validation").glob("*.parquet")) else "train"
+    ds = LatentDataset(root, split)
+    seen: list[str] = []
+    for i in range(len(ds)):
+        caption = ds[i]["caption"]
+        if caption not in seen:
+            seen.append(caption)
+        if len(seen) == n:
+            break
+    return seen
+
+
+def stage_validate(params: Params) -> None:
+    """Teacher at many and few steps, the pretrained student at its steps: adherence, NFE, latency, distance."""
+    from distillery.validate import Candidate, ValidationConfig, run_validation, teacher_candidates
+
+    v = params.get("validate")
+    cfg = ValidationConfig(num_frames=params.get("clips.num_frames"), height=params.get("clips.size"),
+                           width=params.get("clips.size"), fps=float(params.get("clips.fps")),
+                           teacher_steps=list(v["teacher_steps"]), guidance_scale=float(v["guidance_scale"]),
+                           seed=params.get("seed"), progress_bar=False)
+    candidates = teacher_candidates(ARTIFACTS / "teacher" / "model", cfg)
+    candidates.append(Candidate(f"pretrain_{v['student_steps']}", ARTIFACTS / "pretrain" / "model", int(v["student_steps"]),
+                                float(v["guidance_scale"]), "euler"))
+    staging = fresh_staging("validate")
+    metrics = run_validation(ARTIFACTS / "base" / "model", candidates, validation_prompts(int(v["num_prompts"])),
+                             staging / "report", cfg)
+    artifact = publish("validate", staging)
+    Path("plots").mkdir(exist_ok=True)
+    shutil.copy2(artifact / "report" / "plots" / "adherence.csv", Path("plots") / "validate_adherence.csv")
+    finish("validate", artifact, kind="validation", params=params, metrics=metrics,
+           inputs=[("teacher", ARTIFACTS / "teacher"), ("student", ARTIFACTS / "pretrain"), ("base", ARTIFACTS / "base"),
+                   ("data", ARTIFACTS / "latents")])
+
+
 def stage_export(params: Params) -> None:
     """A complete diffusers folder: the base's parts + the chosen student's transformer, lineage inside."""
     student = params.get("export.student")
@@ -281,6 +321,7 @@ STAGES: dict[str, Callable[[Params], None]] = {
     "latents": stage_latents,
     "teacher": lambda p: stage_training("teacher", p),
     "pretrain": lambda p: stage_training("pretrain", p),
+    "validate": stage_validate,
     "export": stage_export,
 }
 
