@@ -11,3 +11,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)"
 python3 .bench_anchor/plain_diffusers_wan_step.py > "$OUT/anchor.log" 2>&1; echo "anchor rc=$?"; grep -v "^{" "$OUT/anchor.log" | tail -8
 python3 bench/sft_step.py "$@" > "$OUT/ours.log" 2>&1; echo "ours rc=$?"; tail -12 "$OUT/ours.log"
+if [ -n "${PROFILE:-}" ]; then  # host/GPU time split of the small-latent eager step, default wrapper
+  python3 bench/sft_step.py --one 21 30 52 0 0 native --steps 8 --profile "$OUT/profile_plain_eager.txt" > "$OUT/profile.log" 2>&1; echo "profile rc=$?"
+fi

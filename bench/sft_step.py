@@ -1,13 +1,16 @@
 """Benchmark: distillery's SFT training step on the Wan2.1-T2V-1.3B shape vs the plain-diffusers anchor.
 
 Runs, in one GPU job, each configuration in its own process (so peak memory is per config):
-  - our SFT step through the real Trainer (FSDP2 world of one, bf16 compute, fp32 master weights,
-    fused AdamW, grad clipping, parquet data loading, one host sync per step), eager and with
-    regional torch.compile, at latents 21×30×52 and 21×60×104 (random init, batch 1, 512×4096 text);
+  - our SFT step through the real Trainer (bf16 compute, fp32 master weights, fused AdamW, grad
+    clipping, parquet data loading, one host sync per step) on one GPU, wrapped two ways — ``plain``
+    (no FSDP: a bf16 compute copy beside the fp32 masters) and ``fsdp`` (FSDP2 on a world of one) —
+    eager and with regional torch.compile, at latents 21×30×52 and 21×60×104 (random init, batch 1,
+    512×4096 text);
   - reads the anchor's figures from ``$OUT/wan_step.json`` (run the anchor first in the same job).
 
-Usage (device machine):  python bench/sft_step.py [--anchor-json $OUT/wan_step.json]
-Prints a table and writes ``$OUT/sft_step.json``.
+Usage (device machine):  python bench/sft_step.py [--wrappers plain,fsdp] [--modes eager,compile]
+Prints a table and writes ``$OUT/sft_step.json`` (after every configuration).
+One configuration, profiled:  python bench/sft_step.py --one 21 30 52 0 0 native --profile $OUT/profile.txt
 """
 
 from __future__ import annotations
@@ -66,93 +69,133 @@ def make_assets(root: Path, size: tuple[int, int, int]) -> tuple[Path, Path]:
     return model, data
 
 
-def run_one(size: tuple[int, int, int], compile_blocks: bool, steps: int, warmup: int) -> dict:
-    """Train ``steps`` steps with the real Trainer; report the median of the post-warm-up step times."""
+def bench_run_config(model: Path, data: Path, output_dir: Path, steps: int, compile_blocks: bool | None,
+                     shard_single_rank: bool, attention: str = "native", grad_clip: bool = True) -> dict:
+    """The raw run config of one benchmark configuration (batch 1, lr 1e-5, no tracking)."""
+    return {
+        "models": {"student": {"_target_": "distillery.models.wan.WanModel", "init_from": str(model), "random_init": True}},
+        "method": {"_target_": "distillery.methods.sft.SFTMethod"},
+        "training": {
+            "distributed": {"shard_single_rank": shard_single_rank},
+            "data": {"path": str(data), "batch_size": 1, "text_max_length": TEXT_LEN},
+            "optimizer": {"learning_rate": 1e-5},
+            "loop": {"max_train_steps": steps, "progress_bar": False},
+            "checkpoint": {"output_dir": str(output_dir), "save_final": False},
+            "tracker": {"backend": "none"},
+            "model": {"compile": compile_blocks, "attention_backend": attention},
+        },
+        "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}}
+        if grad_clip else {},
+    }
+
+
+def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_single_rank: bool, attention: str, steps: int,
+            warmup: int, profile_to: Path | None = None) -> dict:
+    """Train ``steps`` steps with the real Trainer; report the median of the post-warm-up step times.
+
+    ``profile_to``: also write a torch.profiler table (GPU time, then host time) of the whole run there.
+    """
+    import contextlib
+
     import torch
 
     from distillery.config import allowed_prefixes, load_run_config
+    from distillery.builder import resolve_compile
     from distillery.distributed import init_distributed, shutdown
     from distillery.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         model, data = make_assets(Path(tmp), size)
-        raw = {
-            "models": {"student": {"_target_": "distillery.models.wan.WanModel", "init_from": str(model), "random_init": True}},
-            "method": {"_target_": "distillery.methods.sft.SFTMethod"},
-            "training": {
-                "data": {"path": str(data), "batch_size": 1, "text_max_length": TEXT_LEN},
-                "optimizer": {"learning_rate": 1e-5},
-                "loop": {"max_train_steps": steps, "progress_bar": False},
-                "checkpoint": {"output_dir": str(Path(tmp) / "run"), "save_final": False},
-                "tracker": {"backend": "none"},
-                "model": {"compile": compile_blocks},
-            },
-            "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}},
-        }
+        raw = bench_run_config(model, data, Path(tmp) / "run", steps, compile_blocks, shard_single_rank, attention)
         config = load_run_config(raw=raw, prefixes=allowed_prefixes())
         env = init_distributed(config.training.distributed)
+        profiler = contextlib.nullcontext()
+        if profile_to is not None:
+            from torch.profiler import ProfilerActivity, profile
+
+            profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         try:
             trainer = Trainer(config, env)
+            compiled = resolve_compile(config.training.model, env)
             cuda = torch.cuda.is_available()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            result = trainer.fit()
+            with profiler as prof:
+                result = trainer.fit()
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
         finally:
             shutdown()
+    if profile_to is not None:
+        table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40)
+        profile_to.write_text(table + "\n\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
     times = [row["step_time_s"] for row in result.history]
     step_s = statistics.median(times[warmup:])
     flops, tokens = flops_per_sample(*size)
-    return {"size": list(size), "tokens": tokens, "compile": compile_blocks, "step_s": step_s,
-            "first_step_s": times[0], "tflops": flops / step_s / 1e12, "peak_mem_gib": peak,
+    return {"size": list(size), "tokens": tokens, "compile": compile_blocks, "compiled": compiled, "shard_single_rank": shard_single_rank,
+            "attention": attention, "step_s": step_s, "first_step_s": times[0], "tflops": flops / step_s / 1e12, "peak_mem_gib": peak,
             "step_times": times, "final_loss": result.history[-1]["total_loss"]}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--one", nargs=4, metavar=("T", "H", "W", "COMPILE"))
+    parser.add_argument("--one", nargs=6, metavar=("T", "H", "W", "COMPILE", "SHARD_SINGLE_RANK", "ATTENTION"))
     parser.add_argument("--anchor-json", default=os.path.join(os.environ.get("OUT", "/tmp"), "wan_step.json"))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--wrappers", default="plain,fsdp",
+                        help="comma list: plain (one rank, no FSDP: bf16 compute copy + fp32 master), fsdp (FSDP2 on one rank)")
+    parser.add_argument("--modes", default="eager,compile",
+                        help="comma list of eager, compile, default (training.model.compile left null: the library decides)")
+    parser.add_argument("--attention", default="native", help="comma list of training.model.attention_backend values")
+    parser.add_argument("--tag", default="", help="write $OUT/sft_step<tag>.json (several invocations in one job)")
+    parser.add_argument("--profile", metavar="FILE", help="with --one: write a torch.profiler table to FILE")
     args = parser.parse_args()
+    out_dir = Path(os.environ.get("OUT", "/tmp"))
     if args.one:
-        t, h, w, comp = args.one
-        out = run_one((int(t), int(h), int(w)), comp == "1", args.steps, args.warmup)
+        t, h, w, comp, shard, attention = args.one
+        out = run_one((int(t), int(h), int(w)), {"0": False, "1": True}.get(comp), shard == "1", attention, args.steps, args.warmup,
+                      Path(args.profile) if args.profile else None)
         print("RESULT " + json.dumps(out), flush=True)
         return 0
     anchor = json.loads(Path(args.anchor_json).read_text()) if Path(args.anchor_json).is_file() else {}
     rows = []
-    for size in SIZES:
-        for comp in (0, 1):
-            cmd = [sys.executable, __file__, "--one", *map(str, size), str(comp), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode != 0 or not line:
-                tail = (proc.stderr or proc.stdout)[-1500:]
-                print(f"FAILED size={size} compile={comp}:\n{tail}", flush=True)
-                rows.append({"size": list(size), "compile": bool(comp), "error": tail[-300:]})
-                continue
-            row = json.loads(line[0][len("RESULT "):])
-            key = f"eager_{size[0]}x{size[1]}x{size[2]}"
-            ref = anchor.get(key)
-            if isinstance(ref, dict):
-                row["anchor_eager_step_s"] = ref["step_s"]
-                row["anchor_eager_peak_mem_gib"] = ref["peak_mem_gib"]
-                row["ratio_to_anchor_eager"] = row["step_s"] / ref["step_s"]
-            cref = anchor.get(f"compiled_{size[0]}x{size[1]}x{size[2]}")
-            if isinstance(cref, dict):
-                row["anchor_compiled_step_s"] = cref["step_s"]
-                row["ratio_to_anchor_compiled"] = row["step_s"] / cref["step_s"]
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "step_times"}), flush=True)
-    out = {"anchor": anchor, "ours": rows}
-    Path(os.environ.get("OUT", "/tmp"), "sft_step.json").write_text(json.dumps(out, indent=1))
-    print(f"\n{'latent':>12} {'mode':>8} {'step s':>8} {'TFLOP/s':>8} {'mem GiB':>8} {'anchor s':>9} {'ratio':>6}")
-    for r in rows:
-        if "error" in r:
-            print(f"{'x'.join(map(str, r['size'])):>12} {'compile' if r['compile'] else 'eager':>8}  FAILED")
+    configs = [(w, size, m, a) for w in args.wrappers.split(",") for a in args.attention.split(",")
+               for m in args.modes.split(",") for size in SIZES]
+    for wrapper, size, mode, attention in configs:
+        comp, shard = {"eager": "0", "compile": "1", "default": "default"}[mode], int(wrapper == "fsdp")
+        cmd = [sys.executable, __file__, "--one", *map(str, size), comp, str(shard), attention,
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not line:
+            tail = (proc.stderr or proc.stdout)[-1500:]
+            print(f"FAILED {wrapper} size={size} {mode}:\n{tail}", flush=True)
+            rows.append({"size": list(size), "compile": mode, "wrapper": wrapper, "attention": attention,
+                         "error": tail[-300:]})
             continue
-        print(f"{'x'.join(map(str, r['size'])):>12} {'compile' if r['compile'] else 'eager':>8} {r['step_s']:8.3f} "
+        row = {"wrapper": wrapper, **json.loads(line[0][len("RESULT "):])}
+        key = f"{size[0]}x{size[1]}x{size[2]}"
+        ref = anchor.get(f"eager_{key}")
+        if isinstance(ref, dict):
+            row["anchor_eager_step_s"] = ref["step_s"]
+            row["anchor_eager_peak_mem_gib"] = ref["peak_mem_gib"]
+            row["ratio_to_anchor_eager"] = row["step_s"] / ref["step_s"]
+        cref = anchor.get(f"compiled_{key}")
+        if isinstance(cref, dict):
+            row["anchor_compiled_step_s"] = cref["step_s"]
+            row["ratio_to_anchor_compiled"] = row["step_s"] / cref["step_s"]
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "step_times"}), flush=True)
+        (out_dir / f"sft_step{args.tag}.json").write_text(json.dumps({"anchor": anchor, "ours": rows}, indent=1))
+    print(f"\n{'wrapper':>7} {'attention':>9} {'latent':>12} {'mode':>8} {'step s':>8} {'TFLOP/s':>8} {'mem GiB':>8} {'anchor s':>9} {'ratio':>6}")
+    for r in rows:
+        mode = {True: "compile", False: "eager", None: "default"}.get(r["compile"], str(r["compile"]))
+        if r.get("compiled") is not None and r["compile"] is None:
+            mode = "def:" + ("comp" if r["compiled"] else "eager")
+        if "error" in r:
+            print(f"{r['wrapper']:>7} {r['attention']:>9} {'x'.join(map(str, r['size'])):>12} {mode:>8}  FAILED")
+            continue
+        print(f"{r['wrapper']:>7} {r['attention']:>9} {'x'.join(map(str, r['size'])):>12} {mode:>8} {r['step_s']:8.3f} "
               f"{r['tflops']:8.1f} {r['peak_mem_gib']:8.1f} {r.get('anchor_eager_step_s', float('nan')):9.3f} "
               f"{r.get('ratio_to_anchor_eager', float('nan')):6.3f}")
     return 0

@@ -161,3 +161,77 @@ def test_bf16_mixed_precision_trains_with_fp32_master_weights(tmp_path, tiny_bas
     assert _mean(rows[-5:]) < 0.7 * _mean(rows[:5])
     state = role_state(tmp_path / "run" / "checkpoint-30")
     assert all(t.dtype == torch.float32 for t in state.values())  # master weights stay fp32
+
+
+def test_bf16_compute_copy_resume_is_bitwise_equal(tmp_path, tiny_base, latent_set):
+    """One rank without FSDP, bf16 compute: stop + resume (masters reloaded, the copy refreshed from
+    them) ends bitwise equal to the uninterrupted run."""
+    full = run_config(tiny_base, latent_set, tmp_path / "full", steps=6, callbacks=CALLBACKS)
+    full["training"]["distributed"] = {"mixed_precision": "bf16", "shard_single_rank": False}
+    full["training"]["loop"]["grad_accum_steps"] = 2
+    train_in_process(full)
+    split = json.loads(json.dumps(full))
+    split["training"]["checkpoint"]["output_dir"] = str(tmp_path / "split")
+    split["training"]["loop"]["stop_at_step"] = 3
+    train_in_process(split)
+    split["training"]["loop"]["stop_at_step"] = None
+    train_in_process(split)
+    for ema in (None, "ema"):
+        sa, sb = role_state(tmp_path / "full" / "checkpoint-6", ema=ema), role_state(tmp_path / "split" / "checkpoint-6", ema=ema)
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), ema
+    assert [r["total_loss"] for r in read_log(tmp_path / "full")] == [r["total_loss"] for r in read_log(tmp_path / "split")]
+
+
+def test_compute_copy_accumulates_grads_in_fp32_and_keeps_buffers():
+    from diffusers import WanTransformer3DModel
+
+    from distillery.precision import ComputeCopy
+
+    torch.manual_seed(0)
+    master = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                                   out_channels=4, text_dim=16, freq_dim=16, ffn_dim=16, num_layers=1, rope_max_seq_len=32)
+    twin = ComputeCopy(master, torch.bfloat16, torch.device("cpu"))
+    assert all(p.dtype == torch.bfloat16 for p in twin.module.parameters())
+    assert [b.dtype for b in twin.module.buffers()] == [b.dtype for b in master.buffers()]  # RoPE tables not cast
+    x, t, text = torch.randn(1, 4, 2, 4, 4), torch.tensor([500.0]), torch.randn(1, 3, 16)
+    grads = []
+    for scale in (1.0, 3.0):
+        twin.module(x.bfloat16(), t, (scale * text).bfloat16(), return_dict=False)[0].float().square().mean().backward()
+        grads.append({n: p.grad.float().clone() for n, p in twin.module.named_parameters()})
+        twin.collect_grads()
+        assert all(p.grad is None for p in twin.module.parameters())
+    for n, p in master.named_parameters():
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, grads[0][n] + grads[1][n], rtol=0, atol=0)
+    # an update far below bf16 resolution is kept by the fp32 master, and reaches the copy once it adds up
+    weight = master.proj_out.weight
+    with torch.no_grad():
+        weight.fill_(1.0)
+        twin.refresh()
+        for _ in range(3):
+            weight.add_(1e-3)  # bf16 spacing at 1.0 is 2**-7 ≈ 7.8e-3
+            twin.refresh()
+    assert torch.equal(twin.module.proj_out.weight, torch.ones_like(weight, dtype=torch.bfloat16))
+    assert weight[0, 0].item() == pytest.approx(1.003)
+    with torch.no_grad():
+        for _ in range(5):
+            weight.add_(1e-3)
+        twin.refresh()
+    assert twin.module.proj_out.weight[0, 0].item() == pytest.approx(1.0078125)
+
+
+def test_runtime_choices_resolve_per_device(tmp_path, tiny_base, latent_set):
+    from distillery.builder import resolve_compile
+    from distillery.config.schema import ModelRuntimeConfig
+    from distillery.distributed import DistEnv
+
+    def env(device: str, dtype: torch.dtype) -> DistEnv:
+        return DistEnv(0, 1, 0, torch.device(device), "gloo", None, dtype)
+
+    assert resolve_compile(ModelRuntimeConfig(), env("cuda", torch.bfloat16)) is True  # null: compiled on GPU
+    assert resolve_compile(ModelRuntimeConfig(), env("cpu", torch.float32)) is False
+    assert resolve_compile(ModelRuntimeConfig(compile=False), env("cuda", torch.bfloat16)) is False
+    cfg = run_config(tiny_base, latent_set, tmp_path / "run", steps=1)
+    cfg["training"]["model"] = {"attention_backend": "cudnn"}
+    with pytest.raises(UserError, match="attention_backend: cudnn needs a CUDA device; use native"):
+        train_in_process(cfg)

@@ -8,11 +8,12 @@ from pathlib import Path
 import torch
 
 from distillery.callbacks.base import Callback
-from distillery.config.schema import RunConfig
+from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, RunConfig
 from distillery.distributed import DistEnv, shard_transformer, uses_fsdp
 from distillery.errors import UserError
 from distillery.methods.base import TrainingMethod
 from distillery.models.base import ModelBase
+from distillery.precision import ComputeCopy, cast_parameters_
 
 
 @dataclass
@@ -68,10 +69,51 @@ def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
     for model in models.values():
         if config.training.model.activation_checkpointing and hasattr(model, "enable_activation_checkpointing"):
             model.enable_activation_checkpointing()
-        shard_transformer(model.transformer, model.shardable_blocks(), env, config.training.distributed, config.training.model)
-        model.bind_device(env.device, env.compute_dtype, autocast=not uses_fsdp(env, config.training.distributed))
+        place_model(model, env, config.training.distributed, config.training.model)
     method.build_optimizers()
     return BuiltRun(models=models, method=method, callbacks=build_callbacks(config))
+
+
+def resolve_compile(runtime: ModelRuntimeConfig, env: DistEnv) -> bool:
+    """``training.model.compile``; null: on for bf16 on CUDA (the fastest step, BENCHMARKS.md), off otherwise."""
+    if runtime.compile is not None:
+        return runtime.compile
+    return env.device.type == "cuda" and env.compute_dtype == torch.bfloat16
+
+
+def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, runtime: ModelRuntimeConfig) -> None:
+    """Put one role on the device in the form it trains in.
+
+    - FSDP2 (several ranks, or ``shard_single_rank: true``): sharded fp32 masters, bf16 gathers.
+    - One rank without FSDP, bf16 compute: a trainable role gets a bf16 compute copy beside its
+      fp32 master (:class:`~distillery.precision.ComputeCopy`); a frozen role is cast to bf16 in
+      place (no master is needed). Buffers (RoPE tables) stay fp32.
+    - fp32 compute (CPU by default): the transformer itself, as loaded.
+
+    ``runtime.compile`` compiles each block of the module that runs forward (:func:`resolve_compile`);
+    ``runtime.attention_backend`` picks the attention kernel.
+    """
+    if runtime.attention_backend != "native" and env.device.type != "cuda":
+        raise UserError(
+            f"config error: training.model.attention_backend: {runtime.attention_backend} needs a CUDA device; use native"
+        )
+    model.set_attention_backend(runtime.attention_backend)
+    compile_blocks = resolve_compile(runtime, env)
+    if uses_fsdp(env, dist_cfg):
+        shard_transformer(model.transformer, model.shardable_blocks(), env, dist_cfg, compile_blocks)
+        model.bind_device(env.device, env.compute_dtype)
+        return
+    compute_copy = None
+    if env.compute_dtype != torch.float32:
+        if model.trainable:
+            compute_copy = ComputeCopy(model.transformer, env.compute_dtype, env.device)
+        else:
+            cast_parameters_(model.transformer, env.compute_dtype)
+    model.transformer.to(env.device)
+    model.bind_device(env.device, env.compute_dtype, compute_copy)
+    if compile_blocks:
+        for block in model.shardable_blocks(model.forward_module):
+            block.compile()
 
 
 def check_data_path(path: str) -> Path:

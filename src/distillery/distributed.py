@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from distillery.config.schema import DistributedConfig, ModelRuntimeConfig
+from distillery.config.schema import DistributedConfig
 from distillery.errors import UserError
 
 
@@ -53,6 +53,10 @@ def init_distributed(cfg: DistributedConfig) -> DistEnv:
         raise UserError("config error: training.distributed.backend: nccl needs CUDA; use gloo on CPU")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
+        # Expandable segments keep the caching allocator from fragmenting near the memory limit
+        # (BENCHMARKS.md); a user's own PYTORCH_CUDA_ALLOC_CONF (even empty) wins. Read at the
+        # allocator's first use, so this must precede any CUDA allocation.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
@@ -78,7 +82,11 @@ def init_distributed(cfg: DistributedConfig) -> DistEnv:
 
 
 def uses_fsdp(env: DistEnv, cfg: DistributedConfig) -> bool:
-    """FSDP2 wraps the transformers on more than one rank (or when asked to on one)."""
+    """FSDP2 wraps the transformers on more than one rank (or when asked to on one).
+
+    On one rank without FSDP, bf16 training runs a bf16 compute copy of each trainable
+    transformer beside its fp32 master (:mod:`distillery.precision`).
+    """
     return env.world_size > 1 or cfg.shard_single_rank
 
 
@@ -87,7 +95,7 @@ def shard_transformer(
     blocks: list[torch.nn.Module],
     env: DistEnv,
     cfg: DistributedConfig,
-    runtime: ModelRuntimeConfig,
+    compile_blocks: bool = False,
 ) -> torch.nn.Module:
     """Move ``transformer`` to the device and apply FSDP2 per block, then at the root (in place).
 
@@ -96,20 +104,12 @@ def shard_transformer(
     casts latents and text to the compute dtype itself and keeps timesteps and rotary tables in
     fp32, as diffusers' inference pipelines do. With a shard group of one rank, resharding after
     forward is skipped by default (it would only re-gather the same weights in backward).
-
-    With ``shard_single_rank: false`` on a world of one rank nothing is wrapped: the module stays
-    plain (fp32 weights) and the model runs its forward under ``torch.autocast`` — bf16 matmuls,
-    fp32 master weights and gradients, without FSDP's per-block host hooks (which dominate the
-    step time of small latents on one GPU). Eager, this costs activation memory with diffusers'
-    modules (their norms compute in the weights' dtype, fp32 here); compiled it is the fastest
-    single-GPU step measured (BENCHMARKS.md).
+    ``compile_blocks`` compiles each block (regional compilation) before it is wrapped.
     """
     transformer.to(env.device)
-    if runtime.compile:
+    if compile_blocks:
         for block in blocks:
             block.compile()
-    if not uses_fsdp(env, cfg):
-        return transformer
     mp = MixedPrecisionPolicy(param_dtype=env.compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     reshard = cfg.reshard_after_forward
     if reshard is None:

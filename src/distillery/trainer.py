@@ -30,6 +30,17 @@ log = get_logger("trainer")
 
 
 @dataclass
+class PendingMetrics:
+    """One step's metrics on their way to the host (see :meth:`Trainer._stage_metrics`)."""
+
+    step: int
+    names: list[str]
+    values: torch.Tensor | None  # [len(names)] fp32 on the host once ``event`` has completed
+    event: Any  # torch.cuda.Event, or None on CPU (values are ready)
+    started: float  # perf_counter() when the step began
+
+
+@dataclass
 class TrainResult:
     final_step: int
     checkpoint: Path | None
@@ -63,6 +74,8 @@ class Trainer:
         sampler = ShardedBatchSampler(len(dataset), t.data.batch_size, env.rank, env.world_size, t.loop.seed, t.data.drop_last)
         self.loader = LatentBatchLoader(dataset, sampler, t.data.text_max_length)
         self.empty_text = pad_empty_embedding(read_empty_prompt_embedding(data_root), t.data.text_max_length)
+        if self.empty_text is not None and env.device.type == "cuda":
+            self.empty_text = self.empty_text.pin_memory()
         self.ctx = CallbackContext(self.method, env.rank, env.world_size, t.loop.max_train_steps)
         self.ckpt = CheckpointManager(t.checkpoint.output_dir, t.checkpoint.keep_last, env.rank, env.world_size)
         self.samples_per_step = t.data.batch_size * t.loop.grad_accum_steps * env.world_size
@@ -98,12 +111,20 @@ class Trainer:
         if rng is None:  # more ranks than saved: the random stream is the same on every rank
             rng = torch.load(path / "rng" / "rank-0.pt", weights_only=False)
         self.method.load_state_dict(restore_rng(rng))
+        self._refresh_compute_weights()
         log.info("resumed from %s at step %d", path, host["step"])
         return int(host["step"]), host.get("mlflow_run_id")
+
+    def _refresh_compute_weights(self) -> None:
+        for model in self.run.models.values():
+            if model.trainable:
+                model.refresh_compute_weights()
 
     # -- one optimizer step -----------------------------------------------------------------
     def _next_batch(self) -> dict[str, Any]:
         batch = next(self.loader)
+        if self.env.device.type == "cuda":  # page-locked: the copy to the GPU does not wait for queued work
+            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         if self.empty_text is not None:
             batch["empty_text_embeds"] = self.empty_text
         return batch
@@ -114,24 +135,42 @@ class Trainer:
         for micro in range(accum):
             out = self.method.single_train_step(self._next_batch(), step)
             self.method.backward(out, grad_accum_rounds=accum)
+            for model in self.run.models.values():
+                model.collect_grads()
             for k, v in {**out.losses, **out.metrics}.items():
                 sums[k] = sums.get(k, 0) + v.detach().float() / accum
         for cb in self.run.callbacks:
             sums.update(cb.on_before_optimizer_step(self.ctx, step))
         self.method.optimizers_step(step)
         self.method.zero_grad(step)
+        self._refresh_compute_weights()
         for cb in self.run.callbacks:
             sums.update(cb.on_training_step_end(self.ctx, step))
         return sums
 
-    def _read_metrics(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
-        """The step's one host sync: stack, average over ranks, copy to the host once."""
+    def _stage_metrics(self, step: int, tensors: dict[str, torch.Tensor], started: float) -> PendingMetrics:
+        """Queue the step's one device→host copy: stack, average over ranks, copy without waiting."""
         names = sorted(tensors)
-        if not names:
-            return {}
-        stacked = torch.stack([tensors[n].to(self.env.device, torch.float32).reshape(()) for n in names])
-        values = all_reduce_mean(stacked).tolist()
-        return dict(zip(names, values))
+        values = None
+        if names:
+            stacked = torch.stack([tensors[n].to(self.env.device, torch.float32).reshape(()) for n in names])
+            values = all_reduce_mean(stacked).to("cpu", non_blocking=True)
+        event = None
+        if self.env.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingMetrics(step, names, values, event, started)
+
+    def _read_metrics(self, pending: PendingMetrics, finished: float) -> dict[str, float]:
+        """The step's host sync: wait for its copied metrics. ``finished``: when the next step
+        started (or now, for a step nothing follows), so ``step_time_s`` is the step's share of
+        wall time."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        metrics = dict(zip(pending.names, pending.values.tolist())) if pending.values is not None else {}
+        elapsed = max(finished - pending.started, 1e-9)
+        metrics.update({"step_time_s": elapsed, "samples_per_s": self.samples_per_step / elapsed})
+        return metrics
 
     # -- the per-step log (rank 0): <output_dir>/train_log.jsonl, one JSON object per logged step --
     @property
@@ -168,24 +207,37 @@ class Trainer:
         bar = tqdm(total=t.loop.max_train_steps, initial=start_step, disable=not (self.env.is_main and t.loop.progress_bar),
                    desc="train", dynamic_ncols=True, mininterval=1.0)
         status = "FAILED"
+        pending: PendingMetrics | None = None
+        lrs = self.method.learning_rates()
+
+        def finish(row: PendingMetrics, finished: float, lrs: dict[str, float]) -> None:
+            metrics = self._read_metrics(row, finished)
+            metrics.update({f"lr/{r}": lr for r, lr in lrs.items()})
+            if row.step % t.loop.log_every == 0 or row.step == t.loop.max_train_steps:
+                self.tracker.log_metrics(metrics, row.step)
+                result.history.append({"step": row.step, **metrics})
+                self._append_log({"step": row.step, **metrics})
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics.get('total_loss', float('nan')):.4f}", refresh=False)
+
         try:
+            # Step N's metrics are read after step N+1 is launched, so the device never idles
+            # while the host reads them; a checkpoint or the end of the run reads them at once.
             for step in range(start_step + 1, t.loop.max_train_steps + 1):
                 started = time.perf_counter()
                 tensors = self._train_step(step)
-                metrics = self._read_metrics(tensors)
-                elapsed = time.perf_counter() - started
-                metrics.update({"step_time_s": elapsed, "samples_per_s": self.samples_per_step / elapsed})
-                metrics.update({f"lr/{r}": lr for r, lr in self.method.learning_rates().items()})
-                if step % t.loop.log_every == 0 or step == t.loop.max_train_steps:
-                    self.tracker.log_metrics(metrics, step)
-                    result.history.append({"step": step, **metrics})
-                    self._append_log({"step": step, **metrics})
-                bar.update(1)
-                bar.set_postfix(loss=f"{metrics.get('total_loss', float('nan')):.4f}", refresh=False)
+                if pending is not None:
+                    finish(pending, started, lrs)
+                lrs = self.method.learning_rates()  # after this step's schedule update, logged in its row
+                pending = self._stage_metrics(step, tensors, started)
                 result.final_step = step
                 every = t.checkpoint.save_every
                 stopping = step == t.loop.stop_at_step
-                if (every and step % every == 0) or stopping or (step == t.loop.max_train_steps and t.checkpoint.save_final):
+                saving = (every and step % every == 0) or stopping or (step == t.loop.max_train_steps and t.checkpoint.save_final)
+                if saving or step == t.loop.max_train_steps:
+                    finish(pending, time.perf_counter(), lrs)
+                    pending = None
+                if saving:
                     result.checkpoint = self.ckpt.save(step, self._payload(step))
                 if stopping:
                     log.info("stopping at step %d as asked (training.loop.stop_at_step); rerun to continue", step)

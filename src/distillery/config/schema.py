@@ -24,7 +24,7 @@ class DistributedConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when present, else cpu
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"  # auto: bf16 compute on cuda, fp32 on cpu
     replicate_size: int = 1  # HSDP: size of the replicate mesh dim (1 = plain FSDP over all ranks)
-    shard_single_rank: bool = True  # FSDP2 (bf16 mixed precision) even on a world of one; false: plain module + autocast (fastest on 1 GPU with model.compile, see BENCHMARKS.md)
+    shard_single_rank: bool = False  # true: FSDP2 even on a world of one; false: a plain module there (bf16 compute copy + fp32 master, faster: BENCHMARKS.md)
     reshard_after_forward: bool | None = None  # FSDP2: free gathered params after forward (ZeRO-3); null: only when the shard group has >1 rank
 
     def __post_init__(self) -> None:
@@ -103,8 +103,9 @@ class TrackerConfig:
 
 @dataclass
 class ModelRuntimeConfig:
-    compile: bool = False  # torch.compile each transformer block (regional compilation)
+    compile: bool | None = None  # torch.compile each transformer block (regional compilation); null: on for bf16 on CUDA, off otherwise
     activation_checkpointing: bool = False  # recompute block activations in backward
+    attention_backend: Literal["native", "cudnn", "flash", "efficient"] = "native"  # native: torch SDPA picks the kernel; else only that SDPA kernel (CUDA)
 
 
 @dataclass

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from distillery.errors import UserError
 from distillery.models.schedule import FlowMatchSchedule
+from distillery.precision import ComputeCopy
 from distillery.rng import BatchRNG
 
 
@@ -47,34 +49,59 @@ class ModelBase(ABC):
         self.role = role
         self.device = torch.device("cpu")
         self.compute_dtype = torch.float32
-        self.autocast = False
+        self.compute_copy: ComputeCopy | None = None
 
     @property
     def trainable(self) -> bool:
         return bool(getattr(self.config, "trainable", False))
 
-    def bind_device(self, device: torch.device, compute_dtype: torch.dtype = torch.float32, autocast: bool = False) -> None:
+    def bind_device(self, device: torch.device, compute_dtype: torch.dtype = torch.float32,
+                    compute_copy: ComputeCopy | None = None) -> None:
         """Record the device and dtype the transformer computes in.
 
-        ``autocast``: the weights are plain fp32 (not FSDP mixed precision), so a lower compute
-        dtype is reached with ``torch.autocast`` around the forward.
+        ``compute_copy``: a low-precision twin of ``self.transformer`` (the fp32 master) that runs
+        forward and backward (one rank without FSDP; see :mod:`distillery.precision`).
         """
         self.device = device
         self.compute_dtype = compute_dtype
-        self.autocast = autocast and compute_dtype != torch.float32
+        self.compute_copy = compute_copy
+
+    @property
+    def forward_module(self) -> torch.nn.Module:
+        """The module that computes: the compute copy when there is one, else the transformer."""
+        return self.compute_copy.module if self.compute_copy is not None else self.transformer
+
+    def collect_grads(self) -> None:
+        """Move gradients of the compute copy (if any) into the fp32 master gradients."""
+        if self.compute_copy is not None:
+            self.compute_copy.collect_grads()
+
+    def refresh_compute_weights(self) -> None:
+        """Write the master weights into the compute copy (if any) after they changed."""
+        if self.compute_copy is not None:
+            self.compute_copy.refresh()
+
+    def requires_grad_(self, flag: bool) -> None:
+        """Freeze or unfreeze this role's weights (master and compute copy alike)."""
+        self.transformer.requires_grad_(flag)
+        if self.compute_copy is not None:
+            self.compute_copy.requires_grad_(flag)
 
     def input_dtype(self) -> torch.dtype:
-        """dtype for latents/text fed to the transformer: the compute dtype, with FSDP mixed
-        precision and under autocast alike, so the residual stream is carried in bf16 (fp32
-        inputs under autocast would keep it in fp32: double the activation memory)."""
+        """dtype for latents/text fed to the transformer: the compute dtype, so the residual stream
+        is carried in bf16 under mixed precision."""
         return self.compute_dtype
 
-    def autocast_context(self) -> Any:
-        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast)
+    def set_attention_backend(self, backend: str) -> None:
+        """Select the attention kernel of ``self.transformer`` (``native``: torch's SDPA dispatch;
+        ``cudnn`` / ``flash`` / ``efficient``: that SDPA kernel only). Default: no choice offered."""
+        if backend != "native":
+            raise UserError(f"config error: training.model.attention_backend: {type(self).__name__} offers only native")
 
     @abstractmethod
-    def shardable_blocks(self) -> list[torch.nn.Module]:
-        """The repeated blocks FSDP2 shards one by one before the root."""
+    def shardable_blocks(self, module: torch.nn.Module | None = None) -> list[torch.nn.Module]:
+        """The repeated blocks of ``module`` (default: ``self.transformer``) that FSDP2 shards one
+        by one before the root and regional compilation compiles."""
 
     @abstractmethod
     def transformer_config(self) -> dict[str, Any]:
@@ -90,20 +117,21 @@ class ModelBase(ABC):
         rng: BatchRNG,
         timesteps: torch.Tensor | None = None,
     ) -> TrainingBatch:
-        """Move a collated batch to the device (as float32; FSDP's mixed-precision policy casts the
-        transformer's inputs to the compute dtype) and draw noise (and timesteps unless given).
+        """Move a collated batch to the device (copied as stored, then float32 on the device; the
+        forward casts to the compute dtype) and draw noise (and timesteps unless given). Page-locked
+        host tensors are copied without waiting for work already queued on the GPU.
 
         ``raw`` holds ``latents`` [B,C,T,H,W], ``text_embeds`` [B,L,D] and optionally
         ``negative_text_embeds`` [B,L,D] or ``empty_text_embeds`` [L,D]. All randomness comes from
         ``rng`` (per-sample draws, independent of the rank split).
         """
-        latents = raw["latents"].to(self.device, torch.float32, non_blocking=True)
-        text = raw["text_embeds"].to(self.device, torch.float32, non_blocking=True)
+        latents = raw["latents"].to(self.device, non_blocking=True).float()  # copy as stored, cast on the device
+        text = raw["text_embeds"].to(self.device, non_blocking=True).float()
         negative = raw.get("negative_text_embeds")
-        if negative is None and raw.get("empty_text_embeds") is not None:
-            negative = raw["empty_text_embeds"].unsqueeze(0).expand_as(raw["text_embeds"])
         if negative is not None:
-            negative = negative.to(self.device, torch.float32, non_blocking=True)
+            negative = negative.to(self.device, non_blocking=True).float()
+        elif raw.get("empty_text_embeds") is not None:  # one [L, D] copy, broadcast over the batch on the device
+            negative = raw["empty_text_embeds"].to(self.device, non_blocking=True).float().unsqueeze(0).expand_as(text)
         if timesteps is None:
             timesteps = self.sample_timesteps(latents.shape[0], rng)
         timesteps = timesteps.to(self.device)

@@ -106,8 +106,23 @@ class WanModel(ModelBase):
         log.info("role %s: %s from %s (%.1f M params, shift %.2f)", role, TRANSFORMER_CLASS, transformer_dir,
                  sum(p.numel() for p in self.transformer.parameters()) / 1e6, shift)
 
-    def shardable_blocks(self) -> list[torch.nn.Module]:
-        return list(self.transformer.blocks)
+    def set_attention_backend(self, backend: str) -> None:
+        """Route every attention of the transformer through diffusers' attention dispatcher to
+        ``backend`` (native | cudnn | flash | efficient: torch SDPA restricted to that kernel)."""
+        if backend == "native":
+            return  # diffusers' default: torch SDPA picks the kernel
+        from diffusers.utils import logging as diffusers_logging
+
+        name = {"native": "native", "cudnn": "_native_cudnn", "flash": "_native_flash", "efficient": "_native_efficient"}[backend]
+        level = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()  # it warns that the dispatcher API is experimental
+        try:
+            self.transformer.set_attention_backend(name)
+        finally:
+            diffusers_logging.set_verbosity(level)
+
+    def shardable_blocks(self, module: torch.nn.Module | None = None) -> list[torch.nn.Module]:
+        return list((module if module is not None else self.transformer).blocks)
 
     def transformer_config(self) -> dict[str, Any]:
         return dict(self.transformer.config)
@@ -144,11 +159,10 @@ class WanModel(ModelBase):
         if text is None:
             text = torch.zeros_like(batch.text_embeds)
         dtype = self.input_dtype()
-        with self.autocast_context():
-            out = self.transformer(
-                hidden_states=noisy_latents.to(dtype),
-                timestep=self._model_timesteps(timesteps, noisy_latents).float(),
-                encoder_hidden_states=text.to(dtype),
-                return_dict=False,
-            )[0]
+        out = self.forward_module(
+            hidden_states=noisy_latents.to(dtype),
+            timestep=self._model_timesteps(timesteps, noisy_latents).float(),
+            encoder_hidden_states=text.to(dtype),
+            return_dict=False,
+        )[0]
         return out.float()
