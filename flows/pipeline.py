@@ -48,7 +48,6 @@ import re
 import signal
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -115,8 +114,14 @@ def dvc_repro_command(stage: str) -> list[str]:
 
 def stage_env() -> dict[str, str]:
     """Environment for ``dvc repro``: ours + quiet defaults, this interpreter's bin first on PATH
-    (so a stage ``cmd`` of ``python ...`` / ``distillery ...`` resolves to the same venv)."""
+    (so a stage ``cmd`` of ``python ...`` / ``distillery ...`` resolves to the same venv), and
+    ``DISTILLERY_PIPELINE_RUN=prefect-<flow run id>`` inside a flow run (one MLflow parent run)."""
     env = {**flows.QUIET_ENV, **os.environ, "DVC_NO_ANALYTICS": "1"}
+    if "DISTILLERY_PIPELINE_RUN" not in env:  # every stage of one flow run logs under one MLflow parent run
+        from prefect.runtime import flow_run
+
+        if flow_run.id:
+            env["DISTILLERY_PIPELINE_RUN"] = f"prefect-{flow_run.id}"
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([bindir, env.get("PATH", "")])
     return env

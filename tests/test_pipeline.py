@@ -1,9 +1,11 @@
 """The default pipeline on a tiny configuration: real git + DVC in a temp dir, local MLflow.
 
-One module-scoped `dvc repro` of the whole DAG; then: a no-op repro, lineage of an export copied
-elsewhere (verify passes, then fails naming a flipped weight file), the export in a fresh process
-with stock diffusers, a changed `pretrain.*` param rerunning only pretrain and export, and a
-pretrain SIGKILLed after its first checkpoint resuming to the same weights as an uninterrupted run.
+One module-scoped run of the whole DAG by the Prefect flow built from dvc.yaml (on Prefect's local
+ephemeral API); then: a no-op `dvc repro`, lineage of an export copied elsewhere (verify passes,
+then fails naming a flipped weight file), the export in a fresh process with stock diffusers
+reproducing the validate stage's samples, a changed `pretrain.*` param rerunning only pretrain and
+what follows, and a pretrain SIGKILLed after its first checkpoint resuming to the same weights as
+an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -65,13 +67,51 @@ def repo(tmp_path_factory) -> Path:
     sh(["dvc", "config", "core.site_cache_dir", str(repo / ".dvc-site")], repo)
     sh(["git", "add", "-A"], repo)
     sh(["git", "commit", "-qm", "pipeline"], repo)
-    sh(["dvc", "repro"], repo)
+    FLOW.update(_run_prefect_flow(repo, tmp_path_factory.mktemp("prefect-home")))
     return repo
+
+
+FLOW: dict[str, object] = {}  # the Prefect flow run that built the DAG: results, artifacts
+
+
+def _run_prefect_flow(repo: Path, home: Path) -> dict[str, object]:
+    """The whole DAG the way a scheduled run does it: the Prefect flow built from dvc.yaml, one task
+    per stage running `dvc repro --single-item`, on Prefect's local ephemeral API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from prefect.settings import PREFECT_HOME, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    if str(ROOT) not in sys.path:  # flows/ is a top-level package of the checkout
+        sys.path.insert(0, str(ROOT))
+    from flows.pipeline import build_pipeline_flow
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = _env()["OMP_NUM_THREADS"]  # the stages' CPU rounding equals later `dvc repro`s
+    try:
+        with temporary_settings(updates={PREFECT_HOME: str(home)}), prefect_test_harness(server_startup_timeout=120):
+            state = build_pipeline_flow(repo, retries=0, timeout_seconds=900)(return_state=True)
+            assert state.is_completed(), state.message
+            with get_client(sync_client=True) as client:
+                arts = client.read_artifacts(artifact_filter=ArtifactFilter(
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    finally:
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
+    return {"results": state.result(), "artifacts": {a.key: a.data for a in arts},
+            "flow_run_id": str(state.state_details.flow_run_id)}
 
 
 def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"clips", "base", "latents", "teacher", "pretrain", "validate", "export"}
+    stages = {"clips", "base", "latents", "teacher", "pretrain", "validate", "export"}
+    assert set(lock["stages"]) == stages  # the Prefect flow ran every stage through DVC
+    assert {name: r["status"] for name, r in FLOW["results"].items()} == dict.fromkeys(stages, "ran")
+    assert FLOW["results"]["validate"]["metrics"]["pretrain_4/nfe"] == 8
+    assert "artifacts/validate/report/grid.gif" in FLOW["artifacts"]["validate-validation-grid"]
+    assert {"teacher-metrics", "pretrain-metrics", "validate-metrics", "export-metrics"} <= set(FLOW["artifacts"])
     report = repo / "artifacts" / "validate" / "report"
     assert (report / "grid.gif").is_file() and (report / "grid.mp4").is_file()
     scores = json.loads((repo / "metrics" / "validate.json").read_text())
@@ -93,7 +133,7 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
     client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("distillery").experiment_id])
     parents = [r for r in runs if r.data.tags.get("distillery.kind") == "pipeline"]
-    assert len(parents) == 1
+    assert len(parents) == 1 and parents[0].data.tags["distillery.pipeline_key"] == f"prefect-{FLOW['flow_run_id']}"
     children = {r.data.tags.get("mlflow.runName") for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
     assert children >= {"clips", "base", "latents", "teacher", "pretrain", "validate", "export"}
 
@@ -116,19 +156,36 @@ def test_lineage_of_a_copied_export_verifies_and_names_an_altered_file(repo, tmp
     assert "changed: transformer/diffusion_pytorch_model.safetensors" in bad.stdout
 
 
-def test_export_loads_in_a_fresh_process_with_stock_diffusers(repo, tmp_path):
+def test_export_loads_in_a_fresh_process_and_reproduces_the_validate_samples(repo, tmp_path):
+    """Stock WanPipeline on the export folder alone, with the validate stage's prompts, seeds and step
+    count for the exported student, returns the latents the validate stage sampled (and decodes them)."""
     code = (
-        "import sys, torch\n"
+        "import json, sys, torch\n"
         "from diffusers import WanPipeline\n"
-        "pipe = WanPipeline.from_pretrained(sys.argv[1])\n"
-        "v = pipe('a red circle moving left on a black background', num_frames=17, height=32, width=32,"
-        " num_inference_steps=4, max_sequence_length=32, output_type='np', generator=torch.Generator().manual_seed(0)).frames[0]\n"
-        "print(v.shape)\n"
+        "from safetensors.torch import load_file\n"
+        "export, report_dir, name = sys.argv[1:4]\n"
+        "report = json.load(open(f'{report_dir}/report.json'))\n"
+        "cand = next(c for c in report['candidates'] if c['name'] == name)\n"
+        "saved = load_file(f'{report_dir}/samples/{name}/latents.safetensors')\n"
+        "pipe = WanPipeline.from_pretrained(export)\n"
+        "pipe.set_progress_bar_config(disable=True)\n"
+        "cfg = report['config']\n"
+        "kw = dict(negative_prompt='', num_frames=cfg['num_frames'], height=cfg['height'], width=cfg['width'],\n"
+        "          num_inference_steps=cand['num_steps'], guidance_scale=cand['guidance_scale'],\n"
+        "          max_sequence_length=report['max_sequence_length'])\n"
+        "for i, (prompt, seed) in enumerate(zip(report['prompts'], report['seeds'])):\n"
+        "    out = pipe(prompt, generator=torch.Generator().manual_seed(seed), output_type='latent', **kw).frames[0]\n"
+        "    print('max_abs_diff', i, (out - saved[str(i)]).abs().max().item())\n"
+        "v = pipe(report['prompts'][0], generator=torch.Generator().manual_seed(0), output_type='np', **kw).frames[0]\n"
+        "print('video', v.shape)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(repo / "artifacts" / "export")], capture_output=True, text=True,
-                         timeout=300, env={**_env(), "HF_HUB_OFFLINE": "1"})
+    report = repo / "artifacts" / "validate" / "report"
+    out = subprocess.run([sys.executable, "-c", code, str(repo / "artifacts" / "export"), str(report), "pretrain_4"],
+                         capture_output=True, text=True, timeout=300, env={**_env(), "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "(17, 32, 32, 3)" in out.stdout
+    diffs = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("max_abs_diff")]
+    assert len(diffs) == 2 and max(diffs) <= 1e-5, out.stdout
+    assert "video (17, 32, 32, 3)" in out.stdout
 
 
 def test_changing_a_pretrain_param_reruns_only_pretrain_and_what_follows(repo):
@@ -167,7 +224,7 @@ def test_killed_pretrain_resumes_to_the_same_weights(repo, tmp_path):
     assert resumed_at and 3 <= int(resumed_at.group(1)) < 30, [l for l in out.stderr.splitlines() if "INFO" in l or "rror" in l][:12]
     resumed = role_state(repo / "runs" / "pretrain" / "checkpoint-30")
     shutil.rmtree(repo / "runs" / "pretrain")  # the same config, uninterrupted
-    sh(["dvc", "repro", "--force", "pretrain"], repo)
+    sh(["dvc", "repro", "--force", "--single-item", "pretrain"], repo)  # upstream untouched
     uninterrupted = role_state(repo / "runs" / "pretrain" / "checkpoint-30")
     import torch
 

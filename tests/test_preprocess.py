@@ -16,7 +16,6 @@ import torch
 from distillery.clips.synthetic import ClipSetConfig, make_clip_set
 from distillery.data import LatentDataset, read_empty_prompt_embedding
 from distillery.data.encoders import BaseEncoders
-from distillery.errors import UserError
 from distillery.preprocess import PreprocessConfig, preprocess
 
 CFG = PreprocessConfig(num_frames=9, height=32, width=32, fps=8.0, rows_per_shard=4, batch_size=4)

@@ -108,6 +108,11 @@ def test_run_validation_writes_samples_grid_and_plots(validation):
         for i in range(len(PROMPTS)):
             frames, fps = read_video(out / "samples" / cand.name / f"{i}.mp4")
             assert frames.shape == (17, 32, 32, 3) and fps == pytest.approx(8.0)
+        from safetensors.torch import load_file
+
+        latents = load_file(out / "samples" / cand.name / "latents.safetensors")
+        assert sorted(latents) == [str(i) for i in range(len(PROMPTS))]
+        assert all(t.shape == LATENT_SHAPE and t.dtype == torch.float32 for t in latents.values())
     rows, cols = len(candidates), len(PROMPTS)
     size = (rows * 33 - 1, cols * 33 - 1)
     grid_mp4, _ = read_video(out / "grid.mp4")

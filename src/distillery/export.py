@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from distillery.errors import UserError
+from distillery.fsutil import replace_dir
 
 SUPPORTED_CLASSES = ("WanTransformer3DModel",)
 
@@ -79,7 +80,4 @@ def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str 
     if tmp.exists():
         shutil.rmtree(tmp)
     module.save_pretrained(tmp, safe_serialization=True)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    return final
+    return replace_dir(tmp, final)

@@ -34,6 +34,7 @@ from distillery.data.encoders import BaseEncoders
 from distillery.data.videos import IngestConfig, find_splits
 from distillery.data.writer import LatentRecord, shard_path, write_shard
 from distillery.errors import UserError
+from distillery.fsutil import write_text_atomic
 from distillery.log import get_logger
 
 log = get_logger("preprocess")
@@ -54,12 +55,6 @@ class PreprocessConfig:
     def ingest(self) -> IngestConfig:
         return IngestConfig(num_frames=self.num_frames, height=self.height, width=self.width, fps=self.fps,
                             max_bad_fraction=self.max_bad_fraction)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _shard_record_path(out: Path, split: str, index: int) -> Path:
@@ -103,7 +98,7 @@ def process_shard(
     if records:
         write_shard(records, shard_path(out, split, index))
     record = {"shard": index, "rows": len(records), "entries": len(entries), "skipped": skipped}
-    _atomic_write_text(_shard_record_path(out, split, index), json.dumps(record))
+    write_text_atomic(_shard_record_path(out, split, index), json.dumps(record))
     return record
 
 
@@ -166,7 +161,7 @@ def _summarise(plan, out: Path, splits, totals, cfg, base, data, encoders, secon
         for s in rec["skipped"]:
             c["reasons"][s["reason"]] = c["reasons"].get(s["reason"], 0) + 1
         skipped_all.extend(rec["skipped"])
-    _atomic_write_text(out / "skipped.jsonl", "".join(json.dumps(s) + "\n" for s in skipped_all))
+    write_text_atomic(out / "skipped.jsonl", "".join(json.dumps(s) + "\n" for s in skipped_all))
     for split, c in counts.items():
         bad = c["skipped"] / max(1, c["entries"])
         if c["rows"] == 0 or bad > cfg.max_bad_fraction:
@@ -186,7 +181,7 @@ def _summarise(plan, out: Path, splits, totals, cfg, base, data, encoders, secon
         "seconds_this_run": round(seconds, 3),
         "clips_this_run": clips_this_run,
     }
-    _atomic_write_text(out / "preprocess.json", json.dumps(manifest, indent=2))
+    write_text_atomic(out / "preprocess.json", json.dumps(manifest, indent=2))
     log.info("preprocessed %s", ", ".join(f"{s}: {c['rows']} clips ({c['skipped']} skipped)" for s, c in counts.items()))
     return manifest
 

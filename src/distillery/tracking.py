@@ -7,7 +7,10 @@ other ranks get a :class:`NullTracker`.
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,41 @@ def default_tracking_uri(cfg: TrackerConfig) -> str:
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+@contextmanager
+def store_lock(tracking_uri: str) -> Iterator[None]:
+    """Exclusive inter-process lock on a local ``sqlite:///`` store (``<db>.lock`` beside it).
+
+    Independent pipeline stages run concurrently (Prefect submits them together); the first use of
+    a fresh MLflow database creates its tables by migration, and two processes doing that at once,
+    or creating the same experiment, fail. Hold this lock around store creation and find-or-create
+    steps. Other URIs: no lock.
+    """
+    if not tracking_uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(tracking_uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_experiment(client: Any, name: str, tracking_uri: str) -> str:
+    """Id of experiment ``name``, created if missing (artifacts in ``mlruns/`` beside a sqlite store).
+    Call under :func:`store_lock`."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    artifact_location = None
+    if tracking_uri.startswith("sqlite:///"):
+        db = Path(tracking_uri[len("sqlite:///"):])
+        artifact_location = (db.parent / "mlruns").resolve().as_uri()
+    return client.create_experiment(name, artifact_location=artifact_location)
+
+
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (lists kept whole)."""
     out: dict[str, Any] = {}
@@ -63,16 +101,9 @@ class MLflowTracker:
 
         self.tracking_uri = default_tracking_uri(cfg)
         self.experiment = cfg.experiment
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
-        exp = self.client.get_experiment_by_name(cfg.experiment)
-        if exp is None:
-            artifact_location = None
-            if self.tracking_uri.startswith("sqlite:///"):
-                db = Path(self.tracking_uri[len("sqlite:///"):])
-                artifact_location = (db.parent / "mlruns").resolve().as_uri()
-            exp_id = self.client.create_experiment(cfg.experiment, artifact_location=artifact_location)
-        else:
-            exp_id = exp.experiment_id
+        with store_lock(self.tracking_uri):
+            self.client = MlflowClient(tracking_uri=self.tracking_uri)
+            exp_id = ensure_experiment(self.client, cfg.experiment, self.tracking_uri)
         if run_id is not None:
             try:
                 self.client.update_run(run_id, status="RUNNING")

@@ -12,7 +12,6 @@ import argparse
 import os
 import sys
 
-from distillery.errors import UserError
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

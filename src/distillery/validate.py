@@ -20,6 +20,10 @@ per candidate:
 Output folder (written to a temporary sibling, then renamed into place)::
 
     out_dir/samples/<candidate>/<i>.mp4   every video (H.264 lossless yuv444p)
+    out_dir/samples/<candidate>/latents.safetensors
+                                          the sampler's normalised latents, key "<i>" → [C, T, H, W]
+                                          (float32): what ``WanPipeline(output_type="latent")``
+                                          returns for that prompt, seed and step count
     out_dir/grid.gif, out_dir/grid.mp4    rows = candidates, columns = prompts, 1-px separators
     out_dir/metrics.json                  flat {"<candidate>/<metric>": number} (DVC metrics)
     out_dir/plots/adherence.csv           one row per candidate: candidate, nfe, adherence, ...
@@ -32,7 +36,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -43,8 +46,10 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from distillery.errors import UserError
+from distillery.fsutil import replace_dir
 
 log = logging.getLogger("distillery")
 
@@ -283,22 +288,6 @@ def _write_tables(stage: Path, metrics: dict[str, float], rows: list[dict[str, A
     (stage / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
-def _publish(stage: Path, out_dir: Path) -> None:
-    """Rename ``stage`` to ``out_dir``, replacing a previous folder there (moved aside first)."""
-    if not out_dir.exists():
-        os.replace(stage, out_dir)
-        return
-    trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-    os.replace(out_dir, trash / "old")
-    try:
-        os.replace(stage, out_dir)
-    except BaseException:
-        os.replace(trash / "old", out_dir)
-        raise
-    finally:
-        shutil.rmtree(trash, ignore_errors=True)
-
-
 def run_validation(
     base_dir: Path,
     candidates: list[Candidate],
@@ -346,10 +335,11 @@ def run_validation(
             shifts[cand.name] = loaded.shift
             ctx.warm_up(loaded)
             hits = dict.fromkeys(SCORE_KEYS, 0)
-            seconds, distances, results = [], [], []
+            seconds, distances, results, sampled = [], [], [], {}
             for i, prompt in enumerate(prompts):
                 t0 = time.perf_counter()
                 latents = ctx.sample(cand, loaded, i)
+                sampled[str(i)] = latents[0].detach().to("cpu", torch.float32).contiguous()
                 video = ctx.encoders.decode_latents(latents)[0]  # uint8 [T, H, W, 3]
                 _synchronize(ctx.device)
                 seconds.append(time.perf_counter() - t0)
@@ -365,6 +355,7 @@ def run_validation(
                 results.append({"prompt": prompt, **{k: bool(v) for k, v in scores.items()},
                                 "latency_s": round(seconds[-1], 6), "distance_to_teacher": distances[-1]})
                 bar.update()
+            save_file(sampled, str(stage / "samples" / cand.name / "latents.safetensors"))
             values = {key: hits[key] / len(prompts) for key in SCORE_KEYS}
             values.update(latency_s=float(np.mean(seconds)), nfe=cand.nfe, distance_to_teacher=float(np.mean(distances)))
             for key in METRIC_NAMES:
@@ -382,6 +373,8 @@ def run_validation(
         _write_grid(grid.pixels, stage, cfg)
         report = {
             "base_dir": str(base_dir), "reference": ref.name, "prompts": prompts, "config": asdict(cfg),
+            "seeds": [cfg.seed + i for i in range(len(prompts))],  # torch.Generator().manual_seed(seed) per prompt
+            "max_sequence_length": ctx.encoders.max_sequence_length,  # prompt embeddings padded to this
             "candidates": [{**asdict(c), "model_dir": str(c.model_dir), "nfe": c.nfe, "shift": shifts[c.name]}
                            for c in candidates],
             "grid": {"rows": [c.name for c in candidates], "tile_hw": [cfg.height, cfg.width], "separator_px": 1},
@@ -389,7 +382,7 @@ def run_validation(
             "seconds": round(time.perf_counter() - started, 2),
         }
         _write_tables(stage, metrics, rows, report)
-        _publish(stage, out_dir)
+        replace_dir(stage, out_dir)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

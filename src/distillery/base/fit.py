@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from distillery.base.tiny import TinyBaseConfig, _check_destination, _make_readable, _publish
-from distillery.errors import UserError
+from distillery.base.tiny import TinyBaseConfig, _check_destination, _make_readable
+from distillery.fsutil import replace_dir
 from distillery.log import get_logger
 
 log = get_logger("base.fit")
@@ -251,7 +251,7 @@ def fit_tiny_base(out: Path, cfg: FitConfig = FitConfig(), *, overwrite: bool = 
         (staging / "README.md").write_text(fitted_model_card(cfg, command, report), encoding="utf-8")
         (staging / "fit_report.json").write_text(json.dumps({"config": asdict(cfg), **report}, indent=2, default=str))
         _make_readable(staging)
-        _publish(staging, out)
+        replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

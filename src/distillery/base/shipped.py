@@ -27,7 +27,8 @@ def shipped_tiny_base() -> Path:
 
 def copy_shipped_tiny_base(out: Path, overwrite: bool = False) -> Path:
     """Copy the shipped fitted tiny base to ``out`` (atomically: temp sibling, then rename)."""
-    from distillery.base.tiny import _check_destination, _make_readable, _publish
+    from distillery.base.tiny import _check_destination, _make_readable
+    from distillery.fsutil import replace_dir
 
     src = shipped_tiny_base()
     out = Path(out)
@@ -37,7 +38,7 @@ def copy_shipped_tiny_base(out: Path, overwrite: bool = False) -> Path:
     try:
         shutil.copytree(src, staging, dirs_exist_ok=True)
         _make_readable(staging)
-        _publish(staging, out)
+        replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distillery.errors import UserError
+from distillery.fsutil import replace_dir
 
 if TYPE_CHECKING:  # heavy imports stay lazy: diffusers alone costs seconds
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
@@ -255,7 +255,7 @@ def make_tiny_base(
         card = _model_card(config, seed, command, captions, len(tokenizer), _parameter_counts(pipe))
         (staging / "README.md").write_text(card, encoding="utf-8")
         _make_readable(staging)
-        _publish(staging, out_dir)
+        replace_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -275,22 +275,6 @@ def _make_readable(root: Path) -> None:
     root.chmod(0o755)
     for path in root.rglob("*"):
         path.chmod(0o755 if path.is_dir() else 0o644)
-
-
-def _publish(staging: Path, out_dir: Path) -> None:
-    """Rename ``staging`` to ``out_dir``, replacing whatever folder is there."""
-    if not out_dir.exists():
-        os.replace(staging, out_dir)
-        return
-    trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-    os.replace(out_dir, trash / "old")
-    try:
-        os.replace(staging, out_dir)
-    except BaseException:
-        os.replace(trash / "old", out_dir)
-        raise
-    finally:
-        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _parameter_counts(pipe) -> dict[str, int]:

@@ -54,6 +54,7 @@ from distillery.clips.grammar import (
 )
 from distillery.clips.video_io import write_video
 from distillery.errors import UserError
+from distillery.fsutil import replace_dir
 
 log = logging.getLogger("distillery")
 
@@ -245,13 +246,7 @@ def make_clip_set(out: Path | str, cfg: ClipSetConfig | None = None, overwrite: 
     started = time.perf_counter()
     try:
         _write_clip_set(tmp, cfg)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        replace_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from distillery.errors import UserError
+from distillery.fsutil import replace_dir, write_text_atomic
 from distillery.log import get_logger
 from distillery.pipeline.params import Params
 
@@ -54,17 +55,12 @@ def fresh_staging(stage: str) -> Path:
 
 
 def publish(stage: str, staging: Path) -> Path:
-    final = ARTIFACTS / stage
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(staging, final)
-    return final
+    """Rename the stage's staging folder to ``artifacts/<stage>`` (replacing the previous one)."""
+    return replace_dir(staging, ARTIFACTS / stage)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2, default=str))
 
 
 def finish(stage: str, artifact: Path, *, kind: str, params: Params, metrics: dict[str, Any], inputs: list[tuple[str, Path]],

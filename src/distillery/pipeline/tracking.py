@@ -13,7 +13,7 @@ from typing import Any
 
 from distillery.config.schema import TrackerConfig
 from distillery.lineage import code_info
-from distillery.tracking import MLflowTracker, default_tracking_uri
+from distillery.tracking import MLflowTracker, default_tracking_uri, ensure_experiment, store_lock
 
 EXPERIMENT = "distillery"
 
@@ -28,20 +28,22 @@ def pipeline_key(params_text: str) -> str:
 
 def parent_run_id(params_text: str, experiment: str = EXPERIMENT) -> str:
     """Find or create the parent run of this pipeline run; returns its id."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow.tracking import MlflowClient
 
     key = pipeline_key(params_text)
     cfg = TrackerConfig(experiment=experiment, run_name=f"pipeline-{key}", tags={"distillery.pipeline_key": key,
                                                                               "distillery.kind": "pipeline"})
-    client = MlflowClient(tracking_uri=default_tracking_uri(cfg))
-    exp = client.get_experiment_by_name(experiment)
-    if exp is not None:
-        found = client.search_runs([exp.experiment_id], f"tags.`distillery.pipeline_key` = '{key}'", max_results=1)
+    uri = default_tracking_uri(cfg)
+    with store_lock(uri):  # concurrent stages of one pipeline run find (or make) the same parent
+        client = MlflowClient(tracking_uri=uri)
+        exp_id = ensure_experiment(client, experiment, uri)
+        found = client.search_runs([exp_id], f"tags.`distillery.pipeline_key` = '{key}'", max_results=1)
         if found:
             return found[0].info.run_id
-    tracker = MLflowTracker(cfg)
-    client.set_terminated(tracker.run_id, status="FINISHED")
-    return tracker.run_id
+        run = client.create_run(exp_id, run_name=cfg.run_name, tags=cfg.tags)
+        client.set_terminated(run.info.run_id, status="FINISHED")
+        return run.info.run_id
 
 
 def log_stage_run(stage: str, parent: str, params: dict[str, Any], metrics: dict[str, float]) -> dict[str, str]:
