@@ -38,7 +38,8 @@ if os.environ.get("BENCH_SMOKE") == "1":  # a CPU check of this script itself, t
 
 def flops_per_sample(t: int, h: int, w: int, text: int = TEXT_LEN) -> tuple[float, int]:
     """Training FLOPs (3 × forward) of one sample, the anchor's formula; and the token count."""
-    d, layers, ffn = 1536, 30, 8960
+    d = WAN_1_3B["num_attention_heads"] * WAN_1_3B["attention_head_dim"]
+    layers, ffn = WAN_1_3B["num_layers"], WAN_1_3B["ffn_dim"]
     n = t * (h // 2) * (w // 2)
     dense = n * layers * 2 * (4 * d * d + 2 * d * d + 2 * d * ffn) + text * layers * 2 * (2 * d * d)
     attn = layers * (4 * n * n * d + 4 * n * text * d)
@@ -70,7 +71,7 @@ def make_assets(root: Path, size: tuple[int, int, int]) -> tuple[Path, Path]:
 
 
 def bench_run_config(model: Path, data: Path, output_dir: Path, steps: int, compile_blocks: bool | None,
-                     shard_single_rank: bool, attention: str = "native", grad_clip: bool = True) -> dict:
+                     shard_single_rank: bool, attention: str = "native") -> dict:
     """The raw run config of one benchmark configuration (batch 1, lr 1e-5, no tracking)."""
     return {
         "models": {"student": {"_target_": "distillery.models.wan.WanModel", "init_from": str(model), "random_init": True}},
@@ -84,8 +85,7 @@ def bench_run_config(model: Path, data: Path, output_dir: Path, steps: int, comp
             "tracker": {"backend": "none"},
             "model": {"compile": compile_blocks, "attention_backend": attention},
         },
-        "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}}
-        if grad_clip else {},
+        "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}},
     }
 
 

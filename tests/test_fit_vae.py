@@ -12,14 +12,13 @@ from distillery.base.fit_vae import (
     VAEFitConfig,
     black_psnr,
     decode_unclamped,
-    denormalize_latents,
     encode_moments,
     fit_vae,
     init_as_framewise_autoencoder,
     latent_stats,
-    normalize_latents,
     set_latent_stats,
 )
+from distillery.data.encoders import denormalize_latents, normalize_latents
 from distillery.base.tiny import TinyBaseConfig, build_vae
 from distillery.errors import UserError
 

@@ -61,7 +61,9 @@ def test_latents_match_the_base_models_encoders(tmp_path, tiny_base, clips):
     empty = read_empty_prompt_embedding(tmp_path / "lat")
     assert empty is not None and empty.shape == (1, 32)
     # normalisation: z_norm·std + mean is what the VAE decodes (WanPipeline's un-normalisation)
-    z = item["latents"][None] * enc.latents_std + enc.latents_mean
+    mean = torch.tensor(enc.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(enc.vae.config.latents_std).view(1, -1, 1, 1, 1)
+    z = item["latents"][None] * std + mean
     with torch.no_grad():
         direct = enc.vae.decode(z, return_dict=False)[0]
     frames = torch.from_numpy(enc.decode_latents(item["latents"][None])).permute(0, 4, 1, 2, 3).float() / 127.5 - 1

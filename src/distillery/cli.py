@@ -36,19 +36,6 @@ def set_offline_env() -> None:
         os.environ.setdefault(k, v)
 
 
-def quiet_library_progress() -> None:
-    """Silence transformers'/diffusers' own load/save progress bars (ours are enough)."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    try:
-        import diffusers.utils.logging as dlog
-        import transformers.utils.logging as tlog
-
-        tlog.disable_progress_bar()
-        dlog.disable_progress_bar()
-    except ImportError:  # pragma: no cover
-        pass
-
-
 def run_guarded(fn: Callable[[], int]) -> int:
     """Run ``fn``; a UserError becomes one line on stderr and exit code 2."""
     set_offline_env()

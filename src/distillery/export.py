@@ -41,7 +41,6 @@ def load_role_weights(checkpoint: Path, role: str, module: torch.nn.Module, ema:
     ``ema`` names an EMA callback whose shadow weights to load instead of the raw weights.
     """
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-    state = {k: v for k, v in module.state_dict().items()}
     if ema:
         params = dict(module.named_parameters())
         shadow = {n: torch.empty_like(p, dtype=torch.float32) for n, p in params.items()}
@@ -50,6 +49,7 @@ def load_role_weights(checkpoint: Path, role: str, module: torch.nn.Module, ema:
             for n, t in shadow.items():
                 params[n].copy_(t)
         return
+    state = module.state_dict()
     dcp.load({f"role.{role}": {"model": state}}, checkpoint_id=str(checkpoint / "dcp"))
     module.load_state_dict(state)
 

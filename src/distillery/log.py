@@ -31,3 +31,16 @@ def setup_logging(rank: int | None = None, level: int = logging.INFO) -> None:
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(level if rank == 0 else logging.WARNING)
+
+
+def quiet_library_progress() -> None:
+    """Silence transformers'/diffusers' own load/save progress bars (ours are enough)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        import diffusers.utils.logging as dlog
+        import transformers.utils.logging as tlog
+
+        tlog.disable_progress_bar()
+        dlog.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass

@@ -30,6 +30,8 @@ class ComputeCopy:
         self._pairs = [
             (pm, pc) for pm, pc in zip(master.parameters(), self.module.parameters(), strict=True) if pm.requires_grad
         ]
+        self._master_params = [pm for pm, _ in self._pairs]
+        self._compute_params = [pc for _, pc in self._pairs]
         self._grad_buffers: list[torch.Tensor] | None = None  # fp32 master gradients, allocated once
 
     def _buffers(self) -> list[torch.Tensor]:
@@ -59,18 +61,14 @@ class ComputeCopy:
             torch._foreach_copy_(fresh_dst, fresh_src)
         if acc_dst:
             torch._foreach_add_(acc_dst, acc_src)
-        for _, pc in self._pairs:
+        for pc in self._compute_params:
             pc.grad = None
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the (updated) fp32 master weights into the compute parameters."""
         if self._pairs:
-            torch._foreach_copy_([pc for _, pc in self._pairs], [pm for pm, _ in self._pairs])
-
-    def requires_grad_(self, flag: bool) -> None:
-        for _, pc in self._pairs:
-            pc.requires_grad_(flag)
+            torch._foreach_copy_(self._compute_params, self._master_params)
 
 
 def cast_parameters_(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

@@ -26,12 +26,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from distillery.data.dataset import write_empty_prompt_embedding
 from distillery.data.encoders import BaseEncoders
-from distillery.data.videos import IngestConfig, find_splits
+from distillery.data.videos import ClipItem, IngestConfig, find_splits, load_entry, read_entries
+from distillery.distributed import barrier, shutdown
 from distillery.data.writer import LatentRecord, shard_path, write_shard
 from distillery.errors import UserError
 from distillery.fsutil import write_text_atomic
@@ -71,8 +73,6 @@ def process_shard(
     index: int,
 ) -> dict[str, Any]:
     """Decode, encode and write one shard (its caption entries); return its record."""
-    from distillery.data.videos import ClipItem, load_entry
-
     ingest = cfg.ingest()
     items: list[ClipItem] = []
     skipped: list[dict[str, Any]] = []
@@ -81,12 +81,10 @@ def process_shard(
         if isinstance(result, ClipItem):
             items.append(result)
         else:
-            skipped.append({"split": split, "path": result.path, "reason": result.reason, "detail": result.detail})
+            skipped.append({"split": split, **result.to_json()})
     records: list[LatentRecord] = []
     for start in range(0, len(items), cfg.batch_size):
         chunk = items[start : start + cfg.batch_size]
-        import numpy as np
-
         latents = encoders.encode_videos(np.stack([c.frames for c in chunk]))
         texts = encoders.encode_prompts([c.caption for c in chunk])
         for clip, latent, text in zip(chunk, latents, texts):
@@ -108,8 +106,6 @@ def preprocess(base: Path, data: Path, out: Path, cfg: PreprocessConfig, rank: i
     Returns the manifest (rank 0; other ranks return their own counts). Raises UserError when a
     split has no usable clip or too large a bad fraction.
     """
-    from distillery.data.videos import read_entries  # noqa: F401
-
     started = time.perf_counter()
     base, data, out = Path(base), Path(data), Path(out)
     if cfg.rows_per_shard < 1 or cfg.batch_size < 1:
@@ -135,19 +131,12 @@ def preprocess(base: Path, data: Path, out: Path, cfg: PreprocessConfig, rank: i
     for split, split_dir, k, entries in bar:
         rec = process_shard(encoders, split_dir, entries, cfg, out, split, k)
         clips_done += rec["rows"]
-    _barrier(world_size)
+    barrier()
     if rank != 0:
         return {"rank": rank, "clips": clips_done}
     write_empty_prompt_embedding(out, encoders.encode_prompts([""])[0])
     manifest = _summarise(plan, out, splits, totals, cfg, base, data, encoders, time.perf_counter() - started, clips_done)
     return manifest
-
-
-def _barrier(world_size: int) -> None:
-    if world_size > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
 
 
 def _summarise(plan, out: Path, splits, totals, cfg, base, data, encoders, seconds: float, clips_this_run: int) -> dict[str, Any]:
@@ -204,10 +193,7 @@ def main_preprocess(args: Any) -> int:
         torch.set_grad_enabled(False)
         manifest = preprocess(Path(args.base), Path(args.data), Path(args.out), cfg, rank, world)
     finally:
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+        shutdown()
     if rank == 0:
         rows = ", ".join(f"{s}: {c['rows']}" for s, c in manifest["splits"].items())
         sys.stdout.write(f"wrote latents to {args.out} ({rows}; {manifest['seconds_this_run']:.1f} s)\n")

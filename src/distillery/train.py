@@ -9,7 +9,6 @@ nothing), ``--allow-target-prefix PREFIX`` (repeatable), then dotted overrides
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -67,5 +66,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.exit(main())

@@ -23,7 +23,7 @@ from distillery.config.loader import dump_run_config
 from distillery.config.schema import RunConfig
 from distillery.data import LatentBatchLoader, LatentDataset, ShardedBatchSampler, read_empty_prompt_embedding
 from distillery.distributed import DistEnv, all_reduce_mean
-from distillery.log import get_logger
+from distillery.log import get_logger, quiet_library_progress
 from distillery.tracking import build_tracker
 
 log = get_logger("trainer")
@@ -38,6 +38,7 @@ class PendingMetrics:
     values: torch.Tensor | None  # [len(names)] fp32 on the host once ``event`` has completed
     event: Any  # torch.cuda.Event, or None on CPU (values are ready)
     started: float  # perf_counter() when the step began
+    learning_rates: dict[str, float]  # per role, after the step's schedule update
 
 
 @dataclass
@@ -60,8 +61,6 @@ def pad_empty_embedding(empty: torch.Tensor | None, length: int) -> torch.Tensor
 
 class Trainer:
     def __init__(self, config: RunConfig, env: DistEnv) -> None:
-        from distillery.cli import quiet_library_progress
-
         quiet_library_progress()
         self.config = config
         self.env = env
@@ -72,10 +71,11 @@ class Trainer:
         data_root = check_data_path(t.data.path)
         dataset = LatentDataset(data_root, t.data.split)
         sampler = ShardedBatchSampler(len(dataset), t.data.batch_size, env.rank, env.world_size, t.loop.seed, t.data.drop_last)
-        self.loader = LatentBatchLoader(dataset, sampler, t.data.text_max_length)
+        # on CUDA, batches are collated into page-locked memory: their copy to the GPU does not wait for queued work
+        self.loader = LatentBatchLoader(dataset, sampler, t.data.text_max_length, pin_memory=env.device.type == "cuda")
         self.empty_text = pad_empty_embedding(read_empty_prompt_embedding(data_root), t.data.text_max_length)
-        if self.empty_text is not None and env.device.type == "cuda":
-            self.empty_text = self.empty_text.pin_memory()
+        if self.empty_text is not None:  # constant: on the device once, not copied every step
+            self.empty_text = self.empty_text.to(env.device, torch.float32)
         self.ctx = CallbackContext(self.method, env.rank, env.world_size, t.loop.max_train_steps)
         self.ckpt = CheckpointManager(t.checkpoint.output_dir, t.checkpoint.keep_last, env.rank, env.world_size)
         self.samples_per_step = t.data.batch_size * t.loop.grad_accum_steps * env.world_size
@@ -117,14 +117,11 @@ class Trainer:
 
     def _refresh_compute_weights(self) -> None:
         for model in self.run.models.values():
-            if model.trainable:
-                model.refresh_compute_weights()
+            model.refresh_compute_weights()
 
     # -- one optimizer step -----------------------------------------------------------------
     def _next_batch(self) -> dict[str, Any]:
         batch = next(self.loader)
-        if self.env.device.type == "cuda":  # page-locked: the copy to the GPU does not wait for queued work
-            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         if self.empty_text is not None:
             batch["empty_text_embeds"] = self.empty_text
         return batch
@@ -159,7 +156,7 @@ class Trainer:
         if self.env.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return PendingMetrics(step, names, values, event, started)
+        return PendingMetrics(step, names, values, event, started, self.method.learning_rates())
 
     def _read_metrics(self, pending: PendingMetrics, finished: float) -> dict[str, float]:
         """The step's host sync: wait for its copied metrics. ``finished``: when the next step
@@ -170,6 +167,7 @@ class Trainer:
         metrics = dict(zip(pending.names, pending.values.tolist())) if pending.values is not None else {}
         elapsed = max(finished - pending.started, 1e-9)
         metrics.update({"step_time_s": elapsed, "samples_per_s": self.samples_per_step / elapsed})
+        metrics.update({f"lr/{role}": lr for role, lr in pending.learning_rates.items()})
         return metrics
 
     # -- the per-step log (rank 0): <output_dir>/train_log.jsonl, one JSON object per logged step --
@@ -208,11 +206,9 @@ class Trainer:
                    desc="train", dynamic_ncols=True, mininterval=1.0)
         status = "FAILED"
         pending: PendingMetrics | None = None
-        lrs = self.method.learning_rates()
 
-        def finish(row: PendingMetrics, finished: float, lrs: dict[str, float]) -> None:
+        def finish(row: PendingMetrics, finished: float) -> None:
             metrics = self._read_metrics(row, finished)
-            metrics.update({f"lr/{r}": lr for r, lr in lrs.items()})
             if row.step % t.loop.log_every == 0 or row.step == t.loop.max_train_steps:
                 self.tracker.log_metrics(metrics, row.step)
                 result.history.append({"step": row.step, **metrics})
@@ -227,15 +223,14 @@ class Trainer:
                 started = time.perf_counter()
                 tensors = self._train_step(step)
                 if pending is not None:
-                    finish(pending, started, lrs)
-                lrs = self.method.learning_rates()  # after this step's schedule update, logged in its row
+                    finish(pending, started)
                 pending = self._stage_metrics(step, tensors, started)
                 result.final_step = step
                 every = t.checkpoint.save_every
                 stopping = step == t.loop.stop_at_step
                 saving = (every and step % every == 0) or stopping or (step == t.loop.max_train_steps and t.checkpoint.save_final)
                 if saving or step == t.loop.max_train_steps:
-                    finish(pending, time.perf_counter(), lrs)
+                    finish(pending, time.perf_counter())
                     pending = None
                 if saving:
                     result.checkpoint = self.ckpt.save(step, self._payload(step))

@@ -151,8 +151,8 @@ class _Context:
         self.encoders = BaseEncoders(base_dir, self.device, cfg.max_sequence_length)
         length = self.encoders.max_sequence_length
         embeds = self.encoders.encode_prompts(list(prompts) + [""])
-        self.text = [self._pad(e, length) for e in embeds[:-1]]  # each [1, L, D]
-        self.negative = self._pad(embeds[-1], length)  # [1, L, D]
+        self.text = [self._pad(e, length).to(self.device) for e in embeds[:-1]]  # each [1, L, D], on the device
+        self.negative = self._pad(embeds[-1], length).to(self.device)  # [1, L, D]
         vae_cfg = self.encoders.vae.config
         tf, sf = int(vae_cfg.scale_factor_temporal), int(vae_cfg.scale_factor_spatial)
         if (cfg.num_frames - 1) % tf or cfg.height % sf or cfg.width % sf:
@@ -214,8 +214,7 @@ class _Context:
         from distillery.sampling import EulerSampler, few_step_timesteps, few_step_x0
 
         generator = torch.Generator().manual_seed(self.cfg.seed + index)
-        text = self.text[index].to(self.device)
-        negative = self.negative.to(self.device)
+        text, negative = self.text[index], self.negative
         with torch.no_grad():
             if cand.sampler == "euler":
                 return EulerSampler().sample(loaded.transformer, text, negative, self.latent_shape, cand.num_steps,
@@ -228,7 +227,7 @@ class _Context:
         with torch.no_grad():
             x = torch.zeros(1, *self.latent_shape, device=self.device)
             loaded.transformer(hidden_states=x, timestep=torch.zeros(1, device=self.device),
-                               encoder_hidden_states=self.negative.to(self.device), return_dict=False)
+                               encoder_hidden_states=self.negative, return_dict=False)
             self.encoders.decode_latents(x)
         _synchronize(self.device)
 
@@ -326,7 +325,7 @@ def run_validation(
         metrics: dict[str, float] = {}
         rows: list[dict[str, Any]] = []
         per_prompt: dict[str, list[dict[str, Any]]] = {}
-        reference_frames: list[np.ndarray] = []
+        reference_frames: list[np.ndarray] = []  # the reference's videos as float64 RGB in [0, 1]
         shifts: dict[str, float] = {}
         bar = tqdm(total=len(order) * len(prompts), desc="validate", unit="video", disable=not cfg.progress_bar,
                    mininterval=1.0)
@@ -344,8 +343,8 @@ def run_validation(
                 _synchronize(ctx.device)
                 seconds.append(time.perf_counter() - t0)
                 if cand is ref:
-                    reference_frames.append(video)
-                diff = video.astype(np.float64) / 255.0 - reference_frames[i].astype(np.float64) / 255.0
+                    reference_frames.append(video.astype(np.float64) / 255.0)
+                diff = video.astype(np.float64) / 255.0 - reference_frames[i]
                 distances.append(float(np.mean(diff**2)))
                 scores = score(video, prompt, ctx.analyzer)
                 for key in SCORE_KEYS:

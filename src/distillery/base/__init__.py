@@ -7,7 +7,7 @@ from distillery.base.tiny import (
     TinyVAEConfig,
     make_tiny_base,
 )
-from distillery.base.tokenizer import build_tokenizer, write_tokenizer
+from distillery.base.tokenizer import build_tokenizer
 
 __all__ = [
     "TinyBaseConfig",
@@ -16,5 +16,4 @@ __all__ = [
     "TinyVAEConfig",
     "build_tokenizer",
     "make_tiny_base",
-    "write_tokenizer",
 ]

@@ -87,7 +87,7 @@ def fit_vae_stage(train: list[Any], val: list[Any], cfg: FitConfig) -> tuple[Any
 
     torch.manual_seed(cfg.seed + 1)
     vae = build_vae(cfg.base)
-    init_as_framewise_autoencoder(vae)
+    init_as_framewise_autoencoder(vae, seed=cfg.seed)
     vae_cfg = VAEFitConfig(seconds=cfg.vae_seconds, max_steps=cfg.vae_steps, warmup_seconds=None,
                            warmup_steps=min(cfg.vae_warmup_steps, cfg.vae_steps), seed=cfg.seed, eval_every_seconds=None)
     train_t, val_t = _clips_tensor(train), _clips_tensor(val)
@@ -113,7 +113,7 @@ def calibrate_analyzer(vae: Any, train: list[Any], val: list[Any], seed: int) ->
     """Calibrate the analyzer's shape thresholds on VAE reconstructions of the training clips and
     report its accuracy on reconstructions of the validation clips, with true and shuffled captions."""
     from distillery.base.fit_vae import reconstruct
-    from distillery.clips.analyzer import calibrate, evaluate
+    from distillery.clips.analyzer import accuracy, analyze, calibrate, evaluate
 
     def recon(items: list[Any]) -> list[np.ndarray]:
         with torch.no_grad():
@@ -125,9 +125,10 @@ def calibrate_analyzer(vae: Any, train: list[Any], val: list[Any], seed: int) ->
     cfg = calibrate(zip(train_recon, [c.caption for c in train]))
     captions = [c.caption for c in val]
     shuffled = [captions[j] for j in derangement(len(captions), seed)]
+    val_analyses = [analyze(frames, cfg) for frames in val_recon]  # read once, scored against both caption lists
     report = {
-        "real_captions": evaluate(zip(val_recon, captions), cfg),
-        "shuffled_captions": evaluate(zip(val_recon, shuffled), cfg),
+        "real_captions": accuracy(zip(val_analyses, captions)),
+        "shuffled_captions": accuracy(zip(val_analyses, shuffled)),
         "source_clips_real_captions": evaluate(zip([c.frames for c in val], captions), cfg),
     }
     return cfg, report
@@ -178,9 +179,7 @@ def pretrain_transformer(staging: Path, latents: Path, work: Path, cfg: FitConfi
         result = Trainer(config, env).fit()
     finally:
         shutdown()
-    exported = export_weights(result.checkpoint, "student", work / "dit-export")
-    shutil.rmtree(staging / "transformer")
-    shutil.copytree(exported, staging / "transformer")
+    export_weights(result.checkpoint, "student", staging)  # replaces staging/transformer
     losses = [row["total_loss"] for row in result.history]
     return {"steps": d.steps, "seconds": round(time.perf_counter() - started, 1), "batch_size": d.batch_size,
             "first_loss": round(losses[0], 4) if losses else None, "final_loss": round(float(np.mean(losses[-5:])), 4) if losses else None}
@@ -190,24 +189,23 @@ def measure_adherence(model_dir: Path, captions: list[str], cfg: FitConfig, seed
     """Sample each caption through stock WanPipeline; score colour/shape/direction with the analyzer."""
     from diffusers import WanPipeline
 
-    from distillery.clips.analyzer import score
+    from distillery.clips.analyzer import SCORE_KEYS, evaluate
 
     e = cfg.eval
     pipe = WanPipeline.from_pretrained(str(model_dir), torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     prompts = captions[: e.max_prompts] if e.max_prompts else captions
-    hits: dict[str, int] = {}
     started = time.perf_counter()
-    for i, caption in enumerate(prompts):
-        g = torch.Generator().manual_seed(seed + i)
+
+    def sample(i: int, caption: str) -> np.ndarray:
         video = pipe(caption, negative_prompt="", num_frames=cfg.num_frames, height=cfg.size, width=cfg.size,
-                     num_inference_steps=e.num_inference_steps, guidance_scale=e.guidance_scale, generator=g,
+                     num_inference_steps=e.num_inference_steps, guidance_scale=e.guidance_scale,
+                     generator=torch.Generator().manual_seed(seed + i),
                      max_sequence_length=cfg.base.max_sequence_length, output_type="np").frames[0]
-        frames = (np.clip(video, 0, 1) * 255).round().astype(np.uint8)
-        for k, v in score(frames, caption, analyzer).items():
-            hits[k] = hits.get(k, 0) + int(bool(v))
-    n = max(1, len(prompts))
-    out = {k: round(v / n, 4) for k, v in hits.items()}
+        return (np.clip(video, 0, 1) * 255).round().astype(np.uint8)
+
+    scores = evaluate(((sample(i, c), c) for i, c in enumerate(prompts)), analyzer)
+    out = {k: round(scores[k], 4) for k in SCORE_KEYS}
     out.update({"prompts": len(prompts), "steps": e.num_inference_steps, "guidance_scale": e.guidance_scale,
                 "seconds": round(time.perf_counter() - started, 1)})
     return out

@@ -20,7 +20,7 @@ Latent normalisation contract (what ``WanPipeline`` assumes): the pipeline decod
 generated latent ``x`` as ``z = x / (1 / latents_std) + latents_mean`` (per channel), so the
 diffusion model must be trained on normalised latents ``x = (z - latents_mean) / latents_std``
 where ``z = vae.encode(clip).latent_dist.mode()``. ``normalize_latents`` /
-``denormalize_latents`` implement exactly that pair, reading the stats from the VAE config.
+``denormalize_latents`` (in :mod:`distillery.data.encoders`) implement exactly that pair, reading the stats from the VAE config.
 
 Clips everywhere are float tensors ``[N, 3, T, H, W]`` in [-1, 1] with ``T = 4k + 1`` and H, W
 multiples of the VAE's spatial factor. PSNR is in dB over the signals mapped to [0, 1]
@@ -417,22 +417,3 @@ def set_latent_stats(
     if not all(math.isfinite(v) for v in mean_l) or not all(math.isfinite(v) and v > 0 for v in std_l):
         raise UserError("latents_mean must be finite and latents_std finite and positive")
     vae.register_to_config(latents_mean=mean_l, latents_std=std_l)
-
-
-def _stats_view(vae: AutoencoderKLWan, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (1, vae.config.z_dim) + (1,) * (z.ndim - 2)
-    mean = torch.tensor(vae.config.latents_mean, dtype=z.dtype, device=z.device).view(shape)
-    std = torch.tensor(vae.config.latents_std, dtype=z.dtype, device=z.device).view(shape)
-    return mean, std
-
-
-def normalize_latents(vae: AutoencoderKLWan, z: torch.Tensor) -> torch.Tensor:
-    """Training-space latents ``(z - latents_mean) / latents_std`` for raw latents ``z`` [B, z_dim, ...]."""
-    mean, std = _stats_view(vae, z)
-    return (z - mean) / std
-
-
-def denormalize_latents(vae: AutoencoderKLWan, x: torch.Tensor) -> torch.Tensor:
-    """Raw latents for ``vae.decode`` from training-space ``x`` [B, z_dim, ...], as WanPipeline does."""
-    mean, std = _stats_view(vae, x)
-    return x / (1.0 / std) + mean

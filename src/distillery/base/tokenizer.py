@@ -21,7 +21,6 @@ machine, so the same captions always give the same ids.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordLevel
@@ -110,12 +109,3 @@ def build_tokenizer(captions: Iterable[str] | None = None, model_max_length: int
         padding_side="right",
         truncation_side="right",
     )
-
-
-def write_tokenizer(
-    out_dir: Path, captions: Iterable[str] | None = None, model_max_length: int = 32
-) -> PreTrainedTokenizerFast:
-    """Build the tokenizer and ``save_pretrained`` it into ``out_dir``; returns it."""
-    tokenizer = build_tokenizer(captions, model_max_length=model_max_length)
-    tokenizer.save_pretrained(str(out_dir))
-    return tokenizer

@@ -224,10 +224,15 @@ def score(frames: np.ndarray, caption: str, cfg: AnalyzerConfig | None = None) -
 
 def evaluate(pairs: Iterable[tuple[np.ndarray, str]], cfg: AnalyzerConfig | None = None) -> dict[str, float]:
     """Accuracy over ``(frames, caption)`` pairs: keys colour, shape, direction, all (in [0, 1]), num_clips."""
+    return accuracy((analyze(frames, cfg), caption) for frames, caption in pairs)
+
+
+def accuracy(pairs: Iterable[tuple[AnalyzedClip, str]]) -> dict[str, float]:
+    """:func:`evaluate` over clips already analysed (one analysis can be scored against several captions)."""
     totals = dict.fromkeys(SCORE_KEYS, 0)
     count = 0
-    for frames, caption in pairs:
-        for key, ok in score(frames, caption, cfg).items():
+    for analysis, caption in pairs:
+        for key, ok in score_analysis(analysis, caption).items():
             totals[key] += int(ok)
         count += 1
     if count == 0:

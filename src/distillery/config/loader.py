@@ -70,10 +70,6 @@ def _config_class(cls: Any, where: str) -> type:
     return config_cls
 
 
-def _valid_keys_for(tp: Any) -> list[str]:
-    return list(field_types(tp)) if dataclasses.is_dataclass(tp) else []
-
-
 def _check_dataclass_path(tp: Any, parts: list[str], where: str) -> None:
     """Check that ``parts`` names an existing (possibly nested) field of dataclass ``tp``."""
     for i, part in enumerate(parts):

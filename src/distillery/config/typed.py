@@ -60,14 +60,13 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             if type(None) in args:
                 return None
             raise config_error(where, f"must not be null; expected {_type_name(tp)}")
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return coerce(value, arg, where)
-            except UserError as exc:
-                errors.append(str(exc))
+            except UserError:
+                pass
         raise config_error(where, f"got {value!r}; expected {_type_name(tp)}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):

@@ -148,7 +148,7 @@ class LatentDataset:
 
 
 def collate_latents(
-    items: Sequence[dict[str, Any]], text_max_length: int, dtype: torch.dtype | None = None
+    items: Sequence[dict[str, Any]], text_max_length: int, dtype: torch.dtype | None = None, pin_memory: bool = False
 ) -> dict[str, Any]:
     """Stack dataset items into one batch.
 
@@ -157,7 +157,8 @@ def collate_latents(
     ``WanPipeline`` gives its prompt embeddings: trimmed to the real tokens, truncated to the max
     sequence length, zero-padded); ``text_lengths`` int64 ``[B]`` (real tokens kept per row);
     ``captions`` and ``ids`` lists of str. Tensors are new (not views of the dataset). With
-    ``dtype`` both tensors are cast to it; without, all items must share a dtype.
+    ``dtype`` both tensors are cast to it; without, all items must share a dtype. With ``pin_memory``
+    the tensors are allocated page-locked (needs CUDA).
 
     :class:`UserError` if two latents differ in shape, or text widths ``D`` differ, or dtypes differ
     with ``dtype=None`` (the message names both ids).
@@ -188,13 +189,19 @@ def collate_latents(
                         f"'{key}' in one batch have different dtypes: {first['id']!r} is {a.dtype}, "
                         f"{it['id']!r} is {b.dtype}; pass a dtype to cast to"
                     )
-    latents = torch.stack([it["latents"] for it in items])
-    if dtype is not None:
-        latents = latents.to(dtype)
+    if pin_memory and dtype is None:  # stacked straight into page-locked memory (items share a dtype, checked above)
+        latents = torch.empty(len(items), *first["latents"].shape, dtype=first["latents"].dtype, pin_memory=True)
+        torch.stack([it["latents"] for it in items], out=latents)
+    else:
+        latents = torch.stack([it["latents"] for it in items])
+        if dtype is not None:
+            latents = latents.to(dtype)
+        if pin_memory:
+            latents = latents.pin_memory()
     width = first["text_embedding"].shape[1]
     text_dtype = dtype if dtype is not None else first["text_embedding"].dtype
-    text = torch.zeros(len(items), text_max_length, width, dtype=text_dtype)
-    lengths = torch.empty(len(items), dtype=torch.long)
+    text = torch.zeros(len(items), text_max_length, width, dtype=text_dtype, pin_memory=pin_memory)
+    lengths = torch.empty(len(items), dtype=torch.long, pin_memory=pin_memory)
     for b, it in enumerate(items):
         emb = it["text_embedding"][:text_max_length]
         text[b, : emb.shape[0]] = emb

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from distillery.errors import UserError
+from distillery.log import quiet_library_progress
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLWan
 
 
 def read_max_sequence_length(base: Path, default: int = 512) -> int:
@@ -45,14 +50,31 @@ def read_max_sequence_length(base: Path, default: int = 512) -> int:
     return default
 
 
+def _stats_view(vae: AutoencoderKLWan, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (1, vae.config.z_dim) + (1,) * (z.ndim - 2)
+    mean = torch.tensor(vae.config.latents_mean, dtype=z.dtype, device=z.device).view(shape)
+    std = torch.tensor(vae.config.latents_std, dtype=z.dtype, device=z.device).view(shape)
+    return mean, std
+
+
+def normalize_latents(vae: AutoencoderKLWan, z: torch.Tensor) -> torch.Tensor:
+    """Training-space latents ``(z - latents_mean) / latents_std`` for raw latents ``z`` [B, z_dim, ...]."""
+    mean, std = _stats_view(vae, z)
+    return (z - mean) / std
+
+
+def denormalize_latents(vae: AutoencoderKLWan, x: torch.Tensor) -> torch.Tensor:
+    """Raw latents for ``vae.decode`` from training-space ``x`` [B, z_dim, ...], as WanPipeline does."""
+    mean, std = _stats_view(vae, x)
+    return x / (1.0 / std) + mean
+
+
 class BaseEncoders:
     """VAE + tokenizer + text encoder of a diffusers Wan folder, frozen, on ``device``."""
 
     def __init__(self, base: str | Path, device: str | torch.device = "cpu", max_sequence_length: int | None = None) -> None:
         from diffusers import AutoencoderKLWan
         from transformers import AutoTokenizer, UMT5EncoderModel
-
-        from distillery.cli import quiet_library_progress
 
         quiet_library_progress()
         self.base = Path(base)
@@ -67,27 +89,25 @@ class BaseEncoders:
         self.max_sequence_length = max_sequence_length or read_max_sequence_length(self.base)
         cfg = self.vae.config
         self.z_dim = int(cfg.z_dim)
-        self.latents_mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
-        self.latents_std = torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1)
-        if self.latents_mean.shape[1] != self.z_dim or self.latents_std.shape[1] != self.z_dim:
+        if len(cfg.latents_mean) != self.z_dim or len(cfg.latents_std) != self.z_dim:
             raise UserError(
-                f"{self.base / 'vae'}: latents_mean/latents_std have {self.latents_mean.shape[1]} entries, z_dim is {self.z_dim}"
+                f"{self.base / 'vae'}: latents_mean/latents_std have {len(cfg.latents_mean)}/{len(cfg.latents_std)} "
+                f"entries, z_dim is {self.z_dim}"
             )
         self.text_dim = int(self.text_encoder.config.d_model)
 
     @torch.no_grad()
     def encode_videos(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor:
         """``uint8 [B, T, H, W, 3]`` → normalised posterior-mean latents ``float32 [B, C, T', H', W']`` (CPU)."""
-        x = torch.as_tensor(frames)
-        x = x.permute(0, 4, 1, 2, 3).float().div(127.5).sub(1.0).to(self.device)
+        x = torch.as_tensor(frames).to(self.device)  # uint8 over the bus, converted on the device
+        x = x.permute(0, 4, 1, 2, 3).float().div(127.5).sub(1.0)
         z = self.vae.encode(x).latent_dist.mode()
-        z = (z - self.latents_mean.to(z.device)) / self.latents_std.to(z.device)
-        return z.float().cpu()
+        return normalize_latents(self.vae, z).float().cpu()
 
     @torch.no_grad()
     def decode_latents(self, latents: torch.Tensor) -> np.ndarray:
         """Normalised latents ``[B, C, T', H', W']`` → ``uint8 [B, T, H, W, 3]`` frames."""
-        z = latents.float().to(self.device) * self.latents_std.to(self.device) + self.latents_mean.to(self.device)
+        z = denormalize_latents(self.vae, latents.float().to(self.device))
         video = self.vae.decode(z, return_dict=False)[0].clamp(-1, 1)
         frames = ((video + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
         return frames.permute(0, 2, 3, 4, 1).cpu().numpy()

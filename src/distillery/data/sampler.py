@@ -141,7 +141,8 @@ class ShardedBatchSampler:
 class LatentBatchLoader:
     """Infinite iterator of collated batches (see :func:`collate_latents`) in sampler order.
 
-    Collation runs in the calling process (rows are already in memory). ``state_dict`` /
+    Collation runs in the calling process (rows are already in memory), into page-locked memory
+    with ``pin_memory`` (for non-blocking copies to a GPU). ``state_dict`` /
     ``load_state_dict`` / ``epoch`` are the sampler's.
     """
 
@@ -151,6 +152,7 @@ class LatentBatchLoader:
         sampler: ShardedBatchSampler,
         text_max_length: int,
         dtype: torch.dtype | None = None,
+        pin_memory: bool = False,
     ) -> None:
         if sampler.num_samples != len(dataset):
             raise ValueError(f"sampler covers {sampler.num_samples} samples but the dataset has {len(dataset)}")
@@ -158,6 +160,7 @@ class LatentBatchLoader:
         self.sampler = sampler
         self.text_max_length = text_max_length
         self.dtype = dtype
+        self.pin_memory = pin_memory
 
     @property
     def epoch(self) -> int:
@@ -169,7 +172,7 @@ class LatentBatchLoader:
 
     def __next__(self) -> dict[str, Any]:
         indices = next(self.sampler)
-        return collate_latents([self.dataset[i] for i in indices], self.text_max_length, self.dtype)
+        return collate_latents([self.dataset[i] for i in indices], self.text_max_length, self.dtype, self.pin_memory)
 
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()

@@ -81,12 +81,6 @@ class ModelBase(ABC):
         if self.compute_copy is not None:
             self.compute_copy.refresh()
 
-    def requires_grad_(self, flag: bool) -> None:
-        """Freeze or unfreeze this role's weights (master and compute copy alike)."""
-        self.transformer.requires_grad_(flag)
-        if self.compute_copy is not None:
-            self.compute_copy.requires_grad_(flag)
-
     def input_dtype(self) -> torch.dtype:
         """dtype for latents/text fed to the transformer: the compute dtype, so the residual stream
         is carried in bf16 under mixed precision."""

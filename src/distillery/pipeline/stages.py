@@ -135,7 +135,7 @@ def stage_latents(params: Params) -> None:
 
 
 TRAINING = {
-    # stage: (template, init artifact, method short name)
+    # stage: (template, init artifact)
     "teacher": ("stages/teacher_sft.yaml", "base"),
     "pretrain": ("stages/pretrain_dfsft.yaml", "teacher"),
 }
@@ -213,6 +213,7 @@ def prepare_run_dir(stage: str, raw: dict[str, Any]) -> Path:
 def stage_training(stage: str, params: Params) -> None:
     from distillery.checkpoint import list_checkpoints
     from distillery.export import export_weights
+    from distillery.models.schedule import read_scheduler_shift
     from distillery.models.wan import locate_transformer
 
     raw = build_run_config(stage, params)
@@ -222,7 +223,7 @@ def stage_training(stage: str, params: Params) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if params.get("gpus.nproc_per_node") > 1 else "2")}
     proc = subprocess.run(torchrun_command(params, config_path), env=env)
     if proc.returncode != 0:
-        raise SystemExit(proc.returncode if proc.returncode != 2 else 2)
+        raise SystemExit(proc.returncode)
     found = list_checkpoints(RUNS / stage)
     if not found or found[-1][0] != raw["training"]["loop"]["max_train_steps"]:
         raise UserError(f"stage {stage}: training ended without its final checkpoint in {RUNS / stage}")
@@ -238,7 +239,7 @@ def stage_training(stage: str, params: Params) -> None:
     (staging / "loss.json").write_text(json.dumps(loss))
     Path("plots").mkdir(exist_ok=True)
     write_json_atomic(Path("plots") / f"{stage}_loss.json", loss)
-    shift = json.loads((staging / "model" / "scheduler" / "scheduler_config.json").read_text()).get("shift") if scheduler else None
+    shift = read_scheduler_shift(staging / "model" / "scheduler") if scheduler else None
     write_json_atomic(staging / "model" / "sampling.json", {"sampler": "euler", "shift": shift, "num_train_timesteps": 1000})
     artifact = publish(stage, staging)
     last = rows[-10:] or [{"total_loss": float("nan")}]
@@ -301,9 +302,10 @@ def stage_export(params: Params) -> None:
         raise UserError(f"params.yaml: export.student: {student!r}; valid: {', '.join(TRAINING)}")
     staging = fresh_staging("export")
     model = staging  # the artifact *is* the diffusers folder, lineage.json inside
-    shutil.copytree(ARTIFACTS / "base" / "model", model, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("lineage.json", "fit_report.json"))
-    shutil.rmtree(model / "transformer")
+    base = ARTIFACTS / "base" / "model"
+    skip = shutil.ignore_patterns("lineage.json", "fit_report.json")
+    shutil.copytree(base, model, dirs_exist_ok=True,  # the base's own transformer is not copied at all
+                    ignore=lambda folder, names: set(skip(folder, names)) | ({"transformer"} if Path(folder) == base else set()))
     shutil.copytree(ARTIFACTS / student / "model" / "transformer", model / "transformer")
     shutil.copy2(ARTIFACTS / student / "model" / "sampling.json", model / "sampling.json")
     artifact = publish("export", staging)
