@@ -29,7 +29,6 @@ import logging
 import math
 import os
 import re
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -41,6 +40,7 @@ import numpy as np
 from PIL import Image
 
 from distillery.errors import UserError
+from distillery.fsutil import write_text_atomic
 
 __all__ = [
     "CAPTION_FILES",
@@ -504,14 +504,7 @@ def iter_clips(folder: Path, cfg: IngestConfig) -> Iterator[ClipItem | SkippedIt
 
 def _write_jsonl_atomic(path: Path, records: list[dict[str, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with tmp.open("w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def load_clips(folder: Path, cfg: IngestConfig, skipped_path: Path | None = None) -> IngestResult:
