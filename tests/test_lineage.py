@@ -17,12 +17,16 @@ import pytest
 
 from distillery.errors import UserError
 from distillery.lineage import (
+    DIGEST_KEY,
     MANIFEST_KEYS,
     Input,
     code_info,
+    dvc_dir_md5,
+    find_dvc_out,
     hash_file,
     hash_tree,
     lineage_tree,
+    manifest_digest,
     read_lineage,
     tree_digest,
     verify_lineage,
@@ -108,18 +112,24 @@ def test_hash_tree_files_and_exclusions(tmp_path: Path) -> None:
     _write(tmp_path / "lineage.json", "{}")  # top level: excluded
     _write(tmp_path / "sub/lineage.json", "{}")  # nested: a payload file like any other
     _write(tmp_path / "b.bin", b"xyz")
-    _write(tmp_path / ".lineage.json.tmp-123", "partial")  # hidden temp file: skipped
+    _write(tmp_path / "sub/.x.bin.tmp-123", "partial")  # hidden temp file: counted like any other
     entries = hash_tree(tmp_path)
-    assert [e["path"] for e in entries] == ["b.bin", "sub/lineage.json"]
+    assert [e["path"] for e in entries] == ["b.bin", "sub/.x.bin.tmp-123", "sub/lineage.json"]
     assert entries[0] == {"path": "b.bin", "sha256": hash_file(tmp_path / "b.bin"), "bytes": 3}
     assert tree_digest(entries) == tree_digest(list(reversed(entries)))
     with pytest.raises(UserError):
         hash_tree(tmp_path / "nope")
+    (tmp_path / "sub" / "link.bin").symlink_to(tmp_path / "b.bin")
+    with pytest.raises(UserError, match=r"holds sub/link.bin \(symlink -> "):
+        hash_tree(tmp_path)
+    assert [e["path"] for e in hash_tree(tmp_path, follow_symlinks=True)] == [
+        "b.bin", "sub/.x.bin.tmp-123", "sub/lineage.json", "sub/link.bin"]
 
 
 def test_export_embeds_the_whole_chain(chain: dict[str, Path]) -> None:
     m = read_lineage(chain["export"])
-    assert tuple(m) == MANIFEST_KEYS
+    assert tuple(m) == (*MANIFEST_KEYS, DIGEST_KEY)
+    assert m[DIGEST_KEY] == manifest_digest(m)
     assert m["artifact"] == "artifacts/export" and m["kind"] == "export"
     datetime.strptime(m["created"], "%Y-%m-%dT%H:%M:%SZ")
     assert [o["path"] for o in m["outputs"]] == ["model/model_index.json", WEIGHTS]
@@ -127,7 +137,7 @@ def test_export_embeds_the_whole_chain(chain: dict[str, Path]) -> None:
     assert student["role"] == "student" and student["path"] == "artifacts/pretrain"
     assert student["sha256"] == tree_digest(hash_tree(chain["pretrain"]))
     pre = student["lineage"]
-    assert pre == read_lineage(chain["pretrain"])
+    assert pre == read_lineage(chain["pretrain"]) and pre[DIGEST_KEY] == manifest_digest(pre)
     assert pre["stage"] == "pretrain" and pre["mlflow"]["run_id"] == "abc123run"
     data, init = pre["inputs"]
     assert data["lineage"]["stage"] == "latents"
@@ -176,7 +186,8 @@ def test_verify_copy_then_tamper(chain: dict[str, Path], tmp_path: Path) -> None
     res = verify_lineage(copy)
     assert res.ok and res.problems == [] and res.files == 2
     rc, out, _ = _cli(str(copy), "--verify")
-    assert rc == 0 and out.strip() == "verified: 2 files"
+    assert rc == 0 and out.splitlines() == [f"manifest digest: {res.manifest_digest}", "verified: 2 files"]
+    assert res.sealed and res.manifest_digest == read_lineage(copy)[DIGEST_KEY]
 
     weights = copy / WEIGHTS
     raw = bytearray(weights.read_bytes())
@@ -189,7 +200,7 @@ def test_verify_copy_then_tamper(chain: dict[str, Path], tmp_path: Path) -> None
     assert res.problems[1].startswith("unexpected: model/notes.txt")
     rc, out, _ = _cli(str(copy), "--verify")
     lines = out.strip().splitlines()
-    assert rc == 2 and lines[:2] == res.problems and lines[-1] == "lineage check failed: 2 problem(s)"
+    assert rc == 2 and lines[1:3] == res.problems and lines[-1] == "lineage check failed: 2 problem(s)"
 
     (copy / "model" / "model_index.json").unlink()
     assert "missing: model/model_index.json" in verify_lineage(copy).problems
@@ -201,8 +212,11 @@ def test_verify_checks_embedded_manifests(chain: dict[str, Path]) -> None:
     m["inputs"][0]["lineage"]["inputs"][0]["lineage"]["outputs"][0]["sha256"] = "0" * 64
     path.write_text(json.dumps(m))
     res = verify_lineage(chain["export"])
-    assert res.problems == [res.problems[0]] and res.problems[0].startswith(
-        "input student/data (artifacts/latents): recorded sha256 ")
+    assert [p.split(": ", 1)[0] for p in res.problems] == [  # every seal up the chain, then the file list
+        "manifest digest mismatch", "input student (artifacts/pretrain)", "input student/data (artifacts/latents)",
+        "input student/data (artifacts/latents)"]
+    assert all("embedded manifest digest mismatch" in p for p in res.problems[1:3])
+    assert res.problems[3].startswith("input student/data (artifacts/latents): recorded sha256 ")
 
 
 def test_write_refuses_an_input_changed_after_its_lineage(chain: dict[str, Path]) -> None:
@@ -226,3 +240,164 @@ def test_read_errors_are_user_errors(tmp_path: Path) -> None:
         verify_lineage(tmp_path)
     rc, out, err = _cli(str(tmp_path / "missing"))
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "no lineage.json" in err
+
+
+def _reference_dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    dvc = Path(sys.executable).with_name("dvc")
+    return subprocess.run([str(dvc), *args], cwd=repo, check=True, capture_output=True, text=True, timeout=120)
+
+
+def test_dvc_dir_md5_is_what_dvc_add_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DVC 3 directory hash, checked against the installed DVC on a real `dvc add`: nested
+    and hidden files, non-ASCII names, an empty folder, lineage.json, and names whose string order
+    differs from their component order ("a-b/x" < "a/b/y")."""
+    import yaml
+
+    repo = tmp_path / "repo"
+    art = repo / "art"
+    _write(art / "a/b/y.txt", "x\r\ny\r\n")  # CRLF text: DVC 3 hashes raw bytes
+    _write(art / "a-b/x", b"\x00\x01")
+    _write(art / ".hidden.tmp-1", "partial")
+    _write(art / "sub/é.bin", "é")
+    (art / "empty").mkdir()
+    monkeypatch.chdir(repo)
+    write_lineage("art", kind="data", stage="art")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True, timeout=60)
+    _reference_dvc(repo, "init", "-q")
+    _reference_dvc(repo, "add", "-q", "art")
+    (out,) = yaml.safe_load((repo / "art.dvc").read_text())["outs"]
+    assert out["nfiles"] == 5 and dvc_dir_md5(art) == (out["md5"], 5)
+    found = find_dvc_out(repo / "art.dvc", art)
+    assert (found.stage, found.path, found.md5, found.nfiles) == (None, "art", out["md5"], 5)
+    res = verify_lineage("art", dvc_lock="art.dvc")
+    assert res.ok and res.notes == [f"dvc: art matches {out['md5']} recorded for art in art.dvc"]
+    (art / "a-b" / "x").write_bytes(b"\x00\x02")
+    assert dvc_dir_md5(art)[0] != out["md5"]
+    res = verify_lineage("art", dvc_lock="art.dvc")
+    assert res.problems[-1] == (f"dvc: art hashes to {dvc_dir_md5(art)[0]} but art.dvc records {out['md5']} "
+                                f"for art (changed after DVC recorded it)")
+
+
+def test_find_dvc_out_errors(tmp_path: Path) -> None:
+    art = tmp_path / "artifacts" / "export"
+    art.mkdir(parents=True)
+    lock = tmp_path / "dvc.lock"
+    with pytest.raises(UserError, match="dvc lock file not found"):
+        find_dvc_out(lock, art)
+    lock.write_text("stages: [unclosed\n")
+    with pytest.raises(UserError, match="is not a readable YAML file"):
+        find_dvc_out(lock, art)
+    lock.write_text("schema: '2.0'\n")
+    with pytest.raises(UserError, match="neither a dvc.lock"):
+        find_dvc_out(lock, art)
+    stage = "stages:\n  export:\n    cmd: x\n    outs:\n    - path: {path}\n      md5: {md5}\n{extra}"
+    lock.write_text(stage.format(path="artifacts/other", md5="0" * 32 + ".dir", extra="      hash: md5\n"))
+    with pytest.raises(UserError, match=r"records no out for .*export \(outs: artifacts/other\)"):
+        find_dvc_out(lock, art)
+    lock.write_text(stage.format(path="artifacts/export", md5="0" * 32, extra="      hash: md5\n"))
+    with pytest.raises(UserError, match="is not a folder out"):
+        find_dvc_out(lock, art)
+    lock.write_text(stage.format(path="artifacts/export", md5="0" * 32 + ".dir", extra=""))
+    with pytest.raises(UserError, match="DVC 2 hashes"):
+        find_dvc_out(lock, art)
+    lock.write_text(stage.format(path="artifacts/export", md5="0" * 32 + ".dir", extra="      hash: md5\n"))
+    assert find_dvc_out(lock, art).stage == "export"
+    copy = tmp_path / "elsewhere" / "export"
+    copy.mkdir(parents=True)  # a copy is found by the manifest's recorded artifact path
+    assert find_dvc_out(lock, copy, "artifacts/export").path == "artifacts/export"
+
+
+def test_unsealed_manifest_verifies_with_a_warning(chain: dict[str, Path]) -> None:
+    """Manifests written before seals (no manifest_sha256, at any level) still verify, with a
+    warning; they never satisfy --expect."""
+    for name in ("latents", "pretrain", "export"):
+        path = chain[name] / "lineage.json"
+        m = json.loads(path.read_text())
+
+        def strip(node: dict) -> None:
+            node.pop(DIGEST_KEY, None)
+            for inp in node.get("inputs") or []:
+                if isinstance(inp.get("lineage"), dict):
+                    strip(inp["lineage"])
+
+        strip(m)
+        path.write_text(json.dumps(m, indent=2))
+    res = verify_lineage(chain["export"], recursive=True)
+    assert res.ok and not res.sealed and res.notes[0].startswith("warning: manifest is unsealed")
+    assert "input student (artifacts/pretrain): verified: 4 files, manifest matches the embedded one" in res.notes
+    rc, out, _ = _cli(str(chain["export"]), "--verify")
+    lines = out.splitlines()
+    assert rc == 0 and lines[0] == f"manifest digest: {res.manifest_digest}" and lines[1].startswith("warning: ")
+    rc, out, _ = _cli(str(chain["export"]), "--verify", "--expect", res.manifest_digest)
+    assert rc == 2 and "manifest is unsealed (no manifest_sha256), so it cannot match the expected digest" in out
+    # a new artifact may still take an unsealed input: its files are checked, the input is embedded as it is
+    m = write_lineage(chain["export"], kind="export", stage="export", inputs=[Input("student", chain["pretrain"])])
+    assert DIGEST_KEY not in m["inputs"][0]["lineage"] and verify_lineage(chain["export"]).ok
+
+
+def test_verify_flag_errors_are_one_line(chain: dict[str, Path]) -> None:
+    for args, msg in (((str(chain["export"]), "--verify", "--expect", "abc"), "is not a sha256 hex digest"),
+                      ((str(chain["export"]), "--recursive"), "--recursive only applies with --verify"),
+                      ((str(chain["export"]), "--verify", "--dvc-lock", "nope.lock"), "dvc lock file not found")):
+        rc, out, err = _cli(*args)
+        assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and msg in err, (args, err)
+    digest = read_lineage(chain["export"])[DIGEST_KEY]
+    assert verify_lineage(chain["export"], expect=f"  SHA256:{digest.upper()} ").ok
+
+
+def test_write_lineage_refuses_symlinks_and_drops_its_stale_temp(chain: dict[str, Path], tmp_path: Path) -> None:
+    export = chain["export"]
+    stale = export / ".lineage.json.tmp-killed"
+    stale.write_text("half a manifest from a killed write")
+    other = export / "model" / ".notes.tmp"
+    other.write_text("someone else's hidden file")
+    m = write_lineage(export, kind="export", stage="export", inputs=[Input("student", chain["pretrain"])])
+    assert not stale.exists() and "model/.notes.tmp" in [o["path"] for o in m["outputs"]]
+    assert verify_lineage(export).ok
+    (export / "model" / "link").symlink_to(tmp_path / "base", target_is_directory=True)
+    before = (export / "lineage.json").read_bytes()
+    with pytest.raises(UserError, match=r"holds model/link \(symlink -> .*\): refused, an artifact holds regular"):
+        write_lineage(export, kind="export", stage="export")
+    assert (export / "lineage.json").read_bytes() == before
+    # an input artifact holding a symlink is refused too
+    (chain["pretrain"] / "extra.bin").symlink_to(tmp_path / "base" / "model_index.json")
+    with pytest.raises(UserError, match=r"holds extra.bin \(symlink"):
+        write_lineage(chain["latents"], kind="data", stage="latents", inputs=[Input("x", chain["pretrain"])])
+
+
+def test_external_input_symlinks_are_followed_and_pinned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hugging Face cache snapshot links its files to blobs: an external input is hashed
+    through them, and --recursive rechecks it by content."""
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path / "blobs/aaa", '{"_class_name": "WanPipeline"}')
+    _write(tmp_path / "vae-real/config.json", '{"z_dim": 4}')
+    snap = Path("snapshot")
+    snap.mkdir()
+    (snap / "model_index.json").symlink_to(tmp_path / "blobs/aaa")
+    (snap / "vae").symlink_to(tmp_path / "vae-real", target_is_directory=True)
+    art = Path("artifacts/base")
+    _write(art / "model/model_index.json", '{"_class_name": "WanPipeline"}')
+    m = write_lineage(art, kind="model", stage="base", inputs=[Input("source", snap)])
+    assert [f["path"] for f in m["inputs"][0]["files"]] == ["model_index.json", "vae/config.json"]
+    notes = verify_lineage(art, recursive=True).notes
+    assert "input source (snapshot): verified: 2 files (external, no lineage)" in notes
+    (tmp_path / "vae-real" / "up").symlink_to(tmp_path / "vae-real", target_is_directory=True)  # a loop
+    with pytest.raises(UserError, match=r"holds vae/up \(symlink -> .*; a loop\)"):
+        write_lineage(art, kind="model", stage="base", inputs=[Input("source", snap)])
+    (tmp_path / "vae-real" / "up").unlink()
+    (tmp_path / "blobs/aaa").write_text("{}")
+    res = verify_lineage(art, recursive=True)
+    assert not res.ok and res.problems[0].startswith("input source (snapshot): changed: model_index.json")
+
+
+def test_staged_write_records_the_final_artifact_path(chain: dict[str, Path]) -> None:
+    """A stage writes into artifacts/<name>.tmp and renames it: ``artifact_name`` records the final
+    place, and the sealed manifest verifies after the rename (a dvc.lock finds it by that path)."""
+    staging = Path("artifacts/export.tmp")
+    shutil.copytree(chain["export"], staging)
+    m = write_lineage(staging, kind="export", stage="export", inputs=[Input("student", chain["pretrain"])],
+                      artifact_name="artifacts/export")
+    shutil.rmtree(chain["export"])
+    staging.rename(chain["export"])
+    assert m["artifact"] == "artifacts/export" and m == read_lineage(chain["export"])
+    assert verify_lineage(chain["export"], expect=m[DIGEST_KEY], recursive=True).ok

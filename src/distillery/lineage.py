@@ -3,21 +3,42 @@
 Contract (DESIGN §2.1)::
 
     {"artifact", "kind", "created", "stage", "method", "config", "params", "code",
-     "inputs", "outputs", "mlflow", "metrics"}
+     "inputs", "outputs", "mlflow", "metrics", "manifest_sha256"}
 
 - ``outputs`` is :func:`hash_tree` of the artifact folder: every regular file (relative POSIX
-  path, sha256, size in bytes), sorted by path, ``lineage.json`` itself excluded.
+  path, sha256, size in bytes), sorted by path, ``lineage.json`` itself excluded. Hidden files
+  count like any other. An artifact holds regular files and folders only: a symlink (to a file
+  or a folder) or a special file anywhere in it is refused when writing (:class:`UserError`)
+  and reported when verifying; it is never followed.
 - each ``inputs`` entry is ``{"role", "path", "sha256", "lineage"}`` where ``sha256`` is
   :func:`tree_digest` of the input's files and ``lineage`` is the input's own manifest embedded
   whole (recursively embedding its inputs), so an export alone answers the whole chain. An input
   without a ``lineage.json`` (an external base model) gets ``"lineage": null`` and a ``"files"``
-  list so it is still pinned file by file.
-- :func:`verify_lineage` needs only the artifact folder: it rehashes the artifact's own files by
-  relative path and checks embedded input manifests for internal consistency (recorded digest ==
-  digest of the recorded file list); it never opens the original input paths, so a copy of the
-  folder on another machine verifies the same.
+  list so it is still pinned file by file (an external input's symlinks are followed and hashed
+  by content, e.g. a Hugging Face cache snapshot).
+- ``manifest_sha256`` seals the manifest: :func:`manifest_digest`, the sha256 of the canonical
+  JSON of every other key. Embedded input manifests are part of that content and carry their own
+  seal, so the digests chain: the export's digest pins every manifest upstream of it.
 
-Stdlib only: the training library and the stages both call it; it never imports DVC or Prefect.
+Trust model of :func:`verify_lineage` (``distillery lineage --verify``):
+
+- offline and path-independent: it rehashes the artifact's own files by relative path, recomputes
+  the manifest digest, and checks embedded input manifests for internal consistency (recorded
+  files digest and seal); a copy of the folder on another machine verifies the same.
+- the seal catches any edit of the manifest that does not also recompute the digest (changed
+  params, a file's hash edited to match a changed file, an entry deleted with its file). It holds
+  no secret: someone who edits files AND rewrites the manifest consistently, seal included,
+  passes the self-check. That is caught only against a value recorded elsewhere: ``expect`` (the
+  manifest digest published with the artifact, or the one embedded in a downstream manifest) or
+  ``dvc_lock`` (the DVC directory hash that ``dvc repro`` recorded for the artifact folder,
+  ``lineage.json`` included).
+- ``recursive`` also checks each upstream input found at its recorded path (relative to the
+  current directory) against its own manifest, and that manifest against the one embedded here.
+- manifests written before the seal existed verify with a warning (``unsealed``), and never
+  satisfy ``expect``.
+
+Stdlib (+ PyYAML to read a dvc.lock) only: the training library and the stages both call it; it
+never imports DVC or Prefect.
 """
 
 from __future__ import annotations
@@ -28,9 +49,10 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -42,9 +64,11 @@ logger = logging.getLogger("distillery")
 LINEAGE_FILE = "lineage.json"
 MANIFEST_KEYS = ("artifact", "kind", "created", "stage", "method", "config", "params", "code",
                  "inputs", "outputs", "mlflow", "metrics")
+DIGEST_KEY = "manifest_sha256"  # the manifest's seal: manifest_digest() of every other key
 _REQUIRED_KEYS = ("artifact", "kind", "stage", "inputs", "outputs")
 _CHUNK = 1 << 20  # bytes read per hashing step
-_TMP_MARK = ".tmp"  # hidden temp files look like ".<name>.tmp..." and are never hashed
+_TMP_PREFIX = f".{LINEAGE_FILE}.tmp-"  # write_lineage's own in-flight temp file (top level only)
+_SHOWN = 120  # characters of a user value echoed in a message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +82,20 @@ class Input:
 
 @dataclasses.dataclass
 class VerifyResult:
-    """Outcome of :func:`verify_lineage`: ``ok`` iff ``problems`` is empty; ``files`` is the
-    number of output files the manifest records (each rehashed)."""
+    """Outcome of :func:`verify_lineage`: ``ok`` iff ``problems`` is empty."""
 
     ok: bool  # no problem found
     problems: list[str]  # one readable line per problem, naming the file by relative path
-    files: int = 0  # output files recorded in the manifest
+    files: int = 0  # output files recorded in the manifest (each rehashed)
+    manifest_digest: str = ""  # manifest_digest() of lineage.json as it is now
+    sealed: bool = False  # the manifest records its own digest (manifest_sha256)
+    notes: list[str] = dataclasses.field(default_factory=list)  # informational lines and warnings
+
+
+def _cut(value: Any, limit: int = _SHOWN) -> str:
+    """``value`` as text, cut to ``limit`` characters for a readable message."""
+    s = str(value)
+    return s if len(s) <= limit else s[: limit - 1] + "…"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,42 +111,90 @@ def hash_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _is_hidden_temp(name: str) -> bool:
-    return name.startswith(".") and _TMP_MARK in name
+@dataclasses.dataclass
+class _Listing:
+    """What :func:`_scan` found under a folder."""
+
+    files: dict[str, Path]  # relative POSIX path -> path of each regular file
+    refused: list[tuple[str, str]]  # (relative path, why) of each symlink / special file, not followed
 
 
-def _list_files(folder: Path, exclude: Iterable[str]) -> dict[str, Path]:
-    """Relative POSIX path -> path of every regular file under ``folder`` (symlinked files
-    followed, symlinked directories not entered), minus ``exclude`` names at the top level and
-    hidden temp files anywhere."""
+def _scan(folder: Path, exclude: Iterable[str] = (), *, follow_links: bool = False) -> _Listing:
+    """Every entry under ``folder``.
+
+    Regular files are listed by relative POSIX path (hidden ones included); ``exclude`` names are
+    skipped at the top level only, and only when they are regular files. By default a symlink (to
+    a file or a folder) is ``refused`` and never followed; special files (FIFOs, sockets,
+    devices) always are. ``follow_links`` (external inputs only, e.g. a Hugging Face cache
+    snapshot) lists a linked file as that file and enters a linked folder, refusing a link that
+    leads back into its own ancestors (a loop) or nowhere.
+    """
     excluded = set(exclude)
-    files: dict[str, Path] = {}
-    for root, dirs, names in os.walk(folder):
-        dirs.sort()
-        root_path = Path(root)
-        rel_root = root_path.relative_to(folder)
-        for name in names:
-            if _is_hidden_temp(name) or (rel_root == Path(".") and name in excluded):
-                continue
-            p = root_path / name
-            if p.is_file():
-                files[(rel_root / name).as_posix()] = p
-    return files
+    listing = _Listing({}, [])
+    stack: list[tuple[str, Path, tuple[Path, ...]]] = [("", folder, (folder.resolve(),) if follow_links else ())]
+    while stack:
+        rel_dir, here, ancestors = stack.pop()
+        try:
+            with os.scandir(here) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            listing.refused.append((rel_dir.rstrip("/") or ".", f"unreadable folder: {exc.strerror or exc}"))
+            continue
+        for e in entries:
+            rel = rel_dir + e.name
+            if e.is_symlink():
+                if follow_links and os.path.isfile(e.path):
+                    listing.files[rel] = Path(e.path)
+                    continue
+                real = Path(e.path).resolve() if follow_links else None
+                if real is not None and os.path.isdir(e.path) and real not in ancestors:
+                    stack.append((rel + "/", Path(e.path), (*ancestors, real)))
+                    continue
+                try:
+                    target = os.readlink(e.path)
+                except OSError:
+                    target = "?"
+                loop = "; a loop" if real is not None and real in ancestors else ""
+                listing.refused.append((rel, f"symlink -> {_cut(target, 60)}{loop}"))
+            elif e.is_dir(follow_symlinks=False):
+                real = (Path(e.path).resolve(),) if follow_links else ()
+                stack.append((rel + "/", Path(e.path), (*ancestors, *real)))
+            elif e.is_file(follow_symlinks=False):
+                if not (rel_dir == "" and e.name in excluded):
+                    listing.files[rel] = Path(e.path)
+            else:
+                listing.refused.append((rel, "not a regular file"))
+    listing.refused.sort()
+    return listing
 
 
-def hash_tree(folder: str | Path, exclude: Sequence[str] = (LINEAGE_FILE,)) -> list[dict[str, Any]]:
+def _entry(rel: str, path: Path) -> dict[str, Any]:
+    return {"path": rel, "sha256": hash_file(path), "bytes": path.stat().st_size}
+
+
+def hash_tree(folder: str | Path, exclude: Sequence[str] = (LINEAGE_FILE,), *,
+              follow_symlinks: bool = False) -> list[dict[str, Any]]:
     """``[{"path", "sha256", "bytes"}]`` for every regular file under ``folder``, sorted by path.
 
     ``path`` is relative to ``folder`` in POSIX form; names in ``exclude`` are skipped at the top
-    level only; hidden temp files (``.name.tmp...``) are skipped everywhere. Raises
-    :class:`UserError` if ``folder`` is not a directory.
+    level only; every other file counts, hidden ones included. Raises :class:`UserError` if
+    ``folder`` is not a directory, holds a symlink or a special file, or a file cannot be read.
+    ``follow_symlinks`` (for external inputs only) hashes linked files by content and enters
+    linked folders instead; a link loop or a dangling link is still an error.
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise UserError(f"not a folder: {folder}")
-    files = _list_files(folder, exclude)
-    return [{"path": rel, "sha256": hash_file(files[rel]), "bytes": files[rel].stat().st_size}
-            for rel in sorted(files)]
+        raise UserError(f"not a folder: {_cut(folder)}")
+    listing = _scan(folder, exclude, follow_links=follow_symlinks)
+    if listing.refused:
+        rel, why = listing.refused[0]
+        count = len(listing.refused)
+        raise UserError(f"{_cut(folder)} holds {_cut(rel)} ({why}): refused, an artifact holds regular files and "
+                        f"folders only; copy the real file in ({count} such entr{'y' if count == 1 else 'ies'})")
+    try:
+        return [_entry(rel, listing.files[rel]) for rel in sorted(listing.files)]
+    except OSError as exc:
+        raise UserError(f"cannot read a file under {_cut(folder)}: {_cut(exc)}") from None
 
 
 def tree_digest(entries: Iterable[Mapping[str, Any]]) -> str:
@@ -126,27 +206,57 @@ def tree_digest(entries: Iterable[Mapping[str, Any]]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _compare(recorded: Sequence[Any], actual: Sequence[Mapping[str, Any]]) -> list[str]:
+def manifest_digest(manifest: Mapping[str, Any]) -> str:
+    """The seal of a manifest: sha256 hex of the canonical JSON (sorted keys, no whitespace,
+    ASCII escapes) of every key except ``manifest_sha256``.
+
+    Embedded input manifests are hashed as they stand, their own ``manifest_sha256`` included,
+    so a digest pins the whole chain. Every field counts (``created``, MLflow ids, ...): the
+    digest is as stable as the manifest's content. ``manifest`` must be JSON as read back from a
+    lineage.json (string keys, JSON types).
+    """
+    content = {k: v for k, v in manifest.items() if k != DIGEST_KEY}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _seal_problem(manifest: Mapping[str, Any]) -> str | None:
+    """Why a sealed manifest's recorded digest does not match its content (None if it does or if
+    the manifest is unsealed)."""
+    if DIGEST_KEY not in manifest:
+        return None
+    recorded, actual = manifest.get(DIGEST_KEY), manifest_digest(manifest)
+    if recorded == actual:
+        return None
+    return (f"manifest digest mismatch: its content hashes to {actual[:12]}… but it records "
+            f"{str(recorded)[:12]}… (edited after it was written)")
+
+
+def _compare(recorded: Sequence[Any], actual: Sequence[Mapping[str, Any]], refused: Iterable[str] = ()) -> list[str]:
     """Problems between a recorded file list and a freshly hashed one: changed, missing,
-    unexpected (new) files, and malformed recorded entries; sorted by path within each kind."""
+    unexpected (new) files, and malformed recorded entries; sorted by path within each kind. A
+    recorded path at or under a ``refused`` entry (already reported) is not reported missing."""
     problems: list[str] = []
     rec: dict[str, Mapping[str, Any]] = {}
     for i, e in enumerate(recorded):
         if not (isinstance(e, Mapping) and isinstance(e.get("path"), str) and isinstance(e.get("sha256"), str)):
-            problems.append(f"malformed outputs entry #{i}: {e!r}")
+            problems.append(f"malformed outputs entry #{i}: {_cut(repr(e))}")
             continue
         rec[e["path"]] = e
     act = {e["path"]: e for e in actual}
+    shadowed = tuple(refused)
     for rel in sorted(rec):
         r = rec[rel]
         a = act.get(rel)
         if a is None:
-            problems.append(f"missing: {rel}")
+            if not any(rel == s or rel.startswith(s + "/") for s in shadowed):
+                problems.append(f"missing: {_cut(rel)}")
         elif a["sha256"] != r["sha256"]:
             size = "" if r.get("bytes") in (None, a["bytes"]) else f"; {a['bytes']} bytes != recorded {r['bytes']}"
-            problems.append(f"changed: {rel} (sha256 {a['sha256'][:12]}… != recorded {r['sha256'][:12]}…{size})")
+            problems.append(f"changed: {_cut(rel)} (sha256 {a['sha256'][:12]}… != recorded "
+                            f"{str(r['sha256'])[:12]}…{size})")
     for rel in sorted(set(act) - set(rec)):
-        problems.append(f"unexpected: {rel} (new file, not in the recorded outputs)")
+        problems.append(f"unexpected: {_cut(rel)} (new file, not in the recorded outputs)")
     return problems
 
 
@@ -206,28 +316,36 @@ def _json_default(obj: Any) -> Any:
 
 def _input_entry(inp: Input) -> dict[str, Any]:
     """``{"role", "path", "sha256", "lineage"[, "files"]}`` for one input; the input's own
-    lineage.json is embedded after checking that its files still match it."""
+    lineage.json is embedded after checking that its seal and its files still match it."""
     path = Path(inp.path)
     shown = _display_path(inp.path)
     if path.is_file():
         files = [{"path": path.name, "sha256": hash_file(path), "bytes": path.stat().st_size}]
         return {"role": inp.role, "path": shown, "sha256": tree_digest(files), "lineage": None, "files": files}
     if not path.is_dir():
-        raise UserError(f"input '{inp.role}' not found: {path} (run the stage that produces it first)")
-    files = hash_tree(path)
+        raise UserError(f"input '{_cut(inp.role, 40)}' not found: {_cut(path)} (run the stage that produces it first)")
     if not (path / LINEAGE_FILE).is_file():
+        files = hash_tree(path, follow_symlinks=True)
         return {"role": inp.role, "path": shown, "sha256": tree_digest(files), "lineage": None, "files": files}
     manifest = read_lineage(path)
-    problems = _compare(manifest.get("outputs") or [], files)
+    files = hash_tree(path)
+    problems = [p for p in [_seal_problem(manifest)] if p] + _compare(manifest.get("outputs") or [], files)
     if problems:
-        raise UserError(f"input '{inp.role}' at {path} no longer matches its lineage.json "
+        raise UserError(f"input '{_cut(inp.role, 40)}' at {_cut(path)} no longer matches its lineage.json "
                         f"({len(problems)} problem(s), first: {problems[0]}); "
-                        f"check it with `distillery lineage {path} --verify` and rerun its stage")
+                        f"check it with `distillery lineage {_cut(path)} --verify` and rerun its stage")
     return {"role": inp.role, "path": shown, "sha256": tree_digest(files), "lineage": manifest}
 
 
 def _utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def seal(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """``manifest`` as JSON (converted as :func:`write_lineage` does) with ``manifest_sha256`` set
+    to the digest of everything else, as the last key."""
+    content = json.loads(json.dumps({k: v for k, v in manifest.items() if k != DIGEST_KEY}, default=_json_default))
+    return {**content, DIGEST_KEY: manifest_digest(content)}
 
 
 def write_lineage(
@@ -241,21 +359,30 @@ def write_lineage(
     inputs: Sequence[Input] = (),
     mlflow: Mapping[str, Any] | None = None,
     metrics: Mapping[str, Any] | None = None,
+    artifact_name: str | None = None,
 ) -> dict[str, Any]:
-    """Build the DESIGN §2.1 manifest of a finished artifact folder and write it as
-    ``artifact_dir/lineage.json`` atomically (hidden temp file + ``os.replace``).
+    """Build the DESIGN §2.1 manifest of a finished artifact folder, seal it
+    (``manifest_sha256``) and write it as ``artifact_dir/lineage.json`` atomically (hidden temp
+    file + ``os.replace``).
 
     Call it last, after every payload file is in place: ``outputs`` hashes the folder as it is
-    now. Each input is hashed and its own lineage.json embedded; an input whose files no longer
-    match its lineage.json, or a missing input, raises :class:`UserError` and nothing is written.
+    now, every file counted (stale temp files of an earlier, killed lineage write are removed
+    first). A symlink or special file in the folder raises :class:`UserError`. Each input is
+    hashed and its own lineage.json embedded; an input whose files or seal no longer match its
+    lineage.json, or a missing input, raises :class:`UserError` and nothing is written.
     ``config``/``params``/``metrics`` must be JSON-serialisable (dataclasses, paths, enums and
-    numpy/torch scalars are converted). Returns the manifest exactly as written (read back).
+    numpy/torch scalars are converted). ``artifact_name`` is the path recorded as ``artifact``
+    (default: ``artifact_dir`` as given): a stage that writes into a staging folder and renames it
+    afterwards names the final place. Returns the manifest exactly as written (read back).
     """
     folder = Path(artifact_dir)
     if not folder.is_dir():
-        raise UserError(f"artifact folder not found: {folder}")
-    manifest = {
-        "artifact": _display_path(artifact_dir),
+        raise UserError(f"artifact folder not found: {_cut(folder)}")
+    for stale in folder.glob(f"{_TMP_PREFIX}*"):
+        if stale.is_file() and not stale.is_symlink():
+            stale.unlink()
+    manifest = seal({
+        "artifact": artifact_name if artifact_name is not None else _display_path(artifact_dir),
         "kind": kind,
         "created": _utc_now(),
         "stage": stage,
@@ -267,9 +394,9 @@ def write_lineage(
         "outputs": hash_tree(folder),
         "mlflow": mlflow,
         "metrics": metrics,
-    }
-    text = json.dumps(manifest, indent=2, default=_json_default, ensure_ascii=False) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{LINEAGE_FILE}{_TMP_MARK}-")
+    })
+    text = json.dumps(manifest, indent=2, ensure_ascii=False) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=_TMP_PREFIX)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -280,10 +407,9 @@ def write_lineage(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    logger.info("wrote %s: %d output file(s), %d input(s)", folder / LINEAGE_FILE,
-                len(manifest["outputs"]), len(manifest["inputs"]))
+    logger.info("wrote %s: %d output file(s), %d input(s), manifest digest %s", folder / LINEAGE_FILE,
+                len(manifest["outputs"]), len(manifest["inputs"]), manifest[DIGEST_KEY])
     return json.loads(text)
-
 
 # ---------------------------------------------------------------------------------------------
 # reading
@@ -409,24 +535,57 @@ def lineage_tree(manifest: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
+
+
 # ---------------------------------------------------------------------------------------------
 # verifying
 
 
+def _hash_listing(listing: _Listing, *, with_md5: bool) -> tuple[list[dict[str, Any]], dict[str, str], list[str]]:
+    """One read of every listed file: (``hash_tree`` entries, relative path -> md5 hex when
+    ``with_md5``, relative paths that could not be read)."""
+    entries: list[dict[str, Any]] = []
+    md5s: dict[str, str] = {}
+    unreadable: list[str] = []
+    for rel in sorted(listing.files):
+        path = listing.files[rel]
+        sha = hashlib.sha256()
+        md5 = hashlib.md5(usedforsecurity=False) if with_md5 else None
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    sha.update(chunk)
+                    if md5 is not None:
+                        md5.update(chunk)
+            size = path.stat().st_size
+        except OSError:
+            unreadable.append(rel)
+            continue
+        entries.append({"path": rel, "sha256": sha.hexdigest(), "bytes": size})
+        if md5 is not None:
+            md5s[rel] = md5.hexdigest()
+    return entries, md5s, unreadable
+
+
 def _check_inputs(inputs: Any, chain: str, problems: list[str]) -> None:
-    """Internal consistency of embedded input entries, recursively (no input path is opened)."""
+    """Internal consistency of embedded input entries, recursively (no input path is opened):
+    recorded digest == digest of the recorded file list, and each sealed embedded manifest's
+    seal matches its content."""
     if not isinstance(inputs, list):
         problems.append(f"malformed inputs{' of ' + chain if chain else ''}: expected a list")
         return
     for i, inp in enumerate(inputs):
         if not isinstance(inp, Mapping):
-            problems.append(f"malformed input #{i}{' of ' + chain if chain else ''}: {inp!r}")
+            problems.append(f"malformed input #{i}{' of ' + chain if chain else ''}: {_cut(repr(inp))}")
             continue
         name = f"{chain}/{inp.get('role')}" if chain else str(inp.get("role"))
-        label = f"input {name} ({inp.get('path')})"
+        label = f"input {_cut(name, 60)} ({_cut(inp.get('path'))})"
         sub = inp.get("lineage")
         if isinstance(sub, Mapping):
             entries = sub.get("outputs")
+            seal_problem = _seal_problem(sub)
+            if seal_problem:
+                problems.append(f"{label}: embedded {seal_problem}")
         else:
             entries = inp.get("files")
         if not isinstance(entries, list):
@@ -440,23 +599,271 @@ def _check_inputs(inputs: Any, chain: str, problems: list[str]) -> None:
             _check_inputs(sub.get("inputs", []), name, problems)
 
 
-def verify_lineage(artifact_dir: str | Path) -> VerifyResult:
-    """Check an artifact folder against its own lineage.json, offline and path-independent.
+@dataclasses.dataclass
+class _FolderCheck:
+    """An artifact folder checked against its own lineage.json."""
 
-    Rehashes every file under the folder and reports each ``changed``, ``missing`` or
-    ``unexpected`` (new) file by relative path; checks every embedded input manifest for
-    internal consistency (recorded digest == digest of its recorded file list). A folder copied
-    elsewhere verifies the same. Raises :class:`UserError` if there is no readable manifest.
-    """
-    folder = Path(artifact_dir)
-    if folder.is_file() and folder.name == LINEAGE_FILE:
-        folder = folder.parent
+    manifest: dict[str, Any]  # the manifest as read
+    result: VerifyResult  # its files, its seal (and embedded inputs when asked)
+    md5s: dict[str, str]  # relative path -> md5 of every readable regular file (when asked)
+
+
+def _check_folder(folder: Path, *, embedded: bool, with_md5: bool = False) -> _FolderCheck:
+    """Seal, refused entries (symlinks, special files), then changed / missing / unexpected
+    files of ``folder`` against its lineage.json; embedded input manifests when ``embedded``."""
     manifest = read_lineage(folder)
-    recorded = manifest.get("outputs")
     problems: list[str] = []
+    seal_problem = _seal_problem(manifest)
+    if seal_problem:
+        problems.append(seal_problem)
+    listing = _scan(folder, (LINEAGE_FILE,))
+    problems.extend(f"refused: {_cut(rel)} ({why}; an artifact holds regular files only, never followed)"
+                    for rel, why in listing.refused)
+    recorded = manifest.get("outputs")
     if not isinstance(recorded, list):
         problems.append("malformed outputs: expected a list")
         recorded = []
-    problems.extend(_compare(recorded, hash_tree(folder)))
-    _check_inputs(manifest.get("inputs"), "", problems)
-    return VerifyResult(ok=not problems, problems=problems, files=len(recorded))
+    actual, md5s, unreadable = _hash_listing(listing, with_md5=with_md5)
+    problems.extend(f"unreadable: {_cut(rel)}" for rel in unreadable)
+    problems.extend(_compare(recorded, actual, [rel for rel, _ in listing.refused] + unreadable))
+    if embedded:
+        _check_inputs(manifest.get("inputs"), "", problems)
+    sealed = DIGEST_KEY in manifest
+    notes = [] if sealed else [
+        "warning: manifest is unsealed (no manifest_sha256; written before manifests were sealed): its files are "
+        "checked, its own content is not; rerun the stage that wrote it to seal it"]
+    result = VerifyResult(ok=not problems, problems=problems, files=len(recorded),
+                          manifest_digest=manifest_digest(manifest), sealed=sealed, notes=notes)
+    return _FolderCheck(manifest, result, md5s)
+
+
+def _parse_expect(expect: str) -> str:
+    want = str(expect).strip().lower().removeprefix("sha256:")
+    if not re.fullmatch(r"[0-9a-f]{64}", want):
+        raise UserError(f"expected manifest digest '{_cut(expect, 80)}' is not a sha256 hex digest (64 hex "
+                        f"characters, as printed after 'manifest digest:' by `distillery lineage PATH --verify`)")
+    return want
+
+
+# -- DVC cross-check ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DvcOut:
+    """One folder out as a dvc.lock (or a ``.dvc`` file) records it."""
+
+    stage: str | None  # the dvc.lock stage that wrote it (None in a .dvc file)
+    path: str  # as recorded: relative to the folder of the lock file
+    md5: str  # DVC 3 directory hash, "<md5 hex>.dir"
+    nfiles: int | None  # number of files DVC counted, if recorded
+
+
+def _dvc_dir_hash(md5s: Mapping[str, str]) -> str:
+    listing = [{"md5": md5s[rel], "relpath": rel} for rel in sorted(md5s)]
+    text = json.dumps(listing, sort_keys=True)  # DVC's own serialisation: default separators, ASCII escapes
+    return hashlib.md5(text.encode("utf-8"), usedforsecurity=False).hexdigest() + ".dir"
+
+
+def dvc_dir_md5(folder: str | Path) -> tuple[str, int]:
+    """The DVC 3 directory hash of ``folder`` as it is now, and its number of files.
+
+    DVC records a folder out as ``md5: <hex>.dir`` where ``<hex>`` is the md5 of the JSON list
+    ``[{"md5": <file md5>, "relpath": <POSIX path>}, ...]`` sorted by relpath and serialised as
+    ``json.dumps(list, sort_keys=True)`` (", " / ": " separators, non-ASCII as \\u escapes).
+    Every regular file counts, hidden ones and ``lineage.json`` included; empty folders do not.
+    A ``.dvcignore`` is not read (artifact folders must not rely on one). Raises
+    :class:`UserError` on a symlink or special file (DVC would follow it; we refuse it).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"not a folder: {_cut(folder)}")
+    listing = _scan(folder)
+    if listing.refused:
+        rel, why = listing.refused[0]
+        raise UserError(f"{_cut(folder)} holds {_cut(rel)} ({why}): refused, never followed")
+    _, md5s, unreadable = _hash_listing(listing, with_md5=True)
+    if unreadable:
+        raise UserError(f"cannot read {_cut(folder / unreadable[0])}")
+    return _dvc_dir_hash(md5s), len(md5s)
+
+
+def find_dvc_out(lock_path: str | Path, folder: str | Path, recorded_artifact: str | None = None) -> DvcOut:
+    """The folder out for ``folder`` in a dvc.lock (``stages: <name>: outs: [...]``) or a ``.dvc``
+    file (``outs: [...]``).
+
+    An out matches when its path (relative to the lock file's folder) resolves to ``folder``;
+    failing that (a copy of the artifact elsewhere), when it equals ``recorded_artifact`` (the
+    manifest's ``artifact`` path). Only DVC 3 entries (``hash: md5``) can be checked. A missing
+    or unreadable file, no matching out, a file out or a DVC 2 entry raise :class:`UserError`.
+    """
+    import posixpath
+
+    import yaml
+
+    lock = Path(lock_path)
+    if not lock.is_file():
+        raise UserError(f"dvc lock file not found: {_cut(lock)}")
+    try:
+        data = yaml.safe_load(lock.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"{_cut(lock)} is not a readable YAML file ({_cut(first, 80)})") from None
+    outs: list[tuple[str | None, Mapping[str, Any]]] = []
+    if isinstance(data, Mapping) and isinstance(data.get("stages"), Mapping):
+        for name, stage in data["stages"].items():
+            for out in (stage.get("outs") or []) if isinstance(stage, Mapping) else []:
+                if isinstance(out, Mapping) and isinstance(out.get("path"), str):
+                    outs.append((str(name), out))
+    elif isinstance(data, Mapping) and isinstance(data.get("outs"), list):
+        outs = [(None, o) for o in data["outs"] if isinstance(o, Mapping) and isinstance(o.get("path"), str)]
+    else:
+        raise UserError(f"{_cut(lock)} is neither a dvc.lock (no 'stages') nor a .dvc file (no 'outs')")
+    base, target = lock.resolve().parent, Path(folder).resolve()
+    match = next(((s, o) for s, o in outs if (base / o["path"]).resolve() == target), None)
+    if match is None and recorded_artifact:
+        want = posixpath.normpath(recorded_artifact)
+        match = next(((s, o) for s, o in outs if posixpath.normpath(o["path"]) == want), None)
+    if match is None:
+        known = ", ".join(sorted({o["path"] for _, o in outs})) or "none"
+        raise UserError(f"{_cut(lock)} records no out for {_cut(folder)} (outs: {_cut(known, 100)})")
+    stage, out = match
+    md5 = out.get("md5")
+    if not (isinstance(md5, str) and md5.endswith(".dir")):
+        raise UserError(f"{_cut(lock)}: out {_cut(out['path'])} is not a folder out (md5 {_cut(md5, 40)})")
+    if out.get("hash") != "md5":
+        raise UserError(f"{_cut(lock)}: out {_cut(out['path'])} carries DVC 2 hashes (md5-dos2unix), which cannot "
+                        f"be checked; rerun its stage with DVC 3 to record 'hash: md5'")
+    nfiles = out.get("nfiles")
+    return DvcOut(stage, out["path"], md5, nfiles if isinstance(nfiles, int) else None)
+
+
+def _check_dvc(folder: Path, lock: str | Path, check: _FolderCheck, problems: list[str], notes: list[str]) -> None:
+    recorded = check.manifest.get("artifact")
+    out = find_dvc_out(lock, folder, recorded if isinstance(recorded, str) else None)
+    md5s = dict(check.md5s)
+    lineage_file = folder / LINEAGE_FILE
+    if lineage_file.is_file() and not lineage_file.is_symlink():
+        md5s[LINEAGE_FILE] = hashlib.md5(lineage_file.read_bytes(), usedforsecurity=False).hexdigest()
+    actual = _dvc_dir_hash(md5s)
+    where = f"{_cut(lock)}" + (f" (stage {_cut(out.stage, 40)})" if out.stage else "")
+    if actual != out.md5:
+        counts = "" if out.nfiles in (None, len(md5s)) else f"; {len(md5s)} files now, {out.nfiles} recorded"
+        problems.append(f"dvc: {_cut(folder)} hashes to {actual} but {where} records {out.md5} for "
+                        f"{_cut(out.path)}{counts} (changed after DVC recorded it)")
+    else:
+        notes.append(f"dvc: {_cut(folder)} matches {out.md5} recorded for {_cut(out.path)} in {where}")
+
+
+# -- upstream inputs present in the workspace ---------------------------------------------------
+
+
+def _iter_inputs(inputs: Any, chain: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """(role chain, entry) of every embedded input, depth first."""
+    if not isinstance(inputs, list):
+        return
+    for inp in inputs:
+        if not isinstance(inp, Mapping):
+            continue
+        name = f"{chain}/{inp.get('role')}" if chain else str(inp.get("role"))
+        yield name, inp
+        sub = inp.get("lineage")
+        if isinstance(sub, Mapping):
+            yield from _iter_inputs(sub.get("inputs"), name)
+
+
+def _check_present_input(name: str, inp: Mapping[str, Any], problems: list[str], notes: list[str]) -> None:
+    path = str(inp.get("path"))
+    label = f"input {_cut(name, 60)} ({_cut(path)})"
+    p = Path(path)
+    if not p.exists() and not p.is_symlink():
+        notes.append(f"{label}: not present, checked from the embedded manifest only")
+        return
+    sub = inp.get("lineage")
+    if isinstance(sub, Mapping):
+        if not (p / LINEAGE_FILE).is_file():
+            problems.append(f"{label}: present but holds no {LINEAGE_FILE}")
+            return
+        try:
+            check = _check_folder(p, embedded=False)
+        except UserError as exc:
+            problems.append(f"{label}: {exc}")
+            return
+        res, expected = check.result, manifest_digest(sub)
+        problems.extend(f"{label}: {q}" for q in res.problems)
+        if res.manifest_digest != expected:
+            problems.append(f"{label}: its manifest digest {res.manifest_digest[:12]}… != {expected[:12]}… "
+                            f"embedded here (changed or rerun after this artifact was made)")
+        elif res.ok:
+            notes.append(f"{label}: verified: {res.files} files, manifest matches the embedded one")
+        return
+    files = inp.get("files")
+    if not isinstance(files, list):
+        return  # reported by _check_inputs
+    if p.is_file():
+        listing = _Listing({p.name: p}, [])
+    else:
+        listing = _scan(p, (LINEAGE_FILE,), follow_links=True)
+    actual, _, unreadable = _hash_listing(listing, with_md5=False)
+    found = [f"refused: {_cut(rel)} ({why})" for rel, why in listing.refused]
+    found += [f"unreadable: {_cut(rel)}" for rel in unreadable]
+    found += _compare(files, actual, [rel for rel, _ in listing.refused] + unreadable)
+    problems.extend(f"{label}: {q}" for q in found)
+    if not found:
+        notes.append(f"{label}: verified: {len(files)} files (external, no lineage)")
+
+
+def _check_upstream(manifest: Mapping[str, Any], problems: list[str], notes: list[str]) -> None:
+    """Each embedded input found at its recorded path (relative to the current directory):
+    its files against its own manifest and that manifest against the embedded one (external
+    inputs: their files against the recorded list). Each (path, embedded content) once."""
+    seen: set[tuple[str, str]] = set()
+    for name, inp in _iter_inputs(manifest.get("inputs"), ""):
+        if not isinstance(inp.get("path"), str) or not inp["path"]:
+            continue
+        sub = inp.get("lineage")
+        key = (inp["path"], manifest_digest(sub) if isinstance(sub, Mapping) else str(inp.get("sha256")))
+        if key in seen:
+            continue
+        seen.add(key)
+        _check_present_input(name, inp, problems, notes)
+
+
+def verify_lineage(artifact_dir: str | Path, *, expect: str | None = None, dvc_lock: str | Path | None = None,
+                   recursive: bool = False) -> VerifyResult:
+    """Check an artifact folder against its own lineage.json, offline and path-independent.
+
+    Always: recomputes the manifest digest and checks the seal (``manifest_sha256``); reports
+    each symlink or special file (``refused``, never followed) and each ``changed``, ``missing``
+    or ``unexpected`` file by relative path, hidden files included; checks every embedded input
+    manifest for internal consistency (digest of its recorded file list, its seal). An unsealed
+    manifest (written before seals) adds a warning note instead of a problem.
+
+    ``expect``: the manifest digest must equal this sha256 hex (an unsealed manifest never
+    does). ``dvc_lock``: the DVC 3 directory hash recorded for this folder in that dvc.lock (or
+    .dvc file) must match the folder as it is now, ``lineage.json`` included. These two catch
+    files and manifest rewritten consistently, which the seal alone cannot (see the module
+    docstring). ``recursive``: also check each upstream input present at its recorded path
+    (relative to the current directory) against its own manifest, and that manifest's digest
+    against the one embedded here; absent inputs get a note. Raises :class:`UserError` if
+    there is no readable manifest, ``expect`` is not a digest, or the dvc.lock is unusable.
+    """
+    want = _parse_expect(expect) if expect is not None else None
+    folder = Path(artifact_dir)
+    if folder.is_file() and folder.name == LINEAGE_FILE:
+        folder = folder.parent
+    check = _check_folder(folder, embedded=True, with_md5=dvc_lock is not None)
+    res = check.result
+    if want is not None:
+        if not res.sealed:
+            res.problems.append("manifest is unsealed (no manifest_sha256), so it cannot match the expected digest")
+        elif res.manifest_digest != want:
+            res.problems.append(f"manifest digest {res.manifest_digest[:12]}… != expected {want[:12]}… "
+                                f"(not the manifest that was recorded)")
+        else:
+            res.notes.append("manifest digest matches the expected one")
+    if dvc_lock is not None:
+        _check_dvc(folder, dvc_lock, check, res.problems, res.notes)
+    if recursive:
+        _check_upstream(check.manifest, res.problems, res.notes)
+    res.ok = not res.problems
+    return res
