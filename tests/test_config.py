@@ -156,3 +156,108 @@ def test_dry_run_prints_resolved_config_and_trains_nothing(tmp_path, tiny_base, 
     assert resolved["models"]["student"]["_target_"] == "distillery.models.wan.WanModel"
     assert not (tmp_path / "run").exists()
     assert not (tmp_path / "mlflow.db").exists()
+
+
+# -- input bounds (distillery.config.limits): what a user can get wrong ends in one line ---------
+def _yaml_error(text: str) -> str:
+    from distillery.config.limits import parse_yaml_text
+
+    with pytest.raises(UserError) as info:
+        parse_yaml_text(text, "config error: run.yaml")
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 300, message
+    return message
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("a: &a [1,1,1,1,1,1,1,1,1,1]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
+         "d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d]\n",
+         "run.yaml: e[0] (line 5): more than 20000 values in one file (aliases count in full)"),
+        ("a: &x [1, *x]\nb: 1\n", "run.yaml: a[1] (line 1): alias *x refers to a value that contains it"),
+        ("training:\n  loop:\n    seed: 1\n    seed: 2\n", "run.yaml: training.loop.seed (line 4): duplicate key (first at line 3)"),
+        ("training:\n  " + "k" * 300 + ": 1\n", "run.yaml: training (line 2): a key of 300 characters; at most 256"),
+        ("a: " + "9" * 70 + "\n", "run.yaml: a: an integer of 70 digits; at most 64"),
+        ("a: 0x" + "f" * 70 + "\n", "run.yaml: a: an integer of 72 digits; at most 64"),
+        ("a:\n  b: " + "s" * 5000 + "\n", "run.yaml: a.b (line 2): a string of 5000 characters; at most 4096"),
+        ("a: 2024-13-45\n", "run.yaml: invalid value: month must be in 1..12"),
+        ("a: \x07\n", "run.yaml: invalid YAML (line 1): unacceptable character #x0007"),
+        ("a:\n" + "".join(" " * (i + 1) + f"k{i}:\n" for i in range(40)), "nested deeper than 32 levels"),
+    ],
+    ids=["alias-bomb", "recursive-alias", "duplicate-key", "long-key", "long-int", "long-hex", "long-string", "bad-date",
+         "control-char", "deep-block"],
+)
+def test_yaml_bounds_are_one_line_errors(text, expected):
+    assert expected in _yaml_error(text)
+
+
+def test_yaml_within_bounds_loads_as_before():
+    from distillery.config.limits import parse_yaml_text
+
+    text = "base: &b {x: 1, y: [1, 2]}\nc:\n  <<: *b\n  y: 3\nn: 1.0e-4\nq: '1'\nk: 1\nbig: " + "9" * 64 + "\n"
+    assert parse_yaml_text(text, "x") == yaml.safe_load(text)
+    assert parse_yaml_text("{a: [1", "x", syntax_error_as_text=True) == "{a: [1"  # an override that is not YAML is text
+
+
+def test_show_cuts_every_echoed_value():
+    from distillery.config.limits import show
+
+    assert show("a" * 300) == "'" + "a" * 45 + "'… (300 characters)"
+    assert show("two\nlines") == "'two\\nlines'"
+    assert show(list(range(1000))) == "[0, 1, 2, 3, 4, 5, ...]"
+    assert show(10**5000) == "<an integer of about 5001 digits>"
+    assert show(None) == "null" and show(True) == "true"
+    assert len(show({"k" * 500: ["v" * 500] * 500})) < 100
+
+
+def test_config_file_bounds(tmp_path):
+    huge = tmp_path / "huge.yaml"
+    with huge.open("wb") as fh:
+        fh.write(b'models: "')
+        fh.truncate(200 * 2**20)  # sparse: refused on its size, never read
+    with pytest.raises(UserError, match=r"huge.yaml: 209715200 bytes; a config file is at most 1048576 bytes"):
+        load_run_config(huge)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"models:\n  student: caf\xe9\n")
+    with pytest.raises(UserError, match=r"latin1.yaml: not UTF-8 text: invalid byte 0xe9 at byte offset 22 \(line 2\)"):
+        load_run_config(latin1)
+    with pytest.raises(UserError, match=r"config error: '/[^']*'… \(\d+ characters\): cannot read: File name too long$"):
+        load_run_config(tmp_path / ("x" * 300 + ".yaml"))
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda r: r["models"]["student"].update(init_from="b" * 300),
+         "models.student.init_from: '" + "b" * 45 + "'… (300 characters): a path component of 300 bytes"),
+        (lambda r: r["models"]["student"].update(init_from="/" + "/".join(["d" * 200] * 25)), "a path of 5025 bytes; the file system allows at most 4095"),
+        (lambda r: r["models"]["student"].update(init_from="a\x00b"), "models.student.init_from: 'a\\x00b': contains a NUL"),
+        (lambda r: r["training"]["checkpoint"].update(output_dir="o" * 256), "training.checkpoint.output_dir: "),
+        (lambda r: r["training"]["loop"].update(max_train_steps="x" * 4000),
+         "training.loop.max_train_steps: expected an integer, got '" + "x" * 45 + "'… (4000 characters)"),
+        (lambda r: r["training"]["loop"].update({"bad\nkey": 1}), "training.loop.'bad\\nkey': unknown key"),
+        (lambda r: r["method"].update(_target_="distillery." + "m" * 300), "method._target_: expected a dotted path"),
+        (lambda r: r["method"].update(_target_=["distillery.methods.sft.SFTMethod"] * 100), "got ['distillery"),
+        (lambda r: r["training"]["loop"].update(max_train_stpes=3), "unknown key; valid keys: max_train_steps"),
+    ],
+    ids=["long-component", "long-path", "nul-path", "long-output-dir", "long-value", "newline-key", "long-target",
+         "list-target", "did-you-mean"],
+)
+def test_values_are_cut_and_paths_checked(tmp_path, mutate, expected):
+    raw = _raw(tmp_path)
+    mutate(raw)
+    message = _error(raw)
+    assert expected in message and len(message) < 400, message
+
+
+def test_did_you_mean_and_override_bounds(tmp_path):
+    assert _error(_raw(tmp_path), ["--training.loop.max_train_stpes", "3"]).endswith("did you mean max_train_steps?")
+    assert "--training.loop.seed: an integer of 5000 digits; at most 64" in _error(
+        _raw(tmp_path), ["--training.loop.seed", "9" * 5000])
+    assert "a value of 20000 characters; at most 16384" in _error(_raw(tmp_path), ["--training.tracker.experiment", "e" * 20000])
+    assert "malformed key" in _error(_raw(tmp_path), ["--training.loop.se\ned", "1"])
+    assert "nested deeper than 32 levels" in _error(_raw(tmp_path), ["--training.tracker.tags", "{a: " + "[" * 2000 + "]" * 2000 + "}"])
+    raw = _raw(tmp_path)
+    raw["method"] = ["not", "a", "mapping"]  # an override into a broken section: the section's error, no traceback
+    assert "method._target_: expected a dotted path" in _error(raw, ["--method.caption_dropout", "0.1"])

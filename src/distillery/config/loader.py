@@ -3,42 +3,53 @@
 Overrides are ``(dotted.key, value_text)`` pairs; the value text is parsed as YAML (``10`` is an
 int, ``true`` a bool, ``[1, 2]`` a list). An override must name a key that exists in the schema
 (a dataclass field or a component's ``_target_``/config field), else a one-line UserError.
+
+The file and every override value are read within the bounds of :mod:`distillery.config.limits`
+(size, nesting, string and integer length, strict UTF-8), so no input ends in a traceback.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from distillery.config.limits import (
+    MAX_DEPTH,
+    MAX_KEY_CHARS,
+    MAX_OVERRIDE_CHARS,
+    did_you_mean,
+    key_list,
+    parse_yaml_text,
+    read_yaml_file,
+    show,
+    show_key,
+    show_path,
+    unknown_key_message,
+)
 from distillery.config.schema import Component, RunConfig, TrainingConfig
 from distillery.config.targets import resolve_target
 from distillery.config.typed import config_error, field_types, from_mapping
 from distillery.errors import UserError
 
 TOP_LEVEL_KEYS = ("models", "method", "training", "callbacks")
+MAX_TARGET_CHARS = 200  # a _target_ dotted path
+_TARGET_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping, turning a missing file or a syntax error into a one-line UserError."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"config error: {p}: file not found")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UserError(f"config error: {p}: invalid YAML{where}: {problem}") from None
+    """Read a run-config YAML mapping within the input bounds; any problem is a one-line UserError."""
+    source = f"config error: {show_path(path)}"
+    data = read_yaml_file(path, source, "file not found")
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UserError(f"config error: {p}: the top level must be a mapping with keys {', '.join(TOP_LEVEL_KEYS)}")
+        raise UserError(f"{source}: the top level must be a mapping with keys {', '.join(TOP_LEVEL_KEYS)}")
     return data
 
 
@@ -49,18 +60,41 @@ def parse_override_args(args: list[str]) -> list[tuple[str, str]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or len(arg) <= 2:
-            raise UserError(f"config error: unexpected argument {arg!r}; overrides look like --training.loop.max_train_steps 10")
+            raise UserError(f"config error: unexpected argument {show(arg)}; overrides look like --training.loop.max_train_steps 10")
         key = arg[2:]
         if "=" in key:
             key, value = key.split("=", 1)
             i += 1
         else:
             if i + 1 >= len(args):
-                raise UserError(f"config error: override --{key} has no value")
+                raise UserError(f"config error: override --{show_key(key)} has no value")
             value = args[i + 1]
             i += 2
         pairs.append((key, value))
     return pairs
+
+
+def _check_override_key(key: str) -> list[str]:
+    """The parts of a dotted override key, after checking it is a plausible key at all."""
+    parts = key.split(".")
+    if not all(parts) or len(parts) > MAX_DEPTH or any(len(p) > MAX_KEY_CHARS for p in parts) or not key.isprintable():
+        raise UserError(f"config error: --{show_key(key)}: malformed key; overrides look like --training.loop.max_train_steps 10")
+    return parts
+
+
+def parse_override_value(key: str, value_text: str) -> Any:
+    """The YAML value of one override, within the same bounds as a config file (text that is not YAML is a string)."""
+    source = f"config error: --{show_key(key)}"
+    if len(value_text) > MAX_OVERRIDE_CHARS:
+        raise UserError(f"{source}: a value of {len(value_text)} characters; at most {MAX_OVERRIDE_CHARS}")
+    return parse_yaml_text(value_text, source, syntax_error_as_text=True)
+
+
+def check_target(target: Any, where: str) -> None:
+    """A ``_target_`` must be a short dotted Python path before anything tries to import it."""
+    if not isinstance(target, str) or len(target) > MAX_TARGET_CHARS or not _TARGET_RE.fullmatch(target):
+        raise config_error(f"{where}._target_", f"expected a dotted path like distillery.models.wan.WanModel "
+                                                 f"(at most {MAX_TARGET_CHARS} characters), got {show(target)}")
 
 
 def _config_class(cls: Any, where: str) -> type:
@@ -76,7 +110,7 @@ def _check_dataclass_path(tp: Any, parts: list[str], where: str) -> None:
         types_by_name = field_types(tp)
         key = ".".join([where, *parts[: i + 1]])
         if part not in types_by_name:
-            raise config_error(key, f"unknown key; valid keys: {', '.join(types_by_name)}")
+            raise config_error(key, unknown_key_message(part, types_by_name))
         tp = types_by_name[part]
         if i + 1 < len(parts) and not dataclasses.is_dataclass(tp):
             origin = typing.get_origin(tp)
@@ -85,18 +119,19 @@ def _check_dataclass_path(tp: Any, parts: list[str], where: str) -> None:
             raise config_error(key, "is not a section; it has no sub-keys")
 
 
+def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:
+    """``raw[key]`` when it is a mapping, else empty (the full check reports what it really is)."""
+    value = raw.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def apply_override(raw: dict[str, Any], key: str, value_text: str, prefixes: tuple[str, ...]) -> None:
     """Set ``key`` (dotted) in the raw config to the YAML-parsed ``value_text`` after checking it exists."""
-    parts = key.split(".")
-    if not all(parts):
-        raise UserError(f"config error: --{key}: malformed key")
-    try:
-        value = yaml.safe_load(value_text)
-    except yaml.YAMLError:
-        value = value_text
+    parts = _check_override_key(key)
+    value = parse_override_value(key, value_text)
     head = parts[0]
     if head not in TOP_LEVEL_KEYS:
-        raise config_error(head, f"unknown key; valid keys: {', '.join(TOP_LEVEL_KEYS)}")
+        raise config_error(show_key(head), unknown_key_message(head, TOP_LEVEL_KEYS))
     if head == "training":
         if len(parts) < 2:
             raise config_error(key, "override a single key, e.g. training.loop.max_train_steps")
@@ -104,20 +139,24 @@ def apply_override(raw: dict[str, Any], key: str, value_text: str, prefixes: tup
     elif head == "method":
         if len(parts) < 2:
             raise config_error(key, "override a single key, e.g. method.chunk_size")
-        section = raw.get("method") or {}
+        section = _section(raw, "method")
         if parts[1] != "_target_":
+            check_target(section.get("_target_"), "method")
             cls = resolve_target(section.get("_target_"), "method", prefixes)
             _check_dataclass_path(_config_class(cls, "method"), parts[1:], "method")
     else:  # models / callbacks: <name>.<key>
         if len(parts) < 3:
             raise config_error(key, f"override a single key, e.g. {head}.<name>.<key>")
-        entries = raw.get(head) or {}
+        entries = _section(raw, head)
         name = parts[1]
         if name not in entries:
-            raise config_error(f"{head}.{name}", f"unknown {head[:-1] if head != 'callbacks' else 'callback'}; valid: {', '.join(entries) or '(none)'}")
+            raise config_error(f"{head}.{show_key(name)}", f"unknown {head[:-1] if head != 'callbacks' else 'callback'}; "
+                                                           f"valid: {key_list(entries)}{did_you_mean(name, entries)}")
         if parts[2] != "_target_":
             where = f"{head}.{name}"
-            cls = resolve_target((entries[name] or {}).get("_target_"), where, prefixes)
+            target = _section(entries, name).get("_target_")
+            check_target(target, where)
+            cls = resolve_target(target, where, prefixes)
             _check_dataclass_path(_config_class(cls, where), parts[2:], where)
     node = raw
     for part in parts[:-1]:
@@ -136,6 +175,7 @@ def build_component(entry: Any, where: str, prefixes: tuple[str, ...], kind: tup
     if not isinstance(entry, dict) or "_target_" not in entry:
         raise config_error(where, "expected a mapping with a _target_ key")
     target = entry["_target_"]
+    check_target(target, where)
     cls = resolve_target(target, where, prefixes)
     if kind is not None and not (isinstance(cls, type) and issubclass(cls, kind[0])):
         raise config_error(f"{where}._target_", f"{target} is not a distillery {kind[1]} ({kind[0].__name__})")
@@ -148,7 +188,7 @@ def build_run_config(raw: dict[str, Any], prefixes: tuple[str, ...]) -> RunConfi
     """Validate the raw mapping and build the typed :class:`RunConfig`."""
     unknown = [k for k in raw if k not in TOP_LEVEL_KEYS]
     if unknown:
-        raise config_error(str(unknown[0]), f"unknown key; valid keys: {', '.join(TOP_LEVEL_KEYS)}")
+        raise config_error(show_key(unknown[0]), unknown_key_message(unknown[0], TOP_LEVEL_KEYS))
     models_raw = raw.get("models")
     if not isinstance(models_raw, dict) or not models_raw:
         raise config_error("models", "required: a mapping of role -> {_target_: ..., ...} with at least a student")
@@ -159,7 +199,8 @@ def build_run_config(raw: dict[str, Any], prefixes: tuple[str, ...]) -> RunConfi
     from distillery.models.base import ModelBase
 
     models = {
-        role: build_component(entry, f"models.{role}", prefixes, (ModelBase, "model")) for role, entry in models_raw.items()
+        role: build_component(entry, f"models.{show_key(role)}", prefixes, (ModelBase, "model"))
+        for role, entry in models_raw.items()
     }
     method = build_component(raw["method"], "method", prefixes, (TrainingMethod, "method"))
     training = from_mapping(TrainingConfig, raw.get("training") or {}, "training")
@@ -167,7 +208,8 @@ def build_run_config(raw: dict[str, Any], prefixes: tuple[str, ...]) -> RunConfi
     if not isinstance(callbacks_raw, dict):
         raise config_error("callbacks", "expected a mapping of name -> {_target_: ..., ...}")
     callbacks = {
-        name: build_component(entry, f"callbacks.{name}", prefixes, (Callback, "callback")) for name, entry in callbacks_raw.items()
+        name: build_component(entry, f"callbacks.{show_key(name)}", prefixes, (Callback, "callback"))
+        for name, entry in callbacks_raw.items()
     }
     return RunConfig(models=models, method=method, training=training, callbacks=callbacks)
 

@@ -12,6 +12,7 @@ Every class named by ``_target_`` declares its knobs as a dataclass in ``config_
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -58,8 +59,10 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.0  # floor of cosine/linear decay, as a fraction of learning_rate
 
     def __post_init__(self) -> None:
-        if self.learning_rate < 0 or self.warmup_steps < 0:
-            raise ValueError("learning_rate and warmup_steps must be >= 0")
+        if not math.isfinite(self.learning_rate) or self.learning_rate < 0 or self.warmup_steps < 0:
+            raise ValueError("learning_rate must be finite and >= 0, warmup_steps >= 0")
+        if not all(math.isfinite(v) for v in (*self.betas, self.weight_decay, self.eps, self.min_lr_ratio)):
+            raise ValueError("betas, weight_decay, eps and min_lr_ratio must be finite numbers")
 
 
 @dataclass
@@ -70,10 +73,13 @@ class LoopConfig:
     stop_at_step: int | None = None  # end this invocation at this step (checkpointed); rerun to continue
     log_every: int = 1  # steps between metric logs
     progress_bar: bool = True  # rank-0 progress bar
+    skip_nonfinite_steps: int = 0  # skip (no update) up to this many steps whose loss or grad norm is NaN/Inf per invocation; 0: stop at the first
 
     def __post_init__(self) -> None:
         if self.max_train_steps < 0 or self.grad_accum_steps < 1 or self.log_every < 1:
             raise ValueError("max_train_steps >= 0, grad_accum_steps >= 1 and log_every >= 1 are required")
+        if self.skip_nonfinite_steps < 0:
+            raise ValueError("skip_nonfinite_steps must be >= 0")
         if self.stop_at_step is not None and self.stop_at_step < 0:
             raise ValueError("stop_at_step must be >= 0")
 

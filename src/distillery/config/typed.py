@@ -4,7 +4,9 @@
 nested dataclasses, ``list``/``tuple``/``dict`` and ``Optional``/``Literal`` fields. Unknown
 keys, missing required keys and wrong types raise :class:`~distillery.errors.UserError` with
 one line naming the dotted key and what is valid. Explicit zeros and ``false`` are kept as given:
-only absent keys take defaults.
+only absent keys take defaults. Echoed values go through :func:`~distillery.config.limits.show`
+(cut to a readable length); a string field named like a path (:func:`is_path_field`) must be a
+usable path (see :func:`~distillery.config.limits.path_problem`).
 """
 
 from __future__ import annotations
@@ -14,14 +16,23 @@ import types
 import typing
 from typing import Any, Literal, Union
 
+from distillery.config.limits import cut, path_problem, show, show_key, unknown_key_message
 from distillery.errors import UserError
 
 _MISSING = dataclasses.MISSING
 
+PATH_FIELD_NAMES = frozenset({"path", "init_from", "output_dir", "resume", "split"})
+PATH_FIELD_SUFFIXES = ("_dir", "_path", "_file", "_from")
+
 
 def config_error(where: str, message: str) -> UserError:
-    """Build the one-line config error for the dotted key ``where``."""
-    return UserError(f"config error: {where}: {message}")
+    """Build the one-line config error for the dotted key ``where`` (the line is cut if absurdly long)."""
+    return UserError(cut(f"config error: {cut(where, 200)}: {message}"))
+
+
+def is_path_field(name: str) -> bool:
+    """Whether a string config field called ``name`` holds a file-system path (checked by :func:`from_mapping`)."""
+    return name in PATH_FIELD_NAMES or name.endswith(PATH_FIELD_SUFFIXES)
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -52,7 +63,7 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices or isinstance(value, bool) != any(isinstance(c, bool) for c in choices if c == value):
-            raise config_error(where, f"got {value!r}; valid values: {', '.join(repr(c) for c in choices)}")
+            raise config_error(where, f"got {show(value)}; valid values: {', '.join(repr(c) for c in choices)}")
         return value
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
@@ -67,16 +78,16 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
                 return coerce(value, arg, where)
             except UserError:
                 pass
-        raise config_error(where, f"got {value!r}; expected {_type_name(tp)}")
+        raise config_error(where, f"got {show(value)}; expected {_type_name(tp)}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise config_error(where, f"expected a mapping with keys {', '.join(field_types(tp))}, got {value!r}")
+            raise config_error(where, f"expected a mapping with keys {', '.join(field_types(tp))}, got {show(value)}")
         return from_mapping(tp, value, where)
     if origin in (list, tuple, typing.Sequence, _abc_sequence()):
         if not isinstance(value, (list, tuple)):
-            raise config_error(where, f"expected a list ({_type_name(tp)}), got {value!r}")
+            raise config_error(where, f"expected a list ({_type_name(tp)}), got {show(value)}")
         args = typing.get_args(tp)
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
@@ -87,28 +98,28 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         return tuple(items) if origin is tuple else items
     if origin in (dict, typing.Mapping, _abc_mapping()):
         if not isinstance(value, dict):
-            raise config_error(where, f"expected a mapping, got {value!r}")
+            raise config_error(where, f"expected a mapping, got {show(value)}")
         key_tp, val_tp = typing.get_args(tp) or (Any, Any)
-        return {coerce(k, key_tp, f"{where}") : coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
+        return {coerce(k, key_tp, f"{where}"): coerce(v, val_tp, _join(where, show_key(k))) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise config_error(where, f"expected true or false, got {value!r}")
+            raise config_error(where, f"expected true or false, got {show(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise config_error(where, f"expected an integer, got {value!r}")
+            raise config_error(where, f"expected an integer, got {show(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise config_error(where, f"expected a number, got {value!r}")
+            raise config_error(where, f"expected a number, got {show(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise config_error(where, f"expected a string, got {value!r}")
+            raise config_error(where, f"expected a string, got {show(value)}")
         return value
     if isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise config_error(where, f"got {value!r}; expected {_type_name(tp)}")
+    raise config_error(where, f"got {show(value)}; expected {_type_name(tp)}")
 
 
 def _abc_sequence() -> Any:
@@ -128,18 +139,20 @@ def from_mapping(cls: type, data: dict[str, Any], where: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise config_error(where, f"expected a mapping, got {data!r}")
+        raise config_error(where, f"expected a mapping, got {show(data)}")
     types_by_name = field_types(cls)
     unknown = [k for k in data if k not in types_by_name]
     if unknown:
-        raise config_error(
-            _join(where, str(unknown[0])), f"unknown key; valid keys: {', '.join(types_by_name) or '(none)'}"
-        )
+        raise config_error(_join(where, show_key(unknown[0])), unknown_key_message(unknown[0], types_by_name))
     kwargs = {}
     for f in dataclasses.fields(cls):
         key = _join(where, f.name)
         if f.name in data:
             kwargs[f.name] = coerce(data[f.name], types_by_name[f.name], key)
+            if isinstance(kwargs[f.name], str) and is_path_field(f.name):
+                problem = path_problem(kwargs[f.name])
+                if problem:
+                    raise config_error(key, f"{show(kwargs[f.name])}: {problem}")
         elif f.default is _MISSING and f.default_factory is _MISSING:  # type: ignore[misc]
             raise config_error(key, f"required key is missing ({_type_name(types_by_name[f.name])})")
     try:
@@ -147,7 +160,7 @@ def from_mapping(cls: type, data: dict[str, Any], where: str) -> Any:
     except UserError:
         raise
     except (TypeError, ValueError) as exc:
-        raise config_error(where or cls.__name__, str(exc)) from None
+        raise config_error(where or cls.__name__, cut(str(exc), 300)) from None
     return obj
 
 

@@ -1,34 +1,48 @@
-"""Reading ``params.yaml`` (the one file a user edits) with one-line errors for missing keys."""
+"""Reading ``params.yaml`` (the one file a user edits): bounded, parsed, validated whole.
+
+:meth:`Params.load` reads the file within the input bounds of :mod:`distillery.config.limits` (at
+most 1 MiB, strict UTF-8, bounded nesting, strings and integers, no duplicate keys), then checks
+every section against the typed schema of :mod:`distillery.pipeline.params_schema` before any
+stage does work. Every problem is a one-line :class:`UserError` that names the key as the user
+wrote it (``params.yaml: teacher.steps: -3: must be ≥ 1``).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from distillery.config.limits import read_yaml_file, show_path
 from distillery.errors import UserError
+from distillery.pipeline.params_schema import ParamsSchema, to_plain, validate_params
 
 
 class Params:
-    """The parsed params.yaml; ``get("pretrain.steps")`` returns a value or raises a UserError."""
+    """The validated params.yaml; ``get("pretrain.steps")`` returns a value or raises a UserError.
 
-    def __init__(self, data: dict[str, Any], path: Path) -> None:
+    ``data`` is the nested mapping of every schema key: the values as written in the file, absent
+    keys filled with the schema's defaults. ``typed`` is the same as :class:`ParamsSchema`.
+    """
+
+    def __init__(self, data: dict[str, Any], path: Path, typed: ParamsSchema | None = None) -> None:
         self.data = data
         self.path = path
+        self.typed = typed
 
     @classmethod
     def load(cls, path: str | Path = "params.yaml") -> "Params":
+        """Read, bound-check and validate the whole file (see the module doc)."""
         p = Path(path)
-        if not p.is_file():
-            raise UserError(f"{p}: not found; run stages from the pipeline folder (where params.yaml and dvc.yaml are)")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise UserError(f"{p}: invalid YAML: {str(exc).splitlines()[0]}") from None
+        source = show_path(p)
+        data = read_yaml_file(
+            p, source, "not found; run stages from the pipeline folder (where params.yaml and dvc.yaml are)"
+        )
+        if data is None:
+            data = {}
         if not isinstance(data, dict):
-            raise UserError(f"{p}: the top level must be a mapping")
-        return cls(data, p)
+            raise UserError(f"{source}: the top level must be a mapping")
+        typed = validate_params(data, source)
+        return cls(to_plain(typed), p, typed)
 
     def get(self, key: str) -> Any:
         node: Any = self.data

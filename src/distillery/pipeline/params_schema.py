@@ -1,0 +1,281 @@
+"""The typed schema of ``params.yaml``: every key a stage reads, its type, its default and its range.
+
+:func:`validate_params` checks the WHOLE file (not only the keys one stage reads) so that
+``distillery stage <name>`` refuses a bad value before any stage does work, and names the key as the
+user wrote it: ``params.yaml: teacher.steps: -3: must be ≥ 1``. Unknown keys are refused with the
+nearest valid key (``did you mean steps?``). Absent keys take the defaults below, which are the
+values of the shipped ``params.yaml``.
+
+Each section is a dataclass; a field's ``metadata["check"]`` is a function of the value returning
+what is wrong with it (or None), run after the field's type is checked. The keys each stage reads
+are ``distillery.pipeline.stages.STAGE_PARAMS`` (and dvc.yaml's ``params:``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from distillery.config.limits import cut, path_problem, show, show_key, unknown_key_message
+from distillery.errors import UserError
+
+TRAINING_STAGES = ("teacher", "pretrain")  # stages that train a model (stages.TRAINING); export picks one
+MAX_SEED = 2**32 - 1  # numpy and torch both take seeds in [0, 2**32)
+
+Check = Callable[[Any], "str | None"]
+
+
+# -- checks: each returns what is wrong with an already type-checked value, or None --------------
+def at_least(low: int | float) -> Check:
+    return lambda v: None if v >= low else f"must be ≥ {low}"
+
+
+def positive_finite(v: float) -> str | None:
+    return None if math.isfinite(v) and v > 0 else "must be a finite number > 0"
+
+
+def non_negative_finite(v: float) -> str | None:
+    return None if math.isfinite(v) and v >= 0 else "must be a finite number ≥ 0"
+
+
+def fraction(v: float) -> str | None:
+    return None if 0 <= v <= 1 else "must be in [0, 1]"
+
+
+def seed_range(v: int) -> str | None:
+    return None if 0 <= v <= MAX_SEED else f"must be in [0, {MAX_SEED}]"
+
+
+def four_k_plus_one(v: int) -> str | None:
+    return None if v >= 5 and (v - 1) % 4 == 0 else "must be 4k+1 and ≥ 5 (5, 9, 13, 17, ...): the Wan VAE keeps frame 1 and packs 4 per latent"
+
+
+def frame_size(v: int) -> str | None:
+    return None if v >= 16 and v % 16 == 0 else "must be a positive multiple of 16 pixels (16, 32, 48, ...)"
+
+
+def usable_path(v: str) -> str | None:
+    if not v.strip():
+        return "must not be empty"
+    return path_problem(v)
+
+
+def optional_path(v: str | None) -> str | None:
+    return None if v is None else usable_path(v)
+
+
+def host_port(v: str | None) -> str | None:
+    if v is None:
+        return None
+    host, sep, port = v.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535 or any(c.isspace() for c in v):
+        return "must be host:port (e.g. node0.cluster:29500, port in 1..65535)"
+    return None
+
+
+def step_list(v: list[int]) -> str | None:
+    if not v:
+        return "must list at least one step count"
+    bad = [s for s in v if s < 1]
+    return f"step counts must be ≥ 1, got {show(bad[0])}" if bad else None
+
+
+def rule(default: Any, check: Check | None = None) -> Any:
+    """A schema field with its default (a list default is copied per instance) and its range check."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"check": check})
+    return field(default=default, metadata={"check": check})
+
+
+# -- the sections -------------------------------------------------------------------------------
+@dataclass
+class GpusParams:
+    nproc_per_node: int = rule(1, at_least(1))  # processes (GPUs) per node that torchrun starts
+    nnodes: int = rule(1, at_least(1))  # nodes; > 1 needs rdzv_endpoint
+    rdzv_endpoint: str | None = rule(None, host_port)  # host:port of the c10d rendezvous (needed when nnodes > 1)
+
+
+@dataclass
+class ClipsParams:
+    num_train: int = rule(96, at_least(1))  # synthetic training clips
+    num_validation: int = rule(24, at_least(0))  # synthetic validation clips (0: validate on train captions)
+    num_frames: int = rule(17, four_k_plus_one)  # frames per clip (also the latents' and validation videos' length)
+    size: int = rule(32, frame_size)  # frame height = width in pixels (clips, latents, validation)
+    fps: float = rule(8, positive_finite)  # frames per second of the clips (and of the latents' resampling)
+
+
+@dataclass
+class BaseParams:
+    path: str = rule("tiny", usable_path)  # "tiny" (the shipped fitted tiny Wan) or a Wan2.1 diffusers folder
+
+
+@dataclass
+class LatentsParams:
+    data: str | None = rule(None, optional_path)  # null: the clips stage's output; or a folder of videos/ + captions
+    rows_per_shard: int = rule(64, at_least(1))  # caption entries per parquet shard
+    max_bad_fraction: float = rule(0.5, fraction)  # fail when more than this fraction of the clips is unusable
+
+
+@dataclass
+class TrainingStageParams:
+    steps: int = rule(120, at_least(1))  # optimizer steps of the stage's run
+    batch_size: int = rule(16, at_least(1))  # samples per rank per step
+    learning_rate: float = rule(2.0e-4, positive_finite)  # peak learning rate
+    save_every: int = rule(40, at_least(0))  # steps between checkpoints (0: only the final one)
+
+
+@dataclass
+class PretrainParams(TrainingStageParams):
+    chunk_size: int = rule(1, at_least(1))  # latent frames that share one timestep (Diffusion-Forcing)
+
+
+@dataclass
+class ValidateParams:
+    num_prompts: int = rule(8, at_least(1))  # validation captions sampled per model
+    teacher_steps: list[int] = rule([40, 4], step_list)  # the teacher's sampling step counts (many and few)
+    student_steps: int = rule(40, at_least(1))  # the pretrained student's sampling steps
+    guidance_scale: float = rule(4.0, non_negative_finite)  # CFG scale of the teacher baselines
+
+
+@dataclass
+class ExportParams:
+    student: Literal["teacher", "pretrain"] = rule("pretrain")  # which training stage's model is exported
+
+
+@dataclass
+class ParamsSchema:
+    """The whole params.yaml."""
+
+    seed: int = rule(0, seed_range)  # seeds clips, training and validation
+    gpus: GpusParams = field(default_factory=GpusParams)
+    clips: ClipsParams = field(default_factory=ClipsParams)
+    base: BaseParams = field(default_factory=BaseParams)
+    latents: LatentsParams = field(default_factory=LatentsParams)
+    teacher: TrainingStageParams = field(default_factory=TrainingStageParams)
+    pretrain: PretrainParams = field(default_factory=PretrainParams)
+    validate: ValidateParams = field(default_factory=ValidateParams)
+    export: ExportParams = field(default_factory=ExportParams)
+
+
+# -- validation ---------------------------------------------------------------------------------
+class _Invalid(Exception):
+    """A value that does not fit; ``problem`` is the text after the value in the message."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+
+def _type_problem(value: Any, tp: Any) -> str | None:
+    """What is wrong with ``value`` for the annotation ``tp`` (int, float, str, list[int], Optional, Literal)."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        return None if isinstance(value, str) and value in choices else f"valid values: {', '.join(choices)}"
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None and len(args) < len(typing.get_args(tp)):
+            return None
+        problems = [_type_problem(value, a) for a in args]
+        return None if None in problems else " or ".join(p for p in problems if p) + (" or null" if value is not None else "")
+    if origin is list:
+        if not isinstance(value, list):
+            return "expected a list"
+        (item_tp,) = typing.get_args(tp)
+        for i, item in enumerate(value):
+            problem = _type_problem(item, item_tp)
+            if problem:
+                return f"item {i} ({show(item)}): {problem}"
+        return None
+    if tp is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "expected an integer"
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None
+        if isinstance(value, str) and _reads_as_float(value):
+            return f"expected a number; YAML reads {value} as text: write it with a dot and a signed exponent, e.g. {_yaml_float(value)}"
+        return "expected a number"
+    if tp is str:
+        return None if isinstance(value, str) else "expected a string"
+    raise TypeError(f"params schema: unsupported annotation {tp!r}")  # a bug in this file, not a user error
+
+
+def _reads_as_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _yaml_float(text: str) -> str:
+    mantissa, _, exponent = text.lower().partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    if exponent and exponent[0] not in "+-":
+        exponent = "+" + exponent
+    return f"{mantissa}e{exponent}" if exponent else mantissa
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _build(cls: type, data: Any, where: str, source: str) -> Any:
+    """Dataclass ``cls`` from the mapping ``data`` (None: all defaults), checking every key."""
+    if data is None:
+        data = {}
+    types_by_name = _field_types(cls)
+    if not isinstance(data, dict):
+        raise UserError(cut(f"{source}: {where or 'the top level'}: {show(data)}: expected a mapping with keys "
+                            f"{', '.join(types_by_name)}"))
+    for key in data:
+        if key not in types_by_name:
+            name = f"{where}.{show_key(key)}" if where else show_key(key)
+            raise UserError(cut(f"{source}: {name}: {unknown_key_message(key, types_by_name)}"))
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        key = f"{where}.{f.name}" if where else f.name
+        if f.name not in data:
+            continue
+        value, tp = data[f.name], types_by_name[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, value, key, source)
+            continue
+        problem = _type_problem(value, tp)
+        check = f.metadata.get("check")
+        if problem is None and check is not None:
+            problem = check(value)
+        if problem:
+            raise UserError(cut(f"{source}: {key}: {show(value)}: {problem}"))
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _check_together(params: ParamsSchema, source: str) -> None:
+    """Rules that tie keys of a section together."""
+    g = params.gpus
+    if g.nnodes > 1 and g.rdzv_endpoint is None:
+        raise UserError(f"{source}: gpus.rdzv_endpoint: null: required when gpus.nnodes > 1 ({g.nnodes}); "
+                        "give the host:port of the c10d rendezvous")
+
+
+def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
+    """The typed params of the parsed ``params.yaml`` mapping ``data``; a bad key or value is a one-line UserError.
+
+    Messages start with ``source`` (the file as the user named it) and name the key as written.
+    """
+    params = _build(ParamsSchema, data, "", source)
+    _check_together(params, source)
+    return params
+
+
+def to_plain(params: ParamsSchema) -> dict[str, Any]:
+    """The params as the nested mapping a stage reads (every key present, defaults filled in)."""
+    return dataclasses.asdict(params)

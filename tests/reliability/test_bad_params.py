@@ -1,0 +1,180 @@
+"""Case 8.12: a ``params.yaml`` a user got wrong is refused whole, before any stage works, in one line
+that names the key as the user wrote it, with exit code 2.
+
+The real CLI runs (``distillery stage teacher --params params.yaml`` in a temp folder holding a
+previous ``artifacts/teacher`` and ``runs/teacher`` checkpoint): the folder must be byte-for-byte as
+it was afterwards. The full rule table (every range of the schema) runs in-process through
+``Params.load``, the same function the CLI calls; the shipped params.yaml must validate unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from distillery.errors import UserError
+from distillery.pipeline.params import Params
+from distillery.pipeline.params_schema import TRAINING_STAGES, ParamsSchema, to_plain
+
+CASE = "8.12"
+ROOT = Path(__file__).resolve().parents[2]
+DISTILLERY = str(Path(sys.executable).parent / "distillery")
+SHIPPED = (ROOT / "params.yaml").read_text()
+LAST_LINE = SHIPPED.count("\n") + 1  # a line appended to the shipped file
+TEACHER_STEPS_LINE = SHIPPED.splitlines().index("  steps: 120") + 1  # the first "steps:" is the teacher's
+
+
+def _edited(**updates: Any) -> str:
+    """The shipped params.yaml with ``section__key=value`` set (or added)."""
+    params = yaml.safe_load(SHIPPED)
+    for dotted, value in updates.items():
+        node = params
+        *head, last = dotted.split("__")
+        for part in head:
+            node = node[part]
+        node[last] = value
+    return yaml.safe_dump(params, sort_keys=False)
+
+
+def _workspace(tmp: Path) -> dict[Path, bytes]:
+    """A previous teacher artifact and checkpoint; returns every file's bytes."""
+    for rel in ("artifacts/teacher/model/transformer/diffusion_pytorch_model.safetensors", "artifacts/teacher/lineage.json",
+                "runs/teacher/checkpoint-2/metadata.json", "runs/teacher/run.yaml"):
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_text(f"previous {rel}\n")
+    return _snapshot(tmp)
+
+
+def _snapshot(tmp: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != "params.yaml"}
+
+
+def _case(name: str, text: str | bytes, injected: str, names: list[str]) -> object:
+    mark = pytest.mark.reliability(case=CASE, title=f"bad params.yaml: {name.replace('_', ' ')}", injected=injected,
+                                   expect="exit 2, one stderr line naming the params.yaml key; no file touched")
+    return pytest.param(text, names, marks=mark, id=name)
+
+
+CLI_CASES = [
+    _case("misspelled key", SHIPPED.replace("  steps: 120\n", "  stpes: 120\n", 1),
+          "teacher.stpes instead of teacher.steps", ["params.yaml: teacher.stpes: unknown key", "did you mean steps?"]),
+    _case("zero gpus", _edited(gpus__nproc_per_node=0), "gpus.nproc_per_node: 0",
+          ["params.yaml: gpus.nproc_per_node: 0: must be ≥ 1"]),
+    _case("negative steps", _edited(teacher__steps=-3), "teacher.steps: -3", ["params.yaml: teacher.steps: -3: must be ≥ 1"]),
+    _case("learning rate as text", SHIPPED.replace("learning_rate: 2.0e-4", "learning_rate: 1e-4", 1),
+          "teacher.learning_rate: 1e-4 (YAML 1.1 reads it as text)", ["params.yaml: teacher.learning_rate: '1e-4'", "1.0e-4"]),
+    _case("no teacher steps", _edited(validate__teacher_steps=[]), "validate.teacher_steps: []",
+          ["params.yaml: validate.teacher_steps: []: must list at least one step count"]),
+    _case("unknown export", _edited(export__student="distill"), "export.student: distill",
+          ["params.yaml: export.student: 'distill'", "teacher, pretrain"]),
+    _case("multi-node without rendezvous", _edited(gpus__nnodes=2), "gpus.nnodes: 2, rdzv_endpoint null",
+          ["params.yaml: gpus.rdzv_endpoint: null: required when gpus.nnodes > 1"]),
+    _case("not UTF-8", SHIPPED.encode() + b"# caf\xe9\n", "a Latin-1 byte 0xe9 in a comment",
+          [f"params.yaml: not UTF-8 text: invalid byte 0xe9 at byte offset {len(SHIPPED.encode()) + 5} (line {LAST_LINE})"]),
+    _case("deep nesting", SHIPPED + "extra: " + "[" * 10_000 + "]" * 10_000 + "\n", "a 10,000-deep nested list",
+          ["params.yaml: invalid YAML", "nested deeper than 32 levels"]),
+    _case("duplicate key", SHIPPED.replace("  steps: 120\n", "  steps: 120\n  steps: 5\n", 1),
+          "teacher.steps written twice", [f"params.yaml: teacher.steps (line {TEACHER_STEPS_LINE + 1}): duplicate key (first at line {TEACHER_STEPS_LINE})"]),
+]
+
+
+@pytest.mark.parametrize("text, names", CLI_CASES)
+def test_bad_params_is_one_line_exit_2_before_any_work(tmp_path, data_lost, text, names):
+    before = _workspace(tmp_path)
+    (tmp_path / "params.yaml").write_bytes(text if isinstance(text, bytes) else text.encode())
+    proc = subprocess.run([DISTILLERY, "stage", "teacher", "--params", "params.yaml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: params.yaml: "), proc.stderr[-3000:]
+    for part in names:
+        assert part in lines[0], lines[0]
+    assert "training." not in lines[0]  # the params.yaml key, never the run-config key it feeds
+    after = _snapshot(tmp_path)
+    data_lost.record(sum(after.get(p) != b for p, b in before.items()), "files of the previous teacher artifact/run changed or lost")
+    assert data_lost.total == 0
+    assert set(after) == set(before), "a stage did work before params.yaml was validated"
+
+
+def _mark(title: str, injected: str, expect: str) -> pytest.MarkDecorator:
+    return pytest.mark.reliability(case=CASE, title=title, injected=injected, expect=expect)
+
+
+RULES = [  # (edits, the message must contain)
+    ({"seed": -1}, "seed: -1: must be in [0, 4294967295]"),
+    ({"seed": 1.5}, "seed: 1.5: expected an integer"),
+    ({"gpus__nnodes": 0}, "gpus.nnodes: 0: must be ≥ 1"),
+    ({"gpus__nproc_per_node": True}, "gpus.nproc_per_node: true: expected an integer"),
+    ({"gpus__nnodes": 2, "gpus__rdzv_endpoint": "node0"}, "gpus.rdzv_endpoint: 'node0': must be host:port"),
+    ({"gpus__rdzv_endpoint": "node0:99999"}, "gpus.rdzv_endpoint: 'node0:99999': must be host:port"),
+    ({"gpus": 4}, "gpus: 4: expected a mapping with keys nproc_per_node, nnodes, rdzv_endpoint"),
+    ({"clips__num_train": 0}, "clips.num_train: 0: must be ≥ 1"),
+    ({"clips__num_validation": -1}, "clips.num_validation: -1: must be ≥ 0"),
+    ({"clips__num_frames": 16}, "clips.num_frames: 16: must be 4k+1"),
+    ({"clips__size": 0}, "clips.size: 0: must be a positive multiple of 16"),
+    ({"clips__fps": 0}, "clips.fps: 0: must be a finite number > 0"),
+    ({"clips__fps": float("inf")}, "clips.fps: inf: must be a finite number > 0"),
+    ({"base__path": 3}, "base.path: 3: expected a string"),
+    ({"base__path": ""}, "base.path: '': must not be empty"),
+    ({"base__path": "/x/" + "y" * 300}, "base.path: '/x/yyy"),
+    ({"latents__data": ["a"]}, "latents.data: ['a']: expected a string or null"),
+    ({"latents__data": "a\x00b"}, "latents.data: 'a\\x00b': contains a NUL character"),
+    ({"latents__rows_per_shard": 0}, "latents.rows_per_shard: 0: must be ≥ 1"),
+    ({"latents__max_bad_fraction": 1.5}, "latents.max_bad_fraction: 1.5: must be in [0, 1]"),
+    ({"teacher__batch_size": 0}, "teacher.batch_size: 0: must be ≥ 1"),
+    ({"teacher__learning_rate": 0}, "teacher.learning_rate: 0: must be a finite number > 0"),
+    ({"teacher__learning_rate": float("nan")}, "teacher.learning_rate: nan: must be a finite number > 0"),
+    ({"teacher__save_every": -1}, "teacher.save_every: -1: must be ≥ 0"),
+    ({"pretrain__steps": 0}, "pretrain.steps: 0: must be ≥ 1"),
+    ({"pretrain__chunk_size": 0}, "pretrain.chunk_size: 0: must be ≥ 1"),
+    ({"pretrain__chunk": 2}, "pretrain.chunk: unknown key; valid keys: steps, batch_size, learning_rate, save_every, "
+                             "chunk_size; did you mean chunk_size?"),
+    ({"validate__num_prompts": 0}, "validate.num_prompts: 0: must be ≥ 1"),
+    ({"validate__teacher_steps": [40, 0]}, "validate.teacher_steps: [40, 0]: step counts must be ≥ 1"),
+    ({"validate__teacher_steps": [40, "4"]}, "validate.teacher_steps: [40, '4']: item 1 ('4'): expected an integer"),
+    ({"validate__teacher_steps": 40}, "validate.teacher_steps: 40: expected a list"),
+    ({"validate__student_steps": 0}, "validate.student_steps: 0: must be ≥ 1"),
+    ({"validate__guidance_scale": -1.0}, "validate.guidance_scale: -1.0: must be a finite number ≥ 0"),
+    ({"export__student": "base"}, "export.student: 'base': valid values: teacher, pretrain"),
+    ({"teachr": {}}, "teachr: unknown key; valid keys: seed, gpus, clips, base, latents, teacher, pretrain, validate, "
+                     "export; did you mean teacher?"),
+]
+
+
+@_mark("params.yaml schema: every range", "each schema rule broken once (35 edits)",
+       "each refused in one line naming the key and the bad value")
+def test_every_rule_names_the_key(tmp_path, data_lost):
+    path = tmp_path / "params.yaml"
+    for updates, expected in RULES:
+        path.write_text(_edited(**updates))
+        with pytest.raises(UserError) as info:
+            Params.load(path)
+        message = str(info.value)
+        assert message.startswith(f"{path}: ") and "\n" not in message and len(message) < 300, message
+        assert expected in message, (updates, message)
+    data_lost.record(0, "files (in-process check, nothing written)")
+
+
+@_mark("shipped params.yaml validates", "none: the params.yaml in the repository",
+       "validates unchanged; schema defaults equal it; every key a stage reads is in the schema")
+def test_shipped_params_validate_unchanged(data_lost):
+    from distillery.pipeline.stages import STAGE_PARAMS, TRAINING
+
+    params = Params.load(ROOT / "params.yaml")
+    shipped = yaml.safe_load(SHIPPED)
+    assert params.data == shipped  # nothing added, dropped or converted
+    assert to_plain(ParamsSchema()) == shipped  # the defaults are the shipped values
+    assert set(TRAINING_STAGES) == set(TRAINING)
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    read = {k for keys in STAGE_PARAMS.values() for k in keys} | {k for s in dvc["stages"].values() for k in s.get("params", [])}
+    for key in read:
+        params.get(key)  # raises on a key the schema lacks
+    assert params.subset(["seed", "teacher"]) == {"seed": shipped["seed"], "teacher": shipped["teacher"]}
+    assert dataclasses.asdict(params.typed) == shipped
+    data_lost.record(0, "files (read-only check)")
