@@ -98,7 +98,8 @@ CFG = IngestConfig(num_frames=17, height=32, width=32, fps=16)
 
 def test_config_validation() -> None:
     for bad in [dict(num_frames=16), dict(num_frames=0), dict(height=40), dict(width=8), dict(fps=0),
-                dict(start_seconds=-1.0), dict(max_bad_fraction=1.5)]:
+                dict(start_seconds=-1.0), dict(max_bad_fraction=1.5), dict(max_upscale=0.5),
+                dict(max_upscale=float("inf")), dict(max_source_side=16), dict(max_source_side=100.0)]:
         kw = dict(num_frames=17, height=32, width=32, fps=16.0) | bad
         with pytest.raises(UserError):
             IngestConfig(**kw)
@@ -385,3 +386,82 @@ def test_clip_id_stable_and_safe() -> None:
     for p in ("videos/x.mp4", "vidéos/ü?*:|<>.webm", "../weird/.hidden", "noext"):
         i = clip_id(p)
         assert i and all(ch.isascii() and (ch.isalnum() or ch in "._-") for ch in i) and len(i) < 100
+
+
+def test_source_size_limits(tmp_path: Path) -> None:
+    """Too small: below ceil(target / max_upscale) per side (displayed size); too large: a header side
+    above max_source_side, refused before decoding."""
+    sizes = {"edge": (8, 16), "short": (6, 16), "thin": (8, 14), "big": (48, 64)}
+    for name, (h, w) in sizes.items():
+        write_video(tmp_path / "videos" / f"{name}.mp4", n=6, h=h, w=w)
+    write_video(tmp_path / "videos" / "rot.mp4", n=6, h=16, w=8, rotation=90)  # displayed 8×16
+    write_captions(tmp_path, [{"path": f"videos/{n}.mp4", "caption": "c"} for n in [*sizes, "rot"]])
+    cfg = IngestConfig(num_frames=5, height=16, width=32, fps=16, max_source_side=32)
+    assert cfg.min_source_size() == (8, 16)
+    out = {x.path: x for x in iter_clips(tmp_path, cfg)}
+    assert isinstance(out["videos/edge.mp4"], ClipItem) and out["videos/edge.mp4"].frames.shape == (5, 16, 32, 3)
+    assert isinstance(out["videos/rot.mp4"], ClipItem) and out["videos/rot.mp4"].source_size == (8, 16)
+    for name, size in (("short", "6×16"), ("thin", "8×14")):
+        item = out[f"videos/{name}.mp4"]
+        assert isinstance(item, SkippedItem) and item.reason == "too_small"
+        assert size in item.detail and "at least 8×16" in item.detail
+    big = out["videos/big.mp4"]
+    assert big.reason == "dimensions_too_large" and "header declares 48×64" in big.detail and "32" in big.detail
+    # a YUV4MPEG2 header FFmpeg cannot even open is read before FFmpeg sees the file
+    (tmp_path / "videos" / "huge.y4m").write_bytes(b"YUV4MPEG2 W60000 H60000 F16:1 C420jpeg\nFRAME\n" + bytes(64))
+    write_captions(tmp_path, [{"path": "videos/huge.y4m", "caption": "c"}])
+    (item,) = list(iter_clips(tmp_path, CFG))
+    assert item.reason == "dimensions_too_large" and "60000×60000" in item.detail
+
+
+def test_unusable_paths_and_captions_are_skipped(tmp_path: Path) -> None:
+    write_video(tmp_path / "videos" / "a.mp4", n=17)
+    os.symlink("loop.mp4", tmp_path / "videos" / "loop.mp4")
+    long_path = "videos/" + "/".join(["d" * 250] * 17) + ".mp4"
+    write_captions(tmp_path, [
+        {"path": "videos/a\x00.mp4", "caption": "c"},
+        {"path": "videos/" + "é" * 128 + ".mp4", "caption": "c"},  # 260 bytes in UTF-8, 132 characters
+        {"path": long_path, "caption": "c"},
+        {"path": "videos/\udfff.mp4", "caption": "c"},
+        {"path": "videos/loop.mp4", "caption": "c"},
+        {"path": "videos/a.mp4", "caption": "bad \ud800"},
+        {"path": "videos/a.mp4", "caption": ""},
+        {"path": "videos/a.mp4", "caption": "kept"},
+        {"path": "videos/a.mp4", "caption": "again"},
+    ])
+    out = list(iter_clips(tmp_path, CFG))
+    assert [(x.path, x.reason) for x in out if isinstance(x, SkippedItem)] == [
+        ("videos/a\\x00.mp4", "bad_path"),
+        ("videos/" + "é" * 128 + ".mp4", "bad_path"),
+        (long_path[:199] + "…", "bad_path"),
+        ("videos/\\udfff.mp4", "bad_path"),
+        ("videos/loop.mp4", "unreadable"),
+        ("videos/a.mp4", "bad_caption"),
+        ("videos/a.mp4", "empty_caption"),
+        ("videos/a.mp4", "duplicate_path"),  # only the entry that passed every check claimed the path
+    ]
+    (kept,) = [x for x in out if isinstance(x, ClipItem)]
+    assert kept.caption == "kept" and frame_indices(kept.frames) == list(range(17))
+    sk = tmp_path / "out" / "skipped.jsonl"
+    load_clips(tmp_path, IngestConfig(num_frames=17, height=32, width=32, fps=16, max_bad_fraction=0.9), sk)
+    lines = sk.read_bytes().decode("utf-8").splitlines()  # valid UTF-8, one line per skipped entry
+    assert len(lines) == 8 and all(len(json.loads(line)["detail"]) <= 400 for line in lines)
+
+
+def test_captions_file_must_not_link_out(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "captions.jsonl").write_text('{"path": "videos/a.mp4", "caption": "c"}\n')
+    data = tmp_path / "data"
+    write_video(data / "videos" / "a.mp4", n=17)
+    os.symlink(outside / "captions.jsonl", data / "captions.jsonl")
+    with pytest.raises(UserError) as e:
+        list(iter_clips(data, CFG))
+    assert "\n" not in str(e.value) and "symlink" in str(e.value) and "outside the data folder" in str(e.value)
+    with pytest.raises(UserError, match="outside the data folder"):
+        find_splits(data)
+    (data / "captions.jsonl").unlink()  # a link that stays inside the folder is fine
+    (data / "meta").mkdir()
+    (data / "meta" / "c.jsonl").write_text('{"path": "videos/a.mp4", "caption": "c"}\n')
+    os.symlink(Path("meta") / "c.jsonl", data / "captions.jsonl")
+    assert [x.caption for x in iter_clips(data, CFG)] == ["c"]

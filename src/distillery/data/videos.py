@@ -9,6 +9,13 @@ A data folder holds ``videos/...`` and a captions file, either
 with ``path`` relative to the folder. A dataset may instead hold split sub-folders ``train/`` and
 ``validation/``, each such a folder (:func:`find_splits`).
 
+The whole folder is untrusted input: nothing in it may crash ingestion or make it allocate without
+bound. A captions file that is a symlink leading out of the folder is refused (:class:`UserError`);
+every bad entry — a path that no filesystem accepts (NUL byte, a component over
+:data:`NAME_MAX_BYTES` or a whole path over :data:`PATH_MAX_BYTES` bytes, a lone surrogate), a
+caption that is not valid Unicode text, a source too small for the target size, a header that
+declares dimensions above ``max_source_side`` — becomes a :class:`SkippedItem` with its reason.
+
 Each entry becomes a :class:`ClipItem` (``num_frames`` frames at ``fps``, starting at
 ``start_seconds``, centre-cropped to the target aspect ratio and resized to ``height × width``)
 or a :class:`SkippedItem` with one of :data:`REASONS`. Frames are resampled by picking, for each
@@ -65,21 +72,50 @@ CAPTION_FILES = ("captions.jsonl", "videos2caption.json")
 #: Every reason a :class:`SkippedItem` can carry.
 REASONS = (
     "bad_caption_entry",  # a captions-file entry that is not JSON, not an object, or has no string path
+    "bad_path",  # a path no filesystem accepts: NUL byte, lone surrogate, component or whole path too long
     "path_escapes_data_folder",  # absolute path, `..` leaving the folder, or a symlink pointing outside it
-    "duplicate_path",  # the same (normalised) path named by an earlier entry
     "empty_caption",  # caption missing, not a string, blank or whitespace-only
+    "bad_caption",  # caption is not valid Unicode text (a lone surrogate such as "\ud800")
+    "duplicate_path",  # the same (normalised) path already claimed by an earlier entry that passed every check above
     "missing_file",  # nothing at the path
-    "unreadable",  # not a video, corrupt header, no video stream, or no frame decodes
+    "unreadable",  # cannot be opened (permissions, symlink loop), not a video, corrupt header, no video stream,
+    #                or no frame decodes
+    "dimensions_too_large",  # the header (or a decoded frame) has a side above max_source_side; nothing decoded
+    "too_small",  # the source is below the minimum size for the target (see IngestConfig.max_upscale)
     "truncated",  # decoding fails part-way, or ends before the header's length, short of the frames needed
     "too_few_frames",  # the clip is shorter than num_frames at the target fps
 )
+
+#: Longest path component, in bytes of its UTF-8 form (Linux NAME_MAX); longer ones are ``bad_path``.
+NAME_MAX_BYTES = 255
+#: Longest absolute path (data folder + entry path), in bytes, NUL excluded (Linux PATH_MAX is 4096
+#: with the NUL); longer ones are ``bad_path``.
+PATH_MAX_BYTES = 4095
+_SHOWN_PATH = 200  # characters of a user's path echoed in skipped.jsonl and messages
+_SHOWN_DETAIL = 400  # characters of a skip's detail
 
 _TIME_EPS = 1e-6  # seconds; timestamps closer than this are equal
 
 
 @dataclass(frozen=True)
 class IngestConfig:
-    """What every clip becomes. Validated on construction (:class:`UserError` on bad values)."""
+    """What every clip becomes. Validated on construction (:class:`UserError` on bad values).
+
+    Source size limits (the displayed size, after rotation):
+
+    - **too small**: a source is skipped (``too_small``) when its height is below
+      ``ceil(height / max_upscale)`` or its width below ``ceil(width / max_upscale)`` — exactly when
+      the centre crop to the target aspect ratio would have to be enlarged more than
+      ``max_upscale``× to fill ``height × width``. With the default 2.0 a 32×32 clip needs a source
+      of at least 16×16; a 480×832 clip at least 240×416. Sources between that and the target
+      size are upscaled (Lanczos).
+    - **too large**: a source whose container/stream header declares a side above
+      ``max_source_side`` is skipped (``dimensions_too_large``) before a frame is decoded; the
+      decoder is also capped at ``max_source_side²`` pixels, so a stream that grows mid-way fails
+      instead of allocating. The default 8192 admits 8K (7680×4320, 8192×4320) video; one such RGB
+      frame is 200 MB. The header's frame count sizes nothing (decoding stops at the last frame
+      needed), so it needs no limit.
+    """
 
     num_frames: int  # frames per clip; 4k+1 (the Wan VAE compresses time by 4 after the first frame)
     height: int  # output height in pixels; a positive multiple of 16
@@ -87,6 +123,8 @@ class IngestConfig:
     fps: float  # target frame rate; frame i is the source frame nearest to start_seconds + i / fps
     start_seconds: float = 0.0  # where each clip starts in its source video, seconds
     max_bad_fraction: float = 0.5  # load_clips fails when more than this fraction of entries is skipped
+    max_upscale: float = 2.0  # largest enlargement of the source's centre crop; smaller sources are too_small
+    max_source_side: int = 8192  # pixels; a source declaring a larger height or width is dimensions_too_large
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_frames, int) or self.num_frames < 1 or (self.num_frames - 1) % 4:
@@ -102,6 +140,16 @@ class IngestConfig:
             raise UserError(f"start_seconds must be >= 0, got {self.start_seconds!r}")
         if not (isinstance(self.max_bad_fraction, (int, float)) and 0.0 <= self.max_bad_fraction <= 1.0):
             raise UserError(f"max_bad_fraction must be in [0, 1], got {self.max_bad_fraction!r}")
+        if not (isinstance(self.max_upscale, (int, float)) and math.isfinite(self.max_upscale)
+                and self.max_upscale >= 1.0):
+            raise UserError(f"max_upscale must be a finite number >= 1, got {self.max_upscale!r}")
+        if not isinstance(self.max_source_side, int) or self.max_source_side < max(self.height, self.width):
+            raise UserError(f"max_source_side must be an integer >= the target size "
+                            f"({max(self.height, self.width)}), got {self.max_source_side!r}")
+
+    def min_source_size(self) -> tuple[int, int]:
+        """(height, width): the smallest displayed source size that is not ``too_small``."""
+        return math.ceil(self.height / self.max_upscale), math.ceil(self.width / self.max_upscale)
 
     def target_times(self) -> list[float]:
         """Target timestamps in seconds from the start of the video, one per output frame."""
@@ -122,11 +170,20 @@ class ClipItem:
 
 @dataclass
 class SkippedItem:
-    """One unusable captions-file entry and why."""
+    """One unusable captions-file entry and why.
 
-    path: str  # the entry's path as written, or "<captions file>:<line/entry>" when it has none
+    ``path`` and ``detail`` are made readable on construction: characters that are not printable
+    (NUL, newlines, lone surrogates) are written as escapes and long values are cut
+    (``…``), so every ``skipped.jsonl`` record is one line of valid UTF-8.
+    """
+
+    path: str  # the entry's path as written (readable form), or "<captions file>:<line/entry>" when it has none
     reason: str  # one of REASONS
-    detail: str  # a one-line human explanation
+    detail: str  # a one-line human explanation, starting with where the entry is in the captions file
+
+    def __post_init__(self) -> None:
+        self.path = _readable(self.path, _SHOWN_PATH)
+        self.detail = _readable(self.detail, _SHOWN_DETAIL)
 
     def to_json(self) -> dict[str, str]:
         """The ``skipped.jsonl`` record."""
@@ -152,16 +209,30 @@ class ClipError(Exception):
         self.detail = detail
 
 
+def _readable(text: str, limit: int) -> str:
+    """``text`` as printable one-line UTF-8 (non-printable characters and lone surrogates escaped),
+    cut to ``limit`` characters."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 # ---------------------------------------------------------------------------------------------
 # folders and captions files
 
 
 def find_captions_file(folder: Path) -> Path:
-    """The captions file of a data folder (``captions.jsonl`` preferred); :class:`UserError` if none."""
+    """The captions file of a data folder (``captions.jsonl`` preferred); :class:`UserError` if none,
+    or if it is a symlink that leads out of the folder (the folder's contents are untrusted: a link
+    must not make ingestion read, and echo, a file elsewhere)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"data folder {folder} does not exist or is not a folder")
     found = [folder / name for name in CAPTION_FILES if (folder / name).is_file()]
+    if found and folder.resolve() not in found[0].resolve().parents:
+        raise UserError(f"{found[0]} is a symlink to {_readable(str(found[0].resolve()), _SHOWN_PATH)}, outside the "
+                        f"data folder {folder.resolve()}; copy the captions file into the folder")
     if not found:
         raise UserError(
             f"no captions file in {folder}: expected {CAPTION_FILES[0]} "
@@ -245,18 +316,45 @@ def _read_entries(captions: Path) -> Iterator[_Entry | SkippedItem]:
             yield _entry_from_obj(obj, f"{captions.name}[{index}]", f"entry {index}", ("cap", "caption"))
 
 
+def _check_path_text(rel: str) -> None:
+    """:class:`ClipError` ``bad_path`` when no filesystem call could take ``rel`` (checked on the
+    text alone, before any call is made)."""
+    shown = _readable(repr(rel), 80)
+    if "\x00" in rel:
+        raise ClipError("bad_path", f"path {shown} holds a NUL byte")
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ClipError("bad_path", f"path {shown} is not valid Unicode text "
+                                    f"(lone surrogate U+{ord(rel[e.start]):04X} at character {e.start})") from None
+    for part in rel.split("/"):
+        if len(part.encode("utf-8")) > NAME_MAX_BYTES:
+            raise ClipError("bad_path", f"path {shown} has a component of {len(part.encode('utf-8'))} bytes; "
+                                        f"at most {NAME_MAX_BYTES} are allowed")
+
+
 def _resolve_inside(root: Path, rel: str) -> tuple[Path, str]:
-    """(absolute path, normalised relative path) of ``rel`` under ``root``; :class:`ClipError` if it escapes.
+    """(absolute path, normalised relative path) of ``rel`` under ``root``; :class:`ClipError` if it
+    cannot be a path (``bad_path``), cannot be resolved (``unreadable``: a symlink loop, no
+    permission) or escapes (``path_escapes_data_folder``).
 
     ``root`` must be resolved. Symlinks are followed: a link inside the folder that points outside
     it escapes."""
+    _check_path_text(rel)
     p = Path(rel)
     if p.is_absolute() or rel.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", rel):
         raise ClipError("path_escapes_data_folder", f"absolute path {rel!r}; paths must be relative to the data folder")
     norm = os.path.normpath(rel)
     if norm == ".." or norm.startswith(".." + os.sep):
         raise ClipError("path_escapes_data_folder", f"{rel!r} leaves the data folder")
-    resolved = (root / norm).resolve()
+    total = len(os.fsencode(str(root / norm)))
+    if total > PATH_MAX_BYTES:
+        raise ClipError("bad_path", f"path {_readable(repr(rel), 80)} is {total} bytes long inside the data folder; "
+                                    f"at most {PATH_MAX_BYTES} are allowed")
+    try:
+        resolved = (root / norm).resolve()
+    except (RuntimeError, OSError, ValueError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise ClipError("unreadable", f"cannot resolve {rel!r}: {e}") from None
     if resolved != root and root not in resolved.parents:
         raise ClipError("path_escapes_data_folder", f"{rel!r} resolves to {resolved}, outside {root}")
     return root / norm, norm.replace(os.sep, "/")
@@ -269,6 +367,11 @@ def _caption_text(raw: Any) -> str:
     text = raw.strip()
     if not text:
         raise ClipError("empty_caption", "caption is blank")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ClipError("bad_caption", f"caption is not valid Unicode text (lone surrogate U+{ord(text[e.start]):04X} "
+                                       f"at character {e.start})") from None
     return text
 
 
@@ -335,6 +438,66 @@ def _display_size(frame: av.VideoFrame) -> tuple[int, int]:
     return (frame.width, frame.height) if turn % 2 else (frame.height, frame.width)
 
 
+def _check_size(size: tuple[int, int], cfg: IngestConfig, what: str) -> None:
+    """:class:`ClipError` when a source of ``size`` = (height, width) must not be used."""
+    h, w = size
+    if h > cfg.max_source_side or w > cfg.max_source_side:
+        raise ClipError("dimensions_too_large", f"{what} {h}×{w} (height×width); at most {cfg.max_source_side} "
+                                                f"per side is decoded (max_source_side)")
+    min_h, min_w = cfg.min_source_size()
+    if h < min_h or w < min_w:
+        raise ClipError("too_small", f"{what} {h}×{w} (height×width); a {cfg.height}×{cfg.width} clip needs at "
+                                     f"least {min_h}×{min_w} (max_upscale={cfg.max_upscale:g})")
+
+
+def _check_header_size(stream: av.video.stream.VideoStream, cfg: IngestConfig) -> None:
+    """``dimensions_too_large`` from the stream header alone, before anything is decoded
+    (0 = not declared: the decoder cap and the per-frame check still apply)."""
+    h, w = stream.codec_context.height or 0, stream.codec_context.width or 0
+    if h > cfg.max_source_side or w > cfg.max_source_side:
+        _check_size((h, w), cfg, "the header declares")
+
+
+def _check_text_header(path: Path, cfg: IngestConfig) -> None:
+    """``dimensions_too_large`` for a YUV4MPEG2 file whose plain-text header declares a side above
+    ``max_source_side`` (FFmpeg fails to open such a file with an unrelated error, so its size
+    is read here, from the first bytes, before FFmpeg sees it)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(256)
+    except OSError as e:
+        raise ClipError("unreadable", f"cannot read {path.name}: {e}") from None
+    if not head.startswith(b"YUV4MPEG2 "):
+        return
+    fields = {t[:1]: t[1:] for t in head.split(b"\n", 1)[0].split()[1:]}
+    try:
+        h, w = int(fields.get(b"H", b"0")), int(fields.get(b"W", b"0"))
+    except ValueError:
+        return  # malformed: FFmpeg will say so
+    if h > cfg.max_source_side or w > cfg.max_source_side:
+        _check_size((h, w), cfg, "the header declares")
+
+
+def _open(path: Path, cfg: IngestConfig) -> tuple[av.container.InputContainer, av.video.stream.VideoStream]:
+    """Open ``path`` with the decoder capped at ``max_source_side²`` pixels (also while FFmpeg
+    probes the streams); return the container and its first video stream, header size checked."""
+    cap = {"max_pixels": str(cfg.max_source_side * cfg.max_source_side)}
+    try:
+        container = av.open(str(path), mode="r", options=cap)
+    except (av.FFmpegError, ValueError, OSError) as e:
+        raise ClipError("unreadable", f"cannot open as a video ({e})") from e
+    try:
+        if not container.streams.video:
+            raise ClipError("unreadable", "no video stream")
+        stream = container.streams.video[0]
+        _check_header_size(stream, cfg)
+        stream.codec_context.options = dict(cap)
+    except BaseException:
+        container.close()
+        raise
+    return container, stream
+
+
 class _NeedRestart(Exception):
     """A seek landed after the first target time; decode again from the start."""
 
@@ -372,8 +535,11 @@ def _pick_frames(container: av.container.InputContainer, stream: av.video.stream
             else:
                 t = decoded / (src_fps or cfg.fps)
             decoded += 1
+            frame_size = _display_size(frame)
+            if frame_size != size:
+                _check_size(frame_size, cfg, "the source is" if size is None else "the source changes size to")
             if size is None:
-                size = _display_size(frame)
+                size = frame_size
                 if seek and t > targets[0] + _TIME_EPS:
                     raise _NeedRestart
             while k < len(targets) and t >= targets[k] - _TIME_EPS:
@@ -416,23 +582,18 @@ def decode_clip(path: Path, cfg: IngestConfig) -> tuple[np.ndarray, float, tuple
 
     Frames are picked at ``cfg.target_times()`` (nearest source frame by presentation time,
     relative to the stream start), display rotation applied, centre-cropped and resized.
-    Raises :class:`ClipError` with reason ``unreadable``, ``truncated`` or ``too_few_frames``.
+    Raises :class:`ClipError` with reason ``unreadable``, ``dimensions_too_large`` (from the header,
+    before decoding; see :class:`IngestConfig`), ``too_small``, ``truncated`` or ``too_few_frames``.
     """
+    _check_text_header(path, cfg)
+    container, stream = _open(path, cfg)
     try:
-        container = av.open(str(path), mode="r")
-    except (av.FFmpegError, ValueError, OSError) as e:
-        raise ClipError("unreadable", f"cannot open as a video ({e})") from e
-    try:
-        if not container.streams.video:
-            raise ClipError("unreadable", "no video stream")
-        stream = container.streams.video[0]
         src_fps = _stream_fps(stream)
         try:
             frames, size = _pick_frames(container, stream, cfg, src_fps, seek=cfg.start_seconds > 0)
         except _NeedRestart:
             container.close()
-            container = av.open(str(path), mode="r")
-            stream = container.streams.video[0]
+            container, stream = _open(path, cfg)
             frames, size = _pick_frames(container, stream, cfg, src_fps, seek=False)
         return frames, float(src_fps or cfg.fps), size
     finally:
@@ -446,10 +607,16 @@ def decode_clip(path: Path, cfg: IngestConfig) -> tuple[np.ndarray, float, tuple
 def read_entries(folder: Path) -> list[_Entry | SkippedItem]:
     """The captions file's entries in file order, with the checks that need no decoding done.
 
-    Malformed entries, paths escaping the folder and repeated paths come back as
+    Malformed entries, bad or escaping paths, bad captions and repeated paths come back as
     :class:`SkippedItem`; the rest as entries whose ``path`` is normalised and known to lie inside
-    the folder. :func:`load_entry` finishes each one. Raises :class:`UserError` when the folder has
-    no captions file. (Used by preprocessing, which assigns entries to shards before decoding.)
+    the folder and whose caption is stripped, valid text. :func:`load_entry` finishes each one.
+    Raises :class:`UserError` when the folder has no captions file (or it links out of the folder).
+    (Used by preprocessing, which assigns entries to shards before decoding.)
+
+    Only an entry that passes every one of these checks claims its path, so an entry skipped for,
+    say, an empty caption does not make a later good entry of the same path a ``duplicate_path``.
+    (A claimed entry that later fails on its file — missing, unreadable, too small — keeps its
+    claim: a later entry naming the same file would fail the same way.)
     """
     folder = Path(folder)
     captions = find_captions_file(folder)
@@ -462,13 +629,14 @@ def read_entries(folder: Path) -> list[_Entry | SkippedItem]:
             continue
         try:
             _, norm = _resolve_inside(root, entry.path)
+            caption = _caption_text(entry.caption)
             if norm in seen:
                 raise ClipError("duplicate_path", f"{norm} is already named by an earlier entry")
         except ClipError as e:
             out.append(SkippedItem(entry.path, e.reason, f"{entry.label}: {e.detail}"))
             continue
         seen.add(norm)
-        out.append(dataclasses.replace(entry, path=norm))
+        out.append(dataclasses.replace(entry, path=norm, caption=caption))
     return out
 
 
@@ -480,14 +648,18 @@ def load_entry(folder: Path, entry: _Entry | SkippedItem, cfg: IngestConfig) -> 
     try:
         abs_path, norm = _resolve_inside(Path(folder).resolve(), entry.path)
         caption = _caption_text(entry.caption)
-        if not abs_path.exists():
-            raise ClipError("missing_file", f"no file at {abs_path}")
-        if not abs_path.is_file():
-            raise ClipError("unreadable", f"{abs_path} is not a file")
+        try:
+            if not abs_path.exists():
+                raise ClipError("missing_file", f"no file at {abs_path}")
+            if not abs_path.is_file():
+                raise ClipError("unreadable", f"{abs_path} is not a file")
+        except OSError as e:  # e.g. no permission to look into a folder on the path
+            raise ClipError("unreadable", f"cannot look up {abs_path}: {e}") from None
         frames, src_fps, size = decode_clip(abs_path, cfg)
     except ClipError as e:
-        logger.debug("skip %s: %s (%s)", entry.path, e.reason, e.detail)
-        return SkippedItem(entry.path, e.reason, f"{entry.label}: {e.detail}")
+        skipped = SkippedItem(entry.path, e.reason, f"{entry.label}: {e.detail}")
+        logger.debug("skip %s: %s (%s)", skipped.path, skipped.reason, skipped.detail)
+        return skipped
     return ClipItem(id=clip_id(norm), path=norm, caption=caption, frames=frames, source_fps=src_fps, source_size=size)
 
 
@@ -495,8 +667,9 @@ def iter_clips(folder: Path, cfg: IngestConfig) -> Iterator[ClipItem | SkippedIt
     """Yield one :class:`ClipItem` or :class:`SkippedItem` per captions-file entry, in file order.
 
     Raises :class:`UserError` (before yielding anything) when the folder has no captions file.
-    Checks, in order: entry well-formed, path inside the folder, path not seen before, caption
-    non-blank, file exists, then decode (unreadable / truncated / too_few_frames).
+    Checks, in order: entry well-formed, path usable and inside the folder, caption non-blank and
+    valid text, path not claimed by an earlier entry that passed these checks, file exists, header
+    size (dimensions_too_large), then decode (unreadable / too_small / truncated / too_few_frames).
     """
     for entry in read_entries(folder):
         yield load_entry(folder, entry, cfg)
