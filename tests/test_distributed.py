@@ -83,7 +83,14 @@ def test_torchrun_stop_and_resume_matches_uninterrupted(runs):
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(runs):
+    from distillery.checkpoint_checksums import verify_checkpoint
+    from distillery.checkpoint_io import read_dcp_metadata
+
     root = runs["root"]
+    saved = root / "split" / f"checkpoint-{STEPS // 2}"  # both ranks' files are in its checksums
+    listed = json.loads((saved / "checksums.json").read_text())["files"]
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng/rank-0.json", "rng/rank-1.json"} <= set(listed)
+    assert verify_checkpoint(saved) is None and read_dcp_metadata(saved / "dcp").storage_data
     result = runs["resumed_on_one"]
     assert result.history[0]["step"] == STEPS // 2 + 1 and result.final_step == STEPS
     two = role_state(root / "fsdp2" / f"checkpoint-{STEPS}")

@@ -23,7 +23,7 @@ def _mean(rows, key="total_loss"):
 
 @pytest.mark.parametrize(
     "method, knobs",
-    [("distillery.methods.sft.SFTMethod", {}), ("distillery.methods.dfsft.DFSFTMethod", {"chunk_size": 1})],
+    [("distillery.methods.sft.SFTMethod", {}), ("distillery.methods.dfsft.DFSFTMethod", {"chunk_size": 2})],  # 3 latent frames: 2 chunks
 )
 def test_loss_falls_within_50_steps(tmp_path, tiny_base, latent_set, method, knobs):
     cfg = run_config(tiny_base, latent_set, tmp_path / "run", method=method, method_knobs=knobs, steps=50, lr=1e-3)
@@ -74,6 +74,32 @@ def test_keep_last_prunes_old_checkpoints(tmp_path, tiny_base, latent_set):
     train_in_process(cfg)
     names = sorted(p.name for p in (tmp_path / "run").iterdir() if p.is_dir())
     assert names == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_checkpoint_holds_no_pickle_of_ours_and_verifies(tmp_path, tiny_base, latent_set):
+    """Host and RNG state are JSON + safetensors, every file is in checksums.json, the DCP metadata
+    reads with the restricted unpickler, and a checkpoint named by path in the run's own folder
+    resumes without a grant."""
+    from distillery.checkpoint_checksums import verify_checkpoint
+    from distillery.checkpoint_io import read_dcp_metadata
+
+    cfg = run_config(tiny_base, latent_set, tmp_path / "run", steps=2, save_every=1, callbacks=CALLBACKS)
+    train_in_process(cfg)
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
+    assert files == ["checksums.json", "dcp/.metadata", "dcp/__0_0.distcp", "metadata.json", "rng/rank-0.json",
+                     "rng/rank-0.safetensors", "roles/student/config.json", "state.json"]
+    listed = json.loads((ckpt / "checksums.json").read_text())["files"]
+    assert sorted(listed) == [f for f in files if f not in ("checksums.json", "metadata.json")]
+    assert verify_checkpoint(ckpt) is None
+    assert any(k.fqn.startswith("callback.ema.") for k in read_dcp_metadata(ckpt / "dcp").storage_data)
+    assert json.loads((ckpt / "state.json").read_text())["state"]["step"] == 1
+    final = role_state(tmp_path / "run" / "checkpoint-2")
+    cfg["training"]["checkpoint"]["resume"] = str(ckpt)
+    again = train_in_process(cfg)
+    assert again.history[0]["step"] == 2
+    redone = role_state(tmp_path / "run" / "checkpoint-2")
+    assert all(torch.equal(v, redone[k]) for k, v in final.items())
 
 
 def test_checkpoint_from_another_model_is_refused(tmp_path, tiny_base, latent_set):
@@ -233,5 +259,6 @@ def test_runtime_choices_resolve_per_device(tmp_path, tiny_base, latent_set):
     assert resolve_compile(ModelRuntimeConfig(compile=False), env("cuda", torch.bfloat16)) is False
     cfg = run_config(tiny_base, latent_set, tmp_path / "run", steps=1)
     cfg["training"]["model"] = {"attention_backend": "cudnn"}
+    cfg["training"]["distributed"] = {"device": "cpu"}  # a CPU run, also on a host with a GPU
     with pytest.raises(UserError, match="attention_backend: cudnn needs a CUDA device; use native"):
         train_in_process(cfg)

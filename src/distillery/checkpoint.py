@@ -3,22 +3,28 @@
 Layout of one checkpoint::
 
     checkpoint-<step>/
-      dcp/                    # torch.distributed.checkpoint: trainable weights, optimizer states,
-                              # callback tensors (EMA) — sharded, reshardable on load
+      dcp/                      # torch.distributed.checkpoint: trainable weights, optimizer states,
+                                # callback tensors (EMA) — sharded, reshardable on load
       roles/<role>/config.json  # each trainable role's transformer architecture (for export)
-      state.pt                # rank-independent host state: step, LR schedulers, data position
-      rng/rank-<r>.pt         # per-rank RNG: python, numpy, torch CPU/CUDA, the method generator
-      metadata.json           # human-readable summary (step, world size, roles, time, tracking run)
+      state.json                # rank-independent host state: step, LR schedulers, data position, MLflow run
+      rng/rank-<r>.json         # per-rank RNG: python, numpy, torch CPU/CUDA, the method generator
+      rng/rank-<r>.safetensors  #   (its tensors; see distillery.checkpoint_state)
+      checksums.json            # size + sha256 of every file above (distillery.checkpoint_checksums)
+      metadata.json             # summary (step, world size, roles, time, tracking run) + digest of checksums.json
 
 It is written into ``.tmp-checkpoint-<step>/`` and renamed when complete, so a crash mid-save
 never leaves a checkpoint that looks complete; ``metadata.json`` is written last.
+
+Trust (DESIGN.md §2.2): nothing in a checkpoint is unpickled by us (host and RNG state are JSON +
+safetensors, :mod:`distillery.checkpoint_state`; DCP is read through :mod:`distillery.checkpoint_io`).
+Which checkpoint a run resumes — verified, falling back past damaged ones, granted when outside the
+run's folder, never of the old pickled format — is decided by :mod:`distillery.checkpoint_trust`.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -31,13 +37,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from distillery.checkpoint_checksums import Damage, FileDigest, hash_files, write_checksums
+from distillery.checkpoint_io import load_dcp
+from distillery.checkpoint_state import read_state, write_state
+from distillery.checkpoint_trust import CHECKPOINT_RE, is_old_format, old_format_error, resolve_resume
 from distillery.distributed import barrier, broadcast_object
 from distillery.errors import UserError
 from distillery.log import get_logger
 
 log = get_logger("checkpoint")
 
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+FORMAT = 2  # metadata.json "format": 2 = JSON/safetensors state + checksums (1 = pickled state.pt, refused)
 
 
 class RoleState(Stateful):
@@ -113,19 +123,6 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def resolve_resume(resume: str, output_dir: Path) -> Path | None:
-    """The checkpoint to resume from for ``resume`` = "latest" | "none" | a path."""
-    if resume == "none":
-        return None
-    if resume == "latest":
-        found = list_checkpoints(output_dir)
-        return found[-1][1] if found else None
-    path = Path(resume)
-    if not (path / "metadata.json").is_file():
-        raise UserError(f"config error: training.checkpoint.resume: {path} is not a complete checkpoint (no metadata.json)")
-    return path
-
-
 @dataclass
 class CheckpointPayload:
     """Everything a checkpoint holds, as the trainer hands it over."""
@@ -143,9 +140,14 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
+        self._verified: dict[Path, Damage | None] = {}  # rank 0: verification results of this process
 
     def save(self, step: int, payload: CheckpointPayload) -> Path:
-        """Collective: every rank calls it. Returns the final checkpoint folder."""
+        """Collective: every rank calls it. Returns the final checkpoint folder.
+
+        Each rank writes its DCP shards and RNG files and hashes them; rank 0 writes the rest,
+        hashes it, writes ``checksums.json`` then ``metadata.json`` and renames the folder.
+        """
         final = self.output_dir / f"checkpoint-{step}"
         tmp = self.output_dir / f".tmp-checkpoint-{step}"
         if self.rank == 0:
@@ -156,25 +158,30 @@ class CheckpointManager:
         barrier()
         started = time.perf_counter()
         dcp.save(payload.dcp_state, checkpoint_id=str(tmp / "dcp"))
-        torch.save(payload.rng_state, tmp / "rng" / f"rank-{self.rank}.pt")
-        barrier()
+        mine = [p.relative_to(tmp).as_posix() for p in write_state(tmp / "rng", f"rank-{self.rank}", payload.rng_state)]
+        mine += [f"dcp/{p.name}" for p in (tmp / "dcp").glob(f"__{self.rank}_*.distcp")]
+        digests = _gather_to_main({rel: (d.size, d.sha256) for rel, d in hash_files(tmp, mine).items()})
         if self.rank == 0:
             for role, cfg in payload.role_configs.items():
                 role_dir = tmp / "roles" / role
                 role_dir.mkdir(parents=True)
                 (role_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
-            torch.save(payload.host_state, tmp / "state.pt")
+            write_state(tmp, "state", payload.host_state)
+            known = {rel: FileDigest(size, sha) for part in digests for rel, (size, sha) in part.items()}
             meta = {
                 "step": step,
                 "world_size": self.world_size,
                 "roles": sorted(payload.role_configs),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 **payload.metadata,
+                "format": FORMAT,
+                "checksums": write_checksums(tmp, known),
             }
             (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
+            self._verified.pop(final, None)
             self._prune()
         barrier()
         log.info("saved %s in %.1f s", final, time.perf_counter() - started)
@@ -187,11 +194,15 @@ class CheckpointManager:
             for _, path in list_checkpoints(self.output_dir)[: -self.keep_last]:
                 shutil.rmtree(path, ignore_errors=True)
 
-    def load(self, path: Path, payload: CheckpointPayload) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """Load into ``payload.dcp_state`` in place; return (host state, this rank's RNG or None).
+    def load(self, path: Path, payload: CheckpointPayload) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Load into ``payload.dcp_state`` in place; return (host state, this rank's RNG state).
 
-        Raises a UserError when the checkpoint's roles or architectures differ from this run's.
+        Collective. ``path`` comes from :meth:`resume_path` (verified). A rank the checkpoint has no
+        RNG file for (resumed on more ranks than saved) gets rank 0's. Raises a UserError when the
+        checkpoint's roles or architectures differ from this run's, or its state does not load.
         """
+        if is_old_format(path):
+            raise old_format_error(path, self.output_dir)
         meta = json.loads((path / "metadata.json").read_text())
         saved_roles = set(meta.get("roles", []))
         if saved_roles != set(payload.role_configs):
@@ -207,14 +218,40 @@ class CheckpointManager:
                 raise UserError(
                     f"{path}: checkpoint is from a different model for role {role}: {k}={saved.get(k)!r} there, {current.get(k)!r} here"
                 )
-        dcp.load(payload.dcp_state, checkpoint_id=str(path / "dcp"))
-        host = torch.load(path / "state.pt", weights_only=False)
-        rng_file = path / "rng" / f"rank-{self.rank}.pt"
-        rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
+        load_dcp(payload.dcp_state, path / "dcp", "its weights, optimizer and callback states")
+        host = read_state(path, "state")
+        stem = f"rank-{self.rank}"
+        rng = read_state(path / "rng", stem if (path / "rng" / f"{stem}.json").is_file() else "rank-0")
         host["saved_world_size"] = int(meta.get("world_size", self.world_size))
         return host, rng
 
     def resume_path(self, resume: str) -> Path | None:
-        """Rank 0 decides which checkpoint to resume from; every rank gets the same answer."""
-        path = resolve_resume(resume, self.output_dir) if self.rank == 0 else None
-        return broadcast_object(path)  # type: ignore[return-value]
+        """Rank 0 decides (and verifies) which checkpoint to resume from; every rank gets the same
+        answer, or the same one-line UserError (no rank hangs)."""
+        path, problem, failure = None, None, None
+        if self.rank == 0:
+            try:
+                path = resolve_resume(resume, self.output_dir, self._verified)
+            except UserError as exc:
+                problem = str(exc)
+            except Exception as exc:  # a bug or an OS failure: rank 0 raises it, the others must not wait
+                failure = exc
+        path, problem, failed = broadcast_object((path, problem, failure is not None))  # type: ignore[misc]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RuntimeError("rank 0 failed while choosing the checkpoint to resume from (see its error)")
+        if problem:
+            raise UserError(problem)
+        return path
+
+
+def _gather_to_main(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on rank 0 (in rank order); ``[]`` on the other ranks."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out or []
+    return [obj]

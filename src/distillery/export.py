@@ -4,20 +4,23 @@
 the checkpoint (``roles/<role>/config.json``), loads that role's weights (or its EMA shadow) from
 the DCP shards on one process (any saving world size), and writes ``<out>/transformer/`` with
 ``save_pretrained`` (safetensors + config.json), atomically.
+
+The checkpoint folder is named by the user, so its recorded checksums must verify before anything
+in it is read, and its DCP files are read without unpickling (:mod:`distillery.checkpoint_io`).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
+from distillery.checkpoint_checksums import verify_checkpoint
+from distillery.checkpoint_io import load_dcp
+from distillery.checkpoint_trust import is_old_format, old_format_error
 from distillery.errors import UserError
 from distillery.fsutil import replace_dir
 
@@ -38,19 +41,22 @@ def build_transformer_from_config(config: dict) -> torch.nn.Module:
 def load_role_weights(checkpoint: Path, role: str, module: torch.nn.Module, ema: str | None = None) -> None:
     """Load ``role``'s weights from the DCP shards into ``module`` (in place, single process).
 
-    ``ema`` names an EMA callback whose shadow weights to load instead of the raw weights.
+    ``ema`` names an EMA callback whose shadow weights to load instead of the raw weights. Reads
+    through the safe DCP reader; does not verify checksums (:func:`export_weights` does). A
+    failure raises a one-line UserError.
     """
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    checkpoint = Path(checkpoint)
     if ema:
         params = dict(module.named_parameters())
         shadow = {n: torch.empty_like(p, dtype=torch.float32) for n, p in params.items()}
-        dcp.load({f"callback.{ema}": {role: shadow}}, checkpoint_id=str(checkpoint / "dcp"))
+        load_dcp({f"callback.{ema}": {role: shadow}}, checkpoint / "dcp", f"EMA callback {ema!r}")
         with torch.no_grad():
             for n, t in shadow.items():
                 params[n].copy_(t)
         return
     state = module.state_dict()
-    dcp.load({f"role.{role}": {"model": state}}, checkpoint_id=str(checkpoint / "dcp"))
+    load_dcp({f"role.{role}": {"model": state}}, checkpoint / "dcp", f"role {role!r}")
     module.load_state_dict(state)
 
 
@@ -60,19 +66,17 @@ def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str 
     meta_path = ckpt / "metadata.json"
     if not meta_path.is_file():
         raise UserError(f"{ckpt}: not a complete checkpoint (no metadata.json)")
+    if is_old_format(ckpt):
+        raise old_format_error(ckpt)
+    damage = verify_checkpoint(ckpt)
+    if damage is not None:
+        raise UserError(f"{ckpt}: checkpoint fails verification ({damage}); not exported")
     meta = json.loads(meta_path.read_text())
     if role not in meta.get("roles", []):
         raise UserError(f"{ckpt}: no trainable role {role!r}; it holds {', '.join(meta.get('roles', [])) or 'none'}")
     config = json.loads((ckpt / "roles" / role / "config.json").read_text())
     module = build_transformer_from_config(config)
-    try:
-        load_role_weights(ckpt, role, module, ema)
-    except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
-        what = f"EMA callback {ema!r}" if ema else f"role {role!r}"
-        text = str(exc)
-        missing = re.search(r"Missing key in checkpoint state_dict: ([^\s\\]+?)\.?(?:\s|\\n|$)", text)
-        reason = f"the checkpoint has no {missing.group(1)}" if missing else (text.strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"{ckpt}: cannot load {what}: {reason}") from None
+    load_role_weights(ckpt, role, module, ema)
     out_dir = Path(out)
     final = out_dir / "transformer"
     tmp = out_dir / ".tmp-transformer"
