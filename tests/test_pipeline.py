@@ -122,12 +122,13 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
         assert json.loads((repo / "metrics" / f"{stage}.json").read_text()) == json.loads(
             (repo / "artifacts" / stage / "metrics.json").read_text())
     assert (repo / "runs" / "teacher" / "checkpoint-6").is_dir()
-    started = time.perf_counter()
     out = sh(["dvc", "repro"], repo).stdout
-    assert "Data and pipelines are up to date" in out
-    assert time.perf_counter() - started < 10
-    shown = sh(["dvc", "metrics", "show", "--json"], repo).stdout
-    assert "final_loss" in shown
+    assert "Data and pipelines are up to date" in out  # its wall time is in BENCHMARKS.md, not asserted here
+    shown = json.loads(sh(["dvc", "metrics", "show", "--json"], repo).stdout)
+    teacher_metrics = next(d["data"]["metrics/teacher.json"]["data"] for d in shown.values() if "metrics/teacher.json" in d.get("data", {}))
+    logged = [json.loads(line) for line in (repo / "runs" / "teacher" / "train_log.jsonl").read_text().splitlines()]
+    assert teacher_metrics["final_loss"] == round(sum(r["total_loss"] for r in logged[-10:]) / len(logged[-10:]), 5)
+    assert teacher_metrics["steps"] == 6
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
@@ -189,12 +190,39 @@ def test_export_loads_in_a_fresh_process_and_reproduces_the_validate_samples(rep
 
 
 def test_changing_a_pretrain_param_reruns_only_pretrain_and_what_follows(repo):
+    """The rerun trains pretrain afresh from step 1 with the new value (never resumes the old run's
+    checkpoints), and the export ships those new weights."""
+    from helpers import role_state
+
+    exported = repo / "artifacts" / "export" / "transformer" / "diffusion_pytorch_model.safetensors"
+    old_weights = exported.read_bytes()
+    old_final = role_state(repo / "runs" / "pretrain" / "checkpoint-6")
     set_params(repo, pretrain__learning_rate=1.0e-4)
     status = sh(["dvc", "status"], repo).stdout
     assert "pretrain" in status and "teacher:" not in status and "latents:" not in status
-    out = sh(["dvc", "repro"], repo).stdout
-    ran = [line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")]
-    assert ran[0] == "pretrain" and set(ran) == {"pretrain", "validate", "export"}, out
+    proc = sh(["dvc", "repro"], repo)
+    ran = [line.split("'")[1] for line in proc.stdout.splitlines() if line.startswith("Running stage")]
+    assert ran[0] == "pretrain" and set(ran) == {"pretrain", "validate", "export"}, proc.stdout
+    assert "not resuming runs/pretrain (changed: the run config): starting from step 0" in proc.stderr
+    assert "resumed from" not in proc.stderr
+    steps = [json.loads(line)["step"] for line in (repo / "runs" / "pretrain" / "train_log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    new_final = role_state(repo / "runs" / "pretrain" / "checkpoint-6")
+    assert any(not torch_equal(old_final[k], new_final[k]) for k in new_final)
+    assert exported.read_bytes() != old_weights
+    lineage = json.loads((repo / "artifacts" / "export" / "lineage.json").read_text())
+    student = lineage["inputs"][0]["lineage"]
+    assert student["stage"] == "pretrain" and student["config"]["training"]["optimizer"]["learning_rate"] == 1.0e-4
+    shipped = next(o["sha256"] for o in lineage["outputs"] if o["path"] == "transformer/diffusion_pytorch_model.safetensors")
+    import hashlib
+
+    assert shipped == hashlib.sha256(exported.read_bytes()).hexdigest()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
 
 
 def test_killed_pretrain_resumes_to_the_same_weights(repo, tmp_path):

@@ -36,15 +36,36 @@ def set_offline_env() -> None:
         os.environ.setdefault(k, v)
 
 
+WORKER_ERRORS_ENV = "DISTILLERY_WORKER_ERRORS"  # set by distillery.launch: where workers leave their one line
+
+
+def report_worker_error(message: str) -> bool:
+    """Under ``distillery.launch``: leave this rank's one-line user error for the launcher (which
+    prints it once for the whole job) and return True; otherwise return False."""
+    folder = os.environ.get(WORKER_ERRORS_ENV)
+    if not folder:
+        return False
+    rank = os.environ.get("RANK", "0")
+    try:
+        with open(os.path.join(folder, f"rank-{rank}.txt"), "w", encoding="utf-8") as fh:
+            fh.write(message)
+    except OSError:
+        return False
+    return True
+
+
 def run_guarded(fn: Callable[[], int]) -> int:
     """Run ``fn``; a UserError becomes one line on stderr and exit code 2."""
     set_offline_env()
     try:
         return fn()
     except UserError as exc:
+        message = " ".join(str(exc).split())
+        if report_worker_error(message):
+            return UserError.exit_code
         rank = os.environ.get("RANK", "0")
         if rank == "0":
-            sys.stderr.write(f"error: {exc}\n")
+            sys.stderr.write(f"error: {message}\n")
         return UserError.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")

@@ -167,10 +167,9 @@ def _summarise(plan, out: Path, splits, totals, cfg, base, data, encoders, secon
         "latent_channels": encoders.z_dim,
         "text_dim": encoders.text_dim,
         "normalisation": "latents = (posterior_mean - vae.latents_mean) / vae.latents_std",
-        "seconds_this_run": round(seconds, 3),
-        "clips_this_run": clips_this_run,
     }
-    write_text_atomic(out / "preprocess.json", json.dumps(manifest, indent=2))
+    write_text_atomic(out / "preprocess.json", json.dumps(manifest, indent=2))  # the same inputs give the same bytes
+    manifest.update(seconds_this_run=round(seconds, 3), clips_this_run=clips_this_run)  # facts of this run only
     log.info("preprocessed %s", ", ".join(f"{s}: {c['rows']} clips ({c['skipped']} skipped)" for s, c in counts.items()))
     return manifest
 
@@ -196,5 +195,6 @@ def main_preprocess(args: Any) -> int:
         shutdown()
     if rank == 0:
         rows = ", ".join(f"{s}: {c['rows']}" for s, c in manifest["splits"].items())
-        sys.stdout.write(f"wrote latents to {args.out} ({rows}; {manifest['seconds_this_run']:.1f} s)\n")
+        sys.stdout.write(f"wrote latents to {args.out} ({rows}; {manifest['clips_this_run']} clips encoded this run "
+                         f"in {manifest['seconds_this_run']:.1f} s)\n")
     return 0

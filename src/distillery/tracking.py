@@ -33,6 +33,9 @@ class NullTracker:
 
     def log_text(self, text: str, artifact_file: str) -> None: ...
 
+    def last_logged_step(self, key: str) -> int | None:
+        return None
+
     def finish(self, status: str = "FINISHED") -> None: ...
 
 
@@ -144,6 +147,11 @@ class MLflowTracker:
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
+
+    def last_logged_step(self, key: str) -> int | None:
+        """The largest step at which metric ``key`` was logged in this run (None: never)."""
+        history = self.client.get_metric_history(self.run_id, key)
+        return max((m.step for m in history), default=None)
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)

@@ -2,13 +2,16 @@
 ``torchrun --nproc_per_node N -m distillery.train --config X`` (FSDP2 over N ranks).
 
 Arguments: ``--config PATH``, ``--dry-run`` (build everything, print the resolved config, train
-nothing), ``--allow-target-prefix PREFIX`` (repeatable), then dotted overrides
+nothing), ``--allow-target-prefix PREFIX`` (repeatable), ``--allow-checkpoint PATH`` (repeatable:
+grants ``training.checkpoint.resume`` a checkpoint outside the run's output folder), then dotted overrides
 (``--training.loop.max_train_steps 10``). A user error prints one line and exits with code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 
@@ -19,6 +22,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--dry-run", action="store_true", help="build everything, print the resolved config, train nothing")
     parser.add_argument("--allow-target-prefix", action="append", default=[], metavar="PREFIX",
                         help="also allow _target_ callables under this module prefix (repeatable)")
+    parser.add_argument("--allow-checkpoint", action="append", default=[], metavar="PATH",
+                        help="allow training.checkpoint.resume to load this checkpoint (or any under this folder) "
+                             "from outside the run's output folder, once its checksums verify (repeatable; also "
+                             "DISTILLERY_ALLOWED_CHECKPOINTS=a:b)")
     return parser.parse_known_args(argv)
 
 
@@ -30,6 +37,9 @@ def run_training(argv: list[str]) -> int:
     args, rest = parse_args(argv)
     setup_logging()
     prefixes = allowed_prefixes(args.allow_target_prefix)
+    from distillery.checkpoint_trust import grant_checkpoints
+
+    grant_checkpoints(args.allow_checkpoint)
     config = load_run_config(args.config, parse_override_args(rest), prefixes)
     from distillery.builder import check_roles_early
 
@@ -51,9 +61,12 @@ def run_training(argv: list[str]) -> int:
 
         result = Trainer(config, env).fit()
         if env.is_main:
-            last = result.history[-1] if result.history else {}
-            sys.stdout.write(f"trained to step {result.final_step}; checkpoint {result.checkpoint}; "
-                             f"loss {last.get('total_loss', float('nan')):.5f}\n")
+            if result.history:
+                loss = result.history[-1].get("total_loss")
+                shown = f"; loss {loss:.5f}" if loss is not None else ""
+                sys.stdout.write(f"trained to step {result.final_step}; checkpoint {result.checkpoint}{shown}\n")
+            else:  # resumed a finished run: nothing trained, no loss to show
+                sys.stdout.write(f"already complete at step {result.final_step}; checkpoint {result.checkpoint}\n")
         return 0
     finally:
         shutdown()
@@ -61,6 +74,11 @@ def run_training(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from distillery.cli import run_guarded
+
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun worker: never outlive the agent that started it
+        from distillery.procutil import die_with_parent
+
+        die_with_parent(signal.SIGKILL)
 
     return run_guarded(lambda: run_training(sys.argv[1:] if argv is None else argv))
 

@@ -7,7 +7,9 @@ resuming from the newest checkpoint in ``training.checkpoint.output_dir`` when o
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,14 +21,22 @@ from tqdm import tqdm
 from distillery.builder import build_run, check_data_path, seed_everything
 from distillery.callbacks.base import CallbackContext
 from distillery.checkpoint import CallbackState, CheckpointManager, CheckpointPayload, RoleState, capture_rng, restore_rng
+from distillery.checkpoint import list_checkpoints
 from distillery.config.loader import dump_run_config
 from distillery.config.schema import RunConfig
 from distillery.data import LatentBatchLoader, LatentDataset, ShardedBatchSampler, read_empty_prompt_embedding
-from distillery.distributed import DistEnv, all_reduce_mean
+from distillery.distributed import DistEnv, all_reduce_mean, broadcast_object
+from distillery.errors import UserError
 from distillery.log import get_logger, quiet_library_progress
+from distillery.procutil import exclusive_lock
 from distillery.tracking import build_tracker
 
 log = get_logger("trainer")
+
+
+class NonFiniteError(UserError):
+    """A loss or gradient norm became NaN/Inf: training stops at that step, nothing after the last
+    good checkpoint is saved (a rerun resumes from it)."""
 
 
 @dataclass
@@ -104,12 +114,12 @@ class Trainer:
         path = self.ckpt.resume_path(self.config.training.checkpoint.resume)
         if path is None:
             return 0, None
+        # verified by resume_path; the state is JSON + safetensors (a rank the checkpoint has no
+        # RNG file for gets rank 0's: the random stream is the same on every rank)
         host, rng = self.ckpt.load(path, self._payload(0))
         for role, state in host["lr_schedulers"].items():
             self.method.lr_schedulers[role].load_state_dict(state)
         self.loader.load_state_dict(host["data"])
-        if rng is None:  # more ranks than saved: the random stream is the same on every rank
-            rng = torch.load(path / "rng" / "rank-0.pt", weights_only=False)
         self.method.load_state_dict(restore_rng(rng))
         self._refresh_compute_weights()
         log.info("resumed from %s at step %d", path, host["step"])
@@ -138,12 +148,36 @@ class Trainer:
                 sums[k] = sums.get(k, 0) + v.detach().float() / accum
         for cb in self.run.callbacks:
             sums.update(cb.on_before_optimizer_step(self.ctx, step))
+        if self.config.training.loop.skip_nonfinite_steps and not self._all_finite(sums):
+            self.skipped_nonfinite += 1
+            if self.skipped_nonfinite > self.config.training.loop.skip_nonfinite_steps:
+                raise NonFiniteError(self._nonfinite_message(step, sums, f"more than training.loop.skip_nonfinite_steps="
+                                                                       f"{self.config.training.loop.skip_nonfinite_steps} such steps"))
+            log.warning("step %d: non-finite loss or gradient; skipped without an update (%d of %d allowed)", step,
+                        self.skipped_nonfinite, self.config.training.loop.skip_nonfinite_steps)
+            self.method.zero_grad(step)  # no update: the weights stay those of the last good step
+            return {"skipped_nonfinite": torch.ones(())}  # the step's non-finite values are not logged
         self.method.optimizers_step(step)
         self.method.zero_grad(step)
         self._refresh_compute_weights()
         for cb in self.run.callbacks:
             sums.update(cb.on_training_step_end(self.ctx, step))
         return sums
+
+    def _all_finite(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """One host sync: are this step's losses and grad norms finite on every rank?"""
+        if not tensors:
+            return True
+        stacked = torch.stack([t.to(self.env.device, torch.float32).reshape(()) for t in tensors.values()])
+        return bool(torch.isfinite(all_reduce_mean(stacked)).all().item())
+
+    def _nonfinite_message(self, step: int, metrics: dict[str, Any], why: str = "") -> str:
+        bad = [f"{k}={float(v):g}" for k, v in sorted(metrics.items()) if not math.isfinite(float(v))]
+        found = next(reversed(list_checkpoints(Path(self.config.training.checkpoint.output_dir))), (None, None))[1]
+        keep = f"the last good checkpoint is {found}" if found else "no checkpoint was written yet"
+        return (f"training diverged at step {step}: {', '.join(bad) or 'a non-finite value'}{' (' + why + ')' if why else ''}; "
+                f"stopped without saving; {keep}; lower training.optimizer.learning_rate (or allow "
+                f"training.loop.skip_nonfinite_steps) and rerun")
 
     def _stage_metrics(self, step: int, tensors: dict[str, torch.Tensor], started: float) -> PendingMetrics:
         """Queue the step's one device→host copy: stack, average over ranks, copy without waiting."""
@@ -188,9 +222,44 @@ class Trainer:
             kept = [line for line in rows if json.loads(line)["step"] <= start_step]
             self.log_path.write_text("".join(line + "\n" for line in kept))
 
+    def _catch_up_tracker(self, start_step: int) -> None:
+        """A resumed run: log to MLflow the checkpointed steps it does not have yet (a kill right
+        after a checkpoint, before its rows reached MLflow), from train_log.jsonl."""
+        if not self.log_path.is_file():
+            return
+        rows = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r["step"] <= start_step]
+        if not rows:
+            return
+        key = next((k for k in rows[-1] if k != "step"), None)
+        last = self.tracker.last_logged_step(key) if key else None
+        for r in rows:
+            if last is None or r["step"] > last:
+                self.tracker.log_metrics({k: v for k, v in r.items() if k != "step"}, int(r["step"]))
+
     # -- the loop ---------------------------------------------------------------------------
     def fit(self) -> TrainResult:
+        """Train to ``max_train_steps`` holding the output folder's writer lock (one writer per folder)."""
+        with contextlib.ExitStack() as stack:
+            self._lock_output(stack)
+            return self._fit()
+
+    def _lock_output(self, stack: contextlib.ExitStack) -> None:
+        """Rank 0 takes ``<output_dir>/.lock``; every rank learns whether it got it (no rank hangs)."""
+        out = Path(self.config.training.checkpoint.output_dir)
+        problem = None
+        if self.env.is_main:
+            try:
+                stack.enter_context(exclusive_lock(out / ".lock", f"training output folder {out}"))
+            except UserError as exc:
+                problem = str(exc)
+        problem = broadcast_object(problem)
+        if problem:
+            raise UserError(problem)
+
+    def _fit(self) -> TrainResult:
         t = self.config.training
+        self.skipped_nonfinite = 0
         self.method.on_train_start(self.env.device, self.env.world_size)
         for cb in self.run.callbacks:
             cb.on_train_start(self.ctx)
@@ -201,16 +270,29 @@ class Trainer:
         if start_step == 0:
             self.tracker.log_params(self.config.to_plain())
             self.tracker.log_text(dump_run_config(self.config), "config.yaml")
+        else:
+            self._catch_up_tracker(start_step)
         result = TrainResult(final_step=start_step, checkpoint=None, mlflow_run_id=self.tracker.run_id)
         bar = tqdm(total=t.loop.max_train_steps, initial=start_step, disable=not (self.env.is_main and t.loop.progress_bar),
                    desc="train", dynamic_ncols=True, mininterval=1.0)
         status = "FAILED"
         pending: PendingMetrics | None = None
+        # MLflow gets a step's metrics once a checkpoint covers it, so a killed run's history never
+        # holds steps its resume redoes (train_log.jsonl has them at once and is trimmed on resume).
+        unflushed: list[tuple[int, dict[str, float]]] = []
+
+        def flush_tracker() -> None:
+            for logged_step, logged in unflushed:
+                self.tracker.log_metrics(logged, logged_step)
+            unflushed.clear()
 
         def finish(row: PendingMetrics, finished: float) -> None:
             metrics = self._read_metrics(row, finished)
+            values = {k: v for k, v in metrics.items() if k in row.names}
+            if not all(math.isfinite(v) for v in values.values()):  # before any checkpoint of this step or later
+                raise NonFiniteError(self._nonfinite_message(row.step, values))
             if row.step % t.loop.log_every == 0 or row.step == t.loop.max_train_steps:
-                self.tracker.log_metrics(metrics, row.step)
+                unflushed.append((row.step, metrics))
                 result.history.append({"step": row.step, **metrics})
                 self._append_log({"step": row.step, **metrics})
             bar.update(1)
@@ -234,9 +316,11 @@ class Trainer:
                     pending = None
                 if saving:
                     result.checkpoint = self.ckpt.save(step, self._payload(step))
+                    flush_tracker()
                 if stopping:
                     log.info("stopping at step %d as asked (training.loop.stop_at_step); rerun to continue", step)
                     break
+            flush_tracker()
             for cb in self.run.callbacks:
                 cb.on_train_end(self.ctx, result.final_step)
             status = "FINISHED"

@@ -1,19 +1,28 @@
 """``distillery stage <name>``: one pipeline stage = params.yaml → work → ``artifacts/<name>/``.
 
-Every stage writes its payload into ``artifacts/<name>.tmp/`` and renames it to
-``artifacts/<name>/`` when complete, then adds ``metrics.json`` and ``lineage.json`` (DESIGN.md §2)
-and logs an MLflow child run under the pipeline's parent run. Training stages (teacher, pretrain)
-check the whole chain before training, write their run config to ``runs/<name>/run.yaml``, and
-launch ``torchrun`` with ``params.yaml: gpus``; their checkpoints live in ``runs/<name>/`` (not a
-DVC out), so a killed stage rerun by ``dvc repro`` resumes from its last checkpoint. A changed run
-config starts the run afresh.
-"""
+Every stage writes its payload, ``metrics.json`` and ``lineage.json`` (DESIGN.md §2) into
+``artifacts/<name>.tmp/`` and renames it to ``artifacts/<name>/`` only when complete, so a failed
+or killed stage leaves the previous artifact as it was (dvc.yaml marks the outs ``persist`` so DVC
+does not delete them first either); it logs an MLflow child run under the pipeline's parent run.
+A rerun that makes the same bytes from the same inputs keeps the previous record (lineage and
+metrics), so the artifact is byte-identical and downstream stages stay cached.
 
+Around every stage (:func:`run_stage`): ``params.yaml`` is validated whole first; one writer per
+stage (a lock in ``runs/.locks/``); the stage dies with the process that started it; the output
+folders are checked for writability and room before any work; a disk error becomes one line.
+
+Training stages (teacher, pretrain) check the whole chain before training, write their run config
+to ``runs/<name>/run.yaml`` with its resume key (:mod:`distillery.pipeline.resume_key`), and launch
+``python -m distillery.launch`` (torchrun, contained) with ``params.yaml: gpus``; their checkpoints
+live in ``runs/<name>/`` (not a DVC out). A killed stage resumes from its last checkpoint; a stage
+whose config, inputs or code changed starts from step 0 and says why.
+"""
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -63,20 +72,63 @@ def write_json_atomic(path: Path, data: Any) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, default=str))
 
 
-def finish(stage: str, artifact: Path, *, kind: str, params: Params, metrics: dict[str, Any], inputs: list[tuple[str, Path]],
-           method: str | None = None, config: dict | None = None, mlflow: dict | None = None) -> None:
-    """metrics.json + the MLflow child run (unless the trainer made one) + lineage.json."""
+VOLATILE_KEYS = ("created", "code", "mlflow", "manifest_sha256")  # facts of one run, not of the artifact's content
+
+
+def stable_view(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest without the facts that differ between two runs making the same bytes (times,
+    code commit, MLflow ids, the tracker section of the config); inputs by role, path and digest."""
+    view = {k: v for k, v in manifest.items() if k not in VOLATILE_KEYS}
+    config = view.get("config")
+    if isinstance(config, dict) and isinstance(config.get("training"), dict):
+        view["config"] = {**config, "training": {k: v for k, v in config["training"].items() if k != "tracker"}}
+    view["inputs"] = [{k: i.get(k) for k in ("role", "path", "sha256")} for i in view.get("inputs") or []]
+    return view
+
+
+def keep_previous_record(stage: str, staging: Path) -> bool:
+    """Same inputs, same bytes: when the previous ``artifacts/<stage>`` has the same payload and the
+    same stable manifest as ``staging``, put its lineage.json and metrics.json in ``staging`` so the
+    new artifact is byte-identical (DVC then keeps every downstream stage cached). Its lineage then
+    names the MLflow run that first made these bytes. Returns True when it did."""
+    from distillery.lineage import LINEAGE_FILE
+
+    previous = ARTIFACTS / stage
+    try:
+        old = json.loads((previous / LINEAGE_FILE).read_text())
+        new = json.loads((staging / LINEAGE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    if stable_view(old) != stable_view(new):
+        return False
+    for name in (LINEAGE_FILE, "metrics.json"):
+        shutil.copy2(previous / name, staging / name)
+    log.info("stage %s: same inputs and same bytes as the previous artifact: kept its record (MLflow run %s)",
+             stage, (old.get("mlflow") or {}).get("run_id"))
+    return True
+
+
+def finish(stage: str, staging: Path, *, kind: str, params: Params, metrics: dict[str, Any], inputs: list[tuple[str, Path]],
+           method: str | None = None, config: dict | None = None, mlflow: dict | None = None,
+           volatile: dict[str, Any] | None = None) -> Path:
+    """metrics.json + lineage.json into ``staging``, the MLflow child run (unless the trainer made
+    one), then publish ``staging`` as ``artifacts/<stage>``. ``metrics`` must be a function of the
+    artifact's content; ``volatile`` numbers (durations) go to MLflow and ``metrics/<stage>.json`` only."""
     from distillery.lineage import Input, write_lineage
     from distillery.pipeline.tracking import log_stage_run, parent_run_id
 
-    write_json_atomic(artifact / "metrics.json", metrics)
-    Path("metrics").mkdir(exist_ok=True)
-    write_json_atomic(Path("metrics") / f"{stage}.json", metrics)  # what dvc.yaml declares as metrics
+    write_json_atomic(staging / "metrics.json", metrics)
     read = params.subset(STAGE_PARAMS[stage])
     if mlflow is None:
-        mlflow = log_stage_run(stage, parent_run_id(params.path.read_text()), read, metrics)
-    write_lineage(artifact, kind=kind, stage=stage, method=method, config=config, params=read,
-                  inputs=[Input(role, path) for role, path in inputs], mlflow=mlflow, metrics=metrics)
+        mlflow = log_stage_run(stage, parent_run_id(params.path.read_text()), read, {**metrics, **(volatile or {})})
+    write_lineage(staging, kind=kind, stage=stage, method=method, config=config, params=read,
+                  inputs=[Input(role, path) for role, path in inputs], mlflow=mlflow, metrics=metrics,
+                  artifact_name=(ARTIFACTS / stage).as_posix())
+    keep_previous_record(stage, staging)
+    artifact = publish(stage, staging)
+    Path("metrics").mkdir(exist_ok=True)
+    write_json_atomic(Path("metrics") / f"{stage}.json", {**metrics, **(volatile or {})})  # what dvc.yaml declares as metrics
+    return artifact
 
 
 # -- stages -------------------------------------------------------------------------------------
@@ -89,10 +141,9 @@ def stage_clips(params: Params) -> None:
     cfg = ClipSetConfig(num_train=c["num_train"], num_validation=c["num_validation"], num_frames=c["num_frames"],
                         height=c["size"], width=c["size"], fps=c["fps"], seed=params.get("seed"))
     make_clip_set(staging / "data", cfg)
-    artifact = publish("clips", staging)
-    finish("clips", artifact, kind="data", params=params, inputs=[],
-           metrics={"clips_train": c["num_train"], "clips_validation": c["num_validation"],
-                    "seconds": round(time.perf_counter() - started, 2)})
+    finish("clips", staging, kind="data", params=params, inputs=[],
+           metrics={"clips_train": c["num_train"], "clips_validation": c["num_validation"]},
+           volatile={"seconds": round(time.perf_counter() - started, 2)})
 
 
 def resolve_base(path: str) -> Path:
@@ -110,9 +161,8 @@ def stage_base(params: Params) -> None:
     source = resolve_base(params.get("base.path"))
     staging = fresh_staging("base")
     shutil.copytree(source, staging / "model", ignore=shutil.ignore_patterns("lineage.json"))
-    artifact = publish("base", staging)
-    cfg = json.loads((artifact / "model" / "transformer" / "config.json").read_text())
-    finish("base", artifact, kind="model", params=params, inputs=[("source", source)],
+    cfg = json.loads((staging / "model" / "transformer" / "config.json").read_text())
+    finish("base", staging, kind="model", params=params, inputs=[("source", source)],
            metrics={"transformer_layers": cfg.get("num_layers"), "latent_channels": cfg.get("in_channels")})
 
 
@@ -126,12 +176,11 @@ def stage_latents(params: Params) -> None:
                            width=params.get("clips.size"), fps=float(params.get("clips.fps")),
                            rows_per_shard=l["rows_per_shard"], max_bad_fraction=l["max_bad_fraction"])
     manifest = preprocess(ARTIFACTS / "base" / "model", Path(data), staging / "data", cfg)
-    artifact = publish("latents", staging)
     metrics = {f"{s}_clips": c["rows"] for s, c in manifest["splits"].items()}
     metrics.update({f"{s}_skipped": c["skipped"] for s, c in manifest["splits"].items()})
-    metrics["seconds"] = manifest["seconds_this_run"]
     inputs = [("base", ARTIFACTS / "base"), ("videos", ARTIFACTS / "clips" if not params.get("latents.data") else Path(data))]
-    finish("latents", artifact, kind="data", params=params, inputs=inputs, metrics=metrics)
+    finish("latents", staging, kind="data", params=params, inputs=inputs, metrics=metrics,
+           volatile={"seconds": manifest["seconds_this_run"]})
 
 
 TRAINING = {
@@ -183,7 +232,7 @@ def check_chain(stage: str, raw: dict[str, Any]) -> None:
 
 def torchrun_command(params: Params, config_path: Path) -> list[str]:
     g = params.get("gpus")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(g["nproc_per_node"])]
+    cmd = [sys.executable, "-m", "distillery.launch", "--nproc_per_node", str(g["nproc_per_node"])]
     if int(g.get("nnodes", 1)) > 1:
         if not g.get("rdzv_endpoint"):
             raise UserError("params.yaml: gpus.rdzv_endpoint: required when gpus.nnodes > 1 (host:port)")
@@ -193,21 +242,48 @@ def torchrun_command(params: Params, config_path: Path) -> list[str]:
     return cmd + ["-m", "distillery.train", "--config", str(config_path)]
 
 
-def prepare_run_dir(stage: str, raw: dict[str, Any]) -> Path:
-    """``runs/<stage>/run.yaml``; a different config than the one the checkpoints came from starts afresh."""
+def prepare_run_dir(stage: str, raw: dict[str, Any], key: dict[str, str]) -> Path:
+    """``runs/<stage>/run.yaml`` + ``resume_key.json``. Checkpoints made from another config,
+    other inputs or other code are discarded (one line says what changed): a stage resumes only
+    what the same inputs made (DESIGN.md §2.2)."""
+    from distillery.checkpoint import list_checkpoints
+    from distillery.pipeline.resume_key import KEY_FILE, key_mismatch, read_key
+    from distillery.procutil import exclusive_lock
+
     run_dir = RUNS / stage
-    path = run_dir / "run.yaml"
-    text = yaml.safe_dump(raw, sort_keys=True)
-
-    def training_part(config: dict[str, Any]) -> dict[str, Any]:  # tracking metadata does not change the run
-        return {**config, "training": {k: v for k, v in config["training"].items() if k != "tracker"}}
-
-    if path.is_file() and training_part(yaml.safe_load(path.read_text())) != training_part(raw):
-        log.info("run config of %s changed: discarding its old checkpoints", stage)
-        shutil.rmtree(run_dir)
+    if run_dir.exists():
+        # a writer still alive there (an orphaned worker, another stage) must not lose its folder under it
+        with exclusive_lock(run_dir / ".lock", f"training output folder {run_dir}"):
+            leftovers = list_checkpoints(run_dir) or any(run_dir.glob(".tmp-checkpoint-*")) or (run_dir / "train_log.jsonl").exists()
+            why = key_mismatch(read_key(run_dir), key) if leftovers else None
+            if why:
+                log.info("stage %s: not resuming %s (%s): starting from step 0", stage, run_dir, why)
+                for child in run_dir.iterdir():
+                    if child.name != ".lock":
+                        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    write_text_atomic(run_dir / KEY_FILE, json.dumps(key, indent=2, sort_keys=True))
+    path = run_dir / "run.yaml"
+    write_text_atomic(path, yaml.safe_dump(raw, sort_keys=True))
     return path
+
+
+_CHILD: subprocess.Popen | None = None  # the running torchrun launcher, stopped if this stage is orphaned
+
+
+def _launch(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the launcher as a child that dies with this process (and its workers with it)."""
+    global _CHILD
+    from distillery.procutil import die_with_parent
+
+    _CHILD = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    try:
+        return _CHILD.wait()
+    finally:
+        if _CHILD.poll() is None:
+            _CHILD.terminate()
+            _CHILD.wait()
+        _CHILD = None
 
 
 def stage_training(stage: str, params: Params) -> None:
@@ -215,15 +291,18 @@ def stage_training(stage: str, params: Params) -> None:
     from distillery.export import export_weights
     from distillery.models.schedule import read_scheduler_shift
     from distillery.models.wan import locate_transformer
+    from distillery.pipeline.resume_key import resume_key
 
     raw = build_run_config(stage, params)
     check_chain(stage, raw)
-    config_path = prepare_run_dir(stage, raw)
+    init = TRAINING[stage][1]
+    key = resume_key(stage, raw, {"student_init": ARTIFACTS / init, "data": ARTIFACTS / "latents"})
+    config_path = prepare_run_dir(stage, raw, key)
     started = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if params.get("gpus.nproc_per_node") > 1 else "2")}
-    proc = subprocess.run(torchrun_command(params, config_path), env=env)
-    if proc.returncode != 0:
-        raise SystemExit(proc.returncode)
+    code = _launch(torchrun_command(params, config_path), env)
+    if code != 0:
+        raise SystemExit(code)  # the launcher printed the one line (a user error: code 2)
     found = list_checkpoints(RUNS / stage)
     if not found or found[-1][0] != raw["training"]["loop"]["max_train_steps"]:
         raise UserError(f"stage {stage}: training ended without its final checkpoint in {RUNS / stage}")
@@ -235,24 +314,22 @@ def stage_training(stage: str, params: Params) -> None:
         shutil.copytree(scheduler, staging / "model" / "scheduler")
     meta = json.loads((checkpoint / "metadata.json").read_text())
     rows = [json.loads(line) for line in (RUNS / stage / "train_log.jsonl").read_text().splitlines() if line.strip()]
-    loss = [{"step": r["step"], "loss": r["total_loss"]} for r in rows]
+    loss = [{"step": r["step"], "loss": r["total_loss"]} for r in rows if "total_loss" in r]
     (staging / "loss.json").write_text(json.dumps(loss))
     Path("plots").mkdir(exist_ok=True)
     write_json_atomic(Path("plots") / f"{stage}_loss.json", loss)
     shift = read_scheduler_shift(staging / "model" / "scheduler") if scheduler else None
     write_json_atomic(staging / "model" / "sampling.json", {"sampler": "euler", "shift": shift, "num_train_timesteps": 1000})
-    artifact = publish(stage, staging)
-    last = rows[-10:] or [{"total_loss": float("nan")}]
-    metrics = {"final_loss": round(sum(r["total_loss"] for r in last) / len(last), 5), "steps": meta["step"],
-               "seconds": round(time.perf_counter() - started, 1)}
+    last = loss[-10:] or [{"loss": float("nan")}]
+    metrics = {"final_loss": round(sum(r["loss"] for r in last) / len(last), 5), "steps": meta["step"]}
     from distillery.tracking import default_tracking_uri
     from distillery.config.schema import TrackerConfig
 
     mlflow = {"tracking_uri": default_tracking_uri(TrackerConfig()), "experiment": raw["training"]["tracker"]["experiment"],
               "run_id": meta.get("mlflow_run_id"), "parent_run_id": raw["training"]["tracker"]["parent_run_id"]}
-    init = TRAINING[stage][1]
-    finish(stage, artifact, kind="checkpoint", params=params, metrics=metrics, method=raw["method"]["_target_"], config=raw,
-           inputs=[("student_init", ARTIFACTS / init), ("data", ARTIFACTS / "latents")], mlflow=mlflow)
+    finish(stage, staging, kind="checkpoint", params=params, metrics=metrics, method=raw["method"]["_target_"], config=raw,
+           inputs=[("student_init", ARTIFACTS / init), ("data", ARTIFACTS / "latents")], mlflow=mlflow,
+           volatile={"seconds": round(time.perf_counter() - started, 1)})
 
 
 def validation_prompts(n: int) -> list[str]:
@@ -287,10 +364,9 @@ def stage_validate(params: Params) -> None:
     staging = fresh_staging("validate")
     metrics = run_validation(ARTIFACTS / "base" / "model", candidates, validation_prompts(int(v["num_prompts"])),
                              staging / "report", cfg)
-    artifact = publish("validate", staging)
     Path("plots").mkdir(exist_ok=True)
-    shutil.copy2(artifact / "report" / "plots" / "adherence.csv", Path("plots") / "validate_adherence.csv")
-    finish("validate", artifact, kind="validation", params=params, metrics=metrics,
+    shutil.copy2(staging / "report" / "plots" / "adherence.csv", Path("plots") / "validate_adherence.csv")
+    finish("validate", staging, kind="validation", params=params, metrics=metrics,
            inputs=[("teacher", ARTIFACTS / "teacher"), ("student", ARTIFACTS / "pretrain"), ("base", ARTIFACTS / "base"),
                    ("data", ARTIFACTS / "latents")])
 
@@ -308,8 +384,7 @@ def stage_export(params: Params) -> None:
                     ignore=lambda folder, names: set(skip(folder, names)) | ({"transformer"} if Path(folder) == base else set()))
     shutil.copytree(ARTIFACTS / student / "model" / "transformer", model / "transformer")
     shutil.copy2(ARTIFACTS / student / "model" / "sampling.json", model / "sampling.json")
-    artifact = publish("export", staging)
-    finish("export", artifact, kind="export", params=params, metrics={"student_stage": 0 if student == "teacher" else 1},
+    finish("export", staging, kind="export", params=params, metrics={"student_stage": 0 if student == "teacher" else 1},
            inputs=[("student", ARTIFACTS / student), ("base", ARTIFACTS / "base")])
 
 
@@ -324,11 +399,49 @@ STAGES: dict[str, Callable[[Params], None]] = {
 }
 
 
+def _orphaned(stage: str) -> None:
+    """The process that started this stage (dvc, a Prefect task, a shell) is gone: stop now, and
+    the launcher and its workers with us (they die with their parent)."""
+    log.warning("stage %s: the process that started it is gone: stopping (a rerun resumes)", stage)
+    child = _CHILD
+    if child is not None and child.poll() is None:
+        child.terminate()
+    os._exit(143)
+
+
+def cleanup_failed(stage: str) -> None:
+    """Remove what a failed run of ``stage`` left half-written beside its artifact."""
+    shutil.rmtree(ARTIFACTS / f"{stage}.tmp", ignore_errors=True)
+    for old in ARTIFACTS.glob(f".{stage}.old-*"):
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def run_stage(name: str, params_path: str = "params.yaml") -> int:
+    """Run one stage: one writer at a time, dies with whoever started it, checked for room before
+    working, and on any failure leaves the previous ``artifacts/<name>`` as it was."""
+    from distillery.pipeline.preflight import check_free_space, check_writable, disk_error
+    from distillery.procutil import AncestorWatch, exclusive_lock
+
     if name not in STAGES:
         raise UserError(f"unknown stage {name!r}; valid: {', '.join(STAGES)}")
     params = Params.load(params_path)
-    STAGES[name](params)
+    watch = AncestorWatch(lambda: _orphaned(name))
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # `nohup distillery stage ...` asks to outlive its shell
+        watch.start()
+    try:
+        check_writable([ARTIFACTS, RUNS / ".locks"] + ([RUNS] if name in TRAINING else []), name)
+        with exclusive_lock(RUNS / ".locks" / f"{name}.lock", f"stage {name}"):
+            check_free_space(name, params, ARTIFACTS)
+            try:
+                STAGES[name](params)
+            except BaseException as exc:
+                cleanup_failed(name)
+                problem = disk_error(name, exc) if isinstance(exc, OSError) else None
+                if problem is None:
+                    raise
+                raise problem from None
+    finally:
+        watch.stop()
     log.info("stage %s done: %s", name, ARTIFACTS / name)
     return 0
 

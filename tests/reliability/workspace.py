@@ -1,0 +1,128 @@
+"""A real pipeline workspace for the reliability tests: git + DVC in a temp folder, the project's
+dvc.yaml/params.yaml/stages, small params; and the process helpers those tests need."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+SMALL = {"clips.num_train": 16, "clips.num_validation": 4, "teacher.steps": 6, "teacher.batch_size": 4,
+         "teacher.save_every": 2, "pretrain.steps": 6, "pretrain.batch_size": 4, "pretrain.save_every": 2,
+         "validate.num_prompts": 2, "validate.teacher_steps": [6, 2], "validate.student_steps": 4}
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1", "OMP_NUM_THREADS": "2"}
+
+
+def sh(args: list[str], cwd: Path, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def set_params(repo: Path, updates: dict[str, object]) -> None:
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    for dotted, value in updates.items():
+        node = params
+        *head, last = dotted.split(".")
+        for part in head:
+            node = node[part]
+        node[last] = value
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def make_workspace(repo: Path, updates: dict[str, object] | None = None) -> Path:
+    """A git + DVC repository holding the pipeline (code included, as a user's clone would)."""
+    repo.mkdir(parents=True, exist_ok=True)
+    for name in ("dvc.yaml", "params.yaml", "stages"):
+        src = ROOT / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, repo / name)
+    shutil.copytree(ROOT / "src" / "distillery", repo / "src" / "distillery", ignore=shutil.ignore_patterns("__pycache__"))
+    set_params(repo, {**SMALL, **(updates or {})})
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"], ["git", "config", "user.name", "ci"],
+                ["dvc", "init", "-q"], ["dvc", "config", "core.analytics", "false"],
+                ["dvc", "config", "core.site_cache_dir", str(repo / ".dvc-site")]):
+        sh(cmd, repo)
+    sh(["git", "add", "-A"], repo)
+    sh(["git", "commit", "-qm", "pipeline"], repo)
+    return repo
+
+
+def copy_workspace(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    sh(["dvc", "config", "core.site_cache_dir", str(dst / ".dvc-site")], dst)
+    return dst
+
+
+def stage(repo: Path, name: str, check: bool = False, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``distillery stage <name>`` in ``repo``, as dvc.yaml's cmd runs it."""
+    return sh(["distillery", "stage", name], repo, check=check, timeout=timeout)
+
+
+def tree_sha(folder: Path) -> str:
+    """One digest of every file (path + bytes) under ``folder``."""
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            h.update(p.relative_to(folder).as_posix().encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def processes_in(folder: Path) -> list[int]:
+    """Pids of live (non-zombie) processes whose working directory is ``folder`` or below it."""
+    found = []
+    folder = folder.resolve()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X") and (cwd == folder or folder in cwd.parents):
+            found.append(int(entry.name))
+    return found
+
+
+def wait_no_processes(folder: Path, timeout: float = 30) -> list[int]:
+    """Wait until no process works in ``folder``; return those still there at the timeout."""
+    deadline = time.time() + timeout
+    while True:
+        left = processes_in(folder)
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def kill_all_in(folder: Path) -> None:
+    for pid in processes_in(folder):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def read_log_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "train_log.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
