@@ -5,6 +5,8 @@
 - :mod:`flows.pipeline` — the ``distillery-pipeline`` flow: one task per DVC stage, each running
   ``dvc repro --single-item <stage>``, with retries, timeouts and Prefect artifacts.
 - :mod:`flows.deploy` — the cron-scheduled ``nightly`` deployment (local serve or a work pool).
+- :mod:`flows.server` — the Prefect API a schedule needs: ``PREFECT_API_URL``, else this
+  workspace's own persistent server (``<repo>/.prefect/``), started and stopped around ``serve``.
 
 Importing this package sets (only where unset) the offline/quiet environment that TOOLCHAIN.md
 asks every process to have; it must happen before Prefect is imported, which reads its settings

@@ -132,8 +132,10 @@ def _interpolate(value: Any, ctx: Mapping[str, Any], where: str) -> Any:
 
 
 def _load_yaml(path: Path) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return yaml.safe_load(f)
+    """A YAML file read within the project's input bounds (size, depth, UTF-8): one-line errors."""
+    from distillery.config.limits import read_yaml_file
+
+    return read_yaml_file(path, str(path), "not found")
 
 
 def _vars_context(repo: Path, doc: Mapping[str, Any]) -> dict[str, Any]:

@@ -5,14 +5,23 @@ Both forms deploy the module-level flow :func:`flows.pipeline.distillery_pipelin
 deployment parameters, so every scheduled run re-reads ``dvc.yaml`` and lets ``dvc repro`` decide
 what to rerun (a night with no changed code, params or data costs a few no-op repros).
 
+A schedule needs a Prefect server (its scheduler creates the runs): with ``PREFECT_API_URL`` set
+(environment or profile) that server is used; without it ``serve`` starts this workspace's own
+persistent server — database in ``<repo>/.prefect/`` (git-ignored), UI on http://127.0.0.1:4200
+when that port is free — and stops it when ``serve`` exits (see :mod:`flows.server`).
+
 Local serving — one long-running process that owns the schedule and runs the flow in
-subprocesses on this machine (``flow.serve``; stop it with Ctrl-C, which pauses the schedule)::
+subprocesses on this machine (``flow.serve``; stop it with Ctrl-C or SIGTERM, which pauses the
+schedule and then stops the server it started)::
 
     python -m flows.deploy serve --repo . [--cron "0 2 * * *"] [--timezone Europe/Paris]
     # in Python: flows.deploy.serve_nightly(Path("."), cron="0 2 * * *")
 
 Work pool — register the deployment with the Prefect API and let workers of a pool run it
-(``flow.from_source(...).deploy``; the API server schedules runs, a worker picks them up)::
+(``flow.from_source(...).deploy``; the API server schedules runs, a worker picks them up). This
+needs a server that outlives the command: ``PREFECT_API_URL``, or this workspace's server run in
+the foreground by ``python -m flows.deploy server --repo .`` (it prints the URL to export for
+workers; ``--stop`` stops one left running)::
 
     prefect work-pool create gpu-pool --type process      # once
     prefect worker start --pool gpu-pool                  # on the machine(s) that run stages
@@ -23,10 +32,11 @@ Work pool — register the deployment with the Prefect API and let workers of a 
   With ``--source`` a git URL the worker clones the project per run, and ``--repo`` is the DVC
   repo path *inside that clone* (usually ``.``); with the default local source it is made absolute.
 
-Both need a Prefect API: ``prefect server start`` (or Prefect Cloud) and ``PREFECT_API_URL``;
-without one, ``serve`` starts an ephemeral server that lives only as long as the process.
 :func:`nightly_deployment` returns the same deployment ``serve`` registers, for tests and for
-``prefect.serve(...)`` together with other deployments.
+``prefect.serve(...)`` together with other deployments. Every function takes ``schedule=`` (a
+``prefect.schedules`` object, e.g. ``Interval(60, anchor_date=...)``) instead of ``cron``.
+Command-line errors (a broken ``dvc.yaml``, no usable Prefect API) end with one ``error:`` line
+and exit code 2.
 """
 
 from __future__ import annotations
@@ -35,13 +45,13 @@ import flows  # noqa: F401  (sets the quiet env before Prefect is imported)
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from uuid import UUID
 
 from prefect.deployments.runner import RunnerDeployment
-from prefect.schedules import Cron
+from prefect.schedules import Cron, Schedule
 
 from flows.dag import load_dvc_stages, stage_order
 from flows.pipeline import (
@@ -49,6 +59,12 @@ from flows.pipeline import (
     DEFAULT_TIMEOUT_SECONDS,
     retry_delays,
     distillery_pipeline,
+)
+from flows.server import (
+    PrefectServerError,
+    prefect_api,
+    run_workspace_server,
+    stop_workspace_server,
 )
 
 __all__ = [
@@ -70,6 +86,11 @@ _TAGS = ["distillery", "nightly"]
 _DESCRIPTION = "Nightly re-distillation: the dvc.yaml DAG via `dvc repro`, one task per stage."
 
 
+def _stderr(message: str) -> None:
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
 def pipeline_parameters(
     repo: Path | str,
     *,
@@ -88,7 +109,9 @@ def pipeline_parameters(
     }
 
 
-def _schedule_kwargs(cron: str, timezone: str | None) -> dict[str, Any]:
+def _schedule_kwargs(cron: str, timezone: str | None, schedule: Schedule | None) -> dict[str, Any]:
+    if schedule is not None:
+        return {"schedule": schedule}
     return {"cron": cron} if timezone is None else {"schedule": Cron(cron, timezone=timezone)}
 
 
@@ -99,7 +122,8 @@ def _local_repo(repo: Path | str) -> Path:
 
 
 def nightly_deployment(
-    repo: Path | str, cron: str = DEFAULT_CRON, *, timezone: str | None = None, **pipeline_kw: Any
+    repo: Path | str, cron: str = DEFAULT_CRON, *, timezone: str | None = None,
+    schedule: Schedule | None = None, **pipeline_kw: Any,
 ) -> RunnerDeployment:
     """The ``nightly`` deployment that :func:`serve_nightly` serves (``flow.to_deployment``),
     not yet registered: ``.apply()`` it, or give it to a ``Runner`` / ``prefect.serve``."""
@@ -108,21 +132,29 @@ def nightly_deployment(
         parameters=pipeline_parameters(_local_repo(repo), **pipeline_kw),
         description=_DESCRIPTION,
         tags=_TAGS,
-        **_schedule_kwargs(cron, timezone),
+        **_schedule_kwargs(cron, timezone, schedule),
     )
 
 
 def serve_nightly(
-    repo: Path | str, cron: str = DEFAULT_CRON, *, timezone: str | None = None, **pipeline_kw: Any
+    repo: Path | str, cron: str = DEFAULT_CRON, *, timezone: str | None = None,
+    schedule: Schedule | None = None, say: Callable[[str], None] = _stderr, **pipeline_kw: Any,
 ) -> None:
-    """Serve the ``nightly`` deployment from this process until interrupted (``flow.serve``)."""
-    distillery_pipeline.serve(
-        name=DEPLOYMENT_NAME,
-        parameters=pipeline_parameters(_local_repo(repo), **pipeline_kw),
-        description=_DESCRIPTION,
-        tags=_TAGS,
-        **_schedule_kwargs(cron, timezone),
-    )
+    """Serve the ``nightly`` deployment from this process until interrupted (``flow.serve``).
+
+    The API is :func:`flows.server.prefect_api` of ``repo``: ``PREFECT_API_URL`` if set, else the
+    workspace server in ``<repo>/.prefect/`` (reused if running, else started here and stopped
+    when serving ends). Raises ``PrefectServerError`` when that server cannot start.
+    """
+    root = _local_repo(repo)
+    with prefect_api(root, say=say):
+        distillery_pipeline.serve(
+            name=DEPLOYMENT_NAME,
+            parameters=pipeline_parameters(root, **pipeline_kw),
+            description=_DESCRIPTION,
+            tags=_TAGS,
+            **_schedule_kwargs(cron, timezone, schedule),
+        )
 
 
 def deploy_nightly(
@@ -131,8 +163,10 @@ def deploy_nightly(
     cron: str = DEFAULT_CRON,
     *,
     timezone: str | None = None,
+    schedule: Schedule | None = None,
     source: str | Path | None = None,
     image: str | None = None,
+    say: Callable[[str], None] = _stderr,
     **pipeline_kw: Any,
 ) -> UUID:
     """Register the ``nightly`` deployment for ``work_pool``; returns its id.
@@ -140,6 +174,8 @@ def deploy_nightly(
     Code comes from ``source`` (a git URL or a directory the workers can read; default this
     checkout) through ``flow.from_source``, or, with ``image``, from a prebuilt image that
     contains the project (``build=False, push=False``: we never build images here).
+    The API is ``PREFECT_API_URL``, else a running workspace server of the local repo (never a
+    temporary one: the schedule must outlive this call); neither raises ``PrefectServerError``.
     """
     if image is not None:
         target = distillery_pipeline
@@ -150,17 +186,19 @@ def deploy_nightly(
         target = distillery_pipeline.from_source(source=src, entrypoint=ENTRYPOINT)
         extra = {}
         repo_param = _local_repo(repo) if source is None else repo
-    return target.deploy(
-        name=DEPLOYMENT_NAME,
-        work_pool_name=work_pool,
-        parameters=pipeline_parameters(repo_param, **pipeline_kw),
-        description=_DESCRIPTION,
-        tags=_TAGS,
-        print_next_steps=False,
-        ignore_warnings=True,
-        **_schedule_kwargs(cron, timezone),
-        **extra,
-    )
+    workspace = Path(repo) if Path(repo).is_dir() else Path.cwd()
+    with prefect_api(workspace, start=False, say=say):
+        return target.deploy(
+            name=DEPLOYMENT_NAME,
+            work_pool_name=work_pool,
+            parameters=pipeline_parameters(repo_param, **pipeline_kw),
+            description=_DESCRIPTION,
+            tags=_TAGS,
+            print_next_steps=False,
+            ignore_warnings=True,
+            **_schedule_kwargs(cron, timezone, schedule),
+            **extra,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,19 +217,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             s.add_argument("--work-pool", required=True)
             s.add_argument("--source", default=None, help="git URL or directory with the code")
             s.add_argument("--image", default=None, help="prebuilt image with the project")
+    s = sub.add_parser("server", help="run this workspace's Prefect server in the foreground")
+    s.add_argument("--repo", default=".", help="workspace (its server state is in <repo>/.prefect)")
+    s.add_argument("--stop", action="store_true", help="stop this workspace's server left running")
     a = p.parse_args(argv)
-    kw = dict(
-        timezone=a.timezone,
-        retries=a.retries,
-        retry_delay_seconds=a.retry_delay,
-        timeout_seconds=a.timeout or None,
-        training_stages=a.training_stages,
-    )
-    if a.command == "serve":
-        serve_nightly(a.repo, a.cron, **kw)
-    else:
-        dep_id = deploy_nightly(a.repo, a.work_pool, a.cron, source=a.source, image=a.image, **kw)
-        print(f"deployment {DEPLOYMENT_NAME!r} ({dep_id}) on work pool {a.work_pool!r}, cron {a.cron!r}")
+    try:
+        if a.command == "server":
+            if a.stop:
+                stop_workspace_server(a.repo)
+            else:
+                run_workspace_server(a.repo)
+            return 0
+        kw = dict(
+            timezone=a.timezone,
+            retries=a.retries,
+            retry_delay_seconds=a.retry_delay,
+            timeout_seconds=a.timeout or None,
+            training_stages=a.training_stages,
+        )
+        if a.command == "serve":
+            serve_nightly(a.repo, a.cron, **kw)
+        else:
+            dep_id = deploy_nightly(a.repo, a.work_pool, a.cron, source=a.source, image=a.image, **kw)
+            print(f"deployment {DEPLOYMENT_NAME!r} ({dep_id}) on work pool {a.work_pool!r}, cron {a.cron!r}")
+    except (PrefectServerError, FileNotFoundError, ValueError) as e:
+        message = " ".join(str(e).split())
+        sys.stderr.write(f"error: {message[:400]}\n")
+        return 2
     return 0
 
 

@@ -20,8 +20,14 @@ Per task:
   Prefect log; the last lines go into the error when the stage fails;
 - training stages (``training_stages``; default: every stage) get ``retries`` with
   ``retry_delay_seconds`` (a list is a per-attempt backoff, like Prefect's
-  ``exponential_backoff``); every task gets ``timeout_seconds`` (the task is async, so Prefect's
-  timeout really interrupts it; the stage's process group is then terminated);
+  ``exponential_backoff``) — for crashes only (DESIGN.md §2.2): a stage whose command exits 2
+  (a user error: bad config, missing file; it printed one ``error: ...`` line) fails at once with
+  :class:`StageUserError` and is never retried, since rerunning cannot fix it. The stage's exit
+  code is read from DVC's last line (``ERROR: failed to reproduce '<stage>': failed to run:
+  <cmd>, exited with <code>``; ``dvc`` itself exits 255); any other code, a signal (negative
+  code), a DVC failure without that line or a timeout is a crash and is retried;
+- every task gets ``timeout_seconds`` (the task is async, so Prefect's timeout really interrupts
+  it; the stage's process group is then terminated);
 - artifacts: ``<stage>-metrics`` (table of the stage's ``metrics`` JSON/YAML files, flattened to
   dotted keys) and, when the stage's outputs hold ``*.gif``/``*.mp4`` files,
   ``<stage>-validation-grid`` (markdown list of their paths). Keys are the stage name lower-cased
@@ -30,7 +36,10 @@ Per task:
 The flow returns ``{stage: {"status", "seconds", "metrics"}}`` where status is ``ran``,
 ``skipped`` (DVC: "didn't change"), ``restored`` (from DVC's run cache) or, only in the error of
 a failed run, ``failed`` / ``not-run``. Any failed stage fails the flow with
-:class:`PipelineFailedError` naming the stages and carrying the dvc output tail.
+:class:`PipelineFailedError` naming the stages and carrying the dvc output tail of crashed
+stages. A user error's ``error:`` line is shown once, in the stage's streamed log; the errors
+built on it point there instead of repeating it. ``python -m flows.pipeline`` exits 2 with one
+``error:`` line when every failed stage failed on a user error, else 1.
 
 Use: ``build_pipeline_flow(repo, ...)()`` or ``run_pipeline(repo, ...)`` or
 ``python -m flows.pipeline --repo . [--retries N] [--retry-delay S ...] [--timeout S]``.
@@ -65,6 +74,7 @@ __all__ = [
     "FLOW_NAME",
     "PipelineFailedError",
     "StageFailedError",
+    "StageUserError",
     "artifact_key",
     "build_pipeline_flow",
     "distillery_pipeline",
@@ -72,9 +82,11 @@ __all__ = [
     "flatten_metrics",
     "media_files",
     "retry_delays",
+    "retry_unless_user_error",
     "read_stage_metrics",
     "run_pipeline",
     "run_stage",
+    "stage_exit_code",
 ]
 
 FLOW_NAME = "distillery-pipeline"
@@ -82,29 +94,85 @@ DEFAULT_RETRY_DELAYS: tuple[int, ...] = (10, 60)  # seconds before retry 1, 2 (t
 DEFAULT_TIMEOUT_SECONDS = 6 * 3600.0
 TAIL_LINES = 40  # dvc output lines kept for the error of a failed stage
 MEDIA_SUFFIXES = (".gif", ".mp4")
+USER_ERROR_EXIT_CODE = 2  # distillery's exit code for a user error (distillery.errors.UserError)
+_DVC_STAGE_FAILED = re.compile(r"failed to run: .*, exited with (-?\d+)\s*\Z", re.DOTALL)
 
 
 class StageFailedError(RuntimeError):
-    """``dvc repro`` of one stage exited non-zero; the message ends with its output tail."""
+    """``dvc repro`` of one stage exited non-zero (a crash: retried); the message ends with its
+    output tail. ``stage_exit``: the stage command's exit code as DVC reported it, or None."""
 
-    def __init__(self, stage: str, returncode: int, tail: Sequence[str]):
+    def __init__(self, stage: str, returncode: int, tail: Sequence[str],
+                 stage_exit: int | None = None):
         self.stage, self.returncode, self.tail = stage, returncode, list(tail)
+        self.stage_exit = stage_exit
         super().__init__(
-            f"stage {stage!r}: `dvc repro --single-item {stage}` exited with {returncode}; "
-            f"last {len(self.tail)} lines of its output:\n" + "\n".join(self.tail)
+            f"stage {stage!r}: `dvc repro --single-item {stage}` exited with {returncode}"
+            + (f" (the stage's command exited with {stage_exit})" if stage_exit is not None else "")
+            + f"; last {len(self.tail)} lines of its output:\n" + "\n".join(self.tail)
         )
 
 
-class PipelineFailedError(RuntimeError):
-    """One or more stages failed; ``results`` is the flow's per-stage dict so far."""
+class StageUserError(StageFailedError):
+    """The stage's command exited 2: a user error, never retried (DESIGN.md §2.2).
 
-    def __init__(self, message: str, results: dict[str, dict[str, Any]]):
+    Its one ``error: ...`` line was already streamed into the task log; the message points
+    there rather than repeating it (``error_line`` holds it for callers).
+    """
+
+    def __init__(self, stage: str, returncode: int, tail: Sequence[str], error_line: str | None):
+        RuntimeError.__init__(
+            self,
+            f"stage {stage!r} stopped on a user error (its command exited with "
+            f"{USER_ERROR_EXIT_CODE}; not retried): the `error:` line in the stage's log says "
+            "what to fix",
+        )
+        self.stage, self.returncode, self.tail = stage, returncode, list(tail)
+        self.stage_exit = USER_ERROR_EXIT_CODE
+        self.error_line = error_line
+
+
+class PipelineFailedError(RuntimeError):
+    """One or more stages failed; ``results`` is the flow's per-stage dict so far,
+    ``user_errors`` the failed stages that failed on a user error (exit 2, not retried)."""
+
+    def __init__(self, message: str, results: dict[str, dict[str, Any]],
+                 user_errors: Sequence[str] = ()):
         super().__init__(message)
         self.results = results
+        self.user_errors = list(user_errors)
+
+    @property
+    def only_user_errors(self) -> bool:
+        """Every failed stage failed on a user error (the CLI then exits 2)."""
+        failed = [n for n, r in self.results.items() if r.get("status") == "failed"]
+        return bool(failed) and set(failed) <= set(self.user_errors)
 
 
 # --------------------------------------------------------------------------------------------
 # helpers (plain functions, unit-testable without Prefect)
+
+
+def stage_exit_code(lines: Sequence[str]) -> int | None:
+    """The stage command's exit code from ``dvc repro`` output, or None when DVC did not report
+    one (it failed before or after running the command). DVC ends a failed command with
+    ``ERROR: failed to reproduce '<stage>': failed to run: <cmd>, exited with <code>`` (the
+    command may span lines; a signal is a negative code)."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("ERROR: failed to reproduce")]
+    if not starts:
+        return None
+    m = _DVC_STAGE_FAILED.search("\n".join(lines[starts[-1]:]))
+    return int(m.group(1)) if m else None
+
+
+def _user_error_line(lines: Sequence[str]) -> str | None:
+    """The last ``error: ...`` line the stage printed (distillery's one-line user error)."""
+    return next((line for line in reversed(lines) if line.startswith("error: ")), None)
+
+
+def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect ``retry_condition_fn``: retry a failed stage unless it failed on a user error."""
+    return not isinstance(state.data, StageUserError)
 
 
 def dvc_repro_command(stage: str) -> list[str]:
@@ -251,12 +319,14 @@ async def _run_dvc(repo: Path, stage: str, on_line: Callable[[str], None]) -> tu
 # the task
 
 
-@task(name="dvc-stage", cache_policy=NO_CACHE, persist_result=False)
+@task(name="dvc-stage", cache_policy=NO_CACHE, persist_result=False,
+      retry_condition_fn=retry_unless_user_error)
 async def run_stage(repo: str, spec: StageSpec) -> dict[str, Any]:
     """Reproduce one stage through DVC, log its output, publish its artifacts.
 
-    Returns ``{"status", "seconds", "metrics"}``; raises :class:`StageFailedError` on a
-    non-zero exit (Prefect then retries it if the task was given retries).
+    Returns ``{"status", "seconds", "metrics"}``. A non-zero exit raises
+    :class:`StageUserError` when the stage's command exited 2 (never retried) and
+    :class:`StageFailedError` otherwise (retried if the task was given retries).
     """
     logger = get_run_logger()
     root = Path(repo)
@@ -265,7 +335,10 @@ async def run_stage(repo: str, spec: StageSpec) -> dict[str, Any]:
     rc, lines = await _run_dvc(root, spec.name, logger.info)
     seconds = round(time.monotonic() - t0, 3)
     if rc != 0:
-        raise StageFailedError(spec.name, rc, lines[-TAIL_LINES:])
+        stage_exit = stage_exit_code(lines)
+        if stage_exit == USER_ERROR_EXIT_CODE:
+            raise StageUserError(spec.name, rc, lines[-TAIL_LINES:], _user_error_line(lines))
+        raise StageFailedError(spec.name, rc, lines[-TAIL_LINES:], stage_exit)
     status = _status_from_output(lines)
 
     per_file = read_stage_metrics(root, spec)
@@ -342,6 +415,7 @@ def _run_stages(
                 task_run_name=name,
                 retries=retries if is_training else 0,
                 retry_delay_seconds=delays if is_training else 0,
+                retry_condition_fn=retry_unless_user_error,
                 timeout_seconds=timeout_seconds,
             )
             futures[name] = stage_task.submit(
@@ -351,6 +425,7 @@ def _run_stages(
 
     results: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
+    user_errors: list[str] = []
     for level in levels:
         for name in level:
             fut = futures[name]
@@ -362,6 +437,8 @@ def _run_stages(
                 message = f"ended in state {fut.state.name}"
             except Exception as e:  # noqa: BLE001 — collected, re-raised below
                 message = f"{type(e).__name__}: {e}"
+                if isinstance(e, StageUserError):
+                    user_errors.append(name)
             upstream_failed = any(u in errors for u in stages[name].upstream)
             status = "not-run" if upstream_failed else "failed"
             results[name] = {"status": status, "seconds": None, "metrics": {}}
@@ -373,7 +450,7 @@ def _run_stages(
         if skipped:
             msg += f"; not run (upstream failed): {', '.join(skipped)}"
         msg += "".join(f"\n\n--- {n} ---\n{errors[n]}" for n in failed)
-        raise PipelineFailedError(msg, results)
+        raise PipelineFailedError(msg, results, user_errors)
     return results
 
 
@@ -458,6 +535,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             training_stages=set(a.training_stages) if a.training_stages else None,
         )
     except PipelineFailedError as e:
+        if e.only_user_errors:  # each stage's `error:` line is in the log above: one line here
+            print(f"error: pipeline stopped: stage(s) {', '.join(e.user_errors)} failed on a user "
+                  "error (exit 2, not retried); the stage's `error:` line above says what to fix",
+                  file=sys.stderr)
+            return 2
         print(str(e), file=sys.stderr)
         return 1
     for name, r in results.items():
