@@ -1,12 +1,13 @@
 """flows/: the dvc.yaml DAG, the Prefect pipeline flow over real DVC repos, the nightly deployment.
 
 Real git + DVC repos in temp dirs, stages that are python one-liners, and a real Prefect API
-server (``prefect_test_harness``, one per module). Fast tests need neither.
+server started as users start it (``prefect server start`` in a subprocess, one per module; its
+scheduler included) for flow runs, schedules, ``serve`` and workers; the test that ``serve``
+starts its own server needs none. Fast tests need neither.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
@@ -171,14 +172,18 @@ def test_flatten_and_keys() -> None:
 
 
 @pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory: pytest.TempPathFactory):
-    from prefect.settings import PREFECT_HOME, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_api(prefect_server: str, tmp_path_factory: pytest.TempPathFactory):
+    """This process's Prefect client on the module's real server (see ``prefect_server``)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
 
     home = tmp_path_factory.mktemp("prefect-home")
-    with temporary_settings(updates={PREFECT_HOME: str(home)}):
-        with prefect_test_harness(server_startup_timeout=120):
-            yield
+    with temporary_settings(updates={PREFECT_HOME: str(home), PREFECT_API_URL: prefect_server}):
+        yield
+        APILogWorker.drain_all(timeout=30)  # send queued logs/events while the server is up
+        EventsWorker.drain_all(timeout=30)
 
 
 def _dvc_lock_stages(repo: Path) -> set[str]:
@@ -295,71 +300,335 @@ def test_failing_stage_is_retried_then_fails_the_flow(prefect_api, tmp_path: Pat
     assert (repo / "attempts.log").read_text().count("x") == 3
 
 
+# --------------------------------------------------------------------------------------------
+# slow: real Prefect servers started as users start them, real runners and workers
+#
+# A flow run has three creators: `run_deployment` (manual), the server's scheduler
+# (auto_scheduled, created_by type SCHEDULE) and automations. These tests wait for runs the
+# SCHEDULER made. Soonest: an interval schedule of 60 s anchored a few seconds ahead (the
+# scheduler's recent-deployments loop, every 5 s, creates the anchor's run at once, and the runner
+# prefetches runs due within 10 s); a cron can only fire at the next minute boundary.
+
+HELLO_STAGES = {"hello": {"cmd": py("open('hello.txt','w').write('hi')"), "outs": ["hello.txt"]}}
+DEPLOYMENT = "distillery-pipeline/nightly"
+SERVER_START_S = 240.0  # a first `prefect server start` migrates its database (~25 s idle)
+RUN_WAIT_S = 180.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env(tmp: Path, api_url: str | None, **extra: str) -> dict[str, str]:
+    """Environment of a user's shell at the checkout: no PYTHONPATH tricks, fresh PREFECT_HOME,
+    PREFECT_API_URL only when given; runners/workers poll every 2 s (default 10 s)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
+    env.pop("PYTHONPATH", None)
+    env.update({"PREFECT_HOME": str(tmp), "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+                "PREFECT_WORKER_QUERY_SECONDS": "2", **extra})
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    return env
+
+
+def _spawn(args: list[str], cwd: Path, env: dict[str, str], log: Path):
+    import subprocess
+
+    with open(log, "wb") as f:
+        return subprocess.Popen(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _end(proc, sig: int | None = None, timeout: float = 60.0) -> int | None:
+    """Stop a process we spawned (``sig`` first, then SIGKILL of its group); its exit code."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None and sig is not None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    rc = proc.poll()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # it and anything it left in its session
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    return rc
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_for(check, timeout: float, what: str, proc=None, log: Path | None = None):
+    """Poll ``check()`` until truthy; fail naming ``what`` (and the log) on timeout or when
+    ``proc`` exits first."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (found := check()):
+            return found
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(1.0)
+    tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+    state = "" if proc is None else f" (process exit code {proc.poll()})"
+    pytest.fail(f"no {what} within {timeout:.0f} s{state}\n{tail}")
+
+
+def _scheduled_completed_runs(api_url: str, **where) -> list:
+    """Completed runs of the nightly deployment that the server's scheduler created (and whose
+    attributes match ``where``); a failed or crashed one fails the test."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        with get_client(sync_client=True) as c:
+            try:
+                dep = c.read_deployment_by_name(DEPLOYMENT)
+            except Exception:  # noqa: BLE001 — not registered yet
+                return []
+            runs = c.read_flow_runs()
+    runs = [r for r in runs if r.deployment_id == dep.id and r.auto_scheduled
+            and r.created_by is not None and r.created_by.type == "SCHEDULE" and r.state is not None
+            and all(getattr(r, k) == v for k, v in where.items())]
+    for r in runs:  # fail at once, not at the timeout
+        if r.state.is_final() and not r.state.is_completed():
+            pytest.fail(f"scheduled run {r.name} ended {r.state.name}: {r.state.message}")
+    return [r for r in runs if r.state.is_completed()]
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory):
+    """`prefect server start` as a user runs it: a subprocess on a free loopback port with its
+    own PREFECT_HOME (so its database) in a temp dir; yields its API URL."""
+    import signal
+
+    from flows.server import server_answers
+
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    log = home / "server.log"
+    proc = _spawn([str(Path(PY).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
+                   "--port", str(port)], home, _env(home, None), log)
+    try:
+        _wait_for(lambda: server_answers(url), SERVER_START_S, "answer from `prefect server start`",
+                  proc, log)
+        yield url
+    finally:
+        _end(proc, signal.SIGTERM)
+
+
+def test_stage_exit_code_from_dvc_output() -> None:
+    from flows.pipeline import stage_exit_code
+
+    tail = ["Running stage 'train':", "> distillery stage teacher", "error: bad key",
+            "ERROR: failed to reproduce 'train': failed to run: distillery stage teacher, exited with 2"]
+    assert stage_exit_code(tail) == 2
+    assert stage_exit_code(["ERROR: failed to reproduce 'a': failed to run: python -c x, exited with -9"]) == -9
+    multi = ["ERROR: failed to reproduce 'a': failed to run: echo 'exited with 2'", "false, exited with 1"]
+    assert stage_exit_code(multi) == 1  # a command spanning lines; only the last code counts
+    assert stage_exit_code(["ERROR: failed to reproduce 'a': missing dependency x"]) is None
+    assert stage_exit_code(["a line that says exited with 2"]) is None
+
+
+def test_nightly_deployment_defaults(tmp_path: Path) -> None:
+    from flows.deploy import nightly_deployment
+
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": HELLO_STAGES}))
+    dep = nightly_deployment(tmp_path, retries=0)
+    assert dep.name == "nightly" and dep.entrypoint == "flows/pipeline.py:distillery_pipeline"
+    assert dep.parameters["repo"] == str(tmp_path.resolve()) and dep.parameters["retries"] == 0
+    (sched,) = dep.schedules
+    assert sched.schedule.cron == "0 2 * * *" and sched.schedule.timezone in (None, "UTC")
+
+
 @pytest.mark.slow
-def test_nightly_deployment_is_scheduled_and_runs(prefect_api, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_without_api_url_starts_workspace_server_and_runs_cron(tmp_path: Path) -> None:
+    """README's `python -m flows.deploy serve --repo .` on a fresh machine (no PREFECT_API_URL):
+    it starts a persistent server in <repo>/.prefect, a per-minute cron run made by that server's
+    scheduler completes, and Ctrl-C stops the server again."""
+    import json
+    import signal
+
+    from flows.server import server_answers
+
+    repo = make_dvc_repo(tmp_path / "repo", HELLO_STAGES, {})
+    log = tmp_path / "serve.log"
+    env = _env(tmp_path / "user-prefect-home", None, PREFECT_SERVER_API_PORT=str(_free_port()))
+    serve = _spawn([PY, "-m", "flows.deploy", "serve", "--repo", str(repo), "--cron", "* * * * *",
+                    "--retries", "0"], PROJECT_ROOT, env, log)
+    record = repo / ".prefect" / "server.json"
+    server_pid = None
+    try:
+        def server_recorded():
+            if "ephemeral server" in log.read_text(errors="replace"):
+                pytest.fail("serve fell back to Prefect's ephemeral server:\n" + log.read_text())
+            return record.exists() and json.loads(record.read_text())
+
+        rec = _wait_for(server_recorded, SERVER_START_S, "workspace server record", serve, log)
+        url, server_pid = rec["api_url"], rec["pid"]
+        assert server_answers(url) and (repo / ".prefect" / "prefect.db").exists()
+        runs = _wait_for(lambda: _scheduled_completed_runs(url), RUN_WAIT_S + 60,
+                         "completed run made by the scheduler", serve, log)
+        assert runs[0].expected_start_time.second == 0  # a cron minute, not a manual run
+        assert _dvc_lock_stages(repo) == {"hello"} and (repo / "hello.txt").read_text() == "hi"
+
+        assert _end(serve, signal.SIGINT) == 0, log.read_text()
+        assert not server_answers(url) and not _pid_alive(server_pid), "server left running"
+        assert not record.exists() and (repo / ".prefect" / "prefect.db").exists()  # history kept
+        assert "stopped this workspace's Prefect server" in log.read_text()
+    finally:
+        _end(serve)
+        if server_pid is not None and _pid_alive(server_pid):
+            os.killpg(server_pid, signal.SIGKILL)  # the server serve started, in its own session
+
+
+@pytest.mark.slow
+def test_serve_says_in_one_line_when_the_server_cannot_start(tmp_path: Path) -> None:
+    """A workspace server that fails to start (here: its database path cannot be created) ends
+    `serve` with one `error:` line naming the server log, exit code 2, and no process left."""
+    import subprocess
+
+    repo = make_dvc_repo(tmp_path / "repo", HELLO_STAGES, {})
+    env = _env(tmp_path / "home", None, PREFECT_SERVER_API_PORT=str(_free_port()),
+               PREFECT_SERVER_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/x.db")
+    r = subprocess.run([PY, "-m", "flows.deploy", "serve", "--repo", str(repo)], cwd=PROJECT_ROOT,
+                       env=env, capture_output=True, text=True, timeout=240)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert lines[-1].startswith("error: the Prefect server for ") and "server.log" in lines[-1]
+    assert "Traceback" not in r.stderr and not (repo / ".prefect" / "server.json").exists()
+
+
+@pytest.mark.slow
+def test_served_deployment_run_made_by_scheduler_completes(prefect_server: str,
+                                                           tmp_path: Path) -> None:
+    """`serve` against a server the user started (PREFECT_API_URL set): a run the scheduler
+    creates from a per-minute schedule executes in the serving process and completes."""
+    import datetime
+    import signal
+
+    repo = make_dvc_repo(tmp_path / "repo", HELLO_STAGES, {})
+    anchor = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=20)
+    code = ("import datetime,sys;from prefect.schedules import Interval;"
+            "from flows.deploy import serve_nightly;"
+            "a=datetime.datetime.fromisoformat(sys.argv[2]);"
+            "serve_nightly(sys.argv[1],schedule=Interval(60,anchor_date=a),retries=0)")
+    log = tmp_path / "serve.log"
+    serve = _spawn([PY, "-c", code, str(repo), anchor.isoformat()], PROJECT_ROOT,
+                   _env(tmp_path / "home", prefect_server), log)
+    try:
+        runs = _wait_for(lambda: _scheduled_completed_runs(prefect_server), RUN_WAIT_S,
+                         "completed run made by the scheduler", serve, log)
+        late = (runs[0].expected_start_time - anchor).total_seconds()
+        assert late >= 0 and late % 60 == pytest.approx(0, abs=1e-3)  # on the schedule's grid
+        assert _dvc_lock_stages(repo) == {"hello"}
+        assert not (repo / ".prefect").exists()  # PREFECT_API_URL set: no server of our own
+        assert _end(serve, signal.SIGINT) == 0, log.read_text()
+    finally:
+        _end(serve)
+
+
+@pytest.mark.slow
+def test_worker_runs_work_pool_deployment(prefect_server: str, tmp_path: Path) -> None:
+    """`deploy --work-pool` + `prefect worker start --pool` (a real process worker in a
+    subprocess): the worker picks up the run the scheduler made and completes it."""
+    import datetime
+    import signal
+
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
-    from prefect.deployments import run_deployment
-    from prefect.runner import Runner
-    from prefect.server.services.scheduler import schedule_deployments
+    from prefect.schedules import Interval
+    from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.workers.process import ProcessWorker
 
-    from flows.deploy import deploy_nightly, nightly_deployment
+    from flows.deploy import deploy_nightly
 
-    monkeypatch.chdir(PROJECT_ROOT)  # deployments record entrypoints relative to the cwd
-    stages = {k: PIPELINE_STAGES[k] for k in ("prep", "report")}
-    repo = make_dvc_repo(tmp_path / "repo", stages, PIPELINE_PARAMS)
+    repo = make_dvc_repo(tmp_path / "repo", HELLO_STAGES, {})
+    anchor = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=15)
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server}):
+        with get_client(sync_client=True) as c:
+            c.create_work_pool(WorkPoolCreate(
+                name="test-pool", type="process",
+                base_job_template=ProcessWorker.get_default_base_job_template()))
+        dep_id = deploy_nightly(repo, "test-pool", schedule=Interval(60, anchor_date=anchor),
+                                retries=0)
+        with get_client(sync_client=True) as c:
+            dep = c.read_deployment(dep_id)
+    assert dep.work_pool_name == "test-pool" and dep.entrypoint == "flows/pipeline.py:distillery_pipeline"
 
-    # 1. the nightly deployment, registered with the API, schedule "0 2 * * *"
-    deployment = nightly_deployment(repo, retries=0)
-    assert deployment.entrypoint == "flows/pipeline.py:distillery_pipeline"
-    dep_id = deployment.apply()
-    dep_filter = DeploymentFilter(id=DeploymentFilterId(any_=[dep_id]))
-    with get_client(sync_client=True) as c:
-        assert c.read_flow_runs(deployment_filter=dep_filter) == []  # nothing scheduled yet
+    log = tmp_path / "worker.log"
+    worker = _spawn([str(Path(PY).parent / "prefect"), "worker", "start", "--pool", "test-pool"],
+                    tmp_path, _env(tmp_path / "home", prefect_server), log)
+    try:
+        runs = _wait_for(lambda: _scheduled_completed_runs(prefect_server, work_pool_name="test-pool"),
+                         RUN_WAIT_S, "completed run picked up by the worker", worker, log)
+        assert runs[0].deployment_id == dep_id
+        assert _dvc_lock_stages(repo) == {"hello"} and (repo / "hello.txt").read_text() == "hi"
+        assert "test-pool" in log.read_text()
+    finally:
+        _end(worker, signal.SIGINT)
 
-    # 2. the server's scheduler service (not started by the ephemeral test server) makes runs:
-    #    we run one pass of the real service function against the harness database
-    asyncio.run(schedule_deployments())
-    with get_client(sync_client=True) as c:
-        dep = c.read_deployment(dep_id)
-        assert dep.name == "nightly" and dep.parameters["repo"] == str(repo.resolve())
-        assert [s.schedule.cron for s in dep.schedules] == ["0 2 * * *"]
-        scheduled = c.read_flow_runs(deployment_filter=dep_filter)
-    assert len(scheduled) >= 3
-    for fr in scheduled:
-        assert fr.state.is_scheduled() and fr.auto_scheduled
-        t = fr.expected_start_time
-        assert (t.hour, t.minute, t.second) == (2, 0, 0) and t.utcoffset().total_seconds() == 0
-    assert len({fr.expected_start_time.date() for fr in scheduled}) == len(scheduled)
 
-    # 3. a run of the deployment, executed by a runner (what flow.serve starts) in a subprocess
-    fr = run_deployment(dep_id, timeout=0)
+USER_ERROR = "error: training.loop.max_train_steps: expected an int, got 'ten'"
+STAGE_SCRIPT = f"""import sys, yaml
+open('attempts.log', 'a').write('x\\n')
+code = yaml.safe_load(open('params.yaml'))['exit_code']
+print('training starts')
+if code == 2:
+    sys.stderr.write({USER_ERROR!r} + '\\n')  # what distillery's run_guarded prints
+else:
+    print('Traceback (most recent call last): a crash')
+sys.exit(code)
+"""
 
-    async def serve_once() -> None:
-        runner = Runner(name="nightly-test", query_seconds=1)
-        await runner.aadd_deployment(deployment)
-        await runner.start(run_once=True)
 
-    asyncio.run(serve_once())
-    with get_client(sync_client=True) as c:
-        done = c.read_flow_run(fr.id)
-    assert done.state.is_completed(), done.state.message
-    assert _dvc_lock_stages(repo) == {"prep", "report"}
+@pytest.mark.slow
+def test_user_error_stage_is_not_retried_but_a_crash_is(prefect_server: str,
+                                                        tmp_path: Path) -> None:
+    """DESIGN §2.2: a stage exiting 2 runs once and its `error:` line shows once (the CLI ends
+    with one `error:` line, exit 2); a stage exiting 1 is retried `--retries` times."""
+    import subprocess
 
-    # 4. the work-pool form: deployment on a process pool, code from this checkout
-    with get_client(sync_client=True) as c:
-        c.create_work_pool(WorkPoolCreate(
-            name="test-pool", type="process",
-            base_job_template=ProcessWorker.get_default_base_job_template()))
-    pool_dep_id = deploy_nightly(repo, "test-pool", cron="30 3 * * 1-5", timezone="Europe/Paris")
-    with get_client(sync_client=True) as c:
-        pd = c.read_deployment(pool_dep_id)
-        assert pd.work_pool_name == "test-pool" and pd.entrypoint == "flows/pipeline.py:distillery_pipeline"
-        assert [(s.schedule.cron, s.schedule.timezone) for s in pd.schedules] == [
-            ("30 3 * * 1-5", "Europe/Paris")]
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "stage.py").write_text(STAGE_SCRIPT)
+    stages = {"train": {"cmd": "python stage.py", "deps": ["stage.py"], "params": ["exit_code"],
+                        "outs": ["model.txt"]}}
+    make_dvc_repo(repo, stages, {"exit_code": 2})
+
+    def run_cli() -> tuple[int, str, str, int]:
+        (repo / "attempts.log").unlink(missing_ok=True)
+        r = subprocess.run([PY, "-m", "flows.pipeline", "--repo", str(repo), "--retries", "2",
+                            "--retry-delay", "0"], cwd=PROJECT_ROOT, capture_output=True,
+                           text=True, timeout=300, env=_env(tmp_path / "home", prefect_server))
+        return r.returncode, r.stdout + r.stderr, r.stderr, (repo / "attempts.log").read_text().count("x")
+
+    rc, out, err, attempts = run_cli()
+    assert (rc, attempts) == (2, 1), out
+    assert out.count(USER_ERROR.removeprefix("error: ")) == 1, out  # not per attempt, not per wrapper
+    assert "Retry" not in out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "train" in last and "user error" in last
+
+    (repo / "params.yaml").write_text(yaml.safe_dump({"exit_code": 1}))
+    rc, out, _, attempts = run_cli()
+    assert (rc, attempts) == (1, 3), out  # 1 try + 2 retries
+    assert "Retry 2/2" in out and "exited with 1" in out
 
 
 @pytest.mark.slow
