@@ -3,9 +3,9 @@
 One module-scoped run of the whole DAG by the Prefect flow built from dvc.yaml (on Prefect's local
 ephemeral API); then: a no-op `dvc repro`, lineage of an export copied elsewhere (verify passes,
 then fails naming a flipped weight file), the export in a fresh process with stock diffusers
-reproducing the validate stage's samples, a changed `pretrain.*` param rerunning only pretrain and
-what follows, and a pretrain SIGKILLed after its first checkpoint resuming to the same weights as
-an uninterrupted run.
+reproducing the validate stage's samples, and a changed `pretrain.*` param rerunning only pretrain
+and what follows, from step 1. Kills and resumes are in tests/reliability (test_kill_anywhere.py,
+test_stage_trust.py).
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -116,7 +114,13 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
     assert (report / "grid.gif").is_file() and (report / "grid.mp4").is_file()
     scores = json.loads((repo / "metrics" / "validate.json").read_text())
     assert scores["teacher_6/nfe"] == 12 and scores["teacher_2/nfe"] == 4 and scores["pretrain_4/nfe"] == 8
-    assert scores["teacher_6/distance_to_teacher"] == 0.0 and 0.0 <= scores["pretrain_4/colour"] <= 1.0
+    rows = json.loads((report / "report.json").read_text())["per_prompt"]
+    for cand, per in rows.items():  # every headline number is the mean of the per-prompt rows written beside it
+        assert len(per) == 2
+        for key in ("colour", "shape", "direction", "all"):
+            assert scores[f"{cand}/{key}"] == pytest.approx(sum(float(r[key]) for r in per) / len(per), abs=1e-6), (cand, key)
+        assert scores[f"{cand}/distance_to_teacher"] == pytest.approx(sum(r["distance_to_teacher"] for r in per) / len(per), abs=1e-6)
+    assert scores["pretrain_4/distance_to_teacher"] > 0.0  # a different model than the reference teacher_6
     for stage in lock["stages"]:
         assert (repo / "artifacts" / stage / "lineage.json").is_file(), stage
         assert json.loads((repo / "metrics" / f"{stage}.json").read_text()) == json.loads(
@@ -223,38 +227,3 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
-
-
-def test_killed_pretrain_resumes_to_the_same_weights(repo, tmp_path):
-    from helpers import role_state
-
-    set_params(repo, pretrain__learning_rate=3.0e-4, pretrain__steps=30)  # long enough to be killed mid-run
-    shutil.rmtree(repo / "runs" / "pretrain")  # so the first checkpoint we see is this run's
-    proc = subprocess.Popen(["dvc", "repro", "pretrain"], cwd=repo, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.time() + 600
-    while not (repo / "runs" / "pretrain" / "checkpoint-3" / "metadata.json").is_file():
-        assert proc.poll() is None and time.time() < deadline, "pretrain ended before its first checkpoint"
-        time.sleep(0.1)
-    import psutil
-
-    tree = psutil.Process(proc.pid)
-    victims = [tree, *tree.children(recursive=True)]  # dvc, the stage, torchrun and its workers (own sessions)
-    for p in victims:
-        p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(victims, timeout=30)
-    proc.wait()
-    assert not (repo / "runs" / "pretrain" / "checkpoint-30").exists()
-    out = sh(["dvc", "repro"], repo)
-    import re
-
-    resumed_at = re.search(r"resumed from runs/pretrain/checkpoint-(\d+)", out.stdout + out.stderr)
-    assert resumed_at and 3 <= int(resumed_at.group(1)) < 30, [l for l in out.stderr.splitlines() if "INFO" in l or "rror" in l][:12]
-    resumed = role_state(repo / "runs" / "pretrain" / "checkpoint-30")
-    shutil.rmtree(repo / "runs" / "pretrain")  # the same config, uninterrupted
-    sh(["dvc", "repro", "--force", "--single-item", "pretrain"], repo)  # upstream untouched
-    uninterrupted = role_state(repo / "runs" / "pretrain" / "checkpoint-30")
-    import torch
-
-    for k in resumed:
-        assert torch.equal(resumed[k], uninterrupted[k]), k

@@ -106,23 +106,62 @@ def test_too_many_bad_items_exit_2_with_one_line(tmp_path, tiny_base, clips):
     assert "Traceback" not in err
 
 
+# `distillery preprocess` that stops itself (SIGSTOP) once shard 1's parquet is written and before its
+# .json record is: the test then SIGKILLs it at that known point, whatever the host's speed.
+STOP_AFTER_SECOND_PARQUET = (
+    "import os, signal, sys\n"
+    "import distillery.preprocess as pp\n"
+    "real, written = pp.write_shard, []\n"
+    "def write_shard(*args, **kwargs):\n"
+    "    real(*args, **kwargs)\n"
+    "    written.append(args)\n"
+    "    if len(written) == 2:\n"
+    "        os.kill(os.getpid(), signal.SIGSTOP)\n"
+    "pp.write_shard = write_shard\n"
+    "from distillery.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def _wait_until_stopped(proc: subprocess.Popen, limit_s: float = 300) -> None:
+    """Block until ``proc`` is stopped by a signal (not reaped); fail if it exits instead."""
+    deadline = time.monotonic() + limit_s  # a hang guard, not a timing assertion
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(proc.pid, os.WNOHANG | os.WUNTRACED)
+        if pid:
+            assert os.WIFSTOPPED(status), f"preprocess exited (status {status}) before its stop point"
+            return
+        time.sleep(0.02)
+    raise AssertionError("preprocess did not reach its stop point")
+
+
 def test_killed_run_resumes_to_identical_shards(tmp_path, tiny_base, clips):
     ref = _cli(*_pp_args(tiny_base, clips, tmp_path / "ref"), cwd=tmp_path)
     assert ref.wait(timeout=300) == 0, ref.stderr.read()
-    proc = _cli(*_pp_args(tiny_base, clips, tmp_path / "out"), cwd=tmp_path)
-    deadline = time.time() + 240
-    while not (tmp_path / "out" / "train" / "shard-00000.json").exists():
-        assert proc.poll() is None and time.time() < deadline, "preprocess ended before its first shard"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    written = sorted(p.name for p in (tmp_path / "out").rglob("shard-*.json"))
-    assert 1 <= len(written) < 4 and not (tmp_path / "out" / "preprocess.json").exists()
+    with (tmp_path / "killed.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", STOP_AFTER_SECOND_PARQUET, *_pp_args(tiny_base, clips, tmp_path / "out")],
+                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            _wait_until_stopped(proc)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    train = tmp_path / "out" / "train"
+    assert sorted(p.name for p in train.glob("shard-*")) == ["shard-00000.json", "shard-00000.parquet", "shard-00001.parquet"]
+    assert not (tmp_path / "out" / "preprocess.json").exists()
+    before = {p.name: _identity(p) for p in train.glob("shard-*")}
     again = _cli(*_pp_args(tiny_base, clips, tmp_path / "out"), cwd=tmp_path)
     assert again.wait(timeout=300) == 0, again.stderr.read()
     assert _shard_bytes(tmp_path / "out") == _shard_bytes(tmp_path / "ref")
-    manifest = json.loads((tmp_path / "out" / "preprocess.json").read_text())
-    assert manifest["clips_this_run"] < 16  # only the missing shards were redone
+    after = {p.name: _identity(p) for p in train.glob("shard-*")}
+    assert [n for n in sorted(before) if after[n] == before[n]] == ["shard-00000.json", "shard-00000.parquet"]  # kept
+    assert after["shard-00001.parquet"] != before["shard-00001.parquet"]  # unrecorded: redone
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    """(inode, mtime) of a file: a shard rewritten by temp file + rename gets a new one."""
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns
 
 
 @pytest.mark.slow

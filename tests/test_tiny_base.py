@@ -45,6 +45,17 @@ def test_folder_layout(tiny_base: Path) -> None:
     assert not [p for p in tiny_base.parent.iterdir() if p.name.startswith(".")], "staging folder left behind"
 
 
+def _rebuilt(part: str, seed: int = 0):
+    """The part ("vae" or "transformer") built again in memory the way make_tiny_base seeds it."""
+    import torch
+
+    from distillery.base import tiny
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + tiny._SEED_OFFSETS[part])
+        return {"vae": tiny.build_vae, "transformer": tiny.build_transformer}[part](TinyBaseConfig())
+
+
 @pytest.mark.parametrize(
     "guidance_scale, negative_prompt", [(1.0, None), (3.0, "a blurry static green square")]
 )
@@ -54,33 +65,36 @@ def test_stock_pipeline_generates(tiny_base: Path, guidance_scale: float, negati
 
     pipe = WanPipeline.from_pretrained(tiny_base)
     pipe.set_progress_bar_config(disable=True)
-    frames = pipe(
-        "a red circle moving left on a black background",
-        negative_prompt=negative_prompt,
-        num_frames=9,
-        height=32,
-        width=32,
-        num_inference_steps=2,
-        guidance_scale=guidance_scale,
-        max_sequence_length=TinyBaseConfig().max_sequence_length,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
-    ).frames
-    assert frames.shape == (1, 9, 32, 32, 3)
-    assert np.isfinite(frames).all()
+
+    def generate(seed: int, guidance: float) -> np.ndarray:
+        return pipe("a red circle moving left on a black background", negative_prompt=negative_prompt, num_frames=9,
+                    height=32, width=32, num_inference_steps=2, guidance_scale=guidance,
+                    max_sequence_length=TinyBaseConfig().max_sequence_length, generator=torch.Generator().manual_seed(seed),
+                    output_type="np").frames
+
+    frames = generate(0, guidance_scale)
+    assert frames.shape == (1, 9, 32, 32, 3) and frames.min() >= 0.0 and frames.max() <= 1.0
+    assert np.array_equal(generate(0, guidance_scale), frames)  # same seed, same video
+    assert np.abs(generate(1, guidance_scale) - frames).max() > 1e-3  # the seed matters
+    if guidance_scale > 1.0:  # and CFG against the negative prompt changes the result
+        assert np.abs(generate(0, 1.0) - frames).max() > 1e-4
 
 
-def test_vae_round_trip_is_finite(tiny_base: Path) -> None:
+def test_saved_vae_is_the_seeded_one(tiny_base: Path) -> None:
     import torch
     from diffusers import AutoencoderKLWan
 
     vae = AutoencoderKLWan.from_pretrained(tiny_base / "vae")
+    again = _rebuilt("vae")
+    assert vae.state_dict().keys() == again.state_dict().keys()
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in vae.state_dict().items())
     video = torch.rand(1, 3, 9, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
     with torch.no_grad():
         latent = vae.encode(video).latent_dist.mode()
         decoded = vae.decode(latent).sample
-    assert latent.shape == (1, 8, 3, 8, 8)
-    assert decoded.shape == video.shape and torch.isfinite(decoded).all()
+        torch.testing.assert_close(decoded, again.decode(again.encode(video).latent_dist.mode()).sample, rtol=0, atol=0)
+    assert latent.shape == (1, 8, 3, 8, 8)  # 1 + (9 − 1)/4 frames, 32/4 pixels
+    assert decoded.shape == video.shape and decoded.abs().max() <= 1.0
 
 
 def test_transformer_loads_alone(tiny_base: Path) -> None:
@@ -89,14 +103,15 @@ def test_transformer_loads_alone(tiny_base: Path) -> None:
 
     model = WanTransformer3DModel.from_pretrained(tiny_base / "transformer")
     assert model.config.in_channels == 8 and model.config.text_dim == 32
+    again = _rebuilt("transformer")
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in model.state_dict().items())
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 8, 3, 8, 8, generator=g), timestep=torch.tensor([500.0]),
+                  encoder_hidden_states=torch.randn(1, 32, 32, generator=g), return_dict=False)
     with torch.no_grad():
-        out = model(
-            hidden_states=torch.randn(1, 8, 3, 8, 8),
-            timestep=torch.tensor([500.0]),
-            encoder_hidden_states=torch.randn(1, 32, 32),
-            return_dict=False,
-        )[0]
-    assert out.shape == (1, 8, 3, 8, 8) and torch.isfinite(out).all()
+        out = model(**inputs)[0]
+        torch.testing.assert_close(out, again(**inputs)[0], rtol=0, atol=0)
+    assert out.shape == (1, 8, 3, 8, 8) and out.abs().max() > 0
 
 
 def test_same_seed_same_bytes(tiny_base: Path, tmp_path: Path) -> None:

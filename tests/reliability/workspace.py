@@ -126,3 +126,36 @@ def read_log_steps(run_dir: Path) -> list[int]:
     if not path.is_file():
         return []
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def training_workers(folder: Path) -> list[int]:
+    """Pids of the `distillery.train` worker processes working in ``folder``."""
+    found = []
+    for pid in processes_in(folder):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"distillery.train" in cmd:
+            found.append(pid)
+    return found
+
+
+def pause_training(folder: Path, timeout: float = 300) -> list[int]:
+    """SIGSTOP the training workers in ``folder`` (waiting for them to start); returns their pids.
+    A paused run holds its locks and writes nothing: the test decides what happens next."""
+    deadline = time.time() + timeout
+    while not (pids := training_workers(folder)):
+        assert time.time() < deadline, "no training worker started"
+        time.sleep(0.02)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+def resume_training(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
