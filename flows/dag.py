@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 __all__ = ["StageSpec", "load_dvc_stages", "stage_order", "link_stages"]
 

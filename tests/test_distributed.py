@@ -74,12 +74,12 @@ def test_torchrun_stop_and_resume_matches_uninterrupted(runs):
     root = runs["root"]
     full, split = root / "fsdp2" / f"checkpoint-{STEPS}", root / "split" / f"checkpoint-{STEPS}"
     assert json.loads((full / "metadata.json").read_text())["world_size"] == 2
-    for ema in (None, "ema"):
+    for ema in (None, "ema"):  # exact resume on 2 ranks: bitwise, weights and EMA shadow alike
         sa, sb = role_state(full, ema=ema), role_state(split, ema=ema)
         for k in sa:
-            torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=1e-6)
+            assert torch.equal(sa[k], sb[k]), (ema, k)
     losses = [r["total_loss"] for r in read_log(root / "split")]
-    assert losses == pytest.approx([r["total_loss"] for r in read_log(root / "fsdp2")], rel=0, abs=1e-6)
+    assert losses == [r["total_loss"] for r in read_log(root / "fsdp2")]
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(runs):

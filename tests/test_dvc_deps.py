@@ -1,23 +1,18 @@
 """dvc.yaml knows the code its stages run: editing a module a stage uses makes DVC rerun the stage.
 
 - Every stage's ``params:`` list is the stage's ``STAGE_PARAMS`` entry, and its code deps exist.
-- Every stage of dvc.yaml is run for real, in DAG order, on a tiny ``params.yaml`` in a temp copy of
-  the pipeline, with an import recorder in each Python process it starts (the stage process and
-  the torchrun workers it launches): every ``distillery`` module any of them imported must lie
-  under one of the stage's ``deps:``.
+- Every stage of dvc.yaml runs for real (the whole DAG of tests/test_pipeline.py, which calls
+  :func:`check_stage_imports` on what it recorded) with an import recorder in each Python process
+  (the stage process, the launcher and the torchrun workers it starts): every ``distillery`` module
+  any of them imported must lie under one of the stage's ``deps:``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
-
-import pytest
-import yaml
 
 import distillery
 from distillery.pipeline.stages import STAGE_PARAMS
@@ -26,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # flows/ is a top-level package of the checkout
     sys.path.insert(0, str(ROOT))
 
-from flows.dag import load_dvc_stages, stage_order  # noqa: E402
+from flows.dag import load_dvc_stages  # noqa: E402
 
 PACKAGE = Path(distillery.__file__).resolve().parent  # where `import distillery` finds the code
 PACKAGE_IN_REPO = "src/distillery"  # the same folder as dvc.yaml names it
@@ -43,24 +38,18 @@ class _RecordDistilleryImports:
     @staticmethod
     def find_spec(name, path=None, target=None):
         if _DIR and (name == "distillery" or name.startswith("distillery.")):
-            with open(os.path.join(_DIR, "%d.txt" % os.getpid()), "a") as fh:
+            path = os.path.join(_DIR, "%d.txt" % os.getpid())
+            first = not os.path.exists(path)
+            with open(path, "a") as fh:
+                if first:  # the process's command line: which stage it works for
+                    with open("/proc/self/cmdline", "rb") as cmd:
+                        fh.write("#cmd " + cmd.read().replace(b"\\0", b" ").decode("utf-8", "replace") + "\\n")
                 fh.write(name + "\\n")
         return None  # the real finders import it
 
 
 sys.meta_path.insert(0, _RecordDistilleryImports)
 '''
-
-# params.yaml keys shrunk so that each stage runs in seconds (keys the repo's params.yaml lacks are left out);
-# a new stage runs with the repo's values unless its knobs are added here
-SMALL = {
-    "clips.num_train": 4, "clips.num_validation": 2, "clips.num_frames": 9,
-    "latents.rows_per_shard": 4,
-    "teacher.steps": 1, "teacher.batch_size": 2, "teacher.save_every": 0,
-    "pretrain.steps": 1, "pretrain.batch_size": 2, "pretrain.save_every": 0,
-    "validate.num_prompts": 1, "validate.teacher_steps": [2, 1], "validate.student_steps": 1,
-}
-
 
 def _stage_name(cmd: str) -> str | None:
     parts = cmd.split()
@@ -91,18 +80,6 @@ def test_code_deps_exist():
         assert not missing, f"stage {name}: deps that do not exist: {missing}"
 
 
-def _small_params(repo: Path) -> None:
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    for dotted, value in SMALL.items():
-        node = params
-        *head, last = dotted.split(".")
-        for part in head:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and last in node:
-            node[last] = value
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-
-
 def _module_file(name: str) -> str | None:
     """The repo path (``src/distillery/...``) of a distillery module, None if it is not a file of the package."""
     try:
@@ -117,43 +94,40 @@ def _module_file(name: str) -> str | None:
     return f"{PACKAGE_IN_REPO}/{origin.relative_to(PACKAGE).as_posix()}"
 
 
-@pytest.fixture(scope="module")
-def traced(tmp_path_factory) -> dict[str, set[str]]:
-    """Run every dvc.yaml stage for real in DAG order; return {stage: repo paths of the distillery modules it imported}."""
-    repo = tmp_path_factory.mktemp("dag")
-    shutil.copy2(ROOT / "dvc.yaml", repo / "dvc.yaml")
-    shutil.copytree(ROOT / "stages", repo / "stages")
-    (repo / "src").symlink_to(ROOT / "src")  # deps are hashed relative to the repo (resume keys)
-    _small_params(repo)
-    recorder = tmp_path_factory.mktemp("recorder")
-    (recorder / "sitecustomize.py").write_text(RECORDER)
-    stages = load_dvc_stages(repo)
-    imported: dict[str, set[str]] = {}
-    for level in stage_order(stages):
-        for name in level:
-            trace = tmp_path_factory.mktemp(f"trace-{name}")
-            env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-                   "PYTHONPATH": os.pathsep.join([str(recorder), *filter(None, [os.environ.get("PYTHONPATH")])]),
-                   "DISTILLERY_TRACE_IMPORTS": str(trace), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-                   "DISTILLERY_PIPELINE_RUN": "dvc-deps-test"}
-            env.pop("MLFLOW_TRACKING_URI", None)
-            proc = subprocess.run(stages[name].cmd, shell=True, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0, f"stage {name} ({stages[name].cmd}) failed:\n{proc.stderr[-3000:]}"
-            names = {line for f in trace.glob("*.txt") for line in f.read_text().split()}
-            assert "distillery" in names, f"stage {name}: the import recorder saw nothing (sitecustomize not loaded?)"
-            imported[name] = {f for f in map(_module_file, names) if f}
-    return imported
+def recorder_env(folder: Path, trace: Path) -> dict[str, str]:
+    """Environment that makes every Python process started under it record its distillery imports
+    into ``trace`` (a ``sitecustomize`` on PYTHONPATH, inherited by the processes it starts)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    trace.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(RECORDER)
+    return {"PYTHONPATH": os.pathsep.join([str(folder), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "DISTILLERY_TRACE_IMPORTS": str(trace)}
 
 
-@pytest.mark.slow
-def test_every_module_a_stage_imports_is_one_of_its_deps(traced):
-    stages = load_dvc_stages(ROOT)
-    assert set(traced) == set(stages)
-    missing = {name: sorted(f for f in files if not _covered(f, stages[name].deps)) for name, files in traced.items()}
+def imports_by_stage(trace: Path) -> dict[str, set[str]]:
+    """{stage: repo paths of the distillery modules its processes imported} from a trace folder: the
+    stage process (``distillery stage NAME``), its launcher and workers (``--config runs/NAME/run.yaml``)."""
+    import re
+
+    found: dict[str, set[str]] = {}
+    for f in trace.glob("*.txt"):
+        lines = f.read_text().splitlines()
+        cmd = lines[0] if lines and lines[0].startswith("#cmd ") else ""
+        m = re.search(r"\bstage (\w+)", cmd) or re.search(r"runs/(\w+)/run\.yaml", cmd)
+        if m:
+            found.setdefault(m.group(1), set()).update(f for f in map(_module_file, lines[1:]) if f)
+    return found
+
+
+def check_stage_imports(imported: dict[str, set[str]], root: Path) -> None:
+    """Fail when a stage imported a distillery module its dvc.yaml deps do not cover."""
+    stages = load_dvc_stages(root)
+    assert set(imported) == set(stages), f"traced stages {sorted(imported)} != dvc.yaml stages {sorted(stages)}"
+    missing = {name: sorted(f for f in files if not _covered(f, stages[name].deps)) for name, files in imported.items()}
     missing = {k: v for k, v in missing.items() if v}
     assert not missing, "dvc.yaml: stages import code their deps do not list (add it to the stage's deps):\n" + "\n".join(
         f"  {name}: {', '.join(files)}" for name, files in missing.items())
     # the training stages' workers were traced too: their method and trainer are among the imports
     for name, module in (("teacher", "methods/sft.py"), ("pretrain", "methods/dfsft.py")):
-        if name in traced:
-            assert {f"{PACKAGE_IN_REPO}/{module}", f"{PACKAGE_IN_REPO}/trainer.py"} <= traced[name], name
+        if name in imported:
+            assert {f"{PACKAGE_IN_REPO}/{module}", f"{PACKAGE_IN_REPO}/trainer.py"} <= imported[name], name

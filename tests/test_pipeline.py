@@ -19,57 +19,22 @@ from pathlib import Path
 
 import pytest
 import yaml
+from workspace import env, make_workspace, set_params, sh
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1", "OMP_NUM_THREADS": "2"}
-
-
-def sh(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=900)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def set_params(repo: Path, **updates: object) -> None:
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    for dotted, value in updates.items():
-        node = params
-        *head, last = dotted.split("__")
-        for part in head:
-            node = node[part]
-        node[last] = value
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+_env = env
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    repo = tmp_path_factory.mktemp("pipeline")
-    for name in ("dvc.yaml", "params.yaml", "stages"):
-        src = ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, repo / name)
-    shutil.copytree(ROOT / "src" / "distillery", repo / "src" / "distillery", ignore=shutil.ignore_patterns("__pycache__"))
-    set_params(repo, clips__num_train=16, clips__num_validation=4, teacher__steps=6, teacher__batch_size=4,
-               teacher__save_every=3, pretrain__steps=6, pretrain__batch_size=4, pretrain__save_every=3,
-               validate__num_prompts=2, validate__teacher_steps=[6, 2], validate__student_steps=4)
-    sh(["git", "init", "-q"], repo)
-    sh(["git", "config", "user.email", "ci@example.com"], repo)
-    sh(["git", "config", "user.name", "ci"], repo)
-    sh(["dvc", "init", "-q"], repo)
-    sh(["dvc", "config", "core.analytics", "false"], repo)
-    sh(["dvc", "config", "core.site_cache_dir", str(repo / ".dvc-site")], repo)
-    sh(["git", "add", "-A"], repo)
-    sh(["git", "commit", "-qm", "pipeline"], repo)
+    repo = make_workspace(tmp_path_factory.mktemp("pipeline") / "ws", {"teacher.save_every": 3, "pretrain.save_every": 3})
     FLOW.update(_run_prefect_flow(repo, tmp_path_factory.mktemp("prefect-home")))
     return repo
 
 
 FLOW: dict[str, object] = {}  # the Prefect flow run that built the DAG: results, artifacts
+TRACE: dict[str, Path] = {}  # where every process of that run recorded the distillery modules it imported
 
 
 def _run_prefect_flow(repo: Path, home: Path) -> dict[str, object]:
@@ -84,8 +49,11 @@ def _run_prefect_flow(repo: Path, home: Path) -> dict[str, object]:
         sys.path.insert(0, str(ROOT))
     from flows.pipeline import build_pipeline_flow
 
-    threads = os.environ.get("OMP_NUM_THREADS")
+    from test_dvc_deps import recorder_env
+
+    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH", "DISTILLERY_TRACE_IMPORTS")}
     os.environ["OMP_NUM_THREADS"] = _env()["OMP_NUM_THREADS"]  # the stages' CPU rounding equals later `dvc repro`s
+    os.environ.update(recorder_env(home / "recorder", TRACE.setdefault("dir", home / "imports")))  # for test_dvc_deps' check
     try:
         with temporary_settings(updates={PREFECT_HOME: str(home)}), prefect_test_harness(server_startup_timeout=120):
             state = build_pipeline_flow(repo, retries=0, timeout_seconds=900)(return_state=True)
@@ -94,10 +62,11 @@ def _run_prefect_flow(repo: Path, home: Path) -> dict[str, object]:
                 arts = client.read_artifacts(artifact_filter=ArtifactFilter(
                     flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     finally:
-        if threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = threads
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return {"results": state.result(), "artifacts": {a.key: a.data for a in arts},
             "flow_run_id": str(state.state_details.flow_run_id)}
 
@@ -123,8 +92,9 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
     assert scores["pretrain_4/distance_to_teacher"] > 0.0  # a different model than the reference teacher_6
     for stage in lock["stages"]:
         assert (repo / "artifacts" / stage / "lineage.json").is_file(), stage
-        assert json.loads((repo / "metrics" / f"{stage}.json").read_text()) == json.loads(
-            (repo / "artifacts" / stage / "metrics.json").read_text())
+        shown = json.loads((repo / "metrics" / f"{stage}.json").read_text())  # the artifact's metrics + this run's durations
+        held = json.loads((repo / "artifacts" / stage / "metrics.json").read_text())
+        assert {k: shown[k] for k in held} == held and set(shown) - set(held) <= {"seconds"}, stage
     assert (repo / "runs" / "teacher" / "checkpoint-6").is_dir()
     out = sh(["dvc", "repro"], repo).stdout
     assert "Data and pipelines are up to date" in out  # its wall time is in BENCHMARKS.md, not asserted here
@@ -141,6 +111,13 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
     assert len(parents) == 1 and parents[0].data.tags["distillery.pipeline_key"] == f"prefect-{FLOW['flow_run_id']}"
     children = {r.data.tags.get("mlflow.runName") for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
     assert children >= {"clips", "base", "latents", "teacher", "pretrain", "validate", "export"}
+
+
+def test_every_module_a_stage_imports_is_one_of_its_deps(repo):
+    """dvc.yaml knows the code its stages run (the check and the recorder are in test_dvc_deps.py)."""
+    from test_dvc_deps import check_stage_imports, imports_by_stage
+
+    check_stage_imports(imports_by_stage(TRACE["dir"]), ROOT)
 
 
 def test_lineage_of_a_copied_export_verifies_and_names_an_altered_file(repo, tmp_path):
@@ -201,7 +178,7 @@ def test_changing_a_pretrain_param_reruns_only_pretrain_and_what_follows(repo):
     exported = repo / "artifacts" / "export" / "transformer" / "diffusion_pytorch_model.safetensors"
     old_weights = exported.read_bytes()
     old_final = role_state(repo / "runs" / "pretrain" / "checkpoint-6")
-    set_params(repo, pretrain__learning_rate=1.0e-4)
+    set_params(repo, {"pretrain.learning_rate": 1.0e-4})
     status = sh(["dvc", "status"], repo).stdout
     assert "pretrain" in status and "teacher:" not in status and "latents:" not in status
     proc = sh(["dvc", "repro"], repo)

@@ -2,9 +2,10 @@
 
 The same options and behaviour as ``torchrun`` (it runs torch's own launcher in this process), plus:
 
-- this launcher dies with the process that started it (``PR_SET_PDEATHSIG``), and torch then stops
-  its workers; each worker also dies with this launcher (``distillery.train`` asks for it), so a
-  killed stage never leaves a training process behind;
+- this launcher dies at once (SIGKILL) with the process that started it (``PR_SET_PDEATHSIG``), and
+  each worker dies at once with this launcher (``distillery.train`` asks for it), so a killed stage
+  never leaves a training process behind (checkpoints are written atomically: nothing is lost but
+  the steps since the last one);
 - a worker that fails with a user error (a ``UserError``: bad data, a corrupt checkpoint, a
   non-finite loss) leaves its one line in a folder named by ``$DISTILLERY_WORKER_ERRORS``; the
   launcher prints that line once (``error: ...``) and exits 2, instead of torch's multi-line
@@ -44,7 +45,7 @@ def _quiet_torch_launcher() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    die_with_parent(signal.SIGTERM)
+    die_with_parent(signal.SIGKILL)  # at once: a stopped or hung worker must not keep us waiting; saves are atomic
     argv = sys.argv[1:] if argv is None else argv
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

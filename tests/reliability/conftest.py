@@ -77,29 +77,36 @@ def _sort_key(case: str) -> tuple:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Attach the case's marker and the measured data loss to the report (it travels to the xdist
+    controller with the report); :func:`pytest_runtest_logreport` collects it where the run is reported."""
     outcome = yield
     report = outcome.get_result()
     marker = item.get_closest_marker("reliability")
     if marker is None:
         return
-    kw = marker.kwargs
-    res = RESULTS.setdefault(item.nodeid, CaseResult(kw["case"], kw.get("title", item.name), kw.get("injected", ""),
-                                                     kw.get("expect", ""), item.nodeid))
+    lost = item.stash.get(_LOST_KEY, None)
+    report.user_properties.append(("reliability", {**marker.kwargs, "lost": lost.describe() if lost else "n/a"}))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    case = dict(report.user_properties).get("reliability")
+    if case is None:
+        return
+    res = RESULTS.setdefault(report.nodeid, CaseResult(case["case"], case.get("title", report.nodeid), case.get("injected", ""),
+                                                      case.get("expect", ""), report.nodeid))
     if report.when == "setup" and report.skipped:
         res.outcome = "skipped"
     if report.when == "call":
         res.outcome = "passed" if report.passed else ("skipped" if report.skipped else "FAILED")
         res.seconds = report.duration
-        lost = item.stash.get(_LOST_KEY, None)
-        if lost is not None:
-            res.lost = lost.describe()
+        res.lost = case["lost"]
     if report.when in ("setup", "teardown") and report.failed:
         res.outcome = "FAILED"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     target = os.environ.get("DISTILLERY_RELIABILITY_REPORT")
-    if not target or not RESULTS:
+    if not target or not RESULTS or hasattr(session.config, "workerinput"):  # the controller writes it once
         return
     rows = sorted(RESULTS.values(), key=lambda r: (_sort_key(r.case), r.test))
     esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
@@ -131,4 +138,25 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     repo = make_workspace(tmp_path_factory.mktemp("reliability") / "ws")
     sh(["dvc", "repro", "latents"], repo)
+    return repo
+
+
+@pytest.fixture
+def ws(prepared: Path, tmp_path: Path) -> Path:
+    """A private copy of ``prepared``."""
+    from workspace import copy_workspace
+
+    return copy_workspace(prepared, tmp_path / "ws")
+
+
+@pytest.fixture(scope="session")
+def trained(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``prepared`` + `dvc repro teacher` run to completion, uninterrupted (read-only: copy it).
+    ``workspace.TRAINED["seconds"]`` holds how long the teacher stage took."""
+    from workspace import TRAINED, copy_workspace, sh
+
+    repo = copy_workspace(prepared, tmp_path_factory.mktemp("trained") / "ws")
+    started = time.perf_counter()
+    sh(["dvc", "repro", "teacher"], repo)
+    TRAINED["seconds"] = time.perf_counter() - started
     return repo

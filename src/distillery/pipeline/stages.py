@@ -276,7 +276,7 @@ def _launch(cmd: list[str], env: dict[str, str]) -> int:
     global _CHILD
     from distillery.procutil import die_with_parent
 
-    _CHILD = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    _CHILD = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
     try:
         return _CHILD.wait()
     finally:
@@ -405,7 +405,7 @@ def _orphaned(stage: str) -> None:
     log.warning("stage %s: the process that started it is gone: stopping (a rerun resumes)", stage)
     child = _CHILD
     if child is not None and child.poll() is None:
-        child.terminate()
+        child.kill()  # its workers die with it (checkpoints are atomic: nothing half-written survives)
     os._exit(143)
 
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
+TRAINED: dict[str, float] = {}  # facts of the session's `trained` workspace (conftest.py)
 SMALL = {"clips.num_train": 16, "clips.num_validation": 4, "teacher.steps": 6, "teacher.batch_size": 4,
          "teacher.save_every": 2, "pretrain.steps": 6, "pretrain.batch_size": 4, "pretrain.save_every": 2,
          "validate.num_prompts": 2, "validate.teacher_steps": [6, 2], "validate.student_steps": 4}
@@ -141,13 +142,25 @@ def training_workers(folder: Path) -> list[int]:
     return found
 
 
-def pause_training(folder: Path, timeout: float = 300) -> list[int]:
-    """SIGSTOP the training workers in ``folder`` (waiting for them to start); returns their pids.
-    A paused run holds its locks and writes nothing: the test decides what happens next."""
+def pause_training(folder: Path, run_dir: Path | None = None, timeout: float = 300) -> list[int]:
+    """SIGSTOP the training workers in ``folder`` (waiting for them to start — and, with ``run_dir``,
+    until one of them holds ``run_dir/.lock``); returns their pids. A paused run holds its locks and
+    writes nothing: the test decides what happens next."""
     deadline = time.time() + timeout
-    while not (pids := training_workers(folder)):
+
+    def ready() -> list[int]:
+        pids = training_workers(folder)
+        if pids and run_dir is not None:
+            try:
+                holder = int((run_dir / ".lock").read_text().strip() or 0)
+            except (OSError, ValueError):
+                return []
+            return pids if holder in pids else []
+        return pids
+
+    while not (pids := ready()):
         assert time.time() < deadline, "no training worker started"
-        time.sleep(0.02)
+        time.sleep(0.005)
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     return pids

@@ -1,0 +1,203 @@
+"""Faults around the pipeline stages (DESIGN.md §2.2) on a real git + DVC workspace: a second
+writer, a killed `dvc repro`, a failing stage, a diverging loss, a worker's user error, a full,
+read-only or size-limited disk. Each test works on a copy (``ws``) of the session-scoped
+``prepared`` workspace (clips → base → latents; conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from workspace import (env, error_lines, pause_training, read_log_steps, resume_training, set_params, sh, stage, tree_sha,
+                       wait_no_processes)
+
+pytestmark = pytest.mark.slow
+
+@pytest.mark.reliability(case="8.6", title="one writer per stage",
+                         injected="a second `distillery stage teacher` (and a direct `distillery train` on its run folder) "
+                                  "while one is training",
+                         expect="the second gets one line naming the holder and exits 2; the first finishes intact")
+def test_second_writer_is_refused(ws, data_lost):
+    set_params(ws, {"teacher.steps": 20})
+    first = subprocess.Popen(["distillery", "stage", "teacher"], cwd=ws, env=env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        paused = pause_training(ws, ws / "runs" / "teacher")  # the first run holds its locks while the others try
+        second = stage(ws, "teacher")
+        assert second.returncode == 2
+        assert error_lines(second.stderr) == [l for l in second.stderr.splitlines() if l.strip()][-1:]
+        assert re.match(r"error: stage teacher is in use by pid \d+", error_lines(second.stderr)[0])
+        direct = sh(["distillery", "train", "--config", "runs/teacher/run.yaml"], ws, check=False)
+        assert direct.returncode == 2 and "training output folder runs/teacher is in use by pid" in direct.stderr
+        assert "Traceback" not in second.stderr + direct.stderr
+        resume_training(paused)
+        _, err = first.communicate(timeout=600)
+        assert first.returncode == 0, err[-2000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    steps = read_log_steps(ws / "runs" / "teacher")
+    data_lost.record(20 - len(set(steps)), "logged steps missing")
+    assert steps == list(range(1, 21))
+
+
+@pytest.mark.reliability(case="8.6", title="killing dvc kills the training",
+                         injected="SIGKILL to the `dvc repro teacher` process alone, mid-training",
+                         expect="no stage, launcher or worker process survives; a rerun resumes and logs each step once")
+def test_killing_dvc_leaves_no_orphan(ws, data_lost):
+    set_params(ws, {"teacher.steps": 12})
+    proc = subprocess.Popen(["dvc", "repro", "teacher"], cwd=ws, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not (ws / "runs" / "teacher" / "checkpoint-2" / "metadata.json").is_file():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.01)
+    pause_training(ws)  # mid-run for sure, whatever the host's speed (a stopped worker still dies on SIGKILL)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = wait_no_processes(ws, timeout=30)
+    assert left == [], f"orphans: {left}"
+    out = sh(["dvc", "repro", "teacher"], ws)
+    assert "resumed from runs/teacher/checkpoint-" in out.stderr
+    steps = read_log_steps(ws / "runs" / "teacher")
+    data_lost.record(12 - len(set(steps)), "logged steps missing")
+    assert steps == list(range(1, 13))
+
+
+@pytest.mark.reliability(case="8.8", title="a failed stage keeps the last good artifact",
+                         injected="point latents.data at a folder whose videos are all corrupt, `dvc repro latents`",
+                         expect="the stage fails with one line; artifacts/latents is byte-identical to before; no temp folders")
+def test_failed_stage_keeps_previous_artifact(ws, data_lost):
+    before = tree_sha(ws / "artifacts" / "latents")
+    bad = ws / "bad-data"
+    (bad / "videos").mkdir(parents=True)
+    lines = []
+    for i in range(4):
+        (bad / "videos" / f"v{i}.mp4").write_bytes(b"\x00not a video" * 10)
+        lines.append(json.dumps({"path": f"videos/v{i}.mp4", "caption": "a red circle moving left on a black background"}))
+    (bad / "captions.jsonl").write_text("\n".join(lines) + "\n")
+    set_params(ws, {"latents.data": str(bad)})
+    out = sh(["dvc", "repro", "latents"], ws, check=False)
+    assert out.returncode != 0
+    assert len(error_lines(out.stderr)) == 1 and "unusable" in error_lines(out.stderr)[0]
+    lost = 0 if (ws / "artifacts" / "latents").is_dir() and tree_sha(ws / "artifacts" / "latents") == before else 1
+    data_lost.record(lost, "previous artifacts lost or changed")
+    assert lost == 0
+    assert not list((ws / "artifacts").glob("*.tmp")) and not list((ws / "artifacts").glob(".*.old-*"))
+
+
+@pytest.mark.reliability(case="8.10", title="NaN loss stops with one line",
+                         injected="teacher.learning_rate 1e12 (the loss diverges to NaN/Inf within a few steps)",
+                         expect="exit 2, one line naming the step and the last good checkpoint; no checkpoint at or "
+                                "after that step; every saved weight finite")
+def test_diverging_loss_stops_cleanly(ws, data_lost):
+    set_params(ws, {"teacher.learning_rate": 1.0e12, "teacher.steps": 20, "teacher.save_every": 1})
+    out = stage(ws, "teacher")
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = error_lines(out.stderr)
+    assert len(errors) == 1 and "Traceback" not in out.stderr
+    m = re.match(r"error: training diverged at step (\d+): .*(nan|inf)", errors[0])
+    assert m, errors
+    bad_step = int(m.group(1))
+    from distillery.checkpoint import list_checkpoints
+
+    saved = [s for s, _ in list_checkpoints(ws / "runs" / "teacher")]
+    assert all(s < bad_step for s in saved)
+    if saved:
+        assert f"runs/teacher/checkpoint-{saved[-1]}" in errors[0]
+        import torch
+        from helpers import role_state
+
+        assert all(torch.isfinite(t).all() for t in role_state(ws / "runs" / "teacher" / f"checkpoint-{saved[-1]}").values())
+    data_lost.record(0 if (ws / "artifacts" / "latents").is_dir() else 1, "input artifacts lost")
+
+
+@pytest.mark.reliability(case="8.13", title="worker error is one line, exit 2",
+                         injected="truncate a latent shard, then `distillery stage teacher`",
+                         expect="exit 2 and the worker's one line naming the shard; no torchrun traceback")
+def test_worker_user_error_is_one_line(ws):
+    shard = sorted((ws / "artifacts" / "latents" / "data" / "train").glob("*.parquet"))[0]
+    shard.chmod(0o644)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    out = stage(ws, "teacher")
+    assert out.returncode == 2
+    errors = error_lines(out.stderr)
+    assert len(errors) == 1 and shard.name in errors[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
+    assert wait_no_processes(ws, timeout=30) == []
+
+
+def _mount_tmpfs(where: Path, *options: str) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {done.stderr.strip()}")
+
+
+@pytest.mark.reliability(case="8.9", title="disk full, found before the work",
+                         injected="artifacts/ on a 1 MiB tmpfs, `distillery stage clips`",
+                         expect="exit 2, one line with the bytes needed and free, before any work; nothing left behind")
+def test_full_disk_is_found_up_front(ws):
+    target = ws / "artifacts"
+    import shutil
+
+    shutil.rmtree(target)
+    _mount_tmpfs(target, "size=1m")
+    try:
+        out = stage(ws, "clips")
+        assert out.returncode == 2
+        errors = error_lines(out.stderr)
+        assert len(errors) == 1 and re.search(r"needs at least .* free in .*, only .* left", errors[0]), out.stderr[-2000:]
+        assert "Traceback" not in out.stderr and list(target.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@pytest.mark.reliability(case="8.9", title="read-only output",
+                         injected="artifacts/ mounted read-only, `distillery stage clips`",
+                         expect="exit 2, one line 'cannot write … read-only', before any work")
+def test_read_only_output_is_found_up_front(ws):
+    target = ws / "artifacts"
+    import shutil
+
+    shutil.rmtree(target)
+    _mount_tmpfs(target, "size=4m", "ro")
+    try:
+        out = stage(ws, "clips")
+        assert out.returncode == 2
+        errors = error_lines(out.stderr)
+        assert len(errors) == 1 and "cannot write to" in errors[0] and "read-only" in errors[0], out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@pytest.mark.reliability(case="8.9", title="a write that fails mid-artifact",
+                         injected="`distillery stage base` under a 64 KiB file-size limit (RLIMIT_FSIZE: EFBIG mid-copy)",
+                         expect="exit 2, one line; no artifacts/base.tmp or .base.old-* left; the previous artifacts/base "
+                                "byte-identical")
+def test_write_failure_mid_artifact_cleans_up(ws, data_lost):
+    import resource
+
+    before = tree_sha(ws / "artifacts" / "base")
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    out = subprocess.run(["distillery", "stage", "base"], cwd=ws, env=env(), capture_output=True, text=True,
+                         preexec_fn=limit, timeout=600)
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = error_lines(out.stderr)
+    assert len(errors) == 1 and "size limit" in errors[0] and "Traceback" not in out.stderr
+    assert not list((ws / "artifacts").glob("*.tmp")) and not list((ws / "artifacts").glob(".*.old-*"))
+    lost = 0 if tree_sha(ws / "artifacts" / "base") == before else 1
+    data_lost.record(lost, "previous artifacts lost or changed")
+    assert lost == 0
