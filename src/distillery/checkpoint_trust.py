@@ -105,11 +105,18 @@ def resolve_resume(resume: str, output_dir: Path, verified: dict[Path, Damage | 
         raise UserError(f"{where}: {_cut(path)} is outside this run's output folder {_cut(output_dir)}; a checkpoint from "
                         f"elsewhere loads only when granted on the command line: --allow-checkpoint {_cut(path)} "
                         f"(or {ENV_CHECKPOINTS})")
+    require_intact(path, where, "not loaded", check)
+    return path
+
+
+def require_intact(path: Path, where: str, outcome: str, check=verify_checkpoint) -> None:
+    """Raise a one-line UserError unless ``path`` is a complete checkpoint of the current format
+    whose files pass their checksums (``check`` returns None); ``where`` prefixes the message and
+    ``outcome`` says what was not done ("not loaded", "not exported")."""
     if not (path / "metadata.json").is_file():
         raise UserError(f"{where}: {_cut(path)} is not a complete checkpoint (no metadata.json)")
     if is_old_format(path):
         raise old_format_error(path)
     damage = check(path)
     if damage is not None:
-        raise UserError(f"{where}: {_cut(path)} fails verification ({damage}); not loaded")
-    return path
+        raise UserError(f"{where}: {_cut(path)} fails verification ({damage}); {outcome}")

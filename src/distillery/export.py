@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from distillery.checkpoint_checksums import verify_checkpoint
 from distillery.checkpoint_io import load_dcp
-from distillery.checkpoint_trust import is_old_format, old_format_error
+from distillery.checkpoint_trust import require_intact
 from distillery.errors import UserError
 from distillery.fsutil import replace_dir
 
@@ -63,15 +62,8 @@ def load_role_weights(checkpoint: Path, role: str, module: torch.nn.Module, ema:
 def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str | None = None) -> Path:
     """Write ``<out>/transformer/`` for ``role`` of ``checkpoint``; returns that folder."""
     ckpt = Path(checkpoint)
-    meta_path = ckpt / "metadata.json"
-    if not meta_path.is_file():
-        raise UserError(f"{ckpt}: not a complete checkpoint (no metadata.json)")
-    if is_old_format(ckpt):
-        raise old_format_error(ckpt)
-    damage = verify_checkpoint(ckpt)
-    if damage is not None:
-        raise UserError(f"{ckpt}: checkpoint fails verification ({damage}); not exported")
-    meta = json.loads(meta_path.read_text())
+    require_intact(ckpt, "export", "not exported")
+    meta = json.loads((ckpt / "metadata.json").read_text())
     if role not in meta.get("roles", []):
         raise UserError(f"{ckpt}: no trainable role {role!r}; it holds {', '.join(meta.get('roles', [])) or 'none'}")
     config = json.loads((ckpt / "roles" / role / "config.json").read_text())

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from distillery.lineage import hash_file
 import random
 
 from workspace import TRAINED, copy_workspace, env, read_log_steps, set_params, sh, stage, tree_sha, wait_no_processes
@@ -26,10 +28,6 @@ pytestmark = pytest.mark.slow
 WEIGHTS = Path("artifacts/teacher/model/transformer/diffusion_pytorch_model.safetensors")
 
 
-def _sha(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.mark.reliability(case="8.1", title="changed param: no stale resume",
@@ -38,7 +36,7 @@ def _sha(path: Path) -> str:
                                 "equal a fresh run's with the new value, bitwise; lineage names the new value")
 def test_changed_learning_rate_restarts_and_ships_the_new_weights(trained, tmp_path, data_lost):
     repo = copy_workspace(trained, tmp_path / "changed")
-    old = _sha(repo / WEIGHTS)
+    old = hash_file(repo / WEIGHTS)
     set_params(repo, {"teacher.learning_rate": 5.0e-4})
     out = sh(["dvc", "repro", "teacher"], repo)
     assert "not resuming runs/teacher (changed: the run config): starting from step 0" in out.stderr
@@ -50,8 +48,8 @@ def test_changed_learning_rate_restarts_and_ships_the_new_weights(trained, tmp_p
 
     shutil.rmtree(fresh / "runs")
     sh(["dvc", "repro", "teacher"], fresh)
-    new = _sha(repo / WEIGHTS)
-    assert new != old and new == _sha(fresh / WEIGHTS)
+    new = hash_file(repo / WEIGHTS)
+    assert new != old and new == hash_file(fresh / WEIGHTS)
     lineage = json.loads((repo / "artifacts" / "teacher" / "lineage.json").read_text())
     assert lineage["config"]["training"]["optimizer"]["learning_rate"] == 5.0e-4
     assert next(o for o in lineage["outputs"] if o["path"] == "model/transformer/diffusion_pytorch_model.safetensors")["sha256"] == new

@@ -204,7 +204,7 @@ def build_run_config(stage: str, params: Params) -> dict[str, Any]:
                      text_max_length=latents["settings"]["max_sequence_length"])
     t["optimizer"]["learning_rate"] = p["learning_rate"]
     t["loop"].update(max_train_steps=p["steps"], seed=params.get("seed"), progress_bar=False)
-    t["checkpoint"].update(output_dir=str(RUNS / stage), save_every=p.get("save_every", 0))
+    t["checkpoint"].update(output_dir=str(RUNS / stage), save_every=p["save_every"])
     t["tracker"].update(parent_run_id=parent_run_id(params.path.read_text()), run_name=stage, tags={"distillery.stage": stage})
     if stage == "pretrain":
         raw["method"]["chunk_size"] = p["chunk_size"]
@@ -233,9 +233,7 @@ def check_chain(stage: str, raw: dict[str, Any]) -> None:
 def torchrun_command(params: Params, config_path: Path) -> list[str]:
     g = params.get("gpus")
     cmd = [sys.executable, "-m", "distillery.launch", "--nproc_per_node", str(g["nproc_per_node"])]
-    if int(g.get("nnodes", 1)) > 1:
-        if not g.get("rdzv_endpoint"):
-            raise UserError("params.yaml: gpus.rdzv_endpoint: required when gpus.nnodes > 1 (host:port)")
+    if int(g["nnodes"]) > 1:  # params.yaml was validated: rdzv_endpoint is a host:port here
         cmd += ["--nnodes", str(g["nnodes"]), "--rdzv_backend", "c10d", "--rdzv_endpoint", str(g["rdzv_endpoint"])]
     else:
         cmd += ["--standalone"]
