@@ -100,9 +100,9 @@ def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_singl
     import torch
 
     from distillery.config import allowed_prefixes, load_run_config
-    from distillery.builder import resolve_compile
-    from distillery.distributed import init_distributed, shutdown
-    from distillery.trainer import Trainer
+    from distillery.engine.builder import resolve_compile
+    from distillery.engine.distributed import init_distributed, shutdown
+    from distillery.engine.loop import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         model, data = make_assets(Path(tmp), size)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from distillery.base.tiny import make_tiny_base
+    from distillery.tinybase.tiny import make_tiny_base
 
     return make_tiny_base(tmp_path_factory.mktemp("base") / "tiny-wan", seed=0)
 

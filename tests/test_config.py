@@ -79,7 +79,7 @@ def test_overrides_apply_and_parse_yaml_values(tmp_path):
     ],
 )
 def test_config_errors_are_one_line_naming_the_key(tmp_path, mutate, expected):
-    from distillery.builder import check_roles_early
+    from distillery.engine.builder import check_roles_early
 
     raw = _raw(tmp_path)
     mutate(raw)

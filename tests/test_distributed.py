@@ -83,8 +83,8 @@ def test_torchrun_stop_and_resume_matches_uninterrupted(runs):
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(runs):
-    from distillery.checkpoint_checksums import verify_checkpoint
-    from distillery.checkpoint_io import read_dcp_metadata
+    from distillery.engine.checkpoint.checksums import verify_checkpoint
+    from distillery.engine.checkpoint.dcp_io import read_dcp_metadata
 
     root = runs["root"]
     saved = root / "split" / f"checkpoint-{STEPS // 2}"  # both ranks' files are in its checksums

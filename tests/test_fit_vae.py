@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from distillery.base.fit_vae import (
+from distillery.tinybase.fit_vae import (
     VAEFitConfig,
     decode_unclamped,
     encode_moments,
@@ -19,7 +19,7 @@ from distillery.base.fit_vae import (
     set_latent_stats,
 )
 from distillery.data.encoders import denormalize_latents, normalize_latents
-from distillery.base.tiny import TinyBaseConfig, build_vae
+from distillery.tinybase.tiny import TinyBaseConfig, build_vae
 from distillery.errors import UserError
 
 COLOURS = [(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (1.0, 1.0, 0.0)]
@@ -166,7 +166,7 @@ def test_config_rejects_short_windows_and_no_budget() -> None:
 
 
 def test_lr_cooldown_follows_the_tighter_budget() -> None:
-    from distillery.base.fit_vae import _lr_factor
+    from distillery.tinybase.fit_vae import _lr_factor
 
     cfg = VAEFitConfig(seconds=100.0, max_steps=1000, lr_cooldown=0.2)
     assert _lr_factor(cfg, 10.0, 100) == 1.0

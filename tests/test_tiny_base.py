@@ -14,8 +14,8 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from distillery.base import TinyBaseConfig, make_tiny_base  # noqa: E402
-from distillery.base.tokenizer import BUILTIN_VOCABULARY  # noqa: E402
+from distillery.tinybase import TinyBaseConfig, make_tiny_base  # noqa: E402
+from distillery.tinybase.tokenizer import BUILTIN_VOCABULARY  # noqa: E402
 from distillery.errors import UserError  # noqa: E402
 
 CAPTIONS = ["a red circle moving left on a black background", "a Zebra-striped blob drifting, slowly"]
@@ -49,7 +49,7 @@ def _rebuilt(part: str, seed: int = 0):
     """The part ("vae" or "transformer") built again in memory the way make_tiny_base seeds it."""
     import torch
 
-    from distillery.base import tiny
+    from distillery.tinybase import tiny
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + tiny._SEED_OFFSETS[part])

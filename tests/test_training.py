@@ -80,8 +80,8 @@ def test_checkpoint_holds_no_pickle_of_ours_and_verifies(tmp_path, tiny_base, la
     """Host and RNG state are JSON + safetensors, every file is in checksums.json, the DCP metadata
     reads with the restricted unpickler, and a checkpoint named by path in the run's own folder
     resumes without a grant."""
-    from distillery.checkpoint_checksums import verify_checkpoint
-    from distillery.checkpoint_io import read_dcp_metadata
+    from distillery.engine.checkpoint.checksums import verify_checkpoint
+    from distillery.engine.checkpoint.dcp_io import read_dcp_metadata
 
     cfg = run_config(tiny_base, latent_set, tmp_path / "run", steps=2, save_every=1, callbacks=CALLBACKS)
     train_in_process(cfg)
@@ -103,7 +103,7 @@ def test_checkpoint_holds_no_pickle_of_ours_and_verifies(tmp_path, tiny_base, la
 
 
 def test_checkpoint_from_another_model_is_refused(tmp_path, tiny_base, latent_set):
-    from distillery.base.tiny import TinyBaseConfig, TinyTransformerConfig, make_tiny_base
+    from distillery.tinybase.tiny import TinyBaseConfig, TinyTransformerConfig, make_tiny_base
 
     cfg = run_config(tiny_base, latent_set, tmp_path / "run", steps=2)
     train_in_process(cfg)
@@ -138,9 +138,9 @@ def test_exported_transformer_reproduces_the_trained_module(tmp_path, tiny_base,
     from diffusers import WanTransformer3DModel
 
     from distillery.config import allowed_prefixes, load_run_config
-    from distillery.distributed import init_distributed, shutdown
+    from distillery.engine.distributed import init_distributed, shutdown
     from distillery.export import export_weights
-    from distillery.trainer import Trainer
+    from distillery.engine.loop import Trainer
 
     config = load_run_config(raw=run_config(tiny_base, latent_set, tmp_path / "run", steps=5), prefixes=allowed_prefixes())
     env = init_distributed(config.training.distributed)
@@ -211,7 +211,7 @@ def test_bf16_compute_copy_resume_is_bitwise_equal(tmp_path, tiny_base, latent_s
 def test_compute_copy_accumulates_grads_in_fp32_and_keeps_buffers():
     from diffusers import WanTransformer3DModel
 
-    from distillery.precision import ComputeCopy
+    from distillery.engine.precision import ComputeCopy
 
     torch.manual_seed(0)
     master = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
@@ -247,9 +247,9 @@ def test_compute_copy_accumulates_grads_in_fp32_and_keeps_buffers():
 
 
 def test_runtime_choices_resolve_per_device(tmp_path, tiny_base, latent_set):
-    from distillery.builder import resolve_compile
+    from distillery.engine.builder import resolve_compile
     from distillery.config.schema import ModelRuntimeConfig
-    from distillery.distributed import DistEnv
+    from distillery.engine.distributed import DistEnv
 
     def env(device: str, dtype: torch.dtype) -> DistEnv:
         return DistEnv(0, 1, 0, torch.device(device), "gloo", None, dtype)

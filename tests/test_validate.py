@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from distillery.base.shipped import shipped_tiny_base
+from distillery.tinybase.shipped import shipped_tiny_base
 from distillery.errors import UserError
 from distillery.sampling import EulerSampler, few_step_x0, initial_noise
 from distillery.validate import Candidate, ValidationConfig, run_validation, teacher_candidates

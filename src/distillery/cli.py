@@ -79,13 +79,13 @@ def _make_tiny(args: argparse.Namespace) -> int:
     if args.fit and args.shipped:
         raise UserError("choose one of --fit and --shipped")
     if args.shipped:
-        from distillery.base.shipped import copy_shipped_tiny_base
+        from distillery.tinybase.shipped import copy_shipped_tiny_base
 
         out = copy_shipped_tiny_base(Path(args.out), overwrite=args.overwrite)
         sys.stdout.write(f"copied the shipped fitted tiny Wan base to {out} (model card: {out / 'README.md'})\n")
         return 0
     if args.fit:
-        from distillery.base.fit import FitConfig, fit_tiny_base
+        from distillery.tinybase.fit import FitConfig, fit_tiny_base
 
         cfg = FitConfig(seed=args.seed, vae_seconds=args.vae_seconds)
         if args.dit_steps is not None:
@@ -107,7 +107,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
                             work_dir=Path(args.work_dir) if args.work_dir else None)
         sys.stdout.write(f"wrote fitted tiny Wan base model to {out} (model card: {out / 'README.md'})\n")
         return 0
-    from distillery.base.tiny import make_tiny_base
+    from distillery.tinybase.tiny import make_tiny_base
 
     out = make_tiny_base(Path(args.out), seed=args.seed, overwrite=args.overwrite, command=command)
     sys.stdout.write(f"wrote tiny Wan base model to {out}\n")

@@ -6,7 +6,7 @@ the DCP shards on one process (any saving world size), and writes ``<out>/transf
 ``save_pretrained`` (safetensors + config.json), atomically.
 
 The checkpoint folder is named by the user, so its recorded checksums must verify before anything
-in it is read, and its DCP files are read without unpickling (:mod:`distillery.checkpoint_io`).
+in it is read, and its DCP files are read without unpickling (:mod:`distillery.engine.checkpoint.dcp_io`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from distillery.checkpoint_io import load_dcp
-from distillery.checkpoint_trust import require_intact
+from distillery.engine.checkpoint.dcp_io import load_dcp
+from distillery.engine.checkpoint.trust import require_intact
 from distillery.errors import UserError
 from distillery.fsutil import replace_dir
 

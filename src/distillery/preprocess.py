@@ -33,7 +33,7 @@ from tqdm import tqdm
 from distillery.data.dataset import write_empty_prompt_embedding
 from distillery.data.encoders import BaseEncoders
 from distillery.data.videos import ClipItem, IngestConfig, find_splits, load_entry, read_entries
-from distillery.distributed import barrier, shutdown
+from distillery.engine.distributed import barrier, shutdown
 from distillery.data.writer import LatentRecord, shard_path, write_shard
 from distillery.errors import UserError
 from distillery.fsutil import write_text_atomic

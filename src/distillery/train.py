@@ -37,27 +37,27 @@ def run_training(argv: list[str]) -> int:
     args, rest = parse_args(argv)
     setup_logging()
     prefixes = allowed_prefixes(args.allow_target_prefix)
-    from distillery.checkpoint_trust import grant_checkpoints
+    from distillery.engine.checkpoint.trust import grant_checkpoints
 
     grant_checkpoints(args.allow_checkpoint)
     config = load_run_config(args.config, parse_override_args(rest), prefixes)
-    from distillery.builder import check_roles_early
+    from distillery.engine.builder import check_roles_early
 
     check_roles_early(config)
-    from distillery.distributed import init_distributed, shutdown
+    from distillery.engine.distributed import init_distributed, shutdown
 
     env = init_distributed(config.training.distributed)
     setup_logging(env.rank)
     try:
         if args.dry_run:
-            from distillery.builder import build_run, check_data_path
+            from distillery.engine.builder import build_run, check_data_path
 
             build_run(config, env)
             check_data_path(config.training.data.path)
             if env.is_main:
                 sys.stdout.write(dump_run_config(config))
             return 0
-        from distillery.trainer import Trainer
+        from distillery.engine.loop import Trainer
 
         result = Trainer(config, env).fit()
         if env.is_main:

@@ -7,7 +7,7 @@ calls, per optimizer step::
     for each micro-batch:  out = method.single_train_step(batch, step); method.backward(out, rounds)
     callbacks.on_before_optimizer_step; method.optimizers_step(step); method.zero_grad(step)
 
-Randomness: ``self.rng`` (a :class:`~distillery.rng.BatchRNG` on the student's device) is the only
+Randomness: ``self.rng`` (a :class:`~distillery.engine.rng.BatchRNG` on the student's device) is the only
 source of random draws in methods, models and samplers; its per-sample draws do not depend on
 the number of ranks.
 """
@@ -24,7 +24,7 @@ import torch
 from distillery.config.schema import OptimizerConfig, TrainingConfig
 from distillery.errors import UserError
 from distillery.models.base import ModelBase
-from distillery.rng import BatchRNG
+from distillery.engine.rng import BatchRNG
 
 
 @dataclass

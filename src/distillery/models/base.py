@@ -15,8 +15,8 @@ import torch
 
 from distillery.errors import UserError
 from distillery.models.schedule import FlowMatchSchedule
-from distillery.precision import ComputeCopy
-from distillery.rng import BatchRNG
+from distillery.engine.precision import ComputeCopy
+from distillery.engine.rng import BatchRNG
 
 
 @dataclass
@@ -60,7 +60,7 @@ class ModelBase(ABC):
         """Record the device and dtype the transformer computes in.
 
         ``compute_copy``: a low-precision twin of ``self.transformer`` (the fp32 master) that runs
-        forward and backward (one rank without FSDP; see :mod:`distillery.precision`).
+        forward and backward (one rank without FSDP; see :mod:`distillery.engine.precision`).
         """
         self.device = device
         self.compute_dtype = compute_dtype

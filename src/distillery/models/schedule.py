@@ -18,7 +18,7 @@ import torch
 from distillery.errors import UserError
 
 if TYPE_CHECKING:
-    from distillery.rng import BatchRNG
+    from distillery.engine.rng import BatchRNG
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ def stage_clips(params: Params) -> None:
 
 def resolve_base(path: str) -> Path:
     if path == "tiny":
-        from distillery.base.shipped import shipped_tiny_base
+        from distillery.tinybase.shipped import shipped_tiny_base
 
         return shipped_tiny_base()
     p = Path(path).expanduser()
@@ -213,7 +213,7 @@ def build_run_config(stage: str, params: Params) -> dict[str, Any]:
 
 def check_chain(stage: str, raw: dict[str, Any]) -> None:
     """Before any training: the config builds, the roles fit the method, and the init model fits the data."""
-    from distillery.builder import check_roles_early
+    from distillery.engine.builder import check_roles_early
     from distillery.config import allowed_prefixes, load_run_config
     from distillery.models.wan import locate_transformer
 
@@ -244,7 +244,7 @@ def prepare_run_dir(stage: str, raw: dict[str, Any], key: dict[str, str]) -> Pat
     """``runs/<stage>/run.yaml`` + ``resume_key.json``. Checkpoints made from another config,
     other inputs or other code are discarded (one line says what changed): a stage resumes only
     what the same inputs made (DESIGN.md §2.2)."""
-    from distillery.checkpoint import list_checkpoints
+    from distillery.engine.checkpoint.manager import list_checkpoints
     from distillery.pipeline.resume_key import KEY_FILE, key_mismatch, read_key
     from distillery.procutil import exclusive_lock
 
@@ -285,7 +285,7 @@ def _launch(cmd: list[str], env: dict[str, str]) -> int:
 
 
 def stage_training(stage: str, params: Params) -> None:
-    from distillery.checkpoint import list_checkpoints
+    from distillery.engine.checkpoint.manager import list_checkpoints
     from distillery.export import export_weights
     from distillery.models.schedule import read_scheduler_shift
     from distillery.models.wan import locate_transformer
@@ -320,7 +320,7 @@ def stage_training(stage: str, params: Params) -> None:
     write_json_atomic(staging / "model" / "sampling.json", {"sampler": "euler", "shift": shift, "num_train_timesteps": 1000})
     last = loss[-10:] or [{"loss": float("nan")}]
     metrics = {"final_loss": round(sum(r["loss"] for r in last) / len(last), 5), "steps": meta["step"]}
-    from distillery.tracking import default_tracking_uri
+    from distillery.engine.tracking import default_tracking_uri
     from distillery.config.schema import TrackerConfig
 
     mlflow = {"tracking_uri": default_tracking_uri(TrackerConfig()), "experiment": raw["training"]["tracker"]["experiment"],

@@ -13,7 +13,7 @@ from typing import Any
 
 from distillery.config.schema import TrackerConfig
 from distillery.lineage import code_info
-from distillery.tracking import MLflowTracker, default_tracking_uri, ensure_experiment, store_lock
+from distillery.engine.tracking import MLflowTracker, default_tracking_uri, ensure_experiment, store_lock
 
 EXPERIMENT = "distillery"
 

@@ -1,13 +1,13 @@
 """Base models the pipeline starts from: the tiny Wan 2.1 the project makes itself."""
 
-from distillery.base.tiny import (
+from distillery.tinybase.tiny import (
     TinyBaseConfig,
     TinyTextEncoderConfig,
     TinyTransformerConfig,
     TinyVAEConfig,
     make_tiny_base,
 )
-from distillery.base.tokenizer import build_tokenizer
+from distillery.tinybase.tokenizer import build_tokenizer
 
 __all__ = [
     "TinyBaseConfig",

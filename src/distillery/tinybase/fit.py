@@ -4,7 +4,7 @@ The recipe (measured on 2 CPU cores; TOOLCHAIN.md and BENCHMARKS.md have the fig
 1. a synthetic captioned clip set (``distillery.clips``), 17×32×32 at 8 fps;
 2. a word-level tokenizer built from its captions and a tiny random ``UMT5EncoderModel``
    (frozen: a fixed, distinct embedding per word is all the DiT needs);
-3. a tiny ``AutoencoderKLWan`` fitted to the clips (``distillery.base.fit_vae``), its
+3. a tiny ``AutoencoderKLWan`` fitted to the clips (``distillery.tinybase.fit_vae``), its
    ``latents_mean``/``latents_std`` set from the fitted latents;
 4. the clips preprocessed into latents with that VAE and text encoder (``distillery.preprocess``);
 5. a tiny ``WanTransformer3DModel`` pretrained on them with the library's own SFT trainer
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distillery.base.tiny import TinyBaseConfig, _check_destination, _make_readable
+from distillery.tinybase.tiny import TinyBaseConfig, _check_destination, _make_readable
 from distillery.fsutil import replace_dir
 from distillery.log import get_logger
 
@@ -82,8 +82,8 @@ def _load_split(split_dir: Path, cfg: FitConfig) -> list[Any]:
 
 
 def fit_vae_stage(train: list[Any], val: list[Any], cfg: FitConfig) -> tuple[Any, dict[str, Any]]:
-    from distillery.base.fit_vae import VAEFitConfig, fit_vae, init_as_framewise_autoencoder, latent_stats, set_latent_stats
-    from distillery.base.tiny import build_vae
+    from distillery.tinybase.fit_vae import VAEFitConfig, fit_vae, init_as_framewise_autoencoder, latent_stats, set_latent_stats
+    from distillery.tinybase.tiny import build_vae
 
     torch.manual_seed(cfg.seed + 1)
     vae = build_vae(cfg.base)
@@ -112,7 +112,7 @@ def derangement(n: int, seed: int) -> list[int]:
 def calibrate_analyzer(vae: Any, train: list[Any], val: list[Any], seed: int) -> tuple[Any, dict[str, Any]]:
     """Calibrate the analyzer's shape thresholds on VAE reconstructions of the training clips and
     report its accuracy on reconstructions of the validation clips, with true and shuffled captions."""
-    from distillery.base.fit_vae import reconstruct
+    from distillery.tinybase.fit_vae import reconstruct
     from distillery.clips.analyzer import accuracy, analyze, calibrate, evaluate
 
     def recon(items: list[Any]) -> list[np.ndarray]:
@@ -138,8 +138,8 @@ def assemble(staging: Path, vae: Any, captions: list[str], cfg: FitConfig) -> No
     """Write tokenizer, text encoder, fitted VAE, initial transformer and scheduler to ``staging``."""
     from diffusers import WanPipeline
 
-    from distillery.base.tiny import build_scheduler, build_text_encoder, build_transformer
-    from distillery.base.tokenizer import build_tokenizer
+    from distillery.tinybase.tiny import build_scheduler, build_text_encoder, build_transformer
+    from distillery.tinybase.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(captions, model_max_length=cfg.base.max_sequence_length)
     torch.manual_seed(cfg.seed)
@@ -155,9 +155,9 @@ def assemble(staging: Path, vae: Any, captions: list[str], cfg: FitConfig) -> No
 def pretrain_transformer(staging: Path, latents: Path, work: Path, cfg: FitConfig) -> dict[str, Any]:
     """SFT of ``staging/transformer`` on the latents with the library trainer; writes the result back."""
     from distillery.config import allowed_prefixes, load_run_config
-    from distillery.distributed import init_distributed, shutdown
+    from distillery.engine.distributed import init_distributed, shutdown
     from distillery.export import export_weights
-    from distillery.trainer import Trainer
+    from distillery.engine.loop import Trainer
 
     d = cfg.dit
     raw = {

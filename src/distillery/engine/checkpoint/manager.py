@@ -8,17 +8,17 @@ Layout of one checkpoint::
       roles/<role>/config.json  # each trainable role's transformer architecture (for export)
       state.json                # rank-independent host state: step, LR schedulers, data position, MLflow run
       rng/rank-<r>.json         # per-rank RNG: python, numpy, torch CPU/CUDA, the method generator
-      rng/rank-<r>.safetensors  #   (its tensors; see distillery.checkpoint_state)
-      checksums.json            # size + sha256 of every file above (distillery.checkpoint_checksums)
+      rng/rank-<r>.safetensors  #   (its tensors; see distillery.engine.checkpoint.host_state)
+      checksums.json            # size + sha256 of every file above (distillery.engine.checkpoint.checksums)
       metadata.json             # summary (step, world size, roles, time, tracking run) + digest of checksums.json
 
 It is written into ``.tmp-checkpoint-<step>/`` and renamed when complete, so a crash mid-save
 never leaves a checkpoint that looks complete; ``metadata.json`` is written last.
 
 Trust (DESIGN.md §2.2): nothing in a checkpoint is unpickled by us (host and RNG state are JSON +
-safetensors, :mod:`distillery.checkpoint_state`; DCP is read through :mod:`distillery.checkpoint_io`).
+safetensors, :mod:`distillery.engine.checkpoint.host_state`; DCP is read through :mod:`distillery.engine.checkpoint.dcp_io`).
 Which checkpoint a run resumes — verified, falling back past damaged ones, granted when outside the
-run's folder, never of the old pickled format — is decided by :mod:`distillery.checkpoint_trust`.
+run's folder, never of the old pickled format — is decided by :mod:`distillery.engine.checkpoint.trust`.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from distillery.checkpoint_checksums import Damage, FileDigest, hash_files, write_checksums
-from distillery.checkpoint_io import load_dcp
-from distillery.checkpoint_state import read_state, write_state
-from distillery.checkpoint_trust import CHECKPOINT_RE, is_old_format, old_format_error, resolve_resume
-from distillery.distributed import barrier, broadcast_object
+from distillery.engine.checkpoint.checksums import Damage, FileDigest, hash_files, write_checksums
+from distillery.engine.checkpoint.dcp_io import load_dcp
+from distillery.engine.checkpoint.host_state import read_state, write_state
+from distillery.engine.checkpoint.trust import CHECKPOINT_RE, is_old_format, old_format_error, resolve_resume
+from distillery.engine.distributed import barrier, broadcast_object
 from distillery.errors import UserError
 from distillery.log import get_logger
 

@@ -85,7 +85,7 @@ def uses_fsdp(env: DistEnv, cfg: DistributedConfig) -> bool:
     """FSDP2 wraps the transformers on more than one rank (or when asked to on one).
 
     On one rank without FSDP, bf16 training runs a bf16 compute copy of each trainable
-    transformer beside its fp32 master (:mod:`distillery.precision`).
+    transformer beside its fp32 master (:mod:`distillery.engine.precision`).
     """
     return env.world_size > 1 or cfg.shard_single_rank
 

@@ -18,18 +18,18 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from distillery.builder import build_run, check_data_path, seed_everything
+from distillery.engine.builder import build_run, check_data_path, seed_everything
 from distillery.callbacks.base import CallbackContext
-from distillery.checkpoint import CallbackState, CheckpointManager, CheckpointPayload, RoleState, capture_rng, restore_rng
-from distillery.checkpoint import list_checkpoints
+from distillery.engine.checkpoint.manager import CallbackState, CheckpointManager, CheckpointPayload, RoleState, capture_rng, restore_rng
+from distillery.engine.checkpoint.manager import list_checkpoints
 from distillery.config.loader import dump_run_config
 from distillery.config.schema import RunConfig
 from distillery.data import LatentBatchLoader, LatentDataset, ShardedBatchSampler, read_empty_prompt_embedding
-from distillery.distributed import DistEnv, all_reduce_mean, broadcast_object
+from distillery.engine.distributed import DistEnv, all_reduce_mean, broadcast_object
 from distillery.errors import UserError
 from distillery.log import get_logger, quiet_library_progress
 from distillery.procutil import exclusive_lock
-from distillery.tracking import build_tracker
+from distillery.engine.tracking import build_tracker
 
 log = get_logger("trainer")
 

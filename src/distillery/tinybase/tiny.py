@@ -5,7 +5,7 @@ loads offline::
 
     out_dir/
       model_index.json       WanPipeline: tokenizer, text_encoder, vae, scheduler, transformer
-      tokenizer/             word-level fast tokenizer (distillery.base.tokenizer)
+      tokenizer/             word-level fast tokenizer (distillery.tinybase.tokenizer)
       text_encoder/          UMT5EncoderModel, tiny
       vae/                   AutoencoderKLWan, tiny (latents_mean/std sized to z_dim)
       transformer/           WanTransformer3DModel, tiny
@@ -224,7 +224,7 @@ def make_tiny_base(
     import torch
     from diffusers import WanPipeline
 
-    from distillery.base.tokenizer import build_tokenizer
+    from distillery.tinybase.tokenizer import build_tokenizer
 
     out_dir = Path(out_dir)
     _check_destination(out_dir, overwrite)

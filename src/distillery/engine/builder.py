@@ -9,11 +9,11 @@ import torch
 
 from distillery.callbacks.base import Callback
 from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, RunConfig
-from distillery.distributed import DistEnv, shard_transformer, uses_fsdp
+from distillery.engine.distributed import DistEnv, shard_transformer, uses_fsdp
 from distillery.errors import UserError
 from distillery.methods.base import TrainingMethod
 from distillery.models.base import ModelBase
-from distillery.precision import ComputeCopy, cast_parameters_
+from distillery.engine.precision import ComputeCopy, cast_parameters_
 
 
 @dataclass
@@ -86,7 +86,7 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
 
     - FSDP2 (several ranks, or ``shard_single_rank: true``): sharded fp32 masters, bf16 gathers.
     - One rank without FSDP, bf16 compute: a trainable role gets a bf16 compute copy beside its
-      fp32 master (:class:`~distillery.precision.ComputeCopy`); a frozen role is cast to bf16 in
+      fp32 master (:class:`~distillery.engine.precision.ComputeCopy`); a frozen role is cast to bf16 in
       place (no master is needed). Buffers (RoPE tables) stay fp32.
     - fp32 compute (CPU by default): the transformer itself, as loaded.
 

@@ -1,7 +1,7 @@
 """Which checkpoint a run may load (DESIGN.md §2.2 "Trust rules").
 
 - ``resume: latest``: the newest checkpoint of the run's own output folder whose checksums verify
-  (:mod:`distillery.checkpoint_checksums`); each damaged newer one is skipped with one warning
+  (:mod:`distillery.engine.checkpoint.checksums`); each damaged newer one is skipped with one warning
   line naming it and its first bad file; none intact → step 0, said so.
 - ``resume: <path>``: inside the run's output folder, or granted on the command line
   (``distillery train --allow-checkpoint PATH``, repeatable, or ``DISTILLERY_ALLOWED_CHECKPOINTS=a:b``),
@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from distillery.checkpoint_checksums import Damage, verify_checkpoint
+from distillery.engine.checkpoint.checksums import Damage, verify_checkpoint
 from distillery.errors import UserError
 from distillery.log import get_logger
 

@@ -27,7 +27,7 @@ def shipped_tiny_base() -> Path:
 
 def copy_shipped_tiny_base(out: Path, overwrite: bool = False) -> Path:
     """Copy the shipped fitted tiny base to ``out`` (atomically: temp sibling, then rename)."""
-    from distillery.base.tiny import _check_destination, _make_readable
+    from distillery.tinybase.tiny import _check_destination, _make_readable
     from distillery.fsutil import replace_dir
 
     src = shipped_tiny_base()

@@ -20,7 +20,7 @@ from distillery.errors import UserError
 from distillery.log import get_logger
 from distillery.models.base import ModelBase, TrainingBatch
 from distillery.models.schedule import FlowMatchSchedule, read_scheduler_shift
-from distillery.rng import BatchRNG
+from distillery.engine.rng import BatchRNG
 
 log = get_logger("models.wan")
 

@@ -1,0 +1,11 @@
+"""The training engine: what turns a typed run config into trained, checkpointed weights.
+
+- :mod:`~distillery.engine.loop` — the trainer (gradient accumulation, callbacks, one host sync per step);
+- :mod:`~distillery.engine.builder` — role models → method → placement/sharding → optimizers → callbacks;
+- :mod:`~distillery.engine.optim` — per-role optimizer and LR-schedule factory;
+- :mod:`~distillery.engine.checkpoint` — DCP checkpoints, their host state, checksums and trust rules;
+- :mod:`~distillery.engine.distributed`, :mod:`~distillery.engine.precision` — ranks, FSDP2, compute copies;
+- :mod:`~distillery.engine.rng` — the rank-independent random stream; :mod:`~distillery.engine.tracking` — MLflow.
+
+Nothing here imports DVC or Prefect (the pipeline adapts the engine, never the reverse).
+"""
