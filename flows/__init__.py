@@ -1,7 +1,7 @@
 """Prefect flows built from ``dvc.yaml`` (DESIGN.md §1): the pipeline's one DAG, observable.
 
-- :mod:`flows.dag` — parse ``dvc.yaml`` into :class:`~flows.dag.StageSpec` s and dependency levels
-  (no Prefect import).
+- :mod:`distillery.pipeline.dvcfile` (not here: the stages read it too) — parse ``dvc.yaml`` into
+  :class:`~distillery.pipeline.dvcfile.StageSpec` s and dependency levels (no Prefect import).
 - :mod:`flows.pipeline` — the ``distillery-pipeline`` flow: one task per DVC stage, each running
   ``dvc repro --single-item <stage>``, with retries, timeouts and Prefect artifacts.
 - :mod:`flows.deploy` — the cron-scheduled ``nightly`` deployment (local serve or a work pool).
@@ -9,24 +9,18 @@
   workspace's own persistent server (``<repo>/.prefect/``), started and stopped around ``serve``.
 
 Importing this package sets (only where unset) the offline/quiet environment that TOOLCHAIN.md
-asks every process to have; it must happen before Prefect is imported, which reads its settings
-from the environment at import time.
+asks every process to have (:data:`distillery.offline.OFFLINE_ENV`, plus the Prefect server's
+start-up timeout); it must happen before Prefect is imported, which reads its settings from the
+environment at import time.
 """
 
 from __future__ import annotations
 
 import os
 
-QUIET_ENV: dict[str, str] = {
-    "DO_NOT_TRACK": "1",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    "DVC_NO_ANALYTICS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-}
+from distillery.offline import OFFLINE_ENV
+
+QUIET_ENV: dict[str, str] = {**OFFLINE_ENV, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
 
 for _k, _v in QUIET_ENV.items():
     os.environ.setdefault(_k, _v)

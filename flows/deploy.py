@@ -53,7 +53,7 @@ from uuid import UUID
 from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron, Schedule
 
-from flows.dag import load_dvc_stages, stage_order
+from distillery.pipeline.dvcfile import load_dvc_stages, stage_order
 from flows.pipeline import (
     DEFAULT_RETRY_DELAYS,
     DEFAULT_TIMEOUT_SECONDS,

@@ -9,7 +9,7 @@ inputs changed, runs it or skips it, and ``dvc.lock`` stays the truth; Prefect a
 timeouts, logs, artifacts and schedules on top, never a second DAG.
 
 Scheduling: every task is *submitted* at once with ``wait_for=`` the futures of its upstream
-stages (from :func:`flows.dag.stage_order`), so a stage starts as soon as its own inputs are done
+stages (from :func:`distillery.pipeline.dvcfile.stage_order`), so a stage starts as soon as its own inputs are done
 and independent stages (e.g. two distillation branches) run concurrently, instead of waiting for
 the slowest stage of a level. DVC allows this: it releases its repo lock while a stage's command
 runs and ``--wait-for-lock`` makes concurrent ``dvc`` calls queue for the short locked parts
@@ -68,7 +68,8 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 
-from flows.dag import StageSpec, load_dvc_stages, stage_order
+from distillery.pipeline.dvcfile import StageSpec, load_dvc_stages, stage_order
+from distillery.treeutil import flatten
 
 __all__ = [
     "FLOW_NAME",
@@ -79,7 +80,6 @@ __all__ = [
     "build_pipeline_flow",
     "distillery_pipeline",
     "dvc_repro_command",
-    "flatten_metrics",
     "media_files",
     "retry_delays",
     "retry_unless_user_error",
@@ -201,24 +201,6 @@ def artifact_key(stage: str, suffix: str) -> str:
     return f"{slug}-{suffix}"
 
 
-def flatten_metrics(data: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings/lists → ``{"a.b": 1, "c.0": 2}``; leaves are kept as they are."""
-    out: dict[str, Any] = {}
-    if isinstance(data, Mapping):
-        items: Iterable[tuple[Any, Any]] = data.items()
-    elif isinstance(data, list):
-        items = enumerate(data)
-    else:
-        return {prefix or "value": data}
-    for k, v in items:
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, (Mapping, list)) and v:
-            out.update(flatten_metrics(v, key))
-        else:
-            out[key] = v
-    return out
-
-
 def read_stage_metrics(repo: Path, spec: StageSpec) -> dict[str, dict[str, Any]]:
     """``{metrics file: flat metrics}`` for the stage's ``metrics`` files that exist (JSON or
     YAML); an unreadable file maps to ``{"error": "..."}`` rather than failing the stage."""
@@ -230,7 +212,7 @@ def read_stage_metrics(repo: Path, spec: StageSpec) -> dict[str, dict[str, Any]]
         try:
             text = path.read_text(encoding="utf-8")
             data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-            found[rel] = flatten_metrics(data)
+            found[rel] = flatten(data, lists=True) if isinstance(data, (Mapping, list)) else {"value": data}
         except (OSError, ValueError, yaml.YAMLError) as e:
             found[rel] = {"error": f"{type(e).__name__}: {e}"}
     return found

@@ -31,9 +31,14 @@ def test_grad_norm_and_clip_match_torch():
     assert all(torch.equal(x, p.grad) for x, p in zip(before, small.parameters()))  # under the limit: untouched
 
 
-class _Method:
+class _Role:
+    """The one thing EMA asks of a role: its trainable modules."""
+
     def __init__(self, module):
-        self.role_models = {"student": type("M", (), {"transformer": module})()}
+        self.module = module
+
+    def trainable_modules(self):
+        return {"transformer": self.module}
 
 
 def test_ema_tracks_the_weights_with_the_given_decay():
@@ -41,19 +46,25 @@ def test_ema_tracks_the_weights_with_the_given_decay():
 
     m = torch.nn.Linear(3, 2)
     ema = EMACallback(EMAConfig(decay=0.75, start_step=2), "ema")
-    ctx = CallbackContext(_Method(m), 0, 1, 10)
+    ctx = CallbackContext(roles={"student": _Role(m)}, rank=0, world_size=1, max_train_steps=10,
+                          roles_to_step=lambda step: ["student"] if step != 3 else [])
     ema.on_train_start(ctx)
     w0 = m.weight.detach().clone()
     with torch.no_grad():
         m.weight.add_(1.0)
     ema.on_training_step_end(ctx, 1)  # before start_step: copy
-    torch.testing.assert_close(ema.shadow["student"]["weight"], w0 + 1.0)
+    torch.testing.assert_close(ema.shadow["student"]["transformer"]["weight"], w0 + 1.0)
     with torch.no_grad():
         m.weight.add_(4.0)
     ema.on_training_step_end(ctx, 2)
-    torch.testing.assert_close(ema.shadow["student"]["weight"], 0.75 * (w0 + 1.0) + 0.25 * (w0 + 5.0))
-    state = {k: {n: t.clone() for n, t in v.items()} for k, v in ema.state_dict().items()}
+    expected = 0.75 * (w0 + 1.0) + 0.25 * (w0 + 5.0)
+    torch.testing.assert_close(ema.shadow["student"]["transformer"]["weight"], expected)
+    with torch.no_grad():
+        m.weight.add_(2.0)
+    ema.on_training_step_end(ctx, 3)  # the student did not step at 3: its average stays
+    assert torch.equal(ema.shadow["student"]["transformer"]["weight"], expected)
+    state = {r: {k: {n: t.clone() for n, t in v.items()} for k, v in mods.items()} for r, mods in ema.state_dict().items()}
     other = EMACallback(EMAConfig(decay=0.75), "ema")
     other.on_train_start(ctx)
     other.load_state_dict(state)
-    torch.testing.assert_close(other.shadow["student"]["weight"], ema.shadow["student"]["weight"])
+    torch.testing.assert_close(other.shadow["student"]["transformer"]["weight"], ema.shadow["student"]["transformer"]["weight"])

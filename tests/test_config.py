@@ -135,7 +135,7 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path, tiny_base, latent_set)
     assert bad_key.returncode == 2
     assert bad_key.stderr.strip().count("\n") == 0 and "Traceback" not in bad_key.stderr
     assert "training.loop.max_train_stepz: unknown key" in bad_key.stderr
-    cfg["method"]["_target_"] = "distillery.cli.os.system"
+    cfg["method"]["_target_"] = "distillery.launch.os.system"
     outside = _cli("train", "--config", str(write_config(tmp_path / "bad.yaml", cfg)), cwd=tmp_path)
     assert outside.returncode == 2 and outside.stderr.strip().count("\n") == 0
     assert "defined in posix" in outside.stderr or "defined in os" in outside.stderr

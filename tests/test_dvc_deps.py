@@ -1,6 +1,8 @@
 """dvc.yaml knows the code its stages run: editing a module a stage uses makes DVC rerun the stage.
 
-- Every stage's ``params:`` list is the stage's ``STAGE_PARAMS`` entry, and its code deps exist.
+- Every ``distillery stage`` of dvc.yaml is a stage of the code and its code deps exist; its
+  ``params:`` list is the one list of what it reads (the stage sees only those keys): each training
+  stage's table row reads keys inside it, and the params.yaml schema knows every one of them.
 - Every stage of dvc.yaml runs for real (the whole DAG of tests/test_pipeline.py, which calls
   :func:`check_stage_imports` on what it recorded) with an import recorder in each Python process
   (the stage process, the launcher and the torchrun workers it starts): every ``distillery`` module
@@ -11,17 +13,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
+import pytest
+
 import distillery
-from distillery.pipeline.stages import STAGE_PARAMS
+from distillery.pipeline.dvcfile import load_dvc_stages, stage_params
+from distillery.pipeline.params import Params, StageParams, UndeclaredParam, covers
+from distillery.pipeline.runner import STAGES
+from distillery.pipeline.training_table import TRAINING_STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # flows/ is a top-level package of the checkout
-    sys.path.insert(0, str(ROOT))
-
-from flows.dag import load_dvc_stages  # noqa: E402
 
 PACKAGE = Path(distillery.__file__).resolve().parent  # where `import distillery` finds the code
 PACKAGE_IN_REPO = "src/distillery"  # the same folder as dvc.yaml names it
@@ -64,14 +66,45 @@ def _covered(path: str, deps: list[str]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in deps)
 
 
-def test_stage_params_are_stage_params_of_the_code():
+def test_dvc_stages_are_the_code_stages():
     stages = load_dvc_stages(ROOT)
     by_code = {_stage_name(s.cmd): s for s in stages.values() if _stage_name(s.cmd)}
-    assert sorted(by_code) == sorted(STAGE_PARAMS), "dvc.yaml stages vs distillery.pipeline.stages.STAGE_PARAMS"
+    assert sorted(by_code) == sorted(STAGES), "dvc.yaml stages vs distillery.pipeline.runner.STAGES"
     for name, spec in by_code.items():
         assert len(set(spec.params)) == len(spec.params), f"stage {name}: repeated params {spec.params}"
-        assert sorted(spec.params) == sorted(STAGE_PARAMS[name]), (
-            f"stage {name}: dvc.yaml params {sorted(spec.params)} != STAGE_PARAMS {sorted(STAGE_PARAMS[name])}")
+        assert stage_params(name, ROOT) == spec.params  # plain params.yaml keys
+
+
+def test_training_table_reads_only_its_dvc_params():
+    """Every params.yaml key a training stage's table row reads lies inside the stage's dvc.yaml
+    params (so DVC reruns the stage when it changes), and the template it fills is a dep."""
+    for name, spec in TRAINING_STAGES.items():
+        declared = stage_params(name, ROOT)
+        outside = [k for k in spec.params if not covers(declared, k)]
+        assert not outside, f"stage {name}: table reads {outside}, not in its dvc.yaml params {declared}"
+        assert "gpus" in declared  # the launcher's command line
+        assert spec.template in load_dvc_stages(ROOT)[name].deps, f"stage {name}: template {spec.template} not a dep"
+        for stage in spec.inputs.values():
+            assert f"artifacts/{stage}" in load_dvc_stages(ROOT)[name].deps, f"stage {name}: input artifacts/{stage} not a dep"
+
+
+def test_params_schema_knows_every_key_a_stage_reads():
+    params = Params.load(ROOT / "params.yaml")
+    for name in STAGES:
+        for key in stage_params(name, ROOT):
+            params.get(key)  # raises (UserError) on a key the schema lacks
+    for spec in TRAINING_STAGES.values():
+        for key in spec.params:
+            params.get(key)
+
+
+def test_a_stage_sees_only_its_dvc_params():
+    params = Params.load(ROOT / "params.yaml")
+    view = StageParams(params, "teacher", stage_params("teacher", ROOT))
+    assert view.get("teacher.steps") == params.get("teacher.steps") and view.get("gpus.nproc_per_node") == 1
+    with pytest.raises(UndeclaredParam, match="pretrain.steps"):
+        view.get("pretrain.steps")
+    assert list(view.recorded()) == ["seed", "gpus", "teacher"]  # lineage: dvc.yaml's order
 
 
 def test_code_deps_exist():
@@ -130,4 +163,4 @@ def check_stage_imports(imported: dict[str, set[str]], root: Path) -> None:
     # the training stages' workers were traced too: their method and trainer are among the imports
     for name, module in (("teacher", "methods/sft.py"), ("pretrain", "methods/dfsft.py")):
         if name in imported:
-            assert {f"{PACKAGE_IN_REPO}/{module}", f"{PACKAGE_IN_REPO}/trainer.py"} <= imported[name], name
+            assert {f"{PACKAGE_IN_REPO}/{module}", f"{PACKAGE_IN_REPO}/engine/loop.py"} <= imported[name], name

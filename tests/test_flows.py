@@ -31,7 +31,7 @@ for _k, _v in {
 if "prefect" not in sys.modules:  # a temp PREFECT_HOME, before Prefect reads its settings
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="prefect-home-")
 
-from flows.dag import StageSpec, load_dvc_stages, stage_order  # noqa: E402
+from distillery.pipeline.dvcfile import StageSpec, load_dvc_stages, stage_order  # noqa: E402
 
 PY = sys.executable
 
@@ -160,10 +160,13 @@ def test_stage_order_cycle_foreach_wdir_and_params_files(tmp_path: Path) -> None
 
 
 def test_flatten_and_keys() -> None:
-    from flows.pipeline import artifact_key, flatten_metrics
+    from distillery.treeutil import flatten
+    from flows.pipeline import artifact_key
 
-    assert flatten_metrics({"a": {"b": 1, "c": [2, 3]}, "d": 4.5}) == {
+    assert flatten({"a": {"b": 1, "c": [2, 3]}, "d": 4.5}, lists=True) == {
         "a.b": 1, "a.c.0": 2, "a.c.1": 3, "d": 4.5}
+    assert flatten({"a": {"b": 1, "c": [2, 3], "e": {}}}) == {"a.b": 1, "a.c": [2, 3], "a.e": {}}  # lists whole, empty kept
+    assert flatten({"a": {"b": 1}}, "run") == {"run.a.b": 1} and flatten(7) == {} and flatten(7, "x") == {"x": 7}
     assert artifact_key("distill_dmd2@x", "metrics") == "distill-dmd2-x-metrics"
 
 

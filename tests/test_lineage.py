@@ -96,7 +96,7 @@ def _cli(*args: str) -> tuple[int, str, str]:
         res = subprocess.run([sys.executable, "-m", "distillery.cli", "lineage", *args],
                              capture_output=True, text=True, timeout=120)
         return res.returncode, res.stdout, res.stderr
-    from distillery.cli import run_guarded
+    from distillery.guard import run_guarded
     from distillery.lineage_cli import add_lineage_command
 
     parser = argparse.ArgumentParser(prog="distillery")

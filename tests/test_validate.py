@@ -13,7 +13,10 @@ import torch
 
 from distillery.tinybase.shipped import shipped_tiny_base
 from distillery.errors import UserError
-from distillery.sampling import EulerSampler, few_step_x0, initial_noise
+from distillery.models.base import Conditioning
+from distillery.models.schedule import FlowMatchSchedule
+from distillery.models.wan import load_inference_model
+from distillery.sampling import GeneratorNoise, build_sampler
 from distillery.validate import Candidate, ValidationConfig, run_validation, teacher_candidates
 
 PROMPTS = [
@@ -39,6 +42,28 @@ def pipe(base):
 
 
 @pytest.fixture(scope="module")
+def model(base):
+    """The base's transformer as a frozen model plugin (what the samplers call)."""
+    return load_inference_model(base, "cpu")
+
+
+def initial_noise(batch: int, latent_shape, generator: torch.Generator) -> torch.Tensor:
+    return GeneratorNoise(generator).randn((batch, *latent_shape), "cpu")
+
+
+def euler(model, text, negative, steps, guidance, shift, generator, noise=None):
+    sampler = build_sampler({"sampler": "euler", "shift": shift, "num_train_timesteps": 1000})
+    return sampler.sample(model, Conditioning(text, negative), LATENT_SHAPE, generator, num_steps=steps,
+                          guidance_scale=guidance, initial=noise)
+
+
+def few_step_x0(model, text, negative, ladder, guidance, generator, noise=None):
+    sampler = build_sampler({"sampler": "few_step_x0", "shift": 3.0, "timesteps": ladder})
+    return sampler.sample(model, Conditioning(text, negative), LATENT_SHAPE, generator, guidance_scale=guidance,
+                          initial=noise)
+
+
+@pytest.fixture(scope="module")
 def embeds(base):
     """Padded prompt embeddings ``[2, 32, D]`` and the empty prompt's, from the base's encoders."""
     from distillery.data.encoders import BaseEncoders
@@ -56,22 +81,21 @@ def test_sigma_grid_is_diffusers_grid():
         for steps in (1, 2, 4, 10, 40):
             sched = FlowMatchEulerDiscreteScheduler(shift=shift)
             sched.set_timesteps(steps)
-            assert torch.equal(EulerSampler().sigmas(steps, shift), sched.sigmas)
-            assert torch.equal(EulerSampler().timesteps(steps, shift), sched.timesteps)
+            assert torch.equal(FlowMatchSchedule(shift).inference_sigmas(steps), sched.sigmas)
+            assert torch.equal(FlowMatchSchedule(shift).inference_timesteps(steps), sched.timesteps)
 
 
 @pytest.mark.parametrize("guidance", [4.0, 1.0])
-def test_euler_sampler_matches_stock_pipeline(pipe, embeds, guidance):
+def test_euler_sampler_matches_stock_pipeline(pipe, model, embeds, guidance):
     text, negative = embeds
     noise = initial_noise(2, LATENT_SHAPE, torch.Generator().manual_seed(7))
     expected = pipe(PROMPTS[:2], negative_prompt="", num_frames=17, height=32, width=32, num_inference_steps=10,
                     guidance_scale=guidance, max_sequence_length=32, latents=noise.clone(), output_type="latent").frames
-    ours = EulerSampler().sample(pipe.transformer, text, negative, LATENT_SHAPE, 10, guidance, 3.0, None, noise=noise)
+    ours = euler(model, text, negative, 10, guidance, 3.0, None, noise=noise)
     assert ours.shape == (2, *LATENT_SHAPE)
     assert (ours - expected).abs().max().item() <= 1e-5
     # without explicit noise the generator draws what the pipeline draws from the same generator
-    drawn = EulerSampler().sample(pipe.transformer, text, negative, LATENT_SHAPE, 10, guidance, 3.0,
-                                  torch.Generator().manual_seed(7))
+    drawn = euler(model, text, negative, 10, guidance, 3.0, torch.Generator().manual_seed(7))
     assert torch.equal(drawn, ours)
 
 
@@ -94,20 +118,19 @@ def few_step_by_hand(transformer, text, negative, noise, ladder, guidance, gener
 
 @pytest.mark.parametrize("ladder, guidance", [([1000.0, 750.0, 500.0, 250.0], 1.0), ([1000.0, 600.0, 200.0], 4.0),
                                               ([1000.0], 1.0)])
-def test_few_step_x0_matches_the_loop_written_out(pipe, embeds, ladder, guidance):
+def test_few_step_x0_matches_the_loop_written_out(pipe, model, embeds, ladder, guidance):
     text, negative = embeds
     noise = initial_noise(2, LATENT_SHAPE, torch.Generator().manual_seed(3))
     with torch.no_grad():
-        out = few_step_x0(pipe.transformer, text, negative, LATENT_SHAPE, ladder, guidance, torch.Generator().manual_seed(1),
-                          noise=noise)
+        out = few_step_x0(model, text, negative, ladder, guidance, torch.Generator().manual_seed(1), noise=noise)
         expected = few_step_by_hand(pipe.transformer, text, negative, noise, ladder, guidance, torch.Generator().manual_seed(1))
-        drawn = few_step_x0(pipe.transformer, text, negative, LATENT_SHAPE, ladder, guidance, torch.Generator().manual_seed(3))
+        drawn = few_step_x0(model, text, negative, ladder, guidance, torch.Generator().manual_seed(3))
     assert out.shape == (2, *LATENT_SHAPE)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
     if len(ladder) == 1:  # the generator only draws the initial noise, as initial_noise does
         assert torch.equal(drawn, out)
-    with pytest.raises(ValueError, match="descending"):
-        few_step_x0(pipe.transformer, text, None, LATENT_SHAPE, [500.0, 750.0], 1.0, None)
+    with pytest.raises(UserError, match="descending"):  # a bad ladder in a sampling contract is the user's to fix
+        few_step_x0(model, text, None, [500.0, 750.0], 1.0, None)
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +241,26 @@ def test_candidate_errors(base, tmp_path):
         run_validation(base, [Candidate("a", base, 1, 1.0)] * 2, PROMPTS, tmp_path / "v", ValidationConfig())
     with pytest.raises(UserError, match="grid_formats"):
         ValidationConfig(grid_formats=["avi"])
+
+
+def test_candidate_from_an_artifacts_sampling_contract(base, tmp_path):
+    artifact = tmp_path / "model"
+    artifact.mkdir()
+    (artifact / "sampling.json").write_text(json.dumps(
+        {"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000, 500]}))
+    cand = Candidate.from_artifact("student", artifact)
+    assert cand == Candidate("student", artifact, 2, 1.0, "few_step_x0", timesteps=(1000.0, 500.0), shift=3.0)
+    assert cand.nfe == 2 and Candidate.from_artifact("s", artifact, guidance_scale=4.0).nfe == 4
+    assert cand.sampling_contract(3.0) == {"num_train_timesteps": 1000, "sampler": "few_step_x0", "shift": 3.0,
+                                           "timesteps": [1000.0, 500.0]}
+    euler = tmp_path / "teacher"
+    euler.mkdir()
+    (euler / "sampling.json").write_text(json.dumps({"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000}))
+    assert Candidate.from_artifact("t", euler, 10, 4.0) == Candidate("t", euler, 10, 4.0, "euler", shift=3.0)
+    with pytest.raises(UserError, match="ladder"):
+        Candidate.from_artifact("s", artifact, num_steps=3)
+    with pytest.raises(UserError, match="sampling.json not found"):
+        Candidate.from_artifact("s", base)
+    (euler / "sampling.json").write_text(json.dumps({"sampler": "pdd_fused_v9"}))
+    with pytest.raises(UserError, match="unknown sampler 'pdd_fused_v9'; valid: euler, few_step_x0"):
+        Candidate.from_artifact("s", euler)

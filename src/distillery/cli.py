@@ -8,69 +8,17 @@
     distillery latents demo --out DIR [--num-samples N] [--seed N]
     distillery export-weights CHECKPOINT --role student --out DIR [--ema NAME]
 
-User errors (bad config, missing file, wrong checkpoint) print one line and exit with code 2.
+User errors (bad config, missing file, wrong checkpoint) print one line and exit with code 2
+(:func:`distillery.guard.run_guarded`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from collections.abc import Callable
 
 from distillery.errors import UserError
-
-OFFLINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "DO_NOT_TRACK": "1",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "DVC_NO_ANALYTICS": "1",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-}
-
-
-def set_offline_env() -> None:
-    for k, v in OFFLINE_ENV.items():
-        os.environ.setdefault(k, v)
-
-
-WORKER_ERRORS_ENV = "DISTILLERY_WORKER_ERRORS"  # set by distillery.launch: where workers leave their one line
-
-
-def report_worker_error(message: str) -> bool:
-    """Under ``distillery.launch``: leave this rank's one-line user error for the launcher (which
-    prints it once for the whole job) and return True; otherwise return False."""
-    folder = os.environ.get(WORKER_ERRORS_ENV)
-    if not folder:
-        return False
-    rank = os.environ.get("RANK", "0")
-    try:
-        with open(os.path.join(folder, f"rank-{rank}.txt"), "w", encoding="utf-8") as fh:
-            fh.write(message)
-    except OSError:
-        return False
-    return True
-
-
-def run_guarded(fn: Callable[[], int]) -> int:
-    """Run ``fn``; a UserError becomes one line on stderr and exit code 2."""
-    set_offline_env()
-    try:
-        return fn()
-    except UserError as exc:
-        message = " ".join(str(exc).split())
-        if report_worker_error(message):
-            return UserError.exit_code
-        rank = os.environ.get("RANK", "0")
-        if rank == "0":
-            sys.stderr.write(f"error: {message}\n")
-        return UserError.exit_code
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        return 130
-
+from distillery.guard import run_guarded
 
 def _make_tiny(args: argparse.Namespace) -> int:
     from pathlib import Path
@@ -160,8 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_preprocess_command(sub)
     from distillery.clips.cli import add_clips_commands
     from distillery.lineage_cli import add_lineage_command
-
-    from distillery.pipeline.stages import add_stage_command
+    from distillery.pipeline.runner import add_stage_command
 
     add_clips_commands(sub)
     add_lineage_command(sub)

@@ -37,11 +37,13 @@ def build_transformer_from_config(config: dict) -> torch.nn.Module:
     return cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
 
 
-def load_role_weights(checkpoint: Path, role: str, module: torch.nn.Module, ema: str | None = None) -> None:
-    """Load ``role``'s weights from the DCP shards into ``module`` (in place, single process).
+def load_role_weights(checkpoint: Path, role: str, module: torch.nn.Module, ema: str | None = None,
+                      module_name: str = "transformer") -> None:
+    """Load ``role``'s ``module_name`` weights (DCP key ``roles.<role>.<module_name>``) from the
+    checkpoint into ``module`` (in place, single process, any saving world size).
 
-    ``ema`` names an EMA callback whose shadow weights to load instead of the raw weights. Reads
-    through the safe DCP reader; does not verify checksums (:func:`export_weights` does). A
+    ``ema`` names an EMA callback whose shadow weights to load instead (key ``callbacks.<ema>``).
+    Reads through the safe DCP reader; does not verify checksums (:func:`export_weights` does). A
     failure raises a one-line UserError.
     """
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -49,13 +51,13 @@ def load_role_weights(checkpoint: Path, role: str, module: torch.nn.Module, ema:
     if ema:
         params = dict(module.named_parameters())
         shadow = {n: torch.empty_like(p, dtype=torch.float32) for n, p in params.items()}
-        load_dcp({f"callback.{ema}": {role: shadow}}, checkpoint / "dcp", f"EMA callback {ema!r}")
+        load_dcp({f"callbacks.{ema}": {role: {module_name: shadow}}}, checkpoint / "dcp", f"EMA callback {ema!r}")
         with torch.no_grad():
             for n, t in shadow.items():
                 params[n].copy_(t)
         return
     state = module.state_dict()
-    load_dcp({f"role.{role}": {"model": state}}, checkpoint / "dcp", f"role {role!r}")
+    load_dcp({f"roles.{role}.{module_name}": state}, checkpoint / "dcp", f"role {role!r}")
     module.load_state_dict(state)
 
 

@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from distillery.cli import WORKER_ERRORS_ENV
 from distillery.errors import UserError
+from distillery.guard import WORKER_ERRORS_ENV
 from distillery.procutil import die_with_parent
 
 

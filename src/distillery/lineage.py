@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from distillery.errors import UserError
+from distillery.treeutil import flatten
 
 logger = logging.getLogger("distillery")
 
@@ -439,15 +440,6 @@ def read_lineage(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _flatten(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if isinstance(d, Mapping) and d:
-        out: list[tuple[str, Any]] = []
-        for k, v in d.items():
-            out.extend(_flatten(v, f"{prefix}{k}."))
-        return out
-    return [(prefix[:-1], d)] if prefix else []
-
-
 def _fmt_value(v: Any, limit: int = 32) -> str:
     if isinstance(v, float):
         s = f"{v:.4g}"
@@ -459,7 +451,7 @@ def _fmt_value(v: Any, limit: int = 32) -> str:
 
 
 def _fmt_pairs(d: Any, limit: int) -> str | None:
-    pairs = _flatten(d)
+    pairs = list(flatten(d).items())
     if not pairs:
         return None
     shown = ", ".join(f"{k}={_fmt_value(v)}" for k, v in pairs[:limit])

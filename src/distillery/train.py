@@ -15,7 +15,6 @@ import signal
 import sys
 
 
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="distillery train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="run config YAML")
@@ -73,7 +72,7 @@ def run_training(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from distillery.cli import run_guarded
+    from distillery.guard import run_guarded
 
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun worker: never outlive the agent that started it
         from distillery.procutil import die_with_parent

@@ -2,7 +2,8 @@
 
 For each :class:`Candidate` (a teacher at several step counts counts as several candidates, see
 :func:`teacher_candidates`) and each prompt ``i``, :func:`run_validation` samples one video with
-the shared samplers of :mod:`distillery.sampling`, starting from the same initial noise (a
+the sampler its sampling contract names (built from :mod:`distillery.sampling`'s registry and
+run through a frozen model plugin, :func:`distillery.models.wan.load_inference_model`), starting from the same initial noise (a
 generator seeded ``cfg.seed + i``) for every candidate, with text embeddings from the base's
 text encoder (empty prompt as the CFG negative) and decoding through the base's VAE. It reports,
 per candidate:
@@ -42,21 +43,25 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from distillery.clips.grid import VideoGrid, write_gif
 from distillery.errors import UserError
 from distillery.fsutil import replace_dir
 
+if TYPE_CHECKING:
+    from distillery.models.base import ModelBase
+    from distillery.sampling import Sampler
+
 log = logging.getLogger("distillery")
 
-SAMPLERS = ("euler", "few_step_x0")
+SAMPLING_FILE = "sampling.json"  # an artifact's sampling contract, beside its transformer/
 GRID_FORMATS = ("gif", "mp4")
 METRIC_NAMES = ("colour", "shape", "direction", "all", "latency_s", "nfe", "distance_to_teacher")
-SEPARATOR_RGB = (96, 96, 96)  # colour of the 1-px lines between grid tiles
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -102,26 +107,69 @@ class Candidate:
     model_dir: Path  # diffusers Wan folder, or a folder with transformer/ (the base supplies VAE and text encoder)
     num_steps: int  # sampling steps (Euler steps, or few-step ladder length)
     guidance_scale: float  # CFG scale; CFG runs (2 forwards per step) when > 1
-    sampler: Literal["euler", "few_step_x0"] = "euler"  # many-step Euler ODE, or DMD-style x0 + re-noise
+    sampler: str = "euler"  # a registered sampler (distillery.sampling.sampler_names()): euler, few_step_x0, ...
     timesteps: tuple[float, ...] | None = None  # few_step_x0 ladder in [0, 1000]; None: first num_steps of the Euler grid
     shift: float | None = None  # flow shift; None: model_dir's scheduler config, else the base's
+    options: dict[str, Any] = field(default_factory=dict, compare=False)  # further sampling-contract keys for the sampler
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
             raise UserError(f"candidate name {self.name!r} must be letters, digits, '.', '_' or '-' (it names files)")
-        if self.sampler not in SAMPLERS:
-            raise UserError(f"candidate {self.name}: unknown sampler {self.sampler!r}; valid: {', '.join(SAMPLERS)}")
         if self.num_steps < 1:
             raise UserError(f"candidate {self.name}: num_steps must be >= 1, got {self.num_steps}")
         if self.timesteps is not None and len(self.timesteps) != self.num_steps:
             raise UserError(f"candidate {self.name}: {len(self.timesteps)} timesteps given for num_steps={self.num_steps}")
+        try:
+            self.build_sampler(self.shift)  # unknown sampler names and bad contract keys fail here
+        except UserError as exc:
+            raise UserError(f"candidate {self.name}: {exc}") from None
+
+    @classmethod
+    def from_artifact(cls, name: str, model_dir: Path, num_steps: int | None = None,
+                      guidance_scale: float | None = None) -> "Candidate":
+        """A candidate sampled as ``model_dir/sampling.json`` says (its sampler, shift, ladder, options).
+
+        ``num_steps`` / ``guidance_scale``: None → the contract's ``num_steps`` / ``guidance_scale``,
+        else the length of its ``timesteps`` ladder / the sampler's defaults. :class:`UserError` when
+        the contract is missing or invalid.
+        """
+        from distillery.sampling import build_sampler
+
+        path = Path(model_dir) / SAMPLING_FILE
+        try:
+            contract = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"candidate {name}: {path} not found; point it at an artifact's model/ folder") from None
+        except json.JSONDecodeError as exc:
+            raise UserError(f"candidate {name}: {path}: not valid JSON ({exc.msg})") from None
+        if not isinstance(contract, dict):
+            raise UserError(f"candidate {name}: {path} must hold a JSON object (the sampling contract)")
+        sampler = build_sampler(contract)
+        ladder = contract.get("timesteps")
+        steps = sampler.resolve_steps(num_steps)
+        guidance = sampler.resolve_guidance(guidance_scale)
+        known = ("sampler", "shift", "timesteps", "num_steps", "guidance_scale")
+        return cls(name, Path(model_dir), steps, guidance, sampler=str(contract["sampler"]),
+                   timesteps=tuple(float(t) for t in ladder) if ladder is not None else None,
+                   shift=contract.get("shift"), options={k: v for k, v in contract.items() if k not in known})
+
+    def sampling_contract(self, shift: float | None) -> dict[str, Any]:
+        """The sampling contract this candidate samples with (``shift`` None: the model's own)."""
+        contract: dict[str, Any] = {**self.options, "sampler": self.sampler, "shift": shift}
+        if self.timesteps is not None:
+            contract["timesteps"] = list(self.timesteps)
+        return contract
+
+    def build_sampler(self, shift: float | None) -> "Sampler":
+        """The registered sampler for :meth:`sampling_contract`."""
+        from distillery.sampling import build_sampler
+
+        return build_sampler(self.sampling_contract(shift))
 
     @property
     def nfe(self) -> int:
         """Transformer forward evaluations per video."""
-        from distillery.sampling import nfe_per_video
-
-        return nfe_per_video(self.num_steps, self.guidance_scale)
+        return self.build_sampler(self.shift).nfe(self.num_steps, self.guidance_scale)
 
 
 def teacher_candidates(teacher_dir: Path, cfg: ValidationConfig) -> list[Candidate]:
@@ -132,9 +180,9 @@ def teacher_candidates(teacher_dir: Path, cfg: ValidationConfig) -> list[Candida
 
 @dataclass
 class _Loaded:
-    """A candidate's transformer and flow shift, ready to sample."""
+    """A candidate's model plugin and flow shift, ready to sample."""
 
-    transformer: torch.nn.Module  # WanTransformer3DModel, eval, fp32, on the run device
+    model: "ModelBase"  # frozen WanModel (eval, fp32) bound to the run device
     shift: float  # flow shift of its schedule
 
 
@@ -162,7 +210,7 @@ class _Context:
         analyzer_json = base_dir / "analyzer.json"
         self.analyzer = AnalyzerConfig(**json.loads(analyzer_json.read_text())) if analyzer_json.is_file() else None
         self.base_shift = self._scheduler_shift(base_dir / "scheduler")
-        self._last: tuple[Path, torch.nn.Module] | None = None  # last transformer loaded (teacher step counts share it)
+        self._last: tuple[Path, float, "ModelBase"] | None = None  # last model loaded (teacher step counts share it)
 
     @staticmethod
     def _pad(embed: torch.Tensor, length: int) -> torch.Tensor:
@@ -180,54 +228,48 @@ class _Context:
         return read_scheduler_shift(folder)
 
     def load(self, cand: Candidate) -> _Loaded:
-        """Load a candidate's transformer and check it fits the base's latents and text embeddings."""
-        from diffusers import WanTransformer3DModel
-
-        from distillery.models.wan import locate_transformer
+        """Load a candidate's model plugin and check it fits the base's latents and text embeddings."""
+        from distillery.models.wan import load_inference_model, locate_transformer
 
         transformer_dir, scheduler_dir = locate_transformer(cand.model_dir)
-        if self._last is not None and self._last[0] == transformer_dir.resolve():
-            transformer = self._last[1]
-        else:
-            self._last = None
-            try:
-                transformer = WanTransformer3DModel.from_pretrained(transformer_dir, dtype=torch.float32)
-            except (OSError, ValueError, RuntimeError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise UserError(f"candidate {cand.name}: cannot load {transformer_dir}: {first}") from None
-            transformer = transformer.to(self.device).eval().requires_grad_(False)
-        conf = transformer.config
-        if int(conf.in_channels) != self.latent_shape[0] or int(conf.text_dim) != self.encoders.text_dim:
-            raise UserError(f"candidate {cand.name}: {transformer_dir} takes {conf.in_channels} latent channels and "
-                            f"text_dim {conf.text_dim}, but the base {self.base_dir} gives {self.latent_shape[0]} and "
-                            f"{self.encoders.text_dim}; validate it against the base it was trained from")
         shift = cand.shift if cand.shift is not None else self._scheduler_shift(scheduler_dir)
         shift = shift if shift is not None else self.base_shift
         if shift is None:
             raise UserError(f"candidate {cand.name}: no scheduler config beside {transformer_dir} or in {self.base_dir}; "
                             "set the candidate's shift")
-        self._last = (transformer_dir.resolve(), transformer)
-        return _Loaded(transformer, float(shift))
+        key = transformer_dir.resolve()
+        if self._last is not None and self._last[:2] == (key, float(shift)):
+            model = self._last[2]
+        else:
+            self._last = None
+            model = load_inference_model(transformer_dir, self.device, torch.float32, shift=float(shift), role=cand.name)
+        conf = model.transformer_config()
+        if int(conf["in_channels"]) != self.latent_shape[0] or int(conf["text_dim"]) != self.encoders.text_dim:
+            raise UserError(f"candidate {cand.name}: {transformer_dir} takes {conf['in_channels']} latent channels and "
+                            f"text_dim {conf['text_dim']}, but the base {self.base_dir} gives {self.latent_shape[0]} and "
+                            f"{self.encoders.text_dim}; validate it against the base it was trained from")
+        self._last = (key, float(shift), model)
+        return _Loaded(model, float(shift))
 
     def sample(self, cand: Candidate, loaded: _Loaded, index: int) -> torch.Tensor:
-        """Normalised latents ``[1, C, T, H, W]`` for prompt ``index`` (noise seeded ``cfg.seed + index``)."""
-        from distillery.sampling import EulerSampler, few_step_timesteps, few_step_x0
+        """Normalised latents ``[1, C, T, H, W]`` for prompt ``index`` (noise seeded ``cfg.seed + index``),
+        from the registered sampler the candidate's sampling contract names."""
+        from distillery.models.base import Conditioning
 
+        sampler = cand.build_sampler(loaded.shift)
         generator = torch.Generator().manual_seed(self.cfg.seed + index)
-        text, negative = self.text[index], self.negative
+        cond = Conditioning(self.text[index], self.negative)
         with torch.no_grad():
-            if cand.sampler == "euler":
-                return EulerSampler().sample(loaded.transformer, text, negative, self.latent_shape, cand.num_steps,
-                                             cand.guidance_scale, loaded.shift, generator)
-            ladder = cand.timesteps or tuple(few_step_timesteps(cand.num_steps, loaded.shift))
-            return few_step_x0(loaded.transformer, text, negative, self.latent_shape, ladder, cand.guidance_scale, generator)
+            return sampler.sample(loaded.model, cond, self.latent_shape, generator, num_steps=cand.num_steps,
+                                  guidance_scale=cand.guidance_scale)
 
     def warm_up(self, loaded: _Loaded) -> None:
         """One untimed forward (and decode) so lazy initialisation does not count as latency."""
+        from distillery.models.base import Conditioning
+
         with torch.no_grad():
             x = torch.zeros(1, *self.latent_shape, device=self.device)
-            loaded.transformer(hidden_states=x, timestep=torch.zeros(1, device=self.device),
-                               encoder_hidden_states=self.negative, return_dict=False)
+            loaded.model.predict_noise(x, torch.zeros(1, device=self.device), Conditioning(self.negative))
             self.encoders.decode_latents(x)
         _synchronize(self.device)
 
@@ -235,20 +277,6 @@ class _Context:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class _Grid:
-    """Video mosaic ``uint8 [T, R·H + R − 1, C·W + C − 1, 3]``: rows = candidates, columns = prompts."""
-
-    def __init__(self, rows: int, cols: int, frames: int, height: int, width: int) -> None:
-        self.h, self.w = height, width
-        self.pixels = np.empty((frames, rows * (height + 1) - 1, cols * (width + 1) - 1, 3), dtype=np.uint8)
-        self.pixels[...] = np.asarray(SEPARATOR_RGB, dtype=np.uint8)
-
-    def put(self, row: int, col: int, video: np.ndarray) -> None:
-        """Place one video ``uint8 [T, H, W, 3]`` at (row, col)."""
-        y, x = row * (self.h + 1), col * (self.w + 1)
-        self.pixels[:, y: y + self.h, x: x + self.w] = video
 
 
 def _check_candidates(candidates: list[Candidate], reference: str | None) -> Candidate:
@@ -269,9 +297,7 @@ def _write_grid(grid: np.ndarray, stage: Path, cfg: ValidationConfig) -> None:
     from distillery.clips.video_io import write_video
 
     if "gif" in cfg.grid_formats:
-        import imageio.v3 as iio
-
-        iio.imwrite(stage / "grid.gif", grid, extension=".gif", duration=1000.0 / cfg.fps, loop=0)
+        write_gif(stage / "grid.gif", grid, cfg.fps)
     if "mp4" in cfg.grid_formats:
         write_video(stage / "grid.mp4", grid, cfg.fps)
 
@@ -317,7 +343,7 @@ def run_validation(
     ctx = _Context(base_dir, prompts, cfg)
     order = [ref] + [c for c in candidates if c is not ref]  # the reference first: others compare against it
     row_of = {c.name: i for i, c in enumerate(candidates)}
-    grid = _Grid(len(candidates), len(prompts), cfg.num_frames, cfg.height, cfg.width)
+    grid = VideoGrid(len(candidates), len(prompts), cfg.num_frames, cfg.height, cfg.width)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     stage.chmod(0o755)

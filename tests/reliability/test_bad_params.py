@@ -164,7 +164,7 @@ def test_every_rule_names_the_key(tmp_path, data_lost):
 @_mark("shipped params.yaml validates", "none: the params.yaml in the repository",
        "validates unchanged; schema defaults equal it; every key a stage reads is in the schema")
 def test_shipped_params_validate_unchanged(data_lost):
-    from distillery.pipeline.stages import STAGE_PARAMS, TRAINING
+    from distillery.pipeline.training_table import TRAINING_STAGES as TRAINING
 
     params = Params.load(ROOT / "params.yaml")
     shipped = yaml.safe_load(SHIPPED)
@@ -172,7 +172,7 @@ def test_shipped_params_validate_unchanged(data_lost):
     assert to_plain(ParamsSchema()) == shipped  # the defaults are the shipped values
     assert set(TRAINING_STAGES) == set(TRAINING)
     dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
-    read = {k for keys in STAGE_PARAMS.values() for k in keys} | {k for s in dvc["stages"].values() for k in s.get("params", [])}
+    read = {k for spec in TRAINING.values() for k in spec.params} | {k for s in dvc["stages"].values() for k in s.get("params", [])}
     for key in read:
         params.get(key)  # raises on a key the schema lacks
     assert params.subset(["seed", "teacher"]) == {"seed": shipped["seed"], "teacher": shipped["teacher"]}

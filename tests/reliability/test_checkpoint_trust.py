@@ -136,7 +136,7 @@ def largest_weight_item(checkpoint: Path) -> tuple[str, int, int]:
     from distillery.engine.checkpoint.dcp_io import read_dcp_metadata
 
     md = read_dcp_metadata(checkpoint / "dcp")
-    items = [(info.length, key.fqn, info) for key, info in md.storage_data.items() if key.fqn.startswith("role.student.model.")]
+    items = [(info.length, key.fqn, info) for key, info in md.storage_data.items() if key.fqn.startswith("roles.student.transformer.")]
     length, _, info = max(items, key=lambda t: t[0])
     return info.relative_path, info.offset, info.length
 
@@ -330,8 +330,8 @@ def test_crafted_metadata_in_granted_checkpoint_is_refused(runs, tmp_path, tiny_
 
 
 @pytest.mark.reliability(case="8.4", title="crafted pickle inside a DCP shard",
-                         injected="a granted outside checkpoint re-saved by DCP with the optimizer's lr item replaced by "
-                                  "an object whose __reduce__ runs exec; checksums recomputed",
+                         injected="a granted outside checkpoint re-saved by DCP with the LR schedule's last_lr tensor replaced "
+                                  "by an object whose __reduce__ runs exec; checksums recomputed",
                          expect="exit 2, one line naming the checkpoint and the refused item; marker never created "
                                 "(stock torch DCP loading runs it)")
 def test_crafted_shard_item_in_granted_checkpoint_is_refused(runs, tmp_path, tiny_base, latent_set, capsys, data_lost):
@@ -341,7 +341,7 @@ def test_crafted_shard_item_in_granted_checkpoint_is_refused(runs, tmp_path, tin
     def craft(folder: Path, marker: Path) -> None:
         shutil.copytree(runs["root"] / "prefix" / "checkpoint-4", folder)
         state = _load_state_dict_from_keys(checkpoint_id=str(folder / "dcp"))  # our own intact checkpoint
-        state["role.student"]["optim"]["param_groups"][0]["lr"] = Exploit(marker)
+        state["schedulers.student"]["last_lr"] = Exploit(marker)
         shutil.rmtree(folder / "dcp")
         dcp.save(state, checkpoint_id=str(folder / "dcp"), no_dist=True)
         reseal(folder)
@@ -362,7 +362,7 @@ def test_crafted_shard_item_in_granted_checkpoint_is_refused(runs, tmp_path, tin
         assert not marker.exists(), "code from the checkpoint ran"
     assert code == 2
     line = _one_error_line(capsys)
-    assert str(foreign) in line and "role.student.optim.param_groups.0.lr" in line and "builtins.exec" in line, line
+    assert str(foreign) in line and "schedulers.student.last_lr" in line and "builtins.exec" in line, line
     data_lost.record(0, "files of the run folder written")
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from distillery.cli import build_parser, run_guarded
+from distillery.cli import build_parser
+from distillery.guard import run_guarded
 from distillery.errors import UserError
 from distillery.lineage import DIGEST_KEY, Input, hash_tree, manifest_digest, write_lineage
 

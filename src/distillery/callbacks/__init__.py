@@ -1,4 +1,4 @@
-"""Trainer callbacks: gradient clipping, EMA (validation sampling comes with the pipeline)."""
+"""Trainer callbacks: gradient clipping, EMA, validation sampling (:mod:`.validation`)."""
 
 from distillery.callbacks.base import Callback, CallbackContext
 

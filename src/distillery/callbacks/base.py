@@ -8,33 +8,51 @@ into the DCP checkpoint (DTensors are resharded on load); ``load_state_dict`` re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 if TYPE_CHECKING:
-    from distillery.methods.base import TrainingMethod
+    from distillery.models.base import ModelBase
 
 
 @dataclass
 class CallbackContext:
-    """What callbacks may see: the method (and through it the role models) and the rank."""
+    """What callbacks may see — a narrow view, never the method object:
 
-    method: "TrainingMethod"
+    - ``roles``: role name → model plugin (``trainable_modules()`` says what trains);
+    - ``roles_to_step(step)``: the trainable roles whose optimizers step at ``step``;
+    - ``sampling``: the method's sampling contract (``sampling.json`` content: the sampler to
+      build from :mod:`distillery.sampling` for the student), or None;
+    - ``tracker``: the run's tracker (``log_metrics``, ``log_artifact``; rank 0 does the writing);
+    - ``rank``, ``world_size``, ``max_train_steps``.
+    """
+
+    roles: dict[str, "ModelBase"]
     rank: int
     world_size: int
     max_train_steps: int
+    roles_to_step: Callable[[int], list[str]] = field(default=lambda step: [])
+    sampling: dict[str, Any] | None = None
+    tracker: Any = None
 
 
 class Callback:
+    component_kind: ClassVar[str] = "callback"
     config_class: ClassVar[type]
 
     def __init__(self, config: Any, name: str) -> None:
         self.config = config
         self.name = name
 
-    def on_train_start(self, ctx: CallbackContext) -> None: ...
+    def on_train_start(self, ctx: CallbackContext) -> None:
+        """Before the resume: create state (the resume then loads saved state into it)."""
+
+    def on_loop_start(self, ctx: CallbackContext, step: int) -> None:
+        """After the resume, with ``ctx.tracker`` ready, before optimizer step ``step + 1`` (``step``
+        is 0 for a fresh run, the resumed step otherwise)."""
 
     def on_before_optimizer_step(self, ctx: CallbackContext, step: int) -> dict[str, torch.Tensor]:
         return {}

@@ -1,5 +1,9 @@
 """Gradient-norm clipping per role, with the pre-clip norm logged as ``grad_norm/<role>``.
 
+The roles clipped at a step are those that step (``roles_to_step``), over all parameters of their
+``trainable_modules()``; ``max_grad_norm`` is the default limit and ``per_role`` sets one per role
+(null there: log only).
+
 The norm is computed on each rank's local gradient shards with two fused (foreach) kernels and
 one all-reduce over the shard group, instead of per-parameter DTensor dispatch: with FSDP2 a
 1.3B-parameter Wan has ~800 sharded gradients, and per-tensor DTensor bookkeeping would cost tens
@@ -8,29 +12,28 @@ of milliseconds of host time per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from distillery.callbacks.base import Callback, CallbackContext
+from distillery.engine.distributed import local_shard
 
 
 @dataclass
 class GradClipConfig:
     max_grad_norm: float | None = 1.0  # clip each role's global L2 grad norm to this; null: log only
     norm_type: float = 2.0  # p of the p-norm (finite, >= 1)
+    per_role: dict[str, float | None] = field(default_factory=dict)  # role → its own limit (null: log only)
 
     def __post_init__(self) -> None:
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError("max_grad_norm must be > 0 (or null to only log the norm)")
+        limits = [self.max_grad_norm, *self.per_role.values()]
+        if any(v is not None and v <= 0 for v in limits):
+            raise ValueError("max_grad_norm and per_role limits must be > 0 (or null to only log the norm)")
         if not 1.0 <= self.norm_type < float("inf"):
             raise ValueError("norm_type must be a finite p >= 1")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t  # the shard itself, no DTensor dispatch
 
 
 def _shard_group(grads: list[torch.Tensor]) -> dist.ProcessGroup | None:
@@ -50,7 +53,7 @@ def total_grad_norm(params: list[torch.nn.Parameter], norm_type: float = 2.0) ->
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    local = [_local(g) for g in grads]
+    local = [local_shard(g) for g in grads]
     per_tensor = torch._foreach_norm(local, norm_type)
     total = torch.stack([n.float() for n in per_tensor]).pow(norm_type).sum()
     group = _shard_group(grads)
@@ -61,7 +64,7 @@ def total_grad_norm(params: list[torch.nn.Parameter], norm_type: float = 2.0) ->
 
 def clip_to_norm(params: list[torch.nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
     """Scale gradients in place by ``min(1, max_norm / total)`` (no host sync)."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_shard(p.grad) for p in params if p.grad is not None]
     if grads:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).to(grads[0].device)
         torch._foreach_mul_(grads, coef)
@@ -72,10 +75,12 @@ class GradClipCallback(Callback):
 
     def on_before_optimizer_step(self, ctx: CallbackContext, step: int) -> dict[str, torch.Tensor]:
         metrics = {}
-        for role, module in ctx.method.grad_clip_targets(step).items():
-            params = [p for p in module.parameters() if p.grad is not None]
+        for role in ctx.roles_to_step(step):
+            params = [p for module in ctx.roles[role].trainable_modules().values()
+                      for p in module.parameters() if p.grad is not None]
             norm = total_grad_norm(params, self.config.norm_type)
-            if self.config.max_grad_norm is not None:
-                clip_to_norm(params, self.config.max_grad_norm, norm)
+            limit = self.config.per_role.get(role, self.config.max_grad_norm)
+            if limit is not None:
+                clip_to_norm(params, limit, norm)
             metrics[f"grad_norm/{role}"] = norm.detach()
         return metrics

@@ -32,7 +32,7 @@ from distillery.config.limits import (
     show_path,
     unknown_key_message,
 )
-from distillery.config.schema import Component, RunConfig, TrainingConfig
+from distillery.config.schema import Component, OptimizerOverride, RunConfig, TrainingConfig
 from distillery.config.targets import resolve_target
 from distillery.config.typed import config_error, field_types, from_mapping
 from distillery.errors import UserError
@@ -157,7 +157,11 @@ def apply_override(raw: dict[str, Any], key: str, value_text: str, prefixes: tup
             target = _section(entries, name).get("_target_")
             check_target(target, where)
             cls = resolve_target(target, where, prefixes)
-            _check_dataclass_path(_config_class(cls, where), parts[2:], where)
+            if head == "models" and parts[2] == "optimizer":
+                if len(parts) > 3:
+                    _check_dataclass_path(OptimizerOverride, parts[3:], f"{where}.optimizer")
+            else:
+                _check_dataclass_path(_config_class(cls, where), parts[2:], where)
     node = raw
     for part in parts[:-1]:
         if not isinstance(node.get(part), dict):
@@ -166,22 +170,30 @@ def apply_override(raw: dict[str, Any], key: str, value_text: str, prefixes: tup
     node[parts[-1]] = value
 
 
-def build_component(entry: Any, where: str, prefixes: tuple[str, ...], kind: tuple[type, str] | None = None) -> Component:
+KIND_BASES = {"model": "ModelBase", "method": "TrainingMethod", "callback": "Callback"}
+
+
+def build_component(entry: Any, where: str, prefixes: tuple[str, ...], kind: str | None = None) -> Component:
     """Resolve one ``{_target_: ..., knobs...}`` entry into a :class:`Component`.
 
-    ``kind`` is (required base class, its name in messages): a target of another kind is refused
-    before its knobs are checked.
+    ``kind`` (``model`` | ``method`` | ``callback``): a target whose class does not declare that
+    ``component_kind`` (the plugin base classes do) is refused before its knobs are checked; the
+    config package imports no plugin base class. A model entry may hold ``optimizer:`` (the role's
+    :class:`OptimizerOverride`).
     """
     if not isinstance(entry, dict) or "_target_" not in entry:
         raise config_error(where, "expected a mapping with a _target_ key")
     target = entry["_target_"]
     check_target(target, where)
     cls = resolve_target(target, where, prefixes)
-    if kind is not None and not (isinstance(cls, type) and issubclass(cls, kind[0])):
-        raise config_error(f"{where}._target_", f"{target} is not a distillery {kind[1]} ({kind[0].__name__})")
+    if kind is not None and not (isinstance(cls, type) and getattr(cls, "component_kind", None) == kind):
+        raise config_error(f"{where}._target_", f"{target} is not a distillery {kind} ({KIND_BASES[kind]})")
     config_cls = _config_class(cls, where)
     knobs = {k: v for k, v in entry.items() if k != "_target_"}
-    return Component(target=target, cls=cls, config=from_mapping(config_cls, knobs, where))
+    optimizer = None
+    if kind == "model" and "optimizer" in knobs:
+        optimizer = from_mapping(OptimizerOverride, knobs.pop("optimizer") or {}, f"{where}.optimizer")
+    return Component(target=target, cls=cls, config=from_mapping(config_cls, knobs, where), optimizer=optimizer)
 
 
 def build_run_config(raw: dict[str, Any], prefixes: tuple[str, ...]) -> RunConfig:
@@ -194,21 +206,17 @@ def build_run_config(raw: dict[str, Any], prefixes: tuple[str, ...]) -> RunConfi
         raise config_error("models", "required: a mapping of role -> {_target_: ..., ...} with at least a student")
     if "method" not in raw:
         raise config_error("method", "required key is missing ({_target_: ..., knobs})")
-    from distillery.callbacks.base import Callback
-    from distillery.methods.base import TrainingMethod
-    from distillery.models.base import ModelBase
-
     models = {
-        role: build_component(entry, f"models.{show_key(role)}", prefixes, (ModelBase, "model"))
+        role: build_component(entry, f"models.{show_key(role)}", prefixes, "model")
         for role, entry in models_raw.items()
     }
-    method = build_component(raw["method"], "method", prefixes, (TrainingMethod, "method"))
+    method = build_component(raw["method"], "method", prefixes, "method")
     training = from_mapping(TrainingConfig, raw.get("training") or {}, "training")
     callbacks_raw = raw.get("callbacks") or {}
     if not isinstance(callbacks_raw, dict):
         raise config_error("callbacks", "expected a mapping of name -> {_target_: ..., ...}")
     callbacks = {
-        name: build_component(entry, f"callbacks.{show_key(name)}", prefixes, (Callback, "callback"))
+        name: build_component(entry, f"callbacks.{show_key(name)}", prefixes, "callback")
         for name, entry in callbacks_raw.items()
     }
     return RunConfig(models=models, method=method, training=training, callbacks=callbacks)

@@ -66,6 +66,19 @@ class OptimizerConfig:
 
 
 @dataclass
+class OptimizerOverride:
+    """``models.<role>.optimizer``: fields that replace ``training.optimizer``'s for that role (null: keep)."""
+
+    learning_rate: float | None = None
+    betas: tuple[float, float] | None = None
+    weight_decay: float | None = None
+    eps: float | None = None
+    lr_scheduler: Literal["constant", "cosine", "linear"] | None = None
+    warmup_steps: int | None = None
+    min_lr_ratio: float | None = None
+
+
+@dataclass
 class LoopConfig:
     max_train_steps: int = 100  # optimizer steps in the whole run (a resumed run stops here too)
     grad_accum_steps: int = 1  # micro-batches per optimizer step
@@ -132,9 +145,13 @@ class Component:
     target: str
     cls: Any
     config: Any
+    optimizer: OptimizerOverride | None = None  # models.<role>.optimizer (model components only)
 
     def to_plain(self) -> dict[str, Any]:
-        return {"_target_": self.target, **to_plain(self.config)}
+        plain = {"_target_": self.target, **to_plain(self.config)}
+        if self.optimizer is not None:
+            plain["optimizer"] = {k: v for k, v in to_plain(self.optimizer).items() if v is not None}
+        return plain
 
 
 @dataclass

@@ -9,6 +9,7 @@
 from .dataset import (
     LatentDataset,
     collate_latents,
+    pad_prompt_embedding,
     read_empty_prompt_embedding,
     write_empty_prompt_embedding,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "LatentRecord",
     "ShardedBatchSampler",
     "collate_latents",
+    "pad_prompt_embedding",
     "read_empty_prompt_embedding",
     "shard_path",
     "tensor_from_bytes",

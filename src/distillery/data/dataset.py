@@ -62,7 +62,7 @@ _READ_COLUMNS = [
 class _Shard:
     """The decoded columns of one shard file."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, with_latents: bool = True) -> None:
         try:
             schema = pq.read_schema(path)
         except (pa.ArrowException, OSError) as e:
@@ -74,14 +74,15 @@ class _Shard:
                 "Regenerate it with the latents stage (distillery.data.write_latent_shards)"
             )
         try:
-            table = pq.read_table(path, columns=_READ_COLUMNS)
+            columns = _READ_COLUMNS if with_latents else [c for c in _READ_COLUMNS if not c.startswith("latent_")]
+            table = pq.read_table(path, columns=columns)
             self.ids: list[str] = table.column("id").to_pylist()
             self.captions: list[str] = table.column("caption").to_pylist()
             if any(v is None for v in self.ids) or any(v is None for v in self.captions):
                 raise ColumnError("id or caption contains null values")
-            self.latents: TensorColumn = decode_tensor_column(
+            self.latents: TensorColumn | None = decode_tensor_column(
                 table.column("latent_bytes"), table.column("latent_shape"), table.column("latent_dtype"), LATENT_NDIM
-            )
+            ) if with_latents else None
             self.texts: TensorColumn = decode_tensor_column(
                 table.column("text_embedding_bytes"),
                 table.column("text_embedding_shape"),
@@ -103,13 +104,15 @@ class LatentDataset:
     ``dataset[i]`` is a dict: ``latents`` (``[C, T, H, W]``, stored dtype), ``text_embedding``
     (``[L, D]``, stored dtype, unpadded), ``caption`` (str), ``id`` (str). The tensors are
     read-only-by-convention views of the loaded shard buffers: clone before writing in place.
-    Raises :class:`UserError` naming the path if the split folder is missing, holds no shards, or a
+    ``with_latents=False`` reads prompts only (no ``latents`` key; the latent columns are never read):
+    what a method whose ``data_kind`` is ``prompts`` trains on. Raises :class:`UserError` naming the path if the split folder is missing, holds no shards, or a
     shard is not a (valid) latent shard.
     """
 
-    def __init__(self, root: Path, split: str = "train") -> None:
+    def __init__(self, root: Path, split: str = "train", with_latents: bool = True) -> None:
         self.root = Path(root)
         self.split = split
+        self.with_latents = with_latents
         folder = self.root / split
         if not folder.is_dir():
             raise UserError(
@@ -119,7 +122,7 @@ class LatentDataset:
         self.shard_paths: list[Path] = sorted(folder.glob("*.parquet"), key=lambda p: p.name)
         if not self.shard_paths:
             raise UserError(f"latent split folder {folder} holds no *.parquet shards; run the latents stage")
-        self._shards = [_Shard(p) for p in self.shard_paths]
+        self._shards = [_Shard(p, with_latents) for p in self.shard_paths]
         sizes = np.array([len(s) for s in self._shards], dtype=np.int64)
         self._ends = np.cumsum(sizes)
         self._shard_of = np.repeat(np.arange(len(sizes)), sizes)
@@ -139,12 +142,10 @@ class LatentDataset:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         shard, j = self._locate(int(i))
-        return {
-            "latents": shard.latents[j],
-            "text_embedding": shard.texts[j],
-            "caption": shard.captions[j],
-            "id": shard.ids[j],
-        }
+        item = {"text_embedding": shard.texts[j], "caption": shard.captions[j], "id": shard.ids[j]}
+        if shard.latents is not None:
+            item["latents"] = shard.latents[j]
+        return item
 
 
 def collate_latents(
@@ -152,7 +153,7 @@ def collate_latents(
 ) -> dict[str, Any]:
     """Stack dataset items into one batch.
 
-    Returns ``latents`` ``[B, C, T, H, W]``; ``text_embeds`` ``[B, text_max_length, D]`` holding each
+    Returns ``latents`` ``[B, C, T, H, W]`` (when the items have latents); ``text_embeds`` ``[B, text_max_length, D]`` holding each
     prompt's first ``min(L, text_max_length)`` token embeddings followed by zeros (the layout
     ``WanPipeline`` gives its prompt embeddings: trimmed to the real tokens, truncated to the max
     sequence length, zero-padded); ``text_lengths`` int64 ``[B]`` (real tokens kept per row);
@@ -168,9 +169,10 @@ def collate_latents(
     if text_max_length < 1:
         raise ValueError(f"text_max_length must be >= 1, got {text_max_length}")
     first = items[0]
+    has_latents = "latents" in first
     for it in items[1:]:
-        a, b = first["latents"], it["latents"]
-        if a.shape != b.shape:
+        a, b = first.get("latents"), it.get("latents")
+        if has_latents and a.shape != b.shape:
             raise UserError(
                 f"latents in one batch must share a shape: {first['id']!r} has {list(a.shape)}, "
                 f"{it['id']!r} has {list(b.shape)}; preprocess all clips to one resolution and length"
@@ -182,14 +184,17 @@ def collate_latents(
                 f"{it['id']!r} has D={b.shape[1]}; encode all captions with one text encoder"
             )
         if dtype is None:
-            for key in ("latents", "text_embedding"):
+            for key in ("latents", "text_embedding") if has_latents else ("text_embedding",):
                 a, b = first[key], it[key]
                 if a.dtype != b.dtype:
                     raise UserError(
                         f"'{key}' in one batch have different dtypes: {first['id']!r} is {a.dtype}, "
                         f"{it['id']!r} is {b.dtype}; pass a dtype to cast to"
                     )
-    if pin_memory and dtype is None:  # stacked straight into page-locked memory (items share a dtype, checked above)
+    latents = None
+    if not has_latents:
+        pass
+    elif pin_memory and dtype is None:  # stacked straight into page-locked memory (items share a dtype, checked above)
         latents = torch.empty(len(items), *first["latents"].shape, dtype=first["latents"].dtype, pin_memory=True)
         torch.stack([it["latents"] for it in items], out=latents)
     else:
@@ -206,13 +211,24 @@ def collate_latents(
         emb = it["text_embedding"][:text_max_length]
         text[b, : emb.shape[0]] = emb
         lengths[b] = emb.shape[0]
-    return {
-        "latents": latents,
+    batch = {
         "text_embeds": text,
         "text_lengths": lengths,
         "captions": [str(it["caption"]) for it in items],
         "ids": [str(it["id"]) for it in items],
     }
+    if latents is not None:
+        batch["latents"] = latents
+    return batch
+
+
+def pad_prompt_embedding(embed: torch.Tensor, length: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One prompt's unpadded embedding ``[L, D]`` → ``[length, D]``: its first ``min(L, length)`` rows,
+    then zeros (the layout of :func:`collate_latents` and ``WanPipeline``), in ``dtype`` (default: its own)."""
+    out = torch.zeros(length, embed.shape[1], dtype=dtype or embed.dtype)
+    n = min(length, embed.shape[0])
+    out[:n] = embed[:n]
+    return out
 
 
 def read_empty_prompt_embedding(root: Path) -> torch.Tensor | None:

@@ -8,11 +8,12 @@ from pathlib import Path
 import torch
 
 from distillery.callbacks.base import Callback
-from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, RunConfig
+from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, OptimizerConfig, RunConfig
 from distillery.engine.distributed import DistEnv, shard_transformer, uses_fsdp
 from distillery.errors import UserError
 from distillery.methods.base import TrainingMethod
 from distillery.models.base import ModelBase
+from distillery.engine.optim import resolve_optimizer_config
 from distillery.engine.precision import ComputeCopy, cast_parameters_
 
 
@@ -33,12 +34,26 @@ def build_models(config: RunConfig) -> dict[str, ModelBase]:
     return models
 
 
+def role_optimizer_configs(config: RunConfig) -> dict[str, OptimizerConfig]:
+    """Trainable role → its optimizer config (``models.<role>.optimizer`` over ``training.optimizer``);
+    an optimizer given to a frozen role is a config error."""
+    out = {}
+    for role, comp in config.models.items():
+        if not getattr(comp.config, "trainable", False):
+            if comp.optimizer is not None:
+                raise UserError(f"config error: models.{role}.optimizer: the {role} is frozen (trainable: false); "
+                                "remove its optimizer or make it trainable")
+            continue
+        out[role] = resolve_optimizer_config(config.training.optimizer, comp.optimizer, role)
+    return out
+
+
 def build_method(config: RunConfig, models: dict[str, ModelBase], rank: int) -> TrainingMethod:
     comp = config.method
     if not (isinstance(comp.cls, type) and issubclass(comp.cls, TrainingMethod)):
         raise UserError(f"config error: method._target_: {comp.target} is not a distillery method (TrainingMethod)")
     comp.cls.check_roles(models)
-    return comp.cls(comp.config, models, config.training, rank=rank)
+    return comp.cls(comp.config, models, config.training, rank=rank, optimizer_configs=role_optimizer_configs(config))
 
 
 def build_callbacks(config: RunConfig) -> list[Callback]:
@@ -51,7 +66,8 @@ def build_callbacks(config: RunConfig) -> list[Callback]:
 
 
 def check_roles_early(config: RunConfig) -> None:
-    """Role/method fit, checked before any model is loaded (cheap, for --dry-run and stages)."""
+    """Role/method fit — names, trainability, model kinds, per-role optimizers — checked before any
+    model is loaded (cheap, for --dry-run and stages)."""
     for role, model in config.models.items():
         if not (isinstance(model.cls, type) and issubclass(model.cls, ModelBase)):
             raise UserError(f"config error: models.{role}._target_: {model.target} is not a distillery model (ModelBase)")
@@ -59,10 +75,13 @@ def check_roles_early(config: RunConfig) -> None:
     if not (isinstance(comp.cls, type) and issubclass(comp.cls, TrainingMethod)):
         raise UserError(f"config error: method._target_: {comp.target} is not a distillery method (TrainingMethod)")
     comp.cls.check_roles({role: c.config for role, c in config.models.items()})
+    for role, model in config.models.items():
+        comp.cls.check_role_kind(role, model.cls)
+    role_optimizer_configs(config)
 
 
 def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
-    """Models → method → FSDP2 sharding → optimizers → callbacks."""
+    """Models → method → placement (FSDP2 sharding / compute copies) → optimizers → callbacks."""
     check_roles_early(config)
     models = build_models(config)
     method = build_method(config, models, env.rank)
@@ -99,8 +118,11 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
         )
     model.set_attention_backend(runtime.attention_backend)
     compile_blocks = resolve_compile(runtime, env)
+    extra = {name: m for name, m in model.trainable_modules().items() if m is not model.transformer}
     if uses_fsdp(env, dist_cfg):
         shard_transformer(model.transformer, model.shardable_blocks(), env, dist_cfg, compile_blocks)
+        for module in extra.values():  # e.g. a PDD head bank: one FSDP unit of its own
+            shard_transformer(module, [], env, dist_cfg, False)
         model.bind_device(env.device, env.compute_dtype)
         return
     compute_copy = None
@@ -110,6 +132,8 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
         else:
             cast_parameters_(model.transformer, env.compute_dtype)
     model.transformer.to(env.device)
+    for module in extra.values():  # fp32 on the device (the model casts what it computes with)
+        module.to(env.device)
     model.bind_device(env.device, env.compute_dtype, compute_copy)
     if compile_blocks:
         for block in model.shardable_blocks(model.forward_module):

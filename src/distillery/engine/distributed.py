@@ -120,6 +120,13 @@ def shard_transformer(
     return transformer
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself, no DTensor dispatch), or ``t`` unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
     """Mean of ``values`` over ranks (gloo has no AVG: SUM then divide)."""
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -20,13 +20,14 @@ from tqdm import tqdm
 
 from distillery.engine.builder import build_run, check_data_path, seed_everything
 from distillery.callbacks.base import CallbackContext
-from distillery.engine.checkpoint.manager import CallbackState, CheckpointManager, CheckpointPayload, RoleState, capture_rng, restore_rng
-from distillery.engine.checkpoint.manager import list_checkpoints
+from distillery.engine.checkpoint.manager import CheckpointManager, CheckpointPayload, capture_rng, list_checkpoints
+from distillery.engine.checkpoint.stateful import CallbackState, ScalarState
 from distillery.config.loader import dump_run_config
 from distillery.config.schema import RunConfig
-from distillery.data import LatentBatchLoader, LatentDataset, ShardedBatchSampler, read_empty_prompt_embedding
+from distillery.data import LatentBatchLoader, LatentDataset, ShardedBatchSampler, pad_prompt_embedding, read_empty_prompt_embedding
 from distillery.engine.distributed import DistEnv, all_reduce_mean, broadcast_object
 from distillery.errors import UserError
+from distillery.fsutil import write_text_atomic
 from distillery.log import get_logger, quiet_library_progress
 from distillery.procutil import exclusive_lock
 from distillery.engine.tracking import build_tracker
@@ -59,16 +60,6 @@ class TrainResult:
     mlflow_run_id: str | None = None
 
 
-def pad_empty_embedding(empty: torch.Tensor | None, length: int) -> torch.Tensor | None:
-    """Empty-prompt embedding ``[L, D]`` → ``[length, D]`` zero-padded (as the pipeline pads)."""
-    if empty is None:
-        return None
-    out = torch.zeros(length, empty.shape[1], dtype=empty.dtype)
-    n = min(length, empty.shape[0])
-    out[:n] = empty[:n]
-    return out
-
-
 class Trainer:
     def __init__(self, config: RunConfig, env: DistEnv) -> None:
         quiet_library_progress()
@@ -79,55 +70,59 @@ class Trainer:
         self.run = build_run(config, env)
         self.method = self.run.method
         data_root = check_data_path(t.data.path)
-        dataset = LatentDataset(data_root, t.data.split)
+        # the data the method declared: collated latent batches, or prompt embeddings only
+        dataset = LatentDataset(data_root, t.data.split, with_latents=self.method.data_kind == "latents")
         sampler = ShardedBatchSampler(len(dataset), t.data.batch_size, env.rank, env.world_size, t.loop.seed, t.data.drop_last)
         # on CUDA, batches are collated into page-locked memory: their copy to the GPU does not wait for queued work
         self.loader = LatentBatchLoader(dataset, sampler, t.data.text_max_length, pin_memory=env.device.type == "cuda")
-        self.empty_text = pad_empty_embedding(read_empty_prompt_embedding(data_root), t.data.text_max_length)
+        empty = read_empty_prompt_embedding(data_root)
+        self.empty_text = pad_prompt_embedding(empty, t.data.text_max_length) if empty is not None else None
         if self.empty_text is not None:  # constant: on the device once, not copied every step
             self.empty_text = self.empty_text.to(env.device, torch.float32)
-        self.ctx = CallbackContext(self.method, env.rank, env.world_size, t.loop.max_train_steps)
+        self.ctx = CallbackContext(roles=self.run.models, rank=env.rank, world_size=env.world_size,
+                                   max_train_steps=t.loop.max_train_steps, roles_to_step=self.method.roles_to_step,
+                                   sampling=self.method.sampling_contract())
+        self.step = 0  # the last completed optimizer step (what a checkpoint records)
+        # frozen roles' sources (path + sha256 of their weights), hashed once on rank 0
+        self.frozen_sources = broadcast_object(self.method.frozen_sources() if env.is_main else None)
         self.ckpt = CheckpointManager(t.checkpoint.output_dir, t.checkpoint.keep_last, env.rank, env.world_size)
         self.samples_per_step = t.data.batch_size * t.loop.grad_accum_steps * env.world_size
 
     # -- checkpoint payload ---------------------------------------------------------------
-    def _payload(self, step: int) -> CheckpointPayload:
-        dcp_state: dict[str, Any] = {}
-        role_configs = {}
-        for role, model in self.run.models.items():
-            if model.trainable:
-                dcp_state[f"role.{role}"] = RoleState(model.transformer, self.method.optimizers.get(role))
-                role_configs[role] = model.transformer_config()
+    def _trainer_position(self) -> dict[str, int]:
+        return {"step": self.step, **{f"data_{k}": int(v) for k, v in self.loader.state_dict().items()}}
+
+    def _set_trainer_position(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+        self.loader.load_state_dict({k[len("data_"):]: v for k, v in state.items() if k.startswith("data_")})
+
+    def _payload(self) -> CheckpointPayload:
+        """The method's state (roles, optimizers, schedulers, its own), the trainer's position and
+        the callbacks' tensors — all DCP — plus this rank's process RNGs and the metadata."""
+        dcp_state: dict[str, Any] = dict(self.method.checkpoint_state())
+        dcp_state["trainer"] = ScalarState(self._trainer_position, self._set_trainer_position)
         for cb in self.run.callbacks:
             if cb.state_dict():
-                dcp_state[f"callback.{cb.name}"] = CallbackState(cb)
-        host = {
-            "step": step,
-            "lr_schedulers": {r: s.state_dict() for r, s in self.method.lr_schedulers.items()},
-            "data": self.loader.state_dict(),
-            "mlflow_run_id": getattr(self, "tracker", None) and self.tracker.run_id,
-        }
-        meta = {"method": self.config.method.target, "mlflow_run_id": host["mlflow_run_id"]}
-        return CheckpointPayload(dcp_state, host, capture_rng(self.method.state_dict()), role_configs, meta)
+                dcp_state[f"callbacks.{cb.name}"] = CallbackState(cb)
+        role_configs = {role: model.transformer_config() for role, model in self.run.models.items() if model.trainable}
+        run_id = getattr(self, "tracker", None) and self.tracker.run_id
+        meta = {"method": self.config.method.target, "mlflow_run_id": run_id}
+        return CheckpointPayload(dcp_state, capture_rng(), role_configs, self.frozen_sources, meta)
 
     def _resume(self) -> tuple[int, str | None]:
         path = self.ckpt.resume_path(self.config.training.checkpoint.resume)
         if path is None:
             return 0, None
-        # verified by resume_path; the state is JSON + safetensors (a rank the checkpoint has no
-        # RNG file for gets rank 0's: the random stream is the same on every rank)
-        host, rng = self.ckpt.load(path, self._payload(0))
-        for role, state in host["lr_schedulers"].items():
-            self.method.lr_schedulers[role].load_state_dict(state)
-        self.loader.load_state_dict(host["data"])
-        self.method.load_state_dict(restore_rng(rng))
-        self._refresh_compute_weights()
-        log.info("resumed from %s at step %d", path, host["step"])
-        return int(host["step"]), host.get("mlflow_run_id")
+        # verified by resume_path; a rank the checkpoint has no RNG file for gets rank 0's
+        meta = self.ckpt.load(path, self._payload())
+        self._refresh_compute_weights(list(self.method.optimizers))
+        log.info("resumed from %s at step %d", path, self.step)
+        return self.step, meta.get("mlflow_run_id")
 
-    def _refresh_compute_weights(self) -> None:
-        for model in self.run.models.values():
-            model.refresh_compute_weights()
+    def _refresh_compute_weights(self, roles: list[str]) -> None:
+        """Rewrite the compute copies of ``roles`` (those whose master weights changed)."""
+        for role in roles:
+            self.run.models[role].refresh_compute_weights()
 
     # -- one optimizer step -----------------------------------------------------------------
     def _next_batch(self) -> dict[str, Any]:
@@ -140,6 +135,7 @@ class Trainer:
         accum = self.config.training.loop.grad_accum_steps
         sums: dict[str, torch.Tensor] = {}
         for micro in range(accum):
+            self._set_gradient_sync(micro == accum - 1)  # FSDP2: reduce gradients once, after the last micro-batch
             out = self.method.single_train_step(self._next_batch(), step)
             self.method.backward(out, grad_accum_rounds=accum)
             for model in self.run.models.values():
@@ -157,12 +153,26 @@ class Trainer:
                         self.skipped_nonfinite, self.config.training.loop.skip_nonfinite_steps)
             self.method.zero_grad(step)  # no update: the weights stay those of the last good step
             return {"skipped_nonfinite": torch.ones(())}  # the step's non-finite values are not logged
+        stepped = self.method.roles_to_step(step)
         self.method.optimizers_step(step)
         self.method.zero_grad(step)
-        self._refresh_compute_weights()
+        self._refresh_compute_weights(stepped)  # a role that did not step keeps its compute copy
         for cb in self.run.callbacks:
             sums.update(cb.on_training_step_end(self.ctx, step))
         return sums
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        """FSDP2 modules of trainable roles reduce-scatter gradients only when ``enabled`` (the last
+        micro-batch of an accumulation; the others accumulate unsharded gradients locally)."""
+        if self.config.training.loop.grad_accum_steps == 1:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for model in self.run.models.values():
+            if model.trainable:
+                for module in model.trainable_modules().values():
+                    if isinstance(module, FSDPModule):
+                        module.set_requires_gradient_sync(enabled)
 
     def _all_finite(self, tensors: dict[str, torch.Tensor]) -> bool:
         """One host sync: are this step's losses and grad norms finite on every rank?"""
@@ -267,12 +277,15 @@ class Trainer:
         start_step, run_id = self._resume()
         self._trim_log(start_step)
         self.tracker = build_tracker(t.tracker, self.env.is_main, run_id)
+        self.ctx.tracker = self.tracker
         if start_step == 0:
             self.tracker.log_params(self.config.to_plain())
             self.tracker.log_text(dump_run_config(self.config), "config.yaml")
         else:
             self._catch_up_tracker(start_step)
         result = TrainResult(final_step=start_step, checkpoint=None, mlflow_run_id=self.tracker.run_id)
+        for cb in self.run.callbacks:
+            cb.on_loop_start(self.ctx, start_step)
         bar = tqdm(total=t.loop.max_train_steps, initial=start_step, disable=not (self.env.is_main and t.loop.progress_bar),
                    desc="train", dynamic_ncols=True, mininterval=1.0)
         status = "FAILED"
@@ -304,6 +317,7 @@ class Trainer:
             for step in range(start_step + 1, t.loop.max_train_steps + 1):
                 started = time.perf_counter()
                 tensors = self._train_step(step)
+                self.step = step
                 if pending is not None:
                     finish(pending, started)
                 pending = self._stage_metrics(step, tensors, started)
@@ -315,7 +329,7 @@ class Trainer:
                     finish(pending, time.perf_counter())
                     pending = None
                 if saving:
-                    result.checkpoint = self.ckpt.save(step, self._payload(step))
+                    result.checkpoint = self.ckpt.save(step, self._payload())
                     flush_tracker()
                 if stopping:
                     log.info("stopping at step %d as asked (training.loop.stop_at_step); rerun to continue", step)
@@ -330,4 +344,29 @@ class Trainer:
         if result.checkpoint is None and start_step == t.loop.max_train_steps:
             found = self.ckpt.resume_path("latest")
             result.checkpoint = found
+        self._write_run_summary(result)
         return result
+
+    # -- the run's public summary (rank 0): <output_dir>/run_summary.json ----------------------
+    def _write_run_summary(self, result: TrainResult) -> None:
+        """What a pipeline stage needs from a finished invocation, so it never parses logs or
+        checkpoint internals: ``format``, ``final_step``, ``checkpoint`` (folder name in the output
+        dir, or null), ``mlflow_run_id``, ``method`` (its ``_target_``), ``last_metrics`` (the last
+        logged row), ``loss`` (``[{"step", "loss"}]``: total_loss of every logged step of the run,
+        resumed parts included) and ``sampling`` (the method's sampling contract)."""
+        if not self.env.is_main:
+            return
+        rows = []
+        if self.log_path.is_file():
+            rows = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+        summary = {
+            "format": 1,
+            "final_step": result.final_step,
+            "checkpoint": result.checkpoint.name if result.checkpoint is not None else None,
+            "mlflow_run_id": result.mlflow_run_id,
+            "method": self.config.method.target,
+            "last_metrics": {k: v for k, v in rows[-1].items() if k != "step"} if rows else {},
+            "loss": [{"step": r["step"], "loss": r["total_loss"]} for r in rows if "total_loss" in r],
+            "sampling": self.method.sampling_contract(),
+        }
+        write_text_atomic(Path(self.config.training.checkpoint.output_dir) / "run_summary.json", json.dumps(summary, indent=2))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from distillery.config.schema import TrackerConfig
+from distillery.treeutil import flatten
 from distillery.log import get_logger
 
 log = get_logger("tracking")
@@ -32,6 +33,8 @@ class NullTracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
 
     def log_text(self, text: str, artifact_file: str) -> None: ...
+
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None: ...
 
     def last_logged_step(self, key: str) -> int | None:
         return None
@@ -83,17 +86,6 @@ def ensure_experiment(client: Any, name: str, tracking_uri: str) -> str:
     return client.create_experiment(name, artifact_location=artifact_location)
 
 
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (lists kept whole)."""
-    out: dict[str, Any] = {}
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-    else:
-        out[prefix[:-1]] = tree
-    return out
-
-
 class MLflowTracker:
     """One MLflow run; resumes ``run_id`` when given (a resumed training continues its run)."""
 
@@ -128,6 +120,8 @@ class MLflowTracker:
         existing = self.client.get_run(self.run_id).data.params
         batch = []
         for k, v in flatten(params).items():
+            if v == {}:  # an empty section (e.g. no tracker tags) is not a parameter
+                continue
             text = str(v)[:MLFLOW_PARAM_MAX]
             if k in existing:
                 continue  # params are immutable; a resumed run keeps the first values
@@ -147,6 +141,10 @@ class MLflowTracker:
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
+        """Copy the file ``local_path`` into the run's artifacts (under the folder ``artifact_path``)."""
+        self.client.log_artifact(self.run_id, str(local_path), artifact_path)
 
     def last_logged_step(self, key: str) -> int | None:
         """The largest step at which metric ``key`` was logged in this run (None: never)."""

@@ -1,30 +1,44 @@
-"""Training-method interface: losses, optimizers, LR schedules and backward routing.
+"""Training-method interface: losses, roles, per-role optimizers, backward routing, checkpoint state.
 
-A method receives its role models (``{"student": ..., "teacher": ...}``) already built and owns
-nothing else it did not get: teachers and critics come in through ``role_models``. The trainer
-calls, per optimizer step::
+A method receives its role models (``{"student": ..., "teacher": ..., "critic": ...}``) already
+built and owns nothing it did not get: teachers and critics come in through ``role_models``. The
+trainer calls, per optimizer step::
 
     for each micro-batch:  out = method.single_train_step(batch, step); method.backward(out, rounds)
     callbacks.on_before_optimizer_step; method.optimizers_step(step); method.zero_grad(step)
 
-Randomness: ``self.rng`` (a :class:`~distillery.engine.rng.BatchRNG` on the student's device) is the only
-source of random draws in methods, models and samplers; its per-sample draws do not depend on
+and refreshes (compute copies) and averages (EMA) only the roles ``roles_to_step(step)`` names.
+
+Class-level declarations (checked from the config, before any weights load): ``required_roles``,
+``optional_roles``, ``trainable_roles`` / ``frozen_roles``, ``role_kinds`` (role → the model base
+class it must be, e.g. ``{"student": CausalModelBase}``) and ``data_kind`` (``latents``: collated
+latent batches; ``prompts``: prompt embeddings only, for rollouts that never read a video latent).
+
+Checkpoints (:meth:`checkpoint_state`) are the method's: trainable roles' modules under
+``roles.<role>.<module>``, ``optimizers.<role>``, ``schedulers.<role>``, the random stream under
+``method.rng``, plus whatever a subclass adds (e.g. a carried trajectory); all DCP. Frozen roles are
+not saved; :meth:`frozen_sources` names them (path + sha256) for the checkpoint metadata.
+
+Randomness: ``self.rng`` (a :class:`~distillery.engine.rng.BatchRNG` on the student's device) is the
+only source of random draws in methods, models and samplers; its per-sample draws do not depend on
 the number of ranks.
 """
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
 from distillery.config.schema import OptimizerConfig, TrainingConfig
+from distillery.engine.checkpoint.stateful import ModuleState, OptimizerState, RNGState, SchedulerState
+from distillery.engine.optim import build_role_optimizer, lr_lambda_for  # noqa: F401  (lr_lambda_for: public here too)
+from distillery.engine.rng import BatchRNG
 from distillery.errors import UserError
 from distillery.models.base import ModelBase
-from distillery.engine.rng import BatchRNG
 
 
 @dataclass
@@ -37,37 +51,17 @@ class StepOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def lr_lambda_for(cfg: OptimizerConfig, max_steps: int):
-    """LR multiplier per optimizer step: linear warmup, then constant / cosine / linear decay."""
-
-    def factor(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.lr_scheduler == "constant":
-            return 1.0
-        span = max(1, max_steps - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
-        if cfg.lr_scheduler == "cosine":
-            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-        else:
-            decay = 1.0 - progress
-        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
-
-    return factor
-
-
 class TrainingMethod(ABC):
-    """Base class of SFT, DFSFT, DMD2, Self-Forcing, PDD.
+    """Base class of SFT, DFSFT, DMD2, Self-Forcing, PDD (class attributes: see the module doc)."""
 
-    Class attributes: ``config_class`` (knobs dataclass), ``required_roles`` (must be present),
-    ``optional_roles``, ``trainable_roles`` (must be trainable), ``frozen_roles`` (must be frozen).
-    """
-
+    component_kind: ClassVar[str] = "method"
     config_class: ClassVar[type]
     required_roles: ClassVar[tuple[str, ...]] = ("student",)
     optional_roles: ClassVar[tuple[str, ...]] = ()
     trainable_roles: ClassVar[tuple[str, ...]] = ("student",)
     frozen_roles: ClassVar[tuple[str, ...]] = ()
+    role_kinds: ClassVar[dict[str, type]] = {}
+    data_kind: ClassVar[Literal["latents", "prompts"]] = "latents"
 
     def __init__(
         self,
@@ -75,6 +69,7 @@ class TrainingMethod(ABC):
         role_models: dict[str, ModelBase],
         training: TrainingConfig,
         rank: int = 0,
+        optimizer_configs: dict[str, OptimizerConfig] | None = None,
     ) -> None:
         self.config = config
         self.training = training
@@ -83,12 +78,15 @@ class TrainingMethod(ABC):
         self.role_models = dict(role_models)
         self.student = role_models["student"]
         self.rng = BatchRNG(training.loop.seed)
+        self.optimizer_configs = {role: (optimizer_configs or {}).get(role, training.optimizer)
+                                  for role, model in role_models.items() if model.trainable}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.lr_schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler] = {}
 
     @classmethod
     def check_roles(cls, role_models: dict[str, Any]) -> None:
-        """Raise a UserError unless the roles fit this method (names and trainability)."""
+        """Raise a UserError unless the roles fit this method (names, trainability and, for model
+        objects or classes, kinds)."""
         name = cls.__name__
         missing = [r for r in cls.required_roles if r not in role_models]
         allowed = set(cls.required_roles) | set(cls.optional_roles)
@@ -106,6 +104,17 @@ class TrainingMethod(ABC):
         for role in cls.frozen_roles:
             if role in role_models and _is_trainable(role_models[role]):
                 raise UserError(f"config error: models.{role}.trainable: {name} keeps the {role} frozen; set it to false")
+        for role, model in role_models.items():
+            if isinstance(model, ModelBase):
+                cls.check_role_kind(role, type(model))
+
+    @classmethod
+    def check_role_kind(cls, role: str, model_cls: type) -> None:
+        """A UserError unless ``model_cls`` is the kind of model ``role_kinds`` asks for ``role``."""
+        kind = cls.role_kinds.get(role)
+        if kind is not None and not (isinstance(model_cls, type) and issubclass(model_cls, kind)):
+            raise UserError(f"config error: models.{role}._target_: {cls.__name__} needs a {kind.__name__} as its {role}; "
+                            f"{model_cls.__module__}.{model_cls.__qualname__} is not one")
 
     # -- set-up ---------------------------------------------------------------------------
     def on_train_start(self, device: torch.device, world_size: int = 1) -> None:
@@ -113,21 +122,13 @@ class TrainingMethod(ABC):
         self.rng = BatchRNG(self.training.loop.seed, self.rank, world_size, device)
 
     def build_optimizers(self) -> None:
-        """AdamW + LR schedule per trainable role; call after the transformers are sharded."""
-        opt_cfg = self.training.optimizer
-        for role, model in self.role_models.items():
-            if not model.trainable:
-                continue
-            params = [p for p in model.transformer.parameters() if p.requires_grad]
-            fused = bool(params) and params[0].device.type == "cuda"
-            optimizer = torch.optim.AdamW(
-                params, lr=opt_cfg.learning_rate, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps,
-                weight_decay=opt_cfg.weight_decay, fused=fused or None,
-            )
-            self.optimizers[role] = optimizer
-            self.lr_schedulers[role] = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lr_lambda_for(opt_cfg, self.training.loop.max_train_steps)
-            )
+        """One AdamW + LR schedule per trainable role over its ``trainable_modules()``, from that
+        role's optimizer config (``models.<role>.optimizer`` over ``training.optimizer``); call after
+        the modules are placed (sharded)."""
+        for role, cfg in self.optimizer_configs.items():
+            built = build_role_optimizer(self.role_models[role].trainable_modules(), cfg, self.training.loop.max_train_steps)
+            self.optimizers[role] = built.optimizer
+            self.lr_schedulers[role] = built.scheduler
 
     # -- per step -------------------------------------------------------------------------
     @abstractmethod
@@ -139,7 +140,8 @@ class TrainingMethod(ABC):
         self.student.backward(output.losses["total_loss"], output.backward_ctx, grad_accum_rounds)
 
     def roles_to_step(self, step: int) -> list[str]:
-        """Trainable roles whose optimizers step at ``step`` (override for alternating updates)."""
+        """Trainable roles whose optimizers step at ``step`` (override for alternating updates).
+        Grad clipping, EMA and compute-copy refreshes follow this list."""
         del step
         return list(self.optimizers)
 
@@ -153,19 +155,32 @@ class TrainingMethod(ABC):
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
 
-    def grad_clip_targets(self, step: int) -> dict[str, torch.nn.Module]:
-        """Modules whose gradients are clipped (and whose grad norm is logged) at ``step``."""
-        return {role: self.role_models[role].transformer for role in self.roles_to_step(step)}
-
     def learning_rates(self) -> dict[str, float]:
         return {role: sched.get_last_lr()[0] for role, sched in self.lr_schedulers.items()}
 
-    # -- state (per rank, not DCP) ----------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {"rng": self.rng.state_dict()}
+    # -- what the artifact and the checkpoint carry ----------------------------------------
+    def sampling_contract(self) -> dict[str, Any]:
+        """How to sample the trained student (the artifact's ``sampling.json``): the sampler's
+        registry name and its settings. Default: many-step Euler on the student's schedule."""
+        schedule = self.student.schedule
+        return {"sampler": "euler", "shift": schedule.shift, "num_train_timesteps": schedule.num_train_timesteps}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rng.load_state_dict(state["rng"])
+    def checkpoint_state(self) -> dict[str, Stateful]:
+        """DCP state by conventional key (see the module doc); subclasses add their own keys."""
+        state: dict[str, Stateful] = {}
+        for role, optimizer in self.optimizers.items():
+            modules = self.role_models[role].trainable_modules()
+            for name, module in modules.items():
+                state[f"roles.{role}.{name}"] = ModuleState(module)
+            state[f"optimizers.{role}"] = OptimizerState(modules, optimizer)
+            state[f"schedulers.{role}"] = SchedulerState(self.lr_schedulers[role], optimizer)
+        state["method.rng"] = RNGState(self.rng)
+        return state
+
+    def frozen_sources(self) -> dict[str, dict[str, Any]]:
+        """Frozen role → where its weights came from (``path``, ``sha256``); recorded in checkpoint
+        metadata so a resume against a changed teacher is refused."""
+        return {role: model.source() for role, model in self.role_models.items() if not model.trainable}
 
 
 def _is_trainable(model: Any) -> bool:
@@ -181,10 +196,9 @@ def flow_matching_loss(
 ) -> torch.Tensor:
     """Per-element squared error ``[B, C, T, H, W]`` of the velocity (or of x0 when preconditioned)."""
     if precondition_outputs:
-        from distillery.models.schedule import FlowMatchSchedule
+        from distillery.models.schedule import x0_from_velocity
 
-        sigma = FlowMatchSchedule.broadcast(batch.sigmas, pred_velocity.ndim)
-        pred_x0 = batch.noisy_latents.float() - sigma * pred_velocity
+        pred_x0 = x0_from_velocity(batch.noisy_latents, pred_velocity, batch.sigmas)
         return (pred_x0 - batch.latents.float()) ** 2
     target = batch.noise.float() - batch.latents.float()
     return (pred_velocity - target) ** 2

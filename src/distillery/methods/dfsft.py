@@ -57,8 +57,8 @@ class DFSFTMethod(TrainingMethod):
 
     config_class = DFSFTConfig
 
-    def __init__(self, config: DFSFTConfig, role_models: dict, training: Any, rank: int = 0) -> None:
-        super().__init__(config, role_models, training, rank)
+    def __init__(self, config: DFSFTConfig, role_models: dict, training: Any, rank: int = 0, **kwargs: Any) -> None:
+        super().__init__(config, role_models, training, rank, **kwargs)
         schedule: FlowMatchSchedule = self.student.schedule
         self.table = schedule.timestep_table()
         self.weights = dfsft_index_weights(len(self.table))

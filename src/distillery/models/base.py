@@ -9,14 +9,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from distillery.errors import UserError
-from distillery.models.schedule import FlowMatchSchedule
+from distillery.models.schedule import FlowMatchSchedule, renoise, x0_from_velocity
 from distillery.engine.precision import ComputeCopy
 from distillery.engine.rng import BatchRNG
+
+
+@dataclass
+class Conditioning:
+    """What a denoiser is conditioned on (samplers build this; a :class:`TrainingBatch` also is one)."""
+
+    text_embeds: torch.Tensor  # [B, L, D] zero-padded prompt embeddings
+    negative_text_embeds: torch.Tensor | None = None  # [B, L, D] empty-prompt embeddings (CFG); None: zeros
 
 
 @dataclass
@@ -40,6 +48,7 @@ class ModelBase(ABC):
     set by :meth:`bind_device`.
     """
 
+    component_kind: ClassVar[str] = "model"
     config_class: type
     transformer: torch.nn.Module
     schedule: FlowMatchSchedule
@@ -54,6 +63,28 @@ class ModelBase(ABC):
     @property
     def trainable(self) -> bool:
         return bool(getattr(self.config, "trainable", False))
+
+    def trainable_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules of this role that train, by name (``{"transformer": ...}``; a PDD model adds
+        its head bank). Placement and sharding, optimizers, checkpoints (``roles.<role>.<name>``),
+        EMA and export all go through this; nothing else decides what trains."""
+        return {"transformer": self.transformer}
+
+    def source(self) -> dict[str, Any]:
+        """Where this role's weights came from (checkpoint metadata of frozen roles): ``path`` (the
+        folder they were loaded from: ``self.transformer_dir`` when the plugin sets it, else the
+        config's ``init_from``) and ``sha256`` over its files (name + content, in name order)."""
+        import hashlib
+        from pathlib import Path
+
+        from distillery.lineage import hash_file
+
+        folder = Path(getattr(self, "transformer_dir", None) or getattr(self.config, "init_from", ""))
+        digest = hashlib.sha256()
+        files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+        for path in files:
+            digest.update(f"{path.relative_to(folder).as_posix()}\0{hash_file(path)}\n".encode())
+        return {"path": str(folder), "sha256": digest.hexdigest() if files else None}
 
     def bind_device(self, device: torch.device, compute_dtype: torch.dtype = torch.float32,
                     compute_copy: ComputeCopy | None = None) -> None:
@@ -138,15 +169,14 @@ class ModelBase(ABC):
 
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         """``x_t = (1 − σ) x0 + σ ε`` with σ from ``timesteps`` ([B] or per-frame [B, T])."""
-        sigma = FlowMatchSchedule.broadcast(self.schedule.sigma(timesteps), x0.ndim).to(x0.dtype)
-        return (1.0 - sigma) * x0 + sigma * noise
+        return renoise(x0, noise, self.schedule.sigma(timesteps))
 
     @abstractmethod
     def predict_noise(
         self,
         noisy_latents: torch.Tensor,
         timesteps: torch.Tensor,
-        batch: TrainingBatch,
+        batch: Conditioning | TrainingBatch,
         conditional: bool = True,
     ) -> torch.Tensor:
         """Predicted flow velocity ``v = ε − x0`` ``[B, C, T, H, W]`` (float32)."""
@@ -155,15 +185,78 @@ class ModelBase(ABC):
         self,
         noisy_latents: torch.Tensor,
         timesteps: torch.Tensor,
-        batch: TrainingBatch,
+        batch: Conditioning | TrainingBatch,
         conditional: bool = True,
     ) -> torch.Tensor:
         """Predicted clean latents ``x0 = x_t − σ v`` ``[B, C, T, H, W]`` (float32)."""
         v = self.predict_noise(noisy_latents, timesteps, batch, conditional)
-        sigma = FlowMatchSchedule.broadcast(self.schedule.sigma(timesteps), v.ndim)
-        return noisy_latents.float() - sigma * v
+        return x0_from_velocity(noisy_latents, v, self.schedule.sigma(timesteps))
 
     def backward(self, loss: torch.Tensor, ctx: Any = None, grad_accum_rounds: int = 1) -> None:
         """Backpropagate ``loss / grad_accum_rounds`` through this role's transformer."""
         del ctx
         (loss / max(1, grad_accum_rounds)).backward()
+
+
+class CausalModelBase(ModelBase):
+    """A model that generates a video chunk by chunk, attending to earlier chunks through a KV cache.
+
+    The video's latent frames are split into chunks of ``chunk_size`` frames; a frame attends to
+    its own chunk and every earlier one (block-causal). Streaming calls take one chunk
+    ``[B, C, chunk_frames, H, W]`` that starts at latent frame ``cur_start_frame`` of the video and
+    attend to what the cache named ``cache_tag`` holds for frames ``[0, cur_start_frame)``:
+
+    - ``store_kv=False`` — denoise the chunk against the cache, leave the cache as it is (the
+      intermediate steps of a chunk's step list);
+    - ``store_kv=True`` — also append this chunk's keys/values (computed from the latents given, at
+      the timesteps given: clean context uses t = 0, or a small ``context_noise``) to the cache;
+    - ``clear_caches(cache_tag)`` — forget the cache (every cache when ``cache_tag`` is None), e.g.
+      before a new video. Separate tags keep separate caches (conditional / unconditional passes).
+
+    Implementations raise ``ValueError`` when ``cur_start_frame`` does not equal the number of
+    frames the cache holds (a chunk skipped or stored twice). The full-sequence ``predict_noise``
+    (training with teacher forcing / DFSFT) applies the same block-causal mask without a cache.
+    """
+
+    chunk_size: int  # latent frames per causal chunk
+
+    @abstractmethod
+    def clear_caches(self, cache_tag: str | None = None) -> None:
+        """Drop the KV cache named ``cache_tag`` (all caches when None)."""
+
+    @abstractmethod
+    def cached_frames(self, cache_tag: str) -> int:
+        """Latent frames the cache ``cache_tag`` holds (0 when empty)."""
+
+    @abstractmethod
+    def predict_noise_streaming(
+        self,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        batch: Conditioning | TrainingBatch,
+        *,
+        cache_tag: str,
+        store_kv: bool,
+        cur_start_frame: int,
+        conditional: bool = True,
+    ) -> torch.Tensor:
+        """Velocity ``[B, C, chunk_frames, H, W]`` (float32) of one chunk given the cached context.
+
+        ``timesteps``: ``[B]`` or per-frame ``[B, chunk_frames]`` in [0, 1000].
+        """
+
+    def predict_x0_streaming(
+        self,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        batch: Conditioning | TrainingBatch,
+        *,
+        cache_tag: str,
+        store_kv: bool,
+        cur_start_frame: int,
+        conditional: bool = True,
+    ) -> torch.Tensor:
+        """Clean latents ``x0 = x_t − σ v`` of one chunk (float32), see :meth:`predict_noise_streaming`."""
+        v = self.predict_noise_streaming(noisy_latents, timesteps, batch, cache_tag=cache_tag, store_kv=store_kv,
+                                         cur_start_frame=cur_start_frame, conditional=conditional)
+        return x0_from_velocity(noisy_latents, v, self.schedule.sigma(timesteps))

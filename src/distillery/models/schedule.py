@@ -1,9 +1,15 @@
-"""Rectified-flow noise schedule shared by every model and sampler.
+"""Rectified-flow maths shared by every model and sampler — the one place it is written down.
 
 Conventions (DESIGN.md §4): ``x_t = (1 − σ) x0 + σ ε``, velocity ``v = ε − x0``,
 ``x0 = x_t − σ v``. Timesteps live in ``[0, num_train_timesteps]`` and ``σ = t / num_train_timesteps``
 after the shift ``σ' = s·σ / (1 + (s − 1)·σ)`` has been applied. One shift per model, read from its
 scheduler config.
+
+- :class:`FlowMatchSchedule` — a model's shift and timestep scale: training σ draws, the training
+  timestep table, and the inference σ grid (:meth:`FlowMatchSchedule.inference_sigmas`, bit-for-bit
+  diffusers' ``FlowMatchEulerDiscreteScheduler.set_timesteps``);
+- :func:`x0_from_velocity`, :func:`velocity_from_x0`, :func:`renoise` — conversions between the
+  clean sample, the velocity and a noisy sample at σ (σ a Python float, ``[B]`` or per-frame ``[B, T]``).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 import torch
 
 from distillery.errors import UserError
@@ -62,6 +69,31 @@ class FlowMatchSchedule:
             raise ValueError(f"unknown timestep sampling {mode!r}")
         return self.shift_sigma(u)
 
+    def inference_sigmas(self, num_steps: int) -> torch.Tensor:
+        """Inference σ grid ``float32 [num_steps + 1]``, descending from 1, ending with an appended 0.
+
+        Bit-for-bit ``FlowMatchEulerDiscreteScheduler(shift=s).set_timesteps(num_steps).sigmas``
+        (static shift, no Karras/exponential/beta/terminal options): the scheduler's training table
+        gives σ_max = shift(1) = 1 and σ_min = shift(1/n) (fp32); the inference grid is
+        ``linspace(σ_max, σ_min, num_steps)`` in float64, shifted *again*, then cast to fp32.
+        """
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        if self.shift <= 0:
+            raise ValueError(f"shift must be > 0, got {self.shift}")
+        n, s = self.num_train_timesteps, self.shift
+        ends = torch.tensor([float(n), 1.0], dtype=torch.float32) / n  # table ends, as the scheduler's __init__
+        ends = s * ends / (1 + (s - 1) * ends)
+        sigma_max, sigma_min = ends[0].item(), ends[1].item()
+        grid = np.linspace(sigma_max * n, sigma_min * n, num_steps) / n
+        grid = s * grid / (1 + (s - 1) * grid)
+        return torch.cat([torch.from_numpy(grid).to(torch.float32), torch.zeros(1)])
+
+    def inference_timesteps(self, num_steps: int) -> torch.Tensor:
+        """Timesteps ``float32 [num_steps]`` in ``[0, n]`` of :meth:`inference_sigmas` (σ × n, the final 0 dropped):
+        diffusers' ``FlowMatchEulerDiscreteScheduler.set_timesteps(num_steps).timesteps``."""
+        return self.inference_sigmas(num_steps)[:-1] * self.num_train_timesteps
+
     @staticmethod
     def broadcast(sigma: torch.Tensor, ndim: int = 5) -> torch.Tensor:
         """Reshape σ ``[B]`` → ``[B,1,1,1,1]`` or per-frame ``[B,T]`` → ``[B,1,T,1,1]`` for ``[B,C,T,H,W]``."""
@@ -70,6 +102,39 @@ class FlowMatchSchedule:
         if sigma.ndim == 2:
             return sigma[:, None, :, None, None]
         raise ValueError(f"σ must be [B] or [B, T], got shape {tuple(sigma.shape)}")
+
+
+Sigma = float | torch.Tensor  # a Python float, or σ [B] / per-frame [B, T] (broadcast over [B, C, T, H, W])
+
+
+def _as_factor(sigma: Sigma, like: torch.Tensor) -> float | torch.Tensor:
+    """σ ready to multiply a ``[B, C, T, H, W]`` tensor: floats stay floats (exact scalar maths)."""
+    if isinstance(sigma, torch.Tensor):
+        if sigma.ndim == 0:
+            return sigma.to(like.device, torch.float32)
+        return FlowMatchSchedule.broadcast(sigma.to(like.device, torch.float32), like.ndim)
+    return float(sigma)
+
+
+def x0_from_velocity(x_t: torch.Tensor, velocity: torch.Tensor, sigma: Sigma) -> torch.Tensor:
+    """Clean sample ``x0 = x_t − σ v`` (float32, shape of ``x_t`` ``[B, C, T, H, W]``)."""
+    return x_t.float() - _as_factor(sigma, x_t) * velocity.float()
+
+
+def velocity_from_x0(x_t: torch.Tensor, x0: torch.Tensor, sigma: Sigma) -> torch.Tensor:
+    """Velocity ``v = ε − x0 = (x_t − x0) / σ`` (float32 ``[B, C, T, H, W]``); σ must be > 0."""
+    return (x_t.float() - x0.float()) / _as_factor(sigma, x_t)
+
+
+def renoise(x0: torch.Tensor, noise: torch.Tensor, sigma: Sigma) -> torch.Tensor:
+    """Noisy sample ``x_t = (1 − σ) x0 + σ ε`` at σ (float32, shape of ``x0`` ``[B, C, T, H, W]``)."""
+    factor = _as_factor(sigma, x0)
+    return (1.0 - factor) * x0.float() + factor * noise.float()
+
+
+def euler_step(x_t: torch.Tensor, velocity: torch.Tensor, sigma: Sigma, sigma_next: Sigma) -> torch.Tensor:
+    """One Euler step of the flow ODE from σ to σ_next: ``x + (σ_next − σ) v`` (float32 ``[B, C, T, H, W]``)."""
+    return x_t + (_as_factor(sigma_next, x_t) - _as_factor(sigma, x_t)) * velocity
 
 
 def read_scheduler_shift(folder: Path) -> float:

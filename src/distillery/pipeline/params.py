@@ -57,3 +57,41 @@ class Params:
     def subset(self, keys: list[str]) -> dict[str, Any]:
         """The named keys and their values (what a stage read: recorded in its lineage)."""
         return {k: self.get(k) for k in keys}
+
+
+class UndeclaredParam(LookupError):
+    """A stage read a params.yaml key that its dvc.yaml ``params:`` list does not name (a code bug:
+    DVC would not rerun the stage when that key changes)."""
+
+
+def covers(declared: list[str], key: str) -> bool:
+    """True when ``key`` is one of ``declared`` or lies inside one (``teacher`` covers ``teacher.steps``)."""
+    return any(key == d or key.startswith(d + ".") for d in declared)
+
+
+class StageParams:
+    """What one stage may read of params.yaml: exactly the keys its ``dvc.yaml`` ``params:`` list
+    names (:func:`distillery.pipeline.dvcfile.stage_params`), and what it records in its lineage.
+
+    ``get`` of a key outside that list raises :class:`UndeclaredParam`, so a stage cannot depend on
+    a value whose change DVC would not notice.
+    """
+
+    def __init__(self, params: Params, stage: str, declared: list[str]) -> None:
+        self.params = params
+        self.stage = stage
+        self.declared = list(declared)
+
+    @property
+    def path(self) -> Path:
+        return self.params.path
+
+    def get(self, key: str) -> Any:
+        if not covers(self.declared, key):
+            raise UndeclaredParam(f"stage {self.stage} read params.yaml key {key!r}, which its dvc.yaml params "
+                                  f"({', '.join(self.declared)}) do not list; add it to dvc.yaml")
+        return self.params.get(key)
+
+    def recorded(self) -> dict[str, Any]:
+        """``{declared key: value}`` in dvc.yaml's order: the ``params`` of the stage's lineage."""
+        return self.params.subset(self.declared)

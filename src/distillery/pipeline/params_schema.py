@@ -8,7 +8,7 @@ values of the shipped ``params.yaml``.
 
 Each section is a dataclass; a field's ``metadata["check"]`` is a function of the value returning
 what is wrong with it (or None), run after the field's type is checked. The keys each stage reads
-are ``distillery.pipeline.stages.STAGE_PARAMS`` (and dvc.yaml's ``params:``).
+are its dvc.yaml ``params:`` list (:func:`distillery.pipeline.dvcfile.stage_params`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Literal, Union
 from distillery.config.limits import cut, path_problem, show, show_key, unknown_key_message
 from distillery.errors import UserError
 
-TRAINING_STAGES = ("teacher", "pretrain")  # stages that train a model (stages.TRAINING); export picks one
+TRAINING_STAGES = ("teacher", "pretrain")  # stages that train a model (training_table.TRAINING_STAGES); export picks one
 MAX_SEED = 2**32 - 1  # numpy and torch both take seeds in [0, 2**32)
 
 Check = Callable[[Any], "str | None"]

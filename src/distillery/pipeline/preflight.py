@@ -18,6 +18,7 @@ from pathlib import Path
 
 from distillery.errors import UserError
 from distillery.pipeline.params import Params
+from distillery.pipeline.training_table import TRAINING_STAGES
 
 DISK_ERRNOS = {
     errno.ENOSPC: "no space left on the device",
@@ -71,7 +72,7 @@ def estimate_bytes(stage: str, params: Params, artifacts: Path) -> int:
         frames = (c["num_train"] + c["num_validation"]) * c["num_frames"] * c["size"] ** 2 * 3
         return frames // 100  # encoded video of synthetic shapes compresses by far more than 100x
     if stage == "base":
-        from distillery.pipeline.stages import resolve_base
+        from distillery.pipeline.data_stages import resolve_base
 
         return _tree_bytes(resolve_base(params.get("base.path")))
     if stage == "latents":
@@ -80,9 +81,9 @@ def estimate_bytes(stage: str, params: Params, artifacts: Path) -> int:
         count = c["num_train"] + c["num_validation"] if not data else sum(1 for _ in Path(data).rglob("*") if _.is_file()) // 2
         latent = 16 * ((c["num_frames"] - 1) // 4 + 1) * (c["size"] // 8) ** 2 * 4
         return count * latent
-    if stage in ("teacher", "pretrain"):
-        init = {"teacher": "base", "pretrain": "teacher"}[stage]
-        weights = _transformer_bytes(artifacts / init / "model")
+    if stage in TRAINING_STAGES:
+        spec = TRAINING_STAGES[stage]
+        weights = _transformer_bytes(artifacts / spec.inputs[spec.export_role] / "model")
         fp32 = weights * 2 if weights else 0  # lower bound: the init may be bf16; the master weights are fp32
         checkpoint = 3 * fp32  # weights + AdamW's two moments
         return 2 * checkpoint + fp32  # a new checkpoint beside the previous one, and the exported model

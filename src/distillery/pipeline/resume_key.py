@@ -22,7 +22,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 KEY_FILE = "resume_key.json"
 
@@ -48,9 +47,10 @@ def folder_digest(folder: Path) -> str:
 def code_paths(stage: str, dvc_yaml: Path = Path("dvc.yaml")) -> list[Path]:
     """The code files the stage depends on: its ``dvc.yaml`` deps that are not artifacts."""
     if dvc_yaml.is_file():
-        spec = yaml.safe_load(dvc_yaml.read_text()) or {}
-        deps = (spec.get("stages", {}).get(stage) or {}).get("deps") or []
-        roots = [Path(d) for d in deps if isinstance(d, str) and not d.startswith("artifacts")]
+        from distillery.pipeline.dvcfile import stage_spec
+
+        deps = stage_spec(stage, dvc_yaml.parent).deps
+        roots = [Path(d) for d in deps if not d.startswith("artifacts")]
     else:
         import distillery
 

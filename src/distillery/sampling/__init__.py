@@ -1,25 +1,38 @@
 """Samplers shared by training rollouts, validation and exported pipelines (DESIGN.md §1 sampling/).
 
-Latents are ``[B, C, T, H, W]`` in the VAE's normalised latent space; the transformer is a plain
-``diffusers.WanTransformer3DModel`` predicting the flow velocity ``v = ε − x0``.
+Latents are ``[B, C, T, H, W]`` in the VAE's normalised latent space. Samplers call the model
+plugin (``predict_noise`` → flow velocity ``v = ε − x0``), never a raw diffusers module, and draw
+from a noise source (:mod:`.noise`). They are registered by name (:mod:`.registry`) and built from
+an artifact's ``sampling.json`` with :func:`build_sampler`:
+
+- ``euler`` (:mod:`.euler`) — many-step Euler ODE with CFG on diffusers' σ grid;
+- ``few_step_x0`` (:mod:`.few_step`) — DMD-style x0 prediction + re-noise over a timestep ladder.
+
+The flow-matching maths (shift, σ grid, x0 ↔ v, re-noise) lives in :mod:`distillery.models.schedule`.
 """
 
-from distillery.sampling.euler import (
-    EulerSampler,
-    cfg_enabled,
-    few_step_timesteps,
-    few_step_x0,
-    guided_velocity,
-    initial_noise,
-    nfe_per_video,
-)
+from distillery.sampling.base import LatentShape, Sampler, cfg_enabled, guided_velocity, nfe_per_video
+from distillery.sampling.noise import GeneratorNoise, NoiseSource, RNGNoise, as_noise_source
+from distillery.sampling.registry import build_sampler, register_sampler, sampler_class, sampler_names
+
+from distillery.sampling.euler import EulerSampler  # noqa: E402  (registers "euler")
+from distillery.sampling.few_step import FewStepX0Sampler, default_ladder  # noqa: E402  (registers "few_step_x0")
 
 __all__ = [
     "EulerSampler",
+    "FewStepX0Sampler",
+    "GeneratorNoise",
+    "LatentShape",
+    "NoiseSource",
+    "RNGNoise",
+    "Sampler",
+    "as_noise_source",
+    "build_sampler",
     "cfg_enabled",
-    "few_step_timesteps",
-    "few_step_x0",
+    "default_ladder",
     "guided_velocity",
-    "initial_noise",
     "nfe_per_video",
+    "register_sampler",
+    "sampler_class",
+    "sampler_names",
 ]

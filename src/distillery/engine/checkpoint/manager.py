@@ -3,20 +3,26 @@
 Layout of one checkpoint::
 
     checkpoint-<step>/
-      dcp/                      # torch.distributed.checkpoint: trainable weights, optimizer states,
-                                # callback tensors (EMA) — sharded, reshardable on load
+      dcp/                      # torch.distributed.checkpoint, tensors only (engine.checkpoint.stateful):
+                                #   roles.<role>.<module>  trainable modules (sharded, reshardable)
+                                #   optimizers.<role>      AdamW moments + step per parameter
+                                #   schedulers.<role>      LR schedule position and rates
+                                #   method.*               the method's stream and own state
+                                #   trainer                step, data position
+                                #   callbacks.<name>       callback tensors (EMA shadow weights)
       roles/<role>/config.json  # each trainable role's transformer architecture (for export)
-      state.json                # rank-independent host state: step, LR schedulers, data position, MLflow run
-      rng/rank-<r>.json         # per-rank RNG: python, numpy, torch CPU/CUDA, the method generator
+      rng/rank-<r>.json         # per-rank process RNGs: python, numpy, torch CPU/CUDA
       rng/rank-<r>.safetensors  #   (its tensors; see distillery.engine.checkpoint.host_state)
       checksums.json            # size + sha256 of every file above (distillery.engine.checkpoint.checksums)
-      metadata.json             # summary (step, world size, roles, time, tracking run) + digest of checksums.json
+      metadata.json             # step, world size, trainable roles, frozen roles' sources (path +
+                                # sha256, not saved), method, MLflow run, time + digest of checksums.json
 
 It is written into ``.tmp-checkpoint-<step>/`` and renamed when complete, so a crash mid-save
 never leaves a checkpoint that looks complete; ``metadata.json`` is written last.
 
-Trust (DESIGN.md §2.2): nothing in a checkpoint is unpickled by us (host and RNG state are JSON +
-safetensors, :mod:`distillery.engine.checkpoint.host_state`; DCP is read through :mod:`distillery.engine.checkpoint.dcp_io`).
+Trust (DESIGN.md §2.2): nothing in a checkpoint is unpickled by us (DCP items are tensors; RNG state
+is JSON + safetensors, :mod:`distillery.engine.checkpoint.host_state`; DCP is read through
+:mod:`distillery.engine.checkpoint.dcp_io`, which refuses anything but DCP's own metadata classes).
 Which checkpoint a run resumes — verified, falling back past damaged ones, granted when outside the
 run's folder, never of the old pickled format — is decided by :mod:`distillery.engine.checkpoint.trust`.
 """
@@ -34,12 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distillery.engine.checkpoint.checksums import Damage, FileDigest, hash_files, write_checksums
-from distillery.engine.checkpoint.dcp_io import load_dcp
+from distillery.engine.checkpoint.dcp_io import load_dcp, read_dcp_metadata
 from distillery.engine.checkpoint.host_state import read_state, write_state
+from distillery.engine.checkpoint.stateful import OptimizerState
 from distillery.engine.checkpoint.trust import CHECKPOINT_RE, is_old_format, old_format_error, resolve_resume
 from distillery.engine.distributed import barrier, broadcast_object
 from distillery.errors import UserError
@@ -47,69 +53,41 @@ from distillery.log import get_logger
 
 log = get_logger("checkpoint")
 
-FORMAT = 2  # metadata.json "format": 2 = JSON/safetensors state + checksums (1 = pickled state.pt, refused)
+FORMAT = 3  # metadata.json "format": 3 = all training state in DCP by the method's keys (2: role.<role> keys + state.json; 1: pickled state.pt; both refused)
 
 
-class RoleState(Stateful):
-    """DCP view of one trainable role: its (sharded) transformer and optimizer."""
-
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self.module = module
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        optimizers = [self.optimizer] if self.optimizer is not None else []
-        model_sd, optim_sd = get_state_dict(self.module, optimizers)
-        out = {"model": model_sd}
-        if self.optimizer is not None:
-            out["optim"] = optim_sd
-        return out
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        optimizers = [self.optimizer] if self.optimizer is not None else []
-        set_state_dict(
-            self.module,
-            optimizers,
-            model_state_dict=state["model"],
-            optim_state_dict=state.get("optim", {}),
-            options=StateDictOptions(strict=True),
-        )
-
-
-class CallbackState(Stateful):
-    """DCP view of a callback's tensor state (e.g. EMA shadow weights)."""
-
-    def __init__(self, callback: Any) -> None:
-        self.callback = callback
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.callback.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.callback.load_state_dict(state)
-
-
-def capture_rng(method_state: dict[str, Any]) -> dict[str, Any]:
-    """Every RNG this process uses, plus the method's generator state."""
+def capture_rng() -> dict[str, Any]:
+    """Every process-level RNG of this rank (the method's stream is in DCP: ``method.rng``)."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "method": method_state,
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> dict[str, Any]:
-    """Restore the process RNGs; return the method's saved state for the method to load."""
+def restore_rng(state: dict[str, Any]) -> None:
+    """Restore the process RNGs :func:`capture_rng` captured."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    return state["method"]
+
+
+def check_frozen_roles(path: Path, saved: dict[str, Any], current: dict[str, dict[str, Any]]) -> None:
+    """A UserError unless the frozen roles (teacher, ...) are the ones the checkpoint trained against."""
+    for role in sorted(set(saved) | set(current)):
+        was, now = saved.get(role), current.get(role)
+        if was is None or now is None:
+            raise UserError(f"{path}: checkpoint trained with frozen roles {sorted(saved)}, this run has {sorted(current)}; "
+                            "start from step 0 (resume: none) or restore the roles")
+        if was.get("sha256") != now.get("sha256"):
+            raise UserError(f"{path}: the frozen {role} changed since this checkpoint was saved ({was.get('path')} "
+                            f"sha256 {str(was.get('sha256'))[:12]}…, now {now.get('path')} {str(now.get('sha256'))[:12]}…); "
+                            "not resuming against another model: start from step 0 (resume: none) or restore it")
 
 
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
@@ -127,11 +105,12 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
 class CheckpointPayload:
     """Everything a checkpoint holds, as the trainer hands it over."""
 
-    dcp_state: dict[str, Stateful]  # "role.<role>" → RoleState, "callback.<name>" → CallbackState
-    host_state: dict[str, Any]  # step, schedulers, data position (same on every rank)
-    rng_state: dict[str, Any]  # this rank's RNGs
+    dcp_state: dict[str, Stateful]  # the method's (roles.*, optimizers.*, schedulers.*, method.*) + the
+                                    # trainer's (trainer: step, data position) + callbacks.<name>
+    rng_state: dict[str, Any]  # this rank's process RNGs
     role_configs: dict[str, dict[str, Any]]  # trainable role → transformer config.json content
-    metadata: dict[str, Any]  # extra human-readable facts
+    frozen_roles: dict[str, dict[str, Any]]  # frozen role → its source (path, sha256): not saved, checked on resume
+    metadata: dict[str, Any]  # extra human-readable facts (method, MLflow run)
 
 
 class CheckpointManager:
@@ -166,12 +145,12 @@ class CheckpointManager:
                 role_dir = tmp / "roles" / role
                 role_dir.mkdir(parents=True)
                 (role_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
-            write_state(tmp, "state", payload.host_state)
             known = {rel: FileDigest(size, sha) for part in digests for rel, (size, sha) in part.items()}
             meta = {
                 "step": step,
                 "world_size": self.world_size,
                 "roles": sorted(payload.role_configs),
+                "frozen_roles": payload.frozen_roles,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 **payload.metadata,
                 "format": FORMAT,
@@ -194,16 +173,21 @@ class CheckpointManager:
             for _, path in list_checkpoints(self.output_dir)[: -self.keep_last]:
                 shutil.rmtree(path, ignore_errors=True)
 
-    def load(self, path: Path, payload: CheckpointPayload) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Load into ``payload.dcp_state`` in place; return (host state, this rank's RNG state).
+    def load(self, path: Path, payload: CheckpointPayload) -> dict[str, Any]:
+        """Load into ``payload.dcp_state`` in place and restore this rank's process RNGs; return the
+        checkpoint's ``metadata.json`` (plus ``saved_world_size``).
 
         Collective. ``path`` comes from :meth:`resume_path` (verified). A rank the checkpoint has no
         RNG file for (resumed on more ranks than saved) gets rank 0's. Raises a UserError when the
-        checkpoint's roles or architectures differ from this run's, or its state does not load.
+        checkpoint's format, trainable roles, architectures or frozen roles' sources differ from
+        this run's, or its state does not load.
         """
         if is_old_format(path):
             raise old_format_error(path, self.output_dir)
         meta = json.loads((path / "metadata.json").read_text())
+        if int(meta.get("format", 0)) < FORMAT:
+            raise UserError(f"{path}: a checkpoint of an older distillery (format {meta.get('format')}, this one reads "
+                            f"{FORMAT}); export it with that version, or start this run from step 0 (resume: none)")
         saved_roles = set(meta.get("roles", []))
         if saved_roles != set(payload.role_configs):
             raise UserError(
@@ -218,12 +202,16 @@ class CheckpointManager:
                 raise UserError(
                     f"{path}: checkpoint is from a different model for role {role}: {k}={saved.get(k)!r} there, {current.get(k)!r} here"
                 )
-        load_dcp(payload.dcp_state, path / "dcp", "its weights, optimizer and callback states")
-        host = read_state(path, "state")
+        check_frozen_roles(path, meta.get("frozen_roles", {}), payload.frozen_roles)
+        keys = set(read_dcp_metadata(path / "dcp").state_dict_metadata)
+        for key, state in payload.dcp_state.items():
+            if isinstance(state, OptimizerState):
+                state.expect(keys, key)
+        load_dcp(payload.dcp_state, path / "dcp", "its weights, optimizer, schedule and callback states")
         stem = f"rank-{self.rank}"
-        rng = read_state(path / "rng", stem if (path / "rng" / f"{stem}.json").is_file() else "rank-0")
-        host["saved_world_size"] = int(meta.get("world_size", self.world_size))
-        return host, rng
+        restore_rng(read_state(path / "rng", stem if (path / "rng" / f"{stem}.json").is_file() else "rank-0"))
+        meta["saved_world_size"] = int(meta.get("world_size", self.world_size))
+        return meta
 
     def resume_path(self, resume: str) -> Path | None:
         """Rank 0 decides (and verifies) which checkpoint to resume from; every rank gets the same

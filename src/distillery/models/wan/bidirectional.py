@@ -18,7 +18,7 @@ import torch
 
 from distillery.errors import UserError
 from distillery.log import get_logger
-from distillery.models.base import ModelBase, TrainingBatch
+from distillery.models.base import Conditioning, ModelBase, TrainingBatch
 from distillery.models.schedule import FlowMatchSchedule, read_scheduler_shift
 from distillery.engine.rng import BatchRNG
 
@@ -152,7 +152,7 @@ class WanModel(ModelBase):
         self,
         noisy_latents: torch.Tensor,
         timesteps: torch.Tensor,
-        batch: TrainingBatch,
+        batch: Conditioning | TrainingBatch,
         conditional: bool = True,
     ) -> torch.Tensor:
         text = batch.text_embeds if conditional else batch.negative_text_embeds

@@ -1,8 +1,11 @@
 """Read the pipeline DAG from ``dvc.yaml`` — the one DAG (DESIGN.md §1).
 
 No Prefect and no DVC import here: this module parses ``dvc.yaml`` as YAML and links stages the
-way DVC does, by matching each stage's deps against the other stages' outputs. The Prefect flow
-(:mod:`flows.pipeline`) builds its tasks from what this module returns, so there is no second DAG.
+way DVC does, by matching each stage's deps against the other stages' outputs. Its readers:
+the Prefect flow (:mod:`flows.pipeline`) builds its tasks from what it returns, so there is no
+second DAG; the stages read their ``params:`` lists (:func:`stage_params`, what a stage may read
+and records in its lineage) and their code deps (the resume key) from it, so there is no second
+list of either.
 
 Supported ``dvc.yaml`` subset:
 - ``stages.<name>`` with ``cmd`` (string or list), ``wdir``, ``deps``, ``params``, ``outs``,
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 
-__all__ = ["StageSpec", "load_dvc_stages", "stage_order", "link_stages"]
+__all__ = ["StageSpec", "load_dvc_stages", "stage_order", "link_stages", "stage_params", "stage_spec"]
 
 _INTERP = re.compile(r"\$\{\s*([^}]+?)\s*\}")
 
@@ -159,7 +162,7 @@ def _vars_context(repo: Path, doc: Mapping[str, Any]) -> dict[str, Any]:
 def _expand(name: str, body: Mapping[str, Any], ctx: Mapping[str, Any]) -> list[tuple[str, dict]]:
     """Expand one ``stages`` entry into ``(name, body)`` pairs (``foreach`` → several)."""
     if "matrix" in body:
-        raise ValueError(f"dvc.yaml: stage {name!r} uses `matrix`, which flows.dag does not read")
+        raise ValueError(f"dvc.yaml: stage {name!r} uses `matrix`, which distillery.pipeline.dvcfile does not read")
     if "foreach" not in body:
         return [(name, _interpolate(dict(body), ctx, f"stage {name!r}"))]
     items = _interpolate(body["foreach"], ctx, f"stage {name!r} foreach")
@@ -219,6 +222,40 @@ def load_dvc_stages(repo: Path) -> dict[str, StageSpec]:
             )
     link_stages(stages)
     return stages
+
+
+def stage_spec(stage: str, repo: Path = Path(".")) -> StageSpec:
+    """The ``dvc.yaml`` entry of one stage; a missing or unreadable file or stage is a one-line UserError."""
+    from distillery.errors import UserError
+
+    try:
+        stages = load_dvc_stages(repo)
+    except FileNotFoundError:
+        raise UserError(f"{Path(repo) / 'dvc.yaml'}: not found; run stages from the pipeline folder "
+                        "(where params.yaml and dvc.yaml are)") from None
+    except ValueError as exc:
+        raise UserError(" ".join(str(exc).split())) from None
+    if stage not in stages:
+        raise UserError(f"{Path(repo) / 'dvc.yaml'}: no stage {stage!r} (stages: {', '.join(stages)})")
+    return stages[stage]
+
+
+def stage_params(stage: str, repo: Path = Path(".")) -> list[str]:
+    """The ``params.yaml`` keys ``stage`` lists under ``params:`` in ``dvc.yaml``, in file order.
+
+    This is the one list of what a stage reads: DVC reruns the stage when one of them changes, the
+    stage may read only these (:class:`distillery.pipeline.params.StageParams`) and records them
+    in its lineage. ``params.yaml:key`` entries count as ``key``; keys of other files are refused.
+    """
+    from distillery.errors import UserError
+
+    keys: list[str] = []
+    for entry in stage_spec(stage, repo).params:
+        file, sep, key = entry.rpartition(":")
+        if sep and file != "params.yaml":
+            raise UserError(f"dvc.yaml: stage {stage}: params entry {entry!r}: stages read params.yaml only")
+        keys.append(key if sep else entry)
+    return keys
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,236 @@
+"""Validation during training: sample fixed prompts with the role's registered sampler and log them.
+
+At step 0 (:meth:`ValidationCallback.on_loop_start` of a fresh run) and every ``every_steps``
+optimizer steps, the callback samples the first ``num_prompts`` rows of a latent set's split —
+their captions and stored text embeddings, zero-padded to ``text_max_length`` as training pads
+them, with the stored empty-prompt embedding as the CFG negative — through the sampler that the
+method's sampling contract (``ctx.sampling``) names, from the role's model plugin. Prompt ``i``
+starts from noise of a ``torch.Generator`` seeded ``seed + i`` (the validate stage's convention).
+
+Every rank samples the same prompts with the same generators (under FSDP2 every rank must run the
+forwards; no rank waits on another). Rank 0 then logs through ``ctx.tracker``:
+
+- ``val/latent_std``, ``val/latent_mean`` — statistics of the sampled normalised latents;
+- ``val/sample_s`` — wall seconds to sample all prompts; ``val/nfe`` — forwards per video;
+- with ``vae_from`` (a diffusers folder holding ``vae/``): the decoded videos as one GIF grid (one
+  row, a column per prompt) logged as the artifact ``validation/step_<step>.gif``, and when that
+  folder has ``analyzer.json``, prompt adherence read back from the frames by
+  :mod:`distillery.clips.analyzer`: ``val/colour``, ``val/shape``, ``val/direction`` and
+  ``val/adherence`` (all three right), as fractions of the prompts;
+- ``val/decode_s`` — wall seconds to decode and score (with ``vae_from``).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from distillery.callbacks.base import Callback, CallbackContext
+from distillery.errors import UserError
+from distillery.log import get_logger
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from distillery.models.base import Conditioning, ModelBase
+
+log = get_logger("callbacks.validation")
+
+
+@dataclass
+class ValidationCallbackConfig:
+    data_path: str = ""  # latent set folder (the latents stage's data/) whose prompts and text embeddings are sampled
+    split: str | None = None  # split of data_path to read; null: "validation" when it exists, else "train"
+    every_steps: int = 100  # validate at step 0 and every this many optimizer steps
+    num_prompts: int = 4  # the first this-many rows of the split are the fixed prompts
+    num_steps: int | None = None  # sampler steps; null: the sampling contract's default
+    guidance_scale: float | None = None  # CFG scale (> 1: CFG on); null: the sampling contract's (default 1)
+    seed: int = 0  # prompt i starts from noise of a generator seeded seed + i (the same on every rank)
+    role: str = "student"  # the role model to sample
+    text_max_length: int = 512  # embeddings zero-padded/truncated to this many tokens (= training.data.text_max_length)
+    vae_from: str | None = None  # diffusers folder whose vae/ decodes the samples (and analyzer.json scores them); null: no videos
+    fps: float = 8.0  # frame rate of the logged GIF grid
+
+    def __post_init__(self) -> None:
+        if not self.data_path:
+            raise ValueError("data_path is required: the latent set folder whose prompts are sampled")
+        if self.every_steps < 1 or self.num_prompts < 1 or self.text_max_length < 1:
+            raise ValueError("every_steps, num_prompts and text_max_length must be >= 1")
+        if self.num_steps is not None and self.num_steps < 1:
+            raise ValueError("num_steps must be >= 1 (or null for the sampling contract's)")
+        if self.guidance_scale is not None and self.guidance_scale < 0:
+            raise ValueError("guidance_scale must be >= 0")
+        if self.fps <= 0:
+            raise ValueError("fps must be > 0")
+
+
+@dataclass
+class ValidationPrompts:
+    """The fixed prompts of a validation run, read once from a latent set."""
+
+    captions: list[str]  # N captions
+    text_embeds: torch.Tensor  # float32 [N, L, D], zero-padded to text_max_length
+    negative_text_embeds: torch.Tensor | None  # float32 [N, L, D] empty-prompt embedding, or None (zeros)
+    latent_shape: tuple[int, int, int, int]  # (C, T, H, W) of one stored latent
+
+    @classmethod
+    def read(cls, root: Path, split: str | None, count: int, text_max_length: int) -> "ValidationPrompts":
+        """The first ``count`` rows of ``root/<split>`` (fewer when the split is shorter)."""
+        from distillery.data import LatentDataset, collate_latents, pad_prompt_embedding, read_empty_prompt_embedding
+
+        root = Path(root)
+        if split is None:
+            split = "validation" if (root / "validation").is_dir() else "train"
+        data = LatentDataset(root, split)
+        items = [data[i] for i in range(min(count, len(data)))]
+        batch = collate_latents(items, text_max_length, dtype=torch.float32)
+        empty = read_empty_prompt_embedding(root)
+        negative = None
+        if empty is not None:
+            padded = pad_prompt_embedding(empty, text_max_length, torch.float32)
+            negative = padded.unsqueeze(0).expand(len(items), -1, -1).contiguous()
+        shape = tuple(int(s) for s in batch["latents"].shape[1:])
+        return cls(batch["captions"], batch["text_embeds"], negative, shape)  # type: ignore[arg-type]
+
+    def conditioning(self) -> "Conditioning":
+        from distillery.models.base import Conditioning
+
+        return Conditioning(self.text_embeds, self.negative_text_embeds)
+
+
+class VideoScorer:
+    """A diffusers folder's VAE (decoding normalised latents to frames) and its analyzer thresholds."""
+
+    def __init__(self, folder: Path, device: torch.device) -> None:
+        from diffusers import AutoencoderKLWan
+
+        from distillery.clips.analyzer import AnalyzerConfig
+
+        folder = Path(folder)
+        if not (folder / "vae").is_dir():
+            raise UserError(f"callbacks validation.vae_from: {folder} has no vae/ folder; point it at a diffusers Wan folder")
+        self.device = device
+        self.vae = AutoencoderKLWan.from_pretrained(folder / "vae", torch_dtype=torch.float32).to(device).eval()
+        analyzer = folder / "analyzer.json"
+        self.analyzer = AnalyzerConfig(**json.loads(analyzer.read_text())) if analyzer.is_file() else None
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> "np.ndarray":
+        """Normalised latents ``[1, C, T', H', W']`` → ``uint8 [T, H, W, 3]`` frames (as WanPipeline decodes)."""
+        from distillery.data.encoders import denormalize_latents
+
+        z = denormalize_latents(self.vae, latents.float().to(self.device))
+        video = self.vae.decode(z, return_dict=False)[0].clamp(-1, 1)
+        return ((video + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 3, 0).cpu().numpy()
+
+
+class ValidationCallback(Callback):
+    """Samples fixed prompts at step 0 and every ``every_steps``; logs numbers and a GIF grid (rank 0)."""
+
+    config_class = ValidationCallbackConfig
+
+    def __init__(self, config: ValidationCallbackConfig, name: str) -> None:
+        super().__init__(config, name)
+        self._prompts: ValidationPrompts | None = None
+        self._scorer: VideoScorer | None = None
+
+    def on_loop_start(self, ctx: CallbackContext, step: int) -> None:
+        if step == 0:
+            self.validate(ctx, 0)
+
+    def on_training_step_end(self, ctx: CallbackContext, step: int) -> dict[str, torch.Tensor]:
+        if step > 0 and step % self.config.every_steps == 0:
+            self.validate(ctx, step)
+        return {}
+
+    def _model(self, ctx: CallbackContext) -> "ModelBase":
+        if self.config.role not in ctx.roles:
+            raise UserError(f"callbacks.{self.name}.role: {self.config.role!r} is not a role of this run; "
+                            f"valid: {', '.join(sorted(ctx.roles))}")
+        return ctx.roles[self.config.role]
+
+    def validate(self, ctx: CallbackContext, step: int) -> dict[str, float]:
+        """Sample, (on rank 0) decode, score and log; returns the metrics (every rank: the sampling ones)."""
+        from distillery.sampling import build_sampler
+
+        cfg = self.config
+        model = self._model(ctx)
+        sampler = build_sampler(ctx.sampling if ctx.sampling is not None else {"sampler": "euler"})
+        if self._prompts is None:
+            self._prompts = ValidationPrompts.read(Path(cfg.data_path), cfg.split, cfg.num_prompts, cfg.text_max_length)
+        prompts = self._prompts
+        generators = [torch.Generator().manual_seed(cfg.seed + i) for i in range(len(prompts.captions))]
+        started = time.perf_counter()
+        with _eval_mode(model), torch.no_grad():
+            latents = sampler.sample(model, prompts.conditioning(), prompts.latent_shape, generators,
+                                     num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale)
+        _synchronize(model.device)
+        metrics = {
+            "val/latent_std": float(latents.std()),
+            "val/latent_mean": float(latents.mean()),
+            "val/sample_s": time.perf_counter() - started,
+            "val/nfe": float(sampler.nfe(cfg.num_steps, cfg.guidance_scale)),
+        }
+        if ctx.rank == 0:
+            if cfg.vae_from:
+                metrics.update(self._videos(ctx, step, latents, model.device))
+            if ctx.tracker is not None:
+                ctx.tracker.log_metrics(metrics, step)
+            log.info("validation at step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        return metrics
+
+    def _videos(self, ctx: CallbackContext, step: int, latents: torch.Tensor, device: torch.device) -> dict[str, float]:
+        """Decode each sample, score it when the analyzer is known, log the grid; returns the video metrics."""
+        from distillery.clips.analyzer import SCORE_KEYS, score
+        from distillery.clips.grid import VideoGrid, write_gif
+
+        started = time.perf_counter()
+        if self._scorer is None:
+            self._scorer = VideoScorer(Path(self.config.vae_from), device)
+        captions = self._prompts.captions
+        videos = [self._scorer.decode(latents[i: i + 1]) for i in range(latents.shape[0])]
+        frames, height, width = videos[0].shape[:3]
+        grid = VideoGrid(1, len(videos), frames, height, width)
+        for i, video in enumerate(videos):
+            grid.put(0, i, video)
+        metrics: dict[str, float] = {}
+        if self._scorer.analyzer is not None:
+            hits = dict.fromkeys(SCORE_KEYS, 0)
+            for video, caption in zip(videos, captions):
+                for key, ok in score(video, caption, self._scorer.analyzer).items():
+                    hits[key] += int(bool(ok))
+            metrics.update({f"val/{'adherence' if k == 'all' else k}": hits[k] / len(videos) for k in SCORE_KEYS})
+        metrics["val/decode_s"] = time.perf_counter() - started
+        if ctx.tracker is not None:
+            with tempfile.TemporaryDirectory(prefix="validation-") as tmp:
+                path = write_gif(Path(tmp) / f"step_{step:06d}.gif", grid.pixels, self.config.fps)
+                ctx.tracker.log_artifact(path, "validation")
+        return metrics
+
+
+class _eval_mode:
+    """Put a role's modules in eval mode for sampling and restore their training flags after."""
+
+    def __init__(self, model: "ModelBase") -> None:
+        self.modules = list({id(m): m for m in (model.transformer, model.forward_module)}.values())
+        self.flags: list[bool] = []
+
+    def __enter__(self) -> None:
+        self.flags = [m.training for m in self.modules]
+        for m in self.modules:
+            m.eval()
+
+    def __exit__(self, *exc: Any) -> None:
+        for m, flag in zip(self.modules, self.flags):
+            m.train(flag)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,42 @@
+"""A frozen Wan model plugin over a plain diffusers folder, for validation and export.
+
+Validate and export sample through the same samplers as training, and samplers only talk to a
+model plugin; :func:`load_inference_model` gives them one for any folder :func:`locate_transformer`
+accepts (a diffusers Wan folder, or an artifact's ``model/`` with ``transformer/``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from distillery.models.wan.bidirectional import WanModel, WanModelConfig
+
+
+def load_inference_model(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                         shift: float | None = None, role: str = "inference") -> WanModel:
+    """Load ``folder``'s transformer as an eval, gradient-free :class:`WanModel` on ``device``.
+
+    ``dtype``: the weights' and inputs' dtype (``predict_noise`` still returns float32); the modules
+    diffusers keeps in float32 (``_keep_in_fp32_modules``: norms, time embedder, rope) stay float32,
+    as ``from_pretrained(torch_dtype=dtype)`` leaves them. ``shift``:
+    the flow shift; None reads it from the scheduler config beside the weights (:class:`UserError`
+    when there is none). Raises :class:`UserError` for a folder that holds no Wan transformer.
+    """
+    device = torch.device(device)
+    model = WanModel(WanModelConfig(init_from=str(folder), trainable=False, shift=shift), role=role)
+    model.transformer.to(device=device).eval().requires_grad_(False)
+    _cast_keeping_fp32_modules(model.transformer, dtype)
+    model.bind_device(device, compute_dtype=dtype)
+    return model
+
+
+def _cast_keeping_fp32_modules(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating parameters and buffers to ``dtype`` except inside the modules the model class keeps in fp32."""
+    if dtype == torch.float32:
+        return
+    keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.is_floating_point() and not keep.intersection(name.split(".")):
+            tensor.data = tensor.data.to(dtype)

@@ -1,0 +1,103 @@
+"""Publishing a stage's artifact (DESIGN.md §2): staging folder → record → atomic rename.
+
+Every stage writes its payload into ``artifacts/<stage>.tmp/`` (:func:`fresh_staging`); :func:`finish`
+adds ``metrics.json`` and ``lineage.json`` and renames it to ``artifacts/<stage>/`` only when complete,
+so a failed or killed stage leaves the previous artifact as it was (dvc.yaml marks the outs
+``persist`` so DVC does not delete them first either). A rerun that makes the same bytes from the
+same inputs keeps the previous record (:func:`keep_previous_record`), so the artifact is
+byte-identical and downstream stages stay cached.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from distillery.fsutil import replace_dir, write_text_atomic
+from distillery.log import get_logger
+from distillery.pipeline.params import StageParams
+
+log = get_logger("stage")
+
+ARTIFACTS = Path("artifacts")  # DVC outs, relative to the pipeline folder (the stage's cwd)
+RUNS = Path("runs")  # training stages' checkpoints (not DVC outs)
+
+VOLATILE_KEYS = ("created", "code", "mlflow", "manifest_sha256")  # facts of one run, not of the artifact's content
+
+
+def fresh_staging(stage: str) -> Path:
+    """An empty ``artifacts/<stage>.tmp/`` (a leftover one is removed first)."""
+    tmp = ARTIFACTS / f"{stage}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish(stage: str, staging: Path) -> Path:
+    """Rename the stage's staging folder to ``artifacts/<stage>`` (replacing the previous one)."""
+    return replace_dir(staging, ARTIFACTS / stage)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """``json.dumps(data, indent=2)`` written to ``path`` atomically (the byte format every record uses)."""
+    write_text_atomic(path, json.dumps(data, indent=2, default=str))
+
+
+def stable_view(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest without the facts that differ between two runs making the same bytes (times,
+    code commit, MLflow ids, the tracker section of the config); inputs by role, path and digest."""
+    view = {k: v for k, v in manifest.items() if k not in VOLATILE_KEYS}
+    config = view.get("config")
+    if isinstance(config, dict) and isinstance(config.get("training"), dict):
+        view["config"] = {**config, "training": {k: v for k, v in config["training"].items() if k != "tracker"}}
+    view["inputs"] = [{k: i.get(k) for k in ("role", "path", "sha256")} for i in view.get("inputs") or []]
+    return view
+
+
+def keep_previous_record(stage: str, staging: Path) -> bool:
+    """Same inputs, same bytes: when the previous ``artifacts/<stage>`` has the same payload and the
+    same stable manifest as ``staging``, put its lineage.json and metrics.json in ``staging`` so the
+    new artifact is byte-identical (DVC then keeps every downstream stage cached). Its lineage then
+    names the MLflow run that first made these bytes. Returns True when it did."""
+    from distillery.lineage import LINEAGE_FILE
+
+    previous = ARTIFACTS / stage
+    try:
+        old = json.loads((previous / LINEAGE_FILE).read_text())
+        new = json.loads((staging / LINEAGE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    if stable_view(old) != stable_view(new):
+        return False
+    for name in (LINEAGE_FILE, "metrics.json"):
+        shutil.copy2(previous / name, staging / name)
+    log.info("stage %s: same inputs and same bytes as the previous artifact: kept its record (MLflow run %s)",
+             stage, (old.get("mlflow") or {}).get("run_id"))
+    return True
+
+
+def finish(stage: str, staging: Path, *, kind: str, params: StageParams, metrics: dict[str, Any],
+           inputs: list[tuple[str, Path]], method: str | None = None, config: dict | None = None,
+           mlflow: dict | None = None, volatile: dict[str, Any] | None = None) -> Path:
+    """metrics.json + lineage.json into ``staging``, the MLflow child run (unless the trainer made
+    one), then publish ``staging`` as ``artifacts/<stage>``. ``metrics`` must be a function of the
+    artifact's content; ``volatile`` numbers (durations) go to MLflow and ``metrics/<stage>.json`` only.
+    The lineage's ``params`` are the stage's dvc.yaml params (:meth:`StageParams.recorded`)."""
+    from distillery.lineage import Input, write_lineage
+    from distillery.pipeline.tracking import log_stage_run, parent_run_id
+
+    write_json_atomic(staging / "metrics.json", metrics)
+    read = params.recorded()
+    if mlflow is None:
+        mlflow = log_stage_run(stage, parent_run_id(params.path.read_text()), read, {**metrics, **(volatile or {})})
+    write_lineage(staging, kind=kind, stage=stage, method=method, config=config, params=read,
+                  inputs=[Input(role, path) for role, path in inputs], mlflow=mlflow, metrics=metrics,
+                  artifact_name=(ARTIFACTS / stage).as_posix())
+    keep_previous_record(stage, staging)
+    artifact = publish(stage, staging)
+    Path("metrics").mkdir(exist_ok=True)
+    write_json_atomic(Path("metrics") / f"{stage}.json", {**metrics, **(volatile or {})})  # what dvc.yaml declares as metrics
+    return artifact

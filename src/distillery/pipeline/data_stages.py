@@ -1,0 +1,66 @@
+"""The data stages: ``clips`` (a synthetic captioned clip set), ``base`` (the base model folder) and
+``latents`` (VAE latents + prompt embeddings as parquet). Each reads only its dvc.yaml params and
+publishes ``artifacts/<stage>/`` through :func:`distillery.pipeline.artifacts.finish`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from distillery.errors import UserError
+from distillery.pipeline.artifacts import ARTIFACTS, finish, fresh_staging
+from distillery.pipeline.params import StageParams
+
+
+def stage_clips(params: StageParams) -> None:
+    from distillery.clips.synthetic import ClipSetConfig, make_clip_set
+
+    c = params.get("clips")
+    staging = fresh_staging("clips")
+    started = time.perf_counter()
+    cfg = ClipSetConfig(num_train=c["num_train"], num_validation=c["num_validation"], num_frames=c["num_frames"],
+                        height=c["size"], width=c["size"], fps=c["fps"], seed=params.get("seed"))
+    make_clip_set(staging / "data", cfg)
+    finish("clips", staging, kind="data", params=params, inputs=[],
+           metrics={"clips_train": c["num_train"], "clips_validation": c["num_validation"]},
+           volatile={"seconds": round(time.perf_counter() - started, 2)})
+
+
+def resolve_base(path: str) -> Path:
+    """``base.path`` → a diffusers model folder (``tiny``: the shipped fitted tiny Wan)."""
+    if path == "tiny":
+        from distillery.tinybase.shipped import shipped_tiny_base
+
+        return shipped_tiny_base()
+    p = Path(path).expanduser()
+    if not (p / "model_index.json").is_file():
+        raise UserError(f"params.yaml: base.path: {p} is not a diffusers model folder (no model_index.json); use 'tiny' or a Wan2.1 folder")
+    return p
+
+
+def stage_base(params: StageParams) -> None:
+    source = resolve_base(params.get("base.path"))
+    staging = fresh_staging("base")
+    shutil.copytree(source, staging / "model", ignore=shutil.ignore_patterns("lineage.json"))
+    cfg = json.loads((staging / "model" / "transformer" / "config.json").read_text())
+    finish("base", staging, kind="model", params=params, inputs=[("source", source)],
+           metrics={"transformer_layers": cfg.get("num_layers"), "latent_channels": cfg.get("in_channels")})
+
+
+def stage_latents(params: StageParams) -> None:
+    from distillery.preprocess import PreprocessConfig, preprocess
+
+    data = params.get("latents.data") or str(ARTIFACTS / "clips" / "data")
+    staging = fresh_staging("latents")
+    l = params.get("latents")
+    cfg = PreprocessConfig(num_frames=params.get("clips.num_frames"), height=params.get("clips.size"),
+                           width=params.get("clips.size"), fps=float(params.get("clips.fps")),
+                           rows_per_shard=l["rows_per_shard"], max_bad_fraction=l["max_bad_fraction"])
+    manifest = preprocess(ARTIFACTS / "base" / "model", Path(data), staging / "data", cfg)
+    metrics = {f"{s}_clips": c["rows"] for s, c in manifest["splits"].items()}
+    metrics.update({f"{s}_skipped": c["skipped"] for s, c in manifest["splits"].items()})
+    inputs = [("base", ARTIFACTS / "base"), ("videos", ARTIFACTS / "clips" if not params.get("latents.data") else Path(data))]
+    finish("latents", staging, kind="data", params=params, inputs=inputs, metrics=metrics,
+           volatile={"seconds": manifest["seconds_this_run"]})

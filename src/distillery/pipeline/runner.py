@@ -1,0 +1,96 @@
+"""``distillery stage <name>``: run one pipeline stage = params.yaml → work → ``artifacts/<name>/``.
+
+Around every stage (:func:`run_stage`): ``params.yaml`` is validated whole first; the stage reads
+only the params its ``dvc.yaml`` entry lists (:class:`distillery.pipeline.params.StageParams`); one
+writer per stage (a lock in ``runs/.locks/``); the stage dies with the process that started it; the
+output folders are checked for writability and room before any work; a disk error becomes one
+line; a failure leaves the previous artifact as it was (:mod:`distillery.pipeline.artifacts`).
+
+The stages: :mod:`~distillery.pipeline.data_stages` (clips, base, latents),
+:mod:`~distillery.pipeline.training_stages` (one row each in
+:mod:`~distillery.pipeline.training_table`), :mod:`~distillery.pipeline.evaluation` (validate, export).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from distillery.errors import UserError
+from distillery.log import get_logger
+from distillery.pipeline.artifacts import ARTIFACTS, RUNS
+from distillery.pipeline.data_stages import stage_base, stage_clips, stage_latents
+from distillery.pipeline.evaluation import stage_export, stage_validate
+from distillery.pipeline.params import Params, StageParams
+from distillery.pipeline.training_stages import kill_launcher, training_stage
+from distillery.pipeline.training_table import TRAINING_STAGES
+
+log = get_logger("stage")
+
+STAGES: dict[str, Callable[[StageParams], None]] = {
+    "clips": stage_clips,
+    "base": stage_base,
+    "latents": stage_latents,
+    **{name: training_stage(name) for name in TRAINING_STAGES},
+    "validate": stage_validate,
+    "export": stage_export,
+}
+
+
+def _orphaned(stage: str) -> None:
+    """The process that started this stage (dvc, a Prefect task, a shell) is gone: stop now, and
+    the launcher and its workers with us (they die with their parent)."""
+    log.warning("stage %s: the process that started it is gone: stopping (a rerun resumes)", stage)
+    kill_launcher()  # its workers die with it (checkpoints are atomic: nothing half-written survives)
+    os._exit(143)
+
+
+def cleanup_failed(stage: str) -> None:
+    """Remove what a failed run of ``stage`` left half-written beside its artifact."""
+    shutil.rmtree(ARTIFACTS / f"{stage}.tmp", ignore_errors=True)
+    for old in ARTIFACTS.glob(f".{stage}.old-*"):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def run_stage(name: str, params_path: str = "params.yaml") -> int:
+    """Run one stage: one writer at a time, dies with whoever started it, checked for room before
+    working, and on any failure leaves the previous ``artifacts/<name>`` as it was."""
+    from distillery.pipeline.dvcfile import stage_params
+    from distillery.pipeline.preflight import check_free_space, check_writable, disk_error
+    from distillery.procutil import AncestorWatch, exclusive_lock
+
+    if name not in STAGES:
+        raise UserError(f"unknown stage {name!r}; valid: {', '.join(STAGES)}")
+    params = Params.load(params_path)
+    declared = StageParams(params, name, stage_params(name))
+    watch = AncestorWatch(lambda: _orphaned(name))
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # `nohup distillery stage ...` asks to outlive its shell
+        watch.start()
+    try:
+        check_writable([ARTIFACTS, RUNS / ".locks"] + ([RUNS] if name in TRAINING_STAGES else []), name)
+        with exclusive_lock(RUNS / ".locks" / f"{name}.lock", f"stage {name}"):
+            cleanup_failed(name)  # what a killed earlier run of this stage left half-written
+            check_free_space(name, params, ARTIFACTS)
+            try:
+                STAGES[name](declared)
+            except BaseException as exc:
+                cleanup_failed(name)
+                problem = disk_error(name, exc) if isinstance(exc, OSError) else None
+                if problem is None:
+                    raise
+                raise problem from None
+    finally:
+        watch.stop()
+    log.info("stage %s done: %s", name, ARTIFACTS / name)
+    return 0
+
+
+def add_stage_command(sub: Any) -> None:
+    """``distillery stage NAME [--params FILE]`` on the CLI's subparsers."""
+    p = sub.add_parser("stage", help="run one pipeline stage (what dvc.yaml calls)")
+    p.add_argument("name", help=" | ".join(STAGES))
+    p.add_argument("--params", default="params.yaml")
+    p.set_defaults(func=lambda args: run_stage(args.name, args.params))

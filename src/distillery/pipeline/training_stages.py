@@ -1,0 +1,156 @@
+"""The training stages (``teacher``, ``pretrain``, ...): one function for all, driven by the table.
+
+For a stage of :data:`distillery.pipeline.training_table.TRAINING_STAGES`, :func:`stage_training`:
+
+1. fills the run config (:func:`distillery.pipeline.run_config.fill_run_config`) and checks the whole
+   chain before any training (:func:`~distillery.pipeline.run_config.check_chain`);
+2. writes ``runs/<stage>/run.yaml`` with its resume key (:mod:`distillery.pipeline.resume_key`): a
+   killed stage resumes from its last checkpoint; a stage whose config, inputs or code changed
+   starts from step 0 and says why (DESIGN.md §2.2);
+3. launches ``python -m distillery.launch`` (torchrun, contained) with ``params.yaml: gpus``; the
+   launcher dies with this process, its workers with it;
+4. reads the run's ``run_summary.json`` (:mod:`distillery.pipeline.run_summary`) and publishes the
+   artifact: ``model/`` (the trained role's transformer, the init's scheduler, ``sampling.json`` from
+   the summary's sampling contract), ``loss.json``, metrics and lineage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distillery.errors import UserError
+from distillery.fsutil import write_text_atomic
+from distillery.log import get_logger
+from distillery.pipeline.artifacts import ARTIFACTS, RUNS, finish, fresh_staging, write_json_atomic
+from distillery.pipeline.params import StageParams
+from distillery.pipeline.training_table import TRAINING_STAGES, TrainingStageSpec
+
+log = get_logger("stage")
+
+
+def torchrun_command(params: StageParams, config_path: Path) -> list[str]:
+    """``python -m distillery.launch ... -m distillery.train --config <config_path>`` from ``gpus``."""
+    g = params.get("gpus")
+    cmd = [sys.executable, "-m", "distillery.launch", "--nproc_per_node", str(g["nproc_per_node"])]
+    if int(g["nnodes"]) > 1:  # params.yaml was validated: rdzv_endpoint is a host:port here
+        cmd += ["--nnodes", str(g["nnodes"]), "--rdzv_backend", "c10d", "--rdzv_endpoint", str(g["rdzv_endpoint"])]
+    else:
+        cmd += ["--standalone"]
+    return cmd + ["-m", "distillery.train", "--config", str(config_path)]
+
+
+def prepare_run_dir(stage: str, raw: dict[str, Any], key: dict[str, str]) -> Path:
+    """``runs/<stage>/run.yaml`` + ``resume_key.json``; returns the run.yaml path. Checkpoints made
+    from another config, other inputs or other code are discarded (one line says what changed): a
+    stage resumes only what the same inputs made (DESIGN.md §2.2). A previous run's summary is
+    removed, so the summary read after training is the one this launch wrote."""
+    from distillery.engine.checkpoint.manager import list_checkpoints
+    from distillery.pipeline.resume_key import KEY_FILE, key_mismatch, read_key
+    from distillery.pipeline.run_summary import SUMMARY_FILE
+    from distillery.procutil import exclusive_lock
+
+    run_dir = RUNS / stage
+    if run_dir.exists():
+        # a writer still alive there (an orphaned worker, another stage) must not lose its folder under it
+        with exclusive_lock(run_dir / ".lock", f"training output folder {run_dir}"):
+            leftovers = list_checkpoints(run_dir) or any(run_dir.glob(".tmp-checkpoint-*")) or (run_dir / "train_log.jsonl").exists()
+            why = key_mismatch(read_key(run_dir), key) if leftovers else None
+            if why:
+                log.info("stage %s: not resuming %s (%s): starting from step 0", stage, run_dir, why)
+                for child in run_dir.iterdir():
+                    if child.name != ".lock":
+                        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+            (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / KEY_FILE, json.dumps(key, indent=2, sort_keys=True))
+    path = run_dir / "run.yaml"
+    write_text_atomic(path, yaml.safe_dump(raw, sort_keys=True))
+    return path
+
+
+_CHILD: subprocess.Popen | None = None  # the running torchrun launcher, stopped if this stage is orphaned
+
+
+def launch(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the launcher as a child that dies with this process (and its workers with it)."""
+    global _CHILD
+    from distillery.procutil import die_with_parent
+
+    _CHILD = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
+    try:
+        return _CHILD.wait()
+    finally:
+        if _CHILD.poll() is None:
+            _CHILD.terminate()
+            _CHILD.wait()
+        _CHILD = None
+
+
+def kill_launcher() -> None:
+    """Kill the running launcher, if any (its workers die with it; checkpoints are atomic)."""
+    child = _CHILD
+    if child is not None and child.poll() is None:
+        child.kill()
+
+
+def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
+    """Train the stage ``spec`` declares and publish ``artifacts/<stage>`` (module doc)."""
+    from distillery.config.schema import TrackerConfig
+    from distillery.engine.tracking import default_tracking_uri
+    from distillery.export import export_weights
+    from distillery.models.wan import locate_transformer
+    from distillery.pipeline.resume_key import resume_key
+    from distillery.pipeline.run_config import check_chain, fill_run_config
+    from distillery.pipeline.run_summary import read_run_summary
+    from distillery.pipeline.tracking import parent_run_id
+
+    stage = spec.name
+    raw = fill_run_config(spec, params, parent_run_id(params.path.read_text()))
+    check_chain(spec, raw)
+    inputs = [(role, ARTIFACTS / artifact) for role, artifact in spec.input_artifacts()]
+    key = resume_key(stage, raw, dict(inputs))
+    config_path = prepare_run_dir(stage, raw, key)
+    started = time.perf_counter()
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if params.get("gpus.nproc_per_node") > 1 else "2")}
+    code = launch(torchrun_command(params, config_path), env)
+    if code != 0:
+        raise SystemExit(code)  # the launcher printed the one line (a user error: code 2)
+    run_dir = RUNS / stage
+    summary = read_run_summary(run_dir)
+    checkpoint = summary.checkpoint_dir(run_dir)
+    if summary.final_step != raw["training"]["loop"]["max_train_steps"] or checkpoint is None or not checkpoint.is_dir():
+        raise UserError(f"stage {stage}: training ended without its final checkpoint in {run_dir}")
+    staging = fresh_staging(stage)
+    export_weights(checkpoint, spec.export_role, staging / "model")
+    _, scheduler = locate_transformer(raw["models"][spec.export_role]["init_from"])
+    if scheduler is not None:
+        shutil.copytree(scheduler, staging / "model" / "scheduler")
+    loss = summary.loss_rows()
+    (staging / "loss.json").write_text(json.dumps(loss))
+    Path("plots").mkdir(exist_ok=True)
+    write_json_atomic(Path("plots") / f"{stage}_loss.json", loss)
+    write_json_atomic(staging / "model" / "sampling.json", summary.sampling)
+    last = loss[-10:] or [{"loss": float("nan")}]
+    metrics = {"final_loss": round(sum(r["loss"] for r in last) / len(last), 5), "steps": summary.final_step}
+    tracker = raw["training"]["tracker"]
+    mlflow = {"tracking_uri": default_tracking_uri(TrackerConfig()), "experiment": tracker["experiment"],
+              "run_id": summary.mlflow_run_id, "parent_run_id": tracker["parent_run_id"]}
+    finish(stage, staging, kind="checkpoint", params=params, metrics=metrics, method=raw["method"]["_target_"], config=raw,
+           inputs=inputs, mlflow=mlflow, volatile={"seconds": round(time.perf_counter() - started, 1)})
+
+
+def training_stage(name: str) -> Callable[[StageParams], None]:
+    """The runner's entry for training stage ``name``: ``fn(params)``."""
+    spec = TRAINING_STAGES[name]
+    return lambda params: stage_training(spec, params)

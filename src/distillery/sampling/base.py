@@ -1,0 +1,169 @@
+"""What every sampler is: built from an artifact's sampling contract, run through the model plugin.
+
+Conventions (DESIGN.md §4): latents ``[B, C, T, H, W]`` in the VAE's *normalised* latent space;
+the model plugin's ``predict_noise`` returns the flow velocity ``v = ε − x0`` (float32) for
+timesteps in ``[0, num_train_timesteps]``; guidance is ``u + w (c − u)`` and runs (a second,
+unconditional forward) when ``w > 1``, as in ``WanPipeline``. Samplers never touch a diffusers
+module: only ``model.predict_noise`` / ``model.predict_x0``, ``model.device`` and ``model.schedule``.
+
+A sampling contract is the content of an artifact's ``sampling.json``::
+
+    {"sampler": "<registered name>",  # required
+     "shift": 3.0,                    # flow shift; absent/null: the model's own schedule
+     "num_train_timesteps": 1000,     # timestep scale; absent: the model's
+     "num_steps": 4,                  # default step count (the sampler's own default when absent)
+     "guidance_scale": 1.0,           # default CFG scale (1: no CFG)
+     ...}                             # the sampler's own keys (``option_keys``), e.g. "timesteps"
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from distillery.errors import UserError
+from distillery.models.schedule import FlowMatchSchedule
+from distillery.sampling.noise import NoiseLike
+
+if TYPE_CHECKING:
+    from distillery.models.base import Conditioning, ModelBase
+
+LatentShape = tuple[int, int, int, int]  # (C, T, H, W) of one sample
+COMMON_KEYS = ("sampler", "shift", "num_train_timesteps", "num_steps", "guidance_scale")
+
+
+def cfg_enabled(guidance_scale: float) -> bool:
+    """Whether classifier-free guidance runs (a second, unconditional forward): ``w > 1``, as WanPipeline."""
+    return guidance_scale > 1.0
+
+
+def nfe_per_video(num_steps: int, guidance_scale: float) -> int:
+    """Transformer forward evaluations per video for a one-forward-per-step sampler: steps × (2 with CFG, else 1)."""
+    return num_steps * (2 if cfg_enabled(guidance_scale) else 1)
+
+
+def guided_velocity(model: "ModelBase", latents: torch.Tensor, timesteps: torch.Tensor, cond: "Conditioning",
+                    guidance_scale: float) -> torch.Tensor:
+    """CFG velocity ``u + w (c − u)`` (float32 ``[B, C, T, H, W]``) from the model plugin.
+
+    ``timesteps``: ``[B]`` (or per-frame ``[B, T]``) in ``[0, 1000]``. One forward without CFG; with
+    it, the conditional then the unconditional forward (negative embeds, zeros when None), separately
+    as WanPipeline does. Runs under the caller's grad mode.
+    """
+    c = model.predict_noise(latents, timesteps, cond, conditional=True)
+    if not cfg_enabled(guidance_scale):
+        return c
+    u = model.predict_noise(latents, timesteps, cond, conditional=False)
+    return u + guidance_scale * (c - u)
+
+
+def conditioning_on(cond: "Conditioning", device: torch.device) -> "Conditioning":
+    """``cond`` with its tensors on ``device`` (dtype unchanged: the model casts to its input dtype)."""
+    from distillery.models.base import Conditioning
+
+    negative = cond.negative_text_embeds.to(device) if cond.negative_text_embeds is not None else None
+    return Conditioning(cond.text_embeds.to(device), negative)
+
+
+def check_inputs(cond: "Conditioning", latent_shape: Sequence[int], initial: torch.Tensor | None) -> int:
+    """Validate the shapes a sampler is given; returns the batch size B."""
+    text = cond.text_embeds
+    if text.ndim != 3:
+        raise ValueError(f"text_embeds must be [B, L, D], got {tuple(text.shape)}")
+    negative = cond.negative_text_embeds
+    if negative is not None and negative.shape != text.shape:
+        raise ValueError(f"negative_text_embeds {tuple(negative.shape)} must match text_embeds {tuple(text.shape)}")
+    if len(latent_shape) != 4:
+        raise ValueError(f"latent_shape must be (C, T, H, W), got {tuple(latent_shape)}")
+    if initial is not None and tuple(initial.shape) != (text.shape[0], *latent_shape):
+        raise ValueError(f"initial noise {tuple(initial.shape)} must be [B, C, T, H, W] = {(text.shape[0], *latent_shape)}")
+    return int(text.shape[0])
+
+
+class Sampler(ABC):
+    """A registered sampler, configured by a sampling contract (see the module docstring).
+
+    Subclasses set ``name`` (through :func:`~distillery.sampling.registry.register_sampler`),
+    ``option_keys`` (their own contract keys), ``default_num_steps``, and implement :meth:`sample`
+    (and :meth:`nfe` when a step is not one forward per guidance branch).
+    """
+
+    name: ClassVar[str] = ""
+    option_keys: ClassVar[tuple[str, ...]] = ()  # contract keys beyond COMMON_KEYS
+    default_num_steps: ClassVar[int] = 4  # steps when neither the call nor the contract says
+
+    def __init__(self, contract: Mapping[str, Any]) -> None:
+        unknown = sorted(set(contract) - set(COMMON_KEYS) - set(self.option_keys))
+        if unknown:
+            valid = ", ".join(COMMON_KEYS + self.option_keys)
+            raise UserError(f"sampling contract for {self.name!r}: unknown key {unknown[0]!r}; valid keys: {valid}")
+        self.contract = dict(contract)
+        shift = contract.get("shift")
+        self.shift = None if shift is None else _positive(float(shift), "shift", self.name)
+        scale = contract.get("num_train_timesteps")
+        self.num_train_timesteps = None if scale is None else int(_positive(int(scale), "num_train_timesteps", self.name))
+        steps = contract.get("num_steps")
+        self.num_steps = None if steps is None else int(_positive(int(steps), "num_steps", self.name))
+        guidance = contract.get("guidance_scale", 1.0)
+        self.guidance_scale = float(guidance if guidance is not None else 1.0)
+        if self.guidance_scale < 0:
+            raise UserError(f"sampling contract for {self.name!r}: guidance_scale must be >= 0, got {self.guidance_scale}")
+        self.configure({k: contract[k] for k in self.option_keys if k in contract})
+
+    def configure(self, options: dict[str, Any]) -> None:
+        """Read the sampler's own contract keys (raise :class:`UserError` on bad values)."""
+        del options
+
+    def resolve_steps(self, num_steps: int | None) -> int:
+        """The step count for a call: the call's, else the contract's, else ``default_num_steps``."""
+        steps = num_steps if num_steps is not None else self.num_steps if self.num_steps is not None else self.default_num_steps
+        if int(steps) < 1:
+            raise UserError(f"sampler {self.name}: num_steps must be >= 1, got {steps}")
+        return int(steps)
+
+    def resolve_guidance(self, guidance_scale: float | None) -> float:
+        """The CFG scale for a call: the call's, else the contract's (default 1: no CFG)."""
+        return float(guidance_scale) if guidance_scale is not None else self.guidance_scale
+
+    def schedule_for(self, model: "ModelBase") -> FlowMatchSchedule:
+        """The contract's shift and timestep scale, falling back to the model's own schedule."""
+        own = model.schedule
+        return FlowMatchSchedule(
+            shift=self.shift if self.shift is not None else own.shift,
+            num_train_timesteps=self.num_train_timesteps if self.num_train_timesteps is not None else own.num_train_timesteps,
+        )
+
+    def nfe(self, num_steps: int | None = None, guidance_scale: float | None = None) -> int:
+        """Transformer forward evaluations per video for a call with these arguments."""
+        return nfe_per_video(self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale))
+
+    @abstractmethod
+    def sample(
+        self,
+        model: "ModelBase",
+        cond: "Conditioning",
+        latent_shape: LatentShape,
+        noise: NoiseLike,
+        *,
+        num_steps: int | None = None,
+        guidance_scale: float | None = None,
+        initial: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Sample ``B`` videos; returns normalised latents ``float32 [B, C, T, H, W]`` on ``model.device``.
+
+        ``cond``: text embeddings ``[B, L, D]`` (and the CFG negative, zeros when None), zero-padded
+        to the length the model was trained with. ``latent_shape``: ``(C, T, H, W)`` of one sample.
+        ``noise``: a :mod:`~distillery.sampling.noise` source (``torch.Generator``, one generator per
+        sample, or a ``BatchRNG``) for the initial noise and any later draws. ``initial``: optional
+        initial noise ``[B, C, T, H, W]`` (then nothing is drawn for it). ``num_steps`` /
+        ``guidance_scale``: None → the contract's defaults. NFE per video: :meth:`nfe`.
+        """
+
+
+def _positive(value: float, key: str, name: str) -> float:
+    if value <= 0:
+        raise UserError(f"sampling contract for {name!r}: {key} must be > 0, got {value}")
+    return value

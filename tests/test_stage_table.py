@@ -1,0 +1,127 @@
+"""The training stages' declarative table, their run configs and the run summary they read.
+
+- a template filled by its table row through the config loader's override path: every value lands
+  with its type (``1e-5`` stays a float, a path that looks like a number stays a string), nothing
+  else of the template changes, a row naming a key the schema lacks is one line;
+- ``run_summary.json`` read into what the artifact needs: ``loss.json`` / ``sampling.json`` bytes,
+  and one line for a missing, malformed or escaping summary.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distillery.config.loader import parse_override_value
+from distillery.errors import UserError
+from distillery.pipeline.artifacts import write_json_atomic
+from distillery.pipeline.dvcfile import stage_params
+from distillery.pipeline.params import Params, StageParams
+from distillery.pipeline.run_config import fill_run_config, override_text, stage_overrides
+from distillery.pipeline.run_summary import SUMMARY_FILE, read_run_summary
+from distillery.pipeline.training_table import TRAINING_STAGES, TrainingStageSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("value", [1e-5, 2.0e-4, 120, 0, False, None, "123", "true", "1e3", "artifacts/base/model",
+                                   "a: b", {"distillery.stage": "teacher"}, [1, 2.5, "x"]])
+def test_override_text_parses_back_to_the_value(value):
+    parsed = parse_override_value("k", override_text(value))
+    assert parsed == value and type(parsed) is type(value)
+
+
+def _workspace(tmp_path: Path, monkeypatch, updates: dict[str, object] | None = None) -> Params:
+    for name in ("dvc.yaml", "params.yaml", "stages"):
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(ROOT / name, tmp_path / name)
+    data = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    for dotted, value in (updates or {}).items():
+        section, key = dotted.split(".")
+        data[section][key] = value
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    (tmp_path / "artifacts" / "latents" / "data").mkdir(parents=True)
+    (tmp_path / "artifacts" / "latents" / "data" / "preprocess.json").write_text(json.dumps({"settings": {"max_sequence_length": 24}}))
+    monkeypatch.chdir(tmp_path)
+    return Params.load("params.yaml")
+
+
+def _unset(raw: dict, dotted: str) -> None:
+    *head, last = dotted.split(".")
+    node = raw
+    for part in head:
+        node = node[part]
+    node.pop(last, None)
+
+
+@pytest.mark.parametrize("stage", list(TRAINING_STAGES))
+def test_template_filled_by_its_row(tmp_path, monkeypatch, stage):
+    params = _workspace(tmp_path, monkeypatch, {f"{stage}.learning_rate": 1.0e-5, f"{stage}.steps": 7})
+    spec = TRAINING_STAGES[stage]
+    view = StageParams(params, stage, stage_params(stage))
+    raw = fill_run_config(spec, view, "parent123")
+    init = spec.inputs["student"]
+    assert raw["models"]["student"]["init_from"] == f"artifacts/{init}/model"
+    assert raw["training"]["optimizer"]["learning_rate"] == 1.0e-5 and isinstance(raw["training"]["optimizer"]["learning_rate"], float)
+    assert raw["training"]["loop"]["max_train_steps"] == 7 and raw["training"]["loop"]["progress_bar"] is False
+    assert raw["training"]["data"] == {"path": "artifacts/latents/data", "batch_size": params.get(f"{stage}.batch_size"),
+                                       "text_max_length": 24}
+    assert raw["training"]["checkpoint"]["output_dir"] == f"runs/{stage}"
+    assert raw["training"]["tracker"] == {"backend": "mlflow", "experiment": "distillery", "parent_run_id": "parent123",
+                                          "run_name": stage, "tags": {"distillery.stage": stage}}
+    if stage == "pretrain":
+        assert raw["method"]["chunk_size"] == params.get("pretrain.chunk_size")
+    # nothing but the overridden keys differs from the template
+    template = yaml.safe_load(Path(spec.template).read_text())
+    filled = copy.deepcopy(raw)
+    for key, _ in stage_overrides(spec, view, "parent123"):
+        _unset(template, key)
+        _unset(filled, key)
+    assert filled == template
+
+
+def test_a_row_naming_an_unknown_config_key_is_one_line(tmp_path, monkeypatch):
+    params = _workspace(tmp_path, monkeypatch)
+    spec = TrainingStageSpec(name="teacher", template="stages/teacher_sft.yaml", inputs={"student": "base"},
+                             params={"teacher.steps": "training.loop.max_steps"})
+    with pytest.raises(UserError, match="training.loop.max_steps") as info:
+        fill_run_config(spec, StageParams(params, "teacher", stage_params("teacher")), "p")
+    assert "\n" not in str(info.value)
+
+
+SUMMARY = {"format": 1, "final_step": 6, "checkpoint": "checkpoint-6", "mlflow_run_id": "abc",
+           "method": "distillery.methods.sft.SFTMethod", "last_metrics": {"total_loss": 0.25},
+           "loss": [{"step": 5, "loss": 0.5}, {"step": 6, "loss": 0.25}],
+           "sampling": {"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000}}
+
+
+def test_run_summary_gives_the_artifact_records(tmp_path):
+    (tmp_path / SUMMARY_FILE).write_text(json.dumps(SUMMARY))
+    summary = read_run_summary(tmp_path)
+    assert summary.final_step == 6 and summary.mlflow_run_id == "abc"
+    assert summary.checkpoint_dir(tmp_path) == tmp_path / "checkpoint-6"
+    # the bytes the stage wrote before the summary existed (from train_log.jsonl and the scheduler's shift)
+    assert json.dumps(summary.loss_rows()) == '[{"step": 5, "loss": 0.5}, {"step": 6, "loss": 0.25}]'
+    write_json_atomic(tmp_path / "sampling.json", summary.sampling)
+    assert (tmp_path / "sampling.json").read_text() == json.dumps({"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000}, indent=2)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (None, "not found"),
+    ({"format": 2}, "format 2"),
+    ({"final_step": "6"}, "final_step: expected int"),
+    ({"final_step": True}, "final_step: expected int"),
+    ({"loss": [{"step": 1}]}, "loss[0]: loss: expected float or int"),
+    ({"checkpoint": "../elsewhere"}, "not a folder name inside"),
+    ({"sampling": None}, "sampling: expected dict"),
+])
+def test_bad_run_summary_is_one_line(tmp_path, edit, message):
+    if edit is not None:
+        (tmp_path / SUMMARY_FILE).write_text(json.dumps({**SUMMARY, **edit}))
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")) as info:
+        read_run_summary(tmp_path)
+    assert "\n" not in str(info.value)
