@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distillery.errors import UserError
-from helpers import read_log, run_config, write_config
+from helpers import read_log, run_config, train_in_process, write_config
 
 pytestmark = pytest.mark.slow
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -52,13 +53,33 @@ def _env() -> dict[str, str]:
 
 
 def _train(cfg: dict, path: Path, nproc: int) -> None:
-    """One `distillery.train` run of ``cfg`` on ``nproc`` ranks (gloo), as a user starts it."""
+    """One run of ``cfg``: on 2 ranks through `torchrun -m distillery.train` (gloo), as a user starts
+    it; on 1 rank in this process (the same Trainer, without paying the imports again)."""
     write_config(path, cfg)
-    cmd = [sys.executable, "-m", "distillery.train", "--config", str(path)]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *cmd[1:]]
+    if nproc == 1:
+        with _plugins():
+            train_in_process(cfg)
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "distillery.train", "--config", str(path)]
     proc = subprocess.run(cmd, cwd=path.parent, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@contextlib.contextmanager
+def _plugins():
+    """The test plugins importable and allowed as `_target_`s in this process."""
+    sys.path.insert(0, str(PLUGINS))
+    previous = os.environ.get("DISTILLERY_ALLOWED_TARGET_PREFIXES")
+    os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"] = "two_role_method"
+    try:
+        yield
+    finally:
+        sys.path.remove(str(PLUGINS))
+        if previous is None:
+            del os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"]
+        else:
+            os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"] = previous
 
 
 def _dcp_tensors(checkpoint: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -133,8 +154,6 @@ def test_resume_on_another_world_size_has_the_uninterrupted_losses(runs, name):
 
 
 def test_a_changed_teacher_is_refused_on_resume(runs, tiny_base, latent_set, tmp_path):
-    from helpers import train_in_process
-
     teacher = tmp_path / "teacher"
     shutil.copytree(tiny_base, teacher)
     weights = next((teacher / "transformer").glob("*.safetensors"))
@@ -146,14 +165,8 @@ def test_a_changed_teacher_is_refused_on_resume(runs, tiny_base, latent_set, tmp
     shutil.copytree(runs / "single", run)
     cfg = _config(tiny_base, latent_set, run, 4, teacher=teacher)
     cfg["training"]["loop"]["max_train_steps"] = STEPS + 1
-    os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"] = "two_role_method"
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        with pytest.raises(UserError, match="the frozen teacher changed since this checkpoint was saved"):
-            train_in_process(cfg)
-    finally:
-        sys.path.remove(str(PLUGINS))
-        del os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"]
+    with _plugins(), pytest.raises(UserError, match="the frozen teacher changed since this checkpoint was saved"):
+        train_in_process(cfg)
 
 
 def test_wrong_role_kind_and_frozen_optimizer_are_config_errors(tiny_base, latent_set, tmp_path):
@@ -185,17 +198,17 @@ def test_gradient_accumulation_on_two_ranks_matches_one(tmp_path, tiny_base, lat
     (``set_requires_gradient_sync``), and follows the one-rank trajectory with the same micro-batches."""
     def cfg(name: str, batch_size: int) -> dict:
         c = _config(tiny_base, latent_set, tmp_path / name, batch_size)
-        c["training"]["loop"].update(max_train_steps=4, grad_accum_steps=2)
+        c["training"]["loop"].update(max_train_steps=3, grad_accum_steps=2)
         c["training"]["checkpoint"]["save_every"] = 0
         return c
 
     _train(cfg("two", 1), tmp_path / "two.yaml", 2)  # 2 ranks × 1 sample × 2 micro-batches
     _train(cfg("one", 2), tmp_path / "one.yaml", 1)  # 1 rank × 2 samples × 2 micro-batches: the same samples and draws
     two, one = read_log(tmp_path / "two"), read_log(tmp_path / "one")
-    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4]
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3]
     for a, b in zip(two, one):
         for key in ("total_loss", "critic_loss", "grad_norm/critic"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
-    wa = _dcp_tensors(tmp_path / "two" / "checkpoint-4", ("roles.critic.",))
-    wb = _dcp_tensors(tmp_path / "one" / "checkpoint-4", ("roles.critic.",))
+    wa = _dcp_tensors(tmp_path / "two" / "checkpoint-3", ("roles.critic.", "roles.student."))
+    wb = _dcp_tensors(tmp_path / "one" / "checkpoint-3", ("roles.critic.", "roles.student."))
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-5) for k in wa)
