@@ -212,3 +212,16 @@ def test_gradient_accumulation_on_two_ranks_matches_one(tmp_path, tiny_base, lat
     wa = _dcp_tensors(tmp_path / "two" / "checkpoint-3", ("roles.critic.", "roles.student."))
     wb = _dcp_tensors(tmp_path / "one" / "checkpoint-3", ("roles.critic.", "roles.student."))
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-5) for k in wa)
+
+
+def test_a_prompts_only_method_gets_prompt_batches(tiny_base, latent_set, tmp_path):
+    """``data_kind = "prompts"``: the trainer reads prompt embeddings only (no latent columns)."""
+    from distillery.data import LatentDataset
+
+    cfg = run_config(tiny_base, latent_set, tmp_path / "run", method="prompt_method.PromptRolloutMethod", steps=2)
+    with _plugins():
+        os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"] = "prompt_method"
+        result = train_in_process(cfg)
+    assert result.final_step == 2 and all(r["total_loss"] > 0 for r in result.history)
+    prompts, full = LatentDataset(latent_set, with_latents=False), LatentDataset(latent_set)
+    assert "latents" not in prompts[0] and torch.equal(prompts[0]["text_embedding"], full[0]["text_embedding"])

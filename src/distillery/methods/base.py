@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from distillery.config.schema import OptimizerConfig, TrainingConfig
 from distillery.engine.checkpoint.stateful import ModuleState, OptimizerState, RNGState, SchedulerState
-from distillery.engine.optim import build_role_optimizer, lr_lambda_for  # noqa: F401  (lr_lambda_for: public here too)
+from distillery.engine.optim import build_role_optimizer
 from distillery.engine.rng import BatchRNG
 from distillery.errors import UserError
 from distillery.models.base import ModelBase

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from distillery.models.wan.bidirectional import WanModel, WanModelConfig
+from distillery.models.wan.bidirectional import WanModel
+from distillery.models.wan.common import WanModelConfig
 
 
 def load_inference_model(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
