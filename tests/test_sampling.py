@@ -19,12 +19,32 @@ LATENT_SHAPE = (8, 2, 4, 4)  # tiny base: z_dim 8; patch (1, 2, 2)
 CONTRACTS = {
     "euler": {"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000, "num_steps": 3},
     "few_step_x0": {"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000.0, 600.0, 250.0]},
+    "causal_streaming": {"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
+                         "timesteps": [1000.0, 600.0, 250.0], "chunk_size": 1, "context_noise": 50.0},
 }
+CAUSAL = {"causal_streaming"}  # samplers that need a causal model (the causal_model fixture)
+# Forward calls per guidance branch for LATENT_SHAPE: 3 steps; causal_streaming: 2 one-frame chunks × 3 steps + 1 context write.
+CALLS_PER_BRANCH = {"causal_streaming": 7}
+NFE_ARGS = {"causal_streaming": {"num_frames": LATENT_SHAPE[1]}}
 
 
 @pytest.fixture(scope="module")
 def model():
     return load_inference_model(shipped_tiny_base(), "cpu")
+
+
+@pytest.fixture(scope="module")
+def causal_model():
+    from distillery.models.wan import CausalWanModel, CausalWanModelConfig
+
+    causal = CausalWanModel(CausalWanModelConfig(init_from=str(shipped_tiny_base()), trainable=False, chunk_size=1),
+                            role="inference")
+    causal.transformer.eval()
+    return causal
+
+
+def _model_for(name, model, causal_model):
+    return causal_model if name in CAUSAL else model
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +76,15 @@ def test_every_registered_sampler_has_a_case():
 
 @pytest.mark.parametrize("name", sorted(CONTRACTS))
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
-def test_registered_sampler_shapes_nfe_and_determinism(model, cond, name, guidance):
+def test_registered_sampler_shapes_nfe_and_determinism(model, causal_model, cond, name, guidance):
+    model = _model_for(name, model, causal_model)
     sampler = build_sampler(CONTRACTS[name])
     assert sampler.name == name
     with torch.no_grad(), ForwardCounter(model.transformer) as counter:
         out = sampler.sample(model, cond, LATENT_SHAPE, torch.Generator().manual_seed(0), guidance_scale=guidance)
     assert out.shape == (2, *LATENT_SHAPE) and out.dtype == torch.float32 and torch.isfinite(out).all()
-    assert counter.calls == sampler.nfe(guidance_scale=guidance) == 3 * (2 if guidance > 1 else 1)
+    calls = CALLS_PER_BRANCH.get(name, 3)
+    assert counter.calls == sampler.nfe(guidance_scale=guidance, **NFE_ARGS.get(name, {})) == calls * (2 if guidance > 1 else 1)
     with torch.no_grad():
         again = sampler.sample(model, cond, LATENT_SHAPE, torch.Generator().manual_seed(0), guidance_scale=guidance)
         other = sampler.sample(model, cond, LATENT_SHAPE, torch.Generator().manual_seed(1), guidance_scale=guidance)
@@ -73,8 +95,9 @@ def test_registered_sampler_shapes_nfe_and_determinism(model, cond, name, guidan
 
 
 @pytest.mark.parametrize("name", sorted(CONTRACTS))
-def test_per_sample_generators_equal_sampling_each_prompt_alone(model, cond, name):
+def test_per_sample_generators_equal_sampling_each_prompt_alone(model, causal_model, cond, name):
     """A list of generators (one per sample) draws per sample: a batched run equals per-prompt runs."""
+    model = _model_for(name, model, causal_model)
     sampler = build_sampler(CONTRACTS[name])
     with torch.no_grad():
         batched = sampler.sample(model, cond, LATENT_SHAPE, [torch.Generator().manual_seed(10 + i) for i in range(2)])

@@ -2,13 +2,18 @@
 
 - :mod:`.common` — locating a diffusers Wan folder, the shared config knobs;
 - :mod:`.bidirectional` — :class:`WanModel`, the full-attention text-to-video transformer;
+- :mod:`.causal` — :class:`CausalWanModel`, block-causal attention over frame chunks + a KV cache
+  for chunk-by-chunk streaming (same weights and layout);
 - :mod:`.inference` — :func:`load_inference_model`, a frozen plugin over a plain diffusers folder
   (validate, export, in-training validation of a teacher folder).
 
-``distillery.models.wan.WanModel`` is the name run configs use as ``_target_``.
+``distillery.models.wan.WanModel`` / ``distillery.models.wan.CausalWanModel`` are the names run
+configs use as ``_target_``.
 """
 
-from distillery.models.wan.bidirectional import TRANSFORMER_CLASS, WanModel, WanModelConfig, locate_transformer
+from distillery.models.wan.bidirectional import WanModel
+from distillery.models.wan.causal import CausalWanModel, CausalWanModelConfig
+from distillery.models.wan.common import TRANSFORMER_CLASS, WanModelConfig, locate_transformer
 from distillery.models.wan.inference import load_inference_model
 
-__all__ = ["TRANSFORMER_CLASS", "WanModel", "WanModelConfig", "load_inference_model", "locate_transformer"]
+__all__ = ["TRANSFORMER_CLASS", "CausalWanModel", "CausalWanModelConfig", "WanModel", "WanModelConfig", "load_inference_model", "locate_transformer"]

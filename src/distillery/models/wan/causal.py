@@ -1,0 +1,318 @@
+"""Causal Wan 2.1: block-causal attention over chunks of latent frames, with a KV cache for streaming.
+
+Same ``diffusers.WanTransformer3DModel`` and weights as :class:`~distillery.models.wan.WanModel`
+(any Wan2.1 folder or an earlier stage's ``transformer/``); ``transformer_config()`` and the state
+dict are unchanged, so export and stock loading work as for the bidirectional model. Only the
+self-attention (``attn1``) of every block gets a different processor; cross-attention, RoPE, the
+time and text embeddings are diffusers' own.
+
+Block-causal: latent frame ``f`` belongs to chunk ``f // chunk_size`` and attends to every token of
+its own chunk and of every earlier chunk. Tokens are frame-major after patchify (patch ``(1, 2, 2)``:
+each latent frame is ``H/2 · W/2`` consecutive tokens), so a chunk is a contiguous token range and
+the attention of a chunk's queries is plain attention over a key *prefix* — no mask tensor is built:
+each chunk's queries run one SDPA call over the keys of frames ``[0, end of its chunk)``.
+
+How the plan reaches the attention processors: :meth:`CausalWanModel._forward` sets a context
+variable for the duration of the transformer call; a forward hook on ``transformer.rope`` turns it
+into the rotary embedding it returns (a :class:`_PlannedRotary`: the ``(cos, sin)`` tuple plus the
+plan, with the rotary positions shifted to ``cur_start_frame …`` when streaming). Every block hands
+that tuple to ``attn1``, so the plan also survives activation-checkpoint recomputation (the block is
+re-run with the same arguments). Without a plan (the hook does nothing outside
+:meth:`CausalWanModel._forward`) the processor is diffusers' ``WanAttnProcessor`` unchanged. Hook
+and processors are plain picklable objects and module-level functions, so ``copy.deepcopy`` of the
+transformer (the bf16 compute copy) carries them. The part that reads per-call Python state (cache,
+block index, chunk groups) is kept out of torch.compile regions (:func:`_block_causal_attention`), so
+regional compilation of the blocks compiles one graph for all blocks (recompiling only on shapes).
+
+KV cache (per ``cache_tag``): for every block, the keys and values (after ``norm_k`` and RoPE)
+``[B, frames · tokens_per_frame, heads, head_dim]`` of the frames stored so far, in the compute
+dtype, detached (Self-Forcing writes context without gradient; the current chunk's own computation
+keeps its graph).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from distillery.models.base import CausalModelBase, Conditioning, TrainingBatch
+from distillery.models.wan.bidirectional import WanModel
+from distillery.models.wan.common import WanModelConfig
+
+
+@dataclass
+class CausalWanModelConfig(WanModelConfig):
+    chunk_size: int = 3  # latent frames per causal chunk (a frame attends to its chunk and every earlier one)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if int(self.chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+
+
+class _AttentionPlan:
+    """What the self-attention of one transformer call does (built by :class:`CausalWanModel`).
+
+    Queries are the call's tokens: frames ``[start_frame, start_frame + frames)`` of the video,
+    ``tokens_per_frame`` each. Keys are ``past[i]`` (block i's cached frames ``[0, start_frame)``,
+    or none) followed by the call's own keys. ``store``: when not None, block i writes its own
+    (detached) keys/values to ``store[i]``.
+
+    Deliberately a plain object (not a dataclass or container): FSDP2's input casting
+    (``torch.distributed.utils._apply_to_tensors``) passes it through untouched, so the ``store``
+    dict the blocks write to stays the one the model reads.
+    """
+
+    __slots__ = ("chunk_size", "tokens_per_frame", "start_frame", "frames", "past", "store")
+
+    def __init__(self, chunk_size: int, tokens_per_frame: int, start_frame: int, frames: int,
+                 past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        self.chunk_size = chunk_size
+        self.tokens_per_frame = tokens_per_frame
+        self.start_frame = start_frame
+        self.frames = frames
+        self.past = past
+        self.store = store
+
+    def query_groups(self) -> list[tuple[int, int, int]]:
+        """``(query token begin, query token end, key token end)`` per chunk the call's frames touch.
+
+        Token indices count the call's queries from 0 and the keys from frame 0 of the video."""
+        groups = []
+        frame, end = self.start_frame, self.start_frame + self.frames
+        while frame < end:
+            chunk_end = min((frame // self.chunk_size + 1) * self.chunk_size, end)
+            n = self.tokens_per_frame
+            groups.append(((frame - self.start_frame) * n, (chunk_end - self.start_frame) * n, chunk_end * n))
+            frame = chunk_end
+        return groups
+
+
+_PLAN: contextvars.ContextVar[_AttentionPlan | None] = contextvars.ContextVar("distillery_causal_wan_plan", default=None)
+
+
+class _PlannedRotary(NamedTuple):
+    """diffusers' rotary ``(freqs_cos, freqs_sin)`` (each ``[1, tokens, 1, head_dim]``) carrying the plan.
+
+    A named tuple: FSDP2 rebuilds named tuples field by field when it casts block inputs, so the
+    plan survives (and cos/sin are cast as the stock rotary tuple would be)."""
+
+    freqs_cos: torch.Tensor
+    freqs_sin: torch.Tensor
+    plan: _AttentionPlan
+
+
+def _plan_rotary_hook(rope: torch.nn.Module, args: tuple, output: Any) -> Any:
+    """Forward hook of ``transformer.rope``: inside a planned call, attach the plan and shift the
+    rotary positions so the call's first frame sits at ``start_frame`` (computed for the whole
+    ``start_frame + frames`` and sliced: the exact values diffusers gives those frames)."""
+    plan = _PLAN.get()
+    if plan is None:
+        return None
+    cos, sin = output
+    if plan.start_frame:
+        b, c, f, h, w = args[0].shape
+        whole = torch.empty((b, c, plan.start_frame + f, h, w), device="meta")
+        cos_all, sin_all = rope.forward(whole)
+        skip = plan.start_frame * plan.tokens_per_frame
+        cos, sin = cos_all[:, skip:].contiguous(), sin_all[:, skip:].contiguous()
+    return _PlannedRotary(cos, sin, plan)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' Wan rotary embedding of ``x`` ``[B, L, heads, head_dim]`` (interleaved pairs)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class CausalWanAttnProcessor:
+    """Self-attention of block ``block_index``: block-causal (+ KV cache) under a plan, diffusers'
+    ``WanAttnProcessor`` otherwise. Attention runs through diffusers' dispatcher, so the backend
+    chosen with ``set_attention_backend`` (stored in ``_attention_backend``) applies; no mask is
+    ever passed."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, block_index: int) -> None:
+        self.block_index = block_index
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        plan = getattr(rotary_emb, "plan", None)
+        if plan is None or encoder_hidden_states is not None:
+            from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+            stock = WanAttnProcessor()
+            stock._attention_backend, stock._parallel_config = self._attention_backend, self._parallel_config
+            return stock(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query = query.unflatten(2, (attn.heads, -1))  # [B, L, heads, head_dim]
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        cos, sin = rotary_emb.freqs_cos, rotary_emb.freqs_sin
+        query, key = _apply_rotary(query, cos, sin), _apply_rotary(key, cos, sin)
+        hidden_states = _block_causal_attention(self, query, key, value, plan)
+        hidden_states = hidden_states.flatten(2, 3).type_as(query)
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
+
+
+@torch.compiler.disable
+def _block_causal_attention(processor: CausalWanAttnProcessor, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
+    """Attention of the call's queries ``[B, L, heads, head_dim]`` (after norm + RoPE) over the cached
+    keys/values ⊕ the call's own, block-causally; writes the call's keys/values to ``plan.store``.
+    Returns ``[B, L, heads, head_dim]``. Kept out of torch.compile regions (it reads per-call Python
+    state: the plan and the block index), so a compiled block is one graph for every block and call."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    index = processor.block_index
+    if plan.store is not None:
+        plan.store[index] = (key.detach(), value.detach())
+    if plan.past is not None:
+        past_k, past_v = plan.past[index]
+        key = torch.cat([past_k.to(key.dtype), key], dim=1)
+        value = torch.cat([past_v.to(value.dtype), value], dim=1)
+    outs = []
+    for q_begin, q_end, k_end in plan.query_groups():
+        outs.append(dispatch_attention_fn(query[:, q_begin:q_end], key[:, :k_end], value[:, :k_end], attn_mask=None,
+                                          dropout_p=0.0, is_causal=False, backend=processor._attention_backend))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def install_causal_attention(transformer: torch.nn.Module) -> None:
+    """Give every block's ``attn1`` a :class:`CausalWanAttnProcessor` and ``rope`` the plan hook
+    (idempotent; keeps the attention backend already chosen)."""
+    blocks = transformer.blocks
+    if blocks and isinstance(blocks[0].attn1.processor, CausalWanAttnProcessor):
+        return
+    for i, block in enumerate(blocks):
+        processor = CausalWanAttnProcessor(i)
+        processor._attention_backend = getattr(block.attn1.processor, "_attention_backend", None)
+        block.attn1.set_processor(processor)
+    transformer.rope.register_forward_hook(_plan_rotary_hook)
+
+
+@dataclass
+class _KVCache:
+    """One tag's cache: ``frames`` latent frames, per block ``(k, v)`` ``[B, frames · tokens_per_frame, heads, head_dim]``."""
+
+    frames: int = 0
+    tokens_per_frame: int = 0
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+class CausalWanModel(WanModel, CausalModelBase):
+    """Wan 2.1 with block-causal attention over ``chunk_size``-frame chunks and a per-tag KV cache.
+
+    ``predict_noise`` (full sequence, training with teacher forcing / DFSFT) applies the block-causal
+    mask to the whole video; ``predict_noise_streaming`` runs one chunk against the cache. For the
+    same latents and timesteps, streaming chunk by chunk (``store_kv=True``) gives each chunk the
+    output the full-sequence call gives it. With ``chunk_size`` ≥ the number of frames the full call
+    is the bidirectional :class:`WanModel`.
+    """
+
+    config_class = CausalWanModelConfig
+
+    def __init__(self, config: CausalWanModelConfig, role: str) -> None:
+        super().__init__(config, role)
+        if tuple(self.patch_size)[0] != 1:
+            raise ValueError(f"causal Wan needs a temporal patch size of 1, got patch_size {self.patch_size}")
+        self.chunk_size = int(config.chunk_size)
+        install_causal_attention(self.transformer)
+        self._caches: dict[str, _KVCache] = {}
+
+    # --- cache bookkeeping -------------------------------------------------------------------
+    def clear_caches(self, cache_tag: str | None = None) -> None:
+        if cache_tag is None:
+            self._caches.clear()
+        else:
+            self._caches.pop(cache_tag, None)
+
+    def cached_frames(self, cache_tag: str) -> int:
+        cache = self._caches.get(cache_tag)
+        return cache.frames if cache is not None else 0
+
+    # --- forward -----------------------------------------------------------------------------
+    def _tokens_per_frame(self, latents: torch.Tensor) -> int:
+        _, p_h, p_w = self.patch_size
+        return (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
+
+    def _forward(self, plan: _AttentionPlan, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+                 batch: Conditioning | TrainingBatch, conditional: bool) -> torch.Tensor:
+        module = self.forward_module
+        install_causal_attention(module)  # a compute copy made before this plugin existed
+        token = _PLAN.set(plan)
+        try:
+            return WanModel.predict_noise(self, noisy_latents, timesteps, batch, conditional)
+        finally:
+            _PLAN.reset(token)
+
+    def predict_noise(
+        self,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        batch: Conditioning | TrainingBatch,
+        conditional: bool = True,
+    ) -> torch.Tensor:
+        """Velocity ``[B, C, T, H, W]`` (float32) of the whole video under the block-causal mask;
+        ``timesteps`` ``[B]`` or per-frame ``[B, T]`` in [0, 1000]. No cache is read or written."""
+        plan = _AttentionPlan(self.chunk_size, self._tokens_per_frame(noisy_latents), 0, noisy_latents.shape[2])
+        return self._forward(plan, noisy_latents, timesteps, batch, conditional)
+
+    def predict_noise_streaming(
+        self,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        batch: Conditioning | TrainingBatch,
+        *,
+        cache_tag: str,
+        store_kv: bool,
+        cur_start_frame: int,
+        conditional: bool = True,
+    ) -> torch.Tensor:
+        """Velocity ``[B, C, f, H, W]`` (float32) of frames ``[cur_start_frame, cur_start_frame + f)``
+        attending to the cache ``cache_tag`` (frames ``[0, cur_start_frame)``) and, block-causally,
+        to themselves. ``store_kv``: append these frames' keys/values (computed from these latents
+        at these timesteps) to the cache. Runs under the caller's grad mode; the cache is detached.
+        A call may cover several chunks (block-causal among them); it must start at a chunk boundary
+        (a chunk stored in pieces would not have seen its own later frames). Raises ``ValueError``
+        when ``cur_start_frame`` is not the number of cached frames or not a multiple of
+        ``chunk_size``, or the batch size / frame size differs from the cached frames'.
+        """
+        cache = self._caches.get(cache_tag)
+        held = cache.frames if cache is not None else 0
+        if int(cur_start_frame) != held:
+            raise ValueError(f"cache {cache_tag!r} holds {held} frames; a chunk starting at frame {cur_start_frame} "
+                             "does not follow them")
+        if int(cur_start_frame) % self.chunk_size:
+            raise ValueError(f"a streaming call starts at frame {cur_start_frame}, inside a chunk of {self.chunk_size} "
+                             "frames; calls start at chunk boundaries (the cache holds whole chunks)")
+        tokens = self._tokens_per_frame(noisy_latents)
+        past = None
+        if cache is not None and held:
+            k0 = cache.layers[0][0]
+            if cache.tokens_per_frame != tokens or k0.shape[0] != noisy_latents.shape[0]:
+                raise ValueError(f"cache {cache_tag!r} holds batch {k0.shape[0]} × {cache.tokens_per_frame} tokens per "
+                                 f"frame; got batch {noisy_latents.shape[0]} × {tokens}")
+            past = cache.layers
+        store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if store_kv else None
+        plan = _AttentionPlan(self.chunk_size, tokens, held, noisy_latents.shape[2], past=past, store=store)
+        v = self._forward(plan, noisy_latents, timesteps, batch, conditional)
+        if store is not None:
+            layers = [store[i] for i in range(len(store))]
+            if past is not None:
+                layers = [(torch.cat([pk, k], dim=1), torch.cat([pv, v_], dim=1)) for (pk, pv), (k, v_) in zip(past, layers)]
+            self._caches[cache_tag] = _KVCache(held + noisy_latents.shape[2], tokens, layers)
+        return v
