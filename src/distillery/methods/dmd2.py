@@ -1,0 +1,291 @@
+"""DMD2: distribution-matching distillation of a many-step teacher into a few-step student.
+
+Roles: ``student`` (trainable; a few-step x0 predictor over the timestep ladder
+``student_timesteps``), ``teacher`` (frozen; the real score) and ``critic`` (trainable; the fake
+score, a flow-matching model of the student's outputs, with its own optimizer from
+``models.critic.optimizer``, e.g. lr 2e-6, betas [0, 0.999]).
+
+One optimizer step (step numbers start at 1; an *update step* is ``step % generator_update_interval
+== 0``):
+
+1. **Rollout** — one student sample ``x̂0 [B, C, T, H, W]`` per step:
+
+   - ``simulate``: from pure noise ``x_{t_0} = ε`` run the student down its ladder
+     ``t_0 > t_1 > … > t_{K−1}``: ``x0_j = x_{t_j} − σ_j v(x_{t_j}, t_j)``, then re-noise to the next
+     timestep (``sde``: ``x_{t_{j+1}} = (1 − σ_{j+1}) x0_j + σ_{j+1} ε_j`` with fresh ε_j; ``ode``: the
+     Euler step ``x_{t_{j+1}} = x_{t_j} + (σ_{j+1} − σ_j) v``), without gradients, and stop at the
+     *exit step* ``k`` (one draw in ``[0, K)`` per optimizer step, the same on every rank):
+     ``x̂0 = x_{t_k} − σ_k v(x_{t_k}, t_k)``, the only student forward that keeps its graph (and only
+     on update steps). Only the batch's shapes and prompt embeddings are read.
+   - ``data_latent``: the data latents noised to the exit step's ``t_k`` (the same draw),
+     ``x̂0 = x_{t_k} − σ_k v``.
+
+2. **Generator loss** (update steps only). Per sample a score timestep τ (see below);
+   ``x_τ = (1 − σ_τ) x̂0 + σ_τ ε`` (no grad); ``f`` = critic x0 at ``(x_τ, τ)``; ``r = u + w (c − u)``
+   from the teacher's unconditional (negative / empty-prompt embeddings, zeros when absent) and
+   conditional x0, ``w = real_score_guidance_scale`` (one teacher forward when w = 1), all without
+   gradients; ``g = (f − r) / mean_{C,T,H,W} |x̂0 − r|`` per sample (``g = 0`` for a sample whose
+   normaliser is 0); ``loss = 0.5 · mean((x̂0 − stopgrad(x̂0 − g))²)``, so
+   ``∂loss/∂x̂0 = g / x̂0.numel()`` (a descent step moves x̂0 along ``r − f``).
+
+3. **Critic loss** (every step): the rollout's sample without gradient (on update steps the
+   generator's ``x̂0.detach()``, otherwise the step's no-grad rollout) noised to per-sample t drawn
+   like τ, ``x_t = (1 − σ_t) x̂0 + σ_t ε``; mean squared error between the critic's velocity and
+   ``ε − x̂0``, gradients into the critic only.
+
+``total_loss`` = generator + critic loss backpropagates once (their graphs touch disjoint trainable
+parameters); the teacher has ``requires_grad=False`` and never holds a ``.grad``. On non-update steps
+the student runs only under ``no_grad``: no graph, no gradient, its weights and optimizer state do
+not change (grad clipping, EMA and compute-copy refreshes follow :meth:`roles_to_step`).
+
+**Score timesteps** τ (teacher/critic queries, and the critic's training t): per sample, from the
+teacher's shifted distribution truncated to ``[min_score_timestep_ratio, max_score_timestep_ratio]
+· n`` (n = 1000): ``u ~ U[shift⁻¹(min), shift⁻¹(max))``, ``τ = n · shift(u)`` with
+``shift(σ) = sσ / (1 + (s − 1)σ)``, ``shift⁻¹(y) = y / (s − (s − 1) y)``.
+
+**Student ladder** ``student_timesteps`` (descending, in (0, n]); null: ``num_student_steps`` steps
+of the shift-warped uniform ladder ``t_j = n · shift(1 − j/K)``, j = 0 … K−1 (``[1000, 900, 750,
+500]`` at shift 3, K = 4: the ``[1000, 750, 500, 250]`` ladder mapped through the student's
+timestep table, as upstream's ``warp_denoising_step``). The artifact's sampling contract is the
+``few_step_x0`` sampler over this ladder (SDE re-noise; see ``rollout_renoise``).
+
+**Randomness.** Everything comes from ``self.rng``. Per-sample draws (noise, τ, t) use the
+:class:`~distillery.engine.rng.BatchRNG` methods (the global batch is drawn, each rank keeps its
+slice); the exit step is one draw from the BatchRNG's generator itself, which is identical on every
+rank — all ranks run the same number of student forwards (FSDP2 needs that: each forward
+all-gathers). Draw order per step: exit step; the batch noise (``prepare_batch``: the initial noise
+in ``simulate``, the data noise in ``data_latent``); the ``sde`` re-noise draws; on update steps τ
+then ε_τ; the critic's t then ε. ``check_rank_agreement`` (debug, off by default: two all-reduces
+per step, before any forward) raises when ranks drew different exit steps or hold different generator
+states (without it, a mismatch under FSDP2 would hang in a collective rather than fail).
+
+The batch is collated latents (``data_kind = "latents"``) in both rollouts; ``simulate`` reads only
+their shape and the prompt embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from distillery.errors import UserError
+from distillery.methods.base import StepOutput, TrainingMethod
+from distillery.models.base import ModelBase, TrainingBatch
+from distillery.models.schedule import FlowMatchSchedule, euler_step, renoise, x0_from_velocity
+
+
+@dataclass
+class DMD2Config:
+    student_timesteps: list[float] | None = None  # the student's descending ladder in (0, 1000]; null: warped uniform (module doc)
+    num_student_steps: int = 4  # ladder length when student_timesteps is null
+    rollout: Literal["simulate", "data_latent"] = "simulate"  # where the student's sample starts (module doc)
+    rollout_renoise: Literal["sde", "ode"] = "sde"  # simulate: fresh noise between steps (sde) or the Euler step (ode)
+    generator_update_interval: int = 5  # the student steps at every k-th optimizer step; the critic every step
+    real_score_guidance_scale: float = 3.5  # teacher CFG w in r = u + w (c − u); 1: conditional only
+    min_score_timestep_ratio: float = 0.02  # lowest score timestep τ, as a fraction of 1000
+    max_score_timestep_ratio: float = 0.98  # highest score timestep τ, as a fraction of 1000
+    check_rank_agreement: bool = False  # debug: all-reduce the shared draws each step, raise if ranks differ
+
+    def __post_init__(self) -> None:
+        if self.rollout not in ("simulate", "data_latent"):
+            raise ValueError(f"rollout must be simulate or data_latent, got {self.rollout!r}")
+        if self.rollout_renoise not in ("sde", "ode"):
+            raise ValueError(f"rollout_renoise must be sde or ode, got {self.rollout_renoise!r}")
+        if self.student_timesteps is not None:
+            ts = [float(t) for t in self.student_timesteps]
+            if not ts or any(not 0.0 < t <= 1000.0 for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
+                raise ValueError(f"student_timesteps must be non-empty, strictly descending, in (0, 1000]; got {ts}")
+            self.student_timesteps = ts
+        if self.num_student_steps < 1:
+            raise ValueError("num_student_steps must be >= 1")
+        if self.generator_update_interval < 1:
+            raise ValueError("generator_update_interval must be >= 1")
+        if not self.real_score_guidance_scale >= 0.0:
+            raise ValueError("real_score_guidance_scale must be >= 0")
+        if not 0.0 <= self.min_score_timestep_ratio < self.max_score_timestep_ratio <= 1.0:
+            raise ValueError("need 0 <= min_score_timestep_ratio < max_score_timestep_ratio <= 1")
+
+
+def warped_ladder(schedule: FlowMatchSchedule, num_steps: int) -> list[float]:
+    """The default student ladder ``t_j = n · shift(1 − j/K)``, j = 0 … K−1 (descending, t_0 = n)."""
+    n, s = schedule.num_train_timesteps, schedule.shift
+    out = []
+    for j in range(num_steps):
+        u = 1.0 - j / num_steps
+        out.append(float(n * s * u / (1.0 + (s - 1.0) * u)))
+    return out
+
+
+def truncated_shifted_timesteps(u01: torch.Tensor, schedule: FlowMatchSchedule, lo_ratio: float, hi_ratio: float) -> torch.Tensor:
+    """Timesteps ``[B]`` (float32, in ``[lo_ratio·n, hi_ratio·n]``) from uniforms ``u01 [B]`` in [0, 1):
+    the schedule's shifted distribution truncated to that range (see the module doc)."""
+    s, n = schedule.shift, schedule.num_train_timesteps
+    a, b = lo_ratio / (s - (s - 1.0) * lo_ratio), hi_ratio / (s - (s - 1.0) * hi_ratio)
+    u = a + (b - a) * u01.double()
+    return (n * s * u / (1.0 + (s - 1.0) * u)).float()
+
+
+def dmd_gradient(x0: torch.Tensor, fake_x0: torch.Tensor, real_x0: torch.Tensor) -> torch.Tensor:
+    """``g = (f − r) / mean_{C,T,H,W} |x̂0 − r|`` per sample (float32 ``[B, C, T, H, W]``, no grad);
+    a sample whose normaliser is 0 gets ``g = 0``."""
+    with torch.no_grad():
+        x0, f, r = x0.detach().float(), fake_x0.float(), real_x0.float()
+        norm = (x0 - r).abs().mean(dim=tuple(range(1, x0.ndim)), keepdim=True)
+        safe = norm.clamp_min(torch.finfo(torch.float32).tiny)
+        return torch.where(norm > 0, (f - r) / safe, torch.zeros_like(f))
+
+
+class DMD2Method(TrainingMethod):
+    """Distribution-matching distillation (see the module doc for the losses and draws)."""
+
+    config_class = DMD2Config
+    required_roles = ("student", "teacher", "critic")
+    trainable_roles = ("student", "critic")
+    frozen_roles = ("teacher",)
+    data_kind = "latents"
+
+    def __init__(self, config: DMD2Config, role_models: dict[str, ModelBase], training: Any, rank: int = 0, **kwargs: Any) -> None:
+        super().__init__(config, role_models, training, rank, **kwargs)
+        self.teacher = role_models["teacher"]
+        self.critic = role_models["critic"]
+        n = self.student.schedule.num_train_timesteps
+        ladder = config.student_timesteps or warped_ladder(self.student.schedule, config.num_student_steps)
+        if any(t > n for t in ladder):
+            raise UserError(f"config error: method.student_timesteps: {ladder} exceed the student's {n} train timesteps")
+        self.ladder: list[float] = [float(t) for t in ladder]
+        for role in ("teacher", "critic"):
+            if role_models[role].schedule.num_train_timesteps != n:
+                raise UserError(f"config error: models.{role}: its timestep scale differs from the student's ({n})")
+
+    # -- schedule ---------------------------------------------------------------------------
+    def is_update_step(self, step: int) -> bool:
+        """Whether the student (generator) updates at optimizer step ``step`` (1-based)."""
+        return step % self.config.generator_update_interval == 0
+
+    def roles_to_step(self, step: int) -> list[str]:
+        return ["critic", "student"] if self.is_update_step(step) else ["critic"]
+
+    def sampling_contract(self) -> dict[str, Any]:
+        schedule = self.student.schedule
+        return {"sampler": "few_step_x0", "shift": schedule.shift, "num_train_timesteps": schedule.num_train_timesteps,
+                "timesteps": list(self.ladder)}
+
+    # -- draws ------------------------------------------------------------------------------
+    def draw_exit_step(self) -> int:
+        """One ladder index in ``[0, K)`` shared by the whole batch and every rank (the BatchRNG's
+        generator is identical on all ranks; one host sync to branch on it)."""
+        g = self.rng.generator
+        return int(torch.randint(0, len(self.ladder), (1,), generator=g, device=g.device).item())
+
+    def draw_score_timesteps(self, batch_size: int) -> torch.Tensor:
+        """Per-sample τ ``[B]`` (float32, on the student's device), see the module doc."""
+        u = self.rng.rand((batch_size,)).to(self.student.device)
+        return truncated_shifted_timesteps(u, self.teacher.schedule, self.config.min_score_timestep_ratio,
+                                           self.config.max_score_timestep_ratio)
+
+    # -- rollout ----------------------------------------------------------------------------
+    def rollout(self, batch: dict[str, Any], exit_step: int, with_grad: bool) -> tuple[torch.Tensor, TrainingBatch]:
+        """The student's sample ``x̂0 [B, C, T, H, W]`` (float32) at ladder index ``exit_step``; it
+        keeps its graph only when ``with_grad``. Returns it with the prepared batch (conditioning)."""
+        student, ladder = self.student, self.ladder
+        n = student.schedule.num_train_timesteps
+        device = student.device
+        b = batch["latents"].shape[0]
+
+        def full(t: float) -> torch.Tensor:
+            return torch.full((b,), t, dtype=torch.float32, device=device)
+
+        if self.config.rollout == "data_latent":
+            tb = student.prepare_batch(batch, self.rng, timesteps=full(ladder[exit_step]))
+            x = tb.noisy_latents
+        else:
+            tb = student.prepare_batch(batch, self.rng, timesteps=full(float(n)))
+            x = tb.noise  # x_{t_0}: pure noise
+            with torch.no_grad():
+                for j in range(exit_step):
+                    v = student.predict_noise(x, full(ladder[j]), tb, conditional=True)
+                    sigma, sigma_next = ladder[j] / n, ladder[j + 1] / n
+                    if self.config.rollout_renoise == "sde":
+                        x = renoise(x0_from_velocity(x, v, sigma), self.rng.randn(x.shape).to(device), sigma_next)
+                    else:
+                        x = euler_step(x, v, sigma, sigma_next)
+        with torch.set_grad_enabled(with_grad):
+            x0 = student.predict_x0(x, full(ladder[exit_step]), tb, conditional=True)
+        return x0, tb
+
+    # -- losses -----------------------------------------------------------------------------
+    def generator_loss(self, x0: torch.Tensor, cond: TrainingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """DMD loss of the generator output ``x0`` (with graph) and its metrics (module doc, step 2)."""
+        b = x0.shape[0]
+        w = self.config.real_score_guidance_scale
+        tau = self.draw_score_timesteps(b)
+        with torch.no_grad():
+            noise = self.rng.randn(x0.shape).to(x0.device)
+            x_tau = renoise(x0.detach(), noise, self.teacher.schedule.sigma(tau))
+            fake = self.critic.predict_x0(x_tau, tau, cond, conditional=True)
+            cond_x0 = self.teacher.predict_x0(x_tau, tau, cond, conditional=True)
+            if w == 1.0:
+                real = cond_x0
+            else:
+                uncond_x0 = self.teacher.predict_x0(x_tau, tau, cond, conditional=False)
+                real = uncond_x0 + w * (cond_x0 - uncond_x0)
+            g = dmd_gradient(x0, fake, real)
+        loss = 0.5 * F.mse_loss(x0.float(), (x0.detach().float() - g))
+        metrics = {"dmd_grad_norm": g.abs().mean(), "score_timestep": tau.mean(),
+                   "fake_real_x0_gap": (fake - real).abs().mean()}
+        return loss, metrics
+
+    def critic_loss(self, x0: torch.Tensor, cond: TrainingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Flow-matching loss of the critic on the student sample ``x0`` (detached), module doc step 3."""
+        x0 = x0.detach().float()
+        t = self.draw_score_timesteps(x0.shape[0])
+        noise = self.rng.randn(x0.shape).to(x0.device)
+        x_t = renoise(x0, noise, self.critic.schedule.sigma(t))
+        v = self.critic.predict_noise(x_t, t, cond, conditional=True)
+        loss = F.mse_loss(v, noise - x0)
+        return loss, {"critic_timestep": t.mean()}
+
+    # -- one micro-batch --------------------------------------------------------------------
+    def single_train_step(self, batch: dict[str, Any], step: int) -> StepOutput:
+        update = self.is_update_step(step)
+        exit_step = self.draw_exit_step()
+        if self.config.check_rank_agreement:  # before any forward: under FSDP2 a mismatch would hang, not fail
+            self._check_rank_agreement(exit_step)
+        x0, cond = self.rollout(batch, exit_step, with_grad=update)
+        losses: dict[str, torch.Tensor] = {}
+        metrics: dict[str, torch.Tensor] = {"exit_step": torch.tensor(float(exit_step)),
+                                             "exit_timestep": torch.tensor(self.ladder[exit_step])}
+        total = None
+        if update:
+            gen_loss, gen_metrics = self.generator_loss(x0, cond)
+            losses["generator_loss"] = gen_loss.detach()
+            metrics.update(gen_metrics)
+            total = gen_loss
+        crit_loss, crit_metrics = self.critic_loss(x0, cond)
+        losses["critic_loss"] = crit_loss.detach()
+        metrics.update(crit_metrics)
+        total = crit_loss if total is None else total + crit_loss
+        return StepOutput(losses={"total_loss": total, **losses}, backward_ctx={"update": update}, metrics=metrics)
+
+    def backward(self, output: StepOutput, grad_accum_rounds: int = 1) -> None:
+        """One backward of generator + critic loss (through the student's plugin on update steps,
+        else the critic's: the student then has no graph)."""
+        role = self.student if (output.backward_ctx or {}).get("update") else self.critic
+        role.backward(output.losses["total_loss"], None, grad_accum_rounds)
+
+    def _check_rank_agreement(self, exit_step: int) -> None:
+        """Raise when ranks drew different exit steps or hold different generator states (debug)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        state = self.rng.generator.get_state().to(torch.int64)
+        checksum = int((state * torch.arange(1, state.numel() + 1, dtype=torch.int64)).sum())
+        values = torch.tensor([exit_step, checksum, -exit_step, -checksum], dtype=torch.int64, device=self.student.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        if values[0] != -values[2] or values[1] != -values[3]:
+            raise RuntimeError(f"rank {self.rank}: the ranks drew different DMD2 exit steps or hold different random "
+                               f"streams (exit step {exit_step}; max {int(values[0])}, min {-int(values[2])})")

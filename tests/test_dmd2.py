@@ -1,0 +1,364 @@
+"""DMD2 (src/distillery/methods/dmd2.py) on the tiny Wan, checked against quantities recomputed by hand.
+
+- the generator's gradient ``∂loss/∂x̂0`` is ``g / N`` with ``g = (f − r) / mean|x̂0 − r|`` recomputed
+  from what the critic and teacher transformers returned (forward hooks), for both rollouts and
+  with / without teacher CFG; the critic loss is flow matching on the detached sample;
+- ``simulate`` with ``ode`` re-noise follows the Euler step down the student's ladder;
+- on non-update steps the student builds no graph, gets no gradient, and its weights and optimizer
+  state stay bit-identical; the teacher never holds a gradient;
+- through the real trainer: 2 ranks (torchrun, gloo, FSDP2) draw what 1 rank draws for the same
+  global batch (and ``check_rank_agreement`` all-reduces every draw), and a 2-rank run stopped
+  mid-way resumes to bitwise the weights of an uninterrupted 2-rank run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from distillery.config import allowed_prefixes, load_run_config
+from distillery.methods.dmd2 import DMD2Config, DMD2Method, truncated_shifted_timesteps, warped_ladder
+from distillery.models.wan import WanModel, WanModelConfig
+from helpers import read_log, run_config, train_in_process, write_config
+
+N_T = 1000  # num_train_timesteps
+SHIFT = 3.0  # the tiny base's scheduler shift
+TARGET = "distillery.methods.dmd2.DMD2Method"
+
+
+# -- direct method steps ------------------------------------------------------------------------
+@dataclass
+class Call:
+    """One transformer forward: its inputs and its (velocity) output."""
+
+    x: torch.Tensor  # hidden_states [B, C, T, H, W]
+    t: torch.Tensor  # timestep [B]
+    text: torch.Tensor  # encoder_hidden_states [B, L, D]
+    out: torch.Tensor  # velocity [B, C, T, H, W]; the live tensor when it has a graph
+
+    @property
+    def x0(self) -> torch.Tensor:
+        """x0 = x_t − σ v (float64, from the recorded tensors)."""
+        sigma = (self.t.double() / N_T).view(-1, 1, 1, 1, 1)
+        return self.x.double() - sigma * self.out.detach().double()
+
+
+@dataclass
+class Recorder:
+    calls: dict[str, list[Call]] = field(default_factory=dict)
+    handles: list[Any] = field(default_factory=list)
+
+    def attach(self, method: DMD2Method) -> "Recorder":
+        for role, model in method.role_models.items():
+            self.calls[role] = []
+
+            def hook(module, args, kwargs, output, role=role):
+                out = output[0]
+                if out.requires_grad:
+                    out.retain_grad()
+                self.calls[role].append(Call(kwargs["hidden_states"].detach().clone(), kwargs["timestep"].detach().clone(),
+                                             kwargs["encoder_hidden_states"].detach().clone(), out))
+
+            self.handles.append(model.transformer.register_forward_hook(hook, with_kwargs=True))
+        return self
+
+    def clear(self) -> None:
+        for calls in self.calls.values():
+            calls.clear()
+
+
+@pytest.fixture(scope="module")
+def training(tiny_base: Path, latent_set: Path):
+    return load_run_config(raw=run_config(tiny_base, latent_set, Path("unused")), prefixes=allowed_prefixes()).training
+
+
+def make(tiny_base: Path, training, **knobs) -> DMD2Method:
+    models = {}
+    for role in ("student", "teacher", "critic"):
+        models[role] = WanModel(WanModelConfig(init_from=str(tiny_base), trainable=role != "teacher"), role)
+        models[role].bind_device(torch.device("cpu"))
+    with torch.no_grad():  # a critic that differs from the teacher, so f − r is not ~0
+        for p in models["critic"].transformer.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    method = DMD2Method(DMD2Config(**knobs), models, training)
+    method.on_train_start(torch.device("cpu"))
+    method.build_optimizers()
+    return method
+
+
+def raw_batch(b: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"latents": torch.randn(b, 8, 3, 8, 8, generator=g), "text_embeds": torch.randn(b, 8, 32, generator=g),
+            "empty_text_embeds": torch.randn(8, 32, generator=g)}  # a non-zero empty prompt, to tell the two apart
+
+
+def grads(model) -> list[torch.Tensor | None]:
+    return [p.grad for p in model.transformer.parameters()]
+
+
+@pytest.mark.parametrize("rollout,guidance", [("simulate", 3.0), ("simulate", 1.0), ("data_latent", 2.5)])
+def test_generator_gradient_is_the_dmd_formula(tiny_base, training, rollout, guidance):
+    method = make(tiny_base, training, rollout=rollout, real_score_guidance_scale=guidance, generator_update_interval=1)
+    method.draw_exit_step = lambda: 2  # a middle ladder step: simulate runs two no-grad steps first
+    rec = Recorder().attach(method)
+    raw = raw_batch()
+    out = method.single_train_step(raw, step=1)
+    method.backward(out)
+
+    # the student: no-grad forwards down the ladder, then the one forward with a graph at t_2
+    student = rec.calls["student"]
+    assert len(student) == (3 if rollout == "simulate" else 1)
+    assert [c.out.requires_grad for c in student] == [False] * (len(student) - 1) + [True]
+    exit_call = student[-1]
+    assert torch.all(exit_call.t == method.ladder[2]) and method.ladder == warped_ladder(method.student.schedule, 4)
+    if rollout == "simulate":
+        assert [float(c.t[0]) for c in student] == method.ladder[:3]
+    else:  # the data latents noised to t_2: x_t − (1 − σ) x0 = σ ε
+        sigma = method.ladder[2] / N_T
+        eps = (exit_call.x.double() - (1 - sigma) * raw["latents"].double()) / sigma
+        assert abs(float(eps.std()) - 1.0) < 0.15
+    x0 = exit_call.x0
+
+    # the critic's no-grad query at (x_τ, τ), then its flow-matching forward with grad
+    critic = rec.calls["critic"]
+    assert len(critic) == 2 and not critic[0].out.requires_grad and critic[1].out.requires_grad
+    tau = critic[0].t
+    assert torch.all((tau >= 20.0 - 1e-3) & (tau <= 980.0 + 1e-3))
+    sigma_tau = (tau.double() / N_T).view(-1, 1, 1, 1, 1)
+    eps_tau = (critic[0].x.double() - (1 - sigma_tau) * x0) / sigma_tau
+    assert abs(float(eps_tau.std()) - 1.0) < 0.15  # x_τ is x̂0 re-noised with fresh unit noise
+    f = critic[0].x0
+
+    # the teacher at (x_τ, τ): conditional, then (with CFG) on the empty prompt
+    teacher = rec.calls["teacher"]
+    assert len(teacher) == (1 if guidance == 1.0 else 2)
+    assert all(torch.equal(c.x, critic[0].x) and torch.equal(c.t, tau) for c in teacher)
+    assert torch.equal(teacher[0].text, raw["text_embeds"])
+    c = teacher[0].x0
+    if guidance == 1.0:
+        r = c
+    else:
+        assert torch.equal(teacher[1].text, raw["empty_text_embeds"].expand_as(raw["text_embeds"]))
+        u = teacher[1].x0
+        r = u + guidance * (c - u)
+
+    g = (f - r) / (x0 - r).abs().mean(dim=(1, 2, 3, 4), keepdim=True)  # by hand, float64
+    n = x0.numel()
+    # ∂loss/∂x̂0 = g / N and x̂0 = x_t − σ v, so ∂loss/∂v = −σ g / N
+    sigma_exit = method.ladder[2] / N_T
+    dv = exit_call.out.grad.double()
+    expected = -sigma_exit * g / n
+    assert float(expected.abs().max()) > 1e-6  # not vacuous
+    # fp32 (method) against float64 (here): within 1e-5 of the gradient's scale
+    torch.testing.assert_close(dv, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    assert float(out.losses["generator_loss"]) == pytest.approx(float(0.5 * (g ** 2).mean()), rel=1e-4)
+    assert float(out.metrics["dmd_grad_norm"]) == pytest.approx(float(g.abs().mean()), rel=1e-4)
+
+    # critic loss: velocity target ε − x̂0 at its own t, on the detached sample
+    t_c = (critic[1].t.double() / N_T).view(-1, 1, 1, 1, 1)
+    eps_c = (critic[1].x.double() - (1 - t_c) * x0) / t_c
+    fm = ((critic[1].out.detach().double() - (eps_c - x0)) ** 2).mean()
+    assert float(out.losses["critic_loss"]) == pytest.approx(float(fm), rel=1e-4)
+    total = out.losses["generator_loss"] + out.losses["critic_loss"]
+    assert float(out.losses["total_loss"].detach()) == pytest.approx(float(total), rel=1e-6)
+
+    assert all(gr is not None for gr in grads(method.student)) and all(gr is not None for gr in grads(method.critic))
+    assert all(gr is None for gr in grads(method.teacher))
+
+
+def test_ode_rollout_follows_the_euler_step_down_the_ladder(tiny_base, training):
+    method = make(tiny_base, training, rollout_renoise="ode", student_timesteps=[1000, 800, 450, 200],
+                  generator_update_interval=1, real_score_guidance_scale=1.0)
+    method.draw_exit_step = lambda: 3
+    rec = Recorder().attach(method)
+    method.single_train_step(raw_batch(), step=1)
+    student = rec.calls["student"]
+    assert [float(c.t[0]) for c in student] == [1000.0, 800.0, 450.0, 200.0]
+    for a, b in zip(student, student[1:]):
+        expected = a.x.double() + (float(b.t[0]) - float(a.t[0])) / N_T * a.out.detach().double()
+        torch.testing.assert_close(b.x.double(), expected, rtol=1e-5, atol=1e-5)
+    assert method.sampling_contract()["timesteps"] == [1000.0, 800.0, 450.0, 200.0]
+
+
+def test_non_update_steps_leave_the_student_alone(tiny_base, training):
+    method = make(tiny_base, training, generator_update_interval=2, real_score_guidance_scale=2.0)
+    rec = Recorder().attach(method)
+    student = method.student.transformer
+
+    def snapshot() -> tuple[dict, dict]:
+        weights = {k: v.detach().clone() for k, v in student.state_dict().items()}
+        opt = method.optimizers["student"].state_dict()
+        state = {(i, k): v.clone() if torch.is_tensor(v) else v for i, s in opt["state"].items() for k, v in s.items()}
+        return weights, state
+
+    for step in range(1, 5):
+        rec.clear()
+        before = snapshot()
+        out = method.single_train_step(raw_batch(seed=step), step)
+        method.backward(out)
+        update = step % 2 == 0
+        assert method.roles_to_step(step) == (["critic", "student"] if update else ["critic"])
+        assert ("generator_loss" in out.losses) == update
+        assert any(c.out.requires_grad for c in rec.calls["student"]) == update  # no graph on non-update steps
+        assert all((gr is not None) == update for gr in grads(method.student))
+        assert all(gr is None for gr in grads(method.teacher))
+        method.optimizers_step(step)
+        method.zero_grad(step)
+        after = snapshot()
+        assert all(gr is None for gr in grads(method.teacher))
+        same = all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+        same_opt = before[1].keys() == after[1].keys() and all(
+            torch.equal(v, after[1][k]) if torch.is_tensor(v) else v == after[1][k] for k, v in before[1].items())
+        assert (same and same_opt) != update, step
+    assert method.lr_schedulers["student"].last_epoch == 2 and method.lr_schedulers["critic"].last_epoch == 4
+
+
+def test_draws_ladder_contract_and_config_checks(tiny_base, training):
+    from distillery.sampling import build_sampler
+
+    sched = WanModel(WanModelConfig(init_from=str(tiny_base), trainable=False), "t").schedule
+    assert warped_ladder(sched, 4) == pytest.approx([1000.0, 900.0, 750.0, 500.0])
+    u = torch.tensor([0.0, 0.5, 1.0 - 1e-7])
+    tau = truncated_shifted_timesteps(u, sched, 0.02, 0.98)
+    assert float(tau[0]) == pytest.approx(20.0, abs=1e-3) and float(tau[2]) == pytest.approx(980.0, abs=1e-2)
+    # the median of the truncated shifted law: shift of the middle of the unshifted bounds
+    a, b = 0.02 / (3 - 2 * 0.02), 0.98 / (3 - 2 * 0.98)
+    mid = (a + b) / 2
+    assert float(tau[1]) == pytest.approx(1000 * 3 * mid / (1 + 2 * mid), rel=1e-5)
+
+    method = make(tiny_base, training)
+    contract = method.sampling_contract()
+    assert contract == {"sampler": "few_step_x0", "shift": SHIFT, "num_train_timesteps": 1000,
+                        "timesteps": pytest.approx([1000.0, 900.0, 750.0, 500.0])}
+    sampler = build_sampler(contract)
+    from distillery.models.base import Conditioning
+
+    with torch.no_grad():
+        x = sampler.sample(method.student, Conditioning(raw_batch()["text_embeds"]), (8, 3, 8, 8), torch.Generator().manual_seed(0))
+    assert x.shape == (2, 8, 3, 8, 8) and torch.isfinite(x).all()
+
+    for bad in ({"student_timesteps": [1000, 1000]}, {"student_timesteps": [500, 750]}, {"student_timesteps": [1000, 0]},
+                {"student_timesteps": []}, {"num_student_steps": 0}, {"generator_update_interval": 0},
+                {"real_score_guidance_scale": -1.0}, {"min_score_timestep_ratio": 0.5, "max_score_timestep_ratio": 0.5},
+                {"max_score_timestep_ratio": 1.5}, {"rollout": "dream"}, {"rollout_renoise": "heun"}):
+        with pytest.raises(ValueError):
+            DMD2Config(**bad)
+
+
+# -- through the trainer: 1 rank, 2 ranks, 2 ranks stopped and resumed ----------------------------
+STEPS = 4
+STOP = 3  # the student stepped at 2 (it has optimizer state); the resumed part updates it at 4
+
+
+def _config(base: Path, data: Path, out: Path, batch_size: int, save_every: int = 0) -> dict:
+    cfg = run_config(base, data, out, method=TARGET, steps=STEPS, batch_size=batch_size, lr=1e-3, save_every=save_every,
+                     method_knobs={"generator_update_interval": 2, "real_score_guidance_scale": 2.0,
+                                   "check_rank_agreement": True},
+                     callbacks={"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}})
+    wan = "distillery.models.wan.WanModel"
+    cfg["models"]["critic"] = {"_target_": wan, "init_from": str(base), "optimizer": {"learning_rate": 2e-4, "betas": [0.0, 0.999]}}
+    cfg["models"]["teacher"] = {"_target_": wan, "init_from": str(base), "trainable": False}
+    return cfg
+
+
+def _torchrun(configs: list[tuple[dict, Path]]) -> None:
+    """Run the configs one after the other on 2 ranks (gloo, FSDP2) in ONE torchrun launch of this
+    file (:func:`_two_rank_driver`): the launch and imports cost more than the tiny runs themselves."""
+    for cfg, path in configs:
+        write_config(path, cfg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+           *[str(path) for _, path in configs]]
+    proc = subprocess.run(cmd, cwd=configs[0][1].parent, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _two_rank_driver(paths: list[str]) -> None:
+    """A torchrun worker: one process group, then ``Trainer(config).fit()`` for each config in turn
+    (what ``python -m distillery.train --config PATH`` does for one)."""
+    from distillery.engine.distributed import init_distributed, shutdown
+    from distillery.engine.loop import Trainer
+
+    configs = [load_run_config(path, prefixes=allowed_prefixes()) for path in paths]
+    env = init_distributed(configs[0].training.distributed)
+    try:
+        for config in configs:
+            Trainer(config, env).fit()
+    finally:
+        shutdown()
+
+
+def _dcp_tensors(checkpoint: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    from distillery.engine.checkpoint.dcp_io import load_dcp, read_dcp_metadata
+
+    meta = read_dcp_metadata(checkpoint / "dcp").state_dict_metadata
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefixes)}
+    load_dcp(state, checkpoint / "dcp", "test read")
+    return state
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_base, latent_set):
+    root = tmp_path_factory.mktemp("dmd2")
+    train_in_process(_config(tiny_base, latent_set, root / "one", 4, save_every=1))  # 1 rank × 4 samples
+    stopped = _config(tiny_base, latent_set, root / "resumed", 2)
+    stopped["training"]["loop"]["stop_at_step"] = STOP
+    _torchrun([(_config(tiny_base, latent_set, root / "two", 2), root / "two.yaml"),  # 2 ranks × 2: the same global batch
+               (stopped, root / "stopped.yaml"),  # stopped at STOP (checkpointed) ...
+               (_config(tiny_base, latent_set, root / "resumed", 2), root / "resumed.yaml")])  # ... and resumed
+    return root
+
+
+@pytest.mark.slow
+def test_trainer_steps_the_student_only_on_update_steps(runs):
+    log = read_log(runs / "one")
+    assert [r["step"] for r in log] == list(range(1, STEPS + 1))
+    assert [("generator_loss" in r) for r in log] == [s % 2 == 0 for s in range(1, STEPS + 1)]
+    assert [("grad_norm/student" in r) for r in log] == [s % 2 == 0 for s in range(1, STEPS + 1)]
+    prefixes = ("roles.student.", "optimizers.student.", "schedulers.student.")
+    before = _dcp_tensors(runs / "one" / "checkpoint-2", prefixes)
+    after = _dcp_tensors(runs / "one" / "checkpoint-3", prefixes)
+    assert before.keys() == after.keys() and any(k.startswith("optimizers.student.") for k in before)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    critic = ("roles.critic.",)
+    c2, c3 = _dcp_tensors(runs / "one" / "checkpoint-2", critic), _dcp_tensors(runs / "one" / "checkpoint-3", critic)
+    assert any(not torch.equal(c2[k], c3[k]) for k in c2)
+    assert _dcp_tensors(runs / "one" / "checkpoint-1", ("optimizers.student.",)) == {}  # never stepped yet
+    assert not _dcp_tensors(runs / "one" / f"checkpoint-{STEPS}", ("roles.teacher.",))  # frozen: not saved
+
+
+@pytest.mark.slow
+def test_two_ranks_draw_what_one_rank_draws(runs):
+    """Each 2-rank step all-reduced its exit step and generator state (``check_rank_agreement``: a
+    difference would have failed the run); the exit steps, τ means and losses equal the 1-rank run's."""
+    one, two = read_log(runs / "one"), read_log(runs / "two")
+    assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, STEPS + 1))
+    assert len({r["exit_step"] for r in one}) > 1  # the draw varies over steps
+    for a, b in zip(two, one):
+        assert a["exit_step"] == b["exit_step"] and float(a["exit_step"]).is_integer(), a["step"]
+        for key in ("total_loss", "critic_loss", "generator_loss", "score_timestep", "critic_timestep", "dmd_grad_norm"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+@pytest.mark.slow
+def test_a_stopped_two_rank_run_resumes_to_the_uninterrupted_weights(runs):
+    ref, got = read_log(runs / "two"), read_log(runs / "resumed")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["total_loss"] for r in got] == [r["total_loss"] for r in ref]
+    prefixes = ("roles.", "optimizers.", "schedulers.", "method.")
+    a = _dcp_tensors(runs / "two" / f"checkpoint-{STEPS}", prefixes)
+    b = _dcp_tensors(runs / "resumed" / f"checkpoint-{STEPS}", prefixes)
+    assert a.keys() == b.keys() and any(k.startswith("roles.student.") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
+
+
+if __name__ == "__main__":  # the 2-rank worker of _torchrun
+    _two_rank_driver(sys.argv[1:])
