@@ -339,11 +339,16 @@ def _env(tmp: Path, api_url: str | None, **extra: str) -> dict[str, str]:
 
 
 def _spawn(args: list[str], cwd: Path, env: dict[str, str], log: Path):
+    """Start ``args`` in its own session as a user's terminal would: SIGINT (Ctrl-C) at its default
+    disposition, even when this suite runs as a background job of a non-interactive shell (which
+    starts its children with SIGINT ignored, so a Ctrl-C test would wait for nothing)."""
+    import signal
     import subprocess
 
     with open(log, "wb") as f:
         return subprocess.Popen(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _end(proc, sig: int | None = None, timeout: float = 60.0) -> int | None:
