@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distillery.errors import UserError
-from distillery.models.schedule import FlowMatchSchedule, renoise, x0_from_velocity
-from distillery.sampling.base import LatentShape, Sampler, cfg_enabled, check_inputs, conditioning_on
-from distillery.sampling.few_step import default_ladder
+from distillery.models.schedule import renoise, x0_from_velocity
+from distillery.sampling.base import LatentShape, cfg_enabled, check_inputs, conditioning_on
+from distillery.sampling.few_step import LadderSampler
 from distillery.sampling.noise import NoiseLike, as_noise_source
 from distillery.sampling.registry import register_sampler
 
@@ -39,7 +39,7 @@ CACHE_TAGS = ("cond", "uncond")  # cache tags of the conditional / unconditional
 
 
 @register_sampler("causal_streaming")
-class CausalStreamingSampler(Sampler):
+class CausalStreamingSampler(LadderSampler):
     """Contract: ``{"sampler": "causal_streaming", "shift", "num_train_timesteps"[, "timesteps": [t_0, …],
     "num_steps", "guidance_scale", "chunk_size", "context_noise", "renoise"]}``.
 
@@ -55,17 +55,7 @@ class CausalStreamingSampler(Sampler):
 
     def configure(self, options: dict[str, Any]) -> None:
         scale = self.num_train_timesteps or 1000
-        ts = options.get("timesteps")
-        self.timesteps: list[float] | None = None
-        if ts is not None:
-            try:
-                ts = [float(t) for t in ts]
-            except (TypeError, ValueError):
-                raise UserError(f"sampler causal_streaming: timesteps must be a list of numbers, got {ts!r}") from None
-            if not ts or any(not 0.0 <= t <= scale for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
-                raise UserError(f"sampler causal_streaming: timesteps must be non-empty and strictly descending in "
-                                f"[0, {scale}], got {ts}")
-            self.timesteps = ts
+        self.configure_ladder(options)
         chunk = options.get("chunk_size")
         self.chunk_size: int | None = None
         if chunk is not None:
@@ -83,18 +73,6 @@ class CausalStreamingSampler(Sampler):
         if mode not in ("sde", "ode"):
             raise UserError(f"sampler causal_streaming: renoise must be 'sde' or 'ode', got {mode!r}")
         self.renoise_mode = mode
-
-    def resolve_steps(self, num_steps: int | None) -> int:
-        if self.timesteps is None:
-            return super().resolve_steps(num_steps)
-        if num_steps is not None and int(num_steps) != len(self.timesteps):
-            raise UserError(f"sampler causal_streaming: {num_steps} steps asked of a {len(self.timesteps)}-timestep ladder")
-        return len(self.timesteps)
-
-    def ladder(self, schedule: FlowMatchSchedule, num_steps: int | None = None) -> list[float]:
-        """The per-chunk timesteps of a call: the contract's list, else :func:`default_ladder` of the step count."""
-        steps = self.resolve_steps(num_steps)
-        return list(self.timesteps) if self.timesteps is not None else default_ladder(schedule, steps)
 
     def nfe(self, num_steps: int | None = None, guidance_scale: float | None = None,
             num_frames: int | None = None) -> int:

@@ -28,8 +28,40 @@ def default_ladder(schedule: FlowMatchSchedule, num_steps: int) -> list[float]:
     return [float(t) for t in schedule.inference_timesteps(num_steps)]
 
 
+class LadderSampler(Sampler):
+    """A sampler over a descending timestep ladder: the contract's ``timesteps``, else
+    :func:`default_ladder` of the step count. Subclasses call :meth:`configure_ladder` from
+    ``configure``; messages name the registered sampler."""
+
+    def configure_ladder(self, options: dict[str, Any]) -> None:
+        ts = options.get("timesteps")
+        self.timesteps: list[float] | None = None
+        if ts is None:
+            return
+        try:
+            ts = [float(t) for t in ts]
+        except (TypeError, ValueError):
+            raise UserError(f"sampler {self.name}: timesteps must be a list of numbers, got {ts!r}") from None
+        scale = self.num_train_timesteps or 1000
+        if not ts or any(not 0.0 <= t <= scale for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
+            raise UserError(f"sampler {self.name}: timesteps must be non-empty and strictly descending in [0, {scale}], got {ts}")
+        self.timesteps = ts
+
+    def resolve_steps(self, num_steps: int | None) -> int:
+        if self.timesteps is None:
+            return super().resolve_steps(num_steps)
+        if num_steps is not None and int(num_steps) != len(self.timesteps):
+            raise UserError(f"sampler {self.name}: {num_steps} steps asked of a {len(self.timesteps)}-timestep ladder")
+        return len(self.timesteps)
+
+    def ladder(self, schedule: FlowMatchSchedule, num_steps: int | None = None) -> list[float]:
+        """The timesteps of a call: the contract's ladder, else :func:`default_ladder` of the step count."""
+        steps = self.resolve_steps(num_steps)
+        return list(self.timesteps) if self.timesteps is not None else default_ladder(schedule, steps)
+
+
 @register_sampler("few_step_x0")
-class FewStepX0Sampler(Sampler):
+class FewStepX0Sampler(LadderSampler):
     """Contract: ``{"sampler": "few_step_x0", "shift", "num_train_timesteps"[, "timesteps": [t_0, …],
     "num_steps", "guidance_scale"]}``; without ``timesteps`` the ladder is :func:`default_ladder`.
 
@@ -41,30 +73,7 @@ class FewStepX0Sampler(Sampler):
     default_num_steps = 4
 
     def configure(self, options: dict[str, Any]) -> None:
-        ts = options.get("timesteps")
-        self.timesteps: list[float] | None = None
-        if ts is None:
-            return
-        try:
-            ts = [float(t) for t in ts]
-        except (TypeError, ValueError):
-            raise UserError(f"sampler few_step_x0: timesteps must be a list of numbers, got {ts!r}") from None
-        scale = self.num_train_timesteps or 1000
-        if not ts or any(not 0.0 <= t <= scale for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
-            raise UserError(f"sampler few_step_x0: timesteps must be non-empty and strictly descending in [0, {scale}], got {ts}")
-        self.timesteps = ts
-
-    def resolve_steps(self, num_steps: int | None) -> int:
-        if self.timesteps is None:
-            return super().resolve_steps(num_steps)
-        if num_steps is not None and int(num_steps) != len(self.timesteps):
-            raise UserError(f"sampler few_step_x0: {num_steps} steps asked of a {len(self.timesteps)}-timestep ladder")
-        return len(self.timesteps)
-
-    def ladder(self, schedule: FlowMatchSchedule, num_steps: int | None = None) -> list[float]:
-        """The timesteps of a call: the contract's ladder, else :func:`default_ladder` of the step count."""
-        steps = self.resolve_steps(num_steps)
-        return list(self.timesteps) if self.timesteps is not None else default_ladder(schedule, steps)
+        self.configure_ladder(options)
 
     def sample(
         self,
