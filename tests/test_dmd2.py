@@ -106,7 +106,7 @@ def grads(model) -> list[torch.Tensor | None]:
 @pytest.mark.parametrize("rollout,guidance", [("simulate", 3.0), ("simulate", 1.0), ("data_latent", 2.5)])
 def test_generator_gradient_is_the_dmd_formula(tiny_base, training, rollout, guidance):
     method = make(tiny_base, training, rollout=rollout, real_score_guidance_scale=guidance, generator_update_interval=1)
-    method.draw_exit_step = lambda: 2  # a middle ladder step: simulate runs two no-grad steps first
+    method.draw_exit_step = lambda batch: 2  # a middle ladder step: simulate runs two no-grad steps first
     rec = Recorder().attach(method)
     raw = raw_batch()
     out = method.single_train_step(raw, step=1)
@@ -176,7 +176,7 @@ def test_generator_gradient_is_the_dmd_formula(tiny_base, training, rollout, gui
 def test_ode_rollout_follows_the_euler_step_down_the_ladder(tiny_base, training):
     method = make(tiny_base, training, rollout_renoise="ode", student_timesteps=[1000, 800, 450, 200],
                   generator_update_interval=1, real_score_guidance_scale=1.0)
-    method.draw_exit_step = lambda: 3
+    method.draw_exit_step = lambda batch: 3
     rec = Recorder().attach(method)
     method.single_train_step(raw_batch(), step=1)
     student = rec.calls["student"]
@@ -257,12 +257,18 @@ STEPS = 4
 STOP = 3  # the student stepped at 2 (it has optimizer state); the resumed part updates it at 4
 
 
-def _config(base: Path, data: Path, out: Path, batch_size: int, save_every: int = 0) -> dict:
-    cfg = run_config(base, data, out, method=TARGET, steps=STEPS, batch_size=batch_size, lr=1e-3, save_every=save_every,
+METHODS = {"dmd2": TARGET, "self_forcing": "distillery.methods.self_forcing.SelfForcingMethod"}
+
+
+def _config(base: Path, data: Path, out: Path, batch_size: int, save_every: int = 0, method: str = "dmd2") -> dict:
+    cfg = run_config(base, data, out, method=METHODS[method], steps=STEPS, batch_size=batch_size, lr=1e-3, save_every=save_every,
                      method_knobs={"generator_update_interval": 2, "real_score_guidance_scale": 2.0,
                                    "check_rank_agreement": True},
                      callbacks={"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}})
     wan = "distillery.models.wan.WanModel"
+    if method == "self_forcing":  # a causal student in chunks of 2 latent frames (the set's videos: 3 latent frames)
+        cfg["models"]["student"] = {"_target_": "distillery.models.wan.CausalWanModel", "init_from": str(base), "chunk_size": 2}
+        cfg["method"]["context_noise"] = 50.0
     cfg["models"]["critic"] = {"_target_": wan, "init_from": str(base), "optimizer": {"learning_rate": 2e-4, "betas": [0.0, 0.999]}}
     cfg["models"]["teacher"] = {"_target_": wan, "init_from": str(base), "trainable": False}
     return cfg
@@ -306,18 +312,26 @@ def _dcp_tensors(checkpoint: Path, prefixes: tuple[str, ...]) -> dict[str, torch
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_base, latent_set):
+    """``<root>/<method>/{one,two,resumed}``: both methods' runs, the 2-rank ones in one torchrun launch."""
     root = tmp_path_factory.mktemp("dmd2")
-    train_in_process(_config(tiny_base, latent_set, root / "one", 4, save_every=1))  # 1 rank × 4 samples
-    stopped = _config(tiny_base, latent_set, root / "resumed", 2)
-    stopped["training"]["loop"]["stop_at_step"] = STOP
-    _torchrun([(_config(tiny_base, latent_set, root / "two", 2), root / "two.yaml"),  # 2 ranks × 2: the same global batch
-               (stopped, root / "stopped.yaml"),  # stopped at STOP (checkpointed) ...
-               (_config(tiny_base, latent_set, root / "resumed", 2), root / "resumed.yaml")])  # ... and resumed
+    launches = []
+    for method in METHODS:
+        out = root / method
+        out.mkdir()
+        train_in_process(_config(tiny_base, latent_set, out / "one", 4, save_every=1, method=method))  # 1 rank × 4 samples
+        stopped = _config(tiny_base, latent_set, out / "resumed", 2, method=method)
+        stopped["training"]["loop"]["stop_at_step"] = STOP
+        launches += [(_config(tiny_base, latent_set, out / "two", 2, method=method), out / "two.yaml"),  # 2 ranks × 2
+                     (stopped, out / "stopped.yaml"),  # stopped at STOP (checkpointed) ...
+                     (_config(tiny_base, latent_set, out / "resumed", 2, method=method), out / "resumed.yaml")]  # ... resumed
+    _torchrun(launches)
     return root
 
 
 @pytest.mark.slow
-def test_trainer_steps_the_student_only_on_update_steps(runs):
+@pytest.mark.parametrize("method", list(METHODS))
+def test_trainer_steps_the_student_only_on_update_steps(runs, method):
+    runs = runs / method
     log = read_log(runs / "one")
     assert [r["step"] for r in log] == list(range(1, STEPS + 1))
     assert [("generator_loss" in r) for r in log] == [s % 2 == 0 for s in range(1, STEPS + 1)]
@@ -335,21 +349,26 @@ def test_trainer_steps_the_student_only_on_update_steps(runs):
 
 
 @pytest.mark.slow
-def test_two_ranks_draw_what_one_rank_draws(runs):
-    """Each 2-rank step all-reduced its exit step and generator state (``check_rank_agreement``: a
+@pytest.mark.parametrize("method", list(METHODS))
+def test_two_ranks_draw_what_one_rank_draws(runs, method):
+    """Each 2-rank step all-reduced its exit step(s) and generator state (``check_rank_agreement``: a
     difference would have failed the run); the exit steps, τ means and losses equal the 1-rank run's."""
-    one, two = read_log(runs / "one"), read_log(runs / "two")
+    one, two = read_log(runs / method / "one"), read_log(runs / method / "two")
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, STEPS + 1))
     assert len({r["exit_step"] for r in one}) > 1  # the draw varies over steps
     for a, b in zip(two, one):
-        assert a["exit_step"] == b["exit_step"] and float(a["exit_step"]).is_integer(), a["step"]
+        exits = sorted(k for k in b if k.startswith("exit_step"))
+        assert exits == sorted(k for k in a if k.startswith("exit_step")) and exits
+        assert all(a[k] == b[k] for k in exits) and float(a[exits[-1]]).is_integer(), a["step"]
         for key in ("total_loss", "critic_loss", "generator_loss", "score_timestep", "critic_timestep", "dmd_grad_norm"):
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
 @pytest.mark.slow
-def test_a_stopped_two_rank_run_resumes_to_the_uninterrupted_weights(runs):
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_stopped_two_rank_run_resumes_to_the_uninterrupted_weights(runs, method):
+    runs = runs / method
     ref, got = read_log(runs / "two"), read_log(runs / "resumed")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["total_loss"] for r in got] == [r["total_loss"] for r in ref]

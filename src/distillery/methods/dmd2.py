@@ -174,11 +174,21 @@ class DMD2Method(TrainingMethod):
                 "timesteps": list(self.ladder)}
 
     # -- draws ------------------------------------------------------------------------------
-    def draw_exit_step(self) -> int:
+    def draw_exit_step(self, batch: dict[str, Any]) -> Any:
         """One ladder index in ``[0, K)`` shared by the whole batch and every rank (the BatchRNG's
-        generator is identical on all ranks; one host sync to branch on it)."""
+        generator is identical on all ranks; one host sync to branch on it). Subclasses may draw
+        more (Self-Forcing: one per chunk); :meth:`exit_code` and :meth:`exit_metrics` read it."""
+        del batch
         g = self.rng.generator
         return int(torch.randint(0, len(self.ladder), (1,), generator=g, device=g.device).item())
+
+    def exit_code(self, exit_step: Any) -> int:
+        """One integer that differs when the exit draws differ (the rank-agreement check)."""
+        return int(exit_step)
+
+    def exit_metrics(self, exit_step: Any) -> dict[str, torch.Tensor]:
+        """The exit draw as logged scalars."""
+        return {"exit_step": torch.tensor(float(exit_step)), "exit_timestep": torch.tensor(self.ladder[exit_step])}
 
     def draw_score_timesteps(self, batch_size: int) -> torch.Tensor:
         """Per-sample τ ``[B]`` (float32, on the student's device), see the module doc."""
@@ -251,13 +261,12 @@ class DMD2Method(TrainingMethod):
     # -- one micro-batch --------------------------------------------------------------------
     def single_train_step(self, batch: dict[str, Any], step: int) -> StepOutput:
         update = self.is_update_step(step)
-        exit_step = self.draw_exit_step()
+        exit_step = self.draw_exit_step(batch)
         if self.config.check_rank_agreement:  # before any forward: under FSDP2 a mismatch would hang, not fail
-            self._check_rank_agreement(exit_step)
+            self._check_rank_agreement(self.exit_code(exit_step))
         x0, cond = self.rollout(batch, exit_step, with_grad=update)
         losses: dict[str, torch.Tensor] = {}
-        metrics: dict[str, torch.Tensor] = {"exit_step": torch.tensor(float(exit_step)),
-                                             "exit_timestep": torch.tensor(self.ladder[exit_step])}
+        metrics: dict[str, torch.Tensor] = self.exit_metrics(exit_step)
         total = None
         if update:
             gen_loss, gen_metrics = self.generator_loss(x0, cond)
@@ -277,7 +286,8 @@ class DMD2Method(TrainingMethod):
         role.backward(output.losses["total_loss"], None, grad_accum_rounds)
 
     def _check_rank_agreement(self, exit_step: int) -> None:
-        """Raise when ranks drew different exit steps or hold different generator states (debug)."""
+        """Raise when ranks drew different exit steps (``exit_step``: :meth:`exit_code` of the draw) or
+        hold different generator states (debug)."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
