@@ -17,7 +17,16 @@ from distillery.models.base import Conditioning
 from distillery.models.schedule import FlowMatchSchedule
 from distillery.models.wan import load_inference_model
 from distillery.sampling import GeneratorNoise, build_sampler
-from distillery.validate import Candidate, ValidationConfig, run_validation, teacher_candidates
+from distillery.validate import (
+    METRIC_NAMES,
+    SEEDED_METRICS,
+    Candidate,
+    ValidationConfig,
+    generator_seed,
+    run_validation,
+    sample_key,
+    teacher_candidates,
+)
 
 PROMPTS = [
     "a red circle moving left slowly on a black background",
@@ -25,6 +34,8 @@ PROMPTS = [
     "a yellow triangle moving right slowly on a black background",
 ]
 LATENT_SHAPE = (8, 5, 8, 8)  # tiny base: z_dim 8, 17 frames → 5, 32 px → 8
+NUM_SEEDS = 2
+VIDEO_KEYS = [(i, j) for j in range(NUM_SEEDS) for i in range(len(PROMPTS))]  # (prompt, seed index), seed-major
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +146,7 @@ def test_few_step_x0_matches_the_loop_written_out(pipe, model, embeds, ladder, g
 
 @pytest.fixture(scope="module")
 def validation(base, tmp_path_factory):
-    cfg = ValidationConfig(teacher_steps=[10, 2], progress_bar=False)
+    cfg = ValidationConfig(teacher_steps=[10, 2], num_seeds=NUM_SEEDS, progress_bar=False)
     candidates = teacher_candidates(base, cfg) + [Candidate("student", base, 2, 1.0, "few_step_x0")]
     out = tmp_path_factory.mktemp("validate") / "validate"
     started = time.perf_counter()
@@ -166,16 +177,17 @@ def test_run_validation_writes_samples_grid_and_plots(validation):
     from distillery.clips.video_io import read_video
 
     out, _, candidates, _ = validation
-    for cand in candidates:
-        for i in range(len(PROMPTS)):
-            frames, fps = read_video(out / "samples" / cand.name / f"{i}.mp4")
-            assert frames.shape == (17, 32, 32, 3) and fps == pytest.approx(8.0)
-        from safetensors.torch import load_file
+    from safetensors.torch import load_file
 
+    for cand in candidates:
+        for i, j in VIDEO_KEYS:
+            frames, fps = read_video(out / "samples" / cand.name / f"{sample_key(i, j)}.mp4")
+            assert frames.shape == (17, 32, 32, 3) and fps == pytest.approx(8.0)
+        assert len(list((out / "samples" / cand.name).glob("*.mp4"))) == len(PROMPTS) * NUM_SEEDS
         latents = load_file(out / "samples" / cand.name / "latents.safetensors")
-        assert sorted(latents) == [str(i) for i in range(len(PROMPTS))]
+        assert sorted(latents) == sorted(["0", "1", "2", "0_s1", "1_s1", "2_s1"])  # seed index 0 keeps the plain "<i>"
         assert all(t.shape == LATENT_SHAPE and t.dtype == torch.float32 for t in latents.values())
-    rows, cols = len(candidates), len(PROMPTS)
+    rows, cols = len(candidates), len(PROMPTS)  # seed index 0 only: the grid does not grow with num_seeds
     size = (rows * 33 - 1, cols * 33 - 1)
     grid_mp4, _ = read_video(out / "grid.mp4")
     assert grid_mp4.shape == (17, *size, 3)
@@ -187,6 +199,9 @@ def test_run_validation_writes_samples_grid_and_plots(validation):
         plot = list(csv.DictReader(fh))
     assert [r["candidate"] for r in plot] == ["teacher_10", "teacher_2", "student"]
     assert [int(r["nfe"]) for r in plot] == [20, 4, 2]
+    assert list(plot[0]) == ["candidate", "sampler", "nfe", "adherence", "adherence_std", "colour", "shape", "direction",
+                             "latency_s", "distance_to_teacher", "sharpness", "frechet_distance", "frechet_distance_std"]
+    assert float(plot[0]["frechet_distance"]) == 0.0 and float(plot[2]["frechet_distance"]) > 0
     assert not list(out.parent.glob(".validate.*"))  # no temp folders left behind
 
 
@@ -195,18 +210,28 @@ def test_run_validation_metrics(validation, pipe, embeds):
     from safetensors.torch import load_file
 
     from distillery.clips.analyzer import AnalyzerConfig, score
+    from distillery.video_metrics import Standardiser, frechet_distance, sharpness, video_features
 
     out, metrics, candidates, wall_s = validation
     assert json.loads((out / "metrics.json").read_text()) == metrics
-    keys = ("colour", "shape", "direction", "all", "latency_s", "nfe", "distance_to_teacher")
-    assert set(metrics) == {f"{c.name}/{k}" for c in candidates for k in keys}
+    assert set(METRIC_NAMES) >= {f"{k}_std" for k in SEEDED_METRICS}  # every metric but nfe has a spread
+    expected_keys = [f"{c.name}/{k}" for c in candidates for k in METRIC_NAMES]
+    expected_keys.insert(len(METRIC_NAMES), "teacher_10/frechet_floor")  # the reference's noise floor, num_seeds >= 2
+    assert list(metrics) == expected_keys  # candidates in input order
     assert (metrics["teacher_10/nfe"], metrics["teacher_2/nfe"], metrics["student/nfe"]) == (20, 4, 2)  # steps × (2 with CFG)
+    report = json.loads((out / "report.json").read_text())
+    assert report["seeds"] == [0, 1, 2] and report["num_seeds"] == NUM_SEEDS
+    assert report["seed_grid"] == [[i, i + 1000] for i in range(len(PROMPTS))]
+    assert report["seed_grid"] == [[generator_seed(ValidationConfig(), i, j) for j in range(NUM_SEEDS)] for i in range(3)]
+    assert report["sample_keys"] == [[str(i), f"{i}_s1"] for i in range(len(PROMPTS))]
     latents = {c.name: load_file(out / "samples" / c.name / "latents.safetensors") for c in candidates}
-    # the reference's latents are what stock WanPipeline returns for the prompt and seed (seed + i)
-    expected = pipe(PROMPTS[0], negative_prompt="", num_frames=17, height=32, width=32, num_inference_steps=10,
-                    guidance_scale=4.0, max_sequence_length=32, generator=torch.Generator().manual_seed(0),
-                    output_type="latent").frames[0]
+    # the reference's latents are what stock WanPipeline returns for the prompt and generator seed (seed + i + 1000·j)
+    kw = dict(negative_prompt="", num_frames=17, height=32, width=32, num_inference_steps=10, guidance_scale=4.0,
+              max_sequence_length=32, output_type="latent")
+    expected = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).frames[0]
     torch.testing.assert_close(latents["teacher_10"]["0"], expected, rtol=0, atol=1e-5)
+    expected = pipe(PROMPTS[2], generator=torch.Generator().manual_seed(1002), **kw).frames[0]
+    torch.testing.assert_close(latents["teacher_10"]["2_s1"], expected, rtol=0, atol=1e-5)
     # the student's are the 2-step x0 loop on the first two Euler timesteps, written out
     generator = torch.Generator().manual_seed(1)  # prompt 1: seed 0 + 1 draws the noise, then each re-noising ε
     with torch.no_grad():
@@ -214,22 +239,74 @@ def test_run_validation_metrics(validation, pipe, embeds):
         ladder = _diffusers_timesteps(2, 3.0)  # the default ladder: the first 2 timesteps of the Euler grid
         student = few_step_by_hand(pipe.transformer, embeds[0][1:2], None, noise, ladder, 1.0, generator)
     torch.testing.assert_close(latents["student"]["1"], student[0], rtol=0, atol=1e-5)
-    frames = {c.name: [decode_by_hand(pipe.vae, latents[c.name][str(i)]) for i in range(len(PROMPTS))] for c in candidates}
+    frames = {c.name: {(i, j): decode_by_hand(pipe.vae, latents[c.name][sample_key(i, j)]) for i, j in VIDEO_KEYS}
+              for c in candidates}
     analyzer = AnalyzerConfig(**json.loads((Path(shipped_tiny_base()) / "analyzer.json").read_text()))
-    report = json.loads((out / "report.json").read_text())
+    ref = {k: f.astype(np.float64) / 255.0 for k, f in frames["teacher_10"].items()}
+    scaler = Standardiser.fit(np.stack([video_features(ref[k], analyzer=analyzer) for k in VIDEO_KEYS]))
+    ref_z = scaler(np.stack([video_features(ref[k], analyzer=analyzer) for k in VIDEO_KEYS]))
+    reported_ref = np.asarray([r["features"] for r in report["per_video"]["teacher_10"]])
+    reported_scaler = Standardiser.fit(reported_ref)
+    np.testing.assert_allclose(report["frechet"]["reference_mean"], reported_scaler.mean, atol=1e-12)
+    reported_ref = reported_scaler(reported_ref)
     for c in candidates:
-        ref = [f.astype(np.float64) / 255.0 for f in frames["teacher_10"]]
-        distance = np.mean([np.mean((f.astype(np.float64) / 255.0 - r) ** 2) for f, r in zip(frames[c.name], ref)])
-        assert metrics[f"{c.name}/distance_to_teacher"] == pytest.approx(distance, abs=1e-6), c.name
-        scores = [score(f, p, analyzer) for f, p in zip(frames[c.name], PROMPTS)]
+        vids = frames[c.name]
+        per_video = {  # metric → [S, P]
+            "distance_to_teacher": [[np.mean((vids[i, j] / 255.0 - ref[i, j]) ** 2) for i in range(3)] for j in range(2)],
+            "sharpness": [[sharpness(vids[i, j]) for i in range(3)] for j in range(2)],
+            "latency_s": [[0.0] * 3 for _ in range(2)],
+        }
+        scores = [[score(vids[i, j], PROMPTS[i], analyzer) for i in range(3)] for j in range(2)]
         for key in ("colour", "shape", "direction", "all"):
-            assert metrics[f"{c.name}/{key}"] == pytest.approx(sum(s[key] for s in scores) / len(PROMPTS), abs=1e-6), (c.name, key)
-        per_prompt = [r["latency_s"] for r in report["per_prompt"][c.name]]
-        assert metrics[f"{c.name}/latency_s"] == pytest.approx(np.mean(per_prompt), abs=2e-6), c.name
+            per_video[key] = [[float(s[key]) for s in row] for row in scores]
+        for row in report["per_video"][c.name]:
+            per_video["latency_s"][row["seed_index"]][row["prompt"]] = row["latency_s"]
+        for key, table in per_video.items():
+            seed_means = np.asarray(table).mean(axis=1)  # [S]
+            assert metrics[f"{c.name}/{key}"] == pytest.approx(seed_means.mean(), abs=2e-6), (c.name, key)
+            assert metrics[f"{c.name}/{key}_std"] == pytest.approx(seed_means.std(ddof=1), abs=2e-6), (c.name, key)
+            assert [r[key] for r in report["per_seed"][c.name]] == pytest.approx(seed_means, abs=1e-6), (c.name, key)
+            per_prompt = [r[key] for r in report["per_prompt"][c.name]]  # means over seeds, whose mean is the headline
+            assert np.mean(per_prompt) == pytest.approx(metrics[f"{c.name}/{key}"], abs=2e-6), (c.name, key)
+        hand = np.stack([video_features(vids[k], analyzer=analyzer) for k in VIDEO_KEYS])
+        reported = np.asarray([r["features"] for r in report["per_video"][c.name]])  # seed-major, as VIDEO_KEYS
+        np.testing.assert_allclose(reported, hand, rtol=0, atol=1e-5)  # the two decodes differ by <= 1/255 on a few pixels
+        assert metrics[f"{c.name}/frechet_distance"] == pytest.approx(frechet_distance(scaler(hand), ref_z), rel=1e-3)
+        assert metrics[f"{c.name}/frechet_distance"] == pytest.approx(frechet_distance(reported_scaler(reported),
+                                                                                        reported_ref), abs=1e-6)
+        assert metrics[f"{c.name}/frechet_distance_std"] >= 0
+    assert metrics["teacher_10/frechet_distance"] == 0.0 and metrics["teacher_10/distance_to_teacher"] == 0.0
+    assert metrics["teacher_10/frechet_floor"] == pytest.approx(frechet_distance(reported_ref[:3], reported_ref[3:]), abs=1e-6)
+    assert metrics["teacher_10/frechet_floor"] == pytest.approx(frechet_distance(ref_z[:3], ref_z[3:]), rel=1e-3)
+    assert metrics["teacher_10/frechet_floor"] > 0  # two noise draws of the same model differ
     assert metrics["teacher_2/distance_to_teacher"] > 1e-4  # 2 steps do not land on the 10-step videos
+    assert metrics["teacher_2/frechet_distance"] > 0 and metrics["student/frechet_distance"] > 0
+    assert metrics["student/frechet_distance_std"] > 0 and metrics["teacher_2/distance_to_teacher_std"] > 0
     # per-video latency is measured inside the call: all the videos together took less than the whole run
-    assert sum(metrics[f"{c.name}/latency_s"] for c in candidates) * len(PROMPTS) < wall_s
+    assert sum(metrics[f"{c.name}/latency_s"] for c in candidates) * len(VIDEO_KEYS) < wall_s
     assert all(metrics[f"{c.name}/latency_s"] > 0 for c in candidates)
+
+
+def test_one_seed_gives_the_seed_0_samples_and_no_spread(validation, base, tmp_path):
+    """num_seeds=1 samples exactly the seed-0 videos of a num_seeds=2 run (same prompts), with spreads 0."""
+    from safetensors.torch import load_file
+
+    out, many, candidates, _ = validation
+    cheap = [c for c in candidates if c.name != "teacher_10"]  # teacher_2 becomes the reference
+    cfg = ValidationConfig(teacher_steps=[10, 2], num_seeds=1, progress_bar=False, grid_formats=[])
+    metrics = run_validation(base, cheap, PROMPTS, tmp_path / "one", cfg)
+    for c in cheap:
+        one = load_file(tmp_path / "one" / "samples" / c.name / "latents.safetensors")
+        two = load_file(out / "samples" / c.name / "latents.safetensors")
+        assert sorted(one) == ["0", "1", "2"] and all(torch.equal(one[k], two[k]) for k in one), c.name
+        assert all(metrics[f"{c.name}/{k}_std"] == 0.0 for k in SEEDED_METRICS)
+    assert set(metrics) == {f"{c.name}/{k}" for c in cheap for k in METRIC_NAMES}  # no floor with one seed
+    assert metrics["teacher_2/frechet_distance"] == 0.0 and metrics["teacher_2/distance_to_teacher"] == 0.0
+    assert metrics["student/frechet_distance"] > 0
+    assert metrics["student/colour"] == pytest.approx(np.mean(
+        [r["colour"] for r in json.loads((out / "report.json").read_text())["per_video"]["student"] if r["seed_index"] == 0]))
+    with pytest.raises(UserError, match="num_seeds"):
+        ValidationConfig(num_seeds=0)
 
 
 def test_candidate_errors(base, tmp_path):
@@ -250,7 +327,7 @@ def test_candidate_from_an_artifacts_sampling_contract(base, tmp_path):
         {"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000, 500]}))
     cand = Candidate.from_artifact("student", artifact)
     assert cand == Candidate("student", artifact, 2, 1.0, "few_step_x0", timesteps=(1000.0, 500.0), shift=3.0)
-    assert cand.nfe == 2 and Candidate.from_artifact("s", artifact, guidance_scale=4.0).nfe == 4
+    assert cand.nfe() == 2 and Candidate.from_artifact("s", artifact, guidance_scale=4.0).nfe() == 4
     assert cand.sampling_contract(3.0) == {"num_train_timesteps": 1000, "sampler": "few_step_x0", "shift": 3.0,
                                            "timesteps": [1000.0, 500.0]}
     euler = tmp_path / "teacher"

@@ -1,35 +1,72 @@
 """Validation: sample every candidate model on the same prompts and noise, and score the videos.
 
 For each :class:`Candidate` (a teacher at several step counts counts as several candidates, see
-:func:`teacher_candidates`) and each prompt ``i``, :func:`run_validation` samples one video with
-the sampler its sampling contract names (built from :mod:`distillery.sampling`'s registry and
-run through a frozen model plugin, :func:`distillery.models.wan.load_inference_model`), starting from the same initial noise (a
-generator seeded ``cfg.seed + i``) for every candidate, with text embeddings from the base's
-text encoder (empty prompt as the CFG negative) and decoding through the base's VAE. It reports,
-per candidate:
+:func:`teacher_candidates`), each prompt ``i`` and each seed index ``j < cfg.num_seeds``,
+:func:`run_validation` samples one video with the sampler its sampling contract names (built from
+:mod:`distillery.sampling`'s registry and run through a frozen model plugin,
+:func:`distillery.models.wan.load_inference_model`), starting from the same initial noise for every
+candidate: a ``torch.Generator().manual_seed(cfg.seed + i + SEED_STRIDE·j)`` (``SEED_STRIDE`` = 1000;
+see :func:`generator_seed`; seed index 0 is ``cfg.seed + i``, what a single-seed run draws). Text
+embeddings come from the base's text encoder (empty prompt as the CFG negative) and every video is
+decoded through the base's VAE. Per candidate it reports (``S`` = ``num_seeds``, ``P`` = prompts):
 
 - ``colour``, ``shape``, ``direction``, ``all`` — prompt adherence read back from the decoded
   frames by :mod:`distillery.clips.analyzer` (thresholds from ``base_dir/analyzer.json`` when it
-  exists), as fractions of the prompts;
+  exists), as fractions of the P·S videos;
 - ``latency_s`` — mean wall seconds per video for sampling + VAE decode (batch 1, after one untimed
   warm-up forward; text encoding excluded);
-- ``nfe`` — transformer forward evaluations per video: steps × (2 with CFG, else 1);
-- ``distance_to_teacher`` — mean over prompts of the mean squared difference of the decoded
-  frames (RGB in [0, 1]) from the reference candidate's (by default the first candidate: put the
-  teacher first), so the reference itself scores exactly 0.
+- ``distance_to_teacher`` — mean over videos of the mean squared difference of the decoded frames
+  (RGB in [0, 1]) from the reference candidate's video with the same prompt and noise (the
+  reference is by default the first candidate: put the teacher first), so the reference scores 0;
+- ``sharpness`` — mean over videos of :func:`distillery.video_metrics.sharpness` (per frame the
+  variance of the Laplacian of the luminance in [0, 1], averaged over frames; blurry few-step
+  samples score lower);
+- ``<metric>_std`` for each of the above — the spread over noise: the sample standard deviation
+  (ddof=1; 0 with one seed) across seed indices ``j`` of the per-seed means (each the mean over the
+  P prompts of seed index ``j``). The headline ``<metric>`` is the mean over all P·S videos (= the
+  mean of the per-seed means);
+- ``frechet_distance`` — distribution-level distance to the reference: the Fréchet distance
+  (squared, as FID) between Gaussian fits of the per-video feature vectors of
+  :mod:`distillery.video_metrics` (``FEATURE_NAMES``: analyzer shape/area/velocity readings and frame
+  statistics) over the candidate's P·S videos and the reference's, all standardised by the
+  reference's per-feature mean and standard deviation, covariances + ``COV_EPS``·I. The reference
+  scores exactly 0;
+- ``frechet_distance_std`` — bootstrap spread: the standard deviation (ddof=1) of the distance over
+  ``cfg.bootstrap_resamples`` resamples (with replacement) of the candidate's videos against the
+  fixed reference set, indices drawn by ``numpy.random.default_rng(cfg.seed)`` (the same draws for
+  every candidate; 0 when ``bootstrap_resamples`` < 2);
+- ``nfe`` — transformer forward evaluations per video, as the sampler counts them for the video's latent
+  length (one-forward-per-step samplers: steps × (2 with CFG, else 1); causal streaming: branches ×
+  (chunks × steps + chunks − 1 cache writes)) (no spread);
+- and for the reference only, when ``num_seeds`` >= 2, ``frechet_floor`` — the Fréchet distance
+  between the reference's own seed-0 and seed-1 videos (P each, same standardisation): the
+  distance that sampling noise alone produces. It compares sets of P videos, not P·S, so it
+  overstates the noise in ``frechet_distance`` somewhat; a candidate near it is indistinguishable.
 
 Output folder (written to a temporary sibling, then renamed into place)::
 
-    out_dir/samples/<candidate>/<i>.mp4   every video (H.264 lossless yuv444p)
+    out_dir/samples/<candidate>/<key>.mp4 every video (H.264 lossless yuv444p); <key> = sample_key(i, j):
+                                          "<i>" for seed index 0, "<i>_s<j>" for j >= 1
     out_dir/samples/<candidate>/latents.safetensors
-                                          the sampler's normalised latents, key "<i>" → [C, T, H, W]
+                                          the sampler's normalised latents, key <key> → [C, T, H, W]
                                           (float32): what ``WanPipeline(output_type="latent")``
-                                          returns for that prompt, seed and step count
-    out_dir/grid.gif, out_dir/grid.mp4    rows = candidates, columns = prompts, 1-px separators
-    out_dir/metrics.json                  flat {"<candidate>/<metric>": number} (DVC metrics)
-    out_dir/plots/adherence.csv           one row per candidate: candidate, nfe, adherence, ...
-                                          (DVC plots: x = nfe, y = adherence)
-    out_dir/report.json                   prompts, candidates and per-prompt results
+                                          returns for that prompt, generator seed and step count
+    out_dir/grid.gif, out_dir/grid.mp4    rows = candidates, columns = prompts (seed index 0 only),
+                                          1-px separators
+    out_dir/metrics.json                  flat {"<candidate>/<metric>": number} (DVC metrics),
+                                          candidates in input order
+    out_dir/plots/adherence.csv           one row per candidate: candidate, sampler, nfe, adherence,
+                                          adherence_std, colour, shape, direction, latency_s,
+                                          distance_to_teacher, sharpness, frechet_distance,
+                                          frechet_distance_std (DVC plots: x = nfe, y = adherence)
+    out_dir/report.json                   prompts; seeds (the seed-0 generator seed per prompt);
+                                          num_seeds, seed_grid ([prompt][seed index] → generator
+                                          seed) and sample_keys (same shape → <key>); candidates;
+                                          per_video (every video: prompt and seed index, scores,
+                                          latency, distance, sharpness, features); per_seed
+                                          (per-seed means); per_prompt (per-prompt means over
+                                          seeds: adherence as fractions); frechet (feature names,
+                                          the reference's standardisation, bootstrap settings)
 """
 
 from __future__ import annotations
@@ -61,7 +98,10 @@ log = logging.getLogger("distillery")
 
 SAMPLING_FILE = "sampling.json"  # an artifact's sampling contract, beside its transformer/
 GRID_FORMATS = ("gif", "mp4")
-METRIC_NAMES = ("colour", "shape", "direction", "all", "latency_s", "nfe", "distance_to_teacher")
+SEEDED_METRICS = ("colour", "shape", "direction", "all", "latency_s", "distance_to_teacher", "sharpness")  # mean + _std
+METRIC_NAMES = (*(k for m in SEEDED_METRICS for k in (m, f"{m}_std")), "nfe", "frechet_distance",
+                "frechet_distance_std")  # every candidate's keys in metrics.json (the reference adds frechet_floor)
+SEED_STRIDE = 1000  # seed index j shifts every prompt's generator seed by SEED_STRIDE·j
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -76,7 +116,9 @@ class ValidationConfig:
     fps: float = 8.0  # frame rate of the written videos and grids
     teacher_steps: list[int] = field(default_factory=lambda: [40, 4])  # teacher baselines: many- and few-step Euler
     guidance_scale: float = 4.0  # CFG scale of the teacher baselines (empty-prompt negative)
-    seed: int = 0  # prompt i starts from noise drawn by a generator seeded seed + i, for every candidate
+    seed: int = 0  # prompt i, seed index j starts from noise of a generator seeded seed + i + 1000·j, for every candidate
+    num_seeds: int = 2  # noise draws per prompt (seed indices 0 .. num_seeds − 1); spreads are across them
+    bootstrap_resamples: int = 200  # resamples of a candidate's videos for frechet_distance_std (< 2: std 0)
     grid_formats: list[str] = field(default_factory=lambda: ["gif", "mp4"])  # grid files to write
     max_sequence_length: int | None = None  # prompt length; None: the base model's (model card / tokenizer)
     device: str = "cpu"  # where the models run ("cpu", "cuda", "cuda:1", ...)
@@ -95,8 +137,24 @@ class ValidationConfig:
         bad = [f for f in self.grid_formats if f not in GRID_FORMATS]
         if bad:
             raise UserError(f"validate.grid_formats: unknown format {bad[0]!r}; valid: {', '.join(GRID_FORMATS)}")
+        if self.num_seeds < 1:
+            raise UserError(f"validate.num_seeds must be >= 1, got {self.num_seeds}")
+        if self.bootstrap_resamples < 0:
+            raise UserError(f"validate.bootstrap_resamples must be >= 0, got {self.bootstrap_resamples}")
         if self.prompts is not None and not self.prompts:
             raise UserError("validate.prompts is empty; give at least one prompt or null for the validation captions")
+
+
+def generator_seed(cfg: ValidationConfig, prompt_index: int, seed_index: int) -> int:
+    """Seed of the ``torch.Generator`` that draws the noise of video (prompt ``prompt_index``, seed index
+    ``seed_index``): ``cfg.seed + prompt_index + SEED_STRIDE·seed_index`` (seed index 0: ``cfg.seed + i``)."""
+    return cfg.seed + prompt_index + SEED_STRIDE * seed_index
+
+
+def sample_key(prompt_index: int, seed_index: int) -> str:
+    """Name of a video in ``samples/<candidate>/``: ``"<i>"`` for seed index 0, else ``"<i>_s<j>"``
+    (its ``.mp4`` file stem and its key in ``latents.safetensors``)."""
+    return str(prompt_index) if seed_index == 0 else f"{prompt_index}_s{seed_index}"
 
 
 @dataclass(frozen=True)
@@ -166,10 +224,10 @@ class Candidate:
 
         return build_sampler(self.sampling_contract(shift))
 
-    @property
-    def nfe(self) -> int:
-        """Transformer forward evaluations per video."""
-        return self.build_sampler(self.shift).nfe(self.num_steps, self.guidance_scale)
+    def nfe(self, num_frames: int | None = None) -> int:
+        """Transformer forward evaluations per video of ``num_frames`` latent frames (a streaming
+        sampler's count grows with the length; None: the sampler's per-chunk count)."""
+        return self.build_sampler(self.shift).nfe(self.num_steps, self.guidance_scale, num_frames=num_frames)
 
 
 def teacher_candidates(teacher_dir: Path, cfg: ValidationConfig) -> list[Candidate]:
@@ -210,7 +268,8 @@ class _Context:
         analyzer_json = base_dir / "analyzer.json"
         self.analyzer = AnalyzerConfig(**json.loads(analyzer_json.read_text())) if analyzer_json.is_file() else None
         self.base_shift = self._scheduler_shift(base_dir / "scheduler")
-        self._last: tuple[Path, float, "ModelBase"] | None = None  # last model loaded (teacher step counts share it)
+        self._last: tuple[tuple, "ModelBase"] | None = None  # (folder, shift, model options), model: the last loaded
+        # (the teacher's step counts share it)
 
     @staticmethod
     def _pad(embed: torch.Tensor, length: int) -> torch.Tensor:
@@ -237,27 +296,29 @@ class _Context:
         if shift is None:
             raise UserError(f"candidate {cand.name}: no scheduler config beside {transformer_dir} or in {self.base_dir}; "
                             "set the candidate's shift")
-        key = transformer_dir.resolve()
-        if self._last is not None and self._last[:2] == (key, float(shift)):
-            model = self._last[2]
+        options = cand.build_sampler(float(shift)).model_options()  # e.g. a causal model for causal_streaming
+        key = (transformer_dir.resolve(), float(shift), tuple(sorted(options.items())))
+        if self._last is not None and self._last[0] == key:
+            model = self._last[1]
         else:
             self._last = None
-            model = load_inference_model(transformer_dir, self.device, torch.float32, shift=float(shift), role=cand.name)
+            model = load_inference_model(transformer_dir, self.device, torch.float32, shift=float(shift), role=cand.name,
+                                         **options)
         conf = model.transformer_config()
         if int(conf["in_channels"]) != self.latent_shape[0] or int(conf["text_dim"]) != self.encoders.text_dim:
             raise UserError(f"candidate {cand.name}: {transformer_dir} takes {conf['in_channels']} latent channels and "
                             f"text_dim {conf['text_dim']}, but the base {self.base_dir} gives {self.latent_shape[0]} and "
                             f"{self.encoders.text_dim}; validate it against the base it was trained from")
-        self._last = (key, float(shift), model)
+        self._last = (key, model)
         return _Loaded(model, float(shift))
 
-    def sample(self, cand: Candidate, loaded: _Loaded, index: int) -> torch.Tensor:
-        """Normalised latents ``[1, C, T, H, W]`` for prompt ``index`` (noise seeded ``cfg.seed + index``),
-        from the registered sampler the candidate's sampling contract names."""
+    def sample(self, cand: Candidate, loaded: _Loaded, index: int, seed: int) -> torch.Tensor:
+        """Normalised latents ``[1, C, T, H, W]`` for prompt ``index`` with the noise of a generator seeded
+        ``seed`` (:func:`generator_seed`), from the registered sampler the candidate's sampling contract names."""
         from distillery.models.base import Conditioning
 
         sampler = cand.build_sampler(loaded.shift)
-        generator = torch.Generator().manual_seed(self.cfg.seed + index)
+        generator = torch.Generator().manual_seed(seed)
         cond = Conditioning(self.text[index], self.negative)
         with torch.no_grad():
             return sampler.sample(loaded.model, cond, self.latent_shape, generator, num_steps=cand.num_steps,
@@ -302,15 +363,75 @@ def _write_grid(grid: np.ndarray, stage: Path, cfg: ValidationConfig) -> None:
         write_video(stage / "grid.mp4", grid, cfg.fps)
 
 
+CSV_COLUMNS = ("candidate", "sampler", "nfe", "adherence", "adherence_std", "colour", "shape", "direction", "latency_s",
+               "distance_to_teacher", "sharpness", "frechet_distance", "frechet_distance_std")
+
+
 def _write_tables(stage: Path, metrics: dict[str, float], rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
     (stage / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (stage / "plots").mkdir()
-    columns = ["candidate", "sampler", "nfe", "adherence", "colour", "shape", "direction", "latency_s", "distance_to_teacher"]
     with (stage / "plots" / "adherence.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer = csv.DictWriter(fh, fieldnames=list(CSV_COLUMNS))
         writer.writeheader()
         writer.writerows(rows)
     (stage / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+@dataclass
+class _Video:
+    """What one sampled video scored."""
+
+    prompt: int  # prompt index i
+    seed_index: int  # seed index j
+    seed: int  # generator seed of its noise (generator_seed)
+    scores: dict[str, bool]  # analyzer adherence: colour, shape, direction, all
+    latency_s: float  # wall seconds for sampling + decode
+    distance_to_teacher: float  # mean squared RGB difference ([0, 1] units) to the reference's same video
+    sharpness: float  # video_metrics.sharpness, luminance²
+    features: np.ndarray  # video_metrics.video_features, [len(FEATURE_NAMES)]
+
+    def values(self) -> dict[str, float]:
+        """This video's value of every seeded metric (adherence as 0/1)."""
+        return {**{k: float(self.scores[k]) for k in ("colour", "shape", "direction", "all")},
+                "latency_s": self.latency_s, "distance_to_teacher": self.distance_to_teacher, "sharpness": self.sharpness}
+
+    def row(self) -> dict[str, Any]:
+        """Its report.json ``per_video`` entry."""
+        return {"prompt": self.prompt, "seed_index": self.seed_index, "generator_seed": self.seed,
+                "sample": sample_key(self.prompt, self.seed_index), **{k: bool(v) for k, v in self.scores.items()},
+                "latency_s": round(self.latency_s, 6), "distance_to_teacher": self.distance_to_teacher,
+                "sharpness": self.sharpness, "features": [float(f) for f in self.features]}
+
+
+def _mean_table(videos: list[_Video], group: str, count: int) -> np.ndarray:
+    """Means ``[count, len(SEEDED_METRICS)]`` of every seeded metric over the videos of each group value
+    (``group``: "seed_index" or "prompt")."""
+    sums, hits = np.zeros((count, len(SEEDED_METRICS))), np.zeros(count)
+    for v in videos:
+        values = v.values()
+        sums[getattr(v, group)] += [values[k] for k in SEEDED_METRICS]
+        hits[getattr(v, group)] += 1
+    return sums / hits[:, None]
+
+
+def _seeded_summary(per_seed: np.ndarray) -> dict[str, float]:
+    """``<metric>`` (mean of the per-seed means ``[S, M]``) and ``<metric>_std`` (their std, ddof=1; 0 when S = 1)."""
+    mean = per_seed.mean(axis=0)
+    std = per_seed.std(axis=0, ddof=1) if per_seed.shape[0] >= 2 else np.zeros_like(mean)
+    out: dict[str, float] = {}
+    for k, m, s in zip(SEEDED_METRICS, mean, std):
+        out[k], out[f"{k}_std"] = float(m), float(s)
+    return out
+
+
+def _frechet(features: np.ndarray, reference: np.ndarray, cfg: ValidationConfig) -> tuple[float, float]:
+    """Fréchet distance of standardised features ``[N, D]`` to the reference's ``[N_ref, D]``, and its bootstrap std."""
+    from distillery.video_metrics import bootstrap_frechet, frechet_distance
+
+    distance = frechet_distance(features, reference)
+    if cfg.bootstrap_resamples < 2:
+        return distance, 0.0
+    return distance, float(bootstrap_frechet(features, reference, cfg.bootstrap_resamples, cfg.seed).std(ddof=1))
 
 
 def run_validation(
@@ -321,95 +442,131 @@ def run_validation(
     cfg: ValidationConfig | None = None,
     reference: str | None = None,
 ) -> dict[str, float]:
-    """Sample, score and compare every candidate on every prompt; write ``out_dir`` (layout above).
+    """Sample, score and compare every candidate on every prompt × seed; write ``out_dir`` (layout above).
 
     ``base_dir``: diffusers Wan folder whose text encoder, tokenizer, VAE (and ``analyzer.json``)
     are used for every candidate. ``prompts``: used when ``cfg.prompts`` is None. ``reference``:
-    name of the candidate that ``distance_to_teacher`` is measured against (default: the first).
-    Returns the flat metrics dict written to ``metrics.json``.
+    name of the candidate that ``distance_to_teacher`` and ``frechet_distance`` are measured against
+    (default: the first). Returns the flat metrics dict written to ``metrics.json``.
     """
     from tqdm import tqdm
 
-    from distillery.clips.analyzer import SCORE_KEYS, score
+    from distillery.clips.analyzer import analyze, score_analysis
     from distillery.clips.video_io import write_video
+    from distillery.video_metrics import COV_EPS, FEATURE_NAMES, Standardiser, frechet_distance, sharpness, video_features
 
     cfg = cfg or ValidationConfig()
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     prompts = list(cfg.prompts if cfg.prompts is not None else prompts)
     if not prompts:
         raise UserError("validate: no prompts (the clip set has no validation captions and validate.prompts is unset)")
+    if cfg.num_seeds > 1 and len(prompts) > SEED_STRIDE:
+        raise UserError(f"validate: at most {SEED_STRIDE} prompts with num_seeds > 1 (the seed grid would repeat noise), "
+                        f"got {len(prompts)}")
     ref = _check_candidates(candidates, reference)
     started = time.perf_counter()
     ctx = _Context(base_dir, prompts, cfg)
     order = [ref] + [c for c in candidates if c is not ref]  # the reference first: others compare against it
     row_of = {c.name: i for i, c in enumerate(candidates)}
+    seed_grid = [[generator_seed(cfg, i, j) for j in range(cfg.num_seeds)] for i in range(len(prompts))]
     grid = VideoGrid(len(candidates), len(prompts), cfg.num_frames, cfg.height, cfg.width)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     stage.chmod(0o755)
     try:
-        metrics: dict[str, float] = {}
+        metrics: dict[str, dict[str, float]] = {}
         rows: list[dict[str, Any]] = []
+        per_video: dict[str, list[dict[str, Any]]] = {}
+        per_seed: dict[str, list[dict[str, Any]]] = {}
         per_prompt: dict[str, list[dict[str, Any]]] = {}
-        reference_frames: list[np.ndarray] = []  # the reference's videos as float64 RGB in [0, 1]
+        reference_frames: dict[tuple[int, int], np.ndarray] = {}  # (prompt, seed index) → float64 RGB in [0, 1]
+        scaler: Standardiser | None = None  # fitted to the reference's features
+        reference_z = np.empty(0)  # the reference's standardised features [P·S, D]
         shifts: dict[str, float] = {}
-        bar = tqdm(total=len(order) * len(prompts), desc="validate", unit="video", disable=not cfg.progress_bar,
-                   mininterval=1.0)
+        bar = tqdm(total=len(order) * len(prompts) * cfg.num_seeds, desc="validate", unit="video",
+                   disable=not cfg.progress_bar, mininterval=1.0)
         for cand in order:
             loaded = ctx.load(cand)
             shifts[cand.name] = loaded.shift
             ctx.warm_up(loaded)
-            hits = dict.fromkeys(SCORE_KEYS, 0)
-            seconds, distances, results, sampled = [], [], [], {}
-            for i, prompt in enumerate(prompts):
-                t0 = time.perf_counter()
-                latents = ctx.sample(cand, loaded, i)
-                sampled[str(i)] = latents[0].detach().to("cpu", torch.float32).contiguous()
-                video = ctx.encoders.decode_latents(latents)[0]  # uint8 [T, H, W, 3]
-                _synchronize(ctx.device)
-                seconds.append(time.perf_counter() - t0)
-                if cand is ref:
-                    reference_frames.append(video.astype(np.float64) / 255.0)
-                diff = video.astype(np.float64) / 255.0 - reference_frames[i]
-                distances.append(float(np.mean(diff**2)))
-                scores = score(video, prompt, ctx.analyzer)
-                for key in SCORE_KEYS:
-                    hits[key] += int(bool(scores[key]))
-                write_video(stage / "samples" / cand.name / f"{i}.mp4", video, cfg.fps)
-                grid.put(row_of[cand.name], i, video)
-                results.append({"prompt": prompt, **{k: bool(v) for k, v in scores.items()},
-                                "latency_s": round(seconds[-1], 6), "distance_to_teacher": distances[-1]})
-                bar.update()
+            videos: list[_Video] = []
+            sampled: dict[str, torch.Tensor] = {}
+            for j in range(cfg.num_seeds):
+                for i, prompt in enumerate(prompts):
+                    key = sample_key(i, j)
+                    t0 = time.perf_counter()
+                    latents = ctx.sample(cand, loaded, i, seed_grid[i][j])
+                    sampled[key] = latents[0].detach().to("cpu", torch.float32).contiguous()
+                    video = ctx.encoders.decode_latents(latents)[0]  # uint8 [T, H, W, 3]
+                    _synchronize(ctx.device)
+                    seconds = time.perf_counter() - t0
+                    rgb = video.astype(np.float64) / 255.0
+                    if cand is ref:
+                        reference_frames[(i, j)] = rgb
+                    analysis = analyze(video, ctx.analyzer)
+                    videos.append(_Video(i, j, seed_grid[i][j], score_analysis(analysis, prompt), seconds,
+                                         float(np.mean((rgb - reference_frames[(i, j)]) ** 2)), sharpness(rgb),
+                                         video_features(rgb, analysis)))
+                    write_video(stage / "samples" / cand.name / f"{key}.mp4", video, cfg.fps)
+                    if j == 0:
+                        grid.put(row_of[cand.name], i, video)
+                    bar.update()
             save_file(sampled, str(stage / "samples" / cand.name / "latents.safetensors"))
-            values = {key: hits[key] / len(prompts) for key in SCORE_KEYS}
-            values.update(latency_s=float(np.mean(seconds)), nfe=cand.nfe, distance_to_teacher=float(np.mean(distances)))
-            for key in METRIC_NAMES:
-                metrics[f"{cand.name}/{key}"] = values[key] if key == "nfe" else round(float(values[key]), 6)
-            rows.append({"candidate": cand.name, "sampler": cand.sampler, "nfe": cand.nfe, "adherence": metrics[f"{cand.name}/all"],
-                         **{k: metrics[f"{cand.name}/{k}"] for k in ("colour", "shape", "direction", "latency_s",
-                                                                    "distance_to_teacher")}})
-            per_prompt[cand.name] = results
-            log.info("validate %s: %s NFE, adherence colour %.2f shape %.2f direction %.2f all %.2f, %.3f s/video, "
-                     "distance to %s %.5f", cand.name, cand.nfe, values["colour"], values["shape"], values["direction"],
-                     values["all"], values["latency_s"], ref.name, values["distance_to_teacher"])
+            features = np.stack([v.features for v in videos])  # [P·S, D], seed-major
+            if scaler is None:  # cand is ref
+                scaler = Standardiser.fit(features)
+                reference_z = scaler(features)
+            seed_means = _mean_table(videos, "seed_index", cfg.num_seeds)  # [S, M]
+            values = _seeded_summary(seed_means)
+            values["frechet_distance"], values["frechet_distance_std"] = _frechet(scaler(features), reference_z, cfg)
+            values["nfe"] = cand.nfe(ctx.latent_shape[1])
+            metrics[cand.name] = {k: values[k] if k == "nfe" else round(float(values[k]), 6) for k in METRIC_NAMES}
+            if cand is ref and cfg.num_seeds >= 2:
+                n = len(prompts)  # seed-major: rows [0, n) are seed index 0, [n, 2n) seed index 1
+                metrics[cand.name]["frechet_floor"] = round(frechet_distance(reference_z[:n], reference_z[n: 2 * n]), 6)
+            m = metrics[cand.name]
+            rows.append({"candidate": cand.name, "sampler": cand.sampler, "nfe": values["nfe"], "adherence": m["all"],
+                         "adherence_std": m["all_std"], **{k: m[k] for k in CSV_COLUMNS[5:]}})
+            per_video[cand.name] = [v.row() for v in videos]
+            per_seed[cand.name] = [{"seed_index": j, **dict(zip(SEEDED_METRICS, map(float, row)))}
+                                   for j, row in enumerate(seed_means)]
+            per_prompt[cand.name] = [{"prompt": prompt, **dict(zip(SEEDED_METRICS, map(float, row)))}
+                                     for prompt, row in zip(prompts, _mean_table(videos, "prompt", len(prompts)))]
+            log.info("validate %s: %s NFE, adherence all %.2f±%.2f (colour %.2f shape %.2f direction %.2f), "
+                     "%.3f s/video, distance to %s %.5f±%.5f, sharpness %.5f±%.5f, Fréchet distance %.3f±%.3f%s",
+                     cand.name, values["nfe"], m["all"], m["all_std"], m["colour"], m["shape"], m["direction"],
+                     m["latency_s"], ref.name, m["distance_to_teacher"], m["distance_to_teacher_std"], m["sharpness"],
+                     m["sharpness_std"], m["frechet_distance"], m["frechet_distance_std"],
+                     f" (noise floor {m['frechet_floor']:.3f})" if "frechet_floor" in m else "")
         bar.close()
-        metrics = {f"{c.name}/{k}": metrics[f"{c.name}/{k}"] for c in candidates for k in METRIC_NAMES}  # input order
+        flat = {f"{c.name}/{k}": v for c in candidates for k, v in metrics[c.name].items()}  # input order
         rows.sort(key=lambda r: row_of[r["candidate"]])
         _write_grid(grid.pixels, stage, cfg)
+        assert scaler is not None
         report = {
             "base_dir": str(base_dir), "reference": ref.name, "prompts": prompts, "config": asdict(cfg),
-            "seeds": [cfg.seed + i for i in range(len(prompts))],  # torch.Generator().manual_seed(seed) per prompt
+            "seeds": [row[0] for row in seed_grid],  # seed index 0: torch.Generator().manual_seed(seed) per prompt
+            "num_seeds": cfg.num_seeds,
+            "seed_grid": seed_grid,  # [prompt i][seed index j] → generator seed (cfg.seed + i + SEED_STRIDE·j)
+            "sample_keys": [[sample_key(i, j) for j in range(cfg.num_seeds)] for i in range(len(prompts))],
             "max_sequence_length": ctx.encoders.max_sequence_length,  # prompt embeddings padded to this
-            "candidates": [{**asdict(c), "model_dir": str(c.model_dir), "nfe": c.nfe, "shift": shifts[c.name]}
+            "candidates": [{**asdict(c), "model_dir": str(c.model_dir), "nfe": metrics[c.name]["nfe"], "shift": shifts[c.name]}
                            for c in candidates],
-            "grid": {"rows": [c.name for c in candidates], "tile_hw": [cfg.height, cfg.width], "separator_px": 1},
+            "grid": {"rows": [c.name for c in candidates], "tile_hw": [cfg.height, cfg.width], "separator_px": 1,
+                     "seed_index": 0},
+            "frechet": {"feature_names": list(FEATURE_NAMES), "reference_mean": scaler.mean.tolist(),
+                        "reference_scale": scaler.scale.tolist(), "cov_eps": COV_EPS,
+                        "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.seed},
+            "per_video": {c.name: per_video[c.name] for c in candidates},
+            "per_seed": {c.name: per_seed[c.name] for c in candidates},
             "per_prompt": {c.name: per_prompt[c.name] for c in candidates},
             "seconds": round(time.perf_counter() - started, 2),
         }
-        _write_tables(stage, metrics, rows, report)
+        _write_tables(stage, flat, rows, report)
         replace_dir(stage, out_dir)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    log.info("validation of %d candidates on %d prompts written to %s", len(candidates), len(prompts), out_dir)
-    return metrics
+    log.info("validation of %d candidates on %d prompts × %d seeds written to %s", len(candidates), len(prompts),
+             cfg.num_seeds, out_dir)
+    return flat

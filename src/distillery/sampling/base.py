@@ -45,6 +45,39 @@ def nfe_per_video(num_steps: int, guidance_scale: float) -> int:
     return num_steps * (2 if cfg_enabled(guidance_scale) else 1)
 
 
+def parse_chunk_size(value: Any, sampler: str) -> int | None:
+    """A contract's ``chunk_size`` (the model attends block-causally over chunks of that many latent
+    frames): an integer ≥ 1, or None when absent."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"sampler {sampler}: chunk_size must be an integer >= 1, got {value!r}")
+    return value
+
+
+def require_causal(model: "ModelBase", chunk_size: int | None, sampler: str) -> int:
+    """The chunk size a causal ``model`` attends over; a :class:`UserError` when it is not a
+    :class:`~distillery.models.base.CausalModelBase` or differs from the contract's ``chunk_size``."""
+    from distillery.models.base import CausalModelBase
+
+    if not isinstance(model, CausalModelBase):
+        raise UserError(f"sampler {sampler} with a chunk_size needs a causal model (a CausalModelBase); "
+                        f"{type(model).__name__} is not one")
+    own = int(model.chunk_size)
+    if chunk_size is not None and chunk_size != own:
+        raise UserError(f"sampler {sampler}: the contract's chunk_size {chunk_size} differs from the model's {own}; "
+                        f"the model attends block-causally over chunks of {own} frames")
+    return own
+
+
+def causal_model_options(chunk_size: int | None, sampler: str) -> dict[str, Any]:
+    """``model_options`` of a sampler whose contract names the causal chunk size."""
+    if chunk_size is None:
+        raise UserError(f"sampler {sampler}: the sampling contract names no chunk_size, so a plain model folder "
+                        "cannot be loaded as the causal model it is; add chunk_size to sampling.json")
+    return {"chunk_size": chunk_size}
+
+
 def guided_velocity(model: "ModelBase", latents: torch.Tensor, timesteps: torch.Tensor, cond: "Conditioning",
                     guidance_scale: float) -> torch.Tensor:
     """CFG velocity ``u + w (c − u)`` (float32 ``[B, C, T, H, W]``) from the model plugin.
@@ -136,8 +169,16 @@ class Sampler(ABC):
             num_train_timesteps=self.num_train_timesteps if self.num_train_timesteps is not None else own.num_train_timesteps,
         )
 
-    def nfe(self, num_steps: int | None = None, guidance_scale: float | None = None) -> int:
-        """Transformer forward evaluations per video for a call with these arguments."""
+    def model_options(self) -> dict[str, Any]:
+        """What the model plugin must be to run this sampler, as keyword arguments of
+        :func:`distillery.models.wan.load_inference_model` (validate and export load plain folders
+        with them). Default: none (a bidirectional model)."""
+        return {}
+
+    def nfe(self, num_steps: int | None = None, guidance_scale: float | None = None, num_frames: int | None = None) -> int:
+        """Transformer forward evaluations per video for a call with these arguments (``num_frames``:
+        the video's latent frames, for samplers whose work depends on the length)."""
+        del num_frames
         return nfe_per_video(self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale))
 
     @abstractmethod

@@ -27,7 +27,8 @@ import torch
 
 from distillery.errors import UserError
 from distillery.models.schedule import renoise, x0_from_velocity
-from distillery.sampling.base import LatentShape, cfg_enabled, check_inputs, conditioning_on
+from distillery.sampling.base import (LatentShape, causal_model_options, cfg_enabled, check_inputs, conditioning_on,
+                                     parse_chunk_size, require_causal)
 from distillery.sampling.few_step import LadderSampler
 from distillery.sampling.noise import NoiseLike, as_noise_source
 from distillery.sampling.registry import register_sampler
@@ -56,12 +57,7 @@ class CausalStreamingSampler(LadderSampler):
     def configure(self, options: dict[str, Any]) -> None:
         scale = self.num_train_timesteps or 1000
         self.configure_ladder(options)
-        chunk = options.get("chunk_size")
-        self.chunk_size: int | None = None
-        if chunk is not None:
-            if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-                raise UserError(f"sampler causal_streaming: chunk_size must be an integer >= 1, got {chunk!r}")
-            self.chunk_size = chunk
+        self.chunk_size = parse_chunk_size(options.get("chunk_size"), self.name)
         context = options.get("context_noise", 0.0)
         try:
             self.context_noise = float(context if context is not None else 0.0)
@@ -73,6 +69,10 @@ class CausalStreamingSampler(LadderSampler):
         if mode not in ("sde", "ode"):
             raise UserError(f"sampler causal_streaming: renoise must be 'sde' or 'ode', got {mode!r}")
         self.renoise_mode = mode
+
+    def model_options(self) -> dict[str, Any]:
+        """A causal model with the contract's ``chunk_size`` (a plain folder does not say it is causal)."""
+        return causal_model_options(self.chunk_size, self.name)
 
     def nfe(self, num_steps: int | None = None, guidance_scale: float | None = None,
             num_frames: int | None = None) -> int:
@@ -88,16 +88,7 @@ class CausalStreamingSampler(LadderSampler):
 
     def chunk_size_for(self, model: "ModelBase") -> int:
         """The chunk size of a call: the model's; a contract's ``chunk_size`` must agree with it."""
-        from distillery.models.base import CausalModelBase
-
-        if not isinstance(model, CausalModelBase):
-            raise UserError(f"sampler causal_streaming needs a causal model (a CausalModelBase); "
-                            f"{type(model).__name__} is not one")
-        own = int(model.chunk_size)
-        if self.chunk_size is not None and self.chunk_size != own:
-            raise UserError(f"sampler causal_streaming: the contract's chunk_size {self.chunk_size} differs from the "
-                            f"model's {own}; the model attends block-causally over chunks of {own} frames")
-        return own
+        return require_causal(model, self.chunk_size, self.name)
 
     def sample(
         self,

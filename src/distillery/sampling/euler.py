@@ -9,12 +9,13 @@ stock pipeline would round them to a bf16 transformer's dtype after each step).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from distillery.models.schedule import euler_step
-from distillery.sampling.base import LatentShape, Sampler, check_inputs, conditioning_on, guided_velocity
+from distillery.sampling.base import (LatentShape, Sampler, causal_model_options, check_inputs, conditioning_on,
+                                     guided_velocity, parse_chunk_size, require_causal)
 from distillery.sampling.noise import NoiseLike, as_noise_source
 from distillery.sampling.registry import register_sampler
 
@@ -24,12 +25,23 @@ if TYPE_CHECKING:
 
 @register_sampler("euler")
 class EulerSampler(Sampler):
-    """Contract: ``{"sampler": "euler", "shift", "num_train_timesteps"[, "num_steps", "guidance_scale"]}``.
+    """Contract: ``{"sampler": "euler", "shift", "num_train_timesteps"[, "num_steps", "guidance_scale", "chunk_size"]}``.
 
+    ``chunk_size``: the model is causal (block-causal attention over chunks of that many latent
+    frames, e.g. a Diffusion-Forcing student): every frame is denoised in step, each full-sequence
+    forward under the block-causal mask — the synchronous way to sample a DF model, one forward
+    per step instead of one per chunk (``causal_streaming`` is the chunk-by-chunk way).
     NFE per video: steps × (2 with CFG, else 1). Always runs without gradients.
     """
 
+    option_keys = ("chunk_size",)
     default_num_steps = 40
+
+    def configure(self, options: dict[str, Any]) -> None:
+        self.chunk_size = parse_chunk_size(options.get("chunk_size"), self.name)
+
+    def model_options(self) -> dict[str, Any]:
+        return {} if self.chunk_size is None else causal_model_options(self.chunk_size, self.name)
 
     @torch.no_grad()
     def sample(
@@ -44,6 +56,8 @@ class EulerSampler(Sampler):
         initial: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch = check_inputs(cond, latent_shape, initial)
+        if self.chunk_size is not None:
+            require_causal(model, self.chunk_size, self.name)
         steps, guidance = self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale)
         device = model.device
         schedule = self.schedule_for(model)

@@ -27,13 +27,17 @@ class WanModel(ModelBase):
 
     config_class = WanModelConfig
 
-    def __init__(self, config: WanModelConfig, role: str) -> None:
+    def __init__(self, config: WanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
+        """``transformer``: an already loaded ``WanTransformer3DModel`` of ``config.init_from`` to wrap
+        instead of loading it again (a diffusers pipeline's own component)."""
         super().__init__(config, role)
         from diffusers import WanTransformer3DModel
 
         transformer_dir, scheduler_dir = locate_transformer(config.init_from)
         self.transformer_dir = transformer_dir
-        if config.random_init:
+        if transformer is not None:
+            self.transformer = transformer
+        elif config.random_init:
             arch = WanTransformer3DModel.load_config(transformer_dir)
             self.transformer = WanTransformer3DModel.from_config(arch)
         else:

@@ -225,8 +225,8 @@ class CausalWanModel(WanModel, CausalModelBase):
 
     config_class = CausalWanModelConfig
 
-    def __init__(self, config: CausalWanModelConfig, role: str) -> None:
-        super().__init__(config, role)
+    def __init__(self, config: CausalWanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
+        super().__init__(config, role, transformer)
         if tuple(self.patch_size)[0] != 1:
             raise ValueError(f"causal Wan needs a temporal patch size of 1, got patch_size {self.patch_size}")
         self.chunk_size = int(config.chunk_size)

@@ -16,8 +16,13 @@ from distillery.models.wan.common import WanModelConfig
 
 
 def load_inference_model(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                         shift: float | None = None, role: str = "inference") -> WanModel:
-    """Load ``folder``'s transformer as an eval, gradient-free :class:`WanModel` on ``device``.
+                         shift: float | None = None, role: str = "inference", chunk_size: int | None = None,
+                         transformer: torch.nn.Module | None = None) -> WanModel:
+    """Load ``folder``'s transformer as an eval, gradient-free :class:`WanModel` on ``device`` — or,
+    with ``chunk_size``, as a :class:`~distillery.models.wan.causal.CausalWanModel` attending
+    block-causally over chunks of that many latent frames (what ``Sampler.model_options()`` asks).
+    ``transformer``: wrap this already loaded transformer of ``folder`` instead of loading it (it is
+    set to eval and frozen in place).
 
     ``dtype``: the weights' and inputs' dtype (``predict_noise`` still returns float32); the modules
     diffusers keeps in float32 (``_keep_in_fp32_modules``: norms, time embedder, rope) stay float32,
@@ -26,7 +31,13 @@ def load_inference_model(folder: str | Path, device: torch.device | str = "cpu",
     when there is none). Raises :class:`UserError` for a folder that holds no Wan transformer.
     """
     device = torch.device(device)
-    model = WanModel(WanModelConfig(init_from=str(folder), trainable=False, shift=shift), role=role)
+    if chunk_size is not None:
+        from distillery.models.wan.causal import CausalWanModel, CausalWanModelConfig
+
+        model: WanModel = CausalWanModel(CausalWanModelConfig(init_from=str(folder), trainable=False, shift=shift,
+                                                              chunk_size=int(chunk_size)), role=role, transformer=transformer)
+    else:
+        model = WanModel(WanModelConfig(init_from=str(folder), trainable=False, shift=shift), role=role, transformer=transformer)
     model.transformer.to(device=device).eval().requires_grad_(False)
     _cast_keeping_fp32_modules(model.transformer, dtype)
     model.bind_device(device, compute_dtype=dtype)
