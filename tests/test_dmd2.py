@@ -2,12 +2,14 @@
 
 - the generator's gradient ``∂loss/∂x̂0`` is ``g / N`` with ``g = (f − r) / mean|x̂0 − r|`` recomputed
   from what the critic and teacher transformers returned (forward hooks), for both rollouts and
-  with / without teacher CFG; the critic loss is flow matching on the detached sample;
+  with / without teacher CFG; the critic loss is flow matching on the detached sample, its forward
+  run only after the generator's backward (one graph alive at a time);
 - ``simulate`` with ``ode`` re-noise follows the Euler step down the student's ladder;
 - on non-update steps the student builds no graph, gets no gradient, and its weights and optimizer
   state stay bit-identical; the teacher never holds a gradient;
-- through the real trainer: 2 ranks (torchrun, gloo, FSDP2) draw what 1 rank draws for the same
-  global batch (and ``check_rank_agreement`` all-reduces every draw), and a 2-rank run stopped
+- through the real trainer, for DMD2 and Self-Forcing (a causal student) alike: 2 ranks (torchrun,
+  gloo, FSDP2) draw what 1 rank draws for the same global
+  batch (and ``check_rank_agreement`` all-reduces every draw), and a 2-rank run stopped
   mid-way resumes to bitwise the weights of an uninterrupted 2-rank run.
 """
 
@@ -110,6 +112,9 @@ def test_generator_gradient_is_the_dmd_formula(tiny_base, training, rollout, gui
     rec = Recorder().attach(method)
     raw = raw_batch()
     out = method.single_train_step(raw, step=1)
+    # two phases: the critic's forward with a graph waits until the generator's backward has freed the student's graph
+    assert [c.out.requires_grad for c in rec.calls["critic"]] == [False] and "critic_loss" not in out.losses
+    assert rec.calls["student"][-1].out.grad is None
     method.backward(out)
 
     # the student: no-grad forwards down the ladder, then the one forward with a graph at t_2

@@ -12,7 +12,7 @@ from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, Opti
 from distillery.engine.distributed import DistEnv, shard_transformer, uses_fsdp
 from distillery.errors import UserError
 from distillery.methods.base import TrainingMethod
-from distillery.models.base import ModelBase
+from distillery.models.base import CausalModelBase, ModelBase
 from distillery.engine.optim import resolve_optimizer_config
 from distillery.engine.precision import ComputeCopy, cast_parameters_
 
@@ -118,6 +118,8 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
         )
     model.set_attention_backend(runtime.attention_backend)
     compile_blocks = resolve_compile(runtime, env)
+    if compile_blocks and isinstance(model, CausalModelBase):
+        avoid_mix_order_reduction()
     extra = {name: m for name, m in model.trainable_modules().items() if m is not model.transformer}
     if uses_fsdp(env, dist_cfg):
         shard_transformer(model.transformer, model.shardable_blocks(), env, dist_cfg, compile_blocks)
@@ -138,6 +140,22 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
     if compile_blocks:
         for block in model.shardable_blocks(model.forward_module):
             block.compile()
+
+
+def avoid_mix_order_reduction() -> None:
+    """Turn off Inductor's "mix-order reduction" (CUDA) for this process.
+
+    torch 2.10/2.11 bug (pytorch/pytorch#178080, fix in PR #178098): a fused row + column reduction returns a
+    broadcast input's gradient as ``[C]`` instead of ``[1, 1, C]``, and backward fails with "CompiledFunctionBackward
+    returned an invalid gradient". Seen with the causal Wan's compiled blocks (likely because the block-causal attention
+    is a graph break, so the modulation vectors ``[1, 1, 1536]`` become inputs of the graph after it): Self-Forcing with
+    activation checkpointing at 21×60×104 failed without this and ran with it (BENCHMARKS.md, 2026-11-30).
+    Process-wide: Inductor reads it when compiling.
+    """
+    from torch._inductor import config as inductor_config
+
+    if getattr(inductor_config.triton, "mix_order_reduction", False):
+        inductor_config.triton.mix_order_reduction = False
 
 
 def check_data_path(path: str) -> Path:

@@ -33,10 +33,13 @@ One optimizer step (step numbers start at 1; an *update step* is ``step % genera
    like τ, ``x_t = (1 − σ_t) x̂0 + σ_t ε``; mean squared error between the critic's velocity and
    ``ε − x̂0``, gradients into the critic only.
 
-``total_loss`` = generator + critic loss backpropagates once (their graphs touch disjoint trainable
-parameters); the teacher has ``requires_grad=False`` and never holds a ``.grad``. On non-update steps
-the student runs only under ``no_grad``: no graph, no gradient, its weights and optimizer state do
-not change (grad clipping, EMA and compute-copy refreshes follow :meth:`roles_to_step`).
+Two phases per micro-batch, one graph alive at a time: :meth:`single_train_step` rolls out and
+computes the generator loss; :meth:`backward` backpropagates it (freeing the student's graph), then
+runs the critic's forward on the detached sample and backpropagates the critic loss (their graphs
+touch disjoint trainable parameters; the logged ``total_loss`` is their sum). The teacher has
+``requires_grad=False`` and never holds a ``.grad``. On non-update steps the student runs only under
+``no_grad``: no graph, no gradient, its weights and optimizer state do not change (grad clipping,
+EMA and compute-copy refreshes follow :meth:`roles_to_step`).
 
 **Score timesteps** τ (teacher/critic queries, and the critic's training t): per sample, from the
 teacher's shifted distribution truncated to ``[min_score_timestep_ratio, max_score_timestep_ratio]
@@ -258,8 +261,11 @@ class DMD2Method(TrainingMethod):
         loss = F.mse_loss(v, noise - x0)
         return loss, {"critic_timestep": t.mean()}
 
-    # -- one micro-batch --------------------------------------------------------------------
+    # -- one micro-batch: two phases, one graph alive at a time ----------------------------
     def single_train_step(self, batch: dict[str, Any], step: int) -> StepOutput:
+        """Phase 1: the exit draw, the rollout and (update steps) the generator loss. The critic's
+        forward waits for :meth:`backward`, after the student's graph is freed: the student's and the
+        critic's activations are never held together (at the Wan-1.3B shape they would not fit one GPU)."""
         update = self.is_update_step(step)
         exit_step = self.draw_exit_step(batch)
         if self.config.check_rank_agreement:  # before any forward: under FSDP2 a mismatch would hang, not fail
@@ -267,23 +273,29 @@ class DMD2Method(TrainingMethod):
         x0, cond = self.rollout(batch, exit_step, with_grad=update)
         losses: dict[str, torch.Tensor] = {}
         metrics: dict[str, torch.Tensor] = self.exit_metrics(exit_step)
-        total = None
+        gen_loss = None
         if update:
             gen_loss, gen_metrics = self.generator_loss(x0, cond)
             losses["generator_loss"] = gen_loss.detach()
             metrics.update(gen_metrics)
-            total = gen_loss
-        crit_loss, crit_metrics = self.critic_loss(x0, cond)
-        losses["critic_loss"] = crit_loss.detach()
-        metrics.update(crit_metrics)
-        total = crit_loss if total is None else total + crit_loss
-        return StepOutput(losses={"total_loss": total, **losses}, backward_ctx={"update": update}, metrics=metrics)
+        total = gen_loss if gen_loss is not None else torch.zeros((), device=x0.device)
+        ctx = {"update": update, "generator_loss": gen_loss, "sample": x0.detach(), "cond": cond}
+        return StepOutput(losses={"total_loss": total, **losses}, backward_ctx=ctx, metrics=metrics)
 
     def backward(self, output: StepOutput, grad_accum_rounds: int = 1) -> None:
-        """One backward of generator + critic loss (through the student's plugin on update steps,
-        else the critic's: the student then has no graph)."""
-        role = self.student if (output.backward_ctx or {}).get("update") else self.critic
-        role.backward(output.losses["total_loss"], None, grad_accum_rounds)
+        """Phase 2: the generator's backward (update steps; it frees the student's graph), then the
+        critic's forward on the detached sample and its backward. Adds ``critic_loss`` and its
+        metrics to ``output`` and makes ``total_loss`` the generator + critic loss (detached: both
+        backwards are done). Draw order is unchanged (the generator's τ, ε_τ, then the critic's t, ε)."""
+        ctx = output.backward_ctx
+        gen_loss = ctx.pop("generator_loss")
+        if gen_loss is not None and gen_loss.requires_grad:
+            self.student.backward(gen_loss, None, grad_accum_rounds)
+        crit_loss, crit_metrics = self.critic_loss(ctx.pop("sample"), ctx.pop("cond"))
+        self.critic.backward(crit_loss, None, grad_accum_rounds)
+        output.losses["critic_loss"] = crit_loss.detach()
+        output.losses["total_loss"] = output.losses["total_loss"].detach() + output.losses["critic_loss"]
+        output.metrics.update(crit_metrics)
 
     def _check_rank_agreement(self, exit_step: int) -> None:
         """Raise when ranks drew different exit steps (``exit_step``: :meth:`exit_code` of the draw) or

@@ -169,8 +169,3 @@ class SelfForcingMethod(DMD2Method):
             student.clear_caches(ROLLOUT_CACHE)
         return torch.cat(chunks, dim=2), tb
 
-    def generator_loss(self, x0: torch.Tensor, cond: TrainingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, metrics = super().generator_loss(x0, cond)
-        if not x0.requires_grad:  # no chunk kept a graph (enable_gradient_in_rollout false / start_gradient_frame)
-            loss = loss.detach()
-        return loss, metrics

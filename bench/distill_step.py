@@ -1,0 +1,391 @@
+"""Benchmark: distillery's DMD2 and Self-Forcing training iterations on the Wan2.1-T2V-1.3B shape vs the plain-diffusers
+DMD2 anchor (``shared/anchors/plain_diffusers_dmd2_step.py``).
+
+Runs, in one GPU job, each configuration in its own process (so peak memory is per configuration), through the real
+``Trainer`` (parquet latent loading, fp32 master weights + bf16 compute copies of the trainable roles, fused AdamW, grad
+clipping at 1.0, one host sync per step), all three roles Wan-1.3B-shaped with random weights, batch 1, 512×4096 text:
+
+  - ``dmd2_data``  — ``DMD2Method``, ``rollout: data_latent`` (the anchor's regime);
+  - ``dmd2_sim``   — ``DMD2Method``, ``rollout: simulate`` down a 4-step student ladder (no-grad steps before the exit);
+  - ``sf``         — ``SelfForcingMethod``: causal student (``CausalWanModel``, ``chunk_size`` 3: 7 chunks of 21 latent
+                     frames), 4-step ladder, bidirectional teacher and critic;
+
+with ``generator_update_interval: 1`` (every iteration is a generator + critic update, as in the anchor) and
+``real_score_guidance_scale: 4`` (the teacher runs conditional + unconditional, as in the anchor). Student and critic
+train (the critic with its own optimizer, betas [0, 0.999], as the anchor's), the teacher is frozen.
+
+Per configuration: the median wall time of the post-warm-up iterations (the trainer's ``step_time_s``), the GPU span of
+each iteration (CUDA events recorded around the trainer's ``_train_step``), FLOPs counted per role from what the method
+runs (see :func:`iteration_flops`; model FLOPs exclude activation-checkpoint recomputation, "executed" FLOPs include it),
+TFLOP/s and its fraction of the bf16 matmul ceiling measured in the same job (:func:`matmul_ceiling`), peak memory.
+The anchor's figures are read from ``$OUT/anchor_dmd2_<T>x<H>x<W>.json`` (run it first in the same job:
+``bench/gpu_distill_job.sh``).
+
+The three Wan transformers' random initial weights are drawn on the training device instead of the CPU (``WanTransformer3DModel.from_config``
+runs under ``torch.device(cuda)``): the same random-init model, the same placement, compute copies and training path,
+minus ~10 s of serial CPU random-number generation per role and configuration.
+
+Usage (device machine):
+  python bench/distill_step.py [--runs dmd2_data:21x60x104:default:on,...] [--steps 6 --warmup 2] [--deadline S]
+  one configuration:  python bench/distill_step.py --one dmd2_data 21 30 52 default off
+Run spec: METHOD:LATENT:COMPILE:AC[:OPTS] — COMPILE ``default`` (training.model.compile null: compiled on CUDA), ``eager``
+or ``compile``; AC ``on``/``off`` (training.model.activation_checkpointing); OPTS ``steps=N;warmup=N;nproc=N;NAME=VALUE``
+(``nproc`` > 1: FSDP2 over N GPUs under torchrun, one sample per rank, rank 0's figures): this
+configuration's iteration counts and environment variables (e.g. ``TORCH_LOGS=recompiles`` with ``--child-logs``).
+Prints a table and writes ``$OUT/distill_step<tag>.json`` after every configuration.
+CPU check of this script: ``BENCH_SMOKE=1 python bench/distill_step.py`` (tiny model and latents).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sft_step import TEXT_LEN, WAN_1_3B, flops_per_sample, make_assets  # noqa: E402
+
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"
+CHUNK_SIZE = 3  # Self-Forcing student: latent frames per causal chunk
+STUDENT_STEPS = 4  # the student ladder (DMD2 simulate and Self-Forcing)
+GUIDANCE = 4.0  # teacher CFG, the anchor's w
+DEFAULT_RUNS = [  # most important first: a run cut by --deadline loses the least
+    "dmd2_data:21x60x104:default:on", "dmd2_data:21x30x52:default:off", "sf:21x30x52:default:off",
+    "dmd2_sim:21x30x52:default:off", "dmd2_sim:21x60x104:default:on", "sf:21x60x104:default:on",
+]
+if SMOKE:  # tiny shapes: 9 latent frames = 3 causal chunks
+    DEFAULT_RUNS = ["dmd2_data:9x8x8:default:off", "dmd2_sim:9x8x8:default:on", "sf:9x8x8:default:off", "sf:9x8x8:default:on"]
+
+
+# -- FLOPs ------------------------------------------------------------------------------------------
+def forward_flops(q_tokens: int, k_tokens: int | None = None, text: int = TEXT_LEN) -> float:
+    """One transformer forward over ``q_tokens`` query tokens whose self-attention reads ``k_tokens`` keys
+    (``None``: bidirectional over themselves). Dense: per layer 2·(4d² self-attn q,k,v,o + 2d² cross-attn q,o + 2·d·ffn)
+    per query token, plus the text's cross-attention k,v (2·2d² per text token, recomputed every forward);
+    attention: per layer 4·d·q·k (QKᵀ and PV) for self-attention and 4·d·q·text for cross-attention. Patch/time
+    embeddings, norms and the output head are left out. For ``k_tokens = q_tokens`` this is exactly a third of the SFT
+    formula (``sft_step.flops_per_sample``, the anchors' ``3 × forward``)."""
+    d = WAN_1_3B["num_attention_heads"] * WAN_1_3B["attention_head_dim"]
+    layers, ffn = WAN_1_3B["num_layers"], WAN_1_3B["ffn_dim"]
+    k_tokens = q_tokens if k_tokens is None else k_tokens
+    dense = q_tokens * layers * 2 * (6 * d * d + 2 * d * ffn) + text * layers * 2 * (2 * d * d)
+    attn = layers * (4 * q_tokens * k_tokens * d + 4 * q_tokens * text * d)
+    return float(dense + attn)
+
+
+def tokens_of(size: tuple[int, int, int]) -> int:
+    t, h, w = size
+    return t * (h // 2) * (w // 2)
+
+
+def iteration_flops(method: str, size: tuple[int, int, int], exits: list[int], ac: bool) -> dict:
+    """FLOPs of one iteration, per role, from what the method runs (backward = 2 × forward; activation checkpointing
+    re-runs each forward that keeps a graph once more in backward):
+
+    - DMD2 (``generator_update_interval`` 1, w ≠ 1): student — ``k`` no-grad forwards down the ladder (``simulate``
+      only, ``k`` = the exit step drawn) + 1 forward with graph + its backward; critic — 1 no-grad forward at (x_τ, τ)
+      + 1 flow-matching forward with graph + its backward; teacher — 2 no-grad forwards (conditional, unconditional).
+      The critic trains on the generator's own detached x̂0, so there is no extra student forward for it (the anchor
+      has one: 10 forward-equivalents against our 9 in ``data_latent``).
+    - Self-Forcing: per chunk c of n_c = frames·(H/2)(W/2) tokens after a cached prefix of P_c tokens, every student
+      forward costs ``forward_flops(n_c, P_c + n_c)`` (queries of the chunk attend to the prefix and the chunk); per
+      chunk ``k_c`` no-grad ladder forwards + 1 exit forward with graph (+ backward: every chunk, since
+      ``start_gradient_frame`` is 0) + 1 no-grad forward writing the chunk's keys/values to the cache (all but the last
+      chunk). Critic and teacher as DMD2, bidirectional over the whole video.
+
+    ``exits``: the exit step per iteration (DMD2) or per chunk (Self-Forcing), as the trainer logged them.
+    Returns ``{"model": total, "executed": total incl. recompute, "roles": {role: model FLOPs}}``.
+    """
+    n = tokens_of(size)
+    full = forward_flops(n)
+    assert abs(3 * full - flops_per_sample(*size)[0]) < 1e-6 * full  # the SFT formula, forward = 1/3
+    roles: dict[str, float] = {}
+    recompute = 0.0
+    if method in ("dmd2_data", "dmd2_sim"):
+        k = exits[0] if method == "dmd2_sim" else 0
+        roles["student"] = k * full + 3 * full
+        recompute += full
+    else:
+        t, h, w = size
+        per_frame = (h // 2) * (w // 2)
+        starts = list(range(0, t, CHUNK_SIZE))
+        total = 0.0
+        for c, s in enumerate(starts):
+            f = min(CHUNK_SIZE, t - s)
+            fc = forward_flops(f * per_frame, (s + f) * per_frame)
+            last = c == len(starts) - 1
+            total += (exits[c] + 1 + (0 if last else 1)) * fc + 2 * fc
+            recompute += fc
+        roles["student"] = total
+    roles["critic"] = full + 3 * full
+    recompute += full
+    roles["teacher"] = 2 * full
+    model = sum(roles.values())
+    return {"model": model, "executed": model + (recompute if ac else 0.0), "roles": roles}
+
+
+# -- the run config -----------------------------------------------------------------------------------
+def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, steps: int, compile_blocks: bool | None,
+                       ac: bool, attention: str = "native") -> dict:
+    """The raw run config of one configuration (batch 1, lr 1e-5, critic betas [0, 0.999], grad clip 1.0, no tracking)."""
+    wan = "distillery.models.wan.WanModel"
+    student = {"_target_": wan, "init_from": str(model), "random_init": True}
+    knobs = {"generator_update_interval": 1, "real_score_guidance_scale": GUIDANCE, "num_student_steps": STUDENT_STEPS}
+    if method == "sf":
+        student = {"_target_": "distillery.models.wan.CausalWanModel", "init_from": str(model), "random_init": True,
+                   "chunk_size": CHUNK_SIZE}
+        target = "distillery.methods.self_forcing.SelfForcingMethod"
+        knobs["rollout"] = "simulate"
+    else:
+        target = "distillery.methods.dmd2.DMD2Method"
+        knobs["rollout"] = {"dmd2_data": "data_latent", "dmd2_sim": "simulate"}[method]
+    return {
+        "models": {
+            "student": student,
+            "critic": {"_target_": wan, "init_from": str(model), "random_init": True,
+                       "optimizer": {"learning_rate": 1e-5, "betas": [0.0, 0.999]}},
+            "teacher": {"_target_": wan, "init_from": str(model), "random_init": True, "trainable": False},
+        },
+        "method": {"_target_": target, **knobs},
+        "training": {
+            "data": {"path": str(data), "batch_size": 1, "text_max_length": TEXT_LEN},
+            "optimizer": {"learning_rate": 1e-5},
+            "loop": {"max_train_steps": steps, "progress_bar": False},
+            "checkpoint": {"output_dir": str(output_dir), "save_final": False},
+            "tracker": {"backend": "none"},
+            "model": {"compile": compile_blocks, "activation_checkpointing": ac, "attention_backend": attention},
+        },
+        "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}},
+    }
+
+
+def _exits(method: str, row: dict, size: tuple[int, int, int]) -> list[int]:
+    if method != "sf":
+        return [int(round(row.get("exit_step", 0.0)))]
+    chunks = len(range(0, size[0], CHUNK_SIZE))
+    return [int(round(row[f"exit_step/chunk{c}"])) for c in range(chunks)]
+
+
+def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None, ac: bool, steps: int, warmup: int) -> dict:
+    """Train ``steps`` iterations with the real Trainer; report post-warm-up medians and per-iteration FLOPs."""
+    import torch
+
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.engine.builder import resolve_compile
+    from distillery.engine.distributed import init_distributed, shutdown
+    from distillery.engine.loop import Trainer
+
+    spans: list[tuple] = []
+    cuda = torch.cuda.is_available()
+    if cuda:  # GPU span of each iteration: CUDA events around the trainer's step (read after the run)
+        inner = Trainer._train_step
+
+        def timed_step(self, step):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = inner(self, step)
+            b.record()
+            spans.append((a, b))
+            return out
+
+        Trainer._train_step = timed_step
+    with tempfile.TemporaryDirectory() as tmp:
+        model, data = make_assets(Path(tmp), size)
+        raw = distill_run_config(model, data, Path(tmp) / "run", method, steps, compile_blocks, ac)
+        config = load_run_config(raw=raw, prefixes=allowed_prefixes())
+        env = init_distributed(config.training.distributed)
+        try:
+            if env.device.type == "cuda":  # draw the random initial weights on the GPU (module doc)
+                from diffusers import WanTransformer3DModel
+
+                on_cpu = WanTransformer3DModel.from_config
+
+                def from_config_on_device(*args, **kwargs):
+                    with torch.device(env.device):
+                        return on_cpu(*args, **kwargs)
+
+                WanTransformer3DModel.from_config = from_config_on_device
+            t0 = time.perf_counter()
+            trainer = Trainer(config, env)
+            build_s = time.perf_counter() - t0
+            compiled = resolve_compile(config.training.model, env)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            static_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
+            t0 = time.perf_counter()
+            result = trainer.fit()
+            fit_s = time.perf_counter() - t0
+            if cuda:
+                torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+            peak_reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else None
+        finally:
+            shutdown()
+    hist = result.history
+    times = [row["step_time_s"] for row in hist]
+    gpu = [a.elapsed_time(b) / 1e3 for a, b in spans] if spans else []
+    flops = [iteration_flops(method, size, _exits(method, row, size), ac) for row in hist]
+    meas = slice(warmup, None)
+    m_times, m_flops = times[meas], flops[meas]
+    model_flops = sum(f["model"] for f in m_flops)
+    executed = sum(f["executed"] for f in m_flops)
+    return {
+        "method": method, "size": list(size), "tokens": tokens_of(size), "compile": compile_blocks, "compiled": compiled,
+        "activation_checkpointing": ac, "iteration_s": statistics.median(m_times), "mean_iteration_s": statistics.mean(m_times),
+        "gpu_iteration_s": statistics.median(gpu[meas]) if gpu else None, "first_iteration_s": times[0],
+        "model_tflop_per_iteration": model_flops / len(m_flops) / 1e12,
+        "executed_tflop_per_iteration": executed / len(m_flops) / 1e12,
+        "tflops": model_flops / sum(m_times) / 1e12, "executed_tflops": executed / sum(m_times) / 1e12,
+        "role_tflop_per_iteration": {r: statistics.mean(f["roles"][r] for f in m_flops) / 1e12 for r in m_flops[0]["roles"]},
+        "exits": [_exits(method, row, size) for row in hist], "peak_mem_gib": peak, "peak_reserved_gib": peak_reserved,
+        "static_mem_gib": static_gib, "build_s": build_s, "fit_s": fit_s, "iteration_times": times, "gpu_times": gpu,
+        "final_losses": {k: hist[-1][k] for k in ("generator_loss", "critic_loss") if k in hist[-1]},
+    }
+
+
+def matmul_ceiling() -> dict:
+    """bf16 matmul rate, 8192³ on random data (3 warm-ups, median of 20 timed with CUDA events)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"bf16_matmul_tflops": None}
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return {"bf16_matmul_tflops": 2 * n**3 / statistics.median(times) / 1e12, "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__}
+
+
+def _child(cmd: list[str], timeout: float, env: dict | None = None, log: Path | None = None,
+           label: str = "") -> tuple[dict | None, str]:
+    """Run one configuration; its RESULT line, or None and the end of its output. ``log``: append its stderr there."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stderr or b"")
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        return None, f"timed out after {timeout:.0f} s\n{out[-1500:]}"
+    if log is not None:
+        with log.open("a") as fh:
+            fh.write(f"==== {label} rc={proc.returncode}\n{proc.stderr}\n")
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not line:
+        return None, (proc.stderr or proc.stdout)[-3000:]
+    return json.loads(line[-1][len("RESULT "):]), ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--one", nargs=6, metavar=("METHOD", "T", "H", "W", "COMPILE", "AC"))
+    parser.add_argument("--probe", action="store_true", help="print the bf16 matmul ceiling and exit")
+    parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="comma list of METHOD:TxHxW:COMPILE:AC")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--deadline", type=float, default=0, help="seconds: start no configuration after this, cap timeouts")
+    parser.add_argument("--config-timeout", type=float, default=420)
+    parser.add_argument("--child-logs", action="store_true", help="append every configuration's stderr to $OUT/children.log")
+    parser.add_argument("--tag", default="", help="write $OUT/distill_step<tag>.json")
+    args = parser.parse_args()
+    out_dir = Path(os.environ.get("OUT", "/tmp"))
+    if args.probe:
+        print("RESULT " + json.dumps(matmul_ceiling()), flush=True)
+        return 0
+    if args.one:
+        method, t, h, w, comp, ac = args.one
+        res = run_one(method, (int(t), int(h), int(w)), {"eager": False, "compile": True, "default": None}[comp], ac == "on",
+                      args.steps, args.warmup)
+        res["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: rank 0's figures (each rank one sample)
+            print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    started = time.time()
+    ceiling, err = _child([sys.executable, __file__, "--probe"], 120)
+    ceiling = ceiling or {"bf16_matmul_tflops": None, "error": err[-300:]}
+    peak = ceiling.get("bf16_matmul_tflops")
+    print(json.dumps(ceiling), flush=True)
+    anchors = {}
+    for path in out_dir.glob("anchor_dmd2_*.json"):
+        ref = json.loads(path.read_text())
+        anchors["x".join(map(str, ref["latent"]))] = ref
+    rows: list[dict] = []
+    for spec in args.runs.split(","):
+        method, latent, comp, ac, *extra = spec.split(":")
+        size = tuple(int(v) for v in latent.split("x"))
+        # optional 5th field: steps=N;warmup=N (this configuration's counts) and NAME=VALUE (its environment)
+        opts = dict(kv.split("=", 1) for kv in extra[0].split(";")) if extra and extra[0] else {}
+        steps, warmup = int(opts.pop("steps", args.steps)), int(opts.pop("warmup", args.warmup))
+        nproc = int(opts.pop("nproc", 1))  # > 1: FSDP2 over that many GPUs under torchrun, one sample per rank
+        timeout = args.config_timeout
+        if args.deadline:
+            left = args.deadline - (time.time() - started)
+            if left < (150 if tokens_of(size) > 16384 else 75):  # roughly what one configuration needs at the least
+                rows.append({"method": method, "size": list(size), "compile": comp, "activation_checkpointing": ac == "on",
+                             "error": "skipped: job deadline"})
+                print(f"SKIPPED {spec} (deadline)", flush=True)
+                continue
+            timeout = min(timeout, left)
+        launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                        "--nproc_per_node", str(nproc)]
+        cmd = [*launcher, __file__, "--one", method, *map(str, size), comp, ac, "--steps", str(steps),
+               "--warmup", str(warmup)]
+        t0 = time.time()
+        res, err = _child(cmd, timeout, {**os.environ, **opts}, out_dir / "children.log" if args.child_logs else None, spec)
+        if res is None:
+            print(f"FAILED {spec} after {time.time() - t0:.0f} s:\n{err}", flush=True)
+            oom = "OutOfMemoryError" in err or "out of memory" in err
+            rows.append({"method": method, "size": list(size), "compile": comp, "activation_checkpointing": ac == "on",
+                         "error": ("CUDA out of memory: " if oom else "") + err[-600:]})
+        else:
+            res["wall_s"] = time.time() - t0
+            ref = anchors.get(latent)
+            if ref:
+                res["anchor_iteration_s"] = ref["iteration_s"]
+                res["anchor_peak_mem_gib"] = ref["peak_mem_gib"]
+                res["ratio_to_anchor"] = res["iteration_s"] / ref["iteration_s"]
+                res["speedup_vs_anchor"] = ref["iteration_s"] / res["iteration_s"]
+            if peak:
+                res["fraction_of_ceiling"] = res["tflops"] / peak
+            rows.append(res)
+            print(json.dumps({k: v for k, v in res.items() if k not in ("iteration_times", "gpu_times", "exits")}), flush=True)
+        (out_dir / f"distill_step{args.tag}.json").write_text(json.dumps({"ceiling": ceiling, "anchor": anchors, "ours": rows},
+                                                                          indent=1))
+    print(f"\nbf16 matmul ceiling: {peak} TFLOP/s")
+    for key, ref in sorted(anchors.items()):
+        print(f"anchor {key}: {ref['iteration_s']:.3f} s, {ref['tflops']:.0f} TFLOP/s, {ref['peak_mem_gib']:.1f} GiB")
+    print(f"{'method':>9} {'latent':>10} {'mode':>8} {'AC':>3} {'iter s':>7} {'GPU s':>7} {'TFLOP/it':>8} {'TFLOP/s':>7} "
+          f"{'ceil':>5} {'GiB':>6} {'anchor':>7} {'ratio':>6}")
+    for r in rows:
+        latent = "x".join(map(str, r["size"]))
+        mode = {True: "compile", False: "eager", None: "default"}.get(r["compile"], str(r["compile"]))
+        if r.get("compiled") is not None and r["compile"] is None:
+            mode = "def:" + ("comp" if r["compiled"] else "eag")
+        ac = "on" if r["activation_checkpointing"] else "off"
+        if "error" in r:
+            print(f"{r['method']:>9} {latent:>10} {mode:>8} {ac:>3}  FAILED: {r['error'][:60]!r}")
+            continue
+        nan = float("nan")
+        r = {k: (nan if v is None else v) for k, v in r.items()}
+        print(f"{r['method']:>9} {latent:>10} {mode:>8} {ac:>3} {r['iteration_s']:7.3f} {r['gpu_iteration_s']:7.3f} "
+              f"{r['model_tflop_per_iteration']:8.1f} {r['tflops']:7.1f} {r.get('fraction_of_ceiling', nan):5.2f} "
+              f"{r['peak_mem_gib']:6.1f} {r.get('anchor_iteration_s', nan):7.3f} {r.get('ratio_to_anchor', nan):6.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
