@@ -314,3 +314,47 @@ def test_the_plan_survives_fsdp_input_casting(cond):
     cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16), (torch.ones(2), rotary))[1]
     assert isinstance(cast, _PlannedRotary) and cast.plan is plan and cast.plan.store is plan.store
     assert cast.freqs_cos.dtype == torch.bfloat16
+
+
+def test_a_causal_dfsft_student_samples_causally_and_plain_folders_load_causal(causal2, tmp_path):
+    """DFSFT on a causal student declares Euler under the block-causal mask (``chunk_size`` in the
+    contract) and refuses a noise chunk that differs from the attention chunk; the contract's
+    ``model_options`` make validate/export load a plain folder as the causal model it is, and the
+    samplers refuse a model that is not causal or has other chunks."""
+    from pathlib import Path
+
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.methods.dfsft import DFSFTConfig, DFSFTMethod
+    from distillery.models.wan import load_inference_model
+    from helpers import run_config
+
+    base = shipped_tiny_base()
+    training = load_run_config(raw=run_config(base, tmp_path, Path("unused")), prefixes=allowed_prefixes()).training
+    student = _causal(2, trainable=True)
+    contract = DFSFTMethod(DFSFTConfig(chunk_size=2), {"student": student}, training).sampling_contract()
+    assert contract == {"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000, "chunk_size": 2}
+    with pytest.raises(UserError, match="method.chunk_size 3 differs from models.student.chunk_size 2"):
+        DFSFTMethod(DFSFTConfig(chunk_size=3), {"student": student}, training)
+    bidirectional = WanModel(WanModelConfig(init_from=str(base)), "student")
+    assert "chunk_size" not in DFSFTMethod(DFSFTConfig(chunk_size=3), {"student": bidirectional}, training).sampling_contract()
+
+    euler = build_sampler(contract)
+    streaming = build_sampler({**contract, "sampler": "causal_streaming"})
+    assert euler.model_options() == streaming.model_options() == {"chunk_size": 2}
+    assert build_sampler({"sampler": "euler"}).model_options() == {}
+    loaded = load_inference_model(base, **euler.model_options())
+    assert isinstance(loaded, CausalWanModel) and loaded.chunk_size == 2 and not loaded.transformer.training
+    with pytest.raises(UserError, match="names no chunk_size"):
+        build_sampler({"sampler": "causal_streaming"}).model_options()
+    cond = Conditioning(torch.randn(1, 6, 32))
+    x = torch.randn(1, C, 5, H, W)
+    t = torch.full((1,), 500.0)
+    with torch.no_grad():  # the same weights, the same block-causal forward as the fixture's model
+        torch.testing.assert_close(loaded.predict_noise(x, t, cond), causal2.predict_noise(x, t, cond))
+    for sampler in (euler, streaming):
+        with pytest.raises(UserError, match="needs a causal model"):
+            sampler.sample(bidirectional, cond, (C, 5, H, W), torch.Generator().manual_seed(0), num_steps=2)
+        with pytest.raises(UserError, match="chunk_size 2 differs from the model's 3"):
+            sampler.sample(_causal(3), cond, (C, 5, H, W), torch.Generator().manual_seed(0), num_steps=2)
+    assert euler.nfe(num_steps=40, num_frames=5) == 40  # one full-sequence forward per step
+    assert streaming.nfe(num_steps=40, num_frames=5) == 3 * 40 + 2  # 3 chunks of 2, 2, 1 frames + 2 cache writes

@@ -80,10 +80,11 @@ def test_training_table_reads_only_its_dvc_params():
     params (so DVC reruns the stage when it changes), and the template it fills is a dep."""
     for name, spec in TRAINING_STAGES.items():
         declared = stage_params(name, ROOT)
-        outside = [k for k in spec.params if not covers(declared, k)]
+        outside = [k for k in spec.params_read() if not covers(declared, k)]
         assert not outside, f"stage {name}: table reads {outside}, not in its dvc.yaml params {declared}"
         assert "gpus" in declared  # the launcher's command line
-        assert spec.template in load_dvc_stages(ROOT)[name].deps, f"stage {name}: template {spec.template} not a dep"
+        for template in spec.templates():
+            assert template in load_dvc_stages(ROOT)[name].deps, f"stage {name}: template {template} not a dep"
         for stage in spec.inputs.values():
             assert f"artifacts/{stage}" in load_dvc_stages(ROOT)[name].deps, f"stage {name}: input artifacts/{stage} not a dep"
 
@@ -94,7 +95,7 @@ def test_params_schema_knows_every_key_a_stage_reads():
         for key in stage_params(name, ROOT):
             params.get(key)  # raises (UserError) on a key the schema lacks
     for spec in TRAINING_STAGES.values():
-        for key in spec.params:
+        for key in spec.params_read():
             params.get(key)
 
 

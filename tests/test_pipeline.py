@@ -2,9 +2,9 @@
 
 One module-scoped run of the whole DAG by the Prefect flow built from dvc.yaml (on Prefect's local
 ephemeral API); then: a no-op `dvc repro`, lineage of an export copied elsewhere (verify passes,
-then fails naming a flipped weight file), the export in a fresh process with stock diffusers
-reproducing the validate stage's samples, and a changed `pretrain.*` param rerunning only pretrain
-and what follows, from step 1. Kills and resumes are in tests/reliability (test_kill_anywhere.py,
+then fails naming a flipped weight file), the export (the Self-Forcing student) loaded by diffusers
+with the folder's own pipeline in a fresh process reproducing the validate stage's samples, and a
+changed `pretrain.*` param rerunning only pretrain and what follows, from step 1. Kills and resumes are in tests/reliability (test_kill_anywhere.py,
 test_stage_trust.py).
 """
 
@@ -73,16 +73,18 @@ def _run_prefect_flow(repo: Path, home: Path) -> dict[str, object]:
 
 def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    stages = {"clips", "base", "latents", "teacher", "pretrain", "validate", "export"}
+    stages = {"clips", "base", "latents", "teacher", "pretrain", "distill", "validate", "export"}
     assert set(lock["stages"]) == stages  # the Prefect flow ran every stage through DVC
     assert {name: r["status"] for name, r in FLOW["results"].items()} == dict.fromkeys(stages, "ran")
-    assert FLOW["results"]["validate"]["metrics"]["pretrain_4/nfe"] == 8
+    assert FLOW["results"]["validate"]["metrics"]["pretrain_4/nfe"] == 8  # Euler under the causal mask, CFG
     assert "artifacts/validate/report/grid.gif" in FLOW["artifacts"]["validate-validation-grid"]
-    assert {"teacher-metrics", "pretrain-metrics", "validate-metrics", "export-metrics"} <= set(FLOW["artifacts"])
+    assert {"teacher-metrics", "pretrain-metrics", "distill-metrics", "validate-metrics", "export-metrics"} <= set(FLOW["artifacts"])
     report = repo / "artifacts" / "validate" / "report"
     assert (report / "grid.gif").is_file() and (report / "grid.mp4").is_file()
     scores = json.loads((repo / "metrics" / "validate.json").read_text())
-    assert scores["teacher_6/nfe"] == 12 and scores["teacher_2/nfe"] == 4 and scores["pretrain_4/nfe"] == 8
+    # the Self-Forcing student streams chunk by chunk (chunk_size 1): 5 chunks × 4 steps + 4 cache writes, no CFG
+    assert scores["teacher_6/nfe"] == 12 and scores["teacher_2/nfe"] == 4 and scores["distill_4/nfe"] == 5 * 4 + 4
+    assert scores["teacher_6/frechet_distance"] == 0.0 and scores["distill_4/frechet_distance"] > 0.0
     rows = json.loads((report / "report.json").read_text())["per_prompt"]
     for cand, per in rows.items():  # every headline number is the mean of the per-prompt rows written beside it
         assert len(per) == 2
@@ -110,7 +112,7 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
     parents = [r for r in runs if r.data.tags.get("distillery.kind") == "pipeline"]
     assert len(parents) == 1 and parents[0].data.tags["distillery.pipeline_key"] == f"prefect-{FLOW['flow_run_id']}"
     children = {r.data.tags.get("mlflow.runName") for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
-    assert children >= {"clips", "base", "latents", "teacher", "pretrain", "validate", "export"}
+    assert children >= {"clips", "base", "latents", "teacher", "pretrain", "distill", "validate", "export"}
 
 
 def test_every_module_a_stage_imports_is_one_of_its_deps(repo):
@@ -124,10 +126,10 @@ def test_lineage_of_a_copied_export_verifies_and_names_an_altered_file(repo, tmp
     elsewhere = tmp_path / "elsewhere" / "export"
     shutil.copytree(repo / "artifacts" / "export", elsewhere)
     tree = sh(["distillery", "lineage", str(elsewhere)], tmp_path).stdout
-    for stage in ("export", "pretrain", "teacher", "latents", "base", "clips"):  # validate is a sibling, not an input
+    for stage in ("export", "distill", "pretrain", "teacher", "latents", "base", "clips"):  # validate is a sibling
         assert f"{stage} [" in tree or f": {stage} [" in tree, stage
     manifest = json.loads(sh(["distillery", "lineage", str(elsewhere), "--json"], tmp_path).stdout)
-    assert manifest["stage"] == "export" and manifest["inputs"][0]["lineage"]["stage"] == "pretrain"
+    assert manifest["stage"] == "export" and manifest["inputs"][0]["lineage"]["stage"] == "distill"
     assert "verified" in sh(["distillery", "lineage", str(elsewhere), "--verify"], tmp_path).stdout
     weights = elsewhere / "transformer" / "diffusion_pytorch_model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -139,21 +141,20 @@ def test_lineage_of_a_copied_export_verifies_and_names_an_altered_file(repo, tmp
 
 
 def test_export_loads_in_a_fresh_process_and_reproduces_the_validate_samples(repo, tmp_path):
-    """Stock WanPipeline on the export folder alone, with the validate stage's prompts, seeds and step
-    count for the exported student, returns the latents the validate stage sampled (and decodes them)."""
+    """diffusers' DiffusionPipeline on the export folder alone, with the folder's own pipeline module
+    (the causal Self-Forcing student streams chunk by chunk), and the validate stage's prompts and
+    seeds, returns the latents the validate stage sampled for the distilled student (and decodes them)."""
     code = (
         "import json, sys, torch\n"
-        "from diffusers import WanPipeline\n"
+        "from diffusers import DiffusionPipeline\n"
         "from safetensors.torch import load_file\n"
         "export, report_dir, name = sys.argv[1:4]\n"
         "report = json.load(open(f'{report_dir}/report.json'))\n"
-        "cand = next(c for c in report['candidates'] if c['name'] == name)\n"
         "saved = load_file(f'{report_dir}/samples/{name}/latents.safetensors')\n"
-        "pipe = WanPipeline.from_pretrained(export)\n"
-        "pipe.set_progress_bar_config(disable=True)\n"
+        "pipe = DiffusionPipeline.from_pretrained(export, custom_pipeline=export, trust_remote_code=True)\n"
+        "print('class', type(pipe).__name__)\n"
         "cfg = report['config']\n"
-        "kw = dict(negative_prompt='', num_frames=cfg['num_frames'], height=cfg['height'], width=cfg['width'],\n"
-        "          num_inference_steps=cand['num_steps'], guidance_scale=cand['guidance_scale'],\n"
+        "kw = dict(num_frames=cfg['num_frames'], height=cfg['height'], width=cfg['width'],\n"
         "          max_sequence_length=report['max_sequence_length'])\n"
         "for i, (prompt, seed) in enumerate(zip(report['prompts'], report['seeds'])):\n"
         "    out = pipe(prompt, generator=torch.Generator().manual_seed(seed), output_type='latent', **kw).frames[0]\n"
@@ -162,17 +163,19 @@ def test_export_loads_in_a_fresh_process_and_reproduces_the_validate_samples(rep
         "print('video', v.shape)\n"
     )
     report = repo / "artifacts" / "validate" / "report"
-    out = subprocess.run([sys.executable, "-c", code, str(repo / "artifacts" / "export"), str(report), "pretrain_4"],
+    assert json.loads((repo / "artifacts" / "export" / "sampling.json").read_text())["sampler"] == "causal_streaming"
+    out = subprocess.run([sys.executable, "-c", code, str(repo / "artifacts" / "export"), str(report), "distill_4"],
                          capture_output=True, text=True, timeout=300, env={**_env(), "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     diffs = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("max_abs_diff")]
     assert len(diffs) == 2 and max(diffs) <= 1e-5, out.stdout
+    assert "class DistilledWanPipeline" in out.stdout
     assert "video (17, 32, 32, 3)" in out.stdout
 
 
 def test_changing_a_pretrain_param_reruns_only_pretrain_and_what_follows(repo):
     """The rerun trains pretrain afresh from step 1 with the new value (never resumes the old run's
-    checkpoints), and the export ships those new weights."""
+    checkpoints), distills again from it, and the export ships those new weights."""
     from helpers import role_state
 
     exported = repo / "artifacts" / "export" / "transformer" / "diffusion_pytorch_model.safetensors"
@@ -183,7 +186,7 @@ def test_changing_a_pretrain_param_reruns_only_pretrain_and_what_follows(repo):
     assert "pretrain" in status and "teacher:" not in status and "latents:" not in status
     proc = sh(["dvc", "repro"], repo)
     ran = [line.split("'")[1] for line in proc.stdout.splitlines() if line.startswith("Running stage")]
-    assert ran[0] == "pretrain" and set(ran) == {"pretrain", "validate", "export"}, proc.stdout
+    assert ran[0] == "pretrain" and set(ran) == {"pretrain", "distill", "validate", "export"}, proc.stdout
     assert "not resuming runs/pretrain (changed: the run config): starting from step 0" in proc.stderr
     assert "resumed from" not in proc.stderr
     steps = [json.loads(line)["step"] for line in (repo / "runs" / "pretrain" / "train_log.jsonl").read_text().splitlines()]
@@ -192,8 +195,10 @@ def test_changing_a_pretrain_param_reruns_only_pretrain_and_what_follows(repo):
     assert any(not torch_equal(old_final[k], new_final[k]) for k in new_final)
     assert exported.read_bytes() != old_weights
     lineage = json.loads((repo / "artifacts" / "export" / "lineage.json").read_text())
-    student = lineage["inputs"][0]["lineage"]
-    assert student["stage"] == "pretrain" and student["config"]["training"]["optimizer"]["learning_rate"] == 1.0e-4
+    student = lineage["inputs"][0]["lineage"]  # the distilled student, whose student init is the new pretrain
+    pretrain = next(i["lineage"] for i in student["inputs"] if i["role"] == "student_init")
+    assert student["stage"] == "distill" and pretrain["stage"] == "pretrain"
+    assert pretrain["config"]["training"]["optimizer"]["learning_rate"] == 1.0e-4
     shipped = next(o["sha256"] for o in lineage["outputs"] if o["path"] == "transformer/diffusion_pytorch_model.safetensors")
     import hashlib
 

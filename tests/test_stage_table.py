@@ -58,14 +58,22 @@ def _unset(raw: dict, dotted: str) -> None:
     node.pop(last, None)
 
 
-@pytest.mark.parametrize("stage", list(TRAINING_STAGES))
-def test_template_filled_by_its_row(tmp_path, monkeypatch, stage):
-    params = _workspace(tmp_path, monkeypatch, {f"{stage}.learning_rate": 1.0e-5, f"{stage}.steps": 7})
-    spec = TRAINING_STAGES[stage]
+ROWS = [(name, variant) for name, spec in TRAINING_STAGES.items() for variant in (spec.variants or [None])]
+
+
+@pytest.mark.parametrize("stage,variant", ROWS)
+def test_template_filled_by_its_row(tmp_path, monkeypatch, stage, variant):
+    row = TRAINING_STAGES[stage]
+    updates = {f"{stage}.learning_rate": 1.0e-5, f"{stage}.steps": 7, "pretrain.chunk_size": 2}
+    if variant is not None:
+        updates[row.variant_key] = variant
+    params = _workspace(tmp_path, monkeypatch, updates)
     view = StageParams(params, stage, stage_params(stage))
+    spec = row.resolve(view)
+    assert spec.template == (row.variants[variant].template if variant else row.template) and spec.variant_key is None
     raw = fill_run_config(spec, view, "parent123")
-    init = spec.inputs["student"]
-    assert raw["models"]["student"]["init_from"] == f"artifacts/{init}/model"
+    for role, init in spec.inputs.items():
+        assert raw["models"][role]["init_from"] == f"artifacts/{init}/model"
     assert raw["training"]["optimizer"]["learning_rate"] == 1.0e-5 and isinstance(raw["training"]["optimizer"]["learning_rate"], float)
     assert raw["training"]["loop"]["max_train_steps"] == 7 and raw["training"]["loop"]["progress_bar"] is False
     assert raw["training"]["data"] == {"path": "artifacts/latents/data", "batch_size": params.get(f"{stage}.batch_size"),
@@ -73,8 +81,14 @@ def test_template_filled_by_its_row(tmp_path, monkeypatch, stage):
     assert raw["training"]["checkpoint"]["output_dir"] == f"runs/{stage}"
     assert raw["training"]["tracker"] == {"backend": "mlflow", "experiment": "distillery", "parent_run_id": "parent123",
                                           "run_name": stage, "tags": {"distillery.stage": stage}}
-    if stage == "pretrain":
-        assert raw["method"]["chunk_size"] == params.get("pretrain.chunk_size")
+    if stage == "pretrain":  # one params key, two config keys: the DF noise chunks are the causal attention chunks
+        assert raw["method"]["chunk_size"] == raw["models"]["student"]["chunk_size"] == 2
+    if variant == "self_forcing":  # the causal student attends over the chunks it was pretrained on
+        assert raw["models"]["student"]["chunk_size"] == 2 and raw["method"]["context_noise"] == params.get("distill.context_noise")
+    if stage == "distill":
+        assert raw["models"]["critic"]["optimizer"]["learning_rate"] == params.get("distill.critic_learning_rate")
+        assert raw["method"]["num_student_steps"] == params.get("distill.student_steps")
+        assert raw["method"]["_target_"].endswith({"self_forcing": "SelfForcingMethod", "dmd2": "DMD2Method"}[variant])
     # nothing but the overridden keys differs from the template
     template = yaml.safe_load(Path(spec.template).read_text())
     filled = copy.deepcopy(raw)

@@ -71,8 +71,8 @@ CLI_CASES = [
           "teacher.learning_rate: 1e-4 (YAML 1.1 reads it as text)", ["params.yaml: teacher.learning_rate: '1e-4'", "1.0e-4"]),
     _case("no teacher steps", _edited(validate__teacher_steps=[]), "validate.teacher_steps: []",
           ["params.yaml: validate.teacher_steps: []: must list at least one step count"]),
-    _case("unknown export", _edited(export__student="distill"), "export.student: distill",
-          ["params.yaml: export.student: 'distill'", "teacher, pretrain"]),
+    _case("unknown export", _edited(export__student="base"), "export.student: base",
+          ["params.yaml: export.student: 'base'", "teacher, pretrain, distill"]),
     _case("multi-node without rendezvous", _edited(gpus__nnodes=2), "gpus.nnodes: 2, rdzv_endpoint null",
           ["params.yaml: gpus.rdzv_endpoint: null: required when gpus.nnodes > 1"]),
     _case("not UTF-8", SHIPPED.encode() + b"# caf\xe9\n", "a Latin-1 byte 0xe9 in a comment",
@@ -139,15 +139,20 @@ RULES = [  # (edits, the message must contain)
     ({"validate__teacher_steps": [40, 0]}, "validate.teacher_steps: [40, 0]: step counts must be ≥ 1"),
     ({"validate__teacher_steps": [40, "4"]}, "validate.teacher_steps: [40, '4']: item 1 ('4'): expected an integer"),
     ({"validate__teacher_steps": 40}, "validate.teacher_steps: 40: expected a list"),
-    ({"validate__student_steps": 0}, "validate.student_steps: 0: must be ≥ 1"),
+    ({"validate__pretrain_steps": 0}, "validate.pretrain_steps: 0: must be ≥ 1"),
+    ({"validate__num_seeds": 0}, "validate.num_seeds: 0: must be ≥ 1"),
+    ({"distill__method": "sid"}, "distill.method: 'sid': valid values: self_forcing, dmd2"),
+    ({"distill__student_steps": 0}, "distill.student_steps: 0: must be ≥ 1"),
+    ({"distill__context_noise": 1000.0}, "distill.context_noise: 1000.0: must be in [0, 1000): a timestep"),
+    ({"distill__critic_learning_rate": 0}, "distill.critic_learning_rate: 0: must be a finite number > 0"),
     ({"validate__guidance_scale": -1.0}, "validate.guidance_scale: -1.0: must be a finite number ≥ 0"),
-    ({"export__student": "base"}, "export.student: 'base': valid values: teacher, pretrain"),
-    ({"teachr": {}}, "teachr: unknown key; valid keys: seed, gpus, clips, base, latents, teacher, pretrain, validate, "
-                     "export; did you mean teacher?"),
+    ({"export__student": "base"}, "export.student: 'base': valid values: teacher, pretrain, distill"),
+    ({"teachr": {}}, "teachr: unknown key; valid keys: seed, gpus, clips, base, latents, teacher, pretrain, distill, "
+                     "validate, export; did you mean teacher?"),
 ]
 
 
-@_mark("params.yaml schema: every range", "each schema rule broken once (35 edits)",
+@_mark("params.yaml schema: every range", "each schema rule broken once (40 edits)",
        "each refused in one line naming the key and the bad value")
 def test_every_rule_names_the_key(tmp_path, data_lost):
     path = tmp_path / "params.yaml"
@@ -172,7 +177,7 @@ def test_shipped_params_validate_unchanged(data_lost):
     assert to_plain(ParamsSchema()) == shipped  # the defaults are the shipped values
     assert set(TRAINING_STAGES) == set(TRAINING)
     dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
-    read = {k for spec in TRAINING.values() for k in spec.params} | {k for s in dvc["stages"].values() for k in s.get("params", [])}
+    read = {k for spec in TRAINING.values() for k in spec.params_read()} | {k for s in dvc["stages"].values() for k in s.get("params", [])}
     for key in read:
         params.get(key)  # raises on a key the schema lacks
     assert params.subset(["seed", "teacher"]) == {"seed": shipped["seed"], "teacher": shipped["teacher"]}

@@ -5,7 +5,9 @@ descending shifted timestep table (``FlowMatchSchedule.timestep_table``, n = 100
 ``[min_timestep_ratio·n, max_timestep_ratio·n)``. The per-frame MSE is weighted by
 ``w(i) = g(i) − min g`` with ``g(i) = exp(−2((i − n/2)/n)²)`` over all table indices ``i < n``,
 scaled so that the mean of ``w`` over the table is 1. This trains the student for the mixed noise
-levels of causal / streaming generation.
+levels of causal / streaming generation. With a causal student (a
+:class:`~distillery.models.base.CausalModelBase`, whose ``chunk_size`` must equal the method's) the
+artifact's sampling contract is Euler under the block-causal mask (``chunk_size`` in it).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any
 
 import torch
 
+from distillery.errors import UserError
 from distillery.methods.base import StepOutput, TrainingMethod, apply_caption_dropout, flow_matching_loss
+from distillery.models.base import CausalModelBase
 from distillery.models.schedule import FlowMatchSchedule
 
 
@@ -63,6 +67,19 @@ class DFSFTMethod(TrainingMethod):
         self.table = schedule.timestep_table()
         self.weights = dfsft_index_weights(len(self.table))
         self.index_lo, self.index_hi = index_range(len(self.table), config.min_timestep_ratio, config.max_timestep_ratio)
+        chunk = getattr(self.student, "chunk_size", None) if isinstance(self.student, CausalModelBase) else None
+        if chunk is not None and int(chunk) != config.chunk_size:
+            raise UserError(f"config error: method.chunk_size {config.chunk_size} differs from models.student.chunk_size "
+                            f"{chunk}: a causal student attends over the chunks DFSFT noises independently; make them equal")
+
+    def sampling_contract(self) -> dict[str, Any]:
+        """Many-step Euler; a causal student's contract adds its ``chunk_size`` (every frame denoised in
+        step under the block-causal mask: one of the noise-level patterns DF trains on, and one
+        forward per step — the chunk-by-chunk ``causal_streaming`` sampler also runs it)."""
+        contract = super().sampling_contract()
+        if isinstance(self.student, CausalModelBase):
+            contract["chunk_size"] = int(self.student.chunk_size)
+        return contract
 
     def sample_frame_indices(self, batch_size: int, num_frames: int) -> torch.Tensor:
         """Table indices ``[B, T]``: one draw per chunk, repeated over the chunk's frames."""

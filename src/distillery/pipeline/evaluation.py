@@ -30,30 +30,38 @@ def validation_prompts(n: int) -> list[str]:
 
 
 def stage_validate(params: StageParams) -> None:
-    """Teacher at many and few steps, the pretrained student at its steps: adherence, NFE, latency, distance."""
+    """The teacher at many and few steps (the reference: its first step count), the pretrain student
+    at its steps with the teacher's guidance, and the distilled student as its sampling contract
+    says (its ladder, no CFG: the guidance is distilled in) — adherence, distribution and paired
+    distance, sharpness, NFE, latency, each with its spread over seeds."""
     from distillery.validate import Candidate, ValidationConfig, run_validation, teacher_candidates
 
     v = params.get("validate")
     cfg = ValidationConfig(num_frames=params.get("clips.num_frames"), height=params.get("clips.size"),
                            width=params.get("clips.size"), fps=float(params.get("clips.fps")),
                            teacher_steps=list(v["teacher_steps"]), guidance_scale=float(v["guidance_scale"]),
-                           seed=params.get("seed"), progress_bar=False)
+                           seed=params.get("seed"), num_seeds=int(v["num_seeds"]), progress_bar=False)
     candidates = teacher_candidates(ARTIFACTS / "teacher" / "model", cfg)
-    # the student is sampled as its artifact's sampling.json says (the sampler registry, no kinds here)
-    candidates.append(Candidate.from_artifact(f"pretrain_{v['student_steps']}", ARTIFACTS / "pretrain" / "model",
-                                              int(v["student_steps"]), float(v["guidance_scale"])))
+    # students are sampled as their artifacts' sampling.json says (the sampler registry, no kinds here)
+    candidates.append(Candidate.from_artifact(f"pretrain_{v['pretrain_steps']}", ARTIFACTS / "pretrain" / "model",
+                                              int(v["pretrain_steps"]), float(v["guidance_scale"])))
+    distilled = Candidate.from_artifact("distill", ARTIFACTS / "distill" / "model")
+    candidates.append(Candidate.from_artifact(f"distill_{distilled.num_steps}", ARTIFACTS / "distill" / "model"))
     staging = fresh_staging("validate")
     metrics = run_validation(ARTIFACTS / "base" / "model", candidates, validation_prompts(int(v["num_prompts"])),
                              staging / "report", cfg)
     Path("plots").mkdir(exist_ok=True)
     shutil.copy2(staging / "report" / "plots" / "adherence.csv", Path("plots") / "validate_adherence.csv")
     finish("validate", staging, kind="validation", params=params, metrics=metrics,
-           inputs=[("teacher", ARTIFACTS / "teacher"), ("student", ARTIFACTS / "pretrain"), ("base", ARTIFACTS / "base"),
-                   ("data", ARTIFACTS / "latents")])
+           inputs=[("teacher", ARTIFACTS / "teacher"), ("pretrain", ARTIFACTS / "pretrain"),
+                   ("student", ARTIFACTS / "distill"), ("base", ARTIFACTS / "base"), ("data", ARTIFACTS / "latents")])
 
 
 def stage_export(params: StageParams) -> None:
-    """A complete diffusers folder: the base's parts + the chosen student's transformer, lineage inside."""
+    """A complete diffusers folder: the base's parts + the chosen student's transformer, its sampling
+    contract and the pipeline module that samples by it (``pipeline.py``), lineage inside."""
+    import importlib.util
+
     student = params.get("export.student")
     if student not in TRAINING_STAGES:
         raise UserError(f"params.yaml: export.student: {student!r}; valid: {', '.join(TRAINING_STAGES)}")
@@ -65,5 +73,8 @@ def stage_export(params: StageParams) -> None:
                     ignore=lambda folder, names: set(skip(folder, names)) | ({"transformer"} if Path(folder) == base else set()))
     shutil.copytree(ARTIFACTS / student / "model" / "transformer", model / "transformer")
     shutil.copy2(ARTIFACTS / student / "model" / "sampling.json", model / "sampling.json")
+    # the folder's own pipeline: DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder) samples as
+    # sampling.json says (few-step ladder, causal streaming) with the code validate used
+    shutil.copy2(importlib.util.find_spec("distillery.export_pipeline").origin, model / "pipeline.py")  # copied, not imported
     finish("export", staging, kind="export", params=params, metrics={"student_stage": 0 if student == "teacher" else 1},
            inputs=[("student", ARTIFACTS / student), ("base", ARTIFACTS / "base")])

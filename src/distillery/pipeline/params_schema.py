@@ -24,7 +24,7 @@ from typing import Any, Literal, Union
 from distillery.config.limits import cut, path_problem, show, show_key, unknown_key_message
 from distillery.errors import UserError
 
-TRAINING_STAGES = ("teacher", "pretrain")  # stages that train a model (training_table.TRAINING_STAGES); export picks one
+TRAINING_STAGES = ("teacher", "pretrain", "distill")  # stages that train a model (training_table.TRAINING_STAGES); export picks one
 MAX_SEED = 2**32 - 1  # numpy and torch both take seeds in [0, 2**32)
 
 Check = Callable[[Any], "str | None"]
@@ -134,17 +134,35 @@ class PretrainParams(TrainingStageParams):
     chunk_size: int = rule(1, at_least(1))  # latent frames that share one timestep (Diffusion-Forcing)
 
 
+def score_ratio(v: float) -> str | None:
+    return None if 0 <= v < 1000 else "must be in [0, 1000): a timestep"
+
+
+@dataclass
+class DistillParams(TrainingStageParams):
+    steps: int = rule(150, at_least(1))
+    learning_rate: float = rule(1.0e-4, positive_finite)  # the student's peak learning rate
+    save_every: int = rule(50, at_least(0))
+    method: Literal["self_forcing", "dmd2"] = rule("self_forcing")  # self_forcing: causal student rolled out chunk by chunk; dmd2: bidirectional
+    student_steps: int = rule(4, at_least(1))  # the student's timestep ladder length (its sampling steps)
+    critic_learning_rate: float = rule(2.0e-4, positive_finite)  # the critic's (fake score's) peak learning rate
+    generator_update_interval: int = rule(5, at_least(1))  # the student steps every k-th step; the critic every step
+    guidance_scale: float = rule(4.0, non_negative_finite)  # the teacher's CFG scale in the real score
+    context_noise: float = rule(0.0, score_ratio)  # self_forcing: timestep of the KV-cached context chunks (0: clean)
+
+
 @dataclass
 class ValidateParams:
     num_prompts: int = rule(8, at_least(1))  # validation captions sampled per model
+    num_seeds: int = rule(2, at_least(1))  # noise draws per prompt (spreads are over them)
     teacher_steps: list[int] = rule([40, 4], step_list)  # the teacher's sampling step counts (many and few)
-    student_steps: int = rule(40, at_least(1))  # the pretrained student's sampling steps
+    pretrain_steps: int = rule(40, at_least(1))  # the pretrain student's sampling steps
     guidance_scale: float = rule(4.0, non_negative_finite)  # CFG scale of the teacher baselines
 
 
 @dataclass
 class ExportParams:
-    student: Literal["teacher", "pretrain"] = rule("pretrain")  # which training stage's model is exported
+    student: Literal["teacher", "pretrain", "distill"] = rule("distill")  # which training stage's model is exported
 
 
 @dataclass
@@ -158,6 +176,7 @@ class ParamsSchema:
     latents: LatentsParams = field(default_factory=LatentsParams)
     teacher: TrainingStageParams = field(default_factory=TrainingStageParams)
     pretrain: PretrainParams = field(default_factory=PretrainParams)
+    distill: DistillParams = field(default_factory=DistillParams)
     validate: ValidateParams = field(default_factory=ValidateParams)
     export: ExportParams = field(default_factory=ExportParams)
 

@@ -49,7 +49,7 @@ def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id:
                                     for role, stage in spec.inputs.items()]
     pairs += [("training.data.path", str(data_dir())),
               ("training.data.text_max_length", latents["settings"]["max_sequence_length"])]
-    pairs += [(config_key, params.get(params_key)) for params_key, config_key in spec.params.items()]
+    pairs += spec.config_overrides(params)
     pairs += [("training.loop.progress_bar", False),
               ("training.checkpoint.output_dir", str(RUNS / spec.name)),
               ("training.tracker.parent_run_id", parent_run_id),
@@ -64,6 +64,8 @@ def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id:
     from distillery.config import allowed_prefixes
     from distillery.config.loader import apply_override, read_yaml
 
+    if spec.variant_key is not None:
+        raise ValueError(f"stage {spec.name}: fill the resolved spec (TrainingStageSpec.resolve)")
     raw = read_yaml(spec.template)
     prefixes = allowed_prefixes()
     for key, value in stage_overrides(spec, params, parent_run_id):

@@ -116,6 +116,7 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     from distillery.pipeline.tracking import parent_run_id
 
     stage = spec.name
+    spec = spec.resolve(params)  # the recipe params.yaml picks (distill.method)
     raw = fill_run_config(spec, params, parent_run_id(params.path.read_text()))
     check_chain(spec, raw)
     inputs = [(role, ARTIFACTS / artifact) for role, artifact in spec.input_artifacts()]

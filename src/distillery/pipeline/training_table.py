@@ -10,9 +10,19 @@ and the params.yaml section with its schema in :mod:`distillery.pipeline.params_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 DATA_ARTIFACT = "latents"  # every training stage trains on artifacts/latents/data
+
+
+@dataclass(frozen=True)
+class StageVariant:
+    """One choice of a stage whose recipe a ``params.yaml`` key picks (``distill.method``): its
+    template and the params only that recipe takes (params key → run-config key)."""
+
+    template: str
+    params: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -22,20 +32,55 @@ class TrainingStageSpec:
     - ``template``: the run-config template, relative to the pipeline folder (a dvc.yaml dep of the stage);
     - ``inputs``: role → the stage whose artifact the role starts from (``models.<role>.init_from =
       artifacts/<stage>/model``); recorded in lineage and the resume key as ``<role>_init``;
-    - ``params``: params.yaml key → the run-config key it sets (each key must be covered by the
-      stage's dvc.yaml ``params:``; a test checks it);
-    - ``export_role``: the role whose trained weights the artifact ships (``model/transformer``).
+    - ``params``: params.yaml key → the run-config key it sets, or a tuple of keys it sets alike
+      (each params key must be covered by the stage's dvc.yaml ``params:``; a test checks it);
+    - ``export_role``: the role whose trained weights the artifact ships (``model/transformer``);
+    - ``variant_key`` / ``variants``: a stage with several recipes — the params.yaml key whose value
+      names a :class:`StageVariant` (its template replaces ``template``, its params join ``params``);
+      :meth:`resolve` gives the plain spec of the chosen one.
     """
 
     name: str
     template: str
     inputs: dict[str, str]
-    params: dict[str, str] = field(default_factory=dict)
+    params: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
     export_role: str = "student"
+    variant_key: str | None = None
+    variants: dict[str, StageVariant] = field(default_factory=dict)
 
     def input_artifacts(self) -> list[tuple[str, str]]:
         """``[(lineage role, artifact stage)]``: each role's init, then the training data."""
         return [(f"{role}_init", stage) for role, stage in self.inputs.items()] + [("data", DATA_ARTIFACT)]
+
+    def resolve(self, params: Any) -> "TrainingStageSpec":
+        """The plain spec of the variant ``params.get(variant_key)`` names (``self`` without variants)."""
+        if self.variant_key is None:
+            return self
+        choice = params.get(self.variant_key)
+        if choice not in self.variants:  # params.yaml was validated; a table/schema mismatch is a bug
+            raise KeyError(f"stage {self.name}: {self.variant_key} = {choice!r} has no variant ({', '.join(self.variants)})")
+        variant = self.variants[choice]
+        return replace(self, template=variant.template, params={**self.params, **variant.params}, variant_key=None,
+                       variants={})
+
+    def templates(self) -> list[str]:
+        """Every template the stage may fill (its dvc.yaml deps)."""
+        return [v.template for v in self.variants.values()] if self.variants else [self.template]
+
+    def params_read(self) -> list[str]:
+        """Every params.yaml key the stage reads, whichever variant: the table's keys and the variant key."""
+        keys = list(self.params)
+        for variant in self.variants.values():
+            keys += [k for k in variant.params if k not in keys]
+        return keys + ([self.variant_key] if self.variant_key and self.variant_key not in keys else [])
+
+    def config_overrides(self, params: Any) -> list[tuple[str, Any]]:
+        """``(run-config key, value)`` of the table's params for ``params`` (a resolved spec)."""
+        pairs = []
+        for params_key, config_keys in self.params.items():
+            for config_key in (config_keys,) if isinstance(config_keys, str) else config_keys:
+                pairs.append((config_key, params.get(params_key)))
+        return pairs
 
 
 def loop_params(stage: str) -> dict[str, str]:
@@ -62,7 +107,22 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             name="pretrain",
             template="stages/pretrain_dfsft.yaml",
             inputs={"student": "teacher"},
-            params={**loop_params("pretrain"), "pretrain.chunk_size": "method.chunk_size"},
+            # the causal student attends block-causally over the chunks DFSFT noises independently
+            params={**loop_params("pretrain"), "pretrain.chunk_size": ("method.chunk_size", "models.student.chunk_size")},
+        ),
+        TrainingStageSpec(
+            name="distill",
+            template="stages/distill_self_forcing.yaml",
+            inputs={"student": "pretrain", "teacher": "teacher", "critic": "teacher"},
+            params={**loop_params("distill"), "distill.critic_learning_rate": "models.critic.optimizer.learning_rate",
+                    "distill.student_steps": "method.num_student_steps",
+                    "distill.generator_update_interval": "method.generator_update_interval",
+                    "distill.guidance_scale": "method.real_score_guidance_scale"},
+            variant_key="distill.method",
+            variants={"self_forcing": StageVariant("stages/distill_self_forcing.yaml",
+                                                   {"distill.context_noise": "method.context_noise",
+                                                    "pretrain.chunk_size": "models.student.chunk_size"}),
+                      "dmd2": StageVariant("stages/distill_dmd2.yaml")},
         ),
     )
 }
