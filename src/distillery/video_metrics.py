@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from distillery.clips.analyzer import to_unit_float
+
 if TYPE_CHECKING:
     from distillery.clips.analyzer import AnalyzedClip, AnalyzerConfig
 
@@ -52,15 +54,8 @@ MIN_SCALE = 1e-8  # reference standard deviations below this count as constant f
 
 
 def unit_rgb(video: np.ndarray) -> np.ndarray:
-    """``[T, H, W, 3]`` uint8, or float in [0, 1] → float64 in [0, 1] (a single frame ``[H, W, 3]`` gets T = 1)."""
-    arr = np.asarray(video)
-    if arr.ndim == 3:
-        arr = arr[None]
-    if arr.ndim != 4 or arr.shape[-1] != 3 or arr.shape[1] < 3 or arr.shape[2] < 3:
-        raise ValueError(f"expected RGB frames [T, H, W, 3] with H, W >= 3, got shape {arr.shape}")
-    if arr.dtype == np.uint8:
-        return arr.astype(np.float64) / 255.0
-    return np.clip(arr.astype(np.float64), 0.0, 1.0)
+    """``[T, H, W, 3]`` uint8, or float in [0, 1] → float64 in [0, 1] (the analyzer's reading of frames)."""
+    return to_unit_float(video)
 
 
 def sharpness(video: np.ndarray) -> float:

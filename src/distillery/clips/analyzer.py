@@ -75,8 +75,9 @@ class AnalyzedClip:
     valid_frames: int  # frames with enough foreground to measure
 
 
-def _to_unit_float(frames: np.ndarray) -> np.ndarray:
-    """``[T, H, W, 3]`` uint8 or float in [0, 1] → float64 in [0, 1]."""
+def to_unit_float(frames: np.ndarray) -> np.ndarray:
+    """``[T, H, W, 3]`` uint8 or float in [0, 1] → float64 in [0, 1] (a single frame ``[H, W, 3]`` gets T = 1);
+    a :class:`UserError` for anything else."""
     arr = np.asarray(frames)
     if arr.ndim == 3:
         arr = arr[None]
@@ -172,7 +173,7 @@ def _nearest_background(background: np.ndarray) -> str:
 def analyze(frames: np.ndarray, cfg: AnalyzerConfig | None = None) -> AnalyzedClip:
     """Read colour, shape and direction from RGB frames ``[T, H, W, 3]`` (uint8, or float in [0, 1])."""
     cfg = cfg or AnalyzerConfig()
-    rgb = _to_unit_float(frames)
+    rgb = to_unit_float(frames)
     background = _border_median(rgb)
     mask = _soft_mask(rgb, background, cfg)
     colour, colour_conf = _nearest_colour(rgb, mask, background)
