@@ -146,7 +146,7 @@ class DistillParams(TrainingStageParams):
     method: Literal["self_forcing", "dmd2"] = rule("self_forcing")  # self_forcing: causal student rolled out chunk by chunk; dmd2: bidirectional
     student_steps: int = rule(4, at_least(1))  # the student's timestep ladder length (its sampling steps)
     critic_learning_rate: float = rule(2.0e-4, positive_finite)  # the critic's (fake score's) peak learning rate
-    generator_update_interval: int = rule(5, at_least(1))  # the student steps every k-th step; the critic every step
+    generator_update_interval: int = rule(2, at_least(1))  # the student steps every k-th step; the critic every step
     guidance_scale: float = rule(4.0, non_negative_finite)  # the teacher's CFG scale in the real score
     context_noise: float = rule(0.0, score_ratio)  # self_forcing: timestep of the KV-cached context chunks (0: clean)
 
