@@ -157,6 +157,36 @@ def test_code_info_in_a_git_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(info["git_commit"]) == 40 and isinstance(info["dirty"], bool)
 
 
+def test_dvc_bookkeeping_does_not_make_the_tree_dirty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run writes dvc.lock (and .dvc/ state) itself: a clone that only ran the pipeline is clean; any
+    other change, tracked or untracked, at the top or in a subfolder, is dirty."""
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\n")
+    git("init", "-q")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "add", "-A")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "c")
+    monkeypatch.chdir(tmp_path / "sub")  # a stage may run below the repository root
+    assert code_info()["dirty"] is False
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages: {}\n")  # the run rewrote it
+    (tmp_path / "sub" / "dvc.lock").write_text("x")  # a nested project's lock, untracked
+    (tmp_path / ".dvc").mkdir()
+    (tmp_path / ".dvc" / "config").write_text("[core]\n")
+    assert code_info()["dirty"] is False
+    (tmp_path / "sub" / "new.py").write_text("y = 2\n")
+    assert code_info()["dirty"] is True
+    (tmp_path / "sub" / "new.py").unlink()
+    (tmp_path / "code.py").write_text("x = 3\n")
+    assert code_info()["dirty"] is True
+
+
 def test_tree_shows_every_stage(chain: dict[str, Path]) -> None:
     text = lineage_tree(read_lineage(chain["export"]))
     lines = text.splitlines()

@@ -265,12 +265,18 @@ def _compare(recorded: Sequence[Any], actual: Sequence[Mapping[str, Any]], refus
 # writing
 
 
+NOT_CODE = ("**/dvc.lock", ".dvc/**")  # git pathspecs (from the repository root) that code_info ignores
+
+
 def code_info() -> dict[str, Any]:
     """``{"git_commit", "dirty", "package_version"}`` of the code that runs now.
 
     Git is asked about the current working directory (``git rev-parse HEAD``, ``git status
     --porcelain``, without taking git's optional index lock); outside a git checkout, or without
-    git, commit and dirty are ``None``. The version is ``distillery.__version__``.
+    git, commit and dirty are ``None``. DVC's own bookkeeping — ``dvc.lock`` files, which a
+    pipeline run writes itself, and the ``.dvc/`` folder — does not make the tree dirty
+    (:data:`NOT_CODE`): a pristine clone that ran ``dvc repro`` is clean. The version is
+    ``distillery.__version__``.
     """
     from distillery import __version__
 
@@ -284,7 +290,8 @@ def code_info() -> dict[str, Any]:
         return res.stdout if res.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain") if commit is not None else None
+    status = (git("status", "--porcelain", "--", ":/", *(f":(top,exclude,glob){p}" for p in NOT_CODE))
+              if commit is not None else None)  # the whole repository, wherever the stage runs
     return {"git_commit": commit.strip() if commit else None,
             "dirty": None if status is None else bool(status.strip()),
             "package_version": __version__}
