@@ -193,8 +193,10 @@ def test_tree_shows_every_stage(chain: dict[str, Path]) -> None:
     assert lines[0].startswith("export [export]  artifacts/export")
     assert any(ln.startswith("└─ student: pretrain [checkpoint]  artifacts/pretrain") for ln in lines)
     assert any("├─ data: latents [data]  artifacts/latents" in ln for ln in lines)
-    assert any("└─ student_init: base/tiny-wan  (external, no lineage)" in ln for ln in lines)
+    # the base is an input twice (the latents' base and the pretrain init): in full once, then one line back
     assert any("└─ base: base/tiny-wan  (external, no lineage)" in ln for ln in lines)
+    assert any("└─ student_init: base/tiny-wan  (external)  (shown above)  sha256 " in ln for ln in lines)
+    assert sum("base/tiny-wan" in ln for ln in lines) == 2 and text.count("(external, no lineage)") == 1
     assert "method: DFSFTMethod" in text and "pretrain.lr=0.0001" in text and "mlflow: run abc123run" in text
     assert "metrics: loss=0.25, grad_norm=1.5" in text and "code: " in text
     digest = tree_digest(read_lineage(chain["pretrain"])["outputs"])[:12]

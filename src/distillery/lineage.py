@@ -504,7 +504,10 @@ def _node_lines(m: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _render(m: Mapping[str, Any], head: str, first: str, rest: str, out: list[str]) -> None:
+SHOWN_ABOVE = "(shown above)"  # a repeated input's one line in lineage_tree
+
+
+def _render(m: Mapping[str, Any], head: str, first: str, rest: str, out: list[str], seen: set[tuple]) -> None:
     out.append(f"{first}{head}{m.get('stage')} [{m.get('kind')}]  {m.get('artifact')}")
     inputs = [i for i in (m.get("inputs") or []) if isinstance(i, Mapping)]
     bar = "│  " if inputs else "   "
@@ -515,22 +518,32 @@ def _render(m: Mapping[str, Any], head: str, first: str, rest: str, out: list[st
         child_rest = rest + ("   " if last else "│  ")
         role = f"{inp.get('role')}: "
         sub = inp.get("lineage")
+        digest = str(inp.get("sha256") or "?")
+        key = ("artifact", sub.get(DIGEST_KEY) or digest) if isinstance(sub, Mapping) else ("external", digest)
+        if key in seen:  # the same artifact (same sealed manifest, or the same external files) once more
+            what = f"{sub.get('stage')} [{sub.get('kind')}]  {sub.get('artifact')}" if isinstance(sub, Mapping) \
+                else f"{inp.get('path')}  (external)"
+            out.append(f"{child_first}{role}{what}  {SHOWN_ABOVE}  sha256 {digest[:12]}")
+            continue
+        seen.add(key)
         if isinstance(sub, Mapping):
-            _render(sub, role, child_first, child_rest, out)
+            _render(sub, role, child_first, child_rest, out, seen)
         else:
             files = inp.get("files") or []
-            digest = str(inp.get("sha256") or "?")[:12]
             out.append(f"{child_first}{role}{inp.get('path')}  (external, no lineage)  "
                        f"{len(files)} file(s), {_fmt_bytes(sum(int(e.get('bytes') or 0) for e in files))}, "
-                       f"sha256 {digest}")
+                       f"sha256 {digest[:12]}")
 
 
 def lineage_tree(manifest: Mapping[str, Any]) -> str:
     """A readable tree of an artifact and, recursively, every embedded input: one node per
     artifact (stage, kind, path, method, created, up to 8 params, output digest, code commit,
-    MLflow run, a few metrics); inputs without lineage are leaves with their digest."""
+    MLflow run, a few metrics); inputs without lineage are leaves with their digest. Each artifact
+    is shown in full once, depth first; where the same one is an input again (the base under
+    latents, teacher and export; the teacher as a distilled student's teacher and critic) it is one
+    line ending in ``(shown above)`` with its digest."""
     out: list[str] = []
-    _render(manifest, "", "", "", out)
+    _render(manifest, "", "", "", out, set())
     return "\n".join(out)
 
 
