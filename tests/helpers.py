@@ -71,6 +71,24 @@ def role_state(checkpoint: Path, role: str = "student", ema: str | None = None) 
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def dcp_tensors(checkpoint: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Every DCP tensor of ``checkpoint`` whose key starts with one of ``prefixes``, read through the safe reader."""
+    from distillery.engine.checkpoint.dcp_io import load_dcp, read_dcp_metadata
+
+    meta = read_dcp_metadata(checkpoint / "dcp").state_dict_metadata
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefixes)}
+    load_dcp(state, checkpoint / "dcp", "test read")
+    return state
+
+
+def nudge_weights(module: torch.nn.Module, scale: float = 0.02) -> None:
+    """Add seeded noise (``scale`` · N(0, 1), seeded by each tensor's size) to every parameter, in
+    place: e.g. a critic that differs from the teacher it was copied from, so ``f − r`` is not ~0."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+
+
 def read_log(output_dir: Path) -> list[dict[str, float]]:
     import json
 

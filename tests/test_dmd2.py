@@ -28,7 +28,7 @@ import torch
 from distillery.config import allowed_prefixes, load_run_config
 from distillery.methods.dmd2 import DMD2Config, DMD2Method, truncated_shifted_timesteps, warped_ladder
 from distillery.models.wan import WanModel, WanModelConfig
-from helpers import read_log, run_config, train_in_process, write_config
+from helpers import dcp_tensors, nudge_weights, read_log, run_config, train_in_process, write_config
 
 N_T = 1000  # num_train_timesteps
 SHIFT = 3.0  # the tiny base's scheduler shift
@@ -86,9 +86,7 @@ def make(tiny_base: Path, training, **knobs) -> DMD2Method:
     for role in ("student", "teacher", "critic"):
         models[role] = WanModel(WanModelConfig(init_from=str(tiny_base), trainable=role != "teacher"), role)
         models[role].bind_device(torch.device("cpu"))
-    with torch.no_grad():  # a critic that differs from the teacher, so f − r is not ~0
-        for p in models["critic"].transformer.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    nudge_weights(models["critic"].transformer)  # a critic that differs from the teacher, so f − r is not ~0
     method = DMD2Method(DMD2Config(**knobs), models, training)
     method.on_train_start(torch.device("cpu"))
     method.build_optimizers()
@@ -306,15 +304,6 @@ def _two_rank_driver(paths: list[str]) -> None:
         shutdown()
 
 
-def _dcp_tensors(checkpoint: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    from distillery.engine.checkpoint.dcp_io import load_dcp, read_dcp_metadata
-
-    meta = read_dcp_metadata(checkpoint / "dcp").state_dict_metadata
-    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefixes)}
-    load_dcp(state, checkpoint / "dcp", "test read")
-    return state
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_base, latent_set):
     """``<root>/<method>/{one,two,resumed}``: both methods' runs, the 2-rank ones in one torchrun launch."""
@@ -342,15 +331,15 @@ def test_trainer_steps_the_student_only_on_update_steps(runs, method):
     assert [("generator_loss" in r) for r in log] == [s % 2 == 0 for s in range(1, STEPS + 1)]
     assert [("grad_norm/student" in r) for r in log] == [s % 2 == 0 for s in range(1, STEPS + 1)]
     prefixes = ("roles.student.", "optimizers.student.", "schedulers.student.")
-    before = _dcp_tensors(runs / "one" / "checkpoint-2", prefixes)
-    after = _dcp_tensors(runs / "one" / "checkpoint-3", prefixes)
+    before = dcp_tensors(runs / "one" / "checkpoint-2", prefixes)
+    after = dcp_tensors(runs / "one" / "checkpoint-3", prefixes)
     assert before.keys() == after.keys() and any(k.startswith("optimizers.student.") for k in before)
     assert all(torch.equal(before[k], after[k]) for k in before)
     critic = ("roles.critic.",)
-    c2, c3 = _dcp_tensors(runs / "one" / "checkpoint-2", critic), _dcp_tensors(runs / "one" / "checkpoint-3", critic)
+    c2, c3 = dcp_tensors(runs / "one" / "checkpoint-2", critic), dcp_tensors(runs / "one" / "checkpoint-3", critic)
     assert any(not torch.equal(c2[k], c3[k]) for k in c2)
-    assert _dcp_tensors(runs / "one" / "checkpoint-1", ("optimizers.student.",)) == {}  # never stepped yet
-    assert not _dcp_tensors(runs / "one" / f"checkpoint-{STEPS}", ("roles.teacher.",))  # frozen: not saved
+    assert dcp_tensors(runs / "one" / "checkpoint-1", ("optimizers.student.",)) == {}  # never stepped yet
+    assert not dcp_tensors(runs / "one" / f"checkpoint-{STEPS}", ("roles.teacher.",))  # frozen: not saved
 
 
 @pytest.mark.slow
@@ -378,8 +367,8 @@ def test_a_stopped_two_rank_run_resumes_to_the_uninterrupted_weights(runs, metho
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["total_loss"] for r in got] == [r["total_loss"] for r in ref]
     prefixes = ("roles.", "optimizers.", "schedulers.", "method.")
-    a = _dcp_tensors(runs / "two" / f"checkpoint-{STEPS}", prefixes)
-    b = _dcp_tensors(runs / "resumed" / f"checkpoint-{STEPS}", prefixes)
+    a = dcp_tensors(runs / "two" / f"checkpoint-{STEPS}", prefixes)
+    b = dcp_tensors(runs / "resumed" / f"checkpoint-{STEPS}", prefixes)
     assert a.keys() == b.keys() and any(k.startswith("roles.student.") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
 

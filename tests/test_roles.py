@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distillery.errors import UserError
-from helpers import read_log, run_config, train_in_process, write_config
+from helpers import dcp_tensors, read_log, run_config, train_in_process, write_config
 
 pytestmark = pytest.mark.slow
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -82,16 +82,6 @@ def _plugins():
             os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"] = previous
 
 
-def _dcp_tensors(checkpoint: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Every DCP tensor of ``checkpoint`` under ``prefixes``, read through the safe reader."""
-    from distillery.engine.checkpoint.dcp_io import load_dcp, read_dcp_metadata
-
-    meta = read_dcp_metadata(checkpoint / "dcp").state_dict_metadata
-    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefixes)}
-    load_dcp(state, checkpoint / "dcp", "test read")
-    return state
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_base, latent_set):
     root = tmp_path_factory.mktemp("roles")
@@ -119,21 +109,21 @@ def test_each_role_runs_its_own_optimizer(runs):
     assert [("grad_norm/student" in r) for r in log] == [s % 2 == 0 for s in range(1, STEPS + 1)]
     assert [("student_loss" in r) for r in log] == [s % 2 == 0 for s in range(1, STEPS + 1)]
     # betas (0, 0.999) for the critic: its first moment is the last gradient itself
-    opt = _dcp_tensors(runs / "single" / "checkpoint-1", ("optimizers.critic.state.",))
+    opt = dcp_tensors(runs / "single" / "checkpoint-1", ("optimizers.critic.state.",))
     assert opt and all(torch.isfinite(t).all() for t in opt.values())
 
 
 def test_student_state_is_untouched_on_steps_it_does_not_update(runs):
     prefixes = ("roles.student.", "optimizers.student.", "schedulers.student.", "callbacks.ema.student.")
     for step in range(2, STEPS, 2):  # step is an update step, step + 1 is not
-        before = _dcp_tensors(runs / "single" / f"checkpoint-{step}", prefixes)
-        after = _dcp_tensors(runs / "single" / f"checkpoint-{step + 1}", prefixes)
+        before = dcp_tensors(runs / "single" / f"checkpoint-{step}", prefixes)
+        after = dcp_tensors(runs / "single" / f"checkpoint-{step + 1}", prefixes)
         assert before.keys() == after.keys() and any(k.startswith("optimizers.student.") for k in before)
         assert all(torch.equal(before[k], after[k]) for k in before), step
         critic = ("roles.critic.",)
-        moved = _dcp_tensors(runs / "single" / f"checkpoint-{step}", critic)
-        assert any(not torch.equal(v, _dcp_tensors(runs / "single" / f"checkpoint-{step + 1}", critic)[k]) for k, v in moved.items())
-    first = _dcp_tensors(runs / "single" / "checkpoint-1", ("optimizers.student.",))
+        moved = dcp_tensors(runs / "single" / f"checkpoint-{step}", critic)
+        assert any(not torch.equal(v, dcp_tensors(runs / "single" / f"checkpoint-{step + 1}", critic)[k]) for k, v in moved.items())
+    first = dcp_tensors(runs / "single" / "checkpoint-1", ("optimizers.student.",))
     assert first == {}, "the student has not stepped at step 1: no optimizer state"
 
 
@@ -149,7 +139,7 @@ def test_resume_on_another_world_size_has_the_uninterrupted_losses(runs, name):
     meta = json.loads((runs / name / f"checkpoint-{STEPS}" / "metadata.json").read_text())
     assert meta["roles"] == ["critic", "student"]
     assert set(meta["frozen_roles"]) == {"teacher"} and len(meta["frozen_roles"]["teacher"]["sha256"]) == 64
-    keys = _dcp_tensors(runs / name / f"checkpoint-{STEPS}", ("roles.",)).keys()
+    keys = dcp_tensors(runs / name / f"checkpoint-{STEPS}", ("roles.",)).keys()
     assert not [k for k in keys if k.startswith("roles.teacher.")]  # frozen roles are not saved
 
 
@@ -209,8 +199,8 @@ def test_gradient_accumulation_on_two_ranks_matches_one(tmp_path, tiny_base, lat
     for a, b in zip(two, one):
         for key in ("total_loss", "critic_loss", "grad_norm/critic"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
-    wa = _dcp_tensors(tmp_path / "two" / "checkpoint-3", ("roles.critic.", "roles.student."))
-    wb = _dcp_tensors(tmp_path / "one" / "checkpoint-3", ("roles.critic.", "roles.student."))
+    wa = dcp_tensors(tmp_path / "two" / "checkpoint-3", ("roles.critic.", "roles.student."))
+    wb = dcp_tensors(tmp_path / "one" / "checkpoint-3", ("roles.critic.", "roles.student."))
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-5) for k in wa)
 
 

@@ -21,12 +21,13 @@ import torch
 
 from distillery.config import allowed_prefixes, load_run_config
 from distillery.errors import UserError
-from distillery.methods.self_forcing import SelfForcingConfig, SelfForcingMethod, chunk_bounds
+from distillery.methods.self_forcing import SelfForcingConfig, SelfForcingMethod
+from distillery.models.base import chunk_bounds
 from distillery.models.base import Conditioning
 from distillery.models.wan import CausalWanModel, CausalWanModelConfig, WanModel, WanModelConfig
 from distillery.sampling import build_sampler
 from distillery.sampling.noise import RNGNoise
-from helpers import run_config
+from helpers import nudge_weights, run_config
 
 CHUNK = 1  # latent frames per chunk: the batch's 3 frames are 3 chunks
 
@@ -43,9 +44,7 @@ def make(tiny_base: Path, training, chunk_size: int = CHUNK, **knobs) -> SelfFor
         models[role] = WanModel(WanModelConfig(init_from=str(tiny_base), trainable=role == "critic"), role)
     for model in models.values():
         model.bind_device(torch.device("cpu"))
-    with torch.no_grad():  # a critic that differs from the teacher
-        for p in models["critic"].transformer.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    nudge_weights(models["critic"].transformer)  # a critic that differs from the teacher
     method = SelfForcingMethod(SelfForcingConfig(**knobs), models, training)
     method.on_train_start(torch.device("cpu"))
     method.build_optimizers()

@@ -53,14 +53,9 @@ COV_EPS = 1e-3  # added to covariance diagonals, standardised units: a variance 
 MIN_SCALE = 1e-8  # reference standard deviations below this count as constant features (scale 1)
 
 
-def unit_rgb(video: np.ndarray) -> np.ndarray:
-    """``[T, H, W, 3]`` uint8, or float in [0, 1] → float64 in [0, 1] (the analyzer's reading of frames)."""
-    return to_unit_float(video)
-
-
 def sharpness(video: np.ndarray) -> float:
     """Mean over frames of the variance of the luminance Laplacian (module doc); luminance² units, >= 0."""
-    luma = unit_rgb(video) @ np.asarray(LUMA_WEIGHTS)  # [T, H, W]
+    luma = to_unit_float(video) @ np.asarray(LUMA_WEIGHTS)  # [T, H, W]
     lap = (luma[:, :-2, 1:-1] + luma[:, 2:, 1:-1] + luma[:, 1:-1, :-2] + luma[:, 1:-1, 2:]
            - 4.0 * luma[:, 1:-1, 1:-1])  # [T, H-2, W-2]
     return float(lap.reshape(lap.shape[0], -1).var(axis=1).mean())
@@ -75,7 +70,7 @@ def video_features(video: np.ndarray, analysis: "AnalyzedClip | None" = None,
     """
     from distillery.clips.analyzer import analyze
 
-    rgb = unit_rgb(video)
+    rgb = to_unit_float(video)
     if analysis is None:
         analysis = analyze(rgb, analyzer)
     t, h, w, _ = rgb.shape

@@ -43,7 +43,7 @@ import torch
 
 from distillery.errors import UserError
 from distillery.methods.dmd2 import DMD2Config, DMD2Method
-from distillery.models.base import CausalModelBase, ModelBase, TrainingBatch
+from distillery.models.base import CausalModelBase, ModelBase, TrainingBatch, chunk_bounds
 from distillery.models.schedule import renoise, x0_from_velocity
 
 ROLLOUT_CACHE = "rollout"  # the student's KV cache tag during a rollout
@@ -69,12 +69,6 @@ class SelfForcingConfig(DMD2Config):
         self.start_gradient_frame = int(self.start_gradient_frame)
 
 
-def chunk_bounds(num_frames: int, chunk_size: int) -> list[tuple[int, int]]:
-    """``[(start, frames)]`` of the chunks of a ``num_frames``-frame video, from frame 0 (the last
-    one may be shorter) — the split of the ``causal_streaming`` sampler."""
-    return [(s, min(chunk_size, num_frames - s)) for s in range(0, num_frames, chunk_size)]
-
-
 class SelfForcingMethod(DMD2Method):
     """Self-Forcing distillation of a causal student (module doc)."""
 
@@ -84,11 +78,15 @@ class SelfForcingMethod(DMD2Method):
     def __init__(self, config: SelfForcingConfig, role_models: dict[str, ModelBase], training: Any, rank: int = 0,
                  **kwargs: Any) -> None:
         super().__init__(config, role_models, training, rank, **kwargs)
-        self.causal: CausalModelBase = role_models["student"]  # type: ignore[assignment]
         n = self.student.schedule.num_train_timesteps
         if config.context_noise >= n:
             raise UserError(f"config error: method.context_noise: {config.context_noise} is not below the student's {n} "
                             "train timesteps")
+
+    @property
+    def causal(self) -> CausalModelBase:
+        """The student, typed as the causal model ``role_kinds`` made sure it is."""
+        return self.student  # type: ignore[return-value]
 
     def sampling_contract(self) -> dict[str, Any]:
         schedule = self.student.schedule

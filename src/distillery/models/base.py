@@ -198,6 +198,13 @@ class ModelBase(ABC):
         (loss / max(1, grad_accum_rounds)).backward()
 
 
+def chunk_bounds(num_frames: int, chunk_size: int) -> list[tuple[int, int]]:
+    """``[(start frame, frames)]`` of the causal chunks of a ``num_frames``-frame video, from frame 0
+    (the last one may be shorter): the split every chunk-by-chunk generator of a
+    :class:`CausalModelBase` uses (the ``causal_streaming`` sampler, the Self-Forcing rollout)."""
+    return [(s, min(chunk_size, num_frames - s)) for s in range(0, num_frames, chunk_size)]
+
+
 class CausalModelBase(ModelBase):
     """A model that generates a video chunk by chunk, attending to earlier chunks through a KV cache.
 

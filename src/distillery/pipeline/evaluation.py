@@ -3,6 +3,7 @@ prompts) and ``export`` (a complete diffusers folder of the chosen student)."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def stage_validate(params: StageParams) -> None:
     candidates.append(Candidate.from_artifact(f"pretrain_{v['pretrain_steps']}", ARTIFACTS / "pretrain" / "model",
                                               int(v["pretrain_steps"]), float(v["guidance_scale"])))
     distilled = Candidate.from_artifact("distill", ARTIFACTS / "distill" / "model")
-    candidates.append(Candidate.from_artifact(f"distill_{distilled.num_steps}", ARTIFACTS / "distill" / "model"))
+    candidates.append(dataclasses.replace(distilled, name=f"distill_{distilled.num_steps}"))  # named by its step count
     staging = fresh_staging("validate")
     metrics = run_validation(ARTIFACTS / "base" / "model", candidates, validation_prompts(int(v["num_prompts"])),
                              staging / "report", cfg)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distillery.errors import UserError
+from distillery.models.base import chunk_bounds
 from distillery.models.schedule import renoise, x0_from_velocity
 from distillery.sampling.base import (LatentShape, causal_model_options, cfg_enabled, check_inputs, conditioning_on,
                                      parse_chunk_size, require_causal)
@@ -132,8 +133,7 @@ class CausalStreamingSampler(LadderSampler):
 
         chunks = []
         try:
-            for start in range(0, frames, chunk_size):
-                f = min(chunk_size, frames - start)
+            for start, f in chunk_bounds(frames, chunk_size):
                 shape = (batch, c, f, h, wd)
                 x = whole[:, :, start:start + f]
                 x0 = x
