@@ -9,6 +9,9 @@ clipping at 1.0, one host sync per step), all three roles Wan-1.3B-shaped with r
   - ``dmd2_sim``   — ``DMD2Method``, ``rollout: simulate`` down a 4-step student ladder (no-grad steps before the exit);
   - ``sf``         — ``SelfForcingMethod``: causal student (``CausalWanModel``, ``chunk_size`` 3: 7 chunks of 21 latent
                      frames), 4-step ladder, bidirectional teacher and critic;
+  - ``pdd_euler`` / ``pdd_mid`` — ``PDDMethod`` (``data_latent``): a ``PDDWanModel`` student (the trunk + an 8-head bank,
+                     ``pdd_steps`` 8, blocks up to 8) and the frozen teacher, Euler (1 teacher call) or midpoint (2 calls)
+                     targets; no critic;
 
 with ``generator_update_interval: 1`` (every iteration is a generator + critic update, as in the anchor) and
 ``real_score_guidance_scale: 4`` (the teacher runs conditional + unconditional, as in the anchor). Student and critic
@@ -54,6 +57,7 @@ from sft_step import TEXT_LEN, WAN_1_3B, flops_per_sample, make_assets  # noqa: 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 CHUNK_SIZE = 3  # Self-Forcing student: latent frames per causal chunk
 STUDENT_STEPS = 4  # the student ladder (DMD2 simulate and Self-Forcing)
+PDD_STEPS = 8  # PDD: fine-grid intervals = output heads
 GUIDANCE = 4.0  # teacher CFG, the anchor's w
 DEFAULT_RUNS = [  # most important first: a run cut by --deadline loses the least
     "dmd2_data:21x60x104:default:on", "dmd2_data:21x30x52:default:off", "sf:21x30x52:default:off",
@@ -107,6 +111,12 @@ def iteration_flops(method: str, size: tuple[int, int, int], exits: list[int], a
     assert abs(3 * full - flops_per_sample(*size)[0]) < 1e-6 * full  # the SFT formula, forward = 1/3
     roles: dict[str, float] = {}
     recompute = 0.0
+    if method.startswith("pdd"):  # student: 1 trunk forward with graph + backward (the heads' projections are ~0.01%);
+        # teacher: (1 Euler | 2 midpoint calls) × (conditional + unconditional)
+        roles["student"] = 3 * full
+        roles["teacher"] = (2 if method == "pdd_mid" else 1) * 2 * full
+        model = sum(roles.values())
+        return {"model": model, "executed": model + (full if ac else 0.0), "roles": roles}
     if method in ("dmd2_data", "dmd2_sim"):
         k = exits[0] if method == "dmd2_sim" else 0
         roles["student"] = k * full + 3 * full
@@ -137,7 +147,13 @@ def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, s
     wan = "distillery.models.wan.WanModel"
     student = {"_target_": wan, "init_from": str(model), "random_init": True}
     knobs = {"generator_update_interval": 1, "real_score_guidance_scale": GUIDANCE, "num_student_steps": STUDENT_STEPS}
-    if method == "sf":
+    if method.startswith("pdd"):
+        student = {"_target_": "distillery.models.wan.PDDWanModel", "init_from": str(model), "random_init": True,
+                   "pdd_steps": PDD_STEPS}
+        target = "distillery.methods.pdd.PDDMethod"
+        knobs = {"rollout": "data_latent", "integrator": "midpoint" if method == "pdd_mid" else "euler",
+                 "teacher_guidance_scale": GUIDANCE, "block_size_max": PDD_STEPS}
+    elif method == "sf":
         student = {"_target_": "distillery.models.wan.CausalWanModel", "init_from": str(model), "random_init": True,
                    "chunk_size": CHUNK_SIZE}
         target = "distillery.methods.self_forcing.SelfForcingMethod"
@@ -145,13 +161,12 @@ def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, s
     else:
         target = "distillery.methods.dmd2.DMD2Method"
         knobs["rollout"] = {"dmd2_data": "data_latent", "dmd2_sim": "simulate"}[method]
+    models = {"student": student, "teacher": {"_target_": wan, "init_from": str(model), "random_init": True, "trainable": False}}
+    if not method.startswith("pdd"):
+        models["critic"] = {"_target_": wan, "init_from": str(model), "random_init": True,
+                            "optimizer": {"learning_rate": 1e-5, "betas": [0.0, 0.999]}}
     return {
-        "models": {
-            "student": student,
-            "critic": {"_target_": wan, "init_from": str(model), "random_init": True,
-                       "optimizer": {"learning_rate": 1e-5, "betas": [0.0, 0.999]}},
-            "teacher": {"_target_": wan, "init_from": str(model), "random_init": True, "trainable": False},
-        },
+        "models": models,
         "method": {"_target_": target, **knobs},
         "training": {
             "data": {"path": str(data), "batch_size": 1, "text_max_length": TEXT_LEN},
@@ -166,6 +181,8 @@ def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, s
 
 
 def _exits(method: str, row: dict, size: tuple[int, int, int]) -> list[int]:
+    if method.startswith("pdd"):  # the supervised head
+        return [int(round(row.get("pdd_head", 0.0)))]
     if method != "sf":
         return [int(round(row.get("exit_step", 0.0)))]
     chunks = len(range(0, size[0], CHUNK_SIZE))
@@ -246,7 +263,7 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
         "role_tflop_per_iteration": {r: statistics.mean(f["roles"][r] for f in m_flops) / 1e12 for r in m_flops[0]["roles"]},
         "exits": [_exits(method, row, size) for row in hist], "peak_mem_gib": peak, "peak_reserved_gib": peak_reserved,
         "static_mem_gib": static_gib, "build_s": build_s, "fit_s": fit_s, "iteration_times": times, "gpu_times": gpu,
-        "final_losses": {k: hist[-1][k] for k in ("generator_loss", "critic_loss") if k in hist[-1]},
+        "final_losses": {k: hist[-1][k] for k in ("generator_loss", "critic_loss", "pdd_loss") if k in hist[-1]},
     }
 
 

@@ -73,18 +73,20 @@ def _run_prefect_flow(repo: Path, home: Path) -> dict[str, object]:
 
 def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    stages = {"clips", "base", "latents", "teacher", "pretrain", "distill", "validate", "export"}
+    stages = {"clips", "base", "latents", "teacher", "pretrain", "distill", "pdd", "validate", "export"}
     assert set(lock["stages"]) == stages  # the Prefect flow ran every stage through DVC
     assert {name: r["status"] for name, r in FLOW["results"].items()} == dict.fromkeys(stages, "ran")
     assert FLOW["results"]["validate"]["metrics"]["pretrain_4/nfe"] == 8  # Euler under the causal mask, CFG
     assert "artifacts/validate/report/grid.gif" in FLOW["artifacts"]["validate-validation-grid"]
-    assert {"teacher-metrics", "pretrain-metrics", "distill-metrics", "validate-metrics", "export-metrics"} <= set(FLOW["artifacts"])
+    assert {"teacher-metrics", "pretrain-metrics", "distill-metrics", "pdd-metrics", "validate-metrics",
+            "export-metrics"} <= set(FLOW["artifacts"])
     report = repo / "artifacts" / "validate" / "report"
     assert (report / "grid.gif").is_file() and (report / "grid.mp4").is_file()
     scores = json.loads((repo / "metrics" / "validate.json").read_text())
     # the Self-Forcing student streams chunk by chunk (chunk_size 1): 5 chunks × 4 steps + 4 cache writes, no CFG
     assert scores["teacher_6/nfe"] == 12 and scores["teacher_2/nfe"] == 4 and scores["distill_4/nfe"] == 5 * 4 + 4
     assert scores["teacher_6/frechet_distance"] == 0.0 and scores["distill_4/frechet_distance"] > 0.0
+    assert scores["pdd_1/nfe"] == 1 and scores["pdd_4/nfe"] == 4  # one fused-block forward per NFE, no CFG
     rows = json.loads((report / "report.json").read_text())["per_prompt"]
     for cand, per in rows.items():  # every headline number is the mean of the per-prompt rows written beside it
         assert len(per) == 2
@@ -112,7 +114,7 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
     parents = [r for r in runs if r.data.tags.get("distillery.kind") == "pipeline"]
     assert len(parents) == 1 and parents[0].data.tags["distillery.pipeline_key"] == f"prefect-{FLOW['flow_run_id']}"
     children = {r.data.tags.get("mlflow.runName") for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
-    assert children >= {"clips", "base", "latents", "teacher", "pretrain", "distill", "validate", "export"}
+    assert children >= {"clips", "base", "latents", "teacher", "pretrain", "distill", "pdd", "validate", "export"}
 
 
 def test_every_module_a_stage_imports_is_one_of_its_deps(repo):
@@ -211,3 +213,47 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def test_a_pdd_export_samples_its_nfe_curve_and_runs_in_stock_wan_pipeline_at_one_step(repo):
+    """``export.student: pdd`` reruns only export. In a fresh process, the folder's own pipeline returns
+    the latents validate sampled for the PDD student at 4 NFE (fused blocks from the head bank), and
+    stock ``WanPipeline`` with its shift's Euler scheduler, 1 step and no CFG, returns validate's 1-NFE
+    latents from the folder's plain (fused) transformer."""
+    set_params(repo, {"export.student": "pdd"})
+    proc = sh(["dvc", "repro"], repo)
+    ran = [line.split("'")[1] for line in proc.stdout.splitlines() if line.startswith("Running stage")]
+    assert ran == ["export"], proc.stdout
+    export = repo / "artifacts" / "export"
+    contract = json.loads((export / "sampling.json").read_text())
+    assert contract["sampler"] == "pdd_fused" and contract["num_steps"] == 4
+    assert (export / "transformer" / "pdd_heads.safetensors").is_file()
+    assert json.loads((export / "metrics.json").read_text())["stock_nfe"] == 1
+    code = (
+        "import json, sys, torch\n"
+        "from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, WanPipeline\n"
+        "from safetensors.torch import load_file\n"
+        "export, report_dir = sys.argv[1:3]\n"
+        "report = json.load(open(f'{report_dir}/report.json'))\n"
+        "cfg = report['config']\n"
+        "kw = dict(num_frames=cfg['num_frames'], height=cfg['height'], width=cfg['width'],\n"
+        "          max_sequence_length=report['max_sequence_length'], output_type='latent')\n"
+        "pipe = DiffusionPipeline.from_pretrained(export, custom_pipeline=export, trust_remote_code=True)\n"
+        "saved = load_file(f'{report_dir}/samples/pdd_4/latents.safetensors')\n"
+        "for i, (prompt, seed) in enumerate(zip(report['prompts'], report['seeds'])):\n"
+        "    out = pipe(prompt, generator=torch.Generator().manual_seed(seed), **kw).frames[0]\n"
+        "    print('custom', i, (out - saved[str(i)]).abs().max().item())\n"
+        "stock = WanPipeline.from_pretrained(export)\n"
+        "stock.scheduler = FlowMatchEulerDiscreteScheduler(shift=json.load(open(f'{export}/sampling.json'))['shift'])\n"
+        "saved = load_file(f'{report_dir}/samples/pdd_1/latents.safetensors')\n"
+        "for i, (prompt, seed) in enumerate(zip(report['prompts'], report['seeds'])):\n"
+        "    out = stock(prompt, num_inference_steps=1, guidance_scale=1.0, generator=torch.Generator().manual_seed(seed),\n"
+        "                **kw).frames[0]\n"
+        "    print('stock', i, (out - saved[str(i)]).abs().max().item())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(export), str(repo / "artifacts" / "validate" / "report")],
+                         capture_output=True, text=True, timeout=300, env={**_env(), "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    for kind in ("custom", "stock"):
+        diffs = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith(kind)]
+        assert len(diffs) == 2 and max(diffs) <= 1e-5, out.stdout

@@ -21,8 +21,9 @@ CONTRACTS = {
     "few_step_x0": {"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000.0, 600.0, 250.0]},
     "causal_streaming": {"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
                          "timesteps": [1000.0, 600.0, 250.0], "chunk_size": 1, "context_noise": 50.0},
+    "pdd_fused": {"sampler": "pdd_fused", "shift": 3.0, "num_train_timesteps": 1000, "pdd_steps": 6, "block_size_max": 2,
+                  "num_steps": 3},
 }
-CAUSAL = {"causal_streaming"}  # samplers that need a causal model (the causal_model fixture)
 # Forward calls per guidance branch for LATENT_SHAPE: 3 steps; causal_streaming: 2 one-frame chunks × 3 steps + 1 context write.
 CALLS_PER_BRANCH = {"causal_streaming": 7}
 NFE_ARGS = {"causal_streaming": {"num_frames": LATENT_SHAPE[1]}}
@@ -34,17 +35,20 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def causal_model():
-    from distillery.models.wan import CausalWanModel, CausalWanModelConfig
+def special_models():
+    """The samplers that need another model plugin: a causal Wan (causal_streaming), a PDD Wan (pdd_fused)."""
+    from distillery.models.wan import CausalWanModel, CausalWanModelConfig, PDDWanModel, PDDWanModelConfig
 
     causal = CausalWanModel(CausalWanModelConfig(init_from=str(shipped_tiny_base()), trainable=False, chunk_size=1),
                             role="inference")
     causal.transformer.eval()
-    return causal
+    pdd = PDDWanModel(PDDWanModelConfig(init_from=str(shipped_tiny_base()), trainable=False, pdd_steps=6), role="inference")
+    pdd.transformer.eval()
+    return {"causal_streaming": causal, "pdd_fused": pdd}
 
 
-def _model_for(name, model, causal_model):
-    return causal_model if name in CAUSAL else model
+def _model_for(name, model, special_models):
+    return special_models.get(name, model)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +80,8 @@ def test_every_registered_sampler_has_a_case():
 
 @pytest.mark.parametrize("name", sorted(CONTRACTS))
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
-def test_registered_sampler_shapes_nfe_and_determinism(model, causal_model, cond, name, guidance):
-    model = _model_for(name, model, causal_model)
+def test_registered_sampler_shapes_nfe_and_determinism(model, special_models, cond, name, guidance):
+    model = _model_for(name, model, special_models)
     sampler = build_sampler(CONTRACTS[name])
     assert sampler.name == name
     with torch.no_grad(), ForwardCounter(model.transformer) as counter:
@@ -95,9 +99,9 @@ def test_registered_sampler_shapes_nfe_and_determinism(model, causal_model, cond
 
 
 @pytest.mark.parametrize("name", sorted(CONTRACTS))
-def test_per_sample_generators_equal_sampling_each_prompt_alone(model, causal_model, cond, name):
+def test_per_sample_generators_equal_sampling_each_prompt_alone(model, special_models, cond, name):
     """A list of generators (one per sample) draws per sample: a batched run equals per-prompt runs."""
-    model = _model_for(name, model, causal_model)
+    model = _model_for(name, model, special_models)
     sampler = build_sampler(CONTRACTS[name])
     with torch.no_grad():
         batched = sampler.sample(model, cond, LATENT_SHAPE, [torch.Generator().manual_seed(10 + i) for i in range(2)])

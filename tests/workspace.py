@@ -22,7 +22,8 @@ TRAINED: dict[str, float] = {}  # facts of the session's `trained` workspace (co
 SMALL = {"clips.num_train": 16, "clips.num_validation": 4, "teacher.steps": 6, "teacher.batch_size": 4,
          "teacher.save_every": 2, "pretrain.steps": 6, "pretrain.batch_size": 4, "pretrain.save_every": 2,
          "validate.num_prompts": 2, "validate.teacher_steps": [6, 2], "validate.pretrain_steps": 4,
-         "distill.steps": 4, "distill.batch_size": 4, "distill.save_every": 2, "distill.generator_update_interval": 2}
+         "distill.steps": 4, "distill.batch_size": 4, "distill.save_every": 2, "distill.generator_update_interval": 2,
+         "pdd.steps": 4, "pdd.batch_size": 4, "pdd.save_every": 2, "validate.pdd_nfe": [1, 4]}
 
 
 def env() -> dict[str, str]:

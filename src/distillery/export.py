@@ -3,7 +3,8 @@
 ``export_weights(checkpoint, role, out)`` rebuilds the transformer from the architecture saved in
 the checkpoint (``roles/<role>/config.json``), loads that role's weights (or its EMA shadow) from
 the DCP shards on one process (any saving world size), and writes ``<out>/transformer/`` with
-``save_pretrained`` (safetensors + config.json), atomically.
+``save_pretrained`` (safetensors + config.json), atomically — with the role's PDD head bank beside
+the weights (``pdd_heads.safetensors``) when it trained one.
 
 The checkpoint folder is named by the user, so its recorded checksums must verify before anything
 in it is read, and its DCP files are read without unpickling (:mod:`distillery.engine.checkpoint.dcp_io`).
@@ -78,4 +79,23 @@ def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str 
     if tmp.exists():
         shutil.rmtree(tmp)
     module.save_pretrained(tmp, safe_serialization=True)
+    export_head_bank(ckpt, role, module, tmp)
     return replace_dir(tmp, final)
+
+
+def export_head_bank(checkpoint: Path, role: str, transformer: torch.nn.Module, out: Path) -> bool:
+    """When ``role`` trained a PDD head bank (DCP keys ``roles.<role>.heads.*``), write it as
+    ``out/pdd_heads.safetensors`` (:mod:`distillery.models.wan.pdd`); returns whether it did."""
+    from distillery.engine.checkpoint.dcp_io import read_dcp_metadata
+    from distillery.models.wan.pdd import HEADS_FILE, PDDHeadBank, write_head_bank
+
+    prefix = f"roles.{role}.heads.weight."
+    keys = [k for k in read_dcp_metadata(checkpoint / "dcp").state_dict_metadata if k.startswith(prefix)]
+    if not keys:
+        return False
+    bank = PDDHeadBank(transformer.proj_out, len(keys))
+    state = bank.state_dict()
+    load_dcp({f"roles.{role}.heads": state}, checkpoint / "dcp", f"role {role!r} head bank")
+    bank.load_state_dict(state)
+    write_head_bank(out / HEADS_FILE, torch.stack(list(bank.weight)), torch.stack(list(bank.bias)))
+    return True

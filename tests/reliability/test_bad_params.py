@@ -148,7 +148,7 @@ RULES = [  # (edits, the message must contain)
     ({"validate__guidance_scale": -1.0}, "validate.guidance_scale: -1.0: must be a finite number ≥ 0"),
     ({"export__student": "base"}, "export.student: 'base': valid values: teacher, pretrain, distill"),
     ({"teachr": {}}, "teachr: unknown key; valid keys: seed, gpus, clips, base, latents, teacher, pretrain, distill, "
-                     "validate, export; did you mean teacher?"),
+                     "pdd, validate, export; did you mean teacher?"),
 ]
 
 

@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 from distillery.engine.builder import build_run, check_data_path, seed_everything
 from distillery.callbacks.base import CallbackContext
-from distillery.engine.checkpoint.manager import CheckpointManager, CheckpointPayload, capture_rng, list_checkpoints
+from distillery.engine.checkpoint.manager import (METHOD_HOST_KEY, CheckpointManager, CheckpointPayload, capture_rng,
+                                                  list_checkpoints)
 from distillery.engine.checkpoint.stateful import CallbackState, ScalarState
 from distillery.config.loader import dump_run_config
 from distillery.config.schema import RunConfig
@@ -107,7 +108,11 @@ class Trainer:
         role_configs = {role: model.transformer_config() for role, model in self.run.models.items() if model.trainable}
         run_id = getattr(self, "tracker", None) and self.tracker.run_id
         meta = {"method": self.config.method.target, "mlflow_run_id": run_id}
-        return CheckpointPayload(dcp_state, capture_rng(), role_configs, self.frozen_sources, meta)
+        host = capture_rng()
+        method_host = self.method.host_state()
+        if method_host is not None:
+            host[METHOD_HOST_KEY] = method_host
+        return CheckpointPayload(dcp_state, host, role_configs, self.frozen_sources, meta)
 
     def _resume(self) -> tuple[int, str | None]:
         path = self.ckpt.resume_path(self.config.training.checkpoint.resume)
@@ -115,6 +120,7 @@ class Trainer:
             return 0, None
         # verified by resume_path; a rank the checkpoint has no RNG file for gets rank 0's
         meta = self.ckpt.load(path, self._payload())
+        self.method.load_host_state(meta.pop("method_host_state", None))
         self._refresh_compute_weights(list(self.method.optimizers))
         log.info("resumed from %s at step %d", path, self.step)
         return self.step, meta.get("mlflow_run_id")

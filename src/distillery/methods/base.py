@@ -16,7 +16,9 @@ latent batches; ``prompts``: prompt embeddings only, for rollouts that never rea
 
 Checkpoints (:meth:`checkpoint_state`) are the method's: trainable roles' modules under
 ``roles.<role>.<module>``, ``optimizers.<role>``, ``schedulers.<role>``, the random stream under
-``method.rng``, plus whatever a subclass adds (e.g. a carried trajectory); all DCP. Frozen roles are
+``method.rng``, plus whatever a subclass adds; all DCP. Per-rank state that is neither sharded nor
+replicated (PDD's carried trajectories) is :meth:`TrainingMethod.host_state`, saved beside each
+rank's process RNGs. Frozen roles are
 not saved; :meth:`frozen_sources` names them (path + sha256) for the checkpoint metadata.
 
 Randomness: ``self.rng`` (a :class:`~distillery.engine.rng.BatchRNG` on the student's device) is the
@@ -176,6 +178,17 @@ class TrainingMethod(ABC):
             state[f"schedulers.{role}"] = SchedulerState(self.lr_schedulers[role], optimizer)
         state["method.rng"] = RNGState(self.rng)
         return state
+
+    def host_state(self) -> dict[str, Any] | None:
+        """This rank's own state that is not the same on every rank and not a sharded tensor (e.g.
+        PDD's carried trajectories): a tree of dicts, lists, scalars and tensors, saved per rank in
+        every checkpoint beside the process RNGs (``rng/rank-<r>``). None (default): nothing."""
+        return None
+
+    def load_host_state(self, state: dict[str, Any] | None) -> None:
+        """Restore :meth:`host_state` after a resume (``state`` None: the checkpoint holds none for
+        this rank, e.g. it was saved by fewer ranks)."""
+        del state
 
     def frozen_sources(self) -> dict[str, dict[str, Any]]:
         """Frozen role → where its weights came from (``path``, ``sha256``); recorded in checkpoint

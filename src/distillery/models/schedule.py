@@ -150,3 +150,26 @@ def read_scheduler_shift(folder: Path) -> float:
         if key in cfg and cfg[key] is not None:
             return float(cfg[key])
     return 1.0
+
+
+def block_partition(num_intervals: int, num_blocks: int) -> list[int]:
+    """Node indices ``[num_blocks + 1]`` (0 … ``num_intervals``) of the balanced split of a
+    ``num_intervals``-interval grid into ``num_blocks`` contiguous blocks: node i is
+    ``⌊i · num_intervals / num_blocks⌋``, so block widths differ by at most one (all equal when
+    ``num_blocks`` divides ``num_intervals``). ValueError unless ``1 ≤ num_blocks ≤ num_intervals``."""
+    if not 1 <= num_blocks <= num_intervals:
+        raise ValueError(f"cannot split {num_intervals} grid intervals into {num_blocks} blocks")
+    return [(i * num_intervals) // num_blocks for i in range(num_blocks + 1)]
+
+
+def widest_block(nodes: list[int]) -> int:
+    """The widest block (in grid intervals) of a partition given by its node indices."""
+    return max(b - a for a, b in zip(nodes, nodes[1:]))
+
+
+def block_weights(sigmas: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Weights ``[end − start]`` (float64) that fuse the per-interval velocities of the block
+    ``[start, end)`` of the σ grid ``sigmas`` into its mean velocity: ``Δ_k / Σ Δ`` with
+    ``Δ_k = σ_{k+1} − σ_k``, so ``x_end = x_start + (σ_end − σ_start) · Σ_k w_k v_k``."""
+    deltas = (sigmas[start + 1:end + 1].double() - sigmas[start:end].double())
+    return deltas / deltas.sum()

@@ -8,9 +8,12 @@ import shutil
 from pathlib import Path
 
 from distillery.errors import UserError
+from distillery.log import get_logger
 from distillery.pipeline.artifacts import ARTIFACTS, finish, fresh_staging
 from distillery.pipeline.params import StageParams
 from distillery.pipeline.training_table import TRAINING_STAGES
+
+log = get_logger("stage")
 
 
 def validation_prompts(n: int) -> list[str]:
@@ -32,8 +35,9 @@ def validation_prompts(n: int) -> list[str]:
 
 def stage_validate(params: StageParams) -> None:
     """The teacher at many and few steps (the reference: its first step count), the pretrain student
-    at its steps with the teacher's guidance, and the distilled student as its sampling contract
-    says (its ladder, no CFG: the guidance is distilled in) — adherence, distribution and paired
+    at its steps with the teacher's guidance, the distilled student as its sampling contract
+    says (its ladder, no CFG: the guidance is distilled in) and the PDD student at each NFE of
+    ``validate.pdd_nfe`` — adherence, distribution and paired
     distance, sharpness, NFE, latency, each with its spread over seeds."""
     from distillery.validate import Candidate, ValidationConfig, run_validation, teacher_candidates
 
@@ -48,6 +52,8 @@ def stage_validate(params: StageParams) -> None:
                                               int(v["pretrain_steps"]), float(v["guidance_scale"])))
     distilled = Candidate.from_artifact("distill", ARTIFACTS / "distill" / "model")
     candidates.append(dataclasses.replace(distilled, name=f"distill_{distilled.num_steps}"))  # named by its step count
+    # the PDD student's NFE curve: its fused-block sampler at each NFE (no CFG: the teacher's guidance is distilled in)
+    candidates += [Candidate.from_artifact(f"pdd_{n}", ARTIFACTS / "pdd" / "model", int(n)) for n in v["pdd_nfe"]]
     staging = fresh_staging("validate")
     metrics = run_validation(ARTIFACTS / "base" / "model", candidates, validation_prompts(int(v["num_prompts"])),
                              staging / "report", cfg)
@@ -55,7 +61,8 @@ def stage_validate(params: StageParams) -> None:
     shutil.copy2(staging / "report" / "plots" / "adherence.csv", Path("plots") / "validate_adherence.csv")
     finish("validate", staging, kind="validation", params=params, metrics=metrics,
            inputs=[("teacher", ARTIFACTS / "teacher"), ("pretrain", ARTIFACTS / "pretrain"),
-                   ("student", ARTIFACTS / "distill"), ("base", ARTIFACTS / "base"), ("data", ARTIFACTS / "latents")])
+                   ("student", ARTIFACTS / "distill"), ("pdd", ARTIFACTS / "pdd"), ("base", ARTIFACTS / "base"),
+                   ("data", ARTIFACTS / "latents")])
 
 
 def stage_export(params: StageParams) -> None:
@@ -74,8 +81,46 @@ def stage_export(params: StageParams) -> None:
                     ignore=lambda folder, names: set(skip(folder, names)) | ({"transformer"} if Path(folder) == base else set()))
     shutil.copytree(ARTIFACTS / student / "model" / "transformer", model / "transformer")
     shutil.copy2(ARTIFACTS / student / "model" / "sampling.json", model / "sampling.json")
+    metrics: dict[str, float] = {"student_stage": 0 if student == "teacher" else 1}
+    stock_nfe = fuse_for_stock_pipeline(ARTIFACTS / student / "model", model / "transformer")
+    if stock_nfe is not None:
+        metrics["stock_nfe"] = stock_nfe
     # the folder's own pipeline: DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder) samples as
     # sampling.json says (few-step ladder, causal streaming) with the code validate used
     shutil.copy2(importlib.util.find_spec("distillery.export_pipeline").origin, model / "pipeline.py")  # copied, not imported
-    finish("export", staging, kind="export", params=params, metrics={"student_stage": 0 if student == "teacher" else 1},
+    finish("export", staging, kind="export", params=params, metrics=metrics,
            inputs=[("student", ARTIFACTS / student), ("base", ARTIFACTS / "base")])
+
+
+def fuse_for_stock_pipeline(student_model: Path, transformer_dir: Path) -> int | None:
+    """A PDD student (``pdd_fused`` contract) also becomes a plain transformer stock ``WanPipeline``
+    samples: its whole fine grid fused into one block, written into ``transformer_dir``'s
+    ``proj_out`` — with ``FlowMatchEulerDiscreteScheduler`` (its shift) at 1 step and guidance 1 it
+    is the student at 1 NFE. 1 is the only NFE a plain transformer can hold: each block needs its own
+    fused projection and a transformer has one (the custom ``pipeline.py`` samples every NFE from the
+    heads, ``pdd_heads.safetensors``, kept beside the weights). Returns the stock NFE (1), or None
+    for a student that is not PDD or was not trained on blocks as wide as its grid (1 NFE untrained:
+    ``proj_out`` is left as trained)."""
+    import json
+
+    contract = json.loads((student_model / "sampling.json").read_text())
+    if contract.get("sampler") != "pdd_fused":
+        return None
+    steps = int(contract["pdd_steps"])
+    if int(contract.get("block_size_max", steps)) < steps:
+        log.info("export: the PDD student was trained on blocks of at most %s of %s intervals: no 1-NFE stock transformer",
+                 contract.get("block_size_max"), steps)
+        return None
+    from distillery.models.wan import load_inference_model
+    from distillery.models.wan.pdd import HEADS_FILE
+
+    plugin = load_inference_model(student_model, pdd_steps=steps, shift=contract.get("shift"))
+    plugin.fuse_into_projection(plugin.transformer, 0, steps)
+    tmp = transformer_dir.parent / ".tmp-fused-transformer"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    plugin.transformer.save_pretrained(tmp, safe_serialization=True)
+    shutil.copy2(transformer_dir / HEADS_FILE, tmp / HEADS_FILE)
+    shutil.rmtree(transformer_dir)
+    tmp.rename(transformer_dir)
+    return 1

@@ -24,7 +24,7 @@ from typing import Any, Literal, Union
 from distillery.config.limits import cut, path_problem, show, show_key, unknown_key_message
 from distillery.errors import UserError
 
-TRAINING_STAGES = ("teacher", "pretrain", "distill")  # stages that train a model (training_table.TRAINING_STAGES); export picks one
+TRAINING_STAGES = ("teacher", "pretrain", "distill", "pdd")  # stages that train a model (training_table.TRAINING_STAGES); export picks one
 MAX_SEED = 2**32 - 1  # numpy and torch both take seeds in [0, 2**32)
 
 Check = Callable[[Any], "str | None"]
@@ -152,17 +152,33 @@ class DistillParams(TrainingStageParams):
 
 
 @dataclass
+class PDDParams(TrainingStageParams):
+    steps: int = rule(120, at_least(1))
+    learning_rate: float = rule(1.0e-4, positive_finite)  # the student's (trunk and heads) peak learning rate
+    save_every: int = rule(40, at_least(0))
+    student_init: Literal["teacher", "distill"] = rule("teacher")  # the student starts from the teacher or the distill student
+    pdd_steps: int = rule(8, at_least(1))  # fine-grid intervals = the student's output heads (its most-NFE sampling)
+    block_size_min: int = rule(1, at_least(1))  # block starts are multiples of this (simulate: the carried block)
+    block_size_max: int = rule(8, at_least(1))  # widest block trained; sampling at N NFE needs ⌈pdd_steps / N⌉ ≤ this
+    rollout: Literal["data_latent", "simulate"] = rule("data_latent")  # noised data at the block start, or on-policy trajectories
+    integrator: Literal["euler", "midpoint"] = rule("euler")  # the teacher's target over one interval (1 or 2 teacher calls)
+    guidance_scale: float = rule(4.0, non_negative_finite)  # the teacher's CFG in the targets (distilled in: sampled without)
+    sampling_steps: int = rule(4, at_least(1))  # the NFE the artifact's sampling contract (and export) default to
+
+
+@dataclass
 class ValidateParams:
     num_prompts: int = rule(8, at_least(1))  # validation captions sampled per model
     num_seeds: int = rule(2, at_least(1))  # noise draws per prompt (spreads are over them)
-    teacher_steps: list[int] = rule([40, 4], step_list)  # the teacher's sampling step counts (many and few)
+    teacher_steps: list[int] = rule([40, 8, 4, 2, 1], step_list)  # the teacher's sampling step counts (the first: the reference)
     pretrain_steps: int = rule(40, at_least(1))  # the pretrain student's sampling steps
     guidance_scale: float = rule(4.0, non_negative_finite)  # CFG scale of the teacher baselines
+    pdd_nfe: list[int] = rule([1, 2, 4, 8], step_list)  # the PDD student's NFE curve (blocks of pdd_steps / NFE)
 
 
 @dataclass
 class ExportParams:
-    student: Literal["teacher", "pretrain", "distill"] = rule("distill")  # which training stage's model is exported
+    student: Literal["teacher", "pretrain", "distill", "pdd"] = rule("distill")  # which training stage's model is exported
 
 
 @dataclass
@@ -177,6 +193,7 @@ class ParamsSchema:
     teacher: TrainingStageParams = field(default_factory=TrainingStageParams)
     pretrain: PretrainParams = field(default_factory=PretrainParams)
     distill: DistillParams = field(default_factory=DistillParams)
+    pdd: PDDParams = field(default_factory=PDDParams)
     validate: ValidateParams = field(default_factory=ValidateParams)
     export: ExportParams = field(default_factory=ExportParams)
 
@@ -285,6 +302,23 @@ def _check_together(params: ParamsSchema, source: str) -> None:
                         "give the host:port of the c10d rendezvous")
 
 
+def _check_pdd_blocks(params: ParamsSchema, source: str) -> None:
+    """The PDD student's block sizes fit its grid, and every NFE it is sampled at (its contract's,
+    validate's curve) splits the grid into blocks no wider than it was trained on."""
+    p = params.pdd
+    if not p.block_size_min <= p.block_size_max <= p.pdd_steps:
+        raise UserError(f"{source}: pdd.block_size_max: {p.block_size_max}: need pdd.block_size_min ({p.block_size_min}) "
+                        f"≤ block_size_max ≤ pdd.pdd_steps ({p.pdd_steps})")
+    for key, values in (("pdd.sampling_steps", [p.sampling_steps]), ("validate.pdd_nfe", params.validate.pdd_nfe)):
+        for n in values:
+            if n > p.pdd_steps:
+                raise UserError(f"{source}: {key}: {n}: more NFE than the {p.pdd_steps} intervals of pdd.pdd_steps")
+            wide = -(-p.pdd_steps // n)  # the widest block of models.schedule.block_partition(pdd_steps, n)
+            if wide > p.block_size_max:
+                raise UserError(f"{source}: {key}: {n}: {n} NFE samples {wide}-interval blocks of the {p.pdd_steps}-interval "
+                                f"grid, wider than pdd.block_size_max ({p.block_size_max}) the student is trained on")
+
+
 def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
     """The typed params of the parsed ``params.yaml`` mapping ``data``; a bad key or value is a one-line UserError.
 
@@ -292,6 +326,7 @@ def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
     """
     params = _build(ParamsSchema, data, "", source)
     _check_together(params, source)
+    _check_pdd_blocks(params, source)
     return params
 
 

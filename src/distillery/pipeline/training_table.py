@@ -18,11 +18,13 @@ DATA_ARTIFACT = "latents"  # every training stage trains on artifacts/latents/da
 
 @dataclass(frozen=True)
 class StageVariant:
-    """One choice of a stage whose recipe a ``params.yaml`` key picks (``distill.method``): its
-    template and the params only that recipe takes (params key → run-config key)."""
+    """One choice of a stage whose recipe a ``params.yaml`` key picks (``distill.method``,
+    ``pdd.student_init``): its template, the params only that recipe takes (params key → run-config
+    key) and, when the choice is where a role starts from, its ``inputs`` (replacing the stage's)."""
 
     template: str
     params: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
+    inputs: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,11 @@ class TrainingStageSpec:
             raise KeyError(f"stage {self.name}: {self.variant_key} = {choice!r} has no variant ({', '.join(self.variants)})")
         variant = self.variants[choice]
         return replace(self, template=variant.template, params={**self.params, **variant.params}, variant_key=None,
-                       variants={})
+                       variants={}, inputs=dict(variant.inputs) if variant.inputs is not None else self.inputs)
 
     def templates(self) -> list[str]:
         """Every template the stage may fill (its dvc.yaml deps)."""
-        return [v.template for v in self.variants.values()] if self.variants else [self.template]
+        return list(dict.fromkeys(v.template for v in self.variants.values())) if self.variants else [self.template]
 
     def params_read(self) -> list[str]:
         """Every params.yaml key the stage reads, whichever variant: the table's keys and the variant key."""
@@ -123,6 +125,19 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
                                                    {"distill.context_noise": "method.context_noise",
                                                     "pretrain.chunk_size": "models.student.chunk_size"}),
                       "dmd2": StageVariant("stages/distill_dmd2.yaml")},
+        ),
+        TrainingStageSpec(
+            name="pdd",
+            template="stages/pdd.yaml",
+            inputs={"student": "teacher", "teacher": "teacher"},
+            params={**loop_params("pdd"), "pdd.pdd_steps": "models.student.pdd_steps",
+                    "pdd.block_size_min": "method.block_size_min", "pdd.block_size_max": "method.block_size_max",
+                    "pdd.rollout": "method.rollout", "pdd.integrator": "method.integrator",
+                    "pdd.guidance_scale": "method.teacher_guidance_scale", "pdd.sampling_steps": "method.sampling_steps"},
+            # the teacher is always the teacher artifact; the student starts from it or from the distill student
+            variant_key="pdd.student_init",
+            variants={"teacher": StageVariant("stages/pdd.yaml", inputs={"student": "teacher", "teacher": "teacher"}),
+                      "distill": StageVariant("stages/pdd.yaml", inputs={"student": "distill", "teacher": "teacher"})},
         ),
     )
 }

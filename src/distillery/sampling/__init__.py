@@ -7,7 +7,8 @@ an artifact's ``sampling.json`` with :func:`build_sampler`:
 
 - ``euler`` (:mod:`.euler`) — many-step Euler ODE with CFG on diffusers' σ grid;
 - ``few_step_x0`` (:mod:`.few_step`) — DMD-style x0 prediction + re-noise over a timestep ladder;
-- ``causal_streaming`` (:mod:`.causal`) — chunk-by-chunk x0/re-noise through a causal model's KV cache.
+- ``causal_streaming`` (:mod:`.causal`) — chunk-by-chunk x0/re-noise through a causal model's KV cache;
+- ``pdd_fused`` (:mod:`.pdd`) — parallel decoding: one fused-head forward per block of a PDD student's fine grid.
 
 The flow-matching maths (shift, σ grid, x0 ↔ v, re-noise) lives in :mod:`distillery.models.schedule`.
 """
@@ -19,10 +20,12 @@ from distillery.sampling.registry import build_sampler, register_sampler, sample
 from distillery.sampling.euler import EulerSampler  # noqa: E402  (registers "euler")
 from distillery.sampling.few_step import FewStepX0Sampler, default_ladder  # noqa: E402  (registers "few_step_x0")
 from distillery.sampling.causal import CausalStreamingSampler  # noqa: E402  (registers "causal_streaming")
+from distillery.sampling.pdd import PDDFusedSampler  # noqa: E402  (registers "pdd_fused")
 
 __all__ = [
     "CausalStreamingSampler",
     "EulerSampler",
+    "PDDFusedSampler",
     "FewStepX0Sampler",
     "GeneratorNoise",
     "LatentShape",

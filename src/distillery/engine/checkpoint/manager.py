@@ -11,7 +11,7 @@ Layout of one checkpoint::
                                 #   trainer                step, data position
                                 #   callbacks.<name>       callback tensors (EMA shadow weights)
       roles/<role>/config.json  # each trainable role's transformer architecture (for export)
-      rng/rank-<r>.json         # per-rank process RNGs: python, numpy, torch CPU/CUDA
+      rng/rank-<r>.json         # per-rank process RNGs: python, numpy, torch CPU/CUDA (+ the method's host state)
       rng/rank-<r>.safetensors  #   (its tensors; see distillery.engine.checkpoint.host_state)
       checksums.json            # size + sha256 of every file above (distillery.engine.checkpoint.checksums)
       metadata.json             # step, world size, trainable roles, frozen roles' sources (path +
@@ -54,6 +54,9 @@ from distillery.log import get_logger
 log = get_logger("checkpoint")
 
 FORMAT = 3  # metadata.json "format": 3 = all training state in DCP by the method's keys (2: role.<role> keys + state.json; 1: pickled state.pt; both refused)
+
+
+METHOD_HOST_KEY = "method_host"  # the method's per-rank host state inside rng/rank-<r> (TrainingMethod.host_state)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -107,7 +110,7 @@ class CheckpointPayload:
 
     dcp_state: dict[str, Stateful]  # the method's (roles.*, optimizers.*, schedulers.*, method.*) + the
                                     # trainer's (trainer: step, data position) + callbacks.<name>
-    rng_state: dict[str, Any]  # this rank's process RNGs
+    rng_state: dict[str, Any]  # this rank's process RNGs (+ the method's host state under METHOD_HOST_KEY)
     role_configs: dict[str, dict[str, Any]]  # trainable role → transformer config.json content
     frozen_roles: dict[str, dict[str, Any]]  # frozen role → its source (path, sha256): not saved, checked on resume
     metadata: dict[str, Any]  # extra human-readable facts (method, MLflow run)
@@ -209,8 +212,11 @@ class CheckpointManager:
                 state.expect(keys, key)
         load_dcp(payload.dcp_state, path / "dcp", "its weights, optimizer, schedule and callback states")
         stem = f"rank-{self.rank}"
-        restore_rng(read_state(path / "rng", stem if (path / "rng" / f"{stem}.json").is_file() else "rank-0"))
+        own = (path / "rng" / f"{stem}.json").is_file()
+        state = read_state(path / "rng", stem if own else "rank-0")
+        restore_rng(state)
         meta["saved_world_size"] = int(meta.get("world_size", self.world_size))
+        meta["method_host_state"] = state.get(METHOD_HOST_KEY) if own else None  # another rank's is not this one's
         return meta
 
     def resume_path(self, resume: str) -> Path | None:

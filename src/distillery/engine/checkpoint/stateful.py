@@ -97,9 +97,14 @@ class OptimizerState(Stateful):
         if not saved:
             self.optimizer.state.clear()  # the saving run had not stepped this role yet
             return
-        full = self._full()
+        full = self._full()  # (creates placeholder state for every parameter)
         full["state"] = saved
-        set_optimizer_state_dict(self.container, self.optimizer, full)
+        # not strict: a parameter without saved state never had a gradient in the saving run (e.g. a
+        # PDD head not supervised yet); it must end up without state, as it was there
+        set_optimizer_state_dict(self.container, self.optimizer, full, options=StateDictOptions(strict=False))
+        for fqn, param in self.container.named_parameters():
+            if fqn not in saved:
+                self.optimizer.state.pop(param, None)
 
 
 class SchedulerState(Stateful):

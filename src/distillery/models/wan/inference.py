@@ -11,16 +11,19 @@ from pathlib import Path
 
 import torch
 
+from distillery.errors import UserError
 from distillery.models.wan.bidirectional import WanModel
 from distillery.models.wan.common import WanModelConfig
 
 
 def load_inference_model(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                          shift: float | None = None, role: str = "inference", chunk_size: int | None = None,
-                         transformer: torch.nn.Module | None = None) -> WanModel:
+                         transformer: torch.nn.Module | None = None, pdd_steps: int | None = None) -> WanModel:
     """Load ``folder``'s transformer as an eval, gradient-free :class:`WanModel` on ``device`` — or,
     with ``chunk_size``, as a :class:`~distillery.models.wan.causal.CausalWanModel` attending
-    block-causally over chunks of that many latent frames (what ``Sampler.model_options()`` asks).
+    block-causally over chunks of that many latent frames (what ``Sampler.model_options()`` asks) — or,
+    with ``pdd_steps``, as a :class:`~distillery.models.wan.pdd.PDDWanModel` whose head bank comes from
+    the folder's ``pdd_heads.safetensors`` (:class:`UserError` when the folder has no such bank).
     ``transformer``: wrap this already loaded transformer of ``folder`` instead of loading it (it is
     set to eval and frozen in place).
 
@@ -31,10 +34,19 @@ def load_inference_model(folder: str | Path, device: torch.device | str = "cpu",
     when there is none). Raises :class:`UserError` for a folder that holds no Wan transformer.
     """
     device = torch.device(device)
-    if chunk_size is not None:
+    if pdd_steps is not None:
+        from distillery.models.wan.common import locate_transformer
+        from distillery.models.wan.pdd import HEADS_FILE, PDDWanModel, PDDWanModelConfig
+
+        if not (locate_transformer(folder)[0] / HEADS_FILE).is_file():
+            raise UserError(f"{folder}: no {HEADS_FILE} beside the transformer weights; a PDD sampling contract needs "
+                            "the PDD stage's head bank")
+        model: WanModel = PDDWanModel(PDDWanModelConfig(init_from=str(folder), trainable=False, shift=shift,
+                                                        pdd_steps=int(pdd_steps)), role=role, transformer=transformer)
+    elif chunk_size is not None:
         from distillery.models.wan.causal import CausalWanModel, CausalWanModelConfig
 
-        model: WanModel = CausalWanModel(CausalWanModelConfig(init_from=str(folder), trainable=False, shift=shift,
+        model = CausalWanModel(CausalWanModelConfig(init_from=str(folder), trainable=False, shift=shift,
                                                               chunk_size=int(chunk_size)), role=role, transformer=transformer)
     else:
         model = WanModel(WanModelConfig(init_from=str(folder), trainable=False, shift=shift), role=role, transformer=transformer)

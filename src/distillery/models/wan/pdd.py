@@ -1,0 +1,280 @@
+"""PDD Wan: the Wan trunk with its output projection replicated once per fine-grid interval (a head bank).
+
+Parallel decoding distillation (:mod:`distillery.methods.pdd`) trains a student that, from one
+forward at a block start ``x_n``, predicts the velocity of every interval of a fine σ grid of
+``pdd_steps`` intervals (the ``pdd_steps``-step Euler grid of the model's shifted schedule,
+:meth:`~distillery.models.schedule.FlowMatchSchedule.inference_sigmas`): head ``k`` is interval
+``[σ_k, σ_{k+1}]``'s. The trunk is diffusers' ``WanTransformer3DModel`` unchanged; only its last
+projection (``proj_out``, ``Linear(inner_dim, out_channels · prod(patch_size))``) becomes
+:class:`PDDHeadBank`, ``pdd_steps`` linear heads, each initialised from ``proj_out``.
+
+How the heads see the trunk: a forward hook on ``transformer.proj_out`` (a module-level function,
+so ``copy.deepcopy`` of the transformer — the bf16 compute copy — carries it) replaces the
+projection's output, while :meth:`PDDWanModel.predict_head_groups` runs, by the head bank's
+projections of its input (the normalised, time-modulated hidden states ``[B, S, inner_dim]``), laid
+out per token as ``(p_t, p_h, p_w, M·C)``: the transformer's own unpatchify then returns
+``[B, M·C, T, H, W]`` for M heads, and the transformer's output stays the one that carries the
+gradient (FSDP2's backward hooks hang on it). Heads are requested in groups (:class:`HeadGroup`): a
+group is plain heads or their fusion, with gradient or projected from the detached trunk states.
+``proj_out`` itself is frozen (its own output is replaced: it trains nothing).
+
+The bank is a trainable module of its own (``trainable_modules()['heads']``): its own FSDP2 unit,
+checkpoint key ``roles.<role>.heads`` and per-head optimizer state (a head that was never
+supervised has none). Because heads are linear, a block's heads fuse into one projection with
+weights ``Σ_k w_k W_k`` (:func:`~distillery.models.schedule.block_weights`): sampling a block costs
+one forward whatever its width (:meth:`PDDWanModel.predict_pdd_fused`).
+
+On disk the bank is ``transformer/pdd_heads.safetensors`` beside the trunk's weights: ``weight``
+``[pdd_steps, out, inner_dim]``, ``bias`` ``[pdd_steps, out]``, metadata ``pdd_steps`` (tensors
+only; nothing is unpickled). A folder without it starts every head from ``proj_out``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from distillery.errors import UserError
+from distillery.models.base import Conditioning, TrainingBatch
+from distillery.models.schedule import block_weights
+from distillery.models.wan.bidirectional import WanModel
+from distillery.models.wan.common import WanModelConfig
+
+HEADS_FILE = "pdd_heads.safetensors"
+
+@dataclass
+class HeadGroup:
+    """Heads one forward projects: ``heads`` (grid-interval indices), fused into one by ``coeffs``
+    (``[len(heads)]``) when given; ``detached``: from the trunk states without gradient (a rollout's
+    advance), else with it (the supervised head)."""
+
+    heads: list[int]
+    coeffs: torch.Tensor | None = None
+    detached: bool = False
+
+    @property
+    def size(self) -> int:
+        return 1 if self.coeffs is not None else len(self.heads)
+
+
+@dataclass
+class _Request:
+    bank: "PDDHeadBank"
+    groups: list[HeadGroup]
+    patch_volume: int  # p_t · p_h · p_w
+
+
+# While PDDWanModel.predict_head_groups runs: what the proj_out hook projects instead.
+_REQUEST: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("distillery_pdd_request", default=None)
+
+
+def _project_with_head_bank(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+    """Forward hook of ``proj_out``: the requested head groups' projections of its input, laid out
+    per token as ``(p_t, p_h, p_w, M·C)`` (module doc); outside a request, the output unchanged."""
+    del module, output
+    req = _REQUEST.get()
+    if req is None:
+        return None
+    hidden = args[0]
+    parts = []
+    for group in req.groups:
+        if group.detached:
+            with torch.no_grad():
+                parts.append(req.bank(hidden.detach(), group.heads, group.coeffs))
+        else:
+            parts.append(req.bank(hidden, group.heads, group.coeffs))
+    y = torch.cat(parts, dim=2)  # [B, S, M, p·C]
+    b, s, m, out = y.shape
+    return y.reshape(b, s, m, req.patch_volume, out // req.patch_volume).transpose(2, 3).reshape(b, s, -1)
+
+
+@dataclass
+class PDDWanModelConfig(WanModelConfig):
+    pdd_steps: int = 8  # fine-grid intervals = heads of the bank
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if int(self.pdd_steps) < 1:
+            raise ValueError(f"pdd_steps must be >= 1, got {self.pdd_steps}")
+
+
+class PDDHeadBank(torch.nn.Module):
+    """``num_heads`` output projections ``W_k [out, in]``, ``b_k [out]`` (fp32 masters), one parameter
+    pair per head (``weight.<k>``, ``bias.<k>``) so a head that receives no gradient has no optimizer state."""
+
+    def __init__(self, base: torch.nn.Linear, num_heads: int) -> None:
+        super().__init__()
+        w, b = base.weight.detach().float(), base.bias.detach().float()
+        self.weight = torch.nn.ParameterList([torch.nn.Parameter(w.clone()) for _ in range(num_heads)])
+        self.bias = torch.nn.ParameterList([torch.nn.Parameter(b.clone()) for _ in range(num_heads)])
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.weight)
+
+    def forward(self, hidden: torch.Tensor, heads: list[int], coeffs: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden [B, S, in]`` → ``[B, S, m, out]`` for the ``m`` heads ``heads``; with ``coeffs``
+        (``[len(heads)]``) the single fused projection ``Σ_j coeffs_j head_j`` → ``[B, S, 1, out]``.
+        Weights are cast to ``hidden``'s dtype (the bf16 compute of a mixed-precision run)."""
+        w = torch.stack([self.weight[k] for k in heads])  # [m, out, in]
+        b = torch.stack([self.bias[k] for k in heads])  # [m, out]
+        if coeffs is not None:
+            c = coeffs.to(w.device, torch.float64)
+            w = (c[:, None, None] * w.double()).sum(0, keepdim=True).float()
+            b = (c[:, None] * b.double()).sum(0, keepdim=True).float()
+        m, out, _ = w.shape
+        y = F.linear(hidden, w.reshape(m * out, -1).to(hidden.dtype), b.reshape(m * out).to(hidden.dtype))
+        return y.unflatten(-1, (m, out))
+
+    def fused_linear(self, heads: list[int], coeffs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused projection's ``(weight [out, in], bias [out])`` (float32), see :meth:`forward`."""
+        with torch.no_grad():
+            c = coeffs.double()
+            w = sum(c[j] * self.weight[k].double() for j, k in enumerate(heads))
+            b = sum(c[j] * self.bias[k].double() for j, k in enumerate(heads))
+        return w.float(), b.float()
+
+
+def read_head_bank(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight [H, out, in], bias [H, out])`` from a heads file (:class:`UserError` when unreadable)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor("weight"), f.get_tensor("bias")
+    except Exception as exc:  # a corrupt or foreign file: one line, no traceback
+        raise UserError(f"{path}: not a PDD head bank ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def write_head_bank(path: Path, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    """Write a heads file (``weight [H, out, in]``, ``bias [H, out]``, float32)."""
+    from safetensors.torch import save_file
+
+    save_file({"weight": weight.detach().float().contiguous().cpu(), "bias": bias.detach().float().contiguous().cpu()},
+              str(path), metadata={"pdd_steps": str(int(weight.shape[0]))})
+
+
+class PDDWanModel(WanModel):
+    """A :class:`WanModel` whose output projection is a :class:`PDDHeadBank` (module doc)."""
+
+    config_class = PDDWanModelConfig
+
+    def __init__(self, config: PDDWanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
+        super().__init__(config, role, transformer)
+        self.pdd_steps = int(config.pdd_steps)
+        proj = self.transformer.proj_out
+        proj.requires_grad_(False)
+        self.head_bank = PDDHeadBank(proj, self.pdd_steps)
+        stored = Path(self.transformer_dir) / HEADS_FILE
+        if stored.is_file():
+            weight, bias = read_head_bank(stored)
+            if tuple(weight.shape) != (self.pdd_steps, *proj.weight.shape) or tuple(bias.shape) != (self.pdd_steps, *proj.bias.shape):
+                raise UserError(f"{stored}: holds {weight.shape[0]} heads of shape {tuple(weight.shape[1:])}; models.{role} "
+                                f"asks for pdd_steps={self.pdd_steps} heads of {tuple(proj.weight.shape)}")
+            with torch.no_grad():
+                for k in range(self.pdd_steps):
+                    self.head_bank.weight[k].copy_(weight[k])
+                    self.head_bank.bias[k].copy_(bias[k])
+        self.head_bank.requires_grad_(config.trainable)
+        proj.register_forward_hook(_project_with_head_bank)
+
+    # -- what trains, what is saved ------------------------------------------------------------
+    def trainable_modules(self) -> dict[str, torch.nn.Module]:
+        return {"transformer": self.transformer, "heads": self.head_bank}
+
+    def transformer_config(self) -> dict[str, Any]:
+        return {**dict(self.transformer.config), "_pdd_steps": self.pdd_steps}
+
+    def fine_sigmas(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The fine σ grid ``float32 [pdd_steps + 1]``, 1 → 0 (the ``pdd_steps``-step Euler grid)."""
+        return self.schedule.inference_sigmas(self.pdd_steps).to(device)
+
+    def bind_device(self, device: torch.device, compute_dtype: torch.dtype = torch.float32, compute_copy: Any = None) -> None:
+        super().bind_device(device, compute_dtype, compute_copy)
+        if next(self.head_bank.parameters()).device != torch.device(device):  # FSDP2 placed it already
+            self.head_bank.to(device)
+
+    # -- forwards -----------------------------------------------------------------------------
+    def predict_head_groups(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+                            batch: Conditioning | TrainingBatch, groups: list[HeadGroup],
+                            conditional: bool = True) -> list[torch.Tensor]:
+        """One trunk forward at ``noisy_latents`` (``[B, C, T, H, W]``), projected by each group →
+        per group float32 ``[B, m, C, T, H, W]`` (m = its heads, or 1 fused)."""
+        for group in groups:
+            if not group.heads or min(group.heads) < 0 or max(group.heads) >= self.pdd_steps:
+                raise ValueError(f"heads {group.heads} outside the bank's 0 … {self.pdd_steps - 1}")
+        text = batch.text_embeds if conditional else batch.negative_text_embeds
+        if text is None:
+            text = torch.zeros_like(batch.text_embeds)
+        dtype = self.input_dtype()
+        pt, ph, pw = self.patch_size
+        token = _REQUEST.set(_Request(self.head_bank, groups, pt * ph * pw))
+        try:
+            out = self.forward_module(hidden_states=noisy_latents.to(dtype),
+                                      timestep=self._model_timesteps(timesteps, noisy_latents).float(),
+                                      encoder_hidden_states=text.to(dtype), return_dict=False)[0]
+        finally:
+            _REQUEST.reset(token)
+        b, _, t, h, w = out.shape
+        heads = out.float().reshape(b, -1, self.in_channels, t, h, w)
+        return list(heads.split([g.size for g in groups], dim=1))
+
+    def predict_pdd_heads(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+                          batch: Conditioning | TrainingBatch, heads: list[int] | None = None,
+                          conditional: bool = True) -> torch.Tensor:
+        """Velocities of heads ``heads`` (default: all; e.g. ``list(range(a, b))`` for a head window)
+        from one trunk forward at ``noisy_latents`` → float32 ``[B, m, C, T, H, W]``."""
+        heads = list(range(self.pdd_steps)) if heads is None else list(heads)
+        return self.predict_head_groups(noisy_latents, timesteps, batch, [HeadGroup(heads)], conditional)[0]
+
+    def predict_pdd_fused(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, batch: Conditioning | TrainingBatch,
+                          start: int, end: int, conditional: bool = True) -> torch.Tensor:
+        """The block ``[start, end)``'s mean velocity ``Σ_k w_k head_k`` (float32 ``[B, C, T, H, W]``)
+        from one forward through one fused projection; ``x_end = x_start + (σ_end − σ_start) ·`` this."""
+        if not 0 <= start < end <= self.pdd_steps:
+            raise ValueError(f"block [{start}, {end}) outside the {self.pdd_steps}-interval grid")
+        group = HeadGroup(list(range(start, end)), block_weights(self.fine_sigmas(), start, end))
+        return self.predict_head_groups(noisy_latents, timesteps, batch, [group], conditional)[0][:, 0]
+
+    def head_for_timestep(self, timesteps: torch.Tensor) -> int:
+        """The interval whose start node is nearest the (first) timestep: the head a plain
+        ``predict_noise`` call uses."""
+        t = float(timesteps.reshape(-1)[0])
+        nodes = self.fine_sigmas()[:-1] * self.schedule.num_train_timesteps
+        return int((nodes - t).abs().argmin())
+
+    def predict_noise(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, batch: Conditioning | TrainingBatch,
+                      conditional: bool = True) -> torch.Tensor:
+        """The velocity of the head of the fine interval starting nearest ``timesteps`` (one Euler
+        step on the fine grid; what a ``pdd_steps``-NFE sampler uses there)."""
+        head = self.head_for_timestep(timesteps)
+        return self.predict_pdd_heads(noisy_latents, timesteps, batch, [head], conditional)[:, 0]
+
+    # -- fused export ---------------------------------------------------------------------------
+    def fuse_into_projection(self, module: torch.nn.Module, start: int, end: int) -> None:
+        """Write block ``[start, end)``'s fused projection into ``module.proj_out`` (a plain
+        ``WanTransformer3DModel`` of this trunk): that transformer's velocity is the block's mean
+        velocity, so stock Euler with the block as one step reproduces the fused sampler."""
+        coeffs = block_weights(self.fine_sigmas(), start, end)
+        weight, bias = self.head_bank.fused_linear(list(range(start, end)), coeffs)
+        with torch.no_grad():
+            module.proj_out.weight.copy_(weight.to(module.proj_out.weight.dtype))
+            module.proj_out.bias.copy_(bias.to(module.proj_out.bias.dtype))
+
+
+def heads_file_pdd_steps(transformer_dir: Path) -> int | None:
+    """The head count of ``transformer_dir``'s heads file (None without one)."""
+    path = Path(transformer_dir) / HEADS_FILE
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    return int(json.loads(meta.get("pdd_steps", "0"))) or None
