@@ -200,7 +200,8 @@ def _config(base: Path, data: Path, out: Path, steps: int = STEPS) -> dict:
     cfg = run_config(base, data, out, method="distillery.methods.pdd.PDDMethod", steps=steps, batch_size=2, lr=1e-3,
                      save_every=1, method_knobs={"rollout": "simulate", "block_size_min": 2, "block_size_max": 4,
                                                  "integrator": "midpoint", "teacher_guidance_scale": 2.0,
-                                                 "sampling_steps": 2})
+                                                 "sampling_steps": 2},
+                     callbacks={"ema": {"_target_": "distillery.callbacks.ema.EMACallback", "decay": 0.5}})
     cfg["models"]["student"] = {"_target_": "distillery.models.wan.PDDWanModel", "init_from": str(base), "pdd_steps": 4}
     cfg["models"]["teacher"] = {"_target_": "distillery.models.wan.WanModel", "init_from": str(base), "trainable": False}
     cfg["training"]["loop"]["grad_accum_steps"] = 2  # two carried trajectories, one per accumulation slot
@@ -261,6 +262,16 @@ def test_export_writes_the_head_bank_and_samples_the_trained_student(simulate_ru
     plugin = load_inference_model(tmp_path / "model", pdd_steps=4, shift=SHIFT)
     for j in range(4):
         assert torch.equal(plugin.head_bank.weight[j], heads[f"roles.student.heads.weight.{j}"])
+    ema_heads = dcp_tensors(ckpt, ("callbacks.ema.student.heads.",))
+    assert len(ema_heads) == 8  # the EMA shadow covers the head bank (a trainable module of the role)
+    export_weights(ckpt, "student", tmp_path / "ema", ema="ema")
+    shadow = load_inference_model(tmp_path / "ema", pdd_steps=4, shift=SHIFT)
+    moved = 0
+    for j in range(4):
+        w = ema_heads[f"callbacks.ema.student.heads.weight.{j}"]
+        assert torch.equal(shadow.head_bank.weight[j], w)
+        moved += not torch.equal(w, heads[f"roles.student.heads.weight.{j}"])
+    assert moved  # the supervised heads' shadows lag their weights (decay 0.5)
     with pytest.raises(UserError, match="asks for pdd_steps=8"):
         load_inference_model(tmp_path / "model", pdd_steps=8, shift=SHIFT)
     (out / HEADS_FILE).write_bytes(b"not a safetensors file")

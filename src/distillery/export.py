@@ -49,17 +49,22 @@ def load_role_weights(checkpoint: Path, role: str, module: torch.nn.Module, ema:
     """
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     checkpoint = Path(checkpoint)
-    if ema:
+    state = module.state_dict()
+    load_dcp({f"roles.{role}.{module_name}": state}, checkpoint / "dcp", f"role {role!r}")
+    module.load_state_dict(state)
+    if ema:  # the shadow of every parameter that trained (a frozen one, e.g. PDD's proj_out, has none: as trained)
+        from distillery.engine.checkpoint.dcp_io import read_dcp_metadata
+
+        prefix = f"callbacks.{ema}.{role}.{module_name}."
+        saved = {k[len(prefix):] for k in read_dcp_metadata(checkpoint / "dcp").state_dict_metadata if k.startswith(prefix)}
         params = dict(module.named_parameters())
-        shadow = {n: torch.empty_like(p, dtype=torch.float32) for n, p in params.items()}
+        shadow = {n: torch.empty_like(p, dtype=torch.float32) for n, p in params.items() if n in saved}
+        if not shadow:
+            raise UserError(f"{checkpoint}: cannot load EMA callback {ema!r}: it holds no EMA weights for role {role!r}")
         load_dcp({f"callbacks.{ema}": {role: {module_name: shadow}}}, checkpoint / "dcp", f"EMA callback {ema!r}")
         with torch.no_grad():
             for n, t in shadow.items():
                 params[n].copy_(t)
-        return
-    state = module.state_dict()
-    load_dcp({f"roles.{role}.{module_name}": state}, checkpoint / "dcp", f"role {role!r}")
-    module.load_state_dict(state)
 
 
 def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str | None = None) -> Path:
@@ -79,13 +84,14 @@ def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str 
     if tmp.exists():
         shutil.rmtree(tmp)
     module.save_pretrained(tmp, safe_serialization=True)
-    export_head_bank(ckpt, role, module, tmp)
+    export_head_bank(ckpt, role, module, tmp, ema)
     return replace_dir(tmp, final)
 
 
-def export_head_bank(checkpoint: Path, role: str, transformer: torch.nn.Module, out: Path) -> bool:
+def export_head_bank(checkpoint: Path, role: str, transformer: torch.nn.Module, out: Path, ema: str | None = None) -> bool:
     """When ``role`` trained a PDD head bank (DCP keys ``roles.<role>.heads.*``), write it as
-    ``out/pdd_heads.safetensors`` (:mod:`distillery.models.wan.pdd`); returns whether it did."""
+    ``out/pdd_heads.safetensors`` (:mod:`distillery.models.wan.pdd`) — its EMA shadow when ``ema`` names
+    the EMA callback, as for the trunk; returns whether it did."""
     from distillery.engine.checkpoint.dcp_io import read_dcp_metadata
     from distillery.models.wan.pdd import HEADS_FILE, PDDHeadBank, write_head_bank
 
@@ -94,8 +100,6 @@ def export_head_bank(checkpoint: Path, role: str, transformer: torch.nn.Module, 
     if not keys:
         return False
     bank = PDDHeadBank(transformer.proj_out, len(keys))
-    state = bank.state_dict()
-    load_dcp({f"roles.{role}.heads": state}, checkpoint / "dcp", f"role {role!r} head bank")
-    bank.load_state_dict(state)
+    load_role_weights(checkpoint, role, bank, ema, module_name="heads")
     write_head_bank(out / HEADS_FILE, torch.stack(list(bank.weight)), torch.stack(list(bank.bias)))
     return True

@@ -160,7 +160,7 @@ class PDDParams(TrainingStageParams):
     pdd_steps: int = rule(8, at_least(1))  # fine-grid intervals = the student's output heads (its most-NFE sampling)
     block_size_min: int = rule(1, at_least(1))  # block starts are multiples of this (simulate: the carried block)
     block_size_max: int = rule(8, at_least(1))  # widest block trained; sampling at N NFE needs ⌈pdd_steps / N⌉ ≤ this
-    rollout: Literal["data_latent", "simulate"] = rule("data_latent")  # noised data at the block start, or on-policy trajectories
+    rollout: Literal["data_latent", "simulate"] = rule("simulate")  # carried on-policy trajectories, or noised data at the block start
     integrator: Literal["euler", "midpoint"] = rule("euler")  # the teacher's target over one interval (1 or 2 teacher calls)
     guidance_scale: float = rule(4.0, non_negative_finite)  # the teacher's CFG in the targets (distilled in: sampled without)
     sampling_steps: int = rule(4, at_least(1))  # the NFE the artifact's sampling contract (and export) default to
