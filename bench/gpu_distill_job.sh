@@ -8,13 +8,7 @@
 # ours.log, distill_step<tag>.json.
 set -u
 JOB_START=$(date +%s)  # --deadline for distill_step.py: JOB_BUDGET (default 560 s) minus what the job has spent
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1
-OUT=${OUT:-/tmp}
-export OUT
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)"
+source bench/gpu_env.sh
 for latent in ${ANCHOR_LATENTS-21x60x104 21x30x52}; do
   start=$(date +%s)
   LATENT=$latent timeout 300 python3 .bench_anchor/plain_diffusers_dmd2_step.py >> "$OUT/anchor.log" 2>&1

@@ -6,13 +6,7 @@
 # Arguments go to bench/distill_step.py. Everything lands in $OUT.
 set -u
 JOB_START=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1
-OUT=${OUT:-/tmp}
-export OUT
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)"
+source bench/gpu_env.sh
 start=$(date +%s)
 timeout 200 python3 bench/pdd_sampling.py > "$OUT/sampling.log" 2>&1; echo "sampling rc=$? wall=$(( $(date +%s) - start )) s"
 tail -6 "$OUT/sampling.log"

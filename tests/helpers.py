@@ -89,6 +89,14 @@ def nudge_weights(module: torch.nn.Module, scale: float = 0.02) -> None:
             p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
 
 
+def tiny_raw_batch(b: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A collated batch for the tiny Wan (8 latent channels, 3×8×8 latents, 8×32 prompt embeddings) with a non-zero
+    empty-prompt embedding, to tell the conditional and unconditional forwards apart."""
+    g = torch.Generator().manual_seed(seed)
+    return {"latents": torch.randn(b, 8, 3, 8, 8, generator=g), "text_embeds": torch.randn(b, 8, 32, generator=g),
+            "empty_text_embeds": torch.randn(8, 32, generator=g)}
+
+
 def read_log(output_dir: Path) -> list[dict[str, float]]:
     import json
 

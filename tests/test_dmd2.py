@@ -29,6 +29,7 @@ from distillery.config import allowed_prefixes, load_run_config
 from distillery.methods.dmd2 import DMD2Config, DMD2Method, truncated_shifted_timesteps, warped_ladder
 from distillery.models.wan import WanModel, WanModelConfig
 from helpers import dcp_tensors, nudge_weights, read_log, run_config, train_in_process, write_config
+from helpers import tiny_raw_batch as raw_batch
 
 N_T = 1000  # num_train_timesteps
 SHIFT = 3.0  # the tiny base's scheduler shift
@@ -91,12 +92,6 @@ def make(tiny_base: Path, training, **knobs) -> DMD2Method:
     method.on_train_start(torch.device("cpu"))
     method.build_optimizers()
     return method
-
-
-def raw_batch(b: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"latents": torch.randn(b, 8, 3, 8, 8, generator=g), "text_embeds": torch.randn(b, 8, 32, generator=g),
-            "empty_text_embeds": torch.randn(8, 32, generator=g)}  # a non-zero empty prompt, to tell the two apart
 
 
 def grads(model) -> list[torch.Tensor | None]:

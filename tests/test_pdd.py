@@ -28,6 +28,7 @@ from distillery.models.wan import WanModel, WanModelConfig
 from distillery.models.wan.pdd import HEADS_FILE, PDDWanModel, PDDWanModelConfig
 from distillery.sampling import build_sampler
 from helpers import dcp_tensors, nudge_weights, read_log, run_config, train_in_process
+from helpers import tiny_raw_batch as raw_batch
 
 SHIFT = 3.0  # the tiny base's scheduler shift
 P = 8  # fine-grid intervals in these tests
@@ -48,12 +49,6 @@ def make(tiny_base: Path, training, pdd_steps: int = P, **knobs) -> PDDMethod:
     method.on_train_start(torch.device("cpu"))
     method.build_optimizers()
     return method
-
-
-def raw_batch(b: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"latents": torch.randn(b, 8, 3, 8, 8, generator=g), "text_embeds": torch.randn(b, 8, 32, generator=g),
-            "empty_text_embeds": torch.randn(8, 32, generator=g)}
 
 
 def teacher_calls(method: PDDMethod) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
