@@ -67,7 +67,9 @@ def stage_validate(params: StageParams) -> None:
 
 def stage_export(params: StageParams) -> None:
     """A complete diffusers folder: the base's parts + the chosen student's transformer, its sampling
-    contract and the pipeline module that samples by it (``pipeline.py``), lineage inside."""
+    contract, the pipeline module that samples by it (``pipeline.py``) and its own model card
+    (``README.md``, :mod:`distillery.pipeline.model_card`: chain, settings, validation scores, code),
+    lineage inside."""
     import importlib.util
 
     student = params.get("export.student")
@@ -85,11 +87,17 @@ def stage_export(params: StageParams) -> None:
     stock_nfe = fuse_for_stock_pipeline(ARTIFACTS / student / "model", model / "transformer")
     if stock_nfe is not None:
         metrics["stock_nfe"] = stock_nfe
+    # its own model card (the base's described the base): what it is, its chain, settings, scores, the code to load it
+    from distillery.data.encoders import read_max_sequence_length
+    from distillery.pipeline.model_card import export_model_card
+
+    (model / "README.md").write_text(export_model_card(student, ARTIFACTS / student, ARTIFACTS / "validate",
+                                                       read_max_sequence_length(base), stock_nfe), encoding="utf-8")
     # the folder's own pipeline: DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder) samples as
     # sampling.json says (few-step ladder, causal streaming) with the code validate used
     shutil.copy2(importlib.util.find_spec("distillery.export_pipeline").origin, model / "pipeline.py")  # copied, not imported
     finish("export", staging, kind="export", params=params, metrics=metrics,
-           inputs=[("student", ARTIFACTS / student), ("base", ARTIFACTS / "base")])
+           inputs=[("student", ARTIFACTS / student), ("base", ARTIFACTS / "base"), ("validation", ARTIFACTS / "validate")])
 
 
 def fuse_for_stock_pipeline(student_model: Path, transformer_dir: Path) -> int | None:

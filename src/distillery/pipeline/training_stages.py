@@ -143,7 +143,9 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     write_json_atomic(Path("plots") / f"{stage}_loss.json", loss)
     write_json_atomic(staging / "model" / "sampling.json", summary.sampling)
     last = loss[-10:] or [{"loss": float("nan")}]
-    metrics = {"final_loss": round(sum(r["loss"] for r in last) / len(last), 5), "steps": summary.final_step}
+    # named for what it is: the mean over the last 10 logged steps (the last step's own loss is noisy; loss.json has it)
+    metrics = {"loss_last10_mean": round(sum(r["loss"] for r in last) / len(last), 5), "last_loss": round(last[-1]["loss"], 5),
+               "steps": summary.final_step}
     tracker = raw["training"]["tracker"]
     mlflow = {"tracking_uri": default_tracking_uri(TrackerConfig()), "experiment": tracker["experiment"],
               "run_id": summary.mlflow_run_id, "parent_run_id": tracker["parent_run_id"]}
