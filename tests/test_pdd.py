@@ -272,3 +272,23 @@ def test_export_writes_the_head_bank_and_samples_the_trained_student(simulate_ru
     (out / HEADS_FILE).write_bytes(b"not a safetensors file")
     with pytest.raises(UserError, match="not a PDD head bank"):
         load_inference_model(tmp_path / "model", pdd_steps=4, shift=SHIFT)
+
+
+def test_params_yaml_refuses_pdd_blocks_its_sampling_would_need_wider():
+    """Before any stage runs: the grid, the trained block sizes, the contract's NFE and validate's NFE curve agree."""
+    import yaml
+
+    from distillery.pipeline.params_schema import validate_params
+
+    params = yaml.safe_load((Path(__file__).resolve().parent.parent / "params.yaml").read_text())
+    validate_params(params)  # the shipped defaults fit
+    cases = [({"block_size_max": 9}, "params.yaml: pdd.block_size_max: 9: need pdd.block_size_min (1) ≤ block_size_max ≤ "
+                                     "pdd.pdd_steps (8)"),
+             ({"block_size_max": 4}, "params.yaml: validate.pdd_nfe: 1: 1 NFE samples 8-interval blocks of the 8-interval "
+                                     "grid, wider than pdd.block_size_max (4)"),
+             ({"sampling_steps": 12}, "params.yaml: pdd.sampling_steps: 12: more NFE than the 8 intervals of pdd.pdd_steps")]
+    for change, message in cases:
+        bad = {**params, "pdd": {**params["pdd"], **change}}
+        with pytest.raises(UserError) as err:
+            validate_params(bad)
+        assert str(err.value).startswith(message), str(err.value)

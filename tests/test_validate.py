@@ -188,13 +188,19 @@ def test_run_validation_writes_samples_grid_and_plots(validation):
         assert sorted(latents) == sorted(["0", "1", "2", "0_s1", "1_s1", "2_s1"])  # seed index 0 keeps the plain "<i>"
         assert all(t.shape == LATENT_SHAPE and t.dtype == torch.float32 for t in latents.values())
     rows, cols = len(candidates), len(PROMPTS)  # seed index 0 only: the grid does not grow with num_seeds
-    size = (rows * 33 - 1, cols * 33 - 1)
+    top, left = json.loads((out / "report.json").read_text())["grid"]["origin_px"]
     grid_mp4, _ = read_video(out / "grid.mp4")
-    assert grid_mp4.shape == (17, *size, 3)
+    assert grid_mp4.shape[0] == 17 and grid_mp4.shape[1] >= top + rows * 33 - 1 and grid_mp4.shape[2] >= left + cols * 33 - 1
     grid_gif = iio.imread(out / "grid.gif", index=None)
-    assert grid_gif.shape[1:3] == size
+    assert grid_gif.shape[1:3] == grid_mp4.shape[1:3]
     tile = read_video(out / "samples" / "teacher_2" / "1.mp4")[0]
-    assert np.abs(grid_mp4[:, 33:65, 33:65].astype(int) - tile.astype(int)).max() <= 2  # row 1, column 1
+    y, x = top + 33, left + 33  # row 1, column 1
+    assert np.abs(grid_mp4[:, y:y + 32, x:x + 32].astype(int) - tile.astype(int)).max() <= 2
+    # the labels are in the video: bright text pixels left of every row, above the columns and under the grid
+    frame = grid_gif[0].astype(int)
+    for r in range(rows):
+        assert (frame[top + r * 33: top + r * 33 + 32, :left - 4] > 200).any(), f"row {r} has no label"
+    assert (frame[:top, left:] > 200).any() and (frame[top + rows * 33:, :] > 200).any()
     with (out / "plots" / "adherence.csv").open() as fh:
         plot = list(csv.DictReader(fh))
     assert [r["candidate"] for r in plot] == ["teacher_10", "teacher_2", "student"]

@@ -51,7 +51,9 @@ Output folder (written to a temporary sibling, then renamed into place)::
                                           the sampler's normalised latents, key <key> → [C, T, H, W]
                                           (float32): what ``WanPipeline(output_type="latent")``
                                           returns for that prompt, generator seed and step count
-    out_dir/grid.gif, out_dir/grid.mp4    rows = candidates, columns = prompts (seed index 0 only),
+    out_dir/grid.gif, out_dir/grid.mp4    rows = candidates, columns = prompts (seed index 0 only), labelled in the
+                                          video: "<candidate> · <NFE> NFE" left of each row, "#<i>" above each
+                                          column, "#<i>  <prompt>" lines below (tiles from report grid.origin_px),
                                           1-px separators
     out_dir/metrics.json                  flat {"<candidate>/<metric>": number} (DVC metrics),
                                           candidates in input order
@@ -541,7 +543,9 @@ def run_validation(
         bar.close()
         flat = {f"{c.name}/{k}": v for c in candidates for k, v in metrics[c.name].items()}  # input order
         rows.sort(key=lambda r: row_of[r["candidate"]])
-        _write_grid(grid.pixels, stage, cfg)
+        labelled, origin = grid.labelled([f"{c.name} · {int(metrics[c.name]['nfe'])} NFE" for c in candidates],
+                                         [f"#{i}" for i in range(len(prompts))], [f"#{i}  {p}" for i, p in enumerate(prompts)])
+        _write_grid(labelled, stage, cfg)
         assert scaler is not None
         report = {
             "base_dir": str(base_dir), "reference": ref.name, "prompts": prompts, "config": asdict(cfg),
@@ -553,7 +557,7 @@ def run_validation(
             "candidates": [{**asdict(c), "model_dir": str(c.model_dir), "nfe": metrics[c.name]["nfe"], "shift": shifts[c.name]}
                            for c in candidates],
             "grid": {"rows": [c.name for c in candidates], "tile_hw": [cfg.height, cfg.width], "separator_px": 1,
-                     "seed_index": 0},
+                     "seed_index": 0, "origin_px": list(origin)},  # tile (r, c) at origin + (r·(H+1), c·(W+1))
             "frechet": {"feature_names": list(FEATURE_NAMES), "reference_mean": scaler.mean.tolist(),
                         "reference_scale": scaler.scale.tolist(), "cov_eps": COV_EPS,
                         "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.seed},
