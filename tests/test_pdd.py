@@ -67,7 +67,7 @@ def test_one_step_supervises_head_k_and_the_trunk_against_the_teacher(tiny_base,
     method = make(tiny_base, training, integrator=integrator, teacher_guidance_scale=guidance, block_size_max=P)
     start = 2
     draws = iter([start, head - start])  # the block start (a multiple of block_size_min = 1), then k − n
-    method._shared_randint = lambda high: next(draws)
+    method.rng.shared_randint = lambda high: next(draws)
     student: PDDWanModel = method.student
     calls = teacher_calls(method)
     raw = raw_batch()
@@ -171,9 +171,10 @@ def test_fused_block_is_the_weighted_sum_and_one_head_per_block_is_euler(tiny_ba
 def test_load_time_checks(tiny_base, training):
     with pytest.raises(UserError, match="block_size_max: 9 exceeds the student's pdd_steps=8"):
         make(tiny_base, training, block_size_max=9)
-    with pytest.raises(UserError, match=r"validation_steps: 1 NFE samples 8-interval blocks .*block_size_max=4"):
+    with pytest.raises(UserError, match=r"method\.validation_steps: 1: .*need a 8-interval block of the 8-interval grid;"
+                                        r" .*at most 4"):
         make(tiny_base, training, block_size_max=4, validation_steps=[2, 1])
-    with pytest.raises(UserError, match="sampling_steps: 9 NFE cannot split"):
+    with pytest.raises(UserError, match="method.sampling_steps: 9: .*9 steps cannot split the 8-interval grid"):
         make(tiny_base, training, sampling_steps=9)
     with pytest.raises(ValueError, match="block_size_min <= block_size_max"):
         PDDConfig(block_size_min=4, block_size_max=2)

@@ -535,6 +535,26 @@ def _render(m: Mapping[str, Any], head: str, first: str, rest: str, out: list[st
                        f"sha256 {digest[:12]}")
 
 
+def artifacts_once(manifest: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The artifact and every embedded input artifact, each once (by sealed manifest digest, as
+    :func:`lineage_tree` counts them), depth first in input order."""
+    seen: set[Any] = set()
+    out: list[Mapping[str, Any]] = []
+
+    def walk(m: Mapping[str, Any]) -> None:
+        key = m.get(DIGEST_KEY) or id(m)
+        if key in seen:
+            return
+        seen.add(key)
+        out.append(m)
+        for inp in m.get("inputs") or []:
+            if isinstance(inp, Mapping) and isinstance(inp.get("lineage"), Mapping):
+                walk(inp["lineage"])
+
+    walk(manifest)
+    return out
+
+
 def lineage_tree(manifest: Mapping[str, Any]) -> str:
     """A readable tree of an artifact and, recursively, every embedded input: one node per
     artifact (stage, kind, path, method, created, up to 8 params, output digest, code commit,

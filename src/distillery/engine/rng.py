@@ -42,6 +42,11 @@ class BatchRNG:
         full = torch.randint(low, high, (shape[0] * self.world_size, *shape[1:]), generator=self.generator, device=self.device)
         return self._slice(full, shape[0])
 
+    def shared_randint(self, high: int) -> int:
+        """One integer in ``[0, high)`` from the generator itself — the same on every rank (the generator
+        is): a draw every rank must agree on (an exit step, a supervised head). One host sync."""
+        return int(torch.randint(0, high, (1,), generator=self.generator, device=self.device).item())
+
     def state_dict(self) -> dict[str, Any]:
         return {"generator": self.generator.get_state()}
 

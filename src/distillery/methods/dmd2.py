@@ -182,8 +182,7 @@ class DMD2Method(TrainingMethod):
         generator is identical on all ranks; one host sync to branch on it). Subclasses may draw
         more (Self-Forcing: one per chunk); :meth:`exit_code` and :meth:`exit_metrics` read it."""
         del batch
-        g = self.rng.generator
-        return int(torch.randint(0, len(self.ladder), (1,), generator=g, device=g.device).item())
+        return self.rng.shared_randint(len(self.ladder))
 
     def exit_code(self, exit_step: Any) -> int:
         """One integer that differs when the exit draws differ (the rank-agreement check)."""

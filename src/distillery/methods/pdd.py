@@ -54,8 +54,9 @@ import torch.nn.functional as F
 from distillery.errors import UserError
 from distillery.methods.base import StepOutput, TrainingMethod
 from distillery.models.base import Conditioning, ModelBase
-from distillery.models.schedule import block_partition, widest_block
 from distillery.models.wan.pdd import HeadGroup, PDDWanModel
+from distillery.sampling.base import guided_velocity
+from distillery.sampling.pdd import PDDFusedSampler
 
 
 @dataclass
@@ -114,14 +115,15 @@ class PDDMethod(TrainingMethod):
         if config.block_size_max > p:
             raise UserError(f"config error: method.block_size_max: {config.block_size_max} exceeds the student's "
                             f"pdd_steps={p} (models.student.pdd_steps)")
+        # every NFE the student will be sampled at: the sampler's own partition rule (the one sampling applies)
+        contract = self.sampling_contract()
+        sampler = PDDFusedSampler({k: v for k, v in contract.items() if k != "num_steps"})
         for key, steps in [("sampling_steps", [config.sampling_steps]), ("validation_steps", config.validation_steps)]:
             for n in steps:
-                if not 1 <= n <= p:
-                    raise UserError(f"config error: method.{key}: {n} NFE cannot split the {p}-interval grid (1 … {p})")
-                wide = widest_block(block_partition(p, n))
-                if wide > config.block_size_max:
-                    raise UserError(f"config error: method.{key}: {n} NFE samples {wide}-interval blocks of the {p}-interval "
-                                    f"grid, wider than the trained method.block_size_max={config.block_size_max}")
+                try:
+                    sampler.partition(n)
+                except UserError as exc:
+                    raise UserError(f"config error: method.{key}: {n}: {exc}") from None
         if self.teacher.schedule != student.schedule:
             raise UserError(f"config error: models.teacher: its schedule {self.teacher.schedule} differs from the student's "
                             f"{student.schedule}; the fine grid is one for both")
@@ -137,25 +139,15 @@ class PDDMethod(TrainingMethod):
                 "num_steps": self.config.sampling_steps, "guidance_scale": 1.0}
 
     # -- draws ------------------------------------------------------------------------------
-    def _shared_randint(self, high: int) -> int:
-        """One integer in ``[0, high)`` from the BatchRNG's generator (identical on every rank)."""
-        g = self.rng.generator
-        return int(torch.randint(0, high, (1,), generator=g, device=g.device).item())
-
     def draw_head(self, start: int) -> int:
         """The supervised head ``k`` for block start ``start``: uniform in ``[start, min(start + block_size_max, P))``."""
-        return start + self._shared_randint(min(self.config.block_size_max, self.pdd_steps - start))
+        return start + self.rng.shared_randint(min(self.config.block_size_max, self.pdd_steps - start))
 
     # -- the teacher's target ---------------------------------------------------------------
     def teacher_velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Any) -> torch.Tensor:
         """The (guided) teacher velocity at ``x`` and scalar σ (float32, no gradients)."""
         t = (sigma * self.teacher.schedule.num_train_timesteps).expand(x.shape[0]).float()
-        c = self.teacher.predict_noise(x, t, cond, conditional=True)
-        w = self.config.teacher_guidance_scale
-        if w <= 1.0:
-            return c
-        u = self.teacher.predict_noise(x, t, cond, conditional=False)
-        return u + w * (c - u)
+        return guided_velocity(self.teacher, x, t, cond, self.config.teacher_guidance_scale)
 
     @torch.no_grad()
     def target_velocity(self, x_k: torch.Tensor, k: int, sigmas: torch.Tensor, cond: Any) -> torch.Tensor:
@@ -173,7 +165,7 @@ class PDDMethod(TrainingMethod):
         sigmas = student.fine_sigmas(student.device)
         b = batch["latents"].shape[0]
         if self.config.rollout == "data_latent":
-            n = self.config.block_size_min * self._shared_randint(len(self.rung_nodes) - 1)
+            n = self.config.block_size_min * self.rng.shared_randint(len(self.rung_nodes) - 1)
             t = (sigmas[n] * student.schedule.num_train_timesteps).expand(b).float()
             tb = student.prepare_batch(batch, self.rng, timesteps=t)
             return tb.noisy_latents, n, tb, None, -1

@@ -15,27 +15,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from distillery.lineage import artifacts_once
+
 # metrics of a validation candidate shown in the card: (metrics.json key, column title, format)
 _COLUMNS = (("nfe", "NFE / video", "{:.0f}"), ("all", "adherence", "{:.2f}"), ("frechet_distance", "Fréchet to reference", "{:.2f}"),
             ("distance_to_teacher", "paired distance", "{:.4f}"), ("sharpness", "sharpness", "{:.5f}"),
             ("latency_s", "latency s / video", "{:.3f}"))
-
-
-def _chain(manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each artifact of ``manifest``'s chain once (depth first, inputs in their order)."""
-    seen: dict[str, dict[str, Any]] = {}
-
-    def walk(node: dict[str, Any]) -> None:
-        key = node.get("manifest_sha256") or node.get("stage")
-        if key in seen:
-            return
-        seen[key] = node
-        for inp in node.get("inputs") or []:
-            if isinstance(inp.get("lineage"), dict):
-                walk(inp["lineage"])
-
-    walk(manifest)
-    return list(seen.values())
 
 
 def _own_params(node: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +77,7 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     lines += ["## Sampling settings (`sampling.json`)", "", "```json", json.dumps(contract, indent=2), "```", ""]
     lines += ["## How it was made (from `lineage.json`; `distillery lineage <this folder>` prints the whole tree)", "",
               "| stage | kind | method | its params | artifact digest |", "|---|---|---|---|---|"]
-    for node in _chain(manifest):
+    for node in artifacts_once(manifest):
         method = (node.get("method") or "—").rsplit(".", 1)[-1]
         params = json.dumps(_own_params(node), sort_keys=True).replace("|", "/")
         lines.append(f"| {node.get('stage')} | {node.get('kind')} | {method} | `{params}` | "

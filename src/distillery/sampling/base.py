@@ -19,7 +19,7 @@ A sampling contract is the content of an artifact's ``sampling.json``::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -78,6 +78,16 @@ def causal_model_options(chunk_size: int | None, sampler: str) -> dict[str, Any]
     return {"chunk_size": chunk_size}
 
 
+def guide(predict: Callable[[bool], torch.Tensor], guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance ``u + w (c − u)`` of ``predict(conditional)``: the conditional call
+    alone when ``w ≤ 1``, else the conditional then the unconditional call (as WanPipeline)."""
+    c = predict(True)
+    if not cfg_enabled(guidance_scale):
+        return c
+    u = predict(False)
+    return u + guidance_scale * (c - u)
+
+
 def guided_velocity(model: "ModelBase", latents: torch.Tensor, timesteps: torch.Tensor, cond: "Conditioning",
                     guidance_scale: float) -> torch.Tensor:
     """CFG velocity ``u + w (c − u)`` (float32 ``[B, C, T, H, W]``) from the model plugin.
@@ -86,11 +96,7 @@ def guided_velocity(model: "ModelBase", latents: torch.Tensor, timesteps: torch.
     it, the conditional then the unconditional forward (negative embeds, zeros when None), separately
     as WanPipeline does. Runs under the caller's grad mode.
     """
-    c = model.predict_noise(latents, timesteps, cond, conditional=True)
-    if not cfg_enabled(guidance_scale):
-        return c
-    u = model.predict_noise(latents, timesteps, cond, conditional=False)
-    return u + guidance_scale * (c - u)
+    return guide(lambda conditional: model.predict_noise(latents, timesteps, cond, conditional=conditional), guidance_scale)
 
 
 def conditioning_on(cond: "Conditioning", device: torch.device) -> "Conditioning":

@@ -23,7 +23,7 @@ import torch
 
 from distillery.errors import UserError
 from distillery.models.schedule import block_partition, widest_block
-from distillery.sampling.base import LatentShape, Sampler, cfg_enabled, check_inputs, conditioning_on
+from distillery.sampling.base import LatentShape, Sampler, check_inputs, conditioning_on, guide
 from distillery.sampling.noise import NoiseLike, as_noise_source
 from distillery.sampling.registry import register_sampler
 
@@ -102,9 +102,6 @@ class PDDFusedSampler(Sampler):
         cond = conditioning_on(cond, device)
         for a, b in zip(nodes, nodes[1:]):
             t = (sigmas[a] * schedule.num_train_timesteps).expand(batch)
-            v = model.predict_pdd_fused(x, t, cond, a, b, conditional=True)
-            if cfg_enabled(guidance):
-                u = model.predict_pdd_fused(x, t, cond, a, b, conditional=False)
-                v = u + guidance * (v - u)
+            v = guide(lambda conditional: model.predict_pdd_fused(x, t, cond, a, b, conditional=conditional), guidance)
             x = x + (sigmas[b] - sigmas[a]) * v
         return x

@@ -32,7 +32,6 @@ only; nothing is unpickled). A folder without it starts every head from ``proj_o
 from __future__ import annotations
 
 import contextvars
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,31 +113,24 @@ class PDDHeadBank(torch.nn.Module):
         self.weight = torch.nn.ParameterList([torch.nn.Parameter(w.clone()) for _ in range(num_heads)])
         self.bias = torch.nn.ParameterList([torch.nn.Parameter(b.clone()) for _ in range(num_heads)])
 
-    @property
-    def num_heads(self) -> int:
-        return len(self.weight)
+    def weights(self, heads: list[int], coeffs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weight [m, out, in], bias [m, out])`` of the heads ``heads``; with ``coeffs`` (``[len(heads)]``)
+        their fusion ``Σ_j coeffs_j head_j`` (summed in float64) as m = 1. Keeps the graph to the heads."""
+        w = torch.stack([self.weight[k] for k in heads])
+        b = torch.stack([self.bias[k] for k in heads])
+        if coeffs is None:
+            return w, b
+        c = coeffs.to(w.device, torch.float64)
+        return ((c[:, None, None] * w.double()).sum(0, keepdim=True).float(),
+                (c[:, None] * b.double()).sum(0, keepdim=True).float())
 
     def forward(self, hidden: torch.Tensor, heads: list[int], coeffs: torch.Tensor | None = None) -> torch.Tensor:
-        """``hidden [B, S, in]`` → ``[B, S, m, out]`` for the ``m`` heads ``heads``; with ``coeffs``
-        (``[len(heads)]``) the single fused projection ``Σ_j coeffs_j head_j`` → ``[B, S, 1, out]``.
-        Weights are cast to ``hidden``'s dtype (the bf16 compute of a mixed-precision run)."""
-        w = torch.stack([self.weight[k] for k in heads])  # [m, out, in]
-        b = torch.stack([self.bias[k] for k in heads])  # [m, out]
-        if coeffs is not None:
-            c = coeffs.to(w.device, torch.float64)
-            w = (c[:, None, None] * w.double()).sum(0, keepdim=True).float()
-            b = (c[:, None] * b.double()).sum(0, keepdim=True).float()
+        """``hidden [B, S, in]`` → ``[B, S, m, out]``: the heads (or their fusion) of :meth:`weights`,
+        cast to ``hidden``'s dtype (the bf16 compute of a mixed-precision run)."""
+        w, b = self.weights(heads, coeffs)
         m, out, _ = w.shape
         y = F.linear(hidden, w.reshape(m * out, -1).to(hidden.dtype), b.reshape(m * out).to(hidden.dtype))
         return y.unflatten(-1, (m, out))
-
-    def fused_linear(self, heads: list[int], coeffs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused projection's ``(weight [out, in], bias [out])`` (float32), see :meth:`forward`."""
-        with torch.no_grad():
-            c = coeffs.double()
-            w = sum(c[j] * self.weight[k].double() for j, k in enumerate(heads))
-            b = sum(c[j] * self.bias[k].double() for j, k in enumerate(heads))
-        return w.float(), b.float()
 
 
 def read_head_bank(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,6 +160,7 @@ class PDDWanModel(WanModel):
     def __init__(self, config: PDDWanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
         super().__init__(config, role, transformer)
         self.pdd_steps = int(config.pdd_steps)
+        self._fine_sigmas = self.schedule.inference_sigmas(self.pdd_steps)  # derived once: [pdd_steps + 1], CPU
         proj = self.transformer.proj_out
         proj.requires_grad_(False)
         self.head_bank = PDDHeadBank(proj, self.pdd_steps)
@@ -193,7 +186,7 @@ class PDDWanModel(WanModel):
 
     def fine_sigmas(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The fine σ grid ``float32 [pdd_steps + 1]``, 1 → 0 (the ``pdd_steps``-step Euler grid)."""
-        return self.schedule.inference_sigmas(self.pdd_steps).to(device)
+        return self._fine_sigmas.to(device)
 
     def bind_device(self, device: torch.device, compute_dtype: torch.dtype = torch.float32, compute_copy: Any = None) -> None:
         super().bind_device(device, compute_dtype, compute_copy)
@@ -261,20 +254,7 @@ class PDDWanModel(WanModel):
         """Write block ``[start, end)``'s fused projection into ``module.proj_out`` (a plain
         ``WanTransformer3DModel`` of this trunk): that transformer's velocity is the block's mean
         velocity, so stock Euler with the block as one step reproduces the fused sampler."""
-        coeffs = block_weights(self.fine_sigmas(), start, end)
-        weight, bias = self.head_bank.fused_linear(list(range(start, end)), coeffs)
         with torch.no_grad():
-            module.proj_out.weight.copy_(weight.to(module.proj_out.weight.dtype))
-            module.proj_out.bias.copy_(bias.to(module.proj_out.bias.dtype))
-
-
-def heads_file_pdd_steps(transformer_dir: Path) -> int | None:
-    """The head count of ``transformer_dir``'s heads file (None without one)."""
-    path = Path(transformer_dir) / HEADS_FILE
-    if not path.is_file():
-        return None
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    return int(json.loads(meta.get("pdd_steps", "0"))) or None
+            weight, bias = self.head_bank.weights(list(range(start, end)), block_weights(self.fine_sigmas(), start, end))
+            module.proj_out.weight.copy_(weight[0].to(module.proj_out.weight.dtype))
+            module.proj_out.bias.copy_(bias[0].to(module.proj_out.bias.dtype))
