@@ -72,7 +72,7 @@ class FlowMatchSchedule:
     def inference_sigmas(self, num_steps: int) -> torch.Tensor:
         """Inference σ grid ``float32 [num_steps + 1]``, descending from 1, ending with an appended 0.
 
-        Bit-for-bit ``FlowMatchEulerDiscreteScheduler(shift=s).set_timesteps(num_steps).sigmas``
+        Bit-for-bit ``FlowMatchEulerDiscreteScheduler(shift=s).set_timesteps(num_steps).sigmas``, on the CPU
         (static shift, no Karras/exponential/beta/terminal options): the scheduler's training table
         gives σ_max = shift(1) = 1 and σ_min = shift(1/n) (fp32); the inference grid is
         ``linspace(σ_max, σ_min, num_steps)`` in float64, shifted *again*, then cast to fp32.
@@ -82,12 +82,12 @@ class FlowMatchSchedule:
         if self.shift <= 0:
             raise ValueError(f"shift must be > 0, got {self.shift}")
         n, s = self.num_train_timesteps, self.shift
-        ends = torch.tensor([float(n), 1.0], dtype=torch.float32) / n  # table ends, as the scheduler's __init__
+        ends = torch.tensor([float(n), 1.0], dtype=torch.float32, device="cpu") / n  # table ends, as the scheduler's __init__
         ends = s * ends / (1 + (s - 1) * ends)
         sigma_max, sigma_min = ends[0].item(), ends[1].item()
         grid = np.linspace(sigma_max * n, sigma_min * n, num_steps) / n
         grid = s * grid / (1 + (s - 1) * grid)
-        return torch.cat([torch.from_numpy(grid).to(torch.float32), torch.zeros(1)])
+        return torch.cat([torch.from_numpy(grid).to(torch.float32), torch.zeros(1, device="cpu")])  # CPU, whatever the default device
 
     def inference_timesteps(self, num_steps: int) -> torch.Tensor:
         """Timesteps ``float32 [num_steps]`` in ``[0, n]`` of :meth:`inference_sigmas` (σ × n, the final 0 dropped):
