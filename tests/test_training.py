@@ -146,6 +146,22 @@ def test_mlflow_run_has_metrics_params_and_config(tmp_path, tiny_base, latent_se
     local = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path)))
     assert "distillery.models.wan.WanModel" in local.read_text()
     assert str(tmp_path) in run.info.artifact_uri  # a local store, next to the database
+    timing = json.loads((tmp_path / "run" / "run_summary.json").read_text())["timing"]
+    logged = [json.loads(line)["step_time_s"] for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert timing["steps_timed"] == 2 and timing["warmup_steps_dropped"] == 2  # steps 1-2 (warm-up) dropped
+    assert timing["step_time_s"]["median"] == pytest.approx(sorted(logged[2:])[0] / 2 + sorted(logged[2:])[1] / 2, abs=1e-6)
+    assert "gpu_step_time_s" not in timing  # CPU: no CUDA events
+
+
+def test_step_time_summary_drops_warm_up():
+    from distillery.engine.timing import summarize_step_times
+
+    rows = [{"step_time_s": 20.0, "gpu_step_time_s": 19.0}, {"step_time_s": 1.5, "gpu_step_time_s": 1.9}] + \
+           [{"step_time_s": t, "gpu_step_time_s": t} for t in (1.9, 2.0, 1.8)]
+    summary = summarize_step_times(rows)
+    assert summary == {"steps_timed": 3, "warmup_steps_dropped": 2, "step_time_s": {"median": 1.9, "min": 1.8, "max": 2.0},
+                       "gpu_step_time_s": {"median": 1.9, "min": 1.8, "max": 2.0}}
+    assert summarize_step_times(rows[:2]) is None
 
 
 def test_exported_transformer_reproduces_the_trained_module(tmp_path, tiny_base, latent_set):

@@ -31,6 +31,7 @@ from distillery.errors import UserError
 from distillery.fsutil import write_text_atomic
 from distillery.log import get_logger, quiet_library_progress
 from distillery.procutil import exclusive_lock
+from distillery.engine.timing import summarize_step_times
 from distillery.engine.tracking import build_tracker
 
 log = get_logger("trainer")
@@ -51,6 +52,7 @@ class PendingMetrics:
     event: Any  # torch.cuda.Event, or None on CPU (values are ready)
     started: float  # perf_counter() when the step began
     learning_rates: dict[str, float]  # per role, after the step's schedule update
+    gpu_started: Any = None  # torch.cuda.Event recorded in the stream when the step was launched (CUDA only)
 
 
 @dataclass
@@ -195,7 +197,17 @@ class Trainer:
                 f"stopped without saving; {keep}; lower training.optimizer.learning_rate (or allow "
                 f"training.loop.skip_nonfinite_steps) and rerun")
 
-    def _stage_metrics(self, step: int, tensors: dict[str, torch.Tensor], started: float) -> PendingMetrics:
+    def _gpu_mark(self) -> Any:
+        """A timing CUDA event recorded now in the current stream (None on CPU): where a step's work
+        begins on the GPU timeline, whatever the host is doing."""
+        if self.env.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _stage_metrics(self, step: int, tensors: dict[str, torch.Tensor], started: float,
+                       gpu_started: Any = None) -> PendingMetrics:
         """Queue the step's one device→host copy: stack, average over ranks, copy without waiting."""
         names = sorted(tensors)
         values = None
@@ -204,19 +216,23 @@ class Trainer:
             values = all_reduce_mean(stacked).to("cpu", non_blocking=True)
         event = None
         if self.env.device.type == "cuda":
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=gpu_started is not None)
             event.record()
-        return PendingMetrics(step, names, values, event, started, self.method.learning_rates())
+        return PendingMetrics(step, names, values, event, started, self.method.learning_rates(), gpu_started)
 
     def _read_metrics(self, pending: PendingMetrics, finished: float) -> dict[str, float]:
         """The step's host sync: wait for its copied metrics. ``finished``: when the next step
         started (or now, for a step nothing follows), so ``step_time_s`` is the step's share of
-        wall time."""
+        wall time. On CUDA, ``gpu_step_time_s`` is the step's span on the GPU timeline (CUDA events
+        around its queued work): unlike the host interval it does not shift with where the host
+        happened to wait, so a step's own cost reads right even on the first steps."""
         if pending.event is not None:
             pending.event.synchronize()
         metrics = dict(zip(pending.names, pending.values.tolist())) if pending.values is not None else {}
         elapsed = max(finished - pending.started, 1e-9)
         metrics.update({"step_time_s": elapsed, "samples_per_s": self.samples_per_step / elapsed})
+        if pending.gpu_started is not None:
+            metrics["gpu_step_time_s"] = pending.gpu_started.elapsed_time(pending.event) / 1000.0
         metrics.update({f"lr/{role}": lr for role, lr in pending.learning_rates.items()})
         return metrics
 
@@ -322,11 +338,12 @@ class Trainer:
             # while the host reads them; a checkpoint or the end of the run reads them at once.
             for step in range(start_step + 1, t.loop.max_train_steps + 1):
                 started = time.perf_counter()
+                gpu_started = self._gpu_mark()
                 tensors = self._train_step(step)
                 self.step = step
                 if pending is not None:
                     finish(pending, started)
-                pending = self._stage_metrics(step, tensors, started)
+                pending = self._stage_metrics(step, tensors, started, gpu_started)
                 result.final_step = step
                 every = t.checkpoint.save_every
                 stopping = step == t.loop.stop_at_step
@@ -359,7 +376,8 @@ class Trainer:
         checkpoint internals: ``format``, ``final_step``, ``checkpoint`` (folder name in the output
         dir, or null), ``mlflow_run_id``, ``method`` (its ``_target_``), ``last_metrics`` (the last
         logged row), ``loss`` (``[{"step", "loss"}]``: total_loss of every logged step of the run,
-        resumed parts included) and ``sampling`` (the method's sampling contract)."""
+        resumed parts included), ``sampling`` (the method's sampling contract) and ``timing`` (this
+        invocation's step times without its warm-up steps: :func:`summarize_step_times`, or null)."""
         if not self.env.is_main:
             return
         rows = []
@@ -374,5 +392,6 @@ class Trainer:
             "last_metrics": {k: v for k, v in rows[-1].items() if k != "step"} if rows else {},
             "loss": [{"step": r["step"], "loss": r["total_loss"]} for r in rows if "total_loss" in r],
             "sampling": self.method.sampling_contract(),
+            "timing": summarize_step_times(result.history),  # this invocation's steady steps, warm-up dropped
         }
         write_text_atomic(Path(self.config.training.checkpoint.output_dir) / "run_summary.json", json.dumps(summary, indent=2))
