@@ -433,3 +433,49 @@ def test_staged_write_records_the_final_artifact_path(chain: dict[str, Path]) ->
     staging.rename(chain["export"])
     assert m["artifact"] == "artifacts/export" and m == read_lineage(chain["export"])
     assert verify_lineage(chain["export"], expect=m[DIGEST_KEY], recursive=True).ok
+
+
+def test_hash_once_reuses_digests_and_still_catches_tampering(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the stage runner's hash cache active, a downstream stage takes the producer's digests
+    for unchanged files instead of reading them again (staging renamed into place included); an
+    input changed afterwards is read again and refused by the next stage; content changed with its
+    mtime put back is caught by ``--verify``, which never uses the cache."""
+    import dataclasses
+    import os
+
+    from distillery import hashcache
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(hashcache.ENV_VAR, str(tmp_path / "runs" / ".hash_cache.json"))
+    staging = Path("artifacts/teacher.tmp")
+    _write(staging / WEIGHTS, bytes(range(256)) * 4096)  # 1 MiB
+    _write(staging / "model/transformer/config.json", '{"num_layers": 2}')
+    write_lineage(staging, kind="checkpoint", stage="teacher", artifact_name="artifacts/teacher")
+    staging.rename("artifacts/teacher")  # what artifacts.publish does
+    teacher = Path("artifacts/teacher")
+    assert (tmp_path / "runs" / ".hash_cache.json").is_file()  # written to disk for the next process
+
+    hashcache._ACTIVE = None  # a new stage process: the cache is read back from the file
+    before = dataclasses.replace(hashcache.STATS)
+    consumer = Path("artifacts/pretrain")
+    _write(consumer / "metrics.json", "{}")
+    manifest = write_lineage(consumer, kind="checkpoint", stage="pretrain", inputs=[Input("student_init", teacher)])
+    assert hashcache.STATS.files_cached - before.files_cached == 2  # both teacher files from the cache
+    assert hashcache.STATS.read_bytes - before.read_bytes == (consumer / "metrics.json").stat().st_size  # only its own output
+    assert manifest["inputs"][0]["sha256"] == tree_digest(hash_tree(teacher))
+    monkeypatch.delenv(hashcache.ENV_VAR)
+    assert manifest["inputs"][0]["sha256"] == tree_digest(hash_tree(teacher))  # the same digest read from the bytes
+    monkeypatch.setenv(hashcache.ENV_VAR, str(tmp_path / "runs" / ".hash_cache.json"))
+
+    weights = teacher / WEIGHTS
+    stat = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[0] ^= 0xFF
+    weights.write_bytes(bytes(data))  # tampered: new mtime → a miss → read again → refused
+    with pytest.raises(UserError, match=f"input 'student_init'.*changed: {WEIGHTS}"):
+        write_lineage(consumer, kind="checkpoint", stage="pretrain", inputs=[Input("student_init", teacher)])
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # tampered with the mtime put back
+    report = verify_lineage(teacher)
+    assert not report.ok and any(WEIGHTS in p for p in report.problems)
+    rc, out, err = _cli(str(teacher), "--verify")
+    assert rc != 0 and WEIGHTS in out + err

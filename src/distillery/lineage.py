@@ -57,6 +57,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from distillery.hashcache import file_sha256, flush_active, read_sha256
 from distillery.errors import UserError
 from distillery.treeutil import flatten
 
@@ -104,12 +105,8 @@ def _cut(value: Any, limit: int = _SHOWN) -> str:
 
 
 def hash_file(path: str | Path) -> str:
-    """sha256 hex digest of a file's bytes, read in 1 MiB chunks (constant memory)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    """sha256 hex digest of a file's bytes, read in 1 MiB chunks (constant memory); never cached."""
+    return read_sha256(path)
 
 
 @dataclasses.dataclass
@@ -170,7 +167,9 @@ def _scan(folder: Path, exclude: Iterable[str] = (), *, follow_links: bool = Fal
 
 
 def _entry(rel: str, path: Path) -> dict[str, Any]:
-    return {"path": rel, "sha256": hash_file(path), "bytes": path.stat().st_size}
+    """One ``hash_tree`` entry; the digest comes from the stage's hash cache when the file is
+    unchanged since it was last hashed (:mod:`distillery.hashcache`; verification never uses it)."""
+    return {"path": rel, "sha256": file_sha256(path), "bytes": path.stat().st_size}
 
 
 def hash_tree(folder: str | Path, exclude: Sequence[str] = (LINEAGE_FILE,), *,
@@ -193,9 +192,11 @@ def hash_tree(folder: str | Path, exclude: Sequence[str] = (LINEAGE_FILE,), *,
         raise UserError(f"{_cut(folder)} holds {_cut(rel)} ({why}): refused, an artifact holds regular files and "
                         f"folders only; copy the real file in ({count} such entr{'y' if count == 1 else 'ies'})")
     try:
-        return [_entry(rel, listing.files[rel]) for rel in sorted(listing.files)]
+        entries = [_entry(rel, listing.files[rel]) for rel in sorted(listing.files)]
     except OSError as exc:
         raise UserError(f"cannot read a file under {_cut(folder)}: {_cut(exc)}") from None
+    flush_active()
+    return entries
 
 
 def tree_digest(entries: Iterable[Mapping[str, Any]]) -> str:
@@ -328,7 +329,8 @@ def _input_entry(inp: Input) -> dict[str, Any]:
     path = Path(inp.path)
     shown = _display_path(inp.path)
     if path.is_file():
-        files = [{"path": path.name, "sha256": hash_file(path), "bytes": path.stat().st_size}]
+        files = [{"path": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size}]
+        flush_active()
         return {"role": inp.role, "path": shown, "sha256": tree_digest(files), "lineage": None, "files": files}
     if not path.is_dir():
         raise UserError(f"input '{_cut(inp.role, 40)}' not found: {_cut(path)} (run the stage that produces it first)")

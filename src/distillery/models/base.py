@@ -77,13 +77,14 @@ class ModelBase(ABC):
         import hashlib
         from pathlib import Path
 
-        from distillery.lineage import hash_file
+        from distillery.hashcache import file_sha256, flush_active
 
         folder = Path(getattr(self, "transformer_dir", None) or getattr(self.config, "init_from", ""))
         digest = hashlib.sha256()
         files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
         for path in files:
-            digest.update(f"{path.relative_to(folder).as_posix()}\0{hash_file(path)}\n".encode())
+            digest.update(f"{path.relative_to(folder).as_posix()}\0{file_sha256(path)}\n".encode())
+        flush_active()
         return {"path": str(folder), "sha256": digest.hexdigest() if files else None}
 
     def bind_device(self, device: torch.device, compute_dtype: torch.dtype = torch.float32,

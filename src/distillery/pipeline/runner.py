@@ -19,6 +19,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from distillery import hashcache
 from distillery.errors import UserError
 from distillery.log import get_logger
 from distillery.pipeline.artifacts import ARTIFACTS, RUNS
@@ -29,6 +30,7 @@ from distillery.pipeline.training_stages import kill_launcher, training_stage
 from distillery.pipeline.training_table import TRAINING_STAGES
 
 log = get_logger("stage")
+HASH_CACHE_FILE = ".hash_cache.json"  # in runs/: the workspace's hash cache (distillery.hashcache)
 
 STAGES: dict[str, Callable[[StageParams], None]] = {
     "clips": stage_clips,
@@ -66,6 +68,8 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
         raise UserError(f"unknown stage {name!r}; valid: {', '.join(STAGES)}")
     params = Params.load(params_path)
     declared = StageParams(params, name, stage_params(name))
+    # hash once: digests of unchanged files are reused across stages (and by the trainers this launches)
+    os.environ.setdefault(hashcache.ENV_VAR, str((RUNS / HASH_CACHE_FILE).resolve()))
     watch = AncestorWatch(lambda: _orphaned(name))
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # `nohup distillery stage ...` asks to outlive its shell
         watch.start()
@@ -84,6 +88,9 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
                 raise problem from None
     finally:
         watch.stop()
+    stats = hashcache.STATS
+    log.info("stage %s: hashed %.1f MiB (%d files) from disk, reused %.1f MiB (%d files) from the hash cache", name,
+             stats.read_bytes / 2**20, stats.files_read, stats.cached_bytes / 2**20, stats.files_cached)
     log.info("stage %s done: %s", name, ARTIFACTS / name)
     return 0
 
