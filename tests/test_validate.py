@@ -350,3 +350,51 @@ def test_candidate_from_an_artifacts_sampling_contract(base, tmp_path):
     assert {"euler", "few_step_x0"} <= set(sampler_names())
     with pytest.raises(UserError, match=f"unknown sampler 'pdd_fused_v9'; valid: {', '.join(sampler_names())}$"):
         Candidate.from_artifact("s", euler)
+
+
+def test_stored_prompt_embeddings_replace_the_text_encoder(validation, base, tmp_path):
+    """Given the embeddings the latents stage stored (each prompt encoded on its own, as there),
+    validate loads no text encoder — a base copy without its weights works — and samples the same
+    seed-0 latents as a run that re-encoded the prompts."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from distillery.data.encoders import BaseEncoders
+    from distillery.validate import PromptEmbeddings
+
+    out, _, candidates, _ = validation
+    encoders = BaseEncoders(base)
+    stored = PromptEmbeddings(texts=[encoders.encode_prompts([p])[0] for p in PROMPTS],
+                              negative=encoders.encode_prompts([""])[0])
+    stripped = tmp_path / "base"
+    shutil.copytree(base, stripped)
+    for weights in (stripped / "text_encoder").glob("*.safetensors"):
+        weights.unlink()
+    cheap = [c for c in candidates if c.name == "student"]
+    cfg = ValidationConfig(teacher_steps=[10, 2], num_seeds=1, progress_bar=False, grid_formats=[])
+    run_validation(stripped, cheap, PROMPTS, tmp_path / "stored", cfg, prompt_embeddings=stored)
+    mine = load_file(tmp_path / "stored" / "samples" / "student" / "latents.safetensors")
+    ref = load_file(out / "samples" / "student" / "latents.safetensors")
+    for k in mine:
+        torch.testing.assert_close(mine[k], ref[k], rtol=0, atol=1e-6)
+    with pytest.raises(UserError, match="prompt embeddings do not fit"):
+        run_validation(stripped, cheap, PROMPTS, tmp_path / "bad", cfg,
+                       prompt_embeddings=PromptEmbeddings(texts=stored.texts[:1], negative=stored.negative))
+
+
+def test_validation_device_choice():
+    """validate.device: auto is the GPU only when the pipeline has one and CUDA is there; an absent
+    CUDA device asked for by name is a one-line error; params.yaml refuses other spellings."""
+    from distillery.pipeline.evaluation import validation_device
+    from distillery.pipeline.params_schema import validate_params
+
+    assert validation_device("auto", 1) == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert validation_device("auto", 0) == "cpu"
+    assert validation_device("cpu", 4) == "cpu"
+    absent = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(UserError, match=f"validate.device: {absent}, but this machine has"):
+        validation_device(absent, 1)
+    with pytest.raises(UserError, match="validate.device"):
+        validate_params({"validate": {"device": "gpu0"}})
+    assert validate_params({"validate": {"device": "cuda:1"}}).validate.device == "cuda:1"

@@ -7,7 +7,8 @@ For each :class:`Candidate` (a teacher at several step counts counts as several 
 :func:`distillery.models.wan.load_inference_model`), starting from the same initial noise for every
 candidate: a ``torch.Generator().manual_seed(cfg.seed + i + SEED_STRIDE·j)`` (``SEED_STRIDE`` = 1000;
 see :func:`generator_seed`; seed index 0 is ``cfg.seed + i``, what a single-seed run draws). Text
-embeddings come from the base's text encoder (empty prompt as the CFG negative) and every video is
+embeddings come from the base's text encoder (empty prompt as the CFG negative), or are the ones it
+made earlier for the latent set (:class:`PromptEmbeddings`), and every video is
 decoded through the base's VAE. Per candidate it reports (``S`` = ``num_seeds``, ``P`` = prompts):
 
 - ``colour``, ``shape``, ``direction``, ``all`` — prompt adherence read back from the decoded
@@ -246,19 +247,37 @@ class _Loaded:
     shift: float  # flow shift of its schedule
 
 
+@dataclass(frozen=True)
+class PromptEmbeddings:
+    """Prompt embeddings the base's own text encoder made earlier (the latent set stores them):
+    ``texts[i]`` is prompt ``i``'s unpadded ``[L_i, D]``, ``negative`` the empty prompt's ``[L, D]``.
+    Given to :func:`run_validation`, they replace loading the text encoder and re-encoding."""
+
+    texts: list[torch.Tensor]
+    negative: torch.Tensor
+
+
 class _Context:
     """Base-model parts shared by every candidate: encoders, prompt embeddings, latent shape, analyzer."""
 
-    def __init__(self, base_dir: Path, prompts: list[str], cfg: ValidationConfig) -> None:
+    def __init__(self, base_dir: Path, prompts: list[str], cfg: ValidationConfig,
+                 embeddings: PromptEmbeddings | None = None) -> None:
         from distillery.clips.analyzer import AnalyzerConfig
         from distillery.data.encoders import BaseEncoders
 
         self.base_dir = base_dir
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        self.encoders = BaseEncoders(base_dir, self.device, cfg.max_sequence_length)
+        self.encoders = BaseEncoders(base_dir, self.device, cfg.max_sequence_length, text_encoder=embeddings is None)
         length = self.encoders.max_sequence_length
-        embeds = self.encoders.encode_prompts(list(prompts) + [""])
+        if embeddings is None:
+            embeds = self.encoders.encode_prompts(list(prompts) + [""])
+        else:
+            embeds = [t.float() for t in [*embeddings.texts, embeddings.negative]]
+            if len(embeddings.texts) != len(prompts) or any(t.ndim != 2 or t.shape[1] != self.encoders.text_dim for t in embeds):
+                raise UserError(f"validate: the given prompt embeddings do not fit: {len(embeddings.texts)} for {len(prompts)} "
+                                f"prompts, shapes {[list(t.shape) for t in embeds[:3]]}…, the base's text width is "
+                                f"{self.encoders.text_dim}; rerun the latents stage with this base")
         self.text = [self._pad(e, length).to(self.device) for e in embeds[:-1]]  # each [1, L, D], on the device
         self.negative = self._pad(embeds[-1], length).to(self.device)  # [1, L, D]
         vae_cfg = self.encoders.vae.config
@@ -443,13 +462,16 @@ def run_validation(
     out_dir: Path,
     cfg: ValidationConfig | None = None,
     reference: str | None = None,
+    prompt_embeddings: PromptEmbeddings | None = None,
 ) -> dict[str, float]:
     """Sample, score and compare every candidate on every prompt × seed; write ``out_dir`` (layout above).
 
     ``base_dir``: diffusers Wan folder whose text encoder, tokenizer, VAE (and ``analyzer.json``)
     are used for every candidate. ``prompts``: used when ``cfg.prompts`` is None. ``reference``:
     name of the candidate that ``distance_to_teacher`` and ``frechet_distance`` are measured against
-    (default: the first). Returns the flat metrics dict written to ``metrics.json``.
+    (default: the first). ``prompt_embeddings``: the prompts' embeddings made earlier by this base's
+    text encoder (the latent set's); then the text encoder is not loaded (used only with ``prompts``,
+    not with ``cfg.prompts``). Returns the flat metrics dict written to ``metrics.json``.
     """
     from tqdm import tqdm
 
@@ -467,7 +489,7 @@ def run_validation(
                         f"got {len(prompts)}")
     ref = _check_candidates(candidates, reference)
     started = time.perf_counter()
-    ctx = _Context(base_dir, prompts, cfg)
+    ctx = _Context(base_dir, prompts, cfg, prompt_embeddings if cfg.prompts is None else None)
     order = [ref] + [c for c in candidates if c is not ref]  # the reference first: others compare against it
     row_of = {c.name: i for i, c in enumerate(candidates)}
     seed_grid = [[generator_seed(cfg, i, j) for j in range(cfg.num_seeds)] for i in range(len(prompts))]

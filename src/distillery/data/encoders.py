@@ -69,12 +69,25 @@ def denormalize_latents(vae: AutoencoderKLWan, x: torch.Tensor) -> torch.Tensor:
     return x / (1.0 / std) + mean
 
 
+def _text_dim_from_config(path: Path) -> int:
+    """``d_model`` of a text encoder's ``config.json`` (one-line :class:`UserError` when unreadable)."""
+    import json
+
+    try:
+        return int(json.loads(path.read_text())["d_model"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path}: no readable d_model ({type(exc).__name__}); is the base a diffusers Wan folder?") from None
+
+
 class BaseEncoders:
     """VAE + tokenizer + text encoder of a diffusers Wan folder, frozen, on ``device``."""
 
-    def __init__(self, base: str | Path, device: str | torch.device = "cpu", max_sequence_length: int | None = None) -> None:
+    def __init__(self, base: str | Path, device: str | torch.device = "cpu", max_sequence_length: int | None = None,
+                 text_encoder: bool = True) -> None:
+        """``text_encoder=False``: leave the tokenizer and text encoder unloaded (a caller that has the
+        prompt embeddings already, e.g. from the latent set; :meth:`encode_prompts` then refuses);
+        ``text_dim`` comes from ``text_encoder/config.json``."""
         from diffusers import AutoencoderKLWan
-        from transformers import AutoTokenizer, UMT5EncoderModel
 
         quiet_library_progress()
         self.base = Path(base)
@@ -83,9 +96,16 @@ class BaseEncoders:
                 raise UserError(f"{self.base}: no {part}/ folder; --base must be a diffusers Wan model folder")
         self.device = torch.device(device)
         self.vae = AutoencoderKLWan.from_pretrained(self.base / "vae", torch_dtype=torch.float32).to(self.device).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.base / "tokenizer")
-        self.text_encoder = UMT5EncoderModel.from_pretrained(self.base / "text_encoder", torch_dtype=torch.float32)
-        self.text_encoder.to(self.device).eval()
+        self.tokenizer = self.text_encoder = None
+        if text_encoder:
+            from transformers import AutoTokenizer, UMT5EncoderModel
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.base / "tokenizer")
+            self.text_encoder = UMT5EncoderModel.from_pretrained(self.base / "text_encoder", torch_dtype=torch.float32)
+            self.text_encoder.to(self.device).eval()
+            self.text_dim = int(self.text_encoder.config.d_model)
+        else:
+            self.text_dim = _text_dim_from_config(self.base / "text_encoder" / "config.json")
         self.max_sequence_length = max_sequence_length or read_max_sequence_length(self.base)
         cfg = self.vae.config
         self.z_dim = int(cfg.z_dim)
@@ -94,7 +114,6 @@ class BaseEncoders:
                 f"{self.base / 'vae'}: latents_mean/latents_std have {len(cfg.latents_mean)}/{len(cfg.latents_std)} "
                 f"entries, z_dim is {self.z_dim}"
             )
-        self.text_dim = int(self.text_encoder.config.d_model)
 
     @torch.no_grad()
     def encode_videos(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -117,6 +136,8 @@ class BaseEncoders:
         """Captions → unpadded embeddings ``[L_i, D]`` (float32, CPU), as WanPipeline computes them."""
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
+        if self.text_encoder is None:
+            raise RuntimeError("BaseEncoders was built with text_encoder=False: it cannot encode prompts")
         cleaned = [prompt_clean(p) for p in prompts]
         tokens = self.tokenizer(
             cleaned, padding="max_length", max_length=self.max_sequence_length, truncation=True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from distillery.errors import UserError
 from distillery.log import get_logger
@@ -13,24 +14,49 @@ from distillery.pipeline.artifacts import ARTIFACTS, finish, fresh_staging
 from distillery.pipeline.params import StageParams
 from distillery.pipeline.training_table import TRAINING_STAGES
 
+if TYPE_CHECKING:
+    from distillery.validate import PromptEmbeddings
+
 log = get_logger("stage")
 
 
-def validation_prompts(n: int) -> list[str]:
-    """The first ``n`` distinct captions of the latents' validation split (train split if none)."""
-    from distillery.data import LatentDataset
+def validation_prompts(n: int) -> tuple[list[str], "PromptEmbeddings | None"]:
+    """The first ``n`` distinct captions of the latents' validation split (train split if none), and
+    their embeddings as the latents stage stored them with the empty prompt's (the base's own text
+    encoder made them: validate need not load it). Latent columns are never read. The embeddings are
+    None when the latent set has no stored empty-prompt embedding."""
+    from distillery.data import LatentDataset, read_empty_prompt_embedding
+    from distillery.validate import PromptEmbeddings
 
     root = ARTIFACTS / "latents" / "data"
     split = "validation" if (root / "validation").is_dir() and any((root / "validation").glob("*.parquet")) else "train"
-    ds = LatentDataset(root, split)
-    seen: list[str] = []
+    ds = LatentDataset(root, split, with_latents=False)
+    seen: dict[str, object] = {}
     for i in range(len(ds)):
-        caption = ds[i]["caption"]
-        if caption not in seen:
-            seen.append(caption)
+        row = ds[i]
+        seen.setdefault(row["caption"], row["text_embedding"])
         if len(seen) == n:
             break
-    return seen
+    negative = read_empty_prompt_embedding(root)
+    embeddings = None if negative is None else PromptEmbeddings(texts=list(seen.values()), negative=negative)
+    return list(seen), embeddings
+
+
+def validation_device(setting: str, nproc_per_node: int) -> str:
+    """``validate.device`` → the device validate runs on. ``auto``: the first GPU when
+    ``gpus.nproc_per_node`` ≥ 1 and CUDA is available, else the CPU; ``cpu``, ``cuda`` or ``cuda:N``
+    as given (a CUDA device that is not there is a one-line :class:`UserError`)."""
+    import torch
+
+    if setting == "auto":
+        return "cuda" if nproc_per_node >= 1 and torch.cuda.is_available() else "cpu"
+    if setting.startswith("cuda"):
+        index = int(setting.partition(":")[2] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise UserError(f"params.yaml: validate.device: {setting}, but this machine has "
+                            f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA device(s); "
+                            "use auto or cpu")
+    return setting
 
 
 def stage_validate(params: StageParams) -> None:
@@ -45,7 +71,9 @@ def stage_validate(params: StageParams) -> None:
     cfg = ValidationConfig(num_frames=params.get("clips.num_frames"), height=params.get("clips.size"),
                            width=params.get("clips.size"), fps=float(params.get("clips.fps")),
                            teacher_steps=list(v["teacher_steps"]), guidance_scale=float(v["guidance_scale"]),
-                           seed=params.get("seed"), num_seeds=int(v["num_seeds"]), progress_bar=False)
+                           seed=params.get("seed"), num_seeds=int(v["num_seeds"]), progress_bar=False,
+                           device=validation_device(str(v.get("device", "auto")), int(params.get("gpus.nproc_per_node"))))
+    log.info("validate: on %s", cfg.device)
     candidates = teacher_candidates(ARTIFACTS / "teacher" / "model", cfg)
     # students are sampled as their artifacts' sampling.json says (the sampler registry, no kinds here)
     candidates.append(Candidate.from_artifact(f"pretrain_{v['pretrain_steps']}", ARTIFACTS / "pretrain" / "model",
@@ -55,8 +83,9 @@ def stage_validate(params: StageParams) -> None:
     # the PDD student's NFE curve: its fused-block sampler at each NFE (no CFG: the teacher's guidance is distilled in)
     candidates += [Candidate.from_artifact(f"pdd_{n}", ARTIFACTS / "pdd" / "model", int(n)) for n in v["pdd_nfe"]]
     staging = fresh_staging("validate")
-    metrics = run_validation(ARTIFACTS / "base" / "model", candidates, validation_prompts(int(v["num_prompts"])),
-                             staging / "report", cfg)
+    prompts, embeddings = validation_prompts(int(v["num_prompts"]))
+    metrics = run_validation(ARTIFACTS / "base" / "model", candidates, prompts, staging / "report", cfg,
+                             prompt_embeddings=embeddings)
     Path("plots").mkdir(exist_ok=True)
     shutil.copy2(staging / "report" / "plots" / "adherence.csv", Path("plots") / "validate_adherence.csv")
     finish("validate", staging, kind="validation", params=params, metrics=metrics,

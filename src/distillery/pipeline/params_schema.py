@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -76,6 +77,12 @@ def host_port(v: str | None) -> str | None:
     if not sep or not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535 or any(c.isspace() for c in v):
         return "must be host:port (e.g. node0.cluster:29500, port in 1..65535)"
     return None
+
+
+def device_name(v: str) -> str | None:
+    if v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v):
+        return None
+    return "must be auto, cpu, cuda or cuda:N"
 
 
 def step_list(v: list[int]) -> str | None:
@@ -174,6 +181,7 @@ class ValidateParams:
     pretrain_steps: int = rule(40, at_least(1))  # the pretrain student's sampling steps
     guidance_scale: float = rule(4.0, non_negative_finite)  # CFG scale of the teacher baselines
     pdd_nfe: list[int] = rule([1, 2, 4, 8], step_list)  # the PDD student's NFE curve (blocks of pdd_steps / NFE)
+    device: str = rule("auto", device_name)  # auto: the GPU when gpus.nproc_per_node >= 1 and CUDA is there, else cpu
 
 
 @dataclass
