@@ -71,13 +71,13 @@ def make_assets(root: Path, size: tuple[int, int, int]) -> tuple[Path, Path]:
 
 
 def bench_run_config(model: Path, data: Path, output_dir: Path, steps: int, compile_blocks: bool | None,
-                     shard_single_rank: bool, attention: str = "native") -> dict:
+                     shard_single_rank: bool, attention: str = "native", reshard: bool | None = None) -> dict:
     """The raw run config of one benchmark configuration (batch 1, lr 1e-5, no tracking)."""
     return {
         "models": {"student": {"_target_": "distillery.models.wan.WanModel", "init_from": str(model), "random_init": True}},
         "method": {"_target_": "distillery.methods.sft.SFTMethod"},
         "training": {
-            "distributed": {"shard_single_rank": shard_single_rank},
+            "distributed": {"shard_single_rank": shard_single_rank, "reshard_after_forward": reshard},
             "data": {"path": str(data), "batch_size": 1, "text_max_length": TEXT_LEN},
             "optimizer": {"learning_rate": 1e-5},
             "loop": {"max_train_steps": steps, "progress_bar": False},
@@ -90,10 +90,13 @@ def bench_run_config(model: Path, data: Path, output_dir: Path, steps: int, comp
 
 
 def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_single_rank: bool, attention: str, steps: int,
-            warmup: int, profile_to: Path | None = None) -> dict:
-    """Train ``steps`` steps with the real Trainer; report the median of the post-warm-up step times.
+            warmup: int, profile_to: Path | None = None, breakdown: bool = False, reshard: bool | None = None) -> dict:
+    """Train ``steps`` steps with the real Trainer; report the median of the post-warm-up step times
+    (host interval and GPU span, the trainer's ``step_time_s`` / ``gpu_step_time_s``).
 
     ``profile_to``: also write a torch.profiler table (GPU time, then host time) of the whole run there.
+    ``breakdown``: profile two steady steps after the warm-up and report GPU time per kernel family
+    (``bench/kernel_breakdown.py``).
     """
     import contextlib
 
@@ -106,16 +109,25 @@ def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_singl
 
     with tempfile.TemporaryDirectory() as tmp:
         model, data = make_assets(Path(tmp), size)
-        raw = bench_run_config(model, data, Path(tmp) / "run", steps, compile_blocks, shard_single_rank, attention)
+        raw = bench_run_config(model, data, Path(tmp) / "run", steps, compile_blocks, shard_single_rank, attention, reshard)
         config = load_run_config(raw=raw, prefixes=allowed_prefixes())
         env = init_distributed(config.training.distributed)
         profiler = contextlib.nullcontext()
-        if profile_to is not None:
+        if breakdown:
+            from torch.profiler import ProfilerActivity, profile, schedule
+
+            profiler = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU],
+                               schedule=schedule(wait=warmup, warmup=1, active=2, repeat=1))
+        elif profile_to is not None:
             from torch.profiler import ProfilerActivity, profile
 
             profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         try:
             trainer = Trainer(config, env)
+            if breakdown:
+                from kernel_breakdown import ProfilerStepper
+
+                trainer.run.callbacks.append(ProfilerStepper(profiler))
             compiled = resolve_compile(config.training.model, env)
             cuda = torch.cuda.is_available()
             if cuda:
@@ -129,11 +141,20 @@ def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_singl
         table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40)
         profile_to.write_text(table + "\n\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
     times = [row["step_time_s"] for row in result.history]
+    gpu_times = [row["gpu_step_time_s"] for row in result.history if "gpu_step_time_s" in row]
     step_s = statistics.median(times[warmup:])
     flops, tokens = flops_per_sample(*size)
-    return {"size": list(size), "tokens": tokens, "compile": compile_blocks, "compiled": compiled, "shard_single_rank": shard_single_rank,
-            "attention": attention, "step_s": step_s, "first_step_s": times[0], "tflops": flops / step_s / 1e12, "peak_mem_gib": peak,
-            "step_times": times, "final_loss": result.history[-1]["total_loss"]}
+    out = {"size": list(size), "tokens": tokens, "compile": compile_blocks, "compiled": compiled, "shard_single_rank": shard_single_rank,
+           "reshard_after_forward": reshard, "attention": attention, "step_s": step_s, "first_step_s": times[0],
+           "tflops": flops / step_s / 1e12, "peak_mem_gib": peak, "step_times": times, "gpu_step_times": gpu_times,
+           "final_loss": result.history[-1]["total_loss"]}
+    if gpu_times[warmup:]:
+        out["gpu_step_s"] = statistics.median(gpu_times[warmup:])
+    if breakdown:
+        from kernel_breakdown import kernel_families
+
+        out["breakdown"] = kernel_families(profiler, steps=2)
+    return out
 
 
 def main() -> int:
@@ -149,12 +170,15 @@ def main() -> int:
     parser.add_argument("--attention", default="native", help="comma list of training.model.attention_backend values")
     parser.add_argument("--tag", default="", help="write $OUT/sft_step<tag>.json (several invocations in one job)")
     parser.add_argument("--profile", metavar="FILE", help="with --one: write a torch.profiler table to FILE")
+    parser.add_argument("--breakdown", action="store_true", help="with --one: GPU time per kernel family of 2 steady steps")
+    parser.add_argument("--reshard", choices=["0", "1"], help="with --one: training.distributed.reshard_after_forward")
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     if args.one:
         t, h, w, comp, shard, attention = args.one
         out = run_one((int(t), int(h), int(w)), {"0": False, "1": True}.get(comp), shard == "1", attention, args.steps, args.warmup,
-                      Path(args.profile) if args.profile else None)
+                      Path(args.profile) if args.profile else None, args.breakdown,
+                      None if args.reshard is None else args.reshard == "1")
         print("RESULT " + json.dumps(out), flush=True)
         return 0
     anchor = json.loads(Path(args.anchor_json).read_text()) if Path(args.anchor_json).is_file() else {}
