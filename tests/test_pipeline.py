@@ -183,6 +183,9 @@ def test_export_loads_in_a_fresh_process_and_reproduces_the_validate_samples(rep
     card = (repo / "artifacts" / "export" / "README.md").read_text()
     snippet = card.split("```python\n")[1].split("```")[0]  # the card's code, run as pasted from the workspace root
     code += "print('card snippet')\n" + snippet
+    readme = (ROOT / "README.md").read_text()  # the README's snippet too, as pasted
+    block = next(b.split("```")[0] for b in readme.split("```python\n")[1:] if 'WanPipeline.from_pretrained("artifacts/base' in b)
+    code += "print('readme snippet')\n" + block
     report = repo / "artifacts" / "validate" / "report"
     assert json.loads((repo / "artifacts" / "export" / "sampling.json").read_text())["sampler"] == "causal_streaming"
     out = subprocess.run([sys.executable, "-c", code, str(repo / "artifacts" / "export"), str(report), "distill_4"],
@@ -191,7 +194,9 @@ def test_export_loads_in_a_fresh_process_and_reproduces_the_validate_samples(rep
     diffs = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("max_abs_diff")]
     assert len(diffs) == 2 and max(diffs) <= 1e-5, out.stdout
     assert "class DistilledWanPipeline" in out.stdout
-    assert out.stdout.split("card snippet")[1].strip() == "(17, 32, 32, 3)"  # the card's snippet ran and decoded a video
+    card_out, readme_out = out.stdout.split("card snippet")[1].split("readme snippet")
+    assert card_out.strip() == "(17, 32, 32, 3)"  # the card's snippet ran and decoded a video
+    assert readme_out.strip().splitlines() == ["DistilledWanPipeline (17, 32, 32, 3)", "WanPipeline (17, 32, 32, 3)"]
 
 
 def test_the_export_has_its_own_model_card(repo):
