@@ -41,6 +41,7 @@ UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers
                 dense_act_fn="gelu_new", is_gated_act=True, layer_norm_epsilon=1e-6, tie_word_embeddings=False)
 FRAMES, HEIGHT, WIDTH, FPS = 81, 480, 832, 16.0
 OUT = Path(os.environ.get("OUT", "/tmp"))
+state_timing: dict[str, object] = {}  # training phases: run_summary.json's step timing (warm-up dropped)
 if os.environ.get("BENCH_SMOKE") == "1":  # a CPU check of this script itself: tiny shapes
     WAN_1_3B.update(num_attention_heads=2, attention_head_dim=8, text_dim=32, ffn_dim=32, num_layers=2)
     UMT5_XXL.update(d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=4, vocab_size=128)
@@ -148,6 +149,16 @@ def write_clips(root: Path, train: int = 4, validation: int = 2) -> Path:
     return data
 
 
+def _release_gpu() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def train_stage(root: Path, name: str, init_from: Path, data: Path, steps: int, causal: bool) -> Path:
     """One training stage's run (torchrun, one GPU, the stage template's method) → its exported model folder."""
     from distillery.export import export_weights
@@ -182,7 +193,7 @@ def train_stage(root: Path, name: str, init_from: Path, data: Path, steps: int, 
     export_weights(run_dir / summary["checkpoint"], "student", out)
     shutil.copytree(init_from / "scheduler", out / "scheduler")
     (out / "sampling.json").write_text(json.dumps(summary["sampling"]))
-    print(f"{name}: timing {json.dumps(summary.get('timing'))}", flush=True)
+    state_timing[name] = summary.get("timing")
     return out
 
 
@@ -206,8 +217,8 @@ def main() -> int:
             return
         t0 = time.time()
         try:
-            fn()
-            results[name] = {"wall_s": round(time.time() - t0, 1)}
+            extra = fn() or {}
+            results[name] = {"wall_s": round(time.time() - t0, 1), **extra}
         except Exception as exc:  # noqa: BLE001 - a phase that breaks at real shape is the finding
             results[name] = {"wall_s": round(time.time() - t0, 1), "error": f"{type(exc).__name__}: {str(exc)[-1200:]}"}
             traceback.print_exc()
@@ -230,12 +241,15 @@ def main() -> int:
         preprocess(state["base"], state["videos"], out, PreprocessConfig(num_frames=FRAMES, height=HEIGHT, width=WIDTH, fps=FPS,
                                                                         batch_size=1, device=DEVICE))
         state["latents"] = out
+        _release_gpu()  # a stage is its own process in the pipeline: leave the GPU to the next one
 
-    def teacher() -> None:
+    def teacher() -> dict:
         state["teacher"] = train_stage(root, "teacher", state["base"], state["latents"], args.steps, causal=False)
+        return {"timing": state_timing.get("teacher")}
 
-    def pretrain() -> None:
+    def pretrain() -> dict:
         state["pretrain"] = train_stage(root, "pretrain", state["teacher"], state["latents"], args.steps, causal=True)
+        return {"timing": state_timing.get("pretrain")}
 
     def validate() -> None:
         from distillery.pipeline import evaluation
@@ -249,7 +263,8 @@ def main() -> int:
         if "pretrain" in state:
             candidates.append(Candidate.from_artifact("pretrain_4", state["pretrain"], 4, 4.0))
         metrics = run_validation(state["base"], candidates, prompts, root / "artifacts" / "validate", cfg, prompt_embeddings=embeddings)
-        print("validate", json.dumps({k: v for k, v in metrics.items() if "latency" in k or "nfe" in k}), flush=True)
+        _release_gpu()
+        return {"metrics": {k: v for k, v in metrics.items() if "latency" in k or "nfe" in k}}
 
     def export() -> None:
         import torch

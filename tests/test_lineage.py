@@ -179,7 +179,14 @@ def test_dvc_bookkeeping_does_not_make_the_tree_dirty(tmp_path: Path, monkeypatc
     (tmp_path / "sub" / "dvc.lock").write_text("x")  # a nested project's lock, untracked
     (tmp_path / ".dvc").mkdir()
     (tmp_path / ".dvc" / "config").write_text("[core]\n")
+    for folder, name in (("metrics", "teacher.json"), ("plots", "teacher_loss.json")):  # the stages' copies for DVC
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text("{}")
     assert code_info()["dirty"] is False
+    (tmp_path / "sub" / "metrics").mkdir()  # only the top-level folders are bookkeeping
+    (tmp_path / "sub" / "metrics" / "x.json").write_text("{}")
+    assert code_info()["dirty"] is True
+    shutil.rmtree(tmp_path / "sub" / "metrics")
     (tmp_path / "sub" / "new.py").write_text("y = 2\n")
     assert code_info()["dirty"] is True
     (tmp_path / "sub" / "new.py").unlink()

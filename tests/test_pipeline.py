@@ -71,7 +71,7 @@ def _run_prefect_flow(repo: Path, home: Path) -> dict[str, object]:
             "flow_run_id": str(state.state_details.flow_run_id)}
 
 
-def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
+def test_whole_dag_runs_and_a_noop_repro_is_fast(repo, tmp_path):
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     stages = {"clips", "base", "latents", "teacher", "pretrain", "distill", "pdd", "validate", "export"}
     assert set(lock["stages"]) == stages  # the Prefect flow ran every stage through DVC
@@ -82,7 +82,14 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
             "export-metrics"} <= set(FLOW["artifacts"])
     report = repo / "artifacts" / "validate" / "report"
     assert (report / "grid.gif").is_file() and (report / "grid.mp4").is_file()
-    scores = json.loads((repo / "metrics" / "validate.json").read_text())
+    headline = json.loads((repo / "metrics" / "validate.json").read_text())  # what DVC shows: a few numbers per candidate
+    scores = json.loads((report / "metrics.json").read_text())  # every metric
+    assert headline == {k: v for k, v in scores.items() if k.split("/")[1] in
+                        ("all", "all_std", "frechet_distance", "distance_to_teacher", "nfe", "latency_s")}
+    assert len(headline) == 6 * 6 and len(scores) > 2 * len(headline)  # teacher 6 and 2, pretrain, distill, pdd 1 and 4
+    assert (report / "plots" / "adherence_vs_nfe.png").is_file()
+    for stage in ("teacher", "pretrain", "distill", "pdd"):  # each loss curve as an image beside its data
+        assert (repo / "artifacts" / stage / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stage
     # the Self-Forcing student streams chunk by chunk (chunk_size 1): 5 chunks × 4 steps + 4 cache writes, no CFG
     assert scores["teacher_6/nfe"] == 12 and scores["teacher_2/nfe"] == 4 and scores["distill_4/nfe"] == 5 * 4 + 4
     assert scores["teacher_6/frechet_distance"] == 0.0 and scores["distill_4/frechet_distance"] > 0.0
@@ -114,8 +121,16 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo):
     runs = client.search_runs([client.get_experiment_by_name("distillery").experiment_id])
     parents = [r for r in runs if r.data.tags.get("distillery.kind") == "pipeline"]
     assert len(parents) == 1 and parents[0].data.tags["distillery.pipeline_key"] == f"prefect-{FLOW['flow_run_id']}"
-    children = {r.data.tags.get("mlflow.runName") for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
-    assert children >= {"clips", "base", "latents", "teacher", "pretrain", "distill", "pdd", "validate", "export"}
+    children = {r.data.tags.get("mlflow.runName"): r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    assert set(children) >= {"clips", "base", "latents", "teacher", "pretrain", "distill", "pdd", "validate", "export"}
+    # the parent records the params.yaml it ran with: as dotted params and as the file
+    parent = parents[0].info.run_id
+    assert parents[0].data.params["pretrain.learning_rate"] == "0.0002" and parents[0].data.params["validate.pdd_nfe"] == "[1, 4]"
+    assert client.download_artifacts(parent, "params.yaml", str(tmp_path)) and \
+        (tmp_path / "params.yaml").read_text() == (repo / "params.yaml").read_text()
+    logged = {f.path for folder in ("grid", "plots") for f in client.list_artifacts(children["validate"].info.run_id, folder)}
+    assert logged == {"grid/grid.gif", "grid/grid.mp4", "plots/adherence_vs_nfe.png"}  # validate's grid and plot images
+    assert [f.path for f in client.list_artifacts(children["teacher"].info.run_id, "plots")] == ["plots/loss.png"]
 
 
 def test_every_module_a_stage_imports_is_one_of_its_deps(repo):
@@ -168,6 +183,9 @@ def test_export_loads_in_a_fresh_process_and_reproduces_the_validate_samples(rep
     card = (repo / "artifacts" / "export" / "README.md").read_text()
     snippet = card.split("```python\n")[1].split("```")[0]  # the card's code, run as pasted from the workspace root
     code += "print('card snippet')\n" + snippet
+    readme = (ROOT / "README.md").read_text()  # the README's snippet too, as pasted
+    block = next(b.split("```")[0] for b in readme.split("```python\n")[1:] if 'WanPipeline.from_pretrained("artifacts/base' in b)
+    code += "print('readme snippet')\n" + block
     report = repo / "artifacts" / "validate" / "report"
     assert json.loads((repo / "artifacts" / "export" / "sampling.json").read_text())["sampler"] == "causal_streaming"
     out = subprocess.run([sys.executable, "-c", code, str(repo / "artifacts" / "export"), str(report), "distill_4"],
@@ -176,7 +194,9 @@ def test_export_loads_in_a_fresh_process_and_reproduces_the_validate_samples(rep
     diffs = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("max_abs_diff")]
     assert len(diffs) == 2 and max(diffs) <= 1e-5, out.stdout
     assert "class DistilledWanPipeline" in out.stdout
-    assert out.stdout.split("card snippet")[1].strip() == "(17, 32, 32, 3)"  # the card's snippet ran and decoded a video
+    card_out, readme_out = out.stdout.split("card snippet")[1].split("readme snippet")
+    assert card_out.strip() == "(17, 32, 32, 3)"  # the card's snippet ran and decoded a video
+    assert readme_out.strip().splitlines() == ["DistilledWanPipeline (17, 32, 32, 3)", "WanPipeline (17, 32, 32, 3)"]
 
 
 def test_the_export_has_its_own_model_card(repo):
@@ -196,22 +216,46 @@ def test_the_export_has_its_own_model_card(repo):
     assert any(line.startswith("| teacher_6 |") for line in card.splitlines())  # the reference beside it
 
 
-def test_changing_a_pretrain_param_reruns_only_pretrain_and_what_follows(repo):
-    """The rerun trains pretrain afresh from step 1 with the new value (never resumes the old run's
-    checkpoints), distills again from it, and the export ships those new weights."""
+def test_an_experiment_on_a_pretrain_param_reruns_only_pretrain_and_what_follows(repo):
+    """`dvc exp run -S pretrain.learning_rate=1e-4` on the committed baseline: the rerun trains pretrain
+    afresh from step 1 with the new value (never resumes the old run's checkpoints), distills again from
+    it, and the export ships those new weights; `dvc exp show` then compares the two rows (params and
+    the headline metrics of both); every long stage showed its progress in a few lines."""
     from helpers import role_state
 
     exported = repo / "artifacts" / "export" / "transformer" / "diffusion_pytorch_model.safetensors"
     old_weights = exported.read_bytes()
     old_final = role_state(repo / "runs" / "pretrain" / "checkpoint-6")
-    set_params(repo, {"pretrain.learning_rate": 1.0e-4})
-    status = sh(["dvc", "status"], repo).stdout
-    assert "pretrain" in status and "teacher:" not in status and "latents:" not in status
-    proc = sh(["dvc", "repro"], repo)
+    sh(["git", "add", "-A"], repo)  # the baseline: dvc.lock and the metrics/ and plots/ copies (.gitignore keeps the rest out)
+    committed = sh(["git", "diff", "--cached", "--name-only"], repo).stdout.split()
+    assert "dvc.lock" in committed and "metrics/validate.json" in committed and not [p for p in committed if p.startswith(("runs/", "artifacts/", "mlruns/"))]
+    sh(["git", "commit", "-qm", "baseline run"], repo)
+    params_before = yaml.safe_load((repo / "params.yaml").read_text())
+    proc = sh(["dvc", "exp", "run", "-S", "pretrain.learning_rate=1e-4"], repo)
+    params_before["pretrain"]["learning_rate"] = 1.0e-4
+    assert yaml.safe_load((repo / "params.yaml").read_text()) == params_before
     ran = [line.split("'")[1] for line in proc.stdout.splitlines() if line.startswith("Running stage")]
     assert ran[0] == "pretrain" and set(ran) == {"pretrain", "distill", "validate", "export"}, proc.stdout
     assert "not resuming runs/pretrain (changed: the run config): starting from step 0" in proc.stderr
     assert "resumed from" not in proc.stderr
+    # progress on the console, not a flood: pretrain's 6 steps are 6 lines (the first, then each new 10 %), validate's too
+    progress = [line.split(" INFO ", 1)[1] for line in proc.stderr.splitlines() if " INFO train " in line or " INFO validate " in line]
+    train = [line.split(" (")[0] for line in progress if line.startswith("train ")]
+    assert train == [f"train {i}/6" for i in range(1, 7)] + [f"train {i}/4" for i in range(1, 5)], progress  # pretrain, distill
+    first, last = (next(line for line in progress if line.startswith(f"train {i}/6 ")) for i in (1, 6))
+    assert first.startswith("train 1/6 (17%) loss ") and ", ETA " in first and "done in " in last
+    videos = [line for line in progress if line.startswith("validate ") and "/24 (" in line]  # 6 candidates × 2 prompts × 2 seeds
+    assert 2 <= len(videos) <= 12 and "candidate teacher_6 (1/6)" in videos[0], progress
+    rows = _exp_rows(json.loads(sh(["dvc", "exp", "show", "--json"], repo).stdout))
+    assert len(rows) == 2, rows  # the baseline commit and the experiment, each with its params and headline metrics
+    baseline, experiment = rows
+    assert (baseline["params"]["pretrain"]["learning_rate"], experiment["params"]["pretrain"]["learning_rate"]) == (2.0e-4, 1.0e-4)
+    for row in rows:
+        assert {"loss_last10_mean", "last_loss", "steps"} <= set(row["metrics"]["metrics/pretrain.json"]), row
+        assert set(row["metrics"]["metrics/validate.json"]) >= {"distill_4/all", "distill_4/frechet_distance", "teacher_6/nfe"}
+    assert baseline["metrics"]["metrics/pretrain.json"] != experiment["metrics"]["metrics/pretrain.json"]
+    table = sh(["dvc", "exp", "show", "--no-pager", "--md", "--only-changed"], repo).stdout
+    assert "pretrain.learning_rate" in table and "!" not in table.split("\n", 2)[2], table  # no missing metric in any row
     steps = [json.loads(line)["step"] for line in (repo / "runs" / "pretrain" / "train_log.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
     new_final = role_state(repo / "runs" / "pretrain" / "checkpoint-6")
@@ -226,6 +270,26 @@ def test_changing_a_pretrain_param_reruns_only_pretrain_and_what_follows(repo):
     import hashlib
 
     assert shipped == hashlib.sha256(exported.read_bytes()).hexdigest()
+
+
+def _exp_rows(shown: list[dict]) -> list[dict]:
+    """``dvc exp show --json`` → the committed baseline's and each experiment's ``{"rev", "params", "metrics"}``
+    (params.yaml's data; each metrics file's data), the workspace row left out."""
+    rows = []
+
+    def add(entry: dict) -> None:
+        data = entry.get("data") or {}
+        rows.append({"rev": entry.get("rev"), "params": data["params"]["params.yaml"]["data"],
+                     "metrics": {path: m.get("data", {}) for path, m in (data.get("metrics") or {}).items()}})
+
+    for entry in shown:
+        if entry.get("rev") == "workspace":
+            continue
+        add(entry)
+        for exp in entry.get("experiments") or []:
+            for rev in exp.get("revs") or []:
+                add(rev)
+    return rows
 
 
 def torch_equal(a, b) -> bool:

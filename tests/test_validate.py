@@ -18,11 +18,15 @@ from distillery.models.schedule import FlowMatchSchedule
 from distillery.models.wan import load_inference_model
 from distillery.sampling import GeneratorNoise, build_sampler
 from distillery.validate import (
+    HEADLINE_METRICS,
     METRIC_NAMES,
     SEEDED_METRICS,
+    WARMUP_VIDEOS,
     Candidate,
     ValidationConfig,
     generator_seed,
+    headline_metrics,
+    latency_summary,
     run_validation,
     sample_key,
     teacher_candidates,
@@ -208,6 +212,8 @@ def test_run_validation_writes_samples_grid_and_plots(validation):
     assert list(plot[0]) == ["candidate", "sampler", "nfe", "adherence", "adherence_std", "colour", "shape", "direction",
                              "latency_s", "distance_to_teacher", "sharpness", "frechet_distance", "frechet_distance_std"]
     assert float(plot[0]["frechet_distance"]) == 0.0 and float(plot[2]["frechet_distance"]) > 0
+    image = out / "plots" / "adherence_vs_nfe.png"  # the same curve as an image, drawn offline
+    assert iio.imread(image).shape[:2] == (400, 640)
     assert not list(out.parent.glob(".validate.*"))  # no temp folders left behind
 
 
@@ -260,13 +266,16 @@ def test_run_validation_metrics(validation, pipe, embeds):
         per_video = {  # metric → [S, P]
             "distance_to_teacher": [[np.mean((vids[i, j] / 255.0 - ref[i, j]) ** 2) for i in range(3)] for j in range(2)],
             "sharpness": [[sharpness(vids[i, j]) for i in range(3)] for j in range(2)],
-            "latency_s": [[0.0] * 3 for _ in range(2)],
         }
         scores = [[score(vids[i, j], PROMPTS[i], analyzer) for i in range(3)] for j in range(2)]
         for key in ("colour", "shape", "direction", "all"):
             per_video[key] = [[float(s[key]) for s in row] for row in scores]
-        for row in report["per_video"][c.name]:
-            per_video["latency_s"][row["seed_index"]][row["prompt"]] = row["latency_s"]
+        times = [row["latency_s"] for row in report["per_video"][c.name]]  # in sampling order (seed-major)
+        assert [row["warmup"] for row in report["per_video"][c.name]] == [True] * WARMUP_VIDEOS + [False] * (6 - WARMUP_VIDEOS)
+        timed = times[WARMUP_VIDEOS:]
+        assert metrics[f"{c.name}/latency_s"] == pytest.approx(float(np.median(timed)), abs=2e-6)
+        assert metrics[f"{c.name}/latency_s_iqr"] == pytest.approx(float(np.subtract(*np.percentile(timed, [75, 25]))), abs=2e-6)
+        assert report["latency"][c.name]["warmup_s"] == times[:WARMUP_VIDEOS] and report["latency"][c.name]["timed_videos"] == 5
         for key, table in per_video.items():
             seed_means = np.asarray(table).mean(axis=1)  # [S]
             assert metrics[f"{c.name}/{key}"] == pytest.approx(seed_means.mean(), abs=2e-6), (c.name, key)
@@ -289,8 +298,20 @@ def test_run_validation_metrics(validation, pipe, embeds):
     assert metrics["teacher_2/frechet_distance"] > 0 and metrics["student/frechet_distance"] > 0
     assert metrics["student/frechet_distance_std"] > 0 and metrics["teacher_2/distance_to_teacher_std"] > 0
     # per-video latency is measured inside the call: all the videos together took less than the whole run
-    assert sum(metrics[f"{c.name}/latency_s"] for c in candidates) * len(VIDEO_KEYS) < wall_s
+    assert sum(r["latency_s"] for c in candidates for r in report["per_video"][c.name]) < wall_s
     assert all(metrics[f"{c.name}/latency_s"] > 0 for c in candidates)
+    shown = headline_metrics(metrics)  # what the validate stage gives DVC: a few numbers per candidate
+    assert set(shown) == {f"{c.name}/{k}" for c in candidates for k in HEADLINE_METRICS}
+    assert all(shown[k] == metrics[k] for k in shown) and len(shown) < len(metrics) / 2
+
+
+def test_latency_leaves_out_the_warm_up_and_reports_median_and_spread():
+    summary = latency_summary([33.97, 2.01, 0.89, 0.91, 0.95, 0.90])  # the first videos of one candidate
+    assert summary["warmup_s"] == [33.97] and summary["timed_videos"] == 5
+    assert summary["median_s"] == 0.91 and summary["iqr_s"] == pytest.approx(0.95 - 0.90)
+    assert (summary["min_s"], summary["max_s"]) == (0.89, 2.01)
+    assert latency_summary([1.5]) == {"median_s": 1.5, "iqr_s": 0.0, "min_s": 1.5, "max_s": 1.5, "timed_videos": 1,
+                                      "warmup_s": []}  # nothing but the warm-up: it is all there is
 
 
 def test_one_seed_gives_the_seed_0_samples_and_no_spread(validation, base, tmp_path):
@@ -398,3 +419,5 @@ def test_validation_device_choice():
     with pytest.raises(UserError, match="validate.device"):
         validate_params({"validate": {"device": "gpu0"}})
     assert validate_params({"validate": {"device": "cuda:1"}}).validate.device == "cuda:1"
+    with pytest.raises(UserError, match="validate.precision: 'fp16'"):
+        ValidationConfig(precision="fp16")

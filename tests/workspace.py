@@ -51,9 +51,11 @@ def set_params(repo: Path, updates: dict[str, object]) -> None:
 def make_workspace(repo: Path, updates: dict[str, object] | None = None) -> Path:
     """A git + DVC repository holding the pipeline (code included, as a user's clone would)."""
     repo.mkdir(parents=True, exist_ok=True)
-    for name in ("dvc.yaml", "params.yaml", "stages"):
+    for name in ("dvc.yaml", "params.yaml", "stages", ".gitignore"):
         src = ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy2)(src, repo / name)
+    with (repo / ".gitignore").open("a") as fh:
+        fh.write("/.dvc-site/\n")  # the site cache dir set below
     shutil.copytree(ROOT / "src" / "distillery", repo / "src" / "distillery", ignore=shutil.ignore_patterns("__pycache__"))
     set_params(repo, {**SMALL, **(updates or {})})
     for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"], ["git", "config", "user.name", "ci"],

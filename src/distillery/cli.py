@@ -9,7 +9,8 @@
     distillery export-weights CHECKPOINT --role student --out DIR [--ema NAME]
 
 User errors (bad config, missing file, wrong checkpoint) print one line and exit with code 2
-(:func:`distillery.guard.run_guarded`).
+(:func:`distillery.guard.run_guarded`). Every parser is a :class:`Parser`: each option's help shows
+its default (:class:`HelpFormatter`); tests/test_cli_help.py walks them all.
 """
 
 from __future__ import annotations
@@ -19,6 +20,26 @@ import sys
 
 from distillery.errors import UserError
 from distillery.guard import run_guarded
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that ends each option with ``(default: X)``; not for required options, flags (``store_true``:
+    off unless given), a default of None or an empty list (repeatable, none given): there the help text
+    says what leaving the option out does."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.required or action.default in (None, []) or isinstance(action, argparse._StoreTrueAction):
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+class Parser(argparse.ArgumentParser):
+    """The CLI's parser: :class:`HelpFormatter` by default, for its subcommands too (``add_subparsers``
+    makes them of this class)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 (argparse's own signature)
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 def _make_tiny(args: argparse.Namespace) -> int:
     from pathlib import Path
@@ -81,27 +102,35 @@ def _export_weights(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="distillery", description="train and distill video diffusion models")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("train", help="train from a run config (one process; use torchrun -m distillery.train for N)",
+    parser = Parser(prog="distillery", description="train and distill video diffusion models")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("train", help="train from a run config, with dotted overrides (--training.loop.max_train_steps 10); "
+                   "`distillery train --help` for its options (one process; torchrun -m distillery.train for N)",
                    add_help=False)
     base = sub.add_parser("base", help="base models")
-    base_sub = base.add_subparsers(dest="base_command", required=True)
+    base_sub = base.add_subparsers(dest="base_command", required=True, metavar="COMMAND")
     tiny = base_sub.add_parser("make-tiny", help="write a tiny Wan 2.1 T2V model in diffusers layout")
-    tiny.add_argument("--out", required=True)
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--overwrite", action="store_true")
+    tiny.add_argument("--out", required=True, help="folder to write the model into")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (and of the fit)")
+    tiny.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     tiny.add_argument("--fit", action="store_true", help="fit VAE and transformer to synthetic clips (minutes on a CPU)")
     tiny.add_argument("--shipped", action="store_true", help="copy the fitted tiny base shipped with distillery (made by --fit)")
-    tiny.add_argument("--vae-steps", type=int, default=None, help="--fit: VAE optimizer steps")
-    tiny.add_argument("--vae-seconds", type=float, default=None, help="--fit: optional wall-clock cap on the VAE fit")
-    tiny.add_argument("--dit-steps", type=int, default=None, help="--fit: transformer SFT steps")
-    tiny.add_argument("--batch-size", type=int, default=None, help="--fit: transformer SFT batch size")
-    tiny.add_argument("--num-train-clips", type=int, default=None)
-    tiny.add_argument("--num-validation-clips", type=int, default=None)
-    tiny.add_argument("--eval-prompts", type=int, default=None, help="--fit: adherence on at most this many prompts")
-    tiny.add_argument("--eval-steps", type=int, default=None, help="--fit: sampling steps of the adherence check")
-    tiny.add_argument("--work-dir", default=None, help="--fit: keep clips, latents and runs here")
+    tiny.add_argument("--vae-steps", type=int, default=None, help="--fit: VAE optimizer steps (default: the fit recipe's)")
+    tiny.add_argument("--vae-seconds", type=float, default=None, help="--fit: optional wall-clock cap on the VAE fit "
+                      "(default: no cap)")
+    tiny.add_argument("--dit-steps", type=int, default=None, help="--fit: transformer SFT steps (default: the fit recipe's)")
+    tiny.add_argument("--batch-size", type=int, default=None, help="--fit: transformer SFT batch size (default: the fit "
+                      "recipe's)")
+    tiny.add_argument("--num-train-clips", type=int, default=None, help="--fit: synthetic training clips (default: the "
+                      "fit recipe's)")
+    tiny.add_argument("--num-validation-clips", type=int, default=None, help="--fit: synthetic validation clips "
+                      "(default: the fit recipe's)")
+    tiny.add_argument("--eval-prompts", type=int, default=None, help="--fit: adherence on at most this many prompts "
+                      "(default: the fit recipe's)")
+    tiny.add_argument("--eval-steps", type=int, default=None, help="--fit: sampling steps of the adherence check "
+                      "(default: the fit recipe's)")
+    tiny.add_argument("--work-dir", default=None, help="--fit: keep clips, latents and runs here (default: a temporary "
+                      "folder, removed)")
     tiny.set_defaults(func=_make_tiny)
     from distillery.preprocess_cli import add_preprocess_command
 
@@ -114,17 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_lineage_command(sub)
     add_stage_command(sub)
     latents = sub.add_parser("latents", help="latent datasets")
-    latents_sub = latents.add_subparsers(dest="latents_command", required=True)
+    latents_sub = latents.add_subparsers(dest="latents_command", required=True, metavar="COMMAND")
     demo = latents_sub.add_parser("demo", help="write a small synthetic latent set that fits the tiny base model")
-    demo.add_argument("--out", required=True)
-    demo.add_argument("--num-samples", type=int, default=16)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", required=True, help="folder to write the parquet shards into")
+    demo.add_argument("--num-samples", type=int, default=16, help="latent samples to write")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random latents and embeddings")
     demo.set_defaults(func=_demo_latents)
     exp = sub.add_parser("export-weights", help="write a checkpoint role's transformer as a diffusers folder")
-    exp.add_argument("checkpoint")
-    exp.add_argument("--role", default="student")
-    exp.add_argument("--out", required=True)
-    exp.add_argument("--ema", default=None, metavar="CALLBACK", help="export the shadow weights of this EMA callback")
+    exp.add_argument("checkpoint", help="a checkpoint folder (runs/<stage>/checkpoint-<step>)")
+    exp.add_argument("--role", default="student", help="the trainable role whose weights to export")
+    exp.add_argument("--out", required=True, help="folder to write the diffusers transformer folder into")
+    exp.add_argument("--ema", default=None, metavar="CALLBACK", help="export the shadow weights of this EMA callback "
+                     "(default: the trained weights)")
     exp.set_defaults(func=_export_weights)
     return parser
 

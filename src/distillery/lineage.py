@@ -266,7 +266,9 @@ def _compare(recorded: Sequence[Any], actual: Sequence[Mapping[str, Any]], refus
 # writing
 
 
-NOT_CODE = ("**/dvc.lock", ".dvc/**")  # git pathspecs (from the repository root) that code_info ignores
+# git pathspecs (from the repository root) that code_info ignores: DVC's bookkeeping and the metric and plot
+# copies the stages write for `dvc metrics/plots/exp show` (dvc.yaml, cache: false; committed with dvc.lock)
+NOT_CODE = ("**/dvc.lock", ".dvc/**", "metrics/**", "plots/**")
 
 
 def code_info() -> dict[str, Any]:
@@ -275,7 +277,8 @@ def code_info() -> dict[str, Any]:
     Git is asked about the current working directory (``git rev-parse HEAD``, ``git status
     --porcelain``, without taking git's optional index lock); outside a git checkout, or without
     git, commit and dirty are ``None``. DVC's own bookkeeping — ``dvc.lock`` files, which a
-    pipeline run writes itself, and the ``.dvc/`` folder — does not make the tree dirty
+    pipeline run writes itself, the ``.dvc/`` folder and the stages' top-level ``metrics/`` and
+    ``plots/`` copies (committed so that ``dvc exp show`` compares experiments) — does not make the tree dirty
     (:data:`NOT_CODE`): a pristine clone that ran ``dvc repro`` is clean. The version is
     ``distillery.__version__``.
     """

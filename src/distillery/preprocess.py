@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from distillery.data.dataset import write_empty_prompt_embedding
 from distillery.data.encoders import BaseEncoders
@@ -38,6 +37,7 @@ from distillery.data.writer import LatentRecord, shard_path, write_shard
 from distillery.errors import UserError
 from distillery.fsutil import write_text_atomic
 from distillery.log import get_logger
+from distillery.progress import Progress
 
 log = get_logger("preprocess")
 
@@ -126,11 +126,12 @@ def preprocess(base: Path, data: Path, out: Path, cfg: PreprocessConfig, rank: i
         log.info("%d shards in %s (%d already done); this run writes %d", len(plan), out, done_before, len(todo))
     for split in splits:
         (out / split).mkdir(parents=True, exist_ok=True)
-    bar = tqdm(todo, desc="preprocess", unit="shard", disable=rank != 0, mininterval=1.0)
     clips_done = 0
-    for split, split_dir, k, entries in bar:
-        rec = process_shard(encoders, split_dir, entries, cfg, out, split, k)
-        clips_done += rec["rows"]
+    with Progress(len(todo), "preprocess", "shard", enabled=rank == 0) as bar:  # a bar on a terminal, else sparse lines
+        for split, split_dir, k, entries in todo:
+            rec = process_shard(encoders, split_dir, entries, cfg, out, split, k)
+            clips_done += rec["rows"]
+            bar.update(1, clips=clips_done)
     barrier()
     if rank != 0:
         return {"rank": rank, "clips": clips_done}

@@ -15,17 +15,36 @@ import signal
 import sys
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="distillery train", description=__doc__.split("\n\n")[0])
+OVERRIDES_HELP = """\
+overrides:
+  After the options above, any key of the run config as a dotted option sets it, e.g.
+    --training.loop.max_train_steps 10  --training.optimizer.learning_rate 1e-4
+    --models.student.init_from PATH     --method.chunk_size=3
+  The key must exist in the config (a key that does not is one error line naming the valid keys, exit 2);
+  the value is YAML (10, 1e-4, true, null, [1, 2], {a: 1}; other text is a string)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``distillery train``'s options (the dotted overrides are the unknown arguments left after them)."""
+    from distillery.cli import Parser
+
+    parser = Parser(prog="distillery train", description="Train from a run config in one process.\n`torchrun --nproc_per_node N -m "
+                    "distillery.train --config X` runs FSDP2 over N ranks (same options).", epilog=OVERRIDES_HELP,
+                    usage="%(prog)s --config PATH [options] [--a.b.c VALUE ...]")
+    parser.formatter_class = type("TrainHelp", (parser.formatter_class, argparse.RawDescriptionHelpFormatter), {})
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("--dry-run", action="store_true", help="build everything, print the resolved config, train nothing")
     parser.add_argument("--allow-target-prefix", action="append", default=[], metavar="PREFIX",
-                        help="also allow _target_ callables under this module prefix (repeatable)")
+                        help="also allow _target_ callables under this module prefix (repeatable; default: only distillery.)")
     parser.add_argument("--allow-checkpoint", action="append", default=[], metavar="PATH",
                         help="allow training.checkpoint.resume to load this checkpoint (or any under this folder) "
                              "from outside the run's output folder, once its checksums verify (repeatable; also "
-                             "DISTILLERY_ALLOWED_CHECKPOINTS=a:b)")
-    return parser.parse_known_args(argv)
+                             "DISTILLERY_ALLOWED_CHECKPOINTS=a:b; default: none)")
+    return parser
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    return build_parser().parse_known_args(argv)
 
 
 def run_training(argv: list[str]) -> int:

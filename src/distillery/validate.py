@@ -14,15 +14,19 @@ decoded through the base's VAE. Per candidate it reports (``S`` = ``num_seeds``,
 - ``colour``, ``shape``, ``direction``, ``all`` — prompt adherence read back from the decoded
   frames by :mod:`distillery.clips.analyzer` (thresholds from ``base_dir/analyzer.json`` when it
   exists), as fractions of the P·S videos;
-- ``latency_s`` — mean wall seconds per video for sampling + VAE decode (batch 1, after one untimed
-  warm-up forward; text encoding excluded);
+- ``latency_s`` — the median wall seconds per video for sampling + VAE decode (batch 1, text encoding
+  excluded) over the candidate's videos after its first :data:`WARMUP_VIDEOS` (one untimed warm-up forward
+  runs before them too; lazy initialisation, kernel selection and compilation make the first videos
+  slower than the rest, so they are timed but left out; a candidate with no more videos than that keeps
+  them all), and ``latency_s_iqr`` its spread: the interquartile range (75th − 25th percentile) of the same
+  times; report.json ``latency`` has min, max and the warm-up times;
 - ``distance_to_teacher`` — mean over videos of the mean squared difference of the decoded frames
   (RGB in [0, 1]) from the reference candidate's video with the same prompt and noise (the
   reference is by default the first candidate: put the teacher first), so the reference scores 0;
 - ``sharpness`` — mean over videos of :func:`distillery.video_metrics.sharpness` (per frame the
   variance of the Laplacian of the luminance in [0, 1], averaged over frames; blurry few-step
   samples score lower);
-- ``<metric>_std`` for each of the above — the spread over noise: the sample standard deviation
+- ``<metric>_std`` for each of the above but latency — the spread over noise: the sample standard deviation
   (ddof=1; 0 with one seed) across seed indices ``j`` of the per-seed means (each the mean over the
   P prompts of seed index ``j``). The headline ``<metric>`` is the mean over all P·S videos (= the
   mean of the per-seed means);
@@ -56,17 +60,21 @@ Output folder (written to a temporary sibling, then renamed into place)::
                                           video: "<candidate> · <NFE> NFE" left of each row, "#<i>" above each
                                           column, "#<i>  <prompt>" lines below (tiles from report grid.origin_px),
                                           1-px separators
-    out_dir/metrics.json                  flat {"<candidate>/<metric>": number} (DVC metrics),
-                                          candidates in input order
+    out_dir/metrics.json                  flat {"<candidate>/<metric>": number}, every metric above,
+                                          candidates in input order (:func:`headline_metrics` picks the
+                                          few a user compares, what the validate stage gives DVC)
     out_dir/plots/adherence.csv           one row per candidate: candidate, sampler, nfe, adherence,
                                           adherence_std, colour, shape, direction, latency_s,
                                           distance_to_teacher, sharpness, frechet_distance,
                                           frechet_distance_std (DVC plots: x = nfe, y = adherence)
+    out_dir/plots/adherence_vs_nfe.png    the same as an image: adherence ± std against NFE per
+                                          candidate family (:func:`distillery.plots.write_adherence_plot`)
     out_dir/report.json                   prompts; seeds (the seed-0 generator seed per prompt);
                                           num_seeds, seed_grid ([prompt][seed index] → generator
                                           seed) and sample_keys (same shape → <key>); candidates;
                                           per_video (every video: prompt and seed index, scores,
-                                          latency, distance, sharpness, features); per_seed
+                                          latency, warmup, distance, sharpness, features); latency
+                                          (per candidate: median, iqr, min, max, warm-up times); per_seed
                                           (per-seed means); per_prompt (per-prompt means over
                                           seeds: adherence as fractions); frechet (feature names,
                                           the reference's standardisation, bootstrap settings)
@@ -101,9 +109,11 @@ log = logging.getLogger("distillery")
 
 SAMPLING_FILE = "sampling.json"  # an artifact's sampling contract, beside its transformer/
 GRID_FORMATS = ("gif", "mp4")
-SEEDED_METRICS = ("colour", "shape", "direction", "all", "latency_s", "distance_to_teacher", "sharpness")  # mean + _std
-METRIC_NAMES = (*(k for m in SEEDED_METRICS for k in (m, f"{m}_std")), "nfe", "frechet_distance",
-                "frechet_distance_std")  # every candidate's keys in metrics.json (the reference adds frechet_floor)
+SEEDED_METRICS = ("colour", "shape", "direction", "all", "distance_to_teacher", "sharpness")  # mean + _std
+METRIC_NAMES = (*(k for m in SEEDED_METRICS for k in (m, f"{m}_std")), "latency_s", "latency_s_iqr", "nfe",
+                "frechet_distance", "frechet_distance_std")  # every candidate's keys in metrics.json (the reference adds frechet_floor)
+HEADLINE_METRICS = ("all", "all_std", "frechet_distance", "distance_to_teacher", "nfe", "latency_s")  # what DVC shows per candidate
+WARMUP_VIDEOS = 1  # a candidate's first videos: timed, but left out of its latency (module doc)
 SEED_STRIDE = 1000  # seed index j shifts every prompt's generator seed by SEED_STRIDE·j
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -125,7 +135,8 @@ class ValidationConfig:
     grid_formats: list[str] = field(default_factory=lambda: ["gif", "mp4"])  # grid files to write
     max_sequence_length: int | None = None  # prompt length; None: the base model's (model card / tokenizer)
     device: str = "cpu"  # where the models run ("cpu", "cuda", "cuda:1", ...)
-    progress_bar: bool = True  # tqdm bar over the videos
+    precision: str = "auto"  # the candidates' weights and compute: fp32, bf16, or auto (bf16 on CUDA, fp32 elsewhere); the VAE stays fp32
+    progress_bar: bool = True  # progress over the videos: a bar on a terminal, else a log line per 10 % or minute
 
     def __post_init__(self) -> None:
         if self.num_frames < 1 or self.height < 1 or self.width < 1:
@@ -142,6 +153,8 @@ class ValidationConfig:
             raise UserError(f"validate.grid_formats: unknown format {bad[0]!r}; valid: {', '.join(GRID_FORMATS)}")
         if self.num_seeds < 1:
             raise UserError(f"validate.num_seeds must be >= 1, got {self.num_seeds}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise UserError(f"validate.precision: {self.precision!r}; valid: auto, fp32, bf16")
         if self.bootstrap_resamples < 0:
             raise UserError(f"validate.bootstrap_resamples must be >= 0, got {self.bootstrap_resamples}")
         if self.prompts is not None and not self.prompts:
@@ -243,7 +256,7 @@ def teacher_candidates(teacher_dir: Path, cfg: ValidationConfig) -> list[Candida
 class _Loaded:
     """A candidate's model plugin and flow shift, ready to sample."""
 
-    model: "ModelBase"  # frozen WanModel (eval, fp32) bound to the run device
+    model: "ModelBase"  # frozen WanModel (eval; fp32, or bf16 per ValidationConfig.precision) bound to the run device
     shift: float  # flow shift of its schedule
 
 
@@ -268,6 +281,8 @@ class _Context:
         self.base_dir = base_dir
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
+        self.dtype = torch.bfloat16 if bf16 else torch.float32  # the candidates' (as WanPipeline(torch_dtype=...) runs them)
         self.encoders = BaseEncoders(base_dir, self.device, cfg.max_sequence_length, text_encoder=embeddings is None)
         length = self.encoders.max_sequence_length
         if embeddings is None:
@@ -323,7 +338,7 @@ class _Context:
             model = self._last[1]
         else:
             self._last = None
-            model = load_inference_model(transformer_dir, self.device, torch.float32, shift=float(shift), role=cand.name,
+            model = load_inference_model(transformer_dir, self.device, self.dtype, shift=float(shift), role=cand.name,
                                          **options)
         conf = model.transformer_config()
         if int(conf["in_channels"]) != self.latent_shape[0] or int(conf["text_dim"]) != self.encoders.text_dim:
@@ -407,6 +422,7 @@ class _Video:
     seed: int  # generator seed of its noise (generator_seed)
     scores: dict[str, bool]  # analyzer adherence: colour, shape, direction, all
     latency_s: float  # wall seconds for sampling + decode
+    warmup: bool  # one of the candidate's first WARMUP_VIDEOS (left out of its latency)
     distance_to_teacher: float  # mean squared RGB difference ([0, 1] units) to the reference's same video
     sharpness: float  # video_metrics.sharpness, luminance²
     features: np.ndarray  # video_metrics.video_features, [len(FEATURE_NAMES)]
@@ -414,13 +430,13 @@ class _Video:
     def values(self) -> dict[str, float]:
         """This video's value of every seeded metric (adherence as 0/1)."""
         return {**{k: float(self.scores[k]) for k in ("colour", "shape", "direction", "all")},
-                "latency_s": self.latency_s, "distance_to_teacher": self.distance_to_teacher, "sharpness": self.sharpness}
+                "distance_to_teacher": self.distance_to_teacher, "sharpness": self.sharpness}
 
     def row(self) -> dict[str, Any]:
         """Its report.json ``per_video`` entry."""
         return {"prompt": self.prompt, "seed_index": self.seed_index, "generator_seed": self.seed,
                 "sample": sample_key(self.prompt, self.seed_index), **{k: bool(v) for k, v in self.scores.items()},
-                "latency_s": round(self.latency_s, 6), "distance_to_teacher": self.distance_to_teacher,
+                "latency_s": round(self.latency_s, 6), "warmup": self.warmup, "distance_to_teacher": self.distance_to_teacher,
                 "sharpness": self.sharpness, "features": [float(f) for f in self.features]}
 
 
@@ -443,6 +459,23 @@ def _seeded_summary(per_seed: np.ndarray) -> dict[str, float]:
     for k, m, s in zip(SEEDED_METRICS, mean, std):
         out[k], out[f"{k}_std"] = float(m), float(s)
     return out
+
+
+def latency_summary(seconds: list[float], warmup: int = WARMUP_VIDEOS) -> dict[str, Any]:
+    """Per-video wall times (in sampling order) → ``median_s`` and ``iqr_s`` (75th − 25th percentile) of
+    the times after the first ``warmup`` (all of them when there are no more), ``min_s``, ``max_s``,
+    ``timed_videos`` (how many the statistics use) and ``warmup_s`` (the times left out)."""
+    kept = seconds[warmup:] if len(seconds) > warmup else list(seconds)
+    left_out = seconds[:warmup] if len(seconds) > warmup else []
+    q25, q50, q75 = np.percentile(np.asarray(kept, dtype=np.float64), [25, 50, 75])
+    return {"median_s": round(float(q50), 6), "iqr_s": round(float(q75 - q25), 6), "min_s": round(float(min(kept)), 6),
+            "max_s": round(float(max(kept)), 6), "timed_videos": len(kept), "warmup_s": [round(float(t), 6) for t in left_out]}
+
+
+def headline_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The numbers a user compares between runs (:data:`HEADLINE_METRICS` of every candidate, in order) out
+    of :func:`run_validation`'s flat metrics; the rest stay in ``metrics.json``/``report.json`` beside them."""
+    return {k: v for k, v in metrics.items() if k.rsplit("/", 1)[-1] in HEADLINE_METRICS}
 
 
 def _frechet(features: np.ndarray, reference: np.ndarray, cfg: ValidationConfig) -> tuple[float, float]:
@@ -473,10 +506,10 @@ def run_validation(
     text encoder (the latent set's); then the text encoder is not loaded (used only with ``prompts``,
     not with ``cfg.prompts``). Returns the flat metrics dict written to ``metrics.json``.
     """
-    from tqdm import tqdm
-
     from distillery.clips.analyzer import analyze, score_analysis
     from distillery.clips.video_io import write_video
+    from distillery.plots import write_adherence_plot
+    from distillery.progress import Progress
     from distillery.video_metrics import COV_EPS, FEATURE_NAMES, Standardiser, frechet_distance, sharpness, video_features
 
     cfg = cfg or ValidationConfig()
@@ -507,9 +540,10 @@ def run_validation(
         scaler: Standardiser | None = None  # fitted to the reference's features
         reference_z = np.empty(0)  # the reference's standardised features [P·S, D]
         shifts: dict[str, float] = {}
-        bar = tqdm(total=len(order) * len(prompts) * cfg.num_seeds, desc="validate", unit="video",
-                   disable=not cfg.progress_bar, mininterval=1.0)
-        for cand in order:
+        latency: dict[str, dict[str, Any]] = {}
+        bar = Progress(len(order) * len(prompts) * cfg.num_seeds, "validate", "video", enabled=cfg.progress_bar)
+        for number, cand in enumerate(order, 1):
+            bar.set(candidate=f"{cand.name} ({number}/{len(order)})")
             loaded = ctx.load(cand)
             shifts[cand.name] = loaded.shift
             ctx.warm_up(loaded)
@@ -529,7 +563,7 @@ def run_validation(
                         reference_frames[(i, j)] = rgb
                     analysis = analyze(video, ctx.analyzer)
                     videos.append(_Video(i, j, seed_grid[i][j], score_analysis(analysis, prompt), seconds,
-                                         float(np.mean((rgb - reference_frames[(i, j)]) ** 2)), sharpness(rgb),
+                                         len(videos) < WARMUP_VIDEOS, float(np.mean((rgb - reference_frames[(i, j)]) ** 2)), sharpness(rgb),
                                          video_features(rgb, analysis)))
                     write_video(stage / "samples" / cand.name / f"{key}.mp4", video, cfg.fps)
                     if j == 0:
@@ -544,6 +578,8 @@ def run_validation(
             values = _seeded_summary(seed_means)
             values["frechet_distance"], values["frechet_distance_std"] = _frechet(scaler(features), reference_z, cfg)
             values["nfe"] = cand.nfe(ctx.latent_shape[1])
+            latency[cand.name] = latency_summary([v.latency_s for v in videos])  # in sampling order
+            values["latency_s"], values["latency_s_iqr"] = latency[cand.name]["median_s"], latency[cand.name]["iqr_s"]
             metrics[cand.name] = {k: values[k] if k == "nfe" else round(float(values[k]), 6) for k in METRIC_NAMES}
             if cand is ref and cfg.num_seeds >= 2:
                 n = len(prompts)  # seed-major: rows [0, n) are seed index 0, [n, 2n) seed index 1
@@ -557,7 +593,7 @@ def run_validation(
             per_prompt[cand.name] = [{"prompt": prompt, **dict(zip(SEEDED_METRICS, map(float, row)))}
                                      for prompt, row in zip(prompts, _mean_table(videos, "prompt", len(prompts)))]
             log.info("validate %s: %s NFE, adherence all %.2f±%.2f (colour %.2f shape %.2f direction %.2f), "
-                     "%.3f s/video, distance to %s %.5f±%.5f, sharpness %.5f±%.5f, Fréchet distance %.3f±%.3f%s",
+                     "%.3f s/video (median), distance to %s %.5f±%.5f, sharpness %.5f±%.5f, Fréchet distance %.3f±%.3f%s",
                      cand.name, values["nfe"], m["all"], m["all_std"], m["colour"], m["shape"], m["direction"],
                      m["latency_s"], ref.name, m["distance_to_teacher"], m["distance_to_teacher_std"], m["sharpness"],
                      m["sharpness_std"], m["frechet_distance"], m["frechet_distance_std"],
@@ -583,12 +619,15 @@ def run_validation(
             "frechet": {"feature_names": list(FEATURE_NAMES), "reference_mean": scaler.mean.tolist(),
                         "reference_scale": scaler.scale.tolist(), "cov_eps": COV_EPS,
                         "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.seed},
+            "latency": {"warmup_videos": WARMUP_VIDEOS, "statistic": "median, iqr = p75 - p25, of the videos after the warm-up",
+                        **{c.name: latency[c.name] for c in candidates}},
             "per_video": {c.name: per_video[c.name] for c in candidates},
             "per_seed": {c.name: per_seed[c.name] for c in candidates},
             "per_prompt": {c.name: per_prompt[c.name] for c in candidates},
             "seconds": round(time.perf_counter() - started, 2),
         }
         _write_tables(stage, flat, rows, report)
+        write_adherence_plot(rows, stage / "plots" / "adherence_vs_nfe.png")
         replace_dir(stage, out_dir)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)

@@ -22,12 +22,12 @@ from distillery.errors import UserError
 def add_clips_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``clips`` command group (``make``, ``analyze``) to a top-level subparsers object."""
     clips = subparsers.add_parser("clips", help="synthetic captioned clips and prompt-adherence analysis")
-    clips_sub = clips.add_subparsers(dest="clips_command", required=True)
+    clips_sub = clips.add_subparsers(dest="clips_command", required=True, metavar="COMMAND")
     make = clips_sub.add_parser("make", help="write a deterministic synthetic captioned clip set")
     make.add_argument("--out", required=True, help="folder to create (must be absent or empty)")
-    make.add_argument("--seed", type=int, default=0)
-    make.add_argument("--num-train", type=int, default=96)
-    make.add_argument("--num-validation", type=int, default=24)
+    make.add_argument("--seed", type=int, default=0, help="seed of the clip set (colours, shapes, motions, captions)")
+    make.add_argument("--num-train", type=int, default=96, help="clips in train/")
+    make.add_argument("--num-validation", type=int, default=24, help="clips in validation/")
     make.add_argument("--frames", type=int, default=17, help="frames per clip")
     make.add_argument("--size", type=int, default=32, help="frame height and width in pixels")
     make.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")

@@ -85,7 +85,7 @@ class LoopConfig:
     seed: int = 0  # seeds python/numpy/torch, the data order and the method's random stream
     stop_at_step: int | None = None  # end this invocation at this step (checkpointed); rerun to continue
     log_every: int = 1  # steps between metric logs
-    progress_bar: bool = True  # rank-0 progress bar
+    progress_bar: bool = True  # rank-0 progress: a bar on a terminal, else a log line per 10 % or minute (distillery.progress)
     skip_nonfinite_steps: int = 0  # skip (no update) up to this many steps whose loss or grad norm is NaN/Inf per invocation; 0: stop at the first
 
     def __post_init__(self) -> None:

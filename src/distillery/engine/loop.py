@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
-
 from distillery.engine.builder import build_run, check_data_path, seed_everything
 from distillery.callbacks.base import CallbackContext
 from distillery.engine.checkpoint.manager import (METHOD_HOST_KEY, CheckpointManager, CheckpointPayload, capture_rng,
@@ -32,6 +30,7 @@ from distillery.fsutil import write_text_atomic
 from distillery.log import get_logger, quiet_library_progress
 from distillery.procutil import exclusive_lock
 from distillery.engine.timing import summarize_step_times
+from distillery.progress import Progress
 from distillery.engine.tracking import build_tracker
 
 log = get_logger("trainer")
@@ -308,8 +307,9 @@ class Trainer:
         result = TrainResult(final_step=start_step, checkpoint=None, mlflow_run_id=self.tracker.run_id)
         for cb in self.run.callbacks:
             cb.on_loop_start(self.ctx, start_step)
-        bar = tqdm(total=t.loop.max_train_steps, initial=start_step, disable=not (self.env.is_main and t.loop.progress_bar),
-                   desc="train", dynamic_ncols=True, mininterval=1.0)
+        # rank 0: a bar on a terminal, else a log line per 10 % / minute (never a flood in DVC's or Prefect's logs)
+        bar = Progress(t.loop.max_train_steps, "train", "step", initial=start_step,
+                       enabled=self.env.is_main and t.loop.progress_bar and start_step < t.loop.max_train_steps)
         status = "FAILED"
         pending: PendingMetrics | None = None
         # MLflow gets a step's metrics once a checkpoint covers it, so a killed run's history never
@@ -330,8 +330,7 @@ class Trainer:
                 unflushed.append((row.step, metrics))
                 result.history.append({"step": row.step, **metrics})
                 self._append_log({"step": row.step, **metrics})
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics.get('total_loss', float('nan')):.4f}", refresh=False)
+            bar.update(1, loss=metrics.get("total_loss", float("nan")))
 
         try:
             # Step N's metrics are read after step N+1 is launched, so the device never idles

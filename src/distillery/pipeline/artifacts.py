@@ -81,18 +81,24 @@ def keep_previous_record(stage: str, staging: Path) -> bool:
 
 def finish(stage: str, staging: Path, *, kind: str, params: StageParams, metrics: dict[str, Any],
            inputs: list[tuple[str, Path]], method: str | None = None, config: dict | None = None,
-           mlflow: dict | None = None, volatile: dict[str, Any] | None = None) -> Path:
+           mlflow: dict | None = None, volatile: dict[str, Any] | None = None,
+           mlflow_files: list[tuple[Path, str]] | None = None) -> Path:
     """metrics.json + lineage.json into ``staging``, the MLflow child run (unless the trainer made
     one), then publish ``staging`` as ``artifacts/<stage>``. ``metrics`` must be a function of the
     artifact's content; ``volatile`` numbers (durations) go to MLflow and ``metrics/<stage>.json`` only.
-    The lineage's ``params`` are the stage's dvc.yaml params (:meth:`StageParams.recorded`)."""
+    ``mlflow_files``: ``(file in staging, artifact folder)`` pairs copied into the stage's MLflow run
+    (the trainer's run when ``mlflow`` names one). The lineage's ``params`` are the stage's dvc.yaml
+    params (:meth:`StageParams.recorded`)."""
     from distillery.lineage import Input, write_lineage
-    from distillery.pipeline.tracking import log_stage_run, parent_run_id
+    from distillery.pipeline.tracking import log_files, log_stage_run, parent_run_id
 
     write_json_atomic(staging / "metrics.json", metrics)
     read = params.recorded()
     if mlflow is None:
-        mlflow = log_stage_run(stage, parent_run_id(params.path.read_text()), read, {**metrics, **(volatile or {})})
+        mlflow = log_stage_run(stage, parent_run_id(params.path.read_text()), read, {**metrics, **(volatile or {})},
+                               mlflow_files or ())
+    elif mlflow_files and mlflow.get("run_id"):
+        log_files(mlflow["tracking_uri"], mlflow["run_id"], mlflow_files)
     write_lineage(staging, kind=kind, stage=stage, method=method, config=config, params=read,
                   inputs=[Input(role, path) for role, path in inputs], mlflow=mlflow, metrics=metrics,
                   artifact_name=(ARTIFACTS / stage).as_posix())

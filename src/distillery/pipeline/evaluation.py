@@ -64,14 +64,16 @@ def stage_validate(params: StageParams) -> None:
     at its steps with the teacher's guidance, the distilled student as its sampling contract
     says (its ladder, no CFG: the guidance is distilled in) and the PDD student at each NFE of
     ``validate.pdd_nfe`` — adherence, distribution and paired
-    distance, sharpness, NFE, latency, each with its spread over seeds."""
-    from distillery.validate import Candidate, ValidationConfig, run_validation, teacher_candidates
+    distance, sharpness, NFE, latency, each with its spread over seeds. ``metrics.json`` (and DVC's
+    ``metrics/validate.json``) holds the headline numbers (:func:`distillery.validate.headline_metrics`);
+    ``report/metrics.json`` all of them. The grid and the adherence plot go to the stage's MLflow run."""
+    from distillery.validate import Candidate, ValidationConfig, headline_metrics, run_validation, teacher_candidates
 
     v = params.get("validate")
     cfg = ValidationConfig(num_frames=params.get("clips.num_frames"), height=params.get("clips.size"),
                            width=params.get("clips.size"), fps=float(params.get("clips.fps")),
                            teacher_steps=list(v["teacher_steps"]), guidance_scale=float(v["guidance_scale"]),
-                           seed=params.get("seed"), num_seeds=int(v["num_seeds"]), progress_bar=False,
+                           seed=params.get("seed"), num_seeds=int(v["num_seeds"]),  # progress: a line per 10 % or minute
                            device=validation_device(str(v.get("device", "auto")), int(params.get("gpus.nproc_per_node"))))
     log.info("validate: on %s", cfg.device)
     candidates = teacher_candidates(ARTIFACTS / "teacher" / "model", cfg)
@@ -83,12 +85,15 @@ def stage_validate(params: StageParams) -> None:
     # the PDD student's NFE curve: its fused-block sampler at each NFE (no CFG: the teacher's guidance is distilled in)
     candidates += [Candidate.from_artifact(f"pdd_{n}", ARTIFACTS / "pdd" / "model", int(n)) for n in v["pdd_nfe"]]
     staging = fresh_staging("validate")
+    report = staging / "report"
     prompts, embeddings = validation_prompts(int(v["num_prompts"]))
-    metrics = run_validation(ARTIFACTS / "base" / "model", candidates, prompts, staging / "report", cfg,
-                             prompt_embeddings=embeddings)
+    metrics = run_validation(ARTIFACTS / "base" / "model", candidates, prompts, report, cfg, prompt_embeddings=embeddings)
     Path("plots").mkdir(exist_ok=True)
-    shutil.copy2(staging / "report" / "plots" / "adherence.csv", Path("plots") / "validate_adherence.csv")
-    finish("validate", staging, kind="validation", params=params, metrics=metrics,
+    shutil.copy2(report / "plots" / "adherence.csv", Path("plots") / "validate_adherence.csv")
+    # DVC gets the numbers a user compares; every metric stays in report/metrics.json, the details in report.json
+    shown = [(report / name, "grid") for name in ("grid.gif", "grid.mp4")] + [(report / "plots" / "adherence_vs_nfe.png", "plots")]
+    finish("validate", staging, kind="validation", params=params, metrics=headline_metrics(metrics),
+           mlflow_files=[(path, folder) for path, folder in shown if path.is_file()],
            inputs=[("teacher", ARTIFACTS / "teacher"), ("pretrain", ARTIFACTS / "pretrain"),
                    ("student", ARTIFACTS / "distill"), ("pdd", ARTIFACTS / "pdd"), ("base", ARTIFACTS / "base"),
                    ("data", ARTIFACTS / "latents")])

@@ -3,7 +3,7 @@ made it, how it samples, how it scored, and the code that loads and samples it o
 
 Everything comes from files the export stage already reads: the student's ``sampling.json``, the
 lineage manifests of the student and its inputs (each artifact once, in the order the chain
-reaches it), the validate stage's ``metrics.json`` and ``report/report.json`` (the candidates of
+reaches it), the validate stage's ``report/metrics.json`` (every metric) and ``report/report.json`` (the candidates of
 this student and the reference teacher, and the prompt, seed, size and prompt length of the
 snippet), and the base card's ``max_sequence_length`` (kept in the front matter: the folder stays
 usable as a base, :func:`distillery.data.encoders.read_max_sequence_length`).
@@ -20,7 +20,7 @@ from distillery.lineage import artifacts_once
 # metrics of a validation candidate shown in the card: (metrics.json key, column title, format)
 _COLUMNS = (("nfe", "NFE / video", "{:.0f}"), ("all", "adherence", "{:.2f}"), ("frechet_distance", "Fréchet to reference", "{:.2f}"),
             ("distance_to_teacher", "paired distance", "{:.4f}"), ("sharpness", "sharpness", "{:.5f}"),
-            ("latency_s", "latency s / video", "{:.3f}"))
+            ("latency_s", "latency s / video (median, warm-up excluded)", "{:.3f}"))
 
 
 def _own_params(node: dict[str, Any]) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     the export's path as the snippet names it (relative to the workspace root)."""
     contract = json.loads((student_dir / "model" / "sampling.json").read_text())
     manifest = json.loads((student_dir / "lineage.json").read_text())
-    metrics = json.loads((validate_dir / "metrics.json").read_text())
+    metrics = json.loads((validate_dir / "report" / "metrics.json").read_text())  # every metric (the stage's own: headline)
     report = json.loads((validate_dir / "report" / "report.json").read_text())
     cfg = report["config"]
     reference = report.get("reference")

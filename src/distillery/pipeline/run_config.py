@@ -8,8 +8,10 @@ every value is YAML text parsed within the loader's bounds), in this order:
 2. the data: ``training.data.path = artifacts/latents/data`` and ``training.data.text_max_length``
    from the latents' ``preprocess.json`` (the text encoder's sequence length);
 3. the row's ``params``: ``<config key> = params.yaml[<params key>]``;
-4. the run: ``training.loop.progress_bar = false``, ``training.checkpoint.output_dir = runs/<stage>``,
-   and MLflow ``training.tracker.{parent_run_id, run_name, tags}``.
+4. the run: ``training.checkpoint.output_dir = runs/<stage>`` and MLflow
+   ``training.tracker.{parent_run_id, run_name, tags}`` (``training.loop.progress_bar`` keeps its default,
+   on: under DVC or Prefect, stderr is not a terminal and progress is a log line per 10 % or minute,
+   :mod:`distillery.progress`).
 
 The result is the raw mapping written to ``runs/<stage>/run.yaml`` (and hashed into the resume key).
 :func:`check_chain` then builds it whole and checks it against its inputs before any training.
@@ -50,8 +52,7 @@ def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id:
     pairs += [("training.data.path", str(data_dir())),
               ("training.data.text_max_length", latents["settings"]["max_sequence_length"])]
     pairs += spec.config_overrides(params)
-    pairs += [("training.loop.progress_bar", False),
-              ("training.checkpoint.output_dir", str(RUNS / spec.name)),
+    pairs += [("training.checkpoint.output_dir", str(RUNS / spec.name)),
               ("training.tracker.parent_run_id", parent_run_id),
               ("training.tracker.run_name", spec.name),
               ("training.tracker.tags", {"distillery.stage": spec.name})]

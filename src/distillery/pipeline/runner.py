@@ -99,5 +99,5 @@ def add_stage_command(sub: Any) -> None:
     """``distillery stage NAME [--params FILE]`` on the CLI's subparsers."""
     p = sub.add_parser("stage", help="run one pipeline stage (what dvc.yaml calls)")
     p.add_argument("name", help=" | ".join(STAGES))
-    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--params", default="params.yaml", help="the pipeline's params file (validated whole first)")
     p.set_defaults(func=lambda args: run_stage(args.name, args.params))

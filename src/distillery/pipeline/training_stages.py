@@ -11,7 +11,7 @@ For a stage of :data:`distillery.pipeline.training_table.TRAINING_STAGES`, :func
    launcher dies with this process, its workers with it;
 4. reads the run's ``run_summary.json`` (:mod:`distillery.pipeline.run_summary`) and publishes the
    artifact: ``model/`` (the trained role's transformer, the init's scheduler, ``sampling.json`` from
-   the summary's sampling contract), ``loss.json``, metrics and lineage.
+   the summary's sampling contract), ``loss.json`` and its curve ``loss.png``, metrics and lineage.
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     from distillery.engine.tracking import default_tracking_uri
     from distillery.export import export_weights
     from distillery.models.wan import locate_transformer
+    from distillery.plots import write_loss_plot
     from distillery.pipeline.resume_key import resume_key
     from distillery.pipeline.run_config import check_chain, fill_run_config
     from distillery.pipeline.run_summary import read_run_summary
@@ -139,6 +140,7 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
         shutil.copytree(scheduler, staging / "model" / "scheduler")
     loss = summary.loss_rows()
     (staging / "loss.json").write_text(json.dumps(loss))
+    write_loss_plot(loss, staging / "loss.png", f"{stage}: loss per step")  # the curve offline, beside its data
     Path("plots").mkdir(exist_ok=True)
     write_json_atomic(Path("plots") / f"{stage}_loss.json", loss)
     write_json_atomic(staging / "model" / "sampling.json", summary.sampling)
@@ -150,7 +152,8 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     mlflow = {"tracking_uri": default_tracking_uri(TrackerConfig()), "experiment": tracker["experiment"],
               "run_id": summary.mlflow_run_id, "parent_run_id": tracker["parent_run_id"]}
     finish(stage, staging, kind="checkpoint", params=params, metrics=metrics, method=raw["method"]["_target_"], config=raw,
-           inputs=inputs, mlflow=mlflow, volatile={"seconds": round(time.perf_counter() - started, 1)})
+           inputs=inputs, mlflow=mlflow, volatile={"seconds": round(time.perf_counter() - started, 1)},
+           mlflow_files=[(staging / "loss.png", "plots")])
 
 
 def training_stage(name: str) -> Callable[[StageParams], None]:
