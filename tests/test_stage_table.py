@@ -51,11 +51,14 @@ def _workspace(tmp_path: Path, monkeypatch, updates: dict[str, object] | None = 
 
 
 def _unset(raw: dict, dotted: str) -> None:
-    *head, last = dotted.split(".")
-    node = raw
-    for part in head:
-        node = node[part]
-    node.pop(last, None)
+    """Remove ``dotted`` (absent is fine) and the sections it leaves empty."""
+    first, _, rest = dotted.partition(".")
+    if not rest:
+        raw.pop(first, None)
+    elif isinstance(raw.get(first), dict):
+        _unset(raw[first], rest)
+        if not raw[first]:
+            raw.pop(first)
 
 
 ROWS = [(name, variant) for name, spec in TRAINING_STAGES.items() for variant in (spec.variants or [None])]
@@ -64,7 +67,8 @@ ROWS = [(name, variant) for name, spec in TRAINING_STAGES.items() for variant in
 @pytest.mark.parametrize("stage,variant", ROWS)
 def test_template_filled_by_its_row(tmp_path, monkeypatch, stage, variant):
     row = TRAINING_STAGES[stage]
-    updates = {f"{stage}.learning_rate": 1.0e-5, f"{stage}.steps": 7, "pretrain.chunk_size": 2}
+    updates = {f"{stage}.learning_rate": 1.0e-5, f"{stage}.steps": 7, "pretrain.chunk_size": 2,
+               f"{stage}.activation_checkpointing": True}
     if variant is not None:
         updates[row.variant_key] = variant
     params = _workspace(tmp_path, monkeypatch, updates)
@@ -79,6 +83,7 @@ def test_template_filled_by_its_row(tmp_path, monkeypatch, stage, variant):
     assert raw["training"]["data"] == {"path": "artifacts/latents/data", "batch_size": params.get(f"{stage}.batch_size"),
                                        "text_max_length": 24}
     assert raw["training"]["checkpoint"]["output_dir"] == f"runs/{stage}"
+    assert raw["training"]["model"]["activation_checkpointing"] is True  # real-shape runs on one GPU need it (BENCHMARKS.md)
     assert raw["training"]["tracker"] == {"backend": "mlflow", "experiment": "distillery", "parent_run_id": "parent123",
                                           "run_name": stage, "tags": {"distillery.stage": stage}}
     if stage == "pretrain":  # one params key, two config keys: the DF noise chunks are the causal attention chunks

@@ -134,6 +134,7 @@ class TrainingStageParams:
     batch_size: int = rule(16, at_least(1))  # samples per rank per step
     learning_rate: float = rule(2.0e-4, positive_finite)  # peak learning rate
     save_every: int = rule(40, at_least(0))  # steps between checkpoints (0: only the final one)
+    activation_checkpointing: bool = rule(False)  # recompute block activations in backward (real-shape causal/distill runs need it on one GPU)
 
 
 @dataclass
@@ -216,7 +217,7 @@ class _Invalid(Exception):
 
 
 def _type_problem(value: Any, tp: Any) -> str | None:
-    """What is wrong with ``value`` for the annotation ``tp`` (int, float, str, list[int], Optional, Literal)."""
+    """What is wrong with ``value`` for the annotation ``tp`` (int, float, str, bool, list[int], Optional, Literal)."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         choices = typing.get_args(tp)
@@ -246,6 +247,8 @@ def _type_problem(value: Any, tp: Any) -> str | None:
         return "expected a number"
     if tp is str:
         return None if isinstance(value, str) else "expected a string"
+    if tp is bool:
+        return None if isinstance(value, bool) else "expected true or false"
     raise TypeError(f"params schema: unsupported annotation {tp!r}")  # a bug in this file, not a user error
 
 

@@ -93,6 +93,7 @@ def loop_params(stage: str) -> dict[str, str]:
         f"{stage}.steps": "training.loop.max_train_steps",
         "seed": "training.loop.seed",
         f"{stage}.save_every": "training.checkpoint.save_every",
+        f"{stage}.activation_checkpointing": "training.model.activation_checkpointing",
     }
 
 
