@@ -174,3 +174,27 @@ def test_torchrun_ranks_split_the_shards(tmp_path, tiny_base, clips):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _shard_bytes(tmp_path / "two") == _shard_bytes(single)
+
+
+def test_latents_stage_takes_its_own_size_and_validate_follows_it(tmp_path, monkeypatch, clips):
+    """latents.height/width/num_frames override the clips' square size (a user's 480×832 data); the
+    manifest records them and validate reads its video size from there, not from clips.*."""
+    import shutil
+
+    import yaml
+
+    from distillery.pipeline.evaluation import latent_settings
+    from distillery.pipeline.runner import run_stage
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("dvc.yaml", "stages"):
+        (shutil.copytree if (root / name).is_dir() else shutil.copy2)(root / name, tmp_path / name)
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["latents"].update(data=str(clips), num_frames=5, height=32, width=48, device="cpu")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    monkeypatch.chdir(tmp_path)
+    assert run_stage("base") == 0 and run_stage("latents") == 0
+    row = LatentDataset(tmp_path / "artifacts" / "latents" / "data", "train")[0]
+    assert tuple(row["latents"].shape[1:]) == (2, 8, 12)  # 5 frames → 2 latent frames; 32×48 px → 8×12 (tiny VAE: /4)
+    settings = latent_settings()
+    assert (settings["num_frames"], settings["height"], settings["width"], settings["device"]) == (5, 32, 48, "cpu")

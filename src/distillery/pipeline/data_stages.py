@@ -10,8 +10,11 @@ import time
 from pathlib import Path
 
 from distillery.errors import UserError
+from distillery.log import get_logger
 from distillery.pipeline.artifacts import ARTIFACTS, finish, fresh_staging
 from distillery.pipeline.params import StageParams
+
+log = get_logger("stage")
 
 
 def stage_clips(params: StageParams) -> None:
@@ -54,10 +57,18 @@ def stage_latents(params: StageParams) -> None:
 
     data = params.get("latents.data") or str(ARTIFACTS / "clips" / "data")
     staging = fresh_staging("latents")
+    from distillery.pipeline.device import stage_device
+
     l = params.get("latents")
-    cfg = PreprocessConfig(num_frames=params.get("clips.num_frames"), height=params.get("clips.size"),
-                           width=params.get("clips.size"), fps=float(params.get("clips.fps")),
-                           rows_per_shard=l["rows_per_shard"], max_bad_fraction=l["max_bad_fraction"])
+
+    def chosen(key: str, fallback: str):  # latents.<key>, or the clips stage's value when null
+        return l.get(key) if l.get(key) is not None else params.get(fallback)
+
+    cfg = PreprocessConfig(num_frames=int(chosen("num_frames", "clips.num_frames")), height=int(chosen("height", "clips.size")),
+                           width=int(chosen("width", "clips.size")), fps=float(chosen("fps", "clips.fps")),
+                           rows_per_shard=l["rows_per_shard"], max_bad_fraction=l["max_bad_fraction"],
+                           device=stage_device(str(l.get("device", "auto")), int(params.get("gpus.nproc_per_node")), "latents.device"))
+    log.info("latents: %d frames of %dx%d at %g fps on %s", cfg.num_frames, cfg.height, cfg.width, cfg.fps, cfg.device)
     manifest = preprocess(ARTIFACTS / "base" / "model", Path(data), staging / "data", cfg)
     metrics = {f"{s}_clips": c["rows"] for s, c in manifest["splits"].items()}
     metrics.update({f"{s}_skipped": c["skipped"] for s, c in manifest["splits"].items()})

@@ -20,6 +20,17 @@ if TYPE_CHECKING:
 log = get_logger("stage")
 
 
+def latent_settings() -> dict:
+    """The latents stage's preprocessing settings (frames, size, fps, ...) from its ``preprocess.json``."""
+    import json
+
+    path = ARTIFACTS / "latents" / "data" / "preprocess.json"
+    try:
+        return json.loads(path.read_text())["settings"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"{path}: no readable preprocessing settings ({type(exc).__name__}); rerun the latents stage") from None
+
+
 def validation_prompts(n: int) -> tuple[list[str], "PromptEmbeddings | None"]:
     """The first ``n`` distinct captions of the latents' validation split (train split if none), and
     their embeddings as the latents stage stored them with the empty prompt's (the base's own text
@@ -43,20 +54,10 @@ def validation_prompts(n: int) -> tuple[list[str], "PromptEmbeddings | None"]:
 
 
 def validation_device(setting: str, nproc_per_node: int) -> str:
-    """``validate.device`` → the device validate runs on. ``auto``: the first GPU when
-    ``gpus.nproc_per_node`` ≥ 1 and CUDA is available, else the CPU; ``cpu``, ``cuda`` or ``cuda:N``
-    as given (a CUDA device that is not there is a one-line :class:`UserError`)."""
-    import torch
+    """``validate.device`` → the device validate runs on (:func:`distillery.pipeline.device.stage_device`)."""
+    from distillery.pipeline.device import stage_device
 
-    if setting == "auto":
-        return "cuda" if nproc_per_node >= 1 and torch.cuda.is_available() else "cpu"
-    if setting.startswith("cuda"):
-        index = int(setting.partition(":")[2] or 0)
-        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-            raise UserError(f"params.yaml: validate.device: {setting}, but this machine has "
-                            f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA device(s); "
-                            "use auto or cpu")
-    return setting
+    return stage_device(setting, nproc_per_node, "validate.device")
 
 
 def stage_validate(params: StageParams) -> None:
@@ -70,8 +71,9 @@ def stage_validate(params: StageParams) -> None:
     from distillery.validate import Candidate, ValidationConfig, headline_metrics, run_validation, teacher_candidates
 
     v = params.get("validate")
-    cfg = ValidationConfig(num_frames=params.get("clips.num_frames"), height=params.get("clips.size"),
-                           width=params.get("clips.size"), fps=float(params.get("clips.fps")),
+    made = latent_settings()  # the videos validate samples have the size the models were trained on
+    cfg = ValidationConfig(num_frames=int(made["num_frames"]), height=int(made["height"]), width=int(made["width"]),
+                           fps=float(made["fps"]),
                            teacher_steps=list(v["teacher_steps"]), guidance_scale=float(v["guidance_scale"]),
                            seed=params.get("seed"), num_seeds=int(v["num_seeds"]),  # progress: a line per 10 % or minute
                            device=validation_device(str(v.get("device", "auto")), int(params.get("gpus.nproc_per_node"))))

@@ -60,6 +60,11 @@ def frame_size(v: int) -> str | None:
     return None if v >= 16 and v % 16 == 0 else "must be a positive multiple of 16 pixels (16, 32, 48, ...)"
 
 
+def optional(check: Check) -> Check:
+    """``check`` for a value that may also be null."""
+    return lambda v: None if v is None else check(v)
+
+
 def usable_path(v: str) -> str | None:
     if not v.strip():
         return "must not be empty"
@@ -126,6 +131,11 @@ class LatentsParams:
     data: str | None = rule(None, optional_path)  # null: the clips stage's output; or a folder of videos/ + captions
     rows_per_shard: int = rule(64, at_least(1))  # caption entries per parquet shard
     max_bad_fraction: float = rule(0.5, fraction)  # fail when more than this fraction of the clips is unusable
+    num_frames: int | None = rule(None, optional(four_k_plus_one))  # frames per latent clip; null: clips.num_frames
+    height: int | None = rule(None, optional(frame_size))  # pixels; null: clips.size (Wan2.1 at 480p: 480)
+    width: int | None = rule(None, optional(frame_size))  # pixels; null: clips.size (Wan2.1 at 480p: 832)
+    fps: float | None = rule(None, optional(positive_finite))  # resampling rate; null: clips.fps
+    device: str = rule("auto", device_name)  # VAE + text encoder: auto (the GPU when gpus.nproc_per_node >= 1 and CUDA is there), cpu, cuda[:N]
 
 
 @dataclass
