@@ -193,7 +193,12 @@ def test_latents_stage_takes_its_own_size_and_validate_follows_it(tmp_path, monk
     params["latents"].update(data=str(clips), num_frames=5, height=32, width=48, device="cpu")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     monkeypatch.chdir(tmp_path)
+    from distillery import hashcache
+
+    monkeypatch.delenv(hashcache.ENV_VAR, raising=False)  # restored after the test (run_stage sets it)
     assert run_stage("base") == 0 and run_stage("latents") == 0
+    cache = tmp_path / "runs" / ".hash_cache.json"
+    assert os.environ[hashcache.ENV_VAR] == str(cache) and cache.is_file()  # this workspace's hash cache
     row = LatentDataset(tmp_path / "artifacts" / "latents" / "data", "train")[0]
     assert tuple(row["latents"].shape[1:]) == (2, 8, 12)  # 5 frames → 2 latent frames; 32×48 px → 8×12 (tiny VAE: /4)
     settings = latent_settings()

@@ -57,6 +57,19 @@ def cleanup_failed(stage: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+_CACHE_SET_HERE: str | None = None  # the cache path this process put in the environment, if any
+
+
+def _use_workspace_hash_cache() -> None:
+    """Hash once: digests of unchanged files are reused across stages (and by the trainers a stage
+    launches) through ``runs/.hash_cache.json`` of the current workspace — unless the user's
+    environment names another cache file."""
+    global _CACHE_SET_HERE
+    if os.environ.get(hashcache.ENV_VAR) in (None, _CACHE_SET_HERE):
+        _CACHE_SET_HERE = str((RUNS / HASH_CACHE_FILE).resolve())
+        os.environ[hashcache.ENV_VAR] = _CACHE_SET_HERE
+
+
 def run_stage(name: str, params_path: str = "params.yaml") -> int:
     """Run one stage: one writer at a time, dies with whoever started it, checked for room before
     working, and on any failure leaves the previous ``artifacts/<name>`` as it was."""
@@ -68,8 +81,7 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
         raise UserError(f"unknown stage {name!r}; valid: {', '.join(STAGES)}")
     params = Params.load(params_path)
     declared = StageParams(params, name, stage_params(name))
-    # hash once: digests of unchanged files are reused across stages (and by the trainers this launches)
-    os.environ.setdefault(hashcache.ENV_VAR, str((RUNS / HASH_CACHE_FILE).resolve()))
+    _use_workspace_hash_cache()
     watch = AncestorWatch(lambda: _orphaned(name))
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # `nohup distillery stage ...` asks to outlive its shell
         watch.start()
