@@ -407,8 +407,11 @@ def test_stored_prompt_embeddings_replace_the_text_encoder(validation, base, tmp
 def test_validation_device_choice():
     """validate.device: auto is the GPU only when the pipeline has one and CUDA is there; an absent
     CUDA device asked for by name is a one-line error; params.yaml refuses other spellings."""
-    from distillery.pipeline.evaluation import validation_device
+    from distillery.pipeline.device import stage_device
     from distillery.pipeline.params_schema import validate_params
+
+    def validation_device(setting, nproc):
+        return stage_device(setting, nproc, "validate.device")
 
     assert validation_device("auto", 1) == ("cuda" if torch.cuda.is_available() else "cpu")
     assert validation_device("auto", 0) == "cpu"

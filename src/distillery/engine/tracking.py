@@ -42,6 +42,16 @@ class NullTracker:
     def finish(self, status: str = "FINISHED") -> None: ...
 
 
+def log_param_texts(client: Any, run_id: str, texts: dict[str, str]) -> None:
+    """Log ``{key: text}`` as MLflow params of run ``run_id`` in batches of 100 (keys cut to 250
+    characters, values to ``MLFLOW_PARAM_MAX``)."""
+    from mlflow.entities import Param
+
+    batch = [Param(k[:250], v[:MLFLOW_PARAM_MAX]) for k, v in texts.items()]
+    for i in range(0, len(batch), 100):
+        client.log_batch(run_id, params=batch[i : i + 100])
+
+
 def default_tracking_uri(cfg: TrackerConfig) -> str:
     if cfg.tracking_uri:
         return cfg.tracking_uri
@@ -115,19 +125,9 @@ class MLflowTracker:
         log.info("MLflow run %s at %s", self.run_id, self.tracking_uri)
 
     def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
-
         existing = self.client.get_run(self.run_id).data.params
-        batch = []
-        for k, v in flatten(params).items():
-            if v == {}:  # an empty section (e.g. no tracker tags) is not a parameter
-                continue
-            text = str(v)[:MLFLOW_PARAM_MAX]
-            if k in existing:
-                continue  # params are immutable; a resumed run keeps the first values
-            batch.append(Param(k[:250], text))
-        for i in range(0, len(batch), 100):
-            self.client.log_batch(self.run_id, params=batch[i : i + 100])
+        # an empty section (e.g. no tracker tags) is not a parameter; params are immutable: a resumed run keeps the first values
+        log_param_texts(self.client, self.run_id, {k: str(v) for k, v in flatten(params).items() if v != {} and k not in existing})
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         import time

@@ -22,13 +22,9 @@ log = get_logger("stage")
 
 def latent_settings() -> dict:
     """The latents stage's preprocessing settings (frames, size, fps, ...) from its ``preprocess.json``."""
-    import json
+    from distillery.pipeline.run_config import latent_manifest
 
-    path = ARTIFACTS / "latents" / "data" / "preprocess.json"
-    try:
-        return json.loads(path.read_text())["settings"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"{path}: no readable preprocessing settings ({type(exc).__name__}); rerun the latents stage") from None
+    return latent_manifest()["settings"]
 
 
 def validation_prompts(n: int) -> tuple[list[str], "PromptEmbeddings | None"]:
@@ -53,13 +49,6 @@ def validation_prompts(n: int) -> tuple[list[str], "PromptEmbeddings | None"]:
     return list(seen), embeddings
 
 
-def validation_device(setting: str, nproc_per_node: int) -> str:
-    """``validate.device`` → the device validate runs on (:func:`distillery.pipeline.device.stage_device`)."""
-    from distillery.pipeline.device import stage_device
-
-    return stage_device(setting, nproc_per_node, "validate.device")
-
-
 def stage_validate(params: StageParams) -> None:
     """The teacher at many and few steps (the reference: its first step count), the pretrain student
     at its steps with the teacher's guidance, the distilled student as its sampling contract
@@ -68,6 +57,7 @@ def stage_validate(params: StageParams) -> None:
     distance, sharpness, NFE, latency, each with its spread over seeds. ``metrics.json`` (and DVC's
     ``metrics/validate.json``) holds the headline numbers (:func:`distillery.validate.headline_metrics`);
     ``report/metrics.json`` all of them. The grid and the adherence plot go to the stage's MLflow run."""
+    from distillery.pipeline.device import stage_device
     from distillery.validate import Candidate, ValidationConfig, headline_metrics, run_validation, teacher_candidates
 
     v = params.get("validate")
@@ -76,7 +66,7 @@ def stage_validate(params: StageParams) -> None:
                            fps=float(made["fps"]),
                            teacher_steps=list(v["teacher_steps"]), guidance_scale=float(v["guidance_scale"]),
                            seed=params.get("seed"), num_seeds=int(v["num_seeds"]),  # progress: a line per 10 % or minute
-                           device=validation_device(str(v.get("device", "auto")), int(params.get("gpus.nproc_per_node"))))
+                           device=stage_device(str(v.get("device", "auto")), int(params.get("gpus.nproc_per_node")), "validate.device"))
     log.info("validate: on %s", cfg.device)
     candidates = teacher_candidates(ARTIFACTS / "teacher" / "model", cfg)
     # students are sampled as their artifacts' sampling.json says (the sampler registry, no kinds here)

@@ -44,9 +44,22 @@ def data_dir() -> Path:
     return ARTIFACTS / DATA_ARTIFACT / "data"
 
 
+def latent_manifest(folder: Path | None = None) -> dict[str, Any]:
+    """The latents stage's ``preprocess.json`` in ``folder`` (default: the pipeline's latent set):
+    its settings (frames, size, fps, sequence length, ...), shapes and counts."""
+    path = (folder if folder is not None else data_dir()) / "preprocess.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: unreadable ({type(exc).__name__}); rerun the latents stage") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("settings"), dict):
+        raise UserError(f"{path}: no preprocessing settings; rerun the latents stage")
+    return manifest
+
+
 def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id: str) -> list[tuple[str, Any]]:
     """The ``(dotted key, value)`` pairs that turn the template into the stage's run config (module doc)."""
-    latents = json.loads((data_dir() / "preprocess.json").read_text())
+    latents = latent_manifest()
     pairs: list[tuple[str, Any]] = [(f"models.{role}.init_from", str(ARTIFACTS / stage / "model"))
                                     for role, stage in spec.inputs.items()]
     pairs += [("training.data.path", str(data_dir())),
@@ -82,7 +95,7 @@ def check_chain(spec: TrainingStageSpec, raw: dict[str, Any]) -> None:
 
     config = load_run_config(raw=raw, prefixes=allowed_prefixes())
     check_roles_early(config)
-    latents = json.loads((Path(config.training.data.path) / "preprocess.json").read_text())
+    latents = latent_manifest(Path(config.training.data.path))
     for role in spec.inputs:
         tdir, _ = locate_transformer(config.models[role].config.init_from)
         arch = json.loads((tdir / "config.json").read_text())

@@ -19,7 +19,7 @@ import yaml
 from distillery.config.schema import TrackerConfig
 from distillery.lineage import code_info
 from distillery.treeutil import flatten
-from distillery.engine.tracking import MLflowTracker, default_tracking_uri, ensure_experiment, store_lock
+from distillery.engine.tracking import MLflowTracker, default_tracking_uri, ensure_experiment, log_param_texts, store_lock
 
 EXPERIMENT = "distillery"
 
@@ -55,15 +55,9 @@ def parent_run_id(params_text: str, experiment: str = EXPERIMENT) -> str:
 
 def log_params_file(client: Any, run_id: str, params_text: str) -> None:
     """``params.yaml``'s text into run ``run_id``: every leaf as a dotted param (lists as their text, ``[40, 8]``) and the file itself as the artifact ``params.yaml``. The file was validated before any stage ran."""
-    from mlflow.entities import Param
-
-    from distillery.engine.tracking import MLFLOW_PARAM_MAX
-
     data = yaml.safe_load(params_text)
     leaves = flatten(data) if isinstance(data, dict) else {}
-    batch = [Param(k[:250], ("null" if v is None else str(v))[:MLFLOW_PARAM_MAX]) for k, v in leaves.items()]
-    for i in range(0, len(batch), 100):
-        client.log_batch(run_id, params=batch[i: i + 100])
+    log_param_texts(client, run_id, {k: "null" if v is None else str(v) for k, v in leaves.items()})
     client.log_text(run_id, params_text, "params.yaml")
 
 
