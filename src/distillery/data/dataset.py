@@ -9,6 +9,7 @@ splits in ``empty_prompt.safetensors``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import uuid
@@ -35,6 +36,7 @@ from .latent_format import (
 __all__ = [
     "EMPTY_PROMPT_FILE",
     "EMPTY_PROMPT_KEY",
+    "MANIFEST_FILE",
     "LatentDataset",
     "collate_latents",
     "read_empty_prompt_embedding",
@@ -46,6 +48,9 @@ logger = logging.getLogger("distillery.data")
 #: File (beside the split folders) and key of the stored empty/negative prompt embedding [L, D].
 EMPTY_PROMPT_FILE = "empty_prompt.safetensors"
 EMPTY_PROMPT_KEY = "text_embedding"
+#: The latent set's manifest (beside the split folders, written by ``distillery preprocess``):
+#: ``latent_shape`` (``[C, T, H, W]`` of every row), ``text_dim`` and per-split ``rows``.
+MANIFEST_FILE = "preprocess.json"
 
 _READ_COLUMNS = [
     "id",
@@ -98,6 +103,45 @@ class _Shard:
         return len(self.ids)
 
 
+def shard_record_path(shard: Path) -> Path:
+    """The per-shard record ``shard-<k>.json`` beside ``shard-<k>.parquet`` (written by preprocessing)."""
+    return Path(shard).with_suffix(".json")
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any] | None:
+    """``path`` as a JSON object, None when absent; :class:`UserError` when present but unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable {what} ({type(e).__name__}); regenerate it with the latents stage") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path}: {what} is not a JSON object; regenerate it with the latents stage")
+    return value
+
+
+def _recorded_rows(shard: Path) -> int | None:
+    """The row count the shard's record says it holds (None: no record, a set written without one)."""
+    record = _read_json(shard_record_path(shard), "shard record")
+    if record is None:
+        return None
+    rows = record.get("rows")
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+        raise UserError(f"{shard_record_path(shard)}: no row count; regenerate the shard with the latents stage")
+    return rows
+
+
+def _expected_layout(manifest: dict[str, Any] | None, key: str, length: int) -> list[int] | int | None:
+    """``manifest[key]`` when it is a list of ``length`` non-negative ints (or an int for length 0), else None."""
+    value = (manifest or {}).get(key)
+    if length == 0:
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(value, list) and len(value) == length and all(isinstance(v, int) and v >= 0 for v in value):
+        return value
+    return None
+
+
 class LatentDataset:
     """All rows of ``root/<split>/*.parquet`` (shards in name order), held in memory.
 
@@ -107,6 +151,13 @@ class LatentDataset:
     ``with_latents=False`` reads prompts only (no ``latents`` key; the latent columns are never read):
     what a method whose ``data_kind`` is ``prompts`` trains on. Raises :class:`UserError` naming the path if the split folder is missing, holds no shards, or a
     shard is not a (valid) latent shard.
+
+    Each shard is also checked against what the latent set recorded, before any row is served
+    (one-line :class:`UserError` naming the shard): its row count against its record
+    ``shard-<k>.json`` (when there is one); every row's latent shape against the manifest's
+    ``latent_shape`` (``root/preprocess.json``; without one, against the split's first row: a
+    split holds one layout) and every text width against its ``text_dim``; the split's total
+    rows against the manifest's count for the split (a shard file removed).
     """
 
     def __init__(self, root: Path, split: str = "train", with_latents: bool = True) -> None:
@@ -123,10 +174,45 @@ class LatentDataset:
         if not self.shard_paths:
             raise UserError(f"latent split folder {folder} holds no *.parquet shards; run the latents stage")
         self._shards = [_Shard(p, with_latents) for p in self.shard_paths]
+        self._check_recorded(_read_json(self.root / MANIFEST_FILE, "latent set manifest"))
         sizes = np.array([len(s) for s in self._shards], dtype=np.int64)
         self._ends = np.cumsum(sizes)
         self._shard_of = np.repeat(np.arange(len(sizes)), sizes)
         logger.info("loaded %d rows from %d shard(s) in %s", len(self), len(self._shards), folder)
+
+    def _check_recorded(self, manifest: dict[str, Any] | None) -> None:
+        """The checks against the shard records and the manifest (class docstring)."""
+        where = self.root / MANIFEST_FILE
+        layout = _expected_layout(manifest, "latent_shape", LATENT_NDIM)
+        text_dim = _expected_layout(manifest, "text_dim", 0)
+        reference = f"the latent set's {where} records"
+        for path, shard in zip(self.shard_paths, self._shards):
+            recorded = _recorded_rows(path)
+            if recorded is not None and recorded != len(shard):
+                raise UserError(f"{path} holds {len(shard)} row{'s' if len(shard) != 1 else ''}, but its record "
+                                f"{shard_record_path(path).name} says {recorded}; regenerate it with the latents stage")
+            if shard.latents is not None and len(shard):
+                if layout is None:  # no manifest: the split's first row sets the layout
+                    layout = shard.latents.shapes[0].tolist()
+                    reference = f"{path} row 0 has"
+                _check_column(path, "latent shape", shard.latents.shapes, layout, reference)
+            if text_dim is not None and len(shard):
+                _check_column(path, "text embedding width", shard.texts.shapes[:, 1:], [text_dim],
+                              f"the latent set's {where} records")
+        splits = (manifest or {}).get("splits")
+        counts = splits.get(self.split) if isinstance(splits, dict) else None
+        expected_rows = counts.get("rows") if isinstance(counts, dict) else None
+        total = sum(len(s) for s in self._shards)
+        if isinstance(expected_rows, int) and expected_rows != total:
+            missing = [str(p) for p in self._recorded_but_missing()]
+            raise UserError(f"{self.root / self.split} holds {total} rows, but {where} records {expected_rows}"
+                            f"{' (missing: ' + ', '.join(missing) + ')' if missing else ''}; "
+                            "regenerate the latent set with the latents stage")
+
+    def _recorded_but_missing(self) -> list[Path]:
+        """Shard files whose record says they hold rows but which are not there."""
+        shards = [r.with_suffix(".parquet") for r in sorted((self.root / self.split).glob("shard-*.json"))]
+        return [p for p in shards if not p.exists() and (_recorded_rows(p) or 0) > 0]
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
@@ -146,6 +232,17 @@ class LatentDataset:
         if shard.latents is not None:
             item["latents"] = shard.latents[j]
         return item
+
+
+def _check_column(path: Path, what: str, shapes: np.ndarray, expected: list[int], reference: str) -> None:
+    """One-line :class:`UserError` naming ``path`` and the first row whose ``shapes`` row is not ``expected``."""
+    bad = np.nonzero((shapes != np.asarray(expected, dtype=np.int64)).any(axis=1))[0]
+    if bad.size:
+        i = int(bad[0])
+        got = shapes[i].tolist()
+        got_text, want_text = (got, expected) if len(expected) > 1 else (got[0], expected[0])
+        raise UserError(f"{path}: row {i} has {what} {got_text}, but {reference} {want_text}; "
+                        "regenerate it with the latents stage")
 
 
 def collate_latents(

@@ -20,6 +20,7 @@ single torch byte buffer in one copy, and rows are views into it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -38,6 +39,7 @@ __all__ = [
     "decode_tensor_column",
     "dtype_from_name",
     "dtype_name",
+    "exact_nbytes",
     "schema_problems",
     "tensor_from_bytes",
     "tensor_to_record_fields",
@@ -111,16 +113,28 @@ def tensor_to_record_fields(t: torch.Tensor) -> tuple[bytes, list[int], str]:
     return c.numpy().tobytes(), [int(s) for s in t.shape], name
 
 
+#: Largest dimension a shape column may hold (the format stores ``list<int32>``).
+MAX_DIM = 2**31 - 1
+
+
+def exact_nbytes(shape: Sequence[int], dtype_name: str) -> int:
+    """``prod(shape) * itemsize`` in Python integers: exact for any shape (a numpy int64 product
+    wraps: ``[65536] * 4`` would give 0)."""
+    return math.prod(int(s) for s in shape) * _ITEMSIZE[dtype_name]
+
+
 def tensor_from_bytes(buf: bytes | bytearray | memoryview, shape: Sequence[int], dtype_name: str) -> torch.Tensor:
     """Decode one tensor written by :func:`tensor_to_record_fields`; bitwise inverse.
 
-    Returns a new writable CPU tensor of ``shape`` and the named dtype. ``ValueError`` if the byte
-    count does not match ``prod(shape) * itemsize``.
+    Returns a new writable CPU tensor of ``shape`` and the named dtype. ``ValueError`` if a
+    dimension is negative or the byte count does not match ``prod(shape) * itemsize`` (computed
+    exactly, :func:`exact_nbytes`).
     """
     dtype = dtype_from_name(dtype_name)
     shape = tuple(int(s) for s in shape)
-    itemsize = _ITEMSIZE[dtype_name]
-    expected = int(np.prod(shape, dtype=np.int64)) * itemsize
+    if any(s < 0 for s in shape):
+        raise ValueError(f"tensor shape {list(shape)} has a negative dimension")
+    expected = exact_nbytes(shape, dtype_name)
     if len(buf) != expected:
         raise ValueError(
             f"tensor bytes do not match shape {list(shape)} and dtype {dtype_name}: "
@@ -250,6 +264,8 @@ def _shape_matrix(arr: pa.ChunkedArray, ndim: int) -> np.ndarray:
         values = chunk.flatten().to_numpy(zero_copy_only=False)
         if values.size and values.min() < 0:
             raise ColumnError("contains a negative dimension")
+        if values.size and values.max() > MAX_DIM:
+            raise ColumnError(f"contains a dimension above {MAX_DIM} (the format stores int32)")
         out[row : row + len(chunk)] = values.reshape(len(chunk), ndim)
         row += len(chunk)
     return out
@@ -299,13 +315,29 @@ def decode_tensor_column(
     chunk_arr, start_arr, len_arr = _concat(chunk_idx), _concat(starts), _concat(lengths)
     shapes = _shape_matrix(shape_col, ndim)
     codes, names = _dtype_codes(dtype_col)
-    itemsizes = np.array([_ITEMSIZE[s] for s in names], dtype=np.int64)
-    expected = np.prod(shapes, axis=1) * (itemsizes[codes] if len(names) else 0)
-    bad = np.nonzero(expected != len_arr)[0]
+    bad = _byte_count_mismatches(shapes, codes, names, len_arr)
     if bad.size:
         i = int(bad[0])
+        name = names[int(codes[i])]
         raise ColumnError(
             f"row {i}: {int(len_arr[i])} bytes do not match shape {shapes[i].tolist()} "
-            f"and dtype {names[int(codes[i])]} ({int(expected[i])} bytes expected)"
+            f"and dtype {name} ({exact_nbytes(shapes[i].tolist(), name)} bytes expected)"
         )
     return TensorColumn(tuple(buffers), chunk_arr, start_arr, len_arr, shapes, codes, names)
+
+
+def _byte_count_mismatches(shapes: np.ndarray, codes: np.ndarray, names: tuple[str, ...],
+                           lengths: np.ndarray) -> np.ndarray:
+    """Row positions whose byte length is not ``prod(shape) * itemsize``, computed exactly.
+
+    The product is taken in Python integers once per distinct (shape, dtype) pair (a split holds a
+    handful: one latent layout, one text width), so a shape whose int64 product would wrap never
+    matches a short buffer."""
+    if not len(lengths):
+        return np.zeros(0, dtype=np.int64)
+    keys, inverse = np.unique(np.column_stack([shapes, codes]), axis=0, return_inverse=True)
+    limit = np.iinfo(np.int64).max
+    per_key = np.array([min(exact_nbytes(k[:-1].tolist(), names[int(k[-1])]), limit) for k in keys], dtype=np.int64)
+    expected = per_key[inverse.reshape(-1)]
+    exact = expected != limit  # a product at the int64 limit cannot be any buffer's length
+    return np.nonzero(~exact | (expected != lengths))[0]

@@ -13,8 +13,12 @@ The whole folder is untrusted input: nothing in it may crash ingestion or make i
 bound. A captions file that is a symlink leading out of the folder is refused (:class:`UserError`);
 every bad entry — a path that no filesystem accepts (NUL byte, a component over
 :data:`NAME_MAX_BYTES` or a whole path over :data:`PATH_MAX_BYTES` bytes, a lone surrogate), a
-caption that is not valid Unicode text, a source too small for the target size, a header that
-declares dimensions above ``max_source_side`` — becomes a :class:`SkippedItem` with its reason.
+caption that is not valid Unicode text or longer than :data:`MAX_CAPTION_CHARS`, a captions line
+over :data:`MAX_ENTRY_BYTES`, a path that is not a regular file (a FIFO, a folder, a device: it is
+never opened), a source too small for the target size, a header that declares dimensions above
+``max_source_side`` — becomes a :class:`SkippedItem` with its reason. :func:`read_entries` does
+every check that needs no decoding (file types included, with ``lstat``/``stat`` only), so a
+caller can judge the folder's bad fraction before it decodes or writes anything.
 
 Each entry becomes a :class:`ClipItem` (``num_frames`` frames at ``fps``, starting at
 ``start_seconds``, centre-cropped to the target aspect ratio and resized to ``height × width``)
@@ -36,6 +40,7 @@ import logging
 import math
 import os
 import re
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -51,6 +56,8 @@ from distillery.fsutil import write_text_atomic
 
 __all__ = [
     "CAPTION_FILES",
+    "MAX_CAPTION_CHARS",
+    "MAX_ENTRY_BYTES",
     "REASONS",
     "ClipItem",
     "IngestConfig",
@@ -76,10 +83,11 @@ REASONS = (
     "path_escapes_data_folder",  # absolute path, `..` leaving the folder, or a symlink pointing outside it
     "empty_caption",  # caption missing, not a string, blank or whitespace-only
     "bad_caption",  # caption is not valid Unicode text (a lone surrogate such as "\ud800")
+    "caption_too_long",  # caption longer than MAX_CAPTION_CHARS characters (after stripping)
     "duplicate_path",  # the same (normalised) path already claimed by an earlier entry that passed every check above
     "missing_file",  # nothing at the path
-    "unreadable",  # cannot be opened (permissions, symlink loop), not a video, corrupt header, no video stream,
-    #                or no frame decodes
+    "unreadable",  # not a regular file (FIFO, folder, device, socket: never opened), cannot be opened
+    #                (permissions, symlink loop), not a video, corrupt header, no video stream, or no frame decodes
     "dimensions_too_large",  # the header (or a decoded frame) has a side above max_source_side; nothing decoded
     "too_small",  # the source is below the minimum size for the target (see IngestConfig.max_upscale)
     "truncated",  # decoding fails part-way, or ends before the header's length, short of the frames needed
@@ -91,6 +99,14 @@ NAME_MAX_BYTES = 255
 #: Longest absolute path (data folder + entry path), in bytes, NUL excluded (Linux PATH_MAX is 4096
 #: with the NUL); longer ones are ``bad_path``.
 PATH_MAX_BYTES = 4095
+#: Longest caption kept, in characters (after stripping surrounding whitespace); longer ones are
+#: ``caption_too_long``. 2048 characters is about what a 512-token text encoder (Wan 2.1's umT5)
+#: reads of English text (the tokenizer truncates the rest), and keeps one caption drawable as one
+#: line of validate's grid legend.
+MAX_CAPTION_CHARS = 2048
+#: Longest ``captions.jsonl`` line, in bytes; a longer line is ``bad_caption_entry`` and is read
+#: past in 1 MiB pieces (never held whole), so one line without a newline cannot exhaust memory.
+MAX_ENTRY_BYTES = 16 * 2**20
 _SHOWN_PATH = 200  # characters of a user's path echoed in skipped.jsonl and messages
 _SHOWN_DETAIL = 400  # characters of a skip's detail
 
@@ -224,11 +240,16 @@ def _readable(text: str, limit: int) -> str:
 
 def find_captions_file(folder: Path) -> Path:
     """The captions file of a data folder (``captions.jsonl`` preferred); :class:`UserError` if none,
-    or if it is a symlink that leads out of the folder (the folder's contents are untrusted: a link
-    must not make ingestion read, and echo, a file elsewhere)."""
+    if one is not a regular file (a FIFO would block the reader forever: it is never opened), or if
+    it is a symlink that leads out of the folder (the folder's contents are untrusted: a link must
+    not make ingestion read, and echo, a file elsewhere)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"data folder {folder} does not exist or is not a folder")
+    for name in CAPTION_FILES:
+        kind = _file_kind(folder / name)
+        if kind not in ("absent", "a regular file"):
+            raise UserError(f"{folder / name} is {kind}, not a regular file; put the captions file itself there")
     found = [folder / name for name in CAPTION_FILES if (folder / name).is_file()]
     if found and folder.resolve() not in found[0].resolve().parents:
         raise UserError(f"{found[0]} is a symlink to {_readable(str(found[0].resolve()), _SHOWN_PATH)}, outside the "
@@ -289,12 +310,28 @@ def _entry_from_obj(obj: Any, label: str, where: str, caption_keys: tuple[str, .
     return _Entry(label, path, caption)
 
 
+def _bounded_lines(f: Any) -> Iterator[bytes | None]:
+    """The lines of a binary file, each at most :data:`MAX_ENTRY_BYTES` long; a longer line is
+    read past in 1 MiB pieces and comes back as None."""
+    while raw := f.readline(MAX_ENTRY_BYTES + 1):
+        if len(raw) <= MAX_ENTRY_BYTES or raw.endswith(b"\n"):
+            yield raw
+            continue
+        while (piece := f.readline(2**20)) and not piece.endswith(b"\n"):
+            pass
+        yield None
+
+
 def _read_entries(captions: Path) -> Iterator[_Entry | SkippedItem]:
     """Entries of a captions file in file order; malformed ones as ``bad_caption_entry`` skips."""
     if captions.name.endswith(".jsonl"):
         with captions.open("rb") as f:
-            for lineno, raw in enumerate(f, start=1):
+            for lineno, raw in enumerate(_bounded_lines(f), start=1):
                 label = f"{captions.name}:{lineno}"
+                if raw is None:
+                    yield SkippedItem(label, "bad_caption_entry",
+                                      f"line {lineno}: longer than {MAX_ENTRY_BYTES} bytes (MAX_ENTRY_BYTES)")
+                    continue
                 if not raw.strip():
                     continue
                 try:
@@ -372,7 +409,47 @@ def _caption_text(raw: Any) -> str:
     except UnicodeEncodeError as e:
         raise ClipError("bad_caption", f"caption is not valid Unicode text (lone surrogate U+{ord(text[e.start]):04X} "
                                        f"at character {e.start})") from None
+    if len(text) > MAX_CAPTION_CHARS:
+        raise ClipError("caption_too_long", f"caption is {len(text)} characters; at most {MAX_CAPTION_CHARS} are "
+                                            f"kept (MAX_CAPTION_CHARS): shorten it")
     return text
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _file_kind(path: Path) -> str:
+    """What is at ``path``, from ``lstat``/``stat`` alone (nothing is opened): ``"absent"``, ``"a
+    regular file"``, ``"a broken symlink"``, ``"a folder"``, ``"a FIFO (named pipe)"``, ... A symlink
+    is judged by what it points to. ``OSError`` (no permission to look, a symlink loop) propagates."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "absent"
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return "a broken symlink"
+    if stat.S_ISREG(st.st_mode):
+        return "a regular file"
+    return next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+
+
+def _check_regular_file(path: Path) -> None:
+    """:class:`ClipError` unless ``path`` is a regular file (or a symlink to one): ``missing_file``
+    when nothing is there, ``unreadable`` for a FIFO, folder, device, socket or broken link. Uses
+    ``lstat``/``stat`` only: a FIFO is never opened (opening one for reading blocks until a writer
+    comes)."""
+    try:
+        kind = _file_kind(path)
+    except OSError as e:  # e.g. no permission to look into a folder on the path, a symlink loop
+        raise ClipError("unreadable", f"cannot look up {path}: {e}") from None
+    if kind == "absent":
+        raise ClipError("missing_file", f"no file at {path}")
+    if kind != "a regular file":
+        raise ClipError("unreadable", f"{path} is {kind}, not a regular file")
 
 
 def clip_id(rel_path: str) -> str:
@@ -461,12 +538,19 @@ def _check_header_size(stream: av.video.stream.VideoStream, cfg: IngestConfig) -
 def _check_text_header(path: Path, cfg: IngestConfig) -> None:
     """``dimensions_too_large`` for a YUV4MPEG2 file whose plain-text header declares a side above
     ``max_source_side`` (FFmpeg fails to open such a file with an unrelated error, so its size
-    is read here, from the first bytes, before FFmpeg sees it)."""
+    is read here, from the first bytes, before FFmpeg sees it). The first open of the file: it is
+    non-blocking and checks (``fstat``) that a regular file was opened, ``unreadable`` otherwise."""
     try:
-        with path.open("rb") as f:
-            head = f.read(256)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put there since the scan does not block this
     except OSError as e:
         raise ClipError("unreadable", f"cannot read {path.name}: {e}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ClipError("unreadable", f"{path} is not a regular file")
+        try:
+            head = f.read(256)
+        except OSError as e:
+            raise ClipError("unreadable", f"cannot read {path.name}: {e}") from None
     if not head.startswith(b"YUV4MPEG2 "):
         return
     fields = {t[:1]: t[1:] for t in head.split(b"\n", 1)[0].split()[1:]}
@@ -607,9 +691,12 @@ def decode_clip(path: Path, cfg: IngestConfig) -> tuple[np.ndarray, float, tuple
 def read_entries(folder: Path) -> list[_Entry | SkippedItem]:
     """The captions file's entries in file order, with the checks that need no decoding done.
 
-    Malformed entries, bad or escaping paths, bad captions and repeated paths come back as
-    :class:`SkippedItem`; the rest as entries whose ``path`` is normalised and known to lie inside
-    the folder and whose caption is stripped, valid text. :func:`load_entry` finishes each one.
+    Malformed or over-long entries, bad or escaping paths, bad or over-long captions, repeated
+    paths, and paths where no regular file is (``missing_file``; ``unreadable`` for a FIFO, folder,
+    device or socket, found with ``lstat``/``stat``: nothing is opened) come back as
+    :class:`SkippedItem`; the rest as entries whose ``path`` is normalised, known to lie inside the
+    folder and to name a regular file, and whose caption is stripped, valid text.
+    :func:`load_entry` finishes each one.
     Raises :class:`UserError` when the folder has no captions file (or it links out of the folder).
     (Used by preprocessing, which assigns entries to shards before decoding.)
 
@@ -628,7 +715,7 @@ def read_entries(folder: Path) -> list[_Entry | SkippedItem]:
             out.append(entry)
             continue
         try:
-            _, norm = _resolve_inside(root, entry.path)
+            abs_path, norm = _resolve_inside(root, entry.path)
             caption = _caption_text(entry.caption)
             if norm in seen:
                 raise ClipError("duplicate_path", f"{norm} is already named by an earlier entry")
@@ -636,6 +723,11 @@ def read_entries(folder: Path) -> list[_Entry | SkippedItem]:
             out.append(SkippedItem(entry.path, e.reason, f"{entry.label}: {e.detail}"))
             continue
         seen.add(norm)
+        try:
+            _check_regular_file(abs_path)
+        except ClipError as e:
+            out.append(SkippedItem(norm, e.reason, f"{entry.label}: {e.detail}"))
+            continue
         out.append(dataclasses.replace(entry, path=norm, caption=caption))
     return out
 
@@ -648,13 +740,7 @@ def load_entry(folder: Path, entry: _Entry | SkippedItem, cfg: IngestConfig) -> 
     try:
         abs_path, norm = _resolve_inside(Path(folder).resolve(), entry.path)
         caption = _caption_text(entry.caption)
-        try:
-            if not abs_path.exists():
-                raise ClipError("missing_file", f"no file at {abs_path}")
-            if not abs_path.is_file():
-                raise ClipError("unreadable", f"{abs_path} is not a file")
-        except OSError as e:  # e.g. no permission to look into a folder on the path
-            raise ClipError("unreadable", f"cannot look up {abs_path}: {e}") from None
+        _check_regular_file(abs_path)  # again: the file may have changed since read_entries
         frames, src_fps, size = decode_clip(abs_path, cfg)
     except ClipError as e:
         skipped = SkippedItem(entry.path, e.reason, f"{entry.label}: {e.detail}")
