@@ -5,11 +5,12 @@
 and the prompts with its text encoder (unpadded, with length), and writes::
 
     OUT/train/shard-00000.parquet …       zstd, rows_per_shard caption entries per shard
-    OUT/train/shard-00000.json …          per-shard record: rows written, items skipped (written last)
+    OUT/train/shard-00000.json …          per-shard record: rows, items skipped, latent shape, settings,
+                                          input digest (written last)
     OUT/validation/…                      the same for the validation split (if the data has one)
     OUT/empty_prompt.safetensors          the "" prompt embedding (classifier-free guidance)
     OUT/skipped.jsonl                     every skipped item with its reason
-    OUT/preprocess.json                   manifest: settings, base model, counts, shapes, timing
+    OUT/preprocess.json                   manifest: settings, base model, counts, latent_shape, text_dim
 
 Before anything is loaded or written the whole data folder is scanned (:func:`read_entries`: every
 entry's captions line, path, caption and file type, with ``lstat``/``stat`` only): a split whose

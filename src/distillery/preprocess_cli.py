@@ -15,7 +15,8 @@ def add_preprocess_command(sub: Any) -> None:
     p = sub.add_parser("preprocess", help="encode captioned videos into parquet latent shards")
     p.add_argument("--base", required=True, help="diffusers Wan folder (VAE, text encoder, tokenizer)")
     p.add_argument("--data", required=True, help="videos/ + captions.jsonl, or train/ and validation/ such folders")
-    p.add_argument("--out", required=True, help="folder of the latent dataset (a killed run redoes only missing shards)")
+    p.add_argument("--out", required=True, help="folder of the latent dataset (a rerun keeps only the shards made with the same "
+                   "settings from the same inputs, and redoes the rest)")
     p.add_argument("--frames", type=int, default=17, help="video frames per clip (4k+1 for the Wan VAE)")
     p.add_argument("--height", type=int, default=32, help="clip height in pixels after resizing")
     p.add_argument("--width", type=int, default=32, help="clip width in pixels after resizing")

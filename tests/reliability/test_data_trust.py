@@ -15,12 +15,14 @@ Everything runs the real ``preprocess`` with the tiny Wan base on real tiny clip
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,22 +93,20 @@ def _shard_files(out: Path) -> list[str]:
 
 @pytest.mark.reliability(
     case="9.2", title="preprocess into an --out made with other settings",
-    injected="distillery preprocess (17×32×32, 2 rows per shard: 2 shards) then again into the same --out with "
-             "--frames 9 --height 64 --width 64 --rows-per-shard 4 (CLI)",
+    injected="preprocess (17×32×32, 2 rows per shard: 2 shards) then again into the same --out with 9 frames, "
+             "64×64, 4 rows per shard",
     expect="every old shard redone and the log says why (settings differ, naming them); no stale shard left; "
            "preprocess.json's settings and latent_shape are what every row holds")
 def test_rerun_with_other_settings_redoes_stale_shards(tmp_path: Path, tiny_base: Path, clips: Path, data_lost) -> None:
     out = tmp_path / "out"
     preprocess(tiny_base, clips, out, SMALL)
     assert _shard_files(out) == [f"train/shard-0000{k}.{ext}" for k in (0, 1) for ext in ("json", "parquet")]
-    proc = subprocess.run(
-        [sys.executable, "-m", "distillery.cli", "preprocess", "--base", str(tiny_base), "--data", str(clips),
-         "--out", str(out), "--frames", "9", "--height", "64", "--width", "64", "--rows-per-shard", "4"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "1 already done" not in proc.stderr and "(0 already done)" in proc.stderr, proc.stderr[-3000:]
-    redone = [line for line in proc.stderr.splitlines() if "shard-00000" in line and "redone" in line]
-    assert redone and "settings differ" in redone[0] and "height 32 → 64" in redone[0], proc.stderr[-3000:]
+    other = PreprocessConfig(num_frames=9, height=64, width=64, fps=8.0, rows_per_shard=4, batch_size=2)
+    with _captured_log() as lines:
+        preprocess(tiny_base, clips, out, other)
+    assert any("(0 already done)" in line for line in lines), lines
+    redone = [line for line in lines if "shard-00000" in line and "redone" in line]
+    assert redone and "settings differ" in redone[0] and "height 32 → 64" in redone[0], lines
     assert _shard_files(out) == ["train/shard-00000.json", "train/shard-00000.parquet"], "a stale shard is left"
     manifest = json.loads((out / "preprocess.json").read_text())
     settings = manifest["settings"]
@@ -271,7 +271,7 @@ def test_mostly_bad_captions_fail_before_any_shard(tmp_path: Path, tiny_base: Pa
     assert seconds < 60, seconds  # a scan of the captions file, not 3,125 shards
 
 
-def _special_folder(tmp_path: Path, clips: Path) -> tuple[Path, list[dict]]:
+def _special_folder(tmp_path: Path, clips: Path) -> Path:
     """``clips`` plus a FIFO, a folder and a missing file named as videos (3 bad of 7 entries)."""
     data = _copy(clips, tmp_path / "data")
     entries = [json.loads(line) for line in (data / "captions.jsonl").read_text().splitlines()]
@@ -280,53 +280,82 @@ def _special_folder(tmp_path: Path, clips: Path) -> tuple[Path, list[dict]]:
     for name in ("pipe.mp4", "dir.mp4", "gone.mp4"):
         entries.insert(1, {"path": f"videos/{name}", "caption": "a red circle moving left on a black background"})
     (data / "captions.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
-    return data, entries
+    return data
 
 
-def _cli_preprocess(tiny_base: Path, data: Path, out: Path, *extra: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``distillery preprocess`` in a subprocess: a FIFO opened for reading would hang it (the timeout ends it)."""
-    return subprocess.run(
-        [sys.executable, "-m", "distillery.cli", "preprocess", "--base", str(tiny_base), "--data", str(data),
-         "--out", str(out), "--rows-per-shard", "2", *extra], cwd=cwd, capture_output=True, text=True, timeout=240)
+@contextmanager
+def _fifo_watch(fifo: Path) -> Iterator[list[float]]:
+    """Count the times anything opens ``fifo`` for reading while the block runs: a thread tries a
+    non-blocking open for writing every 5 ms, which succeeds only while a reader has it open (and
+    closing it at once hands that reader an end of file, so nothing hangs)."""
+    opened: list[float] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as e:
+                if e.errno != errno.ENXIO:  # ENXIO: no reader
+                    raise
+            else:
+                opened.append(time.monotonic())
+                os.close(fd)
+            stop.wait(0.005)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield opened
+    finally:
+        stop.set()
+        thread.join()
 
 
 @pytest.mark.reliability(
     case="9.8", title="a FIFO, a folder and a missing file named as videos",
-    injected="data/videos/pipe.mp4 a FIFO (nothing ever writes to it), videos/dir.mp4 a folder, videos/gone.mp4 "
-             "absent, beside 4 valid clips; distillery preprocess with --max-bad-fraction 0.25, then 0.5",
-    expect="0.25: exit 2, one error line (3 of 7 unusable: unreadable, missing_file) before any shard is "
-           "written; 0.5: the 4 clips kept, the 3 skipped with their reasons (the FIFO named as one); never hangs")
+    injected="data/videos/pipe.mp4 a FIFO (a watcher counts every open of it for reading), videos/dir.mp4 a "
+             "folder, videos/gone.mp4 absent, beside 4 valid clips; preprocess with max_bad_fraction 0.25, then 0.5",
+    expect="0.25: one error line (3 of 7 unusable: unreadable, missing_file) before any shard is written; 0.5: "
+           "the 4 clips kept, the 3 skipped with their reasons (the FIFO named as one); the FIFO never opened")
 def test_special_files_are_found_before_encoding(tmp_path: Path, tiny_base: Path, clips: Path, data_lost) -> None:
-    data, _ = _special_folder(tmp_path, clips)
+    data = _special_folder(tmp_path, clips)
+    strict, lenient = (PreprocessConfig(num_frames=17, height=32, width=32, rows_per_shard=2, max_bad_fraction=f)
+                       for f in (0.25, 0.5))
     out = tmp_path / "strict"
-    proc = _cli_preprocess(tiny_base, data, out, "--max-bad-fraction", "0.25", cwd=tmp_path)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "3 of 7" in errors[0] and "unreadable" in errors[0] and "missing_file" in errors[0], errors
-    assert _shard_files(out) == [] if out.exists() else True, _shard_files(out)
-
-    proc = _cli_preprocess(tiny_base, data, tmp_path / "out", "--max-bad-fraction", "0.5", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    with _fifo_watch(data / "videos" / "pipe.mp4") as opened:
+        with pytest.raises(UserError) as e:
+            preprocess(tiny_base, data, out, strict)
+        message = str(e.value)
+        assert "\n" not in message and "3 of 7" in message and "unreadable" in message and "missing_file" in message
+        assert _shard_files(out) == [] if out.exists() else True, _shard_files(out)
+        manifest = preprocess(tiny_base, data, tmp_path / "out", lenient)
+    assert opened == [], f"the FIFO was opened for reading {len(opened)} times"
     skipped = {s["path"]: s for s in map(json.loads, (tmp_path / "out" / "skipped.jsonl").read_text().splitlines())}
     assert {p: s["reason"] for p, s in skipped.items()} == {
         "videos/pipe.mp4": "unreadable", "videos/dir.mp4": "unreadable", "videos/gone.mp4": "missing_file"}
     assert "FIFO" in skipped["videos/pipe.mp4"]["detail"] and "folder" in skipped["videos/dir.mp4"]["detail"]
-    lost = data_lost.record(4 - len(LatentDataset(tmp_path / "out", "train")), "of 4 valid clips missing")
+    lost = data_lost.record(4 - manifest["splits"]["train"]["rows"], "of 4 valid clips missing")
     assert lost == 0
 
 
 @pytest.mark.reliability(
     case="9.8", title="the captions file is a FIFO",
-    injected="data/captions.jsonl a FIFO (nothing ever writes to it); distillery preprocess",
-    expect="exit 2 with one error line saying captions.jsonl is not a regular file; never hangs; nothing written")
+    injected="data/captions.jsonl a FIFO (a watcher counts every open of it for reading); distillery preprocess CLI",
+    expect="exit 2 with one error line saying captions.jsonl is a FIFO, not a regular file; never opened; nothing "
+           "written")
 def test_captions_fifo_is_refused_without_opening_it(tmp_path: Path, tiny_base: Path, clips: Path, data_lost) -> None:
     data = _copy(clips, tmp_path / "data")
     (data / "captions.jsonl").unlink()
     os.mkfifo(data / "captions.jsonl")
     out = tmp_path / "out"
-    proc = _cli_preprocess(tiny_base, data, out, cwd=tmp_path)
+    with _fifo_watch(data / "captions.jsonl") as opened:
+        proc = subprocess.run(
+            [sys.executable, "-m", "distillery.cli", "preprocess", "--base", str(tiny_base), "--data", str(data),
+             "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "captions.jsonl" in errors[0] and "FIFO" in errors[0] and "not a regular file" in errors[0], errors
+    assert opened == [], f"the captions FIFO was opened for reading {len(opened)} times"
     written = data_lost.record(len(list(out.rglob("*"))) if out.exists() else 0, "files written to OUT")
     assert written == 0
