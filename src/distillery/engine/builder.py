@@ -12,7 +12,7 @@ from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, Opti
 from distillery.engine.distributed import DistEnv, shard_transformer, uses_fsdp
 from distillery.errors import UserError
 from distillery.methods.base import TrainingMethod
-from distillery.models.base import CausalModelBase, ModelBase
+from distillery.models.base import ModelBase
 from distillery.engine.optim import resolve_optimizer_config
 from distillery.engine.precision import ComputeCopy, cast_parameters_
 
@@ -118,7 +118,7 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
         )
     model.set_attention_backend(runtime.attention_backend)
     compile_blocks = resolve_compile(runtime, env)
-    if compile_blocks and isinstance(model, CausalModelBase):
+    if compile_blocks:  # every Wan block: both torch bugs below, bidirectional ones included
         avoid_mix_order_reduction()
     extra = {name: m for name, m in model.trainable_modules().items() if m is not model.transformer}
     if uses_fsdp(env, dist_cfg):
@@ -143,14 +143,21 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
 
 
 def avoid_mix_order_reduction() -> None:
-    """Turn off Inductor's "mix-order reduction" (CUDA) for this process.
+    """Turn off Inductor's "mix-order reduction" (Triton, i.e. CUDA; on by default since torch 2.10) for this process.
 
-    torch 2.10/2.11 bug (pytorch/pytorch#178080, fix in PR #178098): a fused row + column reduction returns a
-    broadcast input's gradient as ``[C]`` instead of ``[1, 1, C]``, and backward fails with "CompiledFunctionBackward
-    returned an invalid gradient". Seen with the causal Wan's compiled blocks (likely because the block-causal attention
-    is a graph break, so the modulation vectors ``[1, 1, 1536]`` become inputs of the graph after it): Self-Forcing with
-    activation checkpointing at 21×60×104 failed without this and ran with it (BENCHMARKS.md, 2026-11-30).
-    Process-wide: Inductor reads it when compiling.
+    Two torch bugs in it hit the Wan blocks we compile:
+
+    - pytorch/pytorch#193061 (fix PR #193103; still unfixed in torch 2.13): a Wan block's ``scale_shift_table`` is
+      ``chunk``-ed into the modulation vectors of chained modulated norms; the fused reduction that computes their
+      gradients never writes its result into the table's gradient buffer, so the compiled backward returns
+      uninitialised or stale memory as that gradient. The likely cause of ``grad_norm/critic=inf,
+      grad_norm/student=inf`` at step 1 of DMD2 on 2 GPUs under FSDP2 (issue 29; Self-Forcing, whose causal student
+      already turned this off, was finite); to confirm on a GPU: ``bench/dmd2_two_gpu_probe.py``.
+    - pytorch/pytorch#178080 (fix PR #178098): a fused row + column reduction returns a broadcast input's gradient as
+      ``[C]`` instead of ``[1, 1, C]`` and backward fails with "CompiledFunctionBackward returned an invalid gradient"
+      (Self-Forcing's causal blocks with activation checkpointing at 21×60×104, BENCHMARKS.md, 2026-11-30).
+
+    Process-wide: Inductor reads it when it compiles, so calling this before the first compiled forward is enough.
     """
     from torch._inductor import config as inductor_config
 
