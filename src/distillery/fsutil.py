@@ -24,8 +24,9 @@ from typing import Any
 MAX_JSON_DEPTH = 64  # nesting of arrays/objects read_json_file accepts (what we write: at most 5)
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
-_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe", stat.S_IFCHR: "a character device",
-          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symbolic link"}
+_KINDS = {stat.S_IFREG: "a file", stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket",
+          stat.S_IFLNK: "a symbolic link"}
 
 
 def replace_dir(staging: Path, final: Path) -> Path:
@@ -62,7 +63,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def file_kind(mode: int) -> str:
-    """What a non-regular file is, in words ("a folder", "a named pipe", ...), from its ``st_mode``."""
+    """What a file is, in words ("a file", "a folder", "a named pipe", ...), from its ``st_mode``."""
     return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 

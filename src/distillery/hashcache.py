@@ -163,7 +163,8 @@ class HashCache:
 
     def _write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO there never blocks the stage
+        lock = os.open(self.path.with_name(self.path.name + ".lock"), flags, 0o644)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             if not stat.S_ISREG(os.fstat(lock).st_mode):

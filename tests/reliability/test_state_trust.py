@@ -282,8 +282,9 @@ def _edit_metadata(checkpoint: Path, kind: str) -> None:
     if kind == "deep JSON":
         path.write_text('{"step": 4, "world_size": 1, "method": ' + "[" * 200_000 + "]" * 200_000 + "}")
         return
-    key, value = {"world_size: 'eight'": ("world_size", "eight"), "format: 'x'": ("format", "x"),
-                  "roles: 5": ("roles", 5), "frozen_roles: a list": ("frozen_roles", ["teacher"])}[kind.removesuffix(" (resealed)")]
+    edits = {"world_size: 'eight'": ("world_size", "eight"), "format: 'x'": ("format", "x"), "roles: 5": ("roles", 5),
+             "frozen_roles: a list": ("frozen_roles", ["teacher"])}
+    key, value = edits[kind.removesuffix(" (resealed)")]
     meta[key] = value
     path.write_text(json.dumps(meta, indent=2))
     if kind.endswith("(resealed)"):
