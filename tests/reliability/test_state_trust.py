@@ -149,6 +149,31 @@ def test_hash_cache_fifo_does_not_hang(tmp_path, data_lost):
     assert cache.is_fifo()
 
 
+@pytest.mark.reliability(case="9.9", title="hash cache is a FIFO (stage runner)",
+                         injected="the workspace's runs/.hash_cache.json a named pipe (then a folder) when a stage starts",
+                         expect="one warning line; the cache is off for the stage and the trainers it launches "
+                                "(DISTILLERY_HASH_CACHE unset); a regular file turns it on again")
+def test_stage_runner_turns_a_fifo_cache_off(tmp_path, monkeypatch, warnings_logged, data_lost):
+    from distillery import hashcache
+    from distillery.pipeline import runner
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(hashcache.ENV_VAR, "")  # so that the variable is restored after the test ...
+    monkeypatch.delenv(hashcache.ENV_VAR)  # ... as the stage runner finds it: unset
+    monkeypatch.setattr(runner, "_CACHE_SET_HERE", None)
+    cache = tmp_path / "runs" / ".hash_cache.json"
+    cache.parent.mkdir()
+    for make in (os.mkfifo, os.mkdir):
+        make(cache)
+        runner._use_workspace_hash_cache()
+        assert hashcache.ENV_VAR not in os.environ
+        os.rmdir(cache) if cache.is_dir() else cache.unlink()
+    assert len([line for line in warnings_logged if ".hash_cache.json" in line]) == 2, warnings_logged
+    runner._use_workspace_hash_cache()  # nothing there: the cache is on (created on first write)
+    assert os.environ[hashcache.ENV_VAR] == str(cache.resolve())
+    data_lost.record(0, "files lost")
+
+
 @pytest.mark.reliability(case="9.9", title="hash cache of the wrong shape",
                          injected="runs/.hash_cache.json a folder, 200,000-deep JSON (whole file, one entry), "
                                   "entries whose digest is a dict / null / a number, a JSON list",

@@ -70,8 +70,8 @@ def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path]) ->
             leftovers = list_checkpoints(run_dir) or any(run_dir.glob(".tmp-checkpoint-*")) or (run_dir / "train_log.jsonl").exists()
             saved = read_key(run_dir)
             why = key_mismatch(saved, key) if leftovers else None
-            if why and saved and any(saved.get(k) != v for k, v in key.items() if k.startswith("input:")):
-                key = rehashed_key(stage, raw, inputs)
+            if why and saved:  # an input's digest may come from the hash cache: re-read it before discarding
+                key = rehashed_key(stage, key, saved, inputs)
                 why = key_mismatch(saved, key)
             if why:
                 log.info("stage %s: not resuming %s (%s): starting from step 0", stage, run_dir, why)
@@ -86,20 +86,22 @@ def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path]) ->
     return path
 
 
-def rehashed_key(stage: str, raw: dict[str, Any], inputs: dict[str, Path]) -> dict[str, str]:
-    """The resume key with every input file read from its bytes, not taken from the hash cache; a
-    cached digest that was wrong is corrected in the cache and reported in one warning line."""
+def rehashed_key(stage: str, key: dict[str, str], saved: dict[str, str], inputs: dict[str, Path]) -> dict[str, str]:
+    """``key`` with each input whose digest differs from ``saved`` re-hashed from its files' bytes,
+    not taken from the hash cache; a cached digest that was wrong is corrected in the cache and
+    reported in one warning line."""
     from distillery import hashcache
-    from distillery.pipeline.resume_key import resume_key
+    from distillery.pipeline.resume_key import folder_digest
 
+    changed = {role: folder for role, folder in inputs.items() if saved.get(f"input:{role}") != key.get(f"input:{role}")}
     before = len(hashcache.CORRECTED)
     with hashcache.from_bytes():
-        key = resume_key(stage, raw, inputs)
+        fresh = {f"input:{role}": folder_digest(folder) for role, folder in sorted(changed.items())}
     wrong = hashcache.CORRECTED[before:]
     if wrong:
         log.warning("stage %s: the hash cache held a wrong digest for %d input file(s) (first: %s); re-hashed from "
                     "their bytes and corrected in the cache", stage, len(wrong), wrong[0])
-    return key
+    return {**key, **fresh}
 
 
 _CHILD: subprocess.Popen | None = None  # the running torchrun launcher, stopped if this stage is orphaned

@@ -156,7 +156,7 @@ def _frozen_roles_ok(v: object) -> bool:
                                        and _optional_str(src.get("sha256")) for role, src in v.items())
 
 
-# metadata.json key → (its check, what it must be); keys absent are not checked (step aside: required)
+# metadata.json key → (its check, what it must be); a key absent is not checked (but step is required)
 _METADATA_TYPES: dict[str, tuple[Any, str]] = {
     "step": (lambda v: _is_int(v, 0), "an integer >= 0"),
     "world_size": (lambda v: _is_int(v, 1), "an integer >= 1"),

@@ -13,7 +13,8 @@ Layout of one checkpoint::
       roles/<role>/config.json  # each trainable role's transformer architecture (for export)
       rng/rank-<r>.json         # per-rank process RNGs: python, numpy, torch CPU/CUDA (+ the method's host state)
       rng/rank-<r>.safetensors  #   (its tensors; see distillery.engine.checkpoint.host_state)
-      checksums.json            # size + sha256 of every file above (distillery.engine.checkpoint.checksums)
+      checksums.json            # size + sha256 of every file above, and the digest of metadata.json's
+                                # values (distillery.engine.checkpoint.checksums)
       metadata.json             # step, world size, trainable roles, frozen roles' sources (path +
                                 # sha256, not saved), method, MLflow run, time + digest of checksums.json
 
