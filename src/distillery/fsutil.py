@@ -1,15 +1,32 @@
-"""Crash-safe file-system publishing: outputs are written to a temporary sibling, then renamed.
+"""Crash-safe file-system publishing, and reading the small JSON files a run keeps.
 
-A reader (or a rerun after a kill) sees either the previous complete output or the new complete
-output, never a half-written one.
+Publishing: outputs are written to a temporary sibling, then renamed. A reader (or a rerun after a
+kill) sees either the previous complete output or the new complete output, never a half-written one.
+
+Reading: :func:`read_json_file` reads state we wrote ourselves but that anything may have replaced
+since (a checkpoint's ``metadata.json``, the hash cache): it never blocks on a FIFO or a device,
+refuses what is not a regular file, and bounds the size and the nesting before parsing, so a
+200,000-deep document is a ``ValueError``, not a ``RecursionError``.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
+from typing import Any
+
+MAX_JSON_DEPTH = 64  # nesting of arrays/objects read_json_file accepts (what we write: at most 5)
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+_KINDS = {stat.S_IFREG: "a file", stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket",
+          stat.S_IFLNK: "a symbolic link"}
 
 
 def replace_dir(staging: Path, final: Path) -> Path:
@@ -43,3 +60,48 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def file_kind(mode: int) -> str:
+    """What a file is, in words ("a file", "a folder", "a named pipe", ...), from its ``st_mode``."""
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of arrays/objects in JSON ``text`` (brackets inside strings not counted);
+    linear time, no recursion."""
+    brackets = _NOT_BRACKETS.sub("", _JSON_STRING.sub("", text))
+    return max(itertools.accumulate(1 if c in "[{" else -1 for c in brackets), default=0)
+
+
+def read_json_file(path: str | Path, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The JSON value of the regular file ``path``.
+
+    Opened non-blocking (a FIFO or a device never makes it wait) and checked with ``fstat`` on the
+    opened descriptor. Raises ``OSError`` when it cannot be opened or read (``FileNotFoundError``
+    when absent), and ``ValueError`` with a short reason when it is not a regular file, is larger
+    than ``max_bytes``, nests deeper than ``max_depth``, or is not UTF-8 JSON.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"not a regular file ({file_kind(st.st_mode)})")
+        if st.st_size > max_bytes:
+            raise ValueError(f"{st.st_size} bytes, more than the {max_bytes} expected")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ValueError(f"more than the {max_bytes} bytes expected")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8") from None
+    if json_depth(text) > max_depth:
+        raise ValueError(f"nested deeper than {max_depth} levels")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"not JSON ({str(exc).split(':')[0][:80]})") from None

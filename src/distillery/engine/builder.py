@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +14,7 @@ from distillery.callbacks.base import Callback
 from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, OptimizerConfig, RunConfig
 from distillery.engine.distributed import DistEnv, shard_transformer, uses_fsdp
 from distillery.errors import UserError
+from distillery.fsutil import file_kind
 from distillery.methods.base import TrainingMethod
 from distillery.models.base import ModelBase
 from distillery.engine.optim import resolve_optimizer_config
@@ -171,6 +175,35 @@ def check_data_path(path: str) -> Path:
     p = Path(path)
     if not p.is_dir():
         raise UserError(f"config error: training.data.path: {p} is not a folder")
+    return p
+
+
+def check_output_dir(path: str | Path) -> Path:
+    """``training.checkpoint.output_dir``, created when absent, and probed with a real file (root
+    ignores permission bits): a one-line UserError when it is, or lies under, something that is not
+    a folder (a file, ``/dev/null``), or no file can be created in it (``/proc``, a read-only mount).
+    Called before any model is loaded."""
+    where = "config error: training.checkpoint.output_dir"
+    p = Path(path)
+    if not str(path):
+        raise UserError(f"{where}: required (the folder the run's checkpoints are written to)")
+    for existing in (p, *p.parents):  # the nearest part of the path that exists must be a folder
+        try:
+            mode = os.stat(existing).st_mode
+        except OSError:  # absent, or under a file (ENOTDIR: the file is found further up)
+            continue
+        if not stat.S_ISDIR(mode):
+            what = p if existing == p else f"{p}: {existing}"
+            raise UserError(f"{where}: {what} is {file_kind(mode)}, not a folder; name a folder for the run's checkpoints")
+        break
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserError(f"{where}: cannot create files in {p} ({exc.strerror or exc}); name a folder the run "
+                        "can write to") from None
     return p
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from distillery.engine.builder import build_run, check_data_path, seed_everything
+from distillery.engine.builder import build_run, check_data_path, check_output_dir, seed_everything
 from distillery.callbacks.base import CallbackContext
 from distillery.engine.checkpoint.manager import (METHOD_HOST_KEY, CheckpointManager, CheckpointPayload, capture_rng,
                                                   list_checkpoints)
@@ -68,6 +68,7 @@ class Trainer:
         self.config = config
         self.env = env
         t = config.training
+        check_output_dir(t.checkpoint.output_dir)  # a plain mistake (a file, /dev/null) before any model is loaded
         seed_everything(t.loop.seed)
         self.run = build_run(config, env)
         self.method = self.run.method

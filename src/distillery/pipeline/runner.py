@@ -16,11 +16,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 from collections.abc import Callable
 from typing import Any
 
 from distillery import hashcache
 from distillery.errors import UserError
+from distillery.fsutil import file_kind
 from distillery.log import get_logger
 from distillery.pipeline.artifacts import ARTIFACTS, RUNS
 from distillery.pipeline.data_stages import stage_base, stage_clips, stage_latents
@@ -63,11 +65,24 @@ _CACHE_SET_HERE: str | None = None  # the cache path this process put in the env
 def _use_workspace_hash_cache() -> None:
     """Hash once: digests of unchanged files are reused across stages (and by the trainers a stage
     launches) through ``runs/.hash_cache.json`` of the current workspace — unless the user's
-    environment names another cache file."""
+    environment names another cache file. Something there that is not a regular file (a FIFO, a
+    folder) turns the cache off for this stage and its trainers, said in one warning line."""
     global _CACHE_SET_HERE
-    if os.environ.get(hashcache.ENV_VAR) in (None, _CACHE_SET_HERE):
-        _CACHE_SET_HERE = str((RUNS / HASH_CACHE_FILE).resolve())
-        os.environ[hashcache.ENV_VAR] = _CACHE_SET_HERE
+    if os.environ.get(hashcache.ENV_VAR) not in (None, _CACHE_SET_HERE):
+        return
+    path = (RUNS / HASH_CACHE_FILE).resolve()
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None  # absent (created on first write) or unreachable (its writer says so)
+    if mode is not None and not stat.S_ISREG(mode):
+        log.warning("hash cache %s is %s, not a regular file: ignored, every digest is read from the files "
+                    "(remove it to get a cache again)", path, file_kind(mode))
+        os.environ.pop(hashcache.ENV_VAR, None)
+        _CACHE_SET_HERE = None
+        return
+    _CACHE_SET_HERE = str(path)
+    os.environ[hashcache.ENV_VAR] = _CACHE_SET_HERE
 
 
 def run_stage(name: str, params_path: str = "params.yaml") -> int:

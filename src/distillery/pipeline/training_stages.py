@@ -50,22 +50,29 @@ def torchrun_command(params: StageParams, config_path: Path) -> list[str]:
     return cmd + ["-m", "distillery.train", "--config", str(config_path)]
 
 
-def prepare_run_dir(stage: str, raw: dict[str, Any], key: dict[str, str]) -> Path:
+def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path]) -> Path:
     """``runs/<stage>/run.yaml`` + ``resume_key.json``; returns the run.yaml path. Checkpoints made
     from another config, other inputs or other code are discarded (one line says what changed): a
-    stage resumes only what the same inputs made (DESIGN.md §2.2). A previous run's summary is
-    removed, so the summary read after training is the one this launch wrote."""
+    stage resumes only what the same inputs made (DESIGN.md §2.2). An input's digest from the hash
+    cache never discards them alone: it is re-read from the input's bytes first
+    (:func:`rehashed_key`). A previous run's summary is removed, so the summary read after training
+    is the one this launch wrote."""
     from distillery.engine.checkpoint.manager import list_checkpoints
-    from distillery.pipeline.resume_key import KEY_FILE, key_mismatch, read_key
+    from distillery.pipeline.resume_key import KEY_FILE, key_mismatch, read_key, resume_key
     from distillery.pipeline.run_summary import SUMMARY_FILE
     from distillery.procutil import exclusive_lock
 
+    key = resume_key(stage, raw, inputs)
     run_dir = RUNS / stage
     if run_dir.exists():
         # a writer still alive there (an orphaned worker, another stage) must not lose its folder under it
         with exclusive_lock(run_dir / ".lock", f"training output folder {run_dir}"):
             leftovers = list_checkpoints(run_dir) or any(run_dir.glob(".tmp-checkpoint-*")) or (run_dir / "train_log.jsonl").exists()
-            why = key_mismatch(read_key(run_dir), key) if leftovers else None
+            saved = read_key(run_dir)
+            why = key_mismatch(saved, key) if leftovers else None
+            if why and saved:  # an input's digest may come from the hash cache: re-read it before discarding
+                key = rehashed_key(stage, key, saved, inputs)
+                why = key_mismatch(saved, key)
             if why:
                 log.info("stage %s: not resuming %s (%s): starting from step 0", stage, run_dir, why)
                 for child in run_dir.iterdir():
@@ -77,6 +84,24 @@ def prepare_run_dir(stage: str, raw: dict[str, Any], key: dict[str, str]) -> Pat
     path = run_dir / "run.yaml"
     write_text_atomic(path, yaml.safe_dump(raw, sort_keys=True))
     return path
+
+
+def rehashed_key(stage: str, key: dict[str, str], saved: dict[str, str], inputs: dict[str, Path]) -> dict[str, str]:
+    """``key`` with each input whose digest differs from ``saved`` re-hashed from its files' bytes,
+    not taken from the hash cache; a cached digest that was wrong is corrected in the cache and
+    reported in one warning line."""
+    from distillery import hashcache
+    from distillery.pipeline.resume_key import folder_digest
+
+    changed = {role: folder for role, folder in inputs.items() if saved.get(f"input:{role}") != key.get(f"input:{role}")}
+    before = len(hashcache.CORRECTED)
+    with hashcache.from_bytes():
+        fresh = {f"input:{role}": folder_digest(folder) for role, folder in sorted(changed.items())}
+    wrong = hashcache.CORRECTED[before:]
+    if wrong:
+        log.warning("stage %s: the hash cache held a wrong digest for %d input file(s) (first: %s); re-hashed from "
+                    "their bytes and corrected in the cache", stage, len(wrong), wrong[0])
+    return {**key, **fresh}
 
 
 _CHILD: subprocess.Popen | None = None  # the running torchrun launcher, stopped if this stage is orphaned
@@ -111,7 +136,6 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     from distillery.export import export_weights
     from distillery.models.wan import locate_transformer
     from distillery.plots import write_loss_plot
-    from distillery.pipeline.resume_key import resume_key
     from distillery.pipeline.run_config import check_chain, fill_run_config
     from distillery.pipeline.run_summary import read_run_summary
     from distillery.pipeline.tracking import parent_run_id
@@ -121,8 +145,7 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     raw = fill_run_config(spec, params, parent_run_id(params.path.read_text()))
     check_chain(spec, raw)
     inputs = [(role, ARTIFACTS / artifact) for role, artifact in spec.input_artifacts()]
-    key = resume_key(stage, raw, dict(inputs))
-    config_path = prepare_run_dir(stage, raw, key)
+    config_path = prepare_run_dir(stage, raw, dict(inputs))
     started = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if params.get("gpus.nproc_per_node") > 1 else "2")}
     code = launch(torchrun_command(params, config_path), env)

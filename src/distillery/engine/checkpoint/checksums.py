@@ -1,9 +1,16 @@
 """Checksums of a checkpoint folder: recorded at save, verified before a checkpoint is trusted.
 
 ``checksums.json`` lists every file of the checkpoint (relative POSIX path → size and sha256)
-except itself and ``metadata.json``. It is written before ``metadata.json``, the last-written
-completeness marker, which records the size and sha256 of ``checksums.json`` under
-``"checksums"``: so one chain of digests covers every byte of the folder.
+except itself and ``metadata.json``, and under ``"metadata"`` the digest of ``metadata.json``'s
+content without its ``"checksums"`` record (:func:`metadata_digest`: canonical JSON). It is written
+before ``metadata.json``, the last-written completeness marker, which records the size and sha256
+of ``checksums.json`` under ``"checksums"``: so one chain of digests covers every byte of the
+folder and every value of its metadata. (A ``checksums.json`` of an earlier distillery has no
+``"metadata"`` digest: its metadata is then checked for types only.)
+
+``metadata.json`` is read bounded (size and nesting, :func:`distillery.fsutil.read_json_file`) and
+its values checked for type (:func:`metadata_problem`): a metadata file of wrong types is damage,
+like a corrupt shard, so resume falls back past it.
 
 Hashing streams 1 MiB chunks (memory stays flat for a 16 GB Wan-1.3B checkpoint) over a few
 threads (hashlib releases the GIL); files are hashed at save (each rank its own shards) and when a
@@ -22,10 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from distillery.fsutil import read_json_file
+
 CHECKSUMS_FILE = "checksums.json"
 METADATA_FILE = "metadata.json"
 CHUNK_BYTES = 1 << 20
 HASH_THREADS = 4
+MAX_METADATA_BYTES = 1 << 20  # metadata.json (a few hundred bytes written)
+MAX_CHECKSUMS_BYTES = 64 << 20  # checksums.json: ~100 bytes per file
 
 
 @dataclass(frozen=True)
@@ -86,8 +97,18 @@ def list_files(root: Path) -> tuple[list[str], list[str]]:
     return sorted(files), sorted(links)
 
 
-def write_checksums(folder: Path, known: dict[str, FileDigest] | None = None) -> dict[str, Any]:
-    """Write ``folder/checksums.json`` over every file but itself and ``metadata.json``.
+def metadata_digest(meta: dict[str, Any]) -> str:
+    """sha256 of ``metadata.json``'s content as JSON values, without its ``"checksums"`` record
+    (canonical: sorted keys, no spaces), so the digest does not depend on how the file is laid out."""
+    content = {k: v for k, v in meta.items() if k != "checksums"}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def write_checksums(folder: Path, known: dict[str, FileDigest] | None = None,
+                    metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``folder/checksums.json`` over every file but itself and ``metadata.json``, and the
+    digest of ``metadata`` (the JSON content ``metadata.json`` will hold; default: the one it holds).
 
     ``known`` holds digests already computed (other ranks' shards); the rest are hashed here.
     Returns the record of ``checksums.json`` itself for ``metadata.json`` (``file``, ``size``, ``sha256``).
@@ -97,7 +118,10 @@ def write_checksums(folder: Path, known: dict[str, FileDigest] | None = None) ->
     files = [f for f in files if f not in (CHECKSUMS_FILE, METADATA_FILE)]
     known = {k: v for k, v in (known or {}).items() if k in files}
     digests = {**known, **hash_files(folder, [f for f in files if f not in known])}
-    doc = {"algorithm": "sha256", "files": {rel: digests[rel].to_json() for rel in sorted(digests)}}
+    if metadata is None:
+        metadata = read_json_file(folder / METADATA_FILE, MAX_METADATA_BYTES)
+    doc = {"algorithm": "sha256", "files": {rel: digests[rel].to_json() for rel in sorted(digests)},
+           "metadata": {"file": METADATA_FILE, "sha256": metadata_digest(metadata)}}
     (folder / CHECKSUMS_FILE).write_text(json.dumps(doc, indent=1))
     own = hash_file(folder / CHECKSUMS_FILE)
     return {"file": CHECKSUMS_FILE, **own.to_json()}
@@ -119,17 +143,66 @@ def _expected(entry: object) -> FileDigest | None:
     return FileDigest(size, sha.lower())
 
 
+def _is_int(v: object, least: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _optional_str(v: object) -> bool:
+    return v is None or isinstance(v, str)
+
+
+def _frozen_roles_ok(v: object) -> bool:
+    return isinstance(v, dict) and all(isinstance(role, str) and isinstance(src, dict) and _optional_str(src.get("path"))
+                                       and _optional_str(src.get("sha256")) for role, src in v.items())
+
+
+# metadata.json key → (its check, what it must be); a key absent is not checked (but step is required)
+_METADATA_TYPES: dict[str, tuple[Any, str]] = {
+    "step": (lambda v: _is_int(v, 0), "an integer >= 0"),
+    "world_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
+    "format": (lambda v: _is_int(v, 0), "an integer"),
+    "roles": (lambda v: isinstance(v, list) and all(isinstance(r, str) for r in v), "a list of role names"),
+    "frozen_roles": (_frozen_roles_ok, "a mapping of role → {path, sha256}"),
+    "method": (_optional_str, "a string"),
+    "mlflow_run_id": (_optional_str, "a string or null"),
+    "created": (_optional_str, "a string"),
+    "checksums": (lambda v: isinstance(v, dict), "a mapping"),
+}
+
+
+def _shown(value: object, limit: int = 40) -> str:
+    text = repr(value) if not isinstance(value, (dict, list)) else f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def metadata_problem(meta: object) -> str | None:
+    """``None`` when ``meta`` (parsed ``metadata.json``) has the keys and types distillery writes,
+    else a short phrase naming the first bad key."""
+    if not isinstance(meta, dict):
+        return f"not a JSON object ({type(meta).__name__})"
+    if "step" not in meta:
+        return "no step"
+    for key, (ok, what) in _METADATA_TYPES.items():
+        if key in meta and not ok(meta[key]):
+            return f"{key} is {_shown(meta[key])}, not {what}"
+    return None
+
+
 def read_metadata(folder: Path) -> tuple[dict[str, Any] | None, Damage | None]:
-    """``metadata.json`` as a dict, or the damage that makes it unusable (missing, not JSON, no step)."""
+    """``metadata.json`` as a dict, or the damage that makes it unusable (missing, not a regular
+    file, too large or deep, not JSON, a key of the wrong type: :func:`metadata_problem`)."""
     path = Path(folder) / METADATA_FILE
     if not path.is_file():
         return None, Damage(METADATA_FILE, "missing")
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        return None, Damage(METADATA_FILE, f"unreadable ({type(exc).__name__})")
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-        return None, Damage(METADATA_FILE, "invalid (no step)")
+        meta = read_json_file(path, MAX_METADATA_BYTES)
+    except OSError as exc:
+        return None, Damage(METADATA_FILE, f"unreadable ({exc.strerror or type(exc).__name__})")
+    except ValueError as exc:
+        return None, Damage(METADATA_FILE, f"unreadable ({exc})")
+    problem = metadata_problem(meta)
+    if problem:
+        return None, Damage(METADATA_FILE, f"invalid ({problem})")
     return meta, None
 
 
@@ -151,12 +224,19 @@ def verify_checkpoint(folder: Path) -> Damage | None:
     if hash_file(listing) != own:
         return Damage(CHECKSUMS_FILE, "differs from the digest in metadata.json")
     try:
-        doc = json.loads(listing.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        doc = read_json_file(listing, MAX_CHECKSUMS_BYTES)
+    except (OSError, ValueError):
         return Damage(CHECKSUMS_FILE, "invalid")
     entries = doc.get("files") if isinstance(doc, dict) else None
     if not isinstance(entries, dict):
         return Damage(CHECKSUMS_FILE, "invalid")
+    if "metadata" in doc:  # absent: written before metadata.json was covered (types checked only)
+        recorded = doc["metadata"]
+        sha = recorded.get("sha256") if isinstance(recorded, dict) else None
+        if not isinstance(sha, str) or len(sha) != 64:
+            return Damage(CHECKSUMS_FILE, "invalid entry 'metadata'")
+        if metadata_digest(meta) != sha.lower():
+            return Damage(METADATA_FILE, "its content differs from the digest recorded in checksums.json")
     expected: dict[str, FileDigest] = {}
     for rel, entry in entries.items():
         digest = _expected(entry)

@@ -13,7 +13,8 @@ Layout of one checkpoint::
       roles/<role>/config.json  # each trainable role's transformer architecture (for export)
       rng/rank-<r>.json         # per-rank process RNGs: python, numpy, torch CPU/CUDA (+ the method's host state)
       rng/rank-<r>.safetensors  #   (its tensors; see distillery.engine.checkpoint.host_state)
-      checksums.json            # size + sha256 of every file above (distillery.engine.checkpoint.checksums)
+      checksums.json            # size + sha256 of every file above, and the digest of metadata.json's
+                                # values (distillery.engine.checkpoint.checksums)
       metadata.json             # step, world size, trainable roles, frozen roles' sources (path +
                                 # sha256, not saved), method, MLflow run, time + digest of checksums.json
 
@@ -42,13 +43,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from distillery.engine.checkpoint.checksums import Damage, FileDigest, hash_files, write_checksums
+from distillery.engine.checkpoint.checksums import Damage, FileDigest, hash_files, read_metadata, write_checksums
 from distillery.engine.checkpoint.dcp_io import load_dcp, read_dcp_metadata
 from distillery.engine.checkpoint.host_state import read_state, write_state
 from distillery.engine.checkpoint.stateful import OptimizerState
 from distillery.engine.checkpoint.trust import CHECKPOINT_RE, is_old_format, old_format_error, resolve_resume
 from distillery.engine.distributed import barrier, broadcast_object
 from distillery.errors import UserError
+from distillery.fsutil import read_json_file
 from distillery.log import get_logger
 
 log = get_logger("checkpoint")
@@ -91,6 +93,20 @@ def check_frozen_roles(path: Path, saved: dict[str, Any], current: dict[str, dic
             raise UserError(f"{path}: the frozen {role} changed since this checkpoint was saved ({was.get('path')} "
                             f"sha256 {str(was.get('sha256'))[:12]}…, now {now.get('path')} {str(now.get('sha256'))[:12]}…); "
                             "not resuming against another model: start from step 0 (resume: none) or restore it")
+
+
+def read_role_config(path: Path, role: str) -> dict[str, Any]:
+    """``roles/<role>/config.json`` of the checkpoint ``path`` (bounded read); a one-line UserError
+    when it is missing, not a regular file, too deep or not a JSON object."""
+    where = path / "roles" / role / "config.json"
+    try:
+        config = read_json_file(where, 1 << 20)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: roles/{role}/config.json is unreadable ({getattr(exc, 'strerror', None) or exc}); "
+                        "not loaded") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: roles/{role}/config.json is not a JSON object; not loaded")
+    return config
 
 
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
@@ -149,7 +165,7 @@ class CheckpointManager:
                 role_dir.mkdir(parents=True)
                 (role_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
             known = {rel: FileDigest(size, sha) for part in digests for rel, (size, sha) in part.items()}
-            meta = {
+            meta = json.loads(json.dumps({  # the values as metadata.json will read back (their digest is in checksums.json)
                 "step": step,
                 "world_size": self.world_size,
                 "roles": sorted(payload.role_configs),
@@ -157,9 +173,9 @@ class CheckpointManager:
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 **payload.metadata,
                 "format": FORMAT,
-                "checksums": write_checksums(tmp, known),
-            }
-            (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
+            }, default=str))
+            meta["checksums"] = write_checksums(tmp, known, metadata=meta)
+            (tmp / "metadata.json").write_text(json.dumps(meta, indent=2))
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -187,8 +203,10 @@ class CheckpointManager:
         """
         if is_old_format(path):
             raise old_format_error(path, self.output_dir)
-        meta = json.loads((path / "metadata.json").read_text())
-        if int(meta.get("format", 0)) < FORMAT:
+        meta, damage = read_metadata(path)
+        if damage is not None:  # verified by resume_path; changed since
+            raise UserError(f"{path}: {damage}; not loaded")
+        if meta.get("format", 0) < FORMAT:
             raise UserError(f"{path}: a checkpoint of an older distillery (format {meta.get('format')}, this one reads "
                             f"{FORMAT}); export it with that version, or start this run from step 0 (resume: none)")
         saved_roles = set(meta.get("roles", []))
@@ -197,7 +215,7 @@ class CheckpointManager:
                 f"{path}: checkpoint holds trainable roles {sorted(saved_roles)}, this run trains {sorted(payload.role_configs)}"
             )
         for role, cfg in payload.role_configs.items():
-            saved = json.loads((path / "roles" / role / "config.json").read_text())
+            saved = read_role_config(path, role)
             current = json.loads(json.dumps(cfg, sort_keys=True, default=str))
             diff = sorted(k for k in set(saved) | set(current) if not k.startswith("_") and saved.get(k) != current.get(k))
             if diff:
@@ -215,7 +233,7 @@ class CheckpointManager:
         own = (path / "rng" / f"{stem}.json").is_file()
         state = read_state(path / "rng", stem if own else "rank-0")
         restore_rng(state)
-        meta["saved_world_size"] = int(meta.get("world_size", self.world_size))
+        meta["saved_world_size"] = meta.get("world_size", self.world_size)
         meta["method_host_state"] = state.get(METHOD_HOST_KEY) if own else None  # another rank's is not this one's
         return meta
 
