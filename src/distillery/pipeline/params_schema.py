@@ -24,6 +24,7 @@ from typing import Any, Literal, Union
 
 from distillery.config.limits import cut, path_problem, show, show_key, unknown_key_message
 from distillery.errors import UserError
+from distillery.pipeline.params_file import float_text
 
 TRAINING_STAGES = ("teacher", "pretrain", "distill", "pdd")  # stages that train a model (training_table.TRAINING_STAGES); export picks one
 MAX_SEED = 2**32 - 1  # numpy and torch both take seeds in [0, 2**32)
@@ -253,7 +254,7 @@ def _type_problem(value: Any, tp: Any) -> str | None:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return None
         if isinstance(value, str) and _reads_as_float(value):
-            return f"expected a number; YAML reads {value} as text: write it with a dot and a signed exponent, e.g. {_yaml_float(value)}"
+            return f"expected a number; YAML reads {value} as text: write it with a dot and a signed exponent, e.g. {float_text(value)}"
         return "expected a number"
     if tp is str:
         return None if isinstance(value, str) else "expected a string"
@@ -268,15 +269,6 @@ def _reads_as_float(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _yaml_float(text: str) -> str:
-    mantissa, _, exponent = text.lower().partition("e")
-    if "." not in mantissa:
-        mantissa += ".0"
-    if exponent and exponent[0] not in "+-":
-        exponent = "+" + exponent
-    return f"{mantissa}e{exponent}" if exponent else mantissa
 
 
 def _field_types(cls: type) -> dict[str, Any]:
