@@ -17,6 +17,7 @@ the code can take, and checked before DVC or any stage touches them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import resource
@@ -342,6 +343,8 @@ def test_every_run_config_knob_is_bounded(data_lost):
     pytest.param(["stage", "teacher"], {"teacher.batch_size": 4096, "latents.num_frames": 1025, "latents.height": 4096,
                                         "latents.width": 4096},
                  "stage teacher: one batch (teacher.batch_size 4096 × gpus.nproc_per_node 1) of latents", id="batch_memory"),
+    pytest.param(["stage", "teacher"], {"teacher.batch_size": 200}, "stage teacher: one global batch (teacher.batch_size 200 × "
+                 "gpus.nproc_per_node 1 × gpus.nnodes 1) is 200 samples, more than the 96 training samples", id="batch_data"),
 ])
 def test_values_the_code_cannot_take_are_refused_before_work(tmp_path, data_lost, args, params, expected):
     if params is None:
@@ -352,6 +355,9 @@ def test_values_the_code_cannot_take_are_refused_before_work(tmp_path, data_lost
             _set(data, key, value)
         (tmp_path / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
         (tmp_path / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
+        manifest = tmp_path / "artifacts" / "latents" / "data" / "preprocess.json"  # the latent set's counts
+        manifest.parent.mkdir(parents=True)
+        manifest.write_text(json.dumps({"settings": {}, "splits": {"train": {"rows": 96}, "validation": {"rows": 24}}}))
     line = _refused_before_work(tmp_path, [DISTILLERY, *args], data_lost)
     assert line.startswith(f"error: {expected}"), line
 

@@ -8,12 +8,13 @@ full disk is found before the work, not after it. Both raise a one-line :class:`
 :func:`check_memory` compares the largest buffers the params make a stage allocate (one clip, one
 batch of latents) with the machine's memory, from the params alone, before anything is touched: a
 batch no machine here can hold is one line, not a training run that dies after ``runs/<stage>`` was
-reset.
+reset; :func:`check_batch` does the same for a global batch larger than the latent set.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -147,6 +148,24 @@ def check_memory(stage: str, params: Params) -> None:
     if need > have:
         raise UserError(f"stage {stage}: {what} needs {human(need)} of memory, more than this machine's {human(have)}; "
                         "lower those params; nothing was changed")
+
+
+def check_batch(stage: str, params: Params, artifacts: Path) -> None:
+    """Refuse, before any work, a training stage whose global batch is larger than the latent set's
+    training split (the trainer would refuse it only after ``runs/<stage>`` was reset). A latent set
+    that is not there yet, or unreadable, is left to the stage (it names it)."""
+    if stage not in TRAINING_STAGES:
+        return
+    try:
+        manifest = json.loads((artifacts / "latents" / "data" / "preprocess.json").read_text())
+        rows = int(manifest["splits"]["train"]["rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    batch, ranks, nodes = params.get(f"{stage}.batch_size"), params.get("gpus.nproc_per_node"), params.get("gpus.nnodes")
+    if batch * ranks * nodes > rows:
+        raise UserError(f"stage {stage}: one global batch ({stage}.batch_size {batch} × gpus.nproc_per_node {ranks} × "
+                        f"gpus.nnodes {nodes}) is {batch * ranks * nodes} samples, more than the {rows} training samples "
+                        f"of artifacts/latents; lower {stage}.batch_size or use more data; nothing was changed")
 
 
 def check_free_space(stage: str, params: Params, artifacts: Path) -> None:
