@@ -26,6 +26,7 @@ MAX_BATCH = 4096  # samples per rank per micro-batch
 MAX_TEXT_TOKENS = 4096  # prompt tokens (Wan2.1's UMT5: 512)
 MAX_SEED = 2**32 - 1  # numpy and torch both take seeds in [0, 2**32)
 MAX_RANKS = 65536
+MAX_LEARNING_RATE = 1e12  # sizes nothing; a diverging loss stops at the first NaN step (the NaN guard)
 
 
 @dataclass
@@ -59,7 +60,7 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    learning_rate: float = bounded(1e-4, 0.0, 1.0)  # peak learning rate
+    learning_rate: float = bounded(1e-4, 0.0, MAX_LEARNING_RATE)  # peak learning rate
     betas: tuple[float, float] = bounded((0.9, 0.999), 0.0, 0.999999)  # AdamW betas
     weight_decay: float = bounded(0.01, 0.0, 1000.0)  # decoupled weight decay
     eps: float = bounded(1e-8, 0.0, 1.0)  # AdamW epsilon
@@ -78,13 +79,13 @@ class OptimizerConfig:
 class OptimizerOverride:
     """``models.<role>.optimizer``: fields that replace ``training.optimizer``'s for that role (null: keep)."""
 
-    learning_rate: float | None = None
-    betas: tuple[float, float] | None = None
-    weight_decay: float | None = None
-    eps: float | None = None
+    learning_rate: float | None = bounded(None, 0.0, MAX_LEARNING_RATE)
+    betas: tuple[float, float] | None = bounded(None, 0.0, 0.999999)
+    weight_decay: float | None = bounded(None, 0.0, 1000.0)
+    eps: float | None = bounded(None, 0.0, 1.0)
     lr_scheduler: Literal["constant", "cosine", "linear"] | None = None
-    warmup_steps: int | None = None
-    min_lr_ratio: float | None = None
+    warmup_steps: int | None = bounded(None, 0, MAX_STEPS)
+    min_lr_ratio: float | None = bounded(None, 0.0, 1.0)
 
 
 @dataclass
