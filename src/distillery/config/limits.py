@@ -335,8 +335,6 @@ def check_yaml_events(text: str, source: str, on_scalar: OnScalar | None = None)
         elif isinstance(event, yaml.ScalarEvent):
             is_key = bool(stack) and stack[-1].is_map and stack[-1].key is None
             path = place(event)
-            if on_scalar is not None:
-                on_scalar(path, event, is_key)
             value = event.value
             if len(value) > MAX_INT_DIGITS and _scalar_tag(event) == _INT_TAG:
                 digits = len(value.lstrip("+-").replace("_", ""))
@@ -347,6 +345,8 @@ def check_yaml_events(text: str, source: str, on_scalar: OnScalar | None = None)
             if event.anchor is not None:
                 anchors[event.anchor] = 1
                 anchored_keys[event.anchor] = (value, event.start_mark.line + 1)
+            if on_scalar is not None:
+                on_scalar(path, event, is_key)
         elif isinstance(event, yaml.AliasEvent):
             path = place(event)
             if any(o.anchor == event.anchor for o in stack):
@@ -368,12 +368,13 @@ def _key_identity(event: yaml.ScalarEvent) -> Any:
     if tag in (_STR_TAG, _MERGE_TAG):
         return (tag, event.value)
     try:
-        return ("value", _CONSTRUCTOR.construct_object(yaml.ScalarNode(tag, event.value)))
-    except (yaml.YAMLError, ValueError, TypeError, OverflowError):
+        construct = yaml.constructor.SafeConstructor.yaml_constructors[tag]
+        return ("value", construct(_CONSTRUCTOR, yaml.ScalarNode(tag, event.value)))
+    except (KeyError, yaml.YAMLError, ValueError, TypeError, OverflowError):
         return (tag, event.value)
 
 
-_CONSTRUCTOR = yaml.constructor.SafeConstructor()
+_CONSTRUCTOR = yaml.constructor.SafeConstructor()  # its scalar constructors keep no state
 
 
 def _scalar_tag(event: yaml.ScalarEvent) -> str:
