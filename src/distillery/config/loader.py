@@ -82,19 +82,12 @@ def _check_override_key(key: str) -> list[str]:
     return parts
 
 
-_EXPONENT_FLOAT = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")  # 1e-4: text to YAML 1.1, a float to 1.2
-
-
 def parse_override_value(key: str, value_text: str) -> Any:
-    """The YAML value of one override, within the same bounds as a config file (text that is not YAML is a
-    string); a number with an exponent and no dot (``1e-4``, text to YAML 1.1) is the float it reads as."""
+    """The YAML value of one override, within the same bounds as a config file (text that is not YAML is a string)."""
     source = f"config error: --{show_key(key)}"
     if len(value_text) > MAX_OVERRIDE_CHARS:
         raise UserError(f"{source}: a value of {len(value_text)} characters; at most {MAX_OVERRIDE_CHARS}")
-    value = parse_yaml_text(value_text, source, syntax_error_as_text=True)
-    if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value_text.strip()):
-        return float(value_text)
-    return value
+    return parse_yaml_text(value_text, source, syntax_error_as_text=True)
 
 
 def check_target(target: Any, where: str) -> None:
