@@ -23,7 +23,7 @@ from pathlib import Path
 
 from distillery.errors import UserError
 from distillery.pipeline.params import Params
-from distillery.pipeline.training_table import TRAINING_STAGES
+from distillery.pipeline.training_table import DATA_ARTIFACT, TRAINING_STAGES
 
 DISK_ERRNOS = {
     errno.ENOSPC: "no space left on the device",
@@ -157,7 +157,7 @@ def check_batch(stage: str, params: Params, artifacts: Path) -> None:
     if stage not in TRAINING_STAGES:
         return
     try:
-        manifest = json.loads((artifacts / "latents" / "data" / "preprocess.json").read_text())
+        manifest = json.loads((artifacts / DATA_ARTIFACT / "data" / "preprocess.json").read_text())
         rows = int(manifest["splits"]["train"]["rows"])
     except (OSError, ValueError, KeyError, TypeError):
         return
