@@ -53,10 +53,12 @@ from uuid import UUID
 from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron, Schedule
 
+from distillery.errors import UserError
 from distillery.pipeline.dvcfile import load_dvc_stages, stage_order
 from flows.pipeline import (
     DEFAULT_RETRY_DELAYS,
     DEFAULT_TIMEOUT_SECONDS,
+    check_params_files,
     retry_delays,
     distillery_pipeline,
 )
@@ -117,7 +119,9 @@ def _schedule_kwargs(cron: str, timezone: str | None, schedule: Schedule | None)
 
 def _local_repo(repo: Path | str) -> Path:
     root = Path(repo).resolve()
-    stage_order(load_dvc_stages(root))  # refuse to schedule a broken dvc.yaml
+    stages = load_dvc_stages(root)
+    stage_order(stages)  # refuse to schedule a broken dvc.yaml
+    check_params_files(root, stages)  # ... or a params file DVC's parser would hang on (each run checks again)
     return root
 
 
@@ -240,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             dep_id = deploy_nightly(a.repo, a.work_pool, a.cron, source=a.source, image=a.image, **kw)
             print(f"deployment {DEPLOYMENT_NAME!r} ({dep_id}) on work pool {a.work_pool!r}, cron {a.cron!r}")
-    except (PrefectServerError, FileNotFoundError, ValueError) as e:
+    except (PrefectServerError, FileNotFoundError, ValueError, UserError) as e:
         message = " ".join(str(e).split())
         sys.stderr.write(f"error: {message[:400]}\n")
         return 2

@@ -15,6 +15,12 @@ the slowest stage of a level. DVC allows this: it releases its repo lock while a
 runs and ``--wait-for-lock`` makes concurrent ``dvc`` calls queue for the short locked parts
 (reading/writing ``dvc.lock``) instead of failing.
 
+Before any ``dvc`` runs (when the flow is built and at the start of every run), every YAML params
+file the DAG reads (``params.yaml`` and each ``file:key`` a stage lists) is read with the bounded
+parser, as DVC reads it (:func:`check_params_files`): DVC's own parser hangs, memory growing, on a
+billion-laughs or merge-chain file, before any stage could refuse it; here it is one ``error:`` line
+and exit 2.
+
 Per task:
 - output of ``dvc repro`` (and so of the stage command) is streamed line by line into the task's
   Prefect log; the last lines go into the error when the stage fails;
@@ -68,7 +74,10 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 
+from distillery.config.limits import show_path
+from distillery.errors import UserError
 from distillery.pipeline.dvcfile import StageSpec, load_dvc_stages, stage_order
+from distillery.pipeline.params_file import read_params_file
 from distillery.treeutil import flatten
 
 __all__ = [
@@ -78,6 +87,7 @@ __all__ = [
     "StageUserError",
     "artifact_key",
     "build_pipeline_flow",
+    "check_params_files",
     "distillery_pipeline",
     "dvc_repro_command",
     "media_files",
@@ -168,6 +178,17 @@ def stage_exit_code(lines: Sequence[str]) -> int | None:
 def _user_error_line(lines: Sequence[str]) -> str | None:
     """The last ``error: ...`` line the stage printed (distillery's one-line user error)."""
     return next((line for line in reversed(lines) if line.startswith("error: ")), None)
+
+
+def check_params_files(repo: Path, stages: Mapping[str, StageSpec]) -> None:
+    """Read ``params.yaml`` and every other YAML params file the stages list within the input bounds and as
+    DVC reads it (:func:`distillery.pipeline.params_file.read_params_file`); a UserError at the first bad
+    one. A file that does not exist is left to DVC (it names it)."""
+    files = {"params.yaml"} | {p.rpartition(":")[0] for spec in stages.values() for p in spec.params if ":" in p}
+    for rel in sorted(files):
+        path = Path(repo) / rel
+        if path.suffix in (".yaml", ".yml") and path.is_file():
+            read_params_file(path, show_path(path), "not a readable file")
 
 
 def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
@@ -382,6 +403,7 @@ def _run_stages(
     root = Path(repo).resolve()
     stages = load_dvc_stages(root)
     levels = stage_order(stages)
+    check_params_files(root, stages)  # before DVC's own parser reads them
     logger.info("dvc.yaml DAG (%d stages): %s", len(stages),
                 " -> ".join("[" + ", ".join(lvl) + "]" for lvl in levels))
     training = None if training_stages is None else set(training_stages)
@@ -468,7 +490,9 @@ def build_pipeline_flow(
     stage task (None: no timeout).
     """
     root = Path(repo).resolve()
-    stage_order(load_dvc_stages(root))  # fail fast on a broken dvc.yaml
+    stages = load_dvc_stages(root)
+    stage_order(stages)  # fail fast on a broken dvc.yaml
+    check_params_files(root, stages)  # ... or a params file DVC's parser would hang on
     bound_repo = str(root)
     bound_delays = retry_delays(retry_delay_seconds, retries)
     bound_training = None if training_stages is None else sorted(training_stages)
@@ -516,6 +540,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout_seconds=a.timeout or None,
             training_stages=set(a.training_stages) if a.training_stages else None,
         )
+    except UserError as e:  # a params file refused before any stage ran
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except PipelineFailedError as e:
         if e.only_user_errors:  # each stage's `error:` line is in the log above: one line here
             print(f"error: pipeline stopped: stage(s) {', '.join(e.user_errors)} failed on a user "

@@ -7,6 +7,7 @@
     distillery preprocess --base MODEL --data DATA --out DIR [--frames N --height H --width W --fps F]
     distillery latents demo --out DIR [--num-samples N] [--seed N]
     distillery export-weights CHECKPOINT --role student --out DIR [--ema NAME]
+    distillery params check [--params params.yaml]
 
 User errors (bad config, missing file, wrong checkpoint) print one line and exit with code 2
 (:func:`distillery.guard.run_guarded`). Every parser is a :class:`Parser`: each option's help shows
@@ -101,6 +102,22 @@ def _export_weights(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_params(args: argparse.Namespace) -> int:
+    """Everything a stage refuses on ``params.yaml`` alone: bounds (alias bombs, merge chains), a value DVC
+    reads differently, the schema, a buffer no stage here could hold. Run it before ``dvc repro``,
+    which parses the file with DVC's own parser first and hangs on an alias bomb."""
+    from distillery.pipeline.params import Params
+    from distillery.pipeline.preflight import check_memory
+    from distillery.pipeline.runner import STAGES
+
+    params = Params.load(args.params)
+    for stage in STAGES:
+        check_memory(stage, params)
+    sys.stdout.write(f"{args.params}: ok: DVC and the stages read the same values, each within its bounds, "
+                     f"and every stage's buffers fit this machine\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="distillery", description="train and distill video diffusion models")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -156,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--ema", default=None, metavar="CALLBACK", help="export the shadow weights of this EMA callback "
                      "(default: the trained weights)")
     exp.set_defaults(func=_export_weights)
+    params = sub.add_parser("params", help="the pipeline's params.yaml")
+    params_sub = params.add_subparsers(dest="params_command", required=True, metavar="COMMAND")
+    check = params_sub.add_parser("check", help="check params.yaml as DVC and every stage read it, in one line per "
+                                  "problem (exit 2); run it before `dvc repro`, which hangs on an alias bomb")
+    check.add_argument("--params", default="params.yaml", help="the params file to check")
+    check.set_defaults(func=_check_params)
     return parser
 
 

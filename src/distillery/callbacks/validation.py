@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distillery.callbacks.base import Callback, CallbackContext
+from distillery.config.typed import bounded
 from distillery.errors import UserError
 from distillery.log import get_logger
 
@@ -48,14 +49,14 @@ class ValidationCallbackConfig:
     data_path: str = ""  # latent set folder (the latents stage's data/) whose prompts and text embeddings are sampled
     split: str | None = None  # split of data_path to read; null: "validation" when it exists, else "train"
     every_steps: int = 100  # validate at step 0 and every this many optimizer steps
-    num_prompts: int = 4  # the first this-many rows of the split are the fixed prompts
-    num_steps: int | None = None  # sampler steps; null: the sampling contract's default
+    num_prompts: int = bounded(4, 1, 10_000)  # the first this-many rows of the split are the fixed prompts
+    num_steps: int | None = bounded(None, 1, 1000)  # sampler steps; null: the sampling contract's default
     guidance_scale: float | None = None  # CFG scale (> 1: CFG on); null: the sampling contract's (default 1)
-    seed: int = 0  # prompt i starts from noise of a generator seeded seed + i (the same on every rank)
+    seed: int = bounded(0, 0, 2**32 - 1)  # prompt i starts from noise of a generator seeded seed + i (the same on every rank)
     role: str = "student"  # the role model to sample
-    text_max_length: int = 512  # embeddings zero-padded/truncated to this many tokens (= training.data.text_max_length)
+    text_max_length: int = bounded(512, 1, 4096)  # embeddings zero-padded/truncated to this many tokens (= training.data.text_max_length)
     vae_from: str | None = None  # diffusers folder whose vae/ decodes the samples (and analyzer.json scores them); null: no videos
-    fps: float = 8.0  # frame rate of the logged GIF grid
+    fps: float = bounded(8.0, 1.0, 240.0)  # frame rate of the logged GIF grid
 
     def __post_init__(self) -> None:
         if not self.data_path:

@@ -15,7 +15,13 @@ the dotted key and the line. The bounds:
 - scalars: strings at most :data:`MAX_STRING_CHARS` characters, mapping keys at most
   :data:`MAX_KEY_CHARS`, integers at most :data:`MAX_INT_DIGITS` digits (Python itself refuses to
   read more than 4300);
-- no duplicate keys in one mapping (YAML forbids them; PyYAML would silently keep the last).
+- no duplicate keys in one mapping (YAML forbids them; PyYAML would silently keep the last): keys are
+  compared as the values they load as (``1``, ``0x1`` and ``1.0`` are one key), a mapping has at most
+  one merge key ``<<``, and no key is an alias (``*k : 5`` under ``&k steps: 120`` is ``steps`` twice;
+  DVC refuses all of these, PyYAML would keep the last).
+
+A caller may look at every scalar as it is checked (``on_scalar``): :mod:`distillery.pipeline.params_file`
+uses it to refuse the scalars DVC's YAML 1.2 reads differently.
 
 :func:`show` is the one helper every config and params error uses to echo a user value: a short
 ``repr`` on one line, cut to about :data:`ECHO_CHARS` characters with the full length stated.
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import difflib
 import reprlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +53,7 @@ ECHO_CHARS = 60  # a user value echoed in an error is cut to about this many cha
 MAX_MESSAGE_CHARS = 600  # no config error line is longer than this
 
 _INT_TAG = "tag:yaml.org,2002:int"
+_STR_TAG = "tag:yaml.org,2002:str"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _LOADER: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built in: 20x faster, same results
 _RESOLVER = yaml.resolver.Resolver()
@@ -169,12 +176,23 @@ def decode_utf8(data: bytes, source: str) -> str:
                         f"(line {line}); save the file as UTF-8") from None
 
 
-def read_yaml_file(path: str | Path, source: str, missing: str) -> Any:
+OnScalar = Callable[[str, yaml.ScalarEvent, bool], None]
+"""``on_scalar(path, event, is_key)``: called for every scalar of a checked document (``path`` is its
+dotted path; for a key, the path of the value it names); it raises a UserError to refuse the file."""
+
+
+def read_yaml_file(path: str | Path, source: str, missing: str, on_scalar: OnScalar | None = None) -> Any:
     """Read and parse the YAML file ``path`` within the bounds; messages start with ``source``.
 
     ``missing`` is the text after ``source`` when ``path`` is not a readable regular file. Returns
     the parsed document (None for an empty one).
     """
+    return parse_yaml_text(read_text_file(path, source, missing), source, on_scalar=on_scalar)
+
+
+def read_text_file(path: str | Path, source: str, missing: str) -> str:
+    """The text of ``path``: a regular file of at most :data:`MAX_FILE_BYTES`, strict UTF-8 (as
+    :func:`read_yaml_file` reads it, before parsing)."""
     p = Path(path)
     try:
         if not p.is_file():
@@ -188,17 +206,18 @@ def read_yaml_file(path: str | Path, source: str, missing: str) -> Any:
         raise UserError(f"{source}: cannot read: {exc.strerror or exc}") from None
     if len(data) > MAX_FILE_BYTES:  # it grew after the size check
         raise UserError(f"{source}: more than {MAX_FILE_BYTES} bytes; a config file is at most 1 MiB")
-    return parse_yaml_text(decode_utf8(data, source), source)
+    return decode_utf8(data, source)
 
 
-def parse_yaml_text(text: str, source: str, *, syntax_error_as_text: bool = False) -> Any:
+def parse_yaml_text(text: str, source: str, *, syntax_error_as_text: bool = False, on_scalar: OnScalar | None = None) -> Any:
     """Parse YAML ``text`` within the bounds (see the module doc); errors start with ``source``.
 
     With ``syntax_error_as_text`` (command-line override values), text that is not valid YAML is
-    returned as the plain string it is; a bound it breaks is still an error.
+    returned as the plain string it is; a bound it breaks is still an error. ``on_scalar``: see
+    :data:`OnScalar`.
     """
     try:
-        check_yaml_events(text, source)
+        check_yaml_events(text, source, on_scalar)
         return yaml.load(text, Loader=_LOADER)  # noqa: S506 - a safe loader (CSafeLoader or SafeLoader)
     except yaml.YAMLError as exc:
         problem = _yaml_error_text(exc, text)
@@ -233,20 +252,21 @@ class _Open:
     size: int = 1  # values inside it, aliases expanded
     index: int = 0  # list: the next item's index
     key: str | None = None  # mapping: the key whose value comes next (None: a key comes next)
-    keys: dict[tuple[str, str], int] = field(default_factory=dict)  # (key text, its tag) -> line
+    keys: dict[Any, int] = field(default_factory=dict)  # each key as it loads (see _key_identity) -> its line
 
 
 def _join(path: str, part: str) -> str:
     return f"{path}.{part}" if path else part
 
 
-def check_yaml_events(text: str, source: str) -> None:
+def check_yaml_events(text: str, source: str, on_scalar: OnScalar | None = None) -> None:
     """Walk the parser's events of ``text`` and raise a UserError at the first bound it breaks.
 
     Syntax errors surface as :class:`yaml.YAMLError` (the caller words them).
     """
     stack: list[_Open] = []
     anchors: dict[str, int] = {}
+    anchored_keys: dict[str, tuple[str, int]] = {}  # anchor of a scalar -> (its text, its line)
     total = 0
 
     one_liner = "\n" not in text.rstrip("\n")  # a command-line override value: no line numbers
@@ -266,18 +286,22 @@ def check_yaml_events(text: str, source: str) -> None:
             parent.index += 1
             return f"{parent.path}[{parent.index - 1}]"
         if parent.key is None:  # this node is a key
+            if isinstance(event, yaml.AliasEvent):
+                named = anchored_keys.get(event.anchor)
+                what = f": {show_key(named[0])} of line {named[1]}" if named else ""
+                raise fail(parent.path, event, f"a key may not be an alias (*{show_key(event.anchor)}{what}); "
+                                               "write each key itself, once")
             if isinstance(event, yaml.ScalarEvent):
                 text = event.value
                 if len(text) > MAX_KEY_CHARS:
                     raise fail(parent.path, event, f"a key of {len(text)} characters; at most {MAX_KEY_CHARS}")
-                kind = _scalar_tag(event)
                 name = show_key(text)
-                if kind != _MERGE_TAG:
-                    seen = parent.keys.get((text, kind))
-                    if seen is not None:
-                        raise fail(_join(parent.path, name), event, f"duplicate key (first at line {seen}); "
-                                                                    "write each key once")
-                    parent.keys[(text, kind)] = event.start_mark.line + 1
+                identity = _key_identity(event)
+                seen = parent.keys.get(identity)
+                if seen is not None:
+                    raise fail(_join(parent.path, name), event, f"duplicate key (first at line {seen}); "
+                                                                "write each key once")
+                parent.keys[identity] = event.start_mark.line + 1
                 parent.key = name
             else:
                 parent.key = "?"
@@ -309,6 +333,7 @@ def check_yaml_events(text: str, source: str) -> None:
             if stack:
                 stack[-1].size += done.size - 1  # its own 1 was counted when it opened
         elif isinstance(event, yaml.ScalarEvent):
+            is_key = bool(stack) and stack[-1].is_map and stack[-1].key is None
             path = place(event)
             value = event.value
             if len(value) > MAX_INT_DIGITS and _scalar_tag(event) == _INT_TAG:
@@ -319,6 +344,9 @@ def check_yaml_events(text: str, source: str) -> None:
             grow(1, path, event)
             if event.anchor is not None:
                 anchors[event.anchor] = 1
+                anchored_keys[event.anchor] = (value, event.start_mark.line + 1)
+            if on_scalar is not None:
+                on_scalar(path, event, is_key)
         elif isinstance(event, yaml.AliasEvent):
             path = place(event)
             if any(o.anchor == event.anchor for o in stack):
@@ -327,6 +355,26 @@ def check_yaml_events(text: str, source: str) -> None:
             if event.anchor not in anchors:
                 raise fail(path, event, f"alias *{show_key(event.anchor)} names no anchor defined before it")
             grow(anchors[event.anchor], path, event)
+
+
+def _key_identity(event: yaml.ScalarEvent) -> Any:
+    """A mapping key as the loaded mapping would hold it: two keys with one identity are one key.
+
+    A string key is its text; any other key is the value it loads as (``1``, ``0x1``, ``1.0`` and
+    ``true`` are all the key 1 of a Python dict); a key that cannot load stays its text (the load
+    reports it). Every merge key ``<<`` is the same key.
+    """
+    tag = _scalar_tag(event)
+    if tag in (_STR_TAG, _MERGE_TAG):
+        return (tag, event.value)
+    try:
+        construct = yaml.constructor.SafeConstructor.yaml_constructors[tag]
+        return ("value", construct(_CONSTRUCTOR, yaml.ScalarNode(tag, event.value)))
+    except (KeyError, yaml.YAMLError, ValueError, TypeError, OverflowError):
+        return (tag, event.value)
+
+
+_CONSTRUCTOR = yaml.constructor.SafeConstructor()  # its scalar constructors keep no state
 
 
 def _scalar_tag(event: yaml.ScalarEvent) -> str:

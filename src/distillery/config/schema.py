@@ -7,7 +7,10 @@ A run config YAML has four top-level keys::
     training:  {distributed, data, optimizer, loop, checkpoint, tracker, model}
     callbacks: {name: {_target_: ..., <the callback class's config fields>}}
 
-Every class named by ``_target_`` declares its knobs as a dataclass in ``config_class``.
+Every class named by ``_target_`` declares its knobs as a dataclass in ``config_class``. Every number
+is bounded (:func:`distillery.config.typed.bounded`; the others by the defaults of that module): a
+value past a bound is a one-line error before anything is built, never an allocation the machine
+cannot make.
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from distillery.config.typed import to_plain
+from distillery.config.typed import bounded, to_plain
+
+MAX_STEPS = 1_000_000_000  # optimizer steps of one run
+MAX_BATCH = 4096  # samples per rank per micro-batch
+MAX_TEXT_TOKENS = 4096  # prompt tokens (Wan2.1's UMT5: 512)
+MAX_SEED = 2**32 - 1  # numpy and torch both take seeds in [0, 2**32)
+MAX_RANKS = 65536
+MAX_LEARNING_RATE = 1e12  # sizes nothing; a diverging loss stops at the first NaN step (the NaN guard)
 
 
 @dataclass
@@ -24,7 +34,7 @@ class DistributedConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl when CUDA is present, else gloo
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when present, else cpu
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"  # auto: bf16 compute on cuda, fp32 on cpu
-    replicate_size: int = 1  # HSDP: size of the replicate mesh dim (1 = plain FSDP over all ranks)
+    replicate_size: int = bounded(1, 1, MAX_RANKS)  # HSDP: size of the replicate mesh dim (1 = plain FSDP over all ranks)
     shard_single_rank: bool = False  # true: FSDP2 even on a world of one; false: a plain module there (bf16 compute copy + fp32 master, faster: BENCHMARKS.md)
     reshard_after_forward: bool | None = None  # FSDP2: free gathered params after forward (ZeRO-3); null: only when the shard group has >1 rank
 
@@ -37,8 +47,8 @@ class DistributedConfig:
 class DataConfig:
     path: str = ""  # folder of latent parquet shards (holds train/ and validation/)
     split: str = "train"  # sub-folder of path to train on
-    batch_size: int = 1  # samples per rank per micro-batch
-    text_max_length: int = 512  # prompt embeddings are zero-padded/truncated to this many tokens
+    batch_size: int = bounded(1, 1, MAX_BATCH)  # samples per rank per micro-batch
+    text_max_length: int = bounded(512, 1, MAX_TEXT_TOKENS)  # prompt embeddings are zero-padded/truncated to this many tokens
     drop_last: bool = True  # every rank gets only full batches
 
     def __post_init__(self) -> None:
@@ -50,13 +60,13 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    learning_rate: float = 1e-4  # peak learning rate
-    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
-    weight_decay: float = 0.01  # decoupled weight decay
-    eps: float = 1e-8  # AdamW epsilon
+    learning_rate: float = bounded(1e-4, 0.0, MAX_LEARNING_RATE)  # peak learning rate
+    betas: tuple[float, float] = bounded((0.9, 0.999), 0.0, 0.999999)  # AdamW betas
+    weight_decay: float = bounded(0.01, 0.0, 1000.0)  # decoupled weight decay
+    eps: float = bounded(1e-8, 0.0, 1.0)  # AdamW epsilon
     lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"  # decay after warmup
-    warmup_steps: int = 0  # linear warmup from 0 over this many optimizer steps
-    min_lr_ratio: float = 0.0  # floor of cosine/linear decay, as a fraction of learning_rate
+    warmup_steps: int = bounded(0, 0, MAX_STEPS)  # linear warmup from 0 over this many optimizer steps
+    min_lr_ratio: float = bounded(0.0, 0.0, 1.0)  # floor of cosine/linear decay, as a fraction of learning_rate
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.learning_rate) or self.learning_rate < 0 or self.warmup_steps < 0:
@@ -69,24 +79,24 @@ class OptimizerConfig:
 class OptimizerOverride:
     """``models.<role>.optimizer``: fields that replace ``training.optimizer``'s for that role (null: keep)."""
 
-    learning_rate: float | None = None
-    betas: tuple[float, float] | None = None
-    weight_decay: float | None = None
-    eps: float | None = None
+    learning_rate: float | None = bounded(None, 0.0, MAX_LEARNING_RATE)
+    betas: tuple[float, float] | None = bounded(None, 0.0, 0.999999)
+    weight_decay: float | None = bounded(None, 0.0, 1000.0)
+    eps: float | None = bounded(None, 0.0, 1.0)
     lr_scheduler: Literal["constant", "cosine", "linear"] | None = None
-    warmup_steps: int | None = None
-    min_lr_ratio: float | None = None
+    warmup_steps: int | None = bounded(None, 0, MAX_STEPS)
+    min_lr_ratio: float | None = bounded(None, 0.0, 1.0)
 
 
 @dataclass
 class LoopConfig:
-    max_train_steps: int = 100  # optimizer steps in the whole run (a resumed run stops here too)
-    grad_accum_steps: int = 1  # micro-batches per optimizer step
-    seed: int = 0  # seeds python/numpy/torch, the data order and the method's random stream
-    stop_at_step: int | None = None  # end this invocation at this step (checkpointed); rerun to continue
-    log_every: int = 1  # steps between metric logs
+    max_train_steps: int = bounded(100, 0, MAX_STEPS)  # optimizer steps in the whole run (a resumed run stops here too)
+    grad_accum_steps: int = bounded(1, 1, 65536)  # micro-batches per optimizer step
+    seed: int = bounded(0, 0, MAX_SEED)  # seeds python/numpy/torch, the data order and the method's random stream
+    stop_at_step: int | None = bounded(None, 0, MAX_STEPS)  # end this invocation at this step (checkpointed); rerun to continue
+    log_every: int = bounded(1, 1, MAX_STEPS)  # steps between metric logs
     progress_bar: bool = True  # rank-0 progress: a bar on a terminal, else a log line per 10 % or minute (distillery.progress)
-    skip_nonfinite_steps: int = 0  # skip (no update) up to this many steps whose loss or grad norm is NaN/Inf per invocation; 0: stop at the first
+    skip_nonfinite_steps: int = bounded(0, 0, 1_000_000)  # skip (no update) up to this many steps whose loss or grad norm is NaN/Inf per invocation; 0: stop at the first
 
     def __post_init__(self) -> None:
         if self.max_train_steps < 0 or self.grad_accum_steps < 1 or self.log_every < 1:
@@ -100,8 +110,8 @@ class LoopConfig:
 @dataclass
 class CheckpointConfig:
     output_dir: str = "runs/train"  # checkpoint-<step>/ folders are written here
-    save_every: int = 0  # steps between checkpoints; 0 = only at the end of the run
-    keep_last: int = 2  # keep this many newest checkpoints (0 = keep all)
+    save_every: int = bounded(0, 0, MAX_STEPS)  # steps between checkpoints; 0 = only at the end of the run
+    keep_last: int = bounded(2, 0, 1_000_000)  # keep this many newest checkpoints (0 = keep all)
     resume: str = "latest"  # "latest" (newest complete checkpoint in output_dir, if any), "none", or a checkpoint path
     save_final: bool = True  # always write a checkpoint at the last step
 

@@ -7,11 +7,17 @@ one line naming the dotted key and what is valid. Explicit zeros and ``false`` a
 only absent keys take defaults. Echoed values go through :func:`~distillery.config.limits.show`
 (cut to a readable length); a string field named like a path (:func:`is_path_field`) must be a
 usable path (see :func:`~distillery.config.limits.path_problem`).
+
+Every number a config holds is bounded, so no knob reaches the code with a value it cannot take (a
+tensor of 10**12 tokens, a grid of 4e9 intervals): a field declared with :func:`bounded` must lie in
+its range; any other integer within ±:data:`MAX_KNOB_INT`, any other float finite and within
+±:data:`MAX_KNOB_FLOAT` (items of lists and tuples and values of mappings alike).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal, Union
@@ -20,9 +26,49 @@ from distillery.config.limits import cut, path_problem, show, show_key, unknown_
 from distillery.errors import UserError
 
 _MISSING = dataclasses.MISSING
+MAX_KNOB_INT = 2**31 - 1  # an integer knob without its own range (a count, a step, an interval)
+MAX_KNOB_FLOAT = 1e6  # |x| of a float knob without its own range (rates, scales, ratios, timesteps)
+_RANGE = "range"  # a field's metadata key: (low, high), either None for no bound on that side
 
 PATH_FIELD_NAMES = frozenset({"path", "init_from", "output_dir", "resume", "split"})
 PATH_FIELD_SUFFIXES = ("_dir", "_path", "_file", "_from")
+
+
+def bounded(default: Any = _MISSING, low: float | None = None, high: float | None = None, *,
+            default_factory: Any = _MISSING) -> Any:
+    """A dataclass field whose numbers (the value, or each item of a list) must lie in ``[low, high]``."""
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={_RANGE: (low, high)})
+
+
+def range_problem(value: Any, bounds: tuple[float | None, float | None] | None) -> str | None:
+    """What is wrong with the number ``value`` for ``bounds`` (None: the default bounds of the module doc)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
+    if bounds is None:
+        limit = MAX_KNOB_INT if isinstance(value, int) else MAX_KNOB_FLOAT
+        bounds = (-limit, limit)
+    low, high = bounds
+    if low is not None and value < low:
+        return f"must be ≥ {low:g}" if isinstance(low, float) else f"must be ≥ {low}"
+    if high is not None and value > high:
+        return f"must be ≤ {high:g}" if isinstance(high, float) else f"must be ≤ {high}"
+    return None
+
+
+def _check_numbers(value: Any, bounds: Any, where: str) -> None:
+    """Every number in ``value`` (itself, list/tuple items, mapping values) within ``bounds``."""
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_numbers(item, bounds, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_numbers(item, bounds, _join(where, show_key(key)))
+    else:
+        problem = range_problem(value, bounds)
+        if problem:
+            raise config_error(where, f"{show(value)}: {problem}")
 
 
 def config_error(where: str, message: str) -> UserError:
@@ -149,6 +195,8 @@ def from_mapping(cls: type, data: dict[str, Any], where: str) -> Any:
         key = _join(where, f.name)
         if f.name in data:
             kwargs[f.name] = coerce(data[f.name], types_by_name[f.name], key)
+            if not dataclasses.is_dataclass(kwargs[f.name]):
+                _check_numbers(kwargs[f.name], f.metadata.get(_RANGE), key)
             if isinstance(kwargs[f.name], str) and is_path_field(f.name):
                 problem = path_problem(kwargs[f.name])
                 if problem:

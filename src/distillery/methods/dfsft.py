@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from distillery.config.typed import bounded
 from distillery.errors import UserError
 from distillery.methods.base import StepOutput, TrainingMethod, apply_caption_dropout, flow_matching_loss
 from distillery.models.base import CausalModelBase
@@ -26,7 +27,7 @@ from distillery.models.schedule import FlowMatchSchedule
 
 @dataclass
 class DFSFTConfig:
-    chunk_size: int = 3  # latent frames that share one timestep
+    chunk_size: int = bounded(3, 1, 1024)  # latent frames that share one timestep
     min_timestep_ratio: float = 0.0  # lowest table index drawn, as a fraction of the table
     max_timestep_ratio: float = 1.0  # highest table index drawn (exclusive), as a fraction
     precondition_outputs: bool = False  # loss on x0 instead of on the velocity

@@ -74,6 +74,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from distillery.config.typed import bounded
 from distillery.errors import UserError
 from distillery.methods.base import StepOutput, TrainingMethod
 from distillery.models.base import ModelBase, TrainingBatch
@@ -83,7 +84,7 @@ from distillery.models.schedule import FlowMatchSchedule, euler_step, renoise, x
 @dataclass
 class DMD2Config:
     student_timesteps: list[float] | None = None  # the student's descending ladder in (0, 1000]; null: warped uniform (module doc)
-    num_student_steps: int = 4  # ladder length when student_timesteps is null
+    num_student_steps: int = bounded(4, 1, 1000)  # ladder length when student_timesteps is null
     rollout: Literal["simulate", "data_latent"] = "simulate"  # where the student's sample starts (module doc)
     rollout_renoise: Literal["sde", "ode"] = "sde"  # simulate: fresh noise between steps (sde) or the Euler step (ode)
     generator_update_interval: int = 5  # the student steps at every k-th optimizer step; the critic every step

@@ -51,6 +51,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from distillery.config.typed import bounded
 from distillery.errors import UserError
 from distillery.methods.base import StepOutput, TrainingMethod
 from distillery.models.base import Conditioning, ModelBase
@@ -61,13 +62,13 @@ from distillery.sampling.pdd import PDDFusedSampler
 
 @dataclass
 class PDDConfig:
-    block_size_min: int = 1  # block starts are multiples of this; the carried trajectory's block width
-    block_size_max: int = 8  # widest block trained (and sampled): head k is supervised from starts k − this + 1 … k
+    block_size_min: int = bounded(1, 1, 1000)  # block starts are multiples of this; the carried trajectory's block width
+    block_size_max: int = bounded(8, 1, 1000)  # widest block trained (and sampled): head k is supervised from starts k − this + 1 … k
     rollout: Literal["data_latent", "simulate"] = "data_latent"  # noised data at x_n, or carried on-policy trajectories
     integrator: Literal["euler", "midpoint"] = "euler"  # the teacher's target over one interval: 1 or 2 teacher calls
     teacher_guidance_scale: float = 1.0  # CFG w of the teacher's target velocity (> 1: an unconditional forward too)
-    sampling_steps: int = 4  # the NFE of the artifact's sampling contract (its default)
-    validation_steps: list[int] = field(default_factory=list)  # NFEs the student will be sampled at (checked now)
+    sampling_steps: int = bounded(4, 1, 1000)  # the NFE of the artifact's sampling contract (its default)
+    validation_steps: list[int] = bounded(low=1, high=1000, default_factory=list)  # NFEs the student will be sampled at (checked now)
 
     def __post_init__(self) -> None:
         if self.block_size_min < 1 or self.block_size_max < self.block_size_min:

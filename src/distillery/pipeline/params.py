@@ -1,9 +1,10 @@
 """Reading ``params.yaml`` (the one file a user edits): bounded, parsed, validated whole.
 
 :meth:`Params.load` reads the file within the input bounds of :mod:`distillery.config.limits` (at
-most 1 MiB, strict UTF-8, bounded nesting, strings and integers, no duplicate keys), then checks
-every section against the typed schema of :mod:`distillery.pipeline.params_schema` before any
-stage does work. Every problem is a one-line :class:`UserError` that names the key as the user
+most 1 MiB, strict UTF-8, bounded nesting, strings and integers, no duplicate keys, no alias bombs)
+and as DVC reads it (:mod:`distillery.pipeline.params_file`: a scalar YAML 1.1 and DVC's YAML 1.2
+read differently is refused), then checks every section against the typed schema of
+:mod:`distillery.pipeline.params_schema` before any stage does work. Every problem is a one-line :class:`UserError` that names the key as the user
 wrote it (``params.yaml: teacher.steps: -3: must be ≥ 1``).
 """
 
@@ -12,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from distillery.config.limits import read_yaml_file, show_path
+from distillery.config.limits import show_path
 from distillery.errors import UserError
+from distillery.pipeline.params_file import read_params_file
 from distillery.pipeline.params_schema import ParamsSchema, to_plain, validate_params
 
 
@@ -34,7 +36,7 @@ class Params:
         """Read, bound-check and validate the whole file (see the module doc)."""
         p = Path(path)
         source = show_path(p)
-        data = read_yaml_file(
+        data = read_params_file(
             p, source, "not found; run stages from the pipeline folder (where params.yaml and dvc.yaml are)"
         )
         if data is None:

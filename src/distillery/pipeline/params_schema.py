@@ -24,9 +24,27 @@ from typing import Any, Literal, Union
 
 from distillery.config.limits import cut, path_problem, show, show_key, unknown_key_message
 from distillery.errors import UserError
+from distillery.pipeline.params_file import float_text
 
 TRAINING_STAGES = ("teacher", "pretrain", "distill", "pdd")  # stages that train a model (training_table.TRAINING_STAGES); export picks one
 MAX_SEED = 2**32 - 1  # numpy and torch both take seeds in [0, 2**32)
+# Upper bounds: far beyond any real run, low enough that what they size (a tensor, a loop) fits a machine.
+MAX_GPUS_PER_NODE = 64
+MAX_NODES = 1024
+MAX_CLIPS = 100_000  # synthetic clips of one set
+MAX_FRAMES = 1025  # frames per clip (Wan2.1: 81; 4k+1)
+MAX_LATENT_FRAMES = (MAX_FRAMES - 1) // 4 + 1
+MAX_PIXELS = 4096  # frame height or width (Wan2.1 at 720p: 1280)
+MIN_FPS, MAX_FPS = 1, 240  # frames per second (a video stream's rate must be a ratio of small integers)
+MAX_STEPS = 10_000_000  # optimizer steps of one stage
+MAX_BATCH = 4096  # samples per rank per step
+MAX_LEARNING_RATE = 1e12  # no allocation follows from it: a rate that makes the loss diverge stops at the first NaN (case 8.10 injects 1e12)
+MAX_ROWS_PER_SHARD = 100_000
+MAX_SAMPLING_STEPS = 1000  # a sampler or grid over the 1000 training timesteps (DESIGN.md §4)
+MAX_GUIDANCE = 100.0
+MAX_PROMPTS = 10_000
+MAX_SEEDS = 1000
+MAX_CURVE = 64  # step counts / NFEs in one validation curve
 
 Check = Callable[[Any], "str | None"]
 
@@ -34,6 +52,22 @@ Check = Callable[[Any], "str | None"]
 # -- checks: each returns what is wrong with an already type-checked value, or None --------------
 def at_least(low: int | float) -> Check:
     return lambda v: None if v >= low else f"must be ≥ {low}"
+
+
+def at_most(high: int | float) -> Check:
+    return lambda v: None if v <= high else f"must be ≤ {high}"
+
+
+def within(low: int | float, high: int | float) -> Check:
+    """``low ≤ v ≤ high``, naming the side it breaks."""
+    return all_of(at_least(low), at_most(high))
+
+
+def all_of(*checks: Check) -> Check:
+    """The first problem any of ``checks`` finds."""
+    def check(v: Any) -> str | None:
+        return next((p for p in (c(v) for c in checks) if p), None)
+    return check
 
 
 def positive_finite(v: float) -> str | None:
@@ -93,8 +127,21 @@ def device_name(v: str) -> str | None:
 def step_list(v: list[int]) -> str | None:
     if not v:
         return "must list at least one step count"
+    if len(v) > MAX_CURVE:
+        return f"at most {MAX_CURVE} step counts"
     bad = [s for s in v if s < 1]
-    return f"step counts must be ≥ 1, got {show(bad[0])}" if bad else None
+    if bad:
+        return f"step counts must be ≥ 1, got {show(bad[0])}"
+    big = [s for s in v if s > MAX_SAMPLING_STEPS]
+    return f"step counts must be ≤ {MAX_SAMPLING_STEPS}, got {show(big[0])}" if big else None
+
+
+RATE = all_of(positive_finite, within(MIN_FPS, MAX_FPS))
+LEARNING_RATE = all_of(positive_finite, at_most(MAX_LEARNING_RATE))
+GUIDANCE = all_of(non_negative_finite, at_most(MAX_GUIDANCE))
+FRAMES = all_of(four_k_plus_one, at_most(MAX_FRAMES))
+PIXELS = all_of(frame_size, at_most(MAX_PIXELS))
+SAMPLING_STEPS = within(1, MAX_SAMPLING_STEPS)
 
 
 def rule(default: Any, check: Check | None = None) -> Any:
@@ -107,18 +154,18 @@ def rule(default: Any, check: Check | None = None) -> Any:
 # -- the sections -------------------------------------------------------------------------------
 @dataclass
 class GpusParams:
-    nproc_per_node: int = rule(1, at_least(1))  # processes (GPUs) per node that torchrun starts
-    nnodes: int = rule(1, at_least(1))  # nodes; > 1 needs rdzv_endpoint
+    nproc_per_node: int = rule(1, within(1, MAX_GPUS_PER_NODE))  # processes (GPUs) per node that torchrun starts
+    nnodes: int = rule(1, within(1, MAX_NODES))  # nodes; > 1 needs rdzv_endpoint
     rdzv_endpoint: str | None = rule(None, host_port)  # host:port of the c10d rendezvous (needed when nnodes > 1)
 
 
 @dataclass
 class ClipsParams:
-    num_train: int = rule(96, at_least(1))  # synthetic training clips
-    num_validation: int = rule(24, at_least(0))  # synthetic validation clips (0: validate on train captions)
-    num_frames: int = rule(17, four_k_plus_one)  # frames per clip (also the latents' and validation videos' length)
-    size: int = rule(32, frame_size)  # frame height = width in pixels (clips, latents, validation)
-    fps: float = rule(8, positive_finite)  # frames per second of the clips (and of the latents' resampling)
+    num_train: int = rule(96, within(1, MAX_CLIPS))  # synthetic training clips
+    num_validation: int = rule(24, within(0, MAX_CLIPS))  # synthetic validation clips (0: validate on train captions)
+    num_frames: int = rule(17, FRAMES)  # frames per clip (also the latents' and validation videos' length)
+    size: int = rule(32, PIXELS)  # frame height = width in pixels (clips, latents, validation)
+    fps: float = rule(8, RATE)  # frames per second of the clips (and of the latents' resampling)
 
 
 @dataclass
@@ -129,27 +176,27 @@ class BaseParams:
 @dataclass
 class LatentsParams:
     data: str | None = rule(None, optional_path)  # null: the clips stage's output; or a folder of videos/ + captions
-    rows_per_shard: int = rule(64, at_least(1))  # caption entries per parquet shard
+    rows_per_shard: int = rule(64, within(1, MAX_ROWS_PER_SHARD))  # caption entries per parquet shard
     max_bad_fraction: float = rule(0.5, fraction)  # fail when more than this fraction of the clips is unusable
-    num_frames: int | None = rule(None, optional(four_k_plus_one))  # frames per latent clip; null: clips.num_frames
-    height: int | None = rule(None, optional(frame_size))  # pixels; null: clips.size (Wan2.1 at 480p: 480)
-    width: int | None = rule(None, optional(frame_size))  # pixels; null: clips.size (Wan2.1 at 480p: 832)
-    fps: float | None = rule(None, optional(positive_finite))  # resampling rate; null: clips.fps
+    num_frames: int | None = rule(None, optional(FRAMES))  # frames per latent clip; null: clips.num_frames
+    height: int | None = rule(None, optional(PIXELS))  # pixels; null: clips.size (Wan2.1 at 480p: 480)
+    width: int | None = rule(None, optional(PIXELS))  # pixels; null: clips.size (Wan2.1 at 480p: 832)
+    fps: float | None = rule(None, optional(RATE))  # resampling rate; null: clips.fps
     device: str = rule("auto", device_name)  # VAE + text encoder: auto (the GPU when gpus.nproc_per_node >= 1 and CUDA is there), cpu, cuda[:N]
 
 
 @dataclass
 class TrainingStageParams:
-    steps: int = rule(120, at_least(1))  # optimizer steps of the stage's run
-    batch_size: int = rule(16, at_least(1))  # samples per rank per step
-    learning_rate: float = rule(2.0e-4, positive_finite)  # peak learning rate
-    save_every: int = rule(40, at_least(0))  # steps between checkpoints (0: only the final one)
+    steps: int = rule(120, within(1, MAX_STEPS))  # optimizer steps of the stage's run
+    batch_size: int = rule(16, within(1, MAX_BATCH))  # samples per rank per step
+    learning_rate: float = rule(2.0e-4, LEARNING_RATE)  # peak learning rate
+    save_every: int = rule(40, within(0, MAX_STEPS))  # steps between checkpoints (0: only the final one)
     activation_checkpointing: bool = rule(False)  # recompute block activations in backward (real-shape causal/distill runs need it on one GPU)
 
 
 @dataclass
 class PretrainParams(TrainingStageParams):
-    chunk_size: int = rule(1, at_least(1))  # latent frames that share one timestep (Diffusion-Forcing)
+    chunk_size: int = rule(1, within(1, MAX_LATENT_FRAMES))  # latent frames that share one timestep (Diffusion-Forcing)
 
 
 def score_ratio(v: float) -> str | None:
@@ -158,39 +205,39 @@ def score_ratio(v: float) -> str | None:
 
 @dataclass
 class DistillParams(TrainingStageParams):
-    steps: int = rule(150, at_least(1))
-    learning_rate: float = rule(1.0e-4, positive_finite)  # the student's peak learning rate
-    save_every: int = rule(50, at_least(0))
+    steps: int = rule(150, within(1, MAX_STEPS))
+    learning_rate: float = rule(1.0e-4, LEARNING_RATE)  # the student's peak learning rate
+    save_every: int = rule(50, within(0, MAX_STEPS))
     method: Literal["self_forcing", "dmd2"] = rule("self_forcing")  # self_forcing: causal student rolled out chunk by chunk; dmd2: bidirectional
-    student_steps: int = rule(4, at_least(1))  # the student's timestep ladder length (its sampling steps)
-    critic_learning_rate: float = rule(2.0e-4, positive_finite)  # the critic's (fake score's) peak learning rate
-    generator_update_interval: int = rule(2, at_least(1))  # the student steps every k-th step; the critic every step
-    guidance_scale: float = rule(4.0, non_negative_finite)  # the teacher's CFG scale in the real score
+    student_steps: int = rule(4, SAMPLING_STEPS)  # the student's timestep ladder length (its sampling steps)
+    critic_learning_rate: float = rule(2.0e-4, LEARNING_RATE)  # the critic's (fake score's) peak learning rate
+    generator_update_interval: int = rule(2, within(1, 1000))  # the student steps every k-th step; the critic every step
+    guidance_scale: float = rule(4.0, GUIDANCE)  # the teacher's CFG scale in the real score
     context_noise: float = rule(0.0, score_ratio)  # self_forcing: timestep of the KV-cached context chunks (0: clean)
 
 
 @dataclass
 class PDDParams(TrainingStageParams):
-    steps: int = rule(120, at_least(1))
-    learning_rate: float = rule(1.0e-4, positive_finite)  # the student's (trunk and heads) peak learning rate
-    save_every: int = rule(40, at_least(0))
+    steps: int = rule(120, within(1, MAX_STEPS))
+    learning_rate: float = rule(1.0e-4, LEARNING_RATE)  # the student's (trunk and heads) peak learning rate
+    save_every: int = rule(40, within(0, MAX_STEPS))
     student_init: Literal["teacher", "distill"] = rule("teacher")  # the student starts from the teacher or the distill student
-    pdd_steps: int = rule(8, at_least(1))  # fine-grid intervals = the student's output heads (its most-NFE sampling)
-    block_size_min: int = rule(1, at_least(1))  # block starts are multiples of this (simulate: the carried block)
-    block_size_max: int = rule(8, at_least(1))  # widest block trained; sampling at N NFE needs ⌈pdd_steps / N⌉ ≤ this
+    pdd_steps: int = rule(8, SAMPLING_STEPS)  # fine-grid intervals = the student's output heads (its most-NFE sampling)
+    block_size_min: int = rule(1, SAMPLING_STEPS)  # block starts are multiples of this (simulate: the carried block)
+    block_size_max: int = rule(8, SAMPLING_STEPS)  # widest block trained; sampling at N NFE needs ⌈pdd_steps / N⌉ ≤ this
     rollout: Literal["data_latent", "simulate"] = rule("simulate")  # carried on-policy trajectories, or noised data at the block start
     integrator: Literal["euler", "midpoint"] = rule("euler")  # the teacher's target over one interval (1 or 2 teacher calls)
-    guidance_scale: float = rule(4.0, non_negative_finite)  # the teacher's CFG in the targets (distilled in: sampled without)
-    sampling_steps: int = rule(4, at_least(1))  # the NFE the artifact's sampling contract (and export) default to
+    guidance_scale: float = rule(4.0, GUIDANCE)  # the teacher's CFG in the targets (distilled in: sampled without)
+    sampling_steps: int = rule(4, SAMPLING_STEPS)  # the NFE the artifact's sampling contract (and export) default to
 
 
 @dataclass
 class ValidateParams:
-    num_prompts: int = rule(8, at_least(1))  # validation captions sampled per model
-    num_seeds: int = rule(2, at_least(1))  # noise draws per prompt (spreads are over them)
+    num_prompts: int = rule(8, within(1, MAX_PROMPTS))  # validation captions sampled per model
+    num_seeds: int = rule(2, within(1, MAX_SEEDS))  # noise draws per prompt (spreads are over them)
     teacher_steps: list[int] = rule([40, 8, 4, 2, 1], step_list)  # the teacher's sampling step counts (the first: the reference)
-    pretrain_steps: int = rule(40, at_least(1))  # the pretrain student's sampling steps
-    guidance_scale: float = rule(4.0, non_negative_finite)  # CFG scale of the teacher baselines
+    pretrain_steps: int = rule(40, SAMPLING_STEPS)  # the pretrain student's sampling steps
+    guidance_scale: float = rule(4.0, GUIDANCE)  # CFG scale of the teacher baselines
     pdd_nfe: list[int] = rule([1, 2, 4, 8], step_list)  # the PDD student's NFE curve (blocks of pdd_steps / NFE)
     device: str = rule("auto", device_name)  # auto: the GPU when gpus.nproc_per_node >= 1 and CUDA is there, else cpu
 
@@ -253,7 +300,7 @@ def _type_problem(value: Any, tp: Any) -> str | None:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return None
         if isinstance(value, str) and _reads_as_float(value):
-            return f"expected a number; YAML reads {value} as text: write it with a dot and a signed exponent, e.g. {_yaml_float(value)}"
+            return f"expected a number; YAML reads {value} as text: write it with a dot and a signed exponent, e.g. {float_text(value)}"
         return "expected a number"
     if tp is str:
         return None if isinstance(value, str) else "expected a string"
@@ -268,15 +315,6 @@ def _reads_as_float(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _yaml_float(text: str) -> str:
-    mantissa, _, exponent = text.lower().partition("e")
-    if "." not in mantissa:
-        mantissa += ".0"
-    if exponent and exponent[0] not in "+-":
-        exponent = "+" + exponent
-    return f"{mantissa}e{exponent}" if exponent else mantissa
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -89,12 +89,14 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     """Run one stage: one writer at a time, dies with whoever started it, checked for room before
     working, and on any failure leaves the previous ``artifacts/<name>`` as it was."""
     from distillery.pipeline.dvcfile import stage_params
-    from distillery.pipeline.preflight import check_free_space, check_writable, disk_error
+    from distillery.pipeline.preflight import check_batch, check_free_space, check_memory, check_writable, disk_error
     from distillery.procutil import AncestorWatch, exclusive_lock
 
     if name not in STAGES:
         raise UserError(f"unknown stage {name!r}; valid: {', '.join(STAGES)}")
     params = Params.load(params_path)
+    check_memory(name, params)  # from the params (and the latent set's counts) alone: before anything is touched
+    check_batch(name, params, ARTIFACTS)
     declared = StageParams(params, name, stage_params(name))
     _use_workspace_hash_cache()
     watch = AncestorWatch(lambda: _orphaned(name))

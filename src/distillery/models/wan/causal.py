@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from distillery.config.typed import bounded
 from distillery.models.base import CausalModelBase, Conditioning, TrainingBatch
 from distillery.models.wan.bidirectional import WanModel
 from distillery.models.wan.common import WanModelConfig
@@ -45,7 +46,7 @@ from distillery.models.wan.common import WanModelConfig
 
 @dataclass
 class CausalWanModelConfig(WanModelConfig):
-    chunk_size: int = 3  # latent frames per causal chunk (a frame attends to its chunk and every earlier one)
+    chunk_size: int = bounded(3, 1, 1024)  # latent frames per causal chunk (a frame attends to its chunk and every earlier one)
 
     def __post_init__(self) -> None:
         super().__post_init__()

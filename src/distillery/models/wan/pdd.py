@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from distillery.config.typed import bounded
 from distillery.errors import UserError
 from distillery.models.base import Conditioning, TrainingBatch
 from distillery.models.schedule import block_weights
@@ -95,7 +96,7 @@ def _project_with_head_bank(module: torch.nn.Module, args: tuple, output: torch.
 
 @dataclass
 class PDDWanModelConfig(WanModelConfig):
-    pdd_steps: int = 8  # fine-grid intervals = heads of the bank
+    pdd_steps: int = bounded(8, 1, 1000)  # fine-grid intervals = heads of the bank
 
     def __post_init__(self) -> None:
         super().__post_init__()
