@@ -36,6 +36,14 @@ Trust model of :func:`verify_lineage` (``distillery lineage --verify``):
   current directory) against its own manifest, and that manifest against the one embedded here.
 - manifests written before the seal existed verify with a warning (``unsealed``), and never
   satisfy ``expect``.
+- an artifact carries no code: a code file (:data:`CODE_SUFFIXES`: Python source, bytecode,
+  native modules) anywhere in it is ``refused``, an export's own ``pipeline.py`` excepted, and so is
+  a ``model_index.json`` entry naming a module outside diffusers/transformers (diffusers would
+  import it from the folder under ``trust_remote_code``).
+
+:func:`verify_chain` (the export stage, before it publishes) reads every byte of its input
+artifacts and of every upstream artifact present, against their own manifests and the embedded
+ones: the stages' hash cache, like DVC, trusts size and mtime, and this does not.
 
 Stdlib (+ PyYAML to read a dvc.lock) only: the training library and the stages both call it; it
 never imports DVC or Prefect.
@@ -1065,6 +1073,7 @@ class ChainCheck:
     problems: list[str]  # one line per problem, each naming the artifact by its path
     failed: list[str]  # the path of each artifact with a problem, in the order found
     digests: dict[str, str]  # normalised path of each artifact checked -> its manifest digest
+    contents: dict[str, str] = dataclasses.field(default_factory=dict)  # same paths -> tree_digest of its outputs
     files: int = 0  # files rehashed
     bytes_read: int = 0  # bytes read to rehash them
     seconds: float = 0.0  # wall time of the check
@@ -1079,7 +1088,9 @@ def verify_chain(folders: Sequence[str | Path]) -> ChainCheck:
     """Read every byte of each artifact in ``folders`` and of every upstream artifact their
     manifests embed that is present at its recorded path (relative to the current directory), and
     check each against its own lineage.json (seal, files, code files; as ``--verify``, never the
-    hash cache) and that manifest against the one embedded downstream (as ``--recursive``).
+    hash cache), and its recorded files against those of the manifest embedded downstream: an
+    upstream artifact whose content is not what its consumer was made from is a problem; one whose
+    record alone differs (an older copy of the same bytes: other times and run ids) is not.
 
     Each artifact folder is read once however often the chain names it (the base under latents,
     teacher and export). Inputs without a lineage (an external base folder, a user's videos) are not
@@ -1094,6 +1105,10 @@ def verify_chain(folders: Sequence[str | Path]) -> ChainCheck:
         check.problems.append(problem)
         if path not in check.failed:
             check.failed.append(path)
+
+    def content(manifest: Mapping[str, Any]) -> str:
+        outputs = manifest.get("outputs")
+        return tree_digest(e for e in outputs if isinstance(e, Mapping)) if isinstance(outputs, list) else "?"
 
     queue: list[tuple[str, str, str | None, str]] = [(str(f), os.path.normpath(f), None, "") for f in folders]
     while queue:
@@ -1112,17 +1127,19 @@ def verify_chain(folders: Sequence[str | Path]) -> ChainCheck:
                 fail(shown, f"{_cut(shown)}: {exc}")
                 continue
             check.digests[key] = folder.result.manifest_digest
+            check.contents[key] = content(folder.manifest)
             check.files += folder.result.files
             check.bytes_read += folder.result.bytes_read
-            if folder.result.problems:
-                fail(shown, f"{_cut(shown)} does not match its {LINEAGE_FILE}: {folder.result.problems[0]}"
-                                      + (f" (+{len(folder.result.problems) - 1} more)" if len(folder.result.problems) > 1 else ""))
+            found = folder.result.problems
+            if found:
+                more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
+                fail(shown, f"{_cut(shown)} does not match its {LINEAGE_FILE}: {found[0]}{more}")
             for inp in folder.manifest.get("inputs") or []:
                 if isinstance(inp, Mapping) and isinstance(inp.get("lineage"), Mapping) and isinstance(inp.get("path"), str):
-                    queue.append((inp["path"], os.path.normpath(inp["path"]), manifest_digest(inp["lineage"]), shown))
-        if expected is not None and key in check.digests and check.digests[key] != expected:
-            fail(shown, f"{_cut(shown)}: its manifest digest {check.digests[key][:12]}… != {expected[:12]}… "
-                                  f"embedded in {_cut(made_into)} (changed or rerun after {_cut(made_into)} was made)")
+                    queue.append((inp["path"], os.path.normpath(inp["path"]), content(inp["lineage"]), shown))
+        if expected is not None and key in check.contents and check.contents[key] != expected:
+            fail(shown, f"{_cut(shown)}: its files (sha256 {check.contents[key][:12]}…) are not the ones "
+                        f"{_cut(made_into)} was made from ({expected[:12]}…): rerun or replaced after it")
     check.problems = list(dict.fromkeys(check.problems))
     check.seconds = time.perf_counter() - started
     return check

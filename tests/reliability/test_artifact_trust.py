@@ -23,7 +23,7 @@ import yaml
 
 from distillery.cli import build_parser
 from distillery.guard import run_guarded
-from distillery.lineage import DIGEST_KEY, Input, manifest_digest, write_lineage
+from distillery.lineage import DIGEST_KEY, Input, hash_tree, manifest_digest, verify_chain, write_lineage
 from distillery.tinybase.shipped import shipped_tiny_base
 
 from workspace import copy_workspace, env, error_lines, set_params, sh, stage, tree_sha
@@ -379,7 +379,8 @@ def _older_copy(artifact: Path) -> None:
                          injected="finished teacher; swap artifacts/latents for an older copy with the same files (its "
                                   "lineage.json from another run: times, MLflow run, commit); the teacher's resume check",
                          expect="the resume key matches runs/teacher/resume_key.json: every checkpoint kept (no "
-                                "retrain from step 0); a changed latent byte still changes the key")
+                                "retrain from step 0), and the export's chain check accepts it; a changed latent byte "
+                                "still changes the key and, recorded consistently, fails the chain check")
 def test_resume_keys_on_content(trained, tmp_path, monkeypatch, capsys, data_lost):
     from distillery.engine.checkpoint.manager import list_checkpoints
     from distillery.pipeline.resume_key import key_mismatch, read_key, resume_key
@@ -404,8 +405,16 @@ def test_resume_keys_on_content(trained, tmp_path, monkeypatch, capsys, data_los
     assert data_lost.total == 0, key_mismatch(saved, key)
     assert key_mismatch(saved, key) is None
 
+    assert verify_chain(["artifacts/teacher"]).ok  # the export's chain check takes the older copy too: same content
+
     shard = sorted(Path("artifacts/latents/data/train").glob("*.parquet"))[0]
     raw_bytes = bytearray(shard.read_bytes())
     raw_bytes[len(raw_bytes) // 2] ^= 0xFF
     shard.write_bytes(bytes(raw_bytes))
     assert key_mismatch(saved, resume_key("teacher", raw, inputs)) == "changed: input data"
+    m = json.loads(Path("artifacts/latents/lineage.json").read_text())  # other content, recorded consistently
+    m["outputs"] = hash_tree(Path("artifacts/latents"))
+    m[DIGEST_KEY] = manifest_digest(m)
+    Path("artifacts/latents/lineage.json").write_text(json.dumps(m))
+    chain = verify_chain(["artifacts/teacher"])
+    assert chain.failed == ["artifacts/latents"] and "are not the ones artifacts/teacher was made from" in chain.problems[0]
