@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from distillery.guard import run_guarded
 from distillery.lineage import DIGEST_KEY, Input, hash_tree, manifest_digest, verify_chain, write_lineage
 from distillery.tinybase.shipped import shipped_tiny_base
 
-from workspace import copy_workspace, env, error_lines, set_params, sh, stage, tree_sha
+from workspace import copy_workspace, error_lines, set_params, sh, stage, tree_sha
 
 slow = pytest.mark.slow  # the tests that work on a copy of a DAG workspace
 TEACHER_WEIGHTS = Path("artifacts/teacher/model/transformer/diffusion_pytorch_model.safetensors")
@@ -119,7 +118,7 @@ def test_base_naming_foreign_code_is_refused(ws, tmp_path, data_lost):
     assert len(lines) == 1 and "scheduler" in lines[0] and "evil_sched" in lines[0], out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     data_lost.record(0 if tree_sha(ws / "artifacts" / "base") == before else 1, "previous base artifacts changed")
-    
+
     stray = tmp_path / "stray-wan"
     shutil.copytree(shipped_tiny_base(), stray)
     (stray / "scheduler" / "helper.py").write_text("raise SystemExit('never imported')\n")
