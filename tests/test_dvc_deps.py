@@ -109,6 +109,16 @@ def test_a_stage_sees_only_its_dvc_params():
     assert list(view.recorded()) == ["seed", "gpus", "teacher"]  # lineage: dvc.yaml's order
 
 
+def test_every_out_is_persist():
+    """DVC deletes a stage's outs before running it unless they are ``persist``: a failed run would
+    leave no artifact, and no ``metrics/<stage>.json`` or plots file (``D metrics/clips.json`` in
+    git). Every out, metrics and plots file of every stage is persist; the stage replaces each when
+    it succeeds (case 9.12)."""
+    for name, spec in load_dvc_stages(ROOT).items():
+        assert spec.all_outs and sorted(spec.persisted) == sorted(spec.all_outs), \
+            f"stage {name}: outs without persist: true: {sorted(set(spec.all_outs) - set(spec.persisted))}"
+
+
 def test_code_deps_exist():
     for name, spec in load_dvc_stages(ROOT).items():
         missing = [d for d in spec.deps if _is_code(d) and not (ROOT / d).exists()]

@@ -67,9 +67,22 @@ def load_role_weights(checkpoint: Path, role: str, module: torch.nn.Module, ema:
                 params[n].copy_(t)
 
 
+def check_out_folder(out: Path) -> None:
+    """``out`` can be the export's folder: a folder there, or nothing there and no file on its way
+    (a one-line :class:`UserError` otherwise, before any weight is loaded)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"export: --out {out} is a file, not a folder; name a folder (created when missing)")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"export: --out {out}: {parent} is a file, not a folder; name a folder")
+            break
+
+
 def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str | None = None) -> Path:
     """Write ``<out>/transformer/`` for ``role`` of ``checkpoint``; returns that folder."""
     ckpt = Path(checkpoint)
+    check_out_folder(Path(out))
     require_intact(ckpt, "export", "not exported")
     meta = json.loads((ckpt / "metadata.json").read_text())
     if role not in meta.get("roles", []):
@@ -80,7 +93,10 @@ def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str 
     out_dir = Path(out)
     final = out_dir / "transformer"
     tmp = out_dir / ".tmp-transformer"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"export: cannot create --out {out_dir}: {exc.strerror or exc}") from None
     if tmp.exists():
         shutil.rmtree(tmp)
     module.save_pretrained(tmp, safe_serialization=True)

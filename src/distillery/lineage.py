@@ -36,6 +36,14 @@ Trust model of :func:`verify_lineage` (``distillery lineage --verify``):
   current directory) against its own manifest, and that manifest against the one embedded here.
 - manifests written before the seal existed verify with a warning (``unsealed``), and never
   satisfy ``expect``.
+- an artifact carries no code: a code file (:data:`CODE_SUFFIXES`: Python source, bytecode,
+  native modules) anywhere in it is ``refused``, an export's own ``pipeline.py`` excepted, and so is
+  a ``model_index.json`` entry naming a module outside diffusers/transformers (diffusers would
+  import it from the folder under ``trust_remote_code``).
+
+:func:`verify_chain` (the export stage, before it publishes) reads every byte of its input
+artifacts and of every upstream artifact present, against their own manifests and the embedded
+ones: the stages' hash cache, like DVC, trusts size and mtime, and this does not.
 
 Stdlib (+ PyYAML to read a dvc.lock) only: the training library and the stages both call it; it
 never imports DVC or Prefect.
@@ -71,6 +79,13 @@ _REQUIRED_KEYS = ("artifact", "kind", "stage", "inputs", "outputs")
 _CHUNK = 1 << 20  # bytes read per hashing step
 _TMP_PREFIX = f".{LINEAGE_FILE}.tmp-"  # write_lineage's own in-flight temp file (top level only)
 _SHOWN = 120  # characters of a user value echoed in a message
+MAX_MANIFEST_DEPTH = 100  # JSON nesting of a lineage.json (a whole export chain: ~30); deeper is refused, unread
+_MAX_LOCK_DEPTH = 64  # YAML nesting of a dvc.lock / .dvc file (real ones: ~6)
+# files an artifact never carries: Python source, bytecode and native modules, which a loader could import
+CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyd", ".pyw", ".pyx", ".so", ".dylib", ".dll")
+EXPORT_OWN_CODE = ("pipeline.py",)  # the one code file an export ships: its own pipeline (distillery.export_pipeline)
+MODEL_LIBRARIES = ("diffusers", "transformers")  # the libraries a model_index.json component may come from
+_INDEX_FILE = "model_index.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +107,19 @@ class VerifyResult:
     manifest_digest: str = ""  # manifest_digest() of lineage.json as it is now
     sealed: bool = False  # the manifest records its own digest (manifest_sha256)
     notes: list[str] = dataclasses.field(default_factory=list)  # informational lines and warnings
+    bytes_read: int = 0  # bytes of the artifact's own files read to rehash them
 
 
 def _cut(value: Any, limit: int = _SHOWN) -> str:
     """``value`` as text, cut to ``limit`` characters for a readable message."""
     s = str(value)
     return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def is_code_file(name: str) -> bool:
+    """Whether a file named ``name`` (a path's last part) is code a loader could import
+    (:data:`CODE_SUFFIXES`): an artifact carries none, an export only its own ``pipeline.py``."""
+    return name.lower().endswith(CODE_SUFFIXES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,10 +461,18 @@ def read_lineage(path: str | Path) -> dict[str, Any]:
     p = _manifest_path(path)
     if not p.is_file():
         raise UserError(f"no {LINEAGE_FILE} at {p}: is {path} an artifact folder written by a distillery stage?")
+    too_deep = (f"{_cut(p)} is nested deeper than {MAX_MANIFEST_DEPTH} levels: not a lineage manifest (a whole "
+                f"export chain is ~30); rerun the stage that wrote it")
     try:
         manifest = json.loads(p.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{p} is not valid JSON ({exc}); rerun the stage that wrote it") from None
+    except RecursionError:  # nested deeper than the JSON parser goes
+        raise UserError(too_deep) from None
+    except OSError as exc:
+        raise UserError(f"cannot read {_cut(p)}: {exc.strerror or exc}") from None
+    if _deeper_than(manifest, MAX_MANIFEST_DEPTH):
+        raise UserError(too_deep)
     if not isinstance(manifest, dict):
         raise UserError(f"{p} is not a lineage manifest (expected a JSON object)")
     missing = [k for k in _REQUIRED_KEYS if k not in manifest]
@@ -450,6 +480,72 @@ def read_lineage(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{p} is not a lineage manifest: missing key(s) {', '.join(missing)} "
                         f"(expected {', '.join(MANIFEST_KEYS)})")
     return manifest
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON ``value`` nests lists/objects more than ``limit`` levels (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def _shape_problem(m: Any, where: str) -> str | None:
+    """Why one manifest node (not its embedded inputs) cannot be shown as a tree node, or None."""
+    if not isinstance(m, Mapping):
+        return f"{where or 'the manifest'}: expected an object, got {_cut(json.dumps(m, default=str), 40)}"
+    at = f"{where}." if where else ""
+
+    def got(key: str) -> str:
+        return _cut(json.dumps(m.get(key), default=str), 40)
+
+    outputs = m.get("outputs")
+    if outputs is not None and not (isinstance(outputs, list) and all(_is_file_entry(e) for e in outputs)):
+        return f"{at}outputs: expected a list of {{path, sha256, bytes}} entries, got {got('outputs')}"
+    inputs = m.get("inputs")
+    if inputs is not None and not (isinstance(inputs, list) and all(isinstance(i, Mapping) for i in inputs)):
+        return f"{at}inputs: expected a list of input entries, got {got('inputs')}"
+    for i, inp in enumerate(inputs or []):
+        files = inp.get("files")
+        if files is not None and not (isinstance(files, list) and all(_is_file_entry(e) for e in files)):
+            return f"{at}inputs[{i}].files: expected a list of {{path, sha256, bytes}} entries, got {_cut(json.dumps(files, default=str), 40)}"
+        if inp.get("lineage") is not None and not isinstance(inp.get("lineage"), Mapping):
+            return f"{at}inputs[{i}].lineage: expected an object or null, got {_cut(json.dumps(inp.get('lineage'), default=str), 40)}"
+    for key in ("code", "mlflow"):
+        if m.get(key) is not None and not isinstance(m.get(key), Mapping):
+            return f"{at}{key}: expected an object or null, got {got(key)}"
+    commit = (m.get("code") or {}).get("git_commit")
+    if commit is not None and not isinstance(commit, str):
+        return f"{at}code.git_commit: expected a string or null, got {_cut(json.dumps(commit, default=str), 40)}"
+    return None
+
+
+def _is_file_entry(e: Any) -> bool:
+    size = e.get("bytes") if isinstance(e, Mapping) else None
+    return isinstance(e, Mapping) and (size is None or (isinstance(size, int) and not isinstance(size, bool)))
+
+
+def manifest_shape_problem(manifest: Any) -> str | None:
+    """Why ``manifest`` (and each manifest embedded in it) is not shaped as :func:`write_lineage`
+    writes it, as far as :func:`lineage_tree` reads it (``outputs``/``files`` lists of file entries,
+    ``inputs`` a list of objects, ``code``/``mlflow`` objects); None when it is. Walked without
+    recursion; names the first problem by its path (``inputs[0].lineage.outputs``)."""
+    stack: list[tuple[Any, str]] = [(manifest, "")]
+    while stack:
+        node, where = stack.pop()
+        problem = _shape_problem(node, where)
+        if problem:
+            return problem
+        for i, inp in reversed(list(enumerate(node.get("inputs") or []))):
+            if isinstance(inp.get("lineage"), Mapping):
+                stack.append((inp["lineage"], f"{where + '.' if where else ''}inputs[{i}].lineage"))
+    return None
 
 
 def _fmt_value(v: Any, limit: int = 32) -> str:
@@ -524,7 +620,7 @@ def _render(m: Mapping[str, Any], head: str, first: str, rest: str, out: list[st
         role = f"{inp.get('role')}: "
         sub = inp.get("lineage")
         digest = str(inp.get("sha256") or "?")
-        key = ("artifact", sub.get(DIGEST_KEY) or digest) if isinstance(sub, Mapping) else ("external", digest)
+        key = ("artifact", str(sub.get(DIGEST_KEY) or digest)) if isinstance(sub, Mapping) else ("external", digest)
         if key in seen:  # the same artifact (same sealed manifest, or the same external files) once more
             what = f"{sub.get('stage')} [{sub.get('kind')}]  {sub.get('artifact')}" if isinstance(sub, Mapping) \
                 else f"{inp.get('path')}  (external)"
@@ -547,7 +643,7 @@ def artifacts_once(manifest: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     out: list[Mapping[str, Any]] = []
 
     def walk(m: Mapping[str, Any]) -> None:
-        key = m.get(DIGEST_KEY) or id(m)
+        key = str(m.get(DIGEST_KEY) or id(m))
         if key in seen:
             return
         seen.add(key)
@@ -566,7 +662,11 @@ def lineage_tree(manifest: Mapping[str, Any]) -> str:
     MLflow run, a few metrics); inputs without lineage are leaves with their digest. Each artifact
     is shown in full once, depth first; where the same one is an input again (the base under
     latents, teacher and export; the teacher as a distilled student's teacher and critic) it is one
-    line ending in ``(shown above)`` with its digest."""
+    line ending in ``(shown above)`` with its digest. A manifest not shaped as a stage writes it
+    (:func:`manifest_shape_problem`) is a one-line :class:`UserError` naming the malformed field."""
+    problem = manifest_shape_problem(manifest)
+    if problem:
+        raise UserError(f"malformed lineage manifest: {problem} (`distillery lineage PATH --json` prints it as it is)")
     out: list[str] = []
     _render(manifest, "", "", "", out, set())
     return "\n".join(out)
@@ -636,6 +736,41 @@ def _check_inputs(inputs: Any, chain: str, problems: list[str]) -> None:
             _check_inputs(sub.get("inputs", []), name, problems)
 
 
+def _index_problems(path: Path) -> list[str]:
+    """Entries of a ``model_index.json`` that name code from outside :data:`MODEL_LIBRARIES` —
+    which diffusers imports from the folder itself (``["evil_sched", "EvilScheduler"]`` →
+    ``<component>/evil_sched.py``; a ``_class_name`` given as ``[module, class]`` → ``<module>.py``)."""
+    try:
+        index = json.loads(path.read_text(encoding="utf-8")) if path.stat().st_size <= 1 << 20 else None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return ["not readable JSON"]
+    if not isinstance(index, dict):
+        return ["not a JSON object"]
+    problems = []
+    if isinstance(index.get("_class_name"), list):
+        problems.append(f"_class_name: {_cut(json.dumps(index['_class_name']), 80)}: a [module, class] pair, which "
+                        f"diffusers would import from the folder")
+    for key, value in index.items():
+        if isinstance(key, str) and not key.startswith("_") and isinstance(value, list) and len(value) == 2 \
+                and value[0] is not None and value[0] not in MODEL_LIBRARIES:
+            problems.append(f"{_cut(key, 40)}: {_cut(json.dumps(value), 80)} names code from outside "
+                            f"{'/'.join(MODEL_LIBRARIES)}, which diffusers would import from the folder")
+    return problems
+
+
+def _code_problems(listing: _Listing, kind: Any) -> list[str]:
+    """Code an artifact carries: every code file (:func:`is_code_file`) but an export's own
+    ``pipeline.py``, and every ``model_index.json`` entry naming code from outside the libraries."""
+    own = EXPORT_OWN_CODE if kind == "export" else ()
+    problems = [f"refused: {_cut(rel)} (a code file: an artifact carries no code"
+                f"{', an export only its own ' + ', '.join(own) if own else ''})"
+                for rel in sorted(listing.files) if is_code_file(rel.rsplit("/", 1)[-1]) and rel not in own]
+    for rel in sorted(listing.files):
+        if rel.rsplit("/", 1)[-1] == _INDEX_FILE:
+            problems.extend(f"refused: {_cut(rel)}: {q}" for q in _index_problems(listing.files[rel]))
+    return problems
+
+
 @dataclasses.dataclass
 class _FolderCheck:
     """An artifact folder checked against its own lineage.json."""
@@ -660,6 +795,7 @@ def _check_folder(folder: Path, *, embedded: bool, with_md5: bool = False) -> _F
     if not isinstance(recorded, list):
         problems.append("malformed outputs: expected a list")
         recorded = []
+    problems.extend(_code_problems(listing, manifest.get("kind")))
     actual, md5s, unreadable = _hash_listing(listing, with_md5=with_md5)
     problems.extend(f"unreadable: {_cut(rel)}" for rel in unreadable)
     problems.extend(_compare(recorded, actual, [rel for rel, _ in listing.refused] + unreadable))
@@ -670,7 +806,8 @@ def _check_folder(folder: Path, *, embedded: bool, with_md5: bool = False) -> _F
         "warning: manifest is unsealed (no manifest_sha256; written before manifests were sealed): its files are "
         "checked, its own content is not; rerun the stage that wrote it to seal it"]
     result = VerifyResult(ok=not problems, problems=problems, files=len(recorded),
-                          manifest_digest=manifest_digest(manifest), sealed=sealed, notes=notes)
+                          manifest_digest=manifest_digest(manifest), sealed=sealed, notes=notes,
+                          bytes_read=sum(e["bytes"] for e in actual))
     return _FolderCheck(manifest, result, md5s)
 
 
@@ -724,6 +861,26 @@ def dvc_dir_md5(folder: str | Path) -> tuple[str, int]:
     return _dvc_dir_hash(md5s), len(md5s)
 
 
+def _load_lock_yaml(text: str, lock: Path) -> Any:
+    """A dvc.lock / .dvc file's YAML, its nesting checked on the parser's event stream first (a
+    state machine: a 5,000-deep file cannot exhaust the stack) and refused past
+    :data:`_MAX_LOCK_DEPTH` levels with a one-line :class:`UserError`."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    depth = 0
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > _MAX_LOCK_DEPTH:
+                line = event.start_mark.line + 1 if event.start_mark is not None else "?"
+                raise UserError(f"{_cut(lock)}: nested deeper than {_MAX_LOCK_DEPTH} levels (line {line}): not a "
+                                f"dvc.lock or .dvc file")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+    return yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
+
+
 def find_dvc_out(lock_path: str | Path, folder: str | Path, recorded_artifact: str | None = None) -> DvcOut:
     """The folder out for ``folder`` in a dvc.lock (``stages: <name>: outs: [...]``) or a ``.dvc``
     file (``outs: [...]``).
@@ -741,8 +898,8 @@ def find_dvc_out(lock_path: str | Path, folder: str | Path, recorded_artifact: s
     if not lock.is_file():
         raise UserError(f"dvc lock file not found: {_cut(lock)}")
     try:
-        data = yaml.safe_load(lock.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
+        data = _load_lock_yaml(lock.read_text(encoding="utf-8"), lock)
+    except (yaml.YAMLError, UnicodeDecodeError, OSError, ValueError, TypeError, RecursionError) as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise UserError(f"{_cut(lock)} is not a readable YAML file ({_cut(first, 80)})") from None
     outs: list[tuple[str | None, Mapping[str, Any]]] = []
@@ -904,3 +1061,85 @@ def verify_lineage(artifact_dir: str | Path, *, expect: str | None = None, dvc_l
         _check_upstream(check.manifest, res.problems, res.notes)
     res.ok = not res.problems
     return res
+
+
+# -- the whole chain, before it ships ---------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ChainCheck:
+    """Outcome of :func:`verify_chain`: ``ok`` iff ``problems`` is empty."""
+
+    problems: list[str]  # one line per problem, each naming the artifact by its path
+    failed: list[str]  # the path of each artifact with a problem, in the order found
+    digests: dict[str, str]  # normalised path of each artifact checked -> its manifest digest
+    contents: dict[str, str] = dataclasses.field(default_factory=dict)  # same paths -> tree_digest of its outputs
+    files: int = 0  # files rehashed
+    bytes_read: int = 0  # bytes read to rehash them
+    seconds: float = 0.0  # wall time of the check
+    not_present: list[str] = dataclasses.field(default_factory=list)  # upstream artifacts absent here (not read)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_chain(folders: Sequence[str | Path]) -> ChainCheck:
+    """Read every byte of each artifact in ``folders`` and of every upstream artifact their
+    manifests embed that is present at its recorded path (relative to the current directory), and
+    check each against its own lineage.json (seal, files, code files; as ``--verify``, never the
+    hash cache), and its recorded files against those of the manifest embedded downstream: an
+    upstream artifact whose content is not what its consumer was made from is a problem; one whose
+    record alone differs (an older copy of the same bytes: other times and run ids) is not.
+
+    Each artifact folder is read once however often the chain names it (the base under latents,
+    teacher and export). Inputs without a lineage (an external base folder, a user's videos) are not
+    read: the artifact made from them pins their digest. A listed folder that is absent or holds no
+    lineage.json is a problem; an absent upstream one is listed in ``not_present``."""
+    import time
+
+    started = time.perf_counter()
+    check = ChainCheck(problems=[], failed=[], digests={})
+
+    def fail(path: str, problem: str) -> None:
+        check.problems.append(problem)
+        if path not in check.failed:
+            check.failed.append(path)
+
+    def content(manifest: Mapping[str, Any]) -> str:
+        outputs = manifest.get("outputs")
+        return tree_digest(e for e in outputs if isinstance(e, Mapping)) if isinstance(outputs, list) else "?"
+
+    queue: list[tuple[str, str, str | None, str]] = [(str(f), os.path.normpath(f), None, "") for f in folders]
+    while queue:
+        shown, key, expected, made_into = queue.pop(0)
+        if key not in check.digests:
+            p = Path(key)
+            if not (p / LINEAGE_FILE).is_file() or p.is_symlink():
+                if expected is None or p.exists() or p.is_symlink():
+                    fail(shown, f"{_cut(shown)}: no {LINEAGE_FILE} (not an artifact of this pipeline)")
+                elif key not in check.not_present:
+                    check.not_present.append(key)
+                continue
+            try:
+                folder = _check_folder(p, embedded=True)
+            except UserError as exc:
+                fail(shown, f"{_cut(shown)}: {exc}")
+                continue
+            check.digests[key] = folder.result.manifest_digest
+            check.contents[key] = content(folder.manifest)
+            check.files += folder.result.files
+            check.bytes_read += folder.result.bytes_read
+            found = folder.result.problems
+            if found:
+                more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
+                fail(shown, f"{_cut(shown)} does not match its {LINEAGE_FILE}: {found[0]}{more}")
+            for inp in folder.manifest.get("inputs") or []:
+                if isinstance(inp, Mapping) and isinstance(inp.get("lineage"), Mapping) and isinstance(inp.get("path"), str):
+                    queue.append((inp["path"], os.path.normpath(inp["path"]), content(inp["lineage"]), shown))
+        if expected is not None and key in check.contents and check.contents[key] != expected:
+            fail(shown, f"{_cut(shown)}: its files (sha256 {check.contents[key][:12]}…) are not the ones "
+                        f"{_cut(made_into)} was made from ({expected[:12]}…): rerun or replaced after it")
+    check.problems = list(dict.fromkeys(check.problems))
+    check.seconds = time.perf_counter() - started
+    return check

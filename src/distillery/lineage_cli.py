@@ -16,8 +16,11 @@ show or check an artifact's lineage, offline.
   current directory) and match its manifest against the one embedded in PATH's.
 
 The seal alone catches edits of the manifest; files and manifest rewritten consistently are caught
-only by ``--expect`` or ``--dvc-lock``. PATH is an artifact folder or its lineage.json. A missing or
-unreadable manifest, a malformed DIGEST or an unusable dvc.lock is a user error (one line, exit 2).
+only by ``--expect`` or ``--dvc-lock``. PATH is an artifact folder or its lineage.json. A missing,
+unreadable or absurdly deep manifest, one the tree cannot show (``"outputs": 5``), a malformed DIGEST
+or an unusable (or absurdly deep) dvc.lock is a user error (one line, exit 2). ``--verify`` also
+refuses any code file in an artifact (an export: any but its own ``pipeline.py``) and any
+``model_index.json`` entry naming code from outside diffusers/transformers.
 """
 
 from __future__ import annotations
@@ -70,5 +73,9 @@ def run_lineage(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     else:
-        sys.stdout.write(lineage_tree(manifest) + "\n")
+        try:
+            tree = lineage_tree(manifest)
+        except UserError as exc:
+            raise UserError(f"{args.path}: {exc}") from None
+        sys.stdout.write(tree + "\n")
     return 0

@@ -79,19 +79,61 @@ def keep_previous_record(stage: str, staging: Path) -> bool:
     return True
 
 
+def verify_shipped_chain(stage: str, inputs: list[tuple[str, Path]]) -> dict[str, str]:
+    """Read every byte of the stage's input artifacts and of every upstream artifact present, against
+    their own manifests (:func:`distillery.lineage.verify_chain`; DVC and the hash cache trust size
+    and mtime, this does not), and log what it cost. Returns the manifest digest of each artifact
+    checked, by normalised path; a mismatch is a one-line :class:`UserError` and nothing is published."""
+    from distillery.errors import UserError
+    from distillery.lineage import verify_chain
+
+    check = verify_chain([path for _, path in inputs])
+    log.info("%s: %s the chain it ships (every byte of %d artifacts, %d files, against their lineage.json; "
+             "%d upstream not present): %.1f MiB read in %.2f s", stage, "verified" if check.ok else "checked",
+             len(check.digests), check.files, len(check.not_present), check.bytes_read / 2**20, check.seconds)
+    if not check.ok:
+        more = f" (+{len(check.problems) - 1} more)" if len(check.problems) > 1 else ""
+        raise UserError(f"stage {stage}: the chain it ships does not verify: {check.problems[0]}{more}; nothing was "
+                        f"published; `distillery lineage {check.failed[0]} --verify --recursive` names every problem; "
+                        f"restore it or rerun its stage (dvc repro --force): DVC and the hash cache trust size and "
+                        f"mtime, so neither sees this")
+    return check.digests
+
+
+def _embedded_as_verified(stage: str, manifest: dict[str, Any], verified: dict[str, str]) -> None:
+    """The input manifests ``write_lineage`` embedded are the ones :func:`verify_shipped_chain` read."""
+    import os
+
+    from distillery.errors import UserError
+    from distillery.lineage import manifest_digest
+
+    for inp in manifest.get("inputs") or []:
+        sub = inp.get("lineage")
+        if isinstance(sub, dict) and verified.get(os.path.normpath(inp["path"])) != manifest_digest(sub):
+            raise UserError(f"stage {stage}: {inp['path']} changed while the stage ran (its lineage.json is not the one "
+                            f"verified); nothing was published; rerun the stage")
+
+
 def finish(stage: str, staging: Path, *, kind: str, params: StageParams, metrics: dict[str, Any],
            inputs: list[tuple[str, Path]], method: str | None = None, config: dict | None = None,
            mlflow: dict | None = None, volatile: dict[str, Any] | None = None,
-           mlflow_files: list[tuple[Path, str]] | None = None) -> Path:
+           mlflow_files: list[tuple[Path, str]] | None = None, plots: dict[str, Any] | None = None,
+           verify_chain: bool = False) -> Path:
     """metrics.json + lineage.json into ``staging``, the MLflow child run (unless the trainer made
     one), then publish ``staging`` as ``artifacts/<stage>``. ``metrics`` must be a function of the
     artifact's content; ``volatile`` numbers (durations) go to MLflow and ``metrics/<stage>.json`` only.
     ``mlflow_files``: ``(file in staging, artifact folder)`` pairs copied into the stage's MLflow run
     (the trainer's run when ``mlflow`` names one). The lineage's ``params`` are the stage's dvc.yaml
-    params (:meth:`StageParams.recorded`)."""
+    params (:meth:`StageParams.recorded`). ``plots``: ``plots/<name>`` → JSON data, or a ``Path``
+    relative to the artifact folder (copied from the published artifact). ``metrics/<stage>.json``
+    and the plots are written only after the artifact is published (dvc.yaml keeps them ``persist``):
+    a failed stage leaves the last good ones. ``verify_chain`` (the export): every byte of the
+    inputs and their upstream artifacts is checked against their manifests first
+    (:func:`verify_shipped_chain`)."""
     from distillery.lineage import Input, write_lineage
     from distillery.pipeline.tracking import log_files, log_stage_run, parent_run_id
 
+    verified = verify_shipped_chain(stage, inputs) if verify_chain else None
     write_json_atomic(staging / "metrics.json", metrics)
     read = params.recorded()
     if mlflow is None:
@@ -99,11 +141,19 @@ def finish(stage: str, staging: Path, *, kind: str, params: StageParams, metrics
                                mlflow_files or ())
     elif mlflow_files and mlflow.get("run_id"):
         log_files(mlflow["tracking_uri"], mlflow["run_id"], mlflow_files)
-    write_lineage(staging, kind=kind, stage=stage, method=method, config=config, params=read,
-                  inputs=[Input(role, path) for role, path in inputs], mlflow=mlflow, metrics=metrics,
-                  artifact_name=(ARTIFACTS / stage).as_posix())
+    manifest = write_lineage(staging, kind=kind, stage=stage, method=method, config=config, params=read,
+                             inputs=[Input(role, path) for role, path in inputs], mlflow=mlflow, metrics=metrics,
+                             artifact_name=(ARTIFACTS / stage).as_posix())
+    if verified is not None:
+        _embedded_as_verified(stage, manifest, verified)
     keep_previous_record(stage, staging)
     artifact = publish(stage, staging)
     Path("metrics").mkdir(exist_ok=True)
     write_json_atomic(Path("metrics") / f"{stage}.json", {**metrics, **(volatile or {})})  # what dvc.yaml declares as metrics
+    for name, data in (plots or {}).items():
+        Path("plots").mkdir(exist_ok=True)
+        if isinstance(data, Path):
+            shutil.copy2(artifact / data, Path("plots") / name)
+        else:
+            write_json_atomic(Path("plots") / name, data)
     return artifact

@@ -5,7 +5,6 @@ publishes ``artifacts/<stage>/`` through :func:`distillery.pipeline.artifacts.fi
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -44,9 +43,18 @@ def resolve_base(path: str) -> Path:
 
 
 def stage_base(params: StageParams) -> None:
+    """The base model folder as ``artifacts/base/model``: its ``model_index.json`` may name only
+    diffusers/transformers classes a WanPipeline takes (one-line error otherwise), and no code file
+    of it (``.py``, bytecode, native modules) is copied (:mod:`distillery.pipeline.base_folder`)."""
+    from distillery.pipeline.base_folder import check_model_index, copy_model_folder
+
     source = resolve_base(params.get("base.path"))
+    check_model_index(source, f"params.yaml: base.path: {source}")
     staging = fresh_staging("base")
-    shutil.copytree(source, staging / "model", ignore=shutil.ignore_patterns("lineage.json"))
+    left_out = copy_model_folder(source, staging / "model", exclude=("lineage.json",))
+    if left_out:
+        log.info("base: left out %d code file(s) of %s (%s): no code of a base is copied or run", len(left_out), source,
+                 ", ".join(left_out[:5]) + (", ..." if len(left_out) > 5 else ""))
     cfg = json.loads((staging / "model" / "transformer" / "config.json").read_text())
     finish("base", staging, kind="model", params=params, inputs=[("source", source)],
            metrics={"transformer_layers": cfg.get("num_layers"), "latent_channels": cfg.get("in_channels")})

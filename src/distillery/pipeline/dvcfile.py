@@ -46,6 +46,7 @@ class StageSpec:
     metrics: list[str] = field(default_factory=list)  # ``metrics`` paths (also outputs)
     plots: list[str] = field(default_factory=list)  # ``plots`` paths (also outputs)
     upstream: list[str] = field(default_factory=list)  # stages this one depends on, sorted
+    persisted: list[str] = field(default_factory=list)  # outs/metrics/plots marked ``persist: true`` (kept by DVC before a run)
 
     @property
     def all_outs(self) -> list[str]:
@@ -76,6 +77,19 @@ def _out_paths(entries: Any, wdir: str, where: str) -> list[str]:
             paths.append(_norm(next(iter(e)), wdir))
         else:
             raise ValueError(f"dvc.yaml: cannot read entry {e!r} in {where}")
+    return paths
+
+
+def _persisted(entries: Any, wdir: str) -> list[str]:
+    """Paths of the ``outs``/``metrics``/``plots`` entries marked ``persist: true`` (entries already
+    checked by :func:`_out_paths`): DVC leaves those in place before it runs the stage, so a failed
+    run does not delete the last good one."""
+    paths = []
+    for e in entries or []:
+        if isinstance(e, Mapping) and len(e) == 1:
+            path, flags = next(iter(e.items()))
+            if isinstance(flags, Mapping) and flags.get("persist") is True:
+                paths.append(_norm(path, wdir))
     return paths
 
 
@@ -219,6 +233,7 @@ def load_dvc_stages(repo: Path) -> dict[str, StageSpec]:
                 params=_params(body.get("params"), f"{where} params"),
                 metrics=_out_paths(body.get("metrics"), wdir, f"{where} metrics"),
                 plots=_out_paths(body.get("plots"), wdir, f"{where} plots"),
+                persisted=[p for key in ("outs", "metrics", "plots") for p in _persisted(body.get(key), wdir)],
             )
     link_stages(stages)
     return stages

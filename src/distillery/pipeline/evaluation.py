@@ -80,12 +80,11 @@ def stage_validate(params: StageParams) -> None:
     report = staging / "report"
     prompts, embeddings = validation_prompts(int(v["num_prompts"]))
     metrics = run_validation(ARTIFACTS / "base" / "model", candidates, prompts, report, cfg, prompt_embeddings=embeddings)
-    Path("plots").mkdir(exist_ok=True)
-    shutil.copy2(report / "plots" / "adherence.csv", Path("plots") / "validate_adherence.csv")
     # DVC gets the numbers a user compares; every metric stays in report/metrics.json, the details in report.json
     shown = [(report / name, "grid") for name in ("grid.gif", "grid.mp4")] + [(report / "plots" / "adherence_vs_nfe.png", "plots")]
     finish("validate", staging, kind="validation", params=params, metrics=headline_metrics(metrics),
            mlflow_files=[(path, folder) for path, folder in shown if path.is_file()],
+           plots={"validate_adherence.csv": Path("report/plots/adherence.csv")},
            inputs=[("teacher", ARTIFACTS / "teacher"), ("pretrain", ARTIFACTS / "pretrain"),
                    ("student", ARTIFACTS / "distill"), ("pdd", ARTIFACTS / "pdd"), ("base", ARTIFACTS / "base"),
                    ("data", ARTIFACTS / "latents")])
@@ -95,19 +94,30 @@ def stage_export(params: StageParams) -> None:
     """A complete diffusers folder: the base's parts + the chosen student's transformer, its sampling
     contract, the pipeline module that samples by it (``pipeline.py``) and its own model card
     (``README.md``, :mod:`distillery.pipeline.model_card`: chain, settings, validation scores, code),
-    lineage inside."""
+    lineage inside.
+
+    What it ships is trusted no further than it can check: the base's ``model_index.json`` may name
+    only library classes a WanPipeline takes and no code file of the base is copied
+    (:mod:`distillery.pipeline.base_folder`), so the only code in the folder is the ``pipeline.py``
+    written here; and every byte of the artifacts it is made from, and of theirs upstream, is read
+    against their manifests before it is published (``finish(verify_chain=True)``; its cost is logged)."""
     import importlib.util
+
+    from distillery.pipeline.base_folder import check_model_index, copy_model_folder
 
     student = params.get("export.student")
     if student not in TRAINING_STAGES:
         raise UserError(f"params.yaml: export.student: {student!r}; valid: {', '.join(TRAINING_STAGES)}")
+    base = ARTIFACTS / "base" / "model"
+    check_model_index(base, f"stage export: {base}")
     staging = fresh_staging("export")
     model = staging  # the artifact *is* the diffusers folder, lineage.json inside
-    base = ARTIFACTS / "base" / "model"
-    skip = shutil.ignore_patterns("lineage.json", "fit_report.json")
-    shutil.copytree(base, model, dirs_exist_ok=True,  # the base's own transformer is not copied at all
-                    ignore=lambda folder, names: set(skip(folder, names)) | ({"transformer"} if Path(folder) == base else set()))
-    shutil.copytree(ARTIFACTS / student / "model" / "transformer", model / "transformer")
+    # the base's parts; its own transformer is not copied at all (the student's replaces it)
+    left_out = copy_model_folder(base, model, exclude=("lineage.json", "fit_report.json"), exclude_top=("transformer",))
+    left_out += copy_model_folder(ARTIFACTS / student / "model" / "transformer", model / "transformer")
+    if left_out:  # an artifact made before the base stage left code out
+        log.info("export: left out %d code file(s) (%s): an export ships only its own pipeline.py",
+                 len(left_out), ", ".join(left_out[:5]))
     shutil.copy2(ARTIFACTS / student / "model" / "sampling.json", model / "sampling.json")
     metrics: dict[str, float] = {"student_stage": 0 if student == "teacher" else 1}
     stock_nfe = fuse_for_stock_pipeline(ARTIFACTS / student / "model", model / "transformer")
@@ -122,7 +132,7 @@ def stage_export(params: StageParams) -> None:
     # the folder's own pipeline: DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder) samples as
     # sampling.json says (few-step ladder, causal streaming) with the code validate used
     shutil.copy2(importlib.util.find_spec("distillery.export_pipeline").origin, model / "pipeline.py")  # copied, not imported
-    finish("export", staging, kind="export", params=params, metrics=metrics,
+    finish("export", staging, kind="export", params=params, metrics=metrics, verify_chain=True,
            inputs=[("student", ARTIFACTS / student), ("base", ARTIFACTS / "base"), ("validation", ARTIFACTS / "validate")])
 
 

@@ -10,7 +10,10 @@ part differs in one line.
 Parts of the key (each a sha256 hex digest):
 - ``config``: the run config as YAML-able data, without ``training.tracker`` (MLflow metadata:
   parent run id and tags change with the git commit and do not change the result);
-- ``input:<role>``: :func:`distillery.lineage.tree_digest` of each input artifact folder's files;
+- ``input:<role>``: the content of each input artifact: :func:`distillery.lineage.tree_digest` of its
+  files without its ``lineage.json`` (the ``sha256`` a consumer's lineage records for that input). The
+  manifest is left out because it holds facts of one run (times, MLflow run ids, the code commit): an
+  older copy of the artifact with the same files resumes instead of retraining from step 0;
 - ``code``: the files of the stage's code dependencies as ``dvc.yaml`` lists them (the same set
   whose change makes DVC rerun the stage), or the whole installed package without a ``dvc.yaml``.
 """
@@ -38,10 +41,11 @@ def config_digest(raw: dict[str, Any]) -> str:
 
 
 def folder_digest(folder: Path) -> str:
-    """Content digest of every file under ``folder`` (paths, sizes, sha256)."""
-    from distillery.lineage import hash_tree, tree_digest
+    """Content digest of an artifact folder: every file's path, size and sha256, its top-level
+    ``lineage.json`` left out (module doc)."""
+    from distillery.lineage import LINEAGE_FILE, hash_tree, tree_digest
 
-    return tree_digest(hash_tree(folder, exclude=()))
+    return tree_digest(hash_tree(folder, exclude=(LINEAGE_FILE,)))
 
 
 def code_paths(stage: str, dvc_yaml: Path = Path("dvc.yaml")) -> list[Path]:

@@ -164,8 +164,6 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     loss = summary.loss_rows()
     (staging / "loss.json").write_text(json.dumps(loss))
     write_loss_plot(loss, staging / "loss.png", f"{stage}: loss per step")  # the curve offline, beside its data
-    Path("plots").mkdir(exist_ok=True)
-    write_json_atomic(Path("plots") / f"{stage}_loss.json", loss)
     write_json_atomic(staging / "model" / "sampling.json", summary.sampling)
     last = loss[-10:] or [{"loss": float("nan")}]
     # named for what it is: the mean over the last 10 logged steps (the last step's own loss is noisy; loss.json has it)
@@ -176,7 +174,7 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
               "run_id": summary.mlflow_run_id, "parent_run_id": tracker["parent_run_id"]}
     finish(stage, staging, kind="checkpoint", params=params, metrics=metrics, method=raw["method"]["_target_"], config=raw,
            inputs=inputs, mlflow=mlflow, volatile={"seconds": round(time.perf_counter() - started, 1)},
-           mlflow_files=[(staging / "loss.png", "plots")])
+           mlflow_files=[(staging / "loss.png", "plots")], plots={f"{stage}_loss.json": loss})
 
 
 def training_stage(name: str) -> Callable[[StageParams], None]:
