@@ -29,8 +29,8 @@ def main() -> int:
     from distillery.clips.synthetic import ClipSetConfig, make_clip_set
     from distillery.config import allowed_prefixes, load_run_config
     from distillery.data import LatentBatchLoader, LatentDataset, ShardedBatchSampler
-    from distillery.engine.distributed import init_distributed, shutdown
-    from distillery.preprocess import PreprocessConfig, preprocess
+    from distillery.components.distributed import init_distributed, shutdown
+    from distillery.data.preprocess import PreprocessConfig, preprocess
     from distillery.engine.loop import Trainer
 
     res: dict = {"machine": f"{os.cpu_count()} CPU cores", "torch_threads": torch.get_num_threads()}

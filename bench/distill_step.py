@@ -195,7 +195,7 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
 
     from distillery.config import allowed_prefixes, load_run_config
     from distillery.engine.builder import resolve_compile
-    from distillery.engine.distributed import init_distributed, shutdown
+    from distillery.components.distributed import init_distributed, shutdown
     from distillery.engine.loop import Trainer
 
     spans: list[tuple] = []

@@ -122,7 +122,7 @@ def run_block(args: argparse.Namespace) -> int:
 
 # -- trainer mode -----------------------------------------------------------------------------------------------
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from distillery.engine.distributed import local_shard
+    from distillery.components.distributed import local_shard
 
     return local_shard(t)
 
@@ -170,7 +170,7 @@ def run_trainer(args: argparse.Namespace) -> int:
 
     import distillery.engine.builder as builder
     from distillery.config import allowed_prefixes, load_run_config
-    from distillery.engine.distributed import init_distributed, shutdown
+    from distillery.components.distributed import init_distributed, shutdown
     from distillery.engine.loop import Trainer
     from distillery.methods.dmd2 import DMD2Method
 

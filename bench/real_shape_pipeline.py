@@ -5,9 +5,9 @@ the Wan2.1 VAE, the UMT5-XXL text encoder — ``--text-encoder small`` for a 2-l
 width — and the tiny base's tokenizer), a few real-size captioned clips (81 frames, 480×832, 16 fps),
 then runs what each stage runs, in order, with small step counts:
 
-  latents   ``distillery.preprocess.preprocess`` on the GPU (VAE + text encoder);
-  teacher   ``torchrun -m distillery.train`` (SFT of the base) → ``export_weights``;
-  pretrain  ``torchrun -m distillery.train`` (Diffusion-Forcing SFT of the causal student from the teacher);
+  latents   ``distillery.data.preprocess.preprocess`` on the GPU (VAE + text encoder);
+  teacher   ``torchrun -m distillery.cli.train`` (SFT of the base) → ``export_weights``;
+  pretrain  ``torchrun -m distillery.cli.train`` (Diffusion-Forcing SFT of the causal student from the teacher);
   validate  ``run_validation`` on the GPU with the latent set's stored prompt embeddings (no text encoder);
   export    the teacher as a diffusers folder sampled by stock ``WanPipeline``.
 
@@ -161,7 +161,7 @@ def _release_gpu() -> None:
 
 def train_stage(root: Path, name: str, init_from: Path, data: Path, steps: int, causal: bool) -> Path:
     """One training stage's run (torchrun, one GPU, the stage template's method) → its exported model folder."""
-    from distillery.export import export_weights
+    from distillery.export.weights import export_weights
 
     run_dir = root / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -181,7 +181,7 @@ def train_stage(root: Path, name: str, init_from: Path, data: Path, steps: int, 
     }
     run_dir.mkdir(parents=True)
     (run_dir / "run.yaml").write_text(yaml.safe_dump(config))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "distillery.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "distillery.cli.train",
            "--config", str(run_dir / "run.yaml")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     (OUT / f"{name}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
@@ -234,7 +234,7 @@ def main() -> int:
         state["videos"] = write_clips(root)
 
     def latents() -> None:
-        from distillery.preprocess import PreprocessConfig, preprocess
+        from distillery.data.preprocess import PreprocessConfig, preprocess
 
         out = root / "artifacts" / "latents" / "data"
         shutil.rmtree(out, ignore_errors=True)
@@ -252,8 +252,8 @@ def main() -> int:
         return {"timing": state_timing.get("pretrain")}
 
     def validate() -> None:
-        from distillery.pipeline import evaluation
-        from distillery.validate import Candidate, ValidationConfig, run_validation, teacher_candidates
+        from distillery.stages import evaluation
+        from distillery.evaluation.validate import Candidate, ValidationConfig, run_validation, teacher_candidates
 
         evaluation.ARTIFACTS = root / "artifacts"
         prompts, embeddings = evaluation.validation_prompts(2)

@@ -29,7 +29,7 @@ for label in before after; do
   echo "== $label metrics"
   (cd "$scratch/$label" && PATH="$venv:$PATH" PYTHONPATH="$scratch/$label/src" dvc metrics show --json) \
     | "$venv/python" -c 'import json,sys
-from distillery.treeutil import flatten
+from distillery.common.treeutil import flatten
 d = json.load(sys.stdin)
 for ws in d.values():
     for path, m in sorted(ws["data"].items()):

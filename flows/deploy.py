@@ -53,8 +53,8 @@ from uuid import UUID
 from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron, Schedule
 
-from distillery.errors import UserError
-from distillery.pipeline.dvcfile import load_dvc_stages, stage_order
+from distillery.common.errors import UserError
+from distillery.stages.dvcfile import load_dvc_stages, stage_order
 from flows.pipeline import (
     DEFAULT_RETRY_DELAYS,
     DEFAULT_TIMEOUT_SECONDS,

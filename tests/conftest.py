@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from distillery.offline import OFFLINE_ENV  # noqa: E402
+from distillery.common.offline import OFFLINE_ENV  # noqa: E402
 
 for _k, _v in {
     **OFFLINE_ENV,

@@ -48,7 +48,7 @@ def write_config(path: Path, cfg: dict[str, Any]) -> Path:
 def train_in_process(raw: dict[str, Any]):
     """Train one process in this interpreter (a world of one); returns the TrainResult."""
     from distillery.config import allowed_prefixes, load_run_config
-    from distillery.engine.distributed import init_distributed, shutdown
+    from distillery.components.distributed import init_distributed, shutdown
     from distillery.engine.loop import Trainer
 
     config = load_run_config(raw=raw, prefixes=allowed_prefixes())
@@ -63,7 +63,7 @@ def role_state(checkpoint: Path, role: str = "student", ema: str | None = None) 
     """The role's transformer weights (or EMA shadow) stored in a checkpoint, as a plain state dict."""
     import json
 
-    from distillery.export import build_transformer_from_config, load_role_weights
+    from distillery.export.weights import build_transformer_from_config, load_role_weights
 
     config = json.loads((checkpoint / "roles" / role / "config.json").read_text())
     module = build_transformer_from_config(config)
@@ -73,7 +73,7 @@ def role_state(checkpoint: Path, role: str = "student", ema: str | None = None) 
 
 def dcp_tensors(checkpoint: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Every DCP tensor of ``checkpoint`` whose key starts with one of ``prefixes``, read through the safe reader."""
-    from distillery.engine.checkpoint.dcp_io import load_dcp, read_dcp_metadata
+    from distillery.components.checkpoint.dcp_io import load_dcp, read_dcp_metadata
 
     meta = read_dcp_metadata(checkpoint / "dcp").state_dict_metadata
     state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefixes)}

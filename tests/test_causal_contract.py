@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.models.base import CausalModelBase, Conditioning
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.models.base import CausalModelBase, Conditioning
 from distillery.models.wan import CausalWanModel, CausalWanModelConfig, WanModel, WanModelConfig
 from distillery.sampling import build_sampler
@@ -212,7 +212,7 @@ def test_same_weights_and_layout_as_stock_wan(causal2, bidirectional, tmp_path):
 
 def test_a_deep_copied_compute_module_keeps_the_causal_attention(cond):
     """The bf16 compute copy is a deepcopy of the master: processors and the rope hook travel with it."""
-    from distillery.engine.precision import ComputeCopy
+    from distillery.components.precision import ComputeCopy
 
     model = _causal(2)
     video, t = _video(4, seed=6), torch.tensor([[0.0, 0.0, 500.0, 500.0]] * 2)

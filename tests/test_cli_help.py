@@ -6,8 +6,8 @@ import argparse
 import subprocess
 import sys
 
-from distillery.cli import build_parser
-from distillery.train import build_parser as build_train_parser
+from distillery.cli.main import build_parser
+from distillery.cli.train import build_parser as build_train_parser
 
 
 def _parsers(parser: argparse.ArgumentParser, name: str = "distillery") -> list[tuple[str, argparse.ArgumentParser]]:
@@ -48,7 +48,7 @@ def test_every_option_of_every_subcommand_has_help_and_shows_its_default():
 
 
 def test_train_help_explains_the_dotted_overrides():
-    out = subprocess.run([sys.executable, "-m", "distillery.cli", "train", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "distillery.cli.main", "train", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--training.loop.max_train_steps 10" in out.stdout and "must exist in the config" in out.stdout

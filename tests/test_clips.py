@@ -25,9 +25,9 @@ from distillery.clips import (
     score,
     write_video,
 )
-from distillery.clips.cli import add_clips_commands
+from distillery.cli.clips import add_clips_commands
 from distillery.clips.grammar import COLOURS, DIRECTIONS, SHAPES
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 
 
 @pytest.fixture(scope="module")

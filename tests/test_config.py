@@ -11,7 +11,7 @@ import yaml
 
 from distillery.config import allowed_prefixes, load_run_config
 from distillery.config.loader import parse_override_args
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from helpers import run_config, write_config
 
 PREFIXES = allowed_prefixes()
@@ -125,7 +125,7 @@ def test_granted_prefix_is_needed_for_user_code(tmp_path, monkeypatch):
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "distillery.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "distillery.cli.main", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 def test_cli_config_errors_exit_2_with_one_line(tmp_path, tiny_base, latent_set):
@@ -135,7 +135,7 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path, tiny_base, latent_set)
     assert bad_key.returncode == 2
     assert bad_key.stderr.strip().count("\n") == 0 and "Traceback" not in bad_key.stderr
     assert "training.loop.max_train_stepz: unknown key" in bad_key.stderr
-    cfg["method"]["_target_"] = "distillery.launch.os.system"
+    cfg["method"]["_target_"] = "distillery.cli.launch.os.system"
     outside = _cli("train", "--config", str(write_config(tmp_path / "bad.yaml", cfg)), cwd=tmp_path)
     assert outside.returncode == 2 and outside.stderr.strip().count("\n") == 0
     assert "defined in posix" in outside.stderr or "defined in os" in outside.stderr

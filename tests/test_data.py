@@ -23,7 +23,7 @@ from distillery.data import (
     write_latent_shards,
     write_shard,
 )
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}

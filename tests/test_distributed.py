@@ -27,7 +27,7 @@ def torchrun(config: dict, path: Path, nproc: int = 2) -> subprocess.CompletedPr
     write_config(path, config)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "distillery.train", "--config", str(path)]
+           "-m", "distillery.cli.train", "--config", str(path)]
     proc = subprocess.run(cmd, cwd=path.parent, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -83,8 +83,8 @@ def test_torchrun_stop_and_resume_matches_uninterrupted(runs):
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(runs):
-    from distillery.engine.checkpoint.checksums import verify_checkpoint
-    from distillery.engine.checkpoint.dcp_io import read_dcp_metadata
+    from distillery.components.checkpoint.checksums import verify_checkpoint
+    from distillery.components.checkpoint.dcp_io import read_dcp_metadata
 
     root = runs["root"]
     saved = root / "split" / f"checkpoint-{STEPS // 2}"  # both ranks' files are in its checksums

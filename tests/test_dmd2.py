@@ -286,8 +286,8 @@ def _torchrun(configs: list[tuple[dict, Path]]) -> None:
 
 def _two_rank_driver(paths: list[str]) -> None:
     """A torchrun worker: one process group, then ``Trainer(config).fit()`` for each config in turn
-    (what ``python -m distillery.train --config PATH`` does for one)."""
-    from distillery.engine.distributed import init_distributed, shutdown
+    (what ``python -m distillery.cli.train --config PATH`` does for one)."""
+    from distillery.components.distributed import init_distributed, shutdown
     from distillery.engine.loop import Trainer
 
     configs = [load_run_config(path, prefixes=allowed_prefixes()) for path in paths]

@@ -26,7 +26,7 @@ import torch
 
 from distillery.config.schema import DistributedConfig, ModelRuntimeConfig
 from distillery.engine.builder import place_model
-from distillery.engine.distributed import DistEnv
+from distillery.components.distributed import DistEnv
 from distillery.models.wan import WanModel, WanModelConfig
 from helpers import read_log, run_config, train_in_process, write_config
 
@@ -81,7 +81,7 @@ def test_two_gloo_ranks_under_the_gpu_precision_policy_match_one_rank(tmp_path, 
     two = _dmd2_bf16_config(tiny_base, latent_set, tmp_path / "two", batch_size=1)
     path = write_config(tmp_path / "two.yaml", two)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "distillery.train", "--config", str(path)]
+           "-m", "distillery.cli.train", "--config", str(path)]
     proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

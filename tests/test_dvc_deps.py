@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 import distillery
-from distillery.pipeline.dvcfile import load_dvc_stages, stage_params
-from distillery.pipeline.params import Params, StageParams, UndeclaredParam, covers
-from distillery.pipeline.runner import STAGES
-from distillery.pipeline.training_table import TRAINING_STAGES
+from distillery.stages.dvcfile import load_dvc_stages, stage_params
+from distillery.stages.params import Params, StageParams, UndeclaredParam, covers
+from distillery.stages.runner import STAGES
+from distillery.stages.training_table import TRAINING_STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def _covered(path: str, deps: list[str]) -> bool:
 def test_dvc_stages_are_the_code_stages():
     stages = load_dvc_stages(ROOT)
     by_code = {_stage_name(s.cmd): s for s in stages.values() if _stage_name(s.cmd)}
-    assert sorted(by_code) == sorted(STAGES), "dvc.yaml stages vs distillery.pipeline.runner.STAGES"
+    assert sorted(by_code) == sorted(STAGES), "dvc.yaml stages vs distillery.stages.runner.STAGES"
     for name, spec in by_code.items():
         assert len(set(spec.params)) == len(spec.params), f"stage {name}: repeated params {spec.params}"
         assert stage_params(name, ROOT) == spec.params  # plain params.yaml keys

@@ -13,7 +13,7 @@ import pytest
 @pytest.mark.slow
 def test_fit_for_a_few_steps_writes_a_loadable_model_with_a_card(tmp_path):
     out = tmp_path / "tiny-fitted"
-    cmd = [sys.executable, "-m", "distillery.cli", "base", "make-tiny", "--fit", "--out", str(out), "--seed", "3",
+    cmd = [sys.executable, "-m", "distillery.cli.main", "base", "make-tiny", "--fit", "--out", str(out), "--seed", "3",
            "--vae-steps", "4", "--dit-steps", "3", "--batch-size", "4", "--num-train-clips", "8",
            "--num-validation-clips", "4", "--eval-prompts", "2", "--eval-steps", "2", "--work-dir", str(tmp_path / "work")]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)

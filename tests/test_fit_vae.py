@@ -20,7 +20,7 @@ from distillery.tinybase.fit_vae import (
 )
 from distillery.data.encoders import denormalize_latents, normalize_latents
 from distillery.tinybase.tiny import TinyBaseConfig, build_vae
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 
 COLOURS = [(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (1.0, 1.0, 0.0)]
 DIRECTIONS = [(1, 0), (-1, 0), (0, 1), (0, -1)]

@@ -31,7 +31,7 @@ for _k, _v in {
 if "prefect" not in sys.modules:  # a temp PREFECT_HOME, before Prefect reads its settings
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="prefect-home-")
 
-from distillery.pipeline.dvcfile import StageSpec, load_dvc_stages, stage_order  # noqa: E402
+from distillery.stages.dvcfile import StageSpec, load_dvc_stages, stage_order  # noqa: E402
 
 PY = sys.executable
 
@@ -160,7 +160,7 @@ def test_stage_order_cycle_foreach_wdir_and_params_files(tmp_path: Path) -> None
 
 
 def test_flatten_and_keys() -> None:
-    from distillery.treeutil import flatten
+    from distillery.common.treeutil import flatten
     from flows.pipeline import artifact_key
 
     assert flatten({"a": {"b": 1, "c": [2, 3]}, "d": 4.5}, lists=True) == {

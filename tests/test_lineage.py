@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from distillery.errors import UserError
-from distillery.lineage import (
+from distillery.common.errors import UserError
+from distillery.lineage.manifest import (
     DIGEST_KEY,
     MANIFEST_KEYS,
     Input,
@@ -79,7 +79,7 @@ def chain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
 
 
 def _lineage_wired() -> bool:
-    from distillery.cli import build_parser
+    from distillery.cli.main import build_parser
 
     try:
         with contextlib.redirect_stderr(io.StringIO()):
@@ -90,14 +90,14 @@ def _lineage_wired() -> bool:
 
 
 def _cli(*args: str) -> tuple[int, str, str]:
-    """Run ``distillery lineage ARGS``: as a subprocess through distillery.cli when the lead has
+    """Run ``distillery lineage ARGS``: as a subprocess through distillery.cli.main when the lead has
     wired the command in, else in-process through add_lineage_command + the CLI's error guard."""
     if _lineage_wired():
-        res = subprocess.run([sys.executable, "-m", "distillery.cli", "lineage", *args],
+        res = subprocess.run([sys.executable, "-m", "distillery.cli.main", "lineage", *args],
                              capture_output=True, text=True, timeout=120)
         return res.returncode, res.stdout, res.stderr
-    from distillery.guard import run_guarded
-    from distillery.lineage_cli import add_lineage_command
+    from distillery.cli.guard import run_guarded
+    from distillery.cli.lineage import add_lineage_command
 
     parser = argparse.ArgumentParser(prog="distillery")
     add_lineage_command(parser.add_subparsers(dest="command", required=True))
@@ -450,7 +450,7 @@ def test_hash_once_reuses_digests_and_still_catches_tampering(tmp_path: Path, mo
     import dataclasses
     import os
 
-    from distillery import hashcache
+    from distillery.lineage import hashcache
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(hashcache.ENV_VAR, str(tmp_path / "runs" / ".hash_cache.json"))

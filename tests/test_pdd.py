@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from distillery.config import allowed_prefixes, load_run_config
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.methods.pdd import PDDConfig, PDDMethod
 from distillery.models.base import Conditioning
 from distillery.models.schedule import block_partition, block_weights
@@ -126,7 +126,7 @@ def test_one_step_supervises_head_k_and_the_trunk_against_the_teacher(tiny_base,
 def data_noised_to(method: PDDMethod, raw: dict, sigma: float) -> torch.Tensor:
     """x_n of the step just run: the data latents noised to σ_n with the batch noise, redrawn from a fresh
     stream of the run's seed (the draws of n and k were replaced, so the noise is the step's first draw)."""
-    from distillery.engine.rng import BatchRNG
+    from distillery.components.rng import BatchRNG
 
     noise = BatchRNG(method.training.loop.seed).randn(raw["latents"].shape)
     return (1 - sigma) * raw["latents"] + sigma * noise
@@ -241,14 +241,14 @@ def test_carried_trajectories_and_untrained_heads_resume_exactly(simulate_runs):
 
 def host_state(checkpoint: Path) -> dict:
     """The method's per-rank host state of rank 0 in a checkpoint."""
-    from distillery.engine.checkpoint.host_state import read_state
+    from distillery.components.checkpoint.host_state import read_state
 
     return read_state(checkpoint / "rng", "rank-0")["method_host"]
 
 
 @pytest.mark.slow
 def test_export_writes_the_head_bank_and_samples_the_trained_student(simulate_runs, tiny_base, tmp_path):
-    from distillery.export import export_weights
+    from distillery.export.weights import export_weights
     from distillery.models.wan import load_inference_model
 
     ckpt = simulate_runs / "full" / f"checkpoint-{STEPS}"
@@ -279,7 +279,7 @@ def test_params_yaml_refuses_pdd_blocks_its_sampling_would_need_wider():
     """Before any stage runs: the grid, the trained block sizes, the contract's NFE and validate's NFE curve agree."""
     import yaml
 
-    from distillery.pipeline.params_schema import validate_params
+    from distillery.stages.params_schema import validate_params
 
     params = yaml.safe_load((Path(__file__).resolve().parent.parent / "params.yaml").read_text())
     validate_params(params)  # the shipped defaults fit

@@ -16,7 +16,7 @@ import torch
 from distillery.clips.synthetic import ClipSetConfig, make_clip_set
 from distillery.data import LatentDataset, read_empty_prompt_embedding
 from distillery.data.encoders import BaseEncoders
-from distillery.preprocess import PreprocessConfig, preprocess
+from distillery.data.preprocess import PreprocessConfig, preprocess
 
 CFG = PreprocessConfig(num_frames=9, height=32, width=32, fps=8.0, rows_per_shard=4, batch_size=4)
 
@@ -27,7 +27,7 @@ def clips(tmp_path_factory) -> Path:
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "distillery.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "distillery.cli.main", *args], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -110,7 +110,7 @@ def test_too_many_bad_items_exit_2_with_one_line(tmp_path, tiny_base, clips):
 # .json record is: the test then SIGKILLs it at that known point, whatever the host's speed.
 STOP_AFTER_SECOND_PARQUET = (
     "import os, signal, sys\n"
-    "import distillery.preprocess as pp\n"
+    "import distillery.data.preprocess as pp\n"
     "real, written = pp.write_shard, []\n"
     "def write_shard(*args, **kwargs):\n"
     "    real(*args, **kwargs)\n"
@@ -168,7 +168,7 @@ def _identity(path: Path) -> tuple[int, int]:
 def test_torchrun_ranks_split_the_shards(tmp_path, tiny_base, clips):
     single = tmp_path / "single"
     preprocess(tiny_base, clips, single, CFG)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "distillery.cli",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "distillery.cli.main",
            *_pp_args(tiny_base, clips, tmp_path / "two")]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -183,17 +183,17 @@ def test_latents_stage_takes_its_own_size_and_validate_follows_it(tmp_path, monk
 
     import yaml
 
-    from distillery.pipeline.evaluation import latent_settings
-    from distillery.pipeline.runner import run_stage
+    from distillery.stages.evaluation import latent_settings
+    from distillery.stages.runner import run_stage
 
     root = Path(__file__).resolve().parents[1]
-    for name in ("dvc.yaml", "stages"):
+    for name in ("dvc.yaml", "templates"):
         (shutil.copytree if (root / name).is_dir() else shutil.copy2)(root / name, tmp_path / name)
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["latents"].update(data=str(clips), num_frames=5, height=32, width=48, device="cpu")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     monkeypatch.chdir(tmp_path)
-    from distillery import hashcache
+    from distillery.lineage import hashcache
 
     monkeypatch.delenv(hashcache.ENV_VAR, raising=False)  # restored after the test (run_stage sets it)
     assert run_stage("base") == 0 and run_stage("latents") == 0

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from distillery.progress import Progress, format_duration
+from distillery.common.progress import Progress, format_duration
 
 
 LOG = logging.getLogger("test_progress")  # not the project logger: its handler may not propagate to caplog

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from helpers import dcp_tensors, read_log, run_config, train_in_process, write_config
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def _env() -> dict[str, str]:
 
 
 def _train(cfg: dict, path: Path, nproc: int) -> None:
-    """One run of ``cfg``: on 2 ranks through `torchrun -m distillery.train` (gloo), as a user starts
+    """One run of ``cfg``: on 2 ranks through `torchrun -m distillery.cli.train` (gloo), as a user starts
     it; on 1 rank in this process (the same Trainer, without paying the imports again)."""
     write_config(path, cfg)
     if nproc == 1:
@@ -61,7 +61,7 @@ def _train(cfg: dict, path: Path, nproc: int) -> None:
             train_in_process(cfg)
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "distillery.train", "--config", str(path)]
+           "-m", "distillery.cli.train", "--config", str(path)]
     proc = subprocess.run(cmd, cwd=path.parent, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from distillery.config import allowed_prefixes, load_run_config
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.methods.self_forcing import SelfForcingConfig, SelfForcingMethod
 from distillery.models.base import chunk_bounds
 from distillery.models.base import Conditioning

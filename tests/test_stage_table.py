@@ -18,13 +18,13 @@ import pytest
 import yaml
 
 from distillery.config.loader import parse_override_value
-from distillery.errors import UserError
-from distillery.pipeline.artifacts import write_json_atomic
-from distillery.pipeline.dvcfile import stage_params
-from distillery.pipeline.params import Params, StageParams
-from distillery.pipeline.run_config import fill_run_config, override_text, stage_overrides
-from distillery.pipeline.run_summary import SUMMARY_FILE, read_run_summary
-from distillery.pipeline.training_table import TRAINING_STAGES, TrainingStageSpec
+from distillery.common.errors import UserError
+from distillery.stages.artifacts import write_json_atomic
+from distillery.stages.dvcfile import stage_params
+from distillery.stages.params import Params, StageParams
+from distillery.stages.run_config import fill_run_config, override_text, stage_overrides
+from distillery.stages.run_summary import SUMMARY_FILE, read_run_summary
+from distillery.stages.training_table import TRAINING_STAGES, TrainingStageSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def test_override_text_parses_back_to_the_value(value):
 
 
 def _workspace(tmp_path: Path, monkeypatch, updates: dict[str, object] | None = None) -> Params:
-    for name in ("dvc.yaml", "params.yaml", "stages"):
+    for name in ("dvc.yaml", "params.yaml", "templates"):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(ROOT / name, tmp_path / name)
     data = yaml.safe_load((tmp_path / "params.yaml").read_text())
     for dotted, value in (updates or {}).items():
@@ -105,7 +105,7 @@ def test_template_filled_by_its_row(tmp_path, monkeypatch, stage, variant):
 
 def test_a_row_naming_an_unknown_config_key_is_one_line(tmp_path, monkeypatch):
     params = _workspace(tmp_path, monkeypatch)
-    spec = TrainingStageSpec(name="teacher", template="stages/teacher_sft.yaml", inputs={"student": "base"},
+    spec = TrainingStageSpec(name="teacher", template="templates/teacher_sft.yaml", inputs={"student": "base"},
                              params={"teacher.steps": "training.loop.max_steps"})
     with pytest.raises(UserError, match="training.loop.max_steps") as info:
         fill_run_config(spec, StageParams(params, "teacher", stage_params("teacher")), "p")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from helpers import read_log, role_state, run_config, train_in_process
 
 CALLBACKS = {
@@ -85,8 +85,8 @@ def test_checkpoint_holds_no_pickled_objects_and_verifies(tmp_path, tiny_base, l
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     import distillery
-    from distillery.engine.checkpoint.checksums import verify_checkpoint
-    from distillery.engine.checkpoint.dcp_io import read_dcp_metadata
+    from distillery.components.checkpoint.checksums import verify_checkpoint
+    from distillery.components.checkpoint.dcp_io import read_dcp_metadata
 
     cfg = run_config(tiny_base, latent_set, tmp_path / "run", steps=2, save_every=1, callbacks=CALLBACKS)
     cfg["training"]["optimizer"].update(lr_scheduler="cosine", warmup_steps=1)
@@ -154,7 +154,7 @@ def test_mlflow_run_has_metrics_params_and_config(tmp_path, tiny_base, latent_se
 
 
 def test_step_time_summary_drops_warm_up():
-    from distillery.engine.timing import summarize_step_times
+    from distillery.components.timing import summarize_step_times
 
     rows = [{"step_time_s": 20.0, "gpu_step_time_s": 19.0}, {"step_time_s": 1.5, "gpu_step_time_s": 1.9}] + \
            [{"step_time_s": t, "gpu_step_time_s": t} for t in (1.9, 2.0, 1.8)]
@@ -168,8 +168,8 @@ def test_exported_transformer_reproduces_the_trained_module(tmp_path, tiny_base,
     from diffusers import WanTransformer3DModel
 
     from distillery.config import allowed_prefixes, load_run_config
-    from distillery.engine.distributed import init_distributed, shutdown
-    from distillery.export import export_weights
+    from distillery.components.distributed import init_distributed, shutdown
+    from distillery.export.weights import export_weights
     from distillery.engine.loop import Trainer
 
     config = load_run_config(raw=run_config(tiny_base, latent_set, tmp_path / "run", steps=5), prefixes=allowed_prefixes())
@@ -197,7 +197,7 @@ def test_exported_transformer_reproduces_the_trained_module(tmp_path, tiny_base,
 
 
 def test_export_errors_are_user_errors(tmp_path, tiny_base, latent_set):
-    from distillery.export import export_weights
+    from distillery.export.weights import export_weights
 
     result = train_in_process(run_config(tiny_base, latent_set, tmp_path / "run", steps=1))
     with pytest.raises(UserError, match="no trainable role 'critic'; it holds student"):
@@ -241,7 +241,7 @@ def test_bf16_compute_copy_resume_is_bitwise_equal(tmp_path, tiny_base, latent_s
 def test_compute_copy_accumulates_grads_in_fp32_and_keeps_buffers():
     from diffusers import WanTransformer3DModel
 
-    from distillery.engine.precision import ComputeCopy
+    from distillery.components.precision import ComputeCopy
 
     torch.manual_seed(0)
     master = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
@@ -279,7 +279,7 @@ def test_compute_copy_accumulates_grads_in_fp32_and_keeps_buffers():
 def test_runtime_choices_resolve_per_device(tmp_path, tiny_base, latent_set):
     from distillery.engine.builder import resolve_compile
     from distillery.config.schema import ModelRuntimeConfig
-    from distillery.engine.distributed import DistEnv
+    from distillery.components.distributed import DistEnv
 
     def env(device: str, dtype: torch.dtype) -> DistEnv:
         return DistEnv(0, 1, 0, torch.device(device), "gloo", None, dtype)

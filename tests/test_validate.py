@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from distillery.tinybase.shipped import shipped_tiny_base
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.models.base import Conditioning
 from distillery.models.schedule import FlowMatchSchedule
 from distillery.models.wan import load_inference_model
 from distillery.sampling import GeneratorNoise, build_sampler
-from distillery.validate import (
+from distillery.evaluation.validate import (
     HEADLINE_METRICS,
     METRIC_NAMES,
     SEEDED_METRICS,
@@ -222,7 +222,7 @@ def test_run_validation_metrics(validation, pipe, embeds):
     from safetensors.torch import load_file
 
     from distillery.clips.analyzer import AnalyzerConfig, score
-    from distillery.video_metrics import Standardiser, frechet_distance, sharpness, video_features
+    from distillery.evaluation.video_metrics import Standardiser, frechet_distance, sharpness, video_features
 
     out, metrics, candidates, wall_s = validation
     assert json.loads((out / "metrics.json").read_text()) == metrics
@@ -382,7 +382,7 @@ def test_stored_prompt_embeddings_replace_the_text_encoder(validation, base, tmp
     from safetensors.torch import load_file
 
     from distillery.data.encoders import BaseEncoders
-    from distillery.validate import PromptEmbeddings
+    from distillery.evaluation.validate import PromptEmbeddings
 
     out, _, candidates, _ = validation
     encoders = BaseEncoders(base)
@@ -407,8 +407,8 @@ def test_stored_prompt_embeddings_replace_the_text_encoder(validation, base, tmp
 def test_validation_device_choice():
     """validate.device: auto is the GPU only when the pipeline has one and CUDA is there; an absent
     CUDA device asked for by name is a one-line error; params.yaml refuses other spellings."""
-    from distillery.pipeline.device import stage_device
-    from distillery.pipeline.params_schema import validate_params
+    from distillery.stages.device import stage_device
+    from distillery.stages.params_schema import validate_params
 
     def validation_device(setting, nproc):
         return stage_device(setting, nproc, "validate.device")

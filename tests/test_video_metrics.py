@@ -1,11 +1,11 @@
-"""Fréchet distance, sharpness and per-video features of distillery.video_metrics."""
+"""Fréchet distance, sharpness and per-video features of distillery.evaluation.video_metrics."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from distillery.video_metrics import (
+from distillery.evaluation.video_metrics import (
     FEATURE_NAMES,
     Standardiser,
     bootstrap_frechet,

@@ -26,7 +26,7 @@ from distillery.data.videos import (
     iter_clips,
     load_clips,
 )
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 
 RED, BLUE, GREEN = (220, 30, 30), (30, 30, 220), (30, 220, 30)
 

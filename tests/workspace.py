@@ -51,7 +51,7 @@ def set_params(repo: Path, updates: dict[str, object]) -> None:
 def make_workspace(repo: Path, updates: dict[str, object] | None = None) -> Path:
     """A git + DVC repository holding the pipeline (code included, as a user's clone would)."""
     repo.mkdir(parents=True, exist_ok=True)
-    for name in ("dvc.yaml", "params.yaml", "stages", ".gitignore"):
+    for name in ("dvc.yaml", "params.yaml", "templates", ".gitignore"):
         src = ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy2)(src, repo / name)
     with (repo / ".gitignore").open("a") as fh:
@@ -134,14 +134,14 @@ def read_log_steps(run_dir: Path) -> list[int]:
 
 
 def training_workers(folder: Path) -> list[int]:
-    """Pids of the `distillery.train` worker processes working in ``folder``."""
+    """Pids of the `distillery.cli.train` worker processes working in ``folder``."""
     found = []
     for pid in processes_in(folder):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"distillery.train" in cmd:
+        if b"distillery.cli.train" in cmd:
             found.append(pid)
     return found
 

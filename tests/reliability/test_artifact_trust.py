@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distillery.cli import build_parser
-from distillery.guard import run_guarded
-from distillery.lineage import DIGEST_KEY, Input, hash_tree, manifest_digest, verify_chain, write_lineage
+from distillery.cli.main import build_parser
+from distillery.cli.guard import run_guarded
+from distillery.lineage.manifest import DIGEST_KEY, Input, hash_tree, manifest_digest, verify_chain, write_lineage
 from distillery.tinybase.shipped import shipped_tiny_base
 
 from workspace import copy_workspace, error_lines, set_params, sh, stage, tree_sha
@@ -381,10 +381,10 @@ def _older_copy(artifact: Path) -> None:
                                 "retrain from step 0), and the export's chain check accepts it; a changed latent byte "
                                 "still changes the key and, recorded consistently, fails the chain check")
 def test_resume_keys_on_content(trained, tmp_path, monkeypatch, capsys, data_lost):
-    from distillery.engine.checkpoint.manager import list_checkpoints
-    from distillery.pipeline.resume_key import key_mismatch, read_key, resume_key
-    from distillery.pipeline.training_stages import prepare_run_dir
-    from distillery.pipeline.training_table import TRAINING_STAGES
+    from distillery.components.checkpoint.manager import list_checkpoints
+    from distillery.stages.resume_key import key_mismatch, read_key, resume_key
+    from distillery.stages.training import prepare_run_dir
+    from distillery.stages.training_table import TRAINING_STAGES
 
     ws = copy_workspace(trained, tmp_path / "ws")
     monkeypatch.chdir(ws)

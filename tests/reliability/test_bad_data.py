@@ -25,8 +25,8 @@ import pytest
 from distillery.clips.video_io import write_video
 from distillery.data import LatentDataset
 from distillery.data.videos import IngestConfig, load_entry, read_entries
-from distillery.errors import UserError
-from distillery.preprocess import PreprocessConfig, preprocess
+from distillery.common.errors import UserError
+from distillery.data.preprocess import PreprocessConfig, preprocess
 
 CASE = "8.14"
 CFG = PreprocessConfig(num_frames=9, height=32, width=32, fps=8.0, rows_per_shard=64, batch_size=8,
@@ -173,7 +173,7 @@ def test_captions_file_symlinked_out_is_refused(tmp_path: Path, tiny_base: Path,
     os.symlink(elsewhere / "captions.jsonl", data / "captions.jsonl")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "distillery.cli", "preprocess", "--base", str(tiny_base), "--data", str(data),
+        [sys.executable, "-m", "distillery.cli.main", "preprocess", "--base", str(tiny_base), "--data", str(data),
          "--out", str(out), "--frames", "9"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()

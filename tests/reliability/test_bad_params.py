@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from distillery.errors import UserError
-from distillery.pipeline.params import Params
-from distillery.pipeline.params_schema import TRAINING_STAGES, ParamsSchema, to_plain
+from distillery.common.errors import UserError
+from distillery.stages.params import Params
+from distillery.stages.params_schema import TRAINING_STAGES, ParamsSchema, to_plain
 
 CASE = "8.12"
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,7 +169,7 @@ def test_every_rule_names_the_key(tmp_path, data_lost):
 @_mark("shipped params.yaml validates", "none: the params.yaml in the repository",
        "validates unchanged; schema defaults equal it; every key a stage reads is in the schema")
 def test_shipped_params_validate_unchanged(data_lost):
-    from distillery.pipeline.training_table import TRAINING_STAGES as TRAINING
+    from distillery.stages.training_table import TRAINING_STAGES as TRAINING
 
     params = Params.load(ROOT / "params.yaml")
     shipped = yaml.safe_load(SHIPPED)

@@ -62,7 +62,7 @@ def runs(tmp_path_factory, tiny_base, latent_set):
 def no_grants_left():
     """Grants given on a command line in this process do not outlive the test."""
     yield
-    from distillery.engine.checkpoint.trust import grant_checkpoints
+    from distillery.components.checkpoint.trust import grant_checkpoints
 
     grant_checkpoints(())
 
@@ -124,7 +124,7 @@ def crafted_pickle(marker: Path) -> bytes:
 
 def reseal(checkpoint: Path) -> None:
     """Record the checkpoint's current files as its checksums (what the author of a crafted folder does)."""
-    from distillery.engine.checkpoint.checksums import write_checksums
+    from distillery.components.checkpoint.checksums import write_checksums
 
     meta = json.loads((checkpoint / "metadata.json").read_text())
     meta["checksums"] = write_checksums(checkpoint)
@@ -133,7 +133,7 @@ def reseal(checkpoint: Path) -> None:
 
 def largest_weight_item(checkpoint: Path) -> tuple[str, int, int]:
     """(file, offset, length) of the student's largest weight tensor inside the DCP shards."""
-    from distillery.engine.checkpoint.dcp_io import read_dcp_metadata
+    from distillery.components.checkpoint.dcp_io import read_dcp_metadata
 
     md = read_dcp_metadata(checkpoint / "dcp")
     items = [(info.length, key.fqn, info) for key, info in md.storage_data.items() if key.fqn.startswith("roles.student.transformer.")]
@@ -168,7 +168,7 @@ def _resume_after_damage(runs, tmp_path, tiny_base, latent_set, warnings_logged,
     lines = [line for line in warnings_logged if "damaged" in line]
     assert len(lines) == 1, warnings_logged
     assert "checkpoint-4" in lines[0] and f"({expected_file}:" in lines[0] and "falling back to checkpoint-2" in lines[0], lines[0]
-    from distillery.engine.checkpoint.checksums import verify_checkpoint
+    from distillery.components.checkpoint.checksums import verify_checkpoint
 
     lost = data_lost.record(0 if verify_checkpoint(run / "checkpoint-2") is None else 1, "intact checkpoints lost")
     lost += data_lost.record(differing_tensors(runs, run / f"checkpoint-{STEPS}"),
@@ -398,7 +398,7 @@ def test_outside_checkpoint_needs_a_grant(runs, tmp_path, tiny_base, latent_set,
     cfg["training"]["checkpoint"]["resume"] = str(foreign)
     write_config(tmp_path / "run.yaml", cfg)
     env = {k: v for k, v in os.environ.items() if k != "DISTILLERY_ALLOWED_CHECKPOINTS"}
-    proc = subprocess.run([sys.executable, "-m", "distillery.cli", "train", "--config", str(tmp_path / "run.yaml")],
+    proc = subprocess.run([sys.executable, "-m", "distillery.cli.main", "train", "--config", str(tmp_path / "run.yaml")],
                           capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

@@ -36,8 +36,8 @@ from distillery.clips.synthetic import ClipSetConfig, make_clip_set
 from distillery.data import LatentDataset
 from distillery.data.latent_format import ColumnError, decode_tensor_column, tensor_from_bytes
 from distillery.data import videos
-from distillery.errors import UserError
-from distillery.preprocess import PreprocessConfig, preprocess
+from distillery.common.errors import UserError
+from distillery.data.preprocess import PreprocessConfig, preprocess
 
 SMALL = PreprocessConfig(num_frames=17, height=32, width=32, fps=8.0, rows_per_shard=2, batch_size=2)
 
@@ -186,7 +186,7 @@ def test_overflowing_shape_is_refused(tmp_path: Path, real_latents: Path, data_l
 @pytest.mark.reliability(
     case="9.6", title="same bytes, another layout",
     injected="a shard of a 17×32×32 latent set (rows [8, 5, 8, 8]) whose latent_shape column says [8, 5, 16, 4] "
-             "(the same 2560 floats); python -m distillery.train on it",
+             "(the same 2560 floats); python -m distillery.cli.train on it",
     expect="the latent set refuses it, naming the shard and the recorded [8, 5, 8, 8]; the trainer exits 2 with "
            "one error line, no traceback, nothing trained")
 def test_other_layout_with_the_same_bytes_is_refused(tmp_path: Path, tiny_base: Path, real_latents: Path,
@@ -199,7 +199,7 @@ def test_other_layout_with_the_same_bytes_is_refused(tmp_path: Path, tiny_base: 
     message = _load_error(root)
     assert str(shard) in message and "[8, 5, 16, 4]" in message and "[8, 5, 8, 8]" in message and "\n" not in message
     config = write_config(tmp_path / "run.yaml", run_config(tiny_base, root, tmp_path / "run", steps=2, batch_size=2))
-    proc = subprocess.run([sys.executable, "-m", "distillery.train", "--config", str(config)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "distillery.cli.train", "--config", str(config)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and str(shard) in errors[0], proc.stderr[-3000:]
@@ -351,7 +351,7 @@ def test_captions_fifo_is_refused_without_opening_it(tmp_path: Path, tiny_base: 
     out = tmp_path / "out"
     with _fifo_watch(data / "captions.jsonl") as opened:
         proc = subprocess.run(
-            [sys.executable, "-m", "distillery.cli", "preprocess", "--base", str(tiny_base), "--data", str(data),
+            [sys.executable, "-m", "distillery.cli.main", "preprocess", "--base", str(tiny_base), "--data", str(data),
              "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from distillery.cli import build_parser
-from distillery.guard import run_guarded
-from distillery.errors import UserError
-from distillery.lineage import DIGEST_KEY, Input, hash_tree, manifest_digest, write_lineage
+from distillery.cli.main import build_parser
+from distillery.cli.guard import run_guarded
+from distillery.common.errors import UserError
+from distillery.lineage.manifest import DIGEST_KEY, Input, hash_tree, manifest_digest, write_lineage
 
 WEIGHTS = "model/transformer/diffusion_pytorch_model.safetensors"
 FAILED = "lineage check failed"
@@ -243,7 +243,7 @@ def test_consistent_rewrite_caught_by_dvc_lock(tmp_path, monkeypatch, capsys, da
     _dvc(repo, "init", "-q")
     (repo / "make_export.py").write_text(
         "from pathlib import Path\n"
-        "from distillery.lineage import write_lineage\n"
+        "from distillery.lineage.manifest import write_lineage\n"
         "out = Path('artifacts/export')\n"
         "(out / 'transformer').mkdir(parents=True)\n"
         "(out / 'model_index.json').write_text('{}')\n"

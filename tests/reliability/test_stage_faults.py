@@ -106,7 +106,7 @@ def test_diverging_loss_stops_cleanly(ws, data_lost):
     m = re.match(r"error: training diverged at step (\d+): .*(nan|inf)", errors[0])
     assert m, errors
     bad_step = int(m.group(1))
-    from distillery.engine.checkpoint.manager import list_checkpoints
+    from distillery.components.checkpoint.manager import list_checkpoints
 
     saved = [s for s, _ in list_checkpoints(ws / "runs" / "teacher")]
     assert all(s < bad_step for s in saved)

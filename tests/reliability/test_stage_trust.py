@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from distillery.lineage import hash_file
+from distillery.lineage.manifest import hash_file
 import random
 
 from workspace import TRAINED, copy_workspace, env, read_log_steps, set_params, sh, stage, tree_sha, wait_no_processes

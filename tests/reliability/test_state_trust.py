@@ -71,7 +71,7 @@ def _one_error_line(capsys) -> str:
 def hash_cache(tmp_path, monkeypatch):
     """This process's hash cache at ``tmp_path/runs/.hash_cache.json`` (as the stage runner sets
     it), read afresh as a new stage process would; the process's cache is forgotten afterwards."""
-    from distillery import hashcache
+    from distillery.lineage import hashcache
 
     path = tmp_path / "runs" / ".hash_cache.json"
     path.parent.mkdir(parents=True)
@@ -90,7 +90,7 @@ def _folder(root: Path) -> Path:
 
 
 def _true_entries(folder: Path) -> list[dict]:
-    from distillery.hashcache import read_sha256
+    from distillery.lineage.hashcache import read_sha256
 
     return [{"path": p.name, "sha256": read_sha256(p), "bytes": p.stat().st_size} for p in sorted(folder.iterdir())]
 
@@ -127,13 +127,13 @@ def _bad_cache(kind: str, cache: Path, folder: Path) -> None:
                          expect="no hang: the digests are read from the bytes, one warning line names the cache; "
                                 "the FIFO is left as it is")
 def test_hash_cache_fifo_does_not_hang(tmp_path, data_lost):
-    from distillery import hashcache
+    from distillery.lineage import hashcache
 
     folder = _folder(tmp_path / "artifact")
     cache = tmp_path / "runs" / ".hash_cache.json"
     cache.parent.mkdir()
     os.mkfifo(cache)
-    code = ("import json, sys; from pathlib import Path; from distillery.lineage import hash_tree; "
+    code = ("import json, sys; from pathlib import Path; from distillery.lineage.manifest import hash_tree; "
             "print(json.dumps(hash_tree(Path(sys.argv[1]))))")
     try:
         proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=60,
@@ -154,8 +154,8 @@ def test_hash_cache_fifo_does_not_hang(tmp_path, data_lost):
                          expect="one warning line; the cache is off for the stage and the trainers it launches "
                                 "(DISTILLERY_HASH_CACHE unset); a regular file turns it on again")
 def test_stage_runner_turns_a_fifo_cache_off(tmp_path, monkeypatch, warnings_logged, data_lost):
-    from distillery import hashcache
-    from distillery.pipeline import runner
+    from distillery.lineage import hashcache
+    from distillery.stages import runner
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(hashcache.ENV_VAR, "")  # so that the variable is restored after the test ...
@@ -181,8 +181,8 @@ def test_stage_runner_turns_a_fifo_cache_off(tmp_path, monkeypatch, warnings_log
                                 "a bad file is rebuilt as a valid cache, a folder is left as it is")
 @pytest.mark.parametrize("kind", ["folder", "deep JSON", "deep JSON entry", "non-string digests", "a list"])
 def test_hash_cache_of_wrong_shape_is_ignored(hash_cache, tmp_path, warnings_logged, data_lost, kind):
-    from distillery import hashcache
-    from distillery.lineage import hash_tree
+    from distillery.lineage import hashcache
+    from distillery.lineage.manifest import hash_tree
 
     folder = _folder(tmp_path / "artifact")
     _bad_cache(kind, hash_cache, folder)
@@ -208,7 +208,7 @@ def _stage_workspace(root: Path, latent_set: Path, tiny_base: Path) -> tuple[dic
     """A workspace folder (the cwd of a stage) with ``artifacts/latents`` and a run of 2 steps in
     ``runs/teacher`` (checkpoints 1 and 2), prepared by the training stage's own ``prepare_run_dir``.
     Returns the run config and the stage's inputs."""
-    from distillery.pipeline.training_stages import prepare_run_dir
+    from distillery.stages.training import prepare_run_dir
 
     shutil.copytree(latent_set, root / "artifacts" / "latents")
     inputs = {"data": Path("artifacts/latents")}
@@ -219,7 +219,7 @@ def _stage_workspace(root: Path, latent_set: Path, tiny_base: Path) -> tuple[dic
 
 
 def _intact_checkpoints(run: Path) -> int:
-    from distillery.engine.checkpoint.checksums import verify_checkpoint
+    from distillery.components.checkpoint.checksums import verify_checkpoint
 
     return sum(1 for p in run.glob("checkpoint-*") if verify_checkpoint(p) is None)
 
@@ -231,10 +231,10 @@ def _intact_checkpoints(run: Path) -> int:
                                 "line, the cache corrected; an input really changed still restarts from step 0")
 def test_poisoned_hash_cache_does_not_discard_a_run(hash_cache, tmp_path, tiny_base, latent_set, monkeypatch,
                                                     warnings_logged, data_lost):
-    from distillery import hashcache
-    from distillery.lineage import hash_tree
-    from distillery.pipeline.resume_key import read_key, resume_key
-    from distillery.pipeline.training_stages import prepare_run_dir
+    from distillery.lineage import hashcache
+    from distillery.lineage.manifest import hash_tree
+    from distillery.stages.resume_key import read_key, resume_key
+    from distillery.stages.training import prepare_run_dir
 
     monkeypatch.chdir(tmp_path)
     raw, inputs = _stage_workspace(tmp_path, latent_set, tiny_base)
@@ -268,7 +268,7 @@ def test_poisoned_hash_cache_does_not_discard_a_run(hash_cache, tmp_path, tiny_b
 
 
 def _true_entries_tree(folder: Path) -> list[dict]:
-    from distillery.hashcache import read_sha256
+    from distillery.lineage.hashcache import read_sha256
 
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     return [{"path": p.relative_to(folder).as_posix(), "sha256": read_sha256(p), "bytes": p.stat().st_size} for p in files]
@@ -294,7 +294,7 @@ def runs(tmp_path_factory, tiny_base, latent_set):
 
 def _reseal(checkpoint: Path) -> None:
     """Record the checkpoint's current files as its checksums (what a crafted folder's author does)."""
-    from distillery.engine.checkpoint.checksums import write_checksums
+    from distillery.components.checkpoint.checksums import write_checksums
 
     meta = json.loads((checkpoint / "metadata.json").read_text())
     meta["checksums"] = write_checksums(checkpoint)
@@ -328,7 +328,7 @@ METADATA_DAMAGE = ["world_size: 'eight'", "format: 'x'", "roles: 5", "frozen_rol
                                 "final weights bitwise equal to an uninterrupted run")
 @pytest.mark.parametrize("kind", METADATA_DAMAGE)
 def test_bad_metadata_falls_back(runs, tmp_path, tiny_base, latent_set, warnings_logged, capsys, data_lost, kind):
-    from distillery.engine.checkpoint.checksums import verify_checkpoint
+    from distillery.components.checkpoint.checksums import verify_checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(runs["root"] / "prefix", run)
@@ -368,7 +368,7 @@ def test_granted_checkpoint_with_bad_metadata_is_refused(runs, tmp_path, tiny_ba
 def test_metadata_is_covered_by_the_checksums(runs, tmp_path):
     """Any edit of metadata.json outside its checksums record fails verification; a checkpoint
     saved now verifies."""
-    from distillery.engine.checkpoint.checksums import verify_checkpoint
+    from distillery.components.checkpoint.checksums import verify_checkpoint
 
     ckpt = tmp_path / "checkpoint-4"
     shutil.copytree(runs["root"] / "prefix" / "checkpoint-4", ckpt)

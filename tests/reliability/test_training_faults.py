@@ -37,7 +37,7 @@ def _nan_latent_set(src: Path, dst: Path) -> Path:
 
 
 def _train(cfg_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "distillery.train", "--config", str(cfg_path), *extra], capture_output=True,
+    return subprocess.run([PY, "-m", "distillery.cli.train", "--config", str(cfg_path), *extra], capture_output=True,
                           text=True, timeout=600)
 
 
@@ -53,7 +53,7 @@ def test_nan_sample_stops_at_its_step(tmp_path, tiny_base, latent_set, data_lost
     assert len(errors) == 1 and "Traceback" not in out.stderr
     assert errors[0].startswith("error: training diverged at step ") and "total_loss=nan" in errors[0]
     bad = int(errors[0].split("step ")[1].split(":")[0])
-    from distillery.engine.checkpoint.manager import list_checkpoints
+    from distillery.components.checkpoint.manager import list_checkpoints
 
     saved = [s for s, _ in list_checkpoints(tmp_path / "run")]
     assert saved == list(range(1, bad)), (saved, bad)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from distillery.callbacks.base import Callback, CallbackContext
-from distillery.engine.distributed import local_shard
+from distillery.components.distributed import local_shard
 
 
 @dataclass

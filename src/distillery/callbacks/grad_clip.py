@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from distillery.callbacks.base import Callback, CallbackContext
-from distillery.engine.distributed import local_shard
+from distillery.components.distributed import local_shard
 
 
 @dataclass

@@ -33,8 +33,8 @@ import torch
 
 from distillery.callbacks.base import Callback, CallbackContext
 from distillery.config.typed import bounded
-from distillery.errors import UserError
-from distillery.log import get_logger
+from distillery.common.errors import UserError
+from distillery.common.log import get_logger
 
 if TYPE_CHECKING:
     import numpy as np

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from distillery.clips.grammar import BACKGROUNDS, COLOURS, DIRECTIONS, parse_caption
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 
 log = logging.getLogger("distillery")
 

@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 
 RGB = tuple[int, int, int]
 

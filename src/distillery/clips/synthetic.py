@@ -53,8 +53,8 @@ from distillery.clips.grammar import (
     format_caption,
 )
 from distillery.clips.video_io import write_video
-from distillery.errors import UserError
-from distillery.fsutil import replace_dir
+from distillery.common.errors import UserError
+from distillery.common.fsutil import replace_dir
 
 log = logging.getLogger("distillery")
 

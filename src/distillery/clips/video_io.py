@@ -22,7 +22,7 @@ import av
 import numpy as np
 from av.video.reformatter import Colorspace
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 
 log = logging.getLogger("distillery")
 

@@ -95,7 +95,7 @@ class LoopConfig:
     seed: int = bounded(0, 0, MAX_SEED)  # seeds python/numpy/torch, the data order and the method's random stream
     stop_at_step: int | None = bounded(None, 0, MAX_STEPS)  # end this invocation at this step (checkpointed); rerun to continue
     log_every: int = bounded(1, 1, MAX_STEPS)  # steps between metric logs
-    progress_bar: bool = True  # rank-0 progress: a bar on a terminal, else a log line per 10 % or minute (distillery.progress)
+    progress_bar: bool = True  # rank-0 progress: a bar on a terminal, else a log line per 10 % or minute (distillery.common.progress)
     skip_nonfinite_steps: int = bounded(0, 0, 1_000_000)  # skip (no update) up to this many steps whose loss or grad norm is NaN/Inf per invocation; 0: stop at the first
 
     def __post_init__(self) -> None:

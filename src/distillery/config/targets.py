@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 
 DEFAULT_PREFIXES = ("distillery.",)
 ENV_PREFIXES = "DISTILLERY_ALLOWED_TARGET_PREFIXES"

@@ -2,7 +2,7 @@
 
 ``from_mapping(cls, data, where)`` builds dataclass ``cls`` from a mapping, recursing into
 nested dataclasses, ``list``/``tuple``/``dict`` and ``Optional``/``Literal`` fields. Unknown
-keys, missing required keys and wrong types raise :class:`~distillery.errors.UserError` with
+keys, missing required keys and wrong types raise :class:`~distillery.common.errors.UserError` with
 one line naming the dotted key and what is valid. Explicit zeros and ``false`` are kept as given:
 only absent keys take defaults. Echoed values go through :func:`~distillery.config.limits.show`
 (cut to a readable length); a string field named like a path (:func:`is_path_field`) must be a
@@ -23,7 +23,7 @@ import typing
 from typing import Any, Literal, Union
 
 from distillery.config.limits import cut, path_problem, show, show_key, unknown_key_message
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 
 _MISSING = dataclasses.MISSING
 MAX_KNOB_INT = 2**31 - 1  # an integer knob without its own range (a count, a step, an interval)

@@ -6,16 +6,16 @@
 - :mod:`.sampler` — :class:`ShardedBatchSampler` (rank-sharded, resumable) and :class:`LatentBatchLoader`.
 """
 
-from .dataset import (
+from distillery.data.dataset import (
     LatentDataset,
     collate_latents,
     pad_prompt_embedding,
     read_empty_prompt_embedding,
     write_empty_prompt_embedding,
 )
-from .latent_format import SCHEMA, tensor_from_bytes, tensor_to_record_fields
-from .sampler import LatentBatchLoader, ShardedBatchSampler
-from .writer import LatentRecord, shard_path, write_latent_shards, write_shard
+from distillery.data.latent_format import SCHEMA, tensor_from_bytes, tensor_to_record_fields
+from distillery.data.sampler import LatentBatchLoader, ShardedBatchSampler
+from distillery.data.writer import LatentRecord, shard_path, write_latent_shards, write_shard
 
 __all__ = [
     "SCHEMA",

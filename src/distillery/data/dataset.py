@@ -23,8 +23,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..errors import UserError
-from .latent_format import (
+from distillery.common.errors import UserError
+from distillery.data.latent_format import (
     LATENT_NDIM,
     TEXT_NDIM,
     ColumnError,

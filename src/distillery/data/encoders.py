@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from distillery.errors import UserError
-from distillery.log import quiet_library_progress
+from distillery.common.errors import UserError
+from distillery.common.log import quiet_library_progress
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan

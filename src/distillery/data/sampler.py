@@ -14,8 +14,8 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import UserError
-from .dataset import LatentDataset, collate_latents
+from distillery.common.errors import UserError
+from distillery.data.dataset import LatentDataset, collate_latents
 
 __all__ = ["LatentBatchLoader", "ShardedBatchSampler"]
 

@@ -51,8 +51,8 @@ import av
 import numpy as np
 from PIL import Image
 
-from distillery.errors import UserError
-from distillery.fsutil import write_text_atomic
+from distillery.common.errors import UserError
+from distillery.common.fsutil import write_text_atomic
 
 __all__ = [
     "CAPTION_FILES",

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from .latent_format import LATENT_NDIM, SCHEMA, TEXT_NDIM, tensor_to_record_fields
+from distillery.data.latent_format import LATENT_NDIM, SCHEMA, TEXT_NDIM, tensor_to_record_fields
 
 __all__ = ["LatentRecord", "shard_path", "write_latent_shards", "write_shard"]
 

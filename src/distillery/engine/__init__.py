@@ -2,10 +2,10 @@
 
 - :mod:`~distillery.engine.loop` — the trainer (gradient accumulation, callbacks, one host sync per step);
 - :mod:`~distillery.engine.builder` — role models → method → placement/sharding → optimizers → callbacks;
-- :mod:`~distillery.engine.optim` — per-role optimizer and LR-schedule factory;
-- :mod:`~distillery.engine.checkpoint` — DCP checkpoints, their host state, checksums and trust rules;
-- :mod:`~distillery.engine.distributed`, :mod:`~distillery.engine.precision` — ranks, FSDP2, compute copies;
-- :mod:`~distillery.engine.rng` — the rank-independent random stream; :mod:`~distillery.engine.tracking` — MLflow.
+- :mod:`~distillery.components.optim` — per-role optimizer and LR-schedule factory;
+- :mod:`~distillery.components.checkpoint` — DCP checkpoints, their host state, checksums and trust rules;
+- :mod:`~distillery.components.distributed`, :mod:`~distillery.components.precision` — ranks, FSDP2, compute copies;
+- :mod:`~distillery.components.rng` — the rank-independent random stream; :mod:`~distillery.components.tracking` — MLflow.
 
 Nothing here imports DVC or Prefect (the pipeline adapts the engine, never the reverse).
 """

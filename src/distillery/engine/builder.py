@@ -12,13 +12,13 @@ import torch
 
 from distillery.callbacks.base import Callback
 from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, OptimizerConfig, RunConfig
-from distillery.engine.distributed import DistEnv, shard_transformer, uses_fsdp
-from distillery.errors import UserError
-from distillery.fsutil import file_kind
+from distillery.components.distributed import DistEnv, shard_transformer, uses_fsdp
+from distillery.common.errors import UserError
+from distillery.common.fsutil import file_kind
 from distillery.methods.base import TrainingMethod
 from distillery.models.base import ModelBase
-from distillery.engine.optim import resolve_optimizer_config
-from distillery.engine.precision import ComputeCopy, cast_parameters_
+from distillery.components.optim import resolve_optimizer_config
+from distillery.components.precision import ComputeCopy, cast_parameters_
 
 
 @dataclass
@@ -109,7 +109,7 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
 
     - FSDP2 (several ranks, or ``shard_single_rank: true``): sharded fp32 masters, bf16 gathers.
     - One rank without FSDP, bf16 compute: a trainable role gets a bf16 compute copy beside its
-      fp32 master (:class:`~distillery.engine.precision.ComputeCopy`); a frozen role is cast to bf16 in
+      fp32 master (:class:`~distillery.components.precision.ComputeCopy`); a frozen role is cast to bf16 in
       place (no master is needed). Buffers (RoPE tables) stay fp32.
     - fp32 compute (CPU by default): the transformer itself, as loaded.
 

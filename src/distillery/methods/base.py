@@ -21,7 +21,7 @@ replicated (PDD's carried trajectories) is :meth:`TrainingMethod.host_state`, sa
 rank's process RNGs. Frozen roles are
 not saved; :meth:`frozen_sources` names them (path + sha256) for the checkpoint metadata.
 
-Randomness: ``self.rng`` (a :class:`~distillery.engine.rng.BatchRNG` on the student's device) is the
+Randomness: ``self.rng`` (a :class:`~distillery.components.rng.BatchRNG` on the student's device) is the
 only source of random draws in methods, models and samplers; its per-sample draws do not depend on
 the number of ranks.
 """
@@ -36,10 +36,10 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distillery.config.schema import OptimizerConfig, TrainingConfig
-from distillery.engine.checkpoint.stateful import ModuleState, OptimizerState, RNGState, SchedulerState
-from distillery.engine.optim import build_role_optimizer
-from distillery.engine.rng import BatchRNG
-from distillery.errors import UserError
+from distillery.components.checkpoint.stateful import ModuleState, OptimizerState, RNGState, SchedulerState
+from distillery.components.optim import build_role_optimizer
+from distillery.components.rng import BatchRNG
+from distillery.common.errors import UserError
 from distillery.models.base import ModelBase
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from distillery.config.typed import bounded
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.methods.base import StepOutput, TrainingMethod, apply_caption_dropout, flow_matching_loss
 from distillery.models.base import CausalModelBase
 from distillery.models.schedule import FlowMatchSchedule

@@ -53,7 +53,7 @@ timestep table, as upstream's ``warp_denoising_step``). The artifact's sampling 
 ``few_step_x0`` sampler over this ladder (SDE re-noise; see ``rollout_renoise``).
 
 **Randomness.** Everything comes from ``self.rng``. Per-sample draws (noise, τ, t) use the
-:class:`~distillery.engine.rng.BatchRNG` methods (the global batch is drawn, each rank keeps its
+:class:`~distillery.components.rng.BatchRNG` methods (the global batch is drawn, each rank keeps its
 slice); the exit step is one draw from the BatchRNG's generator itself, which is identical on every
 rank — all ranks run the same number of student forwards (FSDP2 needs that: each forward
 all-gathers). Draw order per step: exit step; the batch noise (``prepare_batch``: the initial noise
@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from distillery.config.typed import bounded
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.methods.base import StepOutput, TrainingMethod
 from distillery.models.base import ModelBase, TrainingBatch
 from distillery.models.schedule import FlowMatchSchedule, euler_step, renoise, x0_from_velocity

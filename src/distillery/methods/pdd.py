@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from distillery.config.typed import bounded
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.methods.base import StepOutput, TrainingMethod
 from distillery.models.base import Conditioning, ModelBase
 from distillery.models.wan.pdd import HeadGroup, PDDWanModel

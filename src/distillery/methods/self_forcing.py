@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.methods.dmd2 import DMD2Config, DMD2Method
 from distillery.models.base import CausalModelBase, ModelBase, TrainingBatch, chunk_bounds
 from distillery.models.schedule import renoise, x0_from_velocity

@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.models.schedule import FlowMatchSchedule, renoise, x0_from_velocity
-from distillery.engine.precision import ComputeCopy
-from distillery.engine.rng import BatchRNG
+from distillery.components.precision import ComputeCopy
+from distillery.components.rng import BatchRNG
 
 
 @dataclass
@@ -77,7 +77,7 @@ class ModelBase(ABC):
         import hashlib
         from pathlib import Path
 
-        from distillery.hashcache import file_sha256, flush_active
+        from distillery.lineage.hashcache import file_sha256, flush_active
 
         folder = Path(getattr(self, "transformer_dir", None) or getattr(self.config, "init_from", ""))
         digest = hashlib.sha256()
@@ -92,7 +92,7 @@ class ModelBase(ABC):
         """Record the device and dtype the transformer computes in.
 
         ``compute_copy``: a low-precision twin of ``self.transformer`` (the fp32 master) that runs
-        forward and backward (one rank without FSDP; see :mod:`distillery.engine.precision`).
+        forward and backward (one rank without FSDP; see :mod:`distillery.components.precision`).
         """
         self.device = device
         self.compute_dtype = compute_dtype

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 
 if TYPE_CHECKING:
-    from distillery.engine.rng import BatchRNG
+    from distillery.components.rng import BatchRNG
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.models.schedule import FlowMatchSchedule
 from distillery.sampling.noise import NoiseLike
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.models.base import chunk_bounds
 from distillery.models.schedule import renoise, x0_from_velocity
 from distillery.sampling.base import (LatentShape, causal_model_options, cfg_enabled, check_inputs, conditioning_on,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.models.schedule import FlowMatchSchedule, renoise, x0_from_velocity
 from distillery.sampling.base import LatentShape, Sampler, check_inputs, conditioning_on, guided_velocity
 from distillery.sampling.noise import NoiseLike, as_noise_source

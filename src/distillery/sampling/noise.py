@@ -7,7 +7,7 @@ is the batch; it does not care whether the draws come from
   draws exactly what diffusers' ``randn_tensor`` draws for that generator, so stock ``WanPipeline``
   reproduces the samples), or one generator per sample (each sample then draws what it would draw
   alone: a batched run equals per-prompt runs);
-- :class:`RNGNoise` — the training run's :class:`~distillery.engine.rng.BatchRNG` (rollouts: draws
+- :class:`RNGNoise` — the training run's :class:`~distillery.components.rng.BatchRNG` (rollouts: draws
   independent of how the global batch is split over ranks).
 
 :func:`as_noise_source` turns any of these (or a generator/BatchRNG itself) into a source.
@@ -20,7 +20,7 @@ from typing import Protocol, Union, runtime_checkable
 
 import torch
 
-from distillery.engine.rng import BatchRNG
+from distillery.components.rng import BatchRNG
 
 
 @runtime_checkable

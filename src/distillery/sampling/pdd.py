@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.models.schedule import block_partition, widest_block
 from distillery.sampling.base import LatentShape, Sampler, check_inputs, conditioning_on, guide
 from distillery.sampling.noise import NoiseLike, as_noise_source

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.sampling.base import Sampler
 
 _REGISTRY: dict[str, type[Sampler]] = {}

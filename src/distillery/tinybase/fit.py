@@ -6,7 +6,7 @@ The recipe (measured on 2 CPU cores; TOOLCHAIN.md and BENCHMARKS.md have the fig
    (frozen: a fixed, distinct embedding per word is all the DiT needs);
 3. a tiny ``AutoencoderKLWan`` fitted to the clips (``distillery.tinybase.fit_vae``), its
    ``latents_mean``/``latents_std`` set from the fitted latents;
-4. the clips preprocessed into latents with that VAE and text encoder (``distillery.preprocess``);
+4. the clips preprocessed into latents with that VAE and text encoder (``distillery.data.preprocess``);
 5. a tiny ``WanTransformer3DModel`` pretrained on them with the library's own SFT trainer
    (10% empty captions so classifier-free guidance works);
 6. prompt adherence measured by sampling the validation captions through stock
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from distillery.tinybase.tiny import TinyBaseConfig, _check_destination, _make_readable
-from distillery.fsutil import replace_dir
-from distillery.log import get_logger
+from distillery.common.fsutil import replace_dir
+from distillery.common.log import get_logger
 
 log = get_logger("base.fit")
 
@@ -155,8 +155,8 @@ def assemble(staging: Path, vae: Any, captions: list[str], cfg: FitConfig) -> No
 def pretrain_transformer(staging: Path, latents: Path, work: Path, cfg: FitConfig) -> dict[str, Any]:
     """SFT of ``staging/transformer`` on the latents with the library trainer; writes the result back."""
     from distillery.config import allowed_prefixes, load_run_config
-    from distillery.engine.distributed import init_distributed, shutdown
-    from distillery.export import export_weights
+    from distillery.components.distributed import init_distributed, shutdown
+    from distillery.export.weights import export_weights
     from distillery.engine.loop import Trainer
 
     d = cfg.dit
@@ -215,7 +215,7 @@ def fit_tiny_base(out: Path, cfg: FitConfig = FitConfig(), *, overwrite: bool = 
                   work_dir: Path | None = None) -> Path:
     """Make, fit and evaluate the tiny base; publish it to ``out`` atomically. Returns ``out``."""
     from distillery.clips.synthetic import ClipSetConfig, make_clip_set
-    from distillery.preprocess import PreprocessConfig, preprocess
+    from distillery.data.preprocess import PreprocessConfig, preprocess
 
     out = Path(out)
     _check_destination(out, overwrite)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 
 if TYPE_CHECKING:  # diffusers costs seconds to import; functions import it lazily
     from diffusers import AutoencoderKLWan

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 
 SHIPPED_TINY_BASE = Path(__file__).resolve().parent.parent / "assets" / "tiny-wan"
 
@@ -28,7 +28,7 @@ def shipped_tiny_base() -> Path:
 def copy_shipped_tiny_base(out: Path, overwrite: bool = False) -> Path:
     """Copy the shipped fitted tiny base to ``out`` (atomically: temp sibling, then rename)."""
     from distillery.tinybase.tiny import _check_destination, _make_readable
-    from distillery.fsutil import replace_dir
+    from distillery.common.fsutil import replace_dir
 
     src = shipped_tiny_base()
     out = Path(out)

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distillery.errors import UserError
-from distillery.fsutil import replace_dir
+from distillery.common.errors import UserError
+from distillery.common.fsutil import replace_dir
 
 if TYPE_CHECKING:  # heavy imports stay lazy: diffusers alone costs seconds
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel

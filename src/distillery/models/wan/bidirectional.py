@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from distillery.errors import UserError
-from distillery.log import get_logger
+from distillery.common.errors import UserError
+from distillery.common.log import get_logger
 from distillery.models.base import Conditioning, ModelBase, TrainingBatch
-from distillery.engine.rng import BatchRNG
+from distillery.components.rng import BatchRNG
 from distillery.models.schedule import FlowMatchSchedule, read_scheduler_shift
 from distillery.models.wan.common import TRANSFORMER_CLASS, WanModelConfig, locate_transformer
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 
 TRANSFORMER_CLASS = "WanTransformer3DModel"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.models.wan.bidirectional import WanModel
 from distillery.models.wan.common import WanModelConfig
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from distillery.config.typed import bounded
-from distillery.errors import UserError
+from distillery.common.errors import UserError
 from distillery.models.base import Conditioning, TrainingBatch
 from distillery.models.schedule import block_weights
 from distillery.models.wan.bidirectional import WanModel

@@ -1,0 +1,78 @@
+"""``python -m distillery.cli.launch [torchrun options] -m distillery.cli.train --config X``: torchrun, contained.
+
+The same options and behaviour as ``torchrun`` (it runs torch's own launcher in this process), plus:
+
+- this launcher dies at once (SIGKILL) with the process that started it (``PR_SET_PDEATHSIG``), and
+  each worker dies at once with this launcher (``distillery.cli.train`` asks for it), so a killed stage
+  never leaves a training process behind (checkpoints are written atomically: nothing is lost but
+  the steps since the last one);
+- a worker that fails with a user error (a ``UserError``: bad data, a corrupt checkpoint, a
+  non-finite loss) leaves its one line in a folder named by ``$DISTILLERY_WORKER_ERRORS``; the
+  launcher prints that line once (``error: ...``) and exits 2, instead of torch's multi-line
+  ``ChildFailedError`` report. Any other failure prints one line naming the rank and exit code and
+  exits 1 (the worker's own traceback is above it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from distillery.common.errors import UserError
+from distillery.cli.guard import WORKER_ERRORS_ENV
+from distillery.common.procutil import die_with_parent
+
+
+def first_worker_error(folder: Path) -> str | None:
+    """The one-line user error a worker left in ``folder`` (the lowest rank's), if any."""
+    files = sorted(folder.glob("rank-*.txt"), key=lambda p: int(p.stem.split("-")[1]) if p.stem.split("-")[1].isdigit() else 0)
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace").strip()
+        if text:
+            return text
+    return None
+
+
+def _quiet_torch_launcher() -> None:
+    """torch's agent logs each failure as a multi-line ERROR report; this launcher says it in one line."""
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_parent(signal.SIGKILL)  # at once: a stopped or hung worker must not keep us waiting; saves are atomic
+    argv = sys.argv[1:] if argv is None else argv
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    errors = Path(tempfile.mkdtemp(prefix="distillery-worker-errors-"))
+    os.environ[WORKER_ERRORS_ENV] = str(errors)
+    _quiet_torch_launcher()
+    try:
+        run(parse_args(argv))
+        return 0
+    except ChildFailedError as exc:
+        message = first_worker_error(errors)
+        if message:
+            sys.stderr.write(f"error: {message}\n")
+            return UserError.exit_code
+        rank, failure = min(exc.failures.items()) if exc.failures else (0, None)
+        code = getattr(failure, "exitcode", "?")
+        how = f"signal {-code}" if isinstance(code, int) and code < 0 else f"exit code {code}"
+        sys.stderr.write(f"error: training worker rank {rank} failed ({how}); its traceback is above\n")
+        return 1
+    except SignalException as exc:  # we were told to stop (the stage died): torch stopped the workers
+        sys.stderr.write(f"error: training stopped by signal {exc.sigval.name}\n")
+        return 128 + int(exc.sigval)
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Process containment: a process dies with the one that started it, and one writer per folder.
+
+- :func:`die_with_parent` — Linux ``PR_SET_PDEATHSIG``: the kernel sends ``sig`` to this process
+  when the thread that forked it exits. Training workers (started by the torchrun agent in their
+  own session, so no terminal signal reaches them) and the agent itself (started by a stage) call
+  it first thing, so killing a stage — even with SIGKILL — takes the whole tree down.
+- :class:`AncestorWatch` — a daemon thread that polls the process's ancestors (through any shell
+  wrappers, up to the first non-shell ancestor) and runs a callback when one of them is gone. A
+  stage started by ``dvc repro`` through ``sh -c`` uses it: killing ``dvc`` alone leaves the shell
+  and the stage alive, and no kernel mechanism tells the stage.
+- :func:`exclusive_lock` — an ``flock`` on a lock file held for a ``with`` block; a second holder
+  gets one :class:`UserError` line naming the folder and the pid that holds it. The lock belongs to
+  the open file description, so it is released when the holder dies, however it dies.
+
+Linux-only where it matters (prctl, /proc); elsewhere the calls are no-ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from distillery.common.errors import UserError
+
+_PR_SET_PDEATHSIG = 1
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "busybox"})
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent exits; if the parent is
+    already gone (we were re-parented before the call), deliver it now."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if parent == 1 or not _alive(parent):
+        os.kill(os.getpid(), sig)
+
+
+def _proc_stat(pid: int) -> tuple[str, str, int] | None:
+    """(name, state, ppid) of ``pid`` from /proc, or None when it does not exist."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    name = text[text.index("(") + 1 : text.rindex(")")]
+    fields = text[text.rindex(")") + 2 :].split()
+    return name, fields[0], int(fields[1])
+
+
+def _alive(pid: int) -> bool:
+    """True when ``pid`` exists and is not a zombie."""
+    st = _proc_stat(pid)
+    return st is not None and st[1] not in ("Z", "X")
+
+
+def ancestors_to_watch(pid: int | None = None) -> list[int]:
+    """The parent of ``pid`` and, while that parent is a shell, its parents too: the chain whose
+    death means nobody is waiting for this process any more."""
+    chain: list[int] = []
+    current = os.getpid() if pid is None else pid
+    for _ in range(8):
+        st = _proc_stat(current)
+        if st is None:
+            break
+        parent = st[2]
+        if parent <= 1:
+            break
+        chain.append(parent)
+        pst = _proc_stat(parent)
+        if pst is None or pst[0] not in SHELLS:
+            break
+        current = parent
+    return chain
+
+
+class AncestorWatch:
+    """Poll ``ancestors_to_watch()`` every ``interval`` seconds; call ``on_orphaned`` once when one
+    of them dies (or this process is re-parented). Start with :meth:`start`; a daemon thread."""
+
+    def __init__(self, on_orphaned: Callable[[], None], interval: float = 0.5) -> None:
+        self.on_orphaned = on_orphaned
+        self.interval = interval
+        self.watched = ancestors_to_watch()
+        self.parent = os.getppid()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ancestor-watch", daemon=True)
+
+    def start(self) -> "AncestorWatch":
+        if self.watched:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if os.getppid() != self.parent or not all(_alive(p) for p in self.watched):
+                self.on_orphaned()
+                return
+
+
+def kill_group(pid: int, sig: int = signal.SIGTERM) -> None:
+    """Send ``sig`` to the process group led by ``pid`` (ignoring one that is already gone)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_file: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_file`` for the block; raise a UserError naming
+    ``what`` and the holder's pid when another process holds it."""
+    lock_file = Path(lock_file)
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "another process"
+            raise UserError(f"{what} is in use by pid {holder} (lock {lock_file}); wait for it to finish or stop it "
+                            f"first — two writers would corrupt its checkpoints") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)

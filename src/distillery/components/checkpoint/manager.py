@@ -1,0 +1,269 @@
+"""DCP checkpoints for crash resume: ``<output_dir>/checkpoint-<step>/``.
+
+Layout of one checkpoint::
+
+    checkpoint-<step>/
+      dcp/                      # torch.distributed.checkpoint, tensors only (engine.checkpoint.stateful):
+                                #   roles.<role>.<module>  trainable modules (sharded, reshardable)
+                                #   optimizers.<role>      AdamW moments + step per parameter
+                                #   schedulers.<role>      LR schedule position and rates
+                                #   method.*               the method's stream and own state
+                                #   trainer                step, data position
+                                #   callbacks.<name>       callback tensors (EMA shadow weights)
+      roles/<role>/config.json  # each trainable role's transformer architecture (for export)
+      rng/rank-<r>.json         # per-rank process RNGs: python, numpy, torch CPU/CUDA (+ the method's host state)
+      rng/rank-<r>.safetensors  #   (its tensors; see distillery.components.checkpoint.host_state)
+      checksums.json            # size + sha256 of every file above, and the digest of metadata.json's
+                                # values (distillery.components.checkpoint.checksums)
+      metadata.json             # step, world size, trainable roles, frozen roles' sources (path +
+                                # sha256, not saved), method, MLflow run, time + digest of checksums.json
+
+It is written into ``.tmp-checkpoint-<step>/`` and renamed when complete, so a crash mid-save
+never leaves a checkpoint that looks complete; ``metadata.json`` is written last.
+
+Trust (DESIGN.md §2.2): nothing in a checkpoint is unpickled by us (DCP items are tensors; RNG state
+is JSON + safetensors, :mod:`distillery.components.checkpoint.host_state`; DCP is read through
+:mod:`distillery.components.checkpoint.dcp_io`, which refuses anything but DCP's own metadata classes).
+Which checkpoint a run resumes — verified, falling back past damaged ones, granted when outside the
+run's folder, never of the old pickled format — is decided by :mod:`distillery.components.checkpoint.trust`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+from distillery.components.checkpoint.checksums import Damage, FileDigest, hash_files, read_metadata, write_checksums
+from distillery.components.checkpoint.dcp_io import load_dcp, read_dcp_metadata
+from distillery.components.checkpoint.host_state import read_state, write_state
+from distillery.components.checkpoint.stateful import OptimizerState
+from distillery.components.checkpoint.trust import CHECKPOINT_RE, is_old_format, old_format_error, resolve_resume
+from distillery.components.distributed import barrier, broadcast_object
+from distillery.common.errors import UserError
+from distillery.common.fsutil import read_json_file
+from distillery.common.log import get_logger
+
+log = get_logger("checkpoint")
+
+FORMAT = 3  # metadata.json "format": 3 = all training state in DCP by the method's keys (2: role.<role> keys + state.json; 1: pickled state.pt; both refused)
+
+
+METHOD_HOST_KEY = "method_host"  # the method's per-rank host state inside rng/rank-<r> (TrainingMethod.host_state)
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every process-level RNG of this rank (the method's stream is in DCP: ``method.rng``)."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Restore the process RNGs :func:`capture_rng` captured."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def check_frozen_roles(path: Path, saved: dict[str, Any], current: dict[str, dict[str, Any]]) -> None:
+    """A UserError unless the frozen roles (teacher, ...) are the ones the checkpoint trained against."""
+    for role in sorted(set(saved) | set(current)):
+        was, now = saved.get(role), current.get(role)
+        if was is None or now is None:
+            raise UserError(f"{path}: checkpoint trained with frozen roles {sorted(saved)}, this run has {sorted(current)}; "
+                            "start from step 0 (resume: none) or restore the roles")
+        if was.get("sha256") != now.get("sha256"):
+            raise UserError(f"{path}: the frozen {role} changed since this checkpoint was saved ({was.get('path')} "
+                            f"sha256 {str(was.get('sha256'))[:12]}…, now {now.get('path')} {str(now.get('sha256'))[:12]}…); "
+                            "not resuming against another model: start from step 0 (resume: none) or restore it")
+
+
+def read_role_config(path: Path, role: str) -> dict[str, Any]:
+    """``roles/<role>/config.json`` of the checkpoint ``path`` (bounded read); a one-line UserError
+    when it is missing, not a regular file, too deep or not a JSON object."""
+    where = path / "roles" / role / "config.json"
+    try:
+        config = read_json_file(where, 1 << 20)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: roles/{role}/config.json is unreadable ({getattr(exc, 'strerror', None) or exc}); "
+                        "not loaded") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: roles/{role}/config.json is not a JSON object; not loaded")
+    return config
+
+
+def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (those with ``metadata.json``) in ``output_dir``, oldest first."""
+    found = []
+    if output_dir.is_dir():
+        for child in output_dir.iterdir():
+            m = CHECKPOINT_RE.match(child.name)
+            if m and (child / "metadata.json").is_file():
+                found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+@dataclass
+class CheckpointPayload:
+    """Everything a checkpoint holds, as the trainer hands it over."""
+
+    dcp_state: dict[str, Stateful]  # the method's (roles.*, optimizers.*, schedulers.*, method.*) + the
+                                    # trainer's (trainer: step, data position) + callbacks.<name>
+    rng_state: dict[str, Any]  # this rank's process RNGs (+ the method's host state under METHOD_HOST_KEY)
+    role_configs: dict[str, dict[str, Any]]  # trainable role → transformer config.json content
+    frozen_roles: dict[str, dict[str, Any]]  # frozen role → its source (path, sha256): not saved, checked on resume
+    metadata: dict[str, Any]  # extra human-readable facts (method, MLflow run)
+
+
+class CheckpointManager:
+    def __init__(self, output_dir: str | Path, keep_last: int, rank: int, world_size: int) -> None:
+        self.output_dir = Path(output_dir)
+        self.keep_last = keep_last
+        self.rank = rank
+        self.world_size = world_size
+        self._verified: dict[Path, Damage | None] = {}  # rank 0: verification results of this process
+
+    def save(self, step: int, payload: CheckpointPayload) -> Path:
+        """Collective: every rank calls it. Returns the final checkpoint folder.
+
+        Each rank writes its DCP shards and RNG files and hashes them; rank 0 writes the rest,
+        hashes it, writes ``checksums.json`` then ``metadata.json`` and renames the folder.
+        """
+        final = self.output_dir / f"checkpoint-{step}"
+        tmp = self.output_dir / f".tmp-checkpoint-{step}"
+        if self.rank == 0:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / "rng").mkdir(parents=True)
+        barrier()
+        started = time.perf_counter()
+        dcp.save(payload.dcp_state, checkpoint_id=str(tmp / "dcp"))
+        mine = [p.relative_to(tmp).as_posix() for p in write_state(tmp / "rng", f"rank-{self.rank}", payload.rng_state)]
+        mine += [f"dcp/{p.name}" for p in (tmp / "dcp").glob(f"__{self.rank}_*.distcp")]
+        digests = _gather_to_main({rel: (d.size, d.sha256) for rel, d in hash_files(tmp, mine).items()})
+        if self.rank == 0:
+            for role, cfg in payload.role_configs.items():
+                role_dir = tmp / "roles" / role
+                role_dir.mkdir(parents=True)
+                (role_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+            known = {rel: FileDigest(size, sha) for part in digests for rel, (size, sha) in part.items()}
+            meta = json.loads(json.dumps({  # the values as metadata.json will read back (their digest is in checksums.json)
+                "step": step,
+                "world_size": self.world_size,
+                "roles": sorted(payload.role_configs),
+                "frozen_roles": payload.frozen_roles,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **payload.metadata,
+                "format": FORMAT,
+            }, default=str))
+            meta["checksums"] = write_checksums(tmp, known, metadata=meta)
+            (tmp / "metadata.json").write_text(json.dumps(meta, indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            self._verified.pop(final, None)
+            self._prune()
+        barrier()
+        log.info("saved %s in %.1f s", final, time.perf_counter() - started)
+        return final
+
+    def _prune(self) -> None:
+        for child in self.output_dir.glob(".tmp-checkpoint-*"):
+            shutil.rmtree(child, ignore_errors=True)
+        if self.keep_last:
+            for _, path in list_checkpoints(self.output_dir)[: -self.keep_last]:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def load(self, path: Path, payload: CheckpointPayload) -> dict[str, Any]:
+        """Load into ``payload.dcp_state`` in place and restore this rank's process RNGs; return the
+        checkpoint's ``metadata.json`` (plus ``saved_world_size``).
+
+        Collective. ``path`` comes from :meth:`resume_path` (verified). A rank the checkpoint has no
+        RNG file for (resumed on more ranks than saved) gets rank 0's. Raises a UserError when the
+        checkpoint's format, trainable roles, architectures or frozen roles' sources differ from
+        this run's, or its state does not load.
+        """
+        if is_old_format(path):
+            raise old_format_error(path, self.output_dir)
+        meta, damage = read_metadata(path)
+        if damage is not None:  # verified by resume_path; changed since
+            raise UserError(f"{path}: {damage}; not loaded")
+        if meta.get("format", 0) < FORMAT:
+            raise UserError(f"{path}: a checkpoint of an older distillery (format {meta.get('format')}, this one reads "
+                            f"{FORMAT}); export it with that version, or start this run from step 0 (resume: none)")
+        saved_roles = set(meta.get("roles", []))
+        if saved_roles != set(payload.role_configs):
+            raise UserError(
+                f"{path}: checkpoint holds trainable roles {sorted(saved_roles)}, this run trains {sorted(payload.role_configs)}"
+            )
+        for role, cfg in payload.role_configs.items():
+            saved = read_role_config(path, role)
+            current = json.loads(json.dumps(cfg, sort_keys=True, default=str))
+            diff = sorted(k for k in set(saved) | set(current) if not k.startswith("_") and saved.get(k) != current.get(k))
+            if diff:
+                k = diff[0]
+                raise UserError(
+                    f"{path}: checkpoint is from a different model for role {role}: {k}={saved.get(k)!r} there, {current.get(k)!r} here"
+                )
+        check_frozen_roles(path, meta.get("frozen_roles", {}), payload.frozen_roles)
+        keys = set(read_dcp_metadata(path / "dcp").state_dict_metadata)
+        for key, state in payload.dcp_state.items():
+            if isinstance(state, OptimizerState):
+                state.expect(keys, key)
+        load_dcp(payload.dcp_state, path / "dcp", "its weights, optimizer, schedule and callback states")
+        stem = f"rank-{self.rank}"
+        own = (path / "rng" / f"{stem}.json").is_file()
+        state = read_state(path / "rng", stem if own else "rank-0")
+        restore_rng(state)
+        meta["saved_world_size"] = meta.get("world_size", self.world_size)
+        meta["method_host_state"] = state.get(METHOD_HOST_KEY) if own else None  # another rank's is not this one's
+        return meta
+
+    def resume_path(self, resume: str) -> Path | None:
+        """Rank 0 decides (and verifies) which checkpoint to resume from; every rank gets the same
+        answer, or the same one-line UserError (no rank hangs)."""
+        path, problem, failure = None, None, None
+        if self.rank == 0:
+            try:
+                path = resolve_resume(resume, self.output_dir, self._verified)
+            except UserError as exc:
+                problem = str(exc)
+            except Exception as exc:  # a bug or an OS failure: rank 0 raises it, the others must not wait
+                failure = exc
+        path, problem, failed = broadcast_object((path, problem, failure is not None))  # type: ignore[misc]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RuntimeError("rank 0 failed while choosing the checkpoint to resume from (see its error)")
+        if problem:
+            raise UserError(problem)
+        return path
+
+
+def _gather_to_main(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on rank 0 (in rank order); ``[]`` on the other ranks."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out or []
+    return [obj]

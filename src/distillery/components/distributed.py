@@ -1,0 +1,155 @@
+"""Process group, device mesh and FSDP2 wrapping.
+
+The same code path runs single-process (a world of one, set up in-process) and under
+``torchrun`` (RANK/WORLD_SIZE/MASTER_ADDR from the environment): gloo on CPU, nccl on GPU.
+Every role's transformer is sharded with ``fully_shard`` per block and then at the root, on a
+1-D mesh (FSDP) or a ``(replicate, shard)`` mesh (HSDP); on GPU, compute runs in bf16 with fp32
+master weights and fp32 gradient reduction.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from distillery.config.schema import DistributedConfig
+from distillery.common.errors import UserError
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    mesh: DeviceMesh
+    compute_dtype: torch.dtype  # bf16 under mixed precision, else fp32
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _resolve_device(cfg: DistributedConfig) -> str:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("config error: training.distributed.device: cuda requested but no CUDA device is available")
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+def init_distributed(cfg: DistributedConfig) -> DistEnv:
+    """Start (or join) the process group and build the device mesh."""
+    device_type = _resolve_device(cfg)
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+    if backend == "nccl" and device_type != "cuda":
+        raise UserError("config error: training.distributed.backend: nccl needs CUDA; use gloo on CPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        # Expandable segments keep the caching allocator from fragmenting near the memory limit
+        # (BENCHMARKS.md); a user's own PYTORCH_CUDA_ALLOC_CONF (even empty) wins. Read at the
+        # allocator's first use, so this must precede any CUDA allocation.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=30)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device_type == "cuda" else None)
+        else:
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % cfg.replicate_size:
+        raise UserError(
+            f"config error: training.distributed.replicate_size: {cfg.replicate_size} does not divide the world size {world}"
+        )
+    if cfg.replicate_size > 1:
+        mesh = init_device_mesh(device_type, (cfg.replicate_size, world // cfg.replicate_size), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    mp = cfg.mixed_precision
+    bf16 = mp == "bf16" or (mp == "auto" and device_type == "cuda")
+    return DistEnv(rank, world, local_rank, device, backend, mesh, torch.bfloat16 if bf16 else torch.float32)
+
+
+def uses_fsdp(env: DistEnv, cfg: DistributedConfig) -> bool:
+    """FSDP2 wraps the transformers on more than one rank (or when asked to on one).
+
+    On one rank without FSDP, bf16 training runs a bf16 compute copy of each trainable
+    transformer beside its fp32 master (:mod:`distillery.components.precision`).
+    """
+    return env.world_size > 1 or cfg.shard_single_rank
+
+
+def shard_transformer(
+    transformer: torch.nn.Module,
+    blocks: list[torch.nn.Module],
+    env: DistEnv,
+    cfg: DistributedConfig,
+    compile_blocks: bool = False,
+) -> torch.nn.Module:
+    """Move ``transformer`` to the device and apply FSDP2 per block, then at the root (in place).
+
+    Parameters are gathered in the compute dtype (bf16 under mixed precision) and gradients are
+    reduced in fp32 into fp32 master weights. Forward inputs are *not* cast by FSDP: the model
+    casts latents and text to the compute dtype itself and keeps timesteps and rotary tables in
+    fp32, as diffusers' inference pipelines do. With a shard group of one rank, resharding after
+    forward is skipped by default (it would only re-gather the same weights in backward).
+    ``compile_blocks`` compiles each block (regional compilation) before it is wrapped.
+    """
+    transformer.to(env.device)
+    if compile_blocks:
+        for block in blocks:
+            block.compile()
+    mp = MixedPrecisionPolicy(param_dtype=env.compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    reshard = cfg.reshard_after_forward
+    if reshard is None:
+        reshard = env.mesh.size(env.mesh.ndim - 1) > 1
+    for block in blocks:
+        fully_shard(block, mesh=env.mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(transformer, mesh=env.mesh, mp_policy=mp, reshard_after_forward=reshard)
+    return transformer
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself, no DTensor dispatch), or ``t`` unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over ranks (gloo has no AVG: SUM then divide)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        values /= dist.get_world_size()
+    return values
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj: object) -> object:
+    """Rank 0's ``obj`` on every rank."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,161 @@
+"""Experiment tracking: MLflow on a local store by default, nothing sent to the network.
+
+The tracking URI is ``training.tracker.tracking_uri`` if set, else ``$MLFLOW_TRACKING_URI``,
+else ``sqlite:///<cwd>/mlflow.db`` (artifacts in ``<cwd>/mlruns``). Only rank 0 talks to MLflow;
+other ranks get a :class:`NullTracker`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from distillery.config.schema import TrackerConfig
+from distillery.common.treeutil import flatten
+from distillery.common.log import get_logger
+
+log = get_logger("tracking")
+
+MLFLOW_PARAM_MAX = 6000
+
+
+class NullTracker:
+    run_id: str | None = None
+    tracking_uri: str | None = None
+    experiment: str | None = None
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_text(self, text: str, artifact_file: str) -> None: ...
+
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None: ...
+
+    def last_logged_step(self, key: str) -> int | None:
+        return None
+
+    def finish(self, status: str = "FINISHED") -> None: ...
+
+
+def log_param_texts(client: Any, run_id: str, texts: dict[str, str]) -> None:
+    """Log ``{key: text}`` as MLflow params of run ``run_id`` in batches of 100 (keys cut to 250
+    characters, values to ``MLFLOW_PARAM_MAX``)."""
+    from mlflow.entities import Param
+
+    batch = [Param(k[:250], v[:MLFLOW_PARAM_MAX]) for k, v in texts.items()]
+    for i in range(0, len(batch), 100):
+        client.log_batch(run_id, params=batch[i : i + 100])
+
+
+def default_tracking_uri(cfg: TrackerConfig) -> str:
+    if cfg.tracking_uri:
+        return cfg.tracking_uri
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+@contextmanager
+def store_lock(tracking_uri: str) -> Iterator[None]:
+    """Exclusive inter-process lock on a local ``sqlite:///`` store (``<db>.lock`` beside it).
+
+    Independent pipeline stages run concurrently (Prefect submits them together); the first use of
+    a fresh MLflow database creates its tables by migration, and two processes doing that at once,
+    or creating the same experiment, fail. Hold this lock around store creation and find-or-create
+    steps. Other URIs: no lock.
+    """
+    if not tracking_uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(tracking_uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_experiment(client: Any, name: str, tracking_uri: str) -> str:
+    """Id of experiment ``name``, created if missing (artifacts in ``mlruns/`` beside a sqlite store).
+    Call under :func:`store_lock`."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    artifact_location = None
+    if tracking_uri.startswith("sqlite:///"):
+        db = Path(tracking_uri[len("sqlite:///"):])
+        artifact_location = (db.parent / "mlruns").resolve().as_uri()
+    return client.create_experiment(name, artifact_location=artifact_location)
+
+
+class MLflowTracker:
+    """One MLflow run; resumes ``run_id`` when given (a resumed training continues its run)."""
+
+    def __init__(self, cfg: TrackerConfig, run_id: str | None = None) -> None:
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self.tracking_uri = default_tracking_uri(cfg)
+        self.experiment = cfg.experiment
+        with store_lock(self.tracking_uri):
+            self.client = MlflowClient(tracking_uri=self.tracking_uri)
+            exp_id = ensure_experiment(self.client, cfg.experiment, self.tracking_uri)
+        if run_id is not None:
+            try:
+                self.client.update_run(run_id, status="RUNNING")
+                self.run_id = run_id
+            except mlflow.exceptions.MlflowException:
+                log.warning("MLflow run %s not found in %s; starting a new run", run_id, self.tracking_uri)
+                run_id = None
+        if run_id is None:
+            tags = dict(cfg.tags)
+            if cfg.parent_run_id:
+                tags["mlflow.parentRunId"] = cfg.parent_run_id
+            run = self.client.create_run(exp_id, run_name=cfg.run_name, tags=tags)
+            self.run_id = run.info.run_id
+        log.info("MLflow run %s at %s", self.run_id, self.tracking_uri)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        existing = self.client.get_run(self.run_id).data.params
+        # an empty section (e.g. no tracker tags) is not a parameter; params are immutable: a resumed run keeps the first values
+        log_param_texts(self.client, self.run_id, {k: str(v) for k, v in flatten(params).items() if v != {} and k not in existing})
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(batch), 500):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 500])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
+        """Copy the file ``local_path`` into the run's artifacts (under the folder ``artifact_path``)."""
+        self.client.log_artifact(self.run_id, str(local_path), artifact_path)
+
+    def last_logged_step(self, key: str) -> int | None:
+        """The largest step at which metric ``key`` was logged in this run (None: never)."""
+        history = self.client.get_metric_history(self.run_id, key)
+        return max((m.step for m in history), default=None)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def build_tracker(cfg: TrackerConfig, is_main: bool, run_id: str | None = None) -> MLflowTracker | NullTracker:
+    if not is_main or cfg.backend == "none":
+        return NullTracker()
+    return MLflowTracker(cfg, run_id=run_id)

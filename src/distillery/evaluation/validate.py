@@ -1,0 +1,637 @@
+"""Validation: sample every candidate model on the same prompts and noise, and score the videos.
+
+For each :class:`Candidate` (a teacher at several step counts counts as several candidates, see
+:func:`teacher_candidates`), each prompt ``i`` and each seed index ``j < cfg.num_seeds``,
+:func:`run_validation` samples one video with the sampler its sampling contract names (built from
+:mod:`distillery.sampling`'s registry and run through a frozen model plugin,
+:func:`distillery.models.wan.load_inference_model`), starting from the same initial noise for every
+candidate: a ``torch.Generator().manual_seed(cfg.seed + i + SEED_STRIDE·j)`` (``SEED_STRIDE`` = 1000;
+see :func:`generator_seed`; seed index 0 is ``cfg.seed + i``, what a single-seed run draws). Text
+embeddings come from the base's text encoder (empty prompt as the CFG negative), or are the ones it
+made earlier for the latent set (:class:`PromptEmbeddings`), and every video is
+decoded through the base's VAE. Per candidate it reports (``S`` = ``num_seeds``, ``P`` = prompts):
+
+- ``colour``, ``shape``, ``direction``, ``all`` — prompt adherence read back from the decoded
+  frames by :mod:`distillery.clips.analyzer` (thresholds from ``base_dir/analyzer.json`` when it
+  exists), as fractions of the P·S videos;
+- ``latency_s`` — the median wall seconds per video for sampling + VAE decode (batch 1, text encoding
+  excluded) over the candidate's videos after its first :data:`WARMUP_VIDEOS` (one untimed warm-up forward
+  runs before them too; lazy initialisation, kernel selection and compilation make the first videos
+  slower than the rest, so they are timed but left out; a candidate with no more videos than that keeps
+  them all), and ``latency_s_iqr`` its spread: the interquartile range (75th − 25th percentile) of the same
+  times; report.json ``latency`` has min, max and the warm-up times;
+- ``distance_to_teacher`` — mean over videos of the mean squared difference of the decoded frames
+  (RGB in [0, 1]) from the reference candidate's video with the same prompt and noise (the
+  reference is by default the first candidate: put the teacher first), so the reference scores 0;
+- ``sharpness`` — mean over videos of :func:`distillery.evaluation.video_metrics.sharpness` (per frame the
+  variance of the Laplacian of the luminance in [0, 1], averaged over frames; blurry few-step
+  samples score lower);
+- ``<metric>_std`` for each of the above but latency — the spread over noise: the sample standard deviation
+  (ddof=1; 0 with one seed) across seed indices ``j`` of the per-seed means (each the mean over the
+  P prompts of seed index ``j``). The headline ``<metric>`` is the mean over all P·S videos (= the
+  mean of the per-seed means);
+- ``frechet_distance`` — distribution-level distance to the reference: the Fréchet distance
+  (squared, as FID) between Gaussian fits of the per-video feature vectors of
+  :mod:`distillery.evaluation.video_metrics` (``FEATURE_NAMES``: analyzer shape/area/velocity readings and frame
+  statistics) over the candidate's P·S videos and the reference's, all standardised by the
+  reference's per-feature mean and standard deviation, covariances + ``COV_EPS``·I. The reference
+  scores exactly 0;
+- ``frechet_distance_std`` — bootstrap spread: the standard deviation (ddof=1) of the distance over
+  ``cfg.bootstrap_resamples`` resamples (with replacement) of the candidate's videos against the
+  fixed reference set, indices drawn by ``numpy.random.default_rng(cfg.seed)`` (the same draws for
+  every candidate; 0 when ``bootstrap_resamples`` < 2);
+- ``nfe`` — transformer forward evaluations per video, as the sampler counts them for the video's latent
+  length (one-forward-per-step samplers: steps × (2 with CFG, else 1); causal streaming: branches ×
+  (chunks × steps + chunks − 1 cache writes)) (no spread);
+- and for the reference only, when ``num_seeds`` >= 2, ``frechet_floor`` — the Fréchet distance
+  between the reference's own seed-0 and seed-1 videos (P each, same standardisation): the
+  distance that sampling noise alone produces. It compares sets of P videos, not P·S, so it
+  overstates the noise in ``frechet_distance`` somewhat; a candidate near it is indistinguishable.
+
+Output folder (written to a temporary sibling, then renamed into place)::
+
+    out_dir/samples/<candidate>/<key>.mp4 every video (H.264 lossless yuv444p); <key> = sample_key(i, j):
+                                          "<i>" for seed index 0, "<i>_s<j>" for j >= 1
+    out_dir/samples/<candidate>/latents.safetensors
+                                          the sampler's normalised latents, key <key> → [C, T, H, W]
+                                          (float32): what ``WanPipeline(output_type="latent")``
+                                          returns for that prompt, generator seed and step count
+    out_dir/grid.gif, out_dir/grid.mp4    rows = candidates, columns = prompts (seed index 0 only), labelled in the
+                                          video: "<candidate> · <NFE> NFE" left of each row, "#<i>" above each
+                                          column, "#<i>  <prompt>" lines below (tiles from report grid.origin_px),
+                                          1-px separators
+    out_dir/metrics.json                  flat {"<candidate>/<metric>": number}, every metric above,
+                                          candidates in input order (:func:`headline_metrics` picks the
+                                          few a user compares, what the validate stage gives DVC)
+    out_dir/plots/adherence.csv           one row per candidate: candidate, sampler, nfe, adherence,
+                                          adherence_std, colour, shape, direction, latency_s,
+                                          distance_to_teacher, sharpness, frechet_distance,
+                                          frechet_distance_std (DVC plots: x = nfe, y = adherence)
+    out_dir/plots/adherence_vs_nfe.png    the same as an image: adherence ± std against NFE per
+                                          candidate family (:func:`distillery.evaluation.plots.write_adherence_plot`)
+    out_dir/report.json                   prompts; seeds (the seed-0 generator seed per prompt);
+                                          num_seeds, seed_grid ([prompt][seed index] → generator
+                                          seed) and sample_keys (same shape → <key>); candidates;
+                                          per_video (every video: prompt and seed index, scores,
+                                          latency, warmup, distance, sharpness, features); latency
+                                          (per candidate: median, iqr, min, max, warm-up times); per_seed
+                                          (per-seed means); per_prompt (per-prompt means over
+                                          seeds: adherence as fractions); frechet (feature names,
+                                          the reference's standardisation, bootstrap settings)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from distillery.clips.grid import VideoGrid, write_gif
+from distillery.common.errors import UserError
+from distillery.common.fsutil import replace_dir
+
+if TYPE_CHECKING:
+    from distillery.models.base import ModelBase
+    from distillery.sampling import Sampler
+
+log = logging.getLogger("distillery")
+
+SAMPLING_FILE = "sampling.json"  # an artifact's sampling contract, beside its transformer/
+GRID_FORMATS = ("gif", "mp4")
+SEEDED_METRICS = ("colour", "shape", "direction", "all", "distance_to_teacher", "sharpness")  # mean + _std
+METRIC_NAMES = (*(k for m in SEEDED_METRICS for k in (m, f"{m}_std")), "latency_s", "latency_s_iqr", "nfe",
+                "frechet_distance", "frechet_distance_std")  # every candidate's keys in metrics.json (the reference adds frechet_floor)
+HEADLINE_METRICS = ("all", "all_std", "frechet_distance", "distance_to_teacher", "nfe", "latency_s")  # what DVC shows per candidate
+WARMUP_VIDEOS = 1  # a candidate's first videos: timed, but left out of its latency (module doc)
+SEED_STRIDE = 1000  # seed index j shifts every prompt's generator seed by SEED_STRIDE·j
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class ValidationConfig:
+    """What to sample and how; one per validation run (``params.yaml: validate``)."""
+
+    prompts: list[str] | None = None  # prompts to sample; None: the clip validation captions given to run_validation
+    num_frames: int = 17  # frames per video (VAE temporal factor × k + 1)
+    height: int = 32  # video height, pixels
+    width: int = 32  # video width, pixels
+    fps: float = 8.0  # frame rate of the written videos and grids
+    teacher_steps: list[int] = field(default_factory=lambda: [40, 4])  # teacher baselines: many- and few-step Euler
+    guidance_scale: float = 4.0  # CFG scale of the teacher baselines (empty-prompt negative)
+    seed: int = 0  # prompt i, seed index j starts from noise of a generator seeded seed + i + 1000·j, for every candidate
+    num_seeds: int = 2  # noise draws per prompt (seed indices 0 .. num_seeds − 1); spreads are across them
+    bootstrap_resamples: int = 200  # resamples of a candidate's videos for frechet_distance_std (< 2: std 0)
+    grid_formats: list[str] = field(default_factory=lambda: ["gif", "mp4"])  # grid files to write
+    max_sequence_length: int | None = None  # prompt length; None: the base model's (model card / tokenizer)
+    device: str = "cpu"  # where the models run ("cpu", "cuda", "cuda:1", ...)
+    precision: str = "auto"  # the candidates' weights and compute: fp32, bf16, or auto (bf16 on CUDA, fp32 elsewhere); the VAE stays fp32
+    progress_bar: bool = True  # progress over the videos: a bar on a terminal, else a log line per 10 % or minute
+
+    def __post_init__(self) -> None:
+        if self.num_frames < 1 or self.height < 1 or self.width < 1:
+            raise UserError(f"validate: num_frames, height and width must be >= 1, got {self.num_frames}, "
+                            f"{self.height}, {self.width}")
+        if self.fps <= 0:
+            raise UserError(f"validate.fps must be > 0, got {self.fps}")
+        if any(int(s) < 1 for s in self.teacher_steps):
+            raise UserError(f"validate.teacher_steps must be positive step counts, got {self.teacher_steps}")
+        if self.guidance_scale < 0:
+            raise UserError(f"validate.guidance_scale must be >= 0, got {self.guidance_scale}")
+        bad = [f for f in self.grid_formats if f not in GRID_FORMATS]
+        if bad:
+            raise UserError(f"validate.grid_formats: unknown format {bad[0]!r}; valid: {', '.join(GRID_FORMATS)}")
+        if self.num_seeds < 1:
+            raise UserError(f"validate.num_seeds must be >= 1, got {self.num_seeds}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise UserError(f"validate.precision: {self.precision!r}; valid: auto, fp32, bf16")
+        if self.bootstrap_resamples < 0:
+            raise UserError(f"validate.bootstrap_resamples must be >= 0, got {self.bootstrap_resamples}")
+        if self.prompts is not None and not self.prompts:
+            raise UserError("validate.prompts is empty; give at least one prompt or null for the validation captions")
+
+
+def generator_seed(cfg: ValidationConfig, prompt_index: int, seed_index: int) -> int:
+    """Seed of the ``torch.Generator`` that draws the noise of video (prompt ``prompt_index``, seed index
+    ``seed_index``): ``cfg.seed + prompt_index + SEED_STRIDE·seed_index`` (seed index 0: ``cfg.seed + i``)."""
+    return cfg.seed + prompt_index + SEED_STRIDE * seed_index
+
+
+def sample_key(prompt_index: int, seed_index: int) -> str:
+    """Name of a video in ``samples/<candidate>/``: ``"<i>"`` for seed index 0, else ``"<i>_s<j>"``
+    (its ``.mp4`` file stem and its key in ``latents.safetensors``)."""
+    return str(prompt_index) if seed_index == 0 else f"{prompt_index}_s{seed_index}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One model × sampler setting to validate."""
+
+    name: str  # label in metric keys, sample folders and plots (letters, digits, '.', '_', '-')
+    model_dir: Path  # diffusers Wan folder, or a folder with transformer/ (the base supplies VAE and text encoder)
+    num_steps: int  # sampling steps (Euler steps, or few-step ladder length)
+    guidance_scale: float  # CFG scale; CFG runs (2 forwards per step) when > 1
+    sampler: str = "euler"  # a registered sampler (distillery.sampling.sampler_names()): euler, few_step_x0, ...
+    timesteps: tuple[float, ...] | None = None  # few_step_x0 ladder in [0, 1000]; None: first num_steps of the Euler grid
+    shift: float | None = None  # flow shift; None: model_dir's scheduler config, else the base's
+    options: dict[str, Any] = field(default_factory=dict, compare=False)  # further sampling-contract keys for the sampler
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise UserError(f"candidate name {self.name!r} must be letters, digits, '.', '_' or '-' (it names files)")
+        if self.num_steps < 1:
+            raise UserError(f"candidate {self.name}: num_steps must be >= 1, got {self.num_steps}")
+        if self.timesteps is not None and len(self.timesteps) != self.num_steps:
+            raise UserError(f"candidate {self.name}: {len(self.timesteps)} timesteps given for num_steps={self.num_steps}")
+        try:
+            self.build_sampler(self.shift)  # unknown sampler names and bad contract keys fail here
+        except UserError as exc:
+            raise UserError(f"candidate {self.name}: {exc}") from None
+
+    @classmethod
+    def from_artifact(cls, name: str, model_dir: Path, num_steps: int | None = None,
+                      guidance_scale: float | None = None) -> "Candidate":
+        """A candidate sampled as ``model_dir/sampling.json`` says (its sampler, shift, ladder, options).
+
+        ``num_steps`` / ``guidance_scale``: None → the contract's ``num_steps`` / ``guidance_scale``,
+        else the length of its ``timesteps`` ladder / the sampler's defaults. :class:`UserError` when
+        the contract is missing or invalid.
+        """
+        from distillery.sampling import build_sampler
+
+        path = Path(model_dir) / SAMPLING_FILE
+        try:
+            contract = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"candidate {name}: {path} not found; point it at an artifact's model/ folder") from None
+        except json.JSONDecodeError as exc:
+            raise UserError(f"candidate {name}: {path}: not valid JSON ({exc.msg})") from None
+        if not isinstance(contract, dict):
+            raise UserError(f"candidate {name}: {path} must hold a JSON object (the sampling contract)")
+        sampler = build_sampler(contract)
+        ladder = contract.get("timesteps")
+        steps = sampler.resolve_steps(num_steps)
+        guidance = sampler.resolve_guidance(guidance_scale)
+        known = ("sampler", "shift", "timesteps", "num_steps", "guidance_scale")
+        return cls(name, Path(model_dir), steps, guidance, sampler=str(contract["sampler"]),
+                   timesteps=tuple(float(t) for t in ladder) if ladder is not None else None,
+                   shift=contract.get("shift"), options={k: v for k, v in contract.items() if k not in known})
+
+    def sampling_contract(self, shift: float | None) -> dict[str, Any]:
+        """The sampling contract this candidate samples with (``shift`` None: the model's own)."""
+        contract: dict[str, Any] = {**self.options, "sampler": self.sampler, "shift": shift}
+        if self.timesteps is not None:
+            contract["timesteps"] = list(self.timesteps)
+        return contract
+
+    def build_sampler(self, shift: float | None) -> "Sampler":
+        """The registered sampler for :meth:`sampling_contract`."""
+        from distillery.sampling import build_sampler
+
+        return build_sampler(self.sampling_contract(shift))
+
+    def nfe(self, num_frames: int | None = None) -> int:
+        """Transformer forward evaluations per video of ``num_frames`` latent frames (a streaming
+        sampler's count grows with the length; None: the sampler's per-chunk count)."""
+        return self.build_sampler(self.shift).nfe(self.num_steps, self.guidance_scale, num_frames=num_frames)
+
+
+def teacher_candidates(teacher_dir: Path, cfg: ValidationConfig) -> list[Candidate]:
+    """The teacher as one Euler candidate per ``cfg.teacher_steps`` entry, named ``teacher_<steps>``."""
+    return [Candidate(f"teacher_{int(n)}", Path(teacher_dir), int(n), cfg.guidance_scale, "euler")
+            for n in cfg.teacher_steps]
+
+
+@dataclass
+class _Loaded:
+    """A candidate's model plugin and flow shift, ready to sample."""
+
+    model: "ModelBase"  # frozen WanModel (eval; fp32, or bf16 per ValidationConfig.precision) bound to the run device
+    shift: float  # flow shift of its schedule
+
+
+@dataclass(frozen=True)
+class PromptEmbeddings:
+    """Prompt embeddings the base's own text encoder made earlier (the latent set stores them):
+    ``texts[i]`` is prompt ``i``'s unpadded ``[L_i, D]``, ``negative`` the empty prompt's ``[L, D]``.
+    Given to :func:`run_validation`, they replace loading the text encoder and re-encoding."""
+
+    texts: list[torch.Tensor]
+    negative: torch.Tensor
+
+
+class _Context:
+    """Base-model parts shared by every candidate: encoders, prompt embeddings, latent shape, analyzer."""
+
+    def __init__(self, base_dir: Path, prompts: list[str], cfg: ValidationConfig,
+                 embeddings: PromptEmbeddings | None = None) -> None:
+        from distillery.clips.analyzer import AnalyzerConfig
+        from distillery.data.encoders import BaseEncoders
+
+        self.base_dir = base_dir
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
+        self.dtype = torch.bfloat16 if bf16 else torch.float32  # the candidates' (as WanPipeline(torch_dtype=...) runs them)
+        self.encoders = BaseEncoders(base_dir, self.device, cfg.max_sequence_length, text_encoder=embeddings is None)
+        length = self.encoders.max_sequence_length
+        if embeddings is None:
+            embeds = self.encoders.encode_prompts(list(prompts) + [""])
+        else:
+            embeds = [t.float() for t in [*embeddings.texts, embeddings.negative]]
+            if len(embeddings.texts) != len(prompts) or any(t.ndim != 2 or t.shape[1] != self.encoders.text_dim for t in embeds):
+                raise UserError(f"validate: the given prompt embeddings do not fit: {len(embeddings.texts)} for {len(prompts)} "
+                                f"prompts, shapes {[list(t.shape) for t in embeds[:3]]}…, the base's text width is "
+                                f"{self.encoders.text_dim}; rerun the latents stage with this base")
+        self.text = [self._pad(e, length).to(self.device) for e in embeds[:-1]]  # each [1, L, D], on the device
+        self.negative = self._pad(embeds[-1], length).to(self.device)  # [1, L, D]
+        vae_cfg = self.encoders.vae.config
+        tf, sf = int(vae_cfg.scale_factor_temporal), int(vae_cfg.scale_factor_spatial)
+        if (cfg.num_frames - 1) % tf or cfg.height % sf or cfg.width % sf:
+            raise UserError(f"validate: num_frames − 1 must be a multiple of {tf} and height/width of {sf} for the VAE of "
+                            f"{base_dir}, got {cfg.num_frames}×{cfg.height}×{cfg.width}")
+        self.latent_shape = (self.encoders.z_dim, (cfg.num_frames - 1) // tf + 1, cfg.height // sf, cfg.width // sf)
+        analyzer_json = base_dir / "analyzer.json"
+        self.analyzer = AnalyzerConfig(**json.loads(analyzer_json.read_text())) if analyzer_json.is_file() else None
+        self.base_shift = self._scheduler_shift(base_dir / "scheduler")
+        self._last: tuple[tuple, "ModelBase"] | None = None  # (folder, shift, model options), model: the last loaded
+        # (the teacher's step counts share it)
+
+    @staticmethod
+    def _pad(embed: torch.Tensor, length: int) -> torch.Tensor:
+        """Unpadded ``[L_i, D]`` → zero-padded ``[1, length, D]`` (as WanPipeline pads)."""
+        out = embed.new_zeros(length, embed.shape[1])
+        out[: embed.shape[0]] = embed[:length]
+        return out[None]
+
+    @staticmethod
+    def _scheduler_shift(folder: Path | None) -> float | None:
+        from distillery.models.schedule import read_scheduler_shift
+
+        if folder is None or not (folder / "scheduler_config.json").is_file():
+            return None
+        return read_scheduler_shift(folder)
+
+    def load(self, cand: Candidate) -> _Loaded:
+        """Load a candidate's model plugin and check it fits the base's latents and text embeddings."""
+        from distillery.models.wan import load_inference_model, locate_transformer
+
+        transformer_dir, scheduler_dir = locate_transformer(cand.model_dir)
+        shift = cand.shift if cand.shift is not None else self._scheduler_shift(scheduler_dir)
+        shift = shift if shift is not None else self.base_shift
+        if shift is None:
+            raise UserError(f"candidate {cand.name}: no scheduler config beside {transformer_dir} or in {self.base_dir}; "
+                            "set the candidate's shift")
+        options = cand.build_sampler(float(shift)).model_options()  # e.g. a causal model for causal_streaming
+        key = (transformer_dir.resolve(), float(shift), tuple(sorted(options.items())))
+        if self._last is not None and self._last[0] == key:
+            model = self._last[1]
+        else:
+            self._last = None
+            model = load_inference_model(transformer_dir, self.device, self.dtype, shift=float(shift), role=cand.name,
+                                         **options)
+        conf = model.transformer_config()
+        if int(conf["in_channels"]) != self.latent_shape[0] or int(conf["text_dim"]) != self.encoders.text_dim:
+            raise UserError(f"candidate {cand.name}: {transformer_dir} takes {conf['in_channels']} latent channels and "
+                            f"text_dim {conf['text_dim']}, but the base {self.base_dir} gives {self.latent_shape[0]} and "
+                            f"{self.encoders.text_dim}; validate it against the base it was trained from")
+        self._last = (key, model)
+        return _Loaded(model, float(shift))
+
+    def sample(self, cand: Candidate, loaded: _Loaded, index: int, seed: int) -> torch.Tensor:
+        """Normalised latents ``[1, C, T, H, W]`` for prompt ``index`` with the noise of a generator seeded
+        ``seed`` (:func:`generator_seed`), from the registered sampler the candidate's sampling contract names."""
+        from distillery.models.base import Conditioning
+
+        sampler = cand.build_sampler(loaded.shift)
+        generator = torch.Generator().manual_seed(seed)
+        cond = Conditioning(self.text[index], self.negative)
+        with torch.no_grad():
+            return sampler.sample(loaded.model, cond, self.latent_shape, generator, num_steps=cand.num_steps,
+                                  guidance_scale=cand.guidance_scale)
+
+    def warm_up(self, loaded: _Loaded) -> None:
+        """One untimed forward (and decode) so lazy initialisation does not count as latency."""
+        from distillery.models.base import Conditioning
+
+        with torch.no_grad():
+            x = torch.zeros(1, *self.latent_shape, device=self.device)
+            loaded.model.predict_noise(x, torch.zeros(1, device=self.device), Conditioning(self.negative))
+            self.encoders.decode_latents(x)
+        _synchronize(self.device)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_candidates(candidates: list[Candidate], reference: str | None) -> Candidate:
+    if not candidates:
+        raise UserError("validate: no candidates to sample")
+    names = [c.name for c in candidates]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise UserError(f"validate: candidate names must be unique; repeated: {', '.join(dupes)}")
+    if reference is None:
+        return candidates[0]
+    if reference not in names:
+        raise UserError(f"validate: reference candidate {reference!r} is not one of {', '.join(names)}")
+    return candidates[names.index(reference)]
+
+
+def _write_grid(grid: np.ndarray, stage: Path, cfg: ValidationConfig) -> None:
+    from distillery.clips.video_io import write_video
+
+    if "gif" in cfg.grid_formats:
+        write_gif(stage / "grid.gif", grid, cfg.fps)
+    if "mp4" in cfg.grid_formats:
+        write_video(stage / "grid.mp4", grid, cfg.fps)
+
+
+CSV_COLUMNS = ("candidate", "sampler", "nfe", "adherence", "adherence_std", "colour", "shape", "direction", "latency_s",
+               "distance_to_teacher", "sharpness", "frechet_distance", "frechet_distance_std")
+
+
+def _write_tables(stage: Path, metrics: dict[str, float], rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
+    (stage / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    (stage / "plots").mkdir()
+    with (stage / "plots" / "adherence.csv").open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(CSV_COLUMNS))
+        writer.writeheader()
+        writer.writerows(rows)
+    (stage / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+@dataclass
+class _Video:
+    """What one sampled video scored."""
+
+    prompt: int  # prompt index i
+    seed_index: int  # seed index j
+    seed: int  # generator seed of its noise (generator_seed)
+    scores: dict[str, bool]  # analyzer adherence: colour, shape, direction, all
+    latency_s: float  # wall seconds for sampling + decode
+    warmup: bool  # one of the candidate's first WARMUP_VIDEOS (left out of its latency)
+    distance_to_teacher: float  # mean squared RGB difference ([0, 1] units) to the reference's same video
+    sharpness: float  # video_metrics.sharpness, luminance²
+    features: np.ndarray  # video_metrics.video_features, [len(FEATURE_NAMES)]
+
+    def values(self) -> dict[str, float]:
+        """This video's value of every seeded metric (adherence as 0/1)."""
+        return {**{k: float(self.scores[k]) for k in ("colour", "shape", "direction", "all")},
+                "distance_to_teacher": self.distance_to_teacher, "sharpness": self.sharpness}
+
+    def row(self) -> dict[str, Any]:
+        """Its report.json ``per_video`` entry."""
+        return {"prompt": self.prompt, "seed_index": self.seed_index, "generator_seed": self.seed,
+                "sample": sample_key(self.prompt, self.seed_index), **{k: bool(v) for k, v in self.scores.items()},
+                "latency_s": round(self.latency_s, 6), "warmup": self.warmup, "distance_to_teacher": self.distance_to_teacher,
+                "sharpness": self.sharpness, "features": [float(f) for f in self.features]}
+
+
+def _mean_table(videos: list[_Video], group: str, count: int) -> np.ndarray:
+    """Means ``[count, len(SEEDED_METRICS)]`` of every seeded metric over the videos of each group value
+    (``group``: "seed_index" or "prompt")."""
+    sums, hits = np.zeros((count, len(SEEDED_METRICS))), np.zeros(count)
+    for v in videos:
+        values = v.values()
+        sums[getattr(v, group)] += [values[k] for k in SEEDED_METRICS]
+        hits[getattr(v, group)] += 1
+    return sums / hits[:, None]
+
+
+def _seeded_summary(per_seed: np.ndarray) -> dict[str, float]:
+    """``<metric>`` (mean of the per-seed means ``[S, M]``) and ``<metric>_std`` (their std, ddof=1; 0 when S = 1)."""
+    mean = per_seed.mean(axis=0)
+    std = per_seed.std(axis=0, ddof=1) if per_seed.shape[0] >= 2 else np.zeros_like(mean)
+    out: dict[str, float] = {}
+    for k, m, s in zip(SEEDED_METRICS, mean, std):
+        out[k], out[f"{k}_std"] = float(m), float(s)
+    return out
+
+
+def latency_summary(seconds: list[float], warmup: int = WARMUP_VIDEOS) -> dict[str, Any]:
+    """Per-video wall times (in sampling order) → ``median_s`` and ``iqr_s`` (75th − 25th percentile) of
+    the times after the first ``warmup`` (all of them when there are no more), ``min_s``, ``max_s``,
+    ``timed_videos`` (how many the statistics use) and ``warmup_s`` (the times left out)."""
+    kept = seconds[warmup:] if len(seconds) > warmup else list(seconds)
+    left_out = seconds[:warmup] if len(seconds) > warmup else []
+    q25, q50, q75 = np.percentile(np.asarray(kept, dtype=np.float64), [25, 50, 75])
+    return {"median_s": round(float(q50), 6), "iqr_s": round(float(q75 - q25), 6), "min_s": round(float(min(kept)), 6),
+            "max_s": round(float(max(kept)), 6), "timed_videos": len(kept), "warmup_s": [round(float(t), 6) for t in left_out]}
+
+
+def headline_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The numbers a user compares between runs (:data:`HEADLINE_METRICS` of every candidate, in order) out
+    of :func:`run_validation`'s flat metrics; the rest stay in ``metrics.json``/``report.json`` beside them."""
+    return {k: v for k, v in metrics.items() if k.rsplit("/", 1)[-1] in HEADLINE_METRICS}
+
+
+def _frechet(features: np.ndarray, reference: np.ndarray, cfg: ValidationConfig) -> tuple[float, float]:
+    """Fréchet distance of standardised features ``[N, D]`` to the reference's ``[N_ref, D]``, and its bootstrap std."""
+    from distillery.evaluation.video_metrics import bootstrap_frechet, frechet_distance
+
+    distance = frechet_distance(features, reference)
+    if cfg.bootstrap_resamples < 2:
+        return distance, 0.0
+    return distance, float(bootstrap_frechet(features, reference, cfg.bootstrap_resamples, cfg.seed).std(ddof=1))
+
+
+def run_validation(
+    base_dir: Path,
+    candidates: list[Candidate],
+    prompts: list[str],
+    out_dir: Path,
+    cfg: ValidationConfig | None = None,
+    reference: str | None = None,
+    prompt_embeddings: PromptEmbeddings | None = None,
+) -> dict[str, float]:
+    """Sample, score and compare every candidate on every prompt × seed; write ``out_dir`` (layout above).
+
+    ``base_dir``: diffusers Wan folder whose text encoder, tokenizer, VAE (and ``analyzer.json``)
+    are used for every candidate. ``prompts``: used when ``cfg.prompts`` is None. ``reference``:
+    name of the candidate that ``distance_to_teacher`` and ``frechet_distance`` are measured against
+    (default: the first). ``prompt_embeddings``: the prompts' embeddings made earlier by this base's
+    text encoder (the latent set's); then the text encoder is not loaded (used only with ``prompts``,
+    not with ``cfg.prompts``). Returns the flat metrics dict written to ``metrics.json``.
+    """
+    from distillery.clips.analyzer import analyze, score_analysis
+    from distillery.clips.video_io import write_video
+    from distillery.evaluation.plots import write_adherence_plot
+    from distillery.common.progress import Progress
+    from distillery.evaluation.video_metrics import COV_EPS, FEATURE_NAMES, Standardiser, frechet_distance, sharpness, video_features
+
+    cfg = cfg or ValidationConfig()
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    prompts = list(cfg.prompts if cfg.prompts is not None else prompts)
+    if not prompts:
+        raise UserError("validate: no prompts (the clip set has no validation captions and validate.prompts is unset)")
+    if cfg.num_seeds > 1 and len(prompts) > SEED_STRIDE:
+        raise UserError(f"validate: at most {SEED_STRIDE} prompts with num_seeds > 1 (the seed grid would repeat noise), "
+                        f"got {len(prompts)}")
+    ref = _check_candidates(candidates, reference)
+    started = time.perf_counter()
+    ctx = _Context(base_dir, prompts, cfg, prompt_embeddings if cfg.prompts is None else None)
+    order = [ref] + [c for c in candidates if c is not ref]  # the reference first: others compare against it
+    row_of = {c.name: i for i, c in enumerate(candidates)}
+    seed_grid = [[generator_seed(cfg, i, j) for j in range(cfg.num_seeds)] for i in range(len(prompts))]
+    grid = VideoGrid(len(candidates), len(prompts), cfg.num_frames, cfg.height, cfg.width)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    stage.chmod(0o755)
+    try:
+        metrics: dict[str, dict[str, float]] = {}
+        rows: list[dict[str, Any]] = []
+        per_video: dict[str, list[dict[str, Any]]] = {}
+        per_seed: dict[str, list[dict[str, Any]]] = {}
+        per_prompt: dict[str, list[dict[str, Any]]] = {}
+        reference_frames: dict[tuple[int, int], np.ndarray] = {}  # (prompt, seed index) → float64 RGB in [0, 1]
+        scaler: Standardiser | None = None  # fitted to the reference's features
+        reference_z = np.empty(0)  # the reference's standardised features [P·S, D]
+        shifts: dict[str, float] = {}
+        latency: dict[str, dict[str, Any]] = {}
+        bar = Progress(len(order) * len(prompts) * cfg.num_seeds, "validate", "video", enabled=cfg.progress_bar)
+        for number, cand in enumerate(order, 1):
+            bar.set(candidate=f"{cand.name} ({number}/{len(order)})")
+            loaded = ctx.load(cand)
+            shifts[cand.name] = loaded.shift
+            ctx.warm_up(loaded)
+            videos: list[_Video] = []
+            sampled: dict[str, torch.Tensor] = {}
+            for j in range(cfg.num_seeds):
+                for i, prompt in enumerate(prompts):
+                    key = sample_key(i, j)
+                    t0 = time.perf_counter()
+                    latents = ctx.sample(cand, loaded, i, seed_grid[i][j])
+                    sampled[key] = latents[0].detach().to("cpu", torch.float32).contiguous()
+                    video = ctx.encoders.decode_latents(latents)[0]  # uint8 [T, H, W, 3]
+                    _synchronize(ctx.device)
+                    seconds = time.perf_counter() - t0
+                    rgb = video.astype(np.float64) / 255.0
+                    if cand is ref:
+                        reference_frames[(i, j)] = rgb
+                    analysis = analyze(video, ctx.analyzer)
+                    videos.append(_Video(i, j, seed_grid[i][j], score_analysis(analysis, prompt), seconds,
+                                         len(videos) < WARMUP_VIDEOS, float(np.mean((rgb - reference_frames[(i, j)]) ** 2)), sharpness(rgb),
+                                         video_features(rgb, analysis)))
+                    write_video(stage / "samples" / cand.name / f"{key}.mp4", video, cfg.fps)
+                    if j == 0:
+                        grid.put(row_of[cand.name], i, video)
+                    bar.update()
+            save_file(sampled, str(stage / "samples" / cand.name / "latents.safetensors"))
+            features = np.stack([v.features for v in videos])  # [P·S, D], seed-major
+            if scaler is None:  # cand is ref
+                scaler = Standardiser.fit(features)
+                reference_z = scaler(features)
+            seed_means = _mean_table(videos, "seed_index", cfg.num_seeds)  # [S, M]
+            values = _seeded_summary(seed_means)
+            values["frechet_distance"], values["frechet_distance_std"] = _frechet(scaler(features), reference_z, cfg)
+            values["nfe"] = cand.nfe(ctx.latent_shape[1])
+            latency[cand.name] = latency_summary([v.latency_s for v in videos])  # in sampling order
+            values["latency_s"], values["latency_s_iqr"] = latency[cand.name]["median_s"], latency[cand.name]["iqr_s"]
+            metrics[cand.name] = {k: values[k] if k == "nfe" else round(float(values[k]), 6) for k in METRIC_NAMES}
+            if cand is ref and cfg.num_seeds >= 2:
+                n = len(prompts)  # seed-major: rows [0, n) are seed index 0, [n, 2n) seed index 1
+                metrics[cand.name]["frechet_floor"] = round(frechet_distance(reference_z[:n], reference_z[n: 2 * n]), 6)
+            m = metrics[cand.name]
+            rows.append({"candidate": cand.name, "sampler": cand.sampler, "nfe": values["nfe"], "adherence": m["all"],
+                         "adherence_std": m["all_std"], **{k: m[k] for k in CSV_COLUMNS[5:]}})
+            per_video[cand.name] = [v.row() for v in videos]
+            per_seed[cand.name] = [{"seed_index": j, **dict(zip(SEEDED_METRICS, map(float, row)))}
+                                   for j, row in enumerate(seed_means)]
+            per_prompt[cand.name] = [{"prompt": prompt, **dict(zip(SEEDED_METRICS, map(float, row)))}
+                                     for prompt, row in zip(prompts, _mean_table(videos, "prompt", len(prompts)))]
+            log.info("validate %s: %s NFE, adherence all %.2f±%.2f (colour %.2f shape %.2f direction %.2f), "
+                     "%.3f s/video (median), distance to %s %.5f±%.5f, sharpness %.5f±%.5f, Fréchet distance %.3f±%.3f%s",
+                     cand.name, values["nfe"], m["all"], m["all_std"], m["colour"], m["shape"], m["direction"],
+                     m["latency_s"], ref.name, m["distance_to_teacher"], m["distance_to_teacher_std"], m["sharpness"],
+                     m["sharpness_std"], m["frechet_distance"], m["frechet_distance_std"],
+                     f" (noise floor {m['frechet_floor']:.3f})" if "frechet_floor" in m else "")
+        bar.close()
+        flat = {f"{c.name}/{k}": v for c in candidates for k, v in metrics[c.name].items()}  # input order
+        rows.sort(key=lambda r: row_of[r["candidate"]])
+        labelled, origin = grid.labelled([f"{c.name} · {int(metrics[c.name]['nfe'])} NFE" for c in candidates],
+                                         [f"#{i}" for i in range(len(prompts))], [f"#{i}  {p}" for i, p in enumerate(prompts)])
+        _write_grid(labelled, stage, cfg)
+        assert scaler is not None
+        report = {
+            "base_dir": str(base_dir), "reference": ref.name, "prompts": prompts, "config": asdict(cfg),
+            "seeds": [row[0] for row in seed_grid],  # seed index 0: torch.Generator().manual_seed(seed) per prompt
+            "num_seeds": cfg.num_seeds,
+            "seed_grid": seed_grid,  # [prompt i][seed index j] → generator seed (cfg.seed + i + SEED_STRIDE·j)
+            "sample_keys": [[sample_key(i, j) for j in range(cfg.num_seeds)] for i in range(len(prompts))],
+            "max_sequence_length": ctx.encoders.max_sequence_length,  # prompt embeddings padded to this
+            "candidates": [{**asdict(c), "model_dir": str(c.model_dir), "nfe": metrics[c.name]["nfe"], "shift": shifts[c.name]}
+                           for c in candidates],
+            "grid": {"rows": [c.name for c in candidates], "tile_hw": [cfg.height, cfg.width], "separator_px": 1,
+                     "seed_index": 0, "origin_px": list(origin)},  # tile (r, c) at origin + (r·(H+1), c·(W+1))
+            "frechet": {"feature_names": list(FEATURE_NAMES), "reference_mean": scaler.mean.tolist(),
+                        "reference_scale": scaler.scale.tolist(), "cov_eps": COV_EPS,
+                        "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.seed},
+            "latency": {"warmup_videos": WARMUP_VIDEOS, "statistic": "median, iqr = p75 - p25, of the videos after the warm-up",
+                        **{c.name: latency[c.name] for c in candidates}},
+            "per_video": {c.name: per_video[c.name] for c in candidates},
+            "per_seed": {c.name: per_seed[c.name] for c in candidates},
+            "per_prompt": {c.name: per_prompt[c.name] for c in candidates},
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+        _write_tables(stage, flat, rows, report)
+        write_adherence_plot(rows, stage / "plots" / "adherence_vs_nfe.png")
+        replace_dir(stage, out_dir)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    log.info("validation of %d candidates on %d prompts × %d seeds written to %s", len(candidates), len(prompts),
+             cfg.num_seeds, out_dir)
+    return flat

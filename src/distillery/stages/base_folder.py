@@ -1,0 +1,202 @@
+"""What a base model folder may carry into the pipeline (DESIGN.md §2.2: nothing read from an
+artifact executes code).
+
+A base is a diffusers Wan folder: ``model_index.json`` and one folder per component. Diffusers
+imports code *from the folder* when its index names a library it does not ship: a component
+``["evil_sched", "EvilScheduler"]`` loads ``scheduler/evil_sched.py``, and a ``_class_name`` given as
+``[module, class]`` loads ``<module>.py`` — under ``trust_remote_code=True``, which the export's own
+load command passes. So a base is held to this:
+
+- :func:`check_model_index`: ``_class_name`` is ``"WanPipeline"``; every other key is a parameter of
+  ``WanPipeline.__init__`` (what a Wan pipeline takes); a component is ``[library, class]`` with
+  ``library`` ``diffusers`` or ``transformers`` and ``class`` a class of that library that fits the
+  parameter's annotation (a scheduler: any diffusers scheduler; the tokenizer: any concrete
+  transformers tokenizer, not the ``AutoTokenizer`` factory), or ``[null, null]`` where the
+  parameter is optional; a plain parameter (``boundary_ratio``) holds a JSON scalar. No component
+  config (``*config.json``) may name remote code (``auto_map``). A violation is a one-line
+  :class:`UserError`.
+- :func:`copy_model_folder`: copies a model folder leaving out every code file
+  (:func:`distillery.lineage.manifest.is_code_file`): no ``.py`` (or bytecode, or native module) of a base
+  is ever copied.
+
+The base stage checks the user's folder before copying it; the export stage checks the base
+artifact again before shipping its parts (an artifact made before this rule existed).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import shutil
+import typing
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from distillery.common.errors import UserError
+from distillery.lineage.manifest import MODEL_LIBRARIES as LIBRARIES, is_code_file
+
+INDEX_FILE = "model_index.json"
+PIPELINE_CLASS = "WanPipeline"
+REQUIRED = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")  # what the pipeline's stages load
+_IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+_CONFIG_BYTES = 1 << 20  # a component config larger than this is not read for auto_map (tokenizer.json is not a config)
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=True, default=str)
+    return text if len(text) <= 80 else text[:79] + "…"
+
+
+def wan_pipeline_parameters() -> dict[str, inspect.Parameter]:
+    """``WanPipeline.__init__``'s parameters (annotations evaluated), ``self`` left out."""
+    from diffusers import WanPipeline
+
+    params = inspect.signature(WanPipeline.__init__, eval_str=True).parameters
+    return {name: p for name, p in params.items() if name != "self"}
+
+
+def _annotation_classes(annotation: Any) -> list[type]:
+    """The classes an annotation allows (``X | None`` → ``[X]``); empty for a non-class parameter."""
+    args = typing.get_args(annotation) or (annotation,)
+    return [a for a in args if isinstance(a, type) and a is not type(None)]
+
+
+def _accepted_bases(expected: type) -> type:
+    """What a component annotated ``expected`` may be: any diffusers scheduler for a scheduler (a
+    Wan2.1 folder ships UniPC, the pipeline's default annotation is Euler), any concrete tokenizer
+    for ``AutoTokenizer`` (a factory that resolves classes from the folder's config), else a subclass."""
+    from diffusers import SchedulerMixin
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+    if issubclass(expected, SchedulerMixin):
+        return SchedulerMixin
+    if expected is AutoTokenizer:
+        return PreTrainedTokenizerBase
+    return expected
+
+
+def _library_class(library: str, name: str) -> type | None:
+    """The public class ``name`` of ``library`` (diffusers or transformers), None if it has none."""
+    import importlib
+
+    module = importlib.import_module(library)
+    try:
+        obj = getattr(module, name)
+    except (AttributeError, ImportError, RuntimeError):  # transformers' lazy module raises on a missing backend
+        return None
+    return obj if isinstance(obj, type) else None
+
+
+def _component_problem(key: str, value: Any, param: inspect.Parameter) -> str | None:
+    """Why ``model_index.json``'s entry ``key: value`` is not a library class WanPipeline takes there."""
+    classes = _annotation_classes(param.annotation)
+    if not classes or not any(hasattr(c, "from_pretrained") for c in classes):  # a plain value (boundary_ratio)
+        if isinstance(value, (list, dict)):
+            return f"{key}: {_show(value)}: WanPipeline takes a plain value there"
+        return None
+    if not (isinstance(value, list) and len(value) == 2):
+        return f"{key}: {_show(value)}: expected [library, class]"
+    library, name = value
+    if library is None and name is None:
+        return None if param.default is None and key not in REQUIRED else f"{key}: [null, null]: this component is required"
+    if library not in LIBRARIES:
+        return (f"{key}: {_show(value)} names code from {_show(library)}, not a library class "
+                f"({' or '.join(LIBRARIES)}): diffusers would import it from the folder")
+    if not (isinstance(name, str) and _IDENTIFIER.fullmatch(name)):
+        return f"{key}: {_show(value)}: not a class name"
+    cls = _library_class(library, name)
+    if cls is None:
+        return f"{key}: {_show(value)}: {library} has no class {name}"
+    bases = [_accepted_bases(c) for c in classes]
+    if not any(issubclass(cls, b) for b in bases):
+        wanted = " or ".join(f"{b.__module__.split('.')[0]}.{b.__name__}" for b in bases)
+        return f"{key}: {_show(value)}: WanPipeline takes a {wanted} there"
+    return None
+
+
+def model_index_problems(index: Any) -> list[str]:
+    """Every reason the parsed ``model_index.json`` ``index`` is not a plain WanPipeline of library
+    classes (module doc); empty when it is one."""
+    if not isinstance(index, dict):
+        return [f"expected a JSON object, got {_show(index)}"]
+    problems: list[str] = []
+    if index.get("_class_name") != PIPELINE_CLASS:
+        problems.append(f"_class_name: {_show(index.get('_class_name'))}: expected \"{PIPELINE_CLASS}\" (a Wan 2.1 "
+                        "diffusers folder; a [module, class] pair would load code from the folder)")
+    params = wan_pipeline_parameters()
+    for key, value in index.items():
+        if not isinstance(key, str) or key.startswith("_"):
+            continue
+        if key not in params:
+            problems.append(f"{key}: {_show(value)}: not a component WanPipeline takes "
+                            f"({', '.join(params)})")
+            continue
+        problem = _component_problem(key, value, params[key])
+        if problem:
+            problems.append(problem)
+    problems.extend(f"{key}: missing (a Wan base has one)" for key in REQUIRED if key not in index)
+    return problems
+
+
+def _remote_code_configs(folder: Path, components: Iterable[str]) -> list[str]:
+    """``<component>/<file>`` of each component config that names remote code (``auto_map``)."""
+    found = []
+    for component in components:
+        sub = folder / component
+        if not sub.is_dir() or sub.is_symlink():
+            continue
+        for path in sorted(sub.glob("*config.json")):
+            try:
+                if not path.is_file() or path.stat().st_size > _CONFIG_BYTES:
+                    continue
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+                continue  # not ours to judge here: the library that loads it reports an unreadable config
+            if isinstance(data, dict) and "auto_map" in data:
+                found.append(f"{component}/{path.name}")
+    return found
+
+
+def check_model_index(folder: Path, what: str) -> None:
+    """Refuse (one-line :class:`UserError`) a model folder whose ``model_index.json`` names anything
+    but library classes WanPipeline takes, or whose component configs name remote code. ``what``
+    names the folder in the message (``params.yaml: base.path: /data/wan``)."""
+    path = Path(folder) / INDEX_FILE
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{what}: no {INDEX_FILE}: not a diffusers model folder") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise UserError(f"{what}: {INDEX_FILE} is not readable JSON ({type(exc).__name__})") from None
+    problems = model_index_problems(index)
+    if not problems:
+        components = [k for k, v in index.items() if isinstance(v, list) and v and v[0] in LIBRARIES]
+        problems = [f"{rel} names remote code (auto_map)" for rel in _remote_code_configs(Path(folder), components)]
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UserError(f"{what}: {INDEX_FILE}: {problems[0]}{more}; a base may name only diffusers/transformers "
+                        f"classes a {PIPELINE_CLASS} takes, and no code of a base is ever copied or run")
+
+
+def copy_model_folder(source: Path, target: Path, *, exclude: Iterable[str] = (), exclude_top: Iterable[str] = ()) -> list[str]:
+    """Copy the model folder ``source`` into ``target`` (created, or merged into an existing one)
+    without any code file (or ``__pycache__``), without the entries named in ``exclude`` (at any
+    level) and without the top-level entries named in ``exclude_top``; returns the relative paths
+    of the code files left out. Symlinked files are copied by content (a Hugging Face cache snapshot
+    links its files)."""
+    source, left_out, anywhere, top = Path(source), [], set(exclude), set(exclude_top)
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        here = Path(folder)
+        rel_dir = here.relative_to(source)
+        dropped = {n for n in names if n in anywhere or (here == source and n in top)}
+        for n in names:
+            if n not in dropped and (is_code_file(n) or n == "__pycache__"):
+                dropped.add(n)
+                left_out.append((rel_dir / n).as_posix())
+        return dropped
+
+    shutil.copytree(source, target, ignore=ignore, dirs_exist_ok=True)
+    return sorted(left_out)

@@ -1,0 +1,88 @@
+"""One MLflow parent run per pipeline run; each stage logs a child run under it.
+
+A pipeline run is identified by ``$DISTILLERY_PIPELINE_RUN`` when set (the Prefect flow sets it),
+else by the hash of params.yaml's content and the code commit: every stage of one ``dvc repro``
+finds the same parent run. The parent records the ``params.yaml`` it ran with: every key as a
+dotted MLflow param (``pretrain.learning_rate``) and the file itself as the artifact ``params.yaml``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distillery.config.schema import TrackerConfig
+from distillery.lineage.manifest import code_info
+from distillery.common.treeutil import flatten
+from distillery.components.tracking import MLflowTracker, default_tracking_uri, ensure_experiment, log_param_texts, store_lock
+
+EXPERIMENT = "distillery"
+
+
+def pipeline_key(params_text: str) -> str:
+    env = os.environ.get("DISTILLERY_PIPELINE_RUN")
+    if env:
+        return env
+    commit = code_info().get("git_commit") or "no-git"
+    return hashlib.sha256((params_text + commit).encode()).hexdigest()[:16]
+
+
+def parent_run_id(params_text: str, experiment: str = EXPERIMENT) -> str:
+    """Find or create the parent run of this pipeline run; returns its id."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow.tracking import MlflowClient
+
+    key = pipeline_key(params_text)
+    cfg = TrackerConfig(experiment=experiment, run_name=f"pipeline-{key}", tags={"distillery.pipeline_key": key,
+                                                                              "distillery.kind": "pipeline"})
+    uri = default_tracking_uri(cfg)
+    with store_lock(uri):  # concurrent stages of one pipeline run find (or make) the same parent
+        client = MlflowClient(tracking_uri=uri)
+        exp_id = ensure_experiment(client, experiment, uri)
+        found = client.search_runs([exp_id], f"tags.`distillery.pipeline_key` = '{key}'", max_results=1)
+        if found:
+            return found[0].info.run_id
+        run = client.create_run(exp_id, run_name=cfg.run_name, tags=cfg.tags)
+        log_params_file(client, run.info.run_id, params_text)
+        client.set_terminated(run.info.run_id, status="FINISHED")
+        return run.info.run_id
+
+
+def log_params_file(client: Any, run_id: str, params_text: str) -> None:
+    """``params.yaml``'s text into run ``run_id``: every leaf as a dotted param (lists as their text, ``[40, 8]``) and the file itself as the artifact ``params.yaml``. The file was validated before any stage ran."""
+    data = yaml.safe_load(params_text)
+    leaves = flatten(data) if isinstance(data, dict) else {}
+    log_param_texts(client, run_id, {k: "null" if v is None else str(v) for k, v in leaves.items()})
+    client.log_text(run_id, params_text, "params.yaml")
+
+
+def log_files(tracking_uri: str, run_id: str, files: Sequence[tuple[Path, str]]) -> None:
+    """Copy ``(local file, artifact folder)`` pairs into the existing run ``run_id`` (a training stage's
+    loss plot into the run its trainer made)."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    for path, folder in files:
+        client.log_artifact(run_id, str(path), folder)
+
+
+def log_stage_run(stage: str, parent: str, params: dict[str, Any], metrics: dict[str, float],
+                  files: Sequence[tuple[Path, str]] = ()) -> dict[str, str]:
+    """A child run for a stage that does not train (clips, latents, validate, export); ``files``:
+    ``(local file, artifact folder)`` pairs copied into its artifacts (validate's grid and plots)."""
+    cfg = TrackerConfig(experiment=EXPERIMENT, run_name=stage, parent_run_id=parent, tags={"distillery.stage": stage})
+    tracker = MLflowTracker(cfg)
+    tracker.log_params(params)
+    numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if numeric:
+        tracker.log_metrics(numeric, step=0)
+    for path, folder in files:
+        tracker.log_artifact(path, folder)
+    tracker.finish()
+    return {"tracking_uri": tracker.tracking_uri, "experiment": EXPERIMENT, "run_id": tracker.run_id, "parent_run_id": parent}

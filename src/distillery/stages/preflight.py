@@ -1,0 +1,191 @@
+"""Before a stage works: can it write its outputs, is there room for them, and can it hold what it computes?
+
+:func:`check_writable` probes each output folder with a real file (root ignores permission bits,
+so only a write shows a read-only mount); :func:`check_free_space` compares the free bytes of the
+file system with a lower-bound estimate of what the stage writes (:func:`estimate_bytes`), so a
+full disk is found before the work, not after it. Both raise a one-line :class:`UserError`.
+:func:`disk_error` turns the OSError of a write that failed anyway (ENOSPC, EROFS, ...) into one.
+:func:`check_memory` compares the largest buffers the params make a stage allocate (one clip, one
+batch of latents) with the machine's memory, from the params alone, before anything is touched: a
+batch no machine here can hold is one line, not a training run that dies after ``runs/<stage>`` was
+reset; :func:`check_batch` does the same for a global batch larger than the latent set.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from distillery.common.errors import UserError
+from distillery.stages.params import Params
+from distillery.stages.training_table import DATA_ARTIFACT, TRAINING_STAGES
+
+DISK_ERRNOS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EFBIG: "a file grew past the file system's (or the process's) size limit",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+MIN_FREE = 16 << 20  # bytes every stage needs at least (logs, manifests, MLflow rows)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def check_writable(folders: list[Path], stage: str) -> None:
+    for folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+            try:
+                os.write(fd, b"x")
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+        except OSError as exc:
+            why = DISK_ERRNOS.get(exc.errno or 0, exc.strerror or type(exc).__name__)
+            raise UserError(f"stage {stage}: cannot write to {folder.resolve()}: {why}; nothing was changed") from None
+
+
+def _tree_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def _transformer_bytes(model: Path) -> int:
+    folder = model / "transformer" if (model / "transformer").is_dir() else model
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def estimate_bytes(stage: str, params: Params, artifacts: Path) -> int:
+    """A lower bound of the bytes ``stage`` writes (its artifact, and checkpoints for training)."""
+    if stage == "clips":
+        c = params.get("clips")
+        frames = (c["num_train"] + c["num_validation"]) * c["num_frames"] * c["size"] ** 2 * 3
+        return frames // 100  # encoded video of synthetic shapes compresses by far more than 100x
+    if stage == "base":
+        from distillery.stages.data import resolve_base
+
+        return _tree_bytes(resolve_base(params.get("base.path")))
+    if stage == "latents":
+        c = params.get("clips")
+        data = params.get("latents.data")
+        count = c["num_train"] + c["num_validation"] if not data else sum(1 for _ in Path(data).rglob("*") if _.is_file()) // 2
+        latent = 16 * ((c["num_frames"] - 1) // 4 + 1) * (c["size"] // 8) ** 2 * 4
+        return count * latent
+    if stage in TRAINING_STAGES:
+        spec = TRAINING_STAGES[stage]
+        weights = _transformer_bytes(artifacts / spec.inputs[spec.export_role] / "model")
+        fp32 = weights * 2 if weights else 0  # lower bound: the init may be bf16; the master weights are fp32
+        checkpoint = 3 * fp32  # weights + AdamW's two moments
+        return 2 * checkpoint + fp32  # a new checkpoint beside the previous one, and the exported model
+    if stage == "export":
+        student = params.get("export.student")
+        return _tree_bytes(artifacts / "base" / "model") + _transformer_bytes(artifacts / str(student) / "model")
+    return 0
+
+
+LATENT_CHANNELS, VAE_FRAMES, VAE_PIXELS = 16, 4, 8  # the Wan VAE: 16 channels, 4 frames and 8×8 pixels per latent
+
+
+def clip_size(params: Params) -> tuple[int, int, int]:
+    """``(frames, height, width)`` of the clips the latents stage encodes (``latents.*``, else ``clips.*``)."""
+    frames = params.get("latents.num_frames") or params.get("clips.num_frames")
+    return frames, params.get("latents.height") or params.get("clips.size"), params.get("latents.width") or params.get("clips.size")
+
+
+def latent_shape(params: Params) -> tuple[int, int, int, int]:
+    """``(C, T, H, W)`` of one latent clip as the params make it."""
+    frames, height, width = clip_size(params)
+    return LATENT_CHANNELS, (frames - 1) // VAE_FRAMES + 1, height // VAE_PIXELS, width // VAE_PIXELS
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def largest_buffer(stage: str, params: Params) -> tuple[int, str] | None:
+    """A lower bound of the largest buffer ``stage`` allocates, from the params alone, and what it is
+    (the knobs that size it named as in params.yaml); None for a stage without one."""
+    if stage == "clips":
+        c = params.get("clips")
+        return c["num_frames"] * c["size"] ** 2 * 3, f"one clip of clips.num_frames {c['num_frames']} frames of " \
+                                                       f"clips.size {c['size']}² RGB pixels"
+    if stage == "latents":
+        frames, height, width = clip_size(params)
+        return frames * height * width * 3 * 4, f"one clip of {frames}×{height}×{width} float32 RGB frames for the VAE " \
+                                                  "(latents.num_frames, height, width)"
+    if stage in TRAINING_STAGES:
+        batch, ranks = params.get(f"{stage}.batch_size"), params.get("gpus.nproc_per_node")
+        shape = latent_shape(params)
+        count = batch * ranks * shape[0] * shape[1] * shape[2] * shape[3]
+        return count * 4, (f"one batch ({stage}.batch_size {batch} × gpus.nproc_per_node {ranks}) of latents "
+                           f"{'×'.join(map(str, shape))} in float32 (latents.num_frames, height, width)")
+    return None
+
+
+def check_memory(stage: str, params: Params) -> None:
+    """Refuse, before any work, a stage whose params make it allocate more than the machine's memory."""
+    found = largest_buffer(stage, params)
+    if found is None:
+        return
+    need, what = found
+    have = memory_bytes()
+    if need > have:
+        raise UserError(f"stage {stage}: {what} needs {human(need)} of memory, more than this machine's {human(have)}; "
+                        "lower those params; nothing was changed")
+
+
+def check_batch(stage: str, params: Params, artifacts: Path) -> None:
+    """Refuse, before any work, a training stage whose global batch is larger than the latent set's
+    training split (the trainer would refuse it only after ``runs/<stage>`` was reset). A latent set
+    that is not there yet, or unreadable, is left to the stage (it names it)."""
+    if stage not in TRAINING_STAGES:
+        return
+    try:
+        manifest = json.loads((artifacts / DATA_ARTIFACT / "data" / "preprocess.json").read_text())
+        rows = int(manifest["splits"]["train"]["rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    batch, ranks, nodes = params.get(f"{stage}.batch_size"), params.get("gpus.nproc_per_node"), params.get("gpus.nnodes")
+    if batch * ranks * nodes > rows:
+        raise UserError(f"stage {stage}: one global batch ({stage}.batch_size {batch} × gpus.nproc_per_node {ranks} × "
+                        f"gpus.nnodes {nodes}) is {batch * ranks * nodes} samples, more than the {rows} training samples "
+                        f"of artifacts/latents; lower {stage}.batch_size or use more data; nothing was changed")
+
+
+def check_free_space(stage: str, params: Params, artifacts: Path) -> None:
+    need = estimate_bytes(stage, params, artifacts) + MIN_FREE
+    free = shutil.disk_usage(artifacts).free
+    if free < need:
+        raise UserError(f"stage {stage}: needs at least {human(need)} free in {artifacts.resolve()}, only {human(free)} "
+                        f"left; free some space (or move the workspace) and rerun; nothing was changed")
+
+
+def disk_error(stage: str, exc: OSError) -> UserError | None:
+    """A one-line UserError for a write that failed on the disk's account, else None."""
+    code, filename = exc.errno, exc.filename
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
+        _, dst, message = exc.args[0][0]  # copytree gathers (src, dst, str(error)) triples
+        found = re.search(r"\[Errno (\d+)\]", str(message))
+        code, filename = (int(found.group(1)) if found else None), dst
+    why = DISK_ERRNOS.get(code or 0)
+    if why is None:
+        return None
+    where = f" writing {filename}" if filename else ""
+    return UserError(f"stage {stage}: {why}{where}; its partial output was removed and the previous artifacts/{stage} "
+                     f"is unchanged; fix the disk and rerun")

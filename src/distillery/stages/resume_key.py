@@ -1,0 +1,104 @@
+"""The resume key of a training stage: what must be equal for ``runs/<stage>/`` to be resumed.
+
+A training stage keeps its DCP checkpoints in ``runs/<stage>/`` (not a DVC out) so that a killed
+stage resumes. Those checkpoints may only be resumed by a run that would have produced them: same
+run config (tracking metadata aside), same input artifacts (by content), same code. The key is
+written to ``runs/<stage>/resume_key.json`` before training starts; a stage that finds a different
+key (or none beside existing checkpoints) discards the folder and starts at step 0, saying which
+part differs in one line.
+
+Parts of the key (each a sha256 hex digest):
+- ``config``: the run config as YAML-able data, without ``training.tracker`` (MLflow metadata:
+  parent run id and tags change with the git commit and do not change the result);
+- ``input:<role>``: the content of each input artifact: :func:`distillery.lineage.manifest.tree_digest` of its
+  files without its ``lineage.json`` (the ``sha256`` a consumer's lineage records for that input). The
+  manifest is left out because it holds facts of one run (times, MLflow run ids, the code commit): an
+  older copy of the artifact with the same files resumes instead of retraining from step 0;
+- ``code``: the files of the stage's code dependencies as ``dvc.yaml`` lists them (the same set
+  whose change makes DVC rerun the stage), or the whole installed package without a ``dvc.yaml``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+
+KEY_FILE = "resume_key.json"
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def config_digest(raw: dict[str, Any]) -> str:
+    """Digest of a run config without its tracker section (canonical JSON)."""
+    training = {k: v for k, v in raw.get("training", {}).items() if k != "tracker"}
+    canon = json.dumps({**raw, "training": training}, sort_keys=True, separators=(",", ":"), default=str)
+    return _sha256_text(canon)
+
+
+def folder_digest(folder: Path) -> str:
+    """Content digest of an artifact folder: every file's path, size and sha256, its top-level
+    ``lineage.json`` left out (module doc)."""
+    from distillery.lineage.manifest import LINEAGE_FILE, hash_tree, tree_digest
+
+    return tree_digest(hash_tree(folder, exclude=(LINEAGE_FILE,)))
+
+
+def code_paths(stage: str, dvc_yaml: Path = Path("dvc.yaml")) -> list[Path]:
+    """The code files the stage depends on: its ``dvc.yaml`` deps that are not artifacts."""
+    if dvc_yaml.is_file():
+        from distillery.stages.dvcfile import stage_spec
+
+        deps = stage_spec(stage, dvc_yaml.parent).deps
+        roots = [Path(d) for d in deps if not d.startswith("artifacts")]
+    else:
+        import distillery
+
+        roots = [Path(distillery.__file__).parent]
+    files: list[Path] = []
+    for root in roots:
+        if root.is_file():
+            files.append(root)
+        elif root.is_dir():
+            files.extend(p for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts)
+    return files
+
+
+def code_digest(stage: str) -> str:
+    h = hashlib.sha256()
+    for path in code_paths(stage):
+        h.update(path.as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def resume_key(stage: str, raw: dict[str, Any], inputs: dict[str, Path]) -> dict[str, str]:
+    """``{"config": ..., "input:<role>": ..., "code": ...}`` for a stage about to train."""
+    key = {"config": config_digest(raw)}
+    for role, folder in sorted(inputs.items()):
+        key[f"input:{role}"] = folder_digest(folder)
+    key["code"] = code_digest(stage)
+    return key
+
+
+def key_mismatch(saved: dict[str, str] | None, current: dict[str, str]) -> str | None:
+    """None when ``saved`` equals ``current``; else a short phrase naming what differs."""
+    if saved is None:
+        return "no resume key was recorded with its checkpoints"
+    changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    if not changed:
+        return None
+    names = {"config": "the run config", "code": "the stage's code"}
+    return "changed: " + ", ".join(names.get(k, k.replace("input:", "input ")) for k in changed)
+
+
+def read_key(run_dir: Path) -> dict[str, str] | None:
+    try:
+        data = json.loads((run_dir / KEY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and all(isinstance(v, str) for v in data.values()) else None

@@ -1,0 +1,107 @@
+"""A training stage's run config: its template in ``stages/`` filled in by its table row.
+
+:func:`fill_run_config` reads the template and applies dotted overrides through the config loader's
+override path (:func:`distillery.config.loader.apply_override`: every key must exist in the schema,
+every value is YAML text parsed within the loader's bounds), in this order:
+
+1. inputs: ``models.<role>.init_from = artifacts/<stage>/model`` per row ``inputs``;
+2. the data: ``training.data.path = artifacts/latents/data`` and ``training.data.text_max_length``
+   from the latents' ``preprocess.json`` (the text encoder's sequence length);
+3. the row's ``params``: ``<config key> = params.yaml[<params key>]``;
+4. the run: ``training.checkpoint.output_dir = runs/<stage>`` and MLflow
+   ``training.tracker.{parent_run_id, run_name, tags}`` (``training.loop.progress_bar`` keeps its default,
+   on: under DVC or Prefect, stderr is not a terminal and progress is a log line per 10 % or minute,
+   :mod:`distillery.common.progress`).
+
+The result is the raw mapping written to ``runs/<stage>/run.yaml`` (and hashed into the resume key).
+:func:`check_chain` then builds it whole and checks it against its inputs before any training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distillery.common.errors import UserError
+from distillery.stages.artifacts import ARTIFACTS, RUNS
+from distillery.stages.params import StageParams
+from distillery.stages.training_table import DATA_ARTIFACT, TrainingStageSpec
+
+
+def override_text(value: Any) -> str:
+    """``value`` as the YAML text of a dotted override (parses back to an equal value: strings that
+    look like numbers or booleans are quoted, floats keep their exponent form)."""
+    text = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=2**31 - 1)
+    if text.endswith("\n...\n"):  # a plain scalar document
+        text = text[: -len("\n...\n")]
+    return text.strip()
+
+
+def data_dir() -> Path:
+    return ARTIFACTS / DATA_ARTIFACT / "data"
+
+
+def latent_manifest(folder: Path | None = None) -> dict[str, Any]:
+    """The latents stage's ``preprocess.json`` in ``folder`` (default: the pipeline's latent set):
+    its settings (frames, size, fps, sequence length, ...), shapes and counts."""
+    path = (folder if folder is not None else data_dir()) / "preprocess.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: unreadable ({type(exc).__name__}); rerun the latents stage") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("settings"), dict):
+        raise UserError(f"{path}: no preprocessing settings; rerun the latents stage")
+    return manifest
+
+
+def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id: str) -> list[tuple[str, Any]]:
+    """The ``(dotted key, value)`` pairs that turn the template into the stage's run config (module doc)."""
+    latents = latent_manifest()
+    pairs: list[tuple[str, Any]] = [(f"models.{role}.init_from", str(ARTIFACTS / stage / "model"))
+                                    for role, stage in spec.inputs.items()]
+    pairs += [("training.data.path", str(data_dir())),
+              ("training.data.text_max_length", latents["settings"]["max_sequence_length"])]
+    pairs += spec.config_overrides(params)
+    pairs += [("training.checkpoint.output_dir", str(RUNS / spec.name)),
+              ("training.tracker.parent_run_id", parent_run_id),
+              ("training.tracker.run_name", spec.name),
+              ("training.tracker.tags", {"distillery.stage": spec.name})]
+    return pairs
+
+
+def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id: str) -> dict[str, Any]:
+    """The stage's run config as a raw mapping: template + :func:`stage_overrides`, each through the
+    loader's override path (an override naming a key the schema lacks is a UserError)."""
+    from distillery.config import allowed_prefixes
+    from distillery.config.loader import apply_override, read_yaml
+
+    if spec.variant_key is not None:
+        raise ValueError(f"stage {spec.name}: fill the resolved spec (TrainingStageSpec.resolve)")
+    raw = read_yaml(spec.template)
+    prefixes = allowed_prefixes()
+    for key, value in stage_overrides(spec, params, parent_run_id):
+        apply_override(raw, key, override_text(value), prefixes)
+    return raw
+
+
+def check_chain(spec: TrainingStageSpec, raw: dict[str, Any]) -> None:
+    """Before any training: the config builds, the roles fit the method, and each role's init model fits the data."""
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.engine.builder import check_roles_early
+    from distillery.models.wan import locate_transformer
+
+    config = load_run_config(raw=raw, prefixes=allowed_prefixes())
+    check_roles_early(config)
+    latents = latent_manifest(Path(config.training.data.path))
+    for role in spec.inputs:
+        tdir, _ = locate_transformer(config.models[role].config.init_from)
+        arch = json.loads((tdir / "config.json").read_text())
+        if arch.get("in_channels") != latents["latent_channels"]:
+            raise UserError(f"stage {spec.name}: the model in {tdir} takes {arch.get('in_channels')} latent channels, "
+                            f"the latents have {latents['latent_channels']}; preprocess with this model's VAE")
+        if arch.get("text_dim") != latents["text_dim"]:
+            raise UserError(f"stage {spec.name}: the model in {tdir} takes text_dim {arch.get('text_dim')}, the latents' "
+                            f"prompt embeddings have {latents['text_dim']}; preprocess with this model's text encoder")

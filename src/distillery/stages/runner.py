@@ -1,0 +1,132 @@
+"""``distillery stage <name>``: run one pipeline stage = params.yaml → work → ``artifacts/<name>/``.
+
+Around every stage (:func:`run_stage`): ``params.yaml`` is validated whole first; the stage reads
+only the params its ``dvc.yaml`` entry lists (:class:`distillery.stages.params.StageParams`); one
+writer per stage (a lock in ``runs/.locks/``); the stage dies with the process that started it; the
+output folders are checked for writability and room before any work; a disk error becomes one
+line; a failure leaves the previous artifact as it was (:mod:`distillery.stages.artifacts`).
+
+The stages: :mod:`~distillery.stages.data` (clips, base, latents),
+:mod:`~distillery.stages.training` (one row each in
+:mod:`~distillery.stages.training_table`), :mod:`~distillery.stages.evaluation` (validate, export).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+from collections.abc import Callable
+from typing import Any
+
+from distillery.lineage import hashcache
+from distillery.common.errors import UserError
+from distillery.common.fsutil import file_kind
+from distillery.common.log import get_logger
+from distillery.stages.artifacts import ARTIFACTS, RUNS
+from distillery.stages.data import stage_base, stage_clips, stage_latents
+from distillery.stages.evaluation import stage_export, stage_validate
+from distillery.stages.params import Params, StageParams
+from distillery.stages.training import kill_launcher, training_stage
+from distillery.stages.training_table import TRAINING_STAGES
+
+log = get_logger("stage")
+HASH_CACHE_FILE = ".hash_cache.json"  # in runs/: the workspace's hash cache (distillery.lineage.hashcache)
+
+STAGES: dict[str, Callable[[StageParams], None]] = {
+    "clips": stage_clips,
+    "base": stage_base,
+    "latents": stage_latents,
+    **{name: training_stage(name) for name in TRAINING_STAGES},
+    "validate": stage_validate,
+    "export": stage_export,
+}
+
+
+def _orphaned(stage: str) -> None:
+    """The process that started this stage (dvc, a Prefect task, a shell) is gone: stop now, and
+    the launcher and its workers with us (they die with their parent)."""
+    log.warning("stage %s: the process that started it is gone: stopping (a rerun resumes)", stage)
+    kill_launcher()  # its workers die with it (checkpoints are atomic: nothing half-written survives)
+    os._exit(143)
+
+
+def cleanup_failed(stage: str) -> None:
+    """Remove what a failed run of ``stage`` left half-written beside its artifact."""
+    shutil.rmtree(ARTIFACTS / f"{stage}.tmp", ignore_errors=True)
+    for old in ARTIFACTS.glob(f".{stage}.old-*"):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+_CACHE_SET_HERE: str | None = None  # the cache path this process put in the environment, if any
+
+
+def _use_workspace_hash_cache() -> None:
+    """Hash once: digests of unchanged files are reused across stages (and by the trainers a stage
+    launches) through ``runs/.hash_cache.json`` of the current workspace — unless the user's
+    environment names another cache file. Something there that is not a regular file (a FIFO, a
+    folder) turns the cache off for this stage and its trainers, said in one warning line."""
+    global _CACHE_SET_HERE
+    if os.environ.get(hashcache.ENV_VAR) not in (None, _CACHE_SET_HERE):
+        return
+    path = (RUNS / HASH_CACHE_FILE).resolve()
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None  # absent (created on first write) or unreachable (its writer says so)
+    if mode is not None and not stat.S_ISREG(mode):
+        log.warning("hash cache %s is %s, not a regular file: ignored, every digest is read from the files "
+                    "(remove it to get a cache again)", path, file_kind(mode))
+        os.environ.pop(hashcache.ENV_VAR, None)
+        _CACHE_SET_HERE = None
+        return
+    _CACHE_SET_HERE = str(path)
+    os.environ[hashcache.ENV_VAR] = _CACHE_SET_HERE
+
+
+def run_stage(name: str, params_path: str = "params.yaml") -> int:
+    """Run one stage: one writer at a time, dies with whoever started it, checked for room before
+    working, and on any failure leaves the previous ``artifacts/<name>`` as it was."""
+    from distillery.stages.dvcfile import stage_params
+    from distillery.stages.preflight import check_batch, check_free_space, check_memory, check_writable, disk_error
+    from distillery.common.procutil import AncestorWatch, exclusive_lock
+
+    if name not in STAGES:
+        raise UserError(f"unknown stage {name!r}; valid: {', '.join(STAGES)}")
+    params = Params.load(params_path)
+    check_memory(name, params)  # from the params (and the latent set's counts) alone: before anything is touched
+    check_batch(name, params, ARTIFACTS)
+    declared = StageParams(params, name, stage_params(name))
+    _use_workspace_hash_cache()
+    watch = AncestorWatch(lambda: _orphaned(name))
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # `nohup distillery stage ...` asks to outlive its shell
+        watch.start()
+    try:
+        check_writable([ARTIFACTS, RUNS / ".locks"] + ([RUNS] if name in TRAINING_STAGES else []), name)
+        with exclusive_lock(RUNS / ".locks" / f"{name}.lock", f"stage {name}"):
+            cleanup_failed(name)  # what a killed earlier run of this stage left half-written
+            check_free_space(name, params, ARTIFACTS)
+            try:
+                STAGES[name](declared)
+            except BaseException as exc:
+                cleanup_failed(name)
+                problem = disk_error(name, exc) if isinstance(exc, OSError) else None
+                if problem is None:
+                    raise
+                raise problem from None
+    finally:
+        watch.stop()
+    stats = hashcache.STATS
+    log.info("stage %s: hashed %.1f MiB (%d files) from disk, reused %.1f MiB (%d files) from the hash cache", name,
+             stats.read_bytes / 2**20, stats.files_read, stats.cached_bytes / 2**20, stats.files_cached)
+    log.info("stage %s done: %s", name, ARTIFACTS / name)
+    return 0
+
+
+def add_stage_command(sub: Any) -> None:
+    """``distillery stage NAME [--params FILE]`` on the CLI's subparsers."""
+    p = sub.add_parser("stage", help="run one pipeline stage (what dvc.yaml calls)")
+    p.add_argument("name", help=" | ".join(STAGES))
+    p.add_argument("--params", default="params.yaml", help="the pipeline's params file (validated whole first)")
+    p.set_defaults(func=lambda args: run_stage(args.name, args.params))

@@ -1,0 +1,183 @@
+"""The training stages (``teacher``, ``pretrain``, ...): one function for all, driven by the table.
+
+For a stage of :data:`distillery.stages.training_table.TRAINING_STAGES`, :func:`stage_training`:
+
+1. fills the run config (:func:`distillery.stages.run_config.fill_run_config`) and checks the whole
+   chain before any training (:func:`~distillery.stages.run_config.check_chain`);
+2. writes ``runs/<stage>/run.yaml`` with its resume key (:mod:`distillery.stages.resume_key`): a
+   killed stage resumes from its last checkpoint; a stage whose config, inputs or code changed
+   starts from step 0 and says why (DESIGN.md §2.2);
+3. launches ``python -m distillery.cli.launch`` (torchrun, contained) with ``params.yaml: gpus``; the
+   launcher dies with this process, its workers with it;
+4. reads the run's ``run_summary.json`` (:mod:`distillery.stages.run_summary`) and publishes the
+   artifact: ``model/`` (the trained role's transformer, the init's scheduler, ``sampling.json`` from
+   the summary's sampling contract), ``loss.json`` and its curve ``loss.png``, metrics and lineage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distillery.common.errors import UserError
+from distillery.common.fsutil import write_text_atomic
+from distillery.common.log import get_logger
+from distillery.stages.artifacts import ARTIFACTS, RUNS, finish, fresh_staging, write_json_atomic
+from distillery.stages.params import StageParams
+from distillery.stages.training_table import TRAINING_STAGES, TrainingStageSpec
+
+log = get_logger("stage")
+
+
+def torchrun_command(params: StageParams, config_path: Path) -> list[str]:
+    """``python -m distillery.cli.launch ... -m distillery.cli.train --config <config_path>`` from ``gpus``."""
+    g = params.get("gpus")
+    cmd = [sys.executable, "-m", "distillery.cli.launch", "--nproc_per_node", str(g["nproc_per_node"])]
+    if int(g["nnodes"]) > 1:  # params.yaml was validated: rdzv_endpoint is a host:port here
+        cmd += ["--nnodes", str(g["nnodes"]), "--rdzv_backend", "c10d", "--rdzv_endpoint", str(g["rdzv_endpoint"])]
+    else:
+        cmd += ["--standalone"]
+    return cmd + ["-m", "distillery.cli.train", "--config", str(config_path)]
+
+
+def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path]) -> Path:
+    """``runs/<stage>/run.yaml`` + ``resume_key.json``; returns the run.yaml path. Checkpoints made
+    from another config, other inputs or other code are discarded (one line says what changed): a
+    stage resumes only what the same inputs made (DESIGN.md §2.2). An input's digest from the hash
+    cache never discards them alone: it is re-read from the input's bytes first
+    (:func:`rehashed_key`). A previous run's summary is removed, so the summary read after training
+    is the one this launch wrote."""
+    from distillery.components.checkpoint.manager import list_checkpoints
+    from distillery.stages.resume_key import KEY_FILE, key_mismatch, read_key, resume_key
+    from distillery.stages.run_summary import SUMMARY_FILE
+    from distillery.common.procutil import exclusive_lock
+
+    key = resume_key(stage, raw, inputs)
+    run_dir = RUNS / stage
+    if run_dir.exists():
+        # a writer still alive there (an orphaned worker, another stage) must not lose its folder under it
+        with exclusive_lock(run_dir / ".lock", f"training output folder {run_dir}"):
+            leftovers = list_checkpoints(run_dir) or any(run_dir.glob(".tmp-checkpoint-*")) or (run_dir / "train_log.jsonl").exists()
+            saved = read_key(run_dir)
+            why = key_mismatch(saved, key) if leftovers else None
+            if why and saved:  # an input's digest may come from the hash cache: re-read it before discarding
+                key = rehashed_key(stage, key, saved, inputs)
+                why = key_mismatch(saved, key)
+            if why:
+                log.info("stage %s: not resuming %s (%s): starting from step 0", stage, run_dir, why)
+                for child in run_dir.iterdir():
+                    if child.name != ".lock":
+                        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+            (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / KEY_FILE, json.dumps(key, indent=2, sort_keys=True))
+    path = run_dir / "run.yaml"
+    write_text_atomic(path, yaml.safe_dump(raw, sort_keys=True))
+    return path
+
+
+def rehashed_key(stage: str, key: dict[str, str], saved: dict[str, str], inputs: dict[str, Path]) -> dict[str, str]:
+    """``key`` with each input whose digest differs from ``saved`` re-hashed from its files' bytes,
+    not taken from the hash cache; a cached digest that was wrong is corrected in the cache and
+    reported in one warning line."""
+    from distillery.lineage import hashcache
+    from distillery.stages.resume_key import folder_digest
+
+    changed = {role: folder for role, folder in inputs.items() if saved.get(f"input:{role}") != key.get(f"input:{role}")}
+    before = len(hashcache.CORRECTED)
+    with hashcache.from_bytes():
+        fresh = {f"input:{role}": folder_digest(folder) for role, folder in sorted(changed.items())}
+    wrong = hashcache.CORRECTED[before:]
+    if wrong:
+        log.warning("stage %s: the hash cache held a wrong digest for %d input file(s) (first: %s); re-hashed from "
+                    "their bytes and corrected in the cache", stage, len(wrong), wrong[0])
+    return {**key, **fresh}
+
+
+_CHILD: subprocess.Popen | None = None  # the running torchrun launcher, stopped if this stage is orphaned
+
+
+def launch(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the launcher as a child that dies with this process (and its workers with it)."""
+    global _CHILD
+    from distillery.common.procutil import die_with_parent
+
+    _CHILD = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
+    try:
+        return _CHILD.wait()
+    finally:
+        if _CHILD.poll() is None:
+            _CHILD.terminate()
+            _CHILD.wait()
+        _CHILD = None
+
+
+def kill_launcher() -> None:
+    """Kill the running launcher, if any (its workers die with it; checkpoints are atomic)."""
+    child = _CHILD
+    if child is not None and child.poll() is None:
+        child.kill()
+
+
+def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
+    """Train the stage ``spec`` declares and publish ``artifacts/<stage>`` (module doc)."""
+    from distillery.config.schema import TrackerConfig
+    from distillery.components.tracking import default_tracking_uri
+    from distillery.export.weights import export_weights
+    from distillery.models.wan import locate_transformer
+    from distillery.evaluation.plots import write_loss_plot
+    from distillery.stages.run_config import check_chain, fill_run_config
+    from distillery.stages.run_summary import read_run_summary
+    from distillery.stages.mlflow_runs import parent_run_id
+
+    stage = spec.name
+    spec = spec.resolve(params)  # the recipe params.yaml picks (distill.method)
+    raw = fill_run_config(spec, params, parent_run_id(params.path.read_text()))
+    check_chain(spec, raw)
+    inputs = [(role, ARTIFACTS / artifact) for role, artifact in spec.input_artifacts()]
+    config_path = prepare_run_dir(stage, raw, dict(inputs))
+    started = time.perf_counter()
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if params.get("gpus.nproc_per_node") > 1 else "2")}
+    code = launch(torchrun_command(params, config_path), env)
+    if code != 0:
+        raise SystemExit(code)  # the launcher printed the one line (a user error: code 2)
+    run_dir = RUNS / stage
+    summary = read_run_summary(run_dir)
+    checkpoint = summary.checkpoint_dir(run_dir)
+    if summary.final_step != raw["training"]["loop"]["max_train_steps"] or checkpoint is None or not checkpoint.is_dir():
+        raise UserError(f"stage {stage}: training ended without its final checkpoint in {run_dir}")
+    staging = fresh_staging(stage)
+    export_weights(checkpoint, spec.export_role, staging / "model")
+    _, scheduler = locate_transformer(raw["models"][spec.export_role]["init_from"])
+    if scheduler is not None:
+        shutil.copytree(scheduler, staging / "model" / "scheduler")
+    loss = summary.loss_rows()
+    (staging / "loss.json").write_text(json.dumps(loss))
+    write_loss_plot(loss, staging / "loss.png", f"{stage}: loss per step")  # the curve offline, beside its data
+    write_json_atomic(staging / "model" / "sampling.json", summary.sampling)
+    last = loss[-10:] or [{"loss": float("nan")}]
+    # named for what it is: the mean over the last 10 logged steps (the last step's own loss is noisy; loss.json has it)
+    metrics = {"loss_last10_mean": round(sum(r["loss"] for r in last) / len(last), 5), "last_loss": round(last[-1]["loss"], 5),
+               "steps": summary.final_step}
+    tracker = raw["training"]["tracker"]
+    mlflow = {"tracking_uri": default_tracking_uri(TrackerConfig()), "experiment": tracker["experiment"],
+              "run_id": summary.mlflow_run_id, "parent_run_id": tracker["parent_run_id"]}
+    finish(stage, staging, kind="checkpoint", params=params, metrics=metrics, method=raw["method"]["_target_"], config=raw,
+           inputs=inputs, mlflow=mlflow, volatile={"seconds": round(time.perf_counter() - started, 1)},
+           mlflow_files=[(staging / "loss.png", "plots")], plots={f"{stage}_loss.json": loss})
+
+
+def training_stage(name: str) -> Callable[[StageParams], None]:
+    """The runner's entry for training stage ``name``: ``fn(params)``."""
+    spec = TRAINING_STAGES[name]
+    return lambda params: stage_training(spec, params)

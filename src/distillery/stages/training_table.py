@@ -1,0 +1,144 @@
+"""The declarative table of the training stages: one :class:`TrainingStageSpec` per stage.
+
+A training stage is its run-config template in ``stages/`` filled in from ``params.yaml`` by this
+table (:func:`distillery.stages.run_config.fill_run_config`, through the config loader's dotted
+overrides) — no stage-specific code. Adding a training stage: a template in ``stages/``, a row here,
+a dvc.yaml stage (``cmd: distillery stage <name>``, its ``params:`` covering every key of the row),
+and the params.yaml section with its schema in :mod:`distillery.stages.params_schema`
+(``templates/README.md`` has the list).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+DATA_ARTIFACT = "latents"  # every training stage trains on artifacts/latents/data
+
+
+@dataclass(frozen=True)
+class StageVariant:
+    """One choice of a stage whose recipe a ``params.yaml`` key picks (``distill.method``,
+    ``pdd.student_init``): its template, the params only that recipe takes (params key → run-config
+    key) and, when the choice is where a role starts from, its ``inputs`` (replacing the stage's)."""
+
+    template: str
+    params: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
+    inputs: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class TrainingStageSpec:
+    """One training stage, declared.
+
+    - ``template``: the run-config template, relative to the pipeline folder (a dvc.yaml dep of the stage);
+    - ``inputs``: role → the stage whose artifact the role starts from (``models.<role>.init_from =
+      artifacts/<stage>/model``); recorded in lineage and the resume key as ``<role>_init``;
+    - ``params``: params.yaml key → the run-config key it sets, or a tuple of keys it sets alike
+      (each params key must be covered by the stage's dvc.yaml ``params:``; a test checks it);
+    - ``export_role``: the role whose trained weights the artifact ships (``model/transformer``);
+    - ``variant_key`` / ``variants``: a stage with several recipes — the params.yaml key whose value
+      names a :class:`StageVariant` (its template replaces ``template``, its params join ``params``);
+      :meth:`resolve` gives the plain spec of the chosen one.
+    """
+
+    name: str
+    template: str
+    inputs: dict[str, str]
+    params: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
+    export_role: str = "student"
+    variant_key: str | None = None
+    variants: dict[str, StageVariant] = field(default_factory=dict)
+
+    def input_artifacts(self) -> list[tuple[str, str]]:
+        """``[(lineage role, artifact stage)]``: each role's init, then the training data."""
+        return [(f"{role}_init", stage) for role, stage in self.inputs.items()] + [("data", DATA_ARTIFACT)]
+
+    def resolve(self, params: Any) -> "TrainingStageSpec":
+        """The plain spec of the variant ``params.get(variant_key)`` names (``self`` without variants)."""
+        if self.variant_key is None:
+            return self
+        choice = params.get(self.variant_key)
+        if choice not in self.variants:  # params.yaml was validated; a table/schema mismatch is a bug
+            raise KeyError(f"stage {self.name}: {self.variant_key} = {choice!r} has no variant ({', '.join(self.variants)})")
+        variant = self.variants[choice]
+        return replace(self, template=variant.template, params={**self.params, **variant.params}, variant_key=None,
+                       variants={}, inputs=dict(variant.inputs) if variant.inputs is not None else self.inputs)
+
+    def templates(self) -> list[str]:
+        """Every template the stage may fill (its dvc.yaml deps)."""
+        return list(dict.fromkeys(v.template for v in self.variants.values())) if self.variants else [self.template]
+
+    def params_read(self) -> list[str]:
+        """Every params.yaml key the stage reads, whichever variant: the table's keys and the variant key."""
+        keys = list(self.params)
+        for variant in self.variants.values():
+            keys += [k for k in variant.params if k not in keys]
+        return keys + ([self.variant_key] if self.variant_key and self.variant_key not in keys else [])
+
+    def config_overrides(self, params: Any) -> list[tuple[str, Any]]:
+        """``(run-config key, value)`` of the table's params for ``params`` (a resolved spec)."""
+        pairs = []
+        for params_key, config_keys in self.params.items():
+            for config_key in (config_keys,) if isinstance(config_keys, str) else config_keys:
+                pairs.append((config_key, params.get(params_key)))
+        return pairs
+
+
+def loop_params(stage: str) -> dict[str, str]:
+    """The knobs every training stage takes from ``params.yaml: seed`` and its own section."""
+    return {
+        f"{stage}.batch_size": "training.data.batch_size",
+        f"{stage}.learning_rate": "training.optimizer.learning_rate",
+        f"{stage}.steps": "training.loop.max_train_steps",
+        "seed": "training.loop.seed",
+        f"{stage}.save_every": "training.checkpoint.save_every",
+        f"{stage}.activation_checkpointing": "training.model.activation_checkpointing",
+    }
+
+
+TRAINING_STAGES: dict[str, TrainingStageSpec] = {
+    spec.name: spec
+    for spec in (
+        TrainingStageSpec(
+            name="teacher",
+            template="templates/teacher_sft.yaml",
+            inputs={"student": "base"},
+            params=loop_params("teacher"),
+        ),
+        TrainingStageSpec(
+            name="pretrain",
+            template="templates/pretrain_dfsft.yaml",
+            inputs={"student": "teacher"},
+            # the causal student attends block-causally over the chunks DFSFT noises independently
+            params={**loop_params("pretrain"), "pretrain.chunk_size": ("method.chunk_size", "models.student.chunk_size")},
+        ),
+        TrainingStageSpec(
+            name="distill",
+            template="templates/distill_self_forcing.yaml",
+            inputs={"student": "pretrain", "teacher": "teacher", "critic": "teacher"},
+            params={**loop_params("distill"), "distill.critic_learning_rate": "models.critic.optimizer.learning_rate",
+                    "distill.student_steps": "method.num_student_steps",
+                    "distill.generator_update_interval": "method.generator_update_interval",
+                    "distill.guidance_scale": "method.real_score_guidance_scale"},
+            variant_key="distill.method",
+            variants={"self_forcing": StageVariant("templates/distill_self_forcing.yaml",
+                                                   {"distill.context_noise": "method.context_noise",
+                                                    "pretrain.chunk_size": "models.student.chunk_size"}),
+                      "dmd2": StageVariant("templates/distill_dmd2.yaml")},
+        ),
+        TrainingStageSpec(
+            name="pdd",
+            template="templates/pdd.yaml",
+            inputs={"student": "teacher", "teacher": "teacher"},
+            params={**loop_params("pdd"), "pdd.pdd_steps": "models.student.pdd_steps",
+                    "pdd.block_size_min": "method.block_size_min", "pdd.block_size_max": "method.block_size_max",
+                    "pdd.rollout": "method.rollout", "pdd.integrator": "method.integrator",
+                    "pdd.guidance_scale": "method.teacher_guidance_scale", "pdd.sampling_steps": "method.sampling_steps"},
+            # the teacher is always the teacher artifact; the student starts from it or from the distill student
+            variant_key="pdd.student_init",
+            variants={"teacher": StageVariant("templates/pdd.yaml", inputs={"student": "teacher", "teacher": "teacher"}),
+                      "distill": StageVariant("templates/pdd.yaml", inputs={"student": "distill", "teacher": "teacher"})},
+        ),
+    )
+}
