@@ -25,7 +25,7 @@ from distillery.clips import (
     score,
     write_video,
 )
-from distillery.cli.clips import add_clips_commands
+from distillery.cli.clips import add_command
 from distillery.clips.grammar import COLOURS, DIRECTIONS, SHAPES
 from distillery.common.errors import UserError
 
@@ -193,7 +193,7 @@ def test_analyzer_survives_blur_and_calibrates(clip_set: Path, validation_pairs:
 
 def test_cli_make_and_analyze(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
-    add_clips_commands(parser.add_subparsers(dest="command", required=True))
+    add_command(parser.add_subparsers(dest="command", required=True), "clips", "help")
     args = parser.parse_args(["clips", "make", "--out", str(tmp_path / "c"), "--num-train", "4",
                               "--num-validation", "3", "--frames", "9", "--size", "32", "--seed", "3"])
     assert args.func(args) == 0

@@ -91,16 +91,16 @@ def _lineage_wired() -> bool:
 
 def _cli(*args: str) -> tuple[int, str, str]:
     """Run ``distillery lineage ARGS``: as a subprocess through distillery.cli.main when the lead has
-    wired the command in, else in-process through add_lineage_command + the CLI's error guard."""
+    wired the command in, else in-process through add_command + the CLI's error guard."""
     if _lineage_wired():
         res = subprocess.run([sys.executable, "-m", "distillery.cli.main", "lineage", *args],
                              capture_output=True, text=True, timeout=120)
         return res.returncode, res.stdout, res.stderr
     from distillery.cli.guard import run_guarded
-    from distillery.cli.lineage import add_lineage_command
+    from distillery.cli.lineage import add_command
 
     parser = argparse.ArgumentParser(prog="distillery")
-    add_lineage_command(parser.add_subparsers(dest="command", required=True))
+    add_command(parser.add_subparsers(dest="command", required=True), "lineage", "help")
     ns = parser.parse_args(["lineage", *args])
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -19,9 +19,9 @@ from pathlib import Path
 from distillery.common.errors import UserError
 
 
-def add_clips_commands(subparsers: argparse._SubParsersAction) -> None:
+def add_command(subparsers: argparse._SubParsersAction, name: str, help: str) -> None:  # noqa: A002
     """Add the ``clips`` command group (``make``, ``analyze``) to a top-level subparsers object."""
-    clips = subparsers.add_parser("clips", help="synthetic captioned clips and prompt-adherence analysis")
+    clips = subparsers.add_parser(name, help=help)
     clips_sub = clips.add_subparsers(dest="clips_command", required=True, metavar="COMMAND")
     make = clips_sub.add_parser("make", help="write a deterministic synthetic captioned clip set")
     make.add_argument("--out", required=True, help="folder to create (must be absent or empty)")

@@ -32,9 +32,9 @@ import sys
 from distillery.common.errors import UserError
 
 
-def add_lineage_command(subparsers: argparse._SubParsersAction) -> None:
+def add_command(subparsers: argparse._SubParsersAction, name: str, help: str) -> None:  # noqa: A002
     """Add the ``lineage`` command to a top-level subparsers object (``func`` returns the exit code)."""
-    p = subparsers.add_parser("lineage", help="show or verify which data, models, configs and code made an artifact")
+    p = subparsers.add_parser(name, help=help)
     p.add_argument("path", metavar="PATH", help="artifact folder (or its lineage.json)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--json", action="store_true", help="print the manifest as JSON instead of the tree")

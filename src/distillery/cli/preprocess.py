@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 
@@ -11,8 +12,8 @@ def _run(args: Any) -> int:
     return main_preprocess(args)
 
 
-def add_preprocess_command(sub: Any) -> None:
-    p = sub.add_parser("preprocess", help="encode captioned videos into parquet latent shards")
+def add_command(sub: argparse._SubParsersAction, name: str, help: str) -> None:  # noqa: A002
+    p = sub.add_parser(name, help=help)
     p.add_argument("--base", required=True, help="diffusers Wan folder (VAE, text encoder, tokenizer)")
     p.add_argument("--data", required=True, help="videos/ + captions.jsonl, or train/ and validation/ such folders")
     p.add_argument("--out", required=True, help="folder of the latent dataset (a rerun keeps only the shards made with the same "

@@ -26,7 +26,7 @@ overrides:
 
 def build_parser() -> argparse.ArgumentParser:
     """``distillery train``'s options (the dotted overrides are the unknown arguments left after them)."""
-    from distillery.cli.main import Parser
+    from distillery.cli.parser import Parser
 
     parser = Parser(prog="distillery train", description="Train from a run config in one process.\n`torchrun --nproc_per_node N -m "
                     "distillery.cli.train --config X` runs FSDP2 over N ranks (same options).", epilog=OVERRIDES_HELP,

@@ -13,42 +13,52 @@ The stages: :mod:`~distillery.stages.data` (clips, base, latents),
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import shutil
 import signal
 import stat
+import sys
 from collections.abc import Callable
-from typing import Any
 
 from distillery.lineage import hashcache
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind
 from distillery.common.log import get_logger
 from distillery.stages.artifacts import ARTIFACTS, RUNS
-from distillery.stages.data import stage_base, stage_clips, stage_latents
-from distillery.stages.evaluation import stage_export, stage_validate
 from distillery.stages.params import Params, StageParams
-from distillery.stages.training import kill_launcher, training_stage
 from distillery.stages.training_table import TRAINING_STAGES
 
 log = get_logger("stage")
 HASH_CACHE_FILE = ".hash_cache.json"  # in runs/: the workspace's hash cache (distillery.lineage.hashcache)
 
-STAGES: dict[str, Callable[[StageParams], None]] = {
-    "clips": stage_clips,
-    "base": stage_base,
-    "latents": stage_latents,
-    **{name: training_stage(name) for name in TRAINING_STAGES},
-    "validate": stage_validate,
-    "export": stage_export,
+# stage -> "module:function" that runs it with the stage's params (a training stage's also takes its table row's name)
+STAGES: dict[str, str] = {
+    "clips": "distillery.stages.data:stage_clips",
+    "base": "distillery.stages.data:stage_base",
+    "latents": "distillery.stages.data:stage_latents",
+    **{name: "distillery.stages.training:run_training_stage" for name in TRAINING_STAGES},
+    "validate": "distillery.stages.evaluation:stage_validate",
+    "export": "distillery.stages.evaluation:stage_export",
 }
+TRAINING_MODULE = "distillery.stages.training"
+
+
+def stage_function(name: str) -> Callable[[StageParams], None]:
+    """Import the module of stage ``name`` (only it) and return its ``fn(params)``."""
+    module, function = STAGES[name].split(":")
+    fn = getattr(importlib.import_module(module), function)
+    return functools.partial(fn, name) if name in TRAINING_STAGES else fn
 
 
 def _orphaned(stage: str) -> None:
     """The process that started this stage (dvc, a Prefect task, a shell) is gone: stop now, and
     the launcher and its workers with us (they die with their parent)."""
     log.warning("stage %s: the process that started it is gone: stopping (a rerun resumes)", stage)
-    kill_launcher()  # its workers die with it (checkpoints are atomic: nothing half-written survives)
+    training = sys.modules.get(TRAINING_MODULE)  # loaded only by a training stage: the one that has a launcher
+    if training is not None:
+        training.kill_launcher()  # its workers die with it (checkpoints are atomic: nothing half-written survives)
     os._exit(143)
 
 
@@ -108,7 +118,7 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
             cleanup_failed(name)  # what a killed earlier run of this stage left half-written
             check_free_space(name, params, ARTIFACTS)
             try:
-                STAGES[name](declared)
+                stage_function(name)(declared)
             except BaseException as exc:
                 cleanup_failed(name)
                 problem = disk_error(name, exc) if isinstance(exc, OSError) else None
@@ -122,11 +132,3 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
              stats.read_bytes / 2**20, stats.files_read, stats.cached_bytes / 2**20, stats.files_cached)
     log.info("stage %s done: %s", name, ARTIFACTS / name)
     return 0
-
-
-def add_stage_command(sub: Any) -> None:
-    """``distillery stage NAME [--params FILE]`` on the CLI's subparsers."""
-    p = sub.add_parser("stage", help="run one pipeline stage (what dvc.yaml calls)")
-    p.add_argument("name", help=" | ".join(STAGES))
-    p.add_argument("--params", default="params.yaml", help="the pipeline's params file (validated whole first)")
-    p.set_defaults(func=lambda args: run_stage(args.name, args.params))

@@ -177,7 +177,6 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
            mlflow_files=[(staging / "loss.png", "plots")], plots={f"{stage}_loss.json": loss})
 
 
-def training_stage(name: str) -> Callable[[StageParams], None]:
-    """The runner's entry for training stage ``name``: ``fn(params)``."""
-    spec = TRAINING_STAGES[name]
-    return lambda params: stage_training(spec, params)
+def run_training_stage(name: str, params: StageParams) -> None:
+    """The runner's entry for training stage ``name`` (a row of the training table)."""
+    stage_training(TRAINING_STAGES[name], params)
