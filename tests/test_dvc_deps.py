@@ -5,14 +5,18 @@
   stage's table row reads keys inside it, and the params.yaml schema knows every one of them.
 - Every stage of dvc.yaml runs for real (the whole DAG of tests/test_pipeline.py, which calls
   :func:`check_stage_imports` on what it recorded) with an import recorder in each Python process
-  (the stage process, the launcher and the torchrun workers it starts): every ``distillery`` module
-  any of them imported must lie under one of the stage's ``deps:``.
+  (the stage process, the launcher and the torchrun workers it starts): the stage's code deps under
+  ``src/distillery`` are exactly what its processes imported (:func:`code_deps`: a folder where every
+  module of it was imported, else the files) — nothing missing, so editing a module a stage runs
+  reruns it, and nothing extra, so editing a module it does not run (another stage's, a help text)
+  reruns nothing. ``DISTILLERY_WRITE_DVC_DEPS=1`` rewrites dvc.yaml's code deps from the trace.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -164,14 +168,74 @@ def imports_by_stage(trace: Path) -> dict[str, set[str]]:
     return found
 
 
+def _package_modules(folder: Path) -> set[str]:
+    """Repo paths of every module below ``folder`` of the package (assets aside)."""
+    return {f"{PACKAGE_IN_REPO}/{p.relative_to(PACKAGE).as_posix()}" for p in folder.rglob("*.py")
+            if "assets" not in p.relative_to(PACKAGE).parts}
+
+
+def code_deps(files: set[str]) -> list[str]:
+    """The fewest dvc.yaml deps that cover exactly ``files`` (repo paths of modules): a folder when
+    every module below it is in ``files``, else the files themselves."""
+    chosen: list[str] = []
+
+    def walk(folder: Path) -> None:
+        mine = _package_modules(folder)
+        if not mine & files:
+            return
+        if folder != PACKAGE and mine <= files:
+            chosen.append(f"{PACKAGE_IN_REPO}/{folder.relative_to(PACKAGE).as_posix()}")
+            return
+        for p in sorted(folder.iterdir()):
+            if p.is_dir() and p.name not in ("__pycache__", "assets"):
+                walk(p)
+            elif p.suffix == ".py" and f"{PACKAGE_IN_REPO}/{p.relative_to(PACKAGE).as_posix()}" in files:
+                chosen.append(f"{PACKAGE_IN_REPO}/{p.relative_to(PACKAGE).as_posix()}")
+
+    walk(PACKAGE)
+    return sorted(chosen)
+
+
+def _listed_code(deps: list[str]) -> list[str]:
+    """The deps that name package code (modules or folders of them; the shipped assets are data)."""
+    return sorted(d for d in deps if d.startswith(PACKAGE_IN_REPO) and not d.startswith(f"{PACKAGE_IN_REPO}/assets"))
+
+
+def write_code_deps(root: Path, derived: dict[str, list[str]]) -> None:
+    """Rewrite each stage's package-code deps in ``root/dvc.yaml`` to ``derived[stage]`` (text edit:
+    comments, order and every other dep stay as they are)."""
+    out: list[str] = []
+    stage = None
+    for line in (root / "dvc.yaml").read_text().splitlines():
+        head = re.match(r"^  ([\w-]+):\s*$", line)  # a stage of `stages:`
+        if head:
+            stage = head.group(1)
+        item = line.strip()[2:] if line.strip().startswith("- ") else None
+        if item is not None and stage in derived and item in _listed_code([item]):
+            if derived[stage] is not None:
+                out.extend(f"      - {d}" for d in derived[stage])
+                derived = {**derived, stage: None}
+            continue
+        out.append(line)
+    (root / "dvc.yaml").write_text("\n".join(out) + "\n")
+
+
 def check_stage_imports(imported: dict[str, set[str]], root: Path) -> None:
-    """Fail when a stage imported a distillery module its dvc.yaml deps do not cover."""
+    """Fail unless each stage's package-code deps in dvc.yaml are exactly what it imported."""
     stages = load_dvc_stages(root)
     assert set(imported) == set(stages), f"traced stages {sorted(imported)} != dvc.yaml stages {sorted(stages)}"
+    derived = {name: code_deps(files) for name, files in imported.items()}
+    if os.environ.get("DISTILLERY_WRITE_DVC_DEPS"):
+        write_code_deps(root, derived)
+        stages = load_dvc_stages(root)
     missing = {name: sorted(f for f in files if not _covered(f, stages[name].deps)) for name, files in imported.items()}
     missing = {k: v for k, v in missing.items() if v}
     assert not missing, "dvc.yaml: stages import code their deps do not list (add it to the stage's deps):\n" + "\n".join(
         f"  {name}: {', '.join(files)}" for name, files in missing.items())
+    extra = {name: sorted(set(_listed_code(stages[name].deps)) - set(derived[name])) for name in stages}
+    extra = {k: v for k, v in extra.items() if v}
+    assert not extra, "dvc.yaml: stages list code they never import (editing it would rerun them for nothing; " \
+        "DISTILLERY_WRITE_DVC_DEPS=1 rewrites the deps):\n" + "\n".join(f"  {name}: {', '.join(d)}" for name, d in extra.items())
     # the training stages' workers were traced too: their method and trainer are among the imports
     for name, module in (("teacher", "methods/sft.py"), ("pretrain", "methods/dfsft.py")):
         if name in imported:

@@ -183,7 +183,7 @@ def test_export_loads_in_a_fresh_process_and_reproduces_the_validate_samples(rep
     card = (repo / "artifacts" / "export" / "README.md").read_text()
     snippet = card.split("```python\n")[1].split("```")[0]  # the card's code, run as pasted from the workspace root
     code += "print('card snippet')\n" + snippet
-    readme = (ROOT / "README.md").read_text()  # the README's snippet too, as pasted
+    readme = (ROOT / "docs" / "pipeline.md").read_text()  # the snippet of docs/pipeline.md too, as pasted
     block = next(b.split("```")[0] for b in readme.split("```python\n")[1:] if 'WanPipeline.from_pretrained("artifacts/base' in b)
     code += "print('readme snippet')\n" + block
     report = repo / "artifacts" / "validate" / "report"
