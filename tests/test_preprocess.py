@@ -135,6 +135,7 @@ def _wait_until_stopped(proc: subprocess.Popen, limit_s: float = 300) -> None:
     raise AssertionError("preprocess did not reach its stop point")
 
 
+@pytest.mark.slow  # several preprocess processes, one killed (~50 s)
 def test_killed_run_resumes_to_identical_shards(tmp_path, tiny_base, clips):
     ref = _cli(*_pp_args(tiny_base, clips, tmp_path / "ref"), cwd=tmp_path)
     assert ref.wait(timeout=300) == 0, ref.stderr.read()

@@ -13,6 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 WRITERS = 4
 CODE = (
     "import socket, sys\n"
@@ -27,6 +29,7 @@ CODE = (
 )
 
 
+@pytest.mark.slow  # several stage processes at once (~45 s)
 def test_stages_starting_together_on_a_fresh_store_share_one_parent_run(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
