@@ -140,6 +140,29 @@ def test_every_module_a_stage_imports_is_one_of_its_deps(repo):
     check_stage_imports(imports_by_stage(TRACE["dir"]), ROOT)
 
 
+def _stale_after_editing(repo: Path, module: str) -> set[str]:
+    """The stages `dvc status` calls changed after appending a comment to ``module`` (then restored)."""
+    path = repo / module
+    before = path.read_bytes()
+    try:
+        path.write_bytes(before + b"\n# an edit\n")
+        out = sh(["dvc", "status", "--json"], repo).stdout
+    finally:
+        path.write_bytes(before)
+    return {name for name, changes in json.loads(out or "{}").items() if "changed command" not in str(changes) and changes}
+
+
+def test_a_stage_depends_only_on_the_code_it_runs(repo):
+    """Editing a module only the export uses (its model card) makes only `export` stale; a module only
+    training uses (the trainer loop) makes the training stages stale, not the data stages, validate or
+    export; the CLI's lineage command, which no stage runs, makes nothing stale."""
+    assert sh(["dvc", "status", "--json"], repo).stdout.strip() in ("{}", "")
+    assert _stale_after_editing(repo, "src/distillery/export/model_card.py") == {"export"}
+    assert _stale_after_editing(repo, "src/distillery/engine/loop.py") == {"teacher", "pretrain", "distill", "pdd"}
+    assert _stale_after_editing(repo, "src/distillery/methods/pdd.py") == {"pdd"}
+    assert _stale_after_editing(repo, "src/distillery/cli/lineage.py") == set()
+
+
 def test_lineage_of_a_copied_export_verifies_and_names_an_altered_file(repo, tmp_path):
     elsewhere = tmp_path / "elsewhere" / "export"
     shutil.copytree(repo / "artifacts" / "export", elsewhere)
