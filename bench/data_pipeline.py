@@ -25,13 +25,13 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from distillery.tinybase.tiny import make_tiny_base
     from distillery.clips.synthetic import ClipSetConfig, make_clip_set
+    from distillery.components.distributed import init_distributed, shutdown
     from distillery.config import allowed_prefixes, load_run_config
     from distillery.data import LatentBatchLoader, LatentDataset, ShardedBatchSampler
-    from distillery.components.distributed import init_distributed, shutdown
     from distillery.data.preprocess import PreprocessConfig, preprocess
     from distillery.engine.loop import Trainer
+    from distillery.tinybase.tiny import make_tiny_base
 
     res: dict = {"machine": f"{os.cpu_count()} CPU cores", "torch_threads": torch.get_num_threads()}
     with tempfile.TemporaryDirectory() as tmp:

@@ -193,9 +193,9 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
     """Train ``steps`` iterations with the real Trainer; report post-warm-up medians and per-iteration FLOPs."""
     import torch
 
+    from distillery.components.distributed import init_distributed, shutdown
     from distillery.config import allowed_prefixes, load_run_config
     from distillery.engine.builder import resolve_compile
-    from distillery.components.distributed import init_distributed, shutdown
     from distillery.engine.loop import Trainer
 
     spans: list[tuple] = []

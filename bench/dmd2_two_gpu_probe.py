@@ -169,8 +169,8 @@ def run_trainer(args: argparse.Namespace) -> int:
     from sft_step import make_assets  # noqa: E402
 
     import distillery.engine.builder as builder
-    from distillery.config import allowed_prefixes, load_run_config
     from distillery.components.distributed import init_distributed, shutdown
+    from distillery.config import allowed_prefixes, load_run_config
     from distillery.engine.loop import Trainer
     from distillery.methods.dmd2 import DMD2Method
 

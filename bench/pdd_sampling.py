@@ -7,7 +7,8 @@ fp32 stay fp32, as ``load_inference_model(dtype=bf16)`` leaves them), one video 
   - ``pdd_<N>``: ``pdd_fused`` at N NFE (N fused-block forwards of a ``PDDWanModel`` with ``pdd_steps`` 8, no CFG);
   - ``teacher_<S>``: ``euler`` at S steps with CFG 4 (2·S forwards), the same trunk as a plain ``WanModel``.
 
-Per configuration: one untimed warm-up call (the teacher: a 1-step call, the same kernels), then the median (and all) of ``--repeats`` timed calls (CUDA-synchronised
+Per configuration: one untimed warm-up call (the teacher: a 1-step call, the same kernels), then the median (and all) of ``--repeats``
+timed calls (CUDA-synchronised
 wall time, and the GPU span from CUDA events); peak memory. Sampling only: no VAE decode, no text encoder.
 
 Usage (device machine): ``python bench/pdd_sampling.py [--latent 21x60x104] [--nfe 1,2,4] [--teacher-steps 40]``;

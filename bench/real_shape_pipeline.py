@@ -252,8 +252,8 @@ def main() -> int:
         return {"timing": state_timing.get("pretrain")}
 
     def validate() -> None:
-        from distillery.stages import evaluation
         from distillery.evaluation.validate import Candidate, ValidationConfig, run_validation, teacher_candidates
+        from distillery.stages import validate as evaluation
 
         evaluation.ARTIFACTS = root / "artifacts"
         prompts, embeddings = evaluation.validation_prompts(2)

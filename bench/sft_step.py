@@ -102,9 +102,9 @@ def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_singl
 
     import torch
 
+    from distillery.components.distributed import init_distributed, shutdown
     from distillery.config import allowed_prefixes, load_run_config
     from distillery.engine.builder import resolve_compile
-    from distillery.components.distributed import init_distributed, shutdown
     from distillery.engine.loop import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:

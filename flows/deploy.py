@@ -41,8 +41,6 @@ and exit code 2.
 
 from __future__ import annotations
 
-import flows  # noqa: F401  (sets the quiet env before Prefect is imported)
-
 import argparse
 import sys
 from collections.abc import Callable, Sequence
@@ -53,14 +51,15 @@ from uuid import UUID
 from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron, Schedule
 
+import flows  # noqa: F401  (sets the quiet env before Prefect is imported)
 from distillery.common.errors import UserError
 from distillery.stages.dvcfile import load_dvc_stages, stage_order
 from flows.pipeline import (
     DEFAULT_RETRY_DELAYS,
     DEFAULT_TIMEOUT_SECONDS,
     check_params_files,
-    retry_delays,
     distillery_pipeline,
+    retry_delays,
 )
 from flows.server import (
     PrefectServerError,

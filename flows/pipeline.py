@@ -53,8 +53,6 @@ Use: ``build_pipeline_flow(repo, ...)()`` or ``run_pipeline(repo, ...)`` or
 
 from __future__ import annotations
 
-import flows  # noqa: F401  (sets the quiet env before Prefect is imported)
-
 import argparse
 import asyncio
 import json
@@ -74,11 +72,12 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 
-from distillery.config.limits import show_path
+import flows  # noqa: F401  (sets the quiet env before Prefect is imported)
 from distillery.common.errors import UserError
+from distillery.common.treeutil import flatten
+from distillery.config.limits import show_path
 from distillery.stages.dvcfile import StageSpec, load_dvc_stages, stage_order
 from distillery.stages.params_file import read_params_file
-from distillery.common.treeutil import flatten
 
 __all__ = [
     "FLOW_NAME",

@@ -25,8 +25,6 @@ reuses it). No DVC import; Prefect is imported lazily (settings only).
 
 from __future__ import annotations
 
-import flows  # noqa: F401  (sets the quiet env before Prefect is imported)
-
 import json
 import os
 import signal
@@ -40,6 +38,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import flows  # noqa: F401  (sets the quiet env before Prefect is imported)
 
 __all__ = [
     "DEFAULT_PORT",

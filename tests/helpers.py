@@ -47,8 +47,8 @@ def write_config(path: Path, cfg: dict[str, Any]) -> Path:
 
 def train_in_process(raw: dict[str, Any]):
     """Train one process in this interpreter (a world of one); returns the TrainResult."""
-    from distillery.config import allowed_prefixes, load_run_config
     from distillery.components.distributed import init_distributed, shutdown
+    from distillery.config import allowed_prefixes, load_run_config
     from distillery.engine.loop import Trainer
 
     config = load_run_config(raw=raw, prefixes=allowed_prefixes())

@@ -323,10 +323,11 @@ def test_a_causal_dfsft_student_samples_causally_and_plain_folders_load_causal(c
     samplers refuse a model that is not causal or has other chunks."""
     from pathlib import Path
 
+    from helpers import run_config
+
     from distillery.config import allowed_prefixes, load_run_config
     from distillery.methods.dfsft import DFSFTConfig, DFSFTMethod
     from distillery.models.wan import load_inference_model
-    from helpers import run_config
 
     base = shipped_tiny_base()
     training = load_run_config(raw=run_config(base, tmp_path, Path("unused")), prefixes=allowed_prefixes()).training

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from distillery.cli.clips import add_command
 from distillery.clips import (
     AnalyzerConfig,
     ClipAttributes,
@@ -25,7 +26,6 @@ from distillery.clips import (
     score,
     write_video,
 )
-from distillery.cli.clips import add_command
 from distillery.clips.grammar import COLOURS, DIRECTIONS, SHAPES
 from distillery.common.errors import UserError
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import run_config, write_config
 
+from distillery.common.errors import UserError
 from distillery.config import allowed_prefixes, load_run_config
 from distillery.config.loader import parse_override_args
-from distillery.common.errors import UserError
-from helpers import run_config, write_config
 
 PREFIXES = allowed_prefixes()
 
@@ -63,7 +63,8 @@ def test_overrides_apply_and_parse_yaml_values(tmp_path):
         (lambda r: r["training"]["loop"].update(max_train_stepz=3), "training.loop.max_train_stepz: unknown key; valid keys: max_train_steps"),
         (lambda r: r["training"]["loop"].update(max_train_steps="ten"), "training.loop.max_train_steps: expected an integer, got 'ten'"),
         (lambda r: r["training"]["loop"].update(max_train_steps=1.5), "training.loop.max_train_steps: expected an integer"),
-        (lambda r: r["training"]["optimizer"].update(lr_scheduler="exp"), "training.optimizer.lr_scheduler: got 'exp'; valid values: 'constant', 'cosine', 'linear'"),
+        (lambda r: r["training"]["optimizer"].update(lr_scheduler="exp"),
+         "training.optimizer.lr_scheduler: got 'exp'; valid values: 'constant', 'cosine', 'linear'"),
         (lambda r: r["training"].update(optimiser={}), "training.optimiser: unknown key; valid keys: distributed, data, optimizer"),
         (lambda r: r.update(trainer={}), "trainer: unknown key; valid keys: models, method, training, callbacks"),
         (lambda r: r["models"]["student"].update(lora_rank=4), "models.student.lora_rank: unknown key; valid keys: init_from, trainable"),

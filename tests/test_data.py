@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from distillery.common.errors import UserError
 from distillery.data import (
     LatentBatchLoader,
     LatentDataset,
@@ -23,7 +24,6 @@ from distillery.data import (
     write_latent_shards,
     write_shard,
 )
-from distillery.common.errors import UserError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import read_log, role_state, run_config, train_in_process, write_config
 
 pytestmark = pytest.mark.slow

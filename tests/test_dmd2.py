@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import dcp_tensors, nudge_weights, read_log, run_config, train_in_process, write_config
+from helpers import tiny_raw_batch as raw_batch
 
 from distillery.config import allowed_prefixes, load_run_config
 from distillery.methods.dmd2 import DMD2Config, DMD2Method, truncated_shifted_timesteps, warped_ladder
 from distillery.models.wan import WanModel, WanModelConfig
-from helpers import dcp_tensors, nudge_weights, read_log, run_config, train_in_process, write_config
-from helpers import tiny_raw_batch as raw_batch
 
 N_T = 1000  # num_train_timesteps
 SHIFT = 3.0  # the tiny base's scheduler shift

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_log, run_config, train_in_process, write_config
 
+from distillery.components.distributed import DistEnv
 from distillery.config.schema import DistributedConfig, ModelRuntimeConfig
 from distillery.engine.builder import place_model
-from distillery.components.distributed import DistEnv
 from distillery.models.wan import WanModel, WanModelConfig
-from helpers import read_log, run_config, train_in_process, write_config
 
 
 def _cpu_env() -> DistEnv:

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from distillery.common.errors import UserError
+from distillery.data.encoders import denormalize_latents, normalize_latents
 from distillery.tinybase.fit_vae import (
     VAEFitConfig,
     decode_unclamped,
@@ -18,9 +20,7 @@ from distillery.tinybase.fit_vae import (
     latent_stats,
     set_latent_stats,
 )
-from distillery.data.encoders import denormalize_latents, normalize_latents
 from distillery.tinybase.tiny import TinyBaseConfig, build_vae
-from distillery.common.errors import UserError
 
 COLOURS = [(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (1.0, 1.0, 0.0)]
 DIRECTIONS = [(1, 0), (-1, 0), (0, 1), (0, -1)]

@@ -177,10 +177,9 @@ def test_flatten_and_keys() -> None:
 @pytest.fixture(scope="module")
 def prefect_api(prefect_server: str, tmp_path_factory: pytest.TempPathFactory):
     """This process's Prefect client on the module's real server (see ``prefect_server``)."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
-
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     home = tmp_path_factory.mktemp("prefect-home")
     with temporary_settings(updates={PREFECT_HOME: str(home), PREFECT_API_URL: prefect_server}):

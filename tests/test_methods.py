@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import run_config
 
 from distillery.config import allowed_prefixes, load_run_config
 from distillery.methods.dfsft import DFSFTConfig, DFSFTMethod
 from distillery.methods.sft import SFTMethod
 from distillery.models.wan import WanModel, WanModelConfig
-from helpers import run_config
 
 N = 1000  # num_train_timesteps
 SHIFT = 3.0  # the tiny base's scheduler shift

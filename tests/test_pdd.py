@@ -18,17 +18,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import dcp_tensors, nudge_weights, read_log, run_config, train_in_process
+from helpers import tiny_raw_batch as raw_batch
 
-from distillery.config import allowed_prefixes, load_run_config
 from distillery.common.errors import UserError
+from distillery.config import allowed_prefixes, load_run_config
 from distillery.methods.pdd import PDDConfig, PDDMethod
 from distillery.models.base import Conditioning
 from distillery.models.schedule import block_partition, block_weights
 from distillery.models.wan import WanModel, WanModelConfig
 from distillery.models.wan.pdd import HEADS_FILE, PDDWanModel, PDDWanModelConfig
 from distillery.sampling import build_sampler
-from helpers import dcp_tensors, nudge_weights, read_log, run_config, train_in_process
-from helpers import tiny_raw_batch as raw_batch
 
 SHIFT = 3.0  # the tiny base's scheduler shift
 P = 8  # fine-grid intervals in these tests

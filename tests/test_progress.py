@@ -8,7 +8,6 @@ import pytest
 
 from distillery.common.progress import Progress, format_duration
 
-
 LOG = logging.getLogger("test_progress")  # not the project logger: its handler may not propagate to caplog
 
 

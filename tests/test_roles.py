@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import dcp_tensors, read_log, run_config, train_in_process, write_config
 from safetensors.torch import load_file, save_file
 
 from distillery.common.errors import UserError
-from helpers import dcp_tensors, read_log, run_config, train_in_process, write_config
 
 pytestmark = pytest.mark.slow
 PLUGINS = Path(__file__).resolve().parent / "plugins"

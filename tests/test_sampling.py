@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distillery.components.rng import BatchRNG
 from distillery.common.errors import UserError
+from distillery.components.rng import BatchRNG
 from distillery.models.base import Conditioning
 from distillery.models.schedule import FlowMatchSchedule, renoise, velocity_from_x0, x0_from_velocity
 from distillery.models.wan import load_inference_model

@@ -18,16 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import nudge_weights, run_config
 
-from distillery.config import allowed_prefixes, load_run_config
 from distillery.common.errors import UserError
+from distillery.config import allowed_prefixes, load_run_config
 from distillery.methods.self_forcing import SelfForcingConfig, SelfForcingMethod
-from distillery.models.base import chunk_bounds
-from distillery.models.base import Conditioning
+from distillery.models.base import Conditioning, chunk_bounds
 from distillery.models.wan import CausalWanModel, CausalWanModelConfig, WanModel, WanModelConfig
 from distillery.sampling import build_sampler
 from distillery.sampling.noise import RNGNoise
-from helpers import nudge_weights, run_config
 
 CHUNK = 1  # latent frames per chunk: the batch's 3 frames are 3 chunks
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from distillery.tinybase.fit import derangement
-from distillery.tinybase.shipped import copy_shipped_tiny_base, shipped_tiny_base
 from distillery.clips.analyzer import AnalyzerConfig, evaluate
 from distillery.clips.synthetic import ClipSetConfig, make_clip_set
 from distillery.data.videos import IngestConfig, load_clips
+from distillery.tinybase.fit import derangement
+from distillery.tinybase.shipped import copy_shipped_tiny_base, shipped_tiny_base
 
 SCORES = ("colour", "shape", "direction", "all")
 

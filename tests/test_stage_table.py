@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distillery.config.loader import parse_override_value
 from distillery.common.errors import UserError
+from distillery.config.loader import parse_override_value
 from distillery.stages.artifacts import write_json_atomic
 from distillery.stages.dvcfile import stage_params
 from distillery.stages.params import Params, StageParams

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_log, role_state, run_config, train_in_process
 
 from distillery.common.errors import UserError
-from helpers import read_log, role_state, run_config, train_in_process
 
 CALLBACKS = {
     "grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0},
@@ -167,10 +167,10 @@ def test_step_time_summary_drops_warm_up():
 def test_exported_transformer_reproduces_the_trained_module(tmp_path, tiny_base, latent_set):
     from diffusers import WanTransformer3DModel
 
-    from distillery.config import allowed_prefixes, load_run_config
     from distillery.components.distributed import init_distributed, shutdown
-    from distillery.export.weights import export_weights
+    from distillery.config import allowed_prefixes, load_run_config
     from distillery.engine.loop import Trainer
+    from distillery.export.weights import export_weights
 
     config = load_run_config(raw=run_config(tiny_base, latent_set, tmp_path / "run", steps=5), prefixes=allowed_prefixes())
     env = init_distributed(config.training.distributed)
@@ -277,9 +277,9 @@ def test_compute_copy_accumulates_grads_in_fp32_and_keeps_buffers():
 
 
 def test_runtime_choices_resolve_per_device(tmp_path, tiny_base, latent_set):
-    from distillery.engine.builder import resolve_compile
-    from distillery.config.schema import ModelRuntimeConfig
     from distillery.components.distributed import DistEnv
+    from distillery.config.schema import ModelRuntimeConfig
+    from distillery.engine.builder import resolve_compile
 
     def env(device: str, dtype: torch.dtype) -> DistEnv:
         return DistEnv(0, 1, 0, torch.device(device), "gloo", None, dtype)

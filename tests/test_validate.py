@@ -11,12 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from distillery.tinybase.shipped import shipped_tiny_base
 from distillery.common.errors import UserError
-from distillery.models.base import Conditioning
-from distillery.models.schedule import FlowMatchSchedule
-from distillery.models.wan import load_inference_model
-from distillery.sampling import GeneratorNoise, build_sampler
 from distillery.evaluation.validate import (
     HEADLINE_METRICS,
     METRIC_NAMES,
@@ -31,6 +26,11 @@ from distillery.evaluation.validate import (
     sample_key,
     teacher_candidates,
 )
+from distillery.models.base import Conditioning
+from distillery.models.schedule import FlowMatchSchedule
+from distillery.models.wan import load_inference_model
+from distillery.sampling import GeneratorNoise, build_sampler
+from distillery.tinybase.shipped import shipped_tiny_base
 
 PROMPTS = [
     "a red circle moving left slowly on a black background",

@@ -10,9 +10,9 @@ import torch
 
 from distillery.callbacks.base import CallbackContext
 from distillery.callbacks.validation import ValidationCallback, ValidationCallbackConfig, ValidationPrompts
-from distillery.config.schema import TrackerConfig
-from distillery.components.tracking import MLflowTracker, NullTracker
 from distillery.common.errors import UserError
+from distillery.components.tracking import MLflowTracker, NullTracker
+from distillery.config.schema import TrackerConfig
 from distillery.models.wan import WanModel, WanModelConfig
 from distillery.sampling import build_sampler
 from distillery.tinybase.shipped import shipped_tiny_base

@@ -16,6 +16,7 @@ import av
 import numpy as np
 import pytest
 
+from distillery.common.errors import UserError
 from distillery.data.videos import (
     REASONS,
     ClipItem,
@@ -26,7 +27,6 @@ from distillery.data.videos import (
     iter_clips,
     load_clips,
 )
-from distillery.common.errors import UserError
 
 RED, BLUE, GREEN = (220, 30, 30), (30, 30, 220), (30, 220, 30)
 

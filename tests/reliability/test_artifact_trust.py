@@ -19,13 +19,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from workspace import copy_workspace, error_lines, set_params, sh, stage, tree_sha
 
-from distillery.cli.main import build_parser
 from distillery.cli.guard import run_guarded
+from distillery.cli.main import build_parser
 from distillery.lineage.manifest import DIGEST_KEY, Input, hash_tree, manifest_digest, verify_chain, write_lineage
 from distillery.tinybase.shipped import shipped_tiny_base
-
-from workspace import copy_workspace, error_lines, set_params, sh, stage, tree_sha
 
 slow = pytest.mark.slow  # the tests that work on a copy of a DAG workspace
 TEACHER_WEIGHTS = Path("artifacts/teacher/model/transformer/diffusion_pytorch_model.safetensors")

@@ -33,10 +33,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from distillery.clips.synthetic import ClipSetConfig, make_clip_set
-from distillery.data import LatentDataset
-from distillery.data.latent_format import ColumnError, decode_tensor_column, tensor_from_bytes
-from distillery.data import videos
 from distillery.common.errors import UserError
+from distillery.data import LatentDataset, videos
+from distillery.data.latent_format import ColumnError, decode_tensor_column, tensor_from_bytes
 from distillery.data.preprocess import PreprocessConfig, preprocess
 
 SMALL = PreprocessConfig(num_frames=17, height=32, width=32, fps=8.0, rows_per_shard=2, batch_size=2)

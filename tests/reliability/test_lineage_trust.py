@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from distillery.cli.main import build_parser
 from distillery.cli.guard import run_guarded
+from distillery.cli.main import build_parser
 from distillery.common.errors import UserError
 from distillery.lineage.manifest import DIGEST_KEY, Input, hash_tree, manifest_digest, write_lineage
 

@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from workspace import (env, error_lines, pause_training, read_log_steps, resume_training, set_params, sh, stage, tree_sha,
-                       wait_no_processes)
+from workspace import env, error_lines, pause_training, read_log_steps, resume_training, set_params, sh, stage, tree_sha, wait_no_processes
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +31,7 @@ def test_second_writer_is_refused(ws, data_lost):
         paused = pause_training(ws, ws / "runs" / "teacher")  # the first run holds its locks while the others try
         second = stage(ws, "teacher")
         assert second.returncode == 2
-        assert error_lines(second.stderr) == [l for l in second.stderr.splitlines() if l.strip()][-1:]
+        assert error_lines(second.stderr) == [line for line in second.stderr.splitlines() if line.strip()][-1:]
         assert re.match(r"error: stage teacher is in use by pid \d+", error_lines(second.stderr)[0])
         direct = sh(["distillery", "train", "--config", "runs/teacher/run.yaml"], ws, check=False)
         assert direct.returncode == 2 and "training output folder runs/teacher is in use by pid" in direct.stderr

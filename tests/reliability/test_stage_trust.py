@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from workspace import TRAINED, copy_workspace, env, read_log_steps, set_params, sh, stage, tree_sha, wait_no_processes
 
 from distillery.lineage.manifest import hash_file
-import random
-
-from workspace import TRAINED, copy_workspace, env, read_log_steps, set_params, sh, stage, tree_sha, wait_no_processes
 
 pytestmark = pytest.mark.slow
 WEIGHTS = Path("artifacts/teacher/model/transformer/diffusion_pytorch_model.safetensors")

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import read_log, role_state, run_config, write_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable)")

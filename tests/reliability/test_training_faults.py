@@ -49,7 +49,7 @@ def test_nan_sample_stops_at_its_step(tmp_path, tiny_base, latent_set, data_lost
     cfg = run_config(tiny_base, data, tmp_path / "run", steps=8, batch_size=4, save_every=1)
     out = _train(write_config(tmp_path / "c.yaml", cfg))
     assert out.returncode == 2, out.stderr[-2000:]
-    errors = [l for l in out.stderr.splitlines() if l.startswith("error:")]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in out.stderr
     assert errors[0].startswith("error: training diverged at step ") and "total_loss=nan" in errors[0]
     bad = int(errors[0].split("step ")[1].split(":")[0])

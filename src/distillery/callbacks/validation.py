@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distillery.callbacks.base import Callback, CallbackContext
-from distillery.config.typed import bounded
 from distillery.common.errors import UserError
 from distillery.common.log import get_logger
+from distillery.config.typed import bounded
 
 if TYPE_CHECKING:
     import numpy as np

@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from distillery.common.errors import UserError
 from distillery.cli.guard import WORKER_ERRORS_ENV
+from distillery.common.errors import UserError
 from distillery.common.procutil import die_with_parent
 
 

@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 
-
 OVERRIDES_HELP = """\
 overrides:
   After the options above, any key of the run config as a dotted option sets it, e.g.
@@ -49,8 +48,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def run_training(argv: list[str]) -> int:
     """Parse, load, build and train; returns the process exit code."""
-    from distillery.config import allowed_prefixes, dump_run_config, load_run_config, parse_override_args
     from distillery.common.log import setup_logging
+    from distillery.config import allowed_prefixes, dump_run_config, load_run_config, parse_override_args
 
     args, rest = parse_args(argv)
     setup_logging()

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from distillery.config.schema import DistributedConfig
 from distillery.common.errors import UserError
+from distillery.config.schema import DistributedConfig
 
 
 @dataclass

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from distillery.config.schema import OptimizerConfig, OptimizerOverride
 from distillery.common.errors import UserError
+from distillery.config.schema import OptimizerConfig, OptimizerOverride
 
 
 def resolve_optimizer_config(default: OptimizerConfig, override: OptimizerOverride | None, role: str) -> OptimizerConfig:

@@ -14,9 +14,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from distillery.config.schema import TrackerConfig
-from distillery.common.treeutil import flatten
 from distillery.common.log import get_logger
+from distillery.common.treeutil import flatten
+from distillery.config.schema import TrackerConfig
 
 log = get_logger("tracking")
 

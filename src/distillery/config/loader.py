@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from distillery.common.errors import UserError
 from distillery.config.limits import (
     MAX_DEPTH,
     MAX_KEY_CHARS,
@@ -35,7 +36,6 @@ from distillery.config.limits import (
 from distillery.config.schema import Component, OptimizerOverride, RunConfig, TrainingConfig
 from distillery.config.targets import resolve_target
 from distillery.config.typed import config_error, field_types, from_mapping
-from distillery.common.errors import UserError
 
 TOP_LEVEL_KEYS = ("models", "method", "training", "callbacks")
 MAX_TARGET_CHARS = 200  # a _target_ dotted path

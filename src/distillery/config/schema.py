@@ -96,7 +96,8 @@ class LoopConfig:
     stop_at_step: int | None = bounded(None, 0, MAX_STEPS)  # end this invocation at this step (checkpointed); rerun to continue
     log_every: int = bounded(1, 1, MAX_STEPS)  # steps between metric logs
     progress_bar: bool = True  # rank-0 progress: a bar on a terminal, else a log line per 10 % or minute (distillery.common.progress)
-    skip_nonfinite_steps: int = bounded(0, 0, 1_000_000)  # skip (no update) up to this many steps whose loss or grad norm is NaN/Inf per invocation; 0: stop at the first
+    # skip (no update) up to this many steps whose loss or grad norm is NaN/Inf per invocation; 0: stop at the first
+    skip_nonfinite_steps: int = bounded(0, 0, 1_000_000)
 
     def __post_init__(self) -> None:
         if self.max_train_steps < 0 or self.grad_accum_steps < 1 or self.log_every < 1:

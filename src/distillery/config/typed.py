@@ -22,8 +22,8 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from distillery.config.limits import cut, path_problem, show, show_key, unknown_key_message
 from distillery.common.errors import UserError
+from distillery.config.limits import cut, path_problem, show, show_key, unknown_key_message
 
 _MISSING = dataclasses.MISSING
 MAX_KNOB_INT = 2**31 - 1  # an integer knob without its own range (a count, a step, an interval)

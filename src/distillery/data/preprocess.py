@@ -46,16 +46,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from distillery.common.errors import UserError
+from distillery.common.fsutil import write_text_atomic
+from distillery.common.log import get_logger
+from distillery.common.progress import Progress
+from distillery.components.distributed import barrier, shutdown
 from distillery.data.dataset import MANIFEST_FILE, shard_record_path, write_empty_prompt_embedding
 from distillery.data.encoders import BaseEncoders
 from distillery.data.videos import ClipItem, IngestConfig, SkippedItem, find_splits, load_entry, read_entries
 from distillery.data.writer import LatentRecord, shard_path, write_shard
-from distillery.components.distributed import barrier, shutdown
-from distillery.common.errors import UserError
-from distillery.common.fsutil import write_text_atomic
 from distillery.lineage.hashcache import file_sha256
-from distillery.common.log import get_logger
-from distillery.common.progress import Progress
 
 log = get_logger("preprocess")
 

@@ -33,7 +33,6 @@ Called by the ``latents`` stage (through :func:`load_clips` or :func:`iter_clips
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import json
 import logging

@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 
 from distillery.callbacks.base import Callback
-from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, OptimizerConfig, RunConfig
-from distillery.components.distributed import DistEnv, shard_transformer, uses_fsdp
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind
-from distillery.methods.base import TrainingMethod
-from distillery.models.base import ModelBase
+from distillery.components.distributed import DistEnv, shard_transformer, uses_fsdp
 from distillery.components.optim import resolve_optimizer_config
 from distillery.components.precision import ComputeCopy, cast_parameters_
+from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, OptimizerConfig, RunConfig
+from distillery.methods.base import TrainingMethod
+from distillery.models.base import ModelBase
 
 
 @dataclass

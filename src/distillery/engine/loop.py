@@ -16,22 +16,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from distillery.engine.builder import build_run, check_data_path, check_output_dir, seed_everything
+
 from distillery.callbacks.base import CallbackContext
-from distillery.components.checkpoint.manager import (METHOD_HOST_KEY, CheckpointManager, CheckpointPayload, capture_rng,
-                                                  list_checkpoints)
-from distillery.components.checkpoint.stateful import CallbackState, ScalarState
-from distillery.config.loader import dump_run_config
-from distillery.config.schema import RunConfig
-from distillery.data import LatentBatchLoader, LatentDataset, ShardedBatchSampler, pad_prompt_embedding, read_empty_prompt_embedding
-from distillery.components.distributed import DistEnv, all_reduce_mean, broadcast_object
 from distillery.common.errors import UserError
 from distillery.common.fsutil import write_text_atomic
 from distillery.common.log import get_logger, quiet_library_progress
 from distillery.common.procutil import exclusive_lock
-from distillery.components.timing import summarize_step_times
 from distillery.common.progress import Progress
+from distillery.components.checkpoint.manager import METHOD_HOST_KEY, CheckpointManager, CheckpointPayload, capture_rng, list_checkpoints
+from distillery.components.checkpoint.stateful import CallbackState, ScalarState
+from distillery.components.distributed import DistEnv, all_reduce_mean, broadcast_object
+from distillery.components.timing import summarize_step_times
 from distillery.components.tracking import build_tracker
+from distillery.config.loader import dump_run_config
+from distillery.config.schema import RunConfig
+from distillery.data import LatentBatchLoader, LatentDataset, ShardedBatchSampler, pad_prompt_embedding, read_empty_prompt_embedding
+from distillery.engine.builder import build_run, check_data_path, check_output_dir, seed_everything
 
 log = get_logger("trainer")
 

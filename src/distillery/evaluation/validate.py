@@ -508,8 +508,8 @@ def run_validation(
     """
     from distillery.clips.analyzer import analyze, score_analysis
     from distillery.clips.video_io import write_video
-    from distillery.evaluation.plots import write_adherence_plot
     from distillery.common.progress import Progress
+    from distillery.evaluation.plots import write_adherence_plot
     from distillery.evaluation.video_metrics import COV_EPS, FEATURE_NAMES, Standardiser, frechet_distance, sharpness, video_features
 
     cfg = cfg or ValidationConfig()

@@ -29,7 +29,8 @@ The matrix square roots come from symmetric eigen-decompositions (negative round
 clipped to 0), so the result is symmetric in the two sets up to round-off, ≥ 0, and exactly 0 for
 identical sets. ``eps`` (:data:`COV_EPS` = 1e-3, in standardised units) keeps the fits positive
 definite when a set has fewer vectors than dimensions; there the distance also counts the
-directions one set does not span, so it shrinks as sets grow (compare distances of equal-size sets). Features should first be put on a common scale: :class:`Standardiser` fits the
+directions one set does not span, so it shrinks as sets grow (compare distances of equal-size sets). Features should first be put on a common
+scale: :class:`Standardiser` fits the
 reference set's per-feature mean and standard deviation and maps every set with them, so no unit
 dominates. :func:`bootstrap_frechet` gives the distance's sampling spread by resampling one set.
 """

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from distillery.components.checkpoint.dcp_io import load_dcp
-from distillery.components.checkpoint.trust import require_intact
 from distillery.common.errors import UserError
 from distillery.common.fsutil import replace_dir
+from distillery.components.checkpoint.dcp_io import load_dcp
+from distillery.components.checkpoint.trust import require_intact
 
 SUPPORTED_CLASSES = ("WanTransformer3DModel",)
 

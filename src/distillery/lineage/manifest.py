@@ -65,9 +65,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from distillery.lineage.hashcache import file_sha256, flush_active, read_sha256
 from distillery.common.errors import UserError
 from distillery.common.treeutil import flatten
+from distillery.lineage.hashcache import file_sha256, flush_active, read_sha256
 
 logger = logging.getLogger("distillery")
 

@@ -35,11 +35,11 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from distillery.config.schema import OptimizerConfig, TrainingConfig
+from distillery.common.errors import UserError
 from distillery.components.checkpoint.stateful import ModuleState, OptimizerState, RNGState, SchedulerState
 from distillery.components.optim import build_role_optimizer
 from distillery.components.rng import BatchRNG
-from distillery.common.errors import UserError
+from distillery.config.schema import OptimizerConfig, TrainingConfig
 from distillery.models.base import ModelBase
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from distillery.config.typed import bounded
 from distillery.common.errors import UserError
+from distillery.config.typed import bounded
 from distillery.methods.base import StepOutput, TrainingMethod, apply_caption_dropout, flow_matching_loss
 from distillery.models.base import CausalModelBase
 from distillery.models.schedule import FlowMatchSchedule

@@ -74,8 +74,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from distillery.config.typed import bounded
 from distillery.common.errors import UserError
+from distillery.config.typed import bounded
 from distillery.methods.base import StepOutput, TrainingMethod
 from distillery.models.base import ModelBase, TrainingBatch
 from distillery.models.schedule import FlowMatchSchedule, euler_step, renoise, x0_from_velocity

@@ -45,14 +45,14 @@ their schedule. The artifact's contract is ``pdd_fused`` over the grid at ``samp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-from distillery.config.typed import bounded
 from distillery.common.errors import UserError
+from distillery.config.typed import bounded
 from distillery.methods.base import StepOutput, TrainingMethod
 from distillery.models.base import Conditioning, ModelBase
 from distillery.models.wan.pdd import HeadGroup, PDDWanModel

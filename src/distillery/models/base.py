@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 import torch
 
 from distillery.common.errors import UserError
-from distillery.models.schedule import FlowMatchSchedule, renoise, x0_from_velocity
 from distillery.components.precision import ComputeCopy
 from distillery.components.rng import BatchRNG
+from distillery.models.schedule import FlowMatchSchedule, renoise, x0_from_velocity
 
 
 @dataclass

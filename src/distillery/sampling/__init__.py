@@ -14,13 +14,12 @@ The flow-matching maths (shift, σ grid, x0 ↔ v, re-noise) lives in :mod:`dist
 """
 
 from distillery.sampling.base import LatentShape, Sampler, cfg_enabled, guided_velocity, nfe_per_video
-from distillery.sampling.noise import GeneratorNoise, NoiseSource, RNGNoise, as_noise_source
-from distillery.sampling.registry import build_sampler, register_sampler, sampler_class, sampler_names
-
+from distillery.sampling.causal import CausalStreamingSampler  # noqa: E402  (registers "causal_streaming")
 from distillery.sampling.euler import EulerSampler  # noqa: E402  (registers "euler")
 from distillery.sampling.few_step import FewStepX0Sampler, default_ladder  # noqa: E402  (registers "few_step_x0")
-from distillery.sampling.causal import CausalStreamingSampler  # noqa: E402  (registers "causal_streaming")
+from distillery.sampling.noise import GeneratorNoise, NoiseSource, RNGNoise, as_noise_source
 from distillery.sampling.pdd import PDDFusedSampler  # noqa: E402  (registers "pdd_fused")
+from distillery.sampling.registry import build_sampler, register_sampler, sampler_class, sampler_names
 
 __all__ = [
     "CausalStreamingSampler",

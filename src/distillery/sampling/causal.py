@@ -28,8 +28,7 @@ import torch
 from distillery.common.errors import UserError
 from distillery.models.base import chunk_bounds
 from distillery.models.schedule import renoise, x0_from_velocity
-from distillery.sampling.base import (LatentShape, causal_model_options, cfg_enabled, check_inputs, conditioning_on,
-                                     parse_chunk_size, require_causal)
+from distillery.sampling.base import LatentShape, causal_model_options, cfg_enabled, check_inputs, conditioning_on, parse_chunk_size, require_causal
 from distillery.sampling.few_step import LadderSampler
 from distillery.sampling.noise import NoiseLike, as_noise_source
 from distillery.sampling.registry import register_sampler

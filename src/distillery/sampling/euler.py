@@ -14,8 +14,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distillery.models.schedule import euler_step
-from distillery.sampling.base import (LatentShape, Sampler, causal_model_options, check_inputs, conditioning_on,
-                                     guided_velocity, parse_chunk_size, require_causal)
+from distillery.sampling.base import (
+    LatentShape,
+    Sampler,
+    causal_model_options,
+    check_inputs,
+    conditioning_on,
+    guided_velocity,
+    parse_chunk_size,
+    require_causal,
+)
 from distillery.sampling.noise import NoiseLike, as_noise_source
 from distillery.sampling.registry import register_sampler
 

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from distillery.common.errors import UserError
-from distillery.lineage.manifest import MODEL_LIBRARIES as LIBRARIES, is_code_file
+from distillery.lineage.manifest import MODEL_LIBRARIES as LIBRARIES
+from distillery.lineage.manifest import is_code_file
 
 INDEX_FILE = "model_index.json"
 PIPELINE_CLASS = "WanPipeline"

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 __all__ = ["StageSpec", "load_dvc_stages", "stage_order", "link_stages", "stage_params", "stage_spec"]
 
 _INTERP = re.compile(r"\$\{\s*([^}]+?)\s*\}")

@@ -16,10 +16,10 @@ from typing import Any
 
 import yaml
 
-from distillery.config.schema import TrackerConfig
-from distillery.lineage.manifest import code_info
 from distillery.common.treeutil import flatten
 from distillery.components.tracking import MLflowTracker, default_tracking_uri, ensure_experiment, log_param_texts, store_lock
+from distillery.config.schema import TrackerConfig
+from distillery.lineage.manifest import code_info
 
 EXPERIMENT = "distillery"
 
@@ -54,7 +54,8 @@ def parent_run_id(params_text: str, experiment: str = EXPERIMENT) -> str:
 
 
 def log_params_file(client: Any, run_id: str, params_text: str) -> None:
-    """``params.yaml``'s text into run ``run_id``: every leaf as a dotted param (lists as their text, ``[40, 8]``) and the file itself as the artifact ``params.yaml``. The file was validated before any stage ran."""
+    """``params.yaml``'s text into run ``run_id``: every leaf as a dotted param (lists as their text, ``[40, 8]``) and the
+    file itself as the artifact ``params.yaml``. The file was validated before any stage ran."""
     data = yaml.safe_load(params_text)
     leaves = flatten(data) if isinstance(data, dict) else {}
     log_param_texts(client, run_id, {k: "null" if v is None else str(v) for k, v in leaves.items()})

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from distillery.config.limits import show_path
 from distillery.common.errors import UserError
+from distillery.config.limits import show_path
 from distillery.stages.params_file import read_params_file
 from distillery.stages.params_schema import ParamsSchema, to_plain, validate_params
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import yaml
 
-from distillery.config.limits import cut, parse_yaml_text, read_text_file, show, show_key
 from distillery.common.errors import UserError
+from distillery.config.limits import cut, parse_yaml_text, read_text_file, show, show_key
 
 _LOADER: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _STR_TAG = "tag:yaml.org,2002:str"

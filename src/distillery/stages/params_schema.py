@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from distillery.config.limits import cut, path_problem, show, show_key, unknown_key_message
 from distillery.common.errors import UserError
+from distillery.config.limits import cut, path_problem, show, show_key, unknown_key_message
 from distillery.stages.params_file import float_text
 
 TRAINING_STAGES = ("teacher", "pretrain", "distill", "pdd")  # stages that train a model (training_table.TRAINING_STAGES); export picks one

@@ -77,7 +77,7 @@ def estimate_bytes(stage: str, params: Params, artifacts: Path) -> int:
         frames = (c["num_train"] + c["num_validation"]) * c["num_frames"] * c["size"] ** 2 * 3
         return frames // 100  # encoded video of synthetic shapes compresses by far more than 100x
     if stage == "base":
-        from distillery.stages.data import resolve_base
+        from distillery.stages.base import resolve_base
 
         return _tree_bytes(resolve_base(params.get("base.path")))
     if stage == "latents":

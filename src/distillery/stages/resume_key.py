@@ -25,7 +25,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-
 KEY_FILE = "resume_key.json"
 
 

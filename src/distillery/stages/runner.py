@@ -6,9 +6,9 @@ writer per stage (a lock in ``runs/.locks/``); the stage dies with the process t
 output folders are checked for writability and room before any work; a disk error becomes one
 line; a failure leaves the previous artifact as it was (:mod:`distillery.stages.artifacts`).
 
-The stages: :mod:`~distillery.stages.data` (clips, base, latents),
-:mod:`~distillery.stages.training` (one row each in
-:mod:`~distillery.stages.training_table`), :mod:`~distillery.stages.evaluation` (validate, export).
+The stages are a table of dotted paths (:data:`STAGES`, one module per stage in this package): a
+stage's process imports its own module and nothing of the others, so its ``dvc.yaml`` code deps are
+only what it runs.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import stat
 import sys
 from collections.abc import Callable
 
-from distillery.lineage import hashcache
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind
 from distillery.common.log import get_logger
+from distillery.lineage import hashcache
 from distillery.stages.artifacts import ARTIFACTS, RUNS
 from distillery.stages.params import Params, StageParams
 from distillery.stages.training_table import TRAINING_STAGES
@@ -35,12 +35,12 @@ HASH_CACHE_FILE = ".hash_cache.json"  # in runs/: the workspace's hash cache (di
 
 # stage -> "module:function" that runs it with the stage's params (a training stage's also takes its table row's name)
 STAGES: dict[str, str] = {
-    "clips": "distillery.stages.data:stage_clips",
-    "base": "distillery.stages.data:stage_base",
-    "latents": "distillery.stages.data:stage_latents",
+    "clips": "distillery.stages.clips:stage_clips",
+    "base": "distillery.stages.base:stage_base",
+    "latents": "distillery.stages.latents:stage_latents",
     **{name: "distillery.stages.training:run_training_stage" for name in TRAINING_STAGES},
-    "validate": "distillery.stages.evaluation:stage_validate",
-    "export": "distillery.stages.evaluation:stage_export",
+    "validate": "distillery.stages.validate:stage_validate",
+    "export": "distillery.stages.export:stage_export",
 }
 TRAINING_MODULE = "distillery.stages.training"
 
@@ -98,9 +98,9 @@ def _use_workspace_hash_cache() -> None:
 def run_stage(name: str, params_path: str = "params.yaml") -> int:
     """Run one stage: one writer at a time, dies with whoever started it, checked for room before
     working, and on any failure leaves the previous ``artifacts/<name>`` as it was."""
+    from distillery.common.procutil import AncestorWatch, exclusive_lock
     from distillery.stages.dvcfile import stage_params
     from distillery.stages.preflight import check_batch, check_free_space, check_memory, check_writable, disk_error
-    from distillery.common.procutil import AncestorWatch, exclusive_lock
 
     if name not in STAGES:
         raise UserError(f"unknown stage {name!r}; valid: {', '.join(STAGES)}")

@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +56,10 @@ def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path]) ->
     cache never discards them alone: it is re-read from the input's bytes first
     (:func:`rehashed_key`). A previous run's summary is removed, so the summary read after training
     is the one this launch wrote."""
+    from distillery.common.procutil import exclusive_lock
     from distillery.components.checkpoint.manager import list_checkpoints
     from distillery.stages.resume_key import KEY_FILE, key_mismatch, read_key, resume_key
     from distillery.stages.run_summary import SUMMARY_FILE
-    from distillery.common.procutil import exclusive_lock
 
     key = resume_key(stage, raw, inputs)
     run_dir = RUNS / stage
@@ -131,14 +130,14 @@ def kill_launcher() -> None:
 
 def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     """Train the stage ``spec`` declares and publish ``artifacts/<stage>`` (module doc)."""
-    from distillery.config.schema import TrackerConfig
     from distillery.components.tracking import default_tracking_uri
+    from distillery.config.schema import TrackerConfig
+    from distillery.evaluation.plots import write_loss_plot
     from distillery.export.weights import export_weights
     from distillery.models.wan import locate_transformer
-    from distillery.evaluation.plots import write_loss_plot
+    from distillery.stages.mlflow_runs import parent_run_id
     from distillery.stages.run_config import check_chain, fill_run_config
     from distillery.stages.run_summary import read_run_summary
-    from distillery.stages.mlflow_runs import parent_run_id
 
     stage = spec.name
     spec = spec.resolve(params)  # the recipe params.yaml picks (distill.method)

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from distillery.tinybase.tiny import TinyBaseConfig, _check_destination, _make_readable
 from distillery.common.fsutil import replace_dir
 from distillery.common.log import get_logger
+from distillery.tinybase.tiny import TinyBaseConfig, _check_destination, _make_readable
 
 log = get_logger("base.fit")
 
@@ -112,8 +112,8 @@ def derangement(n: int, seed: int) -> list[int]:
 def calibrate_analyzer(vae: Any, train: list[Any], val: list[Any], seed: int) -> tuple[Any, dict[str, Any]]:
     """Calibrate the analyzer's shape thresholds on VAE reconstructions of the training clips and
     report its accuracy on reconstructions of the validation clips, with true and shuffled captions."""
-    from distillery.tinybase.fit_vae import reconstruct
     from distillery.clips.analyzer import accuracy, analyze, calibrate, evaluate
+    from distillery.tinybase.fit_vae import reconstruct
 
     def recon(items: list[Any]) -> list[np.ndarray]:
         with torch.no_grad():
@@ -154,10 +154,10 @@ def assemble(staging: Path, vae: Any, captions: list[str], cfg: FitConfig) -> No
 
 def pretrain_transformer(staging: Path, latents: Path, work: Path, cfg: FitConfig) -> dict[str, Any]:
     """SFT of ``staging/transformer`` on the latents with the library trainer; writes the result back."""
-    from distillery.config import allowed_prefixes, load_run_config
     from distillery.components.distributed import init_distributed, shutdown
-    from distillery.export.weights import export_weights
+    from distillery.config import allowed_prefixes, load_run_config
     from distillery.engine.loop import Trainer
+    from distillery.export.weights import export_weights
 
     d = cfg.dit
     raw = {

@@ -27,8 +27,8 @@ def shipped_tiny_base() -> Path:
 
 def copy_shipped_tiny_base(out: Path, overwrite: bool = False) -> Path:
     """Copy the shipped fitted tiny base to ``out`` (atomically: temp sibling, then rename)."""
-    from distillery.tinybase.tiny import _check_destination, _make_readable
     from distillery.common.fsutil import replace_dir
+    from distillery.tinybase.tiny import _check_destination, _make_readable
 
     src = shipped_tiny_base()
     out = Path(out)

@@ -3,7 +3,7 @@
 Layout of one checkpoint::
 
     checkpoint-<step>/
-      dcp/                      # torch.distributed.checkpoint, tensors only (engine.checkpoint.stateful):
+      dcp/                      # torch.distributed.checkpoint, tensors only (components.checkpoint.stateful):
                                 #   roles.<role>.<module>  trainable modules (sharded, reshardable)
                                 #   optimizers.<role>      AdamW moments + step per parameter
                                 #   schedulers.<role>      LR schedule position and rates
@@ -43,15 +43,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
+from distillery.common.errors import UserError
+from distillery.common.fsutil import read_json_file
+from distillery.common.log import get_logger
 from distillery.components.checkpoint.checksums import Damage, FileDigest, hash_files, read_metadata, write_checksums
 from distillery.components.checkpoint.dcp_io import load_dcp, read_dcp_metadata
 from distillery.components.checkpoint.host_state import read_state, write_state
 from distillery.components.checkpoint.stateful import OptimizerState
 from distillery.components.checkpoint.trust import CHECKPOINT_RE, is_old_format, old_format_error, resolve_resume
 from distillery.components.distributed import barrier, broadcast_object
-from distillery.common.errors import UserError
-from distillery.common.fsutil import read_json_file
-from distillery.common.log import get_logger
 
 log = get_logger("checkpoint")
 

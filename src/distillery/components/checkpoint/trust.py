@@ -16,9 +16,9 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from distillery.components.checkpoint.checksums import Damage, verify_checkpoint
 from distillery.common.errors import UserError
 from distillery.common.log import get_logger
+from distillery.components.checkpoint.checksums import Damage, verify_checkpoint
 
 log = get_logger("checkpoint")
 

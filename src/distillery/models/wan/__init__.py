@@ -18,4 +18,5 @@ from distillery.models.wan.common import TRANSFORMER_CLASS, WanModelConfig, loca
 from distillery.models.wan.inference import load_inference_model
 from distillery.models.wan.pdd import PDDWanModel, PDDWanModelConfig
 
-__all__ = ["TRANSFORMER_CLASS", "CausalWanModel", "CausalWanModelConfig", "PDDWanModel", "PDDWanModelConfig", "WanModel", "WanModelConfig", "load_inference_model", "locate_transformer"]
+__all__ = ["TRANSFORMER_CLASS", "CausalWanModel", "CausalWanModelConfig", "PDDWanModel", "PDDWanModelConfig", "WanModel", "WanModelConfig",
+           "load_inference_model", "locate_transformer"]

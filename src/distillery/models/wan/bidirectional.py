@@ -11,8 +11,8 @@ import torch
 
 from distillery.common.errors import UserError
 from distillery.common.log import get_logger
-from distillery.models.base import Conditioning, ModelBase, TrainingBatch
 from distillery.components.rng import BatchRNG
+from distillery.models.base import Conditioning, ModelBase, TrainingBatch
 from distillery.models.schedule import FlowMatchSchedule, read_scheduler_shift
 from distillery.models.wan.common import TRANSFORMER_CLASS, WanModelConfig, locate_transformer
 

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from distillery.config.typed import bounded
 from distillery.common.errors import UserError
+from distillery.config.typed import bounded
 from distillery.models.base import Conditioning, TrainingBatch
 from distillery.models.schedule import block_weights
 from distillery.models.wan.bidirectional import WanModel

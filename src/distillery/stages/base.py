@@ -1,0 +1,44 @@
+"""The ``base`` stage: the base model folder (``base.path``: ``tiny`` or a Wan2.1 diffusers folder), checked
+(only library classes a WanPipeline takes, no code) and published as ``artifacts/base/``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from distillery.common.errors import UserError
+from distillery.common.log import get_logger
+from distillery.stages.artifacts import finish, fresh_staging
+from distillery.stages.params import StageParams
+
+log = get_logger("stage")
+
+
+def resolve_base(path: str) -> Path:
+    """``base.path`` → a diffusers model folder (``tiny``: the shipped fitted tiny Wan)."""
+    if path == "tiny":
+        from distillery.tinybase.shipped import shipped_tiny_base
+
+        return shipped_tiny_base()
+    p = Path(path).expanduser()
+    if not (p / "model_index.json").is_file():
+        raise UserError(f"params.yaml: base.path: {p} is not a diffusers model folder (no model_index.json); use 'tiny' or a Wan2.1 folder")
+    return p
+
+
+def stage_base(params: StageParams) -> None:
+    """The base model folder as ``artifacts/base/model``: its ``model_index.json`` may name only
+    diffusers/transformers classes a WanPipeline takes (one-line error otherwise), and no code file
+    of it (``.py``, bytecode, native modules) is copied (:mod:`distillery.stages.base_folder`)."""
+    from distillery.stages.base_folder import check_model_index, copy_model_folder
+
+    source = resolve_base(params.get("base.path"))
+    check_model_index(source, f"params.yaml: base.path: {source}")
+    staging = fresh_staging("base")
+    left_out = copy_model_folder(source, staging / "model", exclude=("lineage.json",))
+    if left_out:
+        log.info("base: left out %d code file(s) of %s (%s): no code of a base is copied or run", len(left_out), source,
+                 ", ".join(left_out[:5]) + (", ..." if len(left_out) > 5 else ""))
+    cfg = json.loads((staging / "model" / "transformer" / "config.json").read_text())
+    finish("base", staging, kind="model", params=params, inputs=[("source", source)],
+           metrics={"transformer_layers": cfg.get("num_layers"), "latent_channels": cfg.get("in_channels")})

@@ -1,0 +1,25 @@
+"""The ``clips`` stage: a synthetic captioned clip set, published as ``artifacts/clips/``."""
+
+from __future__ import annotations
+
+import time
+
+from distillery.common.log import get_logger
+from distillery.stages.artifacts import finish, fresh_staging
+from distillery.stages.params import StageParams
+
+log = get_logger("stage")
+
+
+def stage_clips(params: StageParams) -> None:
+    from distillery.clips.synthetic import ClipSetConfig, make_clip_set
+
+    c = params.get("clips")
+    staging = fresh_staging("clips")
+    started = time.perf_counter()
+    cfg = ClipSetConfig(num_train=c["num_train"], num_validation=c["num_validation"], num_frames=c["num_frames"],
+                        height=c["size"], width=c["size"], fps=c["fps"], seed=params.get("seed"))
+    make_clip_set(staging / "data", cfg)
+    finish("clips", staging, kind="data", params=params, inputs=[],
+           metrics={"clips_train": c["num_train"], "clips_validation": c["num_validation"]},
+           volatile={"seconds": round(time.perf_counter() - started, 2)})

@@ -1,0 +1,37 @@
+"""The ``latents`` stage: VAE latents and prompt embeddings of the clips (or ``latents.data``) as parquet
+shards, published as ``artifacts/latents/``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distillery.common.log import get_logger
+from distillery.stages.artifacts import ARTIFACTS, finish, fresh_staging
+from distillery.stages.params import StageParams
+
+log = get_logger("stage")
+
+
+def stage_latents(params: StageParams) -> None:
+    from distillery.data.preprocess import PreprocessConfig, preprocess
+
+    data = params.get("latents.data") or str(ARTIFACTS / "clips" / "data")
+    staging = fresh_staging("latents")
+    from distillery.stages.device import stage_device
+
+    lat = params.get("latents")
+
+    def chosen(key: str, fallback: str):  # latents.<key>, or the clips stage's value when null
+        return lat.get(key) if lat.get(key) is not None else params.get(fallback)
+
+    cfg = PreprocessConfig(num_frames=int(chosen("num_frames", "clips.num_frames")), height=int(chosen("height", "clips.size")),
+                           width=int(chosen("width", "clips.size")), fps=float(chosen("fps", "clips.fps")),
+                           rows_per_shard=lat["rows_per_shard"], max_bad_fraction=lat["max_bad_fraction"],
+                           device=stage_device(str(lat.get("device", "auto")), int(params.get("gpus.nproc_per_node")), "latents.device"))
+    log.info("latents: %d frames of %dx%d at %g fps on %s", cfg.num_frames, cfg.height, cfg.width, cfg.fps, cfg.device)
+    manifest = preprocess(ARTIFACTS / "base" / "model", Path(data), staging / "data", cfg)
+    metrics = {f"{s}_clips": c["rows"] for s, c in manifest["splits"].items()}
+    metrics.update({f"{s}_skipped": c["skipped"] for s, c in manifest["splits"].items()})
+    inputs = [("base", ARTIFACTS / "base"), ("videos", ARTIFACTS / "clips" if not params.get("latents.data") else Path(data))]
+    finish("latents", staging, kind="data", params=params, inputs=inputs, metrics=metrics,
+           volatile={"seconds": manifest["seconds_this_run"]})
