@@ -1,4 +1,4 @@
-"""Prefect flows built from ``dvc.yaml`` (DESIGN.md §1): the pipeline's one DAG, observable.
+"""Prefect flows built from ``dvc.yaml`` (docs/architecture.md §1): the pipeline's one DAG, observable.
 
 - :mod:`distillery.stages.dvcfile` (not here: the stages read it too) — parse ``dvc.yaml`` into
   :class:`~distillery.stages.dvcfile.StageSpec` s and dependency levels (no Prefect import).

@@ -1,4 +1,4 @@
-"""The ``distillery-pipeline`` Prefect flow, built from ``dvc.yaml`` (DESIGN.md §1).
+"""The ``distillery-pipeline`` Prefect flow, built from ``dvc.yaml`` (docs/architecture.md §1).
 
 One task per DVC stage (task name = stage name). Each task runs
 
@@ -26,7 +26,7 @@ Per task:
   Prefect log; the last lines go into the error when the stage fails;
 - training stages (``training_stages``; default: every stage) get ``retries`` with
   ``retry_delay_seconds`` (a list is a per-attempt backoff, like Prefect's
-  ``exponential_backoff``) — for crashes only (DESIGN.md §2.2): a stage whose command exits 2
+  ``exponential_backoff``) — for crashes only (docs/reliability.md): a stage whose command exits 2
   (a user error: bad config, missing file; it printed one ``error: ...`` line) fails at once with
   :class:`StageUserError` and is never retried, since rerunning cannot fix it. The stage's exit
   code is read from DVC's last line (``ERROR: failed to reproduce '<stage>': failed to run:
@@ -123,7 +123,7 @@ class StageFailedError(RuntimeError):
 
 
 class StageUserError(StageFailedError):
-    """The stage's command exited 2: a user error, never retried (DESIGN.md §2.2).
+    """The stage's command exited 2: a user error, never retried (docs/reliability.md).
 
     Its one ``error: ...`` line was already streamed into the task log; the message points
     there rather than repeating it (``error_line`` holds it for callers).

@@ -1,4 +1,4 @@
-"""Faults around the pipeline stages (DESIGN.md §2.2) on a real git + DVC workspace: a second
+"""Faults around the pipeline stages (docs/reliability.md) on a real git + DVC workspace: a second
 writer, a killed `dvc repro`, a failing stage, a diverging loss, a worker's user error, a full,
 read-only or size-limited disk. Each test works on a copy (``ws``) of the session-scoped
 ``prepared`` workspace (clips → base → latents; conftest.py).

@@ -1,4 +1,4 @@
-"""Trust rules of the training stages (DESIGN.md §2.2) on a real git + DVC workspace: resume only
+"""Trust rules of the training stages (docs/reliability.md) on a real git + DVC workspace: resume only
 what the same inputs made, same inputs give the same bytes, and kill-anywhere: SIGKILL a training
 stage at random moments (one inside a checkpoint write), rerun each time, and compare the end with
 an uninterrupted run — the shipped weights bitwise, the training log, the MLflow history, the DVC

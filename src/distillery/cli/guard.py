@@ -1,4 +1,4 @@
-"""Every entry point's error contract (DESIGN.md §2.2): a user error is one line and exit code 2.
+"""Every entry point's error contract (docs/reliability.md): a user error is one line and exit code 2.
 
 :func:`run_guarded` wraps a command (``distillery ...``, ``python -m distillery.cli.train``, a torchrun
 worker). Under :mod:`distillery.cli.launch` a worker leaves its one line in the folder named by

@@ -1,4 +1,4 @@
-"""The latent data layer: parquet latent shards (DESIGN.md §2), datasets, batching and sampling.
+"""The latent data layer: parquet latent shards (docs/architecture.md §2), datasets, batching and sampling.
 
 - :mod:`.latent_format` — the shard schema and tensor <-> bytes codecs.
 - :mod:`.writer` — :class:`LatentRecord` and atomic zstd shard writing.

@@ -1,4 +1,4 @@
-"""The on-disk format of latent shards (DESIGN.md §2): parquet schema and tensor <-> bytes codecs.
+"""The on-disk format of latent shards (docs/architecture.md §2): parquet schema and tensor <-> bytes codecs.
 
 One parquet row is one training clip:
 

@@ -1,4 +1,4 @@
-"""Latent preprocessing: captioned videos → parquet latent shards (DESIGN.md §2).
+"""Latent preprocessing: captioned videos → parquet latent shards (docs/architecture.md §2).
 
 ``distillery preprocess --base MODEL --data DATA --out OUT`` decodes each split's videos
 (``distillery.data.videos``), encodes them with the base model's VAE (normalised posterior mean)

@@ -1,6 +1,6 @@
 """Rectified-flow maths shared by every model and sampler — the one place it is written down.
 
-Conventions (DESIGN.md §4): ``x_t = (1 − σ) x0 + σ ε``, velocity ``v = ε − x0``,
+Conventions (docs/architecture.md §3): ``x_t = (1 − σ) x0 + σ ε``, velocity ``v = ε − x0``,
 ``x0 = x_t − σ v``. Timesteps live in ``[0, num_train_timesteps]`` and ``σ = t / num_train_timesteps``
 after the shift ``σ' = s·σ / (1 + (s − 1)·σ)`` has been applied. One shift per model, read from its
 scheduler config.

@@ -1,4 +1,4 @@
-"""Samplers shared by training rollouts, validation and exported pipelines (DESIGN.md §1 sampling/).
+"""Samplers shared by training rollouts, validation and exported pipelines (docs/architecture.md §1).
 
 Latents are ``[B, C, T, H, W]`` in the VAE's normalised latent space. Samplers call the model
 plugin (``predict_noise`` → flow velocity ``v = ε − x0``), never a raw diffusers module, and draw

@@ -1,6 +1,6 @@
 """What every sampler is: built from an artifact's sampling contract, run through the model plugin.
 
-Conventions (DESIGN.md §4): latents ``[B, C, T, H, W]`` in the VAE's *normalised* latent space;
+Conventions (docs/architecture.md §3): latents ``[B, C, T, H, W]`` in the VAE's *normalised* latent space;
 the model plugin's ``predict_noise`` returns the flow velocity ``v = ε − x0`` (float32) for
 timesteps in ``[0, num_train_timesteps]``; guidance is ``u + w (c − u)`` and runs (a second,
 unconditional forward) when ``w > 1``, as in ``WanPipeline``. Samplers never touch a diffusers

@@ -1,4 +1,4 @@
-"""Publishing a stage's artifact (DESIGN.md §2): staging folder → record → atomic rename.
+"""Publishing a stage's artifact (docs/architecture.md §2): staging folder → record → atomic rename.
 
 Every stage writes its payload into ``artifacts/<stage>.tmp/`` (:func:`fresh_staging`); :func:`finish`
 adds ``metrics.json`` and ``lineage.json`` and renames it to ``artifacts/<stage>/`` only when complete,

@@ -1,4 +1,4 @@
-"""What a base model folder may carry into the pipeline (DESIGN.md §2.2: nothing read from an
+"""What a base model folder may carry into the pipeline (docs/reliability.md: nothing read from an
 artifact executes code).
 
 A base is a diffusers Wan folder: ``model_index.json`` and one folder per component. Diffusers

@@ -1,4 +1,4 @@
-"""Read the pipeline DAG from ``dvc.yaml`` — the one DAG (DESIGN.md §1).
+"""Read the pipeline DAG from ``dvc.yaml`` — the one DAG (docs/architecture.md §1).
 
 No Prefect and no DVC import here: this module parses ``dvc.yaml`` as YAML and links stages the
 way DVC does, by matching each stage's deps against the other stages' outputs. Its readers:

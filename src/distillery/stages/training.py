@@ -6,7 +6,7 @@ For a stage of :data:`distillery.stages.training_table.TRAINING_STAGES`, :func:`
    chain before any training (:func:`~distillery.stages.run_config.check_chain`);
 2. writes ``runs/<stage>/run.yaml`` with its resume key (:mod:`distillery.stages.resume_key`): a
    killed stage resumes from its last checkpoint; a stage whose config, inputs or code changed
-   starts from step 0 and says why (DESIGN.md §2.2);
+   starts from step 0 and says why (docs/reliability.md);
 3. launches ``python -m distillery.cli.launch`` (torchrun, contained) with ``params.yaml: gpus``; the
    launcher dies with this process, its workers with it;
 4. reads the run's ``run_summary.json`` (:mod:`distillery.stages.run_summary`) and publishes the
@@ -52,7 +52,7 @@ def torchrun_command(params: StageParams, config_path: Path) -> list[str]:
 def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path]) -> Path:
     """``runs/<stage>/run.yaml`` + ``resume_key.json``; returns the run.yaml path. Checkpoints made
     from another config, other inputs or other code are discarded (one line says what changed): a
-    stage resumes only what the same inputs made (DESIGN.md §2.2). An input's digest from the hash
+    stage resumes only what the same inputs made (docs/reliability.md). An input's digest from the hash
     cache never discards them alone: it is re-read from the input's bytes first
     (:func:`rehashed_key`). A previous run's summary is removed, so the summary read after training
     is the one this launch wrote."""

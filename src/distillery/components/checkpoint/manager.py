@@ -21,7 +21,7 @@ Layout of one checkpoint::
 It is written into ``.tmp-checkpoint-<step>/`` and renamed when complete, so a crash mid-save
 never leaves a checkpoint that looks complete; ``metadata.json`` is written last.
 
-Trust (DESIGN.md §2.2): nothing in a checkpoint is unpickled by us (DCP items are tensors; RNG state
+Trust (docs/reliability.md): nothing in a checkpoint is unpickled by us (DCP items are tensors; RNG state
 is JSON + safetensors, :mod:`distillery.components.checkpoint.host_state`; DCP is read through
 :mod:`distillery.components.checkpoint.dcp_io`, which refuses anything but DCP's own metadata classes).
 Which checkpoint a run resumes — verified, falling back past damaged ones, granted when outside the

@@ -1,4 +1,4 @@
-"""Which checkpoint a run may load (DESIGN.md §2.2 "Trust rules").
+"""Which checkpoint a run may load (docs/reliability.md).
 
 - ``resume: latest``: the newest checkpoint of the run's own output folder whose checksums verify
   (:mod:`distillery.components.checkpoint.checksums`); each damaged newer one is skipped with one warning
