@@ -397,7 +397,7 @@ def test_resume_keys_on_content(trained, tmp_path, monkeypatch, capsys, data_los
     _older_copy(Path("artifacts/latents"))
     assert _cli("lineage", "artifacts/latents", "--verify") == 0  # a genuine record of the same bytes
     key = resume_key("teacher", raw, inputs)
-    prepare_run_dir("teacher", raw, key)
+    prepare_run_dir("teacher", raw, inputs)
     kept = [step for step, _ in list_checkpoints(run_dir)]
     data_lost.record(len(set(checkpoints) - set(kept)), "checkpoints discarded (a retrain from step 0)")
     assert data_lost.total == 0, key_mismatch(saved, key)
