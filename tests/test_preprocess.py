@@ -118,7 +118,7 @@ STOP_AFTER_SECOND_PARQUET = (
     "    if len(written) == 2:\n"
     "        os.kill(os.getpid(), signal.SIGSTOP)\n"
     "pp.write_shard = write_shard\n"
-    "from distillery.cli import main\n"
+    "from distillery.cli.main import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )
 

@@ -40,7 +40,7 @@ def _config(tiny_base: Path, latent_set: Path, out: Path, **loop) -> dict:
 
 def train(cfg: dict, path: Path, *extra: str) -> int:
     """``distillery train --config path [extra]`` in this process; returns the exit code."""
-    from distillery.cli import main
+    from distillery.cli.main import main
 
     write_config(path, cfg)
     return main(["train", "--config", str(path), *extra])
@@ -255,7 +255,7 @@ def test_no_intact_checkpoint_starts_from_step_0(runs, tmp_path, tiny_base, late
                          injected="distillery export-weights on a checkpoint with one flipped weight byte",
                          expect="exit 2, one line naming the checkpoint and the shard; no export folder written")
 def test_export_verifies_checksums(runs, tmp_path, capsys, data_lost):
-    from distillery.cli import main
+    from distillery.cli.main import main
 
     ckpt = tmp_path / "checkpoint-4"
     shutil.copytree(runs["root"] / "prefix" / "checkpoint-4", ckpt)

@@ -50,7 +50,7 @@ def warnings_logged():
 
 def train(cfg: dict, path: Path, *extra: str) -> int:
     """``distillery train --config path [extra]`` in this process; returns the exit code."""
-    from distillery.cli import main
+    from distillery.cli.main import main
 
     write_config(path, cfg)
     return main(["train", "--config", str(path), *extra])
