@@ -30,7 +30,7 @@ def main() -> int:
     from distillery.config import allowed_prefixes, load_run_config
     from distillery.data import LatentBatchLoader, LatentDataset, ShardedBatchSampler
     from distillery.data.preprocess import PreprocessConfig, preprocess
-    from distillery.engine.loop import Trainer
+    from distillery.engine.assemble import build_trainer
     from distillery.tinybase.tiny import make_tiny_base
 
     res: dict = {"machine": f"{os.cpu_count()} CPU cores", "torch_threads": torch.get_num_threads()}
@@ -68,7 +68,7 @@ def main() -> int:
         config = load_run_config(raw=raw, prefixes=allowed_prefixes())
         env = init_distributed(config.training.distributed)
         try:
-            result = Trainer(config, env).fit()
+            result = build_trainer(config, env).fit()
         finally:
             shutdown()
         step_s = statistics.median(r["step_time_s"] for r in result.history[5:])

@@ -195,13 +195,14 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
 
     from distillery.components.distributed import init_distributed, shutdown
     from distillery.config import allowed_prefixes, load_run_config
+    from distillery.engine.assemble import build_trainer
     from distillery.engine.builder import resolve_compile
     from distillery.engine.loop import Trainer
 
     spans: list[tuple] = []
     cuda = torch.cuda.is_available()
     if cuda:  # GPU span of each iteration: CUDA events around the trainer's step (read after the run)
-        inner = Trainer._train_step
+        inner = Trainer.train_step
 
         def timed_step(self, step):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -211,7 +212,7 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
             spans.append((a, b))
             return out
 
-        Trainer._train_step = timed_step
+        Trainer.train_step = timed_step
     with tempfile.TemporaryDirectory() as tmp:
         model, data = make_assets(Path(tmp), size)
         raw = distill_run_config(model, data, Path(tmp) / "run", method, steps, compile_blocks, ac)
@@ -229,7 +230,7 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
 
                 WanTransformer3DModel.from_config = from_config_on_device
             t0 = time.perf_counter()
-            trainer = Trainer(config, env)
+            trainer = build_trainer(config, env)
             build_s = time.perf_counter() - t0
             compiled = resolve_compile(config.training.model, env)
             if cuda:

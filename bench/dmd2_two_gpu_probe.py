@@ -171,7 +171,7 @@ def run_trainer(args: argparse.Namespace) -> int:
     import distillery.engine.builder as builder
     from distillery.components.distributed import init_distributed, shutdown
     from distillery.config import allowed_prefixes, load_run_config
-    from distillery.engine.loop import Trainer
+    from distillery.engine.assemble import build_trainer
     from distillery.methods.dmd2 import DMD2Method
 
     if args.keep_mix_order:  # the pre-fix behaviour: a bidirectional model never turns the feature off
@@ -203,7 +203,7 @@ def run_trainer(args: argparse.Namespace) -> int:
                         return on_cpu(*a, **k)
 
                 WanTransformer3DModel.from_config = from_config_on_device
-            trainer = Trainer(config, env)
+            trainer = build_trainer(config, env)
             from torch._inductor import config as inductor_config
 
             log(f"world {env.world_size}, compute {env.compute_dtype}, compiled "

@@ -104,8 +104,8 @@ def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_singl
 
     from distillery.components.distributed import init_distributed, shutdown
     from distillery.config import allowed_prefixes, load_run_config
+    from distillery.engine.assemble import build_trainer
     from distillery.engine.builder import resolve_compile
-    from distillery.engine.loop import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         model, data = make_assets(Path(tmp), size)
@@ -123,7 +123,7 @@ def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_singl
 
             profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         try:
-            trainer = Trainer(config, env)
+            trainer = build_trainer(config, env)
             if breakdown:
                 from kernel_breakdown import ProfilerStepper
 

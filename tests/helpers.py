@@ -49,12 +49,12 @@ def train_in_process(raw: dict[str, Any]):
     """Train one process in this interpreter (a world of one); returns the TrainResult."""
     from distillery.components.distributed import init_distributed, shutdown
     from distillery.config import allowed_prefixes, load_run_config
-    from distillery.engine.loop import Trainer
+    from distillery.engine.assemble import build_trainer
 
     config = load_run_config(raw=raw, prefixes=allowed_prefixes())
     env = init_distributed(config.training.distributed)
     try:
-        return Trainer(config, env).fit()
+        return build_trainer(config, env).fit()
     finally:
         shutdown()
 

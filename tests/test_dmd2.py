@@ -285,16 +285,16 @@ def _torchrun(configs: list[tuple[dict, Path]]) -> None:
 
 
 def _two_rank_driver(paths: list[str]) -> None:
-    """A torchrun worker: one process group, then ``Trainer(config).fit()`` for each config in turn
+    """A torchrun worker: one process group, then ``build_trainer(config, env).fit()`` for each config in turn
     (what ``python -m distillery.cli.train --config PATH`` does for one)."""
     from distillery.components.distributed import init_distributed, shutdown
-    from distillery.engine.loop import Trainer
+    from distillery.engine.assemble import build_trainer
 
     configs = [load_run_config(path, prefixes=allowed_prefixes()) for path in paths]
     env = init_distributed(configs[0].training.distributed)
     try:
         for config in configs:
-            Trainer(config, env).fit()
+            build_trainer(config, env).fit()
     finally:
         shutdown()
 

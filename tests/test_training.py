@@ -169,13 +169,13 @@ def test_exported_transformer_reproduces_the_trained_module(tmp_path, tiny_base,
 
     from distillery.components.distributed import init_distributed, shutdown
     from distillery.config import allowed_prefixes, load_run_config
-    from distillery.engine.loop import Trainer
+    from distillery.engine.assemble import build_trainer
     from distillery.export.weights import export_weights
 
     config = load_run_config(raw=run_config(tiny_base, latent_set, tmp_path / "run", steps=5), prefixes=allowed_prefixes())
     env = init_distributed(config.training.distributed)
     try:
-        trainer = Trainer(config, env)
+        trainer = build_trainer(config, env)
         result = trainer.fit()
         g = torch.Generator().manual_seed(1)
         x = torch.randn(2, 8, 3, 8, 8, generator=g)

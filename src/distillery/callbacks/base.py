@@ -4,11 +4,14 @@ Hook order per optimizer step: ``on_before_optimizer_step`` (after all micro-bat
 before ``optimizer.step``) → ``on_training_step_end`` (after the step). Hooks return metric
 tensors; the trainer reads them with one host sync per step. ``state_dict`` holds tensors that go
 into the DCP checkpoint (DTensors are resharded on load); ``load_state_dict`` restores them.
+
+The trainer holds its callbacks as one :class:`CallbackList`: each hook is called on every callback
+in config order, and the metric dicts they return are merged (a later callback's key wins).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -71,3 +74,59 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
+
+
+class CallbackList:
+    """The run's callbacks as one: each hook calls it on every callback, in order.
+
+    Metric hooks return the callbacks' metrics merged into one dict (a key two callbacks return
+    is the later one's). :meth:`stateful` names the callbacks whose tensors a checkpoint holds.
+    """
+
+    def __init__(self, callbacks: Iterable[Callback] = ()) -> None:
+        self.callbacks = list(callbacks)
+
+    def __iter__(self) -> Iterator[Callback]:
+        return iter(self.callbacks)
+
+    def __len__(self) -> int:
+        return len(self.callbacks)
+
+    def append(self, callback: Callback) -> None:
+        self.callbacks.append(callback)
+
+    def stateful(self) -> dict[str, Callback]:
+        """Checkpoint key (``callbacks.<name>``) → the callback, for those with a non-empty ``state_dict``."""
+        return {f"callbacks.{cb.name}": cb for cb in self.callbacks if cb.state_dict()}
+
+    def on_train_start(self, ctx: CallbackContext) -> None:
+        for cb in self.callbacks:
+            cb.on_train_start(ctx)
+
+    def on_loop_start(self, ctx: CallbackContext, step: int) -> None:
+        for cb in self.callbacks:
+            cb.on_loop_start(ctx, step)
+
+    def on_before_optimizer_step(self, ctx: CallbackContext, step: int) -> dict[str, torch.Tensor]:
+        merged: dict[str, torch.Tensor] = {}
+        for cb in self.callbacks:
+            merged.update(cb.on_before_optimizer_step(ctx, step))
+        return merged
+
+    def on_training_step_end(self, ctx: CallbackContext, step: int) -> dict[str, torch.Tensor]:
+        merged: dict[str, torch.Tensor] = {}
+        for cb in self.callbacks:
+            merged.update(cb.on_training_step_end(ctx, step))
+        return merged
+
+    def on_validation_begin(self, ctx: CallbackContext, step: int) -> None:
+        for cb in self.callbacks:
+            cb.on_validation_begin(ctx, step)
+
+    def on_validation_end(self, ctx: CallbackContext, step: int) -> None:
+        for cb in self.callbacks:
+            cb.on_validation_end(ctx, step)
+
+    def on_train_end(self, ctx: CallbackContext, step: int) -> None:
+        for cb in self.callbacks:
+            cb.on_train_end(ctx, step)

@@ -74,9 +74,9 @@ def run_training(argv: list[str]) -> int:
             if env.is_main:
                 sys.stdout.write(dump_run_config(config))
             return 0
-        from distillery.engine.loop import Trainer
+        from distillery.engine.assemble import build_trainer
 
-        result = Trainer(config, env).fit()
+        result = build_trainer(config, env).fit()
         if env.is_main:
             if result.history:
                 loss = result.history[-1].get("total_loss")

@@ -1,4 +1,4 @@
-"""Build a run's parts from a typed :class:`RunConfig`: role models, method, callbacks, data."""
+"""Build a run's parts from a typed :class:`RunConfig`: role models, method, placement, optimizers, callbacks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from distillery.callbacks.base import Callback
+from distillery.callbacks.base import Callback, CallbackList
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind
 from distillery.components.distributed import DistEnv, shard_transformer, uses_fsdp
@@ -23,9 +23,12 @@ from distillery.models.base import ModelBase
 
 @dataclass
 class BuiltRun:
+    """A run's parts, placed and ready to train: role → model, the method (its optimizers built)
+    and the callbacks (in config order)."""
+
     models: dict[str, ModelBase]
     method: TrainingMethod
-    callbacks: list[Callback]
+    callbacks: CallbackList
 
 
 def build_models(config: RunConfig) -> dict[str, ModelBase]:
@@ -60,8 +63,8 @@ def build_method(config: RunConfig, models: dict[str, ModelBase], rank: int) -> 
     return comp.cls(comp.config, models, config.training, rank=rank, optimizer_configs=role_optimizer_configs(config))
 
 
-def build_callbacks(config: RunConfig) -> list[Callback]:
-    out = []
+def build_callbacks(config: RunConfig) -> CallbackList:
+    out = CallbackList()
     for name, comp in config.callbacks.items():
         if not (isinstance(comp.cls, type) and issubclass(comp.cls, Callback)):
             raise UserError(f"config error: callbacks.{name}._target_: {comp.target} is not a distillery callback")

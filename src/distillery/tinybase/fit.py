@@ -156,7 +156,7 @@ def pretrain_transformer(staging: Path, latents: Path, work: Path, cfg: FitConfi
     """SFT of ``staging/transformer`` on the latents with the library trainer; writes the result back."""
     from distillery.components.distributed import init_distributed, shutdown
     from distillery.config import allowed_prefixes, load_run_config
-    from distillery.engine.loop import Trainer
+    from distillery.engine.assemble import build_trainer
     from distillery.export.weights import export_weights
 
     d = cfg.dit
@@ -176,7 +176,7 @@ def pretrain_transformer(staging: Path, latents: Path, work: Path, cfg: FitConfi
     env = init_distributed(config.training.distributed)
     started = time.perf_counter()
     try:
-        result = Trainer(config, env).fit()
+        result = build_trainer(config, env).fit()
     finally:
         shutdown()
     export_weights(result.checkpoint, "student", staging)  # replaces staging/transformer
