@@ -10,7 +10,9 @@ Block-causal: latent frame ``f`` belongs to chunk ``f // chunk_size`` and attend
 its own chunk and of every earlier chunk. Tokens are frame-major after patchify (patch ``(1, 2, 2)``:
 each latent frame is ``H/2 · W/2`` consecutive tokens), so a chunk is a contiguous token range and
 the attention of a chunk's queries is plain attention over a key *prefix* — no mask tensor is built:
-each chunk's queries run one SDPA call over the keys of frames ``[0, end of its chunk)``.
+each chunk's queries run one SDPA call over the keys of frames ``[0, end of its chunk)`` (FlashAttention-4,
+:mod:`.attention`: the same prefix calls with ``fa4``, or one block-sparse call skipping the masked tiles with
+``fa4_sparse``).
 
 How the plan reaches the attention processors: :meth:`CausalWanModel._forward` sets a context
 variable for the duration of the transformer call; a forward hook on ``transformer.rope`` turns it
