@@ -168,8 +168,8 @@ def test_fake_implementation_under_torch_compile_on_meta_tensors(chunk_tokens, q
 
 
 def test_a_compiled_wan_block_keeps_the_fa4_op_whole():
-    """A Wan block (Wan-1.3B widths, 2 layers' worth of shape, meta weights) routed to FA4 compiles to one graph per
-    direction with the op as one node — no graph break, nothing of FA4 traced."""
+    """A Wan block (head_dim 128 as Wan-1.3B's, 2 heads, meta weights and activations in bf16) routed to FA4
+    compiles to one graph per direction (fullgraph: no graph break) with the op as one node and its backward op."""
     from diffusers import WanTransformer3DModel
 
     torch._dynamo.reset()
