@@ -18,7 +18,7 @@ with ``generator_update_interval: 1`` (every iteration is a generator + critic u
 train (the critic with its own optimizer, betas [0, 0.999], as the anchor's), the teacher is frozen.
 
 Per configuration: the median wall time of the post-warm-up iterations (the trainer's ``step_time_s``), the GPU span of
-each iteration (CUDA events recorded around the trainer's ``_train_step``), FLOPs counted per role from what the method
+each iteration (CUDA events recorded around the trainer's ``train_step``), FLOPs counted per role from what the method
 runs (see :func:`iteration_flops`; model FLOPs exclude activation-checkpoint recomputation, "executed" FLOPs include it),
 TFLOP/s and its fraction of the bf16 matmul ceiling measured in the same job (:func:`matmul_ceiling`), peak memory.
 The anchor's figures are read from ``$OUT/anchor_dmd2_<T>x<H>x<W>.json`` (run it first in the same job:
@@ -32,9 +32,13 @@ Usage (device machine):
   python bench/distill_step.py [--runs dmd2_data:21x60x104:default:on,...] [--steps 6 --warmup 2] [--deadline S]
   one configuration:  python bench/distill_step.py --one dmd2_data 21 30 52 default off
 Run spec: METHOD:LATENT:COMPILE:AC[:OPTS] — COMPILE ``default`` (training.model.compile null: compiled on CUDA), ``eager``
-or ``compile``; AC ``on``/``off`` (training.model.activation_checkpointing); OPTS ``steps=N;warmup=N;nproc=N;NAME=VALUE``
-(``nproc`` > 1: FSDP2 over N GPUs under torchrun, one sample per rank, rank 0's figures): this
-configuration's iteration counts and environment variables (e.g. ``TORCH_LOGS=recompiles`` with ``--child-logs``).
+or ``compile``; AC ``on``/``off`` (training.model.activation_checkpointing); OPTS
+``steps=N;warmup=N;nproc=N;attention=B;compile_mode=M;snapshot=N;need=S;NAME=VALUE`` (``nproc`` > 1: FSDP2 over N GPUs under
+torchrun, one sample per rank, rank 0's figures; ``attention``: training.model.attention_backend, default ``--attention``
+(``auto``); ``compile_mode``: ``blocks`` (regional, default) or ``model``; ``snapshot``: a CUDA memory snapshot after N
+iterations, what holds the peak in the result's ``memory_peak``; ``need``: with ``--deadline``, the seconds that must be
+left to start it, default 150 above 16,384 tokens, else 75): this configuration's iteration counts, knobs and
+environment variables (e.g. ``TORCH_LOGS=recompiles`` with ``--child-logs``).
 Prints a table and writes ``$OUT/distill_step<tag>.json`` after every configuration.
 CPU check of this script: ``BENCH_SMOKE=1 python bench/distill_step.py`` (tiny model and latents).
 """
@@ -142,7 +146,7 @@ def iteration_flops(method: str, size: tuple[int, int, int], exits: list[int], a
 
 # -- the run config -----------------------------------------------------------------------------------
 def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, steps: int, compile_blocks: bool | None,
-                       ac: bool, attention: str = "native") -> dict:
+                       ac: bool, attention: str = "auto", compile_mode: str = "blocks") -> dict:
     """The raw run config of one configuration (batch 1, lr 1e-5, critic betas [0, 0.999], grad clip 1.0, no tracking)."""
     wan = "distillery.models.wan.WanModel"
     student = {"_target_": wan, "init_from": str(model), "random_init": True}
@@ -174,7 +178,8 @@ def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, s
             "loop": {"max_train_steps": steps, "progress_bar": False},
             "checkpoint": {"output_dir": str(output_dir), "save_final": False},
             "tracker": {"backend": "none"},
-            "model": {"compile": compile_blocks, "activation_checkpointing": ac, "attention_backend": attention},
+            "model": {"compile": compile_blocks, "compile_mode": compile_mode, "activation_checkpointing": ac,
+                      "attention_backend": attention},
         },
         "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}},
     }
@@ -189,8 +194,14 @@ def _exits(method: str, row: dict, size: tuple[int, int, int]) -> list[int]:
     return [int(round(row[f"exit_step/chunk{c}"])) for c in range(chunks)]
 
 
-def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None, ac: bool, steps: int, warmup: int) -> dict:
-    """Train ``steps`` iterations with the real Trainer; report post-warm-up medians and per-iteration FLOPs."""
+def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None, ac: bool, steps: int, warmup: int,
+            attention: str = "auto", compile_mode: str = "blocks", snapshot_after: int = 0) -> dict:
+    """Train ``steps`` iterations with the real Trainer; report post-warm-up medians and per-iteration FLOPs.
+
+    ``snapshot_after`` > 0 (CUDA): record the allocator's history with Python stacks from before the models are
+    built, take a memory snapshot after that many iterations and stop recording (keep it inside the warm-up, so
+    the timed iterations run unrecorded); the result gets ``memory_peak`` (``memory_peak.peak_summary``: the peak
+    and what holds it), and ``$SNAPSHOT_PICKLE`` (a path), when set, receives the snapshot itself."""
     import torch
 
     from distillery.components.distributed import init_distributed, shutdown
@@ -200,6 +211,7 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
     from distillery.engine.loop import Trainer
 
     spans: list[tuple] = []
+    snapshot: dict = {}
     cuda = torch.cuda.is_available()
     if cuda:  # GPU span of each iteration: CUDA events around the trainer's step (read after the run)
         inner = Trainer.train_step
@@ -210,12 +222,18 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
             out = inner(self, step)
             b.record()
             spans.append((a, b))
+            if snapshot_after and len(spans) == snapshot_after:
+                torch.cuda.synchronize()
+                snapshot["data"] = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
             return out
 
         Trainer.train_step = timed_step
+        if snapshot_after:
+            torch.cuda.memory._record_memory_history(max_entries=3_000_000, stacks="python")
     with tempfile.TemporaryDirectory() as tmp:
         model, data = make_assets(Path(tmp), size)
-        raw = distill_run_config(model, data, Path(tmp) / "run", method, steps, compile_blocks, ac)
+        raw = distill_run_config(model, data, Path(tmp) / "run", method, steps, compile_blocks, ac, attention, compile_mode)
         config = load_run_config(raw=raw, prefixes=allowed_prefixes())
         env = init_distributed(config.training.distributed)
         try:
@@ -233,6 +251,7 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
             trainer = build_trainer(config, env)
             build_s = time.perf_counter() - t0
             compiled = resolve_compile(config.training.model, env)
+            resolved = {role: getattr(m, "attention_backend", "native") for role, m in trainer.run.models.items()}
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -254,7 +273,18 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
     m_times, m_flops = times[meas], flops[meas]
     model_flops = sum(f["model"] for f in m_flops)
     executed = sum(f["executed"] for f in m_flops)
+    extra = {}
+    if snapshot.get("data") is not None:
+        from memory_peak import peak_summary
+
+        extra["memory_peak"] = peak_summary(snapshot["data"])
+        if os.environ.get("SNAPSHOT_PICKLE"):
+            import pickle
+
+            with open(os.environ["SNAPSHOT_PICKLE"], "wb") as fh:
+                pickle.dump(snapshot["data"], fh)
     return {
+        **extra, "attention": attention, "attention_resolved": resolved, "compile_mode": compile_mode,
         "method": method, "size": list(size), "tokens": tokens_of(size), "compile": compile_blocks, "compiled": compiled,
         "activation_checkpointing": ac, "iteration_s": statistics.median(m_times), "mean_iteration_s": statistics.mean(m_times),
         "gpu_iteration_s": statistics.median(gpu[meas]) if gpu else None, "first_iteration_s": times[0],
@@ -312,6 +342,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--one", nargs=6, metavar=("METHOD", "T", "H", "W", "COMPILE", "AC"))
     parser.add_argument("--probe", action="store_true", help="print the bf16 matmul ceiling and exit")
+    parser.add_argument("--no-probe", action="store_true", help="skip measuring the bf16 matmul ceiling first")
     parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="comma list of METHOD:TxHxW:COMPILE:AC")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
@@ -319,6 +350,9 @@ def main() -> int:
     parser.add_argument("--config-timeout", type=float, default=420)
     parser.add_argument("--child-logs", action="store_true", help="append every configuration's stderr to $OUT/children.log")
     parser.add_argument("--tag", default="", help="write $OUT/distill_step<tag>.json")
+    parser.add_argument("--attention", default="auto", help="training.model.attention_backend (every run; a run's OPTS attention=… wins)")
+    parser.add_argument("--compile-mode", default="blocks", choices=["blocks", "model"], help="training.model.compile_mode")
+    parser.add_argument("--snapshot-after", type=int, default=0, help="with --one: memory snapshot after N iterations (run_one)")
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     if args.probe:
@@ -327,13 +361,13 @@ def main() -> int:
     if args.one:
         method, t, h, w, comp, ac = args.one
         res = run_one(method, (int(t), int(h), int(w)), {"eager": False, "compile": True, "default": None}[comp], ac == "on",
-                      args.steps, args.warmup)
+                      args.steps, args.warmup, args.attention, args.compile_mode, args.snapshot_after)
         res["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: rank 0's figures (each rank one sample)
             print("RESULT " + json.dumps(res), flush=True)
         return 0
     started = time.time()
-    ceiling, err = _child([sys.executable, __file__, "--probe"], 120)
+    ceiling, err = _child([sys.executable, __file__, "--probe"], 120) if not args.no_probe else (None, "skipped (--no-probe)")
     ceiling = ceiling or {"bf16_matmul_tflops": None, "error": err[-300:]}
     peak = ceiling.get("bf16_matmul_tflops")
     print(json.dumps(ceiling), flush=True)
@@ -349,10 +383,13 @@ def main() -> int:
         opts = dict(kv.split("=", 1) for kv in extra[0].split(";")) if extra and extra[0] else {}
         steps, warmup = int(opts.pop("steps", args.steps)), int(opts.pop("warmup", args.warmup))
         nproc = int(opts.pop("nproc", 1))  # > 1: FSDP2 over that many GPUs under torchrun, one sample per rank
+        attention, compile_mode = opts.pop("attention", args.attention), opts.pop("compile_mode", args.compile_mode)
+        snapshot_after = int(opts.pop("snapshot", 0))  # a memory snapshot after that many iterations (run_one)
+        need = float(opts.pop("need", 150 if tokens_of(size) > 16384 else 75))  # seconds left to start it (--deadline)
         timeout = args.config_timeout
         if args.deadline:
             left = args.deadline - (time.time() - started)
-            if left < (150 if tokens_of(size) > 16384 else 75):  # roughly what one configuration needs at the least
+            if left < need:  # roughly what one configuration needs at the least
                 rows.append({"method": method, "size": list(size), "compile": comp, "activation_checkpointing": ac == "on",
                              "error": "skipped: job deadline"})
                 print(f"SKIPPED {spec} (deadline)", flush=True)
@@ -361,13 +398,15 @@ def main() -> int:
         launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                         "--nproc_per_node", str(nproc)]
         cmd = [*launcher, __file__, "--one", method, *map(str, size), comp, ac, "--steps", str(steps),
-               "--warmup", str(warmup)]
+               "--warmup", str(warmup), "--attention", attention, "--compile-mode", compile_mode,
+               "--snapshot-after", str(snapshot_after)]
         t0 = time.time()
         res, err = _child(cmd, timeout, {**os.environ, **opts}, out_dir / "children.log" if args.child_logs else None, spec)
         if res is None:
             print(f"FAILED {spec} after {time.time() - t0:.0f} s:\n{err}", flush=True)
             oom = "OutOfMemoryError" in err or "out of memory" in err
             rows.append({"method": method, "size": list(size), "compile": comp, "activation_checkpointing": ac == "on",
+                         "attention": attention, "compile_mode": compile_mode,
                          "error": ("CUDA out of memory: " if oom else "") + err[-600:]})
         else:
             res["wall_s"] = time.time() - t0
@@ -380,26 +419,31 @@ def main() -> int:
             if peak:
                 res["fraction_of_ceiling"] = res["tflops"] / peak
             rows.append(res)
-            print(json.dumps({k: v for k, v in res.items() if k not in ("iteration_times", "gpu_times", "exits")}), flush=True)
+            print(json.dumps({k: v for k, v in res.items() if k not in ("iteration_times", "gpu_times", "exits", "memory_peak")}), flush=True)
+            if "memory_peak" in res:
+                print("MEMORY " + json.dumps(res["memory_peak"]), flush=True)
         (out_dir / f"distill_step{args.tag}.json").write_text(json.dumps({"ceiling": ceiling, "anchor": anchors, "ours": rows},
                                                                           indent=1))
     print(f"\nbf16 matmul ceiling: {peak} TFLOP/s")
     for key, ref in sorted(anchors.items()):
         print(f"anchor {key}: {ref['iteration_s']:.3f} s, {ref['tflops']:.0f} TFLOP/s, {ref['peak_mem_gib']:.1f} GiB")
-    print(f"{'method':>9} {'latent':>10} {'mode':>8} {'AC':>3} {'iter s':>7} {'GPU s':>7} {'TFLOP/it':>8} {'TFLOP/s':>7} "
+    print(f"{'method':>9} {'attention':>10} {'latent':>10} {'mode':>8} {'AC':>3} {'iter s':>7} {'GPU s':>7} {'TFLOP/it':>8} {'TFLOP/s':>7} "
           f"{'ceil':>5} {'GiB':>6} {'anchor':>7} {'ratio':>6}")
     for r in rows:
         latent = "x".join(map(str, r["size"]))
         mode = {True: "compile", False: "eager", None: "default"}.get(r["compile"], str(r["compile"]))
         if r.get("compiled") is not None and r["compile"] is None:
             mode = "def:" + ("comp" if r["compiled"] else "eag")
+        if r.get("compile_mode") == "model":
+            mode += "/M"
         ac = "on" if r["activation_checkpointing"] else "off"
         if "error" in r:
-            print(f"{r['method']:>9} {latent:>10} {mode:>8} {ac:>3}  FAILED: {r['error'][:60]!r}")
+            print(f"{r['method']:>9} {r.get('attention', ''):>10} {latent:>10} {mode:>8} {ac:>3}  FAILED: {r['error'][:60]!r}")
             continue
         nan = float("nan")
         r = {k: (nan if v is None else v) for k, v in r.items()}
-        print(f"{r['method']:>9} {latent:>10} {mode:>8} {ac:>3} {r['iteration_s']:7.3f} {r['gpu_iteration_s']:7.3f} "
+        att = r["attention_resolved"].get("student", r["attention"])
+        print(f"{r['method']:>9} {att:>10} {latent:>10} {mode:>8} {ac:>3} {r['iteration_s']:7.3f} {r['gpu_iteration_s']:7.3f} "
               f"{r['model_tflop_per_iteration']:8.1f} {r['tflops']:7.1f} {r.get('fraction_of_ceiling', nan):5.2f} "
               f"{r['peak_mem_gib']:6.1f} {r.get('anchor_iteration_s', nan):7.3f} {r.get('ratio_to_anchor', nan):6.3f}")
     return 0

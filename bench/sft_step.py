@@ -8,9 +8,17 @@ Runs, in one GPU job, each configuration in its own process (so peak memory is p
     512×4096 text);
   - reads the anchor's figures from ``$OUT/wan_step.json`` (run the anchor first in the same job).
 
+  - ``--method dfsft``: the Diffusion-Forcing SFT step of a causal student instead (``CausalWanModel``, chunks of 3
+    latent frames, per-chunk timesteps: the block-causal training attention; ``fa4`` runs it as per-chunk prefix
+    calls, ``fa4_sparse`` as one block-sparse call);
+  - ``--compile-mode model``: the whole transformer compiled instead of each block (``training.model.compile_mode``).
+
+The random initial weights are drawn on the training device (as ``distill_step.py`` does), not the CPU.
+
 Usage (device machine):  python bench/sft_step.py [--wrappers plain,fsdp] [--modes eager,compile]
 Prints a table and writes ``$OUT/sft_step.json`` (after every configuration).
 One configuration, profiled:  python bench/sft_step.py --one 21 30 52 0 0 native --profile $OUT/profile.txt
+One configuration, FA4, DFSFT:  python bench/sft_step.py --one 21 60 104 default 0 fa4_sparse --method dfsft
 """
 
 from __future__ import annotations
@@ -36,13 +44,20 @@ if os.environ.get("BENCH_SMOKE") == "1":  # a CPU check of this script itself, t
     SIZES, TEXT_LEN, TEXT_DIM = [(3, 8, 8)], 16, 64
 
 
-def flops_per_sample(t: int, h: int, w: int, text: int = TEXT_LEN) -> tuple[float, int]:
-    """Training FLOPs (3 × forward) of one sample, the anchor's formula; and the token count."""
+def causal_fraction(t: int, chunk: int) -> float:
+    """Share of the query × key pairs a block-causal mask over ``chunk``-frame chunks of ``t`` frames keeps."""
+    ends = [min(s + chunk, t) for s in range(0, t, chunk)]
+    return sum((e - s) * e for s, e in zip(range(0, t, chunk), ends)) / (t * t)
+
+
+def flops_per_sample(t: int, h: int, w: int, text: int = TEXT_LEN, attn_fraction: float = 1.0) -> tuple[float, int]:
+    """Training FLOPs (3 × forward) of one sample, the anchor's formula; and the token count. ``attn_fraction``:
+    the share of self-attention pairs computed (block-causal: :func:`causal_fraction`)."""
     d = WAN_1_3B["num_attention_heads"] * WAN_1_3B["attention_head_dim"]
     layers, ffn = WAN_1_3B["num_layers"], WAN_1_3B["ffn_dim"]
     n = t * (h // 2) * (w // 2)
     dense = n * layers * 2 * (4 * d * d + 2 * d * d + 2 * d * ffn) + text * layers * 2 * (2 * d * d)
-    attn = layers * (4 * n * n * d + 4 * n * text * d)
+    attn = layers * (4 * n * n * d * attn_fraction + 4 * n * text * d)
     return 3 * (dense + attn), n
 
 
@@ -70,12 +85,21 @@ def make_assets(root: Path, size: tuple[int, int, int]) -> tuple[Path, Path]:
     return model, data
 
 
+CHUNK_SIZE = 3  # dfsft: latent frames per causal chunk
+
+
 def bench_run_config(model: Path, data: Path, output_dir: Path, steps: int, compile_blocks: bool | None,
-                     shard_single_rank: bool, attention: str = "native", reshard: bool | None = None) -> dict:
+                     shard_single_rank: bool, attention: str = "auto", reshard: bool | None = None, method: str = "sft",
+                     compile_mode: str = "blocks") -> dict:
     """The raw run config of one benchmark configuration (batch 1, lr 1e-5, no tracking)."""
+    student = {"_target_": "distillery.models.wan.WanModel", "init_from": str(model), "random_init": True}
+    method_cfg = {"_target_": "distillery.methods.sft.SFTMethod"}
+    if method == "dfsft":
+        student = {**student, "_target_": "distillery.models.wan.CausalWanModel", "chunk_size": CHUNK_SIZE}
+        method_cfg = {"_target_": "distillery.methods.dfsft.DFSFTMethod", "chunk_size": CHUNK_SIZE}
     return {
-        "models": {"student": {"_target_": "distillery.models.wan.WanModel", "init_from": str(model), "random_init": True}},
-        "method": {"_target_": "distillery.methods.sft.SFTMethod"},
+        "models": {"student": student},
+        "method": method_cfg,
         "training": {
             "distributed": {"shard_single_rank": shard_single_rank, "reshard_after_forward": reshard},
             "data": {"path": str(data), "batch_size": 1, "text_max_length": TEXT_LEN},
@@ -83,14 +107,15 @@ def bench_run_config(model: Path, data: Path, output_dir: Path, steps: int, comp
             "loop": {"max_train_steps": steps, "progress_bar": False},
             "checkpoint": {"output_dir": str(output_dir), "save_final": False},
             "tracker": {"backend": "none"},
-            "model": {"compile": compile_blocks, "attention_backend": attention},
+            "model": {"compile": compile_blocks, "compile_mode": compile_mode, "attention_backend": attention},
         },
         "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}},
     }
 
 
 def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_single_rank: bool, attention: str, steps: int,
-            warmup: int, profile_to: Path | None = None, breakdown: bool = False, reshard: bool | None = None) -> dict:
+            warmup: int, profile_to: Path | None = None, breakdown: bool = False, reshard: bool | None = None,
+            method: str = "sft", compile_mode: str = "blocks") -> dict:
     """Train ``steps`` steps with the real Trainer; report the median of the post-warm-up step times
     (host interval and GPU span, the trainer's ``step_time_s`` / ``gpu_step_time_s``).
 
@@ -109,9 +134,20 @@ def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_singl
 
     with tempfile.TemporaryDirectory() as tmp:
         model, data = make_assets(Path(tmp), size)
-        raw = bench_run_config(model, data, Path(tmp) / "run", steps, compile_blocks, shard_single_rank, attention, reshard)
+        raw = bench_run_config(model, data, Path(tmp) / "run", steps, compile_blocks, shard_single_rank, attention, reshard,
+                               method, compile_mode)
         config = load_run_config(raw=raw, prefixes=allowed_prefixes())
         env = init_distributed(config.training.distributed)
+        if env.device.type == "cuda":  # draw the random initial weights on the GPU (module doc)
+            from diffusers import WanTransformer3DModel
+
+            on_cpu = WanTransformer3DModel.from_config
+
+            def from_config_on_device(*args, **kwargs):
+                with torch.device(env.device):
+                    return on_cpu(*args, **kwargs)
+
+            WanTransformer3DModel.from_config = from_config_on_device
         profiler = contextlib.nullcontext()
         if breakdown:
             from torch.profiler import ProfilerActivity, profile, schedule
@@ -129,6 +165,7 @@ def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_singl
 
                 trainer.run.callbacks.append(ProfilerStepper(profiler))
             compiled = resolve_compile(config.training.model, env)
+            resolved = getattr(trainer.run.models["student"], "attention_backend", "native")
             cuda = torch.cuda.is_available()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -143,9 +180,10 @@ def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_singl
     times = [row["step_time_s"] for row in result.history]
     gpu_times = [row["gpu_step_time_s"] for row in result.history if "gpu_step_time_s" in row]
     step_s = statistics.median(times[warmup:])
-    flops, tokens = flops_per_sample(*size)
+    flops, tokens = flops_per_sample(*size, attn_fraction=causal_fraction(size[0], CHUNK_SIZE) if method == "dfsft" else 1.0)
     out = {"size": list(size), "tokens": tokens, "compile": compile_blocks, "compiled": compiled, "shard_single_rank": shard_single_rank,
-           "reshard_after_forward": reshard, "attention": attention, "step_s": step_s, "first_step_s": times[0],
+           "reshard_after_forward": reshard, "attention": attention, "attention_resolved": resolved, "method": method,
+           "compile_mode": compile_mode, "step_s": step_s, "first_step_s": times[0],
            "tflops": flops / step_s / 1e12, "peak_mem_gib": peak, "step_times": times, "gpu_step_times": gpu_times,
            "final_loss": result.history[-1]["total_loss"]}
     if gpu_times[warmup:]:
@@ -167,18 +205,20 @@ def main() -> int:
                         help="comma list: plain (one rank, no FSDP: bf16 compute copy + fp32 master), fsdp (FSDP2 on one rank)")
     parser.add_argument("--modes", default="eager,compile",
                         help="comma list of eager, compile, default (training.model.compile left null: the library decides)")
-    parser.add_argument("--attention", default="native", help="comma list of training.model.attention_backend values")
+    parser.add_argument("--attention", default="auto", help="comma list of training.model.attention_backend values")
     parser.add_argument("--tag", default="", help="write $OUT/sft_step<tag>.json (several invocations in one job)")
     parser.add_argument("--profile", metavar="FILE", help="with --one: write a torch.profiler table to FILE")
     parser.add_argument("--breakdown", action="store_true", help="with --one: GPU time per kernel family of 2 steady steps")
     parser.add_argument("--reshard", choices=["0", "1"], help="with --one: training.distributed.reshard_after_forward")
+    parser.add_argument("--method", default="sft", choices=["sft", "dfsft"], help="sft (WanModel) or dfsft (CausalWanModel)")
+    parser.add_argument("--compile-mode", default="blocks", choices=["blocks", "model"], help="training.model.compile_mode")
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     if args.one:
         t, h, w, comp, shard, attention = args.one
         out = run_one((int(t), int(h), int(w)), {"0": False, "1": True}.get(comp), shard == "1", attention, args.steps, args.warmup,
                       Path(args.profile) if args.profile else None, args.breakdown,
-                      None if args.reshard is None else args.reshard == "1")
+                      None if args.reshard is None else args.reshard == "1", args.method, args.compile_mode)
         print("RESULT " + json.dumps(out), flush=True)
         return 0
     anchor = json.loads(Path(args.anchor_json).read_text()) if Path(args.anchor_json).is_file() else {}
@@ -188,7 +228,7 @@ def main() -> int:
     for wrapper, size, mode, attention in configs:
         comp, shard = {"eager": "0", "compile": "1", "default": "default"}[mode], int(wrapper == "fsdp")
         cmd = [sys.executable, __file__, "--one", *map(str, size), comp, str(shard), attention,
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--method", args.method, "--compile-mode", args.compile_mode]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not line:

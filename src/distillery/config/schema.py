@@ -133,9 +133,13 @@ class TrackerConfig:
 
 @dataclass
 class ModelRuntimeConfig:
-    compile: bool | None = None  # torch.compile each transformer block (regional compilation); null: on for bf16 on CUDA, off otherwise
+    compile: bool | None = None  # torch.compile the transformer (see compile_mode); null: on for bf16 on CUDA, off otherwise
+    compile_mode: Literal["blocks", "model"] = "blocks"  # blocks: each transformer block compiled once (regional); model: the whole transformer
     activation_checkpointing: bool = False  # recompute block activations in backward
-    attention_backend: Literal["native", "cudnn", "flash", "efficient"] = "native"  # native: torch SDPA picks the kernel; else only that SDPA kernel (CUDA)
+    # auto: FlashAttention-4 (fa4) on an SM90+ GPU where flash_attn.cute imports (pip install -e ".[gpu]"), else native;
+    # native: torch SDPA picks the kernel; cudnn | flash | efficient: only that SDPA kernel (CUDA);
+    # fa4: FA4 everywhere, block-causal attention as per-chunk prefix calls; fa4_sparse: block-causal as one block-sparse FA4 call
+    attention_backend: Literal["auto", "native", "cudnn", "flash", "efficient", "fa4", "fa4_sparse"] = "auto"
 
 
 @dataclass

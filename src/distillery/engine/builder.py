@@ -116,16 +116,18 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
       place (no master is needed). Buffers (RoPE tables) stay fp32.
     - fp32 compute (CPU by default): the transformer itself, as loaded.
 
-    ``runtime.compile`` compiles each block of the module that runs forward (:func:`resolve_compile`);
-    ``runtime.attention_backend`` picks the attention kernel.
+    ``runtime.compile`` compiles the module that runs forward (:func:`resolve_compile`): each of its blocks
+    (``compile_mode: blocks``, regional compilation) or the whole of it (``model``);
+    ``runtime.attention_backend`` picks the attention kernel (``auto``: FA4 where it runs, else SDPA).
     """
-    if runtime.attention_backend != "native" and env.device.type != "cuda":
+    if runtime.attention_backend not in ("native", "auto") and env.device.type != "cuda":
         raise UserError(
             f"config error: training.model.attention_backend: {runtime.attention_backend} needs a CUDA device; use native"
         )
-    model.set_attention_backend(runtime.attention_backend)
-    compile_blocks = resolve_compile(runtime, env)
-    if compile_blocks:  # every Wan block: both torch bugs below, bidirectional ones included
+    model.set_attention_backend(runtime.attention_backend, env.device, env.compute_dtype)
+    compiled = resolve_compile(runtime, env)
+    compile_blocks = compiled and runtime.compile_mode == "blocks"
+    if compiled:  # every Wan block: both torch bugs below, bidirectional ones included
         avoid_mix_order_reduction()
     extra = {name: m for name, m in model.trainable_modules().items() if m is not model.transformer}
     if uses_fsdp(env, dist_cfg):
@@ -133,6 +135,8 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
         for module in extra.values():  # e.g. a PDD head bank: one FSDP unit of its own
             shard_transformer(module, [], env, dist_cfg, False)
         model.bind_device(env.device, env.compute_dtype)
+        if compiled and not compile_blocks:
+            model.transformer.compile()
         return
     compute_copy = None
     if env.compute_dtype != torch.float32:
@@ -147,6 +151,8 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
     if compile_blocks:
         for block in model.shardable_blocks(model.forward_module):
             block.compile()
+    elif compiled:
+        model.forward_module.compile()
 
 
 def avoid_mix_order_reduction() -> None:

@@ -118,10 +118,12 @@ class ModelBase(ABC):
         is carried in bf16 under mixed precision."""
         return self.compute_dtype
 
-    def set_attention_backend(self, backend: str) -> None:
-        """Select the attention kernel of ``self.transformer`` (``native``: torch's SDPA dispatch;
-        ``cudnn`` / ``flash`` / ``efficient``: that SDPA kernel only). Default: no choice offered."""
-        if backend != "native":
+    def set_attention_backend(self, backend: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        """Select the attention kernel of ``self.transformer`` for ``device`` / ``dtype`` (``auto``: the fastest
+        that runs there; ``native``: torch's SDPA dispatch; ``cudnn`` / ``flash`` / ``efficient``: that SDPA kernel
+        only; ``fa4`` / ``fa4_sparse``: FlashAttention-4). Default: no choice offered (``auto`` is ``native``)."""
+        del device, dtype
+        if backend not in ("native", "auto"):
             raise UserError(f"config error: training.model.attention_backend: {type(self).__name__} offers only native")
 
     @abstractmethod

@@ -6,7 +6,8 @@
   for chunk-by-chunk streaming (same weights and layout);
 - :mod:`.pdd` — :class:`PDDWanModel`, the trunk with a bank of per-interval output heads (PDD);
 - :mod:`.inference` — :func:`load_inference_model`, a frozen plugin over a plain diffusers folder
-  (validate, export, in-training validation of a teacher folder).
+  (validate, export, in-training validation of a teacher folder);
+- :mod:`.attention` — the attention backends (``auto``: FlashAttention-4 on SM90+ GPUs, else SDPA).
 
 ``distillery.models.wan.WanModel`` / ``CausalWanModel`` / ``PDDWanModel`` are the names run
 configs use as ``_target_``.

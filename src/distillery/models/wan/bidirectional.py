@@ -14,6 +14,7 @@ from distillery.common.log import get_logger
 from distillery.components.rng import BatchRNG
 from distillery.models.base import Conditioning, ModelBase, TrainingBatch
 from distillery.models.schedule import FlowMatchSchedule, read_scheduler_shift
+from distillery.models.wan.attention import install_attention_backend, resolve_attention_backend
 from distillery.models.wan.common import TRANSFORMER_CLASS, WanModelConfig, locate_transformer
 
 log = get_logger("models.wan")
@@ -60,23 +61,21 @@ class WanModel(ModelBase):
         self.patch_size = tuple(cfg.patch_size)
         self.in_channels = int(cfg.in_channels)
         self.text_dim = int(cfg.text_dim)
+        self.attention_backend = "native"  # set_attention_backend resolves and installs another
         log.info("role %s: %s from %s (%.1f M params, shift %.2f)", role, TRANSFORMER_CLASS, transformer_dir,
                  sum(p.numel() for p in self.transformer.parameters()) / 1e6, shift)
 
-    def set_attention_backend(self, backend: str) -> None:
-        """Route every attention of the transformer through diffusers' attention dispatcher to
-        ``backend`` (native | cudnn | flash | efficient: torch SDPA restricted to that kernel)."""
-        if backend == "native":
-            return  # diffusers' default: torch SDPA picks the kernel
-        from diffusers.utils import logging as diffusers_logging
-
-        name = {"native": "native", "cudnn": "_native_cudnn", "flash": "_native_flash", "efficient": "_native_efficient"}[backend]
-        level = diffusers_logging.get_verbosity()
-        diffusers_logging.set_verbosity_error()  # it warns that the dispatcher API is experimental
-        try:
-            self.transformer.set_attention_backend(name)
-        finally:
-            diffusers_logging.set_verbosity(level)
+    def set_attention_backend(self, backend: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        """Route the transformer's attention to ``backend`` (:mod:`.attention`: ``auto`` resolves for ``device`` and
+        ``dtype``, default the bound ones): SDPA through diffusers' dispatcher (native | cudnn | flash | efficient)
+        or FlashAttention-4 (fa4 | fa4_sparse). The resolved name is kept in ``self.attention_backend``."""
+        resolved = resolve_attention_backend(backend, self.device if device is None else device,
+                                             self.compute_dtype if dtype is None else dtype)
+        for module in {id(m): m for m in (self.transformer, self.forward_module)}.values():  # a compute copy made already too
+            install_attention_backend(module, resolved)
+        self.attention_backend = resolved
+        if resolved != "native":
+            log.info("role %s: attention backend %s%s", self.role, resolved, f" (from {backend})" if backend != resolved else "")
 
     def shardable_blocks(self, module: torch.nn.Module | None = None) -> list[torch.nn.Module]:
         return list((module if module is not None else self.transformer).blocks)

@@ -10,7 +10,9 @@ Block-causal: latent frame ``f`` belongs to chunk ``f // chunk_size`` and attend
 its own chunk and of every earlier chunk. Tokens are frame-major after patchify (patch ``(1, 2, 2)``:
 each latent frame is ``H/2 · W/2`` consecutive tokens), so a chunk is a contiguous token range and
 the attention of a chunk's queries is plain attention over a key *prefix* — no mask tensor is built:
-each chunk's queries run one SDPA call over the keys of frames ``[0, end of its chunk)``.
+each chunk's queries run one SDPA call over the keys of frames ``[0, end of its chunk)`` (FlashAttention-4,
+:mod:`.attention`: the same prefix calls with ``fa4``, or one block-sparse call skipping the masked tiles with
+``fa4_sparse``).
 
 How the plan reaches the attention processors: :meth:`CausalWanModel._forward` sets a context
 variable for the duration of the transformer call; a forward hook on ``transformer.rope`` turns it
@@ -40,6 +42,14 @@ import torch
 
 from distillery.config.typed import bounded
 from distillery.models.base import CausalModelBase, Conditioning, TrainingBatch
+from distillery.models.wan.attention import (
+    FA4WanAttnProcessor,
+    attention_output,
+    fa4_attention,
+    fa4_can_run,
+    self_attention_qkv,
+    stock_processor,
+)
 from distillery.models.wan.bidirectional import WanModel
 from distillery.models.wan.common import WanModelConfig
 
@@ -124,49 +134,31 @@ def _plan_rotary_hook(rope: torch.nn.Module, args: tuple, output: Any) -> Any:
     return _PlannedRotary(cos, sin, plan)
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """diffusers' Wan rotary embedding of ``x`` ``[B, L, heads, head_dim]`` (interleaved pairs)."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
-
-
 class CausalWanAttnProcessor:
     """Self-attention of block ``block_index``: block-causal (+ KV cache) under a plan, diffusers'
-    ``WanAttnProcessor`` otherwise. Attention runs through diffusers' dispatcher, so the backend
-    chosen with ``set_attention_backend`` (stored in ``_attention_backend``) applies; no mask is
-    ever passed."""
+    ``WanAttnProcessor`` otherwise. SDPA runs through diffusers' dispatcher, so the backend chosen with
+    ``set_attention_backend`` (stored in ``_attention_backend``) applies; no mask is ever passed. With
+    ``fa4_mode`` set (``prefix`` | ``sparse``, :mod:`.attention`) and CUDA bf16/fp16 activations the
+    self-attention runs through the FA4 op instead."""
 
     _attention_backend = None
     _parallel_config = None
 
-    def __init__(self, block_index: int) -> None:
+    def __init__(self, block_index: int, fa4_mode: str | None = None) -> None:
         self.block_index = block_index
+        self.fa4_mode = fa4_mode
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         plan = getattr(rotary_emb, "plan", None)
         if plan is None or encoder_hidden_states is not None:
-            from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-
-            stock = WanAttnProcessor()
-            stock._attention_backend, stock._parallel_config = self._attention_backend, self._parallel_config
-            return stock(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
-
-        query, key, value = _get_qkv_projections(attn, hidden_states, None)
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        query = query.unflatten(2, (attn.heads, -1))  # [B, L, heads, head_dim]
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
-        cos, sin = rotary_emb.freqs_cos, rotary_emb.freqs_sin
-        query, key = _apply_rotary(query, cos, sin), _apply_rotary(key, cos, sin)
+            if self.fa4_mode is not None and encoder_hidden_states is None:  # an unplanned self-attention: plain FA4
+                proc = FA4WanAttnProcessor(self.fa4_mode)
+                proc._attention_backend, proc._parallel_config = self._attention_backend, self._parallel_config
+                return proc(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+            return stock_processor(self)(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        query, key, value = self_attention_qkv(attn, hidden_states, rotary_emb.freqs_cos, rotary_emb.freqs_sin)
         hidden_states = _block_causal_attention(self, query, key, value, plan)
-        hidden_states = hidden_states.flatten(2, 3).type_as(query)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+        return attention_output(attn, hidden_states, query)
 
 
 @torch.compiler.disable
@@ -175,7 +167,10 @@ def _block_causal_attention(processor: CausalWanAttnProcessor, query: torch.Tens
     """Attention of the call's queries ``[B, L, heads, head_dim]`` (after norm + RoPE) over the cached
     keys/values ⊕ the call's own, block-causally; writes the call's keys/values to ``plan.store``.
     Returns ``[B, L, heads, head_dim]``. Kept out of torch.compile regions (it reads per-call Python
-    state: the plan and the block index), so a compiled block is one graph for every block and call."""
+    state: the plan and the block index), so a compiled block is one graph for every block and call.
+
+    SDPA: one call per chunk, its queries over the key prefix up to the chunk's end; FA4 (``fa4_mode`` set, CUDA
+    bf16/fp16): :func:`fa4_block_causal`."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     index = processor.block_index
@@ -185,6 +180,8 @@ def _block_causal_attention(processor: CausalWanAttnProcessor, query: torch.Tens
         past_k, past_v = plan.past[index]
         key = torch.cat([past_k.to(key.dtype), key], dim=1)
         value = torch.cat([past_v.to(value.dtype), value], dim=1)
+    if processor.fa4_mode is not None and fa4_can_run(query):
+        return fa4_block_causal(query, key, value, plan, processor.fa4_mode)
     outs = []
     for q_begin, q_end, k_end in plan.query_groups():
         outs.append(dispatch_attention_fn(query[:, q_begin:q_end], key[:, :k_end], value[:, :k_end], attn_mask=None,
@@ -192,14 +189,27 @@ def _block_causal_attention(processor: CausalWanAttnProcessor, query: torch.Tens
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def fa4_block_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: _AttentionPlan, mode: str) -> torch.Tensor:
+    """The FA4 op's block-causal attention of ``plan``'s queries over ``key``/``value`` (the cached frames ⊕ the
+    call's own, from frame 0): ``prefix``: one plain call per chunk over its key prefix; ``sparse``: one
+    block-sparse call with the chunk layout (``chunk_size · tokens_per_frame`` tokens per chunk, the queries
+    starting at token ``start_frame · tokens_per_frame``), or one plain call when the call is one chunk."""
+    groups = plan.query_groups()
+    if mode == "sparse" and len(groups) > 1:
+        return fa4_attention(query, key, value, chunk_tokens=plan.chunk_size * plan.tokens_per_frame,
+                             q_offset=plan.start_frame * plan.tokens_per_frame)
+    outs = [fa4_attention(query[:, q_begin:q_end], key[:, :k_end], value[:, :k_end]) for q_begin, q_end, k_end in groups]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
 def install_causal_attention(transformer: torch.nn.Module) -> None:
     """Give every block's ``attn1`` a :class:`CausalWanAttnProcessor` and ``rope`` the plan hook
-    (idempotent; keeps the attention backend already chosen)."""
+    (idempotent; keeps the attention backend already chosen, FA4 included)."""
     blocks = transformer.blocks
     if blocks and isinstance(blocks[0].attn1.processor, CausalWanAttnProcessor):
         return
     for i, block in enumerate(blocks):
-        processor = CausalWanAttnProcessor(i)
+        processor = CausalWanAttnProcessor(i, getattr(block.attn1.processor, "fa4_mode", None))
         processor._attention_backend = getattr(block.attn1.processor, "_attention_backend", None)
         block.attn1.set_processor(processor)
     transformer.rope.register_forward_hook(_plan_rotary_hook)

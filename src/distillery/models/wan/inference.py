@@ -18,7 +18,8 @@ from distillery.models.wan.common import WanModelConfig
 
 def load_inference_model(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                          shift: float | None = None, role: str = "inference", chunk_size: int | None = None,
-                         transformer: torch.nn.Module | None = None, pdd_steps: int | None = None) -> WanModel:
+                         transformer: torch.nn.Module | None = None, pdd_steps: int | None = None,
+                         attention_backend: str = "auto") -> WanModel:
     """Load ``folder``'s transformer as an eval, gradient-free :class:`WanModel` on ``device`` — or,
     with ``chunk_size``, as a :class:`~distillery.models.wan.causal.CausalWanModel` attending
     block-causally over chunks of that many latent frames (what ``Sampler.model_options()`` asks) — or,
@@ -31,7 +32,9 @@ def load_inference_model(folder: str | Path, device: torch.device | str = "cpu",
     diffusers keeps in float32 (``_keep_in_fp32_modules``: norms, time embedder, rope) stay float32,
     as ``from_pretrained(torch_dtype=dtype)`` leaves them. ``shift``:
     the flow shift; None reads it from the scheduler config beside the weights (:class:`UserError`
-    when there is none). Raises :class:`UserError` for a folder that holds no Wan transformer.
+    when there is none). ``attention_backend``: as ``training.model.attention_backend`` (:mod:`.attention`; ``auto``:
+    FlashAttention-4 on an SM90+ GPU in bf16/fp16 where ``flash_attn.cute`` imports, else SDPA). Raises
+    :class:`UserError` for a folder that holds no Wan transformer.
     """
     device = torch.device(device)
     if pdd_steps is not None:
@@ -53,6 +56,7 @@ def load_inference_model(folder: str | Path, device: torch.device | str = "cpu",
     model.transformer.to(device=device).eval().requires_grad_(False)
     _cast_keeping_fp32_modules(model.transformer, dtype)
     model.bind_device(device, compute_dtype=dtype)
+    model.set_attention_backend(attention_backend, device, dtype)
     return model
 
 

@@ -1,0 +1,344 @@
+"""GPU checks of the FA4 attention backend (issue 24), one process, results in ``$OUT/fa4_checks_<parts>.json`` after
+each part.
+
+1. ``kernels`` — attention alone at the Wan2.1-1.3B training shape (1 × 32,760 tokens × 12 heads × 128, bf16; CUDA
+   events, median of ``--reps``): full attention (cuDNN SDPA, torch's default SDPA, the FA4 op) and block-causal
+   attention over 7 chunks of 4,680 tokens (3 latent frames): SDPA with a boolean mask, SDPA per-chunk prefix calls
+   (what ``native`` runs), FA4 with a ``mask_mod`` alone (every tile computed), the FA4 op per chunk (``fa4``) and the
+   FA4 op with block sparsity (``fa4_sparse``); forward and forward + backward ms, TFLOP/s on the FLOPs computed,
+   and the largest difference of out / dq / dk / dv from the SDPA reference of each. Our forward block lists against
+   FA4's own ``compute_block_sparsity`` of the same ``mask_mod``.
+2. ``agreement`` — the model plugins at 21×60×104 (random-init Wan-1.3B weights in bf16, one set shared by all):
+   ``predict_noise`` of the bidirectional Wan, the PDD Wan (head of t = 500) and the causal Wan (block-causal
+   training forward; streaming: chunk 0 into the KV cache, then chunks 1–2 in one call over the cache) with every
+   backend, compared with ``native`` (relative L2 and max abs of the float32 velocity); the gradients of one
+   training step (MSE to a random target, activation checkpointing on to fit the graph) of the bidirectional Wan
+   (fa4) and the causal Wan (fa4, fa4_sparse). The bf16 noise floor is SDPA against SDPA: ``cudnn`` / ``flash``
+   against ``native``. A backend agrees when its relative L2 is at most ``max(1.6e-2, 2 × floor)`` (1.6e-2: the
+   bf16 rtol of ``torch.testing``).
+
+Usage (device machine, after ``source device-env.sh``):  python bench/fa4_checks.py [--parts agreement,kernels]
+CPU check of the agreement part's code: ``BENCH_SMOKE=1 python bench/fa4_checks.py --parts agreement`` (tiny model;
+the FA4 and CUDA-only backends report their errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sft_step import TEXT_LEN, WAN_1_3B, make_assets  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "/tmp"))
+RESULTS: dict = {}
+BF16_RTOL = 1.6e-2
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # a CPU check of this script's agreement part: tiny model and latent
+LATENT = (9, 8, 8) if SMOKE else (21, 60, 104)
+
+
+NAME = ["fa4_checks"]  # the results file's stem: fa4_checks_<parts>.json
+
+
+def save() -> None:
+    (OUT / f"{NAME[0]}.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def timed(fn, reps: int, warmup: int = 2) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+# -- 1. kernels ---------------------------------------------------------------------------------------------
+def kernels(reps: int) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from distillery.models.wan.attention import (
+        FA4_TILE,
+        _block_causal_mask_mod,
+        block_causal_mask,
+        block_lists,
+        fa4_attention,
+        tile_kinds,
+    )
+
+    n, h, d, chunk = 32760, 12, 128, 4680
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True) for _ in range(3))
+    dout = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    mask = block_causal_mask(n, n, chunk, 0, "cuda")
+    groups = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+    full_flops = 4 * n * n * d * h
+    causal_flops = sum(4 * (e - s) * e * d * h for s, e in groups)
+
+    def sdpa(mask_=None, backend=None):
+        def run(q_, k_, v_):
+            with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2),
+                                                      attn_mask=mask_).transpose(1, 2)
+        return run
+
+    def prefix(attend):
+        return lambda q_, k_, v_: torch.cat([attend(q_[:, s:e], k_[:, :e], v_[:, :e]) for s, e in groups], dim=1)
+
+    def fa4_mask_mod_only(q_, k_, v_):  # FA4 with the mask_mod evaluated on every tile (no block lists)
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+
+        class MaskOnly(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, a, b, c):
+                out, lse = _flash_attn_fwd(a, b, c, mask_mod=_block_causal_mask_mod(chunk, 0), return_lse=True)[:2]
+                ctx.save_for_backward(a, b, c, out, lse)
+                return out
+
+            @staticmethod
+            def backward(ctx, grad):
+                a, b, c, out, lse = ctx.saved_tensors
+                return tuple(_flash_attn_bwd(a, b, c, out, grad.contiguous(), lse, mask_mod=_block_causal_mask_mod(chunk, 0))[:3])
+
+        return MaskOnly.apply(q_, k_, v_)
+
+    variants = {
+        "full/sdpa_cudnn": (sdpa(backend=SDPBackend.CUDNN_ATTENTION), full_flops, "full/sdpa_cudnn"),
+        "full/sdpa_default": (sdpa(), full_flops, "full/sdpa_cudnn"),
+        "full/fa4": (lambda a, b, c: fa4_attention(a, b, c), full_flops, "full/sdpa_cudnn"),
+        "block_causal/sdpa_bool_mask": (sdpa(mask_=mask), full_flops, "block_causal/sdpa_bool_mask"),
+        "block_causal/sdpa_prefix (native)": (prefix(sdpa()), causal_flops, "block_causal/sdpa_bool_mask"),
+        "block_causal/fa4_mask_mod_only": (fa4_mask_mod_only, full_flops, "block_causal/sdpa_bool_mask"),
+        "block_causal/fa4_prefix (fa4)": (prefix(lambda a, b, c: fa4_attention(a, b, c)), causal_flops, "block_causal/sdpa_bool_mask"),
+        "block_causal/fa4_sparse (fa4_sparse)": (lambda a, b, c: fa4_attention(a, b, c, chunk, 0), causal_flops,
+                                                 "block_causal/sdpa_bool_mask"),
+    }
+    refs: dict = {}
+    out_rows = RESULTS.setdefault("kernels", {"shape": [1, n, h, d], "chunk_tokens": chunk, "reps": reps})
+    for name, (fn, flops, ref_name) in variants.items():
+        row: dict = {}
+        try:
+            t0 = time.time()
+            out = fn(q, k, v)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            row["first_call_s"] = time.time() - t0  # FA4's JIT compile on its first call of a layout
+            if ref_name == name:
+                refs[name] = (out.detach(), [x.detach() for x in grads])
+            else:
+                ro, rg = refs[ref_name]
+                row["max_abs_vs_" + ref_name.split("/")[1]] = {
+                    "out": (out - ro).abs().max().item(),
+                    **{f"d{c}": (a - b).abs().max().item() for c, a, b in zip("qkv", grads, rg)}}
+            del out, grads
+            with torch.no_grad():
+                row["fwd_ms"] = timed(lambda: fn(q, k, v), reps)
+
+            def fwd_bwd():
+                torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+
+            row["fwd_bwd_ms"] = timed(fwd_bwd, reps)
+            row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+            row["fwd_bwd_tflops"] = 3 * flops / row["fwd_bwd_ms"] / 1e9  # backward = 2 × forward FLOPs
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+            traceback.print_exc()
+        out_rows[name] = row
+        print(name, json.dumps(row), flush=True)
+        save()
+    del refs
+    kinds = tile_kinds(n, n, chunk, 0, FA4_TILE, "cuda")
+    lists = block_lists(kinds)
+    out_rows["block_lists"] = {"tiles": list(kinds.shape), "skipped": float((kinds == 0).float().mean()),
+                               "partial": float((kinds == 1).float().mean()), "full": float((kinds == 2).float().mean())}
+    try:  # FA4's own block-sparsity kernel evaluates the mask_mod on every element: the same lists?
+        from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
+
+        theirs = compute_block_sparsity(FA4_TILE[0], FA4_TILE[1], 1, 1, n, n, _block_causal_mask_mod(chunk, 0), None, q.device)
+
+        def sets(cnt, idx):
+            return [set(idx[r, :int(cnt[r])].tolist()) for r in range(cnt.shape[0])]
+
+        same_full = sets(lists.full_cnt, lists.full_idx) == sets(theirs.full_block_cnt[0, 0], theirs.full_block_idx[0, 0])
+        same_mask = sets(lists.mask_cnt, lists.mask_idx) == sets(theirs.mask_block_cnt[0, 0], theirs.mask_block_idx[0, 0])
+        out_rows["block_lists"]["equal_to_fa4_compute_block_sparsity"] = {"full": same_full, "partial": same_mask}
+    except Exception as exc:
+        out_rows["block_lists"]["fa4_compute_block_sparsity_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    print("block lists", json.dumps(out_rows["block_lists"]), flush=True)
+    save()
+
+
+# -- 2. agreement ---------------------------------------------------------------------------------------------
+def _compare(a, b) -> dict:
+    diff = (a.float() - b.float())
+    return {"rel_l2": (diff.norm() / b.float().norm().clamp_min(1e-30)).item(), "max_abs": diff.abs().max().item()}
+
+
+def agreement() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from distillery.components.precision import cast_parameters_
+    from distillery.models.base import Conditioning
+    from distillery.models.wan import CausalWanModel, CausalWanModelConfig, PDDWanModel, PDDWanModelConfig, WanModel, WanModelConfig
+
+    dev, bf16 = torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16
+    rows = RESULTS.setdefault("agreement", {"latent": list(LATENT), "bf16_rtol": BF16_RTOL})
+    folder, _ = make_assets(Path(tempfile.mkdtemp(prefix="fa4-checks-")), (3, 8, 8))  # a config-only Wan-1.3B folder
+    with torch.device(dev):
+        bi = WanModel(WanModelConfig(init_from=str(folder), random_init=True, trainable=True), role="bidirectional")
+    cast_parameters_(bi.transformer, bf16)
+    bi.bind_device(dev, bf16)
+    pdd = PDDWanModel(PDDWanModelConfig(init_from=str(folder), random_init=True, pdd_steps=8), role="pdd", transformer=bi.transformer)
+    pdd.bind_device(dev, bf16)
+    causal_cfg = CausalWanModelConfig(init_from=str(folder), random_init=True, chunk_size=3)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(1, 16, *LATENT, device=dev, generator=g)
+    target = torch.randn(1, 16, *LATENT, device=dev, generator=g)
+    text = torch.randn(1, TEXT_LEN, WAN_1_3B["text_dim"], device=dev, generator=g)
+    cond = Conditioning(text)
+    t = torch.tensor([500.0], device=dev)
+
+    def forwards(name: str, model, backends: list[str], call) -> None:
+        outs = {}
+        for backend in backends:
+            try:
+                model.set_attention_backend(backend, dev, bf16)
+                t0 = time.time()
+                with torch.no_grad():
+                    outs[backend] = call(model)
+                sync()
+                rows.setdefault(name, {})[backend] = {"s": time.time() - t0, "resolved": model.attention_backend}
+            except Exception as exc:
+                rows.setdefault(name, {})[backend] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+                traceback.print_exc()
+        _verdicts(rows[name], outs)
+        print(name, json.dumps(rows[name]), flush=True)
+        save()
+
+    def gradients(name: str, model, backends: list[str]) -> None:
+        params = [p for p in model.transformer.parameters() if p.requires_grad]
+        ref: list | None = None
+        entry = rows.setdefault(name, {})
+        for backend in backends:
+            try:
+                model.set_attention_backend(backend, dev, bf16)
+                for p in params:
+                    p.grad = None
+                t0 = time.time()
+                F.mse_loss(model.predict_noise(x, t, cond), target).backward()
+                sync()
+                grads = [p.grad.detach().clone() for p in params]
+                entry[backend] = {"s": time.time() - t0}
+                if ref is None:
+                    ref = grads
+                    continue
+                num = sum(float((a.float() - b.float()).pow(2).sum()) for a, b in zip(grads, ref))
+                den = sum(float(b.float().pow(2).sum()) for b in ref)
+                worst = max((_compare(a, b)["rel_l2"], i) for i, (a, b) in enumerate(zip(grads, ref)) if b.float().norm() > 0)
+                entry[backend].update(rel_l2=(num / den) ** 0.5, worst_tensor_rel_l2=worst[0],
+                                      worst_tensor=[n for n, p in model.transformer.named_parameters() if p.requires_grad][worst[1]])
+                del grads
+            except Exception as exc:
+                entry[backend] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+                traceback.print_exc()
+        for p in params:
+            p.grad = None
+        floor = max((entry[b]["rel_l2"] for b in ("cudnn", "flash") if "rel_l2" in entry.get(b, {})), default=None)
+        for r in entry.values():
+            if isinstance(r, dict) and "rel_l2" in r:
+                r["agrees"] = r["rel_l2"] <= max(BF16_RTOL, 2 * floor) if floor is not None else r["rel_l2"] <= BF16_RTOL
+        entry["floor_rel_l2"] = floor
+        print(name, json.dumps(entry), flush=True)
+        save()
+
+    sdpa = ["native", "cudnn", "flash"]
+    forwards("bidirectional_forward", bi, sdpa + ["fa4"], lambda m: m.predict_noise(x, t, cond))
+    forwards("pdd_forward", pdd, sdpa + ["fa4"], lambda m: m.predict_noise(x, t, cond))
+    bi.transformer.enable_gradient_checkpointing()
+    gradients("bidirectional_gradients", bi, ["native", "cudnn", "fa4"])
+    causal = CausalWanModel(causal_cfg, role="causal", transformer=bi.transformer)
+    causal.bind_device(dev, bf16)
+    every = sdpa + ["fa4", "fa4_sparse"]
+    forwards("causal_forward", causal, every, lambda m: m.predict_noise(x, t, cond))
+
+    def stream(m):
+        m.clear_caches()
+        m.predict_noise_streaming(x[:, :, :3], t, cond, cache_tag="c", store_kv=True, cur_start_frame=0)
+        out = m.predict_noise_streaming(x[:, :, 3:9], t, cond, cache_tag="c", store_kv=False, cur_start_frame=3)
+        m.clear_caches()
+        return out
+
+    forwards("causal_streaming", causal, every, stream)
+    gradients("causal_gradients", causal, ["native", "cudnn", "fa4", "fa4_sparse"])
+
+
+def _verdicts(entry: dict, outs: dict) -> None:
+    if "native" not in outs:
+        return
+    for b, out in outs.items():
+        if b != "native":
+            entry[b].update(_compare(out, outs["native"]))
+    floor = max((entry[b]["rel_l2"] for b in ("cudnn", "flash") if "rel_l2" in entry.get(b, {})), default=None)
+    entry["floor_rel_l2"] = floor
+    for b, r in entry.items():
+        if isinstance(r, dict) and "rel_l2" in r:
+            r["agrees"] = r["rel_l2"] <= max(BF16_RTOL, 2 * floor) if floor is not None else r["rel_l2"] <= BF16_RTOL
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default="agreement,kernels")
+    parser.add_argument("--reps", type=int, default=8)
+    args = parser.parse_args()
+    NAME[0] = "fa4_checks_" + args.parts.replace(",", "_")
+    import torch
+
+    from distillery.models.wan.attention import fa4_problem
+
+    cuda = torch.cuda.is_available()
+    RESULTS["env"] = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
+                      "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+                      "fa4_problem": fa4_problem("cuda" if cuda else "cpu", torch.bfloat16)}
+    try:
+        from importlib.metadata import version
+
+        RESULTS["env"]["flash_attn_4"] = version("flash-attn-4")
+        RESULTS["env"]["nvidia_cutlass_dsl"] = version("nvidia-cutlass-dsl")
+    except Exception as exc:
+        RESULTS["env"]["versions_error"] = repr(exc)[:200]
+    print(json.dumps(RESULTS["env"]), flush=True)
+    save()
+    for part in args.parts.split(","):
+        t0 = time.time()
+        try:
+            {"kernels": lambda: kernels(args.reps), "agreement": agreement}[part]()
+        except Exception as exc:
+            RESULTS[f"{part}_error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+            traceback.print_exc()
+        RESULTS[f"{part}_wall_s"] = time.time() - t0
+        save()
+        if cuda:
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
