@@ -90,8 +90,8 @@ CHUNK_SIZE = 3  # dfsft: latent frames per causal chunk
 
 def bench_run_config(model: Path, data: Path, output_dir: Path, steps: int, compile_blocks: bool | None,
                      shard_single_rank: bool, attention: str = "auto", reshard: bool | None = None, method: str = "sft",
-                     compile_mode: str = "blocks") -> dict:
-    """The raw run config of one benchmark configuration (batch 1, lr 1e-5, no tracking)."""
+                     compile_mode: str = "blocks", ac: bool = False) -> dict:
+    """The raw run config of one benchmark configuration (batch 1, lr 1e-5, no tracking; ``ac``: activation checkpointing)."""
     student = {"_target_": "distillery.models.wan.WanModel", "init_from": str(model), "random_init": True}
     method_cfg = {"_target_": "distillery.methods.sft.SFTMethod"}
     if method == "dfsft":
@@ -107,7 +107,8 @@ def bench_run_config(model: Path, data: Path, output_dir: Path, steps: int, comp
             "loop": {"max_train_steps": steps, "progress_bar": False},
             "checkpoint": {"output_dir": str(output_dir), "save_final": False},
             "tracker": {"backend": "none"},
-            "model": {"compile": compile_blocks, "compile_mode": compile_mode, "attention_backend": attention},
+            "model": {"compile": compile_blocks, "compile_mode": compile_mode, "attention_backend": attention,
+                      "activation_checkpointing": ac},
         },
         "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}},
     }
@@ -115,7 +116,7 @@ def bench_run_config(model: Path, data: Path, output_dir: Path, steps: int, comp
 
 def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_single_rank: bool, attention: str, steps: int,
             warmup: int, profile_to: Path | None = None, breakdown: bool = False, reshard: bool | None = None,
-            method: str = "sft", compile_mode: str = "blocks") -> dict:
+            method: str = "sft", compile_mode: str = "blocks", ac: bool = False) -> dict:
     """Train ``steps`` steps with the real Trainer; report the median of the post-warm-up step times
     (host interval and GPU span, the trainer's ``step_time_s`` / ``gpu_step_time_s``).
 
@@ -135,7 +136,7 @@ def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_singl
     with tempfile.TemporaryDirectory() as tmp:
         model, data = make_assets(Path(tmp), size)
         raw = bench_run_config(model, data, Path(tmp) / "run", steps, compile_blocks, shard_single_rank, attention, reshard,
-                               method, compile_mode)
+                               method, compile_mode, ac)
         config = load_run_config(raw=raw, prefixes=allowed_prefixes())
         env = init_distributed(config.training.distributed)
         if env.device.type == "cuda":  # draw the random initial weights on the GPU (module doc)
@@ -211,6 +212,7 @@ def main() -> int:
     parser.add_argument("--breakdown", action="store_true", help="with --one: GPU time per kernel family of 2 steady steps")
     parser.add_argument("--reshard", choices=["0", "1"], help="with --one: training.distributed.reshard_after_forward")
     parser.add_argument("--method", default="sft", choices=["sft", "dfsft"], help="sft (WanModel) or dfsft (CausalWanModel)")
+    parser.add_argument("--ac", action="store_true", help="with --one: activation checkpointing (the real-shape DFSFT pretrain needs it)")
     parser.add_argument("--compile-mode", default="blocks", choices=["blocks", "model"], help="training.model.compile_mode")
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp"))
@@ -218,7 +220,7 @@ def main() -> int:
         t, h, w, comp, shard, attention = args.one
         out = run_one((int(t), int(h), int(w)), {"0": False, "1": True}.get(comp), shard == "1", attention, args.steps, args.warmup,
                       Path(args.profile) if args.profile else None, args.breakdown,
-                      None if args.reshard is None else args.reshard == "1", args.method, args.compile_mode)
+                      None if args.reshard is None else args.reshard == "1", args.method, args.compile_mode, args.ac)
         print("RESULT " + json.dumps(out), flush=True)
         return 0
     anchor = json.loads(Path(args.anchor_json).read_text()) if Path(args.anchor_json).is_file() else {}
