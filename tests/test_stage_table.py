@@ -144,3 +144,110 @@ def test_bad_run_summary_is_one_line(tmp_path, edit, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")) as info:
         read_run_summary(tmp_path)
     assert "\n" not in str(info.value)
+
+
+# -- validate's candidates: the table's rows with a validation -----------------------------------------------------
+
+CONTRACTS = {  # what the training stages write as model/sampling.json with the default params (a DAG run's)
+    "teacher": {"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000},
+    "pretrain": {"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000, "chunk_size": 1},
+    "distill": {"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
+                "timesteps": [1000.0, 900.0, 750.0, 500.0], "chunk_size": 1, "context_noise": 0.0, "renoise": "sde"},
+    "pdd": {"sampler": "pdd_fused", "shift": 3.0, "num_train_timesteps": 1000, "pdd_steps": 8, "block_size_max": 8,
+            "num_steps": 4, "guidance_scale": 1.0},
+}
+
+
+def _contracts(stages: dict[str, dict]) -> None:
+    for stage, contract in stages.items():
+        (Path("artifacts") / stage / "model").mkdir(parents=True, exist_ok=True)
+        write_json_atomic(Path("artifacts") / stage / "model" / "sampling.json", contract)
+
+
+def _hand_written_candidates(params: StageParams) -> list:
+    """The list stages/validate.py wrote out by hand before the table declared it (kept here as the reference)."""
+    import dataclasses
+
+    from distillery.evaluation.validate import Candidate, ValidationConfig, teacher_candidates
+    from distillery.stages.artifacts import ARTIFACTS
+
+    v = params.get("validate")
+    cfg = ValidationConfig(teacher_steps=list(v["teacher_steps"]), guidance_scale=float(v["guidance_scale"]))
+    candidates = teacher_candidates(ARTIFACTS / "teacher" / "model", cfg)
+    candidates.append(Candidate.from_artifact(f"pretrain_{v['pretrain_steps']}", ARTIFACTS / "pretrain" / "model",
+                                              int(v["pretrain_steps"]), float(v["guidance_scale"])))
+    distilled = Candidate.from_artifact("distill", ARTIFACTS / "distill" / "model")
+    candidates.append(dataclasses.replace(distilled, name=f"distill_{distilled.num_steps}"))
+    candidates += [Candidate.from_artifact(f"pdd_{n}", ARTIFACTS / "pdd" / "model", int(n)) for n in v["pdd_nfe"]]
+    return candidates
+
+
+def _same(a: list, b: list) -> bool:
+    """Candidates equal field by field, their contract options too (which dataclass equality leaves out)."""
+    return a == b and [c.options for c in a] == [c.options for c in b] and [type(c.guidance_scale) for c in a] == [
+        type(c.guidance_scale) for c in b]
+
+
+def test_validate_candidates_from_the_table_are_the_hand_written_list(tmp_path, monkeypatch):
+    from distillery.stages.validate import table_candidates, validation_inputs
+
+    params = _workspace(tmp_path, monkeypatch)
+    _contracts(CONTRACTS)
+    view = StageParams(params, "validate", stage_params("validate"))
+    candidates = table_candidates(view)
+    assert _same(candidates, _hand_written_candidates(view))
+    assert [c.name for c in candidates] == ["teacher_40", "teacher_8", "teacher_4", "teacher_2", "teacher_1", "pretrain_40",
+                                            "distill_4", "pdd_1", "pdd_2", "pdd_4", "pdd_8"]  # metrics.json's keys, in order
+    assert validation_inputs() == [(name, Path("artifacts") / stage) for name, stage in (
+        ("teacher", "teacher"), ("pretrain", "pretrain"), ("student", "distill"), ("pdd", "pdd"), ("base", "base"),
+        ("data", "latents"))]
+    # other params move the same candidates the same way (steps, guidance, the NFE curve)
+    (tmp_path / "other").mkdir()
+    params = _workspace(tmp_path / "other", monkeypatch, {"validate.teacher_steps": [12, 3], "validate.pretrain_steps": 6,
+                                                          "validate.guidance_scale": 2.5, "validate.pdd_nfe": [2, 8]})
+    _contracts(CONTRACTS)
+    view = StageParams(params, "validate", stage_params("validate"))
+    assert _same(table_candidates(view), _hand_written_candidates(view))
+    assert [c.name for c in table_candidates(view)][:3] == ["teacher_12", "teacher_3", "pretrain_6"]
+
+
+def test_validate_candidates_follow_a_row_added_to_the_table(tmp_path, monkeypatch):
+    from distillery.stages.training_table import ValidationSpec
+    from distillery.stages.validate import table_candidates, validation_inputs
+
+    params = _workspace(tmp_path, monkeypatch)
+    _contracts({**CONTRACTS, "wan22": {"sampler": "few_step_x0", "shift": 5.0, "num_train_timesteps": 1000,
+                                       "timesteps": [1000.0, 750.0, 500.0]}})
+    table = {**TRAINING_STAGES,
+             "wan22": TrainingStageSpec(name="wan22", template="templates/teacher_sft.yaml", inputs={"student": "base"},
+                                        validation=ValidationSpec("wan22")),  # its contract's ladder: 3 steps
+             "unscored": TrainingStageSpec(name="unscored", template="templates/teacher_sft.yaml", inputs={"student": "base"}),
+             "wide": TrainingStageSpec(name="wide", template="templates/teacher_sft.yaml", inputs={"student": "teacher"},
+                                       validation=ValidationSpec("wide", steps="validate.teacher_steps",
+                                                                 guidance="validate.guidance_scale", sampler="euler"))}
+    view = StageParams(params, "validate", stage_params("validate"))
+    candidates = table_candidates(view, table)
+    assert _same(candidates[:11], _hand_written_candidates(view))  # the default rows' first, the reference still teacher_40
+    added = candidates[11:]
+    assert [c.name for c in added] == ["wan22_3", "wide_40", "wide_8", "wide_4", "wide_2", "wide_1"]
+    assert added[0].sampler == "few_step_x0" and added[0].shift == 5.0 and added[0].guidance_scale == 1.0
+    assert added[0].model_dir == Path("artifacts/wan22/model")
+    assert all(c.sampler == "euler" and c.guidance_scale == 4.0 and c.shift is None for c in added[1:])
+    assert [name for name, _ in validation_inputs(table)] == ["teacher", "pretrain", "student", "pdd", "wan22", "wide",
+                                                              "base", "data"]
+    with pytest.raises(ValueError, match="needs a steps key"):
+        ValidationSpec("x", sampler="euler")
+
+
+def test_validate_reads_what_its_dvc_stage_declares_of_every_validated_row():
+    """Each validated row's params keys are in validate's dvc.yaml ``params:`` and its artifact among the deps (DVC
+    reruns validate when they change)."""
+    from distillery.stages.dvcfile import stage_spec
+    from distillery.stages.params import covers
+
+    declared, deps = stage_params("validate", ROOT), stage_spec("validate", ROOT).deps
+    validated = [(name, spec.validation) for name, spec in TRAINING_STAGES.items() if spec.validation is not None]
+    assert [name for name, _ in validated] == ["teacher", "pretrain", "distill", "pdd"]
+    for name, how in validated:
+        assert f"artifacts/{name}" in deps
+        assert all(covers(declared, key) for key in how.params_read()), (name, how.params_read(), declared)

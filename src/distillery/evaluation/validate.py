@@ -3,8 +3,8 @@
 For each :class:`Candidate` (a teacher at several step counts counts as several candidates, see
 :func:`teacher_candidates`), each prompt ``i`` and each seed index ``j < cfg.num_seeds``,
 :func:`run_validation` samples one video with the sampler its sampling contract names (built from
-:mod:`distillery.sampling`'s registry and run through a frozen model plugin,
-:func:`distillery.models.wan.load_inference_model`), starting from the same initial noise for every
+:mod:`distillery.sampling`'s registry and run through a frozen model plugin that the folder's model
+family loads, :func:`distillery.models.registry.load_inference_model`), starting from the same initial noise for every
 candidate: a ``torch.Generator().manual_seed(cfg.seed + i + SEED_STRIDE·j)`` (``SEED_STRIDE`` = 1000;
 see :func:`generator_seed`; seed index 0 is ``cfg.seed + i``, what a single-seed run draws). Text
 embeddings come from the base's text encoder (empty prompt as the CFG negative), or are the ones it
@@ -256,7 +256,7 @@ def teacher_candidates(teacher_dir: Path, cfg: ValidationConfig) -> list[Candida
 class _Loaded:
     """A candidate's model plugin and flow shift, ready to sample."""
 
-    model: "ModelBase"  # frozen WanModel (eval; fp32, or bf16 per ValidationConfig.precision) bound to the run device
+    model: "ModelBase"  # frozen plugin of the folder's family (eval; fp32, or bf16 per ValidationConfig.precision) bound to the run device
     shift: float  # flow shift of its schedule
 
 
@@ -324,9 +324,10 @@ class _Context:
 
     def load(self, cand: Candidate) -> _Loaded:
         """Load a candidate's model plugin and check it fits the base's latents and text embeddings."""
-        from distillery.models.wan import load_inference_model, locate_transformer
+        from distillery.models.registry import family_of
 
-        transformer_dir, scheduler_dir = locate_transformer(cand.model_dir)
+        loaders = family_of(cand.model_dir).loaders()  # a folder of no registered family: one line
+        transformer_dir, scheduler_dir = loaders.locate_transformer(cand.model_dir)
         shift = cand.shift if cand.shift is not None else self._scheduler_shift(scheduler_dir)
         shift = shift if shift is not None else self.base_shift
         if shift is None:
@@ -338,12 +339,12 @@ class _Context:
             model = self._last[1]
         else:
             self._last = None
-            model = load_inference_model(transformer_dir, self.device, self.dtype, shift=float(shift), role=cand.name,
-                                         **options)
-        conf = model.transformer_config()
-        if int(conf["in_channels"]) != self.latent_shape[0] or int(conf["text_dim"]) != self.encoders.text_dim:
-            raise UserError(f"candidate {cand.name}: {transformer_dir} takes {conf['in_channels']} latent channels and "
-                            f"text_dim {conf['text_dim']}, but the base {self.base_dir} gives {self.latent_shape[0]} and "
+            model = loaders.load_inference_model(transformer_dir, self.device, self.dtype, shift=float(shift), role=cand.name,
+                                                 **options)
+        channels, text_dim = loaders.input_widths(model.transformer_config())
+        if channels != self.latent_shape[0] or text_dim != self.encoders.text_dim:
+            raise UserError(f"candidate {cand.name}: {transformer_dir} takes {channels} latent channels and "
+                            f"text_dim {text_dim}, but the base {self.base_dir} gives {self.latent_shape[0]} and "
                             f"{self.encoders.text_dim}; validate it against the base it was trained from")
         self._last = (key, model)
         return _Loaded(model, float(shift))

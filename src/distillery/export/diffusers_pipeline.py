@@ -12,7 +12,8 @@ folder with its own components and this class, offline::
 :class:`DistilledWanPipeline` is ``WanPipeline`` (same components, prompt encoding, VAE decode and
 output) whose denoising loop is the registered sampler of the folder's ``sampling.json``
 (:mod:`distillery.sampling`), run through the model plugin that contract needs (a causal Wan for
-``causal_streaming``) wrapped around the pipeline's own transformer — the code the validate stage
+``causal_streaming``; the folder's model family, :mod:`distillery.models.registry`, loads it)
+wrapped around the pipeline's own transformer — the code the validate stage
 samples with, so for the same prompt, seed and settings it returns the latents validate saved.
 It needs the ``distillery`` package installed (the folder's ``lineage.json`` names the version).
 
@@ -48,7 +49,7 @@ class DistilledWanPipeline(WanPipeline):
 
     def _model_plugin(self, sampler: Any) -> Any:
         """The frozen model plugin around ``self.transformer`` that ``sampler`` needs (built once)."""
-        from distillery.models.wan import load_inference_model
+        from distillery.models.registry import load_inference_model
 
         if self._plugin is None:
             param = next(self.transformer.parameters())

@@ -16,6 +16,7 @@ import json
 import shutil
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,18 +25,17 @@ from distillery.common.fsutil import replace_dir
 from distillery.components.checkpoint.dcp_io import load_dcp
 from distillery.components.checkpoint.trust import require_intact
 
-SUPPORTED_CLASSES = ("WanTransformer3DModel",)
+if TYPE_CHECKING:
+    from distillery.models.registry import FamilyLoaders
 
 
-def build_transformer_from_config(config: dict) -> torch.nn.Module:
-    """Instantiate the diffusers transformer class named in ``config['_class_name']`` (random weights)."""
-    import diffusers
+def build_transformer_from_config(config: dict, where: str = "checkpoint role config") -> torch.nn.Module:
+    """Instantiate the transformer ``config['_class_name']`` names (random weights), by the model
+    family that loads that class (:mod:`distillery.models.registry`; ``where``: the file, for the
+    one-line :class:`UserError` when no registered family does)."""
+    from distillery.models.registry import family_of_class
 
-    name = config.get("_class_name")
-    if name not in SUPPORTED_CLASSES:
-        raise UserError(f"cannot export a {name}; supported: {', '.join(SUPPORTED_CLASSES)}")
-    cls = getattr(diffusers, name)
-    return cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    return family_of_class(config.get("_class_name"), f"cannot export {where}").loaders().build_transformer(config)
 
 
 def load_role_weights(checkpoint: Path, role: str, module: torch.nn.Module, ema: str | None = None,
@@ -87,8 +87,12 @@ def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str 
     meta = json.loads((ckpt / "metadata.json").read_text())
     if role not in meta.get("roles", []):
         raise UserError(f"{ckpt}: no trainable role {role!r}; it holds {', '.join(meta.get('roles', [])) or 'none'}")
-    config = json.loads((ckpt / "roles" / role / "config.json").read_text())
-    module = build_transformer_from_config(config)
+    from distillery.models.registry import family_of_class
+
+    config_file = ckpt / "roles" / role / "config.json"
+    config = json.loads(config_file.read_text())
+    loaders = family_of_class(config.get("_class_name"), f"cannot export {config_file}").loaders()
+    module = loaders.build_transformer(config)
     load_role_weights(ckpt, role, module, ema)
     out_dir = Path(out)
     final = out_dir / "transformer"
@@ -100,22 +104,23 @@ def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str 
     if tmp.exists():
         shutil.rmtree(tmp)
     module.save_pretrained(tmp, safe_serialization=True)
-    export_head_bank(ckpt, role, module, tmp, ema)
+    export_head_bank(ckpt, role, module, tmp, loaders, ema)
     return replace_dir(tmp, final)
 
 
-def export_head_bank(checkpoint: Path, role: str, transformer: torch.nn.Module, out: Path, ema: str | None = None) -> bool:
+def export_head_bank(checkpoint: Path, role: str, transformer: torch.nn.Module, out: Path, loaders: "FamilyLoaders",
+                     ema: str | None = None) -> bool:
     """When ``role`` trained a PDD head bank (DCP keys ``roles.<role>.heads.*``), write it as
-    ``out/pdd_heads.safetensors`` (:mod:`distillery.models.wan.pdd`) — its EMA shadow when ``ema`` names
-    the EMA callback, as for the trunk; returns whether it did."""
+    ``out/<HEAD_BANK_FILE>`` by the transformer's model family's ``loaders`` (``pdd_heads.safetensors`` for Wan,
+    :mod:`distillery.models.wan.pdd`) — its EMA shadow when ``ema`` names the EMA callback, as for
+    the trunk; returns whether it did."""
     from distillery.components.checkpoint.dcp_io import read_dcp_metadata
-    from distillery.models.wan.pdd import HEADS_FILE, PDDHeadBank, write_head_bank
 
     prefix = f"roles.{role}.heads.weight."
     keys = [k for k in read_dcp_metadata(checkpoint / "dcp").state_dict_metadata if k.startswith(prefix)]
     if not keys:
         return False
-    bank = PDDHeadBank(transformer.proj_out, len(keys))
+    bank = loaders.empty_head_bank(transformer, len(keys))
     load_role_weights(checkpoint, role, bank, ema, module_name="heads")
-    write_head_bank(out / HEADS_FILE, torch.stack(list(bank.weight)), torch.stack(list(bank.bias)))
+    loaders.save_head_bank(out / loaders.HEAD_BANK_FILE, bank)
     return True

@@ -1,6 +1,7 @@
 """PDD: parallel decoding distillation of a many-step teacher into a block-parallel student.
 
-Roles: ``student`` (trainable :class:`~distillery.models.wan.pdd.PDDWanModel`: the teacher's network
+Roles: ``student`` (trainable :class:`~distillery.models.base.PDDModelBase`, e.g. Wan's
+:class:`~distillery.models.wan.pdd.PDDWanModel`: the teacher's network
 with one output head per interval of a fine σ grid of ``P = pdd_steps`` intervals, ``σ_0 = 1 > … >
 σ_P = 0``, the ``P``-step Euler grid of its shifted schedule) and ``teacher`` (frozen). The
 student samples a block ``[n, n + L)`` in one forward at ``x_n`` (:mod:`distillery.sampling.pdd`):
@@ -54,8 +55,7 @@ import torch.nn.functional as F
 from distillery.common.errors import UserError
 from distillery.config.typed import bounded
 from distillery.methods.base import StepOutput, TrainingMethod
-from distillery.models.base import Conditioning, ModelBase
-from distillery.models.wan.pdd import HeadGroup, PDDWanModel
+from distillery.models.base import Conditioning, HeadGroup, ModelBase, PDDModelBase
 from distillery.sampling.base import guided_velocity
 from distillery.sampling.pdd import PDDFusedSampler
 
@@ -104,13 +104,13 @@ class PDDMethod(TrainingMethod):
     required_roles = ("student", "teacher")
     trainable_roles = ("student",)
     frozen_roles = ("teacher",)
-    role_kinds = {"student": PDDWanModel}
+    role_kinds = {"student": PDDModelBase}
     data_kind = "latents"
 
     def __init__(self, config: PDDConfig, role_models: dict[str, ModelBase], training: Any, rank: int = 0, **kwargs: Any) -> None:
         super().__init__(config, role_models, training, rank, **kwargs)
         self.teacher = role_models["teacher"]
-        student: PDDWanModel = self.student
+        student: PDDModelBase = self.student
         self.pdd_steps = int(student.pdd_steps)
         p = self.pdd_steps
         if config.block_size_max > p:
@@ -179,7 +179,7 @@ class PDDMethod(TrainingMethod):
 
     def single_train_step(self, batch: dict[str, Any], step: int) -> StepOutput:
         del step
-        student: PDDWanModel = self.student
+        student: PDDModelBase = self.student
         sigmas = student.fine_sigmas(student.device)
         x_n, n, cond, carry, slot = self._inputs(batch)
         self.calls += 1

@@ -1,6 +1,8 @@
 """Model plugin interface: one role's transformer plus its noise schedule.
 
-Methods talk to models only through this interface. Tensor layout at the boundary is
+Methods talk to models only through this interface (:class:`ModelBase`; a chunk-by-chunk generator
+is a :class:`CausalModelBase`, a parallel-decoding student a :class:`PDDModelBase`), never through a
+model family's own classes. Tensor layout at the boundary is
 ``[B, C, T, H, W]`` (latent channels, latent frames, latent height, latent width); timesteps are
 ``[B]`` (one per sample) or ``[B, T]`` (one per latent frame) in ``[0, 1000]``.
 """
@@ -270,3 +272,50 @@ class CausalModelBase(ModelBase):
         v = self.predict_noise_streaming(noisy_latents, timesteps, batch, cache_tag=cache_tag, store_kv=store_kv,
                                          cur_start_frame=cur_start_frame, conditional=conditional)
         return x0_from_velocity(noisy_latents, v, self.schedule.sigma(timesteps))
+
+
+@dataclass
+class HeadGroup:
+    """Heads one forward of a :class:`PDDModelBase` projects: ``heads`` (grid-interval indices), fused
+    into one by ``coeffs`` (``[len(heads)]``) when given; ``detached``: from the trunk states without
+    gradient (a rollout's advance), else with it (the supervised head)."""
+
+    heads: list[int]
+    coeffs: torch.Tensor | None = None
+    detached: bool = False
+
+    @property
+    def size(self) -> int:
+        return 1 if self.coeffs is not None else len(self.heads)
+
+
+class PDDModelBase(ModelBase):
+    """A parallel-decoding student: one velocity head per interval of a fine σ grid of ``pdd_steps``
+    intervals (the ``pdd_steps``-step Euler grid of its shifted schedule, ``σ_0 = 1 > … > σ_P = 0``),
+    all projected from one trunk forward; linear heads, so a block's heads fuse into one projection.
+    What the PDD method (:mod:`distillery.methods.pdd`), its sampler (``pdd_fused``) and the export's
+    1-NFE stock transformer use (a family's implementation: ``models/wan/pdd.py``)."""
+
+    pdd_steps: int  # fine-grid intervals = heads
+
+    @abstractmethod
+    def fine_sigmas(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The fine σ grid ``float32 [pdd_steps + 1]``, 1 → 0."""
+
+    @abstractmethod
+    def predict_head_groups(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+                            batch: Conditioning | TrainingBatch, groups: list[HeadGroup],
+                            conditional: bool = True) -> list[torch.Tensor]:
+        """One trunk forward at ``noisy_latents`` (``[B, C, T, H, W]``), projected by each group →
+        per group float32 ``[B, m, C, T, H, W]`` (m = its heads, or 1 fused)."""
+
+    @abstractmethod
+    def predict_pdd_fused(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, batch: Conditioning | TrainingBatch,
+                          start: int, end: int, conditional: bool = True) -> torch.Tensor:
+        """The block ``[start, end)``'s mean velocity (float32 ``[B, C, T, H, W]``) from one forward:
+        ``x_end = x_start + (σ_end − σ_start) ·`` this."""
+
+    @abstractmethod
+    def fuse_into_projection(self, module: torch.nn.Module, start: int, end: int) -> None:
+        """Write block ``[start, end)``'s fused projection into ``module`` (a plain transformer of this
+        trunk, e.g. ``self.transformer``): its velocity becomes the block's mean velocity."""

@@ -177,8 +177,8 @@ class Sampler(ABC):
 
     def model_options(self) -> dict[str, Any]:
         """What the model plugin must be to run this sampler, as keyword arguments of
-        :func:`distillery.models.wan.load_inference_model` (validate and export load plain folders
-        with them). Default: none (a bidirectional model)."""
+        :func:`distillery.models.registry.load_inference_model` (the folder's model family's loader:
+        validate and export load plain folders with them). Default: none (a bidirectional model)."""
         return {}
 
     def nfe(self, num_steps: int | None = None, guidance_scale: float | None = None, num_frames: int | None = None) -> int:

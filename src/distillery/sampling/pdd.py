@@ -1,6 +1,7 @@
 """``pdd_fused`` — parallel decoding: one forward per block of a fine σ grid, through a fused head.
 
-A PDD student (:class:`~distillery.models.wan.pdd.PDDWanModel`) has one velocity head per interval
+A PDD student (a :class:`~distillery.models.base.PDDModelBase`, e.g. Wan's
+:class:`~distillery.models.wan.pdd.PDDWanModel`) has one velocity head per interval
 of a fine grid of ``pdd_steps`` intervals (``σ_0 = 1 > … > σ_P = 0``, the ``P``-step Euler grid of
 its shifted schedule). ``num_steps`` = N blocks split the grid evenly
 (:func:`~distillery.models.schedule.block_partition`: nodes ``⌊i·P/N⌋``); each block ``[a, b)``
@@ -87,7 +88,9 @@ class PDDFusedSampler(Sampler):
         initial: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch = check_inputs(cond, latent_shape, initial)
-        if not hasattr(model, "predict_pdd_fused"):
+        from distillery.models.base import PDDModelBase
+
+        if not isinstance(model, PDDModelBase):
             raise UserError(f"sampler pdd_fused needs a PDD model (a head bank); {type(model).__name__} is not one")
         if int(model.pdd_steps) != self.pdd_steps:
             raise UserError(f"sampler pdd_fused: the contract's pdd_steps {self.pdd_steps} differs from the model's "

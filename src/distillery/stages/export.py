@@ -80,16 +80,18 @@ def fuse_for_stock_pipeline(student_model: Path, transformer_dir: Path) -> int |
         log.info("export: the PDD student was trained on blocks of at most %s of %s intervals: no 1-NFE stock transformer",
                  contract.get("block_size_max"), steps)
         return None
-    from distillery.models.wan import load_inference_model
-    from distillery.models.wan.pdd import HEADS_FILE
+    from distillery.models.base import PDDModelBase
+    from distillery.models.registry import family_of
 
-    plugin = load_inference_model(student_model, pdd_steps=steps, shift=contract.get("shift"))
+    loaders = family_of(student_model).loaders()
+    plugin = loaders.load_inference_model(student_model, pdd_steps=steps, shift=contract.get("shift"))
+    assert isinstance(plugin, PDDModelBase)  # what load_inference_model(pdd_steps=...) returns
     plugin.fuse_into_projection(plugin.transformer, 0, steps)
     tmp = transformer_dir.parent / ".tmp-fused-transformer"
     if tmp.exists():
         shutil.rmtree(tmp)
     plugin.transformer.save_pretrained(tmp, safe_serialization=True)
-    shutil.copy2(transformer_dir / HEADS_FILE, tmp / HEADS_FILE)
+    shutil.copy2(transformer_dir / loaders.HEAD_BANK_FILE, tmp / loaders.HEAD_BANK_FILE)
     shutil.rmtree(transformer_dir)
     tmp.rename(transformer_dir)
     return 1

@@ -91,17 +91,19 @@ def check_chain(spec: TrainingStageSpec, raw: dict[str, Any]) -> None:
     """Before any training: the config builds, the roles fit the method, and each role's init model fits the data."""
     from distillery.config import allowed_prefixes, load_run_config
     from distillery.engine.builder import check_roles_early
-    from distillery.models.wan import locate_transformer
+    from distillery.models.registry import family_of
 
     config = load_run_config(raw=raw, prefixes=allowed_prefixes())
     check_roles_early(config)
     latents = latent_manifest(Path(config.training.data.path))
     for role in spec.inputs:
-        tdir, _ = locate_transformer(config.models[role].config.init_from)
-        arch = json.loads((tdir / "config.json").read_text())
-        if arch.get("in_channels") != latents["latent_channels"]:
-            raise UserError(f"stage {spec.name}: the model in {tdir} takes {arch.get('in_channels')} latent channels, "
+        init_from = config.models[role].config.init_from
+        loaders = family_of(init_from).loaders()  # a folder of no registered family: one line
+        tdir, _ = loaders.locate_transformer(init_from)
+        channels, text_dim = loaders.input_widths(json.loads((tdir / "config.json").read_text()))
+        if channels != latents["latent_channels"]:
+            raise UserError(f"stage {spec.name}: the model in {tdir} takes {channels} latent channels, "
                             f"the latents have {latents['latent_channels']}; preprocess with this model's VAE")
-        if arch.get("text_dim") != latents["text_dim"]:
-            raise UserError(f"stage {spec.name}: the model in {tdir} takes text_dim {arch.get('text_dim')}, the latents' "
+        if text_dim != latents["text_dim"]:
+            raise UserError(f"stage {spec.name}: the model in {tdir} takes text_dim {text_dim}, the latents' "
                             f"prompt embeddings have {latents['text_dim']}; preprocess with this model's text encoder")

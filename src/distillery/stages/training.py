@@ -134,7 +134,7 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     from distillery.config.schema import TrackerConfig
     from distillery.evaluation.plots import write_loss_plot
     from distillery.export.weights import export_weights
-    from distillery.models.wan import locate_transformer
+    from distillery.models.registry import locate_transformer
     from distillery.stages.mlflow_runs import parent_run_id
     from distillery.stages.run_config import check_chain, fill_run_config
     from distillery.stages.run_summary import read_run_summary

@@ -5,7 +5,8 @@ table (:func:`distillery.stages.run_config.fill_run_config`, through the config 
 overrides) — no stage-specific code. Adding a training stage: a template in ``stages/``, a row here,
 a dvc.yaml stage (``cmd: distillery stage <name>``, its ``params:`` covering every key of the row),
 and the params.yaml section with its schema in :mod:`distillery.stages.params_schema`
-(``templates/README.md`` has the list).
+(``templates/README.md`` has the list). A row's ``validation`` makes the stage's model a candidate of
+the validate stage (its name, steps and guidance: :class:`ValidationSpec`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,36 @@ class StageVariant:
 
 
 @dataclass(frozen=True)
+class ValidationSpec:
+    """How a training stage's model is a candidate of the validate stage (:func:`distillery.stages.validate.table_candidates`).
+
+    - ``lineage``: the name of the stage's artifact among validate's lineage inputs;
+    - ``steps``: the params.yaml key of its sampling steps — an int, or a list of ints (one candidate
+      each) — or None: its sampling contract's own (``sampling.json``);
+    - ``guidance``: the params.yaml key of its CFG scale, or None: the contract's (a distilled
+      student's guidance is distilled in: none);
+    - ``sampler``: None: sampled as the artifact's ``sampling.json`` says; a registered sampler
+      name: that sampler at its defaults over the artifact's weights (the teacher's Euler baselines).
+
+    A candidate is named ``<stage>_<steps>``; validate takes the rows in table order, and the first
+    candidate is the reference every distance is measured against (put the teacher first).
+    """
+
+    lineage: str
+    steps: str | None = None
+    guidance: str | None = None
+    sampler: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampler is not None and self.steps is None:
+            raise ValueError(f"validation {self.lineage}: a sampler of its own ({self.sampler}) needs a steps key")
+
+    def params_read(self) -> list[str]:
+        """The params.yaml keys the validate stage reads for this row."""
+        return [k for k in (self.steps, self.guidance) if k is not None]
+
+
+@dataclass(frozen=True)
 class TrainingStageSpec:
     """One training stage, declared.
 
@@ -39,7 +70,8 @@ class TrainingStageSpec:
     - ``export_role``: the role whose trained weights the artifact ships (``model/transformer``);
     - ``variant_key`` / ``variants``: a stage with several recipes — the params.yaml key whose value
       names a :class:`StageVariant` (its template replaces ``template``, its params join ``params``);
-      :meth:`resolve` gives the plain spec of the chosen one.
+      :meth:`resolve` gives the plain spec of the chosen one;
+    - ``validation``: how validate scores the stage's model (:class:`ValidationSpec`), None: it does not.
     """
 
     name: str
@@ -49,6 +81,7 @@ class TrainingStageSpec:
     export_role: str = "student"
     variant_key: str | None = None
     variants: dict[str, StageVariant] = field(default_factory=dict)
+    validation: ValidationSpec | None = None
 
     def input_artifacts(self) -> list[tuple[str, str]]:
         """``[(lineage role, artifact stage)]``: each role's init, then the training data."""
@@ -105,6 +138,9 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             template="templates/teacher_sft.yaml",
             inputs={"student": "base"},
             params=loop_params("teacher"),
+            # the reference: many- and few-step Euler with CFG (validate.teacher_steps, the first is the reference)
+            validation=ValidationSpec("teacher", steps="validate.teacher_steps", guidance="validate.guidance_scale",
+                                      sampler="euler"),
         ),
         TrainingStageSpec(
             name="pretrain",
@@ -112,6 +148,7 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             inputs={"student": "teacher"},
             # the causal student attends block-causally over the chunks DFSFT noises independently
             params={**loop_params("pretrain"), "pretrain.chunk_size": ("method.chunk_size", "models.student.chunk_size")},
+            validation=ValidationSpec("pretrain", steps="validate.pretrain_steps", guidance="validate.guidance_scale"),
         ),
         TrainingStageSpec(
             name="distill",
@@ -126,6 +163,7 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
                                                    {"distill.context_noise": "method.context_noise",
                                                     "pretrain.chunk_size": "models.student.chunk_size"}),
                       "dmd2": StageVariant("templates/distill_dmd2.yaml")},
+            validation=ValidationSpec("student"),  # its ladder as its contract says, no CFG (the guidance is distilled in)
         ),
         TrainingStageSpec(
             name="pdd",
@@ -139,6 +177,7 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             variant_key="pdd.student_init",
             variants={"teacher": StageVariant("templates/pdd.yaml", inputs={"student": "teacher", "teacher": "teacher"}),
                       "distill": StageVariant("templates/pdd.yaml", inputs={"student": "distill", "teacher": "teacher"})},
+            validation=ValidationSpec("pdd", steps="validate.pdd_nfe"),  # its NFE curve: the fused-block sampler at each NFE
         ),
     )
 }

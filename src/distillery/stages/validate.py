@@ -1,5 +1,7 @@
 """The ``validate`` stage: the teacher and every student scored on the validation prompts
-(:mod:`distillery.evaluation.validate`), published as ``artifacts/validate/``."""
+(:mod:`distillery.evaluation.validate`), published as ``artifacts/validate/``. Its candidates and
+inputs are the training table's rows that declare a ``validation``
+(:class:`~distillery.stages.training_table.ValidationSpec`)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,12 @@ from typing import TYPE_CHECKING
 from distillery.common.log import get_logger
 from distillery.stages.artifacts import ARTIFACTS, finish, fresh_staging
 from distillery.stages.params import StageParams
+from distillery.stages.training_table import TRAINING_STAGES, TrainingStageSpec
 
 if TYPE_CHECKING:
-    from distillery.evaluation.validate import PromptEmbeddings
+    from collections.abc import Mapping
+
+    from distillery.evaluation.validate import Candidate, PromptEmbeddings
 
 log = get_logger("stage")
 
@@ -46,15 +51,57 @@ def validation_prompts(n: int) -> tuple[list[str], "PromptEmbeddings | None"]:
     return list(seen), embeddings
 
 
+def table_candidates(params: StageParams, table: "Mapping[str, TrainingStageSpec] | None" = None) -> list["Candidate"]:
+    """The validate stage's candidates, from the training table (default: :data:`TRAINING_STAGES`):
+    for each row with a ``validation`` (:class:`~distillery.stages.training_table.ValidationSpec`), in
+    table order, one candidate per step count — named ``<stage>_<steps>``, over
+    ``artifacts/<stage>/model``, sampled as its ``sampling.json`` says (or by the row's own sampler),
+    with the steps and guidance the row's params keys give (else the contract's). The first is the
+    reference. :class:`UserError` when an artifact's sampling contract is missing or invalid."""
+    from distillery.evaluation.validate import Candidate
+
+    candidates: list[Candidate] = []
+    for name, spec in (TRAINING_STAGES if table is None else table).items():
+        how = spec.validation
+        if how is None:
+            continue
+        model_dir = ARTIFACTS / name / "model"
+        guidance = float(params.get(how.guidance)) if how.guidance is not None else None
+        if how.steps is None:
+            counts: list[int | None] = [None]
+        else:
+            value = params.get(how.steps)
+            counts = [int(n) for n in value] if isinstance(value, list) else [int(value)]
+        for n in counts:
+            if how.sampler is not None:  # its own sampler at its defaults (no contract read)
+                assert n is not None  # ValidationSpec: a sampler of its own comes with a steps key
+                cand = Candidate(f"{name}_{n}", model_dir, n, guidance if guidance is not None else 1.0, how.sampler)
+            else:
+                cand = Candidate.from_artifact(name if n is None else f"{name}_{n}", model_dir, n, guidance)
+                if n is None:  # named by the step count its contract gives
+                    cand = dataclasses.replace(cand, name=f"{name}_{cand.num_steps}")
+            candidates.append(cand)
+    return candidates
+
+
+def validation_inputs(table: "Mapping[str, TrainingStageSpec] | None" = None) -> list[tuple[str, Path]]:
+    """The validate artifact's lineage inputs: each validated stage's artifact under its row's
+    ``lineage`` name (table order), then the base and the latents."""
+    rows = (TRAINING_STAGES if table is None else table).items()
+    return ([(spec.validation.lineage, ARTIFACTS / name) for name, spec in rows if spec.validation is not None]
+            + [("base", ARTIFACTS / "base"), ("data", ARTIFACTS / "latents")])
+
+
 def stage_validate(params: StageParams) -> None:
-    """The teacher at many and few steps (the reference: its first step count), the pretrain student
-    at its steps with the teacher's guidance, the distilled student as its sampling contract
-    says (its ladder, no CFG: the guidance is distilled in) and the PDD student at each NFE of
-    ``validate.pdd_nfe`` — adherence, distribution and paired
-    distance, sharpness, NFE, latency, each with its spread over seeds. ``metrics.json`` (and DVC's
-    ``metrics/validate.json``) holds the headline numbers (:func:`distillery.evaluation.validate.headline_metrics`);
-    ``report/metrics.json`` all of them. The grid and the adherence plot go to the stage's MLflow run."""
-    from distillery.evaluation.validate import Candidate, ValidationConfig, headline_metrics, run_validation, teacher_candidates
+    """Every candidate of the training table (:func:`table_candidates`: by default the teacher at many
+    and few steps — the reference: its first step count —, the pretrain student at its steps with
+    the teacher's guidance, the distilled student as its sampling contract says (its ladder, no CFG:
+    the guidance is distilled in) and the PDD student at each NFE of ``validate.pdd_nfe``) scored on
+    the validation prompts — adherence, distribution and paired distance, sharpness, NFE, latency,
+    each with its spread over seeds. ``metrics.json`` (and DVC's ``metrics/validate.json``) holds the
+    headline numbers (:func:`distillery.evaluation.validate.headline_metrics`); ``report/metrics.json``
+    all of them. The grid and the adherence plot go to the stage's MLflow run."""
+    from distillery.evaluation.validate import ValidationConfig, headline_metrics, run_validation
     from distillery.stages.device import stage_device
 
     v = params.get("validate")
@@ -65,14 +112,8 @@ def stage_validate(params: StageParams) -> None:
                            seed=params.get("seed"), num_seeds=int(v["num_seeds"]),  # progress: a line per 10 % or minute
                            device=stage_device(str(v.get("device", "auto")), int(params.get("gpus.nproc_per_node")), "validate.device"))
     log.info("validate: on %s", cfg.device)
-    candidates = teacher_candidates(ARTIFACTS / "teacher" / "model", cfg)
     # students are sampled as their artifacts' sampling.json says (the sampler registry, no kinds here)
-    candidates.append(Candidate.from_artifact(f"pretrain_{v['pretrain_steps']}", ARTIFACTS / "pretrain" / "model",
-                                              int(v["pretrain_steps"]), float(v["guidance_scale"])))
-    distilled = Candidate.from_artifact("distill", ARTIFACTS / "distill" / "model")
-    candidates.append(dataclasses.replace(distilled, name=f"distill_{distilled.num_steps}"))  # named by its step count
-    # the PDD student's NFE curve: its fused-block sampler at each NFE (no CFG: the teacher's guidance is distilled in)
-    candidates += [Candidate.from_artifact(f"pdd_{n}", ARTIFACTS / "pdd" / "model", int(n)) for n in v["pdd_nfe"]]
+    candidates = table_candidates(params)
     staging = fresh_staging("validate")
     report = staging / "report"
     prompts, embeddings = validation_prompts(int(v["num_prompts"]))
@@ -81,7 +122,4 @@ def stage_validate(params: StageParams) -> None:
     shown = [(report / name, "grid") for name in ("grid.gif", "grid.mp4")] + [(report / "plots" / "adherence_vs_nfe.png", "plots")]
     finish("validate", staging, kind="validation", params=params, metrics=headline_metrics(metrics),
            mlflow_files=[(path, folder) for path, folder in shown if path.is_file()],
-           plots={"validate_adherence.csv": Path("report/plots/adherence.csv")},
-           inputs=[("teacher", ARTIFACTS / "teacher"), ("pretrain", ARTIFACTS / "pretrain"),
-                   ("student", ARTIFACTS / "distill"), ("pdd", ARTIFACTS / "pdd"), ("base", ARTIFACTS / "base"),
-                   ("data", ARTIFACTS / "latents")])
+           plots={"validate_adherence.csv": Path("report/plots/adherence.csv")}, inputs=validation_inputs())

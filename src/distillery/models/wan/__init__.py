@@ -1,6 +1,7 @@
-"""Wan 2.1 model plugins over ``diffusers.WanTransformer3DModel``.
+"""Wan 2.1 model plugins over ``diffusers.WanTransformer3DModel``: the ``wan2.1`` model family.
 
-- :mod:`.common` — locating a diffusers Wan folder, the shared config knobs;
+- :mod:`.common` — locating a diffusers Wan folder, the shared config knobs, building a transformer
+  from its config;
 - :mod:`.bidirectional` — :class:`WanModel`, the full-attention text-to-video transformer;
 - :mod:`.causal` — :class:`CausalWanModel`, block-causal attention over frame chunks + a KV cache
   for chunk-by-chunk streaming (same weights and layout);
@@ -10,14 +11,20 @@
 - :mod:`.attention` — the attention backends (``auto``: FlashAttention-4 on SM90+ GPUs, else SDPA).
 
 ``distillery.models.wan.WanModel`` / ``CausalWanModel`` / ``PDDWanModel`` are the names run
-configs use as ``_target_``.
+configs use as ``_target_``. The family's loaders — :func:`locate_transformer`,
+:func:`load_inference_model`, :func:`build_transformer`, :func:`input_widths`, :data:`HEAD_BANK_FILE`,
+:func:`empty_head_bank`, :func:`save_head_bank` — are what :mod:`distillery.models.registry` hands
+the stages, validate and export for a folder whose transformer is a ``WanTransformer3DModel``
+(:class:`distillery.models.registry.FamilyLoaders` is the contract); they never import this package.
 """
 
 from distillery.models.wan.bidirectional import WanModel
 from distillery.models.wan.causal import CausalWanModel, CausalWanModelConfig
-from distillery.models.wan.common import TRANSFORMER_CLASS, WanModelConfig, locate_transformer
+from distillery.models.wan.common import TRANSFORMER_CLASS, WanModelConfig, build_transformer, input_widths, locate_transformer
 from distillery.models.wan.inference import load_inference_model
-from distillery.models.wan.pdd import PDDWanModel, PDDWanModelConfig
+from distillery.models.wan.pdd import HEADS_FILE as HEAD_BANK_FILE
+from distillery.models.wan.pdd import PDDWanModel, PDDWanModelConfig, empty_head_bank, save_head_bank
 
-__all__ = ["TRANSFORMER_CLASS", "CausalWanModel", "CausalWanModelConfig", "PDDWanModel", "PDDWanModelConfig", "WanModel", "WanModelConfig",
-           "load_inference_model", "locate_transformer"]
+__all__ = ["HEAD_BANK_FILE", "TRANSFORMER_CLASS", "CausalWanModel", "CausalWanModelConfig", "PDDWanModel", "PDDWanModelConfig",
+           "WanModel", "WanModelConfig", "build_transformer", "empty_head_bank", "input_widths", "load_inference_model",
+           "locate_transformer", "save_head_bank"]

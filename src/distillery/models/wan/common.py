@@ -1,4 +1,5 @@
-"""What every Wan plugin shares: the config knobs and locating a diffusers Wan folder.
+"""What every Wan plugin shares: the config knobs, locating a diffusers Wan folder, building and
+reading a ``WanTransformer3DModel`` config (the family's loaders, :mod:`distillery.models.registry`).
 
 ``init_from`` names a diffusers model folder (holding ``transformer/`` and ``scheduler/``) or a
 transformer folder itself (``config.json`` + safetensors, e.g. an earlier stage's output, with the
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from distillery.common.errors import UserError
 
@@ -54,3 +55,19 @@ def locate_transformer(init_from: str | Path) -> tuple[Path, Path | None]:
                     return candidate, sched
             return candidate, None
     raise UserError(f"{root}: no transformer/config.json or config.json found; expected a diffusers Wan folder")
+
+
+def build_transformer(config: dict[str, Any]) -> Any:
+    """A ``WanTransformer3DModel`` of the architecture ``config`` (a ``config.json`` mapping; random
+    weights, to load a checkpoint into). :class:`UserError` for a config of another class."""
+    from diffusers import WanTransformer3DModel
+
+    if config.get("_class_name") != TRANSFORMER_CLASS:
+        raise UserError(f"config of a {config.get('_class_name')}, not a {TRANSFORMER_CLASS}")
+    return WanTransformer3DModel.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+
+
+def input_widths(config: dict[str, Any]) -> tuple[int | None, int | None]:
+    """``(latent channels, text embedding width)`` a Wan transformer of ``config`` takes (its
+    ``in_channels`` and ``text_dim``; None where the config lacks one)."""
+    return config.get("in_channels"), config.get("text_dim")

@@ -41,27 +41,15 @@ import torch.nn.functional as F
 
 from distillery.common.errors import UserError
 from distillery.config.typed import bounded
-from distillery.models.base import Conditioning, TrainingBatch
+from distillery.models.base import Conditioning, HeadGroup, PDDModelBase, TrainingBatch
 from distillery.models.schedule import block_weights
 from distillery.models.wan.bidirectional import WanModel
 from distillery.models.wan.common import WanModelConfig
 
-HEADS_FILE = "pdd_heads.safetensors"
+HEADS_FILE = "pdd_heads.safetensors"  # the head bank beside the trunk's weights (module doc)
 
-@dataclass
-class HeadGroup:
-    """Heads one forward projects: ``heads`` (grid-interval indices), fused into one by ``coeffs``
-    (``[len(heads)]``) when given; ``detached``: from the trunk states without gradient (a rollout's
-    advance), else with it (the supervised head)."""
-
-    heads: list[int]
-    coeffs: torch.Tensor | None = None
-    detached: bool = False
-
-    @property
-    def size(self) -> int:
-        return 1 if self.coeffs is not None else len(self.heads)
-
+__all__ = ["HEADS_FILE", "HeadGroup", "PDDHeadBank", "PDDWanModel", "PDDWanModelConfig", "empty_head_bank", "read_head_bank",
+           "save_head_bank", "write_head_bank"]
 
 @dataclass
 class _Request:
@@ -153,8 +141,20 @@ def write_head_bank(path: Path, weight: torch.Tensor, bias: torch.Tensor) -> Non
               str(path), metadata={"pdd_steps": str(int(weight.shape[0]))})
 
 
-class PDDWanModel(WanModel):
-    """A :class:`WanModel` whose output projection is a :class:`PDDHeadBank` (module doc)."""
+def empty_head_bank(transformer: torch.nn.Module, num_heads: int) -> PDDHeadBank:
+    """A bank of ``num_heads`` heads shaped for ``transformer`` (a ``WanTransformer3DModel``), each
+    initialised from its ``proj_out``: what a checkpoint's ``heads`` are loaded into (export)."""
+    return PDDHeadBank(transformer.proj_out, num_heads)
+
+
+def save_head_bank(path: Path, bank: PDDHeadBank) -> None:
+    """Write ``bank`` as a heads file (:func:`write_head_bank`)."""
+    write_head_bank(path, torch.stack(list(bank.weight)), torch.stack(list(bank.bias)))
+
+
+class PDDWanModel(WanModel, PDDModelBase):
+    """A :class:`WanModel` whose output projection is a :class:`PDDHeadBank` (module doc); the Wan
+    family's :class:`~distillery.models.base.PDDModelBase`."""
 
     config_class = PDDWanModelConfig
 
