@@ -1,8 +1,8 @@
 """The training stages' declarative table, their run configs and the run summary they read.
 
-- a template filled by its table row through the config loader's override path: every value lands
-  with its type (``1e-5`` stays a float, a path that looks like a number stays a string), nothing
-  else of the template changes, a row naming a key the schema lacks is one line;
+- a template filled by its table row with the typed params' Python values (no YAML text between
+  them): every value lands with its type (``1e-5`` stays a float), nothing else of the template
+  changes, a template holds no value a row fills, a row naming a key the schema lacks is one line;
 - ``run_summary.json`` read into what the artifact needs: ``loss.json`` / ``sampling.json`` bytes,
   and one line for a missing, malformed or escaping summary.
 """
@@ -18,22 +18,14 @@ import pytest
 import yaml
 
 from distillery.common.errors import UserError
-from distillery.config.loader import parse_override_value
 from distillery.stages.artifacts import write_json_atomic
 from distillery.stages.dvcfile import stage_params
 from distillery.stages.params import Params, StageParams
-from distillery.stages.run_config import fill_run_config, override_text, stage_overrides
+from distillery.stages.run_config import fill_run_config, stage_overrides
 from distillery.stages.run_summary import SUMMARY_FILE, read_run_summary
 from distillery.stages.training_table import TRAINING_STAGES, TrainingStageSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.mark.parametrize("value", [1e-5, 2.0e-4, 120, 0, False, None, "123", "true", "1e3", "artifacts/base/model",
-                                   "a: b", {"distillery.stage": "teacher"}, [1, 2.5, "x"]])
-def test_override_text_parses_back_to_the_value(value):
-    parsed = parse_override_value("k", override_text(value))
-    assert parsed == value and type(parsed) is type(value)
 
 
 def _workspace(tmp_path: Path, monkeypatch, updates: dict[str, object] | None = None) -> Params:

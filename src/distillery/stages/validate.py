@@ -61,21 +61,21 @@ def stage_validate(params: StageParams) -> None:
     made = latent_settings()  # the videos validate samples have the size the models were trained on
     cfg = ValidationConfig(num_frames=int(made["num_frames"]), height=int(made["height"]), width=int(made["width"]),
                            fps=float(made["fps"]),
-                           teacher_steps=list(v["teacher_steps"]), guidance_scale=float(v["guidance_scale"]),
-                           seed=params.get("seed"), num_seeds=int(v["num_seeds"]),  # progress: a line per 10 % or minute
-                           device=stage_device(str(v.get("device", "auto")), int(params.get("gpus.nproc_per_node")), "validate.device"))
+                           teacher_steps=list(v.teacher_steps), guidance_scale=v.guidance_scale,
+                           seed=params.get("seed"), num_seeds=v.num_seeds,  # progress: a line per 10 % or minute
+                           device=stage_device(v.device, params.get("gpus.nproc_per_node"), "validate.device"))
     log.info("validate: on %s", cfg.device)
     candidates = teacher_candidates(ARTIFACTS / "teacher" / "model", cfg)
     # students are sampled as their artifacts' sampling.json says (the sampler registry, no kinds here)
-    candidates.append(Candidate.from_artifact(f"pretrain_{v['pretrain_steps']}", ARTIFACTS / "pretrain" / "model",
-                                              int(v["pretrain_steps"]), float(v["guidance_scale"])))
+    candidates.append(Candidate.from_artifact(f"pretrain_{v.pretrain_steps}", ARTIFACTS / "pretrain" / "model",
+                                              v.pretrain_steps, v.guidance_scale))
     distilled = Candidate.from_artifact("distill", ARTIFACTS / "distill" / "model")
     candidates.append(dataclasses.replace(distilled, name=f"distill_{distilled.num_steps}"))  # named by its step count
     # the PDD student's NFE curve: its fused-block sampler at each NFE (no CFG: the teacher's guidance is distilled in)
-    candidates += [Candidate.from_artifact(f"pdd_{n}", ARTIFACTS / "pdd" / "model", int(n)) for n in v["pdd_nfe"]]
+    candidates += [Candidate.from_artifact(f"pdd_{n}", ARTIFACTS / "pdd" / "model", n) for n in v.pdd_nfe]
     staging = fresh_staging("validate")
     report = staging / "report"
-    prompts, embeddings = validation_prompts(int(v["num_prompts"]))
+    prompts, embeddings = validation_prompts(v.num_prompts)
     metrics = run_validation(ARTIFACTS / "base" / "model", candidates, prompts, report, cfg, prompt_embeddings=embeddings)
     # DVC gets the numbers a user compares; every metric stays in report/metrics.json, the details in report.json
     shown = [(report / name, "grid") for name in ("grid.gif", "grid.mp4")] + [(report / "plots" / "adherence_vs_nfe.png", "plots")]
