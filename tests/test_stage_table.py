@@ -95,6 +95,30 @@ def test_template_filled_by_its_row(tmp_path, monkeypatch, stage, variant):
     assert filled == template
 
 
+def _lookup(raw: dict, dotted: str) -> object:
+    node: object = raw
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None  # absent: a placeholder too
+        node = node[part]
+    return node
+
+
+@pytest.mark.parametrize("stage,variant", ROWS)
+def test_templates_hold_no_value_a_row_fills(tmp_path, monkeypatch, stage, variant):
+    """Every key the stage fills is null (or absent) in its template, so a template never holds a value
+    that contradicts params.yaml; each params.yaml key the row reads is named in the template's text."""
+    row = TRAINING_STAGES[stage]
+    params = _workspace(tmp_path, monkeypatch, {row.variant_key: variant} if variant else None)
+    view = StageParams(params, stage, stage_params(stage))
+    spec = row.resolve(view)
+    text = Path(spec.template).read_text()
+    template = yaml.safe_load(text)
+    held = {key: _lookup(template, key) for key, _ in stage_overrides(spec, view, "p") if _lookup(template, key) is not None}
+    assert not held, f"{spec.template} holds values its stage fills: {held}"
+    assert not [k for k in spec.params if f"params.yaml {k}" not in text]
+
+
 def test_a_row_naming_an_unknown_config_key_is_one_line(tmp_path, monkeypatch):
     params = _workspace(tmp_path, monkeypatch)
     spec = TrainingStageSpec(name="teacher", template="templates/teacher_sft.yaml", inputs={"student": "base"},
