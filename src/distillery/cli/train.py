@@ -57,10 +57,7 @@ def run_training(argv: list[str]) -> int:
     from distillery.components.checkpoint.trust import grant_checkpoints
 
     grant_checkpoints(args.allow_checkpoint)
-    config = load_run_config(args.config, parse_override_args(rest), prefixes)
-    from distillery.engine.builder import check_roles_early
-
-    check_roles_early(config)
+    config = load_run_config(args.config, parse_override_args(rest), prefixes)  # the roles: checked once, by build_run
     from distillery.components.distributed import init_distributed, shutdown
 
     env = init_distributed(config.training.distributed)

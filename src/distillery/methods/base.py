@@ -76,7 +76,6 @@ class TrainingMethod(ABC):
         self.config = config
         self.training = training
         self.rank = rank
-        self.check_roles(role_models)
         self.role_models = dict(role_models)
         self.student = role_models["student"]
         self.rng = BatchRNG(training.loop.seed)
@@ -88,7 +87,9 @@ class TrainingMethod(ABC):
     @classmethod
     def check_roles(cls, role_models: dict[str, Any]) -> None:
         """Raise a UserError unless the roles fit this method (names, trainability and, for model
-        objects or classes, kinds)."""
+        objects, kinds). A run checks them once, from its config before any weights load
+        (:func:`distillery.engine.builder.check_roles_early`, with :meth:`check_role_kind` per role's
+        model class); constructing a method does not check them again."""
         name = cls.__name__
         missing = [r for r in cls.required_roles if r not in role_models]
         allowed = set(cls.required_roles) | set(cls.optional_roles)
