@@ -122,6 +122,25 @@ def _check_numbers(value: Any, bounds: Any, where: str) -> None:
             raise FieldError(where, value, problem)
 
 
+def check_fields(obj: Any, where: str) -> None:
+    """The rules :func:`from_mapping` checks after the types — each field's ``check``, its range, the
+    path rules — on the dataclass ``obj`` as built (a config made in Python, not read from a file);
+    the first that breaks is a :class:`FieldError` at ``<where>.<field>``. Nested dataclasses are not entered."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), _join(where, f.name)
+        if dataclasses.is_dataclass(value):
+            continue
+        check = f.metadata.get(_CHECK)
+        problem = check(value) if check is not None else None
+        if problem:
+            raise FieldError(key, value, problem)
+        _check_numbers(value, f.metadata.get(_RANGE), key)
+        if isinstance(value, str) and is_path_field(f.name):
+            problem = path_problem(value)
+            if problem:
+                raise FieldError(key, value, problem)
+
+
 def config_error(where: str, message: str) -> UserError:
     """Build the one-line config error for the dotted key ``where`` (the line is cut if absurdly long)."""
     return UserError(cut(f"config error: {cut(where, 200)}: {message}"))

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from distillery.common.errors import UserError
 from distillery.config.limits import path_problem, show
 from distillery.config.typed import Check, FieldError, bounded, from_mapping
+from distillery.config.validation import MAX_PROMPTS
 
 TRAINING_STAGES = ("teacher", "pretrain", "distill", "pdd")  # stages that train a model (training_table.TRAINING_STAGES); export picks one
 MAX_SEED = 2**32 - 1  # numpy and torch both take seeds in [0, 2**32)
@@ -44,7 +45,6 @@ MAX_ROWS_PER_SHARD = 100_000
 MAX_SAMPLING_STEPS = 1000  # a sampler or grid over the 1000 training timesteps (docs/architecture.md §3)
 MAX_GUIDANCE = 100.0
 MAX_TIMESTEP = 1000.0  # a timestep of the 1000 training timesteps (exclusive)
-MAX_PROMPTS = 10_000
 MAX_SEEDS = 1000
 MAX_CURVE = 64  # step counts / NFEs in one validation curve
 
@@ -205,7 +205,7 @@ class PDDParams(TrainingStageParams):
 
 @dataclass
 class ValidateParams:
-    num_prompts: int = rule(8, 1, MAX_PROMPTS)  # validation captions sampled per model
+    num_prompts: int = rule(8, 1, MAX_PROMPTS)  # validation captions sampled per model (config.validation.ValidationSampling.num_prompts)
     num_seeds: int = rule(2, 1, MAX_SEEDS)  # noise draws per prompt (spreads are over them)
     teacher_steps: list[int] = rule([40, 8, 4, 2, 1], 1, MAX_SAMPLING_STEPS, step_list)  # the teacher's sampling step counts (the first: the reference)
     pretrain_steps: int = rule(40, 1, MAX_SAMPLING_STEPS)  # the pretrain student's sampling steps
