@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from distillery.config.schema import MAX_SEED
 from distillery.config.typed import bounded, check_fields
 
 SEED_STRIDE = 1000  # seed index j shifts every prompt's generator seed by SEED_STRIDE·j
 MAX_PROMPTS = 10_000  # validation prompts of one run
-MAX_SEED = 2**32 - 1  # torch.Generator seeds (and numpy's) lie in [0, 2**32)
 MIN_FPS, MAX_FPS = 1.0, 240.0  # frames per second of a written video (a ratio of small integers)
 
 

@@ -25,11 +25,11 @@ from typing import Any, Literal
 
 from distillery.common.errors import UserError
 from distillery.config.limits import path_problem, show
+from distillery.config.schema import MAX_LEARNING_RATE, MAX_SEED  # the run config's: params feed them
 from distillery.config.typed import Check, FieldError, bounded, from_mapping
 from distillery.config.validation import MAX_PROMPTS
 
 TRAINING_STAGES = ("teacher", "pretrain", "distill", "pdd")  # stages that train a model (training_table.TRAINING_STAGES); export picks one
-MAX_SEED = 2**32 - 1  # numpy and torch both take seeds in [0, 2**32)
 # Upper bounds: far beyond any real run, low enough that what they size (a tensor, a loop) fits a machine.
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 1024
@@ -40,7 +40,6 @@ MAX_PIXELS = 4096  # frame height or width (Wan2.1 at 720p: 1280)
 MIN_FPS, MAX_FPS = 1, 240  # frames per second (a video stream's rate must be a ratio of small integers)
 MAX_STEPS = 10_000_000  # optimizer steps of one stage
 MAX_BATCH = 4096  # samples per rank per step
-MAX_LEARNING_RATE = 1e12  # no allocation follows from it: a rate that makes the loss diverge stops at the first NaN (case 8.10 injects 1e12)
 MAX_ROWS_PER_SHARD = 100_000
 MAX_SAMPLING_STEPS = 1000  # a sampler or grid over the 1000 training timesteps (docs/architecture.md §3)
 MAX_GUIDANCE = 100.0
