@@ -43,7 +43,7 @@ def build_method(config: RunConfig, models: dict[str, ModelBase], rank: int, opt
     comp = config.method
     if not (isinstance(comp.cls, type) and issubclass(comp.cls, TrainingMethod)):
         raise UserError(f"config error: method._target_: {comp.target} is not a distillery method (TrainingMethod)")
-    return comp.cls(comp.config, models, config.training, rank=rank, optimizer_configs=optimizers)
+    return comp.cls(comp.config, models, config.training, rank=rank, optimizer_configs=optimizers, roles_checked=True)
 
 
 def build_callbacks(config: RunConfig) -> list[Callback]:
