@@ -1,8 +1,8 @@
 """The training stages' declarative table, their run configs and the run summary they read.
 
-- a template filled by its table row through the config loader's override path: every value lands
-  with its type (``1e-5`` stays a float, a path that looks like a number stays a string), nothing
-  else of the template changes, a row naming a key the schema lacks is one line;
+- a template filled by its table row with the typed params' Python values (no YAML text between
+  them): every value lands with its type (``1e-5`` stays a float), nothing else of the template
+  changes, a template holds no value a row fills, a row naming a key the schema lacks is one line;
 - ``run_summary.json`` read into what the artifact needs: ``loss.json`` / ``sampling.json`` bytes,
   and one line for a missing, malformed or escaping summary.
 """
@@ -18,22 +18,14 @@ import pytest
 import yaml
 
 from distillery.common.errors import UserError
-from distillery.config.loader import parse_override_value
 from distillery.stages.artifacts import write_json_atomic
 from distillery.stages.dvcfile import stage_params
 from distillery.stages.params import Params, StageParams
-from distillery.stages.run_config import fill_run_config, override_text, stage_overrides
+from distillery.stages.run_config import fill_run_config, stage_overrides
 from distillery.stages.run_summary import SUMMARY_FILE, read_run_summary
 from distillery.stages.training_table import TRAINING_STAGES, TrainingStageSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.mark.parametrize("value", [1e-5, 2.0e-4, 120, 0, False, None, "123", "true", "1e3", "artifacts/base/model",
-                                   "a: b", {"distillery.stage": "teacher"}, [1, 2.5, "x"]])
-def test_override_text_parses_back_to_the_value(value):
-    parsed = parse_override_value("k", override_text(value))
-    assert parsed == value and type(parsed) is type(value)
 
 
 def _workspace(tmp_path: Path, monkeypatch, updates: dict[str, object] | None = None) -> Params:
@@ -101,6 +93,30 @@ def test_template_filled_by_its_row(tmp_path, monkeypatch, stage, variant):
         _unset(template, key)
         _unset(filled, key)
     assert filled == template
+
+
+def _lookup(raw: dict, dotted: str) -> object:
+    node: object = raw
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None  # absent: a placeholder too
+        node = node[part]
+    return node
+
+
+@pytest.mark.parametrize("stage,variant", ROWS)
+def test_templates_hold_no_value_a_row_fills(tmp_path, monkeypatch, stage, variant):
+    """Every key the stage fills is null (or absent) in its template, so a template never holds a value
+    that contradicts params.yaml; each params.yaml key the row reads is named in the template's text."""
+    row = TRAINING_STAGES[stage]
+    params = _workspace(tmp_path, monkeypatch, {row.variant_key: variant} if variant else None)
+    view = StageParams(params, stage, stage_params(stage))
+    spec = row.resolve(view)
+    text = Path(spec.template).read_text()
+    template = yaml.safe_load(text)
+    held = {key: _lookup(template, key) for key, _ in stage_overrides(spec, view, "p") if _lookup(template, key) is not None}
+    assert not held, f"{spec.template} holds values its stage fills: {held}"
+    assert not [k for k in spec.params if f"params.yaml {k}" not in text]
 
 
 def test_a_row_naming_an_unknown_config_key_is_one_line(tmp_path, monkeypatch):

@@ -5,7 +5,9 @@ optimizer steps, the callback samples the first ``num_prompts`` rows of a latent
 their captions and stored text embeddings, zero-padded to ``text_max_length`` as training pads
 them, with the stored empty-prompt embedding as the CFG negative — through the sampler that the
 method's sampling contract (``ctx.sampling``) names, from the role's model plugin. Prompt ``i``
-starts from noise of a ``torch.Generator`` seeded ``seed + i`` (the validate stage's convention).
+starts from noise of a ``torch.Generator`` seeded ``seed + i``: the prompts, the noise and the GIF's
+rate are the settings it shares with the validate stage
+(:class:`~distillery.config.validation.ValidationSampling`, which its config extends).
 
 Every rank samples the same prompts with the same generators (under FSDP2 every rank must run the
 forwards; no rank waits on another). Rank 0 then logs through ``ctx.tracker``:
@@ -27,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -35,6 +37,7 @@ from distillery.callbacks.base import Callback, CallbackContext
 from distillery.common.errors import UserError
 from distillery.common.log import get_logger
 from distillery.config.typed import bounded
+from distillery.config.validation import MAX_PROMPTS, ValidationSampling
 
 if TYPE_CHECKING:
     import numpy as np
@@ -45,20 +48,25 @@ log = get_logger("callbacks.validation")
 
 
 @dataclass
-class ValidationCallbackConfig:
+class ValidationCallbackConfig(ValidationSampling):
+    """``num_prompts`` (the first this-many rows of the split), ``seed`` (prompt i: a generator seeded
+    seed + i, the same on every rank) and ``fps`` (the logged GIF grid's) are the shared validation
+    settings; the rest is the callback's own."""
+
+    where: ClassVar[str] = "callbacks.validation"
+
+    num_prompts: int = bounded(4, 1, MAX_PROMPTS)  # the first this-many rows of the split are the fixed prompts
     data_path: str = ""  # latent set folder (the latents stage's data/) whose prompts and text embeddings are sampled
     split: str | None = None  # split of data_path to read; null: "validation" when it exists, else "train"
     every_steps: int = 100  # validate at step 0 and every this many optimizer steps
-    num_prompts: int = bounded(4, 1, 10_000)  # the first this-many rows of the split are the fixed prompts
     num_steps: int | None = bounded(None, 1, 1000)  # sampler steps; null: the sampling contract's default
     guidance_scale: float | None = None  # CFG scale (> 1: CFG on); null: the sampling contract's (default 1)
-    seed: int = bounded(0, 0, 2**32 - 1)  # prompt i starts from noise of a generator seeded seed + i (the same on every rank)
     role: str = "student"  # the role model to sample
     text_max_length: int = bounded(512, 1, 4096)  # embeddings zero-padded/truncated to this many tokens (= training.data.text_max_length)
     vae_from: str | None = None  # diffusers folder whose vae/ decodes the samples (and analyzer.json scores them); null: no videos
-    fps: float = bounded(8.0, 1.0, 240.0)  # frame rate of the logged GIF grid
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the shared bounds (num_prompts, seed, fps)
         if not self.data_path:
             raise ValueError("data_path is required: the latent set folder whose prompts are sampled")
         if self.every_steps < 1 or self.num_prompts < 1 or self.text_max_length < 1:
@@ -166,7 +174,7 @@ class ValidationCallback(Callback):
         if self._prompts is None:
             self._prompts = ValidationPrompts.read(Path(cfg.data_path), cfg.split, cfg.num_prompts, cfg.text_max_length)
         prompts = self._prompts
-        generators = [torch.Generator().manual_seed(cfg.seed + i) for i in range(len(prompts.captions))]
+        generators = [torch.Generator().manual_seed(cfg.generator_seed(i)) for i in range(len(prompts.captions))]
         started = time.perf_counter()
         with _eval_mode(model), torch.no_grad():
             latents = sampler.sample(model, prompts.conditioning(), prompts.latent_shape, generators,

@@ -20,7 +20,8 @@ overrides:
     --training.loop.max_train_steps 10  --training.optimizer.learning_rate 1e-4
     --models.student.init_from PATH     --method.chunk_size=3
   The key must exist in the config (a key that does not is one error line naming the valid keys, exit 2);
-  the value is YAML (10, 1e-4, true, null, [1, 2], {a: 1}; other text is a string)."""
+  the value is YAML read as DVC reads it, 1.2 (10, 1e-4, true, null, [1, 2], {a: 1}; other text is a string);
+  a value YAML 1.1 reads otherwise (010, yes, 1:30) is one error line saying how to write it."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,10 +58,7 @@ def run_training(argv: list[str]) -> int:
     from distillery.components.checkpoint.trust import grant_checkpoints
 
     grant_checkpoints(args.allow_checkpoint)
-    config = load_run_config(args.config, parse_override_args(rest), prefixes)
-    from distillery.engine.builder import check_roles_early
-
-    check_roles_early(config)
+    config = load_run_config(args.config, parse_override_args(rest), prefixes)  # the roles: checked once, by build_run
     from distillery.components.distributed import init_distributed, shutdown
 
     env = init_distributed(config.training.distributed)

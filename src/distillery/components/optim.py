@@ -2,8 +2,11 @@
 
 ``training.optimizer`` is every trainable role's default; ``models.<role>.optimizer`` overrides it
 field by field (a DMD critic typically runs ``learning_rate: 2.0e-6, betas: [0.0, 0.999]`` beside a
-student at another rate). :func:`resolve_optimizer_config` merges the two; :func:`build_role_optimizer`
-makes the AdamW and its LR schedule over the parameters of a role's trainable modules.
+student at another rate). :func:`role_optimizer_configs` resolves every role's once per run, from the
+config before any weights load (:func:`distillery.engine.builder.check_roles_early`, whose result the
+method is built with); :func:`resolve_optimizer_config` merges the two for one role;
+:func:`build_role_optimizer` makes the AdamW and its LR schedule over the parameters of a role's
+trainable modules.
 """
 
 from __future__ import annotations
@@ -15,7 +18,21 @@ from dataclasses import dataclass
 import torch
 
 from distillery.common.errors import UserError
-from distillery.config.schema import OptimizerConfig, OptimizerOverride
+from distillery.config.schema import OptimizerConfig, OptimizerOverride, RunConfig
+
+
+def role_optimizer_configs(config: RunConfig) -> dict[str, OptimizerConfig]:
+    """Trainable role → its optimizer config (``models.<role>.optimizer`` over ``training.optimizer``);
+    an optimizer given to a frozen role is a config error."""
+    out = {}
+    for role, comp in config.models.items():
+        if not getattr(comp.config, "trainable", False):
+            if comp.optimizer is not None:
+                raise UserError(f"config error: models.{role}.optimizer: the {role} is frozen (trainable: false); "
+                                "remove its optimizer or make it trainable")
+            continue
+        out[role] = resolve_optimizer_config(config.training.optimizer, comp.optimizer, role)
+    return out
 
 
 def resolve_optimizer_config(default: OptimizerConfig, override: OptimizerOverride | None, role: str) -> OptimizerConfig:

@@ -1,8 +1,12 @@
 """Load a run config: YAML file → dotted overrides → typed, validated :class:`RunConfig`.
 
-Overrides are ``(dotted.key, value_text)`` pairs; the value text is parsed as YAML (``10`` is an
-int, ``true`` a bool, ``[1, 2]`` a list). An override must name a key that exists in the schema
-(a dataclass field or a component's ``_target_``/config field), else a one-line UserError.
+An override names a key that must exist in the schema (a dataclass field or a component's
+``_target_``/config field), else a one-line UserError; :func:`set_override` sets it to a Python
+value (how a training stage fills its template from typed params: no YAML text between them).
+A command-line override (``--training.optimizer.learning_rate 1e-4``) is a ``(dotted.key,
+value_text)`` pair whose text is read as DVC reads YAML, 1.2 (:func:`parse_override_value`:
+``10`` is an int, ``1e-4`` a float, ``true`` a bool, ``[1, 2]`` a list; a scalar YAML 1.1 would read
+as another value, ``010`` or ``yes``, is refused in one line saying how to write it).
 
 The file and every override value are read within the bounds of :mod:`distillery.config.limits`
 (size, nesting, string and integer length, strict UTF-8), so no input ends in a traceback.
@@ -36,6 +40,7 @@ from distillery.config.limits import (
 from distillery.config.schema import Component, OptimizerOverride, RunConfig, TrainingConfig
 from distillery.config.targets import resolve_target
 from distillery.config.typed import config_error, field_types, from_mapping
+from distillery.config.yaml_versions import Scalar, collector, disagreement_line, disagreements, dvc_load, is_dotless_float
 
 TOP_LEVEL_KEYS = ("models", "method", "training", "callbacks")
 MAX_TARGET_CHARS = 200  # a _target_ dotted path
@@ -82,12 +87,32 @@ def _check_override_key(key: str) -> list[str]:
     return parts
 
 
+_OVERRIDE_READERS = ("YAML 1.2 (as DVC reads it)", "YAML 1.1 (as a run-config file reads it)")
+
+
 def parse_override_value(key: str, value_text: str) -> Any:
-    """The YAML value of one override, within the same bounds as a config file (text that is not YAML is a string)."""
+    """The value of one command-line override as YAML 1.2 reads it (as DVC reads ``-S key=value`` and
+    params.yaml), within the same bounds as a config file; text that is not YAML is a string.
+
+    Where YAML 1.1 (PyYAML, a run-config file) reads a scalar as another value, the exponent without a
+    dot is 1.2's float (``1e-4``, what the train help shows); any other (``010``, ``yes``, ``1:00``) is
+    refused in one line saying how to write it so both read one value.
+    """
     source = f"config error: --{show_key(key)}"
     if len(value_text) > MAX_OVERRIDE_CHARS:
         raise UserError(f"{source}: a value of {len(value_text)} characters; at most {MAX_OVERRIDE_CHARS}")
-    return parse_yaml_text(value_text, source, syntax_error_as_text=True)
+    scalars: list[Scalar] = []
+    value = parse_yaml_text(value_text, source, syntax_error_as_text=True, on_scalar=collector(scalars))
+    found = disagreements(scalars)
+    refused = [d for d in found if not is_dotless_float(d[1], d[2])]
+    if refused:
+        raise UserError(disagreement_line(*refused[0], source, line=False, readers=_OVERRIDE_READERS))
+    if found:  # only floats 1.1 reads as text: the value as 1.2 reads it
+        try:
+            return dvc_load(value_text)
+        except Exception:  # noqa: BLE001 - not YAML to 1.2 either: the text, as parse_yaml_text gave it
+            return value
+    return value
 
 
 def check_target(target: Any, where: str) -> None:
@@ -126,9 +151,16 @@ def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def apply_override(raw: dict[str, Any], key: str, value_text: str, prefixes: tuple[str, ...]) -> None:
-    """Set ``key`` (dotted) in the raw config to the YAML-parsed ``value_text`` after checking it exists."""
+    """Set ``key`` (dotted) in the raw config to the command-line text ``value_text`` read as
+    :func:`parse_override_value` reads it, after checking the key exists."""
+    _check_override_key(key)  # a malformed key before its value is read
+    set_override(raw, key, parse_override_value(key, value_text), prefixes)
+
+
+def set_override(raw: dict[str, Any], key: str, value: Any, prefixes: tuple[str, ...]) -> None:
+    """Set ``key`` (dotted) in the raw config to the Python ``value`` after checking the key exists in
+    the schema (the value itself is checked when the config is built, :func:`build_run_config`)."""
     parts = _check_override_key(key)
-    value = parse_override_value(key, value_text)
     head = parts[0]
     if head not in TOP_LEVEL_KEYS:
         raise config_error(show_key(head), unknown_key_message(head, TOP_LEVEL_KEYS))

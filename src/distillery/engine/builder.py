@@ -14,7 +14,7 @@ from distillery.callbacks.base import Callback, CallbackList
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind
 from distillery.components.distributed import DistEnv, shard_transformer, uses_fsdp
-from distillery.components.optim import resolve_optimizer_config
+from distillery.components.optim import role_optimizer_configs
 from distillery.components.precision import ComputeCopy, cast_parameters_
 from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, OptimizerConfig, RunConfig
 from distillery.methods.base import TrainingMethod
@@ -41,26 +41,12 @@ def build_models(config: RunConfig) -> dict[str, ModelBase]:
     return models
 
 
-def role_optimizer_configs(config: RunConfig) -> dict[str, OptimizerConfig]:
-    """Trainable role → its optimizer config (``models.<role>.optimizer`` over ``training.optimizer``);
-    an optimizer given to a frozen role is a config error."""
-    out = {}
-    for role, comp in config.models.items():
-        if not getattr(comp.config, "trainable", False):
-            if comp.optimizer is not None:
-                raise UserError(f"config error: models.{role}.optimizer: the {role} is frozen (trainable: false); "
-                                "remove its optimizer or make it trainable")
-            continue
-        out[role] = resolve_optimizer_config(config.training.optimizer, comp.optimizer, role)
-    return out
-
-
-def build_method(config: RunConfig, models: dict[str, ModelBase], rank: int) -> TrainingMethod:
+def build_method(config: RunConfig, models: dict[str, ModelBase], rank: int, optimizers: dict[str, OptimizerConfig]) -> TrainingMethod:
+    """The method over ``models`` with the per-role ``optimizers`` :func:`check_roles_early` resolved."""
     comp = config.method
     if not (isinstance(comp.cls, type) and issubclass(comp.cls, TrainingMethod)):
         raise UserError(f"config error: method._target_: {comp.target} is not a distillery method (TrainingMethod)")
-    comp.cls.check_roles(models)
-    return comp.cls(comp.config, models, config.training, rank=rank, optimizer_configs=role_optimizer_configs(config))
+    return comp.cls(comp.config, models, config.training, rank=rank, optimizer_configs=optimizers, roles_checked=True)
 
 
 def build_callbacks(config: RunConfig) -> CallbackList:
@@ -72,9 +58,10 @@ def build_callbacks(config: RunConfig) -> CallbackList:
     return out
 
 
-def check_roles_early(config: RunConfig) -> None:
+def check_roles_early(config: RunConfig) -> dict[str, OptimizerConfig]:
     """Role/method fit — names, trainability, model kinds, per-role optimizers — checked before any
-    model is loaded (cheap, for --dry-run and stages)."""
+    model is loaded (cheap, for --dry-run and stages), once per run; returns each trainable role's
+    resolved optimizer config (:func:`~distillery.components.optim.role_optimizer_configs`)."""
     for role, model in config.models.items():
         if not (isinstance(model.cls, type) and issubclass(model.cls, ModelBase)):
             raise UserError(f"config error: models.{role}._target_: {model.target} is not a distillery model (ModelBase)")
@@ -84,14 +71,14 @@ def check_roles_early(config: RunConfig) -> None:
     comp.cls.check_roles({role: c.config for role, c in config.models.items()})
     for role, model in config.models.items():
         comp.cls.check_role_kind(role, model.cls)
-    role_optimizer_configs(config)
+    return role_optimizer_configs(config)
 
 
 def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
     """Models → method → placement (FSDP2 sharding / compute copies) → optimizers → callbacks."""
-    check_roles_early(config)
+    optimizers = check_roles_early(config)
     models = build_models(config)
-    method = build_method(config, models, env.rank)
+    method = build_method(config, models, env.rank, optimizers)
     for model in models.values():
         if config.training.model.activation_checkpointing and hasattr(model, "enable_activation_checkpointing"):
             model.enable_activation_checkpointing()

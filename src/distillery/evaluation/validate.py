@@ -91,7 +91,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -100,6 +100,7 @@ from safetensors.torch import save_file
 from distillery.clips.grid import VideoGrid, write_gif
 from distillery.common.errors import UserError
 from distillery.common.fsutil import replace_dir
+from distillery.config.validation import SEED_STRIDE, ValidationSampling
 
 if TYPE_CHECKING:
     from distillery.models.base import ModelBase
@@ -114,22 +115,24 @@ METRIC_NAMES = (*(k for m in SEEDED_METRICS for k in (m, f"{m}_std")), "latency_
                 "frechet_distance", "frechet_distance_std")  # every candidate's keys in metrics.json (the reference adds frechet_floor)
 HEADLINE_METRICS = ("all", "all_std", "frechet_distance", "distance_to_teacher", "nfe", "latency_s")  # what DVC shows per candidate
 WARMUP_VIDEOS = 1  # a candidate's first videos: timed, but left out of its latency (module doc)
-SEED_STRIDE = 1000  # seed index j shifts every prompt's generator seed by SEED_STRIDE·j
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 @dataclass
-class ValidationConfig:
-    """What to sample and how; one per validation run (``params.yaml: validate``)."""
+class ValidationConfig(ValidationSampling):
+    """What to sample and how; one per validation run (``params.yaml: seed`` and ``validate``). The
+    prompts, the noise and the video rate are the fields every validation shares
+    (:class:`~distillery.config.validation.ValidationSampling`: ``num_prompts``, the captions the
+    validate stage takes from the latent set; ``seed``; ``fps``)."""
+
+    where: ClassVar[str] = "validate"
 
     prompts: list[str] | None = None  # prompts to sample; None: the clip validation captions given to run_validation
     num_frames: int = 17  # frames per video (VAE temporal factor × k + 1)
     height: int = 32  # video height, pixels
     width: int = 32  # video width, pixels
-    fps: float = 8.0  # frame rate of the written videos and grids
     teacher_steps: list[int] = field(default_factory=lambda: [40, 4])  # teacher baselines: many- and few-step Euler
     guidance_scale: float = 4.0  # CFG scale of the teacher baselines (empty-prompt negative)
-    seed: int = 0  # prompt i, seed index j starts from noise of a generator seeded seed + i + 1000·j, for every candidate
     num_seeds: int = 2  # noise draws per prompt (seed indices 0 .. num_seeds − 1); spreads are across them
     bootstrap_resamples: int = 200  # resamples of a candidate's videos for frechet_distance_std (< 2: std 0)
     grid_formats: list[str] = field(default_factory=lambda: ["gif", "mp4"])  # grid files to write
@@ -139,11 +142,10 @@ class ValidationConfig:
     progress_bar: bool = True  # progress over the videos: a bar on a terminal, else a log line per 10 % or minute
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the shared bounds (num_prompts, seed, fps)
         if self.num_frames < 1 or self.height < 1 or self.width < 1:
             raise UserError(f"validate: num_frames, height and width must be >= 1, got {self.num_frames}, "
                             f"{self.height}, {self.width}")
-        if self.fps <= 0:
-            raise UserError(f"validate.fps must be > 0, got {self.fps}")
         if any(int(s) < 1 for s in self.teacher_steps):
             raise UserError(f"validate.teacher_steps must be positive step counts, got {self.teacher_steps}")
         if self.guidance_scale < 0:
@@ -163,8 +165,9 @@ class ValidationConfig:
 
 def generator_seed(cfg: ValidationConfig, prompt_index: int, seed_index: int) -> int:
     """Seed of the ``torch.Generator`` that draws the noise of video (prompt ``prompt_index``, seed index
-    ``seed_index``): ``cfg.seed + prompt_index + SEED_STRIDE·seed_index`` (seed index 0: ``cfg.seed + i``)."""
-    return cfg.seed + prompt_index + SEED_STRIDE * seed_index
+    ``seed_index``): ``cfg.seed + prompt_index + SEED_STRIDE·seed_index`` (seed index 0: ``cfg.seed + i``;
+    :meth:`~distillery.config.validation.ValidationSampling.generator_seed`, the callback's too)."""
+    return cfg.generator_seed(prompt_index, seed_index)
 
 
 def sample_key(prompt_index: int, seed_index: int) -> str:

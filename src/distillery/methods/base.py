@@ -72,11 +72,16 @@ class TrainingMethod(ABC):
         training: TrainingConfig,
         rank: int = 0,
         optimizer_configs: dict[str, OptimizerConfig] | None = None,
+        roles_checked: bool = False,
     ) -> None:
+        """``optimizer_configs``: each trainable role's resolved optimizer (default: ``training.optimizer``);
+        ``roles_checked``: the roles were checked from the config already (a run built by
+        :func:`distillery.engine.builder.build_run`); otherwise they are checked here."""
         self.config = config
         self.training = training
         self.rank = rank
-        self.check_roles(role_models)
+        if not roles_checked:
+            self.check_roles(role_models)
         self.role_models = dict(role_models)
         self.student = role_models["student"]
         self.rng = BatchRNG(training.loop.seed)
@@ -88,7 +93,9 @@ class TrainingMethod(ABC):
     @classmethod
     def check_roles(cls, role_models: dict[str, Any]) -> None:
         """Raise a UserError unless the roles fit this method (names, trainability and, for model
-        objects or classes, kinds)."""
+        objects, kinds), once per run: from its config before any weights load
+        (:func:`distillery.engine.builder.check_roles_early`, with :meth:`check_role_kind` per role's
+        model class), or, for a method constructed without that, by its ``__init__``."""
         name = cls.__name__
         missing = [r for r in cls.required_roles if r not in role_models]
         allowed = set(cls.required_roles) | set(cls.optional_roles)

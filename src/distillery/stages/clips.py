@@ -17,9 +17,10 @@ def stage_clips(params: StageParams) -> None:
     c = params.get("clips")
     staging = fresh_staging("clips")
     started = time.perf_counter()
-    cfg = ClipSetConfig(num_train=c["num_train"], num_validation=c["num_validation"], num_frames=c["num_frames"],
-                        height=c["size"], width=c["size"], fps=c["fps"], seed=params.get("seed"))
+    fps = int(c.fps) if c.fps.is_integer() else c.fps  # the MP4's rate; a whole one as an int (the set's README records it)
+    cfg = ClipSetConfig(num_train=c.num_train, num_validation=c.num_validation, num_frames=c.num_frames,
+                        height=c.size, width=c.size, fps=fps, seed=params.get("seed"))
     make_clip_set(staging / "data", cfg)
     finish("clips", staging, kind="data", params=params, inputs=[],
-           metrics={"clips_train": c["num_train"], "clips_validation": c["num_validation"]},
+           metrics={"clips_train": c.num_train, "clips_validation": c.num_validation},
            volatile={"seconds": round(time.perf_counter() - started, 2)})

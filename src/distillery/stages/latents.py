@@ -21,13 +21,13 @@ def stage_latents(params: StageParams) -> None:
 
     lat = params.get("latents")
 
-    def chosen(key: str, fallback: str):  # latents.<key>, or the clips stage's value when null
-        return lat.get(key) if lat.get(key) is not None else params.get(fallback)
+    def chosen(value, fallback: str):  # latents.<key>, or the clips stage's value when null
+        return value if value is not None else params.get(fallback)
 
-    cfg = PreprocessConfig(num_frames=int(chosen("num_frames", "clips.num_frames")), height=int(chosen("height", "clips.size")),
-                           width=int(chosen("width", "clips.size")), fps=float(chosen("fps", "clips.fps")),
-                           rows_per_shard=lat["rows_per_shard"], max_bad_fraction=lat["max_bad_fraction"],
-                           device=stage_device(str(lat.get("device", "auto")), int(params.get("gpus.nproc_per_node")), "latents.device"))
+    cfg = PreprocessConfig(num_frames=chosen(lat.num_frames, "clips.num_frames"), height=chosen(lat.height, "clips.size"),
+                           width=chosen(lat.width, "clips.size"), fps=float(chosen(lat.fps, "clips.fps")),
+                           rows_per_shard=lat.rows_per_shard, max_bad_fraction=lat.max_bad_fraction,
+                           device=stage_device(lat.device, params.get("gpus.nproc_per_node"), "latents.device"))
     log.info("latents: %d frames of %dx%d at %g fps on %s", cfg.num_frames, cfg.height, cfg.width, cfg.fps, cfg.device)
     manifest = preprocess(ARTIFACTS / "base" / "model", Path(data), staging / "data", cfg)
     metrics = {f"{s}_clips": c["rows"] for s, c in manifest["splits"].items()}

@@ -1,32 +1,38 @@
-"""Reading ``params.yaml`` (the one file a user edits): bounded, parsed, validated whole.
+"""Reading ``params.yaml`` (the one file a user edits): bounded, parsed, validated whole, handed out typed.
 
 :meth:`Params.load` reads the file within the input bounds of :mod:`distillery.config.limits` (at
 most 1 MiB, strict UTF-8, bounded nesting, strings and integers, no duplicate keys, no alias bombs)
 and as DVC reads it (:mod:`distillery.stages.params_file`: a scalar YAML 1.1 and DVC's YAML 1.2
-read differently is refused), then checks every section against the typed schema of
-:mod:`distillery.stages.params_schema` before any stage does work. Every problem is a one-line :class:`UserError` that names the key as the user
-wrote it (``params.yaml: teacher.steps: -3: must be ≥ 1``).
+read differently is refused), then converts every section to the typed schema of
+:mod:`distillery.stages.params_schema` before any stage does work. Every problem is a one-line
+:class:`UserError` that names the key as the user wrote it (``params.yaml: teacher.steps: -3: must be ≥ 1``).
+
+A stage reads typed values (``get("distill")`` is a :class:`~distillery.stages.params_schema.DistillParams`,
+``get("distill.learning_rate")`` a float); what it records in its lineage is the values as the file
+wrote them (:meth:`Params.subset`), as DVC records them in ``dvc.lock``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from distillery.common.errors import UserError
 from distillery.config.limits import show_path
 from distillery.stages.params_file import read_params_file
-from distillery.stages.params_schema import ParamsSchema, to_plain, validate_params
+from distillery.stages.params_schema import ParamsSchema, as_written, to_plain, validate_params
 
 
 class Params:
-    """The validated params.yaml; ``get("pretrain.steps")`` returns a value or raises a UserError.
+    """The validated params.yaml; ``get("pretrain.steps")`` returns its typed value or raises a UserError.
 
-    ``data`` is the nested mapping of every schema key: the values as written in the file, absent
-    keys filled with the schema's defaults. ``typed`` is the same as :class:`ParamsSchema`.
+    ``typed`` is the whole file as :class:`ParamsSchema` (absent keys at the schema's defaults);
+    ``data`` the nested mapping of every schema key with the values as written in the file (absent
+    keys at the defaults).
     """
 
-    def __init__(self, data: dict[str, Any], path: Path, typed: ParamsSchema | None = None) -> None:
+    def __init__(self, data: dict[str, Any], path: Path, typed: ParamsSchema) -> None:
         self.data = data
         self.path = path
         self.typed = typed
@@ -39,26 +45,35 @@ class Params:
         data = read_params_file(
             p, source, "not found; run stages from the pipeline folder (where params.yaml and dvc.yaml are)"
         )
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise UserError(f"{source}: the top level must be a mapping")
         typed = validate_params(data, source)
-        return cls(to_plain(typed), p, typed)
+        return cls(as_written(data, to_plain(ParamsSchema())), p, typed)
 
     def get(self, key: str) -> Any:
+        """The typed value of the dotted ``key``: a section's dataclass, or a value."""
+        node: Any = self.typed
+        for i, part in enumerate(key.split(".")):
+            names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else None
+            if names is None or part not in names:
+                self._missing(key, i, names)
+            node = getattr(node, part)
+        return node
+
+    def written(self, key: str) -> Any:
+        """The value of the dotted ``key`` as the file wrote it (a section: a mapping)."""
         node: Any = self.data
         for i, part in enumerate(key.split(".")):
             if not isinstance(node, dict) or part not in node:
-                where = ".".join(key.split(".")[:i]) or "the top level"
-                valid = ", ".join(node) if isinstance(node, dict) else "(not a section)"
-                raise UserError(f"{self.path}: {key}: missing (valid keys under {where}: {valid})")
+                self._missing(key, i, list(node) if isinstance(node, dict) else None)
             node = node[part]
         return node
 
+    def _missing(self, key: str, depth: int, valid: list[str] | None) -> None:
+        where = ".".join(key.split(".")[:depth]) or "the top level"
+        raise UserError(f"{self.path}: {key}: missing (valid keys under {where}: {', '.join(valid) if valid is not None else '(not a section)'})")
+
     def subset(self, keys: list[str]) -> dict[str, Any]:
-        """The named keys and their values (what a stage read: recorded in its lineage)."""
-        return {k: self.get(k) for k in keys}
+        """The named keys and their values as written (what a stage read: recorded in its lineage)."""
+        return {k: self.written(k) for k in keys}
 
 
 class UndeclaredParam(LookupError):
@@ -89,6 +104,7 @@ class StageParams:
         return self.params.path
 
     def get(self, key: str) -> Any:
+        """The typed value of ``key`` (:meth:`Params.get`), which the stage's dvc.yaml ``params:`` must cover."""
         if not covers(self.declared, key):
             raise UndeclaredParam(f"stage {self.stage} read params.yaml key {key!r}, which its dvc.yaml params "
                                   f"({', '.join(self.declared)}) do not list; add it to dvc.yaml")

@@ -6,9 +6,13 @@ user wrote it: ``params.yaml: teacher.steps: -3: must be ≥ 1``. Unknown keys a
 nearest valid key (``did you mean steps?``). Absent keys take the defaults below, which are the
 values of the shipped ``params.yaml``.
 
-Each section is a dataclass; a field's ``metadata["check"]`` is a function of the value returning
-what is wrong with it (or None), run after the field's type is checked. The keys each stage reads
-are its dvc.yaml ``params:`` list (:func:`distillery.stages.dvcfile.stage_params`).
+Each section is a dataclass converted by the run configs' converter
+(:func:`distillery.config.typed.from_mapping`: one set of type rules, one set of bounds). A field is
+declared with :func:`rule`: its default, its range (``low``/``high``, as
+:func:`distillery.config.typed.bounded`) and, where the range alone does not say it, a ``check``
+returning what is wrong with the value as written (4k+1 frames, a host:port, a range worded as
+``in [0, 1]``), run before the range. The keys each stage reads are its dvc.yaml ``params:`` list
+(:func:`distillery.stages.dvcfile.stage_params`).
 """
 
 from __future__ import annotations
@@ -16,18 +20,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import types
-import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from distillery.common.errors import UserError
-from distillery.config.limits import cut, path_problem, show, show_key, unknown_key_message
-from distillery.stages.params_file import float_text
+from distillery.config.limits import path_problem, show
+from distillery.config.schema import MAX_LEARNING_RATE, MAX_SEED  # the run config's: params feed them
+from distillery.config.typed import Check, FieldError, bounded, from_mapping
+from distillery.config.validation import MAX_PROMPTS
 
 TRAINING_STAGES = ("teacher", "pretrain", "distill", "pdd")  # stages that train a model (training_table.TRAINING_STAGES); export picks one
-MAX_SEED = 2**32 - 1  # numpy and torch both take seeds in [0, 2**32)
 # Upper bounds: far beyond any real run, low enough that what they size (a tensor, a loop) fits a machine.
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 1024
@@ -38,38 +40,15 @@ MAX_PIXELS = 4096  # frame height or width (Wan2.1 at 720p: 1280)
 MIN_FPS, MAX_FPS = 1, 240  # frames per second (a video stream's rate must be a ratio of small integers)
 MAX_STEPS = 10_000_000  # optimizer steps of one stage
 MAX_BATCH = 4096  # samples per rank per step
-MAX_LEARNING_RATE = 1e12  # no allocation follows from it: a rate that makes the loss diverge stops at the first NaN (case 8.10 injects 1e12)
 MAX_ROWS_PER_SHARD = 100_000
 MAX_SAMPLING_STEPS = 1000  # a sampler or grid over the 1000 training timesteps (docs/architecture.md §3)
 MAX_GUIDANCE = 100.0
-MAX_PROMPTS = 10_000
+MAX_TIMESTEP = 1000.0  # a timestep of the 1000 training timesteps (exclusive)
 MAX_SEEDS = 1000
 MAX_CURVE = 64  # step counts / NFEs in one validation curve
 
-Check = Callable[[Any], "str | None"]
-
 
 # -- checks: each returns what is wrong with an already type-checked value, or None --------------
-def at_least(low: int | float) -> Check:
-    return lambda v: None if v >= low else f"must be ≥ {low}"
-
-
-def at_most(high: int | float) -> Check:
-    return lambda v: None if v <= high else f"must be ≤ {high}"
-
-
-def within(low: int | float, high: int | float) -> Check:
-    """``low ≤ v ≤ high``, naming the side it breaks."""
-    return all_of(at_least(low), at_most(high))
-
-
-def all_of(*checks: Check) -> Check:
-    """The first problem any of ``checks`` finds."""
-    def check(v: Any) -> str | None:
-        return next((p for p in (c(v) for c in checks) if p), None)
-    return check
-
-
 def positive_finite(v: float) -> str | None:
     return None if math.isfinite(v) and v > 0 else "must be a finite number > 0"
 
@@ -136,110 +115,102 @@ def step_list(v: list[int]) -> str | None:
     return f"step counts must be ≤ {MAX_SAMPLING_STEPS}, got {show(big[0])}" if big else None
 
 
-RATE = all_of(positive_finite, within(MIN_FPS, MAX_FPS))
-LEARNING_RATE = all_of(positive_finite, at_most(MAX_LEARNING_RATE))
-GUIDANCE = all_of(non_negative_finite, at_most(MAX_GUIDANCE))
-FRAMES = all_of(four_k_plus_one, at_most(MAX_FRAMES))
-PIXELS = all_of(frame_size, at_most(MAX_PIXELS))
-SAMPLING_STEPS = within(1, MAX_SAMPLING_STEPS)
-
-
-def rule(default: Any, check: Check | None = None) -> Any:
-    """A schema field with its default (a list default is copied per instance) and its range check."""
+def rule(default: Any, low: float | None = None, high: float | None = None, check: Check | None = None) -> Any:
+    """A schema field: its default (a list default is copied per instance), its range and its check (module doc)."""
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"check": check})
-    return field(default=default, metadata={"check": check})
+        return bounded(low=low, high=high, check=check, default_factory=lambda: list(default))
+    return bounded(default, low, high, check=check)
 
 
 # -- the sections -------------------------------------------------------------------------------
 @dataclass
 class GpusParams:
-    nproc_per_node: int = rule(1, within(1, MAX_GPUS_PER_NODE))  # processes (GPUs) per node that torchrun starts
-    nnodes: int = rule(1, within(1, MAX_NODES))  # nodes; > 1 needs rdzv_endpoint
-    rdzv_endpoint: str | None = rule(None, host_port)  # host:port of the c10d rendezvous (needed when nnodes > 1)
+    nproc_per_node: int = rule(1, 1, MAX_GPUS_PER_NODE)  # processes (GPUs) per node that torchrun starts
+    nnodes: int = rule(1, 1, MAX_NODES)  # nodes; > 1 needs rdzv_endpoint
+    rdzv_endpoint: str | None = rule(None, check=host_port)  # host:port of the c10d rendezvous (needed when nnodes > 1)
 
 
 @dataclass
 class ClipsParams:
-    num_train: int = rule(96, within(1, MAX_CLIPS))  # synthetic training clips
-    num_validation: int = rule(24, within(0, MAX_CLIPS))  # synthetic validation clips (0: validate on train captions)
-    num_frames: int = rule(17, FRAMES)  # frames per clip (also the latents' and validation videos' length)
-    size: int = rule(32, PIXELS)  # frame height = width in pixels (clips, latents, validation)
-    fps: float = rule(8, RATE)  # frames per second of the clips (and of the latents' resampling)
+    num_train: int = rule(96, 1, MAX_CLIPS)  # synthetic training clips
+    num_validation: int = rule(24, 0, MAX_CLIPS)  # synthetic validation clips (0: validate on train captions)
+    num_frames: int = rule(17, 5, MAX_FRAMES, four_k_plus_one)  # frames per clip (also the latents' and validation videos' length)
+    size: int = rule(32, 16, MAX_PIXELS, frame_size)  # frame height = width in pixels (clips, latents, validation)
+    fps: float = rule(8.0, MIN_FPS, MAX_FPS, positive_finite)  # frames per second of the clips (and of the latents' resampling)
 
 
 @dataclass
 class BaseParams:
-    path: str = rule("tiny", usable_path)  # "tiny" (the shipped fitted tiny Wan) or a Wan2.1 diffusers folder
+    path: str = rule("tiny", check=usable_path)  # "tiny" (the shipped fitted tiny Wan) or a Wan2.1 diffusers folder
 
 
 @dataclass
 class LatentsParams:
-    data: str | None = rule(None, optional_path)  # null: the clips stage's output; or a folder of videos/ + captions
-    rows_per_shard: int = rule(64, within(1, MAX_ROWS_PER_SHARD))  # caption entries per parquet shard
-    max_bad_fraction: float = rule(0.5, fraction)  # fail when more than this fraction of the clips is unusable
-    num_frames: int | None = rule(None, optional(FRAMES))  # frames per latent clip; null: clips.num_frames
-    height: int | None = rule(None, optional(PIXELS))  # pixels; null: clips.size (Wan2.1 at 480p: 480)
-    width: int | None = rule(None, optional(PIXELS))  # pixels; null: clips.size (Wan2.1 at 480p: 832)
-    fps: float | None = rule(None, optional(RATE))  # resampling rate; null: clips.fps
-    device: str = rule("auto", device_name)  # VAE + text encoder: auto (the GPU when gpus.nproc_per_node >= 1 and CUDA is there), cpu, cuda[:N]
+    data: str | None = rule(None, check=optional_path)  # null: the clips stage's output; or a folder of videos/ + captions
+    rows_per_shard: int = rule(64, 1, MAX_ROWS_PER_SHARD)  # caption entries per parquet shard
+    max_bad_fraction: float = rule(0.5, 0, 1, fraction)  # fail when more than this fraction of the clips is unusable
+    num_frames: int | None = rule(None, 5, MAX_FRAMES, optional(four_k_plus_one))  # frames per latent clip; null: clips.num_frames
+    height: int | None = rule(None, 16, MAX_PIXELS, optional(frame_size))  # pixels; null: clips.size (Wan2.1 at 480p: 480)
+    width: int | None = rule(None, 16, MAX_PIXELS, optional(frame_size))  # pixels; null: clips.size (Wan2.1 at 480p: 832)
+    fps: float | None = rule(None, MIN_FPS, MAX_FPS, optional(positive_finite))  # resampling rate; null: clips.fps
+    device: str = rule("auto", check=device_name)  # VAE + text encoder: auto (the GPU when gpus.nproc_per_node >= 1 and CUDA is there), cpu, cuda[:N]
 
 
 @dataclass
 class TrainingStageParams:
-    steps: int = rule(120, within(1, MAX_STEPS))  # optimizer steps of the stage's run
-    batch_size: int = rule(16, within(1, MAX_BATCH))  # samples per rank per step
-    learning_rate: float = rule(2.0e-4, LEARNING_RATE)  # peak learning rate
-    save_every: int = rule(40, within(0, MAX_STEPS))  # steps between checkpoints (0: only the final one)
+    steps: int = rule(120, 1, MAX_STEPS)  # optimizer steps of the stage's run
+    batch_size: int = rule(16, 1, MAX_BATCH)  # samples per rank per step
+    learning_rate: float = rule(2.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # peak learning rate
+    save_every: int = rule(40, 0, MAX_STEPS)  # steps between checkpoints (0: only the final one)
     activation_checkpointing: bool = rule(False)  # recompute block activations in backward (real-shape causal/distill runs need it on one GPU)
 
 
 @dataclass
 class PretrainParams(TrainingStageParams):
-    chunk_size: int = rule(1, within(1, MAX_LATENT_FRAMES))  # latent frames that share one timestep (Diffusion-Forcing)
+    chunk_size: int = rule(1, 1, MAX_LATENT_FRAMES)  # latent frames that share one timestep (Diffusion-Forcing)
 
 
 def score_ratio(v: float) -> str | None:
-    return None if 0 <= v < 1000 else "must be in [0, 1000): a timestep"
+    return None if 0 <= v < MAX_TIMESTEP else f"must be in [0, {MAX_TIMESTEP:g}): a timestep"
 
 
 @dataclass
 class DistillParams(TrainingStageParams):
-    steps: int = rule(150, within(1, MAX_STEPS))
-    learning_rate: float = rule(1.0e-4, LEARNING_RATE)  # the student's peak learning rate
-    save_every: int = rule(50, within(0, MAX_STEPS))
+    steps: int = rule(150, 1, MAX_STEPS)
+    learning_rate: float = rule(1.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # the student's peak learning rate
+    save_every: int = rule(50, 0, MAX_STEPS)
     method: Literal["self_forcing", "dmd2"] = rule("self_forcing")  # self_forcing: causal student rolled out chunk by chunk; dmd2: bidirectional
-    student_steps: int = rule(4, SAMPLING_STEPS)  # the student's timestep ladder length (its sampling steps)
-    critic_learning_rate: float = rule(2.0e-4, LEARNING_RATE)  # the critic's (fake score's) peak learning rate
-    generator_update_interval: int = rule(2, within(1, 1000))  # the student steps every k-th step; the critic every step
-    guidance_scale: float = rule(4.0, GUIDANCE)  # the teacher's CFG scale in the real score
-    context_noise: float = rule(0.0, score_ratio)  # self_forcing: timestep of the KV-cached context chunks (0: clean)
+    student_steps: int = rule(4, 1, MAX_SAMPLING_STEPS)  # the student's timestep ladder length (its sampling steps)
+    critic_learning_rate: float = rule(2.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # the critic's (fake score's) peak learning rate
+    generator_update_interval: int = rule(2, 1, 1000)  # the student steps every k-th step; the critic every step
+    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite)  # the teacher's CFG scale in the real score
+    context_noise: float = rule(0.0, 0, MAX_TIMESTEP, score_ratio)  # self_forcing: timestep of the KV-cached context chunks (0: clean)
 
 
 @dataclass
 class PDDParams(TrainingStageParams):
-    steps: int = rule(120, within(1, MAX_STEPS))
-    learning_rate: float = rule(1.0e-4, LEARNING_RATE)  # the student's (trunk and heads) peak learning rate
-    save_every: int = rule(40, within(0, MAX_STEPS))
+    steps: int = rule(120, 1, MAX_STEPS)
+    learning_rate: float = rule(1.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # the student's (trunk and heads) peak learning rate
+    save_every: int = rule(40, 0, MAX_STEPS)
     student_init: Literal["teacher", "distill"] = rule("teacher")  # the student starts from the teacher or the distill student
-    pdd_steps: int = rule(8, SAMPLING_STEPS)  # fine-grid intervals = the student's output heads (its most-NFE sampling)
-    block_size_min: int = rule(1, SAMPLING_STEPS)  # block starts are multiples of this (simulate: the carried block)
-    block_size_max: int = rule(8, SAMPLING_STEPS)  # widest block trained; sampling at N NFE needs ⌈pdd_steps / N⌉ ≤ this
+    pdd_steps: int = rule(8, 1, MAX_SAMPLING_STEPS)  # fine-grid intervals = the student's output heads (its most-NFE sampling)
+    block_size_min: int = rule(1, 1, MAX_SAMPLING_STEPS)  # block starts are multiples of this (simulate: the carried block)
+    block_size_max: int = rule(8, 1, MAX_SAMPLING_STEPS)  # widest block trained; sampling at N NFE needs ⌈pdd_steps / N⌉ ≤ this
     rollout: Literal["data_latent", "simulate"] = rule("simulate")  # carried on-policy trajectories, or noised data at the block start
     integrator: Literal["euler", "midpoint"] = rule("euler")  # the teacher's target over one interval (1 or 2 teacher calls)
-    guidance_scale: float = rule(4.0, GUIDANCE)  # the teacher's CFG in the targets (distilled in: sampled without)
-    sampling_steps: int = rule(4, SAMPLING_STEPS)  # the NFE the artifact's sampling contract (and export) default to
+    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite)  # the teacher's CFG in the targets (distilled in: sampled without)
+    sampling_steps: int = rule(4, 1, MAX_SAMPLING_STEPS)  # the NFE the artifact's sampling contract (and export) default to
 
 
 @dataclass
 class ValidateParams:
-    num_prompts: int = rule(8, within(1, MAX_PROMPTS))  # validation captions sampled per model
-    num_seeds: int = rule(2, within(1, MAX_SEEDS))  # noise draws per prompt (spreads are over them)
-    teacher_steps: list[int] = rule([40, 8, 4, 2, 1], step_list)  # the teacher's sampling step counts (the first: the reference)
-    pretrain_steps: int = rule(40, SAMPLING_STEPS)  # the pretrain student's sampling steps
-    guidance_scale: float = rule(4.0, GUIDANCE)  # CFG scale of the teacher baselines
-    pdd_nfe: list[int] = rule([1, 2, 4, 8], step_list)  # the PDD student's NFE curve (blocks of pdd_steps / NFE)
-    device: str = rule("auto", device_name)  # auto: the GPU when gpus.nproc_per_node >= 1 and CUDA is there, else cpu
+    num_prompts: int = rule(8, 1, MAX_PROMPTS)  # validation captions sampled per model (config.validation.ValidationSampling.num_prompts)
+    num_seeds: int = rule(2, 1, MAX_SEEDS)  # noise draws per prompt (spreads are over them)
+    teacher_steps: list[int] = rule([40, 8, 4, 2, 1], 1, MAX_SAMPLING_STEPS, step_list)  # the teacher's sampling step counts (the first: the reference)
+    pretrain_steps: int = rule(40, 1, MAX_SAMPLING_STEPS)  # the pretrain student's sampling steps
+    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite)  # CFG scale of the teacher baselines
+    pdd_nfe: list[int] = rule([1, 2, 4, 8], 1, MAX_SAMPLING_STEPS, step_list)  # the PDD student's NFE curve (blocks of pdd_steps / NFE)
+    device: str = rule("auto", check=device_name)  # auto: the GPU when gpus.nproc_per_node >= 1 and CUDA is there, else cpu
 
 
 @dataclass
@@ -251,7 +222,7 @@ class ExportParams:
 class ParamsSchema:
     """The whole params.yaml."""
 
-    seed: int = rule(0, seed_range)  # seeds clips, training and validation
+    seed: int = rule(0, 0, MAX_SEED, seed_range)  # seeds clips, training and validation
     gpus: GpusParams = field(default_factory=GpusParams)
     clips: ClipsParams = field(default_factory=ClipsParams)
     base: BaseParams = field(default_factory=BaseParams)
@@ -265,94 +236,6 @@ class ParamsSchema:
 
 
 # -- validation ---------------------------------------------------------------------------------
-class _Invalid(Exception):
-    """A value that does not fit; ``problem`` is the text after the value in the message."""
-
-    def __init__(self, problem: str) -> None:
-        super().__init__(problem)
-        self.problem = problem
-
-
-def _type_problem(value: Any, tp: Any) -> str | None:
-    """What is wrong with ``value`` for the annotation ``tp`` (int, float, str, bool, list[int], Optional, Literal)."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        return None if isinstance(value, str) and value in choices else f"valid values: {', '.join(choices)}"
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None and len(args) < len(typing.get_args(tp)):
-            return None
-        problems = [_type_problem(value, a) for a in args]
-        return None if None in problems else " or ".join(p for p in problems if p) + (" or null" if value is not None else "")
-    if origin is list:
-        if not isinstance(value, list):
-            return "expected a list"
-        (item_tp,) = typing.get_args(tp)
-        for i, item in enumerate(value):
-            problem = _type_problem(item, item_tp)
-            if problem:
-                return f"item {i} ({show(item)}): {problem}"
-        return None
-    if tp is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else "expected an integer"
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return None
-        if isinstance(value, str) and _reads_as_float(value):
-            return f"expected a number; YAML reads {value} as text: write it with a dot and a signed exponent, e.g. {float_text(value)}"
-        return "expected a number"
-    if tp is str:
-        return None if isinstance(value, str) else "expected a string"
-    if tp is bool:
-        return None if isinstance(value, bool) else "expected true or false"
-    raise TypeError(f"params schema: unsupported annotation {tp!r}")  # a bug in this file, not a user error
-
-
-def _reads_as_float(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _build(cls: type, data: Any, where: str, source: str) -> Any:
-    """Dataclass ``cls`` from the mapping ``data`` (None: all defaults), checking every key."""
-    if data is None:
-        data = {}
-    types_by_name = _field_types(cls)
-    if not isinstance(data, dict):
-        raise UserError(cut(f"{source}: {where or 'the top level'}: {show(data)}: expected a mapping with keys "
-                            f"{', '.join(types_by_name)}"))
-    for key in data:
-        if key not in types_by_name:
-            name = f"{where}.{show_key(key)}" if where else show_key(key)
-            raise UserError(cut(f"{source}: {name}: {unknown_key_message(key, types_by_name)}"))
-    kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        key = f"{where}.{f.name}" if where else f.name
-        if f.name not in data:
-            continue
-        value, tp = data[f.name], types_by_name[f.name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[f.name] = _build(tp, value, key, source)
-            continue
-        problem = _type_problem(value, tp)
-        check = f.metadata.get("check")
-        if problem is None and check is not None:
-            problem = check(value)
-        if problem:
-            raise UserError(cut(f"{source}: {key}: {show(value)}: {problem}"))
-        kwargs[f.name] = value
-    return cls(**kwargs)
-
-
 def _check_together(params: ParamsSchema, source: str) -> None:
     """Rules that tie keys of a section together."""
     g = params.gpus
@@ -383,12 +266,28 @@ def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
 
     Messages start with ``source`` (the file as the user named it) and name the key as written.
     """
-    params = _build(ParamsSchema, data, "", source)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: the top level must be a mapping")
+    try:
+        params = from_mapping(ParamsSchema, data, "")
+    except FieldError as exc:  # the converter's facts, worded for params.yaml
+        raise UserError(exc.worded(source)) from None
     _check_together(params, source)
     _check_pdd_blocks(params, source)
     return params
 
 
+def as_written(data: Any, defaults: Any) -> Any:
+    """The params as the file wrote them (what DVC records in ``dvc.lock``) with every absent key at its
+    default: ``data`` (the validated mapping, or a section of it) over ``defaults`` (the plain defaults)."""
+    if isinstance(defaults, dict):
+        given = data if isinstance(data, dict) else {}
+        return {k: as_written(given[k], v) if k in given else v for k, v in defaults.items()}
+    return data
+
+
 def to_plain(params: ParamsSchema) -> dict[str, Any]:
-    """The params as the nested mapping a stage reads (every key present, defaults filled in)."""
+    """The typed params as a nested mapping (every key present; numbers as the schema types them)."""
     return dataclasses.asdict(params)

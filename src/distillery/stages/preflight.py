@@ -74,7 +74,7 @@ def estimate_bytes(stage: str, params: Params, artifacts: Path) -> int:
     """A lower bound of the bytes ``stage`` writes (its artifact, and checkpoints for training)."""
     if stage == "clips":
         c = params.get("clips")
-        frames = (c["num_train"] + c["num_validation"]) * c["num_frames"] * c["size"] ** 2 * 3
+        frames = (c.num_train + c.num_validation) * c.num_frames * c.size ** 2 * 3
         return frames // 100  # encoded video of synthetic shapes compresses by far more than 100x
     if stage == "base":
         from distillery.stages.base import resolve_base
@@ -83,8 +83,8 @@ def estimate_bytes(stage: str, params: Params, artifacts: Path) -> int:
     if stage == "latents":
         c = params.get("clips")
         data = params.get("latents.data")
-        count = c["num_train"] + c["num_validation"] if not data else sum(1 for _ in Path(data).rglob("*") if _.is_file()) // 2
-        latent = 16 * ((c["num_frames"] - 1) // 4 + 1) * (c["size"] // 8) ** 2 * 4
+        count = c.num_train + c.num_validation if not data else sum(1 for _ in Path(data).rglob("*") if _.is_file()) // 2
+        latent = 16 * ((c.num_frames - 1) // 4 + 1) * (c.size // 8) ** 2 * 4
         return count * latent
     if stage in TRAINING_STAGES:
         spec = TRAINING_STAGES[stage]
@@ -123,8 +123,8 @@ def largest_buffer(stage: str, params: Params) -> tuple[int, str] | None:
     (the knobs that size it named as in params.yaml); None for a stage without one."""
     if stage == "clips":
         c = params.get("clips")
-        return c["num_frames"] * c["size"] ** 2 * 3, f"one clip of clips.num_frames {c['num_frames']} frames of " \
-                                                       f"clips.size {c['size']}² RGB pixels"
+        return c.num_frames * c.size ** 2 * 3, f"one clip of clips.num_frames {c.num_frames} frames of " \
+                                               f"clips.size {c.size}² RGB pixels"
     if stage == "latents":
         frames, height, width = clip_size(params)
         return frames * height * width * 3 * 4, f"one clip of {frames}×{height}×{width} float32 RGB frames for the VAE " \

@@ -1,8 +1,8 @@
-"""A training stage's run config: its template in ``stages/`` filled in by its table row.
+"""A training stage's run config: its template in ``templates/`` filled in by its table row.
 
-:func:`fill_run_config` reads the template and applies dotted overrides through the config loader's
-override path (:func:`distillery.config.loader.apply_override`: every key must exist in the schema,
-every value is YAML text parsed within the loader's bounds), in this order:
+:func:`fill_run_config` reads the template and sets dotted keys to the typed params' Python values
+through the config loader (:func:`distillery.config.loader.set_override`: every key must exist in the
+schema; the values are checked when the config is built), in this order:
 
 1. inputs: ``models.<role>.init_from = artifacts/<stage>/model`` per row ``inputs``;
 2. the data: ``training.data.path = artifacts/latents/data`` and ``training.data.text_max_length``
@@ -23,21 +23,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from distillery.common.errors import UserError
 from distillery.stages.artifacts import ARTIFACTS, RUNS
 from distillery.stages.params import StageParams
 from distillery.stages.training_table import DATA_ARTIFACT, TrainingStageSpec
-
-
-def override_text(value: Any) -> str:
-    """``value`` as the YAML text of a dotted override (parses back to an equal value: strings that
-    look like numbers or booleans are quoted, floats keep their exponent form)."""
-    text = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=2**31 - 1)
-    if text.endswith("\n...\n"):  # a plain scalar document
-        text = text[: -len("\n...\n")]
-    return text.strip()
 
 
 def data_dir() -> Path:
@@ -73,17 +62,17 @@ def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id:
 
 
 def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id: str) -> dict[str, Any]:
-    """The stage's run config as a raw mapping: template + :func:`stage_overrides`, each through the
-    loader's override path (an override naming a key the schema lacks is a UserError)."""
+    """The stage's run config as a raw mapping: template + :func:`stage_overrides`, each value set as
+    the Python value it is (an override naming a key the schema lacks is a UserError)."""
     from distillery.config import allowed_prefixes
-    from distillery.config.loader import apply_override, read_yaml
+    from distillery.config.loader import read_yaml, set_override
 
     if spec.variant_key is not None:
         raise ValueError(f"stage {spec.name}: fill the resolved spec (TrainingStageSpec.resolve)")
     raw = read_yaml(spec.template)
     prefixes = allowed_prefixes()
     for key, value in stage_overrides(spec, params, parent_run_id):
-        apply_override(raw, key, override_text(value), prefixes)
+        set_override(raw, key, value, prefixes)
     return raw
 
 

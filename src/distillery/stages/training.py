@@ -41,9 +41,9 @@ log = get_logger("stage")
 def torchrun_command(params: StageParams, config_path: Path) -> list[str]:
     """``python -m distillery.cli.launch ... -m distillery.cli.train --config <config_path>`` from ``gpus``."""
     g = params.get("gpus")
-    cmd = [sys.executable, "-m", "distillery.cli.launch", "--nproc_per_node", str(g["nproc_per_node"])]
-    if int(g["nnodes"]) > 1:  # params.yaml was validated: rdzv_endpoint is a host:port here
-        cmd += ["--nnodes", str(g["nnodes"]), "--rdzv_backend", "c10d", "--rdzv_endpoint", str(g["rdzv_endpoint"])]
+    cmd = [sys.executable, "-m", "distillery.cli.launch", "--nproc_per_node", str(g.nproc_per_node)]
+    if g.nnodes > 1:  # params.yaml was validated: rdzv_endpoint is a host:port here
+        cmd += ["--nnodes", str(g.nnodes), "--rdzv_backend", "c10d", "--rdzv_endpoint", str(g.rdzv_endpoint)]
     else:
         cmd += ["--standalone"]
     return cmd + ["-m", "distillery.cli.train", "--config", str(config_path)]

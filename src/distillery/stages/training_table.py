@@ -1,8 +1,8 @@
 """The declarative table of the training stages: one :class:`TrainingStageSpec` per stage.
 
-A training stage is its run-config template in ``stages/`` filled in from ``params.yaml`` by this
-table (:func:`distillery.stages.run_config.fill_run_config`, through the config loader's dotted
-overrides) — no stage-specific code. Adding a training stage: a template in ``stages/``, a row here,
+A training stage is its run-config template in ``templates/`` filled in from the typed ``params.yaml``
+by this table (:func:`distillery.stages.run_config.fill_run_config`: each value set as the Python value
+it is; the template holds null there) — no stage-specific code. Adding a training stage: a template in ``templates/``, a row here,
 a dvc.yaml stage (``cmd: distillery stage <name>``, its ``params:`` covering every key of the row),
 and the params.yaml section with its schema in :mod:`distillery.stages.params_schema`
 (``templates/README.md`` has the list). A row's ``validation`` makes the stage's model a candidate of
@@ -110,7 +110,7 @@ class TrainingStageSpec:
         return keys + ([self.variant_key] if self.variant_key and self.variant_key not in keys else [])
 
     def config_overrides(self, params: Any) -> list[tuple[str, Any]]:
-        """``(run-config key, value)`` of the table's params for ``params`` (a resolved spec)."""
+        """``(run-config key, typed value)`` of the table's params for ``params`` (a resolved spec)."""
         pairs = []
         for params_key, config_keys in self.params.items():
             for config_key in (config_keys,) if isinstance(config_keys, str) else config_keys:

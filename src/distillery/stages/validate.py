@@ -106,17 +106,17 @@ def stage_validate(params: StageParams) -> None:
 
     v = params.get("validate")
     made = latent_settings()  # the videos validate samples have the size the models were trained on
-    cfg = ValidationConfig(num_frames=int(made["num_frames"]), height=int(made["height"]), width=int(made["width"]),
-                           fps=float(made["fps"]),
-                           teacher_steps=list(v["teacher_steps"]), guidance_scale=float(v["guidance_scale"]),
-                           seed=params.get("seed"), num_seeds=int(v["num_seeds"]),  # progress: a line per 10 % or minute
-                           device=stage_device(str(v.get("device", "auto")), int(params.get("gpus.nproc_per_node")), "validate.device"))
+    cfg = ValidationConfig(num_prompts=v.num_prompts, num_frames=int(made["num_frames"]), height=int(made["height"]),
+                           width=int(made["width"]), fps=float(made["fps"]),
+                           teacher_steps=list(v.teacher_steps), guidance_scale=v.guidance_scale,
+                           seed=params.get("seed"), num_seeds=v.num_seeds,  # progress: a line per 10 % or minute
+                           device=stage_device(v.device, params.get("gpus.nproc_per_node"), "validate.device"))
     log.info("validate: on %s", cfg.device)
     # students are sampled as their artifacts' sampling.json says (the sampler registry, no kinds here)
     candidates = table_candidates(params)
     staging = fresh_staging("validate")
     report = staging / "report"
-    prompts, embeddings = validation_prompts(int(v["num_prompts"]))
+    prompts, embeddings = validation_prompts(cfg.num_prompts)
     metrics = run_validation(ARTIFACTS / "base" / "model", candidates, prompts, report, cfg, prompt_embeddings=embeddings)
     # DVC gets the numbers a user compares; every metric stays in report/metrics.json, the details in report.json
     shown = [(report / name, "grid") for name in ("grid.gif", "grid.mp4")] + [(report / "plots" / "adherence_vs_nfe.png", "plots")]
