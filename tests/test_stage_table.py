@@ -188,13 +188,13 @@ def _hand_written_candidates(params: StageParams) -> list:
     from distillery.stages.artifacts import ARTIFACTS
 
     v = params.get("validate")
-    cfg = ValidationConfig(teacher_steps=list(v["teacher_steps"]), guidance_scale=float(v["guidance_scale"]))
+    cfg = ValidationConfig(teacher_steps=list(v.teacher_steps), guidance_scale=float(v.guidance_scale))
     candidates = teacher_candidates(ARTIFACTS / "teacher" / "model", cfg)
-    candidates.append(Candidate.from_artifact(f"pretrain_{v['pretrain_steps']}", ARTIFACTS / "pretrain" / "model",
-                                              int(v["pretrain_steps"]), float(v["guidance_scale"])))
+    candidates.append(Candidate.from_artifact(f"pretrain_{v.pretrain_steps}", ARTIFACTS / "pretrain" / "model",
+                                              int(v.pretrain_steps), float(v.guidance_scale)))
     distilled = Candidate.from_artifact("distill", ARTIFACTS / "distill" / "model")
     candidates.append(dataclasses.replace(distilled, name=f"distill_{distilled.num_steps}"))
-    candidates += [Candidate.from_artifact(f"pdd_{n}", ARTIFACTS / "pdd" / "model", int(n)) for n in v["pdd_nfe"]]
+    candidates += [Candidate.from_artifact(f"pdd_{n}", ARTIFACTS / "pdd" / "model", int(n)) for n in v.pdd_nfe]
     return candidates
 
 
