@@ -1,6 +1,6 @@
 """Reading a training run's public summary: ``<output_dir>/run_summary.json``.
 
-The trainer (:mod:`distillery.engine.loop`) writes it at the end of a run; a training stage reads
+The trainer's logger (:mod:`distillery.engine.run_log`) writes it at the end of a run; a training stage reads
 it instead of the trainer's log and checkpoint internals. Format 1::
 
     {"format": 1, "final_step": 120, "checkpoint": "checkpoint-120" | null,
