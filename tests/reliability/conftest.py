@@ -11,6 +11,7 @@ the data lost as measured.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -128,6 +129,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         lines.append(f"| {esc(r.case)} | {esc(r.title)} | {esc(r.injected)} | {esc(r.expect)} | {r.outcome} ({r.seconds:.1f} s) "
                      f"| {esc(r.lost)} | `{esc(r.test.split('::', 1)[-1])}` in `{esc(Path(r.test.split('::')[0]).name)}` |")
     Path(target).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+@pytest.fixture
+def warnings_logged():
+    """WARNING lines of the project logger during the test."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    logger = logging.getLogger("distillery")
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ step 4 (checkpoints 2 and 4) that each test copies and damages.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pickle
 import shutil
@@ -64,22 +63,6 @@ def no_grants_left():
     from distillery.components.checkpoint.trust import grant_checkpoints
 
     grant_checkpoints(())
-
-
-@pytest.fixture
-def warnings_logged():
-    """WARNING lines of the project logger during the test."""
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Collect(logging.WARNING)
-    logger = logging.getLogger("distillery")
-    logger.addHandler(handler)
-    yield lines
-    logger.removeHandler(handler)
 
 
 def copy_prefix(runs: dict, dst: Path) -> Path:

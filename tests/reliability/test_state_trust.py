@@ -16,7 +16,6 @@ stage's ``prepare_run_dir``).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -30,22 +29,6 @@ from helpers import read_log, role_state, run_config, write_config
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable)")
 
 STEPS = 6
-
-
-@pytest.fixture
-def warnings_logged():
-    """WARNING lines of the project logger during the test."""
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Collect(logging.WARNING)
-    logger = logging.getLogger("distillery")
-    logger.addHandler(handler)
-    yield lines
-    logger.removeHandler(handler)
 
 
 def train(cfg: dict, path: Path, *extra: str) -> int:
