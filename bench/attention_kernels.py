@@ -24,7 +24,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 HEADS, HEAD_DIM = 12, 128
 
 
-def _time(fn, iters: int = 10, warmup: int = 3) -> float:
+def cuda_median_seconds(fn, iters: int = 10, warmup: int = 3) -> float:
+    """Median of ``iters`` CUDA-event timings of ``fn`` in seconds, after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -52,13 +53,13 @@ def bench_case(name: str, attend, n: int, strided: bool) -> dict:
     q, k, v = make(), make(), make()
     out = attend(q, k, v)
     grad = torch.randn_like(out)
-    fwd = _time(lambda: attend(q, k, v))
+    fwd = cuda_median_seconds(lambda: attend(q, k, v))
 
     def fwd_bwd() -> None:
         o = attend(q, k, v)
         torch.autograd.grad(o, (q, k, v), grad)
 
-    total = _time(fwd_bwd)
+    total = cuda_median_seconds(fwd_bwd)
     flops = 4 * n * n * HEADS * HEAD_DIM
     bwd = total - fwd
     return {"case": name, "tokens": n, "fwd_s": fwd, "bwd_s": bwd, "fwd_tflops": flops / fwd / 1e12,

@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sft_step import TEXT_LEN, WAN_1_3B, flops_per_sample, make_assets  # noqa: E402
+from sft_step import TEXT_LEN, WAN_1_3B, flops_per_sample, init_weights_on, make_assets  # noqa: E402
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 CHUNK_SIZE = 3  # Self-Forcing student: latent frames per causal chunk
@@ -237,16 +237,7 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
         config = load_run_config(raw=raw, prefixes=allowed_prefixes())
         env = init_distributed(config.training.distributed)
         try:
-            if env.device.type == "cuda":  # draw the random initial weights on the GPU (module doc)
-                from diffusers import WanTransformer3DModel
-
-                on_cpu = WanTransformer3DModel.from_config
-
-                def from_config_on_device(*args, **kwargs):
-                    with torch.device(env.device):
-                        return on_cpu(*args, **kwargs)
-
-                WanTransformer3DModel.from_config = from_config_on_device
+            init_weights_on(env.device)  # draw the random initial weights on the GPU (module doc)
             t0 = time.perf_counter()
             trainer = build_trainer(config, env)
             build_s = time.perf_counter() - t0

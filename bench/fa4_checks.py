@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -53,19 +52,10 @@ def save() -> None:
 
 
 def timed(fn, reps: int, warmup: int = 2) -> float:
-    import torch
+    """Median of ``reps`` CUDA-event timings of ``fn`` in ms, after ``warmup`` untimed calls."""
+    from attention_kernels import cuda_median_seconds
 
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return 1000 * cuda_median_seconds(fn, reps, warmup)
 
 
 # -- 1. kernels ---------------------------------------------------------------------------------------------

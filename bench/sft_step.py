@@ -88,6 +88,23 @@ def make_assets(root: Path, size: tuple[int, int, int]) -> tuple[Path, Path]:
 CHUNK_SIZE = 3  # dfsft: latent frames per causal chunk
 
 
+def init_weights_on(device) -> None:  # a torch.device
+    """On CUDA, make ``WanTransformer3DModel.from_config`` draw its random initial weights on ``device`` (a 1.3B
+    model's init on the CPU takes longer than the benchmark); elsewhere do nothing. For this benchmark process only."""
+    if device.type != "cuda":
+        return
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    on_cpu = WanTransformer3DModel.from_config
+
+    def from_config_on_device(*args, **kwargs):
+        with torch.device(device):
+            return on_cpu(*args, **kwargs)
+
+    WanTransformer3DModel.from_config = from_config_on_device
+
+
 def bench_run_config(model: Path, data: Path, output_dir: Path, steps: int, compile_blocks: bool | None,
                      shard_single_rank: bool, attention: str = "auto", reshard: bool | None = None, method: str = "sft",
                      compile_mode: str = "blocks", ac: bool = False) -> dict:
@@ -139,16 +156,7 @@ def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_singl
                                method, compile_mode, ac)
         config = load_run_config(raw=raw, prefixes=allowed_prefixes())
         env = init_distributed(config.training.distributed)
-        if env.device.type == "cuda":  # draw the random initial weights on the GPU (module doc)
-            from diffusers import WanTransformer3DModel
-
-            on_cpu = WanTransformer3DModel.from_config
-
-            def from_config_on_device(*args, **kwargs):
-                with torch.device(env.device):
-                    return on_cpu(*args, **kwargs)
-
-            WanTransformer3DModel.from_config = from_config_on_device
+        init_weights_on(env.device)
         profiler = contextlib.nullcontext()
         if breakdown:
             from torch.profiler import ProfilerActivity, profile, schedule
