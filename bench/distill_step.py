@@ -179,7 +179,7 @@ def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, s
             "checkpoint": {"output_dir": str(output_dir), "save_final": False},
             "tracker": {"backend": "none"},
             "model": {"compile": compile_blocks, "compile_mode": compile_mode, "activation_checkpointing": ac,
-                      "attention_backend": attention},
+                      "activation_checkpointing_fraction": ac_fraction(), "attention_backend": attention},
         },
         "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}},
     }
@@ -192,6 +192,12 @@ def _exits(method: str, row: dict, size: tuple[int, int, int]) -> list[int]:
         return [int(round(row.get("exit_step", 0.0)))]
     chunks = len(range(0, size[0], CHUNK_SIZE))
     return [int(round(row[f"exit_step/chunk{c}"])) for c in range(chunks)]
+
+
+def ac_fraction() -> float:
+    """``training.model.activation_checkpointing_fraction`` from ``$BENCH_AC_FRACTION`` (a run's OPTS
+    ``BENCH_AC_FRACTION=0.2``; default 1: every block when AC is on)."""
+    return float(os.environ.get("BENCH_AC_FRACTION", "1.0"))
 
 
 def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None, ac: bool, steps: int, warmup: int,
@@ -277,7 +283,8 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
     return {
         **extra, "attention": attention, "attention_resolved": resolved, "compile_mode": compile_mode,
         "method": method, "size": list(size), "tokens": tokens_of(size), "compile": compile_blocks, "compiled": compiled,
-        "activation_checkpointing": ac, "iteration_s": statistics.median(m_times), "mean_iteration_s": statistics.mean(m_times),
+        "activation_checkpointing": ac, "ac_fraction": ac_fraction() if ac else None,
+        "iteration_s": statistics.median(m_times), "mean_iteration_s": statistics.mean(m_times),
         "gpu_iteration_s": statistics.median(gpu[meas]) if gpu else None, "first_iteration_s": times[0],
         "model_tflop_per_iteration": model_flops / len(m_flops) / 1e12,
         "executed_tflop_per_iteration": executed / len(m_flops) / 1e12,

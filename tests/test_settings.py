@@ -173,6 +173,7 @@ training:
     seed: 0
   model:
     activation_checkpointing: false
+    activation_checkpointing_fraction: 1.0
   optimizer:
     learning_rate: 0.0002
     lr_scheduler: cosine

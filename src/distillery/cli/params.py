@@ -1,4 +1,5 @@
-"""``distillery params check [--params params.yaml]``: everything a stage refuses on ``params.yaml`` alone."""
+"""``distillery params check [--params params.yaml]``: everything a stage refuses on ``params.yaml`` alone;
+``distillery params profile FILE``: a profile's overrides as ``dvc exp run -S`` arguments."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ def add_command(sub: argparse._SubParsersAction, name: str, help: str) -> None: 
                                   "problem (exit 2); run it before `dvc repro`, which hangs on an alias bomb")
     check.add_argument("--params", default="params.yaml", help="the params file to check")
     check.set_defaults(func=_check_params)
+    profile = params_sub.add_parser("profile", help="print a profile's overrides (docs/profiles/*.yaml) as `dvc exp run` "
+                                    "arguments, after checking them against params.yaml: dvc exp run $(distillery params profile FILE)")
+    profile.add_argument("file", help="the profile: a YAML file with an `overrides:` mapping of dotted params.yaml keys")
+    profile.add_argument("--params", default="params.yaml", help="the params file the overrides apply to")
+    profile.set_defaults(func=_print_profile)
 
 
 def _check_params(args: argparse.Namespace) -> int:
@@ -28,4 +34,12 @@ def _check_params(args: argparse.Namespace) -> int:
         check_memory(stage, params)
     sys.stdout.write(f"{args.params}: ok: DVC and the stages read the same values, each within its bounds, "
                      f"and every stage's buffers fit this machine\n")
+    return 0
+
+
+def _print_profile(args: argparse.Namespace) -> int:
+    """One line of ``-S key=value`` arguments (no quoting needed: a value with whitespace is refused)."""
+    from distillery.stages.params_profile import dvc_set_args, load_profile
+
+    sys.stdout.write(" ".join(dvc_set_args(load_profile(args.file, args.params))) + "\n")
     return 0

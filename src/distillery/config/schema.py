@@ -136,6 +136,9 @@ class ModelRuntimeConfig:
     compile: bool | None = None  # torch.compile the transformer (see compile_mode); null: on for bf16 on CUDA, off otherwise
     compile_mode: Literal["blocks", "model"] = "blocks"  # blocks: each transformer block compiled once (regional); model: the whole transformer
     activation_checkpointing: bool = False  # recompute block activations in backward
+    # the share of blocks recomputed when activation_checkpointing is on, spread evenly (1: every block, diffusers' own;
+    # 0.2: 6 of Wan's 30 blocks: ~20% of the activations freed for ~20% of one forward recomputed)
+    activation_checkpointing_fraction: float = bounded(1.0, 0.0, 1.0)
     # auto: FlashAttention-4 (fa4) on an SM90+ GPU where flash_attn.cute imports (pip install -e ".[gpu]"), else native;
     # native: torch SDPA picks the kernel; cudnn | flash | efficient: only that SDPA kernel (CUDA);
     # fa4: FA4 everywhere, block-causal attention as per-chunk prefix calls; fa4_sparse: block-causal as one block-sparse FA4 call

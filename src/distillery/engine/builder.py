@@ -13,12 +13,16 @@ import torch
 from distillery.callbacks.base import Callback, CallbackList
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind
+from distillery.common.log import get_logger
+from distillery.components.activation_checkpoint import checkpoint_blocks
 from distillery.components.distributed import DistEnv, shard_transformer, uses_fsdp
 from distillery.components.optim import role_optimizer_configs
 from distillery.components.precision import ComputeCopy, cast_parameters_
 from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, OptimizerConfig, RunConfig
 from distillery.methods.base import TrainingMethod
 from distillery.models.base import ModelBase
+
+log = get_logger("builder")
 
 
 @dataclass
@@ -79,9 +83,10 @@ def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
     optimizers = check_roles_early(config)
     models = build_models(config)
     method = build_method(config, models, env.rank, optimizers)
+    runtime = config.training.model
     for model in models.values():
-        if config.training.model.activation_checkpointing and hasattr(model, "enable_activation_checkpointing"):
-            model.enable_activation_checkpointing()
+        if runtime.activation_checkpointing and runtime.activation_checkpointing_fraction >= 1.0 and hasattr(model, "enable_activation_checkpointing"):
+            model.enable_activation_checkpointing()  # every block: diffusers' own (a share of them: place_model)
         place_model(model, env, config.training.distributed, config.training.model)
     method.build_optimizers()
     return BuiltRun(models=models, method=method, callbacks=build_callbacks(config))
@@ -117,7 +122,10 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
     if compiled:  # every Wan block: both torch bugs below, bidirectional ones included
         avoid_mix_order_reduction()
     extra = {name: m for name, m in model.trainable_modules().items() if m is not model.transformer}
+    partial_ac = runtime.activation_checkpointing and runtime.activation_checkpointing_fraction < 1.0 and model.trainable
     if uses_fsdp(env, dist_cfg):
+        if partial_ac:  # before the blocks are compiled and wrapped
+            _checkpoint_some_blocks(model, model.shardable_blocks(), runtime.activation_checkpointing_fraction)
         shard_transformer(model.transformer, model.shardable_blocks(), env, dist_cfg, compile_blocks)
         for module in extra.values():  # e.g. a PDD head bank: one FSDP unit of its own
             shard_transformer(module, [], env, dist_cfg, False)
@@ -135,11 +143,19 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
     for module in extra.values():  # fp32 on the device (the model casts what it computes with)
         module.to(env.device)
     model.bind_device(env.device, env.compute_dtype, compute_copy)
+    if partial_ac:  # on the blocks that run forward (the compute copy's), before they are compiled
+        _checkpoint_some_blocks(model, model.shardable_blocks(model.forward_module), runtime.activation_checkpointing_fraction)
     if compile_blocks:
         for block in model.shardable_blocks(model.forward_module):
             block.compile()
     elif compiled:
         model.forward_module.compile()
+
+
+def _checkpoint_some_blocks(model: ModelBase, blocks: list[torch.nn.Module], fraction: float) -> None:
+    chosen = checkpoint_blocks(blocks, fraction)
+    log.info("role %s: activation checkpointing on %d of %d blocks (%s)", model.role, len(chosen), len(blocks),
+             ", ".join(map(str, chosen)) or "none")
 
 
 def avoid_mix_order_reduction() -> None:

@@ -163,6 +163,7 @@ class TrainingStageParams:
     learning_rate: float = rule(2.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # peak learning rate
     save_every: int = rule(40, 0, MAX_STEPS)  # steps between checkpoints (0: only the final one)
     activation_checkpointing: bool = rule(False)  # recompute block activations in backward (real-shape causal/distill runs need it on one GPU)
+    activation_checkpointing_fraction: float = rule(1.0, 0.0, 1.0)  # the share of blocks recomputed (evenly spread; 1: all)
 
 
 @dataclass

@@ -127,6 +127,7 @@ def loop_params(stage: str) -> dict[str, str]:
         "seed": "training.loop.seed",
         f"{stage}.save_every": "training.checkpoint.save_every",
         f"{stage}.activation_checkpointing": "training.model.activation_checkpointing",
+        f"{stage}.activation_checkpointing_fraction": "training.model.activation_checkpointing_fraction",
     }
 
 

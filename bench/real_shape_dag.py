@@ -1,0 +1,259 @@
+"""Benchmark: the whole DAG at the real Wan2.1-T2V-1.3B shape, stage by stage, through ``distillery stage <name>``.
+
+Run from the repository root (the stage's working directory, as under ``dvc repro``). It writes a
+Wan2.1-T2V-1.3B-shaped diffusers folder with random weights and a few real-size captioned clips
+(``bench/real_shape_pipeline.py``'s ``build_base`` / ``write_clips``), points ``params.yaml`` at them
+with the real-shape profile (``--profile``, default ``docs/profiles/wan-1.3b-1gpu.yaml``) cut to a few
+steps, then runs every stage in ``dvc.yaml``'s order as its own process — the command ``dvc.yaml``
+calls — and, after the chain:
+
+- ``distill`` with each method (``self_forcing`` first, then ``dmd2``) and ``pdd`` with each
+  ``student_init`` (``teacher``, then ``distill``: the DMD2 student);
+- a real-shape resume: the DMD2 ``distill`` stage killed (SIGKILL to its process group) once its first
+  checkpoint is on disk, rerun, and its exported weights compared with the uninterrupted run's.
+
+Per stage: wall seconds, GPU busy fraction and peak GPU memory (``nvidia-smi`` every 0.2 s), MiB
+hashed / reused (the stage's own log line), the trainer's step timing (``run_summary.json``) and where
+the wall time outside the GPU went (start-up to the first busy sample, tail after the last).
+``$OUT/real_shape_dag.json`` is rewritten after every stage, so a job cut short still reports what ran.
+
+Usage (device machine, after ``source bench/gpu_env.sh``): ``python bench/real_shape_dag.py
+[--steps 2] [--budget 560] [--only teacher,pretrain,...]``; ``BENCH_SMOKE=1`` on CPU checks the script
+at tiny shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_shape_pipeline as rsp  # noqa: E402  (build_base, write_clips, GpuSampler, the shape constants)
+
+OUT = Path(os.environ.get("OUT", "/tmp"))
+LOGS = Path(os.environ.get("DAG_LOGS", "/tmp/real_shape_dag/logs"))  # each stage's whole log; their tails go to $OUT
+STATE = LOGS.parent / "state.json"  # the rows so far: a second call on the same (warm) machine skips what ran
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"
+HASH_LINE = re.compile(r"hashed ([\d.]+) MiB \((\d+) files\) from disk, reused ([\d.]+) MiB \((\d+) files\)")
+
+
+def set_key(params: dict, dotted: str, value) -> None:
+    node = params
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        node = node[p]
+    if leaf not in node:
+        raise KeyError(f"params.yaml has no {dotted}")
+    node[leaf] = value
+
+
+def real_shape_params(base: Path, videos: Path, profile: Path, steps: int) -> dict:
+    """The repository's params.yaml with the profile's overrides, pointed at ``base``/``videos`` and cut
+    to ``steps`` optimizer steps per training stage (a checkpoint at every ``steps // 2``)."""
+    params = yaml.safe_load(Path("params.yaml").read_text())
+    overrides = yaml.safe_load(profile.read_text())["overrides"]
+    for key, value in overrides.items():
+        set_key(params, key, value)
+    set_key(params, "base.path", str(base))
+    set_key(params, "latents.data", str(videos))
+    if SMOKE:
+        for key, value in (("latents.num_frames", rsp.FRAMES), ("latents.height", rsp.HEIGHT), ("latents.width", rsp.WIDTH)):
+            set_key(params, key, value)
+    set_key(params, "clips.num_train", 2)
+    set_key(params, "clips.num_validation", 2)
+    for stage in ("teacher", "pretrain", "distill", "pdd"):
+        set_key(params, f"{stage}.steps", steps)
+        set_key(params, f"{stage}.save_every", max(1, steps // 2))
+    set_key(params, "validate.num_prompts", 2)
+    set_key(params, "validate.num_seeds", 2)
+    set_key(params, "validate.teacher_steps", [4])
+    set_key(params, "validate.pretrain_steps", 4)
+    set_key(params, "validate.pdd_nfe", [4])
+    return params
+
+
+def write_params(params: dict) -> None:
+    tmp = Path("params.yaml.tmp")
+    tmp.write_text(yaml.safe_dump(params, sort_keys=False))
+    tmp.replace("params.yaml")
+
+
+def weights_digest(stage: str) -> str:
+    """sha256 over the stage artifact's ``*.safetensors`` files (names and bytes, sorted)."""
+    h = hashlib.sha256()
+    for f in sorted(Path("artifacts", stage).rglob("*.safetensors")):
+        h.update(str(f.relative_to(Path("artifacts", stage))).encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def folder_mib(path: Path) -> float:
+    return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20, 1) if path.exists() else 0.0
+
+
+class Job:
+    def __init__(self, budget: float) -> None:
+        self.sampler = rsp.GpuSampler()
+        self.started = time.time()
+        self.budget = budget
+        self.rows: list[dict] = []
+        self.meta: dict = {"shape": [rsp.FRAMES, rsp.HEIGHT, rsp.WIDTH], "smoke": SMOKE}
+        self.earlier: list[dict] = json.loads(STATE.read_text())["stages"] if STATE.exists() else []
+
+    def left(self) -> float:
+        return self.budget - (time.time() - self.started)
+
+    def save(self) -> None:
+        text = json.dumps({**self.meta, "stages": self.rows}, indent=1)
+        (OUT / "real_shape_dag.json").write_text(text)
+        STATE.write_text(text)  # the next call of the job on this machine goes on from here
+
+    def done(self, label: str) -> dict | None:
+        """The row of ``label`` from an earlier call of this job on the same machine, if it ran to the end."""
+        return next((r for r in self.earlier if r["stage"] == label and r.get("rc") == 0), None)
+
+    def stage(self, name: str, label: str | None = None, kill_when=None, min_left: float = 25) -> dict:
+        """``distillery stage name`` as its own process (its log in ``LOGS``); ``kill_when()`` true → SIGKILL its group."""
+        label = label or name
+        if (row := self.done(label)) is not None and kill_when is None:
+            self.rows.append({**row, "from_earlier_call": True})
+            self.save()
+            return row
+        row: dict = {"stage": label}
+        if self.left() < min_left:
+            row["skipped"] = "out of the job's time"
+            self.rows.append(row)
+            self.save()
+            return row
+        log_path = LOGS / f"stage-{label}.log"
+        LOGS.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "distillery.cli.main", "stage", name], stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            killed = False
+            while proc.poll() is None:
+                if kill_when is not None and not killed and kill_when():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    killed = True
+                if self.left() < 5 and not killed:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    killed = True
+                    row["cut"] = "killed at the job's time limit"
+                time.sleep(0.2)
+        t1 = time.time()
+        row.update(rc=proc.returncode, wall_s=round(t1 - t0, 1), **self.sampler.window(t0, t1))
+        busy = [r for r in self.sampler.rows if t0 <= r[0] <= t1 and r[1] > 0]
+        if busy:
+            row["before_gpu_s"] = round(busy[0][0] - t0, 1)  # imports, params check, hashing, model load to the first kernel
+            row["after_gpu_s"] = round(t1 - busy[-1][0], 1)  # checkpoint/artifact writes, lineage, exit
+        text = log_path.read_text(errors="replace")
+        if m := HASH_LINE.search(text):
+            row.update(hashed_mib=float(m[1]), reused_mib=float(m[3]))
+        if killed:
+            row["killed"] = True
+        elif proc.returncode != 0:
+            row["error"] = " | ".join(line for line in text.strip().splitlines()[-4:])[-600:]
+        summary = Path("runs", name, "run_summary.json")
+        if name in ("teacher", "pretrain", "distill", "pdd") and summary.exists() and summary.stat().st_mtime >= t0:
+            data = json.loads(summary.read_text())
+            row["timing"] = data.get("timing")
+            row["last_metrics"] = {k: v for k, v in (data.get("last_metrics") or {}).items() if not k.startswith("lr/")}
+        if Path("artifacts", name).exists() and not killed:
+            row["artifact_mib"] = folder_mib(Path("artifacts", name))
+        self.rows.append(row)
+        self.save()
+        with open(OUT / "stage_log_tails.txt", "a") as tails:
+            tails.write(f"===== {label} rc={proc.returncode}\n" + "\n".join(text.splitlines()[-25:]) + "\n")
+        print(json.dumps(row), flush=True)
+        return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", default="/tmp/real_shape_dag")
+    parser.add_argument("--profile", default="docs/profiles/wan-1.3b-1gpu.yaml")
+    parser.add_argument("--text-encoder", choices=["xxl", "small"], default="xxl")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--budget", type=float, default=560, help="seconds; stages that would start later are skipped")
+    parser.add_argument("--only", default="", help="comma-separated labels to run (default: all)")
+    parser.add_argument("--no-resume-test", action="store_true")
+    args = parser.parse_args()
+    if not Path("dvc.yaml").exists():
+        raise SystemExit("run from the repository root (the stages' working directory)")
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    job = Job(args.budget)
+    want = set(filter(None, args.only.split(",")))
+
+    def run(name: str, label: str | None = None, **kw) -> dict | None:
+        if want and (label or name) not in want:
+            return None
+        return job.stage(name, label, **kw)
+
+    t0 = time.time()
+    base = root / "wan-1.3b-shape"
+    if not (base / "model_index.json").exists():
+        base = rsp.build_base(root, args.text_encoder)
+    videos = root / "videos"
+    if not (videos / "train" / "captions.jsonl").exists():
+        videos = rsp.write_clips(root, train=3, validation=2)
+    job.meta["setup_s"] = round(time.time() - t0, 1)
+    params = real_shape_params(base, videos, Path(args.profile), args.steps)
+    write_params(params)
+    job.meta["params"] = params
+    for name in ("clips", "base", "latents", "teacher", "pretrain"):
+        run(name)
+    set_key(params, "distill.method", "self_forcing")
+    write_params(params)
+    run("distill", "distill_self_forcing")
+    set_key(params, "pdd.student_init", "teacher")
+    write_params(params)
+    run("pdd", "pdd_from_teacher")
+    set_key(params, "distill.method", "dmd2")
+    write_params(params)
+    dmd2 = run("distill", "distill_dmd2")
+    uninterrupted = (dmd2 or {}).get("weights_digest")
+    if dmd2 and dmd2.get("rc") == 0 and uninterrupted is None:
+        uninterrupted = dmd2["weights_digest"] = weights_digest("distill")
+        job.save()
+    set_key(params, "pdd.student_init", "distill")
+    write_params(params)
+    run("pdd", "pdd_from_distill")
+    run("validate")
+    run("export")
+    if not args.no_resume_test and uninterrupted and (not want or "distill_resume" in want) and not job.done("distill_dmd2_resumed"):
+        run_dir = Path("runs", "distill")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        first = max(1, args.steps // 2)
+        killed = job.stage("distill", "distill_dmd2_killed", kill_when=lambda: (run_dir / f"checkpoint-{first}").is_dir(), min_left=60)
+        ckpt = run_dir / f"checkpoint-{first}"
+        resumed = job.stage("distill", "distill_dmd2_resumed", min_left=40)
+        resumed["resume"] = {"killed_after_checkpoint": first, "checkpoint_read_mib": folder_mib(ckpt),
+                             "killed_rc": killed.get("rc"), "weights_equal_uninterrupted": weights_digest("distill") == uninterrupted,
+                             "uninterrupted_digest": uninterrupted, "resumed_digest": weights_digest("distill")}
+        text = (LOGS / "stage-distill_dmd2_resumed.log").read_text(errors="replace")
+        resumed["resume"]["log"] = [line[-200:] for line in text.splitlines() if "resum" in line.lower()][:4]
+        job.save()
+        print(json.dumps(resumed["resume"]), flush=True)
+    job.meta["total_s"] = round(time.time() - job.started, 1)
+    job.save()
+    job.sampler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
