@@ -2,7 +2,7 @@
 # One device call of the real-shape DAG (bench/real_shape_dag.py), after a device-wheels.sh batch put the
 # pieces in /tmp/parts (04: PyAV, 05: MLflow and ruamel.yaml, which the stages import and the image lacks).
 # Env: JOB_BUDGET (s, default 540), DAG_ARGS (extra arguments, e.g. "--only validate,export").
-source device-env.sh || exit 1
+[ -n "${DEVICE_ENV_DONE:-}" ] || source device-env.sh || exit 1  # a caller that sourced it already sets DEVICE_ENV_DONE=1
 python3 -c "import av, mlflow, ruamel.yaml; print('av', av.__version__, 'mlflow', mlflow.__version__)" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 bench/real_shape_dag.py --budget "${JOB_BUDGET:-540}" ${DAG_ARGS:-}
