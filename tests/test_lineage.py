@@ -486,3 +486,35 @@ def test_hash_once_reuses_digests_and_still_catches_tampering(tmp_path: Path, mo
     assert not report.ok and any(WEIGHTS in p for p in report.problems)
     rc, out, err = _cli(str(teacher), "--verify")
     assert rc != 0 and WEIGHTS in out + err
+
+
+def test_a_copied_model_folder_is_read_once_for_both_manifests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The base stage copies the user's model folder: with the hash cache active the copy reads each
+    source byte once, and the source's input manifest and the copy's output manifest take that digest
+    (a 14 GB Wan2.1 folder was hashed twice, 28 GB, on the GPU machine); a source changed afterwards
+    is read again."""
+    import dataclasses
+    import hashlib
+
+    from distillery.lineage import hashcache
+    from distillery.stages.base_folder import copy_model_folder
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(hashcache.ENV_VAR, str(tmp_path / "runs" / ".hash_cache.json"))
+    hashcache._ACTIVE = None
+    source = tmp_path / "user-model"
+    payload = bytes(range(256)) * 8192  # 2 MiB
+    _write(source / "transformer" / "diffusion_pytorch_model.safetensors", payload)
+    _write(source / "model_index.json", "{}")
+    before = dataclasses.replace(hashcache.STATS)
+    copy_model_folder(source, tmp_path / "artifacts" / "base.tmp" / "model")
+    assert hashcache.STATS.read_bytes - before.read_bytes == len(payload) + 2
+    copied = tmp_path / "artifacts" / "base.tmp" / "model" / "transformer" / "diffusion_pytorch_model.safetensors"
+    mid = dataclasses.replace(hashcache.STATS)
+    for f in (copied, source / "transformer" / "diffusion_pytorch_model.safetensors"):
+        assert hashcache.file_sha256(f) == hashlib.sha256(payload).hexdigest()
+    assert hashcache.STATS.read_bytes == mid.read_bytes and hashcache.STATS.files_cached - mid.files_cached == 2
+    (source / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(payload[::-1])
+    assert hashcache.file_sha256(source / "transformer" / "diffusion_pytorch_model.safetensors") == hashlib.sha256(payload[::-1]).hexdigest()
+    assert hashcache.STATS.read_bytes - mid.read_bytes == len(payload)
+    hashcache._ACTIVE = None

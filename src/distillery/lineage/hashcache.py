@@ -231,6 +231,33 @@ def from_bytes() -> Iterator[None]:
         _FROM_BYTES = was
 
 
+def copy_hashed(source: str | Path, target: str | Path) -> str:
+    """Copy ``source`` to ``target`` (bytes and mode/times, as ``shutil.copy2``) reading it once, and
+    return the sha256 of what was written; with an active cache the digest is recorded for both files
+    (the source only when it did not change while it was read), so hashing the copy for its artifact's
+    lineage and the source for its input manifest reads neither again. Usable as ``copytree``'s
+    ``copy_function``; a symlinked source is copied by content."""
+    import shutil
+
+    before = os.stat(source)
+    h = hashlib.sha256()
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        while chunk := src.read(_CHUNK * 16):
+            h.update(chunk)
+            dst.write(chunk)
+    shutil.copystat(source, target)
+    digest = h.hexdigest()
+    STATS.files_read += 1
+    STATS.read_bytes += before.st_size
+    cache = active_cache()
+    if cache is not None:
+        after, written = os.stat(source), os.stat(target)
+        if [after.st_size, after.st_mtime_ns, _key(after)] == [before.st_size, before.st_mtime_ns, _key(before)]:
+            cache.pending[_key(after)] = [after.st_size, after.st_mtime_ns, digest]
+            cache.pending[_key(written)] = [written.st_size, written.st_mtime_ns, digest]
+    return str(target)
+
+
 def flush_active() -> None:
     """Write the active cache's new entries (no-op without one)."""
     if _ACTIVE is not None:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from distillery.common.errors import UserError
+from distillery.lineage.hashcache import copy_hashed
 from distillery.lineage.manifest import MODEL_LIBRARIES as LIBRARIES
 from distillery.lineage.manifest import is_code_file
 
@@ -199,5 +200,5 @@ def copy_model_folder(source: Path, target: Path, *, exclude: Iterable[str] = ()
                 left_out.append((rel_dir / n).as_posix())
         return dropped
 
-    shutil.copytree(source, target, ignore=ignore, dirs_exist_ok=True)
+    shutil.copytree(source, target, ignore=ignore, dirs_exist_ok=True, copy_function=copy_hashed)  # each byte read once
     return sorted(left_out)

@@ -35,6 +35,9 @@ def stage_export(params: StageParams) -> None:
         raise UserError(f"params.yaml: export.student: {student!r}; valid: {', '.join(TRAINING_STAGES)}")
     base = ARTIFACTS / "base" / "model"
     check_model_index(base, f"stage export: {base}")
+    if not (ARTIFACTS / student / "model" / "transformer").is_dir():
+        raise UserError(f"stage export: {ARTIFACTS / student / 'model' / 'transformer'} not found: export.student is {student!r}, "
+                        f"and its stage has not produced a model here; run it first (dvc repro runs it)")
     staging = fresh_staging("export")
     model = staging  # the artifact *is* the diffusers folder, lineage.json inside
     # the base's parts; its own transformer is not copied at all (the student's replaces it)
