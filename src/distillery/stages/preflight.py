@@ -87,15 +87,23 @@ def estimate_bytes(stage: str, params: Params, artifacts: Path) -> int:
         latent = 16 * ((c.num_frames - 1) // 4 + 1) * (c.size // 8) ** 2 * 4
         return count * latent
     if stage in TRAINING_STAGES:
-        spec = TRAINING_STAGES[stage]
-        weights = _transformer_bytes(artifacts / spec.inputs[spec.export_role] / "model")
-        fp32 = weights * 2 if weights else 0  # lower bound: the init may be bf16; the master weights are fp32
-        checkpoint = 3 * fp32  # weights + AdamW's two moments
-        return 2 * checkpoint + fp32  # a new checkpoint beside the previous one, and the exported model
+        return sum(training_bytes(stage, params, artifacts))
     if stage == "export":
         student = params.get("export.student")
         return _tree_bytes(artifacts / "base" / "model") + _transformer_bytes(artifacts / str(student) / "model")
     return 0
+
+
+def training_bytes(stage: str, params: Params, artifacts: Path) -> tuple[int, int]:
+    """Lower bounds of what training stage ``stage`` writes: ``(artifact, checkpoints)`` bytes — the
+    exported model, and its checkpoints in ``runs/`` (one checkpoint when the run writes only its final
+    one, ``save_every`` 0 or ≥ ``steps``; else a new one beside the previous)."""
+    spec = TRAINING_STAGES[stage]
+    weights = _transformer_bytes(artifacts / spec.inputs[spec.export_role] / "model")
+    fp32 = weights * 2 if weights else 0  # lower bound: the init may be bf16; the master weights are fp32
+    checkpoint = 3 * fp32  # weights + AdamW's two moments (of the exported role alone: a lower bound)
+    every, steps = params.get(f"{stage}.save_every"), params.get(f"{stage}.steps")
+    return fp32, checkpoint * (1 if every == 0 or every >= steps else 2)
 
 
 LATENT_CHANNELS, VAE_FRAMES, VAE_PIXELS = 16, 4, 8  # the Wan VAE: 16 channels, 4 frames and 8×8 pixels per latent
@@ -168,12 +176,33 @@ def check_batch(stage: str, params: Params, artifacts: Path) -> None:
                         f"of artifacts/latents; lower {stage}.batch_size or use more data; nothing was changed")
 
 
-def check_free_space(stage: str, params: Params, artifacts: Path) -> None:
-    need = estimate_bytes(stage, params, artifacts) + MIN_FREE
-    free = shutil.disk_usage(artifacts).free
-    if free < need:
-        raise UserError(f"stage {stage}: needs at least {human(need)} free in {artifacts.resolve()}, only {human(free)} "
-                        f"left; free some space (or move the workspace) and rerun; nothing was changed")
+def check_free_space(stage: str, params: Params, artifacts: Path, runs: Path | None = None) -> None:
+    """Refuse a stage whose writes (:func:`estimate_bytes`) do not fit: a training stage's checkpoints are
+    counted on the file system of ``runs`` (which may be another disk: a symlink to scratch space), its
+    exported model on that of ``artifacts``."""
+    needs = [(artifacts, estimate_bytes(stage, params, artifacts))]
+    if stage in TRAINING_STAGES and runs is not None:
+        artifact, checkpoints = training_bytes(stage, params, artifacts)
+        needs = [(artifacts, artifact), (runs, checkpoints)]
+    by_device: dict[int, tuple[Path, int]] = {}
+    for path, need in needs:
+        where = _existing(path)
+        dev = os.stat(where).st_dev
+        by_device[dev] = (by_device.get(dev, (where, 0))[0], by_device.get(dev, (where, 0))[1] + need)
+    for where, need in by_device.values():
+        need += MIN_FREE
+        free = shutil.disk_usage(where).free
+        if free < need:
+            raise UserError(f"stage {stage}: needs at least {human(need)} free in {where.resolve()}, only {human(free)} "
+                            f"left; free some space (or move the workspace) and rerun; nothing was changed")
+
+
+def _existing(path: Path) -> Path:
+    """``path``, or its nearest existing parent (``runs/`` before the first training stage made it)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def disk_error(stage: str, exc: OSError) -> UserError | None:

@@ -116,7 +116,7 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
         check_writable([ARTIFACTS, RUNS / ".locks"] + ([RUNS] if name in TRAINING_STAGES else []), name)
         with exclusive_lock(RUNS / ".locks" / f"{name}.lock", f"stage {name}"):
             cleanup_failed(name)  # what a killed earlier run of this stage left half-written
-            check_free_space(name, params, ARTIFACTS)
+            check_free_space(name, params, ARTIFACTS, RUNS)
             try:
                 stage_function(name)(declared)
             except BaseException as exc:

@@ -1,0 +1,59 @@
+"""Free-space preflight: a training stage's checkpoints are counted where ``runs/`` lives, its model where
+``artifacts/`` lives (real-shape checkpoints of a 1.3B model are ~17 GB each: users put runs/ on scratch)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from distillery.common.errors import UserError
+from distillery.stages.params import Params
+from distillery.stages.preflight import check_free_space, training_bytes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _params(tmp_path: Path, **sections: dict) -> Params:
+    import yaml
+
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    for section, values in sections.items():
+        data[section].update(values)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    return Params.load(tmp_path / "params.yaml")
+
+
+def _base(tmp_path: Path, mib: int) -> Path:
+    artifacts = tmp_path / "artifacts"
+    (artifacts / "base" / "model" / "transformer").mkdir(parents=True)
+    (artifacts / "base" / "model" / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"\0" * (mib << 20))
+    return artifacts
+
+
+def test_one_checkpoint_when_the_run_writes_only_its_final_one(tmp_path):
+    artifacts = _base(tmp_path, 1)
+    fp32 = 2 << 20
+    assert training_bytes("teacher", _params(tmp_path, teacher={"steps": 120, "save_every": 40}), artifacts) == (fp32, 2 * 3 * fp32)
+    assert training_bytes("teacher", _params(tmp_path, teacher={"steps": 120, "save_every": 0}), artifacts) == (fp32, 3 * fp32)
+    assert training_bytes("teacher", _params(tmp_path, teacher={"steps": 2, "save_every": 2}), artifacts) == (fp32, 3 * fp32)
+
+
+def test_checkpoints_are_counted_on_the_runs_file_system(tmp_path):
+    artifacts = _base(tmp_path, 4)  # 8 MiB fp32 masters: 48 MiB of checkpoints, 8 MiB of model
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(runs)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {done.stderr.strip()}")
+    try:
+        params = _params(tmp_path)
+        with pytest.raises(UserError, match=f"stage teacher: needs at least .* free in {runs}, only 16.0 MiB"):
+            check_free_space("teacher", params, artifacts, runs)
+        check_free_space("clips", params, artifacts, runs)  # not a training stage: runs/ is not its business
+    finally:
+        subprocess.run(["umount", str(runs)], check=True)
+    check_free_space("teacher", params, artifacts, runs)  # runs/ back on the large disk beside artifacts/
+    shutil.rmtree(runs)
