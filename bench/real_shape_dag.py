@@ -9,8 +9,10 @@ calls — and, after the chain:
 
 - ``distill`` with each method (``self_forcing`` first, then ``dmd2``) and ``pdd`` with each
   ``student_init`` (``teacher``, then ``distill``: the DMD2 student);
-- a real-shape resume: the DMD2 ``distill`` stage killed (SIGKILL to its process group) once its first
-  checkpoint is on disk, rerun, and its exported weights compared with the uninterrupted run's.
+- a real-shape resume: the ``teacher`` stage killed (SIGKILL to its process group) once its first
+  checkpoint is on disk, rerun, and its exported weights compared with the uninterrupted run's (the
+  teacher: one trainable role, 17 GB a checkpoint; two DMD2 checkpoints of two roles, 68 GB, do not fit
+  the GPU machine's 64 GiB disk).
 
 Per stage: wall seconds, GPU busy fraction and peak GPU memory (``nvidia-smi`` every 0.2 s), MiB
 hashed / reused (the stage's own log line), the trainer's step timing (``run_summary.json``) and where
@@ -74,7 +76,8 @@ def real_shape_params(base: Path, videos: Path, profile: Path, steps: int) -> di
     set_key(params, "clips.num_validation", 2)
     for stage in ("teacher", "pretrain", "distill", "pdd"):
         set_key(params, f"{stage}.steps", steps)
-        set_key(params, f"{stage}.save_every", max(1, steps // 2))
+        set_key(params, f"{stage}.save_every", steps)  # the final checkpoint only: 17 GB per trainable 1.3B role
+    set_key(params, "teacher.save_every", max(1, steps // 2))  # the resume test's stage: a checkpoint mid-run
     set_key(params, "validate.num_prompts", 2)
     set_key(params, "validate.num_seeds", 2)
     set_key(params, "validate.teacher_steps", [4])
@@ -111,6 +114,7 @@ class Job:
         self.budget = budget
         self.rows: list[dict] = []
         self.meta: dict = {"shape": [rsp.FRAMES, rsp.HEIGHT, rsp.WIDTH], "smoke": SMOKE}
+        self.free_checkpoints = True
         self.earlier: list[dict] = json.loads(STATE.read_text())["stages"] if STATE.exists() else []
 
     def left(self) -> float:
@@ -174,6 +178,10 @@ class Job:
             row["last_metrics"] = {k: v for k, v in (data.get("last_metrics") or {}).items() if not k.startswith("lr/")}
         if Path("artifacts", name).exists() and not killed:
             row["artifact_mib"] = folder_mib(Path("artifacts", name))
+        if name in ("teacher", "pretrain", "distill", "pdd") and proc.returncode == 0 and self.free_checkpoints:
+            row["checkpoints_mib"] = folder_mib(Path("runs", name))
+            for ckpt in Path("runs", name).glob("checkpoint-*"):  # the device's 64 GiB disk holds few 17 GB checkpoints
+                shutil.rmtree(ckpt, ignore_errors=True)
         self.rows.append(row)
         self.save()
         with open(OUT / "stage_log_tails.txt", "a") as tails:
@@ -186,16 +194,21 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", default="/tmp/real_shape_dag")
     parser.add_argument("--profile", default="docs/profiles/wan-1.3b-1gpu.yaml")
-    parser.add_argument("--text-encoder", choices=["xxl", "small"], default="xxl")
+    parser.add_argument("--text-encoder", choices=["xxl", "small"], default="small",
+                        help="small: a 2-layer UMT5 of the XXL's width (the 11 GB XXL does not leave room on a 64 GiB disk)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--budget", type=float, default=560, help="seconds; stages that would start later are skipped")
     parser.add_argument("--only", default="", help="comma-separated labels to run (default: all)")
     parser.add_argument("--no-resume-test", action="store_true")
+    parser.add_argument("--runs-dir", default="", help="put runs/ (checkpoints) there, e.g. /dev/shm/runs (a symlink)")
     args = parser.parse_args()
     if not Path("dvc.yaml").exists():
         raise SystemExit("run from the repository root (the stages' working directory)")
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
+    if args.runs_dir and not Path("runs").exists():  # checkpoints on scratch space (the stages count them there)
+        Path(args.runs_dir).mkdir(parents=True, exist_ok=True)
+        Path("runs").symlink_to(Path(args.runs_dir).resolve(), target_is_directory=True)
     job = Job(args.budget)
     want = set(filter(None, args.only.split(",")))
 
@@ -215,8 +228,14 @@ def main() -> int:
     params = real_shape_params(base, videos, Path(args.profile), args.steps)
     write_params(params)
     job.meta["params"] = params
-    for name in ("clips", "base", "latents", "teacher", "pretrain"):
+    for name in ("clips", "base", "latents"):
         run(name)
+    teacher = run("teacher")
+    uninterrupted = (teacher or {}).get("weights_digest")
+    if teacher and teacher.get("rc") == 0 and uninterrupted is None:
+        uninterrupted = teacher["weights_digest"] = weights_digest("teacher")
+        job.save()
+    run("pretrain")
     set_key(params, "distill.method", "self_forcing")
     write_params(params)
     run("distill", "distill_self_forcing")
@@ -225,27 +244,25 @@ def main() -> int:
     run("pdd", "pdd_from_teacher")
     set_key(params, "distill.method", "dmd2")
     write_params(params)
-    dmd2 = run("distill", "distill_dmd2")
-    uninterrupted = (dmd2 or {}).get("weights_digest")
-    if dmd2 and dmd2.get("rc") == 0 and uninterrupted is None:
-        uninterrupted = dmd2["weights_digest"] = weights_digest("distill")
-        job.save()
+    run("distill", "distill_dmd2")
     set_key(params, "pdd.student_init", "distill")
     write_params(params)
     run("pdd", "pdd_from_distill")
     run("validate")
     run("export")
-    if not args.no_resume_test and uninterrupted and (not want or "distill_resume" in want) and not job.done("distill_dmd2_resumed"):
-        run_dir = Path("runs", "distill")
+    if not args.no_resume_test and uninterrupted and (not want or "teacher_resume" in want) and not job.done("teacher_resumed"):
+        run_dir = Path("runs", "teacher")
         shutil.rmtree(run_dir, ignore_errors=True)
         first = max(1, args.steps // 2)
-        killed = job.stage("distill", "distill_dmd2_killed", kill_when=lambda: (run_dir / f"checkpoint-{first}").is_dir(), min_left=60)
+        killed = job.stage("teacher", "teacher_killed", kill_when=lambda: (run_dir / f"checkpoint-{first}").is_dir(), min_left=60)
         ckpt = run_dir / f"checkpoint-{first}"
-        resumed = job.stage("distill", "distill_dmd2_resumed", min_left=40)
-        resumed["resume"] = {"killed_after_checkpoint": first, "checkpoint_read_mib": folder_mib(ckpt),
-                             "killed_rc": killed.get("rc"), "weights_equal_uninterrupted": weights_digest("distill") == uninterrupted,
-                             "uninterrupted_digest": uninterrupted, "resumed_digest": weights_digest("distill")}
-        text = (LOGS / "stage-distill_dmd2_resumed.log").read_text(errors="replace")
+        read_mib = folder_mib(ckpt)
+        resumed = job.stage("teacher", "teacher_resumed", min_left=40)
+        digest = weights_digest("teacher")
+        resumed["resume"] = {"killed_after_checkpoint": first, "checkpoint_read_mib": read_mib, "killed_rc": killed.get("rc"),
+                             "weights_equal_uninterrupted": digest == uninterrupted, "uninterrupted_digest": uninterrupted,
+                             "resumed_digest": digest}
+        text = (LOGS / "stage-teacher_resumed.log").read_text(errors="replace")
         resumed["resume"]["log"] = [line[-200:] for line in text.splitlines() if "resum" in line.lower()][:4]
         job.save()
         print(json.dumps(resumed["resume"]), flush=True)

@@ -172,12 +172,17 @@ def test_streaming_bookkeeping(causal2, cond):
         assert causal2.cached_frames("other") == 0
 
 
-def _streaming_grad(cond: Conditioning, checkpointing: bool) -> torch.Tensor:
+def _streaming_grad(cond: Conditioning, checkpointing: bool | float) -> torch.Tensor:
     """Under grad mode a streaming call backpropagates into the weights and its input latents (the
-    cache itself is detached context); activation checkpointing recomputes with the same cache."""
+    cache itself is detached context); activation checkpointing (every block: True; a share: a
+    fraction) recomputes with the same cache."""
+    from distillery.components.activation_checkpoint import checkpoint_blocks
+
     model = _causal(2, trainable=True)
-    if checkpointing:
+    if checkpointing is True:
         model.enable_activation_checkpointing()
+    elif checkpointing:
+        assert 0 < len(checkpoint_blocks(model.shardable_blocks(), checkpointing)) < len(model.shardable_blocks())
     video = _video(4, seed=5)
     with torch.no_grad():
         model.predict_noise_streaming(video[:, :, :2], torch.zeros(2), cond, cache_tag="pos", store_kv=True, cur_start_frame=0)
@@ -196,8 +201,9 @@ def _streaming_grad(cond: Conditioning, checkpointing: bool) -> torch.Tensor:
 
 
 def test_gradients_flow_through_streaming_also_with_activation_checkpointing(cond):
-    grads = [_streaming_grad(cond, flag) for flag in (False, True)]
+    grads = [_streaming_grad(cond, flag) for flag in (False, True, 0.5)]
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads[0], grads[2], rtol=1e-5, atol=1e-7)
 
 
 def test_same_weights_and_layout_as_stock_wan(causal2, bidirectional, tmp_path):
