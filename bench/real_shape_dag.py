@@ -262,7 +262,8 @@ def main() -> int:
         resumed["resume"] = {"killed_after_checkpoint": first, "checkpoint_read_mib": read_mib, "killed_rc": killed.get("rc"),
                              "weights_equal_uninterrupted": digest == uninterrupted, "uninterrupted_digest": uninterrupted,
                              "resumed_digest": digest}
-        text = (LOGS / "stage-teacher_resumed.log").read_text(errors="replace")
+        log_file = LOGS / "stage-teacher_resumed.log"
+        text = log_file.read_text(errors="replace") if log_file.exists() else ""  # not run: out of the job's time
         resumed["resume"]["log"] = [line[-200:] for line in text.splitlines() if "resum" in line.lower()][:4]
         job.save()
         print(json.dumps(resumed["resume"]), flush=True)
