@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from distillery.common.fsutil import replace_dir, write_text_atomic
+from distillery.common.fsutil import follow_umask, replace_dir, write_text_atomic
 from distillery.common.log import get_logger
 from distillery.stages.params import StageParams
 
@@ -37,7 +37,9 @@ def fresh_staging(stage: str) -> Path:
 
 
 def publish(stage: str, staging: Path) -> Path:
-    """Rename the stage's staging folder to ``artifacts/<stage>`` (replacing the previous one)."""
+    """Rename the stage's staging folder to ``artifacts/<stage>`` (replacing the previous one), its files
+    readable as the umask says (a writer's private 0600 temp files, e.g. safetensors', put right)."""
+    follow_umask(staging)
     return replace_dir(staging, ARTIFACTS / stage)
 
 
