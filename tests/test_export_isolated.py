@@ -173,3 +173,26 @@ def test_the_cards_say_what_each_export_is(exports):
         assert "latency" not in card.split("## Validation")[1].split("\n\n")[1]  # the table has no latency column
         assert "Latencies are left out" in card
         assert "needs the `distillery`" not in card
+
+
+def test_the_export_metrics_say_what_they_count(exports):
+    from distillery.stages.export import export_metrics
+
+    validate = exports["validate"].parent
+    got = {k: export_metrics(k, v, validate, 1 if k == "pdd" else None) for k, v in exports["exports"].items()}
+    assert got["teacher"] == {"is_teacher": 1, "nfe_per_video": 4}  # 2 steps × 2 (CFG 4.0), as validate sampled it
+    assert got["distill"] == {"is_teacher": 0, "nfe_per_video": 5, "nfe_per_chunk": 3}  # 2 chunks × 2 steps + 1 write
+    assert got["dmd2"] == {"is_teacher": 0, "nfe_per_video": 2}
+    assert got["pdd"] == {"is_teacher": 0, "nfe_per_video": 2, "stock_nfe": 1}
+
+
+def test_every_file_of_an_export_follows_the_umask(exports):
+    """safetensors writes 0600 (the fused PDD transformer, the head bank); the export is as readable as the umask says."""
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for folder in exports["exports"].values():
+        modes = {p.relative_to(folder).as_posix(): p.stat().st_mode & 0o777 for p in folder.rglob("*") if p.is_file()}
+        wrong = {k: oct(m) for k, m in modes.items() if m != 0o666 & ~mask}
+        assert not wrong, wrong

@@ -79,36 +79,30 @@ def assemble_export(base: Path, student_model: Path, out: Path) -> tuple[dict[st
 
 def export_metrics(student: str, model: Path, validate_dir: Path, stock_nfe: int | None) -> dict[str, float]:
     """The export's DVC metrics: ``is_teacher`` (1 when the exported model is the teacher itself, 0 for a
-    student), the transformer forwards per video of its default call at validate's size
-    (``nfe_per_video``; for a streaming student also ``nfe_per_chunk``: denoising steps + the cache write),
-    and ``stock_nfe`` when stock ``WanPipeline`` can sample it (a fused PDD student)."""
+    student); ``nfe_per_video``, the transformer forwards per video of the call its model card shows (validate's
+    candidate for it, :func:`~distillery.export.model_card.validated_candidate`: its steps and guidance, at
+    validate's size), and for a streaming student ``nfe_per_chunk`` (its denoising steps + the forward that writes
+    the chunk to the KV cache); ``stock_nfe`` when stock ``WanPipeline`` samples it (a fused PDD student)."""
     import json
 
+    from distillery.export.model_card import validated_candidate
     from distillery.export.standalone.distilled_samplers import build_sampler  # counted as the shipped code counts
 
     metrics: dict[str, float] = {"is_teacher": 1 if student == "teacher" else 0}
     contract = json.loads((model / "sampling.json").read_text())
-    sampler = build_sampler(contract)
     try:
-        latent_frames = _validated_latent_frames(validate_dir, model)
-    except (OSError, ValueError, KeyError, TypeError):
-        latent_frames = None
-    if latent_frames is not None:
-        metrics["nfe_per_video"] = sampler.nfe(num_frames=latent_frames)
+        report = json.loads((validate_dir / "report" / "report.json").read_text())
+    except (OSError, ValueError):
+        report = {}
+    candidate = validated_candidate(student, contract, report) if isinstance(report, dict) else None
+    if candidate is not None and isinstance(candidate.get("nfe"), (int, float)):
+        metrics["nfe_per_video"] = candidate["nfe"]
     if contract.get("sampler") == "causal_streaming":
-        metrics["nfe_per_chunk"] = sampler.nfe() + 1  # its denoising steps, then one forward writing it to the cache
+        steps = candidate.get("num_steps") if candidate else None
+        metrics["nfe_per_chunk"] = build_sampler(contract).nfe(steps) + 1  # its steps, then the cache write
     if stock_nfe is not None:
         metrics["stock_nfe"] = stock_nfe
     return metrics
-
-
-def _validated_latent_frames(validate_dir: Path, model: Path) -> int:
-    """Latent frames of the videos validate sampled (its report's ``num_frames``, by the VAE's temporal factor)."""
-    import json
-
-    frames = int(json.loads((validate_dir / "report" / "report.json").read_text())["config"]["num_frames"])
-    factor = int(json.loads((model / "vae" / "config.json").read_text()).get("scale_factor_temporal", 4))
-    return (frames - 1) // factor + 1
 
 
 def fuse_for_stock_pipeline(student_model: Path, transformer_dir: Path) -> int | None:
