@@ -9,6 +9,9 @@ full disk is found before the work, not after it. Both raise a one-line :class:`
 batch of latents) with the machine's memory, from the params alone, before anything is touched: a
 batch no machine here can hold is one line, not a training run that dies after ``runs/<stage>`` was
 reset; :func:`check_batch` does the same for a global batch larger than the latent set.
+:func:`check_paths` checks every folder and file ``params.yaml`` names (``base.path``, ``latents.data``) the way
+the stage that reads it will, when the file is validated: by every stage up to that one (a ``base.path`` that is
+not a model folder stops ``clips`` before it works, not ``base`` after ``clips`` ran) and by ``distillery params check``.
 """
 
 from __future__ import annotations
@@ -166,6 +169,48 @@ def check_batch(stage: str, params: Params, artifacts: Path) -> None:
         raise UserError(f"stage {stage}: one global batch ({stage}.batch_size {batch} × gpus.nproc_per_node {ranks} × "
                         f"gpus.nnodes {nodes}) is {batch * ranks * nodes} samples, more than the {rows} training samples "
                         f"of artifacts/latents; lower {stage}.batch_size or use more data; nothing was changed")
+
+
+def _check_base_path(params: Params) -> None:
+    """``base.path``: ``tiny`` or a diffusers Wan folder the base stage accepts (model_index.json of library classes
+    only, a transformer config)."""
+    from distillery.stages.base import resolve_base
+    from distillery.stages.base_folder import check_model_index
+
+    source = resolve_base(params.get("base.path"))
+    check_model_index(source, f"params.yaml: base.path: {source}")
+    if not (source / "transformer" / "config.json").is_file():
+        raise UserError(f"params.yaml: base.path: {source} has no transformer/config.json: not a Wan model folder; "
+                        "use 'tiny' or a Wan2.1 diffusers folder")
+
+
+def _check_latents_data(params: Params) -> None:
+    """``latents.data`` (when set): a folder of ``videos/`` + a captions file (or ``train/`` [+ ``validation/``] splits
+    of them), as the latents stage reads it."""
+    from distillery.data.videos import find_splits
+
+    data = params.get("latents.data")
+    if data:
+        try:
+            find_splits(Path(data).expanduser())
+        except UserError as exc:
+            raise UserError(f"params.yaml: latents.data: {exc}") from None
+
+
+# params.yaml keys naming a path -> (the first stage that reads it, its check)
+PATH_PARAMS = {"base.path": ("base", _check_base_path), "latents.data": ("latents", _check_latents_data)}
+
+
+def check_paths(params: Params, stage: str | None = None, order: tuple[str, ...] = ()) -> None:
+    """Refuse (one line) a path ``params.yaml`` names that the stage reading it would refuse — before any work.
+    ``stage``: the stage about to run; it checks the paths of itself and of every stage after it in ``order``
+    (the DAG order of the stage table, :data:`distillery.stages.runner.STAGES`; a stage that ran already is not
+    asked again); None: all of them."""
+    order = tuple(order)
+    at = order.index(stage) if stage in order else 0
+    for reader, check in PATH_PARAMS.values():
+        if stage is None or reader not in order or order.index(reader) >= at:
+            check(params)
 
 
 def check_free_space(stage: str, params: Params, artifacts: Path) -> None:
