@@ -141,8 +141,10 @@ def finish(stage: str, staging: Path, *, kind: str, params: StageParams, metrics
     if mlflow is None:
         mlflow = log_stage_run(stage, parent_run_id(params.path.read_text()), read, {**metrics, **(volatile or {})},
                                mlflow_files or ())
-    elif mlflow_files and mlflow.get("run_id"):
-        log_files(mlflow["tracking_uri"], mlflow["run_id"], mlflow_files)
+    else:
+        parent_run_id(params.path.read_text())  # a trainer made the stage's run: the parent run lasts to its end too
+        if mlflow_files and mlflow.get("run_id"):
+            log_files(mlflow["tracking_uri"], mlflow["run_id"], mlflow_files)
     manifest = write_lineage(staging, kind=kind, stage=stage, method=method, config=config, params=read,
                              inputs=[Input(role, path) for role, path in inputs], mlflow=mlflow, metrics=metrics,
                              artifact_name=(ARTIFACTS / stage).as_posix())
