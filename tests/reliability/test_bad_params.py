@@ -225,4 +225,8 @@ def test_a_bad_path_stops_the_first_stage_before_any_work(tmp_path, monkeypatch,
         data_lost.record(len([p for p in ws.rglob("*") if p.name != "params.yaml"]), "files a stage wrote before its params were checked")
     (ws / "params.yaml").write_text(_edited(base__path=str(not_a_model)))
     check_paths(Params.load(ws / "params.yaml"), "latents", tuple(STAGES))  # base ran already: latents does not read base.path
+    from distillery.data.videos import CAPTION_FILES
+    from distillery.stages import preflight
+
+    assert preflight.CAPTION_FILES == CAPTION_FILES  # the layout check knows the captions files the latents stage reads
     assert data_lost.total == 0

@@ -172,29 +172,45 @@ def check_batch(stage: str, params: Params, artifacts: Path) -> None:
 
 
 def _check_base_path(params: Params) -> None:
-    """``base.path``: ``tiny`` or a diffusers Wan folder the base stage accepts (model_index.json of library classes
-    only, a transformer config)."""
-    from distillery.stages.base import resolve_base
+    """``base.path``: ``tiny`` (shipped) or a diffusers Wan folder the base stage accepts: a ``model_index.json`` of
+    library classes only (:func:`~distillery.stages.base_folder.check_model_index`, the base stage's own check) and a
+    transformer config. Only that module is imported: the stages before ``base`` keep their code deps small."""
     from distillery.stages.base_folder import check_model_index
 
-    source = resolve_base(params.get("base.path"))
+    path = params.get("base.path")
+    if path == "tiny":
+        return
+    source = Path(path).expanduser()
+    if not (source / "model_index.json").is_file():
+        raise UserError(f"params.yaml: base.path: {source} is not a diffusers model folder (no model_index.json); use "
+                        "'tiny' or a Wan2.1 folder")
     check_model_index(source, f"params.yaml: base.path: {source}")
     if not (source / "transformer" / "config.json").is_file():
         raise UserError(f"params.yaml: base.path: {source} has no transformer/config.json: not a Wan model folder; "
                         "use 'tiny' or a Wan2.1 diffusers folder")
 
 
-def _check_latents_data(params: Params) -> None:
-    """``latents.data`` (when set): a folder of ``videos/`` + a captions file (or ``train/`` [+ ``validation/``] splits
-    of them), as the latents stage reads it."""
-    from distillery.data.videos import find_splits
+CAPTION_FILES = ("captions.jsonl", "videos2caption.json")  # distillery.data.videos.CAPTION_FILES (a test keeps them equal)
 
+
+def _check_latents_data(params: Params) -> None:
+    """``latents.data`` (when set): a folder with a captions file, or ``train/`` [+ ``validation/``] split folders each
+    with one, as the latents stage reads it (:func:`distillery.data.videos.find_splits` checks the files themselves;
+    this is the folder layout, without importing the data package)."""
     data = params.get("latents.data")
-    if data:
-        try:
-            find_splits(Path(data).expanduser())
-        except UserError as exc:
-            raise UserError(f"params.yaml: latents.data: {exc}") from None
+    if not data:
+        return
+    folder = Path(data).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"params.yaml: latents.data: {folder} does not exist or is not a folder; name a folder of "
+                        f"videos/ + {CAPTION_FILES[0]}")
+    splits = [folder / "train", folder / "validation"] if (folder / "train").is_dir() else [folder]
+    if (folder / "validation").is_dir() and not (folder / "train").is_dir():
+        raise UserError(f"params.yaml: latents.data: {folder} has a validation/ split but no train/ split")
+    for split in splits:
+        if split.is_dir() and not any((split / name).exists() for name in CAPTION_FILES):
+            raise UserError(f"params.yaml: latents.data: no captions file in {split}: expected {CAPTION_FILES[0]} "
+                            f'(lines of {{"path": "videos/x.mp4", "caption": "..."}}) or {CAPTION_FILES[1]}')
 
 
 # params.yaml keys naming a path -> (the first stage that reads it, its check)
