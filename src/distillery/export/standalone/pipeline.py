@@ -14,7 +14,9 @@ output) whose denoising loop is the sampler of the folder's ``sampling.json``
 (:mod:`distilled_samplers`) over a denoiser wrapped around the pipeline's own transformer
 (:mod:`distilled_wan`; block-causal with a KV cache for ``causal_streaming``, :mod:`distilled_causal`).
 Every module it needs is in the folder beside it and imported relatively (diffusers copies those).
-For the prompt, seed, size and settings the validate stage used, it returns the latents validate saved.
+For the prompt, seed, size and settings the validate stage used, it returns the latents validate saved (bit for
+bit where both ran the same kernels, e.g. on the CPU; attention here is always SDPA through diffusers' dispatcher,
+so against a validate that ran FlashAttention-4 on a GPU it agrees to that precision, not bit for bit).
 
 Noise: one ``torch.Generator`` draws everything (the initial latents ``[1, C, T', H', W']`` first, as
 ``WanPipeline`` draws them, then any re-noise draws), on the generator's device.
