@@ -11,6 +11,7 @@ real upstream artifacts in seconds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -23,7 +24,8 @@ from workspace import copy_workspace, error_lines, set_params, sh, stage, tree_s
 
 from distillery.cli.guard import run_guarded
 from distillery.cli.main import build_parser
-from distillery.lineage.manifest import DIGEST_KEY, Input, hash_tree, manifest_digest, verify_chain, write_lineage
+from distillery.export.code import CODE_RECORD_KEY, write_export_code
+from distillery.lineage.manifest import DIGEST_KEY, EXPORT_OWN_CODE, Input, hash_tree, manifest_digest, verify_chain, write_lineage
 from distillery.tinybase.shipped import shipped_tiny_base
 
 slow = pytest.mark.slow  # the tests that work on a copy of a DAG workspace
@@ -155,7 +157,7 @@ def test_export_never_ships_a_base_s_code(exportable, tmp_path, monkeypatch, dat
     if export.is_dir():  # the model card's own load command, in a fresh process
         sh([sys.executable, "-c", LOAD], ws, check=False)
     data_lost.record(1 if marker.exists() else 0, "foreign code runs on load")
-    data_lost.record(len([f for f in _code_files(export) if f != "pipeline.py"]) if export.is_dir() else 0,
+    data_lost.record(len([f for f in _code_files(export) if f not in EXPORT_OWN_CODE]) if export.is_dir() else 0,
                      "foreign code files shipped in the export")
     assert data_lost.total == 0, out.stderr[-2000:]
     assert out.returncode == 2 and not export.exists(), out.stderr[-2000:]
@@ -169,13 +171,14 @@ def _hand_made_export(root: Path, *, evil: bool) -> Path:
     (root / export / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(bytes(range(256)) * 4)
     index = {"_class_name": "WanPipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
              "transformer": ["diffusers", "WanTransformer3DModel"]}
-    (root / export / "pipeline.py").write_text("# the export's own pipeline module\n")
+    code = write_export_code(root / export)  # the export's own modules, as the export stage writes them
     if evil:
         index["scheduler"] = ["evil_sched", "EvilScheduler"]
         (root / export / "scheduler").mkdir()
         (root / export / "scheduler" / "evil_sched.py").write_text("import os\n")
     (root / export / "model_index.json").write_text(json.dumps(index))
-    write_lineage(export, kind="export", stage="export", params={"export": {"student": "teacher"}})
+    write_lineage(export, kind="export", stage="export", params={"export": {"student": "teacher"}},
+                  config={CODE_RECORD_KEY: code})
     return export
 
 
@@ -198,6 +201,58 @@ def test_lineage_verify_refuses_code_in_an_export(tmp_path, monkeypatch, capsys,
     export = _hand_made_export(tmp_path, evil=False)
     rc = _cli("lineage", export, "--verify")
     assert rc == 0, capsys.readouterr().out
+
+
+@pytest.mark.reliability(case="9.1", title="an export carries exactly the code the export stage wrote",
+                         injected="an export whose lineage.json (re-sealed) records its modules, then: one of them "
+                                  "rewritten (the record and outputs rewritten to match, but not config.shipped_code); "
+                                  "a module missing from the record; an extra top-level distilled_extra.py recorded "
+                                  "everywhere; a recorded module in a subfolder",
+                         expect="`distillery lineage --verify` exits 2 each time, naming the file; the export as written "
+                                "verifies")
+def test_lineage_verify_allows_only_the_export_s_own_recorded_code(tmp_path, monkeypatch, capsys, data_lost):
+    from distillery.lineage.manifest import hash_tree, seal
+
+    monkeypatch.chdir(tmp_path)
+    export = _hand_made_export(tmp_path, evil=False)
+    genuine = json.loads((export / "lineage.json").read_text())
+    assert _cli("lineage", export, "--verify") == 0
+
+    def variant(change) -> list[str]:
+        shutil.rmtree(tmp_path / "artifacts")
+        _hand_made_export(tmp_path, evil=False)
+        manifest = json.loads(json.dumps(genuine))
+        change(manifest)
+        manifest["outputs"] = [e for e in hash_tree(export) if e["path"] != "lineage.json"]
+        (export / "lineage.json").write_text(json.dumps(seal(manifest), indent=2))
+        capsys.readouterr()
+        rc = _cli("lineage", export, "--verify")
+        data_lost.record(0 if rc == 2 else 1, "exports with code the export stage did not write reported as verified")
+        return capsys.readouterr().out.splitlines()
+
+    def rewritten(m):
+        (export / "distilled_wan.py").write_text("import os\nos.system('true')\n")
+    lines = variant(rewritten)
+    assert any(ln.startswith("refused: distilled_wan.py (code of another digest") for ln in lines), lines
+
+    def unrecorded(m):
+        del m["config"]["shipped_code"]["distilled_causal.py"]
+    lines = variant(unrecorded)
+    assert any(ln.startswith("refused: distilled_causal.py (code the export's lineage.json does not record") for ln in lines)
+
+    def extra(m):
+        (export / "distilled_extra.py").write_text("import os\n")
+        m["config"]["shipped_code"]["distilled_extra.py"] = hashlib.sha256(b"import os\n").hexdigest()
+    lines = variant(extra)
+    assert any(ln.startswith("refused: distilled_extra.py (a code file") for ln in lines), lines
+
+    def nested(m):
+        (export / "vae" / "pipeline.py").parent.mkdir(exist_ok=True)
+        (export / "vae" / "pipeline.py").write_bytes((export / "pipeline.py").read_bytes())
+        m["config"]["shipped_code"]["vae/pipeline.py"] = m["config"]["shipped_code"]["pipeline.py"]
+    lines = variant(nested)
+    assert any(ln.startswith("refused: vae/pipeline.py (a code file") for ln in lines), lines
+    assert data_lost.total == 0
 
 
 # -- 9.5 a tampered upstream ----------------------------------------------------------------------------------

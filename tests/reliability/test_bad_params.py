@@ -183,3 +183,50 @@ def test_shipped_params_validate_unchanged(data_lost):
     assert params.subset(["seed", "teacher"]) == {"seed": shipped["seed"], "teacher": shipped["teacher"]}
     assert dataclasses.asdict(params.typed) == shipped
     data_lost.record(0, "files (read-only check)")
+
+
+@_mark("a path params.yaml names is checked before any stage works",
+       "base.path = an existing folder that is not a model folder (no model_index.json), then a Wan folder without "
+       "transformer/config.json; latents.data = a folder without a captions file; `distillery stage clips` (the first "
+       "stage, which reads neither) and `distillery params check`",
+       "exit 2, one line naming base.path (latents.data) before clips works; `params check` the same; a stage after "
+       "the one reading the path does not ask again")
+def test_a_bad_path_stops_the_first_stage_before_any_work(tmp_path, monkeypatch, capsys, data_lost):
+    """In-process through the real parser and its error guard (what ``distillery ...`` runs: exit code, stderr)."""
+    import shutil
+
+    from distillery.cli.guard import run_guarded
+    from distillery.cli.main import build_parser
+    from distillery.stages.preflight import check_paths
+    from distillery.stages.runner import STAGES
+    from distillery.tinybase.shipped import shipped_tiny_base
+
+    not_a_model = tmp_path / "downloads" / "wan"
+    not_a_model.mkdir(parents=True)
+    (not_a_model / "notes.txt").write_text("the weights are still downloading\n")
+    no_transformer = tmp_path / "wan-without-transformer"
+    shutil.copytree(shipped_tiny_base(), no_transformer, ignore=shutil.ignore_patterns("transformer", "*.safetensors"))
+    no_captions = tmp_path / "my-videos"
+    (no_captions / "videos").mkdir(parents=True)
+    cases = [({"base__path": str(not_a_model)}, "clips", f"params.yaml: base.path: {not_a_model} is not a diffusers model folder"),
+             ({"base__path": str(no_transformer)}, "clips", f"params.yaml: base.path: {no_transformer} has no transformer/config.json"),
+             ({"latents__data": str(no_captions)}, "base", f"params.yaml: latents.data: no captions file in {no_captions}")]
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    monkeypatch.chdir(ws)
+    for updates, stage, expected in cases:
+        (ws / "params.yaml").write_text(_edited(**updates))
+        for command in (["stage", stage, "--params", "params.yaml"], ["params", "check"]):
+            ns = build_parser().parse_args(command)
+            capsys.readouterr()
+            rc = run_guarded(lambda: ns.func(ns))
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), (command, lines)
+        data_lost.record(len([p for p in ws.rglob("*") if p.name != "params.yaml"]), "files a stage wrote before its params were checked")
+    (ws / "params.yaml").write_text(_edited(base__path=str(not_a_model)))
+    check_paths(Params.load(ws / "params.yaml"), "latents", tuple(STAGES))  # base ran already: latents does not read base.path
+    from distillery.data.videos import CAPTION_FILES
+    from distillery.stages import preflight
+
+    assert preflight.CAPTION_FILES == CAPTION_FILES  # the layout check knows the captions files the latents stage reads
+    assert data_lost.total == 0

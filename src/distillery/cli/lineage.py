@@ -19,7 +19,8 @@ The seal alone catches edits of the manifest; files and manifest rewritten consi
 only by ``--expect`` or ``--dvc-lock``. PATH is an artifact folder or its lineage.json. A missing,
 unreadable or absurdly deep manifest, one the tree cannot show (``"outputs": 5``), a malformed DIGEST
 or an unusable (or absurdly deep) dvc.lock is a user error (one line, exit 2). ``--verify`` also
-refuses any code file in an artifact (an export: any but its own ``pipeline.py``) and any
+refuses any code file in an artifact (an export: any but its own modules, each with the digest its manifest
+records in ``config.shipped_code``) and any
 ``model_index.json`` entry naming code from outside diffusers/transformers.
 """
 

@@ -51,6 +51,37 @@ def replace_dir(staging: Path, final: Path) -> Path:
     return final
 
 
+def umask_mode(executable: bool = False) -> int:
+    """The permission bits a new file gets from the process's umask: ``0o666 & ~umask`` (``0o777`` for a folder or
+    an executable). Read by setting the umask and putting it back at once (no other thread of ours creates files)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return (0o777 if executable else 0o666) & ~mask
+
+
+def follow_umask(path: Path) -> None:
+    """Give the regular file ``path`` — or every regular file and folder under the folder ``path`` — the
+    permissions the umask gives a new file (:func:`umask_mode`). A writer that creates through a private
+    temporary file (safetensors' ``save_file``, ``tempfile.mkstemp``: mode 0600) leaves its output unreadable by
+    the group and others, unlike every other file of an artifact; this puts it right. Symlinks are left alone."""
+    path = Path(path)
+    file_mode, dir_mode = umask_mode(), umask_mode(executable=True)
+    if path.is_symlink():
+        return
+    if path.is_file():
+        path.chmod(file_mode)
+        return
+    for root, dirs, files in os.walk(path):
+        for name in dirs:
+            p = Path(root) / name
+            if not p.is_symlink():
+                p.chmod(dir_mode)
+        for name in files:
+            p = Path(root) / name
+            if not p.is_symlink() and p.is_file():
+                p.chmod(file_mode)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary sibling and a rename."""
     path = Path(path)

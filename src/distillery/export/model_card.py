@@ -17,10 +17,11 @@ from typing import Any
 
 from distillery.lineage.manifest import artifacts_once
 
-# metrics of a validation candidate shown in the card: (metrics.json key, column title, format)
+# metrics of a validation candidate shown in the card: (metrics.json key, column title, format); latency only where
+# validate recorded the machine and its load (:func:`_latency_context`)
 _COLUMNS = (("nfe", "NFE / video", "{:.0f}"), ("all", "adherence", "{:.2f}"), ("frechet_distance", "Fréchet to reference", "{:.2f}"),
-            ("distance_to_teacher", "paired distance", "{:.4f}"), ("sharpness", "sharpness", "{:.5f}"),
-            ("latency_s", "latency s / video (median, warm-up excluded)", "{:.3f}"))
+            ("distance_to_teacher", "paired distance", "{:.4f}"), ("sharpness", "sharpness", "{:.5f}"))
+_LATENCY = ("latency_s", "latency s / video (median, warm-up excluded)", "{:.3f}")
 
 
 def _own_params(node: dict[str, Any]) -> dict[str, Any]:
@@ -36,12 +37,11 @@ def _candidates(student: str, metrics: dict[str, float], reference: str | None) 
     return ([reference] if reference and reference not in mine else []) + mine
 
 
-def _metrics_table(names: list[str], metrics: dict[str, float]) -> list[str]:
-    lines = ["| candidate | " + " | ".join(title for _, title, _ in _COLUMNS) + " |",
-             "|---" * (len(_COLUMNS) + 1) + "|"]
+def _metrics_table(names: list[str], metrics: dict[str, float], columns: tuple) -> list[str]:
+    lines = ["| candidate | " + " | ".join(title for _, title, _ in columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name in names:
         cells = []
-        for key, _, fmt in _COLUMNS:
+        for key, _, fmt in columns:
             value, spread = metrics.get(f"{name}/{key}"), metrics.get(f"{name}/{key}_std")
             cell = "—" if value is None else fmt.format(value)
             if value is not None and spread is not None and key != "nfe":
@@ -51,11 +51,59 @@ def _metrics_table(names: list[str], metrics: dict[str, float]) -> list[str]:
     return lines
 
 
+def _latency_context(report: dict[str, Any]) -> str | None:
+    """The machine and load validate measured its latencies under, as one phrase — or None when its report
+    does not say (then the card prints no latency: a number without its machine and load reads as the model's)."""
+    latency = report.get("latency") if isinstance(report.get("latency"), dict) else {}
+    machine = latency.get("machine") or report.get("machine")
+    load = latency.get("load") or report.get("load")
+    if not machine or load is None:
+        return None
+    describe = lambda v: ", ".join(f"{k} {w}" for k, w in v.items()) if isinstance(v, dict) else str(v)  # noqa: E731
+    return f"on {describe(machine)}, load {describe(load)}"
+
+
+def validated_candidate(student: str, contract: dict[str, Any], report: dict[str, Any]) -> dict[str, Any] | None:
+    """The validate candidate (its ``report.json`` entry: name, num_steps, guidance_scale, ...) whose samples the
+    card's snippets reproduce: for the teacher the reference (or its first candidate), for a student the one at
+    its contract's default step count (else its first); None when validate scored none of ``student``'s."""
+    mine = [c for c in report.get("candidates", []) if str(c.get("name", "")).startswith(f"{student}_")]
+    if not mine:
+        return None
+    if student == "teacher":
+        return next((c for c in mine if c["name"] == report.get("reference")), mine[0])
+    steps = contract.get("num_steps") or len(contract.get("timesteps") or []) or None
+    return next((c for c in mine if steps is not None and int(c.get("num_steps", -1)) == int(steps)), mine[0])
+
+
+def _nfe_lines(contract: dict[str, Any], metrics: dict[str, float], candidate: dict[str, Any] | None) -> list[str]:
+    """What "NFE" counts for a streaming student, with the numbers of the validated video (its ``nfe`` metric:
+    branches × (chunks × steps + chunks − 1))."""
+    if contract.get("sampler") != "causal_streaming" or candidate is None or f"{candidate['name']}/nfe" not in metrics:
+        return []
+    chunk, steps = int(contract["chunk_size"]), int(candidate["num_steps"])
+    branches = 2 if float(candidate.get("guidance_scale", 1.0)) > 1 else 1
+    per_video = int(metrics[f"{candidate['name']}/nfe"])
+    chunks = (per_video // branches + 1) // (steps + 1)
+    return ["", f"**NFE (transformer forwards) of this streaming student.** It generates the video chunk by chunk: at "
+            f"validate's size, {chunks} chunk(s) of {chunk} latent frame(s). Each chunk takes {steps} denoising "
+            f"forwards (its {steps}-step ladder), then one more forward writes the finished chunk into the KV cache "
+            f"for the chunks after it (none after the last): **{steps + 1} forwards per chunk, {chunks} × {steps} + "
+            f"{chunks - 1} = {per_video} per video**" + (" (× 2: CFG)" if branches == 2 else "")
+            + f". A {steps}-step bidirectional student takes {steps * branches} forwards of the whole video, each on "
+            f"{chunks}× the tokens a streaming forward sees: compare candidates by latency beside NFE."]
+
+
 def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_sequence_length: int | None,
                       stock_nfe: int | None, folder: str = "artifacts/export") -> str:
     """The card's text. ``student``: the exported training stage; ``student_dir``: its artifact
     (``model/sampling.json``, ``lineage.json``); ``validate_dir``: the validate artifact; ``folder``:
-    the export's path as the snippet names it (relative to the workspace root)."""
+    the export's path as the snippets name it (relative to the workspace root).
+
+    Its snippets pass the steps and guidance of the validate candidate they reproduce
+    (:func:`validated_candidate`, named in a ``# validate's <candidate>`` comment): the custom pipeline's,
+    and stock ``WanPipeline``'s where a plain transformer is the model (the teacher; a fused PDD student at
+    ``stock_nfe``)."""
     contract = json.loads((student_dir / "model" / "sampling.json").read_text())
     manifest = json.loads((student_dir / "lineage.json").read_text())
     metrics = json.loads((validate_dir / "report" / "metrics.json").read_text())  # every metric (the stage's own: headline)
@@ -63,46 +111,90 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     cfg = report["config"]
     reference = report.get("reference")
     sampler = contract["sampler"]
+    teacher = student == "teacher"
+    candidate = validated_candidate(student, contract, report)
     steps = contract.get("num_steps") or len(contract.get("timesteps") or []) or None
+    guidance = float(contract.get("guidance_scale", 1.0) or 1.0)
+    if candidate is not None:
+        steps, guidance = int(candidate["num_steps"]), float(candidate["guidance_scale"])
+    method = manifest.get("method")
     front = ["---", "library_name: diffusers", "pipeline_tag: text-to-video", f"tags: [wan, distillery, {student}]",
              "distillery:"]
     if max_sequence_length is not None:
         front.append(f"  max_sequence_length: {max_sequence_length}")
     front += [f"  student: {student}", f"  sampler: {sampler}", "---", ""]
-    lines = [f"# The `{student}` student, exported by distillery", "",
-             f"A Wan 2.1 text-to-video model in diffusers layout: the transformer trained by the `{student}` stage "
-             f"(`{manifest.get('method')}`), with the base's VAE, text encoder and tokenizer. It samples with the "
-             f"`{sampler}` sampler of `sampling.json`"
-             + (f" at {steps} steps" if steps else "") + f" (guidance {contract.get('guidance_scale', 1.0)}).", ""]
+    if teacher:
+        lines = ["# The teacher, exported by distillery", "",
+                 f"A Wan 2.1 text-to-video model in diffusers layout: the transformer the `teacher` stage fine-tuned "
+                 f"(`{method}`) on the latents, with the base's VAE, text encoder and tokenizer. It is a stock Wan "
+                 f"model: stock `WanPipeline` samples it (below). Validate scored it with the `{sampler}` sampler"
+                 + (f" at {steps} steps" if steps else "") + f", guidance {guidance}"
+                 + (f" (candidate `{candidate['name']}`)" if candidate else "") + ".", ""]
+    else:
+        lines = [f"# The `{student}` student, exported by distillery", "",
+                 f"A Wan 2.1 text-to-video model in diffusers layout: the transformer trained by the `{student}` stage "
+                 f"(`{method}`), with the base's VAE, text encoder and tokenizer. It samples with the "
+                 f"`{sampler}` sampler of `sampling.json`" + (f" at {steps} steps" if steps else "")
+                 + f" (guidance {guidance})" + (f", as validate's candidate `{candidate['name']}`" if candidate else "")
+                 + "."]
+        lines += _nfe_lines(contract, metrics, candidate) + [""]
     lines += ["## Sampling settings (`sampling.json`)", "", "```json", json.dumps(contract, indent=2), "```", ""]
     lines += ["## How it was made (from `lineage.json`; `distillery lineage <this folder>` prints the whole tree)", "",
               "| stage | kind | method | its params | artifact digest |", "|---|---|---|---|---|"]
     for node in artifacts_once(manifest):
-        method = (node.get("method") or "—").rsplit(".", 1)[-1]
+        node_method = (node.get("method") or "—").rsplit(".", 1)[-1]
         params = json.dumps(_own_params(node), sort_keys=True).replace("|", "/")
-        lines.append(f"| {node.get('stage')} | {node.get('kind')} | {method} | `{params}` | "
+        lines.append(f"| {node.get('stage')} | {node.get('kind')} | {node_method} | `{params}` | "
                      f"`{str(node.get('manifest_sha256', ''))[:16]}` |")
+    latency = _latency_context(report)
     lines += ["", f"## Validation (the validate stage: {len(report.get('prompts', []))} prompts × "
               f"{report.get('num_seeds', 1)} seeds, ± over seeds; reference `{reference}`)", ""]
-    lines += _metrics_table(_candidates(student, metrics, reference), metrics)
+    lines += _metrics_table(_candidates(student, metrics, reference), metrics, _COLUMNS + ((_LATENCY,) if latency else ()))
+    lines += ["", f"Latencies were measured {latency}." if latency else
+              "Latencies are left out: validate's report does not say on what machine and under what load they were "
+              "measured (its `report.json` keeps them)."]
     prompt, seed = report["prompts"][0], report["seeds"][0]
     size = f"num_frames={cfg['num_frames']}, height={cfg['height']}, width={cfg['width']}"
-    lines += ["", "## Load and sample it (offline)", "",
-              f"Run from the workspace root (or replace `{folder}` by where this folder is); it needs the `distillery` "
-              "package. For this prompt and seed it returns the video validate scored.", "", "```python",
-              "import torch", "from diffusers import DiffusionPipeline", "",
+    call_args = f"num_inference_steps={steps}, guidance_scale={guidance}," if steps else f"guidance_scale={guidance},"
+    marker = f"  # validate's {candidate['name']}" if candidate else ""
+    lines += ["", "## Load and sample it (offline, needs only torch, diffusers and transformers)", "",
+              f"Run from the workspace root (or replace `{folder}` by where this folder is). The folder's own modules "
+              "(`pipeline.py` and the `distilled_*.py` it imports) do the sampling; nothing of distillery is imported. "
+              "For this prompt and seed, at these steps and guidance, it returns the video validate scored.", "",
+              "```python", "import torch", "from diffusers import DiffusionPipeline", "",
               f'folder = "{folder}"',
               "pipe = DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True)",
               f"video = pipe({json.dumps(prompt)}, {size}, max_sequence_length={report['max_sequence_length']},",
+              f"            {call_args}{marker}",
               f"            generator=torch.Generator().manual_seed({seed})).frames[0]",
               "print(video.shape)", "```", ""]
-    if stock_nfe is not None:
-        lines += [f"`transformer/` alone is the student at {stock_nfe} NFE fused into a plain transformer: stock "
-                  "`WanPipeline` samples it with its shift's Euler scheduler (no distillery needed):", "", "```python",
-                  "import torch", "from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline", "",
-                  f'pipe = WanPipeline.from_pretrained("{folder}")',
-                  f"pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift={contract.get('shift')})",
-                  f"video = pipe({json.dumps(prompt)}, {size}, max_sequence_length={report['max_sequence_length']},",
-                  f"            num_inference_steps={stock_nfe}, guidance_scale=1.0, generator=torch.Generator().manual_seed({seed})).frames[0]",
-                  "print(video.shape)", "```", ""]
-    return "\n".join(front + lines)
+    stock = _stock_snippet(teacher, contract, stock_nfe, report, folder, prompt, seed, size, steps, guidance, candidate)
+    return "\n".join(front + lines + stock)
+
+
+def _stock_snippet(teacher: bool, contract: dict[str, Any], stock_nfe: int | None, report: dict[str, Any], folder: str,
+                   prompt: str, seed: int, size: str, steps: int | None, guidance: float,
+                   candidate: dict[str, Any] | None) -> list[str]:
+    """Stock ``WanPipeline`` on the folder, where a plain transformer is the model: the teacher (at the validated
+    steps and guidance) and a fused PDD student (at ``stock_nfe``, no CFG)."""
+    if teacher and contract.get("sampler") == "euler" and contract.get("chunk_size") is None and steps:
+        intro = ("It is a stock Wan model: stock `WanPipeline` samples it with no code of the folder. With the Euler "
+                 "scheduler of its shift (the base may ship another, e.g. UniPC) it returns validate's video:")
+        nfe, scale, name = steps, guidance, candidate["name"] if candidate else None
+    elif stock_nfe is not None:
+        intro = (f"`transformer/` alone is the student at {stock_nfe} NFE fused into a plain transformer: stock "
+                 "`WanPipeline` samples it with its shift's Euler scheduler (no code of the folder runs):")
+        nfe, scale = stock_nfe, 1.0
+        names = [c["name"] for c in report.get("candidates", []) if c.get("sampler") == contract.get("sampler")
+                 and int(c.get("num_steps", -1)) == stock_nfe]
+        name = names[0] if names else None
+    else:
+        return []
+    marker = f"  # validate's {name}" if name else ""
+    return [intro, "", "```python", "import torch", "from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline", "",
+            f'pipe = WanPipeline.from_pretrained("{folder}")',
+            f"pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift={contract.get('shift')})",
+            f"video = pipe({json.dumps(prompt)}, {size}, max_sequence_length={report['max_sequence_length']},",
+            f"            num_inference_steps={nfe}, guidance_scale={scale},{marker}",
+            f"            generator=torch.Generator().manual_seed({seed})).frames[0]",
+            "print(video.shape)", "```", ""]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from distillery.common.errors import UserError
-from distillery.common.fsutil import replace_dir
+from distillery.common.fsutil import follow_umask, replace_dir
 from distillery.components.checkpoint.dcp_io import load_dcp
 from distillery.components.checkpoint.trust import require_intact
 
@@ -105,6 +105,7 @@ def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str 
         shutil.rmtree(tmp)
     module.save_pretrained(tmp, safe_serialization=True)
     export_head_bank(ckpt, role, module, tmp, loaders, ema)
+    follow_umask(tmp)  # safetensors writes its files 0600; the weights are as readable as every other file
     return replace_dir(tmp, final)
 
 

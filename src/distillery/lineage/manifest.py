@@ -37,7 +37,9 @@ Trust model of :func:`verify_lineage` (``distillery lineage --verify``):
 - manifests written before the seal existed verify with a warning (``unsealed``), and never
   satisfy ``expect``.
 - an artifact carries no code: a code file (:data:`CODE_SUFFIXES`: Python source, bytecode,
-  native modules) anywhere in it is ``refused``, an export's own ``pipeline.py`` excepted, and so is
+  native modules) anywhere in it is ``refused`` — but an export's own modules (:data:`EXPORT_OWN_CODE`
+  at its top level, each with the sha256 the export stage recorded in the manifest's
+  ``config.shipped_code``; one missing from that record, or of another digest, is refused) —, and so is
   a ``model_index.json`` entry naming a module outside diffusers/transformers (diffusers would
   import it from the folder under ``trust_remote_code``).
 
@@ -83,7 +85,10 @@ MAX_MANIFEST_DEPTH = 100  # JSON nesting of a lineage.json (a whole export chain
 _MAX_LOCK_DEPTH = 64  # YAML nesting of a dvc.lock / .dvc file (real ones: ~6)
 # files an artifact never carries: Python source, bytecode and native modules, which a loader could import
 CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyd", ".pyw", ".pyx", ".so", ".dylib", ".dll")
-EXPORT_OWN_CODE = ("pipeline.py",)  # the one code file an export ships: its own pipeline (distillery.export.diffusers_pipeline)
+# the code files an export ships (its pipeline and the modules it imports: distillery.export.code.SHIPPED_MODULES),
+# each allowed only with the digest recorded under config.shipped_code of the export's manifest
+EXPORT_OWN_CODE = ("pipeline.py", "distilled_schedule.py", "distilled_samplers.py", "distilled_wan.py", "distilled_causal.py")
+EXPORT_CODE_RECORD = "shipped_code"
 MODEL_LIBRARIES = ("diffusers", "transformers")  # the libraries a model_index.json component may come from
 _INDEX_FILE = "model_index.json"
 
@@ -118,7 +123,7 @@ def _cut(value: Any, limit: int = _SHOWN) -> str:
 
 def is_code_file(name: str) -> bool:
     """Whether a file named ``name`` (a path's last part) is code a loader could import
-    (:data:`CODE_SUFFIXES`): an artifact carries none, an export only its own ``pipeline.py``."""
+    (:data:`CODE_SUFFIXES`): an artifact carries none, an export only its own modules (:data:`EXPORT_OWN_CODE`)."""
     return name.lower().endswith(CODE_SUFFIXES)
 
 
@@ -758,13 +763,34 @@ def _index_problems(path: Path) -> list[str]:
     return problems
 
 
-def _code_problems(listing: _Listing, kind: Any) -> list[str]:
-    """Code an artifact carries: every code file (:func:`is_code_file`) but an export's own
-    ``pipeline.py``, and every ``model_index.json`` entry naming code from outside the libraries."""
-    own = EXPORT_OWN_CODE if kind == "export" else ()
-    problems = [f"refused: {_cut(rel)} (a code file: an artifact carries no code"
-                f"{', an export only its own ' + ', '.join(own) if own else ''})"
-                for rel in sorted(listing.files) if is_code_file(rel.rsplit("/", 1)[-1]) and rel not in own]
+def _shipped_code(manifest: Mapping[str, Any]) -> dict[str, str]:
+    """An export's record of the code it wrote: ``config.shipped_code`` (file → sha256), ``{}`` when absent or malformed."""
+    config = manifest.get("config")
+    record = config.get(EXPORT_CODE_RECORD) if isinstance(config, Mapping) else None
+    if not isinstance(record, Mapping):
+        return {}
+    return {k: v for k, v in record.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _code_problems(listing: _Listing, manifest: Mapping[str, Any], digests: Mapping[str, str]) -> list[str]:
+    """Code an artifact carries: every code file (:func:`is_code_file`) but an export's own modules
+    (:data:`EXPORT_OWN_CODE`, each recorded in its ``config.shipped_code`` with the sha256 it has now:
+    ``digests``, relative path → sha256), and every ``model_index.json`` entry naming code from outside the libraries."""
+    export = manifest.get("kind") == "export"
+    record = _shipped_code(manifest) if export else {}
+    problems = []
+    for rel in sorted(listing.files):
+        if not is_code_file(rel.rsplit("/", 1)[-1]):
+            continue
+        if not export or rel not in EXPORT_OWN_CODE:
+            problems.append(f"refused: {_cut(rel)} (a code file: an artifact carries no code"
+                            f"{', an export only its own ' + ', '.join(EXPORT_OWN_CODE) if export else ''})")
+        elif rel not in record:
+            problems.append(f"refused: {_cut(rel)} (code the export's lineage.json does not record in "
+                            f"config.{EXPORT_CODE_RECORD}: not written by the export stage)")
+        elif digests.get(rel) is not None and digests[rel] != record[rel]:
+            problems.append(f"refused: {_cut(rel)} (code of another digest than the export stage recorded in "
+                            f"config.{EXPORT_CODE_RECORD})")
     for rel in sorted(listing.files):
         if rel.rsplit("/", 1)[-1] == _INDEX_FILE:
             problems.extend(f"refused: {_cut(rel)}: {q}" for q in _index_problems(listing.files[rel]))
@@ -795,8 +821,8 @@ def _check_folder(folder: Path, *, embedded: bool, with_md5: bool = False) -> _F
     if not isinstance(recorded, list):
         problems.append("malformed outputs: expected a list")
         recorded = []
-    problems.extend(_code_problems(listing, manifest.get("kind")))
     actual, md5s, unreadable = _hash_listing(listing, with_md5=with_md5)
+    problems.extend(_code_problems(listing, manifest, {e["path"]: e["sha256"] for e in actual}))
     problems.extend(f"unreadable: {_cut(rel)}" for rel in unreadable)
     problems.extend(_compare(recorded, actual, [rel for rel, _ in listing.refused] + unreadable))
     if embedded:

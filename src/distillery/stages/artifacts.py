@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from distillery.common.fsutil import replace_dir, write_text_atomic
+from distillery.common.fsutil import follow_umask, replace_dir, write_text_atomic
 from distillery.common.log import get_logger
 from distillery.stages.params import StageParams
 
@@ -37,7 +37,9 @@ def fresh_staging(stage: str) -> Path:
 
 
 def publish(stage: str, staging: Path) -> Path:
-    """Rename the stage's staging folder to ``artifacts/<stage>`` (replacing the previous one)."""
+    """Rename the stage's staging folder to ``artifacts/<stage>`` (replacing the previous one), its files
+    readable as the umask says (a writer's private 0600 temp files, e.g. safetensors', put right)."""
+    follow_umask(staging)
     return replace_dir(staging, ARTIFACTS / stage)
 
 
@@ -139,8 +141,10 @@ def finish(stage: str, staging: Path, *, kind: str, params: StageParams, metrics
     if mlflow is None:
         mlflow = log_stage_run(stage, parent_run_id(params.path.read_text()), read, {**metrics, **(volatile or {})},
                                mlflow_files or ())
-    elif mlflow_files and mlflow.get("run_id"):
-        log_files(mlflow["tracking_uri"], mlflow["run_id"], mlflow_files)
+    else:
+        parent_run_id(params.path.read_text())  # a trainer made the stage's run: the parent run lasts to its end too
+        if mlflow_files and mlflow.get("run_id"):
+            log_files(mlflow["tracking_uri"], mlflow["run_id"], mlflow_files)
     manifest = write_lineage(staging, kind=kind, stage=stage, method=method, config=config, params=read,
                              inputs=[Input(role, path) for role, path in inputs], mlflow=mlflow, metrics=metrics,
                              artifact_name=(ARTIFACTS / stage).as_posix())

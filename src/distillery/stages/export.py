@@ -17,18 +17,20 @@ log = get_logger("stage")
 
 def stage_export(params: StageParams) -> None:
     """A complete diffusers folder: the base's parts + the chosen student's transformer, its sampling
-    contract, the pipeline module that samples by it (``pipeline.py``) and its own model card
-    (``README.md``, :mod:`distillery.export.model_card`: chain, settings, validation scores, code),
+    contract, the modules that sample by it (``pipeline.py`` and the ``distilled_*.py`` it imports,
+    :mod:`distillery.export.code`: they need only torch, diffusers and transformers) and its own model
+    card (``README.md``, :mod:`distillery.export.model_card`: chain, settings, validation scores, code),
     lineage inside.
 
     What it ships is trusted no further than it can check: the base's ``model_index.json`` may name
     only library classes a WanPipeline takes and no code file of the base is copied
-    (:mod:`distillery.stages.base_folder`), so the only code in the folder is the ``pipeline.py``
-    written here; and every byte of the artifacts it is made from, and of theirs upstream, is read
-    against their manifests before it is published (``finish(verify_chain=True)``; its cost is logged)."""
-    import importlib.util
-
-    from distillery.stages.base_folder import check_model_index, copy_model_folder
+    (:mod:`distillery.stages.base_folder`), so the only code in the folder is the modules written here,
+    each recorded with its sha256 in the lineage (``config.shipped_code``: ``lineage --verify`` refuses
+    any other code, and these with another digest); and every byte of the artifacts it is made from,
+    and of theirs upstream, is read against their manifests before it is published
+    (``finish(verify_chain=True)``; its cost is logged)."""
+    from distillery.export.code import CODE_RECORD_KEY
+    from distillery.stages.base_folder import check_model_index
 
     student = params.get("export.student")
     if student not in TRAINING_STAGES:
@@ -40,28 +42,70 @@ def stage_export(params: StageParams) -> None:
                         f"and its stage has not produced a model here; run it first (dvc repro runs it)")
     staging = fresh_staging("export")
     model = staging  # the artifact *is* the diffusers folder, lineage.json inside
-    # the base's parts; its own transformer is not copied at all (the student's replaces it)
-    left_out = copy_model_folder(base, model, exclude=("lineage.json", "fit_report.json"), exclude_top=("transformer",))
-    left_out += copy_model_folder(ARTIFACTS / student / "model" / "transformer", model / "transformer")
-    if left_out:  # an artifact made before the base stage left code out
-        log.info("export: left out %d code file(s) (%s): an export ships only its own pipeline.py",
-                 len(left_out), ", ".join(left_out[:5]))
-    shutil.copy2(ARTIFACTS / student / "model" / "sampling.json", model / "sampling.json")
-    metrics: dict[str, float] = {"student_stage": 0 if student == "teacher" else 1}
-    stock_nfe = fuse_for_stock_pipeline(ARTIFACTS / student / "model", model / "transformer")
-    if stock_nfe is not None:
-        metrics["stock_nfe"] = stock_nfe
+    code, stock_nfe = assemble_export(base, ARTIFACTS / student / "model", model)
+    metrics = export_metrics(student, model, ARTIFACTS / "validate", stock_nfe)
     # its own model card (the base's described the base): what it is, its chain, settings, scores, the code to load it
     from distillery.data.encoders import read_max_sequence_length
     from distillery.export.model_card import export_model_card
 
     (model / "README.md").write_text(export_model_card(student, ARTIFACTS / student, ARTIFACTS / "validate",
                                                        read_max_sequence_length(base), stock_nfe), encoding="utf-8")
-    # the folder's own pipeline: DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder) samples as
-    # sampling.json says (few-step ladder, causal streaming) with the code validate used
-    shutil.copy2(importlib.util.find_spec("distillery.export.diffusers_pipeline").origin, model / "pipeline.py")  # copied, not imported
     finish("export", staging, kind="export", params=params, metrics=metrics, verify_chain=True,
+           config={CODE_RECORD_KEY: code},
            inputs=[("student", ARTIFACTS / student), ("base", ARTIFACTS / "base"), ("validation", ARTIFACTS / "validate")])
+
+
+def assemble_export(base: Path, student_model: Path, out: Path) -> tuple[dict[str, str], int | None]:
+    """Fill ``out`` with the export's diffusers folder: ``base``'s parts (no code file, not its
+    transformer), ``student_model``'s ``transformer/`` and ``sampling.json``, the shipped modules
+    (:func:`distillery.export.code.write_export_code`) and, for a PDD student, the 1-NFE fused
+    transformer (:func:`fuse_for_stock_pipeline`); every file follows the umask. Returns
+    ``({module file: sha256}, stock NFE or None)``."""
+    from distillery.common.fsutil import follow_umask
+    from distillery.export.code import write_export_code
+    from distillery.stages.base_folder import copy_model_folder
+
+    # the base's parts; its own transformer is not copied at all (the student's replaces it)
+    left_out = copy_model_folder(base, out, exclude=("lineage.json", "fit_report.json"), exclude_top=("transformer",))
+    left_out += copy_model_folder(student_model / "transformer", out / "transformer")
+    if left_out:  # an artifact made before the base stage left code out
+        log.info("export: left out %d code file(s) (%s): an export ships only its own modules",
+                 len(left_out), ", ".join(left_out[:5]))
+    shutil.copy2(student_model / "sampling.json", out / "sampling.json")
+    stock_nfe = fuse_for_stock_pipeline(student_model, out / "transformer")
+    # the folder's own pipeline and what it imports: DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder)
+    # samples as sampling.json says (few-step ladder, causal streaming, PDD blocks) without distillery installed
+    code = write_export_code(out)
+    follow_umask(out)
+    return code, stock_nfe
+
+
+def export_metrics(student: str, model: Path, validate_dir: Path, stock_nfe: int | None) -> dict[str, float]:
+    """The export's DVC metrics: ``is_teacher`` (1 when the exported model is the teacher itself, 0 for a
+    student); ``nfe_per_video``, the transformer forwards per video of the call its model card shows (validate's
+    candidate for it, :func:`~distillery.export.model_card.validated_candidate`: its steps and guidance, at
+    validate's size), and for a streaming student ``nfe_per_chunk`` (its denoising steps + the forward that writes
+    the chunk to the KV cache); ``stock_nfe`` when stock ``WanPipeline`` samples it (a fused PDD student)."""
+    import json
+
+    from distillery.export.model_card import validated_candidate
+    from distillery.export.standalone.distilled_samplers import build_sampler  # counted as the shipped code counts
+
+    metrics: dict[str, float] = {"is_teacher": 1 if student == "teacher" else 0}
+    contract = json.loads((model / "sampling.json").read_text())
+    try:
+        report = json.loads((validate_dir / "report" / "report.json").read_text())
+    except (OSError, ValueError):
+        report = {}
+    candidate = validated_candidate(student, contract, report) if isinstance(report, dict) else None
+    if candidate is not None and isinstance(candidate.get("nfe"), (int, float)):
+        metrics["nfe_per_video"] = candidate["nfe"]
+    if contract.get("sampler") == "causal_streaming":
+        steps = candidate.get("num_steps") if candidate else None
+        metrics["nfe_per_chunk"] = build_sampler(contract).nfe(steps) + 1  # its steps, then the cache write
+    if stock_nfe is not None:
+        metrics["stock_nfe"] = stock_nfe
+    return metrics
 
 
 def fuse_for_stock_pipeline(student_model: Path, transformer_dir: Path) -> int | None:
@@ -93,7 +137,7 @@ def fuse_for_stock_pipeline(student_model: Path, transformer_dir: Path) -> int |
     tmp = transformer_dir.parent / ".tmp-fused-transformer"
     if tmp.exists():
         shutil.rmtree(tmp)
-    plugin.transformer.save_pretrained(tmp, safe_serialization=True)
+    plugin.transformer.save_pretrained(tmp, safe_serialization=True)  # the caller makes it follow the umask
     shutil.copy2(transformer_dir / loaders.HEAD_BANK_FILE, tmp / loaders.HEAD_BANK_FILE)
     shutil.rmtree(transformer_dir)
     tmp.rename(transformer_dir)

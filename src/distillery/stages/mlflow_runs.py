@@ -1,9 +1,15 @@
 """One MLflow parent run per pipeline run; each stage logs a child run under it.
 
 A pipeline run is identified by ``$DISTILLERY_PIPELINE_RUN`` when set (the Prefect flow sets it),
-else by the hash of params.yaml's content and the code commit: every stage of one ``dvc repro``
+else by the hash of params.yaml's content, the code commit and the DVC experiment's name: every stage of one ``dvc repro``
 finds the same parent run. The parent records the ``params.yaml`` it ran with: every key as a
 dotted MLflow param (``pretrain.learning_rate``) and the file itself as the artifact ``params.yaml``.
+
+It is named after what made it (:func:`pipeline_run_name`): the DVC experiment (``$DVC_EXP_NAME``, which
+``dvc exp run`` sets for its stages), else the Prefect flow run, else ``repro <commit> · params <hash>``; and tagged
+``distillery.experiment`` (the experiment's name, ``workspace`` for a plain ``dvc repro``), ``distillery.git_commit``
+and MLflow's own ``mlflow.source.git.commit``. Its end time moves with each stage that reports to it, so its
+duration spans the pipeline run (first stage to last), not the instant it was created.
 """
 
 from __future__ import annotations
@@ -29,24 +35,48 @@ def pipeline_key(params_text: str) -> str:
     if env:
         return env
     commit = code_info().get("git_commit") or "no-git"
-    return hashlib.sha256((params_text + commit).encode()).hexdigest()[:16]
+    return hashlib.sha256((params_text + commit + (experiment_name() or "")).encode()).hexdigest()[:16]  # one per experiment
+
+
+def experiment_name() -> str | None:
+    """The DVC experiment this stage runs for (``$DVC_EXP_NAME``: ``dvc exp run`` sets it), or None."""
+    return os.environ.get("DVC_EXP_NAME") or None
+
+
+def pipeline_run_name(key: str, commit: str | None) -> str:
+    """A parent run's name: the DVC experiment's, else the Prefect flow run's (``$DISTILLERY_PIPELINE_RUN``), else
+    ``repro <commit[:7]> · params <key[:6]>`` (a ``dvc repro`` of the workspace)."""
+    exp = experiment_name()
+    if exp:
+        return exp
+    if os.environ.get("DISTILLERY_PIPELINE_RUN"):
+        return key
+    return f"repro {commit[:7] if commit else 'no-git'} · params {key[:6]}"
 
 
 def parent_run_id(params_text: str, experiment: str = EXPERIMENT) -> str:
-    """Find or create the parent run of this pipeline run; returns its id."""
+    """Find or create the parent run of this pipeline run; returns its id (its end time moved to now)."""
+    import time
+
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow.tracking import MlflowClient
 
     key = pipeline_key(params_text)
-    cfg = TrackerConfig(experiment=experiment, run_name=f"pipeline-{key}", tags={"distillery.pipeline_key": key,
-                                                                              "distillery.kind": "pipeline"})
+    commit = code_info().get("git_commit")
+    tags = {"distillery.pipeline_key": key, "distillery.kind": "pipeline",
+            "distillery.experiment": experiment_name() or "workspace", "distillery.git_commit": commit or "none"}
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    cfg = TrackerConfig(experiment=experiment, run_name=pipeline_run_name(key, commit), tags=tags)
     uri = default_tracking_uri(cfg)
     with store_lock(uri):  # concurrent stages of one pipeline run find (or make) the same parent
         client = MlflowClient(tracking_uri=uri)
         exp_id = ensure_experiment(client, experiment, uri)
         found = client.search_runs([exp_id], f"tags.`distillery.pipeline_key` = '{key}'", max_results=1)
         if found:
-            return found[0].info.run_id
+            run_id = found[0].info.run_id
+            client.set_terminated(run_id, status="FINISHED", end_time=int(time.time() * 1000))  # it lasts to this stage
+            return run_id
         run = client.create_run(exp_id, run_name=cfg.run_name, tags=cfg.tags)
         log_params_file(client, run.info.run_id, params_text)
         client.set_terminated(run.info.run_id, status="FINISHED")

@@ -9,6 +9,9 @@ full disk is found before the work, not after it. Both raise a one-line :class:`
 batch of latents) with the machine's memory, from the params alone, before anything is touched: a
 batch no machine here can hold is one line, not a training run that dies after ``runs/<stage>`` was
 reset; :func:`check_batch` does the same for a global batch larger than the latent set.
+:func:`check_paths` checks every folder and file ``params.yaml`` names (``base.path``, ``latents.data``) the way
+the stage that reads it will, when the file is validated: by every stage up to that one (a ``base.path`` that is
+not a model folder stops ``clips`` before it works, not ``base`` after ``clips`` ran) and by ``distillery params check``.
 """
 
 from __future__ import annotations
@@ -174,6 +177,64 @@ def check_batch(stage: str, params: Params, artifacts: Path) -> None:
         raise UserError(f"stage {stage}: one global batch ({stage}.batch_size {batch} × gpus.nproc_per_node {ranks} × "
                         f"gpus.nnodes {nodes}) is {batch * ranks * nodes} samples, more than the {rows} training samples "
                         f"of artifacts/latents; lower {stage}.batch_size or use more data; nothing was changed")
+
+
+def _check_base_path(params: Params) -> None:
+    """``base.path``: ``tiny`` (shipped) or a diffusers Wan folder the base stage accepts: a ``model_index.json`` of
+    library classes only (:func:`~distillery.stages.base_folder.check_model_index`, the base stage's own check) and a
+    transformer config. Only that module is imported: the stages before ``base`` keep their code deps small."""
+    from distillery.stages.base_folder import check_model_index
+
+    path = params.get("base.path")
+    if path == "tiny":
+        return
+    source = Path(path).expanduser()
+    if not (source / "model_index.json").is_file():
+        raise UserError(f"params.yaml: base.path: {source} is not a diffusers model folder (no model_index.json); use "
+                        "'tiny' or a Wan2.1 folder")
+    check_model_index(source, f"params.yaml: base.path: {source}")
+    if not (source / "transformer" / "config.json").is_file():
+        raise UserError(f"params.yaml: base.path: {source} has no transformer/config.json: not a Wan model folder; "
+                        "use 'tiny' or a Wan2.1 diffusers folder")
+
+
+CAPTION_FILES = ("captions.jsonl", "videos2caption.json")  # distillery.data.videos.CAPTION_FILES (a test keeps them equal)
+
+
+def _check_latents_data(params: Params) -> None:
+    """``latents.data`` (when set): a folder with a captions file, or ``train/`` [+ ``validation/``] split folders each
+    with one, as the latents stage reads it (:func:`distillery.data.videos.find_splits` checks the files themselves;
+    this is the folder layout, without importing the data package)."""
+    data = params.get("latents.data")
+    if not data:
+        return
+    folder = Path(data).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"params.yaml: latents.data: {folder} does not exist or is not a folder; name a folder of "
+                        f"videos/ + {CAPTION_FILES[0]}")
+    splits = [folder / "train", folder / "validation"] if (folder / "train").is_dir() else [folder]
+    if (folder / "validation").is_dir() and not (folder / "train").is_dir():
+        raise UserError(f"params.yaml: latents.data: {folder} has a validation/ split but no train/ split")
+    for split in splits:
+        if split.is_dir() and not any((split / name).exists() for name in CAPTION_FILES):
+            raise UserError(f"params.yaml: latents.data: no captions file in {split}: expected {CAPTION_FILES[0]} "
+                            f'(lines of {{"path": "videos/x.mp4", "caption": "..."}}) or {CAPTION_FILES[1]}')
+
+
+# params.yaml keys naming a path -> (the first stage that reads it, its check)
+PATH_PARAMS = {"base.path": ("base", _check_base_path), "latents.data": ("latents", _check_latents_data)}
+
+
+def check_paths(params: Params, stage: str | None = None, order: tuple[str, ...] = ()) -> None:
+    """Refuse (one line) a path ``params.yaml`` names that the stage reading it would refuse — before any work.
+    ``stage``: the stage about to run; it checks the paths of itself and of every stage after it in ``order``
+    (the DAG order of the stage table, :data:`distillery.stages.runner.STAGES`; a stage that ran already is not
+    asked again); None: all of them."""
+    order = tuple(order)
+    at = order.index(stage) if stage in order else 0
+    for reader, check in PATH_PARAMS.values():
+        if stage is None or reader not in order or order.index(reader) >= at:
+            check(params)
 
 
 def check_free_space(stage: str, params: Params, artifacts: Path, runs: Path | None = None) -> None:

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distillery.common.errors import UserError
+from distillery.common.fsutil import follow_umask
 
 _MARKERS = ("__tuple__", "__ndarray__", "__tensor__")
 _NDARRAY_DTYPES = ("uint8", "uint32", "int32", "int64", "uint64", "float32", "float64", "bool")
@@ -80,6 +81,7 @@ def write_state(folder: Path, stem: str, tree: Any) -> list[Path]:
     written = []
     if tensors:
         save_file(tensors, str(folder / f"{stem}.safetensors"))
+        follow_umask(folder / f"{stem}.safetensors")  # safetensors writes 0600; a checkpoint's files follow the umask
         written.append(folder / f"{stem}.safetensors")
     doc = {"format": 1, "tensors": bool(tensors), "state": encoded}
     (folder / f"{stem}.json").write_text(json.dumps(doc, separators=(",", ":")))

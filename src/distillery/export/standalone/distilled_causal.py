@@ -1,0 +1,203 @@
+"""Block-causal self-attention and its KV cache: the Self-Forcing student of an exported distilled Wan
+samples chunk by chunk through this (stdlib + torch + diffusers only).
+
+Block-causal: latent frame ``f`` is in chunk ``f // chunk_size`` and attends to every token of its own
+chunk and of every earlier one. Tokens are frame-major after patchify (temporal patch 1), so a chunk
+is a contiguous token range and its queries attend a key *prefix*: one SDPA call (diffusers'
+attention dispatcher, no mask) per chunk over the keys of frames ``[0, end of its chunk)``.
+
+How a call's plan reaches the attention: :class:`CausalWanDenoiser` sets :data:`_PLAN` for the
+transformer call; a forward hook on ``transformer.rope`` returns the rotary ``(cos, sin)`` with the
+plan attached (:class:`PlannedRotary`), the positions shifted so the call's first frame sits at
+``start_frame``; every block hands it to its ``attn1``, whose :class:`CausalAttnProcessor` reads it.
+Outside a planned call the processor is diffusers' ``WanAttnProcessor`` unchanged.
+
+KV cache (per tag; the conditional and unconditional passes keep their own): per block the keys and
+values (after ``norm_k`` and RoPE) ``[B, frames · tokens_per_frame, heads, head_dim]`` of the frames
+written so far. Streaming calls start at a chunk boundary equal to the cached frame count.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from .distilled_wan import Conditioning, WanDenoiser
+
+
+class AttentionPlan:
+    """One transformer call's self-attention: queries are frames ``[start_frame, start_frame + frames)``
+    (``tokens_per_frame`` tokens each); keys are ``past[i]`` (block i's cached frames, or none) ⊕ the
+    call's own; ``store`` (when not None) receives each block's own keys/values."""
+
+    __slots__ = ("chunk_size", "tokens_per_frame", "start_frame", "frames", "past", "store")
+
+    def __init__(self, chunk_size: int, tokens_per_frame: int, start_frame: int, frames: int,
+                 past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        self.chunk_size, self.tokens_per_frame = chunk_size, tokens_per_frame
+        self.start_frame, self.frames, self.past, self.store = start_frame, frames, past, store
+
+    def query_groups(self) -> list[tuple[int, int, int]]:
+        """``(query token begin, query token end, key token end)`` per chunk the call's frames touch
+        (queries counted from the call's first token, keys from frame 0 of the video)."""
+        groups = []
+        frame, end, n = self.start_frame, self.start_frame + self.frames, self.tokens_per_frame
+        while frame < end:
+            chunk_end = min((frame // self.chunk_size + 1) * self.chunk_size, end)
+            groups.append(((frame - self.start_frame) * n, (chunk_end - self.start_frame) * n, chunk_end * n))
+            frame = chunk_end
+        return groups
+
+
+_PLAN: contextvars.ContextVar[AttentionPlan | None] = contextvars.ContextVar("distilled_causal_plan", default=None)
+
+
+class PlannedRotary(NamedTuple):
+    """diffusers' rotary ``(freqs_cos, freqs_sin)`` (each ``[1, tokens, 1, head_dim]``) carrying the plan."""
+
+    freqs_cos: torch.Tensor
+    freqs_sin: torch.Tensor
+    plan: AttentionPlan
+
+
+def _rotary_hook(rope: torch.nn.Module, args: tuple, output: Any) -> Any:
+    """Forward hook of ``transformer.rope``: in a planned call, the rotary of frames
+    ``[start_frame, start_frame + frames)`` (computed for the whole prefix and sliced) with the plan."""
+    plan = _PLAN.get()
+    if plan is None:
+        return None
+    cos, sin = output
+    if plan.start_frame:
+        b, c, f, h, w = args[0].shape
+        whole = torch.empty((b, c, plan.start_frame + f, h, w), device="meta")
+        cos_all, sin_all = rope.forward(whole)
+        skip = plan.start_frame * plan.tokens_per_frame
+        cos, sin = cos_all[:, skip:].contiguous(), sin_all[:, skip:].contiguous()
+    return PlannedRotary(cos, sin, plan)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding of ``x`` ``[B, L, heads, head_dim]`` (interleaved pairs), as diffusers applies it."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class CausalAttnProcessor:
+    """``attn1`` of block ``block_index``: block-causal + KV cache under a plan, else diffusers' ``WanAttnProcessor``."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, block_index: int) -> None:
+        self.block_index = block_index
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
+
+        plan = getattr(rotary_emb, "plan", None)
+        if plan is None or encoder_hidden_states is not None:
+            stock = WanAttnProcessor()
+            stock._attention_backend, stock._parallel_config = self._attention_backend, self._parallel_config
+            return stock(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        query = apply_rotary(query, rotary_emb.freqs_cos, rotary_emb.freqs_sin)
+        key = apply_rotary(key, rotary_emb.freqs_cos, rotary_emb.freqs_sin)
+        if plan.store is not None:
+            plan.store[self.block_index] = (key.detach(), value.detach())
+        if plan.past is not None:
+            past_k, past_v = plan.past[self.block_index]
+            key = torch.cat([past_k.to(key.dtype), key], dim=1)
+            value = torch.cat([past_v.to(value.dtype), value], dim=1)
+        outs = [dispatch_attention_fn(query[:, qb:qe], key[:, :ke], value[:, :ke], attn_mask=None, dropout_p=0.0,
+                                      is_causal=False, backend=self._attention_backend)
+                for qb, qe, ke in plan.query_groups()]
+        hidden = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](hidden))
+
+
+def install_causal_attention(transformer: torch.nn.Module) -> None:
+    """Every block's ``attn1`` gets a :class:`CausalAttnProcessor`, ``rope`` the plan hook (idempotent)."""
+    blocks = transformer.blocks
+    if blocks and isinstance(blocks[0].attn1.processor, CausalAttnProcessor):
+        return
+    for i, block in enumerate(blocks):
+        processor = CausalAttnProcessor(i)
+        processor._attention_backend = getattr(block.attn1.processor, "_attention_backend", None)
+        block.attn1.set_processor(processor)
+    transformer.rope.register_forward_hook(_rotary_hook)
+
+
+@dataclass
+class KVCache:
+    """One tag's cache: ``frames`` latent frames; per block ``(k, v)`` ``[B, frames · tokens_per_frame, heads, head_dim]``."""
+
+    frames: int = 0
+    tokens_per_frame: int = 0
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+class CausalWanDenoiser(WanDenoiser):
+    """:class:`WanDenoiser` attending block-causally over ``chunk_size``-frame chunks, with a KV cache per tag."""
+
+    def __init__(self, transformer: torch.nn.Module, shift: float, chunk_size: int, num_train_timesteps: int = 1000) -> None:
+        super().__init__(transformer, shift, num_train_timesteps)
+        if self.patch_size[0] != 1:
+            raise ValueError(f"a causal Wan needs a temporal patch size of 1, got patch_size {self.patch_size}")
+        self.chunk_size = int(chunk_size)
+        install_causal_attention(transformer)
+        self.caches: dict[str, KVCache] = {}
+
+    def clear_caches(self, tag: str | None = None) -> None:
+        """Forget the cache ``tag`` (every cache when None)."""
+        if tag is None:
+            self.caches.clear()
+        else:
+            self.caches.pop(tag, None)
+
+    def _tokens_per_frame(self, x: torch.Tensor) -> int:
+        return (x.shape[3] // self.patch_size[1]) * (x.shape[4] // self.patch_size[2])
+
+    def _planned(self, plan: AttentionPlan, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning,
+                 conditional: bool) -> torch.Tensor:
+        token = _PLAN.set(plan)
+        try:
+            return WanDenoiser.velocity(self, x, timesteps, cond, conditional)
+        finally:
+            _PLAN.reset(token)
+
+    def velocity(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, conditional: bool = True) -> torch.Tensor:
+        """The whole video under the block-causal mask (no cache read or written)."""
+        return self._planned(AttentionPlan(self.chunk_size, self._tokens_per_frame(x), 0, x.shape[2]), x, timesteps,
+                             cond, conditional)
+
+    def velocity_streaming(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, *, tag: str,
+                           store_kv: bool, start_frame: int, conditional: bool = True) -> torch.Tensor:
+        """Frames ``[start_frame, start_frame + f)`` attending to the cache ``tag`` (frames ``[0, start_frame)``)
+        and block-causally to themselves; ``store_kv``: append their keys/values to the cache."""
+        cache = self.caches.get(tag)
+        held = cache.frames if cache is not None else 0
+        if int(start_frame) != held or int(start_frame) % self.chunk_size:
+            raise ValueError(f"cache {tag!r} holds {held} frames; a call must start there, at a chunk boundary "
+                             f"(chunks of {self.chunk_size}), not at frame {start_frame}")
+        tokens = self._tokens_per_frame(x)
+        past = cache.layers if cache is not None and held else None
+        store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if store_kv else None
+        v = self._planned(AttentionPlan(self.chunk_size, tokens, held, x.shape[2], past=past, store=store), x, timesteps,
+                          cond, conditional)
+        if store is not None:
+            layers = [store[i] for i in range(len(store))]
+            if past is not None:
+                layers = [(torch.cat([pk, k], dim=1), torch.cat([pv, v_], dim=1)) for (pk, pv), (k, v_) in zip(past, layers)]
+            self.caches[tag] = KVCache(held + x.shape[2], tokens, layers)
+        return v

@@ -1,0 +1,349 @@
+"""The samplers of an exported distilled Wan, built from its ``sampling.json`` (stdlib + torch only).
+
+A sampling contract (``sampling.json``)::
+
+    {"sampler": "euler" | "few_step_x0" | "causal_streaming" | "pdd_fused",
+     "shift": 3.0, "num_train_timesteps": 1000,   # absent/null: the scheduler's shift, 1000
+     "num_steps": 4, "guidance_scale": 1.0,       # defaults of a call (guidance 1: no CFG)
+     ...}                                          # the sampler's own keys (below)
+
+- ``euler`` (``chunk_size``): Euler on diffusers' σ grid with CFG ``u + w (c − u)`` when ``w > 1``;
+  with ``chunk_size`` every frame is denoised in step under the block-causal mask. NFE/video: steps × branches.
+- ``few_step_x0`` (``timesteps``): at each ladder timestep predict ``x0 = x_t − σ v``, re-noise it to
+  the next one with fresh noise; returns the last x0. NFE/video: steps × branches.
+- ``causal_streaming`` (``timesteps``, ``chunk_size``, ``context_noise``, ``renoise``): the ladder of
+  ``few_step_x0`` chunk by chunk, each chunk attending to the earlier ones through the KV cache; a
+  finished chunk is written to the cache by one more forward (at ``context_noise``, fresh noise when
+  > 0), except the last. NFE/video: branches × (chunks × steps + chunks − 1); per chunk: steps (+1 write).
+- ``pdd_fused`` (``pdd_steps``, ``block_size_max``): N blocks of the ``pdd_steps``-interval fine grid,
+  one fused-head forward each. NFE/video: N × branches.
+
+Noise: one ``torch.Generator`` (or None: torch's global RNG) draws, in order, the initial latents
+``[B, C, T, H, W]`` (as diffusers' ``randn_tensor`` draws them) and then every re-noise draw, on the
+generator's device. Latents stay float32 between steps. Errors are ``ValueError`` naming the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from .distilled_schedule import block_partition, chunk_bounds, euler_step, inference_sigmas, inference_timesteps, renoise, widest_block, x0_from_velocity
+from .distilled_wan import Conditioning
+
+COMMON_KEYS = ("sampler", "shift", "num_train_timesteps", "num_steps", "guidance_scale")
+CACHE_TAGS = ("cond", "uncond")  # the conditional / unconditional passes' KV caches
+
+
+def cfg_enabled(guidance_scale: float) -> bool:
+    """Whether classifier-free guidance runs (a second, unconditional forward): ``w > 1``, as WanPipeline."""
+    return guidance_scale > 1.0
+
+
+def guide(predict, guidance_scale: float) -> torch.Tensor:
+    """``u + w (c − u)`` of ``predict(conditional)``: the conditional call alone when ``w ≤ 1``."""
+    c = predict(True)
+    if not cfg_enabled(guidance_scale):
+        return c
+    u = predict(False)
+    return u + guidance_scale * (c - u)
+
+
+def draw(generator: torch.Generator | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Standard normal float32 ``shape`` from ``generator`` (on its device), moved to ``device``."""
+    where = generator.device if generator is not None else torch.device(device)
+    return torch.randn(shape, generator=generator, device=where, dtype=torch.float32).to(device)
+
+
+def _positive_int(value: Any, key: str, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"sampler {name}: {key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+class Sampler:
+    """A sampler configured by a contract; subclasses set ``name``, ``option_keys``, ``default_num_steps``."""
+
+    name: ClassVar[str] = ""
+    option_keys: ClassVar[tuple[str, ...]] = ()
+    default_num_steps: ClassVar[int] = 4
+
+    def __init__(self, contract: Mapping[str, Any]) -> None:
+        unknown = sorted(set(contract) - set(COMMON_KEYS) - set(self.option_keys))
+        if unknown:
+            raise ValueError(f"sampling contract for {self.name!r}: unknown key {unknown[0]!r}; valid: "
+                             f"{', '.join(COMMON_KEYS + self.option_keys)}")
+        self.contract = dict(contract)
+        shift, scale, steps = contract.get("shift"), contract.get("num_train_timesteps"), contract.get("num_steps")
+        self.shift = None if shift is None else float(shift)
+        self.num_train_timesteps = None if scale is None else int(scale)
+        self.num_steps = None if steps is None else int(steps)
+        guidance = contract.get("guidance_scale", 1.0)
+        self.guidance_scale = float(guidance if guidance is not None else 1.0)
+        for key, value in (("shift", self.shift), ("num_train_timesteps", self.num_train_timesteps),
+                           ("num_steps", self.num_steps)):
+            if value is not None and value <= 0:
+                raise ValueError(f"sampling contract for {self.name!r}: {key} must be > 0, got {value}")
+        self.configure({k: contract[k] for k in self.option_keys if k in contract})
+
+    def configure(self, options: dict[str, Any]) -> None:
+        del options
+
+    def resolve_steps(self, num_steps: int | None) -> int:
+        steps = num_steps if num_steps is not None else self.num_steps if self.num_steps is not None else self.default_num_steps
+        if int(steps) < 1:
+            raise ValueError(f"sampler {self.name}: num_steps must be >= 1, got {steps}")
+        return int(steps)
+
+    def resolve_guidance(self, guidance_scale: float | None) -> float:
+        return float(guidance_scale) if guidance_scale is not None else self.guidance_scale
+
+    def schedule(self, own_shift: float) -> tuple[float, int]:
+        """``(shift, num_train_timesteps)`` of a call: the contract's, else the model's shift and 1000."""
+        return (self.shift if self.shift is not None else float(own_shift),
+                self.num_train_timesteps if self.num_train_timesteps is not None else 1000)
+
+    def model_kind(self) -> dict[str, Any]:
+        """What the denoiser must be: ``{"chunk_size": n}`` (causal), ``{"pdd_steps": p}`` (PDD) or ``{}``."""
+        return {}
+
+    def nfe(self, num_steps: int | None = None, guidance_scale: float | None = None, num_frames: int | None = None) -> int:
+        """Transformer forwards per video (``num_frames``: latent frames, for streaming)."""
+        del num_frames
+        return self.resolve_steps(num_steps) * (2 if cfg_enabled(self.resolve_guidance(guidance_scale)) else 1)
+
+    def sample(self, model: Any, cond: Conditioning, latent_shape: tuple[int, int, int, int],
+               generator: torch.Generator | None, *, num_steps: int | None = None,
+               guidance_scale: float | None = None) -> torch.Tensor:
+        """Normalised latents ``float32 [B, C, T, H, W]`` on the model's device."""
+        raise NotImplementedError
+
+
+def _on(cond: Conditioning, device: torch.device) -> Conditioning:
+    negative = cond.negative_text_embeds.to(device) if cond.negative_text_embeds is not None else None
+    return Conditioning(cond.text_embeds.to(device), negative)
+
+
+def _chunk_size(value: Any, name: str) -> int | None:
+    return None if value is None else _positive_int(value, "chunk_size", name)
+
+
+class EulerSampler(Sampler):
+    name = "euler"
+    option_keys = ("chunk_size",)
+    default_num_steps = 40
+
+    def configure(self, options: dict[str, Any]) -> None:
+        self.chunk_size = _chunk_size(options.get("chunk_size"), self.name)
+
+    def model_kind(self) -> dict[str, Any]:
+        return {} if self.chunk_size is None else {"chunk_size": self.chunk_size}
+
+    @torch.no_grad()
+    def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
+        batch = cond.text_embeds.shape[0]
+        steps, guidance = self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale)
+        device = model.device
+        shift, scale = self.schedule(model.shift)
+        sigmas = inference_sigmas(shift, steps, scale).to(device)
+        timesteps = sigmas[:-1] * scale
+        x = draw(generator, (batch, *latent_shape), device)
+        cond = _on(cond, device)
+        for i in range(steps):
+            t = timesteps[i].expand(batch)
+            v = guide(lambda conditional: model.velocity(x, t, cond, conditional), guidance)
+            x = euler_step(x, v, sigmas[i], sigmas[i + 1])
+        return x
+
+
+class LadderSampler(Sampler):
+    """Over a descending timestep ladder: the contract's ``timesteps``, else the K-step Euler grid's K timesteps."""
+
+    def configure_ladder(self, options: dict[str, Any]) -> None:
+        ts = options.get("timesteps")
+        self.timesteps: list[float] | None = None
+        if ts is None:
+            return
+        ts = [float(t) for t in ts]
+        scale = self.num_train_timesteps or 1000
+        if not ts or any(not 0.0 <= t <= scale for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
+            raise ValueError(f"sampler {self.name}: timesteps must be non-empty and strictly descending in [0, {scale}], got {ts}")
+        self.timesteps = ts
+
+    def resolve_steps(self, num_steps: int | None) -> int:
+        if self.timesteps is None:
+            return super().resolve_steps(num_steps)
+        if num_steps is not None and int(num_steps) != len(self.timesteps):
+            raise ValueError(f"sampler {self.name}: {num_steps} steps asked of a {len(self.timesteps)}-timestep ladder")
+        return len(self.timesteps)
+
+    def ladder(self, shift: float, scale: int, num_steps: int | None) -> list[float]:
+        steps = self.resolve_steps(num_steps)
+        if self.timesteps is not None:
+            return list(self.timesteps)
+        return [float(t) for t in inference_timesteps(shift, steps, scale)]
+
+
+class FewStepX0Sampler(LadderSampler):
+    name = "few_step_x0"
+    option_keys = ("timesteps",)
+
+    def configure(self, options: dict[str, Any]) -> None:
+        self.configure_ladder(options)
+
+    @torch.no_grad()
+    def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
+        batch = cond.text_embeds.shape[0]
+        guidance = self.resolve_guidance(guidance_scale)
+        shift, scale = self.schedule(model.shift)
+        ts = self.ladder(shift, scale, num_steps)
+        device = model.device
+        shape = (batch, *latent_shape)
+        x = draw(generator, shape, device)
+        cond = _on(cond, device)
+        x0 = x
+        for k, t in enumerate(ts):
+            step = torch.full((batch,), t, dtype=torch.float32, device=device)
+            v = guide(lambda conditional: model.velocity(x, step, cond, conditional), guidance)
+            x0 = x0_from_velocity(x, v, t / scale)
+            if k + 1 < len(ts):
+                x = renoise(x0, draw(generator, shape, device), ts[k + 1] / scale)
+        return x0
+
+
+class CausalStreamingSampler(LadderSampler):
+    name = "causal_streaming"
+    option_keys = ("timesteps", "chunk_size", "context_noise", "renoise")
+
+    def configure(self, options: dict[str, Any]) -> None:
+        scale = self.num_train_timesteps or 1000
+        self.configure_ladder(options)
+        self.chunk_size = _chunk_size(options.get("chunk_size"), self.name)
+        if self.chunk_size is None:
+            raise ValueError("sampler causal_streaming: the sampling contract names no chunk_size")
+        context = options.get("context_noise", 0.0)
+        self.context_noise = float(context if context is not None else 0.0)
+        if not 0.0 <= self.context_noise < scale:
+            raise ValueError(f"sampler causal_streaming: context_noise must be in [0, {scale}), got {self.context_noise}")
+        self.renoise_mode = options.get("renoise", "sde")
+        if self.renoise_mode not in ("sde", "ode"):
+            raise ValueError(f"sampler causal_streaming: renoise must be 'sde' or 'ode', got {self.renoise_mode!r}")
+
+    def model_kind(self) -> dict[str, Any]:
+        return {"chunk_size": self.chunk_size}
+
+    def nfe(self, num_steps=None, guidance_scale=None, num_frames=None) -> int:
+        """branches × (chunks × steps + chunks − 1 cache writes); without ``num_frames``: one chunk's, branches × steps."""
+        steps = self.resolve_steps(num_steps)
+        branches = 2 if cfg_enabled(self.resolve_guidance(guidance_scale)) else 1
+        if num_frames is None:
+            return branches * steps
+        chunks = -(-int(num_frames) // self.chunk_size)
+        return branches * (chunks * steps + chunks - 1)
+
+    @torch.no_grad()
+    def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
+        if int(getattr(model, "chunk_size", -1)) != self.chunk_size:
+            raise ValueError(f"sampler causal_streaming needs a causal model with chunk_size {self.chunk_size}")
+        batch = cond.text_embeds.shape[0]
+        w = self.resolve_guidance(guidance_scale)
+        guided = cfg_enabled(w)
+        shift, scale = self.schedule(model.shift)
+        ts = self.ladder(shift, scale, num_steps)
+        device = model.device
+        c, frames, h, wd = latent_shape
+        whole = draw(generator, (batch, *latent_shape), device)
+        cond = _on(cond, device)
+        tags = CACHE_TAGS if guided else CACHE_TAGS[:1]
+        model.clear_caches()
+
+        def velocity(x: torch.Tensor, t: float, start: int, store: bool) -> torch.Tensor:
+            step = torch.full((batch,), t, dtype=torch.float32, device=device)
+            v = model.velocity_streaming(x, step, cond, tag=tags[0], store_kv=store, start_frame=start, conditional=True)
+            if not guided:
+                return v
+            u = model.velocity_streaming(x, step, cond, tag=tags[1], store_kv=store, start_frame=start, conditional=False)
+            return u + w * (v - u)
+
+        chunks = []
+        try:
+            for start, f in chunk_bounds(frames, self.chunk_size):
+                shape = (batch, c, f, h, wd)
+                x = whole[:, :, start:start + f]
+                x0 = x
+                for k, t in enumerate(ts):
+                    v = velocity(x, t, start, store=False)
+                    x0 = x0_from_velocity(x, v, t / scale)
+                    if k + 1 < len(ts):
+                        eps = draw(generator, shape, device) if self.renoise_mode == "sde" else x0 + v
+                        x = renoise(x0, eps, ts[k + 1] / scale)
+                chunks.append(x0)
+                if start + f < frames:  # the finished chunk becomes context for the next ones
+                    context = x0
+                    if self.context_noise > 0:
+                        context = renoise(x0, draw(generator, shape, device), self.context_noise / scale)
+                    velocity(context, self.context_noise, start, store=True)
+        finally:
+            model.clear_caches()
+        return torch.cat(chunks, dim=2)
+
+
+class PDDFusedSampler(Sampler):
+    name = "pdd_fused"
+    option_keys = ("pdd_steps", "block_size_max")
+
+    def configure(self, options: dict[str, Any]) -> None:
+        if options.get("pdd_steps") is None:
+            raise ValueError("sampler pdd_fused: the contract must name pdd_steps")
+        self.pdd_steps = _positive_int(options["pdd_steps"], "pdd_steps", self.name)
+        self.block_size_max = _positive_int(options.get("block_size_max", self.pdd_steps), "block_size_max", self.name)
+
+    def model_kind(self) -> dict[str, Any]:
+        return {"pdd_steps": self.pdd_steps}
+
+    def partition(self, num_steps: int) -> list[int]:
+        """Fine-grid node indices ``[num_steps + 1]`` of the blocks (each at most ``block_size_max`` wide)."""
+        if not 1 <= num_steps <= self.pdd_steps:
+            raise ValueError(f"sampler pdd_fused: {num_steps} steps cannot split the {self.pdd_steps}-interval grid")
+        nodes = block_partition(self.pdd_steps, num_steps)
+        if widest_block(nodes) > self.block_size_max:
+            raise ValueError(f"sampler pdd_fused: {num_steps} steps need a {widest_block(nodes)}-interval block; the "
+                             f"student was trained on blocks of at most {self.block_size_max}")
+        return nodes
+
+    def resolve_steps(self, num_steps: int | None) -> int:
+        steps = super().resolve_steps(num_steps)
+        self.partition(steps)
+        return steps
+
+    @torch.no_grad()
+    def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
+        if int(getattr(model, "pdd_steps", -1)) != self.pdd_steps:
+            raise ValueError(f"sampler pdd_fused needs a PDD model of {self.pdd_steps} heads")
+        batch = cond.text_embeds.shape[0]
+        steps, guidance = self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale)
+        nodes = self.partition(steps)
+        device = model.device
+        shift, scale = self.schedule(model.shift)
+        sigmas = inference_sigmas(shift, self.pdd_steps, scale).to(device)
+        x = draw(generator, (batch, *latent_shape), device)
+        cond = _on(cond, device)
+        for a, b in zip(nodes, nodes[1:]):
+            t = (sigmas[a] * scale).expand(batch)
+            v = guide(lambda conditional: model.velocity_fused(x, t, cond, a, b, conditional), guidance)
+            x = x + (sigmas[b] - sigmas[a]) * v
+        return x
+
+
+SAMPLERS: dict[str, type[Sampler]] = {cls.name: cls for cls in (EulerSampler, FewStepX0Sampler, CausalStreamingSampler,
+                                                               PDDFusedSampler)}
+
+
+def build_sampler(contract: Mapping[str, Any]) -> Sampler:
+    """The sampler ``contract["sampler"]`` names, configured by the contract."""
+    name = contract.get("sampler") if isinstance(contract, Mapping) else None
+    if name not in SAMPLERS:
+        raise ValueError(f"sampling contract names sampler {name!r}; this export knows {', '.join(SAMPLERS)}")
+    return SAMPLERS[name](contract)

@@ -1,0 +1,127 @@
+"""The diffusers pipeline of an export folder of distillery (its ``pipeline.py``): sample as ``sampling.json`` says.
+
+A distilled student is not sampled by stock ``WanPipeline``'s many-step Euler loop: a DMD2 student
+runs its few-step x0 ladder, a Self-Forcing student streams chunk by chunk through its KV cache, a
+PDD student decodes blocks of its fine grid through fused heads. diffusers loads the folder with its
+own components and this class, offline, with only torch, diffusers and transformers installed::
+
+    from diffusers import DiffusionPipeline
+    pipe = DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True)
+    video = pipe("a red ball moves left", generator=torch.Generator().manual_seed(0)).frames[0]
+
+:class:`DistilledWanPipeline` is ``WanPipeline`` (same components, prompt encoding, VAE decode and
+output) whose denoising loop is the sampler of the folder's ``sampling.json``
+(:mod:`distilled_samplers`) over a denoiser wrapped around the pipeline's own transformer
+(:mod:`distilled_wan`; block-causal with a KV cache for ``causal_streaming``, :mod:`distilled_causal`).
+Every module it needs is in the folder beside it and imported relatively (diffusers copies those).
+For the prompt, seed, size and settings the validate stage used, it returns the latents validate saved (bit for
+bit where both ran the same kernels, e.g. on the CPU; attention here is always SDPA through diffusers' dispatcher,
+so against a validate that ran FlashAttention-4 on a GPU it agrees to that precision, not bit for bit).
+
+Noise: one ``torch.Generator`` draws everything (the initial latents ``[1, C, T', H', W']`` first, as
+``WanPipeline`` draws them, then any re-noise draws), on the generator's device.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import WanPipeline
+from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
+
+from .distilled_causal import CausalWanDenoiser
+from .distilled_samplers import Sampler, build_sampler
+from .distilled_schedule import inference_sigmas  # noqa: F401  (diffusers copies the modules a pipeline imports)
+from .distilled_wan import HEADS_FILE, Conditioning, PDDWanDenoiser, WanDenoiser
+
+SAMPLING_FILE = "sampling.json"
+
+
+class DistilledWanPipeline(WanPipeline):
+    """``WanPipeline`` sampling through the folder's sampling contract (module doc)."""
+
+    _denoiser: Any = None
+
+    def sampling_contract(self) -> dict[str, Any]:
+        """The folder's ``sampling.json`` (the folder this pipeline was loaded from)."""
+        path = Path(self.name_or_path) / SAMPLING_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: load the pipeline from an export folder of distillery")
+        return json.loads(path.read_text())
+
+    def scheduler_shift(self) -> float:
+        """The flow shift of the folder's scheduler config (``shift``, or UniPC's ``flow_shift``; else 1)."""
+        cfg = self.scheduler.config
+        for key in ("shift", "flow_shift"):
+            if cfg.get(key) is not None:
+                return float(cfg[key])
+        return 1.0
+
+    def denoiser(self, sampler: Sampler) -> WanDenoiser:
+        """The denoiser around ``self.transformer`` that ``sampler`` needs (built once)."""
+        if self._denoiser is None:
+            self.transformer.eval().requires_grad_(False)
+            shift, scale = sampler.schedule(self.scheduler_shift())
+            kind = sampler.model_kind()
+            if "chunk_size" in kind:
+                self._denoiser = CausalWanDenoiser(self.transformer, shift, kind["chunk_size"], scale)
+            elif "pdd_steps" in kind:
+                heads = Path(self.name_or_path) / "transformer" / HEADS_FILE
+                self._denoiser = PDDWanDenoiser(self.transformer, shift, kind["pdd_steps"], heads, scale)
+            else:
+                self._denoiser = WanDenoiser(self.transformer, shift, scale)
+        return self._denoiser
+
+    def nfe(self, num_frames: int = 81, num_inference_steps: int | None = None, guidance_scale: float | None = None) -> int:
+        """Transformer forwards per video of ``num_frames`` frames for a call with these arguments."""
+        sampler = build_sampler(self.sampling_contract())
+        latent_frames = (num_frames - 1) // int(self.vae_scale_factor_temporal) + 1
+        return sampler.nfe(num_inference_steps, guidance_scale, num_frames=latent_frames)
+
+    def decode_latents(self, latents: torch.Tensor, output_type: str = "np") -> Any:
+        """Normalised latents ``[B, C, T', H', W']`` → videos, as ``WanPipeline`` decodes them."""
+        z_dim = int(self.vae.config.z_dim)
+        z = latents.to(self.vae.device, self.vae.dtype)
+        mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(z.device, z.dtype)
+        std = torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(z.device, z.dtype)
+        with torch.no_grad():
+            decoded = self.vae.decode(z * std + mean, return_dict=False)[0]
+        return self.video_processor.postprocess_video(decoded, output_type=output_type)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str],
+        negative_prompt: str | list[str] | None = "",
+        height: int = 480,
+        width: int = 832,
+        num_frames: int = 81,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        generator: torch.Generator | None = None,
+        output_type: str = "np",
+        return_dict: bool = True,
+        max_sequence_length: int = 512,
+    ) -> WanPipelineOutput | tuple:
+        """Videos for ``prompt`` (one per prompt). ``num_inference_steps`` / ``guidance_scale``: None
+        → the contract's (a distilled student: its ladder, no CFG). ``output_type="latent"``: the
+        normalised latents ``[B, C, T', H', W']`` (float32); else decoded as ``WanPipeline`` does."""
+        sampler = build_sampler(self.sampling_contract())
+        model = self.denoiser(sampler)
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        text, negative = self.encode_prompt(prompts, negative_prompt=negative_prompt if negative_prompt is not None else "",
+                                            do_classifier_free_guidance=True, max_sequence_length=max_sequence_length,
+                                            device=model.device, dtype=torch.float32)
+        if negative.shape[0] != text.shape[0]:
+            negative = negative.expand_as(text)
+        z_dim = int(self.vae.config.z_dim)
+        tf, sf = int(self.vae_scale_factor_temporal), int(self.vae_scale_factor_spatial)
+        shape = (z_dim, (num_frames - 1) // tf + 1, height // sf, width // sf)
+        latents = sampler.sample(model, Conditioning(text, negative), shape, generator, num_steps=num_inference_steps,
+                                 guidance_scale=guidance_scale)
+        video: Any = latents if output_type == "latent" else self.decode_latents(latents, output_type)
+        self.maybe_free_model_hooks()
+        return WanPipelineOutput(frames=video) if return_dict else (video,)

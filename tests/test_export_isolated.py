@@ -1,0 +1,198 @@
+"""Every kind of export (the teacher, a Self-Forcing student, a DMD2 student, a PDD student) loads and
+samples where distillery is NOT installed, and reproduces the latents validate saved for it; the
+snippets of each export's own model card run there too, and return validate's video.
+
+The exports are made by the export stage's own assembly (:func:`distillery.stages.export.assemble_export`
+and the card, :func:`distillery.export.model_card.export_model_card`) from the shipped tiny Wan and
+hand-made student folders (its transformer under each kind's ``sampling.json``; the PDD one with a head
+bank), after one :func:`~distillery.evaluation.validate.run_validation` over all of them (one prompt,
+one seed): no training, seconds. The isolated process is ``python -I -S`` with the venv's site-packages
+put on ``sys.path`` by hand (no ``.pth`` file runs: not the editable install's finder), its working
+folder outside the checkout; it first proves ``import distillery`` fails there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from distillery.tinybase.shipped import shipped_tiny_base
+
+pytestmark = pytest.mark.slow  # one subprocess loading four exports
+
+PROMPT = "a red circle moving left on a black background"
+STUDENTS = {  # name -> (sampling.json, head bank?)
+    "teacher": ({"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000}, False),
+    "distill": ({"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000.0, 600.0],
+                 "chunk_size": 2, "context_noise": 0.0, "renoise": "sde"}, False),
+    "dmd2": ({"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000.0, 500.0]}, False),
+    "pdd": ({"sampler": "pdd_fused", "shift": 3.0, "num_train_timesteps": 1000, "pdd_steps": 4, "block_size_max": 4,
+             "num_steps": 2, "guidance_scale": 1.0}, True),
+}
+
+
+def _student(root: Path, name: str, contract: dict, heads: bool) -> Path:
+    """``root/<name>``: an artifact as a training stage leaves it (``model/transformer``, ``model/sampling.json``,
+    a sealed lineage.json), over the tiny Wan's transformer."""
+    from safetensors.torch import load_file, save_file
+
+    from distillery.lineage.manifest import write_lineage
+
+    folder = root / name
+    shutil.copytree(shipped_tiny_base() / "transformer", folder / "model" / "transformer")
+    (folder / "model" / "sampling.json").write_text(json.dumps(contract, indent=2))
+    if heads:
+        weights = load_file(str(folder / "model" / "transformer" / "diffusion_pytorch_model.safetensors"))
+        w, b = weights["proj_out.weight"].float(), weights["proj_out.bias"].float()
+        gen = torch.Generator().manual_seed(7)
+        save_file({"weight": torch.stack([w + 0.05 * torch.randn(w.shape, generator=gen) for _ in range(4)]),
+                   "bias": torch.stack([b + 0.05 * torch.randn(b.shape, generator=gen) for _ in range(4)])},
+                  str(folder / "model" / "transformer" / "pdd_heads.safetensors"))
+    write_lineage(folder, kind="model", stage=name, method=f"distillery.methods.{name}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict:
+    """``{"validate": report folder, "exports": {kind: export folder}}``."""
+    from distillery.data.encoders import read_max_sequence_length
+    from distillery.evaluation.validate import Candidate, ValidationConfig, run_validation
+    from distillery.export.code import CODE_RECORD_KEY
+    from distillery.export.model_card import export_model_card
+    from distillery.lineage.manifest import verify_lineage, write_lineage
+    from distillery.stages.export import assemble_export
+
+    root = tmp_path_factory.mktemp("exports")
+    base = shipped_tiny_base()
+    students = {name: _student(root / "artifacts", name, *spec) for name, spec in STUDENTS.items()}
+    candidates = [Candidate("teacher_2", students["teacher"] / "model", 2, 4.0, "euler"),
+                  *(Candidate.from_artifact(f"{n}_2", students[n] / "model") for n in ("distill", "dmd2", "pdd")),
+                  Candidate.from_artifact("pdd_1", students["pdd"] / "model", num_steps=1)]
+    cfg = ValidationConfig(prompts=[PROMPT], num_frames=9, height=16, width=16, num_seeds=1, teacher_steps=[2], guidance_scale=4.0, grid_formats=[],
+                           bootstrap_resamples=0, progress_bar=False, max_sequence_length=16)
+    validate = root / "artifacts" / "validate"
+    run_validation(base, candidates, [], validate / "report", cfg)
+    out = {}
+    for name, student in students.items():
+        folder = root / "exports" / name
+        folder.mkdir(parents=True)
+        code, stock_nfe = assemble_export(base, student / "model", folder)
+        (folder / "README.md").write_text(export_model_card(name, student, validate, read_max_sequence_length(base),
+                                                            stock_nfe, folder=str(folder)))
+        write_lineage(folder, kind="export", stage="export", config={CODE_RECORD_KEY: code})
+        assert verify_lineage(folder).ok, verify_lineage(folder).problems  # the shipped code is what it recorded
+        out[name] = folder
+    return {"validate": validate / "report", "exports": out}
+
+
+ISOLATED = r'''
+import json, sys
+sys.path.append(SITE)
+try:
+    import distillery
+    print("DISTILLERY_IMPORTED", distillery.__file__)
+except ModuleNotFoundError:
+    print("no distillery here")
+import torch
+from diffusers import DiffusionPipeline
+from safetensors.torch import load_file
+
+report = json.load(open(REPORT + "/report.json"))
+cands = {c["name"]: c for c in report["candidates"]}
+cfg = report["config"]
+kw = dict(num_frames=cfg["num_frames"], height=cfg["height"], width=cfg["width"],
+          max_sequence_length=report["max_sequence_length"])
+prompt, seed = report["prompts"][0], report["seeds"][0]
+for kind, folder in EXPORTS.items():
+    pipe = DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True)
+    print("class", kind, type(pipe).__name__, type(pipe).__module__)
+    for name, c in cands.items():
+        if not name.startswith(kind + "_"):
+            continue
+        saved = load_file(f"{REPORT}/samples/{name}/latents.safetensors")["0"]
+        if c["sampler"] != json.load(open(folder + "/sampling.json"))["sampler"]:
+            continue
+        out = pipe(prompt, generator=torch.Generator().manual_seed(seed), output_type="latent", **kw,
+                   num_inference_steps=c["num_steps"], guidance_scale=c["guidance_scale"]).frames[0]
+        print("latents", kind, name, (out - saved).abs().max().item())
+    card = open(folder + "/README.md").read()
+    for i, snippet in enumerate(card.split("```python\n")[1:]):
+        snippet = snippet.split("```")[0]
+        name = re.search(r"# validate's (\S+)", snippet).group(1)
+        space = {}
+        exec(snippet, space)
+        saved = load_file(f"{REPORT}/samples/{name}/latents.safetensors")["0"]
+        reference = pipe.decode_latents(saved[None], output_type="np")[0]
+        print("snippet", kind, i, type(space["pipe"]).__name__, name, float(abs(space["video"] - reference).max()))
+'''
+
+
+def test_every_export_kind_samples_validate_s_latents_without_distillery(exports, tmp_path):
+    site = sysconfig.get_paths()["purelib"]
+    code = f"import re\nSITE = {site!r}\nREPORT = {str(exports['validate'])!r}\n" \
+           f"EXPORTS = {json.dumps({k: str(v) for k, v in exports['exports'].items()})}\n" + ISOLATED
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "no distillery here" in lines and not any("DISTILLERY_IMPORTED" in ln for ln in lines), out.stdout
+    classes = [ln.split() for ln in lines if ln.startswith("class ")]
+    assert [c[1:3] for c in classes] == [[k, "DistilledWanPipeline"] for k in STUDENTS], classes
+    latents = {ln.split()[2]: float(ln.split()[3]) for ln in lines if ln.startswith("latents ")}
+    assert set(latents) == {"teacher_2", "distill_2", "dmd2_2", "pdd_2", "pdd_1"}, out.stdout
+    assert max(latents.values()) <= 1e-5, latents
+    snippets = [ln.split() for ln in lines if ln.startswith("snippet ")]
+    # each card's snippets: the custom pipeline's, and stock WanPipeline's for the teacher and the fused PDD student
+    assert [(s[1], s[3], s[4]) for s in snippets] == [
+        ("teacher", "DistilledWanPipeline", "teacher_2"), ("teacher", "WanPipeline", "teacher_2"),
+        ("distill", "DistilledWanPipeline", "distill_2"), ("dmd2", "DistilledWanPipeline", "dmd2_2"),
+        ("pdd", "DistilledWanPipeline", "pdd_2"), ("pdd", "WanPipeline", "pdd_1")], out.stdout
+    assert max(float(s[5]) for s in snippets) <= 1e-4, snippets
+
+
+def test_the_cards_say_what_each_export_is(exports):
+    """The teacher's card is the teacher's (not "the `teacher` student"), with the guidance validate used; the
+    streaming student's explains its NFE per chunk and per video; no latency without its machine and load."""
+    cards = {k: (v / "README.md").read_text() for k, v in exports["exports"].items()}
+    assert "\n# The teacher, exported by distillery\n" in cards["teacher"]
+    assert "`teacher` student" not in cards["teacher"]
+    assert "guidance_scale=4.0,  # validate's teacher_2" in cards["teacher"]
+    assert "WanPipeline.from_pretrained(" in cards["teacher"] and "num_inference_steps=2, guidance_scale=4.0" in cards["teacher"]
+    assert re.search(r"3 forwards per chunk, 2 × 2 \+ 1 = 5 per video", cards["distill"]), cards["distill"]
+    for card in cards.values():
+        assert "latency" not in card.split("## Validation")[1].split("\n\n")[1]  # the table has no latency column
+        assert "Latencies are left out" in card
+        assert "needs the `distillery`" not in card
+
+
+def test_the_export_metrics_say_what_they_count(exports):
+    from distillery.stages.export import export_metrics
+
+    validate = exports["validate"].parent
+    got = {k: export_metrics(k, v, validate, 1 if k == "pdd" else None) for k, v in exports["exports"].items()}
+    assert got["teacher"] == {"is_teacher": 1, "nfe_per_video": 4}  # 2 steps × 2 (CFG 4.0), as validate sampled it
+    assert got["distill"] == {"is_teacher": 0, "nfe_per_video": 5, "nfe_per_chunk": 3}  # 2 chunks × 2 steps + 1 write
+    assert got["dmd2"] == {"is_teacher": 0, "nfe_per_video": 2}
+    assert got["pdd"] == {"is_teacher": 0, "nfe_per_video": 2, "stock_nfe": 1}
+
+
+def test_every_file_of_an_export_follows_the_umask(exports):
+    """safetensors writes 0600 (the fused PDD transformer, the head bank); the export is as readable as the umask says."""
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for folder in exports["exports"].values():
+        modes = {p.relative_to(folder).as_posix(): p.stat().st_mode & 0o777 for p in folder.rglob("*") if p.is_file()}
+        wrong = {k: oct(m) for k, m in modes.items() if m != 0o666 & ~mask}
+        assert not wrong, wrong

@@ -1,0 +1,120 @@
+"""The code an export ships (``src/distillery/export/standalone``, copied into every export folder) needs
+nothing of distillery: its modules import only the standard library, torch (numpy, safetensors: its and
+diffusers' own requirements), diffusers and transformers — and its samplers and attention reproduce the
+package's, bit for bit on the CPU, for every kind of sampling contract an export carries (the teacher's
+CFG Euler, a Diffusion-Forcing student's block-causal Euler, DMD2's few-step ladder, Self-Forcing's
+chunk-by-chunk streaming through the KV cache, PDD's fused heads). Loading real exports where distillery
+is not installed: tests/test_export_isolated.py."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distillery.export.code import SHIPPED_MODULES, shipped_sources
+from distillery.lineage.manifest import EXPORT_OWN_CODE
+from distillery.tinybase.shipped import shipped_tiny_base
+
+STANDALONE = Path(__file__).resolve().parents[1] / "src" / "distillery" / "export" / "standalone"
+ALLOWED = {"torch", "numpy", "safetensors", "diffusers", "transformers"}
+
+
+def _imports(path: Path) -> tuple[set[str], set[str]]:
+    """(top-level packages imported absolutely, modules imported relatively) by ``path``, lazy imports included."""
+    absolute, relative = set(), set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            absolute |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                relative.add(node.module or "")
+            else:
+                absolute.add(node.module.split(".")[0])
+    return absolute, relative
+
+
+def test_the_shipped_modules_import_only_the_libraries_and_each_other():
+    assert sorted(SHIPPED_MODULES) == sorted(p.name for p in STANDALONE.glob("*.py") if p.name != "__init__.py")
+    assert tuple(EXPORT_OWN_CODE) == tuple(SHIPPED_MODULES)  # what lineage --verify lets an export carry
+    stems = {name[:-3] for name in SHIPPED_MODULES}
+    for name, path in shipped_sources().items():
+        absolute, relative = _imports(path)
+        foreign = absolute - ALLOWED - set(sys.stdlib_module_names)
+        assert not foreign, (name, foreign)  # never distillery
+        assert relative <= stems, (name, relative)
+    _, from_pipeline = _imports(STANDALONE / "pipeline.py")
+    assert from_pipeline == stems - {"pipeline"}  # diffusers copies only the modules the pipeline imports relatively
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """The shipped tiny Wan's transformer + scheduler, with a PDD head bank of 4 heads (each ``proj_out``
+    plus its own noise, so fusing them matters)."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("model")
+    for part in ("transformer", "scheduler"):
+        shutil.copytree(shipped_tiny_base() / part, root / part)
+    weights = load_file(str(root / "transformer" / "diffusion_pytorch_model.safetensors"))
+    w, b = weights["proj_out.weight"].float(), weights["proj_out.bias"].float()
+    gen = torch.Generator().manual_seed(3)
+    heads = {"weight": torch.stack([w + 0.05 * torch.randn(w.shape, generator=gen) for _ in range(4)]),
+             "bias": torch.stack([b + 0.05 * torch.randn(b.shape, generator=gen) for _ in range(4)])}
+    save_file(heads, str(root / "transformer" / "pdd_heads.safetensors"))
+    return root
+
+
+CONTRACTS = {  # (contract, call steps, call guidance)
+    "teacher_euler_cfg": ({"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000}, 3, 4.0),
+    "dfsft_block_causal_euler": ({"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000, "chunk_size": 2}, 2, 4.0),
+    "dmd2_few_step": ({"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000,
+                       "timesteps": [1000.0, 750.0, 500.0]}, None, None),
+    "self_forcing_streaming": ({"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
+                                "timesteps": [1000.0, 800.0, 400.0], "chunk_size": 2, "context_noise": 50.0,
+                                "renoise": "sde"}, None, None),
+    "self_forcing_streaming_ode_cfg": ({"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
+                                        "chunk_size": 1, "renoise": "ode"}, 2, 2.5),
+    "pdd_fused": ({"sampler": "pdd_fused", "shift": 3.0, "num_train_timesteps": 1000, "pdd_steps": 4,
+                   "block_size_max": 4, "num_steps": 2, "guidance_scale": 1.0}, None, None),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONTRACTS))
+def test_the_shipped_samplers_reproduce_the_package_s_latents(folder, kind):
+    from diffusers import WanTransformer3DModel
+
+    from distillery.export.standalone import distilled_causal, distilled_samplers, distilled_wan
+    from distillery.models.base import Conditioning
+    from distillery.models.registry import load_inference_model
+    from distillery.sampling import build_sampler
+
+    contract, steps, guidance = CONTRACTS[kind]
+    gen = torch.Generator().manual_seed(11)
+    text, negative = torch.randn(1, 16, 32, generator=gen), torch.randn(1, 16, 32, generator=gen)
+    shape = (8, 5, 4, 4)  # 5 latent frames: chunks of 2 are 2 + 2 + 1
+
+    package = build_sampler(contract)
+    plugin = load_inference_model(folder, shift=package.shift, role="validate", **package.model_options())
+    expected = package.sample(plugin, Conditioning(text, negative), shape, torch.Generator().manual_seed(5),
+                              num_steps=steps, guidance_scale=guidance)
+
+    shipped = distilled_samplers.build_sampler(contract)
+    transformer = WanTransformer3DModel.from_pretrained(folder / "transformer").eval().requires_grad_(False)
+    options = shipped.model_kind()
+    if "chunk_size" in options:
+        model = distilled_causal.CausalWanDenoiser(transformer, 3.0, options["chunk_size"])
+    elif "pdd_steps" in options:
+        model = distilled_wan.PDDWanDenoiser(transformer, 3.0, options["pdd_steps"], folder / "transformer" / "pdd_heads.safetensors")
+    else:
+        model = distilled_wan.WanDenoiser(transformer, 3.0)
+    got = shipped.sample(model, distilled_wan.Conditioning(text, negative), shape, torch.Generator().manual_seed(5),
+                         num_steps=steps, guidance_scale=guidance)
+    assert got.dtype == torch.float32 and got.shape == expected.shape == (1, *shape)
+    assert torch.equal(got, expected), (got - expected).abs().max()
+    frames = shape[1]
+    assert shipped.nfe(steps, guidance, num_frames=frames) == package.nfe(steps, guidance, num_frames=frames)
