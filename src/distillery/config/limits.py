@@ -30,6 +30,7 @@ uses it to refuse the scalars DVC's YAML 1.2 reads differently.
 from __future__ import annotations
 
 import difflib
+import re
 import reprlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -55,7 +56,17 @@ MAX_MESSAGE_CHARS = 600  # no config error line is longer than this
 _INT_TAG = "tag:yaml.org,2002:int"
 _STR_TAG = "tag:yaml.org,2002:str"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
-_LOADER: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built in: 20x faster, same results
+
+
+class SafeLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]  # libyaml when built in: 20x faster
+    """PyYAML's safe loader (YAML 1.1), reading a float written with an exponent and no dot (``1e-4``,
+    ``2e-06``) as the float YAML 1.2 — and DVC — read, not as text: DVC writes a small float back that
+    way (``dvc exp run -S teacher.learning_rate=2.0e-6`` leaves ``2e-06`` in params.yaml)."""
+
+
+SafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"), list("-+.0123456789"))
+_LOADER: type = SafeLoader
 _RESOLVER = yaml.resolver.Resolver()
 _TOO_DEEP = f"nested deeper than {MAX_DEPTH} levels"
 

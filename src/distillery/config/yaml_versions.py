@@ -7,7 +7,8 @@ plain scalars differently (1.2's reading first, 1.1's in brackets):
 - octal-looking integers: ``010``, ``+010``, ``0_10`` → 10 (8); ``0o10`` → 8 (the text); ``08`` → 8 (the text);
 - base 60: ``1:00``, ``-1:30``, ``1:00.5`` → the text (60, -90, 60.5);
 - ``yes``, ``no``, ``on``, ``off`` in any case → the text (true, false);
-- exponents without a dot: ``1e-4``, ``1E4``, ``1.e-4``, ``12e-05`` → floats (the text).
+- exponents without a dot: ``1e-4``, ``1E4``, ``12e-05`` → floats (the text) — here read as floats by the stages
+  too (:class:`distillery.config.limits.SafeLoader`), since DVC writes small floats back that way.
 
 :func:`collector` gathers a document's scalars while :func:`distillery.config.limits.parse_yaml_text`
 checks it; :func:`disagreements` reads them all both ways. ``stages/params_file.py`` refuses a params
@@ -27,9 +28,9 @@ from typing import Any
 
 import yaml
 
-from distillery.config.limits import cut, show
+from distillery.config.limits import SafeLoader, cut, show
 
-_LOADER: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_LOADER: type = SafeLoader  # the stages' reader (YAML 1.1, exponents without a dot read as 1.2 reads them)
 _STR_TAG = "tag:yaml.org,2002:str"
 YAML_11 = "the stages (YAML 1.1)"
 YAML_12 = "DVC (YAML 1.2)"
