@@ -57,3 +57,19 @@ def test_checkpoints_are_counted_on_the_runs_file_system(tmp_path):
         subprocess.run(["umount", str(runs)], check=True)
     check_free_space("teacher", params, artifacts, runs)  # runs/ back on the large disk beside artifacts/
     shutil.rmtree(runs)
+
+
+@pytest.mark.slow
+def test_export_of_a_student_whose_stage_never_ran_is_one_line(tmp_path):
+    """Outside DVC (``distillery stage export`` alone, a Prefect retry) the student may be missing: one line,
+    exit 2 — it was a ``FileNotFoundError`` traceback from ``copytree`` at real shape."""
+    import sys
+
+    from workspace import make_workspace, stage
+
+    repo = make_workspace(tmp_path / "ws")
+    assert subprocess.run([sys.executable, "-m", "distillery.cli.main", "stage", "base"], cwd=repo, capture_output=True).returncode == 0
+    out = stage(repo, "export")
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "artifacts/distill/model/transformer not found" in lines[0] and "Traceback" not in out.stderr
