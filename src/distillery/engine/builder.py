@@ -79,10 +79,11 @@ def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
     optimizers = check_roles_early(config)
     models = build_models(config)
     method = build_method(config, models, env.rank, optimizers)
-    for model in models.values():
+    for role, model in models.items():  # in config order on every rank (a new mesh is a collective)
         if config.training.model.activation_checkpointing and hasattr(model, "enable_activation_checkpointing"):
             model.enable_activation_checkpointing()
-        place_model(model, env, config.training.distributed, config.training.model)
+        own = config.models[role].distributed
+        place_model(model, env, config.training.distributed, config.training.model, own.replicate_size if own else None)
     method.build_optimizers()
     return BuiltRun(models=models, method=method, callbacks=build_callbacks(config))
 
@@ -94,10 +95,13 @@ def resolve_compile(runtime: ModelRuntimeConfig, env: DistEnv) -> bool:
     return env.device.type == "cuda" and env.compute_dtype == torch.bfloat16
 
 
-def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, runtime: ModelRuntimeConfig) -> None:
+def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, runtime: ModelRuntimeConfig,
+                replicate_size: int | None = None) -> None:
     """Put one role on the device in the form it trains in.
 
-    - FSDP2 (several ranks, or ``shard_single_rank: true``): sharded fp32 masters, bf16 gathers.
+    - FSDP2 (several ranks, or ``shard_single_rank: true``): sharded fp32 masters, bf16 gathers, on
+      the role's mesh: ``replicate_size`` (``models.<role>.distributed``) or the run's
+      (``training.distributed.replicate_size``), :meth:`~distillery.components.distributed.DistEnv.mesh_for`.
     - One rank without FSDP, bf16 compute: a trainable role gets a bf16 compute copy beside its
       fp32 master (:class:`~distillery.components.precision.ComputeCopy`); a frozen role is cast to bf16 in
       place (no master is needed). Buffers (RoPE tables) stay fp32.
@@ -118,9 +122,11 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
         avoid_mix_order_reduction()
     extra = {name: m for name, m in model.trainable_modules().items() if m is not model.transformer}
     if uses_fsdp(env, dist_cfg):
-        shard_transformer(model.transformer, model.shardable_blocks(), env, dist_cfg, compile_blocks)
+        mesh = (env.mesh_for(dist_cfg.replicate_size) if replicate_size is None
+                else env.mesh_for(replicate_size, f"models.{model.role}.distributed.replicate_size"))
+        shard_transformer(model.transformer, model.shardable_blocks(), env, dist_cfg, compile_blocks, mesh)
         for module in extra.values():  # e.g. a PDD head bank: one FSDP unit of its own
-            shard_transformer(module, [], env, dist_cfg, False)
+            shard_transformer(module, [], env, dist_cfg, False, mesh)
         model.bind_device(env.device, env.compute_dtype)
         if compiled and not compile_blocks:
             model.transformer.compile()

@@ -9,7 +9,10 @@ part differs in one line.
 
 Parts of the key (each a sha256 hex digest):
 - ``config``: the run config as YAML-able data, without ``training.tracker`` (MLflow metadata:
-  parent run id and tags change with the git commit and do not change the result);
+  parent run id and tags change with the git commit and do not change the result) and without the
+  mesh layout (``training.distributed.replicate_size``, ``models.<role>.distributed``): like the world
+  size, which the config does not hold either, a layout only places the same state (a checkpoint is
+  resharded on load, docs/gpus.md), so a stage moved to more nodes or to HSDP resumes;
 - ``input:<role>``: the content of each input artifact: :func:`distillery.lineage.manifest.tree_digest` of its
   files without its ``lineage.json`` (the ``sha256`` a consumer's lineage records for that input). The
   manifest is left out because it holds facts of one run (times, MLflow run ids, the code commit): an
@@ -33,9 +36,13 @@ def _sha256_text(text: str) -> str:
 
 
 def config_digest(raw: dict[str, Any]) -> str:
-    """Digest of a run config without its tracker section (canonical JSON)."""
+    """Digest of a run config without its tracker section and mesh layout (canonical JSON)."""
     training = {k: v for k, v in raw.get("training", {}).items() if k != "tracker"}
-    canon = json.dumps({**raw, "training": training}, sort_keys=True, separators=(",", ":"), default=str)
+    if isinstance(training.get("distributed"), dict):
+        training["distributed"] = {k: v for k, v in training["distributed"].items() if k != "replicate_size"}
+    models = {role: {k: v for k, v in entry.items() if k != "distributed"} if isinstance(entry, dict) else entry
+              for role, entry in (raw.get("models") or {}).items()}
+    canon = json.dumps({**raw, "models": models, "training": training}, sort_keys=True, separators=(",", ":"), default=str)
     return _sha256_text(canon)
 
 
