@@ -30,13 +30,13 @@ from distillery.config import allowed_prefixes, load_run_config
 
 pytestmark = pytest.mark.slow
 STEPS, DMD2_STEPS, GLOBAL_BATCH = 6, 4, 4
-FROM_ONE, FROM_FOUR, FROM_TWO = 2, 3, 5  # the steps each resume starts from (1 → 4, 4 → 2 and 4 → 1, 2 → 1)
+FROM_ONE, FROM_FOUR, FROM_TWO = 3, 3, 5  # the steps each resume starts from (1 → 4, 4 → 2 and 4 → 1, 2 → 1)
 CALLBACKS = {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0},
              "ema": {"_target_": "distillery.callbacks.ema.EMACallback", "decay": 0.9}}
 
 
 def _sft(base: Path, data: Path, out: Path, ranks: int, replicate: int = 1) -> dict:
-    cfg = run_config(base, data, out, steps=STEPS, batch_size=GLOBAL_BATCH // ranks, save_every=1, callbacks=CALLBACKS)
+    cfg = run_config(base, data, out, steps=STEPS, batch_size=GLOBAL_BATCH // ranks, save_every=3, callbacks=CALLBACKS)
     cfg["training"]["optimizer"].update(lr_scheduler="cosine", warmup_steps=2)
     cfg["method"]["caption_dropout"] = 0.25
     cfg["training"]["distributed"] = {"replicate_size": replicate}
