@@ -6,6 +6,8 @@
 - **Resharded resume**: a checkpoint saved by 1 rank resumes on 4 (HSDP), one saved by 4 resumes on
   2 and on 1, and the 2-rank continuation resumes on 1 (4 → 2 → 1): every loss is the uninterrupted
   1-rank run's.
+- **PDD on a changed world size**: carried trajectories saved mid-way by 1 rank and resumed on 4, or
+  saved by 4 and resumed on 1, restart from noise (rung 0, a warning line) — the same losses either way.
 - **Two nodes on one host**: the 2-rank part runs as 2 torchrun agents (``--nnodes 2``, one process
   each) meeting at the c10d rendezvous the launching process serves (``distillery.stages.launcher``,
   what a training stage runs for ``gpus.nnodes: 2``); a first launch is SIGKILLed (the stage's death)
@@ -29,7 +31,7 @@ from workspace import kill_all_in, wait_no_processes
 from distillery.config import allowed_prefixes, load_run_config
 
 pytestmark = pytest.mark.slow
-STEPS, DMD2_STEPS, GLOBAL_BATCH = 6, 4, 4
+STEPS, DMD2_STEPS, PDD_STEPS, GLOBAL_BATCH = 6, 4, 3, 4
 FROM_ONE, FROM_FOUR, FROM_TWO = 3, 3, 5  # the steps each resume starts from (1 → 4, 4 → 2 and 4 → 1, 2 → 1)
 CALLBACKS = {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0},
              "ema": {"_target_": "distillery.callbacks.ema.EMACallback", "decay": 0.9}}
@@ -56,6 +58,16 @@ def _dmd2(base: Path, data: Path, out: Path, ranks: int, replicate: int = 1) -> 
     return cfg
 
 
+def _pdd(base: Path, data: Path, out: Path, ranks: int, stop: int | None = None) -> dict:
+    cfg = run_config(base, data, out, method="distillery.methods.pdd.PDDMethod", steps=PDD_STEPS, batch_size=GLOBAL_BATCH // ranks,
+                     method_knobs={"rollout": "simulate", "block_size_min": 2, "block_size_max": 4,
+                                   "teacher_guidance_scale": 2.0, "sampling_steps": 2})
+    cfg["models"]["student"] = {"_target_": "distillery.models.wan.PDDWanModel", "init_from": str(base), "pdd_steps": 4}
+    cfg["models"]["teacher"] = {"_target_": "distillery.models.wan.WanModel", "init_from": str(base), "trainable": False}
+    cfg["training"]["loop"]["stop_at_step"] = stop  # 1: mid-trajectory (rungs 0, 1 of blocks of 2 over 4 intervals)
+    return cfg
+
+
 def _resume_copy(src: Path, dst: Path, step: int) -> Path:
     """``dst``: ``src``'s run folder with its checkpoints after ``step`` removed (the run as it was at ``step``)."""
     shutil.copytree(src, dst)
@@ -65,7 +77,7 @@ def _resume_copy(src: Path, dst: Path, step: int) -> Path:
     return dst
 
 
-def _four_ranks(configs: list[tuple[dict, Path]]) -> None:
+def _four_ranks(configs: list[tuple[dict, Path]]) -> str:
     """The configs one after the other on 4 ranks in ONE ``torchrun --nproc_per_node 4`` of this file
     (:func:`_driver`): the launch and imports cost far more than the tiny runs."""
     for cfg, path in configs:
@@ -75,6 +87,7 @@ def _four_ranks(configs: list[tuple[dict, Path]]) -> None:
     proc = subprocess.run(cmd, cwd=configs[0][1].parent, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr
 
 
 def _two_agents(config: Path, cwd: Path) -> subprocess.Popen:
@@ -100,17 +113,21 @@ def _workers(config: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_base, latent_set):
     root = tmp_path_factory.mktemp("scale")
-    sft, dmd2 = root / "sft", root / "dmd2"
-    sft.mkdir()
-    dmd2.mkdir()
+    sft, dmd2, pdd = root / "sft", root / "dmd2", root / "pdd"
+    for folder in (sft, dmd2, pdd):
+        folder.mkdir()
     train_in_process(_sft(tiny_base, latent_set, sft / "one", 1))  # the uninterrupted 1-rank references
     train_in_process(_dmd2(tiny_base, latent_set, dmd2 / "one", 1))
+    train_in_process(_pdd(tiny_base, latent_set, pdd / "one_to_four", 1, stop=1))
     _resume_copy(sft / "one", sft / "one_to_four", FROM_ONE)
-    _four_ranks([(_sft(tiny_base, latent_set, sft / "hsdp", 4, replicate=2), sft / "hsdp.yaml"),
-                 (_sft(tiny_base, latent_set, sft / "one_to_four", 4, replicate=2), sft / "one_to_four.yaml"),
-                 (_dmd2(tiny_base, latent_set, dmd2 / "hsdp", 4, replicate=2), dmd2 / "hsdp.yaml")])
+    four = _four_ranks([(_sft(tiny_base, latent_set, sft / "hsdp", 4, replicate=2), sft / "hsdp.yaml"),
+                        (_sft(tiny_base, latent_set, sft / "one_to_four", 4, replicate=2), sft / "one_to_four.yaml"),
+                        (_dmd2(tiny_base, latent_set, dmd2 / "hsdp", 4, replicate=2), dmd2 / "hsdp.yaml"),
+                        (_pdd(tiny_base, latent_set, pdd / "four_to_one", 4, stop=1), pdd / "four.yaml"),
+                        (_pdd(tiny_base, latent_set, pdd / "one_to_four", 4), pdd / "one_to_four.yaml")])
     _resume_copy(sft / "hsdp", sft / "four_to_one", FROM_FOUR)
     train_in_process(_sft(tiny_base, latent_set, sft / "four_to_one", 1))
+    train_in_process(_pdd(tiny_base, latent_set, pdd / "four_to_one", 1))
 
     # 4 → 2 on two agents (--nnodes 2): a first launch killed once its workers run, then the real one
     _resume_copy(sft / "hsdp", sft / "four_to_two", FROM_FOUR)
@@ -135,7 +152,7 @@ def runs(tmp_path_factory, tiny_base, latent_set):
     assert done.returncode == 0, err[-4000:]
     _resume_copy(sft / "four_to_two", sft / "two_to_one", FROM_TWO)
     train_in_process(_sft(tiny_base, latent_set, sft / "two_to_one", 1))
-    return {"root": root, "left_after_kill": left, "agents_log": err}
+    return {"root": root, "left_after_kill": left, "agents_log": err, "four_ranks_log": four}
 
 
 def _same_losses(got: list[dict], ref: list[dict], keys: tuple[str, ...], first: int = 1) -> None:
@@ -156,6 +173,10 @@ def test_hsdp_two_by_two_trains_to_the_one_rank_losses(runs):
     assert any("generator_loss" in r for r in ref) and all("critic_loss" in r for r in ref)
     _same_losses(read_log(dmd2 / "hsdp"), ref, ("total_loss", "critic_loss", "generator_loss", "grad_norm/critic",
                                                 "grad_norm/student"))
+    log = runs["four_ranks_log"]  # rank 0's placement of each role, from its config
+    for role in ("student", "critic"):
+        assert f"role {role}: HSDP on mesh (replicate 2 x shard 2)" in log
+    assert "role teacher: FSDP2 on mesh (shard 4)" in log
 
 
 def test_hsdp_meshes_come_from_the_config(tiny_base, latent_set, tmp_path):
@@ -198,6 +219,18 @@ def test_resharded_resume_has_the_uninterrupted_losses(runs, name, start):
     last = max(int(p.name.split("-")[1]) for p in (sft / name).glob("checkpoint-*"))
     resumed_by = {"one_to_four": 4, "four_to_one": 1, "four_to_two": 2, "two_to_one": 1}[name]
     assert json.loads((sft / name / f"checkpoint-{last}" / "metadata.json").read_text())["world_size"] == resumed_by
+
+
+def test_pdd_trajectories_restart_from_noise_the_same_on_any_world_size(runs):
+    pdd = runs["root"] / "pdd"
+    up, down = read_log(pdd / "one_to_four"), read_log(pdd / "four_to_one")  # saved by 1 resumed on 4, and the reverse
+    assert [r["step"] for r in up] == [r["step"] for r in down] == list(range(1, PDD_STEPS + 1))
+    assert [r["rollout_rung"] for r in up] == [r["rollout_rung"] for r in down] == [0.0, 0.0, 1.0]  # step 2 restarts
+    assert up[0]["total_loss"] == pytest.approx(down[0]["total_loss"], rel=1e-5)  # before the stop: one trajectory
+    for a, b in zip(up[1:], down[1:]):
+        assert a["total_loss"] == pytest.approx(b["total_loss"], rel=1e-5, abs=1e-7), a["step"]
+    assert "pdd: the checkpoint's carried trajectories were made by 1 rank(s) with 1 slot(s), this run has 4 rank(s)" \
+        in runs["four_ranks_log"]
 
 
 def test_two_agents_meet_and_a_killed_launch_leaves_no_process(runs):

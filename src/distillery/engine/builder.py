@@ -13,12 +13,15 @@ import torch
 from distillery.callbacks.base import Callback, CallbackList
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind
+from distillery.common.log import get_logger
 from distillery.components.distributed import DistEnv, shard_transformer, uses_fsdp
 from distillery.components.optim import role_optimizer_configs
 from distillery.components.precision import ComputeCopy, cast_parameters_
 from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, OptimizerConfig, RunConfig
 from distillery.methods.base import TrainingMethod
 from distillery.models.base import ModelBase
+
+log = get_logger("trainer")
 
 
 @dataclass
@@ -124,6 +127,9 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
     if uses_fsdp(env, dist_cfg):
         mesh = (env.mesh_for(dist_cfg.replicate_size) if replicate_size is None
                 else env.mesh_for(replicate_size, f"models.{model.role}.distributed.replicate_size"))
+        if env.is_main:
+            dims = " x ".join(f"{name} {mesh.size(i)}" for i, name in enumerate(mesh.mesh_dim_names or ()))
+            log.info("role %s: %s on mesh (%s)", model.role, "HSDP" if mesh.ndim > 1 else "FSDP2", dims)
         shard_transformer(model.transformer, model.shardable_blocks(), env, dist_cfg, compile_blocks, mesh)
         for module in extra.values():  # e.g. a PDD head bank: one FSDP unit of its own
             shard_transformer(module, [], env, dist_cfg, False, mesh)
