@@ -30,7 +30,6 @@ from workspace import kill_all_in, wait_no_processes
 
 from distillery.config import allowed_prefixes, load_run_config
 
-pytestmark = pytest.mark.slow
 STEPS, DMD2_STEPS, PDD_STEPS, GLOBAL_BATCH = 6, 4, 3, 4
 FROM_ONE, FROM_FOUR, FROM_TWO = 3, 3, 5  # the steps each resume starts from (1 → 4, 4 → 2 and 4 → 1, 2 → 1)
 CALLBACKS = {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0},
@@ -164,6 +163,7 @@ def _same_losses(got: list[dict], ref: list[dict], keys: tuple[str, ...], first:
                 assert r[key] == pytest.approx(ref_by_step[r["step"]][key], rel=1e-5, abs=1e-6), (r["step"], key)
 
 
+@pytest.mark.slow
 def test_hsdp_two_by_two_trains_to_the_one_rank_losses(runs):
     sft, dmd2 = runs["root"] / "sft", runs["root"] / "dmd2"
     one = read_log(sft / "one")
@@ -206,6 +206,7 @@ def test_hsdp_meshes_come_from_the_config(tiny_base, latent_set, tmp_path):
         shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, start", [("one_to_four", FROM_ONE), ("four_to_one", FROM_FOUR),
                                          ("four_to_two", FROM_FOUR), ("two_to_one", FROM_TWO)])
 def test_resharded_resume_has_the_uninterrupted_losses(runs, name, start):
@@ -221,6 +222,7 @@ def test_resharded_resume_has_the_uninterrupted_losses(runs, name, start):
     assert json.loads((sft / name / f"checkpoint-{last}" / "metadata.json").read_text())["world_size"] == resumed_by
 
 
+@pytest.mark.slow
 def test_pdd_trajectories_restart_from_noise_the_same_on_any_world_size(runs):
     pdd = runs["root"] / "pdd"
     up, down = read_log(pdd / "one_to_four"), read_log(pdd / "four_to_one")  # saved by 1 resumed on 4, and the reverse
@@ -233,10 +235,59 @@ def test_pdd_trajectories_restart_from_noise_the_same_on_any_world_size(runs):
         in runs["four_ranks_log"]
 
 
+@pytest.mark.slow
 def test_two_agents_meet_and_a_killed_launch_leaves_no_process(runs):
     assert runs["left_after_kill"] == []
     assert "launch: local, 2 node(s) x 1 process(es), rendezvous 127.0.0.1:" in runs["agents_log"]
     assert [r["step"] for r in read_log(runs["root"] / "sft" / "four_to_two")] == list(range(1, FROM_TWO + 1))
+
+
+def test_launch_plans(monkeypatch):
+    """What a stage starts for ``gpus``: one standalone agent; N local agents at one c10d rendezvous the stage
+    serves; one ``srun`` over the Slurm allocation (refused in one line outside one, or on another node count)."""
+    from distillery.common.errors import UserError
+    from distillery.stages.launcher import plan_launch
+    from distillery.stages.params_schema import GpusParams
+
+    one = plan_launch(GpusParams(nproc_per_node=2), ["--config", "runs/teacher/run.yaml"])
+    assert len(one.commands) == 1 and "--standalone" in one.commands[0] and not one.serve_rendezvous
+    assert one.record == {"launcher": "local", "nnodes": 1, "nproc_per_node": 2, "world_size": 2}
+    local = plan_launch(GpusParams(nnodes=3), ["--config", "runs/teacher/run.yaml"])
+    assert len(local.commands) == 3 and local.serve_rendezvous and local.endpoint.startswith("127.0.0.1:")
+    for cmd in local.commands:
+        at = cmd.index("--rdzv_endpoint")
+        assert cmd[at + 1] == local.endpoint and cmd[cmd.index("--nnodes") + 1] == "3" and "is_host=false" in cmd
+        assert cmd[-4:] == ["-m", "distillery.cli.train", "--config", "runs/teacher/run.yaml"]
+    assert len({cmd[cmd.index("--rdzv_id") + 1] for cmd in local.commands}) == 1
+    given = plan_launch(GpusParams(nnodes=2, rdzv_endpoint="10.0.0.1:29400"), ["--config", "x.yaml"])
+    assert not given.serve_rendezvous and [("is_host=true" in c) for c in given.commands] == [True, False]
+    for var in ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(UserError, match=r"gpus.launcher: slurm, but this stage is not inside a Slurm allocation"):
+        plan_launch(GpusParams(nnodes=2, launcher="slurm"), ["--config", "x.yaml"])
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "3")
+    with pytest.raises(UserError, match=r"gpus.nnodes: 2, but Slurm job 77 has 3 node\(s\)"):
+        plan_launch(GpusParams(nnodes=2, launcher="slurm"), ["--config", "x.yaml"])
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    slurm = plan_launch(GpusParams(nnodes=2, nproc_per_node=4, launcher="slurm"), ["--config", "runs/distill/run.yaml"])
+    (cmd,) = slurm.commands
+    assert cmd[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--export=ALL"]
+    assert "--job-name=distillery-distill" in cmd and slurm.record["slurm_job_id"] == "77" and slurm.serve_rendezvous
+
+
+def test_resume_key_holds_the_global_batch_not_the_layout():
+    from distillery.stages.resume_key import config_digest
+
+    def raw(batch: int, replicate: int = 1, teacher_mesh: int | None = None) -> dict:
+        cfg = {"models": {"student": {"_target_": "x"}, "teacher": {"_target_": "x"}}, "method": {"_target_": "m"},
+               "training": {"data": {"batch_size": batch}, "distributed": {"replicate_size": replicate}}}
+        if teacher_mesh:
+            cfg["models"]["teacher"]["distributed"] = {"replicate_size": teacher_mesh}
+        return cfg
+
+    assert config_digest(raw(16), 1) == config_digest(raw(8), 2) == config_digest(raw(4, 2, 1), 4)
+    assert config_digest(raw(16), 2) != config_digest(raw(16), 1)
 
 
 def _driver(paths: list[str]) -> None:

@@ -45,7 +45,7 @@ def training_launch(params: StageParams, config_path: Path):
     return plan_launch(params.get("gpus"), ["--config", str(config_path)])
 
 
-def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path]) -> Path:
+def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path], world_size: int = 1) -> Path:
     """``runs/<stage>/run.yaml`` + ``resume_key.json``; returns the run.yaml path. Checkpoints made
     from another config, other inputs or other code are discarded (one line says what changed): a
     stage resumes only what the same inputs made (docs/reliability.md). An input's digest from the hash
@@ -57,7 +57,7 @@ def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path]) ->
     from distillery.stages.resume_key import KEY_FILE, key_mismatch, read_key, resume_key
     from distillery.stages.run_summary import SUMMARY_FILE
 
-    key = resume_key(stage, raw, inputs)
+    key = resume_key(stage, raw, inputs, world_size)
     run_dir = RUNS / stage
     if run_dir.exists():
         # a writer still alive there (an orphaned worker, another stage) must not lose its folder under it
@@ -122,7 +122,8 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     raw = fill_run_config(spec, params, parent_run_id(params.path.read_text()))
     check_chain(spec, raw)
     inputs = [(role, ARTIFACTS / artifact) for role, artifact in spec.input_artifacts()]
-    config_path = prepare_run_dir(stage, raw, dict(inputs))
+    world = params.get("gpus.nnodes") * params.get("gpus.nproc_per_node")
+    config_path = prepare_run_dir(stage, raw, dict(inputs), world)  # resumable on another world: the same global batch
     started = time.perf_counter()
     from distillery.stages.launcher import run_launch
 
