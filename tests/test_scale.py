@@ -295,8 +295,11 @@ def _driver(paths: list[str]) -> None:
     from distillery.components.distributed import init_distributed, shutdown
     from distillery.engine.assemble import build_trainer
 
+    from distillery.common.log import setup_logging
+
     configs = [load_run_config(path, prefixes=allowed_prefixes()) for path in paths]
     env = init_distributed(configs[0].training.distributed)
+    setup_logging(env.rank)  # as distillery.cli.train: rank 0 logs (each role's mesh)
     try:
         for config in configs:
             build_trainer(config, env).fit()
