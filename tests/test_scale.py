@@ -292,10 +292,9 @@ def test_resume_key_holds_the_global_batch_not_the_layout():
 
 def _driver(paths: list[str]) -> None:
     """A torchrun worker: one process group, then ``build_trainer(config, env).fit()`` for each config in turn."""
+    from distillery.common.log import setup_logging
     from distillery.components.distributed import init_distributed, shutdown
     from distillery.engine.assemble import build_trainer
-
-    from distillery.common.log import setup_logging
 
     configs = [load_run_config(path, prefixes=allowed_prefixes()) for path in paths]
     env = init_distributed(configs[0].training.distributed)

@@ -29,7 +29,6 @@ agent fails, the others are stopped (local: SIGTERM, then SIGKILL after :data:`G
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -44,7 +43,6 @@ from distillery.common.log import get_logger
 
 log = get_logger("stage")
 GRACE_S = 10.0  # seconds a stopped agent gets to stop its workers before SIGKILL
-DEFAULT_SLURM_PORT = 29400  # torchrun's default c10d port, when a given endpoint names none
 
 
 @dataclass
@@ -213,8 +211,3 @@ def kill_children() -> None:
     for c in list(_CHILDREN):
         if c.poll() is None:
             c.send_signal(signal.SIGTERM) if c.args and c.args[0] == "srun" else c.kill()
-
-
-def describe(launch: Launch) -> str:
-    """The launch as shell lines (for logs and docs)."""
-    return "\n".join(shlex.join(cmd) for cmd in launch.commands)
