@@ -259,6 +259,9 @@ def test_launch_plans(monkeypatch):
         assert cmd[at + 1] == local.endpoint and cmd[cmd.index("--nnodes") + 1] == "3" and "is_host=false" in cmd
         assert cmd[-4:] == ["-m", "distillery.cli.train", "--config", "runs/teacher/run.yaml"]
     assert len({cmd[cmd.index("--rdzv_id") + 1] for cmd in local.commands}) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # agent i on its own GPUs
+    gpus = plan_launch(GpusParams(nnodes=2, nproc_per_node=2), ["--config", "x.yaml"])
+    assert gpus.envs == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
     given = plan_launch(GpusParams(nnodes=2, rdzv_endpoint="10.0.0.1:29400"), ["--config", "x.yaml"])
     assert not given.serve_rendezvous and [("is_host=true" in c) for c in given.commands] == [True, False]
     for var in ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"):

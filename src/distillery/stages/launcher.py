@@ -4,8 +4,9 @@
 
 - ``nnodes: 1``: one agent, ``torchrun --standalone`` with ``nproc_per_node`` workers (either launcher).
 - ``launcher: local``, ``nnodes: N > 1``: N agents on this machine, each ``--nnodes N`` with
-  ``nproc_per_node`` workers, meeting at a c10d rendezvous on 127.0.0.1 — a multi-node run on one
-  host (what the tests run, and a way to try a multi-node setting before a cluster).
+  ``nproc_per_node`` workers (agent i on GPUs ``i·nproc …``: :func:`local_gpu_slices`), meeting at a
+  c10d rendezvous on 127.0.0.1 — a multi-node run on one host (what the tests run, and a way to try
+  a multi-node setting before a cluster).
 - ``launcher: slurm``: one ``srun --nodes N --ntasks-per-node 1`` step over the Slurm allocation
   this stage runs in (``sbatch``/``salloc``: ``$SLURM_JOB_ID``), one agent per node; the stage itself
   (its lineage, artifacts, locks) stays on the node it runs on and the shared file system is the
@@ -58,6 +59,7 @@ class Launch:
     endpoint: str | None = None  # host:port of the c10d rendezvous (None: --standalone)
     record: dict[str, Any] = field(default_factory=dict)
     serve_rendezvous: bool = False  # this process serves the rendezvous store at endpoint (Rendezvous)
+    envs: list[dict[str, str]] = field(default_factory=list)  # per command: environment additions (its GPUs)
 
 
 def free_port(host: str) -> int:
@@ -120,7 +122,18 @@ def plan_launch(gpus: Any, train_args: list[str]) -> Launch:
     endpoint = gpus.rdzv_endpoint or f"127.0.0.1:{free_port('127.0.0.1')}"
     commands = [agent_command(nnodes, nproc, endpoint, run_id, train_args, is_host=False if hosted else (i == 0),
                               local_addr="127.0.0.1") for i in range(nnodes)]
-    return Launch(commands, launcher, nnodes, nproc, endpoint, record, hosted)
+    return Launch(commands, launcher, nnodes, nproc, endpoint, record, hosted, local_gpu_slices(nnodes, nproc))
+
+
+def local_gpu_slices(nnodes: int, nproc: int) -> list[dict[str, str]]:
+    """``CUDA_VISIBLE_DEVICES`` per local agent: agent i sees GPUs ``i·nproc … (i+1)·nproc − 1`` of the ones
+    this process sees (``$CUDA_VISIBLE_DEVICES``, else 0, 1, …), so the agents' workers, each on its
+    ``LOCAL_RANK``, never share a GPU. Harmless on a machine without GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d for d in visible.split(",") if d.strip()] if visible is not None else [str(i) for i in range(nnodes * nproc)]
+    if len(devices) < nnodes * nproc:
+        return [{} for _ in range(nnodes)]
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(devices[i * nproc:(i + 1) * nproc])} for i in range(nnodes)]
 
 
 class Rendezvous:
@@ -170,8 +183,9 @@ def run_launch(launch: Launch, env: dict[str, str]) -> int:
             log.info("launch: %s, %d node(s) x %d process(es), rendezvous %s%s", launch.launcher, launch.nnodes,
                      launch.nproc_per_node, launch.endpoint, f" (Slurm job {launch.record['slurm_job_id']})"
                      if "slurm_job_id" in launch.record else "")
-        for cmd in launch.commands:
-            _CHILDREN.append(subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(sig)))
+        for i, cmd in enumerate(launch.commands):
+            extra = launch.envs[i] if i < len(launch.envs) else {}
+            _CHILDREN.append(subprocess.Popen(cmd, env={**env, **extra}, preexec_fn=lambda: die_with_parent(sig)))
         try:
             return _wait_all(list(_CHILDREN))
         finally:
