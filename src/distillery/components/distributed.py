@@ -5,13 +5,22 @@ The same code path runs single-process (a world of one, set up in-process) and u
 Every role's transformer is sharded with ``fully_shard`` per block and then at the root, on a
 1-D mesh (FSDP) or a ``(replicate, shard)`` mesh (HSDP); on GPU, compute runs in bf16 with fp32
 master weights and fp32 gradient reduction.
+
+**Meshes.** ``training.distributed.replicate_size`` R is the run's mesh: R = 1, one ``shard`` dim over
+all W ranks (FSDP: parameters, gradients and optimizer state split W ways); R > 1, ``(replicate,
+shard)`` = ``(R, W/R)`` (HSDP: each group of W/R consecutive ranks — one node when W/R is the GPUs
+per node — holds one full copy, split W/R ways; gradients are reduce-scattered inside the group and
+all-reduced across the R groups). A role may pick its own R (``models.<role>.distributed``), e.g. a
+frozen teacher sharded over every rank; :meth:`DistEnv.mesh_for` builds each R's mesh once (a
+collective: every rank asks for the same meshes in the same order). Every rank is data-parallel in
+both layouts: rank r trains slice r of the global batch, so the trajectory does not depend on R.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,12 +38,32 @@ class DistEnv:
     local_rank: int
     device: torch.device
     backend: str
-    mesh: DeviceMesh
+    mesh: DeviceMesh  # the run's mesh (training.distributed.replicate_size)
     compute_dtype: torch.dtype  # bf16 under mixed precision, else fp32
+    meshes: dict[int, DeviceMesh] = field(default_factory=dict)  # replicate size → its mesh (mesh_for)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def mesh_for(self, replicate_size: int, key: str = "training.distributed.replicate_size") -> DeviceMesh:
+        """The ``(replicate_size, world/replicate_size)`` HSDP mesh (1-D ``shard`` when 1), built on first use.
+
+        Collective on first use (it creates process groups). A size that does not divide the world
+        is a one-line :class:`UserError` naming ``key``."""
+        if replicate_size not in self.meshes:
+            self.meshes[replicate_size] = build_mesh(self.device.type, self.world_size, replicate_size, key)
+        return self.meshes[replicate_size]
+
+
+def build_mesh(device_type: str, world: int, replicate_size: int, key: str) -> DeviceMesh:
+    """A 1-D ``("shard",)`` mesh over ``world`` ranks, or the ``("replicate", "shard")`` HSDP mesh."""
+    if replicate_size < 1 or world % replicate_size:
+        raise UserError(f"config error: {key}: {replicate_size} does not divide the world size {world} "
+                        f"(nodes x processes per node); use a divisor of {world}")
+    if replicate_size > 1:
+        return init_device_mesh(device_type, (replicate_size, world // replicate_size), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
 
 
 def _resolve_device(cfg: DistributedConfig) -> str:
@@ -68,17 +97,11 @@ def init_distributed(cfg: DistributedConfig) -> DistEnv:
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world % cfg.replicate_size:
-        raise UserError(
-            f"config error: training.distributed.replicate_size: {cfg.replicate_size} does not divide the world size {world}"
-        )
-    if cfg.replicate_size > 1:
-        mesh = init_device_mesh(device_type, (cfg.replicate_size, world // cfg.replicate_size), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    mesh = build_mesh(device_type, world, cfg.replicate_size, "training.distributed.replicate_size")
     mp = cfg.mixed_precision
     bf16 = mp == "bf16" or (mp == "auto" and device_type == "cuda")
-    return DistEnv(rank, world, local_rank, device, backend, mesh, torch.bfloat16 if bf16 else torch.float32)
+    return DistEnv(rank, world, local_rank, device, backend, mesh, torch.bfloat16 if bf16 else torch.float32,
+                   meshes={cfg.replicate_size: mesh})
 
 
 def uses_fsdp(env: DistEnv, cfg: DistributedConfig) -> bool:
@@ -96,8 +119,11 @@ def shard_transformer(
     env: DistEnv,
     cfg: DistributedConfig,
     compile_blocks: bool = False,
+    mesh: DeviceMesh | None = None,
 ) -> torch.nn.Module:
     """Move ``transformer`` to the device and apply FSDP2 per block, then at the root (in place).
+
+    ``mesh``: the role's mesh (:meth:`DistEnv.mesh_for`; default the run's, ``env.mesh``).
 
     Parameters are gathered in the compute dtype (bf16 under mixed precision) and gradients are
     reduced in fp32 into fp32 master weights. Forward inputs are *not* cast by FSDP: the model
@@ -111,12 +137,13 @@ def shard_transformer(
         for block in blocks:
             block.compile()
     mp = MixedPrecisionPolicy(param_dtype=env.compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    mesh = env.mesh if mesh is None else mesh
     reshard = cfg.reshard_after_forward
     if reshard is None:
-        reshard = env.mesh.size(env.mesh.ndim - 1) > 1
+        reshard = mesh.size(mesh.ndim - 1) > 1
     for block in blocks:
-        fully_shard(block, mesh=env.mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(transformer, mesh=env.mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(transformer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     return transformer
 
 

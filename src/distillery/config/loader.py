@@ -37,7 +37,7 @@ from distillery.config.limits import (
     show_path,
     unknown_key_message,
 )
-from distillery.config.schema import Component, OptimizerOverride, RunConfig, TrainingConfig
+from distillery.config.schema import Component, OptimizerOverride, RoleDistributedOverride, RunConfig, TrainingConfig
 from distillery.config.targets import resolve_target
 from distillery.config.typed import config_error, field_types, from_mapping
 from distillery.config.yaml_versions import Scalar, collector, disagreement_line, disagreements, dvc_load, is_dotless_float
@@ -189,9 +189,10 @@ def set_override(raw: dict[str, Any], key: str, value: Any, prefixes: tuple[str,
             target = _section(entries, name).get("_target_")
             check_target(target, where)
             cls = resolve_target(target, where, prefixes)
-            if head == "models" and parts[2] == "optimizer":
+            overrides = {"optimizer": OptimizerOverride, "distributed": RoleDistributedOverride}
+            if head == "models" and parts[2] in overrides:
                 if len(parts) > 3:
-                    _check_dataclass_path(OptimizerOverride, parts[3:], f"{where}.optimizer")
+                    _check_dataclass_path(overrides[parts[2]], parts[3:], f"{where}.{parts[2]}")
             else:
                 _check_dataclass_path(_config_class(cls, where), parts[2:], where)
     node = raw
@@ -211,7 +212,7 @@ def build_component(entry: Any, where: str, prefixes: tuple[str, ...], kind: str
     ``kind`` (``model`` | ``method`` | ``callback``): a target whose class does not declare that
     ``component_kind`` (the plugin base classes do) is refused before its knobs are checked; the
     config package imports no plugin base class. A model entry may hold ``optimizer:`` (the role's
-    :class:`OptimizerOverride`).
+    :class:`OptimizerOverride`) and ``distributed:`` (its mesh, :class:`RoleDistributedOverride`).
     """
     if not isinstance(entry, dict) or "_target_" not in entry:
         raise config_error(where, "expected a mapping with a _target_ key")
@@ -222,10 +223,13 @@ def build_component(entry: Any, where: str, prefixes: tuple[str, ...], kind: str
         raise config_error(f"{where}._target_", f"{target} is not a distillery {kind} ({KIND_BASES[kind]})")
     config_cls = _config_class(cls, where)
     knobs = {k: v for k, v in entry.items() if k != "_target_"}
-    optimizer = None
+    optimizer = distributed = None
     if kind == "model" and "optimizer" in knobs:
         optimizer = from_mapping(OptimizerOverride, knobs.pop("optimizer") or {}, f"{where}.optimizer")
-    return Component(target=target, cls=cls, config=from_mapping(config_cls, knobs, where), optimizer=optimizer)
+    if kind == "model" and "distributed" in knobs:
+        distributed = from_mapping(RoleDistributedOverride, knobs.pop("distributed") or {}, f"{where}.distributed")
+    return Component(target=target, cls=cls, config=from_mapping(config_cls, knobs, where), optimizer=optimizer,
+                     distributed=distributed)
 
 
 def build_run_config(raw: dict[str, Any], prefixes: tuple[str, ...]) -> RunConfig:

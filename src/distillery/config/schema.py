@@ -44,6 +44,17 @@ class DistributedConfig:
 
 
 @dataclass
+class RoleDistributedOverride:
+    """``models.<role>.distributed``: the role's own FSDP2/HSDP mesh (null: ``training.distributed``'s).
+
+    E.g. a frozen teacher sharded over every rank (``replicate_size: 1``: the least memory per GPU, no
+    gradient traffic) beside a student and critic in HSDP (``replicate_size: <nodes>``: shards stay
+    inside a node, gradients cross nodes once per step as an all-reduce of a shard)."""
+
+    replicate_size: int | None = bounded(None, 1, MAX_RANKS)  # HSDP replicate dim of this role's mesh; must divide the world size
+
+
+@dataclass
 class DataConfig:
     path: str = ""  # folder of latent parquet shards (holds train/ and validation/)
     split: str = "train"  # sub-folder of path to train on
@@ -164,11 +175,14 @@ class Component:
     cls: Any
     config: Any
     optimizer: OptimizerOverride | None = None  # models.<role>.optimizer (model components only)
+    distributed: RoleDistributedOverride | None = None  # models.<role>.distributed (model components only)
 
     def to_plain(self) -> dict[str, Any]:
         plain = {"_target_": self.target, **to_plain(self.config)}
         if self.optimizer is not None:
             plain["optimizer"] = {k: v for k, v in to_plain(self.optimizer).items() if v is not None}
+        if self.distributed is not None:
+            plain["distributed"] = {k: v for k, v in to_plain(self.distributed).items() if v is not None}
         return plain
 
 

@@ -22,7 +22,7 @@ from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, Opti
 from distillery.methods.base import TrainingMethod
 from distillery.models.base import ModelBase
 
-log = get_logger("builder")
+log = get_logger("trainer")
 
 
 @dataclass
@@ -84,10 +84,11 @@ def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
     models = build_models(config)
     method = build_method(config, models, env.rank, optimizers)
     runtime = config.training.model
-    for model in models.values():
+    for role, model in models.items():  # in config order on every rank (a new mesh is a collective)
         if runtime.activation_checkpointing and runtime.activation_checkpointing_fraction >= 1.0 and hasattr(model, "enable_activation_checkpointing"):
             model.enable_activation_checkpointing()  # every block: diffusers' own (a share of them: place_model)
-        place_model(model, env, config.training.distributed, config.training.model)
+        own = config.models[role].distributed
+        place_model(model, env, config.training.distributed, runtime, own.replicate_size if own else None)
     method.build_optimizers()
     return BuiltRun(models=models, method=method, callbacks=build_callbacks(config))
 
@@ -99,10 +100,13 @@ def resolve_compile(runtime: ModelRuntimeConfig, env: DistEnv) -> bool:
     return env.device.type == "cuda" and env.compute_dtype == torch.bfloat16
 
 
-def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, runtime: ModelRuntimeConfig) -> None:
+def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, runtime: ModelRuntimeConfig,
+                replicate_size: int | None = None) -> None:
     """Put one role on the device in the form it trains in.
 
-    - FSDP2 (several ranks, or ``shard_single_rank: true``): sharded fp32 masters, bf16 gathers.
+    - FSDP2 (several ranks, or ``shard_single_rank: true``): sharded fp32 masters, bf16 gathers, on
+      the role's mesh: ``replicate_size`` (``models.<role>.distributed``) or the run's
+      (``training.distributed.replicate_size``), :meth:`~distillery.components.distributed.DistEnv.mesh_for`.
     - One rank without FSDP, bf16 compute: a trainable role gets a bf16 compute copy beside its
       fp32 master (:class:`~distillery.components.precision.ComputeCopy`); a frozen role is cast to bf16 in
       place (no master is needed). Buffers (RoPE tables) stay fp32.
@@ -124,11 +128,16 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
     extra = {name: m for name, m in model.trainable_modules().items() if m is not model.transformer}
     partial_ac = runtime.activation_checkpointing and runtime.activation_checkpointing_fraction < 1.0 and model.trainable
     if uses_fsdp(env, dist_cfg):
+        mesh = (env.mesh_for(dist_cfg.replicate_size) if replicate_size is None
+                else env.mesh_for(replicate_size, f"models.{model.role}.distributed.replicate_size"))
+        if env.is_main:
+            dims = " x ".join(f"{name} {mesh.size(i)}" for i, name in enumerate(mesh.mesh_dim_names or ()))
+            log.info("role %s: %s on mesh (%s)", model.role, "HSDP" if mesh.ndim > 1 else "FSDP2", dims)
         if partial_ac:  # before the blocks are compiled and wrapped
             _checkpoint_some_blocks(model, model.shardable_blocks(), runtime.activation_checkpointing_fraction)
-        shard_transformer(model.transformer, model.shardable_blocks(), env, dist_cfg, compile_blocks)
+        shard_transformer(model.transformer, model.shardable_blocks(), env, dist_cfg, compile_blocks, mesh)
         for module in extra.values():  # e.g. a PDD head bank: one FSDP unit of its own
-            shard_transformer(module, [], env, dist_cfg, False)
+            shard_transformer(module, [], env, dist_cfg, False, mesh)
         model.bind_device(env.device, env.compute_dtype)
         if compiled and not compile_blocks:
             model.transformer.compile()

@@ -35,8 +35,13 @@ starts from fresh noise at ``σ_0 = 1`` with the incoming batch's prompt; a carr
 prompt and ignores the batch's. After the loss, the rung's block is integrated with the same
 forward's heads (no grad) and carried to the next call; the last rung releases the slot. The
 slots (states, prompts, rungs) and the call count are this rank's host state in every checkpoint
-(:meth:`host_state`), so a resumed run continues them bit for bit; resumed on another world size,
-the trajectories restart from noise (the ranks' batch slices changed).
+(:meth:`host_state`), so a resumed run continues them bit for bit. Resumed on another world size
+(or another slot count), every rank drops them — a rank's trajectory is its slice of the global
+batch, and the slices changed — and restarts from noise at the next call with the call count at 0
+on every rank (a rank the checkpoint has no state for starts there too); one warning line says so.
+That restart is deterministic and the same on any world size (the fresh noise and prompts come from
+the checkpointed generator, drawn for the global batch), but it is not the uninterrupted run's
+continuation (docs/gpus.md).
 
 Validation at load time (:class:`UserError`): ``block_size_min ≤ block_size_max ≤ P``; the contract's
 ``sampling_steps`` and every ``validation_steps`` NFE partition the grid into blocks no wider than
@@ -53,11 +58,14 @@ import torch
 import torch.nn.functional as F
 
 from distillery.common.errors import UserError
+from distillery.common.log import get_logger
 from distillery.config.typed import bounded
 from distillery.methods.base import StepOutput, TrainingMethod
 from distillery.models.base import Conditioning, HeadGroup, ModelBase, PDDModelBase
 from distillery.sampling.base import guided_velocity
 from distillery.sampling.pdd import PDDFusedSampler
+
+log = get_logger("pdd")
 
 
 @dataclass
@@ -221,15 +229,21 @@ class PDDMethod(TrainingMethod):
         return {"calls": self.calls, "slots": slots, "world_size": int(self.rng.world_size)}
 
     def load_host_state(self, state: dict[str, Any] | None) -> None:
-        """Restore :meth:`host_state` (None, another slot count or another world size: the
-        trajectories restart from noise; the call count is kept)."""
+        """Restore :meth:`host_state`; None (no state for this rank), another slot count or another
+        world size: every trajectory restarts from noise with the call count at 0 (module doc)."""
         if self.config.rollout != "simulate" or not state:
+            self.calls, self.slots = 0, [None] * self.num_slots
+            return
+        slots, saved_world = state["slots"], int(state.get("world_size", -1))
+        if len(slots) != self.num_slots or saved_world != int(self.rng.world_size):
+            if self.rank == 0:
+                log.warning("pdd: the checkpoint's carried trajectories were made by %d rank(s) with %d slot(s), this run "
+                            "has %d rank(s) and %d slot(s): every trajectory restarts from noise at the next call (the same "
+                            "on any world size; not the uninterrupted run's continuation)", saved_world, len(slots),
+                            int(self.rng.world_size), self.num_slots)
+            self.calls, self.slots = 0, [None] * self.num_slots
             return
         self.calls = int(state["calls"])
-        slots = state["slots"]
-        if len(slots) != self.num_slots or int(state.get("world_size", -1)) != int(self.rng.world_size):
-            self.slots = [None] * self.num_slots
-            return
         device = self.student.device
 
         def on(t: torch.Tensor | None) -> torch.Tensor | None:

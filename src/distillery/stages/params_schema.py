@@ -126,8 +126,10 @@ def rule(default: Any, low: float | None = None, high: float | None = None, chec
 @dataclass
 class GpusParams:
     nproc_per_node: int = rule(1, 1, MAX_GPUS_PER_NODE)  # processes (GPUs) per node that torchrun starts
-    nnodes: int = rule(1, 1, MAX_NODES)  # nodes; > 1 needs rdzv_endpoint
-    rdzv_endpoint: str | None = rule(None, check=host_port)  # host:port of the c10d rendezvous (needed when nnodes > 1)
+    nnodes: int = rule(1, 1, MAX_NODES)  # nodes: one torchrun agent each (stages/launcher.py)
+    launcher: Literal["local", "slurm"] = "local"  # local: the agents on this machine; slurm: srun over the stage's Slurm allocation
+    rdzv_endpoint: str | None = rule(None, check=host_port)  # host:port of the c10d rendezvous; null: the stage serves it (a free port here)
+    replicate_size: int = rule(1, 1, MAX_NODES * MAX_GPUS_PER_NODE)  # HSDP: copies of each trained model (1: FSDP over every GPU; nnodes: one per node)
 
 
 @dataclass
@@ -240,9 +242,10 @@ class ParamsSchema:
 def _check_together(params: ParamsSchema, source: str) -> None:
     """Rules that tie keys of a section together."""
     g = params.gpus
-    if g.nnodes > 1 and g.rdzv_endpoint is None:
-        raise UserError(f"{source}: gpus.rdzv_endpoint: null: required when gpus.nnodes > 1 ({g.nnodes}); "
-                        "give the host:port of the c10d rendezvous")
+    world = g.nnodes * g.nproc_per_node
+    if world % g.replicate_size:
+        raise UserError(f"{source}: gpus.replicate_size: {g.replicate_size}: must divide the {world} processes of gpus.nnodes "
+                        f"({g.nnodes}) x gpus.nproc_per_node ({g.nproc_per_node})")
 
 
 def _check_pdd_blocks(params: ParamsSchema, source: str) -> None:

@@ -9,7 +9,13 @@ part differs in one line.
 
 Parts of the key (each a sha256 hex digest):
 - ``config``: the run config as YAML-able data, without ``training.tracker`` (MLflow metadata:
-  parent run id and tags change with the git commit and do not change the result);
+  parent run id and tags change with the git commit and do not change the result) and without the
+  mesh layout (``training.distributed.replicate_size``, ``models.<role>.distributed``): like the world
+  size, which the config does not hold either, a layout only places the same state (a checkpoint is
+  resharded on load, docs/gpus.md), so a stage moved to more nodes or to HSDP resumes; and with the
+  *global* batch (``training.data.batch_size`` × the launch's world size) in place of the per-rank one:
+  1 node × batch 16 and 2 nodes × batch 8 are the same run (same draws, same losses) and resume each
+  other, while the same per-rank batch on more ranks is another run;
 - ``input:<role>``: the content of each input artifact: :func:`distillery.lineage.manifest.tree_digest` of its
   files without its ``lineage.json`` (the ``sha256`` a consumer's lineage records for that input). The
   manifest is left out because it holds facts of one run (times, MLflow run ids, the code commit): an
@@ -32,10 +38,19 @@ def _sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def config_digest(raw: dict[str, Any]) -> str:
-    """Digest of a run config without its tracker section (canonical JSON)."""
+def config_digest(raw: dict[str, Any], world_size: int = 1) -> str:
+    """Digest of a run config without its tracker section and mesh layout, its per-rank batch as the
+    global batch of ``world_size`` ranks (canonical JSON; module doc)."""
     training = {k: v for k, v in raw.get("training", {}).items() if k != "tracker"}
-    canon = json.dumps({**raw, "training": training}, sort_keys=True, separators=(",", ":"), default=str)
+    data = training.get("data")
+    if isinstance(data, dict) and isinstance(data.get("batch_size"), int):
+        training["data"] = {**{k: v for k, v in data.items() if k != "batch_size"},
+                            "global_batch_size": data["batch_size"] * world_size}
+    if isinstance(training.get("distributed"), dict):
+        training["distributed"] = {k: v for k, v in training["distributed"].items() if k != "replicate_size"}
+    models = {role: {k: v for k, v in entry.items() if k != "distributed"} if isinstance(entry, dict) else entry
+              for role, entry in (raw.get("models") or {}).items()}
+    canon = json.dumps({**raw, "models": models, "training": training}, sort_keys=True, separators=(",", ":"), default=str)
     return _sha256_text(canon)
 
 
@@ -75,9 +90,9 @@ def code_digest(stage: str) -> str:
     return h.hexdigest()
 
 
-def resume_key(stage: str, raw: dict[str, Any], inputs: dict[str, Path]) -> dict[str, str]:
-    """``{"config": ..., "input:<role>": ..., "code": ...}`` for a stage about to train."""
-    key = {"config": config_digest(raw)}
+def resume_key(stage: str, raw: dict[str, Any], inputs: dict[str, Path], world_size: int = 1) -> dict[str, str]:
+    """``{"config": ..., "input:<role>": ..., "code": ...}`` for a stage about to train on ``world_size`` ranks."""
+    key = {"config": config_digest(raw, world_size)}
     for role, folder in sorted(inputs.items()):
         key[f"input:{role}"] = folder_digest(folder)
     key["code"] = code_digest(stage)

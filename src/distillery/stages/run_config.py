@@ -7,7 +7,8 @@ schema; the values are checked when the config is built), in this order:
 1. inputs: ``models.<role>.init_from = artifacts/<stage>/model`` per row ``inputs``;
 2. the data: ``training.data.path = artifacts/latents/data`` and ``training.data.text_max_length``
    from the latents' ``preprocess.json`` (the text encoder's sequence length);
-3. the row's ``params``: ``<config key> = params.yaml[<params key>]``;
+3. the row's ``params``: ``<config key> = params.yaml[<params key>]``, and
+   ``training.distributed.replicate_size = gpus.replicate_size`` when > 1 (HSDP; every role's mesh);
 4. the run: ``training.checkpoint.output_dir = runs/<stage>`` and MLflow
    ``training.tracker.{parent_run_id, run_name, tags}`` (``training.loop.progress_bar`` keeps its default,
    on: under DVC or Prefect, stderr is not a terminal and progress is a log line per 10 % or minute,
@@ -54,6 +55,8 @@ def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id:
     pairs += [("training.data.path", str(data_dir())),
               ("training.data.text_max_length", latents["settings"]["max_sequence_length"])]
     pairs += spec.config_overrides(params)
+    if params.get("gpus.replicate_size") > 1:  # HSDP over the launch's ranks (1, the default: the template's FSDP)
+        pairs += [("training.distributed.replicate_size", params.get("gpus.replicate_size"))]
     pairs += [("training.checkpoint.output_dir", str(RUNS / spec.name)),
               ("training.tracker.parent_run_id", parent_run_id),
               ("training.tracker.run_name", spec.name),

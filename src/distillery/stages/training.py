@@ -7,11 +7,13 @@ For a stage of :data:`distillery.stages.training_table.TRAINING_STAGES`, :func:`
 2. writes ``runs/<stage>/run.yaml`` with its resume key (:mod:`distillery.stages.resume_key`): a
    killed stage resumes from its last checkpoint; a stage whose config, inputs or code changed
    starts from step 0 and says why (docs/reliability.md);
-3. launches ``python -m distillery.cli.launch`` (torchrun, contained) with ``params.yaml: gpus``; the
-   launcher dies with this process, its workers with it;
+3. launches ``python -m distillery.cli.launch`` (torchrun, contained), one agent per node, as
+   ``params.yaml: gpus`` says (:mod:`distillery.stages.launcher`: local, or ``srun`` over a Slurm
+   allocation); every agent dies with this process, its workers with it;
 4. reads the run's ``run_summary.json`` (:mod:`distillery.stages.run_summary`) and publishes the
    artifact: ``model/`` (the trained role's transformer, the init's scheduler, ``sampling.json`` from
-   the summary's sampling contract), ``loss.json`` and its curve ``loss.png``, metrics and lineage.
+   the summary's sampling contract), ``loss.json`` and its curve ``loss.png``, metrics and lineage
+   (its ``launch``: launcher, nodes, processes per node, and the Slurm job id under Slurm).
 """
 
 from __future__ import annotations
@@ -19,9 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,18 +37,15 @@ from distillery.stages.training_table import TRAINING_STAGES, TrainingStageSpec
 log = get_logger("stage")
 
 
-def torchrun_command(params: StageParams, config_path: Path) -> list[str]:
-    """``python -m distillery.cli.launch ... -m distillery.cli.train --config <config_path>`` from ``gpus``."""
-    g = params.get("gpus")
-    cmd = [sys.executable, "-m", "distillery.cli.launch", "--nproc_per_node", str(g.nproc_per_node)]
-    if g.nnodes > 1:  # params.yaml was validated: rdzv_endpoint is a host:port here
-        cmd += ["--nnodes", str(g.nnodes), "--rdzv_backend", "c10d", "--rdzv_endpoint", str(g.rdzv_endpoint)]
-    else:
-        cmd += ["--standalone"]
-    return cmd + ["-m", "distillery.cli.train", "--config", str(config_path)]
+def training_launch(params: StageParams, config_path: Path):
+    """The launch of ``-m distillery.cli.train --config <config_path>`` that ``params.yaml: gpus`` asks for
+    (:func:`distillery.stages.launcher.plan_launch`: one torchrun agent per node, local or over Slurm)."""
+    from distillery.stages.launcher import plan_launch
+
+    return plan_launch(params.get("gpus"), ["--config", str(config_path)])
 
 
-def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path]) -> Path:
+def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path], world_size: int = 1) -> Path:
     """``runs/<stage>/run.yaml`` + ``resume_key.json``; returns the run.yaml path. Checkpoints made
     from another config, other inputs or other code are discarded (one line says what changed): a
     stage resumes only what the same inputs made (docs/reliability.md). An input's digest from the hash
@@ -61,7 +57,7 @@ def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path]) ->
     from distillery.stages.resume_key import KEY_FILE, key_mismatch, read_key, resume_key
     from distillery.stages.run_summary import SUMMARY_FILE
 
-    key = resume_key(stage, raw, inputs)
+    key = resume_key(stage, raw, inputs, world_size)
     run_dir = RUNS / stage
     if run_dir.exists():
         # a writer still alive there (an orphaned worker, another stage) must not lose its folder under it
@@ -103,29 +99,11 @@ def rehashed_key(stage: str, key: dict[str, str], saved: dict[str, str], inputs:
     return {**key, **fresh}
 
 
-_CHILD: subprocess.Popen | None = None  # the running torchrun launcher, stopped if this stage is orphaned
-
-
-def launch(cmd: list[str], env: dict[str, str]) -> int:
-    """Run the launcher as a child that dies with this process (and its workers with it)."""
-    global _CHILD
-    from distillery.common.procutil import die_with_parent
-
-    _CHILD = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
-    try:
-        return _CHILD.wait()
-    finally:
-        if _CHILD.poll() is None:
-            _CHILD.terminate()
-            _CHILD.wait()
-        _CHILD = None
-
-
 def kill_launcher() -> None:
-    """Kill the running launcher, if any (its workers die with it; checkpoints are atomic)."""
-    child = _CHILD
-    if child is not None and child.poll() is None:
-        child.kill()
+    """Kill the running launch, if any (every agent's workers die with it; checkpoints are atomic)."""
+    from distillery.stages.launcher import kill_children
+
+    kill_children()
 
 
 def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
@@ -144,10 +122,14 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     raw = fill_run_config(spec, params, parent_run_id(params.path.read_text()))
     check_chain(spec, raw)
     inputs = [(role, ARTIFACTS / artifact) for role, artifact in spec.input_artifacts()]
-    config_path = prepare_run_dir(stage, raw, dict(inputs))
+    world = params.get("gpus.nnodes") * params.get("gpus.nproc_per_node")
+    config_path = prepare_run_dir(stage, raw, dict(inputs), world)  # resumable on another world: the same global batch
     started = time.perf_counter()
+    from distillery.stages.launcher import run_launch
+
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if params.get("gpus.nproc_per_node") > 1 else "2")}
-    code = launch(torchrun_command(params, config_path), env)
+    launch = training_launch(params, config_path)
+    code = run_launch(launch, env)
     if code != 0:
         raise SystemExit(code)  # the launcher printed the one line (a user error: code 2)
     run_dir = RUNS / stage
@@ -172,7 +154,7 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     mlflow = {"tracking_uri": default_tracking_uri(TrackerConfig()), "experiment": tracker["experiment"],
               "run_id": summary.mlflow_run_id, "parent_run_id": tracker["parent_run_id"]}
     finish(stage, staging, kind="checkpoint", params=params, metrics=metrics, method=raw["method"]["_target_"], config=raw,
-           inputs=inputs, mlflow=mlflow, volatile={"seconds": round(time.perf_counter() - started, 1)},
+           inputs=inputs, mlflow=mlflow, volatile={"seconds": round(time.perf_counter() - started, 1)}, launch=launch.record,
            mlflow_files=[(staging / "loss.png", "plots")], plots={f"{stage}_loss.json": loss})
 
 
