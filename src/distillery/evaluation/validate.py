@@ -103,6 +103,7 @@ from distillery.common.fsutil import replace_dir
 from distillery.config.validation import SEED_STRIDE, ValidationSampling
 
 if TYPE_CHECKING:
+    from distillery.evaluation.sample_cache import SampleCache
     from distillery.models.base import ModelBase
     from distillery.sampling import Sampler
 
@@ -263,6 +264,17 @@ class _Loaded:
     shift: float  # flow shift of its schedule
 
 
+@dataclass
+class _Resolved:
+    """Where a candidate's model is and how it is sampled, before anything is loaded."""
+
+    loaders: Any  # its family's registry.FamilyLoaders
+    transformer_dir: Path
+    scheduler_dir: Path | None
+    shift: float  # flow shift of its schedule (the candidate's, its folder's scheduler's, else the base's)
+    options: dict[str, Any]  # the model options its sampler asks for (e.g. chunk_size: a causal model)
+
+
 @dataclass(frozen=True)
 class PromptEmbeddings:
     """Prompt embeddings the base's own text encoder made earlier (the latent set stores them):
@@ -309,6 +321,7 @@ class _Context:
         self.base_shift = self._scheduler_shift(base_dir / "scheduler")
         self._last: tuple[tuple, "ModelBase"] | None = None  # (folder, shift, model options), model: the last loaded
         # (the teacher's step counts share it)
+        self._digests: dict[tuple[str, ...], dict[str, str]] = {}  # a candidate's folders → their files' sha256
 
     @staticmethod
     def _pad(embed: torch.Tensor, length: int) -> torch.Tensor:
@@ -325,8 +338,9 @@ class _Context:
             return None
         return read_scheduler_shift(folder)
 
-    def load(self, cand: Candidate) -> _Loaded:
-        """Load a candidate's model plugin and check it fits the base's latents and text embeddings."""
+    def resolve(self, cand: Candidate) -> _Resolved:
+        """Where a candidate's weights are, its flow shift and the model options its sampler asks for
+        (nothing loaded)."""
         from distillery.models.registry import family_of
 
         loaders = family_of(cand.model_dir).loaders()  # a folder of no registered family: one line
@@ -337,12 +351,45 @@ class _Context:
             raise UserError(f"candidate {cand.name}: no scheduler config beside {transformer_dir} or in {self.base_dir}; "
                             "set the candidate's shift")
         options = cand.build_sampler(float(shift)).model_options()  # e.g. a causal model for causal_streaming
-        key = (transformer_dir.resolve(), float(shift), tuple(sorted(options.items())))
+        return _Resolved(loaders, transformer_dir, scheduler_dir, float(shift), options)
+
+    def context_material(self, prompts: list[str], seed_grid: list[list[int]]) -> dict[str, Any]:
+        """What every candidate's samples of this run depend on besides the candidate (the sample cache's
+        ``context`` material, :mod:`distillery.evaluation.sample_cache`)."""
+        from distillery.evaluation.sample_cache import CACHE_FORMAT, code_digest, file_digests, machine_facts, tensor_digest
+
+        cfg = self.cfg
+        return {"format": CACHE_FORMAT, "code": code_digest(), "machine": machine_facts(self.device, self.dtype),
+                "prompts": list(prompts), "text": tensor_digest([*self.text, self.negative]), "seed_grid": seed_grid,
+                "latent_shape": list(self.latent_shape),
+                "video": {"num_frames": cfg.num_frames, "height": cfg.height, "width": cfg.width, "fps": cfg.fps},
+                "vae": file_digests([self.base_dir / "vae"], self.base_dir),
+                "analyzer": asdict(self.analyzer) if self.analyzer is not None else None}
+
+    def candidate_material(self, cand: Candidate, resolved: _Resolved) -> dict[str, Any]:
+        """What a candidate's samples depend on: its sampling contract and every byte of its weights
+        (transformer and scheduler folders, ``sampling.json``)."""
+        from distillery.evaluation.sample_cache import file_digests
+
+        parts = [resolved.transformer_dir, *([resolved.scheduler_dir] if resolved.scheduler_dir else [])]
+        if (cand.model_dir / SAMPLING_FILE).is_file():
+            parts.append(cand.model_dir / SAMPLING_FILE)
+        where = tuple(str(Path(p).resolve()) for p in parts)
+        if where not in self._digests:  # the teacher's step counts share one folder: read once
+            self._digests[where] = file_digests(parts, cand.model_dir)
+        return {"sampler": cand.sampler, "num_steps": cand.num_steps, "guidance_scale": cand.guidance_scale,
+                "timesteps": list(cand.timesteps) if cand.timesteps is not None else None, "options": cand.options,
+                "shift": resolved.shift, "model_options": resolved.options, "model_files": self._digests[where]}
+
+    def load(self, cand: Candidate, resolved: _Resolved) -> _Loaded:
+        """Load a candidate's model plugin and check it fits the base's latents and text embeddings."""
+        loaders, transformer_dir, shift, options = resolved.loaders, resolved.transformer_dir, resolved.shift, resolved.options
+        key = (transformer_dir.resolve(), shift, tuple(sorted(options.items())))
         if self._last is not None and self._last[0] == key:
             model = self._last[1]
         else:
             self._last = None
-            model = loaders.load_inference_model(transformer_dir, self.device, self.dtype, shift=float(shift), role=cand.name,
+            model = loaders.load_inference_model(transformer_dir, self.device, self.dtype, shift=shift, role=cand.name,
                                                  **options)
         channels, text_dim = loaders.input_widths(model.transformer_config())
         if channels != self.latent_shape[0] or text_dim != self.encoders.text_dim:
@@ -350,7 +397,7 @@ class _Context:
                             f"text_dim {text_dim}, but the base {self.base_dir} gives {self.latent_shape[0]} and "
                             f"{self.encoders.text_dim}; validate it against the base it was trained from")
         self._last = (key, model)
-        return _Loaded(model, float(shift))
+        return _Loaded(model, shift)
 
     def sample(self, cand: Candidate, loaded: _Loaded, index: int, seed: int) -> torch.Tensor:
         """Normalised latents ``[1, C, T, H, W]`` for prompt ``index`` with the noise of a generator seeded
@@ -492,6 +539,27 @@ def _frechet(features: np.ndarray, reference: np.ndarray, cfg: ValidationConfig)
     return distance, float(bootstrap_frechet(features, reference, cfg.bootstrap_resamples, cfg.seed).std(ddof=1))
 
 
+def _distribution_scores(z: np.ndarray, reference_z: np.ndarray, cfg: ValidationConfig) -> dict[str, float]:
+    """A candidate's scores against the reference's videos from standardised features ``[N, D]`` (the
+    reference's ``[N_ref, D]``): one line per distribution-level score (each also in :data:`METRIC_NAMES`)."""
+    frechet, frechet_std = _frechet(z, reference_z, cfg)
+    return {"frechet_distance": frechet, "frechet_distance_std": frechet_std}
+
+
+def forwards(cand: Candidate, latent_frames: int) -> dict[str, int]:
+    """How a candidate spends its NFE on a video of ``latent_frames`` latent frames: ``per_video`` (its
+    NFE), ``chunks`` (1 unless its sampler streams chunk by chunk), ``per_chunk`` (denoising forwards
+    of one chunk: steps × CFG branches) and ``cache_writes`` (forwards that only write a finished
+    chunk into the KV cache: per_video − chunks × per_chunk)."""
+    sampler = cand.build_sampler(cand.shift)
+    per_video, per_chunk = cand.nfe(latent_frames), cand.nfe(None)
+    chunk = getattr(sampler, "chunk_size", None)
+    chunks = -(-int(latent_frames) // int(chunk)) if chunk else 1
+    if chunks == 1:
+        per_chunk = per_video
+    return {"per_video": per_video, "chunks": chunks, "per_chunk": per_chunk, "cache_writes": per_video - chunks * per_chunk}
+
+
 def run_validation(
     base_dir: Path,
     candidates: list[Candidate],
@@ -500,6 +568,7 @@ def run_validation(
     cfg: ValidationConfig | None = None,
     reference: str | None = None,
     prompt_embeddings: PromptEmbeddings | None = None,
+    cache: "SampleCache | None" = None,
 ) -> dict[str, float]:
     """Sample, score and compare every candidate on every prompt × seed; write ``out_dir`` (layout above).
 
@@ -508,12 +577,17 @@ def run_validation(
     name of the candidate that ``distance_to_teacher`` and ``frechet_distance`` are measured against
     (default: the first). ``prompt_embeddings``: the prompts' embeddings made earlier by this base's
     text encoder (the latent set's); then the text encoder is not loaded (used only with ``prompts``,
-    not with ``cfg.prompts``). Returns the flat metrics dict written to ``metrics.json``.
+    not with ``cfg.prompts``). ``cache``: reuse each candidate's videos and scores from it when
+    nothing they depend on changed, and keep the ones sampled
+    (:mod:`distillery.evaluation.sample_cache`; the log and report.json ``cache`` say which were
+    reused and why the others were sampled); None: sample every candidate. Returns the flat metrics
+    dict written to ``metrics.json``.
     """
     from distillery.clips.analyzer import analyze, score_analysis
     from distillery.clips.video_io import write_video
     from distillery.common.progress import Progress
     from distillery.evaluation.plots import write_adherence_plot
+    from distillery.evaluation.sample_cache import CachedVideo, Expected, entry_key
     from distillery.evaluation.video_metrics import COV_EPS, FEATURE_NAMES, Standardiser, frechet_distance, sharpness, video_features
 
     cfg = cfg or ValidationConfig()
@@ -530,6 +604,32 @@ def run_validation(
     order = [ref] + [c for c in candidates if c is not ref]  # the reference first: others compare against it
     row_of = {c.name: i for i, c in enumerate(candidates)}
     seed_grid = [[generator_seed(cfg, i, j) for j in range(cfg.num_seeds)] for i in range(len(prompts))]
+    video_order = [(i, j) for j in range(cfg.num_seeds) for i in range(len(prompts))]  # sampling order: seed-major
+    resolved = {c.name: ctx.resolve(c) for c in order}
+    hits: dict[str, Any] = {}
+    cache_log: dict[str, dict[str, Any]] = {}
+    if cache is not None:
+        context = ctx.context_material(prompts, seed_grid)
+        expected = Expected(tuple((i, j, seed_grid[i][j], sample_key(i, j)) for i, j in video_order), ctx.latent_shape,
+                            (cfg.num_frames, cfg.height, cfg.width, 3), len(FEATURE_NAMES))
+        for c in order:
+            material = {"context": context, "candidate": ctx.candidate_material(c, resolved[c.name])}
+            key = entry_key(material)
+            hit, why = cache.load(key, material, expected)
+            if hit is None and why == "no entry":
+                changed = cache.what_changed(c.name, material)
+                why = f"changed: {changed}" if changed else "not sampled before"
+            elif hit is None:
+                log.warning("validate: %s's cached samples in %s are not used (%s): sampling it again", c.name,
+                            cache.root / key, why.removeprefix("unusable entry: "))
+            cache_log[c.name] = {"key": key, "material": material, "reused": hit is not None, "why": why,
+                                 **({"sampled": hit.stored} if hit is not None else {})}
+            if hit is not None:
+                hits[c.name] = hit
+        why_sampled = "; ".join(f"{c.name} ({cache_log[c.name]['why']})" for c in order if c.name not in hits)
+        log.info("validate: reusing %d of %d candidates' samples from %s%s; sampling %d%s", len(hits), len(order),
+                 cache.root, f" ({', '.join(hits)})" if hits else "", len(order) - len(hits),
+                 f": {why_sampled}" if why_sampled else "")
     grid = VideoGrid(len(candidates), len(prompts), cfg.num_frames, cfg.height, cfg.width)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -543,18 +643,26 @@ def run_validation(
         reference_frames: dict[tuple[int, int], np.ndarray] = {}  # (prompt, seed index) → float64 RGB in [0, 1]
         scaler: Standardiser | None = None  # fitted to the reference's features
         reference_z = np.empty(0)  # the reference's standardised features [P·S, D]
-        shifts: dict[str, float] = {}
         latency: dict[str, dict[str, Any]] = {}
-        bar = Progress(len(order) * len(prompts) * cfg.num_seeds, "validate", "video", enabled=cfg.progress_bar)
-        for number, cand in enumerate(order, 1):
-            bar.set(candidate=f"{cand.name} ({number}/{len(order)})")
-            loaded = ctx.load(cand)
-            shifts[cand.name] = loaded.shift
-            ctx.warm_up(loaded)
-            videos: list[_Video] = []
-            sampled: dict[str, torch.Tensor] = {}
-            for j in range(cfg.num_seeds):
-                for i, prompt in enumerate(prompts):
+        to_sample = [c for c in order if c.name not in hits]
+        bar = Progress(len(to_sample) * len(video_order), "validate", "video", enabled=cfg.progress_bar and bool(to_sample))
+        for cand in order:
+            folder = stage / "samples" / cand.name
+            folder.mkdir(parents=True)
+            hit = hits.get(cand.name)
+            if hit is not None:  # reused: the entry's files as they were written, its records as they were measured
+                shutil.copyfile(hit.folder / "latents.safetensors", folder / "latents.safetensors")
+                for i, j in video_order:
+                    shutil.copyfile(hit.folder / f"{sample_key(i, j)}.mp4", folder / f"{sample_key(i, j)}.mp4")
+                records, frames = hit.videos, hit.frames
+            else:
+                number = to_sample.index(cand) + 1
+                bar.set(candidate=f"{cand.name} ({number}/{len(to_sample)})")
+                loaded = ctx.load(cand, resolved[cand.name])
+                ctx.warm_up(loaded)
+                records, frames = [], {}
+                sampled: dict[str, torch.Tensor] = {}
+                for i, j in video_order:
                     key = sample_key(i, j)
                     t0 = time.perf_counter()
                     latents = ctx.sample(cand, loaded, i, seed_grid[i][j])
@@ -562,25 +670,35 @@ def run_validation(
                     video = ctx.encoders.decode_latents(latents)[0]  # uint8 [T, H, W, 3]
                     _synchronize(ctx.device)
                     seconds = time.perf_counter() - t0
-                    rgb = video.astype(np.float64) / 255.0
-                    if cand is ref:
-                        reference_frames[(i, j)] = rgb
                     analysis = analyze(video, ctx.analyzer)
-                    videos.append(_Video(i, j, seed_grid[i][j], score_analysis(analysis, prompt), seconds,
-                                         len(videos) < WARMUP_VIDEOS, float(np.mean((rgb - reference_frames[(i, j)]) ** 2)), sharpness(rgb),
-                                         video_features(rgb, analysis)))
-                    write_video(stage / "samples" / cand.name / f"{key}.mp4", video, cfg.fps)
-                    if j == 0:
-                        grid.put(row_of[cand.name], i, video)
+                    rgb = video.astype(np.float64) / 255.0
+                    records.append(CachedVideo(i, j, seed_grid[i][j], score_analysis(analysis, prompts[i]), seconds,
+                                               sharpness(rgb), [float(f) for f in video_features(rgb, analysis)]))
+                    frames[key] = video
+                    write_video(folder / f"{key}.mp4", video, cfg.fps)
                     bar.update()
-            save_file(sampled, str(stage / "samples" / cand.name / "latents.safetensors"))
+                save_file(sampled, str(folder / "latents.safetensors"))
+                if cache is not None:
+                    cache.store(cache_log[cand.name]["key"], cache_log[cand.name]["material"], cand.name, records,
+                                sampled, frames, folder)
+            videos: list[_Video] = []
+            for rec in records:
+                rgb = frames[sample_key(rec.prompt, rec.seed_index)].astype(np.float64) / 255.0
+                if cand is ref:
+                    reference_frames[(rec.prompt, rec.seed_index)] = rgb
+                videos.append(_Video(rec.prompt, rec.seed_index, rec.seed, rec.scores, rec.latency_s,
+                                     len(videos) < WARMUP_VIDEOS,
+                                     float(np.mean((rgb - reference_frames[(rec.prompt, rec.seed_index)]) ** 2)),
+                                     rec.sharpness, np.asarray(rec.features, dtype=np.float64)))
+                if rec.seed_index == 0:
+                    grid.put(row_of[cand.name], rec.prompt, frames[sample_key(rec.prompt, 0)])
             features = np.stack([v.features for v in videos])  # [P·S, D], seed-major
             if scaler is None:  # cand is ref
                 scaler = Standardiser.fit(features)
                 reference_z = scaler(features)
             seed_means = _mean_table(videos, "seed_index", cfg.num_seeds)  # [S, M]
             values = _seeded_summary(seed_means)
-            values["frechet_distance"], values["frechet_distance_std"] = _frechet(scaler(features), reference_z, cfg)
+            values.update(_distribution_scores(scaler(features), reference_z, cfg))
             values["nfe"] = cand.nfe(ctx.latent_shape[1])
             latency[cand.name] = latency_summary([v.latency_s for v in videos])  # in sampling order
             values["latency_s"], values["latency_s_iqr"] = latency[cand.name]["median_s"], latency[cand.name]["iqr_s"]
@@ -597,12 +715,15 @@ def run_validation(
             per_prompt[cand.name] = [{"prompt": prompt, **dict(zip(SEEDED_METRICS, map(float, row)))}
                                      for prompt, row in zip(prompts, _mean_table(videos, "prompt", len(prompts)))]
             log.info("validate %s: %s NFE, adherence all %.2f±%.2f (colour %.2f shape %.2f direction %.2f), "
-                     "%.3f s/video (median), distance to %s %.5f±%.5f, sharpness %.5f±%.5f, Fréchet distance %.3f±%.3f%s",
+                     "%.3f s/video (median%s), distance to %s %.5f±%.5f, sharpness %.5f±%.5f, Fréchet distance %.3f±%.3f%s",
                      cand.name, values["nfe"], m["all"], m["all_std"], m["colour"], m["shape"], m["direction"],
-                     m["latency_s"], ref.name, m["distance_to_teacher"], m["distance_to_teacher_std"], m["sharpness"],
+                     m["latency_s"], f", reused: sampled {hit.stored}" if hit is not None else "", ref.name,
+                     m["distance_to_teacher"], m["distance_to_teacher_std"], m["sharpness"],
                      m["sharpness_std"], m["frechet_distance"], m["frechet_distance_std"],
                      f" (noise floor {m['frechet_floor']:.3f})" if "frechet_floor" in m else "")
         bar.close()
+        if cache is not None:
+            cache.prune({entry["key"] for entry in cache_log.values()})
         flat = {f"{c.name}/{k}": v for c in candidates for k, v in metrics[c.name].items()}  # input order
         rows.sort(key=lambda r: row_of[r["candidate"]])
         labelled, origin = grid.labelled([f"{c.name} · {int(metrics[c.name]['nfe'])} NFE" for c in candidates],
@@ -616,7 +737,8 @@ def run_validation(
             "seed_grid": seed_grid,  # [prompt i][seed index j] → generator seed (cfg.seed + i + SEED_STRIDE·j)
             "sample_keys": [[sample_key(i, j) for j in range(cfg.num_seeds)] for i in range(len(prompts))],
             "max_sequence_length": ctx.encoders.max_sequence_length,  # prompt embeddings padded to this
-            "candidates": [{**asdict(c), "model_dir": str(c.model_dir), "nfe": metrics[c.name]["nfe"], "shift": shifts[c.name]}
+            "candidates": [{**asdict(c), "model_dir": str(c.model_dir), "nfe": metrics[c.name]["nfe"],
+                            "forwards": forwards(c, ctx.latent_shape[1]), "shift": resolved[c.name].shift}
                            for c in candidates],
             "grid": {"rows": [c.name for c in candidates], "tile_hw": [cfg.height, cfg.width], "separator_px": 1,
                      "seed_index": 0, "origin_px": list(origin)},  # tile (r, c) at origin + (r·(H+1), c·(W+1))
@@ -628,6 +750,9 @@ def run_validation(
             "per_video": {c.name: per_video[c.name] for c in candidates},
             "per_seed": {c.name: per_seed[c.name] for c in candidates},
             "per_prompt": {c.name: per_prompt[c.name] for c in candidates},
+            "cache": None if cache is None else {
+                "folder": str(cache.root),
+                **{c.name: {k: v for k, v in cache_log[c.name].items() if k != "material"} for c in candidates}},
             "seconds": round(time.perf_counter() - started, 2),
         }
         _write_tables(stage, flat, rows, report)
@@ -636,6 +761,6 @@ def run_validation(
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    log.info("validation of %d candidates on %d prompts × %d seeds written to %s", len(candidates), len(prompts),
-             cfg.num_seeds, out_dir)
+    log.info("validation of %d candidates on %d prompts × %d seeds written to %s%s", len(candidates), len(prompts),
+             cfg.num_seeds, out_dir, f" ({len(hits)} reused from the sample cache)" if cache is not None else "")
     return flat
