@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distillery.common.log import get_logger
-from distillery.stages.artifacts import ARTIFACTS, finish, fresh_staging
+from distillery.stages.artifacts import ARTIFACTS, RUNS, finish, fresh_staging
 from distillery.stages.params import StageParams
 from distillery.stages.training_table import TRAINING_STAGES, TrainingStageSpec
 
@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from distillery.evaluation.validate import Candidate, PromptEmbeddings
 
 log = get_logger("stage")
+
+SAMPLE_CACHE = RUNS / "validate" / "cache"  # each candidate's videos and scores, reused while nothing they depend on
+# changes (distillery.evaluation.sample_cache); not a DVC out: `dvc repro` leaves it, `rm -rf` it to sample all again
 
 
 def latent_settings() -> dict:
@@ -98,9 +101,12 @@ def stage_validate(params: StageParams) -> None:
     the teacher's guidance, the distilled student as its sampling contract says (its ladder, no CFG:
     the guidance is distilled in) and the PDD student at each NFE of ``validate.pdd_nfe``) scored on
     the validation prompts — adherence, distribution and paired distance, sharpness, NFE, latency,
-    each with its spread over seeds. ``metrics.json`` (and DVC's ``metrics/validate.json``) holds the
+    each with its spread over seeds. A candidate whose weights, sampling contract, prompts, seeds,
+    sizes, device and code did not change since it was last sampled is reused from
+    :data:`SAMPLE_CACHE` (the log says which). ``metrics.json`` (and DVC's ``metrics/validate.json``) holds the
     headline numbers (:func:`distillery.evaluation.validate.headline_metrics`); ``report/metrics.json``
     all of them. The grid and the adherence plot go to the stage's MLflow run."""
+    from distillery.evaluation.sample_cache import SampleCache
     from distillery.evaluation.validate import ValidationConfig, headline_metrics, run_validation
     from distillery.stages.device import stage_device
 
@@ -117,7 +123,8 @@ def stage_validate(params: StageParams) -> None:
     staging = fresh_staging("validate")
     report = staging / "report"
     prompts, embeddings = validation_prompts(cfg.num_prompts)
-    metrics = run_validation(ARTIFACTS / "base" / "model", candidates, prompts, report, cfg, prompt_embeddings=embeddings)
+    metrics = run_validation(ARTIFACTS / "base" / "model", candidates, prompts, report, cfg, prompt_embeddings=embeddings,
+                             cache=SampleCache(SAMPLE_CACHE))
     # DVC gets the numbers a user compares; every metric stays in report/metrics.json, the details in report.json
     shown = [(report / name, "grid") for name in ("grid.gif", "grid.mp4")] + [(report / "plots" / "adherence_vs_nfe.png", "plots")]
     finish("validate", staging, kind="validation", params=params, metrics=headline_metrics(metrics),
