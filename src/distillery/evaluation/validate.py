@@ -69,6 +69,10 @@ Output folder (written to a temporary sibling, then renamed into place)::
                                           frechet_distance_std (DVC plots: x = nfe, y = adherence)
     out_dir/plots/adherence_vs_nfe.png    the same as an image: adherence ± std against NFE per
                                           candidate family (:func:`distillery.evaluation.plots.write_adherence_plot`)
+    out_dir/summary.md                    the table a user reads: per candidate NFE beside how a streaming
+                                          sampler spends it (chunks × forwards per chunk + KV-cache writes) and
+                                          its latency, every score ± spread, reused or sampled; which adherence
+                                          readings discriminate (:mod:`distillery.evaluation.summary`)
     out_dir/report.json                   prompts; seeds (the seed-0 generator seed per prompt);
                                           num_seeds, seed_grid ([prompt][seed index] → generator
                                           seed) and sample_keys (same shape → <key>); candidates;
@@ -77,7 +81,11 @@ Output folder (written to a temporary sibling, then renamed into place)::
                                           (per candidate: median, iqr, min, max, warm-up times); per_seed
                                           (per-seed means); per_prompt (per-prompt means over
                                           seeds: adherence as fractions); frechet (feature names,
-                                          the reference's standardisation, bootstrap settings)
+                                          the reference's standardisation, bootstrap settings);
+                                          candidates[].forwards (per_video, chunks, per_chunk, cache_writes);
+                                          adherence_readings (per reading: min, max over candidates and
+                                          whether it discriminates); cache (per candidate: its key, reused or
+                                          why it was sampled; null without a cache)
 """
 
 from __future__ import annotations
@@ -588,6 +596,7 @@ def run_validation(
     from distillery.common.progress import Progress
     from distillery.evaluation.plots import write_adherence_plot
     from distillery.evaluation.sample_cache import CachedVideo, Expected, entry_key
+    from distillery.evaluation.summary import adherence_readings, summary_markdown
     from distillery.evaluation.video_metrics import COV_EPS, FEATURE_NAMES, Standardiser, frechet_distance, sharpness, video_features
 
     cfg = cfg or ValidationConfig()
@@ -753,14 +762,26 @@ def run_validation(
             "cache": None if cache is None else {
                 "folder": str(cache.root),
                 **{c.name: {k: v for k, v in cache_log[c.name].items() if k != "material"} for c in candidates}},
+            "adherence_readings": adherence_readings(flat, [c.name for c in candidates]),  # which readings separate them
             "seconds": round(time.perf_counter() - started, 2),
         }
         _write_tables(stage, flat, rows, report)
+        (stage / "summary.md").write_text(summary_markdown(flat, report))
         write_adherence_plot(rows, stage / "plots" / "adherence_vs_nfe.png")
         replace_dir(stage, out_dir)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    log.info("validation of %d candidates on %d prompts × %d seeds written to %s%s", len(candidates), len(prompts),
-             cfg.num_seeds, out_dir, f" ({len(hits)} reused from the sample cache)" if cache is not None else "")
+    for c in candidates:
+        f = report["candidates"][row_of[c.name]]["forwards"]
+        if f["chunks"] > 1:
+            log.info("validate %s: %d NFE per video = %d chunks × %d forwards + %d KV-cache writes (streamed); "
+                     "%.3f s/video", c.name, f["per_video"], f["chunks"], f["per_chunk"], f["cache_writes"],
+                     flat[f"{c.name}/latency_s"])
+    flat_readings = [k for k, r in report["adherence_readings"].items() if not r["discriminates"]]
+    if flat_readings:
+        log.info("validate: %s the same for every candidate (%s): not discriminating on these prompts",
+                 ", ".join(flat_readings), ", ".join(f"{report['adherence_readings'][k]['min']:.2f}" for k in flat_readings))
+    log.info("validation of %d candidates on %d prompts × %d seeds written to %s (summary.md)%s", len(candidates),
+             len(prompts), cfg.num_seeds, out_dir, f"; {len(hits)} reused from the sample cache" if cache is not None else "")
     return flat
