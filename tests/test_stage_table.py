@@ -215,7 +215,7 @@ def _same(a: list, b: list) -> bool:
 
 
 def test_validate_candidates_from_the_table_are_the_hand_written_list(tmp_path, monkeypatch):
-    from distillery.stages.validate import table_candidates, validation_inputs
+    from distillery.stages.validate import headline_candidates, table_candidates, validation_inputs
 
     params = _workspace(tmp_path, monkeypatch)
     _contracts(CONTRACTS)
@@ -224,6 +224,8 @@ def test_validate_candidates_from_the_table_are_the_hand_written_list(tmp_path, 
     assert _same(candidates, _hand_written_candidates(view))
     assert [c.name for c in candidates] == ["teacher_40", "teacher_8", "teacher_4", "teacher_2", "teacher_1", "pretrain_40",
                                             "distill_4", "pdd_1", "pdd_2", "pdd_4", "pdd_8"]  # metrics.json's keys, in order
+    # DVC's few columns: each validated stage's first candidate (the curves stay in the report)
+    assert headline_candidates(candidates) == ["teacher_40", "pretrain_40", "distill_4", "pdd_1"]
     assert validation_inputs() == [(name, Path("artifacts") / stage) for name, stage in (
         ("teacher", "teacher"), ("pretrain", "pretrain"), ("student", "distill"), ("pdd", "pdd"), ("base", "base"),
         ("data", "latents"))]

@@ -122,7 +122,8 @@ GRID_FORMATS = ("gif", "mp4")
 SEEDED_METRICS = ("colour", "shape", "direction", "all", "distance_to_teacher", "sharpness")  # mean + _std
 METRIC_NAMES = (*(k for m in SEEDED_METRICS for k in (m, f"{m}_std")), "latency_s", "latency_s_iqr", "nfe",
                 "frechet_distance", "frechet_distance_std")  # every candidate's keys in metrics.json (the reference adds frechet_floor)
-HEADLINE_METRICS = ("all", "all_std", "frechet_distance", "distance_to_teacher", "nfe", "latency_s")  # what DVC shows per candidate
+HEADLINE_METRICS = ("all", "frechet_distance")  # what DVC shows per headline candidate (headline_metrics); the rest: report/
+REFERENCE_ZERO = ("frechet_distance", "distance_to_teacher")  # the reference's own: 0 by construction, never a headline
 WARMUP_VIDEOS = 1  # a candidate's first videos: timed, but left out of its latency (module doc)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -531,10 +532,20 @@ def latency_summary(seconds: list[float], warmup: int = WARMUP_VIDEOS) -> dict[s
             "max_s": round(float(max(kept)), 6), "timed_videos": len(kept), "warmup_s": [round(float(t), 6) for t in left_out]}
 
 
-def headline_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """The numbers a user compares between runs (:data:`HEADLINE_METRICS` of every candidate, in order) out
-    of :func:`run_validation`'s flat metrics; the rest stay in ``metrics.json``/``report.json`` beside them."""
-    return {k: v for k, v in metrics.items() if k.rsplit("/", 1)[-1] in HEADLINE_METRICS}
+def headline_metrics(metrics: dict[str, float], candidates: list[str] | None = None,
+                     reference: str | None = None) -> dict[str, float]:
+    """The few numbers a user compares between runs (what ``dvc metrics show`` and ``dvc exp show`` get)
+    out of :func:`run_validation`'s flat metrics: :data:`HEADLINE_METRICS` of each of ``candidates``
+    (None: every candidate), in the metrics' order, without the ``reference``'s own
+    :data:`REFERENCE_ZERO` scores (0 by construction). Every metric stays in ``report/metrics.json``,
+    the spreads, NFE and latency in ``report/summary.md`` beside them."""
+    picked = None if candidates is None else set(candidates)
+    out = {}
+    for key, value in metrics.items():
+        name, _, metric = key.rpartition("/")
+        if metric in HEADLINE_METRICS and (picked is None or name in picked) and not (name == reference and metric in REFERENCE_ZERO):
+            out[key] = value
+    return out
 
 
 def _frechet(features: np.ndarray, reference: np.ndarray, cfg: ValidationConfig) -> tuple[float, float]:
