@@ -52,6 +52,7 @@ recently used others within :data:`KEEP_BYTES`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -280,6 +281,8 @@ class SampleCache:
             return self._check(folder, key, material, expected), ""
         except Unusable as exc:
             return None, f"unusable entry: {exc}"
+        except OSError as exc:  # unreadable files or folders
+            return None, f"unusable entry: {exc.strerror or exc}"
 
     def _check(self, folder: Path, key: str, material: Mapping[str, Any], expected: Expected) -> CachedCandidate:
         from distillery.lineage.hashcache import read_sha256
@@ -317,7 +320,8 @@ class SampleCache:
         videos = [_record(row, want, expected.num_features) for row, want in zip(rows, expected.videos)]
         latents = _tensors(folder / LATENTS_FILE, names, expected.latent_shape, torch.float32)
         frames = _tensors(folder / FRAMES_FILE, names, expected.frame_shape, torch.uint8)
-        os.utime(folder / ENTRY_FILE)  # most recently used (prune)
+        with contextlib.suppress(OSError):  # a read-only cache is still used
+            os.utime(folder / ENTRY_FILE)  # most recently used (prune)
         return CachedCandidate(key, videos, latents, {k: t.numpy() for k, t in frames.items()}, folder,
                                str(entry.get("stored", "")))
 

@@ -9,7 +9,11 @@ candidate: a ``torch.Generator().manual_seed(cfg.seed + i + SEED_STRIDE·j)`` (`
 see :func:`generator_seed`; seed index 0 is ``cfg.seed + i``, what a single-seed run draws). Text
 embeddings come from the base's text encoder (empty prompt as the CFG negative), or are the ones it
 made earlier for the latent set (:class:`PromptEmbeddings`), and every video is
-decoded through the base's VAE. Per candidate it reports (``S`` = ``num_seeds``, ``P`` = prompts):
+decoded through the base's VAE. Given a :class:`~distillery.evaluation.sample_cache.SampleCache`, a
+candidate whose weights, sampling contract and run settings did not change since it was last sampled
+is not sampled again: its videos and per-video scores come from the cache, and everything measured
+against the reference is computed again from them (bitwise what sampling it again here gives; the
+log and report.json ``cache`` say which were reused). Per candidate it reports (``S`` = ``num_seeds``, ``P`` = prompts):
 
 - ``colour``, ``shape``, ``direction``, ``all`` — prompt adherence read back from the decoded
   frames by :mod:`distillery.clips.analyzer` (thresholds from ``base_dir/analyzer.json`` when it
@@ -42,7 +46,8 @@ decoded through the base's VAE. Per candidate it reports (``S`` = ``num_seeds``,
   every candidate; 0 when ``bootstrap_resamples`` < 2);
 - ``nfe`` — transformer forward evaluations per video, as the sampler counts them for the video's latent
   length (one-forward-per-step samplers: steps × (2 with CFG, else 1); causal streaming: branches ×
-  (chunks × steps + chunks − 1 cache writes)) (no spread);
+  (chunks × steps + chunks − 1 cache writes)) (no spread; report.json ``candidates[].forwards`` and
+  ``summary.md`` split it per chunk: :func:`forwards`);
 - and for the reference only, when ``num_seeds`` >= 2, ``frechet_floor`` — the Fréchet distance
   between the reference's own seed-0 and seed-1 videos (P each, same standardisation): the
   distance that sampling noise alone produces. It compares sets of P videos, not P·S, so it
