@@ -76,17 +76,20 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo, tmp_path):
     stages = {"clips", "base", "latents", "teacher", "pretrain", "distill", "pdd", "validate", "export"}
     assert set(lock["stages"]) == stages  # the Prefect flow ran every stage through DVC
     assert {name: r["status"] for name, r in FLOW["results"].items()} == dict.fromkeys(stages, "ran")
-    assert FLOW["results"]["validate"]["metrics"]["pretrain_4/nfe"] == 8  # Euler under the causal mask, CFG
+    assert set(FLOW["results"]["validate"]["metrics"]) == {"teacher_6/all", "pretrain_4/all", "pretrain_4/frechet_distance",
+                                                          "distill_4/all", "distill_4/frechet_distance", "pdd_1/all",
+                                                          "pdd_1/frechet_distance", "seconds"}  # DVC's few columns
     assert "artifacts/validate/report/grid.gif" in FLOW["artifacts"]["validate-validation-grid"]
     assert {"teacher-metrics", "pretrain-metrics", "distill-metrics", "pdd-metrics", "validate-metrics",
             "export-metrics"} <= set(FLOW["artifacts"])
     report = repo / "artifacts" / "validate" / "report"
     assert (report / "grid.gif").is_file() and (report / "grid.mp4").is_file()
-    headline = json.loads((repo / "metrics" / "validate.json").read_text())  # what DVC shows: a few numbers per candidate
+    headline = json.loads((repo / "artifacts" / "validate" / "metrics.json").read_text())  # what DVC shows: a few numbers
     scores = json.loads((report / "metrics.json").read_text())  # every metric
-    assert headline == {k: v for k, v in scores.items() if k.split("/")[1] in
-                        ("all", "all_std", "frechet_distance", "distance_to_teacher", "nfe", "latency_s")}
-    assert len(headline) == 6 * 6 and len(scores) > 2 * len(headline)  # teacher 6 and 2, pretrain, distill, pdd 1 and 4
+    assert headline == {k: scores[k] for k in ("teacher_6/all", "pretrain_4/all", "pretrain_4/frechet_distance", "distill_4/all",
+                                               "distill_4/frechet_distance", "pdd_1/all", "pdd_1/frechet_distance")}
+    assert scores["pretrain_4/nfe"] == 8  # Euler under the causal mask, CFG
+    assert "5 chunks × 4 + 4 cache writes" in (report / "summary.md").read_text()  # the 24 NFE of the streaming student
     assert (report / "plots" / "adherence_vs_nfe.png").is_file()
     for stage in ("teacher", "pretrain", "distill", "pdd"):  # each loss curve as an image beside its data
         assert (repo / "artifacts" / stage / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stage
@@ -233,7 +236,7 @@ def test_the_export_has_its_own_model_card(repo):
     chain = card.split("## How it was made")[1].split("## Validation")[0]
     stages = [line.split("|")[1].strip() for line in chain.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert stages == ["distill", "pretrain", "teacher", "base", "latents", "clips"], stages  # each once, as lineage walks them
-    scores = json.loads((repo / "artifacts" / "validate" / "metrics.json").read_text())
+    scores = json.loads((repo / "artifacts" / "validate" / "report" / "metrics.json").read_text())
     row = next(line for line in card.splitlines() if line.startswith("| distill_4 |"))
     assert f"{scores['distill_4/all']:.2f} ± {scores['distill_4/all_std']:.2f}" in row
     assert any(line.startswith("| teacher_6 |") for line in card.splitlines())  # the reference beside it
@@ -267,18 +270,22 @@ def test_an_experiment_on_a_pretrain_param_reruns_only_pretrain_and_what_follows
     assert train == [f"train {i}/6" for i in range(1, 7)] + [f"train {i}/4" for i in range(1, 5)], progress  # pretrain, distill
     first, last = (next(line for line in progress if line.startswith(f"train {i}/6 ")) for i in (1, 6))
     assert first.startswith("train 1/6 (17%) loss ") and ", ETA " in first and "done in " in last
-    videos = [line for line in progress if line.startswith("validate ") and "/24 (" in line]  # 6 candidates × 2 prompts × 2 seeds
-    assert 2 <= len(videos) <= 12 and "candidate teacher_6 (1/6)" in videos[0], progress
+    # the teacher and the PDD student (teacher init) did not change: reused; pretrain and distill sampled, 2 × 2 prompts × 2 seeds
+    assert "validate: reusing 4 of 6 candidates' samples from runs/validate/cache (teacher_6, teacher_2, pdd_1, pdd_4)" in proc.stderr
+    videos = [line for line in progress if line.startswith("validate ") and "/8 (" in line]
+    assert 2 <= len(videos) <= 9 and "candidate pretrain_4 (1/2)" in videos[0], progress
     rows = _exp_rows(json.loads(sh(["dvc", "exp", "show", "--json"], repo).stdout))
     assert len(rows) == 2, rows  # the baseline commit and the experiment, each with its params and headline metrics
     baseline, experiment = rows
     assert (baseline["params"]["pretrain"]["learning_rate"], experiment["params"]["pretrain"]["learning_rate"]) == (2.0e-4, 1.0e-4)
     for row in rows:
         assert {"loss_last10_mean", "last_loss", "steps"} <= set(row["metrics"]["metrics/pretrain.json"]), row
-        assert set(row["metrics"]["metrics/validate.json"]) >= {"distill_4/all", "distill_4/frechet_distance", "teacher_6/nfe"}
+        assert set(row["metrics"]["metrics/validate.json"]) >= {"distill_4/all", "distill_4/frechet_distance", "teacher_6/all"}
     assert baseline["metrics"]["metrics/pretrain.json"] != experiment["metrics"]["metrics/pretrain.json"]
     table = sh(["dvc", "exp", "show", "--no-pager", "--md", "--only-changed"], repo).stdout
     assert "pretrain.learning_rate" in table and "!" not in table.split("\n", 2)[2], table  # no missing metric in any row
+    assert "distill_4/all" in table or "distill_4/frechet_distance" in table, table
+    assert "teacher_6" not in table and "pdd_1" not in table, table  # reused: bitwise the same numbers, so not "changed"
     steps = [json.loads(line)["step"] for line in (repo / "runs" / "pretrain" / "train_log.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
     new_final = role_state(repo / "runs" / "pretrain" / "checkpoint-6")

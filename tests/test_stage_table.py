@@ -145,8 +145,18 @@ def test_run_summary_gives_the_artifact_records(tmp_path):
     assert (tmp_path / "sampling.json").read_text() == json.dumps({"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000}, indent=2)
 
 
+def test_run_summary_gives_each_loss_on_its_own(tmp_path):
+    """The loss plot's curves: every *_loss the trainer logged, each over its own steps ({} from an older summary)."""
+    losses = {"critic_loss": [{"step": 5, "loss": 0.5}, {"step": 6, "loss": 0.4}], "generator_loss": [{"step": 6, "loss": 1.0}]}
+    (tmp_path / SUMMARY_FILE).write_text(json.dumps({**SUMMARY, "losses": losses}))
+    assert read_run_summary(tmp_path).component_rows() == losses
+    (tmp_path / SUMMARY_FILE).write_text(json.dumps(SUMMARY))
+    assert read_run_summary(tmp_path).component_rows() == {}
+
+
 @pytest.mark.parametrize("edit, message", [
     (None, "not found"),
+    ({"losses": {"critic_loss": [{"step": "1", "loss": 0.5}]}}, "losses.critic_loss[0]: step: expected int"),
     ({"format": 2}, "format 2"),
     ({"final_step": "6"}, "final_step: expected int"),
     ({"final_step": True}, "final_step: expected int"),
@@ -205,7 +215,7 @@ def _same(a: list, b: list) -> bool:
 
 
 def test_validate_candidates_from_the_table_are_the_hand_written_list(tmp_path, monkeypatch):
-    from distillery.stages.validate import table_candidates, validation_inputs
+    from distillery.stages.validate import headline_candidates, table_candidates, validation_inputs
 
     params = _workspace(tmp_path, monkeypatch)
     _contracts(CONTRACTS)
@@ -214,6 +224,8 @@ def test_validate_candidates_from_the_table_are_the_hand_written_list(tmp_path, 
     assert _same(candidates, _hand_written_candidates(view))
     assert [c.name for c in candidates] == ["teacher_40", "teacher_8", "teacher_4", "teacher_2", "teacher_1", "pretrain_40",
                                             "distill_4", "pdd_1", "pdd_2", "pdd_4", "pdd_8"]  # metrics.json's keys, in order
+    # DVC's few columns: each validated stage's first candidate (the curves stay in the report)
+    assert headline_candidates(candidates) == ["teacher_40", "pretrain_40", "distill_4", "pdd_1"]
     assert validation_inputs() == [(name, Path("artifacts") / stage) for name, stage in (
         ("teacher", "teacher"), ("pretrain", "pretrain"), ("student", "distill"), ("pdd", "pdd"), ("base", "base"),
         ("data", "latents"))]

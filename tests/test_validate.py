@@ -300,9 +300,13 @@ def test_run_validation_metrics(validation, pipe, embeds):
     # per-video latency is measured inside the call: all the videos together took less than the whole run
     assert sum(r["latency_s"] for c in candidates for r in report["per_video"][c.name]) < wall_s
     assert all(metrics[f"{c.name}/latency_s"] > 0 for c in candidates)
-    shown = headline_metrics(metrics)  # what the validate stage gives DVC: a few numbers per candidate
+    shown = headline_metrics(metrics)  # every candidate's headline numbers
     assert set(shown) == {f"{c.name}/{k}" for c in candidates for k in HEADLINE_METRICS}
     assert all(shown[k] == metrics[k] for k in shown) and len(shown) < len(metrics) / 2
+    # what the validate stage gives DVC: a few columns — the chosen candidates' adherence and Fréchet distance,
+    # without the reference's Fréchet distance (0 by construction)
+    assert headline_metrics(metrics, ["teacher_10", "student"], "teacher_10") == {
+        k: metrics[k] for k in ("teacher_10/all", "student/all", "student/frechet_distance")}
 
 
 def test_latency_leaves_out_the_warm_up_and_reports_median_and_spread():

@@ -35,6 +35,18 @@ LOG_FILE = "train_log.jsonl"
 SUMMARY_FILE = "run_summary.json"
 
 
+def component_losses(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, float]]]:
+    """Each loss a method logs on its own — every ``*_loss`` key but ``total_loss``, in first-logged order
+    — as ``{name: [{"step", "loss"}]}`` over the rows that have it (an alternating method logs its
+    generator loss only on generator steps: a total over both would saw-tooth)."""
+    out: dict[str, list[dict[str, float]]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.endswith("_loss") and k != "total_loss":
+                out.setdefault(k, []).append({"step": r["step"], "loss": v})
+    return out
+
+
 class RunLogger:
     """The metrics of one invocation of a run writing to ``output_dir``.
 
@@ -137,7 +149,7 @@ class RunLogger:
         checkpoint internals: ``format``, ``final_step``, ``checkpoint`` (folder name in the output
         dir, or null), ``mlflow_run_id``, ``method`` (its ``_target_``), ``last_metrics`` (the last
         logged row), ``loss`` (``[{"step", "loss"}]``: total_loss of every logged step of the run,
-        resumed parts included), ``sampling`` (the method's sampling contract) and ``timing`` (this
+        resumed parts included), ``losses`` (:func:`component_losses`: each loss on its own), ``sampling`` (the method's sampling contract) and ``timing`` (this
         invocation's step times without its warm-up steps: :func:`summarize_step_times`, or null)."""
         if not self.is_main:
             return
@@ -150,6 +162,7 @@ class RunLogger:
             "method": method,
             "last_metrics": {k: v for k, v in rows[-1].items() if k != "step"} if rows else {},
             "loss": [{"step": r["step"], "loss": r["total_loss"]} for r in rows if "total_loss" in r],
+            "losses": component_losses(rows),
             "sampling": sampling,
             "timing": summarize_step_times(self.history),  # this invocation's steady steps, warm-up dropped
         }

@@ -9,7 +9,11 @@ candidate: a ``torch.Generator().manual_seed(cfg.seed + i + SEED_STRIDE·j)`` (`
 see :func:`generator_seed`; seed index 0 is ``cfg.seed + i``, what a single-seed run draws). Text
 embeddings come from the base's text encoder (empty prompt as the CFG negative), or are the ones it
 made earlier for the latent set (:class:`PromptEmbeddings`), and every video is
-decoded through the base's VAE. Per candidate it reports (``S`` = ``num_seeds``, ``P`` = prompts):
+decoded through the base's VAE. Given a :class:`~distillery.evaluation.sample_cache.SampleCache`, a
+candidate whose weights, sampling contract and run settings did not change since it was last sampled
+is not sampled again: its videos and per-video scores come from the cache, and everything measured
+against the reference is computed again from them (bitwise what sampling it again here gives; the
+log and report.json ``cache`` say which were reused). Per candidate it reports (``S`` = ``num_seeds``, ``P`` = prompts):
 
 - ``colour``, ``shape``, ``direction``, ``all`` — prompt adherence read back from the decoded
   frames by :mod:`distillery.clips.analyzer` (thresholds from ``base_dir/analyzer.json`` when it
@@ -42,7 +46,8 @@ decoded through the base's VAE. Per candidate it reports (``S`` = ``num_seeds``,
   every candidate; 0 when ``bootstrap_resamples`` < 2);
 - ``nfe`` — transformer forward evaluations per video, as the sampler counts them for the video's latent
   length (one-forward-per-step samplers: steps × (2 with CFG, else 1); causal streaming: branches ×
-  (chunks × steps + chunks − 1 cache writes)) (no spread);
+  (chunks × steps + chunks − 1 cache writes)) (no spread; report.json ``candidates[].forwards`` and
+  ``summary.md`` split it per chunk: :func:`forwards`);
 - and for the reference only, when ``num_seeds`` >= 2, ``frechet_floor`` — the Fréchet distance
   between the reference's own seed-0 and seed-1 videos (P each, same standardisation): the
   distance that sampling noise alone produces. It compares sets of P videos, not P·S, so it
@@ -69,6 +74,10 @@ Output folder (written to a temporary sibling, then renamed into place)::
                                           frechet_distance_std (DVC plots: x = nfe, y = adherence)
     out_dir/plots/adherence_vs_nfe.png    the same as an image: adherence ± std against NFE per
                                           candidate family (:func:`distillery.evaluation.plots.write_adherence_plot`)
+    out_dir/summary.md                    the table a user reads: per candidate NFE beside how a streaming
+                                          sampler spends it (chunks × forwards per chunk + KV-cache writes) and
+                                          its latency, every score ± spread, reused or sampled; which adherence
+                                          readings discriminate (:mod:`distillery.evaluation.summary`)
     out_dir/report.json                   prompts; seeds (the seed-0 generator seed per prompt);
                                           num_seeds, seed_grid ([prompt][seed index] → generator
                                           seed) and sample_keys (same shape → <key>); candidates;
@@ -77,7 +86,11 @@ Output folder (written to a temporary sibling, then renamed into place)::
                                           (per candidate: median, iqr, min, max, warm-up times); per_seed
                                           (per-seed means); per_prompt (per-prompt means over
                                           seeds: adherence as fractions); frechet (feature names,
-                                          the reference's standardisation, bootstrap settings)
+                                          the reference's standardisation, bootstrap settings);
+                                          candidates[].forwards (per_video, chunks, per_chunk, cache_writes);
+                                          adherence_readings (per reading: min, max over candidates and
+                                          whether it discriminates); cache (per candidate: its key, reused or
+                                          why it was sampled; null without a cache)
 """
 
 from __future__ import annotations
@@ -103,6 +116,7 @@ from distillery.common.fsutil import replace_dir
 from distillery.config.validation import SEED_STRIDE, ValidationSampling
 
 if TYPE_CHECKING:
+    from distillery.evaluation.sample_cache import SampleCache
     from distillery.models.base import ModelBase
     from distillery.sampling import Sampler
 
@@ -113,7 +127,8 @@ GRID_FORMATS = ("gif", "mp4")
 SEEDED_METRICS = ("colour", "shape", "direction", "all", "distance_to_teacher", "sharpness")  # mean + _std
 METRIC_NAMES = (*(k for m in SEEDED_METRICS for k in (m, f"{m}_std")), "latency_s", "latency_s_iqr", "nfe",
                 "frechet_distance", "frechet_distance_std")  # every candidate's keys in metrics.json (the reference adds frechet_floor)
-HEADLINE_METRICS = ("all", "all_std", "frechet_distance", "distance_to_teacher", "nfe", "latency_s")  # what DVC shows per candidate
+HEADLINE_METRICS = ("all", "frechet_distance")  # what DVC shows per headline candidate (headline_metrics); the rest: report/
+REFERENCE_ZERO = ("frechet_distance", "distance_to_teacher")  # the reference's own: 0 by construction, never a headline
 WARMUP_VIDEOS = 1  # a candidate's first videos: timed, but left out of its latency (module doc)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -263,6 +278,17 @@ class _Loaded:
     shift: float  # flow shift of its schedule
 
 
+@dataclass
+class _Resolved:
+    """Where a candidate's model is and how it is sampled, before anything is loaded."""
+
+    loaders: Any  # its family's registry.FamilyLoaders
+    transformer_dir: Path
+    scheduler_dir: Path | None
+    shift: float  # flow shift of its schedule (the candidate's, its folder's scheduler's, else the base's)
+    options: dict[str, Any]  # the model options its sampler asks for (e.g. chunk_size: a causal model)
+
+
 @dataclass(frozen=True)
 class PromptEmbeddings:
     """Prompt embeddings the base's own text encoder made earlier (the latent set stores them):
@@ -309,6 +335,7 @@ class _Context:
         self.base_shift = self._scheduler_shift(base_dir / "scheduler")
         self._last: tuple[tuple, "ModelBase"] | None = None  # (folder, shift, model options), model: the last loaded
         # (the teacher's step counts share it)
+        self._digests: dict[tuple[str, ...], dict[str, str]] = {}  # a candidate's folders → their files' sha256
 
     @staticmethod
     def _pad(embed: torch.Tensor, length: int) -> torch.Tensor:
@@ -325,8 +352,9 @@ class _Context:
             return None
         return read_scheduler_shift(folder)
 
-    def load(self, cand: Candidate) -> _Loaded:
-        """Load a candidate's model plugin and check it fits the base's latents and text embeddings."""
+    def resolve(self, cand: Candidate) -> _Resolved:
+        """Where a candidate's weights are, its flow shift and the model options its sampler asks for
+        (nothing loaded)."""
         from distillery.models.registry import family_of
 
         loaders = family_of(cand.model_dir).loaders()  # a folder of no registered family: one line
@@ -337,12 +365,45 @@ class _Context:
             raise UserError(f"candidate {cand.name}: no scheduler config beside {transformer_dir} or in {self.base_dir}; "
                             "set the candidate's shift")
         options = cand.build_sampler(float(shift)).model_options()  # e.g. a causal model for causal_streaming
-        key = (transformer_dir.resolve(), float(shift), tuple(sorted(options.items())))
+        return _Resolved(loaders, transformer_dir, scheduler_dir, float(shift), options)
+
+    def context_material(self, prompts: list[str], seed_grid: list[list[int]]) -> dict[str, Any]:
+        """What every candidate's samples of this run depend on besides the candidate (the sample cache's
+        ``context`` material, :mod:`distillery.evaluation.sample_cache`)."""
+        from distillery.evaluation.sample_cache import CACHE_FORMAT, code_digest, file_digests, machine_facts, tensor_digest
+
+        cfg = self.cfg
+        return {"format": CACHE_FORMAT, "code": code_digest(), "machine": machine_facts(self.device, self.dtype),
+                "prompts": list(prompts), "text": tensor_digest([*self.text, self.negative]), "seed_grid": seed_grid,
+                "latent_shape": list(self.latent_shape),
+                "video": {"num_frames": cfg.num_frames, "height": cfg.height, "width": cfg.width, "fps": cfg.fps},
+                "vae": file_digests([self.base_dir / "vae"], self.base_dir),
+                "analyzer": asdict(self.analyzer) if self.analyzer is not None else None}
+
+    def candidate_material(self, cand: Candidate, resolved: _Resolved) -> dict[str, Any]:
+        """What a candidate's samples depend on: its sampling contract and every byte of its weights
+        (transformer and scheduler folders, ``sampling.json``)."""
+        from distillery.evaluation.sample_cache import file_digests
+
+        parts = [resolved.transformer_dir, *([resolved.scheduler_dir] if resolved.scheduler_dir else [])]
+        if (cand.model_dir / SAMPLING_FILE).is_file():
+            parts.append(cand.model_dir / SAMPLING_FILE)
+        where = tuple(str(Path(p).resolve()) for p in parts)
+        if where not in self._digests:  # the teacher's step counts share one folder: read once
+            self._digests[where] = file_digests(parts, cand.model_dir)
+        return {"sampler": cand.sampler, "num_steps": cand.num_steps, "guidance_scale": cand.guidance_scale,
+                "timesteps": list(cand.timesteps) if cand.timesteps is not None else None, "options": cand.options,
+                "shift": resolved.shift, "model_options": resolved.options, "model_files": self._digests[where]}
+
+    def load(self, cand: Candidate, resolved: _Resolved) -> _Loaded:
+        """Load a candidate's model plugin and check it fits the base's latents and text embeddings."""
+        loaders, transformer_dir, shift, options = resolved.loaders, resolved.transformer_dir, resolved.shift, resolved.options
+        key = (transformer_dir.resolve(), shift, tuple(sorted(options.items())))
         if self._last is not None and self._last[0] == key:
             model = self._last[1]
         else:
             self._last = None
-            model = loaders.load_inference_model(transformer_dir, self.device, self.dtype, shift=float(shift), role=cand.name,
+            model = loaders.load_inference_model(transformer_dir, self.device, self.dtype, shift=shift, role=cand.name,
                                                  **options)
         channels, text_dim = loaders.input_widths(model.transformer_config())
         if channels != self.latent_shape[0] or text_dim != self.encoders.text_dim:
@@ -350,7 +411,7 @@ class _Context:
                             f"text_dim {text_dim}, but the base {self.base_dir} gives {self.latent_shape[0]} and "
                             f"{self.encoders.text_dim}; validate it against the base it was trained from")
         self._last = (key, model)
-        return _Loaded(model, float(shift))
+        return _Loaded(model, shift)
 
     def sample(self, cand: Candidate, loaded: _Loaded, index: int, seed: int) -> torch.Tensor:
         """Normalised latents ``[1, C, T, H, W]`` for prompt ``index`` with the noise of a generator seeded
@@ -476,10 +537,20 @@ def latency_summary(seconds: list[float], warmup: int = WARMUP_VIDEOS) -> dict[s
             "max_s": round(float(max(kept)), 6), "timed_videos": len(kept), "warmup_s": [round(float(t), 6) for t in left_out]}
 
 
-def headline_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """The numbers a user compares between runs (:data:`HEADLINE_METRICS` of every candidate, in order) out
-    of :func:`run_validation`'s flat metrics; the rest stay in ``metrics.json``/``report.json`` beside them."""
-    return {k: v for k, v in metrics.items() if k.rsplit("/", 1)[-1] in HEADLINE_METRICS}
+def headline_metrics(metrics: dict[str, float], candidates: list[str] | None = None,
+                     reference: str | None = None) -> dict[str, float]:
+    """The few numbers a user compares between runs (what ``dvc metrics show`` and ``dvc exp show`` get)
+    out of :func:`run_validation`'s flat metrics: :data:`HEADLINE_METRICS` of each of ``candidates``
+    (None: every candidate), in the metrics' order, without the ``reference``'s own
+    :data:`REFERENCE_ZERO` scores (0 by construction). Every metric stays in ``report/metrics.json``,
+    the spreads, NFE and latency in ``report/summary.md`` beside them."""
+    picked = None if candidates is None else set(candidates)
+    out = {}
+    for key, value in metrics.items():
+        name, _, metric = key.rpartition("/")
+        if metric in HEADLINE_METRICS and (picked is None or name in picked) and not (name == reference and metric in REFERENCE_ZERO):
+            out[key] = value
+    return out
 
 
 def _frechet(features: np.ndarray, reference: np.ndarray, cfg: ValidationConfig) -> tuple[float, float]:
@@ -492,6 +563,27 @@ def _frechet(features: np.ndarray, reference: np.ndarray, cfg: ValidationConfig)
     return distance, float(bootstrap_frechet(features, reference, cfg.bootstrap_resamples, cfg.seed).std(ddof=1))
 
 
+def _distribution_scores(z: np.ndarray, reference_z: np.ndarray, cfg: ValidationConfig) -> dict[str, float]:
+    """A candidate's scores against the reference's videos from standardised features ``[N, D]`` (the
+    reference's ``[N_ref, D]``): one line per distribution-level score (each also in :data:`METRIC_NAMES`)."""
+    frechet, frechet_std = _frechet(z, reference_z, cfg)
+    return {"frechet_distance": frechet, "frechet_distance_std": frechet_std}
+
+
+def forwards(cand: Candidate, latent_frames: int) -> dict[str, int]:
+    """How a candidate spends its NFE on a video of ``latent_frames`` latent frames: ``per_video`` (its
+    NFE), ``chunks`` (1 unless its sampler streams chunk by chunk), ``per_chunk`` (denoising forwards
+    of one chunk: steps × CFG branches) and ``cache_writes`` (forwards that only write a finished
+    chunk into the KV cache: per_video − chunks × per_chunk)."""
+    sampler = cand.build_sampler(cand.shift)
+    per_video, per_chunk = cand.nfe(latent_frames), cand.nfe(None)
+    chunk = getattr(sampler, "chunk_size", None)
+    chunks = -(-int(latent_frames) // int(chunk)) if chunk else 1
+    if chunks == 1:
+        per_chunk = per_video
+    return {"per_video": per_video, "chunks": chunks, "per_chunk": per_chunk, "cache_writes": per_video - chunks * per_chunk}
+
+
 def run_validation(
     base_dir: Path,
     candidates: list[Candidate],
@@ -500,6 +592,7 @@ def run_validation(
     cfg: ValidationConfig | None = None,
     reference: str | None = None,
     prompt_embeddings: PromptEmbeddings | None = None,
+    cache: "SampleCache | None" = None,
 ) -> dict[str, float]:
     """Sample, score and compare every candidate on every prompt × seed; write ``out_dir`` (layout above).
 
@@ -508,12 +601,18 @@ def run_validation(
     name of the candidate that ``distance_to_teacher`` and ``frechet_distance`` are measured against
     (default: the first). ``prompt_embeddings``: the prompts' embeddings made earlier by this base's
     text encoder (the latent set's); then the text encoder is not loaded (used only with ``prompts``,
-    not with ``cfg.prompts``). Returns the flat metrics dict written to ``metrics.json``.
+    not with ``cfg.prompts``). ``cache``: reuse each candidate's videos and scores from it when
+    nothing they depend on changed, and keep the ones sampled
+    (:mod:`distillery.evaluation.sample_cache`; the log and report.json ``cache`` say which were
+    reused and why the others were sampled); None: sample every candidate. Returns the flat metrics
+    dict written to ``metrics.json``.
     """
     from distillery.clips.analyzer import analyze, score_analysis
     from distillery.clips.video_io import write_video
     from distillery.common.progress import Progress
     from distillery.evaluation.plots import write_adherence_plot
+    from distillery.evaluation.sample_cache import CachedVideo, Expected, entry_key
+    from distillery.evaluation.summary import adherence_readings, summary_markdown
     from distillery.evaluation.video_metrics import COV_EPS, FEATURE_NAMES, Standardiser, frechet_distance, sharpness, video_features
 
     cfg = cfg or ValidationConfig()
@@ -530,6 +629,32 @@ def run_validation(
     order = [ref] + [c for c in candidates if c is not ref]  # the reference first: others compare against it
     row_of = {c.name: i for i, c in enumerate(candidates)}
     seed_grid = [[generator_seed(cfg, i, j) for j in range(cfg.num_seeds)] for i in range(len(prompts))]
+    video_order = [(i, j) for j in range(cfg.num_seeds) for i in range(len(prompts))]  # sampling order: seed-major
+    resolved = {c.name: ctx.resolve(c) for c in order}
+    hits: dict[str, Any] = {}
+    cache_log: dict[str, dict[str, Any]] = {}
+    if cache is not None:
+        context = ctx.context_material(prompts, seed_grid)
+        expected = Expected(tuple((i, j, seed_grid[i][j], sample_key(i, j)) for i, j in video_order), ctx.latent_shape,
+                            (cfg.num_frames, cfg.height, cfg.width, 3), len(FEATURE_NAMES))
+        for c in order:
+            material = {"context": context, "candidate": ctx.candidate_material(c, resolved[c.name])}
+            key = entry_key(material)
+            hit, why = cache.load(key, material, expected)
+            if hit is None and why == "no entry":
+                changed = cache.what_changed(c.name, material)
+                why = f"changed: {changed}" if changed else "not sampled before"
+            elif hit is None:
+                log.warning("validate: %s's cached samples in %s are not used (%s): sampling it again", c.name,
+                            cache.root / key, why.removeprefix("unusable entry: "))
+            cache_log[c.name] = {"key": key, "material": material, "reused": hit is not None, "why": why,
+                                 **({"sampled": hit.stored} if hit is not None else {})}
+            if hit is not None:
+                hits[c.name] = hit
+        why_sampled = "; ".join(f"{c.name} ({cache_log[c.name]['why']})" for c in order if c.name not in hits)
+        log.info("validate: reusing %d of %d candidates' samples from %s%s; sampling %d%s", len(hits), len(order),
+                 cache.root, f" ({', '.join(hits)})" if hits else "", len(order) - len(hits),
+                 f": {why_sampled}" if why_sampled else "")
     grid = VideoGrid(len(candidates), len(prompts), cfg.num_frames, cfg.height, cfg.width)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -543,18 +668,26 @@ def run_validation(
         reference_frames: dict[tuple[int, int], np.ndarray] = {}  # (prompt, seed index) → float64 RGB in [0, 1]
         scaler: Standardiser | None = None  # fitted to the reference's features
         reference_z = np.empty(0)  # the reference's standardised features [P·S, D]
-        shifts: dict[str, float] = {}
         latency: dict[str, dict[str, Any]] = {}
-        bar = Progress(len(order) * len(prompts) * cfg.num_seeds, "validate", "video", enabled=cfg.progress_bar)
-        for number, cand in enumerate(order, 1):
-            bar.set(candidate=f"{cand.name} ({number}/{len(order)})")
-            loaded = ctx.load(cand)
-            shifts[cand.name] = loaded.shift
-            ctx.warm_up(loaded)
-            videos: list[_Video] = []
-            sampled: dict[str, torch.Tensor] = {}
-            for j in range(cfg.num_seeds):
-                for i, prompt in enumerate(prompts):
+        to_sample = [c for c in order if c.name not in hits]
+        bar = Progress(len(to_sample) * len(video_order), "validate", "video", enabled=cfg.progress_bar and bool(to_sample))
+        for cand in order:
+            folder = stage / "samples" / cand.name
+            folder.mkdir(parents=True)
+            hit = hits.get(cand.name)
+            if hit is not None:  # reused: the entry's files as they were written, its records as they were measured
+                shutil.copyfile(hit.folder / "latents.safetensors", folder / "latents.safetensors")
+                for i, j in video_order:
+                    shutil.copyfile(hit.folder / f"{sample_key(i, j)}.mp4", folder / f"{sample_key(i, j)}.mp4")
+                records, frames = hit.videos, hit.frames
+            else:
+                number = to_sample.index(cand) + 1
+                bar.set(candidate=f"{cand.name} ({number}/{len(to_sample)})")
+                loaded = ctx.load(cand, resolved[cand.name])
+                ctx.warm_up(loaded)
+                records, frames = [], {}
+                sampled: dict[str, torch.Tensor] = {}
+                for i, j in video_order:
                     key = sample_key(i, j)
                     t0 = time.perf_counter()
                     latents = ctx.sample(cand, loaded, i, seed_grid[i][j])
@@ -562,25 +695,35 @@ def run_validation(
                     video = ctx.encoders.decode_latents(latents)[0]  # uint8 [T, H, W, 3]
                     _synchronize(ctx.device)
                     seconds = time.perf_counter() - t0
-                    rgb = video.astype(np.float64) / 255.0
-                    if cand is ref:
-                        reference_frames[(i, j)] = rgb
                     analysis = analyze(video, ctx.analyzer)
-                    videos.append(_Video(i, j, seed_grid[i][j], score_analysis(analysis, prompt), seconds,
-                                         len(videos) < WARMUP_VIDEOS, float(np.mean((rgb - reference_frames[(i, j)]) ** 2)), sharpness(rgb),
-                                         video_features(rgb, analysis)))
-                    write_video(stage / "samples" / cand.name / f"{key}.mp4", video, cfg.fps)
-                    if j == 0:
-                        grid.put(row_of[cand.name], i, video)
+                    rgb = video.astype(np.float64) / 255.0
+                    records.append(CachedVideo(i, j, seed_grid[i][j], score_analysis(analysis, prompts[i]), seconds,
+                                               sharpness(rgb), [float(f) for f in video_features(rgb, analysis)]))
+                    frames[key] = video
+                    write_video(folder / f"{key}.mp4", video, cfg.fps)
                     bar.update()
-            save_file(sampled, str(stage / "samples" / cand.name / "latents.safetensors"))
+                save_file(sampled, str(folder / "latents.safetensors"))
+                if cache is not None:
+                    cache.store(cache_log[cand.name]["key"], cache_log[cand.name]["material"], cand.name, records,
+                                sampled, frames, folder)
+            videos: list[_Video] = []
+            for rec in records:
+                rgb = frames[sample_key(rec.prompt, rec.seed_index)].astype(np.float64) / 255.0
+                if cand is ref:
+                    reference_frames[(rec.prompt, rec.seed_index)] = rgb
+                videos.append(_Video(rec.prompt, rec.seed_index, rec.seed, rec.scores, rec.latency_s,
+                                     len(videos) < WARMUP_VIDEOS,
+                                     float(np.mean((rgb - reference_frames[(rec.prompt, rec.seed_index)]) ** 2)),
+                                     rec.sharpness, np.asarray(rec.features, dtype=np.float64)))
+                if rec.seed_index == 0:
+                    grid.put(row_of[cand.name], rec.prompt, frames[sample_key(rec.prompt, 0)])
             features = np.stack([v.features for v in videos])  # [P·S, D], seed-major
             if scaler is None:  # cand is ref
                 scaler = Standardiser.fit(features)
                 reference_z = scaler(features)
             seed_means = _mean_table(videos, "seed_index", cfg.num_seeds)  # [S, M]
             values = _seeded_summary(seed_means)
-            values["frechet_distance"], values["frechet_distance_std"] = _frechet(scaler(features), reference_z, cfg)
+            values.update(_distribution_scores(scaler(features), reference_z, cfg))
             values["nfe"] = cand.nfe(ctx.latent_shape[1])
             latency[cand.name] = latency_summary([v.latency_s for v in videos])  # in sampling order
             values["latency_s"], values["latency_s_iqr"] = latency[cand.name]["median_s"], latency[cand.name]["iqr_s"]
@@ -597,12 +740,15 @@ def run_validation(
             per_prompt[cand.name] = [{"prompt": prompt, **dict(zip(SEEDED_METRICS, map(float, row)))}
                                      for prompt, row in zip(prompts, _mean_table(videos, "prompt", len(prompts)))]
             log.info("validate %s: %s NFE, adherence all %.2f±%.2f (colour %.2f shape %.2f direction %.2f), "
-                     "%.3f s/video (median), distance to %s %.5f±%.5f, sharpness %.5f±%.5f, Fréchet distance %.3f±%.3f%s",
+                     "%.3f s/video (median%s), distance to %s %.5f±%.5f, sharpness %.5f±%.5f, Fréchet distance %.3f±%.3f%s",
                      cand.name, values["nfe"], m["all"], m["all_std"], m["colour"], m["shape"], m["direction"],
-                     m["latency_s"], ref.name, m["distance_to_teacher"], m["distance_to_teacher_std"], m["sharpness"],
+                     m["latency_s"], f", reused: sampled {hit.stored}" if hit is not None else "", ref.name,
+                     m["distance_to_teacher"], m["distance_to_teacher_std"], m["sharpness"],
                      m["sharpness_std"], m["frechet_distance"], m["frechet_distance_std"],
                      f" (noise floor {m['frechet_floor']:.3f})" if "frechet_floor" in m else "")
         bar.close()
+        if cache is not None:
+            cache.prune({entry["key"] for entry in cache_log.values()})
         flat = {f"{c.name}/{k}": v for c in candidates for k, v in metrics[c.name].items()}  # input order
         rows.sort(key=lambda r: row_of[r["candidate"]])
         labelled, origin = grid.labelled([f"{c.name} · {int(metrics[c.name]['nfe'])} NFE" for c in candidates],
@@ -616,7 +762,8 @@ def run_validation(
             "seed_grid": seed_grid,  # [prompt i][seed index j] → generator seed (cfg.seed + i + SEED_STRIDE·j)
             "sample_keys": [[sample_key(i, j) for j in range(cfg.num_seeds)] for i in range(len(prompts))],
             "max_sequence_length": ctx.encoders.max_sequence_length,  # prompt embeddings padded to this
-            "candidates": [{**asdict(c), "model_dir": str(c.model_dir), "nfe": metrics[c.name]["nfe"], "shift": shifts[c.name]}
+            "candidates": [{**asdict(c), "model_dir": str(c.model_dir), "nfe": metrics[c.name]["nfe"],
+                            "forwards": forwards(c, ctx.latent_shape[1]), "shift": resolved[c.name].shift}
                            for c in candidates],
             "grid": {"rows": [c.name for c in candidates], "tile_hw": [cfg.height, cfg.width], "separator_px": 1,
                      "seed_index": 0, "origin_px": list(origin)},  # tile (r, c) at origin + (r·(H+1), c·(W+1))
@@ -628,14 +775,29 @@ def run_validation(
             "per_video": {c.name: per_video[c.name] for c in candidates},
             "per_seed": {c.name: per_seed[c.name] for c in candidates},
             "per_prompt": {c.name: per_prompt[c.name] for c in candidates},
+            "cache": None if cache is None else {
+                "folder": str(cache.root),
+                **{c.name: {k: v for k, v in cache_log[c.name].items() if k != "material"} for c in candidates}},
+            "adherence_readings": adherence_readings(flat, [c.name for c in candidates]),  # which readings separate them
             "seconds": round(time.perf_counter() - started, 2),
         }
         _write_tables(stage, flat, rows, report)
+        (stage / "summary.md").write_text(summary_markdown(flat, report))
         write_adherence_plot(rows, stage / "plots" / "adherence_vs_nfe.png")
         replace_dir(stage, out_dir)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    log.info("validation of %d candidates on %d prompts × %d seeds written to %s", len(candidates), len(prompts),
-             cfg.num_seeds, out_dir)
+    for c in candidates:
+        f = report["candidates"][row_of[c.name]]["forwards"]
+        if f["chunks"] > 1:
+            log.info("validate %s: %d NFE per video = %d chunks × %d forwards + %d KV-cache writes (streamed); "
+                     "%.3f s/video", c.name, f["per_video"], f["chunks"], f["per_chunk"], f["cache_writes"],
+                     flat[f"{c.name}/latency_s"])
+    flat_readings = [k for k, r in report["adherence_readings"].items() if not r["discriminates"]]
+    if flat_readings:
+        log.info("validate: %s the same for every candidate (%s): not discriminating on these prompts",
+                 ", ".join(flat_readings), ", ".join(f"{report['adherence_readings'][k]['min']:.2f}" for k in flat_readings))
+    log.info("validation of %d candidates on %d prompts × %d seeds written to %s (summary.md)%s", len(candidates),
+             len(prompts), cfg.num_seeds, out_dir, f"; {len(hits)} reused from the sample cache" if cache is not None else "")
     return flat

@@ -6,6 +6,7 @@ it instead of the trainer's log and checkpoint internals. Format 1::
     {"format": 1, "final_step": 120, "checkpoint": "checkpoint-120" | null,
      "mlflow_run_id": "..." | null, "method": "<method _target_>", "last_metrics": {...},
      "loss": [{"step": 1, "loss": 0.41}, ...],   # total_loss per logged step, resumed parts included
+     "losses": {"critic_loss": [{"step": 1, "loss": 0.47}, ...], ...},  # each loss on its own (optional)
      "sampling": {...}}                           # the method's sampling contract (sampling.json)
 
 ``checkpoint`` is a folder name inside ``output_dir``. Anything missing or of the wrong type is a
@@ -15,7 +16,7 @@ one-line :class:`UserError` naming the file and the key.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ class RunSummary:
     last_metrics: dict[str, Any]
     loss: list[LossPoint]
     sampling: dict[str, Any]
+    losses: dict[str, list[LossPoint]] = field(default_factory=dict)  # each *_loss on its own; {} in older summaries
 
     def checkpoint_dir(self, output_dir: Path) -> Path | None:
         return None if self.checkpoint is None else Path(output_dir) / self.checkpoint
@@ -49,6 +51,10 @@ class RunSummary:
     def loss_rows(self) -> list[dict[str, Any]]:
         """``[{"step": s, "loss": l}, ...]``: the bytes of the artifact's ``loss.json`` and the DVC plot."""
         return [{"step": p.step, "loss": p.loss} for p in self.loss]
+
+    def component_rows(self) -> dict[str, list[dict[str, Any]]]:
+        """``{name: [{"step": s, "loss": l}, ...]}``: each loss on its own (the loss plot's lines)."""
+        return {name: [{"step": p.step, "loss": p.loss} for p in points] for name, points in self.losses.items()}
 
 
 def _need(data: dict[str, Any], key: str, types: tuple[type, ...], where: str) -> Any:
@@ -73,12 +79,12 @@ def read_run_summary(output_dir: Path) -> RunSummary:
         raise UserError(f"{path}: expected a JSON object; rerun the stage")
     if data.get("format") != FORMAT:
         raise UserError(f"{path}: format {data.get('format')!r}; this distillery reads format {FORMAT}")
-    loss = []
-    for i, row in enumerate(_need(data, "loss", (list,), str(path))):
-        where = f"{path}: loss[{i}]"
-        if not isinstance(row, dict):
-            raise UserError(f"{where}: expected {{\"step\": int, \"loss\": float}}")
-        loss.append(LossPoint(step=_need(row, "step", (int,), where), loss=_need(row, "loss", (float, int), where)))
+    loss = _points(_need(data, "loss", (list,), str(path)), f"{path}: loss")
+    losses = data.get("losses", {})
+    if not isinstance(losses, dict):
+        raise UserError(f"{path}: losses: expected dict, got {json.dumps(losses)[:80]}; rerun the stage")
+    losses = {str(name): _points(rows if isinstance(rows, list) else [rows], f"{path}: losses.{name}")
+              for name, rows in losses.items()}
     checkpoint = _need(data, "checkpoint", (str, type(None)), str(path))
     if checkpoint is not None and (Path(checkpoint).name != checkpoint or checkpoint in (".", "..")):
         raise UserError(f"{path}: checkpoint: {checkpoint!r} is not a folder name inside {output_dir}")
@@ -90,4 +96,15 @@ def read_run_summary(output_dir: Path) -> RunSummary:
         last_metrics=_need(data, "last_metrics", (dict,), str(path)),
         loss=loss,
         sampling=_need(data, "sampling", (dict,), str(path)),
+        losses=losses,
     )
+
+
+def _points(rows: list[Any], where: str) -> list[LossPoint]:
+    points = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise UserError(f"{where}[{i}]: expected {{\"step\": int, \"loss\": float}}")
+        points.append(LossPoint(step=_need(row, "step", (int,), f"{where}[{i}]"),
+                                loss=_need(row, "loss", (float, int), f"{where}[{i}]")))
+    return points

@@ -144,7 +144,8 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
         shutil.copytree(scheduler, staging / "model" / "scheduler")
     loss = summary.loss_rows()
     (staging / "loss.json").write_text(json.dumps(loss))
-    write_loss_plot(loss, staging / "loss.png", f"{stage}: loss per step")  # the curve offline, beside its data
+    write_loss_plot(loss, staging / "loss.png", f"{stage}: loss per step",  # the curves offline, beside the data
+                    components=summary.component_rows())
     write_json_atomic(staging / "model" / "sampling.json", summary.sampling)
     last = loss[-10:] or [{"loss": float("nan")}]
     # named for what it is: the mean over the last 10 logged steps (the last step's own loss is noisy; loss.json has it)

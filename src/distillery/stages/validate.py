@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distillery.common.log import get_logger
-from distillery.stages.artifacts import ARTIFACTS, finish, fresh_staging
+from distillery.stages.artifacts import ARTIFACTS, RUNS, finish, fresh_staging
 from distillery.stages.params import StageParams
 from distillery.stages.training_table import TRAINING_STAGES, TrainingStageSpec
 
@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from distillery.evaluation.validate import Candidate, PromptEmbeddings
 
 log = get_logger("stage")
+
+SAMPLE_CACHE = RUNS / "validate" / "cache"  # each candidate's videos and scores, reused while nothing they depend on
+# changes (distillery.evaluation.sample_cache); not a DVC out: `dvc repro` leaves it, `rm -rf` it to sample all again
 
 
 def latent_settings() -> dict:
@@ -84,6 +87,16 @@ def table_candidates(params: StageParams, table: "Mapping[str, TrainingStageSpec
     return candidates
 
 
+def headline_candidates(candidates: list["Candidate"], table: "Mapping[str, TrainingStageSpec] | None" = None) -> list[str]:
+    """The candidates whose numbers DVC shows: each validated stage's first (:func:`table_candidates` names
+    them ``<stage>_<steps>``, in table order: the reference teacher, the pretrain student, the distilled
+    student, the PDD student at its first NFE); the others (the teacher's and PDD's NFE curves) are in
+    the report."""
+    names = [c.name for c in candidates]
+    rows = [name for name, spec in (TRAINING_STAGES if table is None else table).items() if spec.validation is not None]
+    return [next(n for n in names if n.rpartition("_")[0] == row) for row in rows if any(n.rpartition("_")[0] == row for n in names)]
+
+
 def validation_inputs(table: "Mapping[str, TrainingStageSpec] | None" = None) -> list[tuple[str, Path]]:
     """The validate artifact's lineage inputs: each validated stage's artifact under its row's
     ``lineage`` name (table order), then the base and the latents."""
@@ -98,9 +111,13 @@ def stage_validate(params: StageParams) -> None:
     the teacher's guidance, the distilled student as its sampling contract says (its ladder, no CFG:
     the guidance is distilled in) and the PDD student at each NFE of ``validate.pdd_nfe``) scored on
     the validation prompts — adherence, distribution and paired distance, sharpness, NFE, latency,
-    each with its spread over seeds. ``metrics.json`` (and DVC's ``metrics/validate.json``) holds the
-    headline numbers (:func:`distillery.evaluation.validate.headline_metrics`); ``report/metrics.json``
-    all of them. The grid and the adherence plot go to the stage's MLflow run."""
+    each with its spread over seeds. A candidate whose weights, sampling contract, prompts, seeds,
+    sizes, device and code did not change since it was last sampled is reused from
+    :data:`SAMPLE_CACHE` (the log says which). ``metrics.json`` (and DVC's ``metrics/validate.json``) holds the
+    headline numbers (:func:`distillery.evaluation.validate.headline_metrics` of :func:`headline_candidates`:
+    adherence and Fréchet distance of each validated stage's first candidate); ``report/metrics.json``
+    all of them, ``report/summary.md`` the table a user reads. The grid and the adherence plot go to the stage's MLflow run."""
+    from distillery.evaluation.sample_cache import SampleCache
     from distillery.evaluation.validate import ValidationConfig, headline_metrics, run_validation
     from distillery.stages.device import stage_device
 
@@ -117,9 +134,11 @@ def stage_validate(params: StageParams) -> None:
     staging = fresh_staging("validate")
     report = staging / "report"
     prompts, embeddings = validation_prompts(cfg.num_prompts)
-    metrics = run_validation(ARTIFACTS / "base" / "model", candidates, prompts, report, cfg, prompt_embeddings=embeddings)
+    metrics = run_validation(ARTIFACTS / "base" / "model", candidates, prompts, report, cfg, prompt_embeddings=embeddings,
+                             cache=SampleCache(SAMPLE_CACHE))
     # DVC gets the numbers a user compares; every metric stays in report/metrics.json, the details in report.json
     shown = [(report / name, "grid") for name in ("grid.gif", "grid.mp4")] + [(report / "plots" / "adherence_vs_nfe.png", "plots")]
-    finish("validate", staging, kind="validation", params=params, metrics=headline_metrics(metrics),
+    finish("validate", staging, kind="validation", params=params,
+           metrics=headline_metrics(metrics, headline_candidates(candidates), candidates[0].name),
            mlflow_files=[(path, folder) for path, folder in shown if path.is_file()],
            plots={"validate_adherence.csv": Path("report/plots/adherence.csv")}, inputs=validation_inputs())

@@ -1,0 +1,107 @@
+"""Validate's numbers in words: ``report/summary.md``, the page a user reads beside the grid.
+
+:func:`summary_markdown` turns :func:`distillery.evaluation.validate.run_validation`'s metrics and
+report into one table (a row per candidate: NFE per video beside how a streaming sampler spends it
+— forwards per chunk, chunks, KV-cache writes — and the median latency, then adherence, Fréchet and
+paired distance, sharpness, each ± its spread, and whether the row was reused from the sample cache)
+and the notes a reader needs to decode it:
+
+- why a streaming student's NFE is not its step count (chunks × forwards per chunk + cache writes),
+  so candidates are compared on latency as well as NFE;
+- which adherence readings discriminate: a reading (colour, shape, direction) that has the same
+  value for every candidate separates none of them on this prompt set, and adherence moves in steps
+  of 1 / (prompts × seeds);
+- the reference and its seed-to-seed Fréchet noise floor.
+
+:func:`adherence_readings` is the per-reading spread over candidates (report.json ``adherence_readings``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+READINGS = ("colour", "shape", "direction", "all")  # the analyzer's adherence readings
+
+
+def adherence_readings(metrics: Mapping[str, float], names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per reading: ``min`` and ``max`` over the candidates ``names`` and ``discriminates`` (they differ)."""
+    out: dict[str, dict[str, Any]] = {}
+    for reading in READINGS:
+        values = [float(metrics[f"{n}/{reading}"]) for n in names]
+        out[reading] = {"min": min(values), "max": max(values), "discriminates": max(values) > min(values)}
+    return out
+
+
+def _pm(value: float, spread: float | None, digits: int) -> str:
+    return f"{value:.{digits}f}" if spread is None else f"{value:.{digits}f} ± {spread:.{digits}f}"
+
+
+def _forwards_cell(f: Mapping[str, int]) -> str:
+    if f["chunks"] <= 1:
+        return "—"
+    writes = f" + {f['cache_writes']} cache writes" if f["cache_writes"] else ""
+    return f"{f['chunks']} chunks × {f['per_chunk']}{writes}"
+
+
+def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) -> str:
+    """The Markdown of ``report/summary.md`` (module doc) from the flat metrics and report.json's content."""
+    cands = report["candidates"]
+    names = [c["name"] for c in cands]
+    cache = report.get("cache") or {}
+    videos = len(report["prompts"]) * int(report["num_seeds"])
+    lines = [f"# Validation: {len(names)} candidates × {len(report['prompts'])} prompts × {report['num_seeds']} seeds",
+             "", f"Reference: `{report['reference']}` (paired distance and Fréchet distance are to its videos, same "
+             "prompts and noise). ± is the spread over seeds (Fréchet: bootstrap); latency is the median wall time "
+             "per video (sampling + decode, after a warm-up video) ± its interquartile range.", "",
+             "| candidate | NFE / video | streamed as | latency s/video | adherence | colour | shape | direction "
+             "| Fréchet | distance ×10⁻³ | sharpness ×10⁻³ | samples |",
+             "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+    for c in cands:
+        n, m = c["name"], lambda k, name=c["name"]: float(metrics[f"{name}/{k}"])  # noqa: E731
+        where = cache.get(n) or {}
+        samples = ("reused" + (f" (sampled {where['sampled']})" if where.get("sampled") else "")) if where.get("reused") \
+            else ("sampled" if where else "sampled (no cache)")
+        lines.append(
+            f"| {n} | {int(m('nfe'))} | {_forwards_cell(c['forwards'])} | {_pm(m('latency_s'), m('latency_s_iqr'), 3)} "
+            f"| {_pm(m('all'), m('all_std'), 2)} | {m('colour'):.2f} | {m('shape'):.2f} | {m('direction'):.2f} "
+            f"| {_pm(m('frechet_distance'), m('frechet_distance_std'), 2)} "
+            f"| {_pm(1e3 * m('distance_to_teacher'), 1e3 * m('distance_to_teacher_std'), 2)} "
+            f"| {_pm(1e3 * m('sharpness'), 1e3 * m('sharpness_std'), 2)} | {samples} |")
+    lines += ["", "## Reading it", ""]
+    streamed = [c for c in cands if c["forwards"]["chunks"] > 1]
+    for c in streamed:
+        f = c["forwards"]
+        lines.append(f"- **{c['name']} streams chunk by chunk**: {f['chunks']} latent chunks × {f['per_chunk']} "
+                     f"denoising forwards each + {f['cache_writes']} forwards that write a finished chunk into the KV "
+                     f"cache = {f['per_video']} NFE per video; each forward sees one chunk (and the cache), not the "
+                     "whole video, so compare it on latency as well as NFE.")
+    lines.append("- NFE = transformer forwards per video (CFG doubles them); candidates that spend them differently "
+                 "compare fairly on the latency column, measured on this machine.")
+    readings = adherence_readings(metrics, names)
+    flat = [r for r in ("colour", "shape", "direction") if not readings[r]["discriminates"]]
+    moving = [r for r in ("colour", "shape", "direction") if readings[r]["discriminates"]]
+    if flat:
+        lines.append("- **Adherence readings that do not discriminate**: " + ", ".join(
+            f"{r} ({readings[r]['min']:.2f} for every candidate)" for r in flat)
+            + " — they separate no candidates on these prompts.")
+    if moving:
+        lines.append("- **Readings that discriminate**: " + ", ".join(
+            f"{r} ({readings[r]['min']:.2f}–{readings[r]['max']:.2f})" for r in moving)
+            + (f"; `adherence` (all three right: {readings['all']['min']:.2f}–{readings['all']['max']:.2f}) "
+               f"follows {' and '.join(moving)}." if flat else "."))
+    if not readings["all"]["discriminates"]:
+        lines.append(f"- `adherence` (all three right) is {readings['all']['min']:.2f} for every candidate: it ranks none of "
+                     "them here.")
+    lines.append(f"- Adherence is a fraction of {videos} videos: it moves in steps of 1/{videos} = {1 / videos:.3f}.")
+    floor = metrics.get(f"{report['reference']}/frechet_floor")
+    if floor is not None:
+        lines.append(f"- Fréchet noise floor (the reference's seed 0 vs seed 1 videos): {floor:.2f}; a candidate near it is "
+                     "indistinguishable from the reference on these features.")
+    reused = [n for n in names if (cache.get(n) or {}).get("reused")]
+    if cache:
+        lines.append(f"- Sample cache `{cache.get('folder')}`: {len(reused)} of {len(names)} candidates reused"
+                     + (f" ({', '.join(reused)})" if reused else "")
+            + ("; the others were sampled (report.json `cache` says why)" if len(reused) < len(names) else "")
+            + ". A reused candidate's latency is the one measured when it was sampled.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,49 @@
+"""Validate's summary.md decodes its numbers: a streaming student's NFE as chunks × forwards per chunk +
+cache writes beside its latency, and which adherence readings discriminate between candidates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from distillery.evaluation.summary import adherence_readings, summary_markdown
+from distillery.evaluation.validate import METRIC_NAMES, Candidate, forwards
+
+STREAMING = {"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
+             "timesteps": [1000.0, 900.0, 750.0, 500.0], "chunk_size": 1, "context_noise": 0.0, "renoise": "sde"}
+
+
+def test_a_streaming_students_nfe_is_chunks_times_steps_plus_cache_writes(tmp_path):
+    (tmp_path / "sampling.json").write_text(json.dumps(STREAMING))
+    student = Candidate.from_artifact("distill_4", tmp_path)
+    assert forwards(student, 5) == {"per_video": 24, "chunks": 5, "per_chunk": 4, "cache_writes": 4}  # the DAG's 5 latent frames
+    teacher = Candidate("teacher_40", Path("unused"), 40, 4.0, "euler")
+    assert forwards(teacher, 5) == {"per_video": 80, "chunks": 1, "per_chunk": 80, "cache_writes": 0}
+
+
+def _metrics(values: dict[str, dict[str, float]]) -> dict[str, float]:
+    out = {}
+    for name, given in values.items():
+        out.update({f"{name}/{k}": 0.0 for k in METRIC_NAMES})
+        out.update({f"{name}/{k}": v for k, v in given.items()})
+    return out
+
+
+def test_the_summary_says_why_24_nfe_and_which_readings_discriminate():
+    metrics = _metrics({"teacher_40": {"colour": 1.0, "direction": 1.0, "shape": 0.5, "all": 0.5, "nfe": 80, "latency_s": 2.5},
+                        "distill_4": {"colour": 1.0, "direction": 1.0, "shape": 0.75, "all": 0.75, "nfe": 24, "latency_s": 0.2}})
+    metrics["teacher_40/frechet_floor"] = 1.09
+    report = {"reference": "teacher_40", "prompts": ["a", "b", "c", "d", "e", "f", "g", "h"], "num_seeds": 2,
+              "candidates": [{"name": "teacher_40", "forwards": {"per_video": 80, "chunks": 1, "per_chunk": 80, "cache_writes": 0}},
+                             {"name": "distill_4", "forwards": {"per_video": 24, "chunks": 5, "per_chunk": 4, "cache_writes": 4}}],
+              "cache": {"folder": "runs/validate/cache", "teacher_40": {"reused": True, "sampled": "2026-12-01T10:00:00Z"},
+                        "distill_4": {"reused": False, "why": "changed: candidate.model_files.x"}}}
+    readings = adherence_readings(metrics, ["teacher_40", "distill_4"])
+    assert {k: r["discriminates"] for k, r in readings.items()} == {"colour": False, "shape": True, "direction": False, "all": True}
+    text = summary_markdown(metrics, report)
+    row = next(line for line in text.splitlines() if line.startswith("| distill_4 |"))
+    assert "| 24 | 5 chunks × 4 + 4 cache writes | 0.200 ± 0.000 |" in row and row.endswith("| sampled |")
+    assert "5 latent chunks × 4 denoising forwards each + 4 forwards that write a finished chunk into the KV cache = 24 NFE" in text
+    assert "do not discriminate**: colour (1.00 for every candidate), direction (1.00 for every candidate)" in text
+    assert "shape (0.50–0.75)" in text and "steps of 1/16" in text and "noise floor" in text
+    assert "1 of 2 candidates reused (teacher_40)" in text
