@@ -318,14 +318,28 @@ def test_latency_leaves_out_the_warm_up_and_reports_median_and_spread():
                                       "warmup_s": []}  # nothing but the warm-up: it is all there is
 
 
-def test_one_seed_gives_the_seed_0_samples_and_no_spread(validation, base, tmp_path):
-    """num_seeds=1 samples exactly the seed-0 videos of a num_seeds=2 run (same prompts), with spreads 0."""
+def test_one_seed_gives_the_seed_0_samples_and_no_spread(validation, base, tmp_path, monkeypatch):
+    """num_seeds=1 samples exactly the seed-0 videos of a num_seeds=2 run (same prompts), with spreads 0; each
+    video is scored and encoded on the scoring thread (off the sampler's critical path), in sampling order."""
+    import threading
+
     from safetensors.torch import load_file
 
+    from distillery.clips import analyzer
+
+    seen: list[str] = []
+    real = analyzer.analyze
+
+    def analyze(*args, **kwargs):
+        seen.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(analyzer, "analyze", analyze)
     out, many, candidates, _ = validation
     cheap = [c for c in candidates if c.name != "teacher_10"]  # teacher_2 becomes the reference
     cfg = ValidationConfig(teacher_steps=[10, 2], num_seeds=1, progress_bar=False, grid_formats=[])
     metrics = run_validation(base, cheap, PROMPTS, tmp_path / "one", cfg)
+    assert seen and all(name.startswith("validate-score") for name in seen), seen
     for c in cheap:
         one = load_file(tmp_path / "one" / "samples" / c.name / "latents.safetensors")
         two = load_file(out / "samples" / c.name / "latents.safetensors")

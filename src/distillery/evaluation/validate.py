@@ -102,6 +102,7 @@ import re
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -659,13 +660,16 @@ def run_validation(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     stage.chmod(0o755)
+    # scoring and encoding (CPU) of one video overlap the sampling of the next (GPU): one thread keeps the
+    # records in order and the CPU work to one core beside the sampler's
+    scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate-score")
     try:
         metrics: dict[str, dict[str, float]] = {}
         rows: list[dict[str, Any]] = []
         per_video: dict[str, list[dict[str, Any]]] = {}
         per_seed: dict[str, list[dict[str, Any]]] = {}
         per_prompt: dict[str, list[dict[str, Any]]] = {}
-        reference_frames: dict[tuple[int, int], np.ndarray] = {}  # (prompt, seed index) → float64 RGB in [0, 1]
+        reference_frames: dict[tuple[int, int], np.ndarray] = {}  # (prompt, seed index) → the reference's uint8 RGB frames
         scaler: Standardiser | None = None  # fitted to the reference's features
         reference_z = np.empty(0)  # the reference's standardised features [P·S, D]
         latency: dict[str, dict[str, Any]] = {}
@@ -685,8 +689,21 @@ def run_validation(
                 bar.set(candidate=f"{cand.name} ({number}/{len(to_sample)})")
                 loaded = ctx.load(cand, resolved[cand.name])
                 ctx.warm_up(loaded)
-                records, frames = [], {}
+                frames = {}
                 sampled: dict[str, torch.Tensor] = {}
+                pending = []
+
+                def score_and_write(i: int, j: int, video: np.ndarray, seconds: float, key: str, folder: Path = folder) -> CachedVideo:
+                    """The CPU half of one video — adherence, sharpness, features, its mp4 — on the scoring thread
+                    while the device samples the next video (numpy and the encoder release the GIL)."""
+                    analysis = analyze(video, ctx.analyzer)
+                    rgb = video.astype(np.float64) / 255.0
+                    record = CachedVideo(i, j, seed_grid[i][j], score_analysis(analysis, prompts[i]), seconds,
+                                         sharpness(rgb), [float(f) for f in video_features(rgb, analysis)])
+                    write_video(folder / f"{key}.mp4", video, cfg.fps)
+                    bar.update()
+                    return record
+
                 for i, j in video_order:
                     key = sample_key(i, j)
                     t0 = time.perf_counter()
@@ -695,25 +712,22 @@ def run_validation(
                     video = ctx.encoders.decode_latents(latents)[0]  # uint8 [T, H, W, 3]
                     _synchronize(ctx.device)
                     seconds = time.perf_counter() - t0
-                    analysis = analyze(video, ctx.analyzer)
-                    rgb = video.astype(np.float64) / 255.0
-                    records.append(CachedVideo(i, j, seed_grid[i][j], score_analysis(analysis, prompts[i]), seconds,
-                                               sharpness(rgb), [float(f) for f in video_features(rgb, analysis)]))
                     frames[key] = video
-                    write_video(folder / f"{key}.mp4", video, cfg.fps)
-                    bar.update()
+                    pending.append(scoring.submit(score_and_write, i, j, video, seconds, key))
+                records = [f.result() for f in pending]  # in sampling order, whatever order they finished in
                 save_file(sampled, str(folder / "latents.safetensors"))
                 if cache is not None:
                     cache.store(cache_log[cand.name]["key"], cache_log[cand.name]["material"], cand.name, records,
                                 sampled, frames, folder)
             videos: list[_Video] = []
             for rec in records:
-                rgb = frames[sample_key(rec.prompt, rec.seed_index)].astype(np.float64) / 255.0
-                if cand is ref:
-                    reference_frames[(rec.prompt, rec.seed_index)] = rgb
+                pixels = frames[sample_key(rec.prompt, rec.seed_index)]
+                if cand is ref:  # kept as uint8 (97 MB a real-shape video; its float64 copy is 776 MB)
+                    reference_frames[(rec.prompt, rec.seed_index)] = pixels
+                rgb = pixels.astype(np.float64) / 255.0
+                reference_rgb = reference_frames[(rec.prompt, rec.seed_index)].astype(np.float64) / 255.0
                 videos.append(_Video(rec.prompt, rec.seed_index, rec.seed, rec.scores, rec.latency_s,
-                                     len(videos) < WARMUP_VIDEOS,
-                                     float(np.mean((rgb - reference_frames[(rec.prompt, rec.seed_index)]) ** 2)),
+                                     len(videos) < WARMUP_VIDEOS, float(np.mean((rgb - reference_rgb) ** 2)),
                                      rec.sharpness, np.asarray(rec.features, dtype=np.float64)))
                 if rec.seed_index == 0:
                     grid.put(row_of[cand.name], rec.prompt, frames[sample_key(rec.prompt, 0)])
@@ -786,8 +800,10 @@ def run_validation(
         write_adherence_plot(rows, stage / "plots" / "adherence_vs_nfe.png")
         replace_dir(stage, out_dir)
     except BaseException:
+        scoring.shutdown(wait=True, cancel_futures=True)  # nothing writes into the stage folder once it is removed
         shutil.rmtree(stage, ignore_errors=True)
         raise
+    scoring.shutdown(wait=True)
     for c in candidates:
         f = report["candidates"][row_of[c.name]]["forwards"]
         if f["chunks"] > 1:
