@@ -687,7 +687,10 @@ def main(argv: list[str] | None = None) -> int:
     write_results(args.out, settings, rows, floor)
     goals = check_goals({r["name"]: r for r in rows}, floor or {"kid": 0.0, "frechet": 0.0})
     (args.out.parent / f"{args.out.stem}_goals.json").write_text(json.dumps(goals, indent=2) + "\n")
-    write_plot(rows, floor, args.out.parent / f"{args.out.stem}_nfe_vs_distance.png")
+    try:
+        write_plot(rows, floor, args.out.parent / f"{args.out.stem}_nfe_vs_distance.png")
+    except ImportError as exc:  # an image without matplotlib: the JSON has every number the plot shows
+        print(f"[quality] no plot ({exc})", flush=True)
     print(summary_table(rows, floor))
     print("goals: " + ", ".join(f"{k}: {'met' if v and v.get('met') else 'NOT met' if v else 'n/a'}" for k, v in goals.items()))
     print(f"[quality] {len(rows)} candidates in {settings['total_s']} s (training {settings['train_s']} s); "

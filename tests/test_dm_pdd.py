@@ -56,16 +56,24 @@ def record(model) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     return calls
 
 
-@pytest.mark.parametrize("step,dm_weight", [(2, 0.7), (1, 0.7)])
-def test_loss_is_the_head_regression_plus_the_weighted_dm_term(tiny_base, training, step, dm_weight):
-    w = 2.0  # teacher CFG: the PDD target's and the real score's
+def test_loss_is_the_head_regression_plus_the_weighted_dm_term(tiny_base, training):
+    w, dm_weight = 2.0, 0.7  # teacher CFG (the PDD target's and the real score's), the DM term's weight
     method = make(tiny_base, training, block_size_max=P, teacher_guidance_scale=w, dm_weight=dm_weight,
                   generator_update_interval=2)
+    student, teacher, critic = method.student, method.teacher, method.critic
+    s_calls, t_calls, c_calls = record(student), record(teacher), record(critic)
+    for step in (1, 2):  # step 1: head regression only; step 2: + the DM term
+        for calls in (s_calls, t_calls, c_calls):
+            calls.clear()
+        method.zero_grad(step)
+        check_step(method, step, w, dm_weight, s_calls, t_calls, c_calls)
+
+
+def check_step(method, step, w, dm_weight, s_calls, t_calls, c_calls):
     n, k = 3, 5
     draws = iter([n, k - n])
     method.rng.shared_randint = lambda high: next(draws)
     student, teacher, critic = method.student, method.teacher, method.critic
-    s_calls, t_calls, c_calls = record(student), record(teacher), record(critic)
     raw = raw_batch()
     out = method.single_train_step(raw, step=step)
     objective = float(out.losses["total_loss"].detach())
@@ -107,7 +115,7 @@ def test_loss_is_the_head_regression_plus_the_weighted_dm_term(tiny_base, traini
     assert float(out.losses["total_loss"]) == pytest.approx(objective + float(out.losses["critic_loss"]), rel=1e-6)
     bank = student.head_bank
     graded = [j for j in range(P) if bank.weight[j].grad is not None]
-    assert graded == (list(range(n, P)) if dm else [k])
+    assert graded == (list(range(n, P)) if dm else [k])  # the DM term reaches every head of the jump [n, P)
     assert all(p.grad is not None for p in critic.transformer.parameters() if p.requires_grad)
     assert all(p.grad is None for p in teacher.transformer.parameters())
 
