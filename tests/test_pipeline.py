@@ -85,14 +85,15 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo, tmp_path):
     headline = json.loads((repo / "metrics" / "validate.json").read_text())  # what DVC shows: a few numbers per candidate
     scores = json.loads((report / "metrics.json").read_text())  # every metric
     assert headline == {k: v for k, v in scores.items() if k.split("/")[1] in
-                        ("all", "all_std", "frechet_distance", "distance_to_teacher", "nfe", "latency_s")}
-    assert len(headline) == 6 * 6 and len(scores) > 2 * len(headline)  # teacher 6 and 2, pretrain, distill, pdd 1 and 4
+                        ("all", "all_std", "frechet_distance", "kid", "distance_to_teacher", "nfe", "latency_s")}
+    assert len(headline) == 7 * 6 and len(scores) > 2 * len(headline)  # teacher 6 and 2, pretrain, distill, pdd 1 and 4
     assert (report / "plots" / "adherence_vs_nfe.png").is_file()
     for stage in ("teacher", "pretrain", "distill", "pdd"):  # each loss curve as an image beside its data
         assert (repo / "artifacts" / stage / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stage
     # the Self-Forcing student streams chunk by chunk (chunk_size 1): 5 chunks × 4 steps + 4 cache writes, no CFG
     assert scores["teacher_6/nfe"] == 12 and scores["teacher_2/nfe"] == 4 and scores["distill_4/nfe"] == 5 * 4 + 4
     assert scores["teacher_6/frechet_distance"] == 0.0 and scores["distill_4/frechet_distance"] > 0.0
+    assert scores["teacher_6/kid"] == 0.0 and "teacher_6/kid_floor" in scores and "distill_4/kid_resolved" in scores
     assert scores["pdd_1/nfe"] == 1 and scores["pdd_4/nfe"] == 4  # one fused-block forward per NFE, no CFG
     rows = json.loads((report / "report.json").read_text())["per_prompt"]
     for cand, per in rows.items():  # every headline number is the mean of the per-prompt rows written beside it
