@@ -17,7 +17,8 @@ prompts × seeds and scores it against the 40-step teacher's samples:
 - **scores** (per candidate, each with a 95% interval): ``adherence`` (the analyzer's ``all``: colour,
   shape and direction read back, as a fraction of the videos; percentile bootstrap over videos),
   ``kid`` (:mod:`distillery.evaluation.kid`, both sets resampled) and ``frechet`` (the Fréchet distance of
-  :mod:`distillery.evaluation.video_metrics`; the candidate's videos resampled against the fixed reference)
+  :mod:`distillery.evaluation.video_metrics`; the candidate's videos resampled against the fixed reference,
+  the percentiles shifted by the bootstrap's own bias, as repeated rows inflate the distance: :func:`shifted_ci`)
   to the 40-step teacher's videos over the documented features (``FEATURE_NAMES``, standardised by the
   reference), ``paired_distance`` (mean squared RGB difference to the teacher's video of the same prompt
   and noise; bootstrap over videos), ``sharpness`` (variance of the Laplacian; bootstrap), ``nfe`` and
@@ -293,9 +294,27 @@ def sample_candidate(spec: CandidateSpec, base_dir: str, prompts: list[str], set
             "sampling_s": round(time.perf_counter() - t0, 2), "sampler": cand.sampler, "num_steps": cand.num_steps}
 
 
+def sampled_meta(spec: CandidateSpec, report: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`sample_candidate` returned, read back from the candidate's report.json (``--rescore``)."""
+    (cand,) = report["candidates"]
+    return {"nfe": cand["nfe"], "latency_s": report["latency"][spec.name]["median_s"], "sampling_s": report["seconds"],
+            "sampler": cand["sampler"], "num_steps": cand["num_steps"]}
+
+
 # -- scoring ------------------------------------------------------------------------------------
 def _percentile_ci(samples: np.ndarray) -> list[float]:
     lo, hi = np.percentile(np.asarray(samples, dtype=np.float64), [2.5, 97.5])
+    return [round(float(lo), 6), round(float(hi), 6)]
+
+
+def shifted_ci(estimate: float, samples: np.ndarray, floor: float | None = 0.0) -> list[float]:
+    """95% interval of a statistic biased by its sample size (the Fréchet distance: a resample with
+    repeated rows has a narrower spread, so its bootstrap distances sit above the estimate): the
+    bootstrap percentiles shifted by the bootstrap's bias (their mean − ``estimate``), clipped at ``floor``."""
+    bias = float(np.mean(samples)) - estimate
+    lo, hi = (v - bias for v in np.percentile(np.asarray(samples, dtype=np.float64), [2.5, 97.5]))
+    if floor is not None:
+        lo, hi = max(lo, floor), max(hi, floor)
     return [round(float(lo), 6), round(float(hi), 6)]
 
 
@@ -350,7 +369,7 @@ def score(cand: Sampled, ref: Sampled, scaler: Any, resamples: int) -> dict[str,
     fd = frechet_distance(z, ref_z)
     out = {"kid": round(kid(z, ref_z), 6), "kid_ci": [round(v, 6) for v in kid_interval(z, ref_z, resamples, 0)],
            "frechet": round(fd, 6),
-           "frechet_ci": [0.0, 0.0] if same else _percentile_ci(bootstrap_frechet(z, ref_z, resamples, 0)),
+           "frechet_ci": [0.0, 0.0] if same else shifted_ci(fd, bootstrap_frechet(z, ref_z, resamples, 0)),
            "adherence": round(float(cand.adherence.mean()), 6), "adherence_ci": bootstrap_mean_ci(cand.adherence, resamples, 1),
            "sharpness": round(float(cand.sharpness.mean()), 8), "sharpness_ci": bootstrap_mean_ci(cand.sharpness, resamples, 2),
            "paired_distance": round(float(paired.mean()), 8),
@@ -367,8 +386,9 @@ def floor_scores(ref: Sampled, scaler: Any, seeds: int, resamples: int) -> dict[
     a, b = ref.seed_index < half, (ref.seed_index >= half) & (ref.seed_index < 2 * half)
     za, zb = scaler(ref.features[a]), scaler(ref.features[b])
     paired = ((ref.frames[a] - ref.frames[b]) ** 2).reshape(int(a.sum()), -1).mean(axis=1)
+    fd = frechet_distance(za, zb)
     return {"kid": round(kid(za, zb), 6), "kid_ci": [round(v, 6) for v in kid_interval(za, zb, resamples, 0)],
-            "frechet": round(frechet_distance(za, zb), 6), "frechet_ci": _percentile_ci(bootstrap_frechet(za, zb, resamples, 0)),
+            "frechet": round(fd, 6), "frechet_ci": shifted_ci(fd, bootstrap_frechet(za, zb, resamples, 0)),
             "paired_distance": round(float(paired.mean()), 8), "paired_distance_ci": bootstrap_mean_ci(paired, resamples, 3),
             "adherence": round(float(ref.adherence.mean()), 6), "adherence_ci": bootstrap_mean_ci(ref.adherence, resamples, 1),
             "sharpness": round(float(ref.sharpness.mean()), 8), "sharpness_ci": bootstrap_mean_ci(ref.sharpness, resamples, 2),
@@ -451,7 +471,7 @@ def write_plot(rows: list[dict[str, Any]], floor: dict[str, Any] | None, path: P
             if not pts:
                 continue
             x, y, lo, hi = (np.asarray(v, dtype=np.float64) for v in zip(*pts))
-            ax.errorbar(x, y, yerr=[y - lo, hi - y], marker=markers[method], capsize=3, label=method,
+            ax.errorbar(x, y, yerr=[np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)], marker=markers[method], capsize=3, label=method,
                         linestyle="-" if method in ("teacher", "pdd", "dm_pdd") else "none")
         if floor:
             ax.axhspan(floor[f"{metric}_ci"][0], floor[f"{metric}_ci"][1], color="grey", alpha=0.25,
@@ -604,6 +624,16 @@ def evaluate(args: argparse.Namespace, scale: Scale, work: Path, trained: dict[s
                 futures[pool.submit(sample_candidate, spec, base_dir, prompts, sampling, str(work / "eval" / spec.name),
                                     args.device)] = spec
 
+        if args.rescore:  # score what an earlier run sampled, sample nothing
+            for spec in queue:
+                report_file = work / "eval" / spec.name / "report.json"
+                if report_file.is_file():
+                    done[spec.name] = (spec, sampled_meta(spec, json.loads(report_file.read_text())))
+                else:
+                    settings["skipped"].append(f"evaluate {spec.name} (not sampled; --rescore)")
+            queue.clear()
+            for name in sorted(done, key=lambda n: (n != "teacher_40", order[n])):
+                finish(*done.pop(name))
         submit()
         while futures:
             finished, _ = wait(list(futures), return_when=FIRST_COMPLETED)
@@ -642,6 +672,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a params.yaml value for every workspace (YAML), e.g. --set pdd.dm_weight=0.5")
     parser.add_argument("--reuse", action="store_true", help="keep the work folder's trained models; evaluate only what is missing")
+    parser.add_argument("--rescore", action="store_true",
+                        help="with --reuse: score the work folder's sampled candidates again, sample nothing")
     parser.add_argument("--stage-one", nargs=2, metavar=("FOLDER", "STAGE"), help=argparse.SUPPRESS)  # a worker: one stage
     args = parser.parse_args(argv)
     if args.stage_one:
@@ -650,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import yaml
 
+    args.reuse = args.reuse or args.rescore
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -675,11 +708,15 @@ def main(argv: list[str] | None = None) -> int:
     settings: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if argv is None else argv,
         "device": args.device, "gpu": gpu, "torch": torch.__version__, "scale": args.scale, "params": scale.params,
-        "teacher_guidance_scale": GUIDANCE, "bootstrap_resamples": scale.bootstrap, "interval": "95% percentile bootstrap",
+        "teacher_guidance_scale": GUIDANCE, "bootstrap_resamples": scale.bootstrap, "interval": "95% bootstrap: percentiles (KID: both sets; adherence, sharpness, paired: over videos), Fréchet's shifted by its bootstrap bias",
         "budget_s": args.budget_s if args.budget_s != float("inf") else None, "train_jobs": args.train_jobs,
         "eval_jobs": args.eval_jobs, "students": [asdict(s) for s in STUDENTS], "skipped": [],
         "reference": "teacher_40", "comparison": "students vs the teacher at the same step count; nfe counts CFG's 2 forwards",
     }
+    if args.rescore and args.out.is_file():  # keep the training times of the run that trained these models
+        old = json.loads(args.out.read_text())["settings"]
+        settings["stage_seconds"] = old.get("stage_seconds", {})
+        settings["rescored_from_run_of"] = old.get("date")
     trained = train(args, scale, work, deadline, settings)
     settings["train_s"] = round(time.monotonic() - started, 1)
     rows, floor = evaluate(args, scale, work, trained, deadline, settings, args.out)
