@@ -708,7 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     settings: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if argv is None else argv,
         "device": args.device, "gpu": gpu, "torch": torch.__version__, "scale": args.scale, "params": scale.params,
-        "teacher_guidance_scale": GUIDANCE, "bootstrap_resamples": scale.bootstrap, "interval": ("95% bootstrap: percentiles (KID: both sets resampled; adherence, sharpness, paired: over videos); "
+        "teacher_guidance_scale": GUIDANCE, "bootstrap_resamples": scale.bootstrap,
+        "interval": ("95% bootstrap: percentiles (KID: both sets resampled; adherence, sharpness, paired: over videos); "
                      "Fréchet's shifted by its bootstrap bias"),
         "budget_s": args.budget_s if args.budget_s != float("inf") else None, "train_jobs": args.train_jobs,
         "eval_jobs": args.eval_jobs, "students": [asdict(s) for s in STUDENTS], "skipped": [],
