@@ -42,8 +42,10 @@ Runs::
     python bench/quality.py --device cuda --scale gpu --budget-s 450     # one H200, ~8 minutes
     python bench/quality.py --device cpu --scale small                   # CPU, opt-in long run
 
-``--budget-s``: no training or candidate starts once less than its estimate is left; what is skipped is
-listed in ``settings.skipped``. ``--reuse`` keeps a work folder's trained students (evaluation only).
+``--budget-s``: the shared stages always run; a student that has not finished training when only
+``--eval-reserve-s`` (default 45% of the budget) is left is stopped and left out, and no candidate starts
+sampling after the budget (the reference always does); what is left out is listed in ``settings.skipped``.
+``--reuse`` keeps a work folder's trained students (evaluation only); ``--rescore`` scores its samples again.
 """
 
 from __future__ import annotations
@@ -546,7 +548,7 @@ def train(args: argparse.Namespace, scale: Scale, work: Path, deadline: float, s
             running[student.name] = (proc, time.perf_counter(), student, log)
         for name, (proc, t0, student, log) in list(running.items()):
             if proc.poll() is None:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline - args.eval_reserve_s:  # the rest of the budget is the evaluation's
                     proc.terminate()
                     proc.wait()
                     log.close()
