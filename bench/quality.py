@@ -692,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is visible", file=sys.stderr)
         return 2
+    if args.device == "cpu":  # the sampling workers too (see _env)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     args.scale = args.scale or ("gpu" if args.device == "cuda" else "small")
     args.train_jobs = args.train_jobs or (6 if args.device == "cuda" else 1)
     args.eval_jobs = args.eval_jobs or (4 if args.device == "cuda" else 1)
