@@ -148,7 +148,7 @@ def candidate_specs(work: Path, trained: dict[str, Path]) -> list[CandidateSpec]
 # -- running stages ------------------------------------------------------------------------------
 def _env(device: str) -> dict[str, str]:
     # one thread per CPU process unless told: on a shared machine two OpenMP threads per training spin against the
-    # other processes' (a DM-PDD step went from 0.19 s to 18 s on the 2-core machine beside one other job)
+    # other processes' (a DM-PDD step: 18 s with two threads beside one other job on the 2-core machine, 0.26 s with one)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if device == "cpu" else "2")}
     src = str(ROOT / "src")
     env["PYTHONPATH"] = os.pathsep.join([src, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != src]])
