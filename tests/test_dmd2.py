@@ -7,7 +7,7 @@
 - ``simulate`` with ``ode`` re-noise follows the Euler step down the student's ladder;
 - on non-update steps the student builds no graph, gets no gradient, and its weights and optimizer
   state stay bit-identical; the teacher never holds a gradient;
-- through the real trainer, for DMD2 and Self-Forcing (a causal student) alike (and PDD, in the same launch): 2 ranks (torchrun,
+- through the real trainer, for DMD2 and Self-Forcing (a causal student) alike (and PDD and DM-PDD, in the same launch): 2 ranks (torchrun,
   gloo, FSDP2) draw what 1 rank draws for the same global
   batch (and ``check_rank_agreement`` all-reduces every draw), and a 2-rank run stopped
   mid-way resumes to bitwise the weights of an uninterrupted 2-rank run.
@@ -313,40 +313,56 @@ def runs(tmp_path_factory, tiny_base, latent_set):
         launches += [(_config(tiny_base, latent_set, out / "two", 2, method=method), out / "two.yaml"),  # 2 ranks × 2
                      (stopped, out / "stopped.yaml"),  # stopped at STOP (checkpointed) ...
                      (_config(tiny_base, latent_set, out / "resumed", 2, method=method), out / "resumed.yaml")]  # ... resumed
-    out = root / "pdd"  # PDD (simulate: carried trajectories) in the same launch
-    out.mkdir()
-    train_in_process(_pdd_config(tiny_base, latent_set, out / "one", 4))
-    stopped = _pdd_config(tiny_base, latent_set, out / "resumed", 2)
-    stopped["training"]["loop"]["stop_at_step"] = STOP
-    launches += [(_pdd_config(tiny_base, latent_set, out / "two", 2), out / "two.yaml"), (stopped, out / "stopped.yaml"),
-                 (_pdd_config(tiny_base, latent_set, out / "resumed", 2), out / "resumed.yaml")]
+    for name, dm in (("pdd", False), ("dm_pdd", True)):  # PDD and DM-PDD (simulate: carried trajectories) in the same launch
+        out = root / name
+        out.mkdir()
+        train_in_process(_pdd_config(tiny_base, latent_set, out / "one", 4, dm))
+        stopped = _pdd_config(tiny_base, latent_set, out / "resumed", 2, dm)
+        stopped["training"]["loop"]["stop_at_step"] = STOP
+        launches += [(_pdd_config(tiny_base, latent_set, out / "two", 2, dm), out / "two.yaml"), (stopped, out / "stopped.yaml"),
+                     (_pdd_config(tiny_base, latent_set, out / "resumed", 2, dm), out / "resumed.yaml")]
     _torchrun(launches)
     return root
 
 
-def _pdd_config(base: Path, data: Path, out: Path, batch_size: int) -> dict:
-    cfg = run_config(base, data, out, method="distillery.methods.pdd.PDDMethod", steps=STEPS, batch_size=batch_size, lr=1e-3,
-                     method_knobs={"rollout": "simulate", "block_size_min": 2, "block_size_max": 4,
-                                   "teacher_guidance_scale": 2.0, "sampling_steps": 2},
+def _pdd_config(base: Path, data: Path, out: Path, batch_size: int, dm: bool = False) -> dict:
+    """PDD's run, or with ``dm`` DM-PDD's (a critic; the DM term every 2nd step, so both kinds of step are run)."""
+    knobs = {"rollout": "simulate", "block_size_min": 2, "block_size_max": 4, "teacher_guidance_scale": 2.0, "sampling_steps": 2}
+    if dm:
+        knobs.update(dm_weight=0.5, generator_update_interval=2)
+    method = "distillery.methods.dm_pdd.DMPDDMethod" if dm else "distillery.methods.pdd.PDDMethod"
+    cfg = run_config(base, data, out, method=method, steps=STEPS, batch_size=batch_size, lr=1e-3, method_knobs=knobs,
                      callbacks={"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}})
     cfg["models"]["student"] = {"_target_": "distillery.models.wan.PDDWanModel", "init_from": str(base), "pdd_steps": 4}
     cfg["models"]["teacher"] = {"_target_": "distillery.models.wan.WanModel", "init_from": str(base), "trainable": False}
+    if dm:
+        cfg["models"]["critic"] = {"_target_": "distillery.models.wan.WanModel", "init_from": str(base),
+                                   "optimizer": {"learning_rate": 2e-4, "betas": [0.0, 0.999]}}
     return cfg
 
 
 @pytest.mark.slow
-def test_pdd_on_two_ranks_is_one_rank_and_resumes_its_carried_trajectories(runs):
-    """PDD under FSDP2 (the head bank its own unit; every rank supervises the same head): 2 ranks × 2
-    samples give the 1-rank × 4 losses; a 2-rank run stopped mid-trajectory resumes bit for bit."""
-    one, two, resumed = (read_log(runs / "pdd" / name) for name in ("one", "two", "resumed"))
+@pytest.mark.parametrize("method", ["pdd", "dm_pdd"])
+def test_pdd_on_two_ranks_is_one_rank_and_resumes_its_carried_trajectories(runs, method):
+    """PDD and DM-PDD under FSDP2 (the head bank its own unit; every rank supervises the same head): 2
+    ranks × 2 samples give the 1-rank × 4 draws and losses; a 2-rank run stopped mid-trajectory resumes bit for bit."""
+    one, two, resumed = (read_log(runs / method / name) for name in ("one", "two", "resumed"))
     assert [r["pdd_head"] for r in two] == [r["pdd_head"] for r in one] and len({r["pdd_head"] for r in one}) > 1
+    keys = ["total_loss"] + (["pdd_loss", "critic_loss", "generator_loss", "score_timestep", "critic_timestep"]
+                             if method == "dm_pdd" else [])
+    if method == "dm_pdd":  # the DM term joins every 2nd step; the critic trains every step
+        assert [("generator_loss" in r) for r in one] == [s % 2 == 0 for s in range(1, STEPS + 1)]
+        assert all("grad_norm/critic" in r for r in one)
     for a, b in zip(two, one):
-        assert a["total_loss"] == pytest.approx(b["total_loss"], rel=1e-4, abs=1e-6), a["step"]
+        assert [k in a for k in keys] == [k in b for k in keys], a["step"]
+        for key in (k for k in keys if k in b):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
     assert [r["total_loss"] for r in resumed] == [r["total_loss"] for r in two]
     prefixes = ("roles.", "optimizers.", "schedulers.", "method.")
-    a = dcp_tensors(runs / "pdd" / "two" / f"checkpoint-{STEPS}", prefixes)
-    b = dcp_tensors(runs / "pdd" / "resumed" / f"checkpoint-{STEPS}", prefixes)
+    a = dcp_tensors(runs / method / "two" / f"checkpoint-{STEPS}", prefixes)
+    b = dcp_tensors(runs / method / "resumed" / f"checkpoint-{STEPS}", prefixes)
     assert a.keys() == b.keys() and any(k.startswith("roles.student.heads.") for k in a)
+    assert (method == "dm_pdd") == any(k.startswith("roles.critic.") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
 
 

@@ -86,8 +86,9 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo, tmp_path):
     assert (report / "grid.gif").is_file() and (report / "grid.mp4").is_file()
     headline = json.loads((repo / "artifacts" / "validate" / "metrics.json").read_text())  # what DVC shows: a few numbers
     scores = json.loads((report / "metrics.json").read_text())  # every metric
-    assert headline == {k: scores[k] for k in ("teacher_6/all", "pretrain_4/all", "pretrain_4/frechet_distance", "distill_4/all",
-                                               "distill_4/frechet_distance", "pdd_1/all", "pdd_1/frechet_distance")}
+    assert headline == {k: scores[k] for k in ("teacher_6/all", "pretrain_4/all", "pretrain_4/frechet_distance", "pretrain_4/kid",
+                                               "distill_4/all", "distill_4/frechet_distance", "distill_4/kid", "pdd_1/all",
+                                               "pdd_1/frechet_distance", "pdd_1/kid")}
     assert scores["pretrain_4/nfe"] == 8  # Euler under the causal mask, CFG
     assert "5 chunks × 4 + 4 cache writes" in (report / "summary.md").read_text()  # the 24 NFE of the streaming student
     assert (report / "plots" / "adherence_vs_nfe.png").is_file()
@@ -96,6 +97,7 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo, tmp_path):
     # the Self-Forcing student streams chunk by chunk (chunk_size 1): 5 chunks × 4 steps + 4 cache writes, no CFG
     assert scores["teacher_6/nfe"] == 12 and scores["teacher_2/nfe"] == 4 and scores["distill_4/nfe"] == 5 * 4 + 4
     assert scores["teacher_6/frechet_distance"] == 0.0 and scores["distill_4/frechet_distance"] > 0.0
+    assert scores["teacher_6/kid"] == 0.0 and "teacher_6/kid_floor" in scores and "distill_4/kid_resolved" in scores
     assert scores["pdd_1/nfe"] == 1 and scores["pdd_4/nfe"] == 4  # one fused-block forward per NFE, no CFG
     rows = json.loads((report / "report.json").read_text())["per_prompt"]
     for cand, per in rows.items():  # every headline number is the mean of the per-prompt rows written beside it

@@ -279,3 +279,30 @@ def test_validate_reads_what_its_dvc_stage_declares_of_every_validated_row():
     for name, how in validated:
         assert f"artifacts/{name}" in deps
         assert all(covers(declared, key) for key in how.params_read()), (name, how.params_read(), declared)
+
+
+@pytest.mark.parametrize("student_init", ["teacher", "distill"])
+def test_pdd_method_picks_the_dm_pdd_recipe_beside_the_students_init(tmp_path, monkeypatch, student_init):
+    """``pdd.method: dm_pdd`` swaps the template for DM-PDD's, adds a critic from the teacher and its
+    params; ``pdd.student_init`` still picks the student's init; ``pdd`` is the plain PDD recipe."""
+    from distillery.config import allowed_prefixes, load_run_config
+
+    row = TRAINING_STAGES["pdd"]
+    assert row.templates() == ["templates/pdd.yaml", "templates/pdd_dm.yaml"] and "pdd.method" in row.params_read()
+    params = _workspace(tmp_path, monkeypatch, {"pdd.method": "dm_pdd", "pdd.student_init": student_init,
+                                                "pdd.dm_weight": 0.25, "pdd.critic_learning_rate": 3.0e-5})
+    view = StageParams(params, "pdd", stage_params("pdd"))
+    spec = row.resolve(view)
+    assert spec.template == "templates/pdd_dm.yaml" and spec.method_key is None and spec.variant_key is None
+    assert spec.inputs == {"student": student_init, "teacher": "teacher", "critic": "teacher"}
+    raw = fill_run_config(spec, view, "p")
+    assert raw["method"]["_target_"] == "distillery.methods.dm_pdd.DMPDDMethod" and raw["method"]["dm_weight"] == 0.25
+    assert raw["models"]["critic"]["init_from"] == "artifacts/teacher/model"
+    assert raw["models"]["critic"]["optimizer"]["learning_rate"] == 3.0e-5
+    assert raw["models"]["student"]["init_from"] == f"artifacts/{student_init}/model"
+    load_run_config(raw=raw, prefixes=allowed_prefixes())  # the filled config builds
+    text = Path(spec.template).read_text()
+    assert not [k for k in spec.params if f"params.yaml {k}" not in text]
+    (tmp_path / "plain").mkdir()
+    plain = row.resolve(StageParams(_workspace(tmp_path / "plain", monkeypatch), "pdd", stage_params("pdd")))
+    assert plain.template == "templates/pdd.yaml" and "critic" not in plain.inputs and "pdd.dm_weight" not in plain.params

@@ -222,13 +222,15 @@ def test_run_validation_metrics(validation, pipe, embeds):
     from safetensors.torch import load_file
 
     from distillery.clips.analyzer import AnalyzerConfig, score
+    from distillery.evaluation.kid import kid
     from distillery.evaluation.video_metrics import Standardiser, frechet_distance, sharpness, video_features
 
     out, metrics, candidates, wall_s = validation
     assert json.loads((out / "metrics.json").read_text()) == metrics
     assert set(METRIC_NAMES) >= {f"{k}_std" for k in SEEDED_METRICS}  # every metric but nfe has a spread
-    expected_keys = [f"{c.name}/{k}" for c in candidates for k in METRIC_NAMES]
-    expected_keys.insert(len(METRIC_NAMES), "teacher_10/frechet_floor")  # the reference's noise floor, num_seeds >= 2
+    extra = {"teacher_10": ["frechet_floor", "kid_floor"]}  # the reference's noise floors, num_seeds >= 2; the others: resolved?
+    expected_keys = [f"{c.name}/{k}" for c in candidates
+                     for k in [*METRIC_NAMES, *extra.get(c.name, ["kid_resolved", "frechet_resolved"])]]
     assert list(metrics) == expected_keys  # candidates in input order
     assert (metrics["teacher_10/nfe"], metrics["teacher_2/nfe"], metrics["student/nfe"]) == (20, 4, 2)  # steps × (2 with CFG)
     report = json.loads((out / "report.json").read_text())
@@ -290,10 +292,17 @@ def test_run_validation_metrics(validation, pipe, embeds):
         assert metrics[f"{c.name}/frechet_distance"] == pytest.approx(frechet_distance(reported_scaler(reported),
                                                                                         reported_ref), abs=1e-6)
         assert metrics[f"{c.name}/frechet_distance_std"] >= 0
+        assert metrics[f"{c.name}/kid"] == pytest.approx(kid(reported_scaler(reported), reported_ref), abs=1e-6)
+        assert metrics[f"{c.name}/kid_lo"] <= metrics[f"{c.name}/kid"] <= metrics[f"{c.name}/kid_hi"]
+        if c.name != "teacher_10":
+            lower, floor = metrics[f"{c.name}/kid_lo"], metrics["teacher_10/kid_floor"]
+            assert metrics[f"{c.name}/kid_resolved"] == float(lower > max(floor, 0.0))
     assert metrics["teacher_10/frechet_distance"] == 0.0 and metrics["teacher_10/distance_to_teacher"] == 0.0
     assert metrics["teacher_10/frechet_floor"] == pytest.approx(frechet_distance(reported_ref[:3], reported_ref[3:]), abs=1e-6)
     assert metrics["teacher_10/frechet_floor"] == pytest.approx(frechet_distance(ref_z[:3], ref_z[3:]), rel=1e-3)
     assert metrics["teacher_10/frechet_floor"] > 0  # two noise draws of the same model differ
+    assert metrics["teacher_10/kid"] == 0.0
+    assert metrics["teacher_10/kid_floor"] == pytest.approx(kid(reported_ref[:3], reported_ref[3:]), abs=1e-6)
     assert metrics["teacher_2/distance_to_teacher"] > 1e-4  # 2 steps do not land on the 10-step videos
     assert metrics["teacher_2/frechet_distance"] > 0 and metrics["student/frechet_distance"] > 0
     assert metrics["student/frechet_distance_std"] > 0 and metrics["teacher_2/distance_to_teacher_std"] > 0

@@ -52,6 +52,15 @@ log and report.json ``cache`` say which were reused). Per candidate it reports (
   between the reference's own seed-0 and seed-1 videos (P each, same standardisation): the
   distance that sampling noise alone produces. It compares sets of P videos, not P·S, so it
   overstates the noise in ``frechet_distance`` somewhat; a candidate near it is indistinguishable.
+- ``kid``, ``kid_lo``, ``kid_hi`` — the unbiased kernel inception distance (:mod:`distillery.evaluation.kid`:
+  MMD² under the cubic polynomial kernel, ≈ 0 for two samples of one distribution at any size) between
+  the same standardised features and the reference's, and its 95% bootstrap interval (both sets
+  resampled, ``cfg.bootstrap_resamples`` times, ``default_rng(cfg.seed)``); the reference scores 0 and,
+  with ``num_seeds`` >= 2 and >= 2 prompts, adds ``kid_floor`` (its seed-0 vs seed-1 KID, as
+  ``frechet_floor``);
+- with the floors, for every other candidate ``kid_resolved`` / ``frechet_resolved`` — 1 when its
+  difference from the reference is resolved at this size (``kid_lo`` > max(kid_floor, 0); Fréchet:
+  ``frechet_distance − 1.96·frechet_distance_std`` > ``frechet_floor``), else 0 (within sampling noise);
 
 Output folder (written to a temporary sibling, then renamed into place)::
 
@@ -115,6 +124,8 @@ from distillery.clips.grid import VideoGrid, write_gif
 from distillery.common.errors import UserError
 from distillery.common.fsutil import replace_dir
 from distillery.config.validation import SEED_STRIDE, ValidationSampling
+from distillery.evaluation.kid import KID_METRICS, kid, kid_summary
+from distillery.evaluation.kid import resolved as interval_resolved
 
 if TYPE_CHECKING:
     from distillery.evaluation.sample_cache import SampleCache
@@ -127,9 +138,9 @@ SAMPLING_FILE = "sampling.json"  # an artifact's sampling contract, beside its t
 GRID_FORMATS = ("gif", "mp4")
 SEEDED_METRICS = ("colour", "shape", "direction", "all", "distance_to_teacher", "sharpness")  # mean + _std
 METRIC_NAMES = (*(k for m in SEEDED_METRICS for k in (m, f"{m}_std")), "latency_s", "latency_s_iqr", "nfe",
-                "frechet_distance", "frechet_distance_std")  # every candidate's keys in metrics.json (the reference adds frechet_floor)
-HEADLINE_METRICS = ("all", "frechet_distance")  # what DVC shows per headline candidate (headline_metrics); the rest: report/
-REFERENCE_ZERO = ("frechet_distance", "distance_to_teacher")  # the reference's own: 0 by construction, never a headline
+                "frechet_distance", "frechet_distance_std", *KID_METRICS)  # every candidate's keys in metrics.json (+ floors, resolved flags)
+HEADLINE_METRICS = ("all", "frechet_distance", "kid")  # what DVC shows per headline candidate (headline_metrics); the rest: report/
+REFERENCE_ZERO = ("frechet_distance", "kid", "distance_to_teacher")  # the reference's own: 0 by construction, never a headline
 WARMUP_VIDEOS = 1  # a candidate's first videos: timed, but left out of its latency (module doc)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -568,7 +579,8 @@ def _distribution_scores(z: np.ndarray, reference_z: np.ndarray, cfg: Validation
     """A candidate's scores against the reference's videos from standardised features ``[N, D]`` (the
     reference's ``[N_ref, D]``): one line per distribution-level score (each also in :data:`METRIC_NAMES`)."""
     frechet, frechet_std = _frechet(z, reference_z, cfg)
-    return {"frechet_distance": frechet, "frechet_distance_std": frechet_std}
+    return {"frechet_distance": frechet, "frechet_distance_std": frechet_std,
+            **kid_summary(z, reference_z, cfg.bootstrap_resamples, cfg.seed)}
 
 
 def forwards(cand: Candidate, latent_frames: int) -> dict[str, int]:
@@ -745,7 +757,12 @@ def run_validation(
             if cand is ref and cfg.num_seeds >= 2:
                 n = len(prompts)  # seed-major: rows [0, n) are seed index 0, [n, 2n) seed index 1
                 metrics[cand.name]["frechet_floor"] = round(frechet_distance(reference_z[:n], reference_z[n: 2 * n]), 6)
-            m = metrics[cand.name]
+                if n >= 2:
+                    metrics[cand.name]["kid_floor"] = round(kid(reference_z[:n], reference_z[n: 2 * n]), 6)
+            m, floors = metrics[cand.name], metrics[ref.name]
+            if cand is not ref and "kid_floor" in floors:  # the interval's lower end above the reference's own seed-to-seed floor
+                m["kid_resolved"] = float(interval_resolved(m["kid_lo"], floors["kid_floor"]))
+                m["frechet_resolved"] = float(interval_resolved(m["frechet_distance"] - 1.96 * m["frechet_distance_std"], floors["frechet_floor"]))
             rows.append({"candidate": cand.name, "sampler": cand.sampler, "nfe": values["nfe"], "adherence": m["all"],
                          "adherence_std": m["all_std"], **{k: m[k] for k in CSV_COLUMNS[5:]}})
             per_video[cand.name] = [v.row() for v in videos]

@@ -68,6 +68,7 @@ their shape and the prompt embeddings.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -140,6 +141,53 @@ def dmd_gradient(x0: torch.Tensor, fake_x0: torch.Tensor, real_x0: torch.Tensor)
         norm = (x0 - r).abs().mean(dim=tuple(range(1, x0.ndim)), keepdim=True)
         safe = norm.clamp_min(torch.finfo(torch.float32).tiny)
         return torch.where(norm > 0, (f - r) / safe, torch.zeros_like(f))
+
+
+@dataclass(frozen=True)
+class ScoreModels:
+    """What the distribution-matching losses query: the real score (``teacher``, frozen), the fake
+    score (``critic``, trainable), the per-sample score-timestep draw ``B → τ [B]`` and the random
+    stream of the noise (a method's ``self.rng``); DMD2 and DM-PDD share them."""
+
+    teacher: ModelBase
+    critic: ModelBase
+    draw_timesteps: Callable[[int], torch.Tensor]
+    rng: Any
+
+
+def distribution_matching_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels,
+                               guidance: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DMD generator loss of a student sample ``x0 [B, C, T, H, W]`` (with graph) and its metrics
+    (module doc, step 2: draws τ ``[B]``, then ε_τ; ``guidance`` is the teacher's CFG w)."""
+    b = x0.shape[0]
+    tau = scores.draw_timesteps(b)
+    with torch.no_grad():
+        noise = scores.rng.randn(x0.shape).to(x0.device)
+        x_tau = renoise(x0.detach(), noise, scores.teacher.schedule.sigma(tau))
+        fake = scores.critic.predict_x0(x_tau, tau, cond, conditional=True)
+        cond_x0 = scores.teacher.predict_x0(x_tau, tau, cond, conditional=True)
+        if guidance == 1.0:
+            real = cond_x0
+        else:
+            uncond_x0 = scores.teacher.predict_x0(x_tau, tau, cond, conditional=False)
+            real = uncond_x0 + guidance * (cond_x0 - uncond_x0)
+        g = dmd_gradient(x0, fake, real)
+    loss = 0.5 * F.mse_loss(x0.float(), (x0.detach().float() - g))
+    metrics = {"dmd_grad_norm": g.abs().mean(), "score_timestep": tau.mean(),
+               "fake_real_x0_gap": (fake - real).abs().mean()}
+    return loss, metrics
+
+
+def fake_score_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's flow-matching loss on the detached student sample ``x0`` (module doc, step 3:
+    draws t ``[B]``, then ε)."""
+    x0 = x0.detach().float()
+    t = scores.draw_timesteps(x0.shape[0])
+    noise = scores.rng.randn(x0.shape).to(x0.device)
+    x_t = renoise(x0, noise, scores.critic.schedule.sigma(t))
+    v = scores.critic.predict_noise(x_t, t, cond, conditional=True)
+    loss = F.mse_loss(v, noise - x0)
+    return loss, {"critic_timestep": t.mean()}
 
 
 class DMD2Method(TrainingMethod):
@@ -232,34 +280,15 @@ class DMD2Method(TrainingMethod):
     # -- losses -----------------------------------------------------------------------------
     def generator_loss(self, x0: torch.Tensor, cond: TrainingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """DMD loss of the generator output ``x0`` (with graph) and its metrics (module doc, step 2)."""
-        b = x0.shape[0]
-        w = self.config.real_score_guidance_scale
-        tau = self.draw_score_timesteps(b)
-        with torch.no_grad():
-            noise = self.rng.randn(x0.shape).to(x0.device)
-            x_tau = renoise(x0.detach(), noise, self.teacher.schedule.sigma(tau))
-            fake = self.critic.predict_x0(x_tau, tau, cond, conditional=True)
-            cond_x0 = self.teacher.predict_x0(x_tau, tau, cond, conditional=True)
-            if w == 1.0:
-                real = cond_x0
-            else:
-                uncond_x0 = self.teacher.predict_x0(x_tau, tau, cond, conditional=False)
-                real = uncond_x0 + w * (cond_x0 - uncond_x0)
-            g = dmd_gradient(x0, fake, real)
-        loss = 0.5 * F.mse_loss(x0.float(), (x0.detach().float() - g))
-        metrics = {"dmd_grad_norm": g.abs().mean(), "score_timestep": tau.mean(),
-                   "fake_real_x0_gap": (fake - real).abs().mean()}
-        return loss, metrics
+        return distribution_matching_loss(x0, cond, self.score_models(), self.config.real_score_guidance_scale)
 
     def critic_loss(self, x0: torch.Tensor, cond: TrainingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Flow-matching loss of the critic on the student sample ``x0`` (detached), module doc step 3."""
-        x0 = x0.detach().float()
-        t = self.draw_score_timesteps(x0.shape[0])
-        noise = self.rng.randn(x0.shape).to(x0.device)
-        x_t = renoise(x0, noise, self.critic.schedule.sigma(t))
-        v = self.critic.predict_noise(x_t, t, cond, conditional=True)
-        loss = F.mse_loss(v, noise - x0)
-        return loss, {"critic_timestep": t.mean()}
+        return fake_score_loss(x0, cond, self.score_models())
+
+    def score_models(self) -> "ScoreModels":
+        """The teacher, the critic and the score-timestep draw the two losses share."""
+        return ScoreModels(self.teacher, self.critic, self.draw_score_timesteps, self.rng)
 
     # -- one micro-batch: two phases, one graph alive at a time ----------------------------
     def single_train_step(self, batch: dict[str, Any], step: int) -> StepOutput:

@@ -51,6 +51,7 @@ their schedule. The artifact's contract is ``pdd_fused`` over the grid at ``samp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -103,6 +104,18 @@ class _Carry:
 
     def cond(self) -> Conditioning:
         return Conditioning(self.text_embeds, self.negative_text_embeds)
+
+
+@dataclass
+class PDDStep:
+    """What :meth:`PDDMethod.pdd_step` computed for one micro-batch."""
+
+    loss: torch.Tensor  # the head regression, mean((head_k − target)²), with graph
+    metrics: dict[str, torch.Tensor]  # pdd_block_start, pdd_head (and rollout_rung)
+    extra: list[torch.Tensor]  # the extra head groups' outputs, float32 [B, m, C, T, H, W] each
+    x_n: torch.Tensor  # the trunk's input at the block start (before the carried slot advanced)
+    n: int  # the block start (a fine-grid node)
+    cond: Any  # the conditioning of the forward
 
 
 class PDDMethod(TrainingMethod):
@@ -187,6 +200,13 @@ class PDDMethod(TrainingMethod):
 
     def single_train_step(self, batch: dict[str, Any], step: int) -> StepOutput:
         del step
+        step_ = self.pdd_step(batch)
+        return StepOutput(losses={"total_loss": step_.loss, "pdd_loss": step_.loss.detach()}, metrics=step_.metrics)
+
+    def pdd_step(self, batch: dict[str, Any], extra: Callable[[int], list[HeadGroup]] | None = None) -> "PDDStep":
+        """Steps 1–4 of the module doc for one micro-batch (the carried slot advanced); its one trunk
+        forward also projects the head groups ``extra(n)`` gives for the block start ``n`` (DM-PDD's
+        x̂0); returns the loss, metrics and those groups' outputs."""
         student: PDDModelBase = self.student
         sigmas = student.fine_sigmas(student.device)
         x_n, n, cond, carry, slot = self._inputs(batch)
@@ -196,7 +216,8 @@ class PDDMethod(TrainingMethod):
         next_node = self.rung_nodes[carry.rung + 1] if carry is not None else n
         window = list(range(n, max(k, next_node)))  # the heads that advance x_n (to x̄_k, and the carried block)
         groups = [HeadGroup([k])] + ([HeadGroup(window, detached=True)] if window else [])
-        outs = student.predict_head_groups(x_n, t_n, cond, groups)  # one trunk forward
+        added = extra(n) if extra is not None else []
+        outs = student.predict_head_groups(x_n, t_n, cond, groups + added)  # one trunk forward
         head_k = outs[0][:, 0]  # keeps its graph: head k and the trunk
         heads = outs[1] if window else None  # [B, m, C, T, H, W], no graph
         with torch.no_grad():
@@ -211,13 +232,14 @@ class PDDMethod(TrainingMethod):
             target = self.target_velocity(x_k, k, sigmas, cond)
         loss = F.mse_loss(head_k, target)
         metrics = {"pdd_block_start": torch.tensor(float(n)), "pdd_head": torch.tensor(float(k))}
+        x_start = x_n
         if carry is not None:
             with torch.no_grad():
                 carry.state = advance(next_node)
             metrics["rollout_rung"] = torch.tensor(float(carry.rung))
             carry.rung += 1
             self.slots[slot] = carry if carry.rung < len(self.rung_nodes) - 1 else None
-        return StepOutput(losses={"total_loss": loss, "pdd_loss": loss.detach()}, metrics=metrics)
+        return PDDStep(loss, metrics, outs[len(groups):], x_start, n, cond)
 
     # -- per-rank host state: the carried trajectories ----------------------------------------
     def host_state(self) -> dict[str, Any] | None:

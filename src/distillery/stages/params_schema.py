@@ -203,6 +203,9 @@ class PDDParams(TrainingStageParams):
     integrator: Literal["euler", "midpoint"] = rule("euler")  # the teacher's target over one interval (1 or 2 teacher calls)
     guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite)  # the teacher's CFG in the targets (distilled in: sampled without)
     sampling_steps: int = rule(4, 1, MAX_SAMPLING_STEPS)  # the NFE the artifact's sampling contract (and export) default to
+    method: Literal["pdd", "dm_pdd"] = rule("pdd")  # pdd: head regression; dm_pdd: + DMD2's distribution matching against a critic
+    dm_weight: float = rule(1.0, 0, MAX_GUIDANCE, non_negative_finite)  # dm_pdd: weight of the distribution-matching term
+    critic_learning_rate: float = rule(2.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # dm_pdd: the critic's (fake score's) peak learning rate
 
 
 @dataclass

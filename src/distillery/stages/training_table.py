@@ -71,6 +71,10 @@ class TrainingStageSpec:
     - ``variant_key`` / ``variants``: a stage with several recipes — the params.yaml key whose value
       names a :class:`StageVariant` (its template replaces ``template``, its params join ``params``);
       :meth:`resolve` gives the plain spec of the chosen one;
+    - ``method_key`` / ``methods``: a second choice, of the method, for a stage whose ``variant_key``
+      already picks where a role starts from (``pdd.method`` beside ``pdd.student_init``): the
+      :class:`StageVariant` its value names replaces the template, joins its params, and *adds* its
+      ``inputs`` to the roles' (a critic's init), applied after the variant;
     - ``validation``: how validate scores the stage's model (:class:`ValidationSpec`), None: it does not.
     """
 
@@ -81,6 +85,8 @@ class TrainingStageSpec:
     export_role: str = "student"
     variant_key: str | None = None
     variants: dict[str, StageVariant] = field(default_factory=dict)
+    method_key: str | None = None
+    methods: dict[str, StageVariant] = field(default_factory=dict)
     validation: ValidationSpec | None = None
 
     def input_artifacts(self) -> list[tuple[str, str]]:
@@ -88,26 +94,36 @@ class TrainingStageSpec:
         return [(f"{role}_init", stage) for role, stage in self.inputs.items()] + [("data", DATA_ARTIFACT)]
 
     def resolve(self, params: Any) -> "TrainingStageSpec":
-        """The plain spec of the variant ``params.get(variant_key)`` names (``self`` without variants)."""
-        if self.variant_key is None:
-            return self
-        choice = params.get(self.variant_key)
-        if choice not in self.variants:  # params.yaml was validated; a table/schema mismatch is a bug
-            raise KeyError(f"stage {self.name}: {self.variant_key} = {choice!r} has no variant ({', '.join(self.variants)})")
-        variant = self.variants[choice]
-        return replace(self, template=variant.template, params={**self.params, **variant.params}, variant_key=None,
-                       variants={}, inputs=dict(variant.inputs) if variant.inputs is not None else self.inputs)
+        """The plain spec of the variant ``params.get(variant_key)`` names, then of the method
+        ``params.get(method_key)`` names (``self`` without variants or methods)."""
+        spec = self
+        if spec.variant_key is not None:
+            choice = params.get(spec.variant_key)
+            if choice not in spec.variants:  # params.yaml was validated; a table/schema mismatch is a bug
+                raise KeyError(f"stage {spec.name}: {spec.variant_key} = {choice!r} has no variant ({', '.join(spec.variants)})")
+            variant = spec.variants[choice]
+            spec = replace(spec, template=variant.template, params={**spec.params, **variant.params}, variant_key=None,
+                           variants={}, inputs=dict(variant.inputs) if variant.inputs is not None else spec.inputs)
+        if spec.method_key is not None:
+            choice = params.get(spec.method_key)
+            if choice not in spec.methods:
+                raise KeyError(f"stage {spec.name}: {spec.method_key} = {choice!r} has no method ({', '.join(spec.methods)})")
+            method = spec.methods[choice]
+            spec = replace(spec, template=method.template, params={**spec.params, **method.params}, method_key=None,
+                           methods={}, inputs={**spec.inputs, **(method.inputs or {})})
+        return spec
 
     def templates(self) -> list[str]:
         """Every template the stage may fill (its dvc.yaml deps)."""
-        return list(dict.fromkeys(v.template for v in self.variants.values())) if self.variants else [self.template]
+        chosen = [v.template for v in (*self.variants.values(), *self.methods.values())]
+        return list(dict.fromkeys(chosen)) if chosen else [self.template]
 
     def params_read(self) -> list[str]:
         """Every params.yaml key the stage reads, whichever variant: the table's keys and the variant key."""
         keys = list(self.params)
-        for variant in self.variants.values():
+        for variant in (*self.variants.values(), *self.methods.values()):
             keys += [k for k in variant.params if k not in keys]
-        return keys + ([self.variant_key] if self.variant_key and self.variant_key not in keys else [])
+        return keys + [k for k in (self.variant_key, self.method_key) if k and k not in keys]
 
     def config_overrides(self, params: Any) -> list[tuple[str, Any]]:
         """``(run-config key, typed value)`` of the table's params for ``params`` (a resolved spec)."""
@@ -178,6 +194,12 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             variant_key="pdd.student_init",
             variants={"teacher": StageVariant("templates/pdd.yaml", inputs={"student": "teacher", "teacher": "teacher"}),
                       "distill": StageVariant("templates/pdd.yaml", inputs={"student": "distill", "teacher": "teacher"})},
+            # pdd: the head regression alone; dm_pdd: + DMD2's distribution matching against a critic (from the teacher)
+            method_key="pdd.method",
+            methods={"pdd": StageVariant("templates/pdd.yaml"),
+                     "dm_pdd": StageVariant("templates/pdd_dm.yaml", {"pdd.dm_weight": "method.dm_weight",
+                                                                      "pdd.critic_learning_rate": "models.critic.optimizer.learning_rate"},
+                                            inputs={"critic": "teacher"})},
             validation=ValidationSpec("pdd", steps="validate.pdd_nfe"),  # its NFE curve: the fused-block sampler at each NFE
         ),
     )

@@ -1,0 +1,747 @@
+"""Quality benchmark: does distillation work? Every student at 1, 2 and 4 NFE against the teacher, with intervals.
+
+Runs the tiny-base DAG's stages with scaled settings in a work folder — what ``distillery stage <name>``
+computes: the stages' library functions and the training table's run configs (:func:`run_one_stage`), without
+DVC, MLflow or lineage, which the GPU image lacks —, trains every student, samples every candidate on many
+prompts × seeds and scores it against the 40-step teacher's samples:
+
+- **training** (``<work>/base``): clips → base → latents → teacher → pretrain, then each student in a
+  workspace of its own (a copy of those artifacts; ``--train-jobs`` at a time, as separate processes):
+  DMD2 on 1-, 2- and 4-step ladders (``distill.method: dmd2``, ``distill.student_steps``), Self-Forcing at
+  its ladder (``distill.student_steps``), PDD (``pdd.method: pdd``) and DM-PDD (``pdd.method: dm_pdd``);
+- **candidates**: the teacher (Euler, CFG ``validate.guidance_scale``) at 40 (the reference), 8, 4, 2 and 1
+  steps; ``dmd2_1``, ``dmd2_2``, ``dmd2_4``; ``self_forcing``; ``pdd_{1,2,4,8}``; ``dm_pdd_{1,2,4,8}`` (the PDD
+  students at those NFE). Each is sampled by :func:`distillery.evaluation.validate.run_validation` alone (its
+  own process, ``--eval-jobs`` at a time) on the prompts of ``bench/quality_prompts.txt`` (the first
+  ``prompts`` of them) × ``seeds`` noise seeds, the same noise for every candidate;
+- **scores** (per candidate, each with a 95% interval): ``adherence`` (the analyzer's ``all``: colour,
+  shape and direction read back, as a fraction of the videos; percentile bootstrap over videos),
+  ``kid`` (:mod:`distillery.evaluation.kid`, both sets resampled) and ``frechet`` (the Fréchet distance of
+  :mod:`distillery.evaluation.video_metrics`; the candidate's videos resampled against the fixed reference,
+  the percentiles shifted by the bootstrap's own bias, as repeated rows inflate the distance: :func:`shifted_ci`)
+  to the 40-step teacher's videos over the documented features (``FEATURE_NAMES``, standardised by the
+  reference), ``paired_distance`` (mean squared RGB difference to the teacher's video of the same prompt
+  and noise; bootstrap over videos), ``sharpness`` (variance of the Laplacian; bootstrap), ``nfe`` and
+  ``latency_s`` (median seconds per video, sampling + decode, batch 1, measured while ``--eval-jobs``
+  candidates sample at once);
+- **floor**: the 40-step teacher against itself across seeds — its seed indices ``[0, S/2)`` against
+  ``[S/2, S)`` (two sets of P·S/2 videos; with the same prompts): KID, Fréchet (with intervals) and
+  paired distance, the distances sampling noise alone gives, plus its adherence and sharpness. The
+  Fréchet floor compares half-size sets, so it overstates the noise of full-size distances somewhat;
+  KID is unbiased at any size.
+
+Output (``--out``, default ``bench/results/quality.json``; rewritten after every candidate, so a run
+stopped at its budget keeps what it finished): ``{"settings", "candidates": [{"name", "method", "nfe",
+"latency_s", "<m>", "<m>_ci": [lo, hi] for m in kid, frechet, adherence, sharpness, paired_distance}],
+"floor"}``; beside it ``quality_goals.json`` (the issue's goals checked against the intervals) and
+``quality_nfe_vs_distance.png`` (KID and Fréchet against NFE per method, the floor as a band). A
+summary table goes to stdout.
+
+Runs::
+
+    python bench/quality.py --device cuda --scale gpu --budget-s 450     # one H200, ~8 minutes
+    python bench/quality.py --device cpu --scale small                   # CPU, opt-in long run
+
+``--budget-s``: the shared stages always run; a student that has not finished training when only
+``--eval-reserve-s`` (default 45% of the budget) is left is stopped and left out, and no candidate starts
+sampling after the budget (the reference always does); what is left out is listed in ``settings.skipped``.
+``--reuse`` keeps a work folder's trained students (evaluation only); ``--rescore`` scores its samples again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS_FILE = ROOT / "bench" / "quality_prompts.txt"
+GUIDANCE = 4.0  # the teacher's CFG (validate.guidance_scale)
+TEACHER_STEPS = (40, 8, 4, 2, 1)
+PDD_NFE = (1, 2, 4, 8)
+METRICS = ("kid", "frechet", "adherence", "sharpness", "paired_distance")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """One benchmark size: the params.yaml values it sets and the evaluation's prompts × seeds."""
+
+    params: dict[str, Any]
+    prompts: int
+    seeds: int
+    bootstrap: int = 500
+
+
+_SMALL = {"clips.num_train": 48, "clips.num_validation": 8,
+          "teacher.steps": 60, "teacher.batch_size": 8, "teacher.save_every": 0,
+          "pretrain.steps": 60, "pretrain.batch_size": 8, "pretrain.save_every": 0,
+          "distill.steps": 40, "distill.batch_size": 8, "distill.save_every": 0,
+          "pdd.steps": 60, "pdd.batch_size": 8, "pdd.save_every": 0}
+_GPU = {"clips.num_train": 512, "clips.num_validation": 32,
+        "teacher.steps": 600, "teacher.batch_size": 32, "teacher.save_every": 0,
+        "pretrain.steps": 400, "pretrain.batch_size": 32, "pretrain.save_every": 0,
+        "distill.steps": 400, "distill.batch_size": 32, "distill.save_every": 0,
+        "pdd.steps": 600, "pdd.batch_size": 32, "pdd.save_every": 0}
+SCALES = {
+    "small": Scale(_SMALL, prompts=8, seeds=2, bootstrap=300),  # CPU end to end: minutes, not the ≥ 256 videos
+    "gpu": Scale(_GPU, prompts=32, seeds=8),  # 256 videos per candidate; one H200 in ~8 minutes
+    "large": Scale({**_GPU, "teacher.steps": 2000, "pretrain.steps": 1200, "distill.steps": 1500, "pdd.steps": 2000},
+                   prompts=32, seeds=16),
+}
+
+
+@dataclass(frozen=True)
+class Student:
+    """A student trained in its own workspace: the stage and the params that pick its recipe."""
+
+    name: str
+    stage: str  # distill | pdd
+    method: str  # dmd2 | self_forcing | pdd | dm_pdd
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+STUDENTS = (
+    Student("dmd2_1", "distill", "dmd2", {"distill.method": "dmd2", "distill.student_steps": 1}),
+    Student("dmd2_2", "distill", "dmd2", {"distill.method": "dmd2", "distill.student_steps": 2}),
+    Student("dmd2_4", "distill", "dmd2", {"distill.method": "dmd2", "distill.student_steps": 4}),
+    Student("self_forcing", "distill", "self_forcing", {"distill.method": "self_forcing"}),
+    Student("pdd", "pdd", "pdd", {"pdd.method": "pdd"}),
+    Student("dm_pdd", "pdd", "dm_pdd", {"pdd.method": "dm_pdd"}),
+)
+
+
+@dataclass(frozen=True)
+class CandidateSpec:
+    """One candidate to sample: a teacher step count, or a student's artifact (at an NFE for PDD)."""
+
+    name: str
+    method: str  # teacher | dmd2 | self_forcing | pdd | dm_pdd
+    model_dir: str
+    steps: int | None  # Euler steps (teacher), the PDD NFE, or None: the artifact's contract
+
+
+def candidate_specs(work: Path, trained: dict[str, Path]) -> list[CandidateSpec]:
+    """The reference (teacher_40) first, then every candidate whose model exists."""
+    teacher = str(work / "base" / "artifacts" / "teacher" / "model")
+    specs = [CandidateSpec(f"teacher_{n}", "teacher", teacher, n) for n in TEACHER_STEPS]
+    for student in STUDENTS:
+        if student.name not in trained:
+            continue
+        model = str(trained[student.name])
+        if student.stage == "pdd":
+            specs += [CandidateSpec(f"{student.name}_{n}", student.method, model, n) for n in PDD_NFE]
+        else:
+            specs.append(CandidateSpec(student.name, student.method, model, None))
+    return specs
+
+
+# -- running stages ------------------------------------------------------------------------------
+def _env(device: str) -> dict[str, str]:
+    # one thread per CPU process unless told: on a shared machine two OpenMP threads per training spin against the
+    # other processes' (a DM-PDD step: 18 s with two threads beside one other job on the 2-core machine, 0.26 s with one)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if device == "cpu" else "2")}
+    src = str(ROOT / "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != src]])
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # every stage and worker on the CPU
+    return env
+
+
+def set_params(path: Path, updates: dict[str, Any]) -> None:
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    for dotted, value in updates.items():
+        node = data
+        *head, last = dotted.split(".")
+        for part in head:
+            node = node[part]
+        node[last] = value
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def make_workspace(folder: Path, updates: dict[str, Any], artifacts_from: Path | None = None) -> Path:
+    """A pipeline folder (dvc.yaml, params.yaml, templates) with ``updates`` set; with ``artifacts_from``,
+    links to that workspace's artifacts (a student's inputs: base, latents, teacher, pretrain)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("dvc.yaml", "params.yaml", "templates"):
+        dst = folder / name
+        if dst.is_dir():
+            shutil.rmtree(dst)
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(ROOT / name, dst)
+    set_params(folder / "params.yaml", updates)
+    if artifacts_from is not None:
+        shutil.rmtree(folder / "artifacts", ignore_errors=True)
+        (folder / "artifacts").mkdir()
+        for name in ("base", "latents", "teacher", "pretrain"):
+            (folder / "artifacts" / name).symlink_to(artifacts_from / "artifacts" / name, target_is_directory=True)
+    return folder
+
+
+def run_one_stage(folder: Path, name: str, device: str) -> None:
+    """What ``distillery stage <name>`` computes, in ``folder`` (its cwd), without DVC, MLflow or lineage
+    (the device image has neither): clips, base and latents call the stage's library functions; a
+    training stage fills its run config from the table and ``params.yaml`` as the stage does
+    (:func:`distillery.stages.run_config.fill_run_config`, tracker off), trains it under ``torchrun``
+    (``distillery.cli.launch``) and exports the trained role as the stage's ``artifacts/<name>/model``."""
+    os.chdir(folder)
+    from distillery.stages.artifacts import ARTIFACTS, RUNS
+    from distillery.stages.dvcfile import stage_params
+    from distillery.stages.params import Params, StageParams
+
+    params = Params.load("params.yaml")
+    view = StageParams(params, name, stage_params(name))
+    out = ARTIFACTS / name
+    shutil.rmtree(out, ignore_errors=True)
+    if name == "clips":
+        from distillery.clips.synthetic import ClipSetConfig, make_clip_set
+
+        c = view.get("clips")
+        make_clip_set(out / "data", ClipSetConfig(num_train=c.num_train, num_validation=c.num_validation,
+                                                  num_frames=c.num_frames, height=c.size, width=c.size,
+                                                  fps=int(c.fps), seed=view.get("seed")))
+        return
+    if name == "base":
+        from distillery.stages.base import resolve_base
+        from distillery.stages.base_folder import copy_model_folder
+
+        copy_model_folder(resolve_base(view.get("base.path")), out / "model", exclude=("lineage.json",))
+        return
+    if name == "latents":
+        from distillery.data.preprocess import PreprocessConfig, preprocess
+
+        size = view.get("clips.size")
+        cfg = PreprocessConfig(num_frames=view.get("clips.num_frames"), height=size, width=size, fps=float(view.get("clips.fps")),
+                               rows_per_shard=view.get("latents.rows_per_shard"), device="cuda" if device == "cuda" else "cpu")
+        preprocess(ARTIFACTS / "base" / "model", ARTIFACTS / "clips" / "data", out / "data", cfg)
+        return
+    import yaml
+
+    from distillery.export.weights import export_weights
+    from distillery.models.registry import locate_transformer
+    from distillery.stages.run_config import check_chain, fill_run_config
+    from distillery.stages.run_summary import read_run_summary
+    from distillery.stages.training_table import TRAINING_STAGES
+
+    spec = TRAINING_STAGES[name].resolve(view)
+    raw = fill_run_config(spec, view, "")
+    raw["training"]["tracker"] = {"backend": "none"}
+    check_chain(spec, raw)
+    run_dir = RUNS / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.yaml").write_text(yaml.safe_dump(raw, sort_keys=True))
+    cmd = [sys.executable, "-m", "distillery.cli.launch", "--standalone", "--nproc_per_node", "1",
+           "-m", "distillery.cli.train", "--config", str(run_dir / "run.yaml")]
+    code = subprocess.run(cmd, env=_env(device)).returncode
+    if code != 0:
+        raise SystemExit(f"error: training {name} in {folder} exited {code}")
+    summary = read_run_summary(run_dir)
+    export_weights(summary.checkpoint_dir(run_dir), spec.export_role, out / "model")
+    _, scheduler = locate_transformer(raw["models"][spec.export_role]["init_from"])
+    if scheduler is not None:
+        shutil.copytree(scheduler, out / "model" / "scheduler")
+    (out / "model" / "sampling.json").write_text(json.dumps(summary.sampling))
+    (out / "loss.json").write_text(json.dumps(summary.loss_rows()))
+
+
+def stage_command(folder: Path, name: str, device: str) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--device", device, "--stage-one", str(folder), name]
+
+
+def run_stage(folder: Path, name: str, device: str, logs: Path) -> float:
+    """:func:`run_one_stage` in its own process (its log in ``logs/``); returns its wall seconds."""
+    logs.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with (logs / f"{folder.name}-{name}.log").open("w") as log:
+        code = subprocess.run(stage_command(folder, name, device), cwd=folder, env=_env(device), stdout=log,
+                              stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = (logs / f"{folder.name}-{name}.log").read_text()[-2000:]
+        raise SystemExit(f"error: stage {name} in {folder} failed ({code}):\n{tail}")
+    return time.perf_counter() - t0
+
+
+# -- sampling one candidate (a worker process) --------------------------------------------------
+def sample_candidate(spec: CandidateSpec, base_dir: str, prompts: list[str], settings: dict[str, Any],
+                     out_dir: str, device: str) -> dict[str, Any]:
+    """Sample one candidate with :func:`run_validation` (it is its own reference there); returns its NFE,
+    latency and wall seconds. Its report.json and latents.safetensors stay in ``out_dir``."""
+    import logging
+
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    logging.getLogger("distillery").setLevel(logging.WARNING)
+    from distillery.evaluation.validate import Candidate, ValidationConfig, run_validation
+
+    t0 = time.perf_counter()
+    if spec.method == "teacher":
+        cand = Candidate(spec.name, Path(spec.model_dir), int(spec.steps), GUIDANCE, "euler")
+    else:
+        cand = Candidate.from_artifact(spec.name, Path(spec.model_dir), spec.steps)
+    cfg = ValidationConfig(prompts=prompts, num_frames=settings["num_frames"], height=settings["height"],
+                           width=settings["width"], fps=settings["fps"], num_seeds=settings["seeds"], seed=0,
+                           guidance_scale=GUIDANCE, bootstrap_resamples=0, grid_formats=[], progress_bar=False,
+                           device="cuda" if device == "cuda" else "cpu")
+    metrics = run_validation(Path(base_dir), [cand], prompts, Path(out_dir), cfg)
+    return {"nfe": metrics[f"{spec.name}/nfe"], "latency_s": metrics[f"{spec.name}/latency_s"],
+            "sampling_s": round(time.perf_counter() - t0, 2), "sampler": cand.sampler, "num_steps": cand.num_steps}
+
+
+def sampled_meta(spec: CandidateSpec, report: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`sample_candidate` returned, read back from the candidate's report.json (``--rescore``)."""
+    (cand,) = report["candidates"]
+    return {"nfe": cand["nfe"], "latency_s": report["latency"][spec.name]["median_s"], "sampling_s": report["seconds"],
+            "sampler": cand["sampler"], "num_steps": cand["num_steps"]}
+
+
+# -- scoring ------------------------------------------------------------------------------------
+def _percentile_ci(samples: np.ndarray) -> list[float]:
+    lo, hi = np.percentile(np.asarray(samples, dtype=np.float64), [2.5, 97.5])
+    return [round(float(lo), 6), round(float(hi), 6)]
+
+
+def shifted_ci(estimate: float, samples: np.ndarray, floor: float | None = 0.0) -> list[float]:
+    """95% interval of a statistic biased by its sample size (the Fréchet distance: a resample with
+    repeated rows has a narrower spread, so its bootstrap distances sit above the estimate): the
+    bootstrap percentiles shifted by the bootstrap's bias (their mean − ``estimate``), clipped at ``floor``."""
+    bias = float(np.mean(samples)) - estimate
+    lo, hi = (v - bias for v in np.percentile(np.asarray(samples, dtype=np.float64), [2.5, 97.5]))
+    if floor is not None:
+        lo, hi = max(lo, floor), max(hi, floor)
+    return [round(float(lo), 6), round(float(hi), 6)]
+
+
+def bootstrap_mean_ci(values: np.ndarray, resamples: int, seed: int) -> list[float]:
+    """95% percentile-bootstrap interval of the mean of ``values [N]`` (resampled with replacement)."""
+    v = np.asarray(values, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, len(v), size=(resamples, len(v)))].mean(axis=1)
+    return _percentile_ci(means)
+
+
+@dataclass
+class Sampled:
+    """One candidate's videos as the scores need them (seed-major order, as validate samples them)."""
+
+    features: np.ndarray  # [N, D] raw video features
+    adherence: np.ndarray  # [N] 0/1: the analyzer's "all"
+    sharpness: np.ndarray  # [N]
+    seed_index: np.ndarray  # [N]
+    keys: list[str]  # sample keys "<i>" / "<i>_s<j>"
+    frames: np.ndarray  # [N, T, H, W, 3] float32 RGB in [0, 1], decoded from the saved latents
+
+
+def load_sampled(folder: Path, decoder: Any) -> Sampled:
+    import torch
+    from safetensors.torch import load_file
+
+    report = json.loads((folder / "report.json").read_text())
+    (name,) = report["per_video"]
+    rows = report["per_video"][name]
+    latents = load_file(str(folder / "samples" / name / "latents.safetensors"))
+    keys = [r["sample"] for r in rows]
+    frames = []
+    for start in range(0, len(keys), 16):
+        batch = torch.stack([latents[k] for k in keys[start:start + 16]])
+        frames.append(decoder.decode_latents(batch).astype(np.float32) / 255.0)
+    return Sampled(np.asarray([r["features"] for r in rows], dtype=np.float64), np.asarray([float(r["all"]) for r in rows]),
+                   np.asarray([r["sharpness"] for r in rows], dtype=np.float64), np.asarray([r["seed_index"] for r in rows]),
+                   keys, np.concatenate(frames))
+
+
+def score(cand: Sampled, ref: Sampled, scaler: Any, resamples: int) -> dict[str, Any]:
+    """Every score of a candidate against the reference, each with its 95% interval (module doc)."""
+    from distillery.evaluation.kid import kid, kid_interval
+    from distillery.evaluation.video_metrics import bootstrap_frechet, frechet_distance
+
+    if cand.keys != ref.keys:
+        raise SystemExit("error: a candidate's videos are not the reference's prompts × seeds")
+    z, ref_z = scaler(cand.features), scaler(ref.features)
+    paired = ((cand.frames - ref.frames) ** 2).reshape(len(cand.keys), -1).mean(axis=1)
+    same = z.shape == ref_z.shape and np.array_equal(z, ref_z)
+    fd = frechet_distance(z, ref_z)
+    out = {"kid": round(kid(z, ref_z), 6), "kid_ci": [round(v, 6) for v in kid_interval(z, ref_z, resamples, 0)],
+           "frechet": round(fd, 6),
+           "frechet_ci": [0.0, 0.0] if same else shifted_ci(fd, bootstrap_frechet(z, ref_z, resamples, 0)),
+           "adherence": round(float(cand.adherence.mean()), 6), "adherence_ci": bootstrap_mean_ci(cand.adherence, resamples, 1),
+           "sharpness": round(float(cand.sharpness.mean()), 8), "sharpness_ci": bootstrap_mean_ci(cand.sharpness, resamples, 2),
+           "paired_distance": round(float(paired.mean()), 8),
+           "paired_distance_ci": [0.0, 0.0] if same else bootstrap_mean_ci(paired, resamples, 3)}
+    return out
+
+
+def floor_scores(ref: Sampled, scaler: Any, seeds: int, resamples: int) -> dict[str, Any]:
+    """The reference against itself across seeds: indices [0, S/2) vs [S/2, S) (module doc)."""
+    from distillery.evaluation.kid import kid, kid_interval
+    from distillery.evaluation.video_metrics import bootstrap_frechet, frechet_distance
+
+    half = seeds // 2
+    a, b = ref.seed_index < half, (ref.seed_index >= half) & (ref.seed_index < 2 * half)
+    za, zb = scaler(ref.features[a]), scaler(ref.features[b])
+    paired = ((ref.frames[a] - ref.frames[b]) ** 2).reshape(int(a.sum()), -1).mean(axis=1)
+    fd = frechet_distance(za, zb)
+    return {"kid": round(kid(za, zb), 6), "kid_ci": [round(v, 6) for v in kid_interval(za, zb, resamples, 0)],
+            "frechet": round(fd, 6), "frechet_ci": shifted_ci(fd, bootstrap_frechet(za, zb, resamples, 0)),
+            "paired_distance": round(float(paired.mean()), 8), "paired_distance_ci": bootstrap_mean_ci(paired, resamples, 3),
+            "adherence": round(float(ref.adherence.mean()), 6), "adherence_ci": bootstrap_mean_ci(ref.adherence, resamples, 1),
+            "sharpness": round(float(ref.sharpness.mean()), 8), "sharpness_ci": bootstrap_mean_ci(ref.sharpness, resamples, 2),
+            "of": "teacher_40", "split": f"seed indices [0, {half}) vs [{half}, {2 * half})",
+            "videos_per_set": int(a.sum())}
+
+
+# -- goals --------------------------------------------------------------------------------------
+def check_goals(cands: dict[str, dict[str, Any]], floor: dict[str, Any]) -> dict[str, Any]:
+    """The issue's goals 2 and 3 against the intervals (each entry: the numbers and whether it holds;
+    a goal whose candidates are missing is ``null``)."""
+    goals: dict[str, Any] = {}
+    ref_adh = cands.get("teacher_40", {}).get("adherence_ci")
+
+    def student_names(nfe: int) -> list[str]:
+        names = [f"dmd2_{nfe}", f"pdd_{nfe}", f"dm_pdd_{nfe}"]
+        if nfe == 4:
+            names.append("self_forcing")
+        return [n for n in names if n in cands]
+
+    for nfe in (1, 2):
+        teacher = cands.get(f"teacher_{nfe}")
+        rows = {}
+        for name in student_names(nfe):
+            c = cands[name]
+            if teacher is None or ref_adh is None:
+                rows[name] = None
+                continue
+            rows[name] = {m: {"student_ci": c[f"{m}_ci"], "teacher_ci": teacher[f"{m}_ci"],
+                              "below": c[f"{m}_ci"][1] < teacher[f"{m}_ci"][0]} for m in ("kid", "frechet")}
+            rows[name]["adherence"] = {"student_ci": c["adherence_ci"], "teacher_40_ci": ref_adh,
+                                       "at_least": c["adherence_ci"][1] >= ref_adh[0]}
+            rows[name]["met"] = all(rows[name][m]["below"] for m in ("kid", "frechet")) and rows[name]["adherence"]["at_least"]
+        goals[f"students_beat_teacher_at_{nfe}_steps"] = {"students": rows,
+                                                          "met": bool(rows) and all(r and r["met"] for r in rows.values())}
+    within = {}
+    for name in student_names(4):
+        c = cands[name]
+        within[name] = {m: {"student_ci": c[f"{m}_ci"], "floor": floor[m], "within": c[f"{m}_ci"][0] <= max(floor[m], 0.0)}
+                        for m in ("kid", "frechet")}
+        within[name]["met"] = within[name]["kid"]["within"] and within[name]["frechet"]["within"]
+    goals["a_student_within_the_floor_at_4"] = {"students": within, "met": any(r["met"] for r in within.values())}
+    teacher4 = cands.get("teacher_4")
+    for name in ("pdd_4", "dm_pdd_4"):
+        c = cands.get(name)
+        if c is None or teacher4 is None:
+            goals[f"{name}_not_blurrier"] = None
+            continue
+        ratio = c["sharpness"] / teacher4["sharpness"] if teacher4["sharpness"] else float("nan")
+        goals[f"{name}_not_blurrier"] = {
+            "sharpness": c["sharpness"], "teacher_4_sharpness": teacher4["sharpness"], "ratio": round(ratio, 4),
+            "within_5_percent": abs(ratio - 1.0) <= 0.05 or ratio > 1.0,
+            "paired_distance": c["paired_distance"], "teacher_4_paired_distance": teacher4["paired_distance"],
+            "no_loss_of_paired_distance": c["paired_distance_ci"][0] <= teacher4["paired_distance"],
+        }
+        goals[f"{name}_not_blurrier"]["met"] = (goals[f"{name}_not_blurrier"]["within_5_percent"]
+                                                and goals[f"{name}_not_blurrier"]["no_loss_of_paired_distance"])
+    return goals
+
+
+# -- output -------------------------------------------------------------------------------------
+def write_results(out: Path, settings: dict[str, Any], rows: list[dict[str, Any]], floor: dict[str, Any] | None) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"settings": settings, "candidates": rows, "floor": floor or {}}, indent=2) + "\n")
+    tmp.replace(out)
+
+
+def write_plot(rows: list[dict[str, Any]], floor: dict[str, Any] | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    markers = {"teacher": "o", "dmd2": "s", "self_forcing": "^", "pdd": "D", "dm_pdd": "v"}
+    for ax, metric, label in ((axes[0], "kid", "KID to teacher-40"), (axes[1], "frechet", "Fréchet distance to teacher-40")):
+        for method in markers:
+            pts = sorted((r["nfe"], r[metric], *r[f"{metric}_ci"]) for r in rows if r["method"] == method and r["name"] != "teacher_40")
+            if not pts:
+                continue
+            x, y, lo, hi = (np.asarray(v, dtype=np.float64) for v in zip(*pts))
+            ax.errorbar(x, y, yerr=[np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)], marker=markers[method], capsize=3, label=method,
+                        linestyle="-" if method in ("teacher", "pdd", "dm_pdd") else "none")
+        if floor:
+            ax.axhspan(floor[f"{metric}_ci"][0], floor[f"{metric}_ci"][1], color="grey", alpha=0.25,
+                       label="teacher-40 seed-to-seed floor")
+            ax.axhline(floor[metric], color="grey", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("NFE (transformer forwards per video)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("distillery quality benchmark: distance to the 40-step teacher's samples vs NFE (95% intervals)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary_table(rows: list[dict[str, Any]], floor: dict[str, Any] | None) -> str:
+    def ci(r: dict[str, Any], m: str, fmt: str) -> str:
+        lo, hi = r[f"{m}_ci"]
+        return f"{r[m]:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
+
+    head = (f"{'candidate':<14} {'method':<12} {'NFE':>4} {'latency s':>9}  {'KID [95%]':<28} {'Fréchet [95%]':<26} "
+            f"{'adherence [95%]':<22} {'sharpness×1e3 [95%]':<22} {'paired×1e3 [95%]':<22}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        sharp = {**r, "sharpness": r["sharpness"] * 1e3, "sharpness_ci": [v * 1e3 for v in r["sharpness_ci"]]}
+        paired = {**r, "paired_distance": r["paired_distance"] * 1e3,
+                  "paired_distance_ci": [v * 1e3 for v in r["paired_distance_ci"]]}
+        lines.append(f"{r['name']:<14} {r['method']:<12} {int(r['nfe']):>4} {r['latency_s']:>9.4f}  {ci(r, 'kid', '.4f'):<28} "
+                     f"{ci(r, 'frechet', '.3f'):<26} {ci(r, 'adherence', '.3f'):<22} {ci(sharp, 'sharpness', '.3f'):<22} "
+                     f"{ci(paired, 'paired_distance', '.3f'):<22}")
+    if floor:
+        lines.append(f"floor (teacher_40 seed halves, {floor['videos_per_set']} videos each): KID {floor['kid']:.4f} "
+                     f"[{floor['kid_ci'][0]:.4f}, {floor['kid_ci'][1]:.4f}], Fréchet {floor['frechet']:.3f} "
+                     f"[{floor['frechet_ci'][0]:.3f}, {floor['frechet_ci'][1]:.3f}], paired×1e3 {floor['paired_distance'] * 1e3:.3f}")
+    return "\n".join(lines)
+
+
+# -- the run ------------------------------------------------------------------------------------
+def latent_settings(work: Path) -> dict[str, Any]:
+    manifest = json.loads((work / "base" / "artifacts" / "latents" / "data" / "preprocess.json").read_text())
+    s = manifest["settings"]
+    return {"num_frames": int(s["num_frames"]), "height": int(s["height"]), "width": int(s["width"]), "fps": float(s["fps"])}
+
+
+def train(args: argparse.Namespace, scale: Scale, work: Path, deadline: float, settings: dict[str, Any]) -> dict[str, Path]:
+    """The shared stages, then every student (``--train-jobs`` at a time); returns name → model folder."""
+    logs = work / "logs"
+    base = work / "base"
+    trained: dict[str, Path] = {}
+    timings = settings.setdefault("stage_seconds", {})
+    if not args.reuse or not (base / "artifacts" / "pretrain" / "model").is_dir():
+        make_workspace(base, scale.params)
+        for name in ("clips", "base", "latents", "teacher", "pretrain"):
+            timings[name] = round(run_stage(base, name, args.device, logs), 1)
+            print(f"[quality] stage {name}: {timings[name]} s", flush=True)
+    pending = [s for s in STUDENTS if not (args.reuse and (work / s.name / "artifacts" / s.stage / "model").is_dir())]
+    for s in STUDENTS:
+        if s not in pending:
+            trained[s.name] = work / s.name / "artifacts" / s.stage / "model"
+    running: dict[str, tuple[subprocess.Popen, float, Student, Any]] = {}
+    while pending or running:
+        while pending and len(running) < args.train_jobs:
+            student = pending.pop(0)
+            if time.monotonic() > deadline - args.eval_reserve_s:
+                settings["skipped"].append(f"train {student.name} (budget)")
+                continue
+            folder = make_workspace(work / student.name, {**scale.params, **student.params}, artifacts_from=base)
+            log = (logs / f"{student.name}-{student.stage}.log").open("w")
+            proc = subprocess.Popen(stage_command(folder, student.stage, args.device), cwd=folder, env=_env(args.device),
+                                    stdout=log, stderr=subprocess.STDOUT)
+            running[student.name] = (proc, time.perf_counter(), student, log)
+        for name, (proc, t0, student, log) in list(running.items()):
+            if proc.poll() is None:
+                if time.monotonic() > deadline - args.eval_reserve_s:  # the rest of the budget is the evaluation's
+                    proc.terminate()
+                    proc.wait()
+                    log.close()
+                    settings["skipped"].append(f"train {name} (stopped at the budget)")
+                    del running[name]
+                continue
+            log.close()
+            del running[name]
+            if proc.returncode != 0:
+                tail = (logs / f"{name}-{student.stage}.log").read_text()[-1500:]
+                print(f"[quality] training {name} failed ({proc.returncode}):\n{tail}", flush=True)
+                settings["skipped"].append(f"train {name} (failed: exit {proc.returncode})")
+                continue
+            timings[name] = round(time.perf_counter() - t0, 1)
+            trained[name] = work / name / "artifacts" / student.stage / "model"
+            print(f"[quality] trained {name}: {timings[name]} s", flush=True)
+        time.sleep(0.5)
+    return trained
+
+
+def evaluate(args: argparse.Namespace, scale: Scale, work: Path, trained: dict[str, Path], deadline: float,
+             settings: dict[str, Any], out: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Sample every candidate (``--eval-jobs`` processes), score each as it ends, rewrite the results."""
+    import multiprocessing
+
+    from distillery.data.encoders import BaseEncoders
+    from distillery.evaluation.video_metrics import Standardiser
+
+    prompts = PROMPTS_FILE.read_text().splitlines()[: scale.prompts]
+    specs = candidate_specs(work, trained)
+    base_dir = str(work / "base" / "artifacts" / "base" / "model")
+    sampling = {**latent_settings(work), "seeds": scale.seeds}
+    settings.update(prompts=prompts, num_prompts=len(prompts), num_seeds=scale.seeds, videos_per_candidate=len(prompts) * scale.seeds,
+                    video=sampling, candidates_planned=[s.name for s in specs])
+    device = "cuda" if args.device == "cuda" else "cpu"
+    decoder = BaseEncoders(base_dir, device, text_encoder=False)
+    ref: Sampled | None = None
+    scaler = None
+    floor: dict[str, Any] | None = None
+    rows: dict[str, dict[str, Any]] = {}
+    done: dict[str, tuple[CandidateSpec, dict[str, Any]]] = {}  # sampled, waiting for the reference
+    order = {s.name: i for i, s in enumerate(specs)}
+    info = settings.setdefault("candidate_sampling", {})
+
+    def finish(spec: CandidateSpec, meta: dict[str, Any]) -> None:
+        nonlocal ref, scaler, floor
+        folder = work / "eval" / spec.name
+        sampled = load_sampled(folder, decoder)
+        if spec.name == "teacher_40":
+            ref, scaler = sampled, Standardiser.fit(sampled.features)
+            floor = floor_scores(ref, scaler, scale.seeds, scale.bootstrap) if scale.seeds >= 2 else None
+        assert ref is not None and scaler is not None
+        rows[spec.name] = {"name": spec.name, "method": spec.method, "nfe": meta["nfe"], "latency_s": meta["latency_s"],
+                           **score(sampled, ref, scaler, scale.bootstrap)}
+        info[spec.name] = {k: meta[k] for k in ("sampler", "num_steps", "sampling_s")}
+        ordered = sorted(rows.values(), key=lambda r: order[r["name"]])
+        write_results(out, settings, ordered, floor)
+        r = rows[spec.name]
+        print(f"[quality] {spec.name}: NFE {int(r['nfe'])}, KID {r['kid']:.4f} {r['kid_ci']}, Fréchet {r['frechet']:.3f} "
+              f"{r['frechet_ci']}, adherence {r['adherence']:.3f}, sharpness {r['sharpness'] * 1e3:.3f}e-3, "
+              f"sampled in {meta['sampling_s']} s", flush=True)
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=args.eval_jobs, mp_context=ctx) as pool:
+        futures: dict[Future, CandidateSpec] = {}
+        queue = list(specs)
+
+        def submit() -> None:
+            while queue and len(futures) < args.eval_jobs:
+                spec = queue.pop(0)
+                if time.monotonic() > deadline and spec.name != "teacher_40":
+                    settings["skipped"].append(f"evaluate {spec.name} (budget)")
+                    continue
+                shutil.rmtree(work / "eval" / spec.name, ignore_errors=True)
+                futures[pool.submit(sample_candidate, spec, base_dir, prompts, sampling, str(work / "eval" / spec.name),
+                                    args.device)] = spec
+
+        if args.rescore:  # score what an earlier run sampled, sample nothing
+            for spec in queue:
+                report_file = work / "eval" / spec.name / "report.json"
+                if report_file.is_file():
+                    done[spec.name] = (spec, sampled_meta(spec, json.loads(report_file.read_text())))
+                else:
+                    settings["skipped"].append(f"evaluate {spec.name} (not sampled; --rescore)")
+            queue.clear()
+            for name in sorted(done, key=lambda n: (n != "teacher_40", order[n])):
+                finish(*done.pop(name))
+        submit()
+        while futures:
+            finished, _ = wait(list(futures), return_when=FIRST_COMPLETED)
+            for fut in finished:
+                spec = futures.pop(fut)
+                try:
+                    meta = fut.result()
+                except Exception as exc:  # one candidate failing does not lose the others
+                    print(f"[quality] evaluating {spec.name} failed: {type(exc).__name__}: {exc}", flush=True)
+                    settings["skipped"].append(f"evaluate {spec.name} (failed)")
+                    if spec.name == "teacher_40":
+                        raise SystemExit("error: the reference teacher_40 could not be sampled") from exc
+                    continue
+                done[spec.name] = (spec, meta)
+            if "teacher_40" in done or ref is not None:
+                for name in sorted(done, key=lambda n: (n != "teacher_40", order[n])):
+                    finish(*done.pop(name))
+            submit()
+    ordered = sorted(rows.values(), key=lambda r: order[r["name"]])
+    return ordered, floor
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    parser.add_argument("--scale", choices=sorted(SCALES), default=None, help="default: gpu on cuda, small on cpu")
+    parser.add_argument("--budget-s", type=float, default=float("inf"), help="wall-clock budget (module doc)")
+    parser.add_argument("--eval-reserve-s", type=float, default=None,
+                        help="seconds kept for evaluation: no training starts after budget − this (default: 45%% of the budget)")
+    parser.add_argument("--work", type=Path, default=ROOT / ".quality-work")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality.json")
+    parser.add_argument("--train-jobs", type=int, default=None, help="students trained at once (default: 6 on cuda, 1 on cpu)")
+    parser.add_argument("--eval-jobs", type=int, default=None, help="candidates sampled at once (default: 4 on cuda, 1 on cpu)")
+    parser.add_argument("--prompts", type=int, default=None, help="override the scale's prompt count (≤ 32)")
+    parser.add_argument("--seeds", type=int, default=None, help="override the scale's seed count")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a params.yaml value for every workspace (YAML), e.g. --set pdd.dm_weight=0.5")
+    parser.add_argument("--reuse", action="store_true", help="keep the work folder's trained models; evaluate only what is missing")
+    parser.add_argument("--rescore", action="store_true",
+                        help="with --reuse: score the work folder's sampled candidates again, sample nothing")
+    parser.add_argument("--stage-one", nargs=2, metavar=("FOLDER", "STAGE"), help=argparse.SUPPRESS)  # a worker: one stage
+    args = parser.parse_args(argv)
+    if args.stage_one:
+        run_one_stage(Path(args.stage_one[0]), args.stage_one[1], args.device or "cpu")
+        return 0
+    import torch
+    import yaml
+
+    args.reuse = args.reuse or args.rescore
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device is visible", file=sys.stderr)
+        return 2
+    if args.device == "cpu":  # the sampling workers too (see _env)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args.scale = args.scale or ("gpu" if args.device == "cuda" else "small")
+    args.train_jobs = args.train_jobs or (6 if args.device == "cuda" else 1)
+    args.eval_jobs = args.eval_jobs or (4 if args.device == "cuda" else 1)
+    if args.eval_reserve_s is None:
+        args.eval_reserve_s = 0.45 * args.budget_s if args.budget_s != float("inf") else 0.0
+    base_scale = SCALES[args.scale]
+    extra = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    scale = Scale({**base_scale.params, **extra}, args.prompts or base_scale.prompts, args.seeds or base_scale.seeds,
+                  base_scale.bootstrap)
+    if not 1 <= scale.prompts <= len(PROMPTS_FILE.read_text().splitlines()):
+        print(f"error: --prompts must be in 1..{len(PROMPTS_FILE.read_text().splitlines())}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    deadline = started + args.budget_s
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
+    settings: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if argv is None else argv,
+        "device": args.device, "gpu": gpu, "torch": torch.__version__, "scale": args.scale, "params": scale.params,
+        "teacher_guidance_scale": GUIDANCE, "bootstrap_resamples": scale.bootstrap,
+        "interval": ("95% bootstrap: percentiles (KID: both sets resampled; adherence, sharpness, paired: over videos); "
+                     "Fréchet's shifted by its bootstrap bias"),
+        "budget_s": args.budget_s if args.budget_s != float("inf") else None, "train_jobs": args.train_jobs,
+        "eval_jobs": args.eval_jobs, "students": [asdict(s) for s in STUDENTS], "skipped": [],
+        "reference": "teacher_40", "comparison": "students vs the teacher at the same step count; nfe counts CFG's 2 forwards",
+    }
+    if args.rescore and args.out.is_file():  # keep the training times of the run that trained these models
+        old = json.loads(args.out.read_text())["settings"]
+        settings["stage_seconds"] = old.get("stage_seconds", {})
+        settings["rescored_from_run_of"] = old.get("date")
+    trained = train(args, scale, work, deadline, settings)
+    settings["train_s"] = round(time.monotonic() - started, 1)
+    rows, floor = evaluate(args, scale, work, trained, deadline, settings, args.out)
+    settings["total_s"] = round(time.monotonic() - started, 1)
+    write_results(args.out, settings, rows, floor)
+    goals = check_goals({r["name"]: r for r in rows}, floor or {"kid": 0.0, "frechet": 0.0})
+    (args.out.parent / f"{args.out.stem}_goals.json").write_text(json.dumps(goals, indent=2) + "\n")
+    try:
+        write_plot(rows, floor, args.out.parent / f"{args.out.stem}_nfe_vs_distance.png")
+    except ImportError as exc:  # an image without matplotlib: the JSON has every number the plot shows
+        print(f"[quality] no plot ({exc})", flush=True)
+    print(summary_table(rows, floor))
+    print("goals: " + ", ".join(f"{k}: {'met' if v and v.get('met') else 'NOT met' if v else 'n/a'}" for k, v in goals.items()))
+    print(f"[quality] {len(rows)} candidates in {settings['total_s']} s (training {settings['train_s']} s); "
+          f"skipped: {settings['skipped'] or 'none'}; results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
