@@ -312,10 +312,10 @@ def test_run_validation_metrics(validation, pipe, embeds):
     shown = headline_metrics(metrics)  # every candidate's headline numbers
     assert set(shown) == {f"{c.name}/{k}" for c in candidates for k in HEADLINE_METRICS}
     assert all(shown[k] == metrics[k] for k in shown) and len(shown) < len(metrics) / 2
-    # what the validate stage gives DVC: a few columns — the chosen candidates' adherence and Fréchet distance,
-    # without the reference's Fréchet distance (0 by construction)
+    # what the validate stage gives DVC: a few columns — the chosen candidates' adherence, Fréchet distance and
+    # KID, without the reference's distances (0 by construction)
     assert headline_metrics(metrics, ["teacher_10", "student"], "teacher_10") == {
-        k: metrics[k] for k in ("teacher_10/all", "student/all", "student/frechet_distance")}
+        k: metrics[k] for k in ("teacher_10/all", "student/all", "student/frechet_distance", "student/kid")}
 
 
 def test_latency_leaves_out_the_warm_up_and_reports_median_and_spread():
