@@ -565,7 +565,8 @@ def _frechet(features: np.ndarray, reference: np.ndarray, cfg: ValidationConfig)
 
 def _distribution_scores(z: np.ndarray, reference_z: np.ndarray, cfg: ValidationConfig) -> dict[str, float]:
     """A candidate's scores against the reference's videos from standardised features ``[N, D]`` (the
-    reference's ``[N_ref, D]``): one line per distribution-level score (each also in :data:`METRIC_NAMES`)."""
+    reference's ``[N_ref, D]``): one line per distribution-level score (a key not in :data:`METRIC_NAMES`
+    follows them in metrics.json)."""
     frechet, frechet_std = _frechet(z, reference_z, cfg)
     return {"frechet_distance": frechet, "frechet_distance_std": frechet_std}
 
@@ -726,7 +727,8 @@ def run_validation(
             values["nfe"] = cand.nfe(ctx.latent_shape[1])
             latency[cand.name] = latency_summary([v.latency_s for v in videos])  # in sampling order
             values["latency_s"], values["latency_s_iqr"] = latency[cand.name]["median_s"], latency[cand.name]["iqr_s"]
-            metrics[cand.name] = {k: values[k] if k == "nfe" else round(float(values[k]), 6) for k in METRIC_NAMES}
+            names = [*METRIC_NAMES, *(k for k in values if k not in METRIC_NAMES)]  # a score added to values comes last
+            metrics[cand.name] = {k: values[k] if k == "nfe" else round(float(values[k]), 6) for k in names}
             if cand is ref and cfg.num_seeds >= 2:
                 n = len(prompts)  # seed-major: rows [0, n) are seed index 0, [n, 2n) seed index 1
                 metrics[cand.name]["frechet_floor"] = round(frechet_distance(reference_z[:n], reference_z[n: 2 * n]), 6)
