@@ -19,6 +19,8 @@ def test_a_streaming_students_nfe_is_chunks_times_steps_plus_cache_writes(tmp_pa
     assert forwards(student, 5) == {"per_video": 24, "chunks": 5, "per_chunk": 4, "cache_writes": 4}  # the DAG's 5 latent frames
     teacher = Candidate("teacher_40", Path("unused"), 40, 4.0, "euler")
     assert forwards(teacher, 5) == {"per_video": 80, "chunks": 1, "per_chunk": 80, "cache_writes": 0}
+    causal = Candidate("pretrain_40", Path("unused"), 40, 4.0, "euler", options={"chunk_size": 1})  # a causal mask, one pass
+    assert forwards(causal, 5) == {"per_video": 80, "chunks": 1, "per_chunk": 80, "cache_writes": 0}
 
 
 def _metrics(values: dict[str, dict[str, float]]) -> dict[str, float]:

@@ -93,7 +93,7 @@ def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) ->
     if not readings["all"]["discriminates"]:
         lines.append(f"- `adherence` (all three right) is {readings['all']['min']:.2f} for every candidate: it ranks none of "
                      "them here.")
-    lines.append(f"- Adherence is a fraction of {videos} videos: it moves in steps of 1/{videos} = {1 / videos:.3f}.")
+    lines.append(f"- Adherence is a fraction of {videos} videos: it moves in steps of 1/{videos} = {1 / videos:.4g}.")
     floor = metrics.get(f"{report['reference']}/frechet_floor")
     if floor is not None:
         lines.append(f"- Fréchet noise floor (the reference's seed 0 vs seed 1 videos): {floor:.2f}; a candidate near it is "

@@ -577,7 +577,8 @@ def _frechet(features: np.ndarray, reference: np.ndarray, cfg: ValidationConfig)
 
 def _distribution_scores(z: np.ndarray, reference_z: np.ndarray, cfg: ValidationConfig) -> dict[str, float]:
     """A candidate's scores against the reference's videos from standardised features ``[N, D]`` (the
-    reference's ``[N_ref, D]``): one line per distribution-level score (each also in :data:`METRIC_NAMES`)."""
+    reference's ``[N_ref, D]``): one line per distribution-level score (a key not in :data:`METRIC_NAMES`
+    follows them in metrics.json)."""
     frechet, frechet_std = _frechet(z, reference_z, cfg)
     return {"frechet_distance": frechet, "frechet_distance_std": frechet_std,
             **kid_summary(z, reference_z, cfg.bootstrap_resamples, cfg.seed)}
@@ -588,12 +589,11 @@ def forwards(cand: Candidate, latent_frames: int) -> dict[str, int]:
     NFE), ``chunks`` (1 unless its sampler streams chunk by chunk), ``per_chunk`` (denoising forwards
     of one chunk: steps × CFG branches) and ``cache_writes`` (forwards that only write a finished
     chunk into the KV cache: per_video − chunks × per_chunk)."""
-    sampler = cand.build_sampler(cand.shift)
     per_video, per_chunk = cand.nfe(latent_frames), cand.nfe(None)
-    chunk = getattr(sampler, "chunk_size", None)
-    chunks = -(-int(latent_frames) // int(chunk)) if chunk else 1
-    if chunks == 1:
-        per_chunk = per_video
+    chunk = getattr(cand.build_sampler(cand.shift), "chunk_size", None)
+    if per_video == per_chunk or not chunk:  # the whole video per forward (a causal mask alone does not stream)
+        return {"per_video": per_video, "chunks": 1, "per_chunk": per_video, "cache_writes": 0}
+    chunks = -(-int(latent_frames) // int(chunk))
     return {"per_video": per_video, "chunks": chunks, "per_chunk": per_chunk, "cache_writes": per_video - chunks * per_chunk}
 
 
@@ -753,7 +753,8 @@ def run_validation(
             values["nfe"] = cand.nfe(ctx.latent_shape[1])
             latency[cand.name] = latency_summary([v.latency_s for v in videos])  # in sampling order
             values["latency_s"], values["latency_s_iqr"] = latency[cand.name]["median_s"], latency[cand.name]["iqr_s"]
-            metrics[cand.name] = {k: values[k] if k == "nfe" else round(float(values[k]), 6) for k in METRIC_NAMES}
+            names = [*METRIC_NAMES, *(k for k in values if k not in METRIC_NAMES)]  # a score added to values comes last
+            metrics[cand.name] = {k: values[k] if k == "nfe" else round(float(values[k]), 6) for k in names}
             if cand is ref and cfg.num_seeds >= 2:
                 n = len(prompts)  # seed-major: rows [0, n) are seed index 0, [n, 2n) seed index 1
                 metrics[cand.name]["frechet_floor"] = round(frechet_distance(reference_z[:n], reference_z[n: 2 * n]), 6)
