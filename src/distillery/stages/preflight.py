@@ -183,11 +183,10 @@ def _check_base_path(params: Params) -> None:
     """``base.path``: ``tiny`` (shipped) or a diffusers Wan folder the base stage accepts: a ``model_index.json`` of
     library classes only (:func:`~distillery.stages.base_folder.check_model_index`, the base stage's own check) and a
     transformer config. Only that module is imported: the stages before ``base`` keep their code deps small."""
-    from distillery.stages.base_folder import check_model_index
-
     path = params.get("base.path")
     if path == "tiny":
         return
+    from distillery.stages.base_folder import check_model_index  # only for a folder: the tiny default's stages never import it
     source = Path(path).expanduser()
     if not (source / "model_index.json").is_file():
         raise UserError(f"params.yaml: base.path: {source} is not a diffusers model folder (no model_index.json); use "
