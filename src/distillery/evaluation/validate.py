@@ -55,7 +55,8 @@ log and report.json ``cache`` say which were reused). Per candidate it reports (
 - ``kid``, ``kid_lo``, ``kid_hi`` — the unbiased kernel inception distance (:mod:`distillery.evaluation.kid`:
   MMD² under the cubic polynomial kernel, ≈ 0 for two samples of one distribution at any size) between
   the same standardised features and the reference's, and its 95% bootstrap interval (both sets
-  resampled, ``cfg.bootstrap_resamples`` times, ``default_rng(cfg.seed)``); the reference scores 0 and,
+  resampled, ``cfg.bootstrap_resamples`` times, ``default_rng(cfg.seed)``; left out for a candidate of one
+  video: the unbiased estimate needs two a side); the reference scores 0 and,
   with ``num_seeds`` >= 2 and >= 2 prompts, adds ``kid_floor`` (its seed-0 vs seed-1 KID, as
   ``frechet_floor``);
 - with the floors, for every other candidate ``kid_resolved`` / ``frechet_resolved`` — 1 when its
@@ -580,8 +581,10 @@ def _distribution_scores(z: np.ndarray, reference_z: np.ndarray, cfg: Validation
     reference's ``[N_ref, D]``): one line per distribution-level score (a key not in :data:`METRIC_NAMES`
     follows them in metrics.json)."""
     frechet, frechet_std = _frechet(z, reference_z, cfg)
-    return {"frechet_distance": frechet, "frechet_distance_std": frechet_std,
-            **kid_summary(z, reference_z, cfg.bootstrap_resamples, cfg.seed)}
+    scores = {"frechet_distance": frechet, "frechet_distance_std": frechet_std}
+    if min(len(z), len(reference_z)) >= 2:  # the unbiased KID needs two videos a side: left out with one
+        scores.update(kid_summary(z, reference_z, cfg.bootstrap_resamples, cfg.seed))
+    return scores
 
 
 def forwards(cand: Candidate, latent_frames: int) -> dict[str, int]:
@@ -753,7 +756,7 @@ def run_validation(
             values["nfe"] = cand.nfe(ctx.latent_shape[1])
             latency[cand.name] = latency_summary([v.latency_s for v in videos])  # in sampling order
             values["latency_s"], values["latency_s_iqr"] = latency[cand.name]["median_s"], latency[cand.name]["iqr_s"]
-            names = [*METRIC_NAMES, *(k for k in values if k not in METRIC_NAMES)]  # a score added to values comes last
+            names = [*(k for k in METRIC_NAMES if k in values), *(k for k in values if k not in METRIC_NAMES)]  # an added score comes last
             metrics[cand.name] = {k: values[k] if k == "nfe" else round(float(values[k]), 6) for k in names}
             if cand is ref and cfg.num_seeds >= 2:
                 n = len(prompts)  # seed-major: rows [0, n) are seed index 0, [n, 2n) seed index 1
