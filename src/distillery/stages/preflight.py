@@ -240,17 +240,20 @@ def check_free_space(stage: str, params: Params, artifacts: Path, runs: Path | N
     """Refuse a stage whose writes (:func:`estimate_bytes`) do not fit: a training stage's checkpoints are
     counted on the file system of ``runs`` (which may be another disk: a symlink to scratch space), its
     exported model on that of ``artifacts``."""
-    needs = [(artifacts, estimate_bytes(stage, params, artifacts))]
     if stage in TRAINING_STAGES and runs is not None:
         artifact, checkpoints = training_bytes(stage, params, artifacts)
         needs = [(artifacts, artifact), (runs, checkpoints)]
-    by_device: dict[int, tuple[Path, int]] = {}
+    else:
+        needs = [(artifacts, estimate_bytes(stage, params, artifacts))]
+    places: dict[int, Path] = {}  # file system (st_dev) -> the first folder on it
+    totals: dict[int, int] = {}
     for path, need in needs:
         where = _existing(path)
         dev = os.stat(where).st_dev
-        by_device[dev] = (by_device.get(dev, (where, 0))[0], by_device.get(dev, (where, 0))[1] + need)
-    for where, need in by_device.values():
-        need += MIN_FREE
+        places.setdefault(dev, where)
+        totals[dev] = totals.get(dev, 0) + need
+    for dev, where in places.items():
+        need = totals[dev] + MIN_FREE
         free = shutil.disk_usage(where).free
         if free < need:
             raise UserError(f"stage {stage}: needs at least {human(need)} free in {where.resolve()}, only {human(free)} "
