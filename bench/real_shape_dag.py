@@ -236,18 +236,13 @@ def main() -> int:
         uninterrupted = teacher["weights_digest"] = weights_digest("teacher")
         job.save()
     run("pretrain")
-    set_key(params, "distill.method", "self_forcing")
-    write_params(params)
-    run("distill", "distill_self_forcing")
-    set_key(params, "pdd.student_init", "teacher")
-    write_params(params)
-    run("pdd", "pdd_from_teacher")
-    set_key(params, "distill.method", "dmd2")
-    write_params(params)
-    run("distill", "distill_dmd2")
-    set_key(params, "pdd.student_init", "distill")
-    write_params(params)
-    run("pdd", "pdd_from_distill")
+    for name, label, key, value in (("distill", "distill_self_forcing", "distill.method", "self_forcing"),
+                                    ("pdd", "pdd_from_teacher", "pdd.student_init", "teacher"),
+                                    ("distill", "distill_dmd2", "distill.method", "dmd2"),
+                                    ("pdd", "pdd_from_distill", "pdd.student_init", "distill")):  # each recipe of a stage
+        set_key(params, key, value)
+        write_params(params)
+        run(name, label)
     run("validate")
     run("export")
     if not args.no_resume_test and uninterrupted and (not want or "teacher_resume" in want) and not job.done("teacher_resumed"):
