@@ -740,7 +740,7 @@ def run_validation(
                 if cand is ref:  # kept as uint8 (97 MB a real-shape video; its float64 copy is 776 MB)
                     reference_frames[(rec.prompt, rec.seed_index)] = pixels
                 rgb = pixels.astype(np.float64) / 255.0
-                reference_rgb = reference_frames[(rec.prompt, rec.seed_index)].astype(np.float64) / 255.0
+                reference_rgb = rgb if cand is ref else reference_frames[(rec.prompt, rec.seed_index)].astype(np.float64) / 255.0
                 videos.append(_Video(rec.prompt, rec.seed_index, rec.seed, rec.scores, rec.latency_s,
                                      len(videos) < WARMUP_VIDEOS, float(np.mean((rgb - reference_rgb) ** 2)),
                                      rec.sharpness, np.asarray(rec.features, dtype=np.float64)))

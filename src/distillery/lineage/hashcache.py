@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -237,8 +238,6 @@ def copy_hashed(source: str | Path, target: str | Path) -> str:
     (the source only when it did not change while it was read), so hashing the copy for its artifact's
     lineage and the source for its input manifest reads neither again. Usable as ``copytree``'s
     ``copy_function``; a symlinked source is copied by content."""
-    import shutil
-
     before = os.stat(source)
     h = hashlib.sha256()
     with open(source, "rb") as src, open(target, "wb") as dst:
