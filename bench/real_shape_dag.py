@@ -78,6 +78,7 @@ def real_shape_params(base: Path, videos: Path, profile: Path, steps: int) -> di
         set_key(params, f"{stage}.steps", steps)
         set_key(params, f"{stage}.save_every", steps)  # the final checkpoint only: 17 GB per trainable 1.3B role
     set_key(params, "teacher.save_every", max(1, steps // 2))  # the resume test's stage: a checkpoint mid-run
+    set_key(params, "distill.generator_update_interval", steps)  # the last step updates the student too: one whole iteration
     set_key(params, "validate.num_prompts", 2)
     set_key(params, "validate.num_seeds", 2)
     set_key(params, "validate.teacher_steps", [4])
@@ -107,6 +108,19 @@ def folder_mib(path: Path) -> float:
     return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20, 1) if path.exists() else 0.0
 
 
+def validate_phases(sampler, folder: Path) -> dict:
+    """The validate stage's sampling phase: GPU busy over its candidates' sampling windows (report.json
+    ``timeline``), and per candidate load s, sampling s, the wait for scoring, and the median s per video."""
+    report = json.loads((folder / "report.json").read_text())
+    metrics = json.loads((folder / "metrics.json").read_text()) if (folder / "metrics.json").exists() else {}
+    samples = [r for r in sampler.rows if any(a <= r[0] <= b for a, b in (t["sampling_unix"] for t in report["timeline"].values()))]
+    per = {name: {**{k: t[k] for k in ("load_s", "sampling_s", "scoring_wait_s")},
+                  "latency_s": metrics.get(f"{name}/latency_s", report["latency"].get(name, {}).get("median_s"))}
+           for name, t in report["timeline"].items()}
+    return {"sampling_gpu_busy_fraction": round(sum(r[1] for r in samples) / len(samples) / 100, 3) if samples else None,
+            "sampling_samples": len(samples), "candidates": per, "report_seconds": report.get("seconds")}
+
+
 class Job:
     def __init__(self, budget: float) -> None:
         self.sampler = rsp.GpuSampler()
@@ -121,7 +135,9 @@ class Job:
         return self.budget - (time.time() - self.started)
 
     def save(self) -> None:
-        text = json.dumps({**self.meta, "stages": self.rows}, indent=1)
+        mine = {r["stage"] for r in self.rows}  # an earlier call's rows stay (a call with --only runs a few)
+        rows = [r for r in self.earlier if r["stage"] not in mine] + self.rows
+        text = json.dumps({**self.meta, "stages": rows}, indent=1)
         (OUT / "real_shape_dag.json").write_text(text)
         STATE.write_text(text)  # the next call of the job on this machine goes on from here
 
@@ -178,6 +194,8 @@ class Job:
             row["last_metrics"] = {k: v for k, v in (data.get("last_metrics") or {}).items() if not k.startswith("lr/")}
         if Path("artifacts", name).exists() and not killed:
             row["artifact_mib"] = folder_mib(Path("artifacts", name))
+        if name == "validate" and proc.returncode == 0:
+            row.update(validate_phases(self.sampler, Path("artifacts", "validate", "report")))
         if name in ("teacher", "pretrain", "distill", "pdd") and proc.returncode == 0 and self.free_checkpoints:
             row["checkpoints_mib"] = folder_mib(Path("runs", name))
             for ckpt in Path("runs", name).glob("checkpoint-*"):  # the device's 64 GiB disk holds few 17 GB checkpoints
@@ -230,7 +248,7 @@ def main() -> int:
     job.meta["params"] = params
     for name in ("clips", "base", "latents"):
         run(name)
-    teacher = run("teacher")
+    teacher = run("teacher") or job.done("teacher")  # the uninterrupted teacher may have run in an earlier call
     uninterrupted = (teacher or {}).get("weights_digest")
     if teacher and teacher.get("rc") == 0 and uninterrupted is None:
         uninterrupted = teacher["weights_digest"] = weights_digest("teacher")

@@ -278,6 +278,10 @@ def test_run_validation_metrics(validation, pipe, embeds):
         assert metrics[f"{c.name}/latency_s"] == pytest.approx(float(np.median(timed)), abs=2e-6)
         assert metrics[f"{c.name}/latency_s_iqr"] == pytest.approx(float(np.subtract(*np.percentile(timed, [75, 25]))), abs=2e-6)
         assert report["latency"][c.name]["warmup_s"] == times[:WARMUP_VIDEOS] and report["latency"][c.name]["timed_videos"] == 5
+        span = report["timeline"][c.name]  # the sampling window holds every timed video
+        start, end = span["sampling_unix"]
+        assert span["load_s"] >= 0 and span["scoring_wait_s"] >= 0 and end - start == pytest.approx(span["sampling_s"], abs=2e-3)
+        assert span["sampling_s"] >= sum(times) - 1e-3
         for key, table in per_video.items():
             seed_means = np.asarray(table).mean(axis=1)  # [S]
             assert metrics[f"{c.name}/{key}"] == pytest.approx(seed_means.mean(), abs=2e-6), (c.name, key)

@@ -23,7 +23,10 @@ log and report.json ``cache`` say which were reused). Per candidate it reports (
   runs before them too; lazy initialisation, kernel selection and compilation make the first videos
   slower than the rest, so they are timed but left out; a candidate with no more videos than that keeps
   them all), and ``latency_s_iqr`` its spread: the interquartile range (75th − 25th percentile) of the same
-  times; report.json ``latency`` has min, max and the warm-up times;
+  times; report.json ``latency`` has min, max and the warm-up times, and ``timeline`` per sampled candidate
+  where its wall time went: ``load_s`` (load + warm-up), ``sampling_unix`` (the window from the first video's
+  start to the last one's decode, unix seconds: a profiler's GPU-busy samples can be cut to it),
+  ``sampling_s`` and ``scoring_wait_s`` (the wait for the scoring thread once the last video is sampled);
 - ``distance_to_teacher`` — mean over videos of the mean squared difference of the decoded frames
   (RGB in [0, 1]) from the reference candidate's video with the same prompt and noise (the
   reference is by default the first candidate: put the teacher first), so the reference scores 0;
@@ -688,6 +691,7 @@ def run_validation(
         scaler: Standardiser | None = None  # fitted to the reference's features
         reference_z = np.empty(0)  # the reference's standardised features [P·S, D]
         latency: dict[str, dict[str, Any]] = {}
+        timeline: dict[str, dict[str, Any]] = {}  # per sampled candidate: where its wall time went (module doc)
         to_sample = [c for c in order if c.name not in hits]
         bar = Progress(len(to_sample) * len(video_order), "validate", "video", enabled=cfg.progress_bar and bool(to_sample))
         for cand in order:
@@ -702,8 +706,10 @@ def run_validation(
             else:
                 number = to_sample.index(cand) + 1
                 bar.set(candidate=f"{cand.name} ({number}/{len(to_sample)})")
+                load_started = time.time()
                 loaded = ctx.load(cand, resolved[cand.name])
                 ctx.warm_up(loaded)
+                sampling_started = time.time()
                 frames = {}
                 sampled: dict[str, torch.Tensor] = {}
                 pending = []
@@ -729,7 +735,12 @@ def run_validation(
                     seconds = time.perf_counter() - t0
                     frames[key] = video
                     pending.append(scoring.submit(score_and_write, i, j, video, seconds, key))
+                sampling_ended = time.time()
                 records = [f.result() for f in pending]  # in sampling order, whatever order they finished in
+                timeline[cand.name] = {"load_s": round(sampling_started - load_started, 3),
+                                       "sampling_unix": [round(sampling_started, 3), round(sampling_ended, 3)],
+                                       "sampling_s": round(sampling_ended - sampling_started, 3),
+                                       "scoring_wait_s": round(time.time() - sampling_ended, 3)}
                 save_file(sampled, str(folder / "latents.safetensors"))
                 if cache is not None:
                     cache.store(cache_log[cand.name]["key"], cache_log[cand.name]["material"], cand.name, records,
@@ -815,6 +826,7 @@ def run_validation(
                 **{c.name: {k: v for k, v in cache_log[c.name].items() if k != "material"} for c in candidates}},
             "adherence_readings": adherence_readings(flat, [c.name for c in candidates]),  # which readings separate them
             "seconds": round(time.perf_counter() - started, 2),
+            "timeline": timeline,
         }
         _write_tables(stage, flat, rows, report)
         (stage / "summary.md").write_text(summary_markdown(flat, report))
