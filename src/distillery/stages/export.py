@@ -40,6 +40,11 @@ def stage_export(params: StageParams) -> None:
     if not (ARTIFACTS / student / "model" / "transformer").is_dir():
         raise UserError(f"stage export: {ARTIFACTS / student / 'model' / 'transformer'} not found: export.student is {student!r}, "
                         f"and its stage has not produced a model here; run it first (dvc repro runs it)")
+    report = ARTIFACTS / "validate" / "report"
+    missing = [f.name for f in (report / "metrics.json", report / "report.json") if not f.is_file()]
+    if missing:  # the card's scores and snippets come from validate's report: a killed or never-run validate left none
+        raise UserError(f"stage export: {report} has no {' or '.join(missing)}: the validate stage has not finished here; "
+                        f"run it first (dvc repro runs it)")
     staging = fresh_staging("export")
     model = staging  # the artifact *is* the diffusers folder, lineage.json inside
     code, stock_nfe = assemble_export(base, ARTIFACTS / student / "model", model)
