@@ -108,6 +108,32 @@ def folder_mib(path: Path) -> float:
     return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20, 1) if path.exists() else 0.0
 
 
+def weights_difference(a: Path, b: Path) -> dict:
+    """Two model folders' ``*.safetensors`` compared tensor by tensor: the largest absolute difference, the largest
+    relative L2 difference ``‖x − y‖ / ‖x‖`` and how many tensors are bitwise equal."""
+    import torch
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict:
+        out: dict = {}
+        for f in sorted(folder.rglob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    x, y = tensors(a), tensors(b)
+    if x.keys() != y.keys():
+        return {"weights_compared": False, "why": "different tensor names"}
+    max_abs = max_rel = 0.0
+    equal = 0
+    for name, t in x.items():
+        u, v = t.double(), y[name].double()
+        equal += bool(torch.equal(t, y[name]))
+        max_abs = max(max_abs, float((u - v).abs().max()))
+        max_rel = max(max_rel, float((u - v).norm() / u.norm().clamp_min(1e-30)))
+    return {"weights_compared": True, "tensors": len(x), "tensors_bitwise_equal": equal, "max_abs_diff": max_abs,
+            "max_rel_l2_diff": max_rel}
+
+
 def validate_phases(sampler, folder: Path) -> dict:
     """The validate stage's sampling phase: GPU busy over its candidates' sampling windows (report.json
     ``timeline``), and per candidate load s, sampling s, the wait for scoring, and the median s per video."""
@@ -266,6 +292,9 @@ def main() -> int:
     if not args.no_resume_test and uninterrupted and (not want or "teacher_resume" in want) and not job.done("teacher_resumed"):
         run_dir = Path("runs", "teacher")
         shutil.rmtree(run_dir, ignore_errors=True)
+        kept = Path("runs", "uninterrupted-teacher")  # its weights, to compare numerically (GPU kernels are not bitwise)
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(Path("artifacts", "teacher", "model", "transformer"), kept)
         first = max(1, args.steps // 2)
         killed = job.stage("teacher", "teacher_killed", kill_when=lambda: (run_dir / f"checkpoint-{first}").is_dir(), min_left=60)
         ckpt = run_dir / f"checkpoint-{first}"
@@ -274,7 +303,11 @@ def main() -> int:
         digest = weights_digest("teacher")
         resumed["resume"] = {"killed_after_checkpoint": first, "checkpoint_read_mib": read_mib, "killed_rc": killed.get("rc"),
                              "weights_equal_uninterrupted": digest == uninterrupted, "uninterrupted_digest": uninterrupted,
-                             "resumed_digest": digest}
+                             "resumed_digest": digest,
+                             **weights_difference(kept, Path("artifacts", "teacher", "model", "transformer")),
+                             "loss": {"uninterrupted": (teacher.get("last_metrics") or {}).get("total_loss"),
+                                      "resumed": (resumed.get("last_metrics") or {}).get("total_loss")}}
+        shutil.rmtree(kept, ignore_errors=True)
         log_file = LOGS / "stage-teacher_resumed.log"
         text = log_file.read_text(errors="replace") if log_file.exists() else ""  # not run: out of the job's time
         resumed["resume"]["log"] = [line[-200:] for line in text.splitlines() if "resum" in line.lower()][:4]

@@ -455,3 +455,25 @@ def test_validation_device_choice():
     assert validate_params({"validate": {"device": "cuda:1"}}).validate.device == "cuda:1"
     with pytest.raises(UserError, match="validate.precision: 'fp16'"):
         ValidationConfig(precision="fp16")
+
+
+def test_the_grid_gif_is_a_preview_of_at_most_gif_max_px_a_side():
+    from distillery.evaluation.validate import GIF_MAX_PX, gif_preview
+
+    small = np.zeros((3, 40, 70, 3), np.uint8)
+    assert gif_preview(small) is small  # tiny tiles: the grid itself
+    real = np.arange(2 * 1971 * 1735 * 3, dtype=np.int64).astype(np.uint8).reshape(2, 1971, 1735, 3)  # 4×2 real tiles
+    preview = gif_preview(real)
+    assert preview.shape == (2, 986, 868, 3) and max(preview.shape[1:3]) <= GIF_MAX_PX  # every 2nd pixel
+    np.testing.assert_array_equal(preview, real[:, ::2, ::2])
+    assert gif_preview(real, max_px=1971).shape == real.shape
+
+
+def test_scoring_workers_leave_the_sampler_a_core_and_fit_in_memory():
+    import os
+
+    from distillery.evaluation.validate import scoring_workers
+
+    cores = len(os.sched_getaffinity(0))
+    assert scoring_workers(32 * 32 * 17 * 3) == max(1, min(8, cores - 1))  # tiny videos: the cores decide
+    assert scoring_workers(1 << 50) == 1  # a video no memory holds twice: one thread, never zero

@@ -140,3 +140,21 @@ def test_features_have_the_documented_dimension_and_are_finite():
     assert moving["area"] == pytest.approx(64 / 32**2, rel=0.2)  # an 8×8 square on 32×32
     assert moving["mean_r"] > moving["mean_g"] and moving["motion"] > 0 and moving["sharpness"] > 0
     assert moving["h4"] > moving["h3"]  # a square: a 4-fold moment term, no 3-fold one
+
+
+def test_paired_mse_is_the_float_formula_from_exact_integer_sums():
+    from distillery.evaluation.video_metrics import paired_mse
+
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 256, size=(5, 7, 9, 3), dtype=np.uint8)
+    b = rng.integers(0, 256, size=(5, 7, 9, 3), dtype=np.uint8)
+    by_hand = float(np.mean((a.astype(np.float64) / 255.0 - b.astype(np.float64) / 255.0) ** 2))
+    assert paired_mse(a, b) == pytest.approx(by_hand, rel=1e-13)
+    assert paired_mse(a, a) == 0.0
+    assert paired_mse(np.zeros_like(a), np.full_like(a, 255)) == 1.0  # the largest value: every pixel 0 against 1
+    big = np.full((2, 480, 832, 3), 255, np.uint8)  # a frame's sum of squares (7.8e10 at 81 frames) overflows int32
+    assert paired_mse(big, np.zeros_like(big)) == 1.0
+    with pytest.raises(ValueError, match="one shape"):
+        paired_mse(a, b[:, :6])
+    with pytest.raises(ValueError, match="uint8"):
+        paired_mse(a.astype(np.float32), b)

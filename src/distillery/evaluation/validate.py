@@ -26,7 +26,7 @@ log and report.json ``cache`` say which were reused). Per candidate it reports (
   times; report.json ``latency`` has min, max and the warm-up times, and ``timeline`` per sampled candidate
   where its wall time went: ``load_s`` (load + warm-up), ``sampling_unix`` (the window from the first video's
   start to the last one's decode, unix seconds: a profiler's GPU-busy samples can be cut to it),
-  ``sampling_s`` and ``scoring_wait_s`` (the wait for the scoring thread once the last video is sampled);
+  ``sampling_s`` and ``scoring_wait_s`` (the wait for the scoring threads once the last video is sampled);
 - ``distance_to_teacher`` — mean over videos of the mean squared difference of the decoded frames
   (RGB in [0, 1]) from the reference candidate's video with the same prompt and noise (the
   reference is by default the first candidate: put the teacher first), so the reference scores 0;
@@ -77,7 +77,9 @@ Output folder (written to a temporary sibling, then renamed into place)::
     out_dir/grid.gif, out_dir/grid.mp4    rows = candidates, columns = prompts (seed index 0 only), labelled in the
                                           video: "<candidate> · <NFE> NFE" left of each row, "#<i>" above each
                                           column, "#<i>  <prompt>" lines below (tiles from report grid.origin_px),
-                                          1-px separators
+                                          1-px separators; the GIF is a preview: a grid longer than
+                                          ``GIF_MAX_PX`` on a side (real-shape tiles) is written every k-th
+                                          pixel there, the mp4 at full size
     out_dir/metrics.json                  flat {"<candidate>/<metric>": number}, every metric above,
                                           candidates in input order (:func:`headline_metrics` picks the
                                           few a user compares, what the validate stage gives DVC)
@@ -114,6 +116,7 @@ import logging
 import re
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -471,13 +474,43 @@ def _check_candidates(candidates: list[Candidate], reference: str | None) -> Can
     return candidates[names.index(reference)]
 
 
+GIF_MAX_PX = 1280  # the grid GIF is a preview: a grid longer than this on a side is written every k-th pixel (the mp4 is full size)
+WORKING_SET_PER_VIDEO = 48  # bytes of scoring working set per byte of a uint8 video (float64 copies in the analyzer)
+
+
+def scoring_workers(video_bytes: int) -> int:
+    """Threads for the CPU half of the videos: the cores but one (the sampler's), at most 8, and no more than
+    the available memory holds at :data:`WORKING_SET_PER_VIDEO` × ``video_bytes`` each; at least 1."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        available = 0
+    by_memory = available // max(1, WORKING_SET_PER_VIDEO * video_bytes) if available else 1
+    return int(max(1, min(8, cores - 1, by_memory)))
+
+
+def gif_preview(grid: np.ndarray, max_px: int = GIF_MAX_PX) -> np.ndarray:
+    """``grid`` ``uint8 [T, H, W, 3]`` as the GIF shows it: every k-th row and column, k the smallest integer that
+    brings both sides to ``max_px`` or less (k = 1: the grid itself)."""
+    k = max(1, -(-max(grid.shape[1], grid.shape[2]) // max_px))
+    return grid if k == 1 else np.ascontiguousarray(grid[:, ::k, ::k])
+
+
 def _write_grid(grid: np.ndarray, stage: Path, cfg: ValidationConfig) -> None:
+    """grid.gif (:func:`gif_preview`) and grid.mp4, as ``cfg.grid_formats`` asks, the two encoded at once."""
     from distillery.clips.video_io import write_video
 
-    if "gif" in cfg.grid_formats:
-        write_gif(stage / "grid.gif", grid, cfg.fps)
-    if "mp4" in cfg.grid_formats:
-        write_video(stage / "grid.mp4", grid, cfg.fps)
+    jobs = []
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="validate-grid") as pool:
+        if "gif" in cfg.grid_formats:
+            jobs.append(pool.submit(write_gif, stage / "grid.gif", gif_preview(grid), cfg.fps))
+        if "mp4" in cfg.grid_formats:
+            jobs.append(pool.submit(write_video, stage / "grid.mp4", grid, cfg.fps))
+        for job in jobs:
+            job.result()
 
 
 CSV_COLUMNS = ("candidate", "sampler", "nfe", "adherence", "adherence_std", "colour", "shape", "direction", "latency_s",
@@ -632,7 +665,7 @@ def run_validation(
     from distillery.evaluation.plots import write_adherence_plot
     from distillery.evaluation.sample_cache import CachedVideo, Expected, entry_key
     from distillery.evaluation.summary import adherence_readings, summary_markdown
-    from distillery.evaluation.video_metrics import COV_EPS, FEATURE_NAMES, Standardiser, frechet_distance, sharpness, video_features
+    from distillery.evaluation.video_metrics import COV_EPS, FEATURE_NAMES, Standardiser, frechet_distance, paired_mse, sharpness, video_features
 
     cfg = cfg or ValidationConfig()
     base_dir, out_dir = Path(base_dir), Path(out_dir)
@@ -678,9 +711,12 @@ def run_validation(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     stage.chmod(0o755)
-    # scoring and encoding (CPU) of one video overlap the sampling of the next (GPU): one thread keeps the
-    # records in order and the CPU work to one core beside the sampler's
-    scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate-score")
+    # scoring and encoding (CPU) of the videos overlap the sampling of the next ones (GPU): at 81×480×832 the CPU
+    # half of one video (analyzer, sharpness, features, mp4) is ~20-40 core-seconds against a few GPU seconds of
+    # sampling, so it runs on several threads (numpy and the encoder release the GIL); the records stay in order
+    scoring = ThreadPoolExecutor(max_workers=scoring_workers(cfg.num_frames * cfg.height * cfg.width * 3),
+                                 thread_name_prefix="validate-score")
+    bar_lock = threading.Lock()
     try:
         metrics: dict[str, dict[str, float]] = {}
         rows: list[dict[str, Any]] = []
@@ -715,14 +751,17 @@ def run_validation(
                 pending = []
 
                 def score_and_write(i: int, j: int, video: np.ndarray, seconds: float, key: str, folder: Path = folder) -> CachedVideo:
-                    """The CPU half of one video — adherence, sharpness, features, its mp4 — on the scoring thread
+                    """The CPU half of one video — adherence, sharpness, features, its mp4 — on a scoring thread
                     while the device samples the next video (numpy and the encoder release the GIL)."""
                     analysis = analyze(video, ctx.analyzer)
                     rgb = video.astype(np.float64) / 255.0
-                    record = CachedVideo(i, j, seed_grid[i][j], score_analysis(analysis, prompts[i]), seconds,
-                                         sharpness(rgb), [float(f) for f in video_features(rgb, analysis)])
+                    sharp = sharpness(rgb)
+                    record = CachedVideo(i, j, seed_grid[i][j], score_analysis(analysis, prompts[i]), seconds, sharp,
+                                         [float(f) for f in video_features(rgb, analysis, sharpness_value=sharp)])
+                    del rgb
                     write_video(folder / f"{key}.mp4", video, cfg.fps)
-                    bar.update()
+                    with bar_lock:
+                        bar.update()
                     return record
 
                 for i, j in video_order:
@@ -750,10 +789,9 @@ def run_validation(
                 pixels = frames[sample_key(rec.prompt, rec.seed_index)]
                 if cand is ref:  # kept as uint8 (97 MB a real-shape video; its float64 copy is 776 MB)
                     reference_frames[(rec.prompt, rec.seed_index)] = pixels
-                rgb = pixels.astype(np.float64) / 255.0
-                reference_rgb = rgb if cand is ref else reference_frames[(rec.prompt, rec.seed_index)].astype(np.float64) / 255.0
+                paired = 0.0 if cand is ref else paired_mse(pixels, reference_frames[(rec.prompt, rec.seed_index)])
                 videos.append(_Video(rec.prompt, rec.seed_index, rec.seed, rec.scores, rec.latency_s,
-                                     len(videos) < WARMUP_VIDEOS, float(np.mean((rgb - reference_rgb) ** 2)),
+                                     len(videos) < WARMUP_VIDEOS, paired,
                                      rec.sharpness, np.asarray(rec.features, dtype=np.float64)))
                 if rec.seed_index == 0:
                     grid.put(row_of[cand.name], rec.prompt, frames[sample_key(rec.prompt, 0)])

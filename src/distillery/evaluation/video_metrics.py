@@ -54,6 +54,19 @@ COV_EPS = 1e-3  # added to covariance diagonals, standardised units: a variance 
 MIN_SCALE = 1e-8  # reference standard deviations below this count as constant features (scale 1)
 
 
+def paired_mse(video: np.ndarray, reference: np.ndarray) -> float:
+    """Mean squared difference of two uint8 videos of one shape as RGB in [0, 1]: exact integer sums, one division
+    (the float64 ``mean((a/255 − b/255)²)`` to round-off, without its two 8-byte copies of each video)."""
+    if video.shape != reference.shape or video.dtype != np.uint8 or reference.dtype != np.uint8:
+        raise ValueError(f"paired_mse needs two uint8 videos of one shape, got {video.dtype}{video.shape} and "
+                         f"{reference.dtype}{reference.shape}")
+    total = 0
+    for a, b in zip(video.reshape(video.shape[0], -1), reference.reshape(reference.shape[0], -1)):  # a frame at a time
+        d = a.astype(np.int64) - b
+        total += int(np.dot(d, d))  # ≤ 255² · H·W·3 per frame: exact in int64
+    return total / (255.0 * 255.0 * video.size)
+
+
 def sharpness(video: np.ndarray) -> float:
     """Mean over frames of the variance of the luminance Laplacian (module doc); luminance² units, >= 0."""
     luma = to_unit_float(video) @ np.asarray(LUMA_WEIGHTS)  # [T, H, W]
@@ -63,11 +76,12 @@ def sharpness(video: np.ndarray) -> float:
 
 
 def video_features(video: np.ndarray, analysis: "AnalyzedClip | None" = None,
-                   analyzer: "AnalyzerConfig | None" = None) -> np.ndarray:
+                   analyzer: "AnalyzerConfig | None" = None, sharpness_value: float | None = None) -> np.ndarray:
     """The feature vector ``float64 [len(FEATURE_NAMES)]`` of one video (module doc).
 
     ``analysis``: the analyzer's reading of this video when already at hand; else it is analysed
-    here with ``analyzer`` (None: default thresholds).
+    here with ``analyzer`` (None: default thresholds). ``sharpness_value``: :func:`sharpness` of this
+    video when already computed (at 81×480×832 it is ~8 s of numpy; the value must be that function's).
     """
     from distillery.clips.analyzer import analyze
 
@@ -78,7 +92,8 @@ def video_features(video: np.ndarray, analysis: "AnalyzedClip | None" = None,
     motion = float(np.abs(np.diff(rgb, axis=0)).mean()) if t > 1 else 0.0
     vx, vy = analysis.velocity_xy
     feats = [analysis.h3, analysis.h4, analysis.foreground_px / (h * w), vx, vy,
-             *rgb.reshape(-1, 3).mean(axis=0), float(rgb.std()), motion, sharpness(rgb)]
+             *rgb.reshape(-1, 3).mean(axis=0), float(rgb.std()), motion,
+             sharpness(rgb) if sharpness_value is None else sharpness_value]
     return np.nan_to_num(np.asarray(feats, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
 
 
