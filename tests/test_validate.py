@@ -477,3 +477,22 @@ def test_scoring_workers_leave_the_sampler_a_core_and_fit_in_memory():
     cores = len(os.sched_getaffinity(0))
     assert scoring_workers(32 * 32 * 17 * 3) == max(1, min(8, cores - 1))  # tiny videos: the cores decide
     assert scoring_workers(1 << 50) == 1  # a video no memory holds twice: one thread, never zero
+
+
+def test_several_scoring_threads_score_what_one_does_in_the_same_order(validation, base, tmp_path, monkeypatch):
+    """With 3 scoring threads (the GPU machine takes up to 8) every record, metric and written file but the
+    timings is what the module fixture's run (1 thread on this machine's cores) wrote."""
+    import distillery.evaluation.validate as validate_module
+
+    out, metrics, candidates, _ = validation
+    monkeypatch.setattr(validate_module, "scoring_workers", lambda video_bytes: 3)
+    cfg = ValidationConfig(teacher_steps=[10, 2], num_seeds=NUM_SEEDS, progress_bar=False)
+    threaded = run_validation(base, candidates, PROMPTS, tmp_path / "threaded", cfg)
+    timing = ("latency_s", "latency_s_iqr")
+    assert {k: v for k, v in threaded.items() if not k.endswith(timing)} == {k: v for k, v in metrics.items() if not k.endswith(timing)}
+    one, three = (json.loads((folder / "report.json").read_text())["per_video"] for folder in (out, tmp_path / "threaded"))
+    strip = [{k: v for k, v in row.items() if k != "latency_s"} for c in candidates for row in one[c.name]]
+    assert strip == [{k: v for k, v in row.items() if k != "latency_s"} for c in candidates for row in three[c.name]]
+    for c in candidates:
+        for mp4 in sorted((out / "samples" / c.name).glob("*.mp4")):
+            assert mp4.read_bytes() == (tmp_path / "threaded" / "samples" / c.name / mp4.name).read_bytes(), mp4
