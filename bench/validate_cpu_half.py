@@ -57,15 +57,12 @@ def old_half(video: np.ndarray, reference: np.ndarray, folder: Path, key: str) -
 
 
 def new_half(video: np.ndarray, reference: np.ndarray, folder: Path, key: str) -> float:
-    from distillery.clips.analyzer import analyze
+    """What validate now runs per video: its scoring function, the mp4, then the paired distance."""
     from distillery.clips.video_io import write_video
-    from distillery.evaluation.video_metrics import paired_mse, sharpness, video_features
+    from distillery.evaluation.validate import score_video
+    from distillery.evaluation.video_metrics import paired_mse
 
-    analysis = analyze(video)
-    rgb = video.astype(np.float64) / 255.0
-    sharp = sharpness(rgb)
-    video_features(rgb, analysis, sharpness_value=sharp)
-    del rgb
+    score_video(video, None, "a red square moving right")
     write_video(folder / f"{key}.mp4", video, 16)
     return paired_mse(video, reference)
 

@@ -492,6 +492,18 @@ def scoring_workers(video_bytes: int) -> int:
     return int(max(1, min(8, cores - 1, by_memory)))
 
 
+def score_video(video: np.ndarray, analyzer: Any, caption: str) -> tuple[dict[str, bool], float, list[float]]:
+    """The scores of one decoded video ``uint8 [T, H, W, 3]``: adherence to ``caption`` (the analyzer's reading with
+    ``analyzer``'s thresholds), sharpness and the feature vector (computed from one float copy; sharpness once)."""
+    from distillery.clips.analyzer import analyze, score_analysis
+    from distillery.evaluation.video_metrics import sharpness, video_features
+
+    analysis = analyze(video, analyzer)
+    rgb = video.astype(np.float64) / 255.0
+    sharp = sharpness(rgb)
+    return score_analysis(analysis, caption), sharp, [float(f) for f in video_features(rgb, analysis, sharpness_value=sharp)]
+
+
 def gif_preview(grid: np.ndarray, max_px: int = GIF_MAX_PX) -> np.ndarray:
     """``grid`` ``uint8 [T, H, W, 3]`` as the GIF shows it: every k-th row and column, k the smallest integer that
     brings both sides to ``max_px`` or less (k = 1: the grid itself)."""
@@ -659,13 +671,12 @@ def run_validation(
     reused and why the others were sampled); None: sample every candidate. Returns the flat metrics
     dict written to ``metrics.json``.
     """
-    from distillery.clips.analyzer import analyze, score_analysis
     from distillery.clips.video_io import write_video
     from distillery.common.progress import Progress
     from distillery.evaluation.plots import write_adherence_plot
     from distillery.evaluation.sample_cache import CachedVideo, Expected, entry_key
     from distillery.evaluation.summary import adherence_readings, summary_markdown
-    from distillery.evaluation.video_metrics import COV_EPS, FEATURE_NAMES, Standardiser, frechet_distance, paired_mse, sharpness, video_features
+    from distillery.evaluation.video_metrics import COV_EPS, FEATURE_NAMES, Standardiser, frechet_distance, paired_mse
 
     cfg = cfg or ValidationConfig()
     base_dir, out_dir = Path(base_dir), Path(out_dir)
@@ -753,12 +764,8 @@ def run_validation(
                 def score_and_write(i: int, j: int, video: np.ndarray, seconds: float, key: str, folder: Path = folder) -> CachedVideo:
                     """The CPU half of one video — adherence, sharpness, features, its mp4 — on a scoring thread
                     while the device samples the next video (numpy and the encoder release the GIL)."""
-                    analysis = analyze(video, ctx.analyzer)
-                    rgb = video.astype(np.float64) / 255.0
-                    sharp = sharpness(rgb)
-                    record = CachedVideo(i, j, seed_grid[i][j], score_analysis(analysis, prompts[i]), seconds, sharp,
-                                         [float(f) for f in video_features(rgb, analysis, sharpness_value=sharp)])
-                    del rgb
+                    scores, sharp, features = score_video(video, ctx.analyzer, prompts[i])
+                    record = CachedVideo(i, j, seed_grid[i][j], scores, seconds, sharp, features)
                     write_video(folder / f"{key}.mp4", video, cfg.fps)
                     with bar_lock:
                         bar.update()
