@@ -60,9 +60,11 @@ def set_key(params: dict, dotted: str, value) -> None:
     node[leaf] = value
 
 
-def real_shape_params(base: Path, videos: Path, profile: Path, steps: int) -> dict:
+def real_shape_params(base: Path, videos: Path, profile: Path, steps: int, resume_test: bool = True,
+                      overrides: list[str] = ()) -> dict:
     """The repository's params.yaml with the profile's overrides, pointed at ``base``/``videos`` and cut
-    to ``steps`` optimizer steps per training stage (a checkpoint at every ``steps // 2``)."""
+    to ``steps`` optimizer steps per training stage (the teacher, the resume test's stage, also checkpoints at
+    ``steps // 2`` when ``resume_test``), then ``overrides`` (``KEY=VALUE``, the value read as YAML) on top."""
     params = yaml.safe_load(Path("params.yaml").read_text())
     overrides = yaml.safe_load(profile.read_text())["overrides"]
     for key, value in overrides.items():
@@ -77,13 +79,19 @@ def real_shape_params(base: Path, videos: Path, profile: Path, steps: int) -> di
     for stage in ("teacher", "pretrain", "distill", "pdd"):
         set_key(params, f"{stage}.steps", steps)
         set_key(params, f"{stage}.save_every", steps)  # the final checkpoint only: 17 GB per trainable 1.3B role
-    set_key(params, "teacher.save_every", max(1, steps // 2))  # the resume test's stage: a checkpoint mid-run
+    if resume_test:
+        set_key(params, "teacher.save_every", max(1, steps // 2))  # the resume test's stage: a checkpoint mid-run
     set_key(params, "distill.generator_update_interval", steps)  # the last step updates the student too: one whole iteration
     set_key(params, "validate.num_prompts", 2)
     set_key(params, "validate.num_seeds", 2)
     set_key(params, "validate.teacher_steps", [4])
     set_key(params, "validate.pretrain_steps", 4)
     set_key(params, "validate.pdd_nfe", [4])
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set wants KEY=VALUE, got {item!r}")
+        set_key(params, key, yaml.safe_load(value))
     return params
 
 
@@ -244,6 +252,8 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=560, help="seconds; stages that would start later are skipped")
     parser.add_argument("--only", default="", help="comma-separated labels to run (default: all)")
     parser.add_argument("--no-resume-test", action="store_true")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a params.yaml value after the profile and the step cut, e.g. distill.steps=4")
     parser.add_argument("--runs-dir", default="", help="put runs/ (checkpoints) there, e.g. /dev/shm/runs (a symlink)")
     args = parser.parse_args()
     if not Path("dvc.yaml").exists():
@@ -269,7 +279,7 @@ def main() -> int:
     if not (videos / "train" / "captions.jsonl").exists():
         videos = rsp.write_clips(root, train=3, validation=2)
     job.meta["setup_s"] = round(time.time() - t0, 1)
-    params = real_shape_params(base, videos, Path(args.profile), args.steps)
+    params = real_shape_params(base, videos, Path(args.profile), args.steps, not args.no_resume_test, args.set)
     write_params(params)
     job.meta["params"] = params
     for name in ("clips", "base", "latents"):
@@ -284,6 +294,8 @@ def main() -> int:
                                     ("pdd", "pdd_from_teacher", "pdd.student_init", "teacher"),
                                     ("distill", "distill_dmd2", "distill.method", "dmd2"),
                                     ("pdd", "pdd_from_distill", "pdd.student_init", "distill")):  # each recipe of a stage
+        if want and label not in want and not job.done(label):
+            continue  # params.yaml keeps the recipe whose artifact is on disk (validate and export read those)
         set_key(params, key, value)
         write_params(params)
         run(name, label)
