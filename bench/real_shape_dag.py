@@ -61,10 +61,10 @@ def set_key(params: dict, dotted: str, value) -> None:
 
 
 def real_shape_params(base: Path, videos: Path, profile: Path, steps: int, resume_test: bool = True,
-                      overrides: list[str] = ()) -> dict:
+                      sets: list[str] = ()) -> dict:
     """The repository's params.yaml with the profile's overrides, pointed at ``base``/``videos`` and cut
     to ``steps`` optimizer steps per training stage (the teacher, the resume test's stage, also checkpoints at
-    ``steps // 2`` when ``resume_test``), then ``overrides`` (``KEY=VALUE``, the value read as YAML) on top."""
+    ``steps // 2`` when ``resume_test``), then ``sets`` (``KEY=VALUE``, the value read as YAML) on top."""
     params = yaml.safe_load(Path("params.yaml").read_text())
     overrides = yaml.safe_load(profile.read_text())["overrides"]
     for key, value in overrides.items():
@@ -87,7 +87,7 @@ def real_shape_params(base: Path, videos: Path, profile: Path, steps: int, resum
     set_key(params, "validate.teacher_steps", [4])
     set_key(params, "validate.pretrain_steps", 4)
     set_key(params, "validate.pdd_nfe", [4])
-    for item in overrides:
+    for item in sets:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--set wants KEY=VALUE, got {item!r}")
