@@ -22,8 +22,9 @@ prompts × seeds and scores it against the 40-step teacher's samples:
   to the 40-step teacher's videos over the documented features (``FEATURE_NAMES``, standardised by the
   reference), ``paired_distance`` (mean squared RGB difference to the teacher's video of the same prompt
   and noise; bootstrap over videos), ``sharpness`` (variance of the Laplacian; bootstrap), ``nfe`` and
-  ``latency_s`` (median seconds per video, sampling + decode, batch 1, measured while ``--eval-jobs``
-  candidates sample at once);
+  ``latency_s`` (median seconds per video, sampling + decode, measured while ``--eval-jobs`` candidates
+  sample at once; with ``--sample-batch`` B > 1 — the GPU default, 32 — a batch's wall time / B, which is a
+  throughput, not a batch-1 latency);
 - **floor**: the 40-step teacher against itself across seeds — its seed indices ``[0, S/2)`` against
   ``[S/2, S)`` (two sets of P·S/2 videos; with the same prompts): KID, Fréchet (with intervals) and
   paired distance, the distances sampling noise alone gives, plus its adherence and sharpness. The
@@ -292,7 +293,7 @@ def sample_candidate(spec: CandidateSpec, base_dir: str, prompts: list[str], set
     cfg = ValidationConfig(prompts=prompts, num_frames=settings["num_frames"], height=settings["height"],
                            width=settings["width"], fps=settings["fps"], num_seeds=settings["seeds"], seed=0,
                            guidance_scale=GUIDANCE, bootstrap_resamples=0, grid_formats=[], progress_bar=False,
-                           device="cuda" if device == "cuda" else "cpu")
+                           device="cuda" if device == "cuda" else "cpu", sample_batch=int(settings.get("sample_batch", 1)))
     metrics = run_validation(Path(base_dir), [cand], prompts, Path(out_dir), cfg)
     return {"nfe": metrics[f"{spec.name}/nfe"], "latency_s": metrics[f"{spec.name}/latency_s"],
             "sampling_s": round(time.perf_counter() - t0, 2), "sampler": cand.sampler, "num_steps": cand.num_steps}
@@ -582,7 +583,7 @@ def evaluate(args: argparse.Namespace, scale: Scale, work: Path, trained: dict[s
     prompts = PROMPTS_FILE.read_text().splitlines()[: scale.prompts]
     specs = candidate_specs(work, trained)
     base_dir = str(work / "base" / "artifacts" / "base" / "model")
-    sampling = {**latent_settings(work), "seeds": scale.seeds}
+    sampling = {**latent_settings(work), "seeds": scale.seeds, "sample_batch": args.sample_batch}
     settings.update(prompts=prompts, num_prompts=len(prompts), num_seeds=scale.seeds, videos_per_candidate=len(prompts) * scale.seeds,
                     video=sampling, candidates_planned=[s.name for s in specs])
     device = "cuda" if args.device == "cuda" else "cpu"
@@ -671,6 +672,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality.json")
     parser.add_argument("--train-jobs", type=int, default=None, help="students trained at once (default: 6 on cuda, 1 on cpu)")
     parser.add_argument("--eval-jobs", type=int, default=None, help="candidates sampled at once (default: 4 on cuda, 1 on cpu)")
+    parser.add_argument("--sample-batch", type=int, default=None,
+                        help="videos a candidate samples at once (default: 32 on cuda, 1 on cpu); latency is then per video of a batch")
     parser.add_argument("--prompts", type=int, default=None, help="override the scale's prompt count (≤ 32)")
     parser.add_argument("--seeds", type=int, default=None, help="override the scale's seed count")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -697,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     args.scale = args.scale or ("gpu" if args.device == "cuda" else "small")
     args.train_jobs = args.train_jobs or (6 if args.device == "cuda" else 1)
     args.eval_jobs = args.eval_jobs or (4 if args.device == "cuda" else 1)
+    args.sample_batch = args.sample_batch or (32 if args.device == "cuda" else 1)
     if args.eval_reserve_s is None:
         args.eval_reserve_s = 0.45 * args.budget_s if args.budget_s != float("inf") else 0.0
     base_scale = SCALES[args.scale]
@@ -718,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         "interval": ("95% bootstrap: percentiles (KID: both sets resampled; adherence, sharpness, paired: over videos); "
                      "Fréchet's shifted by its bootstrap bias"),
         "budget_s": args.budget_s if args.budget_s != float("inf") else None, "train_jobs": args.train_jobs,
-        "eval_jobs": args.eval_jobs, "students": [asdict(s) for s in STUDENTS], "skipped": [],
+        "eval_jobs": args.eval_jobs, "sample_batch": args.sample_batch, "students": [asdict(s) for s in STUDENTS], "skipped": [],
         "reference": "teacher_40", "comparison": "students vs the teacher at the same step count; nfe counts CFG's 2 forwards",
     }
     if args.rescore and args.out.is_file():  # keep the training times of the run that trained these models

@@ -496,3 +496,25 @@ def test_several_scoring_threads_score_what_one_does_in_the_same_order(validatio
     for c in candidates:
         for mp4 in sorted((out / "samples" / c.name).glob("*.mp4")):
             assert mp4.read_bytes() == (tmp_path / "threaded" / "samples" / c.name / mp4.name).read_bytes(), mp4
+
+
+def test_a_batch_of_videos_samples_what_one_at_a_time_does(validation, base, tmp_path):
+    """``sample_batch`` 4 over 6 videos (a batch of 4, then 2): each video's latents are batch 1's up to rounding (its
+    noise is its own generator either way), its frames within one grey level, and report.json says the batch."""
+    from safetensors.torch import load_file
+
+    out, metrics, candidates, _ = validation
+    cfg = ValidationConfig(teacher_steps=[10, 2], num_seeds=NUM_SEEDS, progress_bar=False, grid_formats=[], sample_batch=4)
+    batched = run_validation(base, candidates, PROMPTS, tmp_path / "batched", cfg)
+    assert batched.keys() == metrics.keys()
+    for c in candidates:
+        one, four = (load_file(str(folder / "samples" / c.name / "latents.safetensors")) for folder in (out, tmp_path / "batched"))
+        assert one.keys() == four.keys() and len(one) == len(VIDEO_KEYS)
+        for key in one:
+            assert torch.allclose(one[key], four[key], atol=1e-4, rtol=0), (c.name, key, (one[key] - four[key]).abs().max())
+    report = json.loads((tmp_path / "batched" / "report.json").read_text())
+    assert report["latency"]["sample_batch"] == 4
+    for c in candidates:
+        assert abs(batched[f"{c.name}/all"] - metrics[f"{c.name}/all"]) <= 1 / len(VIDEO_KEYS) + 1e-9
+    with pytest.raises(UserError, match="sample_batch"):
+        ValidationConfig(sample_batch=0)

@@ -18,13 +18,14 @@ log and report.json ``cache`` say which were reused). Per candidate it reports (
 - ``colour``, ``shape``, ``direction``, ``all`` — prompt adherence read back from the decoded
   frames by :mod:`distillery.clips.analyzer` (thresholds from ``base_dir/analyzer.json`` when it
   exists), as fractions of the P·S videos;
-- ``latency_s`` — the median wall seconds per video for sampling + VAE decode (batch 1, text encoding
-  excluded) over the candidate's videos after its first :data:`WARMUP_VIDEOS` (one untimed warm-up forward
-  runs before them too; lazy initialisation, kernel selection and compilation make the first videos
-  slower than the rest, so they are timed but left out; a candidate with no more videos than that keeps
-  them all), and ``latency_s_iqr`` its spread: the interquartile range (75th − 25th percentile) of the same
-  times; report.json ``latency`` has min, max and the warm-up times, and ``timeline`` per sampled candidate
-  where its wall time went: ``load_s`` (load + warm-up), ``sampling_unix`` (the window from the first video's
+- ``latency_s`` — the median wall seconds per video for sampling + VAE decode (batch 1 unless
+  ``sample_batch`` says more: then a batch's wall time / its size; text encoding excluded) over the
+  candidate's videos after its first :data:`WARMUP_VIDEOS` (one untimed warm-up forward runs before them
+  too; lazy initialisation, kernel selection and compilation make the first videos slower than the rest,
+  so they are timed but left out; a candidate with no more videos than that keeps them all), and
+  ``latency_s_iqr`` its spread: the interquartile range (75th − 25th percentile) of the same times;
+  report.json ``latency`` has min, max, the warm-up times and ``sample_batch``, and ``timeline`` per sampled
+  candidate where its wall time went: ``load_s`` (load + warm-up), ``sampling_unix`` (the window from the first video's
   start to the last one's decode, unix seconds: a profiler's GPU-busy samples can be cut to it),
   ``sampling_s`` and ``scoring_wait_s`` (the wait for the scoring threads once the last video is sampled);
 - ``distance_to_teacher`` — mean over videos of the mean squared difference of the decoded frames
@@ -174,6 +175,9 @@ class ValidationConfig(ValidationSampling):
     device: str = "cpu"  # where the models run ("cpu", "cuda", "cuda:1", ...)
     precision: str = "auto"  # the candidates' weights and compute: fp32, bf16, or auto (bf16 on CUDA, fp32 elsewhere); the VAE stays fp32
     progress_bar: bool = True  # progress over the videos: a bar on a terminal, else a log line per 10 % or minute
+    sample_batch: int = 1  # videos sampled and decoded in one batch (consecutive in sampling order); > 1: a GPU at small
+    # shapes runs many videos in the time of one, each video's latency is then the batch's wall time / its size, and the
+    # samples equal batch 1's up to floating-point rounding (the noise is each video's own generator either way)
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the shared bounds (num_prompts, seed, fps)
@@ -193,6 +197,8 @@ class ValidationConfig(ValidationSampling):
             raise UserError(f"validate.precision: {self.precision!r}; valid: auto, fp32, bf16")
         if self.bootstrap_resamples < 0:
             raise UserError(f"validate.bootstrap_resamples must be >= 0, got {self.bootstrap_resamples}")
+        if self.sample_batch < 1:
+            raise UserError(f"validate.sample_batch must be >= 1, got {self.sample_batch}")
         if self.prompts is not None and not self.prompts:
             raise UserError("validate.prompts is empty; give at least one prompt or null for the validation captions")
 
@@ -395,6 +401,7 @@ class _Context:
         return {"format": CACHE_FORMAT, "code": code_digest(), "machine": machine_facts(self.device, self.dtype),
                 "prompts": list(prompts), "text": tensor_digest([*self.text, self.negative]), "seed_grid": seed_grid,
                 "latent_shape": list(self.latent_shape),
+                **({"sample_batch": cfg.sample_batch} if cfg.sample_batch != 1 else {}),  # batched: other rounding
                 "video": {"num_frames": cfg.num_frames, "height": cfg.height, "width": cfg.width, "fps": cfg.fps},
                 "vae": file_digests([self.base_dir / "vae"], self.base_dir),
                 "analyzer": asdict(self.analyzer) if self.analyzer is not None else None}
@@ -432,16 +439,23 @@ class _Context:
         self._last = (key, model)
         return _Loaded(model, shift)
 
-    def sample(self, cand: Candidate, loaded: _Loaded, index: int, seed: int) -> torch.Tensor:
-        """Normalised latents ``[1, C, T, H, W]`` for prompt ``index`` with the noise of a generator seeded
-        ``seed`` (:func:`generator_seed`), from the registered sampler the candidate's sampling contract names."""
+    def sample(self, cand: Candidate, loaded: _Loaded, indices: list[int], seeds: list[int]) -> torch.Tensor:
+        """Normalised latents ``[B, C, T, H, W]``, row ``b`` for prompt ``indices[b]`` with the noise of a generator
+        seeded ``seeds[b]`` (:func:`generator_seed`), from the registered sampler the candidate's sampling contract
+        names. One video (``B = 1``) draws from its generator exactly as a batch of it alone does."""
         from distillery.models.base import Conditioning
 
+        if len(indices) != len(seeds) or not indices:
+            raise ValueError(f"sample: {len(indices)} prompt indices for {len(seeds)} seeds")
         sampler = cand.build_sampler(loaded.shift)
-        generator = torch.Generator().manual_seed(seed)
-        cond = Conditioning(self.text[index], self.negative)
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        if len(indices) == 1:
+            cond, noise = Conditioning(self.text[indices[0]], self.negative), generators[0]
+        else:
+            cond = Conditioning(torch.cat([self.text[i] for i in indices]), self.negative.expand(len(indices), -1, -1))
+            noise = generators
         with torch.no_grad():
-            return sampler.sample(loaded.model, cond, self.latent_shape, generator, num_steps=cand.num_steps,
+            return sampler.sample(loaded.model, cond, self.latent_shape, noise, num_steps=cand.num_steps,
                                   guidance_scale=cand.guidance_scale)
 
     def warm_up(self, loaded: _Loaded) -> None:
@@ -771,16 +785,18 @@ def run_validation(
                         bar.update()
                     return record
 
-                for i, j in video_order:
-                    key = sample_key(i, j)
+                for first in range(0, len(video_order), cfg.sample_batch):
+                    batch = video_order[first:first + cfg.sample_batch]
                     t0 = time.perf_counter()
-                    latents = ctx.sample(cand, loaded, i, seed_grid[i][j])
-                    sampled[key] = latents[0].detach().to("cpu", torch.float32).contiguous()
-                    video = ctx.encoders.decode_latents(latents)[0]  # uint8 [T, H, W, 3]
+                    latents = ctx.sample(cand, loaded, [i for i, _ in batch], [seed_grid[i][j] for i, j in batch])
+                    batch_videos = ctx.encoders.decode_latents(latents)  # uint8 [B, T, H, W, 3]
                     _synchronize(ctx.device)
-                    seconds = time.perf_counter() - t0
-                    frames[key] = video
-                    pending.append(scoring.submit(score_and_write, i, j, video, seconds, key))
+                    seconds = (time.perf_counter() - t0) / len(batch)  # per video (the batch's share)
+                    for b, (i, j) in enumerate(batch):
+                        key = sample_key(i, j)
+                        sampled[key] = latents[b].detach().to("cpu", torch.float32).contiguous()
+                        frames[key] = batch_videos[b]
+                        pending.append(scoring.submit(score_and_write, i, j, batch_videos[b], seconds, key))
                 sampling_ended = time.time()
                 records = [f.result() for f in pending]  # in sampling order, whatever order they finished in
                 timeline[cand.name] = {"load_s": round(sampling_started - load_started, 3),
@@ -861,7 +877,8 @@ def run_validation(
             "frechet": {"feature_names": list(FEATURE_NAMES), "reference_mean": scaler.mean.tolist(),
                         "reference_scale": scaler.scale.tolist(), "cov_eps": COV_EPS,
                         "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.seed},
-            "latency": {"warmup_videos": WARMUP_VIDEOS, "statistic": "median, iqr = p75 - p25, of the videos after the warm-up",
+            "latency": {"warmup_videos": WARMUP_VIDEOS, "sample_batch": cfg.sample_batch,
+                        "statistic": "median, iqr = p75 - p25, of the videos after the warm-up",
                         **{c.name: latency[c.name] for c in candidates}},
             "per_video": {c.name: per_video[c.name] for c in candidates},
             "per_seed": {c.name: per_seed[c.name] for c in candidates},
