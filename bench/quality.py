@@ -46,7 +46,11 @@ Runs::
 ``--budget-s``: the shared stages always run; a student that has not finished training when only
 ``--eval-reserve-s`` (default 45% of the budget) is left is stopped and left out, and no candidate starts
 sampling after the budget (the reference always does); what is left out is listed in ``settings.skipped``.
-``--reuse`` keeps a work folder's trained students (evaluation only); ``--rescore`` scores its samples again.
+``--reuse`` keeps a work folder's trained students (evaluation only); ``--rescore`` scores its samples again;
+``--keep-sampled`` (with ``--reuse``) samples only the candidates the work folder has no current samples of — a
+candidate's samples are kept when its report.json has these prompts, seeds, video size and sampling contract and is
+newer than every file of its model (a student retrained since is sampled again) — so a cut evaluation resumes, and a
+retrained student is compared with the others' samples as they were (``settings.kept_sampled`` names them).
 """
 
 from __future__ import annotations
@@ -297,6 +301,25 @@ def sample_candidate(spec: CandidateSpec, base_dir: str, prompts: list[str], set
     metrics = run_validation(Path(base_dir), [cand], prompts, Path(out_dir), cfg)
     return {"nfe": metrics[f"{spec.name}/nfe"], "latency_s": metrics[f"{spec.name}/latency_s"],
             "sampling_s": round(time.perf_counter() - t0, 2), "sampler": cand.sampler, "num_steps": cand.num_steps}
+
+
+def current_samples(spec: CandidateSpec, folder: Path, prompts: list[str], sampling: dict[str, Any]) -> dict[str, Any] | None:
+    """``folder``'s report.json if its samples are of ``spec`` as it is now: the same prompts, seeds, video size,
+    model folder and step count, and written after the model's newest file; else None."""
+    report_file = folder / "report.json"
+    if not report_file.is_file():
+        return None
+    report = json.loads(report_file.read_text())
+    cfg, cands = report.get("config", {}), report.get("candidates") or []
+    cand = cands[0] if len(cands) == 1 else {}
+    same = (report.get("prompts") == prompts and report.get("num_seeds") == sampling["seeds"]
+            and all(cfg.get(k) == sampling[k] for k in ("num_frames", "height", "width"))
+            and cand.get("name") == spec.name and Path(cand.get("model_dir", "")) == Path(spec.model_dir)
+            and (spec.steps is None or cand.get("num_steps") == spec.steps))
+    if not same:
+        return None
+    newest = max((f.stat().st_mtime for f in Path(spec.model_dir).rglob("*") if f.is_file()), default=float("inf"))
+    return report if report_file.stat().st_mtime > newest else None
 
 
 def sampled_meta(spec: CandidateSpec, report: dict[str, Any]) -> dict[str, Any]:
@@ -639,6 +662,18 @@ def evaluate(args: argparse.Namespace, scale: Scale, work: Path, trained: dict[s
             queue.clear()
             for name in sorted(done, key=lambda n: (n != "teacher_40", order[n])):
                 finish(*done.pop(name))
+        if args.keep_sampled:  # score what is current, sample the rest
+            kept = settings.setdefault("kept_sampled", [])
+            for spec in list(queue):
+                report = current_samples(spec, work / "eval" / spec.name, prompts, sampling)
+                if report is not None:
+                    queue.remove(spec)
+                    done[spec.name] = (spec, sampled_meta(spec, report))
+                    kept.append(spec.name)
+            print(f"[quality] kept the samples of {len(kept)} candidates: {', '.join(kept) or 'none'}", flush=True)
+            if "teacher_40" in done:
+                for name in sorted(done, key=lambda n: (n != "teacher_40", order[n])):
+                    finish(*done.pop(name))
         submit()
         while futures:
             finished, _ = wait(list(futures), return_when=FIRST_COMPLETED)
@@ -679,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a params.yaml value for every workspace (YAML), e.g. --set pdd.dm_weight=0.5")
     parser.add_argument("--reuse", action="store_true", help="keep the work folder's trained models; evaluate only what is missing")
+    parser.add_argument("--keep-sampled", action="store_true",
+                        help="with --reuse: sample only the candidates without current samples in the work folder (module doc)")
     parser.add_argument("--rescore", action="store_true",
                         help="with --reuse: score the work folder's sampled candidates again, sample nothing")
     parser.add_argument("--stage-one", nargs=2, metavar=("FOLDER", "STAGE"), help=argparse.SUPPRESS)  # a worker: one stage
@@ -689,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import yaml
 
-    args.reuse = args.reuse or args.rescore
+    args.reuse = args.reuse or args.rescore or args.keep_sampled
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
