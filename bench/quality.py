@@ -303,18 +303,22 @@ def sample_candidate(spec: CandidateSpec, base_dir: str, prompts: list[str], set
             "sampling_s": round(time.perf_counter() - t0, 2), "sampler": cand.sampler, "num_steps": cand.num_steps}
 
 
-def current_samples(spec: CandidateSpec, folder: Path, prompts: list[str], sampling: dict[str, Any]) -> dict[str, Any] | None:
-    """``folder``'s report.json if its samples are of ``spec`` as it is now: the same prompts, seeds, video size,
-    model folder and step count, and written after the model's newest file; else None."""
+def current_samples(spec: CandidateSpec, work: Path, prompts: list[str], sampling: dict[str, Any]) -> dict[str, Any] | None:
+    """``work/eval/<name>``'s report.json if its samples are of ``spec`` as it is now: the same prompts, seeds, video
+    size, model folder (its path inside the work folder: a copied work folder keeps its samples) and step count, and
+    written after the model's newest file; else None."""
+    folder = work / "eval" / spec.name
     report_file = folder / "report.json"
     if not report_file.is_file():
         return None
     report = json.loads(report_file.read_text())
+    inside = Path(spec.model_dir).relative_to(work)
     cfg, cands = report.get("config", {}), report.get("candidates") or []
     cand = cands[0] if len(cands) == 1 else {}
     same = (report.get("prompts") == prompts and report.get("num_seeds") == sampling["seeds"]
             and all(cfg.get(k) == sampling[k] for k in ("num_frames", "height", "width"))
-            and cand.get("name") == spec.name and Path(cand.get("model_dir", "")) == Path(spec.model_dir)
+            and cand.get("name") == spec.name
+            and Path(cand.get("model_dir", "/")).parts[-len(inside.parts):] == inside.parts
             and (spec.steps is None or cand.get("num_steps") == spec.steps))
     if not same:
         return None
@@ -665,7 +669,7 @@ def evaluate(args: argparse.Namespace, scale: Scale, work: Path, trained: dict[s
         if args.keep_sampled:  # score what is current, sample the rest
             kept = settings.setdefault("kept_sampled", [])
             for spec in list(queue):
-                report = current_samples(spec, work / "eval" / spec.name, prompts, sampling)
+                report = current_samples(spec, work, prompts, sampling)
                 if report is not None:
                     queue.remove(spec)
                     done[spec.name] = (spec, sampled_meta(spec, report))
