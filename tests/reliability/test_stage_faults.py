@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow
                                   "while one is training",
                          expect="the second gets one line naming the holder and exits 2; the first finishes intact")
 def test_second_writer_is_refused(ws, data_lost):
-    set_params(ws, {"teacher.steps": 20})
+    steps = 6  # the first run is paused (SIGSTOP) while it holds its locks, so its length does not matter
+    set_params(ws, {"teacher.steps": steps})
     first = subprocess.Popen(["distillery", "stage", "teacher"], cwd=ws, env=env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
@@ -42,9 +43,9 @@ def test_second_writer_is_refused(ws, data_lost):
     finally:
         if first.poll() is None:
             first.kill()
-    steps = read_log_steps(ws / "runs" / "teacher")
-    data_lost.record(20 - len(set(steps)), "logged steps missing")
-    assert steps == list(range(1, 21))
+    logged = read_log_steps(ws / "runs" / "teacher")
+    data_lost.record(steps - len(set(logged)), "logged steps missing")
+    assert logged == list(range(1, steps + 1))
 
 
 @pytest.mark.reliability(case="8.6", title="killing dvc kills the training",
