@@ -37,13 +37,13 @@ def latent_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # The longest test files first: `-n 2 --dist loadfile` hands files to the two workers in the order of the
 # collection, as each worker runs low on tests; a long file handed out last would run alone at the end.
-# Longest-first keeps both workers busy until the end (seconds each file took in a whole-suite run on 2 cores,
-# 2026-12: pipeline 386, stage_trust 311, stage_faults 174, flows 173, artifact_trust 73, roles 65, dmd2 61,
-# scale 61, training 55, distributed 45, slurm 43, preprocess 41, training_faults 34; the rest keep their order).
-LONGEST_FIRST = ("tests/test_pipeline.py", "tests/reliability/test_stage_trust.py", "tests/reliability/test_stage_faults.py",
-                 "tests/test_flows.py", "tests/reliability/test_artifact_trust.py", "tests/test_roles.py", "tests/test_dmd2.py",
-                 "tests/test_scale.py", "tests/test_training.py", "tests/test_distributed.py", "tests/reliability/test_slurm.py",
-                 "tests/test_preprocess.py", "tests/reliability/test_training_faults.py")
+# Longest-first keeps both workers busy until the end (about the seconds each took in a whole-suite run on
+# 2 cores, 2026-12: pipeline 390, stage_trust 250, flows 170, stage_faults 150, dmd2 60, scale 60, roles 50,
+# artifact_trust 45, slurm 45, training 35, preprocess 35, distributed 30, training_faults 20; the rest keep their order).
+LONGEST_FIRST = ("tests/test_pipeline.py", "tests/reliability/test_stage_trust.py", "tests/test_flows.py",
+                 "tests/reliability/test_stage_faults.py", "tests/test_dmd2.py", "tests/test_scale.py", "tests/test_roles.py",
+                 "tests/reliability/test_artifact_trust.py", "tests/reliability/test_slurm.py", "tests/test_training.py",
+                 "tests/test_preprocess.py", "tests/test_distributed.py", "tests/reliability/test_training_faults.py")
 
 
 def pytest_configure(config):
