@@ -23,13 +23,39 @@ CALLBACKS = {
 
 
 def torchrun(config: dict, path: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node 2 -m distillery.cli.train --config PATH``, as a user starts it."""
     write_config(path, config)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "distillery.cli.train", "--config", str(path)]
-    proc = subprocess.run(cmd, cwd=path.parent, env=env, capture_output=True, text=True, timeout=600)
+    return _launch(["-m", "distillery.cli.train", "--config", str(path)], path.parent, nproc)
+
+
+def torchrun_each(configs: list[tuple[dict, Path]], nproc: int = 2) -> subprocess.CompletedProcess:
+    """The configs one after the other on ``nproc`` ranks in ONE torchrun launch of this file (:func:`_driver`:
+    one process group, then the trainer the CLI builds, for each): a launch and its imports cost more than a tiny run."""
+    for config, path in configs:
+        write_config(path, config)
+    return _launch([__file__, *[str(path) for _, path in configs]], configs[0][1].parent, nproc)
+
+
+def _launch(args: list[str], cwd: Path, nproc: int) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
+    proc = subprocess.run(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def _driver(paths: list[str]) -> None:
+    """A torchrun worker of :func:`torchrun_each`: ``build_trainer(config, env).fit()`` for each config in turn."""
+    from distillery.components.distributed import init_distributed, shutdown
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.engine.assemble import build_trainer
+
+    configs = [load_run_config(path, prefixes=allowed_prefixes()) for path in paths]
+    env = init_distributed(configs[0].training.distributed)
+    try:
+        for config in configs:
+            build_trainer(config, env).fit()
+    finally:
+        shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +69,11 @@ def runs(tmp_path_factory, tiny_base, latent_set):
         c["method"]["caption_dropout"] = 0.25
         return c
 
-    torchrun(cfg("fsdp2", 2), root / "fsdp2.yaml")
     split = cfg("split", 2)
-    split["training"]["loop"]["stop_at_step"] = STEPS // 2
-    torchrun(split, root / "split.yaml")
+    stopped = {**split, "training": {**split["training"], "loop": {**split["training"]["loop"], "stop_at_step": STEPS // 2}}}
+    torchrun_each([(cfg("fsdp2", 2), root / "fsdp2.yaml"), (stopped, root / "split-stopped.yaml")])  # 2 ranks, one launch
     shutil.copytree(root / "split", root / "reshard")  # keeps checkpoint-4 (saved by 2 ranks)
-    split["training"]["loop"]["stop_at_step"] = None
-    torchrun(split, root / "split.yaml")
+    torchrun(split, root / "split.yaml")  # the resume: a new launch of the CLI, as a user restarts a stopped run
     single = train_in_process(cfg("single", 4))
     reshard = cfg("reshard", 4)
     resumed_on_one = train_in_process(reshard)
@@ -96,3 +120,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(runs):
     one = role_state(root / "reshard" / f"checkpoint-{STEPS}")
     for k in two:
         torch.testing.assert_close(one[k], two[k], rtol=0, atol=1e-5)
+
+
+if __name__ == "__main__":  # the 2-rank worker of torchrun_each
+    _driver(sys.argv[1:])

@@ -26,6 +26,15 @@ def clips(tmp_path_factory) -> Path:
     return make_clip_set(tmp_path_factory.mktemp("clips") / "clips", ClipSetConfig(num_train=12, num_validation=4, num_frames=9))
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_base, clips) -> Path:
+    """One uninterrupted preprocess of ``clips`` (:data:`CFG`, the settings of :func:`_pp_args`): the reference
+    of the killed run and of the 2-rank split (read-only)."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "lat"
+    preprocess(tiny_base, clips, out, CFG)
+    return out
+
+
 def _cli(*args: str, cwd: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "distillery.cli.main", *args], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -135,10 +144,8 @@ def _wait_until_stopped(proc: subprocess.Popen, limit_s: float = 300) -> None:
     raise AssertionError("preprocess did not reach its stop point")
 
 
-@pytest.mark.slow  # several preprocess processes, one killed (~50 s)
-def test_killed_run_resumes_to_identical_shards(tmp_path, tiny_base, clips):
-    ref = _cli(*_pp_args(tiny_base, clips, tmp_path / "ref"), cwd=tmp_path)
-    assert ref.wait(timeout=300) == 0, ref.stderr.read()
+@pytest.mark.slow  # two preprocess processes, one killed
+def test_killed_run_resumes_to_identical_shards(tmp_path, tiny_base, clips, uninterrupted):
     with (tmp_path / "killed.log").open("w") as log:
         proc = subprocess.Popen([sys.executable, "-c", STOP_AFTER_SECOND_PARQUET, *_pp_args(tiny_base, clips, tmp_path / "out")],
                                 cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=log)
@@ -153,7 +160,7 @@ def test_killed_run_resumes_to_identical_shards(tmp_path, tiny_base, clips):
     before = {p.name: _identity(p) for p in train.glob("shard-*")}
     again = _cli(*_pp_args(tiny_base, clips, tmp_path / "out"), cwd=tmp_path)
     assert again.wait(timeout=300) == 0, again.stderr.read()
-    assert _shard_bytes(tmp_path / "out") == _shard_bytes(tmp_path / "ref")
+    assert _shard_bytes(tmp_path / "out") == _shard_bytes(uninterrupted)
     after = {p.name: _identity(p) for p in train.glob("shard-*")}
     assert [n for n in sorted(before) if after[n] == before[n]] == ["shard-00000.json", "shard-00000.parquet"]  # kept
     assert after["shard-00001.parquet"] != before["shard-00001.parquet"]  # unrecorded: redone
@@ -166,15 +173,13 @@ def _identity(path: Path) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_torchrun_ranks_split_the_shards(tmp_path, tiny_base, clips):
-    single = tmp_path / "single"
-    preprocess(tiny_base, clips, single, CFG)
+def test_torchrun_ranks_split_the_shards(tmp_path, tiny_base, clips, uninterrupted):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "distillery.cli.main",
            *_pp_args(tiny_base, clips, tmp_path / "two")]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _shard_bytes(tmp_path / "two") == _shard_bytes(single)
+    assert _shard_bytes(tmp_path / "two") == _shard_bytes(uninterrupted)
 
 
 def test_latents_stage_takes_its_own_size_and_validate_follows_it(tmp_path, monkeypatch, clips):

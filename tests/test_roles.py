@@ -52,18 +52,46 @@ def _env() -> dict[str, str]:
             "DISTILLERY_ALLOWED_TARGET_PREFIXES": "two_role_method", "OMP_NUM_THREADS": "1"}
 
 
-def _train(cfg: dict, path: Path, nproc: int) -> None:
-    """One run of ``cfg``: on 2 ranks through `torchrun -m distillery.cli.train` (gloo), as a user starts
-    it; on 1 rank in this process (the same Trainer, without paying the imports again)."""
+def _train(cfg: dict, path: Path) -> None:
+    """One run of ``cfg`` on 1 rank, in this process (the Trainer a worker builds, without paying the imports again)."""
     write_config(path, cfg)
-    if nproc == 1:
-        with _plugins():
-            train_in_process(cfg)
-        return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "distillery.cli.train", "--config", str(path)]
-    proc = subprocess.run(cmd, cwd=path.parent, env=_env(), capture_output=True, text=True, timeout=600)
+    with _plugins():
+        train_in_process(cfg)
+
+
+def _two_ranks(configs: list[tuple[dict, Path]]) -> None:
+    """The configs one after the other on 2 ranks (gloo, FSDP2) in ONE torchrun launch of this file (:func:`_driver`):
+    a launch and its imports cost more than these tiny runs (the CLI under torchrun is tests/test_distributed.py's)."""
+    for cfg, path in configs:
+        write_config(path, cfg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+           *[str(path) for _, path in configs]]
+    proc = subprocess.run(cmd, cwd=configs[0][1].parent, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _driver(paths: list[str]) -> None:
+    """A torchrun worker of :func:`_two_ranks`: one process group, then ``build_trainer(config, env).fit()`` for each
+    config in turn (what ``torchrun -m distillery.cli.train --config PATH`` does for one)."""
+    from distillery.components.distributed import init_distributed, shutdown
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.engine.assemble import build_trainer
+
+    configs = [load_run_config(path, prefixes=allowed_prefixes()) for path in paths]  # the plugin: _env's prefixes
+    env = init_distributed(configs[0].training.distributed)
+    try:
+        for config in configs:
+            build_trainer(config, env).fit()
+    finally:
+        shutdown()
+
+
+def _accum(base: Path, data: Path, out: Path, batch_size: int) -> dict:
+    """Two micro-batches per step, 3 steps (test_gradient_accumulation_on_two_ranks_matches_one)."""
+    c = _config(base, data, out, batch_size)
+    c["training"]["loop"].update(max_train_steps=3, grad_accum_steps=2)
+    c["training"]["checkpoint"]["save_every"] = 0
+    return c
 
 
 @contextlib.contextmanager
@@ -84,16 +112,18 @@ def _plugins():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_base, latent_set):
+    """The 1-rank runs in this process; every 2-rank run in one torchrun launch (see :func:`_two_ranks`)."""
     root = tmp_path_factory.mktemp("roles")
-    _train(_config(tiny_base, latent_set, root / "single", 4), root / "single.yaml", 1)  # the uninterrupted reference
-    two = _config(tiny_base, latent_set, root / "two_to_one", 2)  # saved on 2 ranks at step 3 ...
-    two["training"]["loop"]["stop_at_step"] = 3
-    _train(two, root / "two_to_one.yaml", 2)
-    _train(_config(tiny_base, latent_set, root / "two_to_one", 4), root / "two_to_one.yaml", 1)  # ... resumed on 1
+    _train(_config(tiny_base, latent_set, root / "single", 4), root / "single.yaml")  # the uninterrupted reference
     one = _config(tiny_base, latent_set, root / "one_to_two", 4)  # saved on 1 rank at step 1 (student never stepped) ...
     one["training"]["loop"]["stop_at_step"] = 1
-    _train(one, root / "one_to_two.yaml", 1)
-    _train(_config(tiny_base, latent_set, root / "one_to_two", 2), root / "one_to_two.yaml", 2)  # ... resumed on 2
+    _train(one, root / "one_to_two.yaml")
+    two = _config(tiny_base, latent_set, root / "two_to_one", 2)  # saved on 2 ranks at step 3 ...
+    two["training"]["loop"]["stop_at_step"] = 3
+    _two_ranks([(two, root / "two_to_one-stopped.yaml"),
+                (_config(tiny_base, latent_set, root / "one_to_two", 2), root / "one_to_two-resumed.yaml"),  # ... resumed on 2
+                (_accum(tiny_base, latent_set, root / "accum_two", 1), root / "accum_two.yaml")])  # 2 ranks × 1 sample × 2
+    _train(_config(tiny_base, latent_set, root / "two_to_one", 4), root / "two_to_one.yaml")  # ... resumed on 1
     return root
 
 
@@ -183,23 +213,17 @@ def test_wrong_role_kind_and_frozen_optimizer_are_config_errors(tiny_base, laten
         sys.path.remove(str(PLUGINS))
 
 
-def test_gradient_accumulation_on_two_ranks_matches_one(tmp_path, tiny_base, latent_set):
+def test_gradient_accumulation_on_two_ranks_matches_one(runs, tmp_path, tiny_base, latent_set):
     """Two micro-batches per step: FSDP2 on 2 ranks reduces gradients once, after the second
     (``set_requires_gradient_sync``), and follows the one-rank trajectory with the same micro-batches."""
-    def cfg(name: str, batch_size: int) -> dict:
-        c = _config(tiny_base, latent_set, tmp_path / name, batch_size)
-        c["training"]["loop"].update(max_train_steps=3, grad_accum_steps=2)
-        c["training"]["checkpoint"]["save_every"] = 0
-        return c
-
-    _train(cfg("two", 1), tmp_path / "two.yaml", 2)  # 2 ranks × 1 sample × 2 micro-batches
-    _train(cfg("one", 2), tmp_path / "one.yaml", 1)  # 1 rank × 2 samples × 2 micro-batches: the same samples and draws
-    two, one = read_log(tmp_path / "two"), read_log(tmp_path / "one")
+    two_dir = runs / "accum_two"  # 2 ranks × 1 sample × 2 micro-batches (the fixture's launch)
+    _train(_accum(tiny_base, latent_set, tmp_path / "one", 2), tmp_path / "one.yaml")  # 1 rank × 2 samples × 2: the same samples and draws
+    two, one = read_log(two_dir), read_log(tmp_path / "one")
     assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3]
     for a, b in zip(two, one):
         for key in ("total_loss", "critic_loss", "grad_norm/critic"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
-    wa = dcp_tensors(tmp_path / "two" / "checkpoint-3", ("roles.critic.", "roles.student."))
+    wa = dcp_tensors(two_dir / "checkpoint-3", ("roles.critic.", "roles.student."))
     wb = dcp_tensors(tmp_path / "one" / "checkpoint-3", ("roles.critic.", "roles.student."))
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-5) for k in wa)
 
@@ -215,3 +239,7 @@ def test_a_prompts_only_method_gets_prompt_batches(tiny_base, latent_set, tmp_pa
     assert result.final_step == 2 and all(r["total_loss"] > 0 for r in result.history)
     prompts, full = LatentDataset(latent_set, with_latents=False), LatentDataset(latent_set)
     assert "latents" not in prompts[0] and torch.equal(prompts[0]["text_embedding"], full[0]["text_embedding"])
+
+
+if __name__ == "__main__":  # the 2-rank worker of _two_ranks
+    _driver(sys.argv[1:])

@@ -153,14 +153,14 @@ def pause_training(folder: Path, run_dir: Path | None = None, timeout: float = 3
     deadline = time.time() + timeout
 
     def ready() -> list[int]:
-        pids = training_workers(folder)
-        if pids and run_dir is not None:
-            try:
-                holder = int((run_dir / ".lock").read_text().strip() or 0)
-            except (OSError, ValueError):
-                return []
-            return pids if holder in pids else []
-        return pids
+        if run_dir is None:
+            return training_workers(folder)
+        try:  # the lock's holder first: reading one file is cheap, a scan of /proc every few ms is not
+            holder = int((run_dir / ".lock").read_text().strip() or 0)
+        except (OSError, ValueError):
+            return []
+        pids = training_workers(folder) if holder else []
+        return pids if holder in pids else []
 
     while not (pids := ready()):
         assert time.time() < deadline, "no training worker started"

@@ -34,19 +34,22 @@ WEIGHTS = Path("artifacts/teacher/model/transformer/diffusion_pytorch_model.safe
                          expect="one line names the changed config; training restarts at step 1; the shipped weights "
                                 "equal a fresh run's with the new value, bitwise; lineage names the new value")
 def test_changed_learning_rate_restarts_and_ships_the_new_weights(trained, tmp_path, data_lost):
+    import shutil
+
     repo = copy_workspace(trained, tmp_path / "changed")
     old = hash_file(repo / WEIGHTS)
     set_params(repo, {"teacher.learning_rate": 5.0e-4})
-    out = sh(["dvc", "repro", "teacher"], repo)
-    assert "not resuming runs/teacher (changed: the run config): starting from step 0" in out.stderr
-    assert "resumed from" not in out.stderr
-    assert read_log_steps(repo / "runs" / "teacher") == [1, 2, 3, 4, 5, 6]
-    fresh = copy_workspace(trained, tmp_path / "fresh")
+    fresh = copy_workspace(trained, tmp_path / "fresh")  # the reference: a fresh run with the new value
     set_params(fresh, {"teacher.learning_rate": 5.0e-4})
-    import shutil
-
     shutil.rmtree(fresh / "runs")
-    sh(["dvc", "repro", "teacher"], fresh)
+    # the two workspaces share nothing (own DVC cache, MLflow store, runs/): both stages at once
+    changed, reference = (subprocess.Popen(["dvc", "repro", "teacher"], cwd=ws, env=env(), stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True) for ws in (repo, fresh))
+    out_err, ref_err = (p.communicate(timeout=900)[1] for p in (changed, reference))
+    assert changed.returncode == 0 and reference.returncode == 0, out_err[-3000:] + ref_err[-3000:]
+    assert "not resuming runs/teacher (changed: the run config): starting from step 0" in out_err
+    assert "resumed from" not in out_err
+    assert read_log_steps(repo / "runs" / "teacher") == [1, 2, 3, 4, 5, 6]
     new = hash_file(repo / WEIGHTS)
     assert new != old and new == hash_file(fresh / WEIGHTS)
     lineage = json.loads((repo / "artifacts" / "teacher" / "lineage.json").read_text())
@@ -113,6 +116,7 @@ def _kill_inside_checkpoint_write(repo: Path, proc: subprocess.Popen) -> bool:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             return (runs / writing[0]).exists()  # the half-written checkpoint is still there: killed inside it
+        time.sleep(0.001)  # a write takes 200+ ms: a look every millisecond sees it, without spinning a core
     return False
 
 
