@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import read_log, role_state, run_config, train_in_process, write_config
+from torchrun_each import torchrun_each
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -28,34 +29,11 @@ def torchrun(config: dict, path: Path, nproc: int = 2) -> subprocess.CompletedPr
     return _launch(["-m", "distillery.cli.train", "--config", str(path)], path.parent, nproc)
 
 
-def torchrun_each(configs: list[tuple[dict, Path]], nproc: int = 2) -> subprocess.CompletedProcess:
-    """The configs one after the other on ``nproc`` ranks in ONE torchrun launch of this file (:func:`_driver`:
-    one process group, then the trainer the CLI builds, for each): a launch and its imports cost more than a tiny run."""
-    for config, path in configs:
-        write_config(path, config)
-    return _launch([__file__, *[str(path) for _, path in configs]], configs[0][1].parent, nproc)
-
-
 def _launch(args: list[str], cwd: Path, nproc: int) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
     proc = subprocess.run(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
-
-
-def _driver(paths: list[str]) -> None:
-    """A torchrun worker of :func:`torchrun_each`: ``build_trainer(config, env).fit()`` for each config in turn."""
-    from distillery.components.distributed import init_distributed, shutdown
-    from distillery.config import allowed_prefixes, load_run_config
-    from distillery.engine.assemble import build_trainer
-
-    configs = [load_run_config(path, prefixes=allowed_prefixes()) for path in paths]
-    env = init_distributed(configs[0].training.distributed)
-    try:
-        for config in configs:
-            build_trainer(config, env).fit()
-    finally:
-        shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +98,3 @@ def test_two_rank_checkpoint_resumes_on_one_rank(runs):
     one = role_state(root / "reshard" / f"checkpoint-{STEPS}")
     for k in two:
         torch.testing.assert_close(one[k], two[k], rtol=0, atol=1e-5)
-
-
-if __name__ == "__main__":  # the 2-rank worker of torchrun_each
-    _driver(sys.argv[1:])

@@ -15,17 +15,15 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import dcp_tensors, nudge_weights, read_log, run_config, train_in_process, write_config
+from helpers import dcp_tensors, nudge_weights, read_log, run_config, train_in_process
 from helpers import tiny_raw_batch as raw_batch
+from torchrun_each import torchrun_each
 
 from distillery.config import allowed_prefixes, load_run_config
 from distillery.methods.dmd2 import DMD2Config, DMD2Method, truncated_shifted_timesteps, warped_ladder
@@ -272,33 +270,6 @@ def _config(base: Path, data: Path, out: Path, batch_size: int, save_every: int 
     return cfg
 
 
-def _torchrun(configs: list[tuple[dict, Path]]) -> None:
-    """Run the configs one after the other on 2 ranks (gloo, FSDP2) in ONE torchrun launch of this
-    file (:func:`_two_rank_driver`): the launch and imports cost more than the tiny runs themselves."""
-    for cfg, path in configs:
-        write_config(path, cfg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-           *[str(path) for _, path in configs]]
-    proc = subprocess.run(cmd, cwd=configs[0][1].parent, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-
-def _two_rank_driver(paths: list[str]) -> None:
-    """A torchrun worker: one process group, then ``build_trainer(config, env).fit()`` for each config in turn
-    (what ``python -m distillery.cli.train --config PATH`` does for one)."""
-    from distillery.components.distributed import init_distributed, shutdown
-    from distillery.engine.assemble import build_trainer
-
-    configs = [load_run_config(path, prefixes=allowed_prefixes()) for path in paths]
-    env = init_distributed(configs[0].training.distributed)
-    try:
-        for config in configs:
-            build_trainer(config, env).fit()
-    finally:
-        shutdown()
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_base, latent_set):
     """``<root>/<method>/{one,two,resumed}``: both methods' runs, the 2-rank ones in one torchrun launch."""
@@ -321,7 +292,7 @@ def runs(tmp_path_factory, tiny_base, latent_set):
         stopped["training"]["loop"]["stop_at_step"] = STOP
         launches += [(_pdd_config(tiny_base, latent_set, out / "two", 2, dm), out / "two.yaml"), (stopped, out / "stopped.yaml"),
                      (_pdd_config(tiny_base, latent_set, out / "resumed", 2, dm), out / "resumed.yaml")]
-    _torchrun(launches)
+    torchrun_each(launches)
     return root
 
 
@@ -415,7 +386,3 @@ def test_a_stopped_two_rank_run_resumes_to_the_uninterrupted_weights(runs, metho
     b = dcp_tensors(runs / "resumed" / f"checkpoint-{STEPS}", prefixes)
     assert a.keys() == b.keys() and any(k.startswith("roles.student.") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
-
-
-if __name__ == "__main__":  # the 2-rank worker of _torchrun
-    _two_rank_driver(sys.argv[1:])

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 from helpers import dcp_tensors, read_log, run_config, train_in_process, write_config
 from safetensors.torch import load_file, save_file
+from torchrun_each import torchrun_each
 
 from distillery.common.errors import UserError
 
@@ -59,33 +59,6 @@ def _train(cfg: dict, path: Path) -> None:
         train_in_process(cfg)
 
 
-def _two_ranks(configs: list[tuple[dict, Path]]) -> None:
-    """The configs one after the other on 2 ranks (gloo, FSDP2) in ONE torchrun launch of this file (:func:`_driver`):
-    a launch and its imports cost more than these tiny runs (the CLI under torchrun is tests/test_distributed.py's)."""
-    for cfg, path in configs:
-        write_config(path, cfg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-           *[str(path) for _, path in configs]]
-    proc = subprocess.run(cmd, cwd=configs[0][1].parent, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-
-def _driver(paths: list[str]) -> None:
-    """A torchrun worker of :func:`_two_ranks`: one process group, then ``build_trainer(config, env).fit()`` for each
-    config in turn (what ``torchrun -m distillery.cli.train --config PATH`` does for one)."""
-    from distillery.components.distributed import init_distributed, shutdown
-    from distillery.config import allowed_prefixes, load_run_config
-    from distillery.engine.assemble import build_trainer
-
-    configs = [load_run_config(path, prefixes=allowed_prefixes()) for path in paths]  # the plugin: _env's prefixes
-    env = init_distributed(configs[0].training.distributed)
-    try:
-        for config in configs:
-            build_trainer(config, env).fit()
-    finally:
-        shutdown()
-
-
 def _accum(base: Path, data: Path, out: Path, batch_size: int) -> dict:
     """Two micro-batches per step, 3 steps (test_gradient_accumulation_on_two_ranks_matches_one)."""
     c = _config(base, data, out, batch_size)
@@ -112,7 +85,7 @@ def _plugins():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_base, latent_set):
-    """The 1-rank runs in this process; every 2-rank run in one torchrun launch (see :func:`_two_ranks`)."""
+    """The 1-rank runs in this process; every 2-rank run in one torchrun launch (tests/torchrun_each.py)."""
     root = tmp_path_factory.mktemp("roles")
     _train(_config(tiny_base, latent_set, root / "single", 4), root / "single.yaml")  # the uninterrupted reference
     one = _config(tiny_base, latent_set, root / "one_to_two", 4)  # saved on 1 rank at step 1 (student never stepped) ...
@@ -120,9 +93,10 @@ def runs(tmp_path_factory, tiny_base, latent_set):
     _train(one, root / "one_to_two.yaml")
     two = _config(tiny_base, latent_set, root / "two_to_one", 2)  # saved on 2 ranks at step 3 ...
     two["training"]["loop"]["stop_at_step"] = 3
-    _two_ranks([(two, root / "two_to_one-stopped.yaml"),
-                (_config(tiny_base, latent_set, root / "one_to_two", 2), root / "one_to_two-resumed.yaml"),  # ... resumed on 2
-                (_accum(tiny_base, latent_set, root / "accum_two", 1), root / "accum_two.yaml")])  # 2 ranks × 1 sample × 2
+    torchrun_each([(two, root / "two_to_one-stopped.yaml"),
+                   (_config(tiny_base, latent_set, root / "one_to_two", 2), root / "one_to_two-resumed.yaml"),  # ... resumed on 2
+                   (_accum(tiny_base, latent_set, root / "accum_two", 1), root / "accum_two.yaml")],  # 2 ranks × 1 sample × 2
+                  env=_env())  # the test's method plugin on the workers' path
     _train(_config(tiny_base, latent_set, root / "two_to_one", 4), root / "two_to_one.yaml")  # ... resumed on 1
     return root
 
@@ -239,7 +213,3 @@ def test_a_prompts_only_method_gets_prompt_batches(tiny_base, latent_set, tmp_pa
     assert result.final_step == 2 and all(r["total_loss"] > 0 for r in result.history)
     prompts, full = LatentDataset(latent_set, with_latents=False), LatentDataset(latent_set)
     assert "latents" not in prompts[0] and torch.equal(prompts[0]["text_embedding"], full[0]["text_embedding"])
-
-
-if __name__ == "__main__":  # the 2-rank worker of _two_ranks
-    _driver(sys.argv[1:])

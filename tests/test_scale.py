@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from helpers import read_log, run_config, train_in_process, write_config
+from torchrun_each import torchrun_each
 from workspace import kill_all_in, wait_no_processes
 
 from distillery.config import allowed_prefixes, load_run_config
@@ -76,19 +77,6 @@ def _resume_copy(src: Path, dst: Path, step: int) -> Path:
     return dst
 
 
-def _four_ranks(configs: list[tuple[dict, Path]]) -> str:
-    """The configs one after the other on 4 ranks in ONE ``torchrun --nproc_per_node 4`` of this file
-    (:func:`_driver`): the launch and imports cost far more than the tiny runs."""
-    for cfg, path in configs:
-        write_config(path, cfg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", __file__, "ranks",
-           *[str(path) for _, path in configs]]
-    proc = subprocess.run(cmd, cwd=configs[0][1].parent, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stderr
-
-
 def _two_agents(config: Path, cwd: Path) -> subprocess.Popen:
     """This file as a training stage would launch ``gpus: {nnodes: 2, nproc_per_node: 1}`` (:func:`_agents`)."""
     return subprocess.Popen([sys.executable, __file__, "agents", str(config)], cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -119,11 +107,11 @@ def runs(tmp_path_factory, tiny_base, latent_set):
     train_in_process(_dmd2(tiny_base, latent_set, dmd2 / "one", 1))
     train_in_process(_pdd(tiny_base, latent_set, pdd / "one_to_four", 1, stop=1))
     _resume_copy(sft / "one", sft / "one_to_four", FROM_ONE)
-    four = _four_ranks([(_sft(tiny_base, latent_set, sft / "hsdp", 4, replicate=2), sft / "hsdp.yaml"),
+    four = torchrun_each([(_sft(tiny_base, latent_set, sft / "hsdp", 4, replicate=2), sft / "hsdp.yaml"),
                         (_sft(tiny_base, latent_set, sft / "one_to_four", 4, replicate=2), sft / "one_to_four.yaml"),
                         (_dmd2(tiny_base, latent_set, dmd2 / "hsdp", 4, replicate=2), dmd2 / "hsdp.yaml"),
                         (_pdd(tiny_base, latent_set, pdd / "four_to_one", 4, stop=1), pdd / "four.yaml"),
-                        (_pdd(tiny_base, latent_set, pdd / "one_to_four", 4), pdd / "one_to_four.yaml")])
+                        (_pdd(tiny_base, latent_set, pdd / "one_to_four", 4), pdd / "one_to_four.yaml")], nproc=4).stderr
     _resume_copy(sft / "hsdp", sft / "four_to_one", FROM_FOUR)
     train_in_process(_sft(tiny_base, latent_set, sft / "four_to_one", 1))
     train_in_process(_pdd(tiny_base, latent_set, pdd / "four_to_one", 1))
@@ -293,22 +281,6 @@ def test_resume_key_holds_the_global_batch_not_the_layout():
     assert config_digest(raw(16), 2) != config_digest(raw(16), 1)
 
 
-def _driver(paths: list[str]) -> None:
-    """A torchrun worker: one process group, then ``build_trainer(config, env).fit()`` for each config in turn."""
-    from distillery.common.log import setup_logging
-    from distillery.components.distributed import init_distributed, shutdown
-    from distillery.engine.assemble import build_trainer
-
-    configs = [load_run_config(path, prefixes=allowed_prefixes()) for path in paths]
-    env = init_distributed(configs[0].training.distributed)
-    setup_logging(env.rank)  # as distillery.cli.train: rank 0 logs (each role's mesh)
-    try:
-        for config in configs:
-            build_trainer(config, env).fit()
-    finally:
-        shutdown()
-
-
 def _agents(config: str) -> int:
     """What a training stage runs for ``gpus: {nnodes: 2, nproc_per_node: 1, launcher: local}``."""
     from distillery.common.log import setup_logging
@@ -321,7 +293,4 @@ def _agents(config: str) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "ranks":
-        _driver(sys.argv[2:])
-    else:
-        sys.exit(_agents(sys.argv[2]))
+    sys.exit(_agents(sys.argv[2]))
