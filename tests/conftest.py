@@ -46,11 +46,11 @@ LONGEST_FIRST = ("tests/test_pipeline.py", "tests/reliability/test_stage_trust.p
                  "tests/test_preprocess.py", "tests/test_distributed.py", "tests/reliability/test_training_faults.py")
 
 
-def pytest_configure(config):
-    """xdist (3.x) hands out the files of ``--dist loadfile`` sorted by their number of tests unless told not to,
-    which would undo :data:`LONGEST_FIRST` (a file of few long tests, as test_stage_trust.py, would start last)."""
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
+# xdist (3.x) re-sorts ``--dist loadfile``'s files by their number of tests, which undoes part of this order; turning
+# that off (``config.option.loadscopereorder = False``) made the suite 692 s instead of ~930 s, but with it
+# tests/reliability/test_stage_faults.py::test_killing_dvc_leaves_no_orphan left three processes of its stage behind
+# in two whole-suite runs out of two (it passes alone, under load, and beside its reliability neighbours): kept off
+# until that interaction is understood.
 
 
 def pytest_collection_modifyitems(session, config, items):
