@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from workspace import env, error_lines, pause_training, read_log_steps, resume_training, set_params, sh, stage, tree_sha, wait_no_processes
+from workspace import env, error_lines, kill_all_in, pause_training, read_log_steps, resume_training, set_params, sh, stage, tree_sha, wait_no_processes
 
 pytestmark = pytest.mark.slow
 
@@ -50,22 +50,29 @@ def test_second_writer_is_refused(ws, data_lost):
     assert logged == list(range(1, steps + 1))
 
 
-@pytest.mark.reliability(case="8.6", title="killing dvc kills the training",
-                         injected="SIGKILL to the `dvc repro teacher` process alone, mid-training",
+@pytest.mark.reliability(case="8.6", title="killing dvc kills the training, also under nohup",
+                         injected="SIGKILL to a `nohup dvc repro teacher` process alone, mid-training (SIGHUP ignored "
+                                  "in every process below it, as nohup leaves it)",
                          expect="no stage, launcher or worker process survives; a rerun resumes and logs each step once")
 def test_killing_dvc_leaves_no_orphan(ws, data_lost):
+    # Under nohup the stage once took "SIGHUP ignored" as "outlive everything" and kept training after dvc died; the
+    # watch rule itself, with and without nohup, is tests/test_procutil.py's.
     set_params(ws, {"teacher.steps": 12})
     proc = subprocess.Popen(["dvc", "repro", "teacher"], cwd=ws, env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 300
-    while not (ws / "runs" / "teacher" / "checkpoint-2" / "metadata.json").is_file():
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.01)
-    pause_training(ws)  # mid-run for sure, whatever the host's speed (a stopped worker still dies on SIGKILL)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    left = wait_no_processes(ws, timeout=30)
-    assert left == [], f"orphans: {left}"
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        deadline = time.time() + 300
+        while not (ws / "runs" / "teacher" / "checkpoint-2" / "metadata.json").is_file():
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.01)
+        pause_training(ws)  # mid-run for sure, whatever the host's speed (a stopped worker still dies on SIGKILL)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        left = wait_no_processes(ws, timeout=30)
+        assert left == [], f"orphans: {left}"
+    finally:
+        kill_all_in(ws)  # a failure here must not leave a stopped training behind for the rest of the suite
     out = sh(["dvc", "repro", "teacher"], ws)
     assert "resumed from runs/teacher/checkpoint-" in out.stderr
     steps = read_log_steps(ws / "runs" / "teacher")

@@ -7,7 +7,10 @@
 - :class:`AncestorWatch` — a daemon thread that polls the process's ancestors (through any shell
   wrappers, up to the first non-shell ancestor) and runs a callback when one of them is gone. A
   stage started by ``dvc repro`` through ``sh -c`` uses it: killing ``dvc`` alone leaves the shell
-  and the stage alive, and no kernel mechanism tells the stage.
+  and the stage alive, and no kernel mechanism tells the stage. Under ``nohup`` (SIGHUP ignored)
+  the process was asked to outlive the user's shell, not the program that runs it: the watch then
+  goes only through ``-c`` wrappers (``sh -c CMD``) to the first program (``dvc``, a Prefect
+  worker), and watches nothing when the parent is a shell the user types into.
 - :func:`exclusive_lock` — an ``flock`` on a lock file held for a ``with`` block; a second holder
   gets one :class:`UserError` line naming the folder and the pid that holds it. The lock belongs to
   the open file description, so it is released when the holder dies, however it dies.
@@ -64,9 +67,24 @@ def _alive(pid: int) -> bool:
     return st is not None and st[1] not in ("Z", "X")
 
 
-def ancestors_to_watch(pid: int | None = None) -> list[int]:
+def runs_a_command_string(pid: int) -> bool:
+    """True when ``pid``'s arguments hold a short-option cluster with ``c`` (``sh -c CMD``, ``bash
+    --norc -ec CMD``): a shell that wraps one command, not one a user types into."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:]
+    except OSError:
+        return False
+    return any(a.startswith(b"-") and not a.startswith(b"--") and b"c" in a[1:] and a[1:].isalpha() for a in args)
+
+
+def ancestors_to_watch(pid: int | None = None, hangup_ignored: bool = False) -> list[int]:
     """The parent of ``pid`` and, while that parent is a shell, its parents too: the chain whose
-    death means nobody is waiting for this process any more."""
+    death means nobody is waiting for this process any more.
+
+    ``hangup_ignored`` (the process runs under ``nohup``): it was asked to outlive the user's shell,
+    so the chain goes only through shells that wrap one command (:func:`runs_a_command_string`) to
+    the first program that is not a shell, and is empty when a shell a user types into comes first
+    (``nohup distillery stage X &`` from a terminal: nothing to watch; ``nohup dvc repro``: ``dvc``)."""
     chain: list[int] = []
     current = os.getpid() if pid is None else pid
     for _ in range(8):
@@ -76,9 +94,12 @@ def ancestors_to_watch(pid: int | None = None) -> list[int]:
         parent = st[2]
         if parent <= 1:
             break
-        chain.append(parent)
         pst = _proc_stat(parent)
-        if pst is None or pst[0] not in SHELLS:
+        is_shell = pst is not None and pst[0] in SHELLS
+        if hangup_ignored and is_shell and not runs_a_command_string(parent):
+            return []
+        chain.append(parent)
+        if not is_shell:
             break
         current = parent
     return chain
@@ -88,15 +109,16 @@ class AncestorWatch:
     """Poll ``ancestors_to_watch()`` every ``interval`` seconds; call ``on_orphaned`` once when one
     of them dies (or this process is re-parented). Start with :meth:`start`; a daemon thread."""
 
-    def __init__(self, on_orphaned: Callable[[], None], interval: float = 0.5) -> None:
+    def __init__(self, on_orphaned: Callable[[], None], interval: float = 0.5, hangup_ignored: bool = False) -> None:
         self.on_orphaned = on_orphaned
         self.interval = interval
-        self.watched = ancestors_to_watch()
+        self.watched = ancestors_to_watch(hangup_ignored=hangup_ignored)
         self.parent = os.getppid()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ancestor-watch", daemon=True)
 
     def start(self) -> "AncestorWatch":
+        """Start polling (nothing to do when no ancestor is watched)."""
         if self.watched:
             self._thread.start()
         return self

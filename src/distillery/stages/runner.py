@@ -110,9 +110,9 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     check_batch(name, params, ARTIFACTS)
     declared = StageParams(params, name, stage_params(name))
     _use_workspace_hash_cache()
-    watch = AncestorWatch(lambda: _orphaned(name))
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # `nohup distillery stage ...` asks to outlive its shell
-        watch.start()
+    # under `nohup` the stage outlives the user's shell, never the program that runs it (dvc, a Prefect worker)
+    watch = AncestorWatch(lambda: _orphaned(name), hangup_ignored=signal.getsignal(signal.SIGHUP) is signal.SIG_IGN)
+    watch.start()
     try:
         check_writable([ARTIFACTS, RUNS / ".locks"] + ([RUNS] if name in TRAINING_STAGES else []), name)
         with exclusive_lock(RUNS / ".locks" / f"{name}.lock", f"stage {name}"):
