@@ -37,20 +37,23 @@ def latent_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # The longest test files first: `-n 2 --dist loadfile` hands files to the two workers in the order of the
 # collection, as each worker runs low on tests; a long file handed out last would run alone at the end.
-# Longest-first keeps both workers busy until the end (about the seconds each took in a whole-suite run on
-# 2 cores, 2026-12: pipeline 390, stage_trust 250, flows 170, stage_faults 150, dmd2 60, scale 60, roles 50,
-# artifact_trust 45, slurm 45, training 35, preprocess 35, distributed 30, training_faults 20; the rest keep their order).
-LONGEST_FIRST = ("tests/test_pipeline.py", "tests/reliability/test_stage_trust.py", "tests/test_flows.py",
-                 "tests/reliability/test_stage_faults.py", "tests/test_dmd2.py", "tests/test_scale.py", "tests/test_roles.py",
-                 "tests/reliability/test_artifact_trust.py", "tests/reliability/test_slurm.py", "tests/test_training.py",
-                 "tests/test_preprocess.py", "tests/test_distributed.py", "tests/reliability/test_training_faults.py")
+# Longest-first keeps both workers busy until the end (the seconds each took in whole-suite runs on 2 cores,
+# 2026-12-02: pipeline 600, stage_trust 480, stage_faults 330, flows 250, scale 170, dmd2 150, artifact_trust 110,
+# roles 100, preprocess 85, slurm 85, distributed 80, training 75, preflight_space 40; the rest keep their order).
+LONGEST_FIRST = ("tests/test_pipeline.py", "tests/reliability/test_stage_trust.py", "tests/reliability/test_stage_faults.py",
+                 "tests/test_flows.py", "tests/test_scale.py", "tests/test_dmd2.py", "tests/reliability/test_artifact_trust.py",
+                 "tests/test_roles.py", "tests/test_preprocess.py", "tests/reliability/test_slurm.py", "tests/test_distributed.py",
+                 "tests/test_training.py", "tests/test_preflight_space.py")
 
 
-# xdist (3.x) re-sorts ``--dist loadfile``'s files by their number of tests, which undoes part of this order; turning
-# that off (``config.option.loadscopereorder = False``) made the suite 692 s instead of ~930 s, but with it
-# tests/reliability/test_stage_faults.py::test_killing_dvc_leaves_no_orphan left three processes of its stage behind
-# in two whole-suite runs out of two (it passes alone, under load, and beside its reliability neighbours): kept off
-# until that interaction is understood.
+def pytest_configure(config):
+    """xdist (3.x) hands out the files of ``--dist loadfile`` sorted by their number of tests unless told not to,
+    which would undo :data:`LONGEST_FIRST` (a file of few long tests, as test_stage_trust.py, would start last).
+    (An earlier session turned this off again because test_killing_dvc_leaves_no_orphan failed in whole-suite runs:
+    those runs were started under ``nohup``, and the stage took an ignored SIGHUP as "outlive dvc" — fixed in
+    ``procutil.ancestors_to_watch``, tests/test_procutil.py; the order had nothing to do with it.)"""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):
