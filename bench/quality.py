@@ -33,7 +33,8 @@ prompts × seeds and scores it against the 40-step teacher's samples:
 
 Output (``--out``, default ``bench/results/quality.json``; rewritten after every candidate, so a run
 stopped at its budget keeps what it finished): ``{"settings", "candidates": [{"name", "method", "nfe",
-"latency_s", "<m>", "<m>_ci": [lo, hi] for m in kid, frechet, adherence, sharpness, paired_distance}],
+"latency_s", "<m>", "<m>_ci": [lo, hi] for m in kid, frechet, adherence, sharpness, paired_distance, "adherence_parts":
+{colour, shape, direction}}],
 "floor"}``; beside it ``quality_goals.json`` (the issue's goals checked against the intervals) and
 ``quality_nfe_vs_distance.png`` (KID and Fréchet against NFE per method, the floor as a band). A
 summary table goes to stdout.
@@ -75,6 +76,7 @@ GUIDANCE = 4.0  # the teacher's CFG (validate.guidance_scale)
 TEACHER_STEPS = (40, 8, 4, 2, 1)
 PDD_NFE = (1, 2, 4, 8)
 METRICS = ("kid", "frechet", "adherence", "sharpness", "paired_distance")
+ADHERENCE_PARTS = ("colour", "shape", "direction")  # the analyzer's readings behind "all" (reported per candidate)
 
 
 @dataclass(frozen=True)
@@ -364,6 +366,7 @@ class Sampled:
 
     features: np.ndarray  # [N, D] raw video features
     adherence: np.ndarray  # [N] 0/1: the analyzer's "all"
+    parts: dict[str, np.ndarray]  # "colour", "shape", "direction": [N] 0/1 each (which reading fails)
     sharpness: np.ndarray  # [N]
     seed_index: np.ndarray  # [N]
     keys: list[str]  # sample keys "<i>" / "<i>_s<j>"
@@ -384,6 +387,7 @@ def load_sampled(folder: Path, decoder: Any) -> Sampled:
         batch = torch.stack([latents[k] for k in keys[start:start + 16]])
         frames.append(decoder.decode_latents(batch).astype(np.float32) / 255.0)
     return Sampled(np.asarray([r["features"] for r in rows], dtype=np.float64), np.asarray([float(r["all"]) for r in rows]),
+                   {k: np.asarray([float(r[k]) for r in rows]) for k in ADHERENCE_PARTS},
                    np.asarray([r["sharpness"] for r in rows], dtype=np.float64), np.asarray([r["seed_index"] for r in rows]),
                    keys, np.concatenate(frames))
 
@@ -403,6 +407,7 @@ def score(cand: Sampled, ref: Sampled, scaler: Any, resamples: int) -> dict[str,
            "frechet": round(fd, 6),
            "frechet_ci": [0.0, 0.0] if same else shifted_ci(fd, bootstrap_frechet(z, ref_z, resamples, 0)),
            "adherence": round(float(cand.adherence.mean()), 6), "adherence_ci": bootstrap_mean_ci(cand.adherence, resamples, 1),
+           "adherence_parts": {k: round(float(v.mean()), 6) for k, v in cand.parts.items()},
            "sharpness": round(float(cand.sharpness.mean()), 8), "sharpness_ci": bootstrap_mean_ci(cand.sharpness, resamples, 2),
            "paired_distance": round(float(paired.mean()), 8),
            "paired_distance_ci": [0.0, 0.0] if same else bootstrap_mean_ci(paired, resamples, 3)}
@@ -560,8 +565,9 @@ def train(args: argparse.Namespace, scale: Scale, work: Path, deadline: float, s
         for name in ("clips", "base", "latents", "teacher", "pretrain"):
             timings[name] = round(run_stage(base, name, args.device, logs), 1)
             print(f"[quality] stage {name}: {timings[name]} s", flush=True)
-    pending = [s for s in STUDENTS if not (args.reuse and (work / s.name / "artifacts" / s.stage / "model").is_dir())]
-    for s in STUDENTS:
+    chosen = [s for s in STUDENTS if s.name in args.students]
+    pending = [s for s in chosen if not (args.reuse and (work / s.name / "artifacts" / s.stage / "model").is_dir())]
+    for s in chosen:
         if s not in pending:
             trained[s.name] = work / s.name / "artifacts" / s.stage / "model"
     running: dict[str, tuple[subprocess.Popen, float, Student, Any]] = {}
@@ -638,7 +644,8 @@ def evaluate(args: argparse.Namespace, scale: Scale, work: Path, trained: dict[s
         write_results(out, settings, ordered, floor)
         r = rows[spec.name]
         print(f"[quality] {spec.name}: NFE {int(r['nfe'])}, KID {r['kid']:.4f} {r['kid_ci']}, Fréchet {r['frechet']:.3f} "
-              f"{r['frechet_ci']}, adherence {r['adherence']:.3f}, sharpness {r['sharpness'] * 1e3:.3f}e-3, "
+              f"{r['frechet_ci']}, adherence {r['adherence']:.3f} ({', '.join(f'{k} {v:.2f}' for k, v in r['adherence_parts'].items())}), "
+              f"sharpness {r['sharpness'] * 1e3:.3f}e-3, "
               f"sampled in {meta['sampling_s']} s", flush=True)
 
     ctx = multiprocessing.get_context("spawn")
@@ -717,6 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, help="override the scale's seed count")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a params.yaml value for every workspace (YAML), e.g. --set pdd.dm_weight=0.5")
+    parser.add_argument("--students", default=",".join(s.name for s in STUDENTS),
+                        help="the students to train and evaluate, comma-separated (default: all); the teacher's candidates always")
     parser.add_argument("--reuse", action="store_true", help="keep the work folder's trained models; evaluate only what is missing")
     parser.add_argument("--keep-sampled", action="store_true",
                         help="with --reuse: sample only the candidates without current samples in the work folder (module doc)")
@@ -731,6 +740,11 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     args.reuse = args.reuse or args.rescore or args.keep_sampled
+    args.students = [n for n in args.students.split(",") if n]
+    unknown = sorted(set(args.students) - {s.name for s in STUDENTS})
+    if unknown:
+        print(f"error: --students: unknown {', '.join(unknown)}; valid: {', '.join(s.name for s in STUDENTS)}", file=sys.stderr)
+        return 2
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
