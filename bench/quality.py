@@ -557,6 +557,7 @@ def latent_settings(work: Path) -> dict[str, Any]:
 def train(args: argparse.Namespace, scale: Scale, work: Path, deadline: float, settings: dict[str, Any]) -> dict[str, Path]:
     """The shared stages, then every student (``--train-jobs`` at a time); returns name → model folder."""
     logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)  # also when --reuse finds the shared stages done (a copied work folder)
     base = work / "base"
     trained: dict[str, Path] = {}
     timings = settings.setdefault("stage_seconds", {})

@@ -108,3 +108,30 @@ def test_under_nohup_a_stage_typed_into_a_shell_watches_nothing(tmp_path):
     finally:
         if shell.poll() is None:
             shell.kill()
+
+
+# A process that ends through exit_now: what a normal exit would have done must still happen.
+ENDS_NOW = """
+import atexit, concurrent.futures, sys, threading, time
+from pathlib import Path
+from distillery.common.procutil import exit_now
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+pool = concurrent.futures.ThreadPoolExecutor(1)
+pool.submit(lambda: None).result()  # an idle pool, never shut down: a plain join of its thread would wait forever
+def late():
+    time.sleep(0.5)
+    (out / "thread").write_text("joined")
+threading.Thread(target=late).start()  # not a daemon: a normal exit waits for it
+sys.stdout.write("buffered, no newline")  # still in the buffer (stdout is a pipe)
+exit_now(7)
+"""
+
+
+def test_exit_now_joins_threads_runs_atexit_flushes_and_keeps_the_code(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", ENDS_NOW, str(tmp_path)], env=_child_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 7, proc.stderr
+    assert proc.stdout == "buffered, no newline"
+    assert (tmp_path / "thread").read_text() == "joined"
+    assert (tmp_path / "atexit").read_text() == "ran"

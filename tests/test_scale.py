@@ -231,12 +231,19 @@ def test_two_agents_meet_and_a_killed_launch_leaves_no_process(runs):
 
 
 def test_launch_plans(monkeypatch):
-    """What a stage starts for ``gpus``: one standalone agent; N local agents at one c10d rendezvous the stage
-    serves; one ``srun`` over the Slurm allocation (refused in one line outside one, or on another node count)."""
+    """What a stage starts for ``gpus``: one local process is the worker itself (no agent); one standalone agent;
+    N local agents at one c10d rendezvous the stage serves; one ``srun`` over the Slurm allocation (refused in one
+    line outside one, or on another node count)."""
+    import sys
+
     from distillery.common.errors import UserError
     from distillery.stages.launcher import plan_launch
     from distillery.stages.params_schema import GpusParams
 
+    alone = plan_launch(GpusParams(), ["--config", "runs/teacher/run.yaml"])
+    assert alone.commands == [[sys.executable, "-m", "distillery.cli.train", "--config", "runs/teacher/run.yaml"]]
+    assert alone.record == {"launcher": "local", "nnodes": 1, "nproc_per_node": 1, "world_size": 1}
+    assert not alone.serve_rendezvous
     one = plan_launch(GpusParams(nproc_per_node=2), ["--config", "runs/teacher/run.yaml"])
     assert len(one.commands) == 1 and "--standalone" in one.commands[0] and not one.serve_rendezvous
     assert one.record == {"launcher": "local", "nnodes": 1, "nproc_per_node": 2, "world_size": 2}

@@ -68,5 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     return run_guarded(lambda: args.func(args))
 
 
+def entry() -> None:
+    """The ``distillery`` console script: :func:`main`, then the process ends (:func:`~distillery.common.procutil.exit_now`)."""
+    from distillery.common.procutil import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -99,4 +99,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from distillery.common.procutil import exit_now
+
+    exit_now(main())

@@ -2,7 +2,10 @@
 
 ``params.yaml: gpus`` says where (:class:`~distillery.stages.params_schema.GpusParams`):
 
-- ``nnodes: 1``: one agent, ``torchrun --standalone`` with ``nproc_per_node`` workers (either launcher).
+- ``nnodes: 1``: one agent, ``torchrun --standalone`` with ``nproc_per_node`` workers (either launcher) —
+  but one process on this machine (``launcher: local``, ``nproc_per_node: 1``, the default and the one-GPU case)
+  is started as that worker itself: a single-process group needs no agent, and the agent's start (a torch
+  import, ~3 s on a 2-core CPU) and its exit after the worker's (~3 s) were spent on every training stage.
 - ``launcher: local``, ``nnodes: N > 1``: N agents on this machine, each ``--nnodes N`` with
   ``nproc_per_node`` workers (agent i on GPUs ``i·nproc …``: :func:`local_gpu_slices`), meeting at a
   c10d rendezvous on 127.0.0.1 — a multi-node run on one host (what the tests run, and a way to try
@@ -35,6 +38,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,6 +120,8 @@ def plan_launch(gpus: Any, train_args: list[str]) -> Launch:
         srun = ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                 "--export=ALL", f"--job-name=distillery-{Path(train_args[-1]).parent.name}"]
         return Launch([srun + agent], launcher, nnodes, nproc, endpoint, record, hosted)
+    if nnodes == 1 and nproc == 1:  # the worker alone (module doc): it dies with this process as an agent would
+        return Launch([[sys.executable, "-m", "distillery.cli.train", *train_args]], launcher, 1, 1, None, record)
     if nnodes == 1:
         return Launch([agent_command(1, nproc, None, run_id, train_args)], launcher, 1, nproc, None, record)
     hosted = not gpus.rdzv_endpoint
@@ -172,9 +178,11 @@ def _child_death_signal(launcher: str) -> int:
     return signal.SIGTERM if launcher == "slurm" else signal.SIGKILL
 
 
-def run_launch(launch: Launch, env: dict[str, str]) -> int:
+def run_launch(launch: Launch, env: dict[str, str], while_running: Callable[[], None] | None = None) -> int:
     """Start every command of ``launch`` (each dies with this process), wait for all; the first
-    non-zero exit code stops the others and is returned (0 when all succeed)."""
+    non-zero exit code stops the others and is returned (0 when all succeed). ``while_running`` is
+    called once every child has started (after the forks: a thread it starts cannot be inside a
+    lock that a child's ``preexec_fn`` needs), before the wait."""
     from distillery.common.procutil import die_with_parent
 
     sig = _child_death_signal(launch.launcher)
@@ -187,6 +195,8 @@ def run_launch(launch: Launch, env: dict[str, str]) -> int:
             extra = launch.envs[i] if i < len(launch.envs) else {}
             _CHILDREN.append(subprocess.Popen(cmd, env={**env, **extra}, preexec_fn=lambda: die_with_parent(sig)))
         try:
+            if while_running is not None:
+                while_running()
             return _wait_all(list(_CHILDREN))
         finally:
             stop_children()

@@ -9,7 +9,9 @@ For a stage of :data:`distillery.stages.training_table.TRAINING_STAGES`, :func:`
    starts from step 0 and says why (docs/reliability.md);
 3. launches ``python -m distillery.cli.launch`` (torchrun, contained), one agent per node, as
    ``params.yaml: gpus`` says (:mod:`distillery.stages.launcher`: local, or ``srun`` over a Slurm
-   allocation); every agent dies with this process, its workers with it;
+   allocation; one local process is the worker itself); every agent dies with this process, its
+   workers with it — and while they train, this process imports what publishing needs
+   (:class:`PublishImports`);
 4. reads the run's ``run_summary.json`` (:mod:`distillery.stages.run_summary`) and publishes the
    artifact: ``model/`` (the trained role's transformer, the init's scheduler, ``sampling.json`` from
    the summary's sampling contract), ``loss.json`` and its curve ``loss.png``, metrics and lineage
@@ -106,13 +108,45 @@ def kill_launcher() -> None:
     kill_children()
 
 
+class PublishImports:
+    """What publishing a trained model imports (torch, the model family's package and diffusers, matplotlib: ~10 s
+    on a 2-core CPU), imported on a thread of this process while the launch trains — this process only waits
+    then — instead of after it, on the stage's critical path. :meth:`wait` joins it; an import that failed there
+    fails again, with its own error, where the module is used."""
+
+    def __init__(self, init_folder: str) -> None:
+        import threading
+
+        self.init_folder = init_folder
+        self.thread = threading.Thread(target=self._run, name="publish-imports", daemon=True)
+
+    def _run(self) -> None:
+        import importlib
+
+        try:
+            import distillery.evaluation.plots  # noqa: F401
+            import distillery.export.weights  # noqa: F401
+            from distillery.models.registry import family_of, transformer_class
+
+            family_of(self.init_folder).loaders()
+            getattr(importlib.import_module("diffusers"), transformer_class(self.init_folder)[0])  # a family's classes are diffusers'
+            importlib.import_module("matplotlib.figure")
+            importlib.import_module("matplotlib.backends.backend_agg")
+        except Exception:  # noqa: BLE001 - a warm-up only: the real import reports it
+            pass
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread.ident is not None:  # started
+            self.thread.join()
+
+
 def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     """Train the stage ``spec`` declares and publish ``artifacts/<stage>`` (module doc)."""
     from distillery.components.tracking import default_tracking_uri
     from distillery.config.schema import TrackerConfig
-    from distillery.evaluation.plots import write_loss_plot
-    from distillery.export.weights import export_weights
-    from distillery.models.registry import locate_transformer
     from distillery.stages.mlflow_runs import parent_run_id
     from distillery.stages.run_config import check_chain, fill_run_config
     from distillery.stages.run_summary import read_run_summary
@@ -129,9 +163,14 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if params.get("gpus.nproc_per_node") > 1 else "2")}
     launch = training_launch(params, config_path)
-    code = run_launch(launch, env)
+    publishing = PublishImports(raw["models"][spec.export_role]["init_from"])
+    code = run_launch(launch, env, while_running=publishing.start)
     if code != 0:
         raise SystemExit(code)  # the launcher printed the one line (a user error: code 2)
+    publishing.wait()
+    from distillery.evaluation.plots import write_loss_plot
+    from distillery.export.weights import export_weights
+    from distillery.models.registry import locate_transformer
     run_dir = RUNS / stage
     summary = read_run_summary(run_dir)
     checkpoint = summary.checkpoint_dir(run_dir)
