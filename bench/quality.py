@@ -52,6 +52,8 @@ sampling after the budget (the reference always does); what is left out is liste
 candidate's samples are kept when its report.json has these prompts, seeds, video size and sampling contract and is
 newer than every file of its model (a student retrained since is sampled again) — so a cut evaluation resumes, and a
 retrained student is compared with the others' samples as they were (``settings.kept_sampled`` names them).
+``--train-only`` stops after training: with ``--reuse`` a later call (a later device call on the same machine)
+evaluates.
 """
 
 from __future__ import annotations
@@ -561,11 +563,15 @@ def train(args: argparse.Namespace, scale: Scale, work: Path, deadline: float, s
     base = work / "base"
     trained: dict[str, Path] = {}
     timings = settings.setdefault("stage_seconds", {})
+    timings_file = work / "stage_seconds.json"  # the training times, for a later --reuse call that evaluates
+    if args.reuse and timings_file.is_file():
+        timings.update({k: v for k, v in json.loads(timings_file.read_text()).items() if k not in timings})
     if not args.reuse or not (base / "artifacts" / "pretrain" / "model").is_dir():
         make_workspace(base, scale.params)
         for name in ("clips", "base", "latents", "teacher", "pretrain"):
             timings[name] = round(run_stage(base, name, args.device, logs), 1)
             print(f"[quality] stage {name}: {timings[name]} s", flush=True)
+            timings_file.write_text(json.dumps(timings, indent=1) + "\n")
     chosen = [s for s in STUDENTS if s.name in args.students]
     pending = [s for s in chosen if not (args.reuse and (work / s.name / "artifacts" / s.stage / "model").is_dir())]
     for s in chosen:
@@ -602,6 +608,7 @@ def train(args: argparse.Namespace, scale: Scale, work: Path, deadline: float, s
             timings[name] = round(time.perf_counter() - t0, 1)
             trained[name] = work / name / "artifacts" / student.stage / "model"
             print(f"[quality] trained {name}: {timings[name]} s", flush=True)
+            timings_file.write_text(json.dumps(timings, indent=1) + "\n")
         time.sleep(0.5)
     return trained
 
@@ -732,6 +739,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --reuse: sample only the candidates without current samples in the work folder (module doc)")
     parser.add_argument("--rescore", action="store_true",
                         help="with --reuse: score the work folder's sampled candidates again, sample nothing")
+    parser.add_argument("--train-only", action="store_true",
+                        help="train what is missing (within the budget) and stop before evaluating: a run split over several "
+                             "device calls trains in one and evaluates with --reuse --keep-sampled in a later one")
     parser.add_argument("--stage-one", nargs=2, metavar=("FOLDER", "STAGE"), help=argparse.SUPPRESS)  # a worker: one stage
     args = parser.parse_args(argv)
     if args.stage_one:
@@ -787,6 +797,10 @@ def main(argv: list[str] | None = None) -> int:
         settings["rescored_from_run_of"] = old.get("date")
     trained = train(args, scale, work, deadline, settings)
     settings["train_s"] = round(time.monotonic() - started, 1)
+    if args.train_only:
+        print(f"[quality] trained {', '.join(sorted(trained)) or 'nothing'} in {settings['train_s']} s; "
+              f"skipped: {settings['skipped'] or 'none'}; evaluation left for --reuse --keep-sampled", flush=True)
+        return 0
     rows, floor = evaluate(args, scale, work, trained, deadline, settings, args.out)
     settings["total_s"] = round(time.monotonic() - started, 1)
     write_results(args.out, settings, rows, floor)

@@ -13,13 +13,18 @@ for label in before after; do
   commit=${!label}
   git clone -q "$here" "$scratch/$label"
   git -C "$scratch/$label" checkout -q "$commit"
+  # the clone's own `distillery` command (the venv's console script names this checkout's entry point)
+  mkdir -p "$scratch/$label/.bench-bin"
+  printf '#!%s\nimport sys\nfrom distillery.cli import main as m\nsys.exit((getattr(m, "entry", None) or m.main)())\n' \
+    "$venv/python" > "$scratch/$label/.bench-bin/distillery"
+  chmod +x "$scratch/$label/.bench-bin/distillery"
 done
 for i in $(seq 1 "$runs"); do
   for label in before after; do
     ws=$scratch/$label
     (cd "$ws" && rm -rf artifacts runs metrics plots mlflow.db dvc.lock .dvc/cache .dvc/tmp)
     start=$(date +%s.%N)
-    (cd "$ws" && PATH="$venv:$PATH" PYTHONPATH="$ws/src" MLFLOW_TRACKING_URI="sqlite:///$ws/mlflow.db" \
+    (cd "$ws" && PATH="$ws/.bench-bin:$venv:$PATH" PYTHONPATH="$ws/src" MLFLOW_TRACKING_URI="sqlite:///$ws/mlflow.db" \
        dvc repro -q > "$ws/repro-$i.log" 2>&1)
     end=$(date +%s.%N)
     printf '%s %s run %d: %.1f s\n' "$label" "${!label:0:7}" "$i" "$(echo "$end - $start" | bc)"
