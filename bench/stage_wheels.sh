@@ -2,7 +2,9 @@
 # Wheels the stages import on the GPU machine that its image lacks (no network there), beside what
 # ../shared/tools/device-wheels.sh prepares (.whl/: diffusers and FlashAttention-4; .whl-parts/01–03: CUTLASS):
 #   .whl-parts/04/  PyAV (validate's and the clips' video codec), one wheel of ≈ 34 MiB
-#   .whl-parts/05/  MLflow's closure (tracking into a local sqlite store) and ruamel.yaml, ≈ 35 MiB
+#   .whl-parts/05/  MLflow's closure (tracking into a local sqlite store), ruamel.yaml and lazy_importer, ≈ 35 MiB
+#                   (device-wheels.sh takes the newest importlib_metadata, 10.2.0, which imports lazy_importer; without
+#                   it `import mlflow` fails there: seen 2026-12-02)
 # Each piece is a folder small enough to travel with the project tree (64 MiB a call). Send them like the others:
 # a `run` with carry [".whl-parts/NN"] and `mkdir -p /tmp/parts && cp .whl-parts/NN/* /tmp/parts/`, before the
 # call that sources device-env.sh. What the image already holds (its package list: the device tool's KINDS.md)
@@ -15,7 +17,7 @@ trap 'rm -rf "$work"' EXIT
 .venv/bin/python -m pip download -q --only-binary :all: --python-version 3.12 --implementation cp --abi cp312 \
   --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform any -d "$work" "mlflow==$(version mlflow)" "av==$(version av)" "ruamel.yaml==$(version ruamel.yaml)" \
-  "ruamel.yaml.clib==$(version ruamel.yaml.clib)" 2>&1 | grep -v "is ignored" || true
+  "ruamel.yaml.clib==$(version ruamel.yaml.clib)" "lazy_importer==0.1.0" 2>&1 | grep -v "is ignored" || true
 mkdir -p .whl-parts/04 .whl-parts/05
 for d in /.whl/ /.whl-parts/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
 .venv/bin/python - "$work" <<'PY'
