@@ -27,7 +27,7 @@ SMALL = {"clips.num_train": 16, "clips.num_validation": 4, "teacher.steps": 6, "
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1", "OMP_NUM_THREADS": "2"}
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1", "OMP_NUM_THREADS": "1"}
 
 
 def sh(args: list[str], cwd: Path, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
