@@ -9,10 +9,12 @@ calls — and, after the chain:
 
 - ``distill`` with each method (``self_forcing`` first, then ``dmd2``) and ``pdd`` with each
   ``student_init`` (``teacher``, then ``distill``: the DMD2 student);
-- a real-shape resume: the ``teacher`` stage killed (SIGKILL to its process group) once its first
-  checkpoint is on disk, rerun, and its exported weights compared with the uninterrupted run's (the
-  teacher: one trainable role, 17 GB a checkpoint; two DMD2 checkpoints of two roles, 68 GB, do not fit
-  the GPU machine's 64 GiB disk).
+- a real-shape resume (``--resume-stage``): the ``teacher`` stage (default) or the ``distill`` stage (DMD2: two
+  trainable roles, 34 GB a checkpoint) killed (SIGKILL to its process group) once its first mid-run checkpoint is
+  on disk, rerun, and its exported weights compared with the uninterrupted run's tensor by tensor. For ``distill``
+  the uninterrupted run is the ``distill_dmd2`` row (run it with the final checkpoint only: two 34 GB checkpoints
+  of the default ``keep_last`` 2 in ``/dev/shm`` take half the GPU machine's memory) and the test's mid-run
+  cadence comes from ``--set distill.save_every=N``.
 
 Per stage: wall seconds, GPU busy fraction and peak GPU memory (``nvidia-smi`` every 0.2 s), MiB
 hashed / reused (the stage's own log line), the trainer's step timing (``run_summary.json``) and where
@@ -60,11 +62,11 @@ def set_key(params: dict, dotted: str, value) -> None:
     node[leaf] = value
 
 
-def real_shape_params(base: Path, videos: Path, profile: Path, steps: int, resume_test: bool = True,
+def real_shape_params(base: Path, videos: Path, profile: Path, steps: int, resume_stage: str | None = "teacher",
                       sets: list[str] = ()) -> dict:
     """The repository's params.yaml with the profile's overrides, pointed at ``base``/``videos`` and cut
-    to ``steps`` optimizer steps per training stage (the teacher, the resume test's stage, also checkpoints at
-    ``steps // 2`` when ``resume_test``), then ``sets`` (``KEY=VALUE``, the value read as YAML) on top."""
+    to ``steps`` optimizer steps per training stage (the teacher also checkpoints at ``steps // 2`` when it is the
+    ``resume_stage``), then ``sets`` (``KEY=VALUE``, the value read as YAML) on top."""
     params = yaml.safe_load(Path("params.yaml").read_text())
     overrides = yaml.safe_load(profile.read_text())["overrides"]
     for key, value in overrides.items():
@@ -79,7 +81,7 @@ def real_shape_params(base: Path, videos: Path, profile: Path, steps: int, resum
     for stage in ("teacher", "pretrain", "distill", "pdd"):
         set_key(params, f"{stage}.steps", steps)
         set_key(params, f"{stage}.save_every", steps)  # the final checkpoint only: 17 GB per trainable 1.3B role
-    if resume_test:
+    if resume_stage == "teacher":  # --resume-stage distill: its cadence comes from --set distill.save_every=N
         set_key(params, "teacher.save_every", max(1, steps // 2))  # the resume test's stage: a checkpoint mid-run
     set_key(params, "distill.generator_update_interval", steps)  # the last step updates the student too: one whole iteration
     set_key(params, "validate.num_prompts", 2)
@@ -242,6 +244,32 @@ class Job:
         return row
 
 
+def resume_test(job: "Job", stage: str, reference: dict, uninterrupted: str, first: int) -> None:
+    """``stage`` killed (SIGKILL to its process group) once ``checkpoint-<first>`` is on disk, rerun, and its artifact's
+    weights compared with the uninterrupted run's (``reference``, its digest ``uninterrupted``)."""
+    run_dir = Path("runs", stage)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    kept = Path("runs", f"uninterrupted-{stage}")  # its weights, to compare numerically (GPU kernels are not bitwise)
+    shutil.rmtree(kept, ignore_errors=True)
+    shutil.copytree(Path("artifacts", stage, "model"), kept)
+    killed = job.stage(stage, f"{stage}_killed", kill_when=lambda: (run_dir / f"checkpoint-{first}").is_dir(), min_left=60)
+    read_mib = folder_mib(run_dir / f"checkpoint-{first}")
+    resumed = job.stage(stage, f"{stage}_resumed", min_left=40)
+    digest = weights_digest(stage)
+    resumed["resume"] = {"killed_after_checkpoint": first, "checkpoint_read_mib": read_mib, "killed_rc": killed.get("rc"),
+                         "weights_equal_uninterrupted": digest == uninterrupted, "uninterrupted_digest": uninterrupted,
+                         "resumed_digest": digest,
+                         **weights_difference(kept, Path("artifacts", stage, "model")),
+                         "loss": {"uninterrupted": (reference.get("last_metrics") or {}).get("total_loss"),
+                                  "resumed": (resumed.get("last_metrics") or {}).get("total_loss")}}
+    shutil.rmtree(kept, ignore_errors=True)
+    log_file = LOGS / f"stage-{stage}_resumed.log"
+    text = log_file.read_text(errors="replace") if log_file.exists() else ""  # not run: out of the job's time
+    resumed["resume"]["log"] = [line[-200:] for line in text.splitlines() if "resum" in line.lower()][:4]
+    job.save()
+    print(json.dumps(resumed["resume"]), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", default="/tmp/real_shape_dag")
@@ -252,6 +280,9 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=560, help="seconds; stages that would start later are skipped")
     parser.add_argument("--only", default="", help="comma-separated labels to run (default: all)")
     parser.add_argument("--no-resume-test", action="store_true")
+    parser.add_argument("--resume-stage", choices=["teacher", "distill"], default="teacher",
+                        help="the stage the resume test kills and reruns (distill: the DMD2 run is the uninterrupted one; "
+                             "give it a mid-run checkpoint with --set distill.save_every=N)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a params.yaml value after the profile and the step cut, e.g. distill.steps=4")
     parser.add_argument("--runs-dir", default="", help="put runs/ (checkpoints) there, e.g. /dev/shm/runs (a symlink)")
@@ -279,7 +310,8 @@ def main() -> int:
     if not (videos / "train" / "captions.jsonl").exists():
         videos = rsp.write_clips(root, train=3, validation=2)
     job.meta["setup_s"] = round(time.time() - t0, 1)
-    params = real_shape_params(base, videos, Path(args.profile), args.steps, not args.no_resume_test, args.set)
+    params = real_shape_params(base, videos, Path(args.profile), args.steps,
+                               None if args.no_resume_test else args.resume_stage, args.set)
     write_params(params)
     job.meta["params"] = params
     for name in ("clips", "base", "latents"):
@@ -301,30 +333,20 @@ def main() -> int:
         run(name, label)
     run("validate")
     run("export")
-    if not args.no_resume_test and uninterrupted and (not want or "teacher_resume" in want) and not job.done("teacher_resumed"):
-        run_dir = Path("runs", "teacher")
-        shutil.rmtree(run_dir, ignore_errors=True)
-        kept = Path("runs", "uninterrupted-teacher")  # its weights, to compare numerically (GPU kernels are not bitwise)
-        shutil.rmtree(kept, ignore_errors=True)
-        shutil.copytree(Path("artifacts", "teacher", "model", "transformer"), kept)
-        first = max(1, args.steps // 2)
-        killed = job.stage("teacher", "teacher_killed", kill_when=lambda: (run_dir / f"checkpoint-{first}").is_dir(), min_left=60)
-        ckpt = run_dir / f"checkpoint-{first}"
-        read_mib = folder_mib(ckpt)
-        resumed = job.stage("teacher", "teacher_resumed", min_left=40)
-        digest = weights_digest("teacher")
-        resumed["resume"] = {"killed_after_checkpoint": first, "checkpoint_read_mib": read_mib, "killed_rc": killed.get("rc"),
-                             "weights_equal_uninterrupted": digest == uninterrupted, "uninterrupted_digest": uninterrupted,
-                             "resumed_digest": digest,
-                             **weights_difference(kept, Path("artifacts", "teacher", "model", "transformer")),
-                             "loss": {"uninterrupted": (teacher.get("last_metrics") or {}).get("total_loss"),
-                                      "resumed": (resumed.get("last_metrics") or {}).get("total_loss")}}
-        shutil.rmtree(kept, ignore_errors=True)
-        log_file = LOGS / "stage-teacher_resumed.log"
-        text = log_file.read_text(errors="replace") if log_file.exists() else ""  # not run: out of the job's time
-        resumed["resume"]["log"] = [line[-200:] for line in text.splitlines() if "resum" in line.lower()][:4]
-        job.save()
-        print(json.dumps(resumed["resume"]), flush=True)
+    if args.resume_stage == "distill":  # the DMD2 run above is the uninterrupted one
+        distill = job.done("distill_dmd2")
+        uninterrupted = (distill or {}).get("weights_digest")
+        if distill and uninterrupted is None and Path("artifacts", "distill", "model").is_dir():
+            uninterrupted = distill["weights_digest"] = weights_digest("distill")
+            job.save()
+        reference = distill
+    else:
+        reference = teacher
+    stage = args.resume_stage
+    if (not args.no_resume_test and uninterrupted and (not want or f"{stage}_resume" in want)
+            and not job.done(f"{stage}_resumed")):
+        resume_test(job, stage, reference, uninterrupted, first=max(1, args.steps // 2) if stage == "teacher"
+                    else params[stage]["save_every"])
     job.meta["total_s"] = round(time.time() - job.started, 1)
     job.save()
     job.sampler.stop()
