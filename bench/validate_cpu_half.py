@@ -7,12 +7,13 @@ on the machine it runs on, for a video like a real-shape sample (a coloured squa
 plus noise so the encoders see texture):
 
 - **per video, one thread**: the old path (the analyzer, ``sharpness``, ``video_features`` computing sharpness
-  again, the mp4; the paired distance as float64 ``mean((a/255 − b/255)²)``) against the new one (sharpness
-  once, :func:`~distillery.evaluation.video_metrics.paired_mse` on the uint8 frames);
+  again, the mp4 at x264's ``medium`` preset; the paired distance as float64 ``mean((a/255 − b/255)²)``) against
+  the new one (sharpness once, the mp4 at validate's ``MP4_PRESET``, lossless either way,
+  :func:`~distillery.evaluation.video_metrics.paired_mse` on the uint8 frames);
 - **throughput**: ``--videos`` videos' new CPU half on 1 thread and on
   :func:`~distillery.evaluation.validate.scoring_workers` threads (what validate uses here);
 - **the grid** of ``--rows`` candidates × 2 prompts: GIF at full size then mp4 (old) against the GIF preview
-  (:func:`~distillery.evaluation.validate.gif_preview`) and the mp4 encoded at once (new).
+  (:func:`~distillery.evaluation.validate.gif_preview`) and the mp4 (``MP4_PRESET``) encoded at once (new).
 
 Usage: ``python bench/validate_cpu_half.py [--videos 8] [--rows 4] [--out bench/results/x.json]``.
 """
@@ -59,11 +60,11 @@ def old_half(video: np.ndarray, reference: np.ndarray, folder: Path, key: str) -
 def new_half(video: np.ndarray, reference: np.ndarray, folder: Path, key: str) -> float:
     """What validate now runs per video: its scoring function, the mp4, then the paired distance."""
     from distillery.clips.video_io import write_video
-    from distillery.evaluation.validate import score_video
+    from distillery.evaluation.validate import MP4_PRESET, score_video
     from distillery.evaluation.video_metrics import paired_mse
 
     score_video(video, None, "a red square moving right")
-    write_video(folder / f"{key}.mp4", video, 16)
+    write_video(folder / f"{key}.mp4", video, 16, preset=MP4_PRESET)
     return paired_mse(video, reference)
 
 

@@ -160,6 +160,19 @@ def test_video_io_round_trip(tmp_path: Path) -> None:
         read_video(tmp_path / "missing.mp4")
 
 
+def test_every_x264_preset_is_lossless_to_the_same_frames(tmp_path: Path) -> None:
+    """At crf 0 the preset trades encode time for bytes only: ultrafast (validate's samples and grid) decodes to
+    the frames medium (the default) does."""
+    rng = np.random.default_rng(1)
+    frames = rng.integers(0, 256, (6, 16, 24, 3), dtype=np.uint8)
+    medium, _ = read_video(write_video(tmp_path / "m.mp4", frames, fps=8))
+    fast, _ = read_video(write_video(tmp_path / "u.mp4", frames, fps=8, preset="ultrafast"))
+    assert np.array_equal(medium, fast)
+    assert (tmp_path / "m.mp4").read_bytes() != (tmp_path / "u.mp4").read_bytes()  # the preset was applied
+    with pytest.raises(UserError, match="preset"):
+        write_video(tmp_path / "x.mp4", frames, fps=8, preset="fastest")
+
+
 def test_analyzer_reads_real_clips_and_not_shuffled_captions(validation_pairs: list) -> None:
     real = evaluate(validation_pairs)
     assert real["colour"] >= 0.95 and real["direction"] >= 0.95 and real["shape"] >= 0.8, real

@@ -498,6 +498,40 @@ def test_several_scoring_threads_score_what_one_does_in_the_same_order(validatio
             assert mp4.read_bytes() == (tmp_path / "threaded" / "samples" / c.name / mp4.name).read_bytes(), mp4
 
 
+def test_a_candidates_scoring_runs_on_while_the_next_candidate_samples(validation, base, tmp_path, monkeypatch):
+    """The CPU half of candidate k (here slowed to 1 s a video on one scoring thread) is still running when candidate
+    k + 1 starts sampling, and the metrics are the ones a run without the slowdown gives."""
+    import distillery.evaluation.validate as validate_module
+
+    calls: list[float] = []  # each scoring call's end, in submission order (one thread: FIFO)
+    score = validate_module.score_video
+
+    def slow_first_candidate(video, analyzer, prompt):
+        result = score(video, analyzer, prompt)
+        if len(calls) < len(VIDEO_KEYS):
+            time.sleep(1.0)
+        calls.append(time.time())
+        return result
+
+    monkeypatch.setattr(validate_module, "scoring_workers", lambda video_bytes: 1)
+    monkeypatch.setattr(validate_module, "score_video", slow_first_candidate)
+    cfg = ValidationConfig(teacher_steps=[2], num_seeds=NUM_SEEDS, progress_bar=False, grid_formats=[])
+    candidates = teacher_candidates(base, cfg) + [Candidate("student", base, 2, 1.0, "few_step_x0")]
+    slowed = run_validation(base, candidates, PROMPTS, tmp_path / "slowed", cfg)
+    timeline = json.loads((tmp_path / "slowed" / "report.json").read_text())["timeline"]
+    first, second = (c.name for c in candidates)
+    assert calls[len(VIDEO_KEYS) - 1] > timeline[second]["sampling_unix"][0], (calls, timeline)
+    assert timeline[first]["scoring_wait_s"] < len(VIDEO_KEYS) * 1.0  # part of its scoring ran beside the next candidate
+    out, metrics, _, _ = validation
+    timing = ("latency_s", "latency_s_iqr")
+    for c in candidates:
+        if c.name in ("teacher_2", "student"):
+            assert {k: v for k, v in slowed.items() if k.startswith(c.name) and not k.endswith(timing) and "frechet" not in k
+                    and "kid" not in k and "distance" not in k} == \
+                {k: v for k, v in metrics.items() if k.startswith(c.name) and not k.endswith(timing) and "frechet" not in k
+                 and "kid" not in k and "distance" not in k}
+
+
 def test_a_batch_of_videos_samples_what_one_at_a_time_does(validation, base, tmp_path):
     """``sample_batch`` 4 over 6 videos (a batch of 4, then 2): each video's latents are batch 1's up to rounding (its
     noise is its own generator either way), its frames within one grey level, and report.json says the batch."""

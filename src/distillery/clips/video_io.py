@@ -30,13 +30,18 @@ _AVCOL_SMPTE170M = 6  # AVColorSpace / AVColorPrimaries / AVColorTransferCharact
 _AVCOL_RANGE_MPEG = 1  # AVColorRange: limited ("tv") range
 
 
+X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
+
+
 def write_video(
-    path: Path | str, frames: np.ndarray, fps: float, *, crf: int = 0, pix_fmt: str = "yuv444p"
+    path: Path | str, frames: np.ndarray, fps: float, *, crf: int = 0, pix_fmt: str = "yuv444p", preset: str = "medium"
 ) -> Path:
     """Encode ``frames`` (uint8 ``[T, H, W, 3]`` RGB, T ≥ 1) as an H.264 MP4 at ``fps`` frames/s.
 
     ``crf`` 0 is lossless in YUV; ``pix_fmt`` is ``"yuv444p"`` (default) or ``"yuv420p"`` (needs
-    even H and W). Overwrites ``path``; returns it.
+    even H and W). ``preset`` is x264's speed/size trade (one of :data:`X264_PRESETS`): at ``crf`` 0 every
+    preset decodes to the same YUV frames, only the time and the file's size differ (81×480×832: medium
+    ~16 s, ultrafast ~1.5 s and ~15 % larger, one thread). Overwrites ``path``; returns it.
     """
     path = Path(path)
     frames = np.asarray(frames)
@@ -49,6 +54,8 @@ def write_video(
         raise UserError(f"yuv420p needs an even frame size, got {height}x{width}")
     if fps <= 0:
         raise UserError(f"fps must be positive, got {fps}")
+    if preset not in X264_PRESETS:
+        raise UserError(f"preset must be one of {', '.join(X264_PRESETS)}, got {preset!r}")
     rate = Fraction(fps).limit_denominator(1001)
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), mode="w", format="mp4", options={"fflags": "+bitexact"}) as container:
@@ -61,7 +68,7 @@ def write_video(
         stream.codec_context.color_primaries = _AVCOL_SMPTE170M
         stream.codec_context.color_trc = _AVCOL_SMPTE170M
         stream.codec_context.color_range = _AVCOL_RANGE_MPEG
-        stream.options = {"crf": str(crf), "preset": "medium", "threads": "1", "bframes": "0"}
+        stream.options = {"crf": str(crf), "preset": preset, "threads": "1", "bframes": "0"}
         for index, rgb in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
             frame = frame.reformat(format=pix_fmt, dst_colorspace=Colorspace.ITU601)
