@@ -29,7 +29,6 @@ at tiny shapes.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -103,17 +102,6 @@ def write_params(params: dict) -> None:
     tmp.replace("params.yaml")
 
 
-def weights_digest(stage: str) -> str:
-    """sha256 over the stage artifact's ``*.safetensors`` files (names and bytes, sorted)."""
-    h = hashlib.sha256()
-    for f in sorted(Path("artifacts", stage).rglob("*.safetensors")):
-        h.update(str(f.relative_to(Path("artifacts", stage))).encode())
-        with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 24):
-                h.update(chunk)
-    return h.hexdigest()[:16]
-
-
 def folder_mib(path: Path) -> float:
     return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20, 1) if path.exists() else 0.0
 
@@ -178,8 +166,8 @@ class Job:
         STATE.write_text(text)  # the next call of the job on this machine goes on from here
 
     def done(self, label: str) -> dict | None:
-        """The row of ``label`` from an earlier call of this job on the same machine, if it ran to the end."""
-        return next((r for r in self.earlier if r["stage"] == label and r.get("rc") == 0), None)
+        """The row of ``label`` if it ran to the end, in this call or an earlier one on the same machine."""
+        return next((r for r in self.rows + self.earlier if r["stage"] == label and r.get("rc") == 0), None)
 
     def stage(self, name: str, label: str | None = None, kill_when=None, min_left: float = 25) -> dict:
         """``distillery stage name`` as its own process (its log in ``LOGS``); ``kill_when()`` true → SIGKILL its group."""
@@ -244,9 +232,10 @@ class Job:
         return row
 
 
-def resume_test(job: "Job", stage: str, reference: dict, uninterrupted: str, first: int) -> None:
+def resume_test(job: "Job", stage: str, reference: dict, first: int) -> None:
     """``stage`` killed (SIGKILL to its process group) once ``checkpoint-<first>`` is on disk, rerun, and its artifact's
-    weights compared with the uninterrupted run's (``reference``, its digest ``uninterrupted``)."""
+    weights compared tensor by tensor with the uninterrupted run's (``reference``: its row; its artifact is copied aside
+    first, as nothing since rewrote it)."""
     run_dir = Path("runs", stage)
     shutil.rmtree(run_dir, ignore_errors=True)
     kept = Path("runs", f"uninterrupted-{stage}")  # its weights, to compare numerically (GPU kernels are not bitwise)
@@ -255,11 +244,10 @@ def resume_test(job: "Job", stage: str, reference: dict, uninterrupted: str, fir
     killed = job.stage(stage, f"{stage}_killed", kill_when=lambda: (run_dir / f"checkpoint-{first}").is_dir(), min_left=60)
     read_mib = folder_mib(run_dir / f"checkpoint-{first}")
     resumed = job.stage(stage, f"{stage}_resumed", min_left=40)
-    digest = weights_digest(stage)
+    difference = weights_difference(kept, Path("artifacts", stage, "model"))
     resumed["resume"] = {"killed_after_checkpoint": first, "checkpoint_read_mib": read_mib, "killed_rc": killed.get("rc"),
-                         "weights_equal_uninterrupted": digest == uninterrupted, "uninterrupted_digest": uninterrupted,
-                         "resumed_digest": digest,
-                         **weights_difference(kept, Path("artifacts", stage, "model")),
+                         "weights_equal_uninterrupted": difference.get("tensors_bitwise_equal") == difference.get("tensors"),
+                         **difference,
                          "loss": {"uninterrupted": (reference.get("last_metrics") or {}).get("total_loss"),
                                   "resumed": (resumed.get("last_metrics") or {}).get("total_loss")}}
     shutil.rmtree(kept, ignore_errors=True)
@@ -316,11 +304,7 @@ def main() -> int:
     job.meta["params"] = params
     for name in ("clips", "base", "latents"):
         run(name)
-    teacher = run("teacher") or job.done("teacher")  # the uninterrupted teacher may have run in an earlier call
-    uninterrupted = (teacher or {}).get("weights_digest")
-    if teacher and teacher.get("rc") == 0 and uninterrupted is None:
-        uninterrupted = teacher["weights_digest"] = weights_digest("teacher")
-        job.save()
+    run("teacher")
     run("pretrain")
     for name, label, key, value in (("distill", "distill_self_forcing", "distill.method", "self_forcing"),
                                     ("pdd", "pdd_from_teacher", "pdd.student_init", "teacher"),
@@ -333,20 +317,11 @@ def main() -> int:
         run(name, label)
     run("validate")
     run("export")
-    if args.resume_stage == "distill":  # the DMD2 run above is the uninterrupted one
-        distill = job.done("distill_dmd2")
-        uninterrupted = (distill or {}).get("weights_digest")
-        if distill and uninterrupted is None and Path("artifacts", "distill", "model").is_dir():
-            uninterrupted = distill["weights_digest"] = weights_digest("distill")
-            job.save()
-        reference = distill
-    else:
-        reference = teacher
     stage = args.resume_stage
-    if (not args.no_resume_test and uninterrupted and (not want or f"{stage}_resume" in want)
+    reference = job.done({"teacher": "teacher", "distill": "distill_dmd2"}[stage])  # the uninterrupted run
+    if (not args.no_resume_test and reference and (not want or f"{stage}_resume" in want)
             and not job.done(f"{stage}_resumed")):
-        resume_test(job, stage, reference, uninterrupted, first=max(1, args.steps // 2) if stage == "teacher"
-                    else params[stage]["save_every"])
+        resume_test(job, stage, reference, first=max(1, args.steps // 2) if stage == "teacher" else params[stage]["save_every"])
     job.meta["total_s"] = round(time.time() - job.started, 1)
     job.save()
     job.sampler.stop()
