@@ -365,3 +365,21 @@ def test_a_causal_dfsft_student_samples_causally_and_plain_folders_load_causal(c
             sampler.sample(_causal(3), cond, (C, 5, H, W), torch.Generator().manual_seed(0), num_steps=2)
     assert euler.nfe(num_steps=40, num_frames=5) == 40  # one full-sequence forward per step
     assert streaming.nfe(num_steps=40, num_frames=5) == 3 * 40 + 2  # 3 chunks of 2, 2, 1 frames + 2 cache writes
+
+
+def test_streaming_with_each_block_compiled_samples_what_eager_does(cond):
+    """validate's ``compile`` on a causal student: each block compiled by Inductor (CPU here), the streaming
+    sampler's KV-cache forwards (growing context, CFG) give the eager latents up to rounding and leave no cache."""
+    from torch._dynamo.utils import counters
+
+    sampler = build_sampler({**CONTRACT, "chunk_size": 2, "guidance_scale": 4.0})
+    eager, compiled = _causal(2), _causal(2)
+    for block in compiled.shardable_blocks():
+        block.compile()
+    counters.clear()
+    with torch.no_grad():
+        a = sampler.sample(eager, cond, (C, 6, H, W), torch.Generator().manual_seed(0))
+        b = sampler.sample(compiled, cond, (C, 6, H, W), torch.Generator().manual_seed(0))
+    assert counters["stats"]["unique_graphs"] >= 1
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert compiled.cached_frames("cond") == 0 and compiled.cached_frames("uncond") == 0

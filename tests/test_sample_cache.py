@@ -134,3 +134,63 @@ def test_a_bad_cache_entry_is_never_used(setup, caplog, damage):
             entry.unlink()
         shutil.rmtree(entry, ignore_errors=True)
         shutil.copytree(saved, entry)
+
+
+def _run_with(setup, name: str, cfg: ValidationConfig):
+    root, base, _, cands, cache, _ = setup
+    run_validation(base, cands, PROMPTS, root / name, cfg, cache=cache)
+    report = json.loads((root / name / "report.json").read_text())
+    return {c: v for c, v in report["cache"].items() if c != "folder"}, report
+
+
+def _tensors(setup, run: str, candidate: str, what: str) -> dict:
+    """``latents`` or ``frames`` of a candidate in a run, from the cache entry the run's report names."""
+    from safetensors.torch import load_file
+
+    root, cache = setup[0], setup[4]
+    key = json.loads((root / run / "report.json").read_text())["cache"][candidate]["key"]
+    return load_file(str(cache.root / key / f"{what}.safetensors"))
+
+
+def test_a_bf16_vae_decodes_the_same_latents_to_nearby_frames_under_its_own_cache_key(setup):
+    """``vae_precision: bf16``: every candidate is sampled again (the decoded frames are not fp32's), its latents are
+    bitwise the fp32 run's (the VAE only decodes), its frames within a few grey levels of them; fp32 again reuses."""
+    import dataclasses
+
+    import torch
+
+    cache, report = _run_with(setup, "vae-bf16", dataclasses.replace(CFG, vae_precision="bf16"))
+    assert {c: v["reused"] for c, v in cache.items()} == {"teacher_2": False, "student_1": False}
+    assert "context.vae_dtype" in cache["teacher_2"]["why"], cache["teacher_2"]["why"]
+    assert report["latency"]["vae_dtype"] == "torch.bfloat16" and report["latency"]["dtype"] == "torch.float32"
+    for name in ("teacher_2", "student_1"):
+        fp32, bf16 = (_tensors(setup, run, name, "latents") for run in ("first", "vae-bf16"))
+        assert fp32.keys() == bf16.keys() and all(torch.equal(fp32[k], bf16[k]) for k in fp32)
+        fp32, bf16 = (_tensors(setup, run, name, "frames") for run in ("first", "vae-bf16"))
+        diffs = [(fp32[k].int() - bf16[k].int()).abs() for k in fp32]
+        assert any(d.max() > 0 for d in diffs)  # decoded in bf16 indeed
+        assert max(float(d.float().mean()) for d in diffs) < 1.0 and max(int(d.max()) for d in diffs) <= 8  # seen: 0.36, 3
+    again, _ = _run_with(setup, "vae-fp32-again", CFG)
+    assert {c: v["reused"] for c, v in again.items()} == {"teacher_2": True, "student_1": True}
+    with pytest.raises(Exception, match="vae_precision"):
+        ValidationConfig(vae_precision="fp8")
+
+
+def test_compiled_blocks_sample_what_eager_does_up_to_rounding_under_their_own_cache_key(setup):
+    """``compile: true`` (each transformer block compiled by Inductor, here on CPU): sampled again under its own key,
+    latents within rounding of the eager run's; report.json says so."""
+    import dataclasses
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    cache, report = _run_with(setup, "compiled", dataclasses.replace(CFG, compile=True, grid_formats=[]))
+    assert counters["stats"]["unique_graphs"] >= 1  # dynamo compiled the blocks' forward
+    assert {c: v["reused"] for c, v in cache.items()} == {"teacher_2": False, "student_1": False}
+    assert "context.compiled" in cache["student_1"]["why"], cache["student_1"]["why"]
+    assert report["latency"]["compiled"] is True
+    for name in ("teacher_2", "student_1"):
+        eager, compiled = (_tensors(setup, run, name, "latents") for run in ("first", "compiled"))
+        for k in eager:
+            assert torch.allclose(eager[k], compiled[k], atol=1e-4, rtol=1e-4), (name, k, (eager[k] - compiled[k]).abs().max())

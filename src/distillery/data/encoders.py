@@ -83,10 +83,11 @@ class BaseEncoders:
     """VAE + tokenizer + text encoder of a diffusers Wan folder, frozen, on ``device``."""
 
     def __init__(self, base: str | Path, device: str | torch.device = "cpu", max_sequence_length: int | None = None,
-                 text_encoder: bool = True) -> None:
+                 text_encoder: bool = True, vae_dtype: torch.dtype = torch.float32) -> None:
         """``text_encoder=False``: leave the tokenizer and text encoder unloaded (a caller that has the
         prompt embeddings already, e.g. from the latent set; :meth:`encode_prompts` then refuses);
-        ``text_dim`` comes from ``text_encoder/config.json``."""
+        ``text_dim`` comes from ``text_encoder/config.json``. ``vae_dtype``: the VAE's weights and compute
+        (float32, as the Wan model card runs it; bfloat16 decodes faster on a GPU); latents stay float32 either way."""
         from diffusers import AutoencoderKLWan
 
         quiet_library_progress()
@@ -95,7 +96,7 @@ class BaseEncoders:
             if not (self.base / part).is_dir():
                 raise UserError(f"{self.base}: no {part}/ folder; --base must be a diffusers Wan model folder")
         self.device = torch.device(device)
-        self.vae = AutoencoderKLWan.from_pretrained(self.base / "vae", torch_dtype=torch.float32).to(self.device).eval()
+        self.vae = AutoencoderKLWan.from_pretrained(self.base / "vae", torch_dtype=vae_dtype).to(self.device).eval()
         self.tokenizer = self.text_encoder = None
         if text_encoder:
             from transformers import AutoTokenizer, UMT5EncoderModel
@@ -119,15 +120,15 @@ class BaseEncoders:
     def encode_videos(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor:
         """``uint8 [B, T, H, W, 3]`` → normalised posterior-mean latents ``float32 [B, C, T', H', W']`` (CPU)."""
         x = torch.as_tensor(frames).to(self.device)  # uint8 over the bus, converted on the device
-        x = x.permute(0, 4, 1, 2, 3).float().div(127.5).sub(1.0)
-        z = self.vae.encode(x).latent_dist.mode()
-        return normalize_latents(self.vae, z).float().cpu()
+        x = x.permute(0, 4, 1, 2, 3).float().div(127.5).sub(1.0).to(self.vae.dtype)
+        z = self.vae.encode(x).latent_dist.mode().float()
+        return normalize_latents(self.vae, z).cpu()
 
     @torch.no_grad()
     def decode_latents(self, latents: torch.Tensor) -> np.ndarray:
         """Normalised latents ``[B, C, T', H', W']`` → ``uint8 [B, T, H, W, 3]`` frames."""
-        z = denormalize_latents(self.vae, latents.float().to(self.device))
-        video = self.vae.decode(z, return_dict=False)[0].clamp(-1, 1)
+        z = denormalize_latents(self.vae, latents.float().to(self.device)).to(self.vae.dtype)
+        video = self.vae.decode(z, return_dict=False)[0].float().clamp(-1, 1)
         frames = ((video + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
         return frames.permute(0, 2, 3, 4, 1).cpu().numpy()
 

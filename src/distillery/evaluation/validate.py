@@ -9,7 +9,9 @@ candidate: a ``torch.Generator().manual_seed(cfg.seed + i + SEED_STRIDE·j)`` (`
 see :func:`generator_seed`; seed index 0 is ``cfg.seed + i``, what a single-seed run draws). Text
 embeddings come from the base's text encoder (empty prompt as the CFG negative), or are the ones it
 made earlier for the latent set (:class:`PromptEmbeddings`), and every video is
-decoded through the base's VAE. Given a :class:`~distillery.evaluation.sample_cache.SampleCache`, a
+decoded through the base's VAE (float32, or bfloat16 with ``vae_precision``). The candidates run in
+``precision``; with ``compile`` (null: on for bf16 on CUDA) each transformer block is compiled (regional
+compilation: one graph for all blocks, compiled during a candidate's warm-up). Given a :class:`~distillery.evaluation.sample_cache.SampleCache`, a
 candidate whose weights, sampling contract and run settings did not change since it was last sampled
 is not sampled again: its videos and per-video scores come from the cache, and everything measured
 against the reference is computed again from them (bitwise what sampling it again here gives; the
@@ -153,6 +155,7 @@ REFERENCE_ZERO = ("frechet_distance", "kid", "distance_to_teacher")  # the refer
 # x264 preset of the sample and grid mp4s: lossless (crf 0) at any preset, so the decoded frames are the same; ultrafast
 # encodes an 81×480×832 video ~10× faster than medium (1.5 s vs 16 s on one thread) for ~15 % more bytes
 MP4_PRESET = "ultrafast"
+PRECISIONS = ("auto", "fp32", "bf16")
 WARMUP_VIDEOS = 1  # a candidate's first videos: timed, but left out of its latency (module doc)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -177,7 +180,9 @@ class ValidationConfig(ValidationSampling):
     grid_formats: list[str] = field(default_factory=lambda: ["gif", "mp4"])  # grid files to write
     max_sequence_length: int | None = None  # prompt length; None: the base model's (model card / tokenizer)
     device: str = "cpu"  # where the models run ("cpu", "cuda", "cuda:1", ...)
-    precision: str = "auto"  # the candidates' weights and compute: fp32, bf16, or auto (bf16 on CUDA, fp32 elsewhere); the VAE stays fp32
+    precision: str = "auto"  # the candidates' weights and compute: fp32, bf16, or auto (bf16 on CUDA, fp32 elsewhere)
+    vae_precision: str = "fp32"  # the VAE's decode: fp32 (the Wan model card's), bf16, or auto (bf16 on CUDA, fp32 elsewhere)
+    compile: bool | None = None  # compile each transformer block of the candidates (regional); null: on for bf16 on CUDA
     progress_bar: bool = True  # progress over the videos: a bar on a terminal, else a log line per 10 % or minute
     sample_batch: int = 1  # videos sampled and decoded in one batch (consecutive in sampling order); > 1: a GPU at small
     # shapes runs many videos in the time of one, each video's latency is then the batch's wall time / its size, and the
@@ -197,14 +202,21 @@ class ValidationConfig(ValidationSampling):
             raise UserError(f"validate.grid_formats: unknown format {bad[0]!r}; valid: {', '.join(GRID_FORMATS)}")
         if self.num_seeds < 1:
             raise UserError(f"validate.num_seeds must be >= 1, got {self.num_seeds}")
-        if self.precision not in ("auto", "fp32", "bf16"):
-            raise UserError(f"validate.precision: {self.precision!r}; valid: auto, fp32, bf16")
+        for name in ("precision", "vae_precision"):
+            if getattr(self, name) not in PRECISIONS:
+                raise UserError(f"validate.{name}: {getattr(self, name)!r}; valid: {', '.join(PRECISIONS)}")
         if self.bootstrap_resamples < 0:
             raise UserError(f"validate.bootstrap_resamples must be >= 0, got {self.bootstrap_resamples}")
         if self.sample_batch < 1:
             raise UserError(f"validate.sample_batch must be >= 1, got {self.sample_batch}")
         if self.prompts is not None and not self.prompts:
             raise UserError("validate.prompts is empty; give at least one prompt or null for the validation captions")
+
+
+def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """``auto`` / ``fp32`` / ``bf16`` on ``device`` → the dtype: auto is bfloat16 on CUDA, float32 elsewhere."""
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 def generator_seed(cfg: ValidationConfig, prompt_index: int, seed_index: int) -> int:
@@ -339,9 +351,11 @@ class _Context:
         self.base_dir = base_dir
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
-        self.dtype = torch.bfloat16 if bf16 else torch.float32  # the candidates' (as WanPipeline(torch_dtype=...) runs them)
-        self.encoders = BaseEncoders(base_dir, self.device, cfg.max_sequence_length, text_encoder=embeddings is None)
+        self.dtype = resolve_dtype(cfg.precision, self.device)  # the candidates' (as WanPipeline(torch_dtype=...) runs them)
+        self.vae_dtype = resolve_dtype(cfg.vae_precision, self.device)
+        self.compile = cfg.compile if cfg.compile is not None else (self.device.type == "cuda" and self.dtype == torch.bfloat16)
+        self.encoders = BaseEncoders(base_dir, self.device, cfg.max_sequence_length, text_encoder=embeddings is None,
+                                     vae_dtype=self.vae_dtype)
         length = self.encoders.max_sequence_length
         if embeddings is None:
             embeds = self.encoders.encode_prompts(list(prompts) + [""])
@@ -406,6 +420,8 @@ class _Context:
                 "prompts": list(prompts), "text": tensor_digest([*self.text, self.negative]), "seed_grid": seed_grid,
                 "latent_shape": list(self.latent_shape),
                 **({"sample_batch": cfg.sample_batch} if cfg.sample_batch != 1 else {}),  # batched: other rounding
+                **({"vae_dtype": str(self.vae_dtype)} if self.vae_dtype != torch.float32 else {}),  # other frames
+                **({"compiled": "blocks"} if self.compile else {}),  # Inductor's kernels: other rounding
                 "video": {"num_frames": cfg.num_frames, "height": cfg.height, "width": cfg.width, "fps": cfg.fps},
                 "vae": file_digests([self.base_dir / "vae"], self.base_dir),
                 "analyzer": asdict(self.analyzer) if self.analyzer is not None else None}
@@ -435,6 +451,9 @@ class _Context:
             self._last = None
             model = loaders.load_inference_model(transformer_dir, self.device, self.dtype, shift=shift, role=cand.name,
                                                  **options)
+            if self.compile:  # regional: one graph for every block, reused by the next candidate of the same family
+                for block in model.shardable_blocks():
+                    block.compile()
         channels, text_dim = loaders.input_widths(model.transformer_config())
         if channels != self.latent_shape[0] or text_dim != self.encoders.text_dim:
             raise UserError(f"candidate {cand.name}: {transformer_dir} takes {channels} latent channels and "
@@ -906,7 +925,8 @@ def run_validation(
             "frechet": {"feature_names": list(FEATURE_NAMES), "reference_mean": scaler.mean.tolist(),
                         "reference_scale": scaler.scale.tolist(), "cov_eps": COV_EPS,
                         "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.seed},
-            "latency": {"warmup_videos": WARMUP_VIDEOS, "sample_batch": cfg.sample_batch,
+            "latency": {"warmup_videos": WARMUP_VIDEOS, "sample_batch": cfg.sample_batch, "dtype": str(ctx.dtype),
+                        "vae_dtype": str(ctx.vae_dtype), "compiled": ctx.compile,
                         "statistic": "median, iqr = p75 - p25, of the videos after the warm-up",
                         **{c.name: latency[c.name] for c in candidates}},
             "per_video": {c.name: per_video[c.name] for c in candidates},

@@ -1,0 +1,156 @@
+"""Benchmark: where one real-shape validation video's latency goes, and what the validate options buy.
+
+One process, one GPU, the real Wan2.1-T2V-1.3B shape (81×480×832: 21×60×104 latents, 32,760 tokens), through
+validate's own parts (``_Context``: the candidate's load, ``sample``, the base's VAE decode). The candidate is the
+goal's: the teacher at 4 Euler steps with CFG (8 transformer forwards a video). Timed in this order, each the
+median of ``--repeats`` after a warm-up:
+
+- ``sample_eager_s``: the 8 forwards + sampler, eager (FlashAttention-4 where it imports: ``attention_backend: auto``);
+- ``sample_compiled_s``: the same after each transformer block is compiled (``validate.compile``); the first
+  compiled video's extra seconds are ``compile_s``; ``compiled_vs_eager_max_abs`` the latents' largest difference;
+- ``decode_<dtype>[_benchmark]_s``: the VAE decode of those latents to ``uint8`` frames on the host
+  (``BaseEncoders.decode_latents``) with the VAE in float32 / bfloat16 (``validate.vae_precision``), with and
+  without ``torch.backends.cudnn.benchmark``; ``bf16_vs_fp32_frames``: mean / max absolute grey-level difference
+  and PSNR of the bf16 decode against the fp32 one (random VAE weights here: the size of the difference on a
+  trained VAE is not measured by this).
+
+``latency_<config>_s`` sums one sampling and one decode: what validate's ``latency_s`` reports per video.
+Writes ``$OUT/validate_latency.json``. Usage (device machine, after ``source bench/gpu_env.sh``):
+``python bench/validate_latency.py [--base /tmp/real_shape_dag/wan-1.3b-shape]`` (a base is built there when
+absent); ``BENCH_SMOKE=1`` on CPU checks the script at tiny shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_shape_pipeline as rsp  # noqa: E402  (build_base, the shape constants)
+
+OUT = Path(os.environ.get("OUT", "/tmp"))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeats: int) -> tuple[float, list[float], object]:
+    """Median wall seconds of ``repeats`` calls of ``fn`` (synchronised), all the times, the last result."""
+    times, result = [], None
+    for _ in range(repeats):
+        _sync()
+        t0 = time.perf_counter()
+        result = fn()
+        _sync()
+        times.append(round(time.perf_counter() - t0, 4))
+    return statistics.median(times), times, result
+
+
+def decode_variants(ctx, latents: torch.Tensor, result: dict, args, save) -> None:
+    """The VAE decode of ``latents`` in fp32 and bf16, with and without cuDNN's benchmark mode, then (``--compile-vae``)
+    with the decoder compiled in bf16 and fp32; the bf16 frames against the fp32 ones."""
+    import math
+
+    vae = ctx.encoders.vae
+    frames: dict[str, torch.Tensor] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        vae.to(dtype)
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        for bench in (False, True):
+            torch.backends.cudnn.benchmark = bench
+            ctx.encoders.decode_latents(latents)  # warm-up (and cuDNN's search when benchmarking)
+            key = f"decode_{name}{'_benchmark' if bench else ''}"
+            result[f"{key}_s"], result[f"{key}_times"], out = timed(lambda: ctx.encoders.decode_latents(latents), args.repeats)
+            frames[name] = torch.from_numpy(out)
+            save()
+    torch.backends.cudnn.benchmark = False
+    diff = (frames["fp32"].int() - frames["bf16"].int()).abs().float()
+    mse = float((diff ** 2).mean())
+    result["bf16_vs_fp32_frames"] = {"mean_abs": round(float(diff.mean()), 4), "max_abs": int(diff.max()),
+                                     "psnr_db": round(10 * math.log10(255 ** 2 / mse), 2) if mse > 0 else None}
+    save()
+    if not args.compile_vae:
+        return
+    vae.decoder.compile()
+    for dtype in (torch.bfloat16, torch.float32):
+        vae.to(dtype)
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        first, _, _ = timed(lambda: ctx.encoders.decode_latents(latents), 1)
+        key = f"decode_{name}_compiled"
+        result[f"{key}_s"], result[f"{key}_times"], out = timed(lambda: ctx.encoders.decode_latents(latents), args.repeats)
+        result[f"{key}_compile_s"] = round(first - result[f"{key}_s"], 2)
+        result[f"{key}_vs_eager_max_abs"] = int((torch.from_numpy(out).int() - frames[name].int()).abs().max())
+        save()
+
+
+def main() -> int:
+    from distillery.evaluation.validate import Candidate, ValidationConfig, _Context
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base", default="/tmp/real_shape_dag/wan-1.3b-shape")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--guidance", type=float, default=5.0)
+    parser.add_argument("--decode-only", action="store_true",
+                        help="no transformer: decode random latents (the VAE's time does not depend on their values)")
+    parser.add_argument("--compile-vae", action="store_true", help="then time the decode with the VAE's decoder compiled")
+    args = parser.parse_args()
+    base = Path(args.base)
+    if not (base / "model_index.json").exists():
+        base = rsp.build_base(base.parent, "small")
+    device = rsp.DEVICE
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                    "torch": torch.__version__, "shape": [rsp.FRAMES, rsp.HEIGHT, rsp.WIDTH], "steps": args.steps,
+                    "guidance_scale": args.guidance, "repeats": args.repeats}
+
+    def save() -> None:
+        (OUT / "validate_latency.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result), flush=True)
+
+    cfg = ValidationConfig(num_frames=rsp.FRAMES, height=rsp.HEIGHT, width=rsp.WIDTH, device=device, compile=False,
+                           progress_bar=False, teacher_steps=[args.steps], guidance_scale=args.guidance)
+    t0 = time.perf_counter()
+    ctx = _Context(base, ["a red circle moving left slowly on a black background"], cfg)
+    if args.decode_only:
+        latents = torch.randn(1, *ctx.latent_shape, generator=torch.Generator().manual_seed(0)).to(device)
+        decode_variants(ctx, latents, result, args, save)
+        return 0
+    cand = Candidate(f"teacher_{args.steps}", base, args.steps, args.guidance, "euler")
+    loaded = ctx.load(cand, ctx.resolve(cand))
+    ctx.warm_up(loaded)
+    result["load_and_warm_up_s"] = round(time.perf_counter() - t0, 2)
+    result["attention_backend"] = getattr(loaded.model, "attention_backend", None)
+
+    def sample() -> torch.Tensor:
+        return ctx.sample(cand, loaded, [0], [1234])
+
+    result["sample_eager_s"], result["sample_eager_times"], eager = timed(sample, args.repeats)
+    save()
+    for block in loaded.model.shardable_blocks():
+        block.compile()
+    first, _, _ = timed(sample, 1)
+    result["sample_compiled_s"], result["sample_compiled_times"], compiled = timed(sample, args.repeats)
+    result["compile_s"] = round(first - result["sample_compiled_s"], 2)
+    result["compiled_vs_eager_max_abs"] = float((compiled - eager).abs().max())
+    save()
+
+    decode_variants(ctx, eager, result, args, save)
+    for sampling in ("eager", "compiled"):
+        for decode in ("fp32", "fp32_benchmark", "bf16", "bf16_benchmark"):
+            result[f"latency_{sampling}_{decode}_s"] = round(result[f"sample_{sampling}_s"] + result[f"decode_{decode}_s"], 3)
+    result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2) if device == "cuda" else None
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
