@@ -25,7 +25,8 @@ from distillery.common.procutil import AncestorWatch, ancestors_to_watch
 out = sys.argv[1]
 nohup = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
 chains = {"pid": os.getpid(), "nohup": nohup, "default": ancestors_to_watch(), "hangup_ignored": ancestors_to_watch(hangup_ignored=True)}
-open(out + ".chains", "w").write(json.dumps(chains))
+open(out + ".chains.tmp", "w").write(json.dumps(chains))
+os.replace(out + ".chains.tmp", out + ".chains")  # whole when it appears: the test reads it as soon as it exists
 def orphaned():
     open(out + ".orphaned", "w").write("1")
     os._exit(143)
