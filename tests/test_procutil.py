@@ -46,6 +46,10 @@ def _ignore_hangup() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what `nohup` does before it execs the command
 
 
+def _default_hangup() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # without nohup, even when the test suite itself runs under nohup
+
+
 def _wait_for(path: Path, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -71,7 +75,7 @@ def _alive(pid: int) -> bool:
 def test_killing_the_program_that_runs_a_stage_stops_it_with_or_without_nohup(tmp_path, nohup):
     out = tmp_path / "stage"
     runner = subprocess.Popen([sys.executable, "-c", RUNNER, STAGE.replace("'", '"'), str(out)], env=_child_env(),
-                              preexec_fn=_ignore_hangup if nohup else None, start_new_session=True)
+                              preexec_fn=_ignore_hangup if nohup else _default_hangup, start_new_session=True)
     try:
         _wait_for(out.with_suffix(".chains"))
         chains = json.loads(out.with_suffix(".chains").read_text())
