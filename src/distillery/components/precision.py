@@ -77,3 +77,11 @@ def cast_parameters_(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
         for param in module.parameters():
             param.data = param.data.to(dtype)
     return module
+
+
+def compile_wanted(setting: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """A ``compile`` setting (training's ``training.model.compile`` or ``validate.compile``) resolved: null is on
+    for bf16 on CUDA (the fastest step and sampling, BENCHMARKS.md), off otherwise."""
+    if setting is not None:
+        return setting
+    return device.type == "cuda" and dtype == torch.bfloat16

@@ -17,7 +17,7 @@ from distillery.common.log import get_logger
 from distillery.components.activation_checkpoint import checkpoint_blocks
 from distillery.components.distributed import DistEnv, shard_transformer, uses_fsdp
 from distillery.components.optim import role_optimizer_configs
-from distillery.components.precision import ComputeCopy, cast_parameters_
+from distillery.components.precision import ComputeCopy, cast_parameters_, compile_wanted
 from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, OptimizerConfig, RunConfig
 from distillery.methods.base import TrainingMethod
 from distillery.models.base import ModelBase
@@ -95,9 +95,7 @@ def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
 
 def resolve_compile(runtime: ModelRuntimeConfig, env: DistEnv) -> bool:
     """``training.model.compile``; null: on for bf16 on CUDA (the fastest step, BENCHMARKS.md), off otherwise."""
-    if runtime.compile is not None:
-        return runtime.compile
-    return env.device.type == "cuda" and env.compute_dtype == torch.bfloat16
+    return compile_wanted(runtime.compile, env.device, env.compute_dtype)
 
 
 def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, runtime: ModelRuntimeConfig,

@@ -346,6 +346,7 @@ class _Context:
     def __init__(self, base_dir: Path, prompts: list[str], cfg: ValidationConfig,
                  embeddings: PromptEmbeddings | None = None) -> None:
         from distillery.clips.analyzer import AnalyzerConfig
+        from distillery.components.precision import compile_wanted
         from distillery.data.encoders import BaseEncoders
 
         self.base_dir = base_dir
@@ -353,7 +354,7 @@ class _Context:
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg.precision, self.device)  # the candidates' (as WanPipeline(torch_dtype=...) runs them)
         self.vae_dtype = resolve_dtype(cfg.vae_precision, self.device)
-        self.compile = cfg.compile if cfg.compile is not None else (self.device.type == "cuda" and self.dtype == torch.bfloat16)
+        self.compile = compile_wanted(cfg.compile, self.device, self.dtype)  # training's rule
         self.encoders = BaseEncoders(base_dir, self.device, cfg.max_sequence_length, text_encoder=embeddings is None,
                                      vae_dtype=self.vae_dtype)
         length = self.encoders.max_sequence_length
