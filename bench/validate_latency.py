@@ -113,8 +113,7 @@ def main() -> int:
                     "guidance_scale": args.guidance, "repeats": args.repeats}
 
     def save() -> None:
-        (OUT / "validate_latency.json").write_text(json.dumps(result, indent=1))
-        print(json.dumps(result), flush=True)
+        (OUT / "validate_latency.json").write_text(json.dumps(result, indent=1))  # a run cut short keeps what it measured
 
     cfg = ValidationConfig(num_frames=rsp.FRAMES, height=rsp.HEIGHT, width=rsp.WIDTH, device=device, compile=False,
                            progress_bar=False, teacher_steps=[args.steps], guidance_scale=args.guidance)
@@ -123,6 +122,7 @@ def main() -> int:
     if args.decode_only:
         latents = torch.randn(1, *ctx.latent_shape, generator=torch.Generator().manual_seed(0)).to(device)
         decode_variants(ctx, latents, result, args, save)
+        print(json.dumps(result), flush=True)
         return 0
     cand = Candidate(f"teacher_{args.steps}", base, args.steps, args.guidance, "euler")
     loaded = ctx.load(cand, ctx.resolve(cand))
@@ -149,6 +149,7 @@ def main() -> int:
             result[f"latency_{sampling}_{decode}_s"] = round(result[f"sample_{sampling}_s"] + result[f"decode_{decode}_s"], 3)
     result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2) if device == "cuda" else None
     save()
+    print(json.dumps(result), flush=True)
     return 0
 
 

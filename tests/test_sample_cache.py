@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -38,10 +39,10 @@ def setup(tmp_path_factory):
     return root, base, student, cands, cache, first
 
 
-def _run(setup, name: str, cands=None, caplog=None):
+def _run(setup, name: str, cands=None, caplog=None, cfg: ValidationConfig = CFG):
     root, base, _, default, cache, _ = setup
-    with caplog.at_level(logging.INFO, logger="distillery"):
-        metrics = run_validation(base, cands or default, PROMPTS, root / name, CFG, cache=cache)
+    with caplog.at_level(logging.INFO, logger="distillery") if caplog is not None else contextlib.nullcontext():
+        metrics = run_validation(base, cands or default, PROMPTS, root / name, cfg, cache=cache)
     report = json.loads((root / name / "report.json").read_text())
     return metrics, {c: v["reused"] for c, v in report["cache"].items() if c != "folder"}, report
 
@@ -136,13 +137,6 @@ def test_a_bad_cache_entry_is_never_used(setup, caplog, damage):
         shutil.copytree(saved, entry)
 
 
-def _run_with(setup, name: str, cfg: ValidationConfig):
-    root, base, _, cands, cache, _ = setup
-    run_validation(base, cands, PROMPTS, root / name, cfg, cache=cache)
-    report = json.loads((root / name / "report.json").read_text())
-    return {c: v for c, v in report["cache"].items() if c != "folder"}, report
-
-
 def _tensors(setup, run: str, candidate: str, what: str) -> dict:
     """``latents`` or ``frames`` of a candidate in a run, from the cache entry the run's report names."""
     from safetensors.torch import load_file
@@ -159,9 +153,9 @@ def test_a_bf16_vae_decodes_the_same_latents_to_nearby_frames_under_its_own_cach
 
     import torch
 
-    cache, report = _run_with(setup, "vae-bf16", dataclasses.replace(CFG, vae_precision="bf16"))
-    assert {c: v["reused"] for c, v in cache.items()} == {"teacher_2": False, "student_1": False}
-    assert "context.vae_dtype" in cache["teacher_2"]["why"], cache["teacher_2"]["why"]
+    _, reused, report = _run(setup, "vae-bf16", cfg=dataclasses.replace(CFG, vae_precision="bf16"))
+    assert reused == {"teacher_2": False, "student_1": False}
+    assert "context.vae_dtype" in report["cache"]["teacher_2"]["why"], report["cache"]["teacher_2"]["why"]
     assert report["latency"]["vae_dtype"] == "torch.bfloat16" and report["latency"]["dtype"] == "torch.float32"
     for name in ("teacher_2", "student_1"):
         fp32, bf16 = (_tensors(setup, run, name, "latents") for run in ("first", "vae-bf16"))
@@ -170,8 +164,8 @@ def test_a_bf16_vae_decodes_the_same_latents_to_nearby_frames_under_its_own_cach
         diffs = [(fp32[k].int() - bf16[k].int()).abs() for k in fp32]
         assert any(d.max() > 0 for d in diffs)  # decoded in bf16 indeed
         assert max(float(d.float().mean()) for d in diffs) < 1.0 and max(int(d.max()) for d in diffs) <= 8  # seen: 0.36, 3
-    again, _ = _run_with(setup, "vae-fp32-again", CFG)
-    assert {c: v["reused"] for c, v in again.items()} == {"teacher_2": True, "student_1": True}
+    _, reused, _ = _run(setup, "vae-fp32-again")
+    assert reused == {"teacher_2": True, "student_1": True}
     with pytest.raises(Exception, match="vae_precision"):
         ValidationConfig(vae_precision="fp8")
 
@@ -185,10 +179,10 @@ def test_compiled_blocks_sample_what_eager_does_up_to_rounding_under_their_own_c
     from torch._dynamo.utils import counters
 
     counters.clear()
-    cache, report = _run_with(setup, "compiled", dataclasses.replace(CFG, compile=True, grid_formats=[]))
+    _, reused, report = _run(setup, "compiled", cfg=dataclasses.replace(CFG, compile=True, grid_formats=[]))
     assert counters["stats"]["unique_graphs"] >= 1  # dynamo compiled the blocks' forward
-    assert {c: v["reused"] for c, v in cache.items()} == {"teacher_2": False, "student_1": False}
-    assert "context.compiled" in cache["student_1"]["why"], cache["student_1"]["why"]
+    assert reused == {"teacher_2": False, "student_1": False}
+    assert "context.compiled" in report["cache"]["student_1"]["why"], report["cache"]["student_1"]["why"]
     assert report["latency"]["compiled"] is True
     for name in ("teacher_2", "student_1"):
         eager, compiled = (_tensors(setup, run, name, "latents") for run in ("first", "compiled"))
