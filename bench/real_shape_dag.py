@@ -16,6 +16,13 @@ calls — and, after the chain:
   of the default ``keep_last`` 2 in ``/dev/shm`` take half the GPU machine's memory) and the test's mid-run
   cadence comes from ``--set distill.save_every=N``.
 
+With ``--dvc`` every stage runs through ``dvc repro <stage>`` instead, as a user runs the DAG: the copy becomes a
+git repository (``git init`` + one commit where it is none), DVC's cache links instead of copying
+(``cache.type hardlink,symlink``: the real-shape artifacts are ~40 GB on a 64 GiB disk), and ``distillery`` on
+``PATH`` is a shim that runs ``python -m distillery.cli.main`` and writes when the stage's own command started and
+ended, so each row also says what DVC spent before and after it (hashing deps and outs, linking the cache). After the
+chain (label ``dvc_noop``) a second ``dvc repro`` of the whole DAG and ``dvc status`` show nothing left to run.
+
 Per stage: wall seconds, GPU busy fraction and peak GPU memory (``nvidia-smi`` every 0.2 s), MiB
 hashed / reused (the stage's own log line), the trainer's step timing (``run_summary.json``) and where
 the wall time outside the GPU went (start-up to the first busy sample, tail after the last).
@@ -48,6 +55,7 @@ OUT = Path(os.environ.get("OUT", "/tmp"))
 LOGS = Path(os.environ.get("DAG_LOGS", "/tmp/real_shape_dag/logs"))  # each stage's whole log; their tails go to $OUT
 STATE = LOGS.parent / "state.json"  # the rows so far: a second call on the same (warm) machine skips what ran
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
+CMD_TIMES = LOGS / "stage_command_times.txt"  # --dvc: "<unix start> <unix end> <rc> <argv...>" per `distillery` call
 HASH_LINE = re.compile(r"hashed ([\d.]+) MiB \((\d+) files\) from disk, reused ([\d.]+) MiB \((\d+) files\)")
 
 
@@ -146,7 +154,8 @@ def validate_phases(sampler, folder: Path) -> dict:
 
 
 class Job:
-    def __init__(self, budget: float) -> None:
+    def __init__(self, budget: float, dvc_env: dict | None = None) -> None:
+        self.dvc_env = dvc_env  # --dvc: the environment `dvc repro` runs in (the shim on PATH); None: `distillery stage`
         self.sampler = rsp.GpuSampler()
         self.started = time.time()
         self.budget = budget
@@ -186,8 +195,9 @@ class Job:
         LOGS.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "distillery.cli.main", "stage", name], stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            argv = ([sys.executable, "-m", "dvc", "repro", name] if self.dvc_env is not None
+                    else [sys.executable, "-m", "distillery.cli.main", "stage", name])
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.dvc_env)
             killed = False
             while proc.poll() is None:
                 if kill_when is not None and not killed and kill_when():
@@ -205,6 +215,8 @@ class Job:
             row["before_gpu_s"] = round(busy[0][0] - t0, 1)  # imports, params check, hashing, model load to the first kernel
             row["after_gpu_s"] = round(t1 - busy[-1][0], 1)  # checkpoint/artifact writes, lineage, exit
         text = log_path.read_text(errors="replace")
+        if self.dvc_env is not None:
+            row.update(dvc_split(t0, t1, name))
         if m := HASH_LINE.search(text):
             row.update(hashed_mib=float(m[1]), reused_mib=float(m[3]))
         if killed:
@@ -230,6 +242,71 @@ class Job:
             tails.write(f"===== {label} rc={proc.returncode}\n" + "\n".join(text.splitlines()[-25:]) + "\n")
         print(json.dumps(row), flush=True)
         return row
+
+
+def dvc_split(t0: float, t1: float, name: str) -> dict:
+    """What ``dvc repro`` spent around the stage's own command (the shim's start/end lines within ``[t0, t1]``): the
+    stage commands DVC ran, the command's seconds, DVC's seconds before it (reading dvc.yaml and the lock, hashing
+    deps) and after it (hashing the outs, moving them into the cache and linking them back, writing dvc.lock)."""
+    calls = []
+    if CMD_TIMES.exists():
+        for line in CMD_TIMES.read_text().splitlines():
+            start, end, rc, *argv = line.split()
+            if t0 <= float(start) <= t1:
+                calls.append((float(start), float(end), int(rc), argv))
+    row: dict = {"dvc_ran": [" ".join(argv) for *_, argv in calls]}
+    mine = [c for c in calls if c[3][-1:] == [name]]
+    if mine:
+        start, end, _, _ = mine[-1]
+        row.update(stage_command_s=round(end - start, 1), dvc_before_s=round(start - t0, 1), dvc_after_s=round(t1 - end, 1))
+    return row
+
+
+def setup_dvc(root: Path) -> dict:
+    """The copy as a DVC user's repository: a git repository with one commit (made here when the copy has none: the
+    device's copy of a working tree has no ``.git``), DVC's cache linking outs instead of copying them, and a
+    ``distillery`` shim on ``PATH`` (the package is on ``PYTHONPATH`` there, not pip-installed) that records each stage
+    command's start and end in ``CMD_TIMES``. Returns the environment ``dvc repro`` runs in."""
+    if subprocess.run(["git", "rev-parse", "--is-inside-work-tree"], capture_output=True).returncode != 0:
+        subprocess.run(["git", "init", "-q"], check=True)
+        with open(".git/info/exclude", "a") as exclude:  # the carried wheels and the device's own set-up file
+            exclude.write("/.whl/\n/.whl-parts/\n/device-env.sh\n/runs\n")  # runs: a symlink to scratch
+        subprocess.run(["git", "add", "-A"], check=True)
+        subprocess.run(["git", "-c", "user.name=real-shape-bench", "-c", "user.email=bench@localhost", "commit", "-q", "-m",
+                        "the device's copy of the working tree"], check=True)
+    dvc = [sys.executable, "-m", "dvc"]
+    for key, value in (("cache.type", "hardlink,symlink"), ("core.analytics", "false")):
+        subprocess.run([*dvc, "config", "--local", key, value], check=True)
+    bindir = root / "bin"
+    bindir.mkdir(parents=True, exist_ok=True)
+    LOGS.mkdir(parents=True, exist_ok=True)
+    shim = bindir / "distillery"
+    shim.write_text("#!/bin/sh\n"
+                    "start=$(date +%s.%N)\n"
+                    f'"{sys.executable}" -m distillery.cli.main "$@"\n'
+                    "rc=$?\n"
+                    f'echo "$start $(date +%s.%N) $rc distillery $*" >> "{CMD_TIMES}"\n'
+                    "exit $rc\n")
+    shim.chmod(0o755)
+    return {**os.environ, "PATH": f"{bindir.resolve()}:{os.environ.get('PATH', '')}", "DVC_NO_ANALYTICS": "1"}
+
+
+def dvc_noop(job: "Job") -> None:
+    """After the chain: ``dvc repro`` of the whole DAG again (nothing changed: nothing may run) and ``dvc status``;
+    the row says how long each took, what DVC printed, and the cache's size on disk (hard links: counted once)."""
+    row: dict = {"stage": "dvc_noop"}
+    for key, argv in (("repro", ["repro"]), ("status", ["status"])):
+        t0 = time.time()
+        done = subprocess.run([sys.executable, "-m", "dvc", *argv], capture_output=True, text=True, env=job.dvc_env)
+        row[f"{key}_s"] = round(time.time() - t0, 2)
+        row[f"{key}_rc"] = done.returncode
+        row[f"{key}_output"] = (done.stdout + done.stderr).strip().splitlines()[-12:]
+        row.update({f"{key}_{k}": v for k, v in dvc_split(t0, time.time(), "").items() if k == "dvc_ran"})
+    du = subprocess.run(["du", "-sm", ".dvc/cache", "artifacts"], capture_output=True, text=True).stdout.split()
+    row["disk_mib"] = dict(zip(du[1::2], (int(x) for x in du[0::2])))  # du counts a hard-linked file once
+    job.rows.append(row)
+    job.save()
+    print(json.dumps(row), flush=True)
 
 
 def resume_test(job: "Job", stage: str, reference: dict, first: int) -> None:
@@ -273,16 +350,28 @@ def main() -> int:
                              "give it a mid-run checkpoint with --set distill.save_every=N)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a params.yaml value after the profile and the step cut, e.g. distill.steps=4")
+    parser.add_argument("--dvc", action="store_true", help="each stage through `dvc repro <stage>` (a git repository and "
+                        "DVC's linking cache set up first), then a no-op `dvc repro` and `dvc status` (label dvc_noop)")
+    parser.add_argument("--workdir", default="", help="run in a copy of the repository there (made by the first call; "
+                        "later calls on the same machine go on in it: the device refreshes its copy of the working tree "
+                        "between calls, which would drop the .git and dvc.lock a --dvc run made)")
     parser.add_argument("--runs-dir", default="", help="put runs/ (checkpoints) there, e.g. /dev/shm/runs (a symlink)")
     args = parser.parse_args()
     if not Path("dvc.yaml").exists():
         raise SystemExit("run from the repository root (the stages' working directory)")
+    if args.workdir:
+        workdir = Path(args.workdir).resolve()
+        if not (workdir / "dvc.yaml").exists():
+            shutil.copytree(".", workdir, symlinks=True, ignore=shutil.ignore_patterns(
+                ".git", ".whl", ".whl-parts", ".venv", "artifacts", "runs", "mlruns", "mlflow.db", "__pycache__", "*.egg-info"))
+        os.chdir(workdir)
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(workdir / "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     if args.runs_dir and not Path("runs").exists():  # checkpoints on scratch space (the stages count them there)
         Path(args.runs_dir).mkdir(parents=True, exist_ok=True)
         Path("runs").symlink_to(Path(args.runs_dir).resolve(), target_is_directory=True)
-    job = Job(args.budget)
+    job = Job(args.budget, setup_dvc(root) if args.dvc else None)
     want = set(filter(None, args.only.split(",")))
 
     def run(name: str, label: str | None = None, **kw) -> dict | None:
@@ -317,6 +406,8 @@ def main() -> int:
         run(name, label)
     run("validate")
     run("export")
+    if args.dvc and (not want or "dvc_noop" in want):
+        dvc_noop(job)
     stage = args.resume_stage
     reference = job.done({"teacher": "teacher", "distill": "distill_dmd2"}[stage])  # the uninterrupted run
     if (not args.no_resume_test and reference and (not want or f"{stage}_resume" in want)
