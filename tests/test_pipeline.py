@@ -6,6 +6,11 @@ then fails naming a flipped weight file), the export (the Self-Forcing student) 
 with the folder's own pipeline in a fresh process reproducing the validate stage's samples, and a
 changed `pretrain.*` param rerunning only pretrain and what follows, from step 1. Kills and resumes are in tests/reliability (test_kill_anywhere.py,
 test_stage_trust.py).
+
+DVC's cache here links instead of copying (``cache.type hardlink,symlink``, what docs/gpus.md advises for
+real-shape artifacts; the other DVC tests keep DVC's default copies): every artifact file is the cache's own
+file, so a stage that wrote into a published artifact in place would corrupt the cache — the experiment's rerun
+checks every cached object still hashes to its name.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ _env = env
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    repo = make_workspace(tmp_path_factory.mktemp("pipeline") / "ws", {"teacher.save_every": 3, "pretrain.save_every": 3})
+    repo = make_workspace(tmp_path_factory.mktemp("pipeline") / "ws", {"teacher.save_every": 3, "pretrain.save_every": 3},
+                          dvc_cache_type="hardlink,symlink")
     FLOW.update(_run_prefect_flow(repo, tmp_path_factory.mktemp("prefect-home")))
     return repo
 
@@ -75,6 +81,8 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo, tmp_path):
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     stages = {"clips", "base", "latents", "teacher", "pretrain", "distill", "pdd", "validate", "export"}
     assert set(lock["stages"]) == stages  # the Prefect flow ran every stage through DVC
+    weights = repo / "artifacts" / "export" / "transformer" / "diffusion_pytorch_model.safetensors"
+    assert weights.stat().st_nlink >= 2  # the workspace's file and DVC's cache object are one file (hardlink cache)
     assert {name: r["status"] for name, r in FLOW["results"].items()} == dict.fromkeys(stages, "ran")
     assert set(FLOW["results"]["validate"]["metrics"]) == {"teacher_6/all", *(f"{c}/{k}" for c in ("pretrain_4", "distill_4", "pdd_1")
                                                                               for k in ("all", "frechet_distance", "kid"))}  # DVC's few columns
@@ -301,6 +309,12 @@ def test_an_experiment_on_a_pretrain_param_reruns_only_pretrain_and_what_follows
     import hashlib
 
     assert shipped == hashlib.sha256(exported.read_bytes()).hexdigest()
+    # the hardlink cache: the rerun stages published new files beside the cached ones, never wrote into them
+    objects = [f for f in (repo / ".dvc" / "cache" / "files" / "md5").rglob("*") if f.is_file() and not f.name.endswith(".dir")]
+    assert objects and all(hashlib.md5(f.read_bytes()).hexdigest() == f.parent.name + f.name for f in objects)
+    old = repo / ".dvc" / "cache" / "files" / "md5" / hashlib.md5(old_weights).hexdigest()[:2] / hashlib.md5(old_weights).hexdigest()[2:]
+    assert old.read_bytes() == old_weights and exported.stat().st_nlink >= 2  # the baseline's export kept; the new one linked
+    assert "up to date" in sh(["dvc", "status"], repo).stdout
 
 
 def _exp_rows(shown: list[dict]) -> list[dict]:

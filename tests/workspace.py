@@ -48,8 +48,9 @@ def set_params(repo: Path, updates: dict[str, object]) -> None:
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-def make_workspace(repo: Path, updates: dict[str, object] | None = None) -> Path:
-    """A git + DVC repository holding the pipeline (code included, as a user's clone would)."""
+def make_workspace(repo: Path, updates: dict[str, object] | None = None, dvc_cache_type: str | None = None) -> Path:
+    """A git + DVC repository holding the pipeline (code included, as a user's clone would). ``dvc_cache_type``:
+    DVC's ``cache.type`` (default: DVC's own, copies), e.g. ``hardlink,symlink`` as docs/gpus.md advises at real shape."""
     repo.mkdir(parents=True, exist_ok=True)
     for name in ("dvc.yaml", "params.yaml", "templates", ".gitignore"):
         src = ROOT / name
@@ -60,7 +61,8 @@ def make_workspace(repo: Path, updates: dict[str, object] | None = None) -> Path
     set_params(repo, {**SMALL, **(updates or {})})
     for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"], ["git", "config", "user.name", "ci"],
                 ["dvc", "init", "-q"], ["dvc", "config", "core.analytics", "false"],
-                ["dvc", "config", "core.site_cache_dir", str(repo / ".dvc-site")]):
+                ["dvc", "config", "core.site_cache_dir", str(repo / ".dvc-site")],
+                *([["dvc", "config", "cache.type", dvc_cache_type]] if dvc_cache_type else [])):
         sh(cmd, repo)
     sh(["git", "add", "-A"], repo)
     sh(["git", "commit", "-qm", "pipeline"], repo)
