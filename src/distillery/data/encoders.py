@@ -23,6 +23,7 @@ import torch
 
 from distillery.common.errors import UserError
 from distillery.common.log import quiet_library_progress
+from distillery.data.vae_decode import auto_chunk_frames, decode_video, set_fused_decode
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
@@ -83,11 +84,16 @@ class BaseEncoders:
     """VAE + tokenizer + text encoder of a diffusers Wan folder, frozen, on ``device``."""
 
     def __init__(self, base: str | Path, device: str | torch.device = "cpu", max_sequence_length: int | None = None,
-                 text_encoder: bool = True, vae_dtype: torch.dtype = torch.float32) -> None:
+                 text_encoder: bool = True, vae_dtype: torch.dtype = torch.float32, decode_chunk_frames: int | None = 1,
+                 fused_decode: bool = False) -> None:
         """``text_encoder=False``: leave the tokenizer and text encoder unloaded (a caller that has the
         prompt embeddings already, e.g. from the latent set; :meth:`encode_prompts` then refuses);
         ``text_dim`` comes from ``text_encoder/config.json``. ``vae_dtype``: the VAE's weights and compute
-        (float32, as the Wan model card runs it; bfloat16 decodes faster on a GPU); latents stay float32 either way."""
+        (float32, as the Wan model card runs it; bfloat16 decodes faster on a GPU); latents stay float32 either way.
+        ``decode_chunk_frames``: latent frames per decoder call after the first (1: diffusers' frame-by-frame
+        loop; more: the same function, other rounding; None: ``vae_decode.auto_chunk_frames``, sized to the GPU);
+        ``fused_decode``: the decoder's residual blocks and causal convolutions in fewer passes
+        (``vae_decode.set_fused_decode``; :mod:`distillery.data.vae_decode` for both)."""
         from diffusers import AutoencoderKLWan
 
         quiet_library_progress()
@@ -97,6 +103,9 @@ class BaseEncoders:
                 raise UserError(f"{self.base}: no {part}/ folder; --base must be a diffusers Wan model folder")
         self.device = torch.device(device)
         self.vae = AutoencoderKLWan.from_pretrained(self.base / "vae", torch_dtype=vae_dtype).to(self.device).eval()
+        self.decode_chunk_frames: int | None = 1
+        self.fused_decode = False
+        self.configure_decode(decode_chunk_frames, fused_decode)
         self.tokenizer = self.text_encoder = None
         if text_encoder:
             from transformers import AutoTokenizer, UMT5EncoderModel
@@ -124,11 +133,25 @@ class BaseEncoders:
         z = self.vae.encode(x).latent_dist.mode().float()
         return normalize_latents(self.vae, z).cpu()
 
+    def configure_decode(self, chunk_frames: int | None, fused: bool = False) -> None:
+        """How :meth:`decode_latents` runs the VAE (the constructor's ``decode_chunk_frames`` and
+        ``fused_decode``; fused stays off for a VAE it does not know)."""
+        if chunk_frames is not None and int(chunk_frames) < 1:
+            raise ValueError(f"decode_chunk_frames must be >= 1 or None, got {chunk_frames}")
+        self.decode_chunk_frames = None if chunk_frames is None else int(chunk_frames)
+        self.fused_decode = set_fused_decode(self.vae, bool(fused))
+
+    def chunk_frames_for(self, latent_shape: tuple[int, ...]) -> int:
+        """The latent frames per decoder call :meth:`decode_latents` uses for latents of this shape."""
+        if self.decode_chunk_frames is not None:
+            return self.decode_chunk_frames
+        return auto_chunk_frames(self.vae, tuple(latent_shape), self.device)
+
     @torch.no_grad()
     def decode_latents(self, latents: torch.Tensor) -> np.ndarray:
         """Normalised latents ``[B, C, T', H', W']`` → ``uint8 [B, T, H, W, 3]`` frames."""
         z = denormalize_latents(self.vae, latents.float().to(self.device)).to(self.vae.dtype)
-        video = self.vae.decode(z, return_dict=False)[0].float().clamp(-1, 1)
+        video = decode_video(self.vae, z, self.chunk_frames_for(tuple(z.shape))).float().clamp(-1, 1)
         frames = ((video + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
         return frames.permute(0, 2, 3, 4, 1).cpu().numpy()
 

@@ -182,6 +182,7 @@ class ValidationConfig(ValidationSampling):
     device: str = "cpu"  # where the models run ("cpu", "cuda", "cuda:1", ...)
     precision: str = "auto"  # the candidates' weights and compute: fp32, bf16, or auto (bf16 on CUDA, fp32 elsewhere)
     vae_precision: str = "fp32"  # the VAE's decode: fp32 (the Wan model card's), bf16, or auto (bf16 on CUDA, fp32 elsewhere)
+    vae_chunk_frames: int | None = None  # latent frames per VAE decoder call after the first; null: sized to the GPU, 1 on CPU
     compile: bool | None = None  # compile each transformer block of the candidates (regional); null: on for bf16 on CUDA
     progress_bar: bool = True  # progress over the videos: a bar on a terminal, else a log line per 10 % or minute
     sample_batch: int = 1  # videos sampled and decoded in one batch (consecutive in sampling order); > 1: a GPU at small
@@ -205,6 +206,8 @@ class ValidationConfig(ValidationSampling):
         for name in ("precision", "vae_precision"):
             if getattr(self, name) not in PRECISIONS:
                 raise UserError(f"validate.{name}: {getattr(self, name)!r}; valid: {', '.join(PRECISIONS)}")
+        if self.vae_chunk_frames is not None and int(self.vae_chunk_frames) < 1:
+            raise UserError(f"validate.vae_chunk_frames must be >= 1 or null, got {self.vae_chunk_frames}")
         if self.bootstrap_resamples < 0:
             raise UserError(f"validate.bootstrap_resamples must be >= 0, got {self.bootstrap_resamples}")
         if self.sample_batch < 1:
@@ -217,6 +220,16 @@ def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
     """``auto`` / ``fp32`` / ``bf16`` on ``device`` → the dtype: auto is bfloat16 on CUDA, float32 elsewhere."""
     bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     return torch.bfloat16 if bf16 else torch.float32
+
+
+def resolve_vae_decode(chunk_frames: int | None, device: torch.device) -> tuple[int | None, bool]:
+    """The VAE decode's ``(chunk_frames, fused)`` (:mod:`distillery.data.vae_decode`): on CUDA, ``chunk_frames``
+    null is sized to the GPU (``auto_chunk_frames``) and the residual blocks are fused (the same function in
+    fewer passes); elsewhere diffusers' own frame-by-frame decode (``1``, unfused: the CPU's frames bit for bit
+    as before)."""
+    if device.type != "cuda":
+        return (int(chunk_frames) if chunk_frames is not None else 1), False
+    return (int(chunk_frames) if chunk_frames is not None else None), True
 
 
 def generator_seed(cfg: ValidationConfig, prompt_index: int, seed_index: int) -> int:
@@ -374,6 +387,9 @@ class _Context:
             raise UserError(f"validate: num_frames − 1 must be a multiple of {tf} and height/width of {sf} for the VAE of "
                             f"{base_dir}, got {cfg.num_frames}×{cfg.height}×{cfg.width}")
         self.latent_shape = (self.encoders.z_dim, (cfg.num_frames - 1) // tf + 1, cfg.height // sf, cfg.width // sf)
+        self.encoders.configure_decode(*resolve_vae_decode(cfg.vae_chunk_frames, self.device))
+        # what the frames depend on: the resolved chunk and whether the fused blocks apply to this VAE
+        self.vae_decode = (self.encoders.chunk_frames_for(self.latent_shape), self.encoders.fused_decode)
         analyzer_json = base_dir / "analyzer.json"
         self.analyzer = AnalyzerConfig(**json.loads(analyzer_json.read_text())) if analyzer_json.is_file() else None
         self.base_shift = self._scheduler_shift(base_dir / "scheduler")
@@ -422,6 +438,7 @@ class _Context:
                 "latent_shape": list(self.latent_shape),
                 **({"sample_batch": cfg.sample_batch} if cfg.sample_batch != 1 else {}),  # batched: other rounding
                 **({"vae_dtype": str(self.vae_dtype)} if self.vae_dtype != torch.float32 else {}),  # other frames
+                **({"vae_decode": list(self.vae_decode)} if self.vae_decode != (1, False) else {}),  # other rounding
                 **({"compiled": "blocks"} if self.compile else {}),  # Inductor's kernels: other rounding
                 "video": {"num_frames": cfg.num_frames, "height": cfg.height, "width": cfg.width, "fps": cfg.fps},
                 "vae": file_digests([self.base_dir / "vae"], self.base_dir),
@@ -928,6 +945,7 @@ def run_validation(
                         "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.seed},
             "latency": {"warmup_videos": WARMUP_VIDEOS, "sample_batch": cfg.sample_batch, "dtype": str(ctx.dtype),
                         "vae_dtype": str(ctx.vae_dtype), "compiled": ctx.compile,
+                        "vae_decode": dict(zip(("chunk_frames", "fused"), ctx.vae_decode)),
                         "statistic": "median, iqr = p75 - p25, of the videos after the warm-up",
                         **{c.name: latency[c.name] for c in candidates}},
             "per_video": {c.name: per_video[c.name] for c in candidates},

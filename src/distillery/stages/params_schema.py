@@ -218,6 +218,7 @@ class ValidateParams:
     pdd_nfe: list[int] = rule([1, 2, 4, 8], 1, MAX_SAMPLING_STEPS, step_list)  # the PDD student's NFE curve (blocks of pdd_steps / NFE)
     device: str = rule("auto", check=device_name)  # auto: the GPU when gpus.nproc_per_node >= 1 and CUDA is there, else cpu
     vae_precision: Literal["auto", "fp32", "bf16"] = rule("fp32")  # the VAE decode's dtype; auto: bf16 on a GPU, fp32 on CPU
+    vae_chunk_frames: int | None = rule(None, 1, MAX_LATENT_FRAMES)  # VAE decoder call's latent frames after the first; null: sized to the GPU, 1 on CPU
     compile: bool | None = rule(None)  # compile each transformer block of the candidates; null: on for bf16 on a GPU
 
 

@@ -127,7 +127,7 @@ def stage_validate(params: StageParams) -> None:
                            width=int(made["width"]), fps=float(made["fps"]),
                            teacher_steps=list(v.teacher_steps), guidance_scale=v.guidance_scale,
                            seed=params.get("seed"), num_seeds=v.num_seeds,  # progress: a line per 10 % or minute
-                           vae_precision=v.vae_precision, compile=v.compile,
+                           vae_precision=v.vae_precision, vae_chunk_frames=v.vae_chunk_frames, compile=v.compile,
                            device=stage_device(v.device, params.get("gpus.nproc_per_node"), "validate.device"))
     log.info("validate: on %s", cfg.device)
     # students are sampled as their artifacts' sampling.json says (the sampler registry, no kinds here)
