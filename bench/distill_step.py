@@ -33,7 +33,7 @@ Usage (device machine):
   one configuration:  python bench/distill_step.py --one dmd2_data 21 30 52 default off
 Run spec: METHOD:LATENT:COMPILE:AC[:OPTS] — COMPILE ``default`` (training.model.compile null: compiled on CUDA), ``eager``
 or ``compile``; AC ``on``/``off`` (training.model.activation_checkpointing); OPTS
-``steps=N;warmup=N;nproc=N;attention=B;compile_mode=M;snapshot=N;need=S;NAME=VALUE`` (``nproc`` > 1: FSDP2 over N GPUs under
+``steps=N;warmup=N;nproc=N;attention=B;compile_mode=M;snapshot=N;breakdown=1;need=S;NAME=VALUE`` (``nproc`` > 1: FSDP2 over N GPUs under
 torchrun, one sample per rank, rank 0's figures; ``attention``: training.model.attention_backend, default ``--attention``
 (``auto``); ``compile_mode``: ``blocks`` (regional, default) or ``model``; ``snapshot``: a CUDA memory snapshot after N
 iterations, what holds the peak in the result's ``memory_peak``; ``need``: with ``--deadline``, the seconds that must be
@@ -46,6 +46,7 @@ CPU check of this script: ``BENCH_SMOKE=1 python bench/distill_step.py`` (tiny m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -201,13 +202,15 @@ def ac_fraction() -> float:
 
 
 def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None, ac: bool, steps: int, warmup: int,
-            attention: str = "auto", compile_mode: str = "blocks", snapshot_after: int = 0) -> dict:
+            attention: str = "auto", compile_mode: str = "blocks", snapshot_after: int = 0, breakdown: bool = False) -> dict:
     """Train ``steps`` iterations with the real Trainer; report post-warm-up medians and per-iteration FLOPs.
 
     ``snapshot_after`` > 0 (CUDA): record the allocator's history with Python stacks from before the models are
     built, take a memory snapshot after that many iterations and stop recording (keep it inside the warm-up, so
     the timed iterations run unrecorded); the result gets ``memory_peak`` (``memory_peak.peak_summary``: the peak
-    and what holds it), and ``$SNAPSHOT_PICKLE`` (a path), when set, receives the snapshot itself."""
+    and what holds it), and ``$SNAPSHOT_PICKLE`` (a path), when set, receives the snapshot itself. ``breakdown``:
+    GPU time per kernel family of the two iterations after the warm-up (``bench/kernel_breakdown.py``; they are then
+    profiled, ~7 % slower, and left out of the timed ones)."""
     import torch
 
     from distillery.components.distributed import init_distributed, shutdown
@@ -247,6 +250,14 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
             t0 = time.perf_counter()
             trainer = build_trainer(config, env)
             build_s = time.perf_counter() - t0
+            profiler = contextlib.nullcontext()
+            if breakdown:
+                from kernel_breakdown import ProfilerStepper
+                from torch.profiler import ProfilerActivity, profile, schedule
+
+                profiler = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU],
+                                   schedule=schedule(wait=warmup - 1, warmup=1, active=2, repeat=1))
+                trainer.run.callbacks.append(ProfilerStepper(profiler))
             compiled = resolve_compile(config.training.model, env)
             resolved = {role: getattr(m, "attention_backend", "native") for role, m in trainer.run.models.items()}
             if cuda:
@@ -254,7 +265,8 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
                 torch.cuda.reset_peak_memory_stats()
             static_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
             t0 = time.perf_counter()
-            result = trainer.fit()
+            with profiler:
+                result = trainer.fit()
             fit_s = time.perf_counter() - t0
             if cuda:
                 torch.cuda.synchronize()
@@ -266,11 +278,15 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
     times = [row["step_time_s"] for row in hist]
     gpu = [a.elapsed_time(b) / 1e3 for a, b in spans] if spans else []
     flops = [iteration_flops(method, size, _exits(method, row, size), ac) for row in hist]
-    meas = slice(warmup, None)
+    meas = slice(warmup + 2 if breakdown else warmup, None)
     m_times, m_flops = times[meas], flops[meas]
     model_flops = sum(f["model"] for f in m_flops)
     executed = sum(f["executed"] for f in m_flops)
     extra = {}
+    if breakdown:
+        from kernel_breakdown import kernel_families
+
+        extra["breakdown"] = kernel_families(profiler, steps=2)
     if snapshot.get("data") is not None:
         from memory_peak import peak_summary
 
@@ -351,6 +367,7 @@ def main() -> int:
     parser.add_argument("--attention", default="auto", help="training.model.attention_backend (every run; a run's OPTS attention=… wins)")
     parser.add_argument("--compile-mode", default="blocks", choices=["blocks", "model"], help="training.model.compile_mode")
     parser.add_argument("--snapshot-after", type=int, default=0, help="with --one: memory snapshot after N iterations (run_one)")
+    parser.add_argument("--breakdown", action="store_true", help="with --one: GPU time per kernel family (run_one)")
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     if args.probe:
@@ -359,7 +376,7 @@ def main() -> int:
     if args.one:
         method, t, h, w, comp, ac = args.one
         res = run_one(method, (int(t), int(h), int(w)), {"eager": False, "compile": True, "default": None}[comp], ac == "on",
-                      args.steps, args.warmup, args.attention, args.compile_mode, args.snapshot_after)
+                      args.steps, args.warmup, args.attention, args.compile_mode, args.snapshot_after, args.breakdown)
         res["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: rank 0's figures (each rank one sample)
             print("RESULT " + json.dumps(res), flush=True)
@@ -383,6 +400,7 @@ def main() -> int:
         nproc = int(opts.pop("nproc", 1))  # > 1: FSDP2 over that many GPUs under torchrun, one sample per rank
         attention, compile_mode = opts.pop("attention", args.attention), opts.pop("compile_mode", args.compile_mode)
         snapshot_after = int(opts.pop("snapshot", 0))  # a memory snapshot after that many iterations (run_one)
+        breakdown = opts.pop("breakdown", "0") == "1"  # GPU time per kernel family (run_one)
         need = float(opts.pop("need", 150 if tokens_of(size) > 16384 else 75))  # seconds left to start it (--deadline)
         timeout = args.config_timeout
         if args.deadline:
@@ -397,7 +415,7 @@ def main() -> int:
                                                         "--nproc_per_node", str(nproc)]
         cmd = [*launcher, __file__, "--one", method, *map(str, size), comp, ac, "--steps", str(steps),
                "--warmup", str(warmup), "--attention", attention, "--compile-mode", compile_mode,
-               "--snapshot-after", str(snapshot_after)]
+               "--snapshot-after", str(snapshot_after), *(["--breakdown"] if breakdown else [])]
         t0 = time.time()
         res, err = _child(cmd, timeout, {**os.environ, **opts}, out_dir / "children.log" if args.child_logs else None, spec)
         if res is None:

@@ -15,8 +15,10 @@ from typing import Any
 from distillery.callbacks.base import Callback
 
 FAMILIES = (  # first match wins; patterns are lower-case substrings of the kernel name
-    ("attention backward", ("bprop", "flash_bwd", "attention_backward", "fmha_bwd", "attn_bwd", "flash_attn_bwd")),
-    ("attention forward", ("fprop", "flash_fwd", "fmha_fwd", "attn_fwd", "flash_attn_fwd", "efficient_attention_forward")),
+    ("attention backward", ("bprop", "flash_bwd", "attention_backward", "fmha_bwd", "attn_bwd", "flash_attn_bwd",
+                            "attentionbackward")),  # the last: FlashAttention-4's CuTe kernels (and their pre/post passes)
+    ("attention forward", ("fprop", "flash_fwd", "fmha_fwd", "attn_fwd", "flash_attn_fwd", "efficient_attention_forward",
+                           "attentionforward")),
     ("optimizer (fused AdamW, foreach)", ("adam", "multi_tensor_apply", "foreach")),
     ("nccl", ("nccl",)),
     ("gemm (cuBLAS / nvjet / cutlass)", ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "cublas")),

@@ -8,13 +8,15 @@ median of ``--repeats`` after a warm-up:
 - ``sample_eager_s``: the 8 forwards + sampler, eager (FlashAttention-4 where it imports: ``attention_backend: auto``);
 - ``sample_compiled_s``: the same after each transformer block is compiled (``validate.compile``); the first
   compiled video's extra seconds are ``compile_s``; ``compiled_vs_eager_max_abs`` the latents' largest difference;
-- ``decode_<dtype>[_benchmark]_s``: the VAE decode of those latents to ``uint8`` frames on the host
-  (``BaseEncoders.decode_latents``) with the VAE in float32 / bfloat16 (``validate.vae_precision``), with and
-  without ``torch.backends.cudnn.benchmark``; ``bf16_vs_fp32_frames``: mean / max absolute grey-level difference
-  and PSNR of the bf16 decode against the fp32 one (random VAE weights here: the size of the difference on a
-  trained VAE is not measured by this).
+- ``decode[<dtype>:<chunk_frames>:<fused>]``: the VAE decode of those latents to ``uint8`` frames on the
+  host (``BaseEncoders.decode_latents``) with the VAE in float32 / bfloat16 (``validate.vae_precision``),
+  ``chunk_frames`` latent frames per decoder call after the first (``validate.vae_chunk_frames``; 1 is diffusers'
+  frame-by-frame loop; ``auto``: sized to the GPU) and its residual blocks fused or not
+  (``distillery.data.vae_decode``); per variant the peak memory it adds and its
+  frames' mean / max absolute grey-level difference and PSNR against the first variant's (random VAE weights
+  here: the size of the difference on a trained VAE is not measured by this).
 
-``latency_<config>_s`` sums one sampling and one decode: what validate's ``latency_s`` reports per video.
+``latency_<sampling>_<variant>_s`` sums one sampling and one decode: what validate's ``latency_s`` reports per video.
 Writes ``$OUT/validate_latency.json``. Usage (device machine, after ``source bench/gpu_env.sh``):
 ``python bench/validate_latency.py [--base /tmp/real_shape_dag/wan-1.3b-shape]`` (a base is built there when
 absent); ``BENCH_SMOKE=1`` on CPU checks the script at tiny shapes.
@@ -55,41 +57,45 @@ def timed(fn, repeats: int) -> tuple[float, list[float], object]:
     return statistics.median(times), times, result
 
 
+DECODE_VARIANTS = "fp32:1:0,bf16:1:0,bf16:20:0,bf16:20:1,bf16:auto:1,fp32:auto:1"
+
+
 def decode_variants(ctx, latents: torch.Tensor, result: dict, args, save) -> None:
-    """The VAE decode of ``latents`` in fp32 and bf16, with and without cuDNN's benchmark mode, then (``--compile-vae``)
-    with the decoder compiled in bf16 and fp32; the bf16 frames against the fp32 ones."""
+    """The VAE decode of ``latents`` to ``uint8`` host frames per ``dtype:chunk_frames:fused`` variant of
+    ``--decode-variants`` (``distillery.data.vae_decode``; chunk ``auto``: ``auto_chunk_frames``), each with its
+    peak GPU memory above what was allocated before it and its frames' grey-level difference from the first
+    variant's (diffusers' fp32 decode by default)."""
     import math
 
     vae = ctx.encoders.vae
-    frames: dict[str, torch.Tensor] = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        vae.to(dtype)
-        name = "fp32" if dtype == torch.float32 else "bf16"
-        for bench in (False, True):
-            torch.backends.cudnn.benchmark = bench
-            ctx.encoders.decode_latents(latents)  # warm-up (and cuDNN's search when benchmarking)
-            key = f"decode_{name}{'_benchmark' if bench else ''}"
-            result[f"{key}_s"], result[f"{key}_times"], out = timed(lambda: ctx.encoders.decode_latents(latents), args.repeats)
-            frames[name] = torch.from_numpy(out)
-            save()
-    torch.backends.cudnn.benchmark = False
-    diff = (frames["fp32"].int() - frames["bf16"].int()).abs().float()
-    mse = float((diff ** 2).mean())
-    result["bf16_vs_fp32_frames"] = {"mean_abs": round(float(diff.mean()), 4), "max_abs": int(diff.max()),
-                                     "psnr_db": round(10 * math.log10(255 ** 2 / mse), 2) if mse > 0 else None}
-    save()
-    if not args.compile_vae:
-        return
-    vae.decoder.compile()
-    for dtype in (torch.bfloat16, torch.float32):
-        vae.to(dtype)
-        name = "fp32" if dtype == torch.float32 else "bf16"
-        first, _, _ = timed(lambda: ctx.encoders.decode_latents(latents), 1)
-        key = f"decode_{name}_compiled"
-        result[f"{key}_s"], result[f"{key}_times"], out = timed(lambda: ctx.encoders.decode_latents(latents), args.repeats)
-        result[f"{key}_compile_s"] = round(first - result[f"{key}_s"], 2)
-        result[f"{key}_vs_eager_max_abs"] = int((torch.from_numpy(out).int() - frames[name].int()).abs().max())
+    result["decode"] = {}
+    reference = None
+    for spec in args.decode_variants.split(","):
+        name, chunk, fused = spec.split(":")
+        vae.to({"fp32": torch.float32, "bf16": torch.bfloat16}[name])
+        ctx.encoders.configure_decode(None if chunk == "auto" else int(chunk), fused == "1")
+        row: dict = {"chunk_frames": ctx.encoders.chunk_frames_for(tuple(latents.shape)), "fused": ctx.encoders.fused_decode}
+        try:
+            ctx.encoders.decode_latents(latents)  # warm-up: cuDNN's plans for this shape and layout
+            before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            row["decode_s"], row["times"], out = timed(lambda: ctx.encoders.decode_latents(latents), args.repeats)
+            if torch.cuda.is_available():
+                row["peak_gib_above_before"] = round((torch.cuda.max_memory_allocated() - before) / 2 ** 30, 2)
+            frames = torch.from_numpy(out)
+            reference = frames if reference is None else reference
+            diff = (frames.int() - reference.int()).abs().float()
+            mse = float((diff ** 2).mean())
+            row["vs_first"] = {"mean_abs": round(float(diff.mean()), 4), "max_abs": int(diff.max()),
+                               "psnr_db": round(10 * math.log10(255 ** 2 / mse), 2) if mse > 0 else None}
+        except torch.OutOfMemoryError as exc:
+            row["error"] = "out of memory: " + str(exc).splitlines()[0]
+        result["decode"][spec] = row
+        print(spec, json.dumps(row), flush=True)
         save()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def main() -> int:
@@ -102,7 +108,8 @@ def main() -> int:
     parser.add_argument("--guidance", type=float, default=5.0)
     parser.add_argument("--decode-only", action="store_true",
                         help="no transformer: decode random latents (the VAE's time does not depend on their values)")
-    parser.add_argument("--compile-vae", action="store_true", help="then time the decode with the VAE's decoder compiled")
+    parser.add_argument("--decode-variants", default=DECODE_VARIANTS,
+                        help="dtype:chunk_frames:fused,... (chunk 1, unfused: diffusers' frame-by-frame decode)")
     args = parser.parse_args()
     base = Path(args.base)
     if not (base / "model_index.json").exists():
@@ -145,8 +152,9 @@ def main() -> int:
 
     decode_variants(ctx, eager, result, args, save)
     for sampling in ("eager", "compiled"):
-        for decode in ("fp32", "fp32_benchmark", "bf16", "bf16_benchmark"):
-            result[f"latency_{sampling}_{decode}_s"] = round(result[f"sample_{sampling}_s"] + result[f"decode_{decode}_s"], 3)
+        for spec, row in result["decode"].items():
+            if "decode_s" in row:
+                result[f"latency_{sampling}_{spec}_s"] = round(result[f"sample_{sampling}_s"] + row["decode_s"], 3)
     result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2) if device == "cuda" else None
     save()
     print(json.dumps(result), flush=True)
