@@ -7,24 +7,19 @@ results and reading: BENCHMARKS.md "Validate's VAE decode". Usage (device): ``py
 from __future__ import annotations
 
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_kernels import cuda_median_seconds  # noqa: E402
 
-def timed(fn, repeats=5):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+
+def timed(fn) -> float:
+    """Median of 5 CUDA-event timings after one warm-up call (seconds)."""
+    return cuda_median_seconds(fn, iters=5, warmup=1)
 
 
 def conv_variants(c_in, c_out, t_out, h, w):
