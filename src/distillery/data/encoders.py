@@ -84,16 +84,12 @@ class BaseEncoders:
     """VAE + tokenizer + text encoder of a diffusers Wan folder, frozen, on ``device``."""
 
     def __init__(self, base: str | Path, device: str | torch.device = "cpu", max_sequence_length: int | None = None,
-                 text_encoder: bool = True, vae_dtype: torch.dtype = torch.float32, decode_chunk_frames: int | None = 1,
-                 fused_decode: bool = False) -> None:
+                 text_encoder: bool = True, vae_dtype: torch.dtype = torch.float32) -> None:
         """``text_encoder=False``: leave the tokenizer and text encoder unloaded (a caller that has the
         prompt embeddings already, e.g. from the latent set; :meth:`encode_prompts` then refuses);
         ``text_dim`` comes from ``text_encoder/config.json``. ``vae_dtype``: the VAE's weights and compute
         (float32, as the Wan model card runs it; bfloat16 decodes faster on a GPU); latents stay float32 either way.
-        ``decode_chunk_frames``: latent frames per decoder call after the first (1: diffusers' frame-by-frame
-        loop; more: the same function, other rounding; None: ``vae_decode.auto_chunk_frames``, sized to the GPU);
-        ``fused_decode``: the decoder's residual blocks and causal convolutions in fewer passes
-        (``vae_decode.set_fused_decode``; :mod:`distillery.data.vae_decode` for both)."""
+        The decode is diffusers' own until :meth:`configure_decode` says otherwise."""
         from diffusers import AutoencoderKLWan
 
         quiet_library_progress()
@@ -103,9 +99,7 @@ class BaseEncoders:
                 raise UserError(f"{self.base}: no {part}/ folder; --base must be a diffusers Wan model folder")
         self.device = torch.device(device)
         self.vae = AutoencoderKLWan.from_pretrained(self.base / "vae", torch_dtype=vae_dtype).to(self.device).eval()
-        self.decode_chunk_frames: int | None = 1
-        self.fused_decode = False
-        self.configure_decode(decode_chunk_frames, fused_decode)
+        self.configure_decode(1, False)
         self.tokenizer = self.text_encoder = None
         if text_encoder:
             from transformers import AutoTokenizer, UMT5EncoderModel
@@ -134,11 +128,13 @@ class BaseEncoders:
         return normalize_latents(self.vae, z).cpu()
 
     def configure_decode(self, chunk_frames: int | None, fused: bool = False) -> None:
-        """How :meth:`decode_latents` runs the VAE (the constructor's ``decode_chunk_frames`` and
-        ``fused_decode``; fused stays off for a VAE it does not know)."""
+        """How :meth:`decode_latents` runs the VAE (:mod:`distillery.data.vae_decode`): ``chunk_frames`` latent
+        frames per decoder call after the first (1: diffusers' frame-by-frame loop; more: the same function, other
+        rounding; None: ``auto_chunk_frames``, sized to the GPU); ``fused``: the decoder's residual blocks in fewer
+        passes (stays off for a VAE ``set_fused_decode`` does not know; ``fused_decode`` says which)."""
         if chunk_frames is not None and int(chunk_frames) < 1:
             raise ValueError(f"decode_chunk_frames must be >= 1 or None, got {chunk_frames}")
-        self.decode_chunk_frames = None if chunk_frames is None else int(chunk_frames)
+        self.decode_chunk_frames: int | None = None if chunk_frames is None else int(chunk_frames)
         self.fused_decode = set_fused_decode(self.vae, bool(fused))
 
     def chunk_frames_for(self, latent_shape: tuple[int, ...]) -> int:

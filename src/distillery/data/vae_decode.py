@@ -22,8 +22,10 @@ function: each residual block's RMS norm + SiLU is one pass in fp32 (one roundin
 where diffusers rounds after the norm and again after the scale), compiled into one kernel on CUDA; each causal
 convolution pads in time only (the cache frames or zeros) and lets the convolution pad in space (diffusers copies
 the whole input through ``F.pad`` first); the nearest-exact upsamplers stay in the VAE's dtype (diffusers goes
-through fp32 and back: the same values). At 81×480×832 in bf16 the elementwise passes and copies these remove
-were ~0.6 s of the decode's 1.56 s of kernels (``bench/vae_conv_probe.py``).
+through fp32 and back: the same values). At 81×480×832 on an H200, 20 frames a call: fp32 2.49 → 2.12 s with the
+fused blocks; bf16 1.62 → 1.54 s, measured before a recompile-limit fix (part of it ran eager) and not since
+(BENCHMARKS.md "Validate's VAE decode"; the elementwise passes and copies are ~0.9 s of the bf16 decode's 1.56 s of
+kernels, ``bench/vae_conv_probe.py``).
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def norm_silu_reference(x: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
 
 
 _compiled_norm_silu = None  # built on first use (torch.compile is lazy anyway; this keeps one wrapper)
+NORM_SILU_GRAPHS = 32  # recompile limit of the compiled norm + SiLU (a decode in two dtypes compiled 7 on CPU)
 
 
 def norm_silu(x: torch.Tensor, gamma: torch.Tensor, compiled: bool | None = None) -> torch.Tensor:
@@ -127,8 +130,6 @@ def norm_silu(x: torch.Tensor, gamma: torch.Tensor, compiled: bool | None = None
     with torch._dynamo.config.patch(recompile_limit=NORM_SILU_GRAPHS):
         return _compiled_norm_silu(x.contiguous(), gamma.detach())
 
-
-NORM_SILU_GRAPHS = 32  # recompile limit of the compiled norm + SiLU (a decode needs ~2 graphs per dtype)
 
 
 def _causal_conv_forward(self, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
