@@ -1,13 +1,17 @@
 """Probe (GPU): where the Wan 2.1 VAE decode's time goes at 81×480×832, and what the causal 3×3×3 convolution costs
 as cuDNN's conv3d against the same sum done by 2D convolutions (frames as the batch, the time taps stacked as
-channels, or three summed taps). Random weights and inputs; bf16. The profile decodes in chunks of 20 latent frames
-with diffusers' own blocks (``decode_video`` without ``set_fused_decode``). Prints one JSON line per measurement;
-results and reading: BENCHMARKS.md "Validate's VAE decode". Usage (device): ``python3 bench/vae_conv_probe.py``."""
+channels, or three summed taps). Random weights and inputs. The profile decodes one video per ``--profile`` spec
+``dtype:chunk_frames:fused`` (default ``bf16:20:0``: chunks of 20 latent frames with diffusers' own blocks; ``fused``
+1: ``set_fused_decode``), after one warm-up decode, and lists its kernels' GPU seconds. Prints one JSON line per
+measurement; results and reading: BENCHMARKS.md "Validate's VAE decode". Usage (device): ``python3
+bench/vae_conv_probe.py [--no-convs] [--profile bf16:13:1 ...]``."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -60,32 +64,47 @@ def conv_variants(c_in, c_out, t_out, h, w):
     return out
 
 
-def profile_decode():
+def profile_decode(spec: str) -> dict:
     from diffusers import AutoencoderKLWan
     from torch.profiler import ProfilerActivity, profile
 
-    from distillery.data.vae_decode import decode_video
+    from distillery.data.vae_decode import decode_video, set_fused_decode
 
-    vae = AutoencoderKLWan().to("cuda", torch.bfloat16).eval()
-    z = torch.randn(1, 16, 21, 60, 104, device="cuda", dtype=torch.bfloat16)
+    name, chunk, fused = spec.split(":")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+    vae = AutoencoderKLWan().to("cuda", dtype).eval()
+    set_fused_decode(vae, fused == "1")
+    z = torch.randn(1, 16, 21, 60, 104, device="cuda", dtype=dtype)
     with torch.no_grad():
-        decode_video(vae, z, 20)
+        decode_video(vae, z, int(chunk))
         torch.cuda.synchronize()
+        start = time.perf_counter()
+        decode_video(vae, z, int(chunk))
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            decode_video(vae, z, 20)
+            decode_video(vae, z, int(chunk))
             torch.cuda.synchronize()
     per = {}
     for e in prof.events():
         if str(getattr(e, "device_type", "")).endswith("CUDA") and e.device_time_total > 0:
             per[e.name] = per.get(e.name, 0.0) + e.device_time_total / 1e6
     top = sorted(per.items(), key=lambda kv: -kv[1])[:25]
-    return {"kernels_s": round(sum(per.values()), 4), "top": [(n[:120], round(s, 4)) for n, s in top]}
+    return {"profile": spec, "wall_s": round(wall, 4), "kernels_s": round(sum(per.values()), 4),
+            "top": [(n[:120], round(s, 4)) for n, s in top]}
 
 
 if __name__ == "__main__":
-    torch.backends.cudnn.benchmark = True  # the convolutions' best cuDNN plans
-    for shape in ((96, 96, 80, 480, 832), (192, 192, 80, 240, 416), (384, 384, 40, 120, 208)):
-        print(json.dumps(conv_variants(*shape)), flush=True)
-        torch.cuda.empty_cache()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--no-convs", action="store_true", help="only the decode profiles")
+    parser.add_argument("--profile", action="append", default=None, help="dtype:chunk_frames:fused (repeatable)")
+    args = parser.parse_args()
+    if not args.no_convs:
+        torch.backends.cudnn.benchmark = True  # the convolutions' best cuDNN plans
+        for shape in ((96, 96, 80, 480, 832), (192, 192, 80, 240, 416), (384, 384, 40, 120, 208)):
+            print(json.dumps(conv_variants(*shape)), flush=True)
+            torch.cuda.empty_cache()
     torch.backends.cudnn.benchmark = False  # the decode as validate runs it
-    print(json.dumps(profile_decode()), flush=True)
+    for spec in args.profile or ["bf16:20:0"]:
+        print(json.dumps(profile_decode(spec)), flush=True)
+        torch.cuda.empty_cache()

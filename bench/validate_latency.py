@@ -8,13 +8,16 @@ median of ``--repeats`` after a warm-up:
 - ``sample_eager_s``: the 8 forwards + sampler, eager (FlashAttention-4 where it imports: ``attention_backend: auto``);
 - ``sample_compiled_s``: the same after each transformer block is compiled (``validate.compile``); the first
   compiled video's extra seconds are ``compile_s``; ``compiled_vs_eager_max_abs`` the latents' largest difference;
-- ``decode[<dtype>:<chunk_frames>:<fused>]``: the VAE decode of those latents to ``uint8`` frames on the
+- ``decode[<dtype>:<chunk_frames>:<fused>[:cudnn_benchmark]]``: the VAE decode of those latents to ``uint8`` frames on the
   host (``BaseEncoders.decode_latents``) with the VAE in float32 / bfloat16 (``validate.vae_precision``),
   ``chunk_frames`` latent frames per decoder call after the first (``validate.vae_chunk_frames``; 1 is diffusers'
   frame-by-frame loop; ``auto``: sized to the GPU) and its residual blocks fused or not
-  (``distillery.data.vae_decode``); per variant the peak memory it adds and its
+  (``distillery.data.vae_decode``), optionally with ``torch.backends.cudnn.benchmark`` on (validate leaves it
+  off: its picks vary between runs); per variant the peak memory it adds and its
   frames' mean / max absolute grey-level difference and PSNR against the first variant's (random VAE weights
-  here: the size of the difference on a trained VAE is not measured by this).
+  here: the size of the difference on a trained VAE is not measured by this);
+- ``sample_compiled[<mode>]_s`` per ``--extra-compile-modes`` mode: the blocks recompiled in that ``torch.compile``
+  mode (e.g. ``max-autotune-no-cudagraphs``), timed after the decodes, with its compile seconds.
 
 ``latency_<sampling>_<variant>_s`` sums one sampling and one decode: what validate's ``latency_s`` reports per video.
 Writes ``$OUT/validate_latency.json``. Usage (device machine, after ``source bench/gpu_env.sh``):
@@ -71,7 +74,8 @@ def decode_variants(ctx, latents: torch.Tensor, result: dict, args, save) -> Non
     result["decode"] = {}
     reference = None
     for spec in args.decode_variants.split(","):
-        name, chunk, fused = spec.split(":")
+        name, chunk, fused, *flags = spec.split(":")
+        torch.backends.cudnn.benchmark = "cudnn_benchmark" in flags  # cuDNN times its algorithms per shape
         vae.to({"fp32": torch.float32, "bf16": torch.bfloat16}[name])
         ctx.encoders.configure_decode(None if chunk == "auto" else int(chunk), fused == "1")
         row: dict = {"chunk_frames": ctx.encoders.chunk_frames_for(tuple(latents.shape)), "fused": ctx.encoders.fused_decode}
@@ -92,6 +96,7 @@ def decode_variants(ctx, latents: torch.Tensor, result: dict, args, save) -> Non
         except torch.OutOfMemoryError as exc:
             row["error"] = "out of memory: " + str(exc).splitlines()[0]
         result["decode"][spec] = row
+        torch.backends.cudnn.benchmark = False
         print(spec, json.dumps(row), flush=True)
         save()
         if torch.cuda.is_available():
@@ -110,6 +115,8 @@ def main() -> int:
                         help="no transformer: decode random latents (the VAE's time does not depend on their values)")
     parser.add_argument("--decode-variants", default=DECODE_VARIANTS,
                         help="dtype:chunk_frames:fused,... (chunk 1, unfused: diffusers' frame-by-frame decode)")
+    parser.add_argument("--extra-compile-modes", default="",
+                        help="comma-separated torch.compile modes timed after the decodes (blocks recompiled)")
     args = parser.parse_args()
     base = Path(args.base)
     if not (base / "model_index.json").exists():
@@ -151,7 +158,20 @@ def main() -> int:
     save()
 
     decode_variants(ctx, eager, result, args, save)
-    for sampling in ("eager", "compiled"):
+    for mode in [m for m in args.extra_compile_modes.split(",") if m]:
+        # another Inductor mode for the blocks (e.g. max-autotune-no-cudagraphs: Triton GEMMs with fused epilogues)
+        torch._dynamo.reset()
+        for block in loaded.model.shardable_blocks():
+            block.compile(mode=mode)
+        first, _, _ = timed(sample, 1)
+        key = f"sample_compiled[{mode}]"
+        result[key + "_s"], result[key + "_times"], other = timed(sample, args.repeats)
+        result[key + "_compile_s"] = round(first - result[key + "_s"], 2)
+        result[key + "_vs_eager_max_abs"] = float((other - eager).abs().max())
+        print(key, result[key + "_s"], flush=True)
+        save()
+    samplings = ["eager", "compiled"] + [f"compiled[{m}]" for m in args.extra_compile_modes.split(",") if m]
+    for sampling in samplings:
         for spec, row in result["decode"].items():
             if "decode_s" in row:
                 result[f"latency_{sampling}_{spec}_s"] = round(result[f"sample_{sampling}_s"] + row["decode_s"], 3)

@@ -2,20 +2,21 @@
 
 Every check is against the installed diffusers' own ``AutoencoderKLWan.decode`` of a small Wan 2.1 VAE (random
 weights, base_dim 8): chunking computes the same function (fp32 within a few 1e-6; chunk 1 bit for bit), the
-fused residual blocks too (and switch back to diffusers' forwards exactly), the compiled norm + SiLU stays within
-its recompile budget over a whole decode in two dtypes, the GPU-sized chunk follows the GPU's memory, and
+fused residual blocks too (and switch back to diffusers' forwards exactly; in bf16 no further from the fp32 decode
+than diffusers' bf16 decode), the GPU's Triton kernels equal the reference (in Triton's interpreter, where Triton
+is installed), the GPU-sized chunk follows the GPU's memory, and
 validate on CPU decodes exactly as before (no chunking, no fusing, nothing new in the sample cache's material).
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
 
-from distillery.data import vae_decode
 from distillery.data.vae_decode import (
-    NORM_SILU_GRAPHS,
     auto_chunk_frames,
     chunk_spans,
     decode_video,
@@ -71,6 +72,7 @@ def test_fused_blocks_are_diffusers_decode_and_switch_back_exactly(vae, latents)
     try:
         replaced = [m for m in vae.decoder.modules() if "forward" in m.__dict__]
         assert replaced, "no decoder module got the fused forward"
+        assert vae.decoder in replaced  # the head's norm + SiLU + padding too
         for chunk in (1, 4):
             assert float((decode_video(vae, latents, chunk) - reference).abs().max()) < 2e-5
     finally:
@@ -107,32 +109,65 @@ def test_norm_silu_is_wans_rms_norm_then_silu():
     assert float((got - expected).abs().max()) < 1e-5
 
 
-def test_compiled_norm_silu_covers_a_decode_in_two_dtypes_within_its_graph_budget(vae, latents, monkeypatch):
-    """The compiled path (CPU Inductor here, as on CUDA): equal to the reference, and a whole decode in fp32 and
-    in bf16 with uneven chunks compiles a handful of graphs, far from the limit past which dynamo runs eager."""
-    from torch._dynamo.utils import counters
+def test_norm_silu_folds_the_bias_and_follows_the_prefix():
+    x, gamma, bias = torch.randn(1, 32, 3, 6, 5), torch.randn(32, 1, 1, 1), torch.randn(32)
+    shifted = norm_silu_reference(x + bias.reshape(1, -1, 1, 1, 1), gamma)
+    assert float((norm_silu_reference(x, gamma, bias=bias) - shifted).abs().max()) < 1e-6
+    prefix = torch.randn(1, 32, 2, 6, 5)  # a causal convolution's cached frames: the result follows them in time
+    padded = norm_silu(x, gamma, prefix, bias)
+    assert padded.shape == (1, 32, 5, 6, 5) and torch.equal(padded[:, :, :2], prefix)
+    assert float((padded[:, :, 2:] - shifted).abs().max()) < 1e-6
 
-    torch._dynamo.reset()
-    counters.clear()
-    monkeypatch.setattr(vae_decode, "norm_silu", lambda x, gamma: norm_silu(x, gamma, compiled=True))
-    x, gamma = torch.randn(1, 32, 3, 6, 5), torch.randn(32, 1, 1, 1)
-    assert float((norm_silu(x, gamma, compiled=True) - norm_silu_reference(x, gamma)).abs().max()) < 1e-5
-    reference = _diffusers(vae, latents)
+
+def test_fused_decode_in_bfloat16_is_diffusers_decode_within_its_rounding(vae, latents):
     from diffusers import AutoencoderKLWan
 
+    reference = _diffusers(vae, latents)
     half = AutoencoderKLWan.from_config(vae.config).eval()
     half.load_state_dict(vae.state_dict())
     half.to(torch.bfloat16)
-    set_fused_decode(vae, True)
+    with torch.no_grad():
+        diffusers_bf16 = half.decode(latents.bfloat16(), return_dict=False)[0].float()
     set_fused_decode(half, True)
-    try:
-        assert float((decode_video(vae, latents, 4) - reference).abs().max()) < 2e-5
-        out = decode_video(half, latents.bfloat16(), 3).float()
-        assert float((out - reference).abs().max()) < 0.1  # bf16's rounding
-    finally:
-        set_fused_decode(vae, False)
-    graphs = counters["stats"]["unique_graphs"]
-    assert 1 <= graphs <= NORM_SILU_GRAPHS // 2, f"{graphs} graphs for one decode per dtype"
+    out = decode_video(half, latents.bfloat16(), 3).float()
+    ours, theirs = float((out - reference).abs().max()), float((diffusers_bf16 - reference).abs().max())
+    assert ours < 0.1 and ours <= 1.5 * theirs  # fewer roundings than diffusers' bf16 decode, not more error
+
+
+INTERPRETED_KERNELS = """
+import torch
+from distillery.data import vae_kernels
+from distillery.data.vae_decode import norm_silu_reference
+
+for channels in (24, 384):
+    x = torch.randn(2, channels, 3, 5, 7)
+    gamma, bias = torch.randn(channels), torch.randn(channels)
+    out = torch.full((2, channels, 5, 5, 7), 7.0)
+    assert vae_kernels.available(x)
+    vae_kernels.norm_silu_into(x, gamma, out, 2, bias)
+    assert torch.equal(out[:, :, :2], torch.full_like(out[:, :, :2], 7.0))  # the prefix frames untouched
+    assert float((out[:, :, 2:] - norm_silu_reference(x, gamma, bias=bias)).abs().max()) < 1e-5
+x, h, bias = torch.randn(2, 6, 3, 5, 7), torch.randn(2, 6, 3, 5, 7), torch.randn(6)
+expected = x + h + bias.reshape(1, -1, 1, 1, 1)
+assert float((vae_kernels.bias_residual_(x, h, bias) - expected).abs().max()) < 1e-5
+assert float((x - expected).abs().max()) < 1e-5  # in place
+print("kernels ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (GPU machines have it)")
+def test_triton_kernels_equal_the_reference_in_the_interpreter():
+    """The GPU kernels run on CPU tensors in Triton's interpreter (a fresh process: Triton reads
+    ``TRITON_INTERPRET`` when it is imported): the norm (with bias, into a padded buffer, 24 and 384 channels, a
+    spatial size no tile divides) and the bias + shortcut add."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED_KERNELS], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "kernels ok" in done.stdout, done.stderr[-3000:]
 
 
 def test_auto_chunk_follows_the_gpus_memory_and_is_one_on_cpu():
@@ -143,9 +178,9 @@ def test_auto_chunk_follows_the_gpus_memory_and_is_one_on_cpu():
     cuda, shape = torch.device("cuda"), (16, 21, 60, 104)  # 81×480×832
     h200, h100 = 143771 * 2**20, 81559 * 2**20
     real.to(dtype=torch.bfloat16)
-    assert (auto_chunk_frames(real, shape, cuda, h200), auto_chunk_frames(real, shape, cuda, h100)) == (13, 7)
+    assert (auto_chunk_frames(real, shape, cuda, h200), auto_chunk_frames(real, shape, cuda, h100)) == (10, 7)  # ≤ 13 and 7 fit: 2 and 3 even calls
     real.to(dtype=torch.float32)
-    assert (auto_chunk_frames(real, shape, cuda, h200), auto_chunk_frames(real, shape, cuda, h100)) == (6, 3)
+    assert (auto_chunk_frames(real, shape, cuda, h200), auto_chunk_frames(real, shape, cuda, h100)) == (5, 3)  # ≤ 6 and 3 fit: 4 and 7 calls
     assert auto_chunk_frames(real, (16, 5, 4, 4), cuda, h200) == 4  # never more than the frames after the first
     assert auto_chunk_frames(real, (16, 2, 60, 104), cuda, h200) == 1
     assert auto_chunk_frames(real, shape, torch.device("cpu")) == 1

@@ -17,15 +17,15 @@ dtype (``denormalize_latents`` first) and returns ``vae.decode(z).sample``: ``[B
 clamped to ``[-1, 1]``, in the VAE's dtype. VAEs this reasoning is not checked for (Wan 2.2's residual
 up blocks and patchified output, a tiling VAE) go through ``vae.decode`` unchanged.
 
-:func:`set_fused_decode` swaps two of the decoder's module types' forwards for leaner ones that compute the same
-function: each residual block's RMS norm + SiLU is one pass in fp32 (one rounding to the VAE's dtype at the end,
-where diffusers rounds after the norm and again after the scale), compiled into one kernel on CUDA; each causal
-convolution pads in time only (the cache frames or zeros) and lets the convolution pad in space (diffusers copies
-the whole input through ``F.pad`` first); the nearest-exact upsamplers stay in the VAE's dtype (diffusers goes
-through fp32 and back: the same values). At 81×480×832 on an H200, 20 frames a call: fp32 2.49 → 2.12 s with the
-fused blocks; bf16 1.62 → 1.54 s, measured before a recompile-limit fix (part of it ran eager) and not since
-(BENCHMARKS.md "Validate's VAE decode"; the elementwise passes and copies are ~0.9 s of the bf16 decode's 1.56 s of
-kernels, ``bench/vae_conv_probe.py``).
+:func:`set_fused_decode` swaps the forwards of the decoder, its residual blocks, causal convolutions and
+nearest upsamplers for leaner ones that compute the same function with fewer roundings and memory passes: before
+each of a residual block's convolutions (and the head's), the RMS norm + SiLU in fp32, rounded once, with the
+previous convolution's bias folded in, written straight into the convolution's time-padded input after the cached
+frames (diffusers rounds after the norm and after the scale, adds the bias in its own pass and copies the whole
+input through ``F.pad``); the block's second bias and its shortcut added in one pass; the convolution pads in space
+itself; the nearest-exact upsamplers stay in the VAE's dtype (diffusers goes through fp32 and back: the same
+values). On a GPU with Triton the two passes are the kernels of :mod:`distillery.data.vae_kernels`; elsewhere
+:func:`norm_silu_reference` and an fp32 add. Times at 81×480×832 on an H200: BENCHMARKS.md "Validate's VAE decode".
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from distillery.data import vae_kernels
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
@@ -57,10 +59,11 @@ DECODE_MEMORY_SHARE = 4  # auto_chunk_frames sizes a call to 1/4 of the GPU's me
 def auto_chunk_frames(vae: AutoencoderKLWan, latent_shape: tuple[int, ...], device: torch.device,
                       total_memory: int | None = None) -> int:
     """Latent frames per decoder call for latents ``[C, T', H', W']`` (or their last three sizes) on ``device``:
-    1 (diffusers' loop) off CUDA; on CUDA as many as keep one call's activations under a quarter of the GPU's
-    total memory (``total_memory`` bytes, default the device's; not its free memory: the same GPU model and
-    shape always decode alike), at most ``T' − 1``. 81×480×832: 13 frames in bf16 and 6 in fp32 on a 141 GB
-    H200, 7 and 3 on an 80 GB H100."""
+    1 (diffusers' loop) off CUDA; on CUDA the fewest calls whose activations each stay under a quarter of the
+    GPU's total memory (``total_memory`` bytes, default the device's; not its free memory: the same GPU model and
+    shape always decode alike), the ``T' − 1`` frames after the first shared evenly among them (two calls of 10
+    beat 13 + 7 on an H200). 81×480×832: 10 frames in bf16 and 5 in fp32 on a 141 GB H200 (at most 13 and 6 fit),
+    7 and 3 on an 80 GB H100."""
     frames, height, width = (int(v) for v in latent_shape[-3:])
     if device.type != "cuda" or frames <= 2:
         return 1
@@ -70,7 +73,9 @@ def auto_chunk_frames(vae: AutoencoderKLWan, latent_shape: tuple[int, ...], devi
     per_frame = ACTIVATIONS_PER_FRAME * scale_t * int(cfg.base_dim) * height * scale_s * width * scale_s * itemsize
     total = total_memory if total_memory is not None else torch.cuda.get_device_properties(device).total_memory
     budget = int(total) // DECODE_MEMORY_SHARE
-    return max(1, min(frames - 1, budget // per_frame))
+    most = max(1, min(frames - 1, budget // per_frame))
+    calls = -(-(frames - 1) // most)
+    return -(-(frames - 1) // calls)
 
 
 def chunked_decode_applies(vae: AutoencoderKLWan) -> bool:
@@ -103,33 +108,43 @@ def decode_video(vae: AutoencoderKLWan, z: torch.Tensor, chunk_frames: int) -> t
 CACHE_FRAMES = 2  # what diffusers' Wan decoder carries per causal convolution (its CACHE_T)
 
 
-def norm_silu_reference(x: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    """``silu(x / max(‖x‖₂ over channels, 1e-12) · √C · γ)`` for ``x [B, C, T, H, W]``, ``γ [C, 1, 1, 1]``: Wan's
-    ``WanRMS_norm`` (no bias) then SiLU, in fp32, rounded once to ``x``'s dtype."""
+def norm_silu_reference(x: torch.Tensor, gamma: torch.Tensor, prefix: torch.Tensor | None = None,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(x' / max(‖x'‖₂ over channels, 1e-12) · √C · γ)`` with ``x' = x + bias`` for ``x [B, C, T, H, W]``,
+    ``γ`` and ``bias`` ``C`` values: Wan's ``WanRMS_norm`` (no bias of its own) then SiLU, in fp32, rounded once
+    to ``x``'s dtype; ``bias`` is the previous convolution's, folded in. With ``prefix [B, C, p, H, W]`` (``x``'s
+    dtype) the result follows it in time: ``[B, C, p + T, H, W]``, a causal convolution's padded input."""
     xf = x.float()
+    if bias is not None:
+        xf = xf + bias.float().reshape(1, -1, 1, 1, 1)
     inv = torch.rsqrt(torch.clamp((xf * xf).sum(dim=1, keepdim=True), min=1e-24))
-    return F.silu(xf * inv * (gamma.float() * float(x.shape[1]) ** 0.5)).to(x.dtype)
+    y = F.silu(xf * inv * (gamma.float().reshape(1, -1, 1, 1, 1) * float(x.shape[1]) ** 0.5)).to(x.dtype)
+    return y if prefix is None else torch.cat([prefix, y], dim=2)
 
 
-_compiled_norm_silu = None  # built on first use (torch.compile is lazy anyway; this keeps one wrapper)
-NORM_SILU_GRAPHS = 32  # recompile limit of the compiled norm + SiLU (a decode in two dtypes compiled 7 on CPU)
+def norm_silu(x: torch.Tensor, gamma: torch.Tensor, prefix: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`norm_silu_reference`; on a GPU with Triton one kernel (:func:`vae_kernels.norm_silu_into`) that
+    writes the normalised frames straight after ``prefix`` (no separate copy for the causal padding)."""
+    if not vae_kernels.available(x):
+        return norm_silu_reference(x, gamma, prefix, bias)
+    b, c, t, h, w = x.shape
+    p = 0 if prefix is None else int(prefix.shape[2])
+    out = x.new_empty(b, c, p + t, h, w)
+    if prefix is not None:
+        out[:, :, :p].copy_(prefix)
+    return vae_kernels.norm_silu_into(x.contiguous(), gamma, out, p, bias)
 
 
-def norm_silu(x: torch.Tensor, gamma: torch.Tensor, compiled: bool | None = None) -> torch.Tensor:
-    """:func:`norm_silu_reference`; ``compiled`` (default: on CUDA) as one Inductor kernel with dynamic sizes.
-
-    The compiled function sees a contiguous ``x`` and a plain tensor ``γ`` so that a graph covers every level
-    and chunk of a decode (a strided ``x``, e.g. after an upsampler's permute, or a Parameter ``γ``, whose shape
-    dynamo keeps static, would each compile graphs of their own); what remains (the first chunk's one frame,
-    each dtype) stays far below the raised recompile limit, past which dynamo would silently run eager."""
-    global _compiled_norm_silu
-    if not (x.is_cuda if compiled is None else compiled):
-        return norm_silu_reference(x, gamma)
-    if _compiled_norm_silu is None:
-        _compiled_norm_silu = torch.compile(norm_silu_reference, dynamic=True)
-    with torch._dynamo.config.patch(recompile_limit=NORM_SILU_GRAPHS):
-        return _compiled_norm_silu(x.contiguous(), gamma.detach())
-
+def bias_residual_(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x += bias + h`` in place (``x``, ``h`` ``[B, C, T, H, W]``, ``bias`` ``C`` values or None), summed in fp32
+    and rounded once: a residual block's second convolution's bias and its shortcut."""
+    if vae_kernels.available(x) and x.is_contiguous() and h.is_contiguous():
+        return vae_kernels.bias_residual_(x, h, bias)
+    total = x.float() + h.float()
+    if bias is not None:
+        total += bias.float().reshape(1, -1, 1, 1, 1)
+    return x.copy_(total)
 
 
 def _causal_conv_forward(self, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,12 +176,54 @@ def _cached_conv(conv, x: torch.Tensor, feat_cache: list | None, feat_idx: list[
     return out
 
 
+def _norm_silu_conv(conv, x: torch.Tensor, gamma: torch.Tensor, feat_cache: list | None, feat_idx: list[int],
+                    bias: torch.Tensor | None = None, with_bias: bool = True) -> torch.Tensor:
+    """``conv(silu(norm(x + bias)))`` for a causal convolution with diffusers' cache bookkeeping: the normalised
+    frames are written once, after the cached frames of the previous chunk (zeros where there are none), and that
+    buffer is the convolution's input with its time padding in place. ``with_bias=False`` leaves the convolution's
+    own bias for the caller to fold into the next pass."""
+    t_pad, h_pad, w_pad = conv._padding[4], conv._padding[2], conv._padding[0]
+    old = feat_cache[feat_idx[0]] if feat_cache is not None else None
+    prefix = None
+    if t_pad > 0:
+        parts = [] if old is None else [old[:, :, -t_pad:].to(x.device, x.dtype)]
+        missing = t_pad - sum(int(part.shape[2]) for part in parts)
+        if missing > 0:
+            b, c, _, h, w = x.shape
+            parts.insert(0, x.new_zeros(b, c, missing, h, w))
+        prefix = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+    padded = norm_silu(x, gamma, prefix, bias)
+    if feat_cache is not None:
+        y = padded[:, :, t_pad:]
+        cache_x = y[:, :, -CACHE_FRAMES:].clone()
+        if cache_x.shape[2] < CACHE_FRAMES and old is not None:
+            cache_x = torch.cat([old[:, :, -1:].to(cache_x.device), cache_x], dim=2)
+        feat_cache[feat_idx[0]] = cache_x
+        feat_idx[0] += 1
+    return F.conv3d(padded, conv.weight, conv.bias if with_bias else None, conv.stride, (0, h_pad, w_pad),
+                    conv.dilation, conv.groups)
+
+
 def _residual_block_forward(self, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list[int] = [0]):  # noqa: B006 - diffusers' signature
-    """``WanResidualBlock.forward`` (dropout is the identity at eval) with the fused norm + SiLU."""
+    """``WanResidualBlock.forward`` (dropout is the identity at eval) in three memory passes besides the
+    convolutions: norm + SiLU + padding before each convolution (the first one's bias folded into the second
+    norm), then the second one's bias and the shortcut added in one. A strided input (an upsampler's permuted
+    output) is made contiguous once, for the norm and the shortcut alike."""
+    x = x.contiguous()
     h = self.conv_shortcut(x)
-    x = _cached_conv(self.conv1, norm_silu(x, self.norm1.gamma), feat_cache, feat_idx)
-    x = _cached_conv(self.conv2, norm_silu(x, self.norm2.gamma), feat_cache, feat_idx)
-    return x.add_(h)
+    x = _norm_silu_conv(self.conv1, x, self.norm1.gamma, feat_cache, feat_idx, with_bias=False)
+    x = _norm_silu_conv(self.conv2, x, self.norm2.gamma, feat_cache, feat_idx, bias=self.conv1.bias, with_bias=False)
+    return bias_residual_(x, h.contiguous(), self.conv2.bias)
+
+
+def _decoder_forward(self, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list[int] = [0],  # noqa: B006
+                     first_chunk: bool = False) -> torch.Tensor:
+    """``WanDecoder3d.forward`` with the head's norm + SiLU + padding fused like the residual blocks'."""
+    x = _cached_conv(self.conv_in, x, feat_cache, feat_idx)
+    x = self.mid_block(x, feat_cache=feat_cache, feat_idx=feat_idx)
+    for up_block in self.up_blocks:
+        x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
+    return _norm_silu_conv(self.conv_out, x, self.norm_out.gamma, feat_cache, feat_idx)
 
 
 def _upsample_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +239,11 @@ def fused_decode_applies(vae: AutoencoderKLWan) -> bool:
 
     if not chunked_decode_applies(vae) or vae.training:
         return False
-    for block in vae.decoder.modules():
+    decoder = vae.decoder
+    if not decoder.norm_out.channel_first or isinstance(decoder.norm_out.bias, torch.Tensor) \
+            or not isinstance(decoder.nonlinearity, torch.nn.SiLU):
+        return False
+    for block in decoder.modules():
         if isinstance(block, WanResidualBlock):
             for norm in (block.norm1, block.norm2):
                 if not norm.channel_first or isinstance(norm.bias, torch.Tensor):
@@ -195,11 +256,18 @@ def fused_decode_applies(vae: AutoencoderKLWan) -> bool:
 def set_fused_decode(vae: AutoencoderKLWan, fused: bool) -> bool:
     """Give the decoder's residual blocks and causal convolutions the lean forwards (module doc), or back
     diffusers' own; returns whether the lean ones are on (never for a VAE :func:`fused_decode_applies` refuses)."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanResidualBlock, WanUpsample
+    from diffusers.models.autoencoders.autoencoder_kl_wan import (
+        WanCausalConv3d,
+        WanDecoder3d,
+        WanResidualBlock,
+        WanUpsample,
+    )
 
     fused = fused and fused_decode_applies(vae)
     for module in vae.decoder.modules():
-        if isinstance(module, WanResidualBlock):
+        if isinstance(module, WanDecoder3d):
+            kind = _decoder_forward
+        elif isinstance(module, WanResidualBlock):
             kind = _residual_block_forward
         elif isinstance(module, WanCausalConv3d):
             kind = _causal_conv_forward
