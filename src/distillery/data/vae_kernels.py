@@ -1,9 +1,10 @@
 """Triton kernels for the fused Wan 2.1 VAE decode on a GPU (:mod:`distillery.data.vae_decode`).
 
 Two memory-bound passes of each decoder residual block, written so that every element is read and written once
-with 32-bit-free address arithmetic that never divides per element (Inductor's dynamic-shape kernels for the same
-math index in int64 with runtime divisors: 0.24 s of the 81×480×832 bf16 decode, BENCHMARKS.md "Validate's VAE
-decode"):
+and no address is divided per element (each program owns whole channel columns or one channel's row). The same
+norm compiled by Inductor with dynamic shapes took 0.27 s of the 81×480×832 bf16 decode at about a fifth of the
+H200's bandwidth — index arithmetic on runtime sizes being the likely cause, not inspected; these kernels move
+2.2–2.6 TB/s (norm) and ~4 TB/s (add) at the decoder's large levels (BENCHMARKS.md "Validate's VAE decode"):
 
 - :func:`norm_silu_into`: ``out[b, :, p:] = silu((x + bias)[b] / max(‖·‖₂ over channels, 1e-12) · √C · γ)`` — Wan's
   channel RMS norm and SiLU in fp32 with the previous convolution's bias folded in, written after the ``p``
