@@ -29,6 +29,7 @@ import torch
 
 MAX_CHANNELS = 1024  # one program holds every channel of its spatial positions (the Wan 2.1 decoder has ≤ 384)
 TILE_ELEMENTS = 8192  # channels × positions per program of the norm kernel
+MAX_GRID_ROWS = 65535  # a CUDA grid's second axis: the norm's samples, the add's (sample, channel) rows per launch
 
 
 @functools.cache
@@ -102,6 +103,8 @@ def norm_silu_into(x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor, pref
     block_c = _next_power_of_two(c)
     block_s = max(16, TILE_ELEMENTS // block_c)
     s = t * h * w
+    if b > MAX_GRID_ROWS:
+        raise ValueError(f"norm_silu_into: batch {b} > {MAX_GRID_ROWS}")
     grid = (triton.cdiv(s, block_s), b)
     gamma = gamma.detach().reshape(-1).contiguous()
     bias_arg = bias.detach().reshape(-1).contiguous() if bias is not None else gamma
@@ -119,5 +122,9 @@ def bias_residual_(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None =
     s = x[0, 0].numel()
     block = 2048
     bias_arg = bias.detach().reshape(-1).contiguous() if bias is not None else x
-    kernel[(triton.cdiv(s, block), b * c)](x, h, bias_arg, c, s, HAS_BIAS=bias is not None, BLOCK=block, num_warps=8)
+    per_launch = max(1, MAX_GRID_ROWS // c)  # samples per launch: (sample, channel) rows are the grid's second axis
+    for start in range(0, b, per_launch):
+        rows = x[start:start + per_launch]
+        kernel[(triton.cdiv(s, block), rows.shape[0] * c)](rows, h[start:start + per_launch], bias_arg, c, s,
+                                                           HAS_BIAS=bias is not None, BLOCK=block, num_warps=8)
     return x
