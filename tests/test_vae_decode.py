@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from distillery.data import vae_kernels
 from distillery.data.vae_decode import (
     auto_chunk_frames,
+    bias_residual_,
     chunk_spans,
     decode_video,
     norm_silu,
@@ -117,6 +119,32 @@ def test_norm_silu_folds_the_bias_and_follows_the_prefix():
     padded = norm_silu(x, gamma, prefix, bias)
     assert padded.shape == (1, 32, 5, 6, 5) and torch.equal(padded[:, :, :2], prefix)
     assert float((padded[:, :, 2:] - shifted).abs().max()) < 1e-6
+
+
+def test_a_failing_kernel_falls_back_to_the_eager_passes_once_and_says_so(monkeypatch, caplog):
+    """Where Triton imports but cannot compile or launch (an older GPU, a broken toolchain) the decode carries on
+    with the eager passes, which compute the same, and the log says why once."""
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("PTX .version 8.7 does not support .target sm_61")
+
+    monkeypatch.setattr(vae_kernels, "_failure", None)
+    monkeypatch.setattr(vae_kernels, "_triton_importable", lambda: True)
+    monkeypatch.setattr(vae_kernels, "_interpreting", lambda: True)  # CPU tensors count as the kernels' device
+    monkeypatch.setattr(vae_kernels, "norm_silu_into", broken)
+    monkeypatch.setattr(vae_kernels, "bias_residual_", broken)
+    x, gamma, bias, prefix = torch.randn(1, 8, 3, 4, 5), torch.randn(8), torch.randn(8), torch.randn(1, 8, 2, 4, 5)
+    with caplog.at_level("WARNING", logger="distillery.data.vae_kernels"):
+        got = norm_silu(x, gamma, prefix, bias)
+        assert torch.equal(got, norm_silu_reference(x, gamma, prefix, bias))
+        h = torch.randn_like(x)
+        expected = x + h + bias.reshape(1, -1, 1, 1, 1)
+        assert float((bias_residual_(x, h, bias) - expected).abs().max()) < 1e-6
+    assert len(calls) == 1 and not vae_kernels.available(x)  # disabled after the first failure
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "sm_61" in caplog.records[0].getMessage()
 
 
 def test_fused_decode_in_bfloat16_is_diffusers_decode_within_its_rounding(vae, latents):

@@ -126,21 +126,27 @@ def norm_silu(x: torch.Tensor, gamma: torch.Tensor, prefix: torch.Tensor | None 
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`norm_silu_reference`; on a GPU with Triton one kernel (:func:`vae_kernels.norm_silu_into`) that
     writes the normalised frames straight after ``prefix`` (no separate copy for the causal padding)."""
-    if not vae_kernels.available(x):
-        return norm_silu_reference(x, gamma, prefix, bias)
-    b, c, t, h, w = x.shape
-    p = 0 if prefix is None else int(prefix.shape[2])
-    out = x.new_empty(b, c, p + t, h, w)
-    if prefix is not None:
-        out[:, :, :p].copy_(prefix)
-    return vae_kernels.norm_silu_into(x.contiguous(), gamma, out, p, bias)
+    if vae_kernels.available(x):
+        b, c, t, h, w = x.shape
+        p = 0 if prefix is None else int(prefix.shape[2])
+        out = x.new_empty(b, c, p + t, h, w)
+        if prefix is not None:
+            out[:, :, :p].copy_(prefix)
+        try:
+            return vae_kernels.norm_silu_into(x.contiguous(), gamma, out, p, bias)
+        except Exception as error:  # noqa: BLE001 - Triton's compile/launch errors have no common type
+            vae_kernels.disable(error)
+    return norm_silu_reference(x, gamma, prefix, bias)
 
 
 def bias_residual_(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x += bias + h`` in place (``x``, ``h`` ``[B, C, T, H, W]``, ``bias`` ``C`` values or None), summed in fp32
     and rounded once: a residual block's second convolution's bias and its shortcut."""
     if vae_kernels.available(x) and x.is_contiguous() and h.is_contiguous():
-        return vae_kernels.bias_residual_(x, h, bias)
+        try:
+            return vae_kernels.bias_residual_(x, h, bias)
+        except Exception as error:  # noqa: BLE001 - as in norm_silu (a failed launch writes nothing)
+            vae_kernels.disable(error)
     total = x.float() + h.float()
     if bias is not None:
         total += bias.float().reshape(1, -1, 1, 1, 1)

@@ -14,8 +14,8 @@ H200's bandwidth — index arithmetic on runtime sizes being the likely cause, n
 
 Contract: ``x``/``h`` contiguous ``[B, C, T, H, W]``, ``out`` contiguous ``[B, C, p + T, H, W]``, ``γ`` and
 ``bias`` ``C`` values (any shape that flattens to ``C``), all on one CUDA device; ``C ≤`` :data:`MAX_CHANNELS`.
-:func:`available` says whether they can run (Triton imports and the tensor is on CUDA); otherwise callers use
-the eager reference (``vae_decode.norm_silu_reference``). Checked against it on the GPU by
+:func:`available` says whether they can run (Triton imports, the tensor is on CUDA, no kernel failed in this
+process: :func:`disable`); otherwise callers use the eager reference (``vae_decode.norm_silu_reference``). Checked against it on the GPU by
 ``bench/vae_kernels_check.py``; on a CPU with Triton installed, ``TRITON_INTERPRET=1`` runs them too.
 """
 
@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 MAX_CHANNELS = 1024  # one program holds every channel of its spatial positions (the Wan 2.1 decoder has ≤ 384)
 TILE_ELEMENTS = 8192  # channels × positions per program of the norm kernel
@@ -41,9 +44,22 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+_failure: str | None = None  # why the kernels failed in this process (then the eager reference runs instead)
+
+
 def available(x: torch.Tensor) -> bool:
-    """Whether the kernels run for ``x``: Triton imports and ``x`` is on CUDA (or Triton's interpreter is on)."""
-    return _triton_importable() and (x.is_cuda or _interpreting()) and x.shape[1] <= MAX_CHANNELS
+    """Whether the kernels run for ``x``: Triton imports, ``x`` is on CUDA (or Triton's interpreter is on) and no
+    kernel has failed in this process (:func:`disable`)."""
+    return _failure is None and _triton_importable() and (x.is_cuda or _interpreting()) and x.shape[1] <= MAX_CHANNELS
+
+
+def disable(error: BaseException) -> None:
+    """Stop using the kernels in this process after ``error`` (Triton could not compile or launch them here: an
+    older GPU, a broken toolchain); says so once. The decode stays right: the eager reference computes the same."""
+    global _failure
+    if _failure is None:
+        _failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        logger.warning("the VAE decode's Triton kernels failed (%s); decoding with the eager passes instead", _failure)
 
 
 @functools.cache

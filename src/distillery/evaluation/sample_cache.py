@@ -154,9 +154,9 @@ def machine_facts(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
                              "diffusers": diffusers.__version__, "numpy": np.__version__,
                              "flash_attn": _version("flash-attn") or _version("flash_attn"),
                              "threads": torch.get_num_threads(), "machine": platform.machine()}
-    if device.type == "cuda":
+    if device.type == "cuda":  # GPU-only code paths: FlashAttention-4 (attention_backend auto) and the decode's Triton kernels
         facts.update(gpu=torch.cuda.get_device_name(device), capability=list(torch.cuda.get_device_capability(device)),
-                     cuda=torch.version.cuda)
+                     cuda=torch.version.cuda, flash_attn_4=_version("flash-attn-4"), triton=_version("triton"))
     return facts
 
 
