@@ -153,31 +153,44 @@ def bias_residual_(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) 
     return x.copy_(total)
 
 
+def _time_prefix(x: torch.Tensor, cached: torch.Tensor | None, frames: int) -> torch.Tensor | None:
+    """The ``frames`` frames a causal convolution pads ``x [B, C, T, H, W]`` with in time: the cached frames of the
+    previous chunk (their last ``frames``), zeros before them where there are fewer; None for no padding."""
+    if frames <= 0:
+        return None
+    parts = [] if cached is None else [cached[:, :, -frames:].to(x.device, x.dtype)]
+    missing = frames - sum(int(part.shape[2]) for part in parts)
+    if missing > 0:
+        b, c, _, h, w = x.shape
+        parts.insert(0, x.new_zeros(b, c, missing, h, w))
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+
+def _next_cache(x: torch.Tensor, cached: torch.Tensor | None) -> torch.Tensor:
+    """diffusers' feature-cache rule for a causal convolution's input ``x``: its last :data:`CACHE_FRAMES` frames,
+    with the previous cache's last frame in front when ``x`` has fewer."""
+    cache_x = x[:, :, -CACHE_FRAMES:].clone()
+    if cache_x.shape[2] < CACHE_FRAMES and cached is not None:
+        cache_x = torch.cat([cached[:, :, -1:].to(cache_x.device), cache_x], dim=2)
+    return cache_x
+
+
 def _causal_conv_forward(self, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
     """``WanCausalConv3d.forward``: left time padding from the cache (then zeros), spatial padding in the conv."""
-    w_pad, h_pad, t_pad = self._padding[0], self._padding[2], self._padding[4]
-    if t_pad > 0:
-        parts = [x]
-        if cache_x is not None:
-            parts.insert(0, cache_x.to(x.device, x.dtype))
-        missing = t_pad - (cache_x.shape[2] if cache_x is not None else 0)
-        if missing > 0:
-            b, c, _, h, w = x.shape
-            parts.insert(0, x.new_zeros(b, c, missing, h, w))
-        x = torch.cat(parts, dim=2)
-    return F.conv3d(x, self.weight, self.bias, self.stride, (0, h_pad, w_pad), self.dilation, self.groups)
+    prefix = _time_prefix(x, cache_x, self._padding[4])
+    if prefix is not None:
+        x = torch.cat([prefix, x], dim=2)
+    return F.conv3d(x, self.weight, self.bias, self.stride, (0, self._padding[2], self._padding[0]), self.dilation,
+                    self.groups)
 
 
 def _cached_conv(conv, x: torch.Tensor, feat_cache: list | None, feat_idx: list[int]) -> torch.Tensor:
-    """One causal convolution of a residual block with diffusers' cache bookkeeping (the last two input frames)."""
+    """One causal convolution with diffusers' cache bookkeeping (the decoder's first convolution)."""
     if feat_cache is None:
         return conv(x)
-    idx = feat_idx[0]
-    cache_x = x[:, :, -CACHE_FRAMES:].clone()
-    if cache_x.shape[2] < CACHE_FRAMES and feat_cache[idx] is not None:
-        cache_x = torch.cat([feat_cache[idx][:, :, -1:].to(cache_x.device), cache_x], dim=2)
-    out = conv(x, feat_cache[idx])
-    feat_cache[idx] = cache_x
+    old = feat_cache[feat_idx[0]]
+    out = conv(x, old)
+    feat_cache[feat_idx[0]] = _next_cache(x, old)
     feat_idx[0] += 1
     return out
 
@@ -188,26 +201,14 @@ def _norm_silu_conv(conv, x: torch.Tensor, gamma: torch.Tensor, feat_cache: list
     frames are written once, after the cached frames of the previous chunk (zeros where there are none), and that
     buffer is the convolution's input with its time padding in place. ``with_bias=False`` leaves the convolution's
     own bias for the caller to fold into the next pass."""
-    t_pad, h_pad, w_pad = conv._padding[4], conv._padding[2], conv._padding[0]
+    t_pad = conv._padding[4]
     old = feat_cache[feat_idx[0]] if feat_cache is not None else None
-    prefix = None
-    if t_pad > 0:
-        parts = [] if old is None else [old[:, :, -t_pad:].to(x.device, x.dtype)]
-        missing = t_pad - sum(int(part.shape[2]) for part in parts)
-        if missing > 0:
-            b, c, _, h, w = x.shape
-            parts.insert(0, x.new_zeros(b, c, missing, h, w))
-        prefix = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
-    padded = norm_silu(x, gamma, prefix, bias)
+    padded = norm_silu(x, gamma, _time_prefix(x, old, t_pad), bias)
     if feat_cache is not None:
-        y = padded[:, :, t_pad:]
-        cache_x = y[:, :, -CACHE_FRAMES:].clone()
-        if cache_x.shape[2] < CACHE_FRAMES and old is not None:
-            cache_x = torch.cat([old[:, :, -1:].to(cache_x.device), cache_x], dim=2)
-        feat_cache[feat_idx[0]] = cache_x
+        feat_cache[feat_idx[0]] = _next_cache(padded[:, :, t_pad:], old)
         feat_idx[0] += 1
-    return F.conv3d(padded, conv.weight, conv.bias if with_bias else None, conv.stride, (0, h_pad, w_pad),
-                    conv.dilation, conv.groups)
+    return F.conv3d(padded, conv.weight, conv.bias if with_bias else None, conv.stride,
+                    (0, conv._padding[2], conv._padding[0]), conv.dilation, conv.groups)
 
 
 def _residual_block_forward(self, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list[int] = [0]):  # noqa: B006 - diffusers' signature
@@ -219,7 +220,7 @@ def _residual_block_forward(self, x: torch.Tensor, feat_cache: list | None = Non
     h = self.conv_shortcut(x)
     x = _norm_silu_conv(self.conv1, x, self.norm1.gamma, feat_cache, feat_idx, with_bias=False)
     x = _norm_silu_conv(self.conv2, x, self.norm2.gamma, feat_cache, feat_idx, bias=self.conv1.bias, with_bias=False)
-    return bias_residual_(x, h.contiguous(), self.conv2.bias)
+    return bias_residual_(x, h, self.conv2.bias)  # h: x itself or a 1×1×1 convolution of it, contiguous
 
 
 def _decoder_forward(self, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list[int] = [0],  # noqa: B006

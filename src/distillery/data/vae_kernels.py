@@ -15,8 +15,9 @@ H200's bandwidth — index arithmetic on runtime sizes being the likely cause, n
 Contract: ``x``/``h`` contiguous ``[B, C, T, H, W]``, ``out`` contiguous ``[B, C, p + T, H, W]``, ``γ`` and
 ``bias`` ``C`` values (any shape that flattens to ``C``), all on one CUDA device; ``C ≤`` :data:`MAX_CHANNELS`.
 :func:`available` says whether they can run (Triton imports, the tensor is on CUDA, no kernel failed in this
-process: :func:`disable`); otherwise callers use the eager reference (``vae_decode.norm_silu_reference``). Checked against it on the GPU by
-``bench/vae_kernels_check.py``; on a CPU with Triton installed, ``TRITON_INTERPRET=1`` runs them too.
+process: :func:`disable`); otherwise callers use the eager reference (``vae_decode.norm_silu_reference``).
+Checked against it on the GPU by ``bench/vae_kernels_check.py``; on a CPU with Triton installed,
+``TRITON_INTERPRET=1`` runs them too.
 """
 
 from __future__ import annotations
