@@ -68,3 +68,27 @@ def test_ema_tracks_the_weights_with_the_given_decay():
     other.on_train_start(ctx)
     other.load_state_dict(state)
     torch.testing.assert_close(other.shadow["student"]["transformer"]["weight"], ema.shadow["student"]["transformer"]["weight"])
+
+
+def test_ema_shadow_after_n_trainer_steps_is_the_hand_written_average(tmp_path, tiny_base, latent_set):
+    """Through the real trainer (SFT on the tiny Wan, 6 steps, a checkpoint after every step): the EMA shadow
+    in the last checkpoint is the average written out by hand over each step's saved weights w_k —
+    s = w_k while k < start_step, then s ← d·s + (1 − d)·w_k — and not the last weights themselves."""
+    from helpers import role_state, run_config, train_in_process
+
+    decay, start, steps = 0.6, 3, 6
+    ema = {"_target_": "distillery.callbacks.ema.EMACallback", "decay": decay, "start_step": start}
+    cfg = run_config(tiny_base, latent_set, tmp_path / "run", steps=steps, save_every=1, lr=1e-2, callbacks={"ema": ema})
+    train_in_process(cfg)
+    weights = [role_state(tmp_path / "run" / f"checkpoint-{k}") for k in range(1, steps + 1)]  # w_1 … w_N
+    reference: dict[str, torch.Tensor] = {}
+    for k, w in enumerate(weights, start=1):
+        for name, t in w.items():
+            t = t.double()
+            reference[name] = t if k < start else decay * reference[name] + (1.0 - decay) * t
+    shadow = role_state(tmp_path / "run" / f"checkpoint-{steps}", ema="ema")
+    assert shadow.keys() == reference.keys()
+    for name in reference:
+        torch.testing.assert_close(shadow[name].double(), reference[name], rtol=1e-6, atol=1e-6)
+    moved = [n for n in reference if not torch.allclose(reference[n], weights[-1][n].double(), atol=1e-6)]
+    assert moved, "the average must differ from the last weights (else the test cannot tell them apart)"

@@ -72,8 +72,14 @@ def test_template_filled_by_its_row(tmp_path, monkeypatch, stage, variant):
         assert raw["models"][role]["init_from"] == f"artifacts/{init}/model"
     assert raw["training"]["optimizer"]["learning_rate"] == 1.0e-5 and isinstance(raw["training"]["optimizer"]["learning_rate"], float)
     assert raw["training"]["loop"]["max_train_steps"] == 7 and "progress_bar" not in raw["training"]["loop"]
+    # the teacher's CFG unconditional is the latents' negative prompt where a stage has one (distill, pdd); SFT's dropout: empty
     assert raw["training"]["data"] == {"path": "artifacts/latents/data", "batch_size": params.get(f"{stage}.batch_size"),
-                                       "text_max_length": 24}
+                                       "text_max_length": 24,
+                                       **({"unconditional": "negative"} if stage in ("distill", "pdd") else {})}
+    optimizer = raw["training"]["optimizer"]
+    for key in ("lr_scheduler", "warmup_steps", "weight_decay"):
+        assert optimizer[key] == params.get(f"{stage}.{key}") and type(optimizer[key]) is type(params.get(f"{stage}.{key}"))
+    assert "ema" not in raw["callbacks"]  # EMA off by default: the template's callbacks as they are
     assert raw["training"]["checkpoint"]["output_dir"] == f"runs/{stage}"
     assert raw["training"]["model"]["activation_checkpointing"] is True  # real-shape runs on one GPU need it (BENCHMARKS.md)
     assert raw["training"]["tracker"] == {"backend": "mlflow", "experiment": "distillery", "parent_run_id": "parent123",
@@ -82,6 +88,9 @@ def test_template_filled_by_its_row(tmp_path, monkeypatch, stage, variant):
         assert raw["method"]["chunk_size"] == raw["models"]["student"]["chunk_size"] == 2
     if variant == "self_forcing":  # the causal student attends over the chunks it was pretrained on
         assert raw["models"]["student"]["chunk_size"] == 2 and raw["method"]["context_noise"] == params.get("distill.context_noise")
+        assert raw["method"]["same_step_across_chunks"] is False
+    if stage == "distill":  # null: the init's scheduler's shift
+        assert "shift" in raw["models"]["student"] and raw["models"]["student"]["shift"] is None
     if stage == "distill":
         assert raw["models"]["critic"]["optimizer"]["learning_rate"] == params.get("distill.critic_learning_rate")
         assert raw["method"]["num_student_steps"] == params.get("distill.student_steps")
@@ -306,3 +315,38 @@ def test_pdd_method_picks_the_dm_pdd_recipe_beside_the_students_init(tmp_path, m
     (tmp_path / "plain").mkdir()
     plain = row.resolve(StageParams(_workspace(tmp_path / "plain", monkeypatch), "pdd", stage_params("pdd")))
     assert plain.template == "templates/pdd.yaml" and "critic" not in plain.inputs and "pdd.dm_weight" not in plain.params
+
+
+@pytest.mark.parametrize("stage", list(TRAINING_STAGES))
+def test_ema_and_recipe_knobs_reach_the_run_config(tmp_path, monkeypatch, stage):
+    """``<stage>.ema_decay`` set: a ``callbacks.ema`` of the exported role beside the template's callbacks, which
+    the built config accepts; the recipe knobs land as typed values; the stage ships (and records) the EMA's weights."""
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.stages.training import shipped_weights
+
+    row = TRAINING_STAGES[stage]
+    updates = {f"{stage}.ema_decay": 0.99, f"{stage}.ema_start_step": 5, f"{stage}.weight_decay": 0.01,
+               f"{stage}.lr_scheduler": "linear", f"{stage}.warmup_steps": 3}
+    if stage == "distill":
+        updates.update({"distill.same_step_across_chunks": True, "distill.student_shift": 5.0})
+    params = _workspace(tmp_path, monkeypatch, updates)
+    view = StageParams(params, stage, stage_params(stage))
+    spec = row.resolve(view)
+    raw = fill_run_config(spec, view, "p")
+    template = yaml.safe_load(Path(spec.template).read_text())
+    assert raw["callbacks"] == {**template["callbacks"], "ema": {"_target_": "distillery.callbacks.ema.EMACallback",
+                                                                 "decay": 0.99, "start_step": 5, "roles": ["student"]}}
+    assert {k: raw["training"]["optimizer"][k] for k in ("weight_decay", "lr_scheduler", "warmup_steps")} == \
+        {"weight_decay": 0.01, "lr_scheduler": "linear", "warmup_steps": 3}
+    config = load_run_config(raw=raw, prefixes=allowed_prefixes())
+    assert config.callbacks["ema"].config.decay == 0.99 and config.callbacks["ema"].config.start_step == 5
+    assert config.training.optimizer.weight_decay == 0.01
+    if stage == "distill":
+        assert raw["method"]["same_step_across_chunks"] is True and config.method.config.same_step_across_chunks is True
+        assert config.models["student"].config.shift == 5.0
+    assert shipped_weights(spec, raw) == {"role": "student", "source": "ema", "callback": "ema", "ema_decay": 0.99,
+                                          "ema_start_step": 5}
+    (tmp_path / "off").mkdir()
+    off = fill_run_config(spec, StageParams(_workspace(tmp_path / "off", monkeypatch), stage, stage_params(stage)), "p")
+    assert shipped_weights(spec, off) == {"role": "student", "source": "trained"}
+    assert set(row.ema_keys()) <= set(row.params_read())

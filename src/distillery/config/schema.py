@@ -61,6 +61,7 @@ class DataConfig:
     batch_size: int = bounded(1, 1, MAX_BATCH)  # samples per rank per micro-batch
     text_max_length: int = bounded(512, 1, MAX_TEXT_TOKENS)  # prompt embeddings are zero-padded/truncated to this many tokens
     drop_last: bool = True  # every rank gets only full batches
+    unconditional: Literal["empty", "negative"] = "empty"  # the CFG unconditional (and caption-dropout) prompt: empty, or the set's negative prompt
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

@@ -35,6 +35,7 @@ from distillery.data.latent_format import (
 
 __all__ = [
     "EMPTY_PROMPT_FILE",
+    "NEGATIVE_PROMPT_FILE",
     "EMPTY_PROMPT_KEY",
     "MANIFEST_FILE",
     "LatentDataset",
@@ -47,6 +48,8 @@ logger = logging.getLogger("distillery.data")
 
 #: File (beside the split folders) and key of the stored empty/negative prompt embedding [L, D].
 EMPTY_PROMPT_FILE = "empty_prompt.safetensors"
+#: The latents stage's negative prompt's embedding (same key), present when its negative prompt is not empty.
+NEGATIVE_PROMPT_FILE = "negative_prompt.safetensors"
 EMPTY_PROMPT_KEY = "text_embedding"
 #: The latent set's manifest (beside the split folders, written by ``distillery preprocess``):
 #: ``latent_shape`` (``[C, T, H, W]`` of every row), ``text_dim`` and per-split ``rows``.
@@ -328,13 +331,20 @@ def pad_prompt_embedding(embed: torch.Tensor, length: int, dtype: torch.dtype | 
     return out
 
 
-def read_empty_prompt_embedding(root: Path) -> torch.Tensor | None:
-    """The stored empty/negative prompt embedding ``[L, D]`` (stored dtype), or ``None`` if absent.
+def read_empty_prompt_embedding(root: Path, which: str = "empty") -> torch.Tensor | None:
+    """The stored empty (``which="empty"``) or negative (``"negative"``) prompt embedding ``[L, D]``
+    (stored dtype), or ``None`` if absent.
 
-    Reads ``root/empty_prompt.safetensors`` key ``text_embedding``. :class:`UserError` if the file
-    exists but is unreadable, lacks the key, or is not 2-D.
+    Reads ``root/empty_prompt.safetensors`` (``negative``: ``root/negative_prompt.safetensors``,
+    and the empty prompt's where a set has no negative prompt: its negative prompt was the empty one)
+    key ``text_embedding``. :class:`UserError` if the file exists but is unreadable, lacks the key, or
+    is not 2-D.
     """
-    path = Path(root) / EMPTY_PROMPT_FILE
+    if which not in ("empty", "negative"):
+        raise ValueError(f"which must be empty or negative, got {which!r}")
+    path = Path(root) / (NEGATIVE_PROMPT_FILE if which == "negative" else EMPTY_PROMPT_FILE)
+    if which == "negative" and not path.is_file():
+        path = Path(root) / EMPTY_PROMPT_FILE
     if not path.is_file():
         return None
     try:
@@ -349,8 +359,9 @@ def read_empty_prompt_embedding(root: Path) -> torch.Tensor | None:
     return t
 
 
-def write_empty_prompt_embedding(root: Path, tensor: torch.Tensor) -> Path:
-    """Store the empty/negative prompt embedding ``[L, D]`` at ``root/empty_prompt.safetensors``.
+def write_empty_prompt_embedding(root: Path, tensor: torch.Tensor, file: str = EMPTY_PROMPT_FILE) -> Path:
+    """Store the empty/negative prompt embedding ``[L, D]`` at ``root/empty_prompt.safetensors``
+    (``file``: :data:`NEGATIVE_PROMPT_FILE` for the negative prompt's).
 
     Keeps the tensor's dtype; written to a temp file in ``root`` and renamed (atomic). Returns the
     path. ``ValueError`` if ``tensor`` is not 2-D.
@@ -359,8 +370,10 @@ def write_empty_prompt_embedding(root: Path, tensor: torch.Tensor) -> Path:
         raise ValueError(f"empty prompt embedding must be [L, D], got shape {list(tensor.shape)}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    path = root / EMPTY_PROMPT_FILE
-    tmp = root / f".{EMPTY_PROMPT_FILE}.{uuid.uuid4().hex}.tmp"
+    if file not in (EMPTY_PROMPT_FILE, NEGATIVE_PROMPT_FILE):
+        raise ValueError(f"file must be {EMPTY_PROMPT_FILE} or {NEGATIVE_PROMPT_FILE}, got {file!r}")
+    path = root / file
+    tmp = root / f".{file}.{uuid.uuid4().hex}.tmp"
     try:
         save_file({EMPTY_PROMPT_KEY: tensor.detach().to("cpu").contiguous()}, str(tmp))
         os.replace(tmp, path)

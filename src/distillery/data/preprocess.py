@@ -8,7 +8,9 @@ and the prompts with its text encoder (unpadded, with length), and writes::
     OUT/train/shard-00000.json …          per-shard record: rows, items skipped, latent shape, settings,
                                           input digest (written last)
     OUT/validation/…                      the same for the validation split (if the data has one)
-    OUT/empty_prompt.safetensors          the "" prompt embedding (classifier-free guidance)
+    OUT/empty_prompt.safetensors          the "" prompt embedding (classifier-free guidance, caption dropout)
+    OUT/negative_prompt.safetensors       the negative prompt's embedding (the CFG unconditional of the
+                                          stages that ask for it), when ``negative_prompt`` is not empty
     OUT/skipped.jsonl                     every skipped item with its reason
     OUT/preprocess.json                   manifest: settings, base model, counts, latent_shape, text_dim
 
@@ -51,7 +53,7 @@ from distillery.common.fsutil import write_text_atomic
 from distillery.common.log import get_logger
 from distillery.common.progress import Progress
 from distillery.components.distributed import barrier, shutdown
-from distillery.data.dataset import MANIFEST_FILE, shard_record_path, write_empty_prompt_embedding
+from distillery.data.dataset import MANIFEST_FILE, NEGATIVE_PROMPT_FILE, shard_record_path, write_empty_prompt_embedding
 from distillery.data.encoders import BaseEncoders
 from distillery.data.videos import ClipItem, IngestConfig, SkippedItem, find_splits, load_entry, read_entries
 from distillery.data.writer import LatentRecord, shard_path, write_shard
@@ -71,6 +73,7 @@ class PreprocessConfig:
     max_bad_fraction: float = 0.5  # fail when more than this fraction of entries is unusable
     max_sequence_length: int | None = None  # prompt tokens; None: the base model card / tokenizer decides
     device: str = "cpu"  # where the VAE and text encoder run
+    negative_prompt: str = ""  # encoded to negative_prompt.safetensors when not empty (the shards do not depend on it)
 
     def ingest(self) -> IngestConfig:
         return IngestConfig(num_frames=self.num_frames, height=self.height, width=self.width, fps=self.fps,
@@ -290,6 +293,9 @@ def preprocess(base: Path, data: Path, out: Path, cfg: PreprocessConfig, rank: i
     if rank != 0:
         return {"rank": rank, "clips": clips_done}
     write_empty_prompt_embedding(out, encoders.encode_prompts([""])[0])
+    (out / NEGATIVE_PROMPT_FILE).unlink(missing_ok=True)  # a previous run's, for another negative prompt
+    if cfg.negative_prompt:
+        write_empty_prompt_embedding(out, encoders.encode_prompts([cfg.negative_prompt])[0], NEGATIVE_PROMPT_FILE)
     manifest = _summarise(plan, out, splits, totals, cfg, base, data, encoders, time.perf_counter() - started, clips_done)
     return manifest
 

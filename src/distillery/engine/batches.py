@@ -2,7 +2,8 @@
 
 :class:`TrainBatches` is what the trainer draws micro-batches from: the collated batches of a
 :class:`~distillery.data.LatentBatchLoader`, each with the latent set's empty-prompt embedding
-(the CFG negative) under ``empty_text_embeds`` when the set stores one. Its ``state_dict`` is the
+(the CFG negative) — or, with ``training.data.unconditional: negative``, its negative prompt's — under
+``empty_text_embeds`` when the set stores one. Its ``state_dict`` is the
 loader's position (epoch, batches drawn in it, seed, samples), which a checkpoint stores as the
 trainer's ``data_*`` entries.
 """
@@ -47,12 +48,14 @@ class TrainBatches:
 def build_batches(root: Path, data: DataConfig, seed: int, env: DistEnv, with_latents: bool) -> TrainBatches:
     """This rank's batches of the latent set at ``root`` (split ``data.split``, ``data.batch_size``
     rows each, text padded to ``data.text_max_length``), shuffled by ``seed``; ``with_latents``:
-    False for a method that reads prompts only (``data_kind == "prompts"``)."""
+    False for a method that reads prompts only (``data_kind == "prompts"``). The batches' unconditional
+    prompt embedding is the set's empty prompt's, or with ``data.unconditional: negative`` its negative
+    prompt's (:func:`~distillery.data.read_empty_prompt_embedding`)."""
     dataset = LatentDataset(root, data.split, with_latents=with_latents)
     sampler = ShardedBatchSampler(len(dataset), data.batch_size, env.rank, env.world_size, seed, data.drop_last)
     # on CUDA, batches are collated into page-locked memory: their copy to the GPU does not wait for queued work
     loader = LatentBatchLoader(dataset, sampler, data.text_max_length, pin_memory=env.device.type == "cuda")
-    empty = read_empty_prompt_embedding(root)
+    empty = read_empty_prompt_embedding(root, data.unconditional)
     empty_text = None
     if empty is not None:  # constant: on the device once, not copied every step
         empty_text = pad_prompt_embedding(empty, data.text_max_length).to(env.device, torch.float32)

@@ -3,7 +3,7 @@
 Contract (DESIGN §2.1)::
 
     {"artifact", "kind", "created", "stage", "method", "config", "params", "code",
-     "inputs", "outputs", "mlflow", "metrics", "manifest_sha256"}   (+ "launch": a training stage's)
+     "inputs", "outputs", "mlflow", "metrics", "manifest_sha256"}   (+ "launch", "weights": a training stage's)
 
 - ``outputs`` is :func:`hash_tree` of the artifact folder: every regular file (relative POSIX
   path, sha256, size in bytes), sorted by path, ``lineage.json`` itself excluded. Hidden files
@@ -401,6 +401,7 @@ def write_lineage(
     metrics: Mapping[str, Any] | None = None,
     artifact_name: str | None = None,
     launch: Mapping[str, Any] | None = None,
+    weights: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the DESIGN §2.1 manifest of a finished artifact folder, seal it
     (``manifest_sha256``) and write it as ``artifact_dir/lineage.json`` atomically (hidden temp
@@ -415,7 +416,8 @@ def write_lineage(
     numpy/torch scalars are converted). ``artifact_name`` is the path recorded as ``artifact``
     (default: ``artifact_dir`` as given): a stage that writes into a staging folder and renames it
     afterwards names the final place. ``launch`` (a training stage's: launcher, nodes, processes per
-    node, world size, the Slurm job id) is recorded under ``launch`` when given. Returns the manifest
+    node, world size, the Slurm job id) is recorded under ``launch`` when given, and ``weights`` (a
+    trained model's: its own weights or its EMA's, with decay and start step) under ``weights``. Returns the manifest
     exactly as written (read back).
     """
     folder = Path(artifact_dir)
@@ -438,6 +440,7 @@ def write_lineage(
         "mlflow": mlflow,
         "metrics": metrics,
         **({"launch": dict(launch)} if launch is not None else {}),
+        **({"weights": dict(weights)} if weights is not None else {}),
     })
     text = json.dumps(manifest, indent=2, ensure_ascii=False) + "\n"
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=_TMP_PREFIX)

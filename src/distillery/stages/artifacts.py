@@ -120,7 +120,8 @@ def finish(stage: str, staging: Path, *, kind: str, params: StageParams, metrics
            inputs: list[tuple[str, Path]], method: str | None = None, config: dict | None = None,
            mlflow: dict | None = None, volatile: dict[str, Any] | None = None,
            mlflow_files: list[tuple[Path, str]] | None = None, plots: dict[str, Any] | None = None,
-           verify_chain: bool = False, launch: dict[str, Any] | None = None) -> Path:
+           verify_chain: bool = False, launch: dict[str, Any] | None = None,
+           weights: dict[str, Any] | None = None) -> Path:
     """metrics.json + lineage.json into ``staging``, the MLflow child run (unless the trainer made
     one), then publish ``staging`` as ``artifacts/<stage>``. ``metrics`` must be a function of the
     artifact's content; ``volatile`` numbers (durations) go to MLflow and ``metrics/<stage>.json`` only.
@@ -132,7 +133,8 @@ def finish(stage: str, staging: Path, *, kind: str, params: StageParams, metrics
     a failed stage leaves the last good ones. ``verify_chain`` (the export): every byte of the
     inputs and their upstream artifacts is checked against their manifests first
     (:func:`verify_shipped_chain`). ``launch``: how a training stage ran (launcher, nodes, the Slurm
-    job), recorded in the lineage."""
+    job), recorded in the lineage. ``weights``: which weights a training stage's model holds (its own
+    or its EMA's, :func:`distillery.stages.training.shipped_weights`), recorded in the lineage."""
     from distillery.lineage.manifest import Input, write_lineage
     from distillery.stages.mlflow_runs import log_files, log_stage_run, parent_run_id
 
@@ -148,7 +150,7 @@ def finish(stage: str, staging: Path, *, kind: str, params: StageParams, metrics
             log_files(mlflow["tracking_uri"], mlflow["run_id"], mlflow_files)
     manifest = write_lineage(staging, kind=kind, stage=stage, method=method, config=config, params=read,
                              inputs=[Input(role, path) for role, path in inputs], mlflow=mlflow, metrics=metrics,
-                             artifact_name=(ARTIFACTS / stage).as_posix(), launch=launch)
+                             artifact_name=(ARTIFACTS / stage).as_posix(), launch=launch, weights=weights)
     if verified is not None:
         _embedded_as_verified(stage, manifest, verified)
     keep_previous_record(stage, staging)

@@ -27,7 +27,8 @@ def stage_latents(params: StageParams) -> None:
     cfg = PreprocessConfig(num_frames=chosen(lat.num_frames, "clips.num_frames"), height=chosen(lat.height, "clips.size"),
                            width=chosen(lat.width, "clips.size"), fps=float(chosen(lat.fps, "clips.fps")),
                            rows_per_shard=lat.rows_per_shard, max_bad_fraction=lat.max_bad_fraction,
-                           device=stage_device(lat.device, params.get("gpus.nproc_per_node"), "latents.device"))
+                           device=stage_device(lat.device, params.get("gpus.nproc_per_node"), "latents.device"),
+                           negative_prompt=lat.negative_prompt or "")
     log.info("latents: %d frames of %dx%d at %g fps on %s", cfg.num_frames, cfg.height, cfg.width, cfg.fps, cfg.device)
     manifest = preprocess(ARTIFACTS / "base" / "model", Path(data), staging / "data", cfg)
     metrics = {f"{s}_clips": c["rows"] for s, c in manifest["splits"].items()}

@@ -46,6 +46,9 @@ MAX_GUIDANCE = 100.0
 MAX_TIMESTEP = 1000.0  # a timestep of the 1000 training timesteps (exclusive)
 MAX_SEEDS = 1000
 MAX_CURVE = 64  # step counts / NFEs in one validation curve
+MAX_WEIGHT_DECAY = 1.0  # AdamW's decoupled weight decay (published recipes: 0.01)
+MAX_SHIFT = 100.0  # a flow shift (Wan2.1: 3 at 480p, 5 at 720p and in the Self-Forcing recipe)
+MAX_PROMPT_CHARS = 4000  # a negative prompt (Wan's default: 139 characters)
 
 
 # -- checks: each returns what is wrong with an already type-checked value, or None --------------
@@ -115,6 +118,16 @@ def step_list(v: list[int]) -> str | None:
     return f"step counts must be ≤ {MAX_SAMPLING_STEPS}, got {show(big[0])}" if big else None
 
 
+def ema_decay_range(v: float) -> str | None:
+    return None if 0 <= v < 1 else "must be in [0, 1): shadow ← decay·shadow + (1 − decay)·weights (null: no EMA)"
+
+
+def prompt_text(v: str) -> str | None:
+    if len(v) > MAX_PROMPT_CHARS:
+        return f"at most {MAX_PROMPT_CHARS} characters"
+    return "must be one line" if "\n" in v or "\r" in v else None
+
+
 def rule(default: Any, low: float | None = None, high: float | None = None, check: Check | None = None) -> Any:
     """A schema field: its default (a list default is copied per instance), its range and its check (module doc)."""
     if isinstance(default, list):
@@ -156,6 +169,7 @@ class LatentsParams:
     width: int | None = rule(None, 16, MAX_PIXELS, optional(frame_size))  # pixels; null: clips.size (Wan2.1 at 480p: 832)
     fps: float | None = rule(None, MIN_FPS, MAX_FPS, optional(positive_finite))  # resampling rate; null: clips.fps
     device: str = rule("auto", check=device_name)  # VAE + text encoder: auto (the GPU when gpus.nproc_per_node >= 1 and CUDA is there), cpu, cuda[:N]
+    negative_prompt: str | None = rule(None, check=optional(prompt_text))  # distill's and pdd's teacher CFG unconditional; null: the empty prompt
 
 
 @dataclass
@@ -163,6 +177,11 @@ class TrainingStageParams:
     steps: int = rule(120, 1, MAX_STEPS)  # optimizer steps of the stage's run
     batch_size: int = rule(16, 1, MAX_BATCH)  # samples per rank per step
     learning_rate: float = rule(2.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # peak learning rate
+    lr_scheduler: Literal["constant", "cosine", "linear"] = rule("cosine")  # the decay after warmup (to 0.1 of the peak: the template's min_lr_ratio)
+    warmup_steps: int = rule(10, 0, MAX_STEPS)  # linear warmup from 0 over this many optimizer steps
+    weight_decay: float = rule(0.0, 0.0, MAX_WEIGHT_DECAY, non_negative_finite)  # AdamW's decoupled weight decay (every trained role)
+    ema_decay: float | None = rule(None, 0.0, 1.0, optional(ema_decay_range))  # EMA of the trained model; null: off; on: the artifact ships the EMA weights
+    ema_start_step: int = rule(0, 0, MAX_STEPS)  # with EMA on: the shadow copies the weights until this optimizer step, then averages
     save_every: int = rule(40, 0, MAX_STEPS)  # steps between checkpoints (0: only the final one)
     activation_checkpointing: bool = rule(False)  # recompute block activations in backward (real-shape causal/distill runs need it on one GPU)
     activation_checkpointing_fraction: float = rule(1.0, 0.0, 1.0)  # the share of blocks recomputed (evenly spread; 1: all)
@@ -181,6 +200,8 @@ def score_ratio(v: float) -> str | None:
 class DistillParams(TrainingStageParams):
     steps: int = rule(150, 1, MAX_STEPS)
     learning_rate: float = rule(1.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # the student's peak learning rate
+    lr_scheduler: Literal["constant", "cosine", "linear"] = rule("constant")  # the student's and the critic's
+    warmup_steps: int = rule(0, 0, MAX_STEPS)
     save_every: int = rule(50, 0, MAX_STEPS)
     method: Literal["self_forcing", "dmd2"] = rule("self_forcing")  # self_forcing: causal student rolled out chunk by chunk; dmd2: bidirectional
     student_steps: int = rule(4, 1, MAX_SAMPLING_STEPS)  # the student's timestep ladder length (its sampling steps)
@@ -188,12 +209,16 @@ class DistillParams(TrainingStageParams):
     generator_update_interval: int = rule(2, 1, 1000)  # the student steps every k-th step; the critic every step
     guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite)  # the teacher's CFG scale in the real score
     context_noise: float = rule(0.0, 0, MAX_TIMESTEP, score_ratio)  # self_forcing: timestep of the KV-cached context chunks (0: clean)
+    same_step_across_chunks: bool = rule(False)  # self_forcing: one exit-step draw for every chunk of a rollout (false: one per chunk)
+    student_shift: float | None = rule(None, 0, MAX_SHIFT, optional(positive_finite))  # the student's flow shift (warps its ladder); null: its init's
 
 
 @dataclass
 class PDDParams(TrainingStageParams):
     steps: int = rule(120, 1, MAX_STEPS)
     learning_rate: float = rule(1.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # the student's (trunk and heads) peak learning rate
+    lr_scheduler: Literal["constant", "cosine", "linear"] = rule("constant")
+    warmup_steps: int = rule(0, 0, MAX_STEPS)
     save_every: int = rule(40, 0, MAX_STEPS)
     student_init: Literal["teacher", "distill"] = rule("teacher")  # the student starts from the teacher or the distill student
     pdd_steps: int = rule(8, 1, MAX_SAMPLING_STEPS)  # fine-grid intervals = the student's output heads (its most-NFE sampling)
@@ -271,6 +296,15 @@ def _check_pdd_blocks(params: ParamsSchema, source: str) -> None:
                                 f"grid, wider than pdd.block_size_max ({p.block_size_max}) the student is trained on")
 
 
+def _check_ema(params: ParamsSchema, source: str) -> None:
+    """An EMA that starts averaging at or after a stage's last step would ship the raw weights under its name."""
+    for stage in TRAINING_STAGES:
+        p = getattr(params, stage)
+        if p.ema_decay is not None and p.ema_start_step >= p.steps:
+            raise UserError(f"{source}: {stage}.ema_start_step: {p.ema_start_step}: must be below {stage}.steps ({p.steps}): "
+                            f"an EMA that starts averaging at or after the last step is the raw weights")
+
+
 def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
     """The typed params of the parsed ``params.yaml`` mapping ``data``; a bad key or value is a one-line UserError.
 
@@ -286,6 +320,7 @@ def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
         raise UserError(exc.worded(source)) from None
     _check_together(params, source)
     _check_pdd_blocks(params, source)
+    _check_ema(params, source)
     return params
 
 

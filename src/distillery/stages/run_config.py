@@ -9,7 +9,9 @@ schema; the values are checked when the config is built), in this order:
    from the latents' ``preprocess.json`` (the text encoder's sequence length);
 3. the row's ``params``: ``<config key> = params.yaml[<params key>]``, and
    ``training.distributed.replicate_size = gpus.replicate_size`` when > 1 (HSDP; every role's mesh);
-4. the run: ``training.checkpoint.output_dir = runs/<stage>`` and MLflow
+4. the EMA: with ``<stage>.ema_decay`` set, a ``callbacks.ema`` entry (:meth:`TrainingStageSpec.ema_callback`:
+   decay, start step, the exported role) beside the template's callbacks; with it null, none;
+5. the run: ``training.checkpoint.output_dir = runs/<stage>`` and MLflow
    ``training.tracker.{parent_run_id, run_name, tags}`` (``training.loop.progress_bar`` keeps its default,
    on: under DVC or Prefect, stderr is not a terminal and progress is a log line per 10 % or minute,
    :mod:`distillery.common.progress`).
@@ -27,7 +29,7 @@ from typing import Any
 from distillery.common.errors import UserError
 from distillery.stages.artifacts import ARTIFACTS, RUNS
 from distillery.stages.params import StageParams
-from distillery.stages.training_table import DATA_ARTIFACT, TrainingStageSpec
+from distillery.stages.training_table import DATA_ARTIFACT, EMA_CALLBACK, TrainingStageSpec
 
 
 def data_dir() -> Path:
@@ -74,6 +76,12 @@ def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id:
         raise ValueError(f"stage {spec.name}: fill the resolved spec (TrainingStageSpec.resolve)")
     raw = read_yaml(spec.template)
     prefixes = allowed_prefixes()
+    ema = spec.ema_callback(params)
+    if ema is not None:
+        callbacks = raw.setdefault("callbacks", {}) or {}
+        if EMA_CALLBACK in callbacks:  # a template's own EMA would be silently replaced
+            raise ValueError(f"{spec.template}: callbacks.{EMA_CALLBACK} is the stage's (params.yaml {spec.name}.ema_decay)")
+        raw["callbacks"] = {**callbacks, EMA_CALLBACK: ema}
     for key, value in stage_overrides(spec, params, parent_run_id):
         set_override(raw, key, value, prefixes)
     return raw

@@ -13,9 +13,10 @@ For a stage of :data:`distillery.stages.training_table.TRAINING_STAGES`, :func:`
    workers with it — and while they train, this process imports what publishing needs
    (:class:`PublishImports`);
 4. reads the run's ``run_summary.json`` (:mod:`distillery.stages.run_summary`) and publishes the
-   artifact: ``model/`` (the trained role's transformer, the init's scheduler, ``sampling.json`` from
-   the summary's sampling contract), ``loss.json`` and its curve ``loss.png``, metrics and lineage
-   (its ``launch``: launcher, nodes, processes per node, and the Slurm job id under Slurm).
+   artifact: ``model/`` (the trained role's transformer — its EMA shadow when ``<stage>.ema_decay`` is
+   set, :func:`shipped_weights` —, the init's scheduler, ``sampling.json`` from the summary's sampling
+   contract), ``loss.json`` and its curve ``loss.png``, metrics and lineage (its ``launch``: launcher,
+   nodes, processes per node, and the Slurm job id under Slurm; its ``weights``: which weights ship).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from distillery.common.fsutil import write_text_atomic
 from distillery.common.log import get_logger
 from distillery.stages.artifacts import ARTIFACTS, RUNS, finish, fresh_staging, write_json_atomic
 from distillery.stages.params import StageParams
-from distillery.stages.training_table import TRAINING_STAGES, TrainingStageSpec
+from distillery.stages.training_table import EMA_CALLBACK, TRAINING_STAGES, TrainingStageSpec
 
 log = get_logger("stage")
 
@@ -143,6 +144,17 @@ class PublishImports:
             self.thread.join()
 
 
+def shipped_weights(spec: TrainingStageSpec, raw: dict[str, Any]) -> dict[str, Any]:
+    """Which weights of the run ``raw`` the artifact ships, as its lineage records them: the trained
+    role's own (``source: trained``), or — with the stage's EMA in the run config — the EMA shadow
+    (``source: ema``, the callback, its decay and start step): what validate scores and export ships."""
+    ema = (raw.get("callbacks") or {}).get(EMA_CALLBACK)
+    if ema is None:
+        return {"role": spec.export_role, "source": "trained"}
+    return {"role": spec.export_role, "source": "ema", "callback": EMA_CALLBACK, "ema_decay": ema["decay"],
+            "ema_start_step": ema["start_step"]}
+
+
 def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     """Train the stage ``spec`` declares and publish ``artifacts/<stage>`` (module doc)."""
     from distillery.components.tracking import default_tracking_uri
@@ -177,7 +189,8 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     if summary.final_step != raw["training"]["loop"]["max_train_steps"] or checkpoint is None or not checkpoint.is_dir():
         raise UserError(f"stage {stage}: training ended without its final checkpoint in {run_dir}")
     staging = fresh_staging(stage)
-    export_weights(checkpoint, spec.export_role, staging / "model")
+    weights = shipped_weights(spec, raw)
+    export_weights(checkpoint, spec.export_role, staging / "model", ema=weights.get("callback"))
     _, scheduler = locate_transformer(raw["models"][spec.export_role]["init_from"])
     if scheduler is not None:
         shutil.copytree(scheduler, staging / "model" / "scheduler")
@@ -195,6 +208,7 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
               "run_id": summary.mlflow_run_id, "parent_run_id": tracker["parent_run_id"]}
     finish(stage, staging, kind="checkpoint", params=params, metrics=metrics, method=raw["method"]["_target_"], config=raw,
            inputs=inputs, mlflow=mlflow, volatile={"seconds": round(time.perf_counter() - started, 1)}, launch=launch.record,
+           weights=weights,
            mlflow_files=[(staging / "loss.png", "plots")], plots={f"{stage}_loss.json": loss})
 
 

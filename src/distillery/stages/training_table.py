@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 DATA_ARTIFACT = "latents"  # every training stage trains on artifacts/latents/data
+EMA_CALLBACK = "ema"  # the run config's callbacks.<name> of a stage's EMA (params.yaml <stage>.ema_decay set)
+EMA_TARGET = "distillery.callbacks.ema.EMACallback"
 
 
 @dataclass(frozen=True)
@@ -119,11 +121,27 @@ class TrainingStageSpec:
         return list(dict.fromkeys(chosen)) if chosen else [self.template]
 
     def params_read(self) -> list[str]:
-        """Every params.yaml key the stage reads, whichever variant: the table's keys and the variant key."""
-        keys = list(self.params)
+        """Every params.yaml key the stage reads, whichever variant: the table's keys, the variant key and
+        its EMA's (:meth:`ema_callback`)."""
+        keys = list(self.params) + [k for k in self.ema_keys() if k not in self.params]
         for variant in (*self.variants.values(), *self.methods.values()):
             keys += [k for k in variant.params if k not in keys]
         return keys + [k for k in (self.variant_key, self.method_key) if k and k not in keys]
+
+    def ema_keys(self) -> tuple[str, str]:
+        """The params.yaml keys of the stage's EMA: ``<stage>.ema_decay`` (null: off), ``<stage>.ema_start_step``."""
+        return f"{self.name}.ema_decay", f"{self.name}.ema_start_step"
+
+    def ema_callback(self, params: Any) -> dict[str, Any] | None:
+        """The run config's ``callbacks.ema`` entry when ``<stage>.ema_decay`` is set (None: no EMA, the
+        template's callbacks as they are): an EMA of ``export_role``'s trainable modules, whose shadow the
+        stage then publishes (``distillery.stages.training.shipped_weights``)."""
+        decay_key, start_key = self.ema_keys()
+        decay = params.get(decay_key)
+        if decay is None:
+            return None
+        return {"_target_": EMA_TARGET, "decay": float(decay), "start_step": int(params.get(start_key)),
+                "roles": [self.export_role]}
 
     def config_overrides(self, params: Any) -> list[tuple[str, Any]]:
         """``(run-config key, typed value)`` of the table's params for ``params`` (a resolved spec)."""
@@ -139,6 +157,9 @@ def loop_params(stage: str) -> dict[str, str]:
     return {
         f"{stage}.batch_size": "training.data.batch_size",
         f"{stage}.learning_rate": "training.optimizer.learning_rate",
+        f"{stage}.lr_scheduler": "training.optimizer.lr_scheduler",
+        f"{stage}.warmup_steps": "training.optimizer.warmup_steps",
+        f"{stage}.weight_decay": "training.optimizer.weight_decay",
         f"{stage}.steps": "training.loop.max_train_steps",
         "seed": "training.loop.seed",
         f"{stage}.save_every": "training.checkpoint.save_every",
@@ -174,10 +195,12 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             params={**loop_params("distill"), "distill.critic_learning_rate": "models.critic.optimizer.learning_rate",
                     "distill.student_steps": "method.num_student_steps",
                     "distill.generator_update_interval": "method.generator_update_interval",
-                    "distill.guidance_scale": "method.real_score_guidance_scale"},
+                    "distill.guidance_scale": "method.real_score_guidance_scale",
+                    "distill.student_shift": "models.student.shift"},
             variant_key="distill.method",
             variants={"self_forcing": StageVariant("templates/distill_self_forcing.yaml",
                                                    {"distill.context_noise": "method.context_noise",
+                                                    "distill.same_step_across_chunks": "method.same_step_across_chunks",
                                                     "pretrain.chunk_size": "models.student.chunk_size"}),
                       "dmd2": StageVariant("templates/distill_dmd2.yaml")},
             validation=ValidationSpec("student"),  # its ladder as its contract says, no CFG (the guidance is distilled in)
