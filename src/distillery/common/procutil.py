@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from distillery.common.errors import UserError
+from distillery.common.ownpaths import open_regular, require_folder_or_absent
 
 _PR_SET_PDEATHSIG = 1
 SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "busybox"})
@@ -167,10 +168,13 @@ def kill_group(pid: int, sig: int = signal.SIGTERM) -> None:
 @contextlib.contextmanager
 def exclusive_lock(lock_file: Path, what: str) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock_file`` for the block; raise a UserError naming
-    ``what`` and the holder's pid when another process holds it."""
+    ``what`` and the holder's pid when another process holds it. A lock file (or its folder) that is a
+    symbolic link, a folder, a FIFO or a device is one UserError line: nothing is opened through a link,
+    nothing is written (:mod:`distillery.common.ownpaths`)."""
     lock_file = Path(lock_file)
+    require_folder_or_absent(lock_file.parent, f"the folder of the lock of {what}:")
     lock_file.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_regular(lock_file, os.O_RDWR | os.O_CREAT, f"the lock file of {what}:")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -13,6 +13,7 @@ and the prompts with its text encoder (unpadded, with length), and writes::
                                           stages that ask for it), when ``negative_prompt`` is not empty
     OUT/skipped.jsonl                     every skipped item with its reason
     OUT/preprocess.json                   manifest: settings, base model, counts, latent_shape, text_dim
+    OUT/written_files.json                the shard files preprocess wrote here (only those are ever removed)
 
 Before anything is loaded or written the whole data folder is scanned (:func:`read_entries`: every
 entry's captions line, path, caption and file type, with ``lstat``/``stat`` only): a split whose
@@ -25,8 +26,9 @@ model's VAE, text encoder and tokenizer files, and each entry's path, caption an
 shard counts as done only when its record's settings and digest are this run's and its parquet
 holds the rows the record says; any other shard is redone, and the log says why. A killed run thus
 redoes only the shards it did not finish; a rerun into the same ``OUT`` with other settings or
-changed videos redoes what they change. Shard files this run's plan has no place for (a split or a
-shard index beyond it) are removed, and ``preprocess.json`` is removed before any shard is
+changed videos redoes what they change. Shard files an earlier run wrote (its ledger) that this run's
+plan has no place for (a split or a shard index beyond it) are removed — a shard-named file no run of
+ours wrote is never touched — and ``preprocess.json`` is removed before any shard is
 rewritten, so it never describes shards it did not summarise. Under ``torchrun`` rank ``r`` takes
 the shards with ``k % world_size == r``. Shard files are written to a temp name and renamed.
 """
@@ -49,7 +51,7 @@ import pyarrow.parquet as pq
 import torch
 
 from distillery.common.errors import UserError
-from distillery.common.fsutil import write_text_atomic
+from distillery.common.fsutil import read_json_file, write_text_atomic
 from distillery.common.log import get_logger
 from distillery.common.progress import Progress
 from distillery.components.distributed import barrier, shutdown
@@ -84,6 +86,9 @@ class PreprocessConfig:
 Shard = tuple[str, Path, int, list[Any]]
 #: The files of a shard (and their temp files): what :func:`_remove_unplanned` may delete.
 _SHARD_FILE = re.compile(r"^\.?shard-(\d{5,})\.(parquet|json)(\..*\.tmp|\.tmp-\d+)?$")
+#: The ledger of the shard files preprocess runs wrote into ``out`` (only those are ever removed).
+LEDGER_FILE = "written_files.json"
+_LEDGER_ENTRY = re.compile(r"^[^/]+/shard-\d{5,}\.(parquet|json)$")
 #: The parts of a base model folder the latents depend on.
 _ENCODER_PARTS = ("vae", "text_encoder", "tokenizer")
 
@@ -228,22 +233,60 @@ def _scan(splits: dict[str, Path], cfg: PreprocessConfig) -> dict[str, list[Any]
     return entries
 
 
+def _planned_files(out: Path, plan: list[Shard]) -> set[str]:
+    """The shard files (parquet and record) ``plan`` writes, relative to ``out`` (posix)."""
+    names = set()
+    for split, _, k, _ in plan:
+        for path in (shard_path(out, split, k), _shard_record_path(out, split, k)):
+            names.add(path.relative_to(out).as_posix())
+    return names
+
+
+def _written_files(out: Path) -> set[str]:
+    """The shard files the ledger of ``out`` says a preprocess run wrote (empty when none, or when the
+    ledger is not one of ours: then nothing is deleted by name)."""
+    try:
+        data = read_json_file(out / LEDGER_FILE, 64 << 20)
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError) as exc:
+        log.warning("%s is unreadable (%s): no earlier shard file of %s is removed; it is rewritten", out / LEDGER_FILE, exc, out)
+        return set()
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, str) and _LEDGER_ENTRY.match(f) for f in files):
+        log.warning("%s does not list shard files: no earlier shard file of %s is removed; it is rewritten", out / LEDGER_FILE, out)
+        return set()
+    return set(files)
+
+
 def _remove_unplanned(out: Path, plan: list[Shard]) -> None:
-    """Delete the shard files under ``out`` this run's plan has no place for (another split, an index
-    beyond the split's shards: logged) and killed writes' temp files; other files are never touched.
-    Rank 0 calls it before any rank writes."""
-    keep = {(split, k) for split, _, k, _ in plan}
+    """Delete the shard files under ``out`` that an earlier run wrote (its ledger, :data:`LEDGER_FILE`) and
+    this run's plan has no place for (another split, an index beyond the split's shards: logged), and killed
+    writes' temp files of those shards; then record this plan's files as written. A shard-named file no run
+    wrote (the user's, another tool's), a symbolic link, a folder the plan does not use: never touched, said
+    in one warning line. Rank 0 calls it before any rank writes."""
+    planned, earlier = _planned_files(out, plan), _written_files(out)
+    ours = planned | earlier
+    foreign = []
     for folder in sorted(p for p in out.iterdir() if p.is_dir() and not p.is_symlink()):
         for path in sorted(folder.iterdir()):
             m = _SHARD_FILE.match(path.name)
-            if not m or not path.is_file() or path.is_symlink():
+            if not m:
                 continue
-            if m.group(3):
+            rel = f"{folder.name}/{path.name}"
+            final = f"{folder.name}/shard-{m.group(1)}.{m.group(2)}"
+            if path.is_symlink() or not path.is_file() or final not in ours:
+                foreign.append(rel)
+            elif m.group(3):
                 path.unlink()
                 log.debug("removed %s, a killed write's temp file", path)
-            elif (folder.name, int(m.group(1))) not in keep:
+            elif rel not in planned:
                 path.unlink()
-                log.warning("removed %s: this run's plan has no such shard", path.relative_to(out))
+                log.warning("removed %s: this run's plan has no such shard", rel)
+    if foreign:
+        log.warning("%s holds %d shard-named file(s) no preprocess run wrote there (%s): left alone", out, len(foreign),
+                    ", ".join(foreign[:3]) + (", …" if len(foreign) > 3 else ""))
+    write_text_atomic(out / LEDGER_FILE, json.dumps({"files": sorted(planned)}, indent=1) + "\n")
 
 
 def preprocess(base: Path, data: Path, out: Path, cfg: PreprocessConfig, rank: int = 0, world_size: int = 1) -> dict[str, Any]:

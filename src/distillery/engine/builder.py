@@ -14,6 +14,7 @@ from distillery.callbacks.base import Callback, CallbackList
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind
 from distillery.common.log import get_logger
+from distillery.common.ownpaths import refuse_link
 from distillery.components.activation_checkpoint import checkpoint_blocks
 from distillery.components.distributed import DistEnv, shard_transformer, uses_fsdp
 from distillery.components.optim import role_optimizer_configs
@@ -200,12 +201,14 @@ def check_data_path(path: str) -> Path:
 def check_output_dir(path: str | Path) -> Path:
     """``training.checkpoint.output_dir``, created when absent, and probed with a real file (root
     ignores permission bits): a one-line UserError when it is, or lies under, something that is not
-    a folder (a file, ``/dev/null``), or no file can be created in it (``/proc``, a read-only mount).
+    a folder (a file, ``/dev/null``), is a symbolic link, or no file can be created in it (``/proc``, a
+    read-only mount).
     Called before any model is loaded."""
     where = "config error: training.checkpoint.output_dir"
     p = Path(path)
     if not str(path):
         raise UserError(f"{where}: required (the folder the run's checkpoints are written to)")
+    refuse_link(p, f"{where}:")  # never written or pruned through a link (docs/reliability.md)
     for existing in (p, *p.parents):  # the nearest part of the path that exists must be a folder
         try:
             mode = os.stat(existing).st_mode

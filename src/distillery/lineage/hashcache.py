@@ -18,9 +18,10 @@ digest — the same test git's index and DVC's state database use — and hashes
   (a Prefect run of independent stages) keep each other's entries.
 - It is only a cache: the file is opened non-blocking and read only when it is a regular file of
   the expected shape (:func:`valid_entries`; size and nesting bounded before parsing). Anything
-  else — a FIFO, a folder, deep JSON, a digest that is not 64 hex digits — is ignored with one
-  warning line per process and every digest is read from the bytes; a bad regular file is rebuilt
-  on the next write, anything that is not a regular file is left alone (and nothing is written).
+  else — a FIFO, a folder, a symbolic link, deep JSON, a digest that is not 64 hex digits, any file
+  that is not a cache (``params.yaml`` named by mistake) — is ignored with one warning line per process,
+  every digest is read from the bytes, and the file is left exactly as it is: the cache writes only
+  where there is nothing yet or a cache already (docs/reliability.md: distillery overwrites only its own files).
 - A digest from the cache is trusted for lineage and keys, but not to throw work away: a stage
   that would discard a run folder because an input's digest changed first re-hashes that input
   from its bytes (:func:`from_bytes`), which also corrects a wrong entry (:data:`CORRECTED`).
@@ -104,12 +105,11 @@ class HashCache:
     warned: bool = False  # this process said once that the file was ignored
 
     def __post_init__(self) -> None:
-        entries = self._load()
-        if isinstance(entries, str):
-            self.usable = not entries.startswith("not a regular file")
-            then = "rebuilt from the files' bytes" if self.usable else \
-                "every digest is read from the files (remove it to get a cache again)"
-            self._warn(f"is {entries}", then)
+        entries = "a symbolic link" if os.path.islink(self.path) else self._load()
+        if isinstance(entries, str):  # not a cache file: never written, whatever it is (it may be the user's)
+            self.usable = False
+            self._warn(f"is {entries}", "left as it is; every digest is read from the files (remove it, or name "
+                       f"another file in {ENV_VAR}, to get a cache again)")
             entries = {}
         self.entries = entries
 
@@ -165,17 +165,19 @@ class HashCache:
     def _write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO there never blocks the stage
-        lock = os.open(self.path.with_name(self.path.name + ".lock"), flags, 0o644)
+        lock = os.open(self.path.with_name(self.path.name + ".lock"), flags | os.O_NOFOLLOW, 0o644)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             if not stat.S_ISREG(os.fstat(lock).st_mode):
                 raise OSError(f"its lock file is {file_kind(os.fstat(lock).st_mode)}")
             fcntl.flock(lock, fcntl.LOCK_EX)
             with contextlib.suppress(FileNotFoundError):
-                if not stat.S_ISREG(mode := os.stat(self.path).st_mode):
+                if not stat.S_ISREG(mode := os.lstat(self.path).st_mode):
                     raise OSError(f"it became {file_kind(mode)}")
-            on_disk = self._load()  # another stage's entries; a file gone bad since it was read is rebuilt
-            merged = {**(on_disk if isinstance(on_disk, dict) else {}), **self.pending}
+            on_disk = self._load()  # another stage's entries
+            if isinstance(on_disk, str):  # replaced since it was read by something that is not a cache: left alone
+                raise OSError(f"it became {on_disk}")
+            merged = {**on_disk, **self.pending}
             if len(merged) > MAX_ENTRIES:
                 merged = dict(list(merged.items())[-MAX_ENTRIES:])
             tmp.write_text(json.dumps(merged, separators=(",", ":")), encoding="utf-8")

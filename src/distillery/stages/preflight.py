@@ -17,7 +17,6 @@ not a model folder stops ``clips`` before it works, not ``base`` after ``clips``
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import shutil
@@ -25,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from distillery.common.errors import UserError
+from distillery.common.fsutil import read_json_file
 from distillery.stages.params import Params
 from distillery.stages.training_table import DATA_ARTIFACT, TRAINING_STAGES
 
@@ -45,6 +45,21 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def check_own_folders(stage: str, artifacts: Path, runs: Path, training: bool) -> None:
+    """The folders the stage writes into and may clean up — ``artifacts/<stage>``, its staging folder
+    ``artifacts/<stage>.tmp``, ``runs/.locks`` and, for a training stage, ``runs/<stage>`` — must each be a real
+    folder or absent: a symbolic link there (or a file) is one line, exit 2, before anything is written or
+    deleted, and neither the link nor what it points at is touched (docs/reliability.md)."""
+    from distillery.common.ownpaths import require_folder_or_absent
+
+    places = [(artifacts / stage, "the artifact folder"), (artifacts / f"{stage}.tmp", "the staging folder"),
+              (runs / ".locks", "the lock folder")]
+    if training:
+        places.append((runs / stage, "the run folder"))
+    for path, what in places:
+        require_folder_or_absent(path, f"stage {stage}: {what}")
 
 
 def check_writable(folders: list[Path], stage: str) -> None:
@@ -168,7 +183,7 @@ def check_batch(stage: str, params: Params, artifacts: Path) -> None:
     if stage not in TRAINING_STAGES:
         return
     try:
-        manifest = json.loads((artifacts / DATA_ARTIFACT / "data" / "preprocess.json").read_text())
+        manifest = read_json_file(artifacts / DATA_ARTIFACT / "data" / "preprocess.json", 64 << 20)  # never blocks on a FIFO
         rows = int(manifest["splits"]["train"]["rows"])
     except (OSError, ValueError, KeyError, TypeError):
         return

@@ -31,6 +31,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from distillery.common.fsutil import read_json_file
+
 KEY_FILE = "resume_key.json"
 
 
@@ -111,8 +113,10 @@ def key_mismatch(saved: dict[str, str] | None, current: dict[str, str]) -> str |
 
 
 def read_key(run_dir: Path) -> dict[str, str] | None:
+    """The key recorded in ``run_dir`` (``None`` when absent, unreadable, not a regular file — a FIFO never
+    blocks: :func:`distillery.common.fsutil.read_json_file` — or not a flat object of strings)."""
     try:
-        data = json.loads((run_dir / KEY_FILE).read_text())
+        data = read_json_file(run_dir / KEY_FILE, 1 << 20)
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and all(isinstance(v, str) for v in data.values()) else None

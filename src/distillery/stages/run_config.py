@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from distillery.common.errors import UserError
+from distillery.common.fsutil import read_json_file
 from distillery.stages.artifacts import ARTIFACTS, RUNS
 from distillery.stages.params import StageParams
 from distillery.stages.training_table import DATA_ARTIFACT, EMA_CALLBACK, TrainingStageSpec
@@ -41,9 +42,9 @@ def latent_manifest(folder: Path | None = None) -> dict[str, Any]:
     its settings (frames, size, fps, sequence length, ...), shapes and counts."""
     path = (folder if folder is not None else data_dir()) / "preprocess.json"
     try:
-        manifest = json.loads(path.read_text())
+        manifest = read_json_file(path, 64 << 20)  # a FIFO or a device there never blocks the stage
     except (OSError, ValueError) as exc:
-        raise UserError(f"{path}: unreadable ({type(exc).__name__}); rerun the latents stage") from None
+        raise UserError(f"{path}: unreadable ({getattr(exc, 'strerror', None) or exc}); rerun the latents stage") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("settings"), dict):
         raise UserError(f"{path}: no preprocessing settings; rerun the latents stage")
     return manifest

@@ -100,7 +100,7 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     working, and on any failure leaves the previous ``artifacts/<name>`` as it was."""
     from distillery.common.procutil import AncestorWatch, exclusive_lock
     from distillery.stages.dvcfile import stage_params
-    from distillery.stages.preflight import check_batch, check_free_space, check_memory, check_paths, check_writable, disk_error
+    from distillery.stages.preflight import check_batch, check_free_space, check_memory, check_own_folders, check_paths, check_writable, disk_error
 
     if name not in STAGES:
         raise UserError(f"unknown stage {name!r}; valid: {', '.join(STAGES)}")
@@ -114,6 +114,7 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     watch = AncestorWatch(lambda: _orphaned(name), hangup_ignored=signal.getsignal(signal.SIGHUP) is signal.SIG_IGN)
     watch.start()
     try:
+        check_own_folders(name, ARTIFACTS, RUNS, name in TRAINING_STAGES)  # no link where it writes or cleans up
         check_writable([ARTIFACTS, RUNS / ".locks"] + ([RUNS] if name in TRAINING_STAGES else []), name)
         with exclusive_lock(RUNS / ".locks" / f"{name}.lock", f"stage {name}"):
             cleanup_failed(name)  # what a killed earlier run of this stage left half-written

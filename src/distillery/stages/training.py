@@ -54,7 +54,8 @@ def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path], wo
     stage resumes only what the same inputs made (docs/reliability.md). An input's digest from the hash
     cache never discards them alone: it is re-read from the input's bytes first
     (:func:`rehashed_key`). A previous run's summary is removed, so the summary read after training
-    is the one this launch wrote."""
+    is the one this launch wrote. Only what runs of the stage wrote is ever deleted (:func:`discard_run`);
+    ``runs/<stage>`` as a symbolic link, or its lock file as a link, folder or FIFO, is one line, nothing touched."""
     from distillery.common.procutil import exclusive_lock
     from distillery.components.checkpoint.manager import list_checkpoints
     from distillery.stages.resume_key import KEY_FILE, key_mismatch, read_key, resume_key
@@ -73,15 +74,43 @@ def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path], wo
                 why = key_mismatch(saved, key)
             if why:
                 log.info("stage %s: not resuming %s (%s): starting from step 0", stage, run_dir, why)
-                for child in run_dir.iterdir():
-                    if child.name != ".lock":
-                        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+                discard_run(run_dir)
             (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / KEY_FILE, json.dumps(key, indent=2, sort_keys=True))
     path = run_dir / "run.yaml"
     write_text_atomic(path, yaml.safe_dump(raw, sort_keys=True))
     return path
+
+
+def discard_run(run_dir: Path) -> None:
+    """Delete what runs of this stage wrote in ``run_dir`` — its recorded checkpoints, killed saves' temp
+    folders, the run's log, summary, key and config — and nothing else: a file or folder it did not write
+    (or a symbolic link, whatever its name) is left alone, said in one warning line."""
+    from distillery.components.checkpoint import record
+    from distillery.components.checkpoint.trust import CHECKPOINT_RE
+    from distillery.engine.run_log import LOG_FILE
+    from distillery.stages.resume_key import KEY_FILE
+    from distillery.stages.run_summary import SUMMARY_FILE
+
+    ours = record.written(run_dir)
+    files = {LOG_FILE, SUMMARY_FILE, KEY_FILE, "run.yaml", record.RECORD_FILE}
+    left = []
+    for child in sorted(run_dir.iterdir()):
+        if child.name == ".lock":
+            continue
+        if child.is_symlink():
+            left.append(child.name)
+        elif child.is_dir() and (child.name in ours or (child.name.startswith(".tmp-")
+                                                        and CHECKPOINT_RE.match(child.name[len(".tmp-"):]))):
+            shutil.rmtree(child)
+        elif child.is_file() and child.name in files:
+            child.unlink()
+        else:
+            left.append(child.name)
+    if left:
+        log.warning("%s holds %d entr%s this stage did not write (%s): left alone", run_dir, len(left),
+                    "y" if len(left) == 1 else "ies", ", ".join(left[:5]) + (", …" if len(left) > 5 else ""))
 
 
 def rehashed_key(stage: str, key: dict[str, str], saved: dict[str, str], inputs: dict[str, Path]) -> dict[str, str]:

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from distillery.common.errors import UserError
 from distillery.common.fsutil import read_json_file
 from distillery.common.log import get_logger
+from distillery.components.checkpoint import record as checkpoint_record
 from distillery.components.checkpoint.checksums import Damage, FileDigest, hash_files, read_metadata, write_checksums
 from distillery.components.checkpoint.dcp_io import load_dcp, read_dcp_metadata
 from distillery.components.checkpoint.host_state import read_state, write_state
@@ -112,13 +113,18 @@ def read_role_config(path: Path, role: str) -> dict[str, Any]:
 
 
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (those with ``metadata.json``) in ``output_dir``, oldest first."""
-    found = []
+    """Complete checkpoints (those with ``metadata.json``) in ``output_dir`` that its record says a run
+    of this folder wrote (:mod:`distillery.components.checkpoint.record`), oldest first; a complete one
+    the record does not name is left out, said once in a warning line."""
+    output_dir = Path(output_dir)
+    found, foreign = [], []
     if output_dir.is_dir():
+        ours = checkpoint_record.written(output_dir)
         for child in output_dir.iterdir():
             m = CHECKPOINT_RE.match(child.name)
-            if m and (child / "metadata.json").is_file():
-                found.append((int(m.group(1)), child))
+            if m and not child.is_symlink() and (child / "metadata.json").is_file():
+                (found if child.name in ours else foreign).append((int(m.group(1)), child))
+    checkpoint_record.report_foreign(output_dir, [p.name for _, p in sorted(foreign)])
     return sorted(found)
 
 
@@ -206,6 +212,11 @@ class CheckpointManager:
             }, default=str))
             meta["checksums"] = write_checksums(tmp, known, metadata=meta)
             (tmp / "metadata.json").write_text(json.dumps(meta, indent=2))
+            ours = checkpoint_record.written(self.output_dir)
+            if final.is_symlink() or (final.exists() and final.name not in ours):
+                raise UserError(f"{final} exists and was not written by a run of this folder: not replaced; move it "
+                                "away (or choose another training.checkpoint.output_dir) and rerun")
+            checkpoint_record.add(self.output_dir, final.name)  # before the rename: a complete one is never unrecorded
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -216,11 +227,16 @@ class CheckpointManager:
         return final
 
     def _prune(self) -> None:
+        """Delete killed saves' temp folders and, beyond ``keep_last``, this folder's oldest recorded
+        checkpoints — never a folder the record does not name, never through a link."""
         for child in self.output_dir.glob(".tmp-checkpoint-*"):
-            shutil.rmtree(child, ignore_errors=True)
+            if CHECKPOINT_RE.match(child.name[len(".tmp-"):]) and child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
         if self.keep_last:
-            for _, path in list_checkpoints(self.output_dir)[: -self.keep_last]:
+            old = list_checkpoints(self.output_dir)[: -self.keep_last]
+            for _, path in old:
                 shutil.rmtree(path, ignore_errors=True)
+            checkpoint_record.forget(self.output_dir, {path.name for _, path in old if not path.exists()})
 
     def load(self, path: Path, payload: CheckpointPayload) -> dict[str, Any]:
         """Load into ``payload.dcp_state`` in place and restore this rank's process RNGs; return the

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from distillery.common.errors import UserError
 from distillery.common.log import get_logger
+from distillery.components.checkpoint import record as checkpoint_record
 from distillery.components.checkpoint.checksums import Damage, verify_checkpoint
 
 log = get_logger("checkpoint")
@@ -64,7 +65,9 @@ def old_format_error(path: Path, output_dir: Path | None = None) -> UserError:
 def resolve_resume(resume: str, output_dir: Path, verified: dict[Path, Damage | None] | None = None) -> Path | None:
     """The checkpoint to resume from for ``resume`` = "latest" | "none" | a path (rank 0 only).
 
-    ``latest``: the newest intact checkpoint of ``output_dir``; each damaged newer one is reported
+    ``latest``: the newest intact checkpoint of ``output_dir`` among those its record says this folder's
+    runs wrote (:mod:`distillery.components.checkpoint.record`; others are reported and left alone);
+    each damaged newer one is reported
     in one warning line and skipped; ``None`` (step 0, said so) when none is intact.
     A path: inside ``output_dir``, or granted (:func:`allowed_checkpoints`); it must verify —
     otherwise a :class:`UserError` (no fallback). Old-format checkpoints raise a UserError.
@@ -81,10 +84,14 @@ def resolve_resume(resume: str, output_dir: Path, verified: dict[Path, Damage | 
     if resume == "none":
         return None
     if resume == "latest":
-        candidates = []
+        candidates, foreign = [], []
         if output_dir.is_dir():
-            candidates = sorted(((int(m.group(1)), child) for child in output_dir.iterdir()
-                                 if (m := CHECKPOINT_RE.match(child.name)) and child.is_dir()), reverse=True)
+            ours = checkpoint_record.written(output_dir)
+            for child in output_dir.iterdir():
+                if (m := CHECKPOINT_RE.match(child.name)) and child.is_dir() and not child.is_symlink():
+                    (candidates if child.name in ours else foreign).append((int(m.group(1)), child))
+            candidates.sort(reverse=True)
+            checkpoint_record.report_foreign(output_dir, [p.name for _, p in sorted(foreign)])
         damaged: list[tuple[Path, Damage]] = []
         chosen = None
         for _, path in candidates:
