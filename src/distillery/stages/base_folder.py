@@ -14,7 +14,9 @@ load command passes. So a base is held to this:
   transformers tokenizer, not the ``AutoTokenizer`` factory), or ``[null, null]`` where the
   parameter is optional; a plain parameter (``boundary_ratio``) holds a JSON scalar. No component
   config (``*config.json``) may name remote code (``auto_map``). A violation is a one-line
-  :class:`UserError`.
+  :class:`UserError`. Before the index is read, every file of the folder is checked
+  (:func:`distillery.stages.model_files.check_model_files`: no FIFO, device, link loop, oversized
+  config or tokenizer file, or safetensors file whose header is not one).
 - :func:`copy_model_folder`: copies a model folder leaving out every code file
   (:func:`distillery.lineage.manifest.is_code_file`): no ``.py`` (or bytecode, or native module) of a base
   is ever copied.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import shutil
 import typing
@@ -165,7 +168,12 @@ def check_model_index(folder: Path, what: str) -> None:
     """Refuse (one-line :class:`UserError`) a model folder whose ``model_index.json`` names anything
     but library classes WanPipeline takes, or whose component configs name remote code. ``what``
     names the folder in the message (``params.yaml: base.path: /data/wan``)."""
+    from distillery.stages.model_files import check_model_files
+
     path = Path(folder) / INDEX_FILE
+    if not os.path.lexists(path):
+        raise UserError(f"{what}: no {INDEX_FILE}: not a diffusers model folder")
+    check_model_files(Path(folder), what, REQUIRED)  # no FIFO, device, loop, oversized config, bad safetensors header
     try:
         index = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
