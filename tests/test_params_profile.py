@@ -55,3 +55,16 @@ def test_a_profile_key_that_params_yaml_lacks_or_a_bad_value_is_one_line(tmp_pat
     out = subprocess.run([sys.executable, "-m", "distillery.cli.main", "params", "profile", str(bad), "--params",
                           str(tmp_path / "params.yaml")], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+
+
+def test_a_prompt_with_commas_quotes_and_cjk_reaches_params_yaml_as_written(tmp_path):
+    """A negative prompt is no plain Hydra token: it is quoted in its -S argument and DVC writes it back whole."""
+    from dvc.utils.hydra import apply_overrides
+
+    params = tmp_path / "params.yaml"
+    shutil.copy2(REPO / "params.yaml", params)
+    for text in ("色调艳丽，过曝，JPEG压缩残留,it's\\blurry", "a\\'b\\"):
+        args = dvc_set_args({"latents.negative_prompt": text, "distill.method": "dmd2"})
+        assert args[1].startswith("latents.negative_prompt='") and args[2:] == ["-S", "distill.method=dmd2"]
+        apply_overrides(str(params), args[1::2])
+        assert Params.load(params).get("latents.negative_prompt") == text

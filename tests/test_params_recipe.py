@@ -192,3 +192,16 @@ def test_the_negative_prompt_is_what_the_unconditional_branch_sees(tiny_base, ne
     expected = pad_prompt_embedding(BaseEncoders(tiny_base).encode_prompts([prompt])[0], 32, torch.float32)
     assert torch.equal(seen[0], batch["text_embeds"].float())
     assert torch.equal(seen[1], expected.expand_as(seen[1]))
+
+
+def test_the_profiles_set_wans_negative_prompt_and_the_papers_recipe():
+    profiles = {p.name: yaml.safe_load(p.read_text())["overrides"] for p in (ROOT / "docs" / "profiles").glob("*.yaml")}
+    for name, overrides in profiles.items():
+        assert overrides.get("latents.negative_prompt") == WAN_NEGATIVE, name
+    paper = profiles["self-forcing-paper.yaml"]
+    assert {k: paper[k] for k in ("distill.learning_rate", "distill.critic_learning_rate", "distill.weight_decay",
+                                  "distill.guidance_scale", "distill.student_shift", "distill.same_step_across_chunks",
+                                  "distill.ema_decay", "distill.ema_start_step", "distill.generator_update_interval")} == {
+        "distill.learning_rate": 2e-6, "distill.critic_learning_rate": 4e-7, "distill.weight_decay": 0.01,
+        "distill.guidance_scale": 4.0, "distill.student_shift": 5.0, "distill.same_step_across_chunks": True,
+        "distill.ema_decay": 0.99, "distill.ema_start_step": 200, "distill.generator_update_interval": 5}

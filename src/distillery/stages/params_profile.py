@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,8 @@ def load_profile(profile: str | Path, params_path: str | Path = "params.yaml") -
 
 def _spell(value: Any) -> str:
     """``value`` as a ``-S`` value: JSON flow syntax, floats with a dot before any exponent (YAML 1.1 reads
-    ``1e-05`` as a string, 1.2 as a float; ``1.0e-05`` is a float to both)."""
+    ``1e-05`` as a string, 1.2 as a float; ``1.0e-05`` is a float to both); a string that is not a plain
+    token in single quotes (Hydra's override grammar; a quote inside, and backslashes before one or before the end, escaped)."""
     if isinstance(value, float):
         text = repr(value)
         if "e" in text and "." not in text.split("e")[0]:
@@ -62,8 +64,11 @@ def _spell(value: Any) -> str:
         return "[" + ",".join(_spell(v) for v in value) + "]"
     if value is None:
         return "null"
-    if isinstance(value, str):
-        return value
+    if isinstance(value, str):  # a plain token as it is; anything else (a negative prompt's commas, CJK) quoted for Hydra
+        if re.fullmatch(r"[A-Za-z0-9_./:+-]+", value):
+            return value
+        escaped = re.sub(r"(\\+)('|$)", lambda m: m.group(1) * 2 + m.group(2), value)  # backslashes before a quote or the end
+        return "'" + escaped.replace("'", "\\'") + "'"
     return json.dumps(value)
 
 
