@@ -6,19 +6,26 @@ The exports are made by the export stage's own assembly (:func:`distillery.stage
 and the card, :func:`distillery.export.model_card.export_model_card`) from the shipped tiny Wan and
 hand-made student folders (its transformer under each kind's ``sampling.json``; the PDD one with a head
 bank), after one :func:`~distillery.evaluation.validate.run_validation` over all of them (one prompt,
-one seed): no training, seconds. The isolated process is ``python -I -S`` with the venv's site-packages
-put on ``sys.path`` by hand (no ``.pth`` file runs: not the editable install's finder), its working
-folder outside the checkout; it first proves ``import distillery`` fails there.
+one seed): no training, seconds. The isolated process (``python -I``, its working folder outside the
+checkout) runs in a virtual environment holding exactly the packages the cards name ("needs only ..."),
+each at the version this project's venv has (so pip installs them from the machine's wheels, offline),
+and what they depend on — nothing else, distillery least of all (it first proves ``import distillery``
+fails there): :func:`card_venv`, built once and kept under ``~/.cache/distillery-tests/``, keyed by the
+pins (about a minute the first time). A package the export needs and the card leaves out fails here, as
+it fails for a user who installs what the card says.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import importlib.metadata
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -93,16 +100,48 @@ def exports(tmp_path_factory) -> dict:
     return {"validate": validate / "report", "exports": out}
 
 
+VENV_CACHE = Path.home() / ".cache" / "distillery-tests" / "card-venvs"
+
+
+def card_packages(card: str) -> list[str]:
+    """The packages a model card says its snippets need: the distribution names of its "needs only a, b and c"."""
+    found = re.search(r"needs only ([^)\n]+)", card)
+    assert found, "the card does not say what its snippets need"
+    return [name.strip(" `.") for name in re.split(r",| and ", found.group(1)) if name.strip(" `.")]
+
+
+def card_venv(packages: list[str]) -> Path:
+    """The python of a venv holding exactly ``packages`` (and what they depend on), each pinned to the version this
+    venv has; built once per set of pins (under a lock: two test processes build it once) and reused."""
+    pins = sorted(f"{name}=={importlib.metadata.version(name).split('+')[0]}" for name in packages)
+    folder = VENV_CACHE / hashlib.sha256(" ".join(pins).encode()).hexdigest()[:16]
+    python = folder / "bin" / "python"
+    VENV_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(VENV_CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / "pins.txt").is_file() and (folder / "pins.txt").read_text().split() == pins and python.is_file():
+            return python
+        shutil.rmtree(folder, ignore_errors=True)
+        building = folder.with_name(folder.name + ".building")
+        shutil.rmtree(building, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(building)], check=True, capture_output=True, timeout=300)
+        pip = subprocess.run([str(building / "bin" / "python"), "-m", "pip", "install", "-q", *pins], capture_output=True,
+                             text=True, timeout=1200, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+        assert pip.returncode == 0, pip.stderr[-3000:]
+        (building / "pins.txt").write_text("\n".join(pins) + "\n")
+        building.rename(folder)  # the venv's scripts name its path: python is run as folder/bin/python, never via them
+        return python
+
+
 ISOLATED = r'''
 import json, sys
-sys.path.append(SITE)
 try:
     import distillery
     print("DISTILLERY_IMPORTED", distillery.__file__)
 except ModuleNotFoundError:
     print("no distillery here")
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, WanPipeline
 from safetensors.torch import load_file
 
 report = json.load(open(REPORT + "/report.json"))
@@ -114,6 +153,12 @@ prompt, seed = report["prompts"][0], report["seeds"][0]
 for kind, folder in EXPORTS.items():
     pipe = DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True)
     print("class", kind, type(pipe).__name__, type(pipe).__module__)
+    try:  # stock loading, as a user who never read the card would
+        print("stock", kind, "loaded", type(WanPipeline.from_pretrained(folder)).__name__)
+    except ValueError as exc:
+        print("stock", kind, "refused", str(exc).splitlines()[0])
+    print("trusted", kind, type(DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)).__name__,
+          type(WanPipeline.from_pretrained(folder, trust_remote_code=True)).__name__)
     for name, c in cands.items():
         if not name.startswith(kind + "_"):
             continue
@@ -136,18 +181,30 @@ for kind, folder in EXPORTS.items():
 
 
 def test_every_export_kind_samples_validate_s_latents_without_distillery(exports, tmp_path):
-    site = sysconfig.get_paths()["purelib"]
-    code = f"import re\nSITE = {site!r}\nREPORT = {str(exports['validate'])!r}\n" \
+    packages = card_packages((exports["exports"]["teacher"] / "README.md").read_text())
+    for folder in exports["exports"].values():  # every card names the same packages
+        assert card_packages((folder / "README.md").read_text()) == packages, folder
+    python = card_venv(packages)
+    code = f"import re\nREPORT = {str(exports['validate'])!r}\n" \
            f"EXPORTS = {json.dumps({k: str(v) for k, v in exports['exports'].items()})}\n" + ISOLATED
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=600, env=env,
+    out = subprocess.run([str(python), "-I", "-c", code], capture_output=True, text=True, timeout=600, env=env,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert "no distillery here" in lines and not any("DISTILLERY_IMPORTED" in ln for ln in lines), out.stdout
     classes = [ln.split() for ln in lines if ln.startswith("class ")]
     assert [c[1:3] for c in classes] == [[k, "DistilledWanPipeline"] for k in STUDENTS], classes
+    # stock WanPipeline loads the teacher (a stock Wan model); a student that needs its own sampler it refuses, naming
+    # the pipeline.py its model_index.json names — and with trust_remote_code any loader gives the folder's pipeline
+    stock = {ln.split()[1]: ln.split(maxsplit=3)[2:] for ln in lines if ln.startswith("stock ")}
+    assert stock["teacher"] == ["loaded", "WanPipeline"], stock
+    for kind in ("distill", "dmd2", "pdd"):
+        assert stock[kind][0] == "refused" and "custom code in pipeline.py" in stock[kind][1], stock
+    trusted = {ln.split()[1]: ln.split()[2:] for ln in lines if ln.startswith("trusted ")}
+    assert trusted == {"teacher": ["WanPipeline", "WanPipeline"],
+                       **{k: ["DistilledWanPipeline", "DistilledWanPipeline"] for k in ("distill", "dmd2", "pdd")}}, trusted
     latents = {ln.split()[2]: float(ln.split()[3]) for ln in lines if ln.startswith("latents ")}
     assert set(latents) == {"teacher_2", "distill_2", "dmd2_2", "pdd_2", "pdd_1"}, out.stdout
     assert max(latents.values()) <= 1e-5, latents

@@ -118,3 +118,64 @@ def test_the_shipped_samplers_reproduce_the_package_s_latents(folder, kind):
     assert torch.equal(got, expected), (got - expected).abs().max()
     frames = shape[1]
     assert shipped.nfe(steps, guidance, num_frames=frames) == package.nfe(steps, guidance, num_frames=frames)
+
+
+def _export_folder(root: Path, contract: dict, *, kind: str = "export", record_pipeline: bool = True) -> Path:
+    """``root/export``: the shipped tiny Wan's index, ``contract`` as ``sampling.json``, the shipped code written as the
+    export stage writes it (:func:`~distillery.export.code.write_export_code`), and a sealed lineage.json of ``kind``
+    recording that code (all of it, or all but ``pipeline.py``)."""
+    import json
+
+    from distillery.export.code import CODE_RECORD_KEY, write_export_code
+    from distillery.lineage.manifest import write_lineage
+
+    folder = root / "export"
+    folder.mkdir()
+    shutil.copyfile(shipped_tiny_base() / "model_index.json", folder / "model_index.json")
+    (folder / "sampling.json").write_text(json.dumps(contract))
+    code = write_export_code(folder)
+    if not record_pipeline:
+        code.pop("pipeline.py")
+    write_lineage(folder, kind=kind, stage="export", config={CODE_RECORD_KEY: code})
+    return folder
+
+
+@pytest.mark.parametrize("kind", list(CONTRACTS))
+def test_a_folder_that_needs_its_own_sampler_names_its_own_pipeline_and_lineage_accepts_exactly_that(tmp_path, kind):
+    """Stock ``WanPipeline`` samples only the teacher's plain Euler; every other contract's export names
+    ``["pipeline", "DistilledWanPipeline"]`` in ``model_index.json`` (so diffusers loads the folder's pipeline or
+    refuses, tests/test_export_isolated.py) — the one ``[module, class]`` ``lineage --verify`` accepts, and only in an
+    export that recorded its ``pipeline.py``. The rest of the index is the base's, unchanged."""
+    import json
+
+    from distillery.export.code import OWN_PIPELINE
+    from distillery.lineage.manifest import EXPORT_PIPELINE_CLASS, verify_lineage
+
+    assert tuple(OWN_PIPELINE) == tuple(EXPORT_PIPELINE_CLASS)
+    contract = CONTRACTS[kind][0]
+    folder = _export_folder(tmp_path, contract)
+    index = json.loads((folder / "model_index.json").read_text())
+    base = json.loads((shipped_tiny_base() / "model_index.json").read_text())
+    assert index["_class_name"] == ("WanPipeline" if kind == "teacher_euler_cfg" else list(OWN_PIPELINE))
+    assert {k: v for k, v in index.items() if k != "_class_name"} == {k: v for k, v in base.items() if k != "_class_name"}
+    assert verify_lineage(folder).ok, verify_lineage(folder).problems
+    if kind == "teacher_euler_cfg":
+        return
+    other = tmp_path / "other"
+    other.mkdir()
+    for wrong, problem in ((dict(record_pipeline=False), "refused: pipeline.py (code the export's lineage.json does not record"),
+                           (dict(kind="model"), "refused: pipeline.py (a code file")):
+        shutil.rmtree(other)
+        other.mkdir()
+        res = verify_lineage(_export_folder(other, contract, **wrong))
+        assert any(p.startswith(problem) for p in res.problems), res.problems
+        assert any(p.startswith("refused: model_index.json: _class_name") for p in res.problems), res.problems
+    index["_class_name"] = ["pipeline", "WanPipeline"]  # another pair, even one naming its own pipeline.py
+    (folder / "model_index.json").write_text(json.dumps(index))
+    from distillery.lineage.manifest import write_lineage
+
+    manifest = json.loads((folder / "lineage.json").read_text())
+    write_lineage(folder, kind="export", stage="export", config=manifest["config"])
+    assert [p for p in verify_lineage(folder).problems if "_class_name" in p] == [
+        'refused: model_index.json: _class_name: ["pipeline", "WanPipeline"]: a [module, class] pair, which diffusers '
+        'would import from the folder'], verify_lineage(folder).problems

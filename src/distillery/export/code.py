@@ -6,20 +6,39 @@ unless their digests are the ones recorded, :func:`distillery.lineage.manifest.v
 :data:`SHIPPED_MODULES` is their names, and the same names are
 :data:`distillery.lineage.manifest.EXPORT_OWN_CODE` (a test keeps the two equal). They import only the
 standard library, torch, numpy, safetensors, diffusers and transformers, so the folder samples where
-distillery is not installed.
+distillery is not installed — with :data:`REQUIREMENTS` installed (diffusers loads Wan's transformer only
+where accelerate is: ``low_cpu_mem_usage`` cannot be off for its fp32-kept modules), the packages the
+model card names and ``tests/test_export_isolated.py`` installs, alone, to load every kind of export.
+
+A folder whose sampling contract stock ``WanPipeline`` does not sample (:func:`stock_samples`: a few-step
+ladder, a streaming or block-causal student, PDD heads) names its own pipeline in ``model_index.json``:
+``"_class_name": ["pipeline", "DistilledWanPipeline"]`` (:data:`OWN_PIPELINE`), diffusers' form for a
+folder's own pipeline class. Then ``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)``
+(and ``WanPipeline.from_pretrained``, which resolves the class the same way) loads
+:class:`DistilledWanPipeline`, and without ``trust_remote_code`` diffusers refuses, naming
+``pipeline.py`` — never a plain ``WanPipeline`` that would sample the student with the teacher's loop.
+``lineage --verify`` accepts that one entry in an export whose ``pipeline.py`` it recorded
+(:data:`distillery.lineage.manifest.EXPORT_PIPELINE_CLASS`, kept equal to :data:`OWN_PIPELINE` by a test).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 STANDALONE_PACKAGE = "distillery.export.standalone"
 # the module files copied into every export (pipeline.py imports the others relatively: diffusers copies them with it)
 SHIPPED_MODULES = ("pipeline.py", "distilled_schedule.py", "distilled_samplers.py", "distilled_wan.py", "distilled_causal.py")
 CODE_RECORD_KEY = "shipped_code"  # in the export's lineage config: {file name: sha256}
+# what the folder's snippets need installed (the model card names them; the isolated test installs exactly these)
+REQUIREMENTS = ("torch", "diffusers", "transformers", "accelerate")
+OWN_PIPELINE = ("pipeline", "DistilledWanPipeline")  # model_index.json's _class_name where stock WanPipeline is wrong
+INDEX_FILE = "model_index.json"
 
 
 def shipped_sources() -> dict[str, Path]:
@@ -32,10 +51,33 @@ def shipped_sources() -> dict[str, Path]:
     return sources
 
 
+def stock_samples(contract: Mapping[str, Any]) -> bool:
+    """Whether stock ``WanPipeline`` samples a model of this sampling contract as the contract says: plain
+    (bidirectional) Euler with CFG — the teacher's. Every other contract needs the folder's own pipeline."""
+    return contract.get("sampler") == "euler" and contract.get("chunk_size") is None
+
+
+def name_own_pipeline(folder: Path) -> bool:
+    """Where ``folder/sampling.json`` is a contract stock ``WanPipeline`` does not sample (:func:`stock_samples`),
+    set ``folder/model_index.json``'s ``_class_name`` to :data:`OWN_PIPELINE` (module doc); returns whether it did.
+    The rest of the index is kept as it is, key order included."""
+    contract = json.loads((folder / "sampling.json").read_text())
+    if stock_samples(contract):
+        return False
+    index = json.loads((folder / INDEX_FILE).read_text())
+    index["_class_name"] = list(OWN_PIPELINE)
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return True
+
+
 def write_export_code(folder: Path) -> dict[str, str]:
-    """Copy every shipped module into ``folder`` (top level); returns ``{file name: sha256}`` of what was written."""
+    """Copy every shipped module into ``folder`` (top level) and, where its ``sampling.json`` needs them, name
+    its own pipeline in its ``model_index.json`` (:func:`name_own_pipeline`); returns ``{file name: sha256}``
+    of the modules written."""
     record = {}
     for name, source in shipped_sources().items():
         shutil.copyfile(source, folder / name)
         record[name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    if (folder / "sampling.json").is_file() and (folder / INDEX_FILE).is_file():
+        name_own_pipeline(folder)
     return record

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from distillery.export.code import REQUIREMENTS, stock_samples
 from distillery.lineage.manifest import artifacts_once
 
 # metrics of a validation candidate shown in the card: (metrics.json key, column title, format); latency only where
@@ -94,6 +95,24 @@ def _nfe_lines(contract: dict[str, Any], metrics: dict[str, float], candidate: d
             f"{chunks}× the tokens a streaming forward sees: compare candidates by latency beside NFE."]
 
 
+def _listed(names: tuple[str, ...]) -> str:
+    """``a, b, c and d``."""
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+
+
+def _versions() -> str:
+    """The installed versions of :data:`~distillery.export.code.REQUIREMENTS` (the export's making), as a phrase."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def one(name: str) -> str:
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            return f"{name} (not installed)"
+
+    return ", ".join(one(name) for name in REQUIREMENTS)
+
+
 def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_sequence_length: int | None,
                       stock_nfe: int | None, folder: str = "artifacts/export") -> str:
     """The card's text. ``student``: the exported training stage; ``student_dir``: its artifact
@@ -157,10 +176,16 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     size = f"num_frames={cfg['num_frames']}, height={cfg['height']}, width={cfg['width']}"
     call_args = f"num_inference_steps={steps}, guidance_scale={guidance}," if steps else f"guidance_scale={guidance},"
     marker = f"  # validate's {candidate['name']}" if candidate else ""
-    lines += ["", "## Load and sample it (offline, needs only torch, diffusers and transformers)", "",
+    lines += ["", f"## Load and sample it (offline, needs only {_listed(REQUIREMENTS)})", "",
+              f"Install them (`pip install {' '.join(REQUIREMENTS)}`; this folder was made with {_versions()}): "
+              "diffusers loads Wan's transformer only where accelerate is installed. "
               f"Run from the workspace root (or replace `{folder}` by where this folder is). The folder's own modules "
               "(`pipeline.py` and the `distilled_*.py` it imports) do the sampling; nothing of distillery is imported. "
-              "For this prompt and seed, at these steps and guidance, it returns the video validate scored.", "",
+              "For this prompt and seed, at these steps and guidance, it returns the video validate scored."
+              + ("" if stock_samples(contract) else
+                 " Its `model_index.json` names this pipeline (`_class_name`): stock `WanPipeline` would sample it "
+                 "with the teacher's many-step loop, so diffusers loads it only with `trust_remote_code=True`, and "
+                 "then as this pipeline."), "",
               "```python", "import torch", "from diffusers import DiffusionPipeline", "",
               f'folder = "{folder}"',
               "pipe = DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True)",
@@ -183,7 +208,8 @@ def _stock_snippet(teacher: bool, contract: dict[str, Any], stock_nfe: int | Non
         nfe, scale, name = steps, guidance, candidate["name"] if candidate else None
     elif stock_nfe is not None:
         intro = (f"`transformer/` alone is the student at {stock_nfe} NFE fused into a plain transformer: stock "
-                 "`WanPipeline` samples it with its shift's Euler scheduler (no code of the folder runs):")
+                 "`WanPipeline` samples it with its shift's Euler scheduler (the folder's parts, loaded through its "
+                 "own pipeline; stock code samples):")
         nfe, scale = stock_nfe, 1.0
         names = [c["name"] for c in report.get("candidates", []) if c.get("sampler") == contract.get("sampler")
                  and int(c.get("num_steps", -1)) == stock_nfe]
@@ -191,8 +217,14 @@ def _stock_snippet(teacher: bool, contract: dict[str, Any], stock_nfe: int | Non
     else:
         return []
     marker = f"  # validate's {name}" if name else ""
-    return [intro, "", "```python", "import torch", "from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline", "",
-            f'pipe = WanPipeline.from_pretrained("{folder}")',
+    if stock_samples(contract):
+        imports, load = "FlowMatchEulerDiscreteScheduler, WanPipeline", [f'pipe = WanPipeline.from_pretrained("{folder}")']
+    else:  # its model_index.json names its own pipeline (module doc of distillery.export.code): the parts through it
+        imports = "DiffusionPipeline, FlowMatchEulerDiscreteScheduler, WanPipeline"
+        load = [f'folder = "{folder}"',
+                "parts = DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True).components",
+                "pipe = WanPipeline(**parts)"]
+    return [intro, "", "```python", "import torch", f"from diffusers import {imports}", "", *load,
             f"pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift={contract.get('shift')})",
             f"video = pipe({json.dumps(prompt)}, {size}, max_sequence_length={report['max_sequence_length']},",
             f"            num_inference_steps={nfe}, guidance_scale={scale},{marker}",

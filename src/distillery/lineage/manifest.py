@@ -41,7 +41,8 @@ Trust model of :func:`verify_lineage` (``distillery lineage --verify``):
   at its top level, each with the sha256 the export stage recorded in the manifest's
   ``config.shipped_code``; one missing from that record, or of another digest, is refused) —, and so is
   a ``model_index.json`` entry naming a module outside diffusers/transformers (diffusers would
-  import it from the folder under ``trust_remote_code``).
+  import it from the folder under ``trust_remote_code``) — but an export's top-level ``_class_name``
+  :data:`EXPORT_PIPELINE_CLASS`, its own pipeline (allowed only where ``pipeline.py`` is recorded).
 
 :func:`verify_chain` (the export stage, before it publishes) reads every byte of its input
 artifacts and of every upstream artifact present, against their own manifests and the embedded
@@ -60,6 +61,7 @@ import json
 import logging
 import os
 import re
+import stat
 import subprocess
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -68,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from distillery.common.errors import UserError
+from distillery.common.fsutil import file_kind
 from distillery.common.treeutil import flatten
 from distillery.lineage.hashcache import file_sha256, flush_active, read_sha256
 
@@ -89,6 +92,9 @@ CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyd", ".pyw", ".pyx", ".so", ".dylib",
 # each allowed only with the digest recorded under config.shipped_code of the export's manifest
 EXPORT_OWN_CODE = ("pipeline.py", "distilled_schedule.py", "distilled_samplers.py", "distilled_wan.py", "distilled_causal.py")
 EXPORT_CODE_RECORD = "shipped_code"
+# the _class_name an export's top-level model_index.json may give as [module, class]: its own recorded pipeline.py
+# (distillery.export.code.OWN_PIPELINE: diffusers then loads that class, never a plain WanPipeline)
+EXPORT_PIPELINE_CLASS = ("pipeline", "DistilledWanPipeline")
 MODEL_LIBRARIES = ("diffusers", "transformers")  # the libraries a model_index.json component may come from
 _INDEX_FILE = "model_index.json"
 
@@ -144,6 +150,12 @@ class _Listing:
     refused: list[tuple[str, str]]  # (relative path, why) of each symlink / special file, not followed
 
 
+def _real(path: str | Path) -> Path:
+    """``path`` with every symbolic link resolved, never raising on a loop (``Path.resolve`` raises
+    ``RuntimeError``; a loop stays unresolved here and is refused by the caller as a link it cannot follow)."""
+    return Path(os.path.realpath(path))
+
+
 def _scan(folder: Path, exclude: Iterable[str] = (), *, follow_links: bool = False) -> _Listing:
     """Every entry under ``folder``.
 
@@ -156,7 +168,7 @@ def _scan(folder: Path, exclude: Iterable[str] = (), *, follow_links: bool = Fal
     """
     excluded = set(exclude)
     listing = _Listing({}, [])
-    stack: list[tuple[str, Path, tuple[Path, ...]]] = [("", folder, (folder.resolve(),) if follow_links else ())]
+    stack: list[tuple[str, Path, tuple[Path, ...]]] = [("", folder, (_real(folder),) if follow_links else ())]
     while stack:
         rel_dir, here, ancestors = stack.pop()
         try:
@@ -171,7 +183,7 @@ def _scan(folder: Path, exclude: Iterable[str] = (), *, follow_links: bool = Fal
                 if follow_links and os.path.isfile(e.path):
                     listing.files[rel] = Path(e.path)
                     continue
-                real = Path(e.path).resolve() if follow_links else None
+                real = _real(e.path) if follow_links else None
                 if real is not None and os.path.isdir(e.path) and real not in ancestors:
                     stack.append((rel + "/", Path(e.path), (*ancestors, real)))
                     continue
@@ -182,7 +194,7 @@ def _scan(folder: Path, exclude: Iterable[str] = (), *, follow_links: bool = Fal
                 loop = "; a loop" if real is not None and real in ancestors else ""
                 listing.refused.append((rel, f"symlink -> {_cut(target, 60)}{loop}"))
             elif e.is_dir(follow_symlinks=False):
-                real = (Path(e.path).resolve(),) if follow_links else ()
+                real = (_real(e.path),) if follow_links else ()
                 stack.append((rel + "/", Path(e.path), (*ancestors, *real)))
             elif e.is_file(follow_symlinks=False):
                 if not (rel_dir == "" and e.name in excluded):
@@ -748,10 +760,11 @@ def _check_inputs(inputs: Any, chain: str, problems: list[str]) -> None:
             _check_inputs(sub.get("inputs", []), name, problems)
 
 
-def _index_problems(path: Path) -> list[str]:
+def _index_problems(path: Path, own_pipeline: Sequence[str] | None = None) -> list[str]:
     """Entries of a ``model_index.json`` that name code from outside :data:`MODEL_LIBRARIES` —
     which diffusers imports from the folder itself (``["evil_sched", "EvilScheduler"]`` →
-    ``<component>/evil_sched.py``; a ``_class_name`` given as ``[module, class]`` → ``<module>.py``)."""
+    ``<component>/evil_sched.py``; a ``_class_name`` given as ``[module, class]`` → ``<module>.py``) —
+    but a ``_class_name`` equal to ``own_pipeline`` (an export's own, recorded pipeline)."""
     try:
         index = json.loads(path.read_text(encoding="utf-8")) if path.stat().st_size <= 1 << 20 else None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
@@ -759,7 +772,7 @@ def _index_problems(path: Path) -> list[str]:
     if not isinstance(index, dict):
         return ["not a JSON object"]
     problems = []
-    if isinstance(index.get("_class_name"), list):
+    if isinstance(index.get("_class_name"), list) and index["_class_name"] != list(own_pipeline or ()):
         problems.append(f"_class_name: {_cut(json.dumps(index['_class_name']), 80)}: a [module, class] pair, which "
                         f"diffusers would import from the folder")
     for key, value in index.items():
@@ -785,6 +798,7 @@ def _code_problems(listing: _Listing, manifest: Mapping[str, Any], digests: Mapp
     ``digests``, relative path → sha256), and every ``model_index.json`` entry naming code from outside the libraries."""
     export = manifest.get("kind") == "export"
     record = _shipped_code(manifest) if export else {}
+    own_pipeline = EXPORT_PIPELINE_CLASS if f"{EXPORT_PIPELINE_CLASS[0]}.py" in record else None
     problems = []
     for rel in sorted(listing.files):
         if not is_code_file(rel.rsplit("/", 1)[-1]):
@@ -800,7 +814,8 @@ def _code_problems(listing: _Listing, manifest: Mapping[str, Any], digests: Mapp
                             f"config.{EXPORT_CODE_RECORD})")
     for rel in sorted(listing.files):
         if rel.rsplit("/", 1)[-1] == _INDEX_FILE:
-            problems.extend(f"refused: {_cut(rel)}: {q}" for q in _index_problems(listing.files[rel]))
+            problems.extend(f"refused: {_cut(rel)}: {q}" for q in
+                            _index_problems(listing.files[rel], own_pipeline if rel == _INDEX_FILE else None))
     return problems
 
 
@@ -998,12 +1013,34 @@ def _iter_inputs(inputs: Any, chain: str) -> Iterator[tuple[str, Mapping[str, An
             yield from _iter_inputs(sub.get("inputs"), name)
 
 
+def _outside_tree(p: Path, root: Path) -> bool:
+    """Whether ``p``, every link resolved, lies outside the folder ``root`` (resolved)."""
+    real = _real(p)
+    return real != root and root not in real.parents
+
+
 def _check_present_input(name: str, inp: Mapping[str, Any], problems: list[str], notes: list[str]) -> None:
+    """Check one recorded input where it is — only inside the tree being verified (the current directory):
+    a crafted lineage naming ``/``, ``/etc`` or ``/proc/kmsg`` gets a note and nothing is opened; an input
+    inside it that is not a folder or a regular file (a FIFO, a device) is a problem, never read."""
     path = str(inp.get("path"))
     label = f"input {_cut(name, 60)} ({_cut(path)})"
     p = Path(path)
     if not p.exists() and not p.is_symlink():
         notes.append(f"{label}: not present, checked from the embedded manifest only")
+        return
+    root = _real(Path.cwd())
+    if _outside_tree(p, root):
+        notes.append(f"{label}: outside the tree being verified ({_cut(str(root))}): not opened, checked from the "
+                     "embedded manifest only (verify it where it is)")
+        return
+    try:
+        mode = os.stat(p).st_mode
+    except OSError as exc:
+        problems.append(f"{label}: cannot be read ({exc.strerror or exc}; a symbolic link loop?)")
+        return
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        problems.append(f"{label}: is {file_kind(mode)}, not an artifact: not read")
         return
     sub = inp.get("lineage")
     if isinstance(sub, Mapping):

@@ -3,7 +3,8 @@
 A distilled student is not sampled by stock ``WanPipeline``'s many-step Euler loop: a DMD2 student
 runs its few-step x0 ladder, a Self-Forcing student streams chunk by chunk through its KV cache, a
 PDD student decodes blocks of its fine grid through fused heads. diffusers loads the folder with its
-own components and this class, offline, with only torch, diffusers and transformers installed::
+own components and this class, offline, with only torch, diffusers, transformers and accelerate installed
+(diffusers loads Wan's transformer only where accelerate is)::
 
     from diffusers import DiffusionPipeline
     pipe = DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True)
