@@ -1,0 +1,1 @@
+"""The ``distillery`` command line: one module per subcommand, dispatched lazily by :mod:`~distillery.cli.main`."""
