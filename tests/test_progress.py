@@ -52,3 +52,52 @@ def test_disabled_progress_is_silent(caplog: pytest.LogCaptureFixture) -> None:
 @pytest.mark.parametrize("seconds, shown", [(4.4, "4s"), (65, "1m05s"), (7620, "2h07m"), (float("inf"), "?")])
 def test_format_duration(seconds: float, shown: str) -> None:
     assert format_duration(seconds) == shown
+
+
+class _Clock:
+    """A monotonic clock the test moves by hand (the module's ``time``: its ``monotonic``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_the_eta_counts_the_steady_steps_not_the_compiling_first_one(caplog, monkeypatch) -> None:
+    """A first step of 300 s (start-up, torch.compile), then 15 s a step: at 10 % of 120 steps the ETA is the
+    108 steady steps left × 15 s = 27 min (the whole-run average said 108 × 39 s = 70 min); after the first step
+    alone nothing steady is known: ``ETA ?``, not 119 × 300 s."""
+    import distillery.common.progress as progress
+
+    clock = _Clock()
+    monkeypatch.setattr(progress, "time", clock)
+    caplog.set_level(logging.INFO, logger=LOG.name)
+    bar = Progress(120, "train", "step", mode="lines", interval_s=3600, logger=LOG)
+    clock.now += 300
+    bar.update(1)
+    for _ in range(11):
+        clock.now += 15
+        bar.update(1)
+    lines = _lines(caplog)
+    assert lines[0] == "train 1/120 (1%), 300.0 s/step, ETA ?", lines
+    assert lines[1] == "train 12/120 (10%), 15.0 s/step, ETA 27m00s", lines
+    for _ in range(108):
+        clock.now += 15
+        bar.update(1)
+    assert _lines(caplog)[-1] == "train 120/120 (100%), 15.0 s/step, done in 34m45s"
+
+
+def test_a_resumed_run_leaves_out_its_own_first_step(caplog, monkeypatch) -> None:
+    import distillery.common.progress as progress
+
+    clock = _Clock()
+    monkeypatch.setattr(progress, "time", clock)
+    bar = Progress(100, "train", initial=50, mode="off")
+    clock.now += 120  # restoring the checkpoint, compiling
+    bar.update(1)
+    assert bar.eta_s() == float("inf")
+    for _ in range(9):
+        clock.now += 2
+        bar.update(1)
+    assert bar.eta_s() == 40 * 2.0

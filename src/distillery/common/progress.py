@@ -10,6 +10,11 @@
   (:data:`DEFAULT_INTERVAL_S`; ``$DISTILLERY_PROGRESS_INTERVAL_S`` overrides it), whichever comes
   first, and one line at the end — about a dozen lines per loop, never a flood.
 
+The rate and the ETA are the steady ones: measured from the end of this process's first item on, so the
+start-up before it and the first item itself (CUDA init, ``torch.compile``, the data loader's first batch:
+often minutes, the cost of many steady steps) do not count as the loop's pace. After the first item
+alone no steady rate is known yet: the line shows that item's time and ``ETA ?``.
+
 ``$DISTILLERY_PROGRESS`` = ``bar`` | ``lines`` | ``off`` forces a mode (default ``auto``: as above).
 Only the process that should talk shows anything: pass ``enabled=False`` on ranks other than 0.
 """
@@ -21,6 +26,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from distillery.common.log import get_logger
@@ -63,20 +69,24 @@ class Progress:
 
     ``desc``: what is counted (``"train"``, ``"validate"``); ``unit``: one item (``"step"``,
     ``"video"``); ``initial``: items already done before this process (a resumed run: the rate
-    and ETA count only this process's items). ``logger``/``interval_s`` override the defaults (tests).
+    and ETA count only this process's items, its first one left out: module doc).
+    ``logger``/``interval_s``/``clock`` (seconds, monotonic) override the defaults (tests).
     Call :meth:`update` after each item (``values``: live numbers/labels shown beside the count,
     e.g. ``loss=0.1234``), :meth:`close` at the end (or use it as a context manager).
     """
 
     def __init__(self, total: int, desc: str, unit: str = "step", initial: int = 0, enabled: bool = True,
-                 logger: logging.Logger | None = None, interval_s: float | None = None, mode: str | None = None) -> None:
+                 logger: logging.Logger | None = None, interval_s: float | None = None, mode: str | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.total, self.desc, self.unit = max(0, int(total)), desc, unit
         self.done = self.initial = int(initial)
         self.mode = "off" if not enabled else (mode or _mode())
         self.log = logger or get_logger("progress")
         self.interval_s = _interval() if interval_s is None else interval_s
         self.values: dict[str, Any] = {}
-        self.started = self.last_line = time.monotonic()
+        self.clock = clock or time.monotonic
+        self.started = self.last_line = self.clock()
+        self.warm: tuple[float, int] | None = None  # (time, done) when this process's first item ended
         self.last_percent_step = -1  # the multiple of EVERY_PERCENT last reported
         self.lines = 0  # log lines written (lines mode)
         self._bar = None
@@ -92,22 +102,30 @@ class Progress:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def steady_s(self) -> float | None:
+        """Seconds per item since this process's first item ended (module doc); None until an item after it ends."""
+        if self.warm is None or self.done <= self.warm[1]:
+            return None
+        return (self.clock() - self.warm[0]) / (self.done - self.warm[1])
+
     def eta_s(self) -> float:
-        """Seconds left at this process's rate so far (inf before its first item)."""
-        ran = self.done - self.initial
-        if ran <= 0:
-            return math.inf
-        return (time.monotonic() - self.started) / ran * (self.total - self.done)
+        """Seconds left at the steady rate (:meth:`steady_s`); inf while it is unknown."""
+        steady = self.steady_s()
+        return math.inf if steady is None else steady * (self.total - self.done)
 
     def line(self) -> str:
-        """The text of one progress line: ``train 40/120 (33%) loss 0.1234, 2.1 s/step, ETA 2m48s``."""
-        ran, elapsed = self.done - self.initial, time.monotonic() - self.started
+        """The text of one progress line: ``train 40/120 (33%) loss 0.1234, 2.1 s/step, ETA 2m48s`` (the steady
+        rate; after the first item alone, that item's time)."""
+        ran, elapsed = self.done - self.initial, self.clock() - self.started
         pct = 100 * self.done / self.total if self.total else 100
         shown = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in self.values.items())
-        if ran > 0 and elapsed / ran >= 1:
-            rate = f"{elapsed / ran:.1f} s/{self.unit}"
-        elif ran > 0:
-            rate = f"{ran / max(elapsed, 1e-9):.1f} {self.unit}/s"
+        per_item = self.steady_s()
+        if per_item is None and ran > 0:
+            per_item = elapsed / ran
+        if per_item is not None and per_item >= 1:
+            rate = f"{per_item:.1f} s/{self.unit}"
+        elif per_item is not None:
+            rate = f"{1 / max(per_item, 1e-9):.1f} {self.unit}/s"
         else:
             rate = f"? s/{self.unit}"
         left = "done in " + format_duration(elapsed) if self.done >= self.total else "ETA " + format_duration(self.eta_s())
@@ -123,6 +141,8 @@ class Progress:
     def update(self, n: int = 1, **values: Any) -> None:
         """``n`` more items done; ``values`` replace the live values shown."""
         self.done += n
+        if self.warm is None:
+            self.warm = (self.clock(), self.done)
         if values:
             self.set(**values)
         if self._bar is not None:
@@ -130,7 +150,7 @@ class Progress:
             return
         if self.mode != "lines":
             return
-        now = time.monotonic()
+        now = self.clock()
         percent_step = int(100 * self.done / self.total) // EVERY_PERCENT if self.total else 0
         first = self.done - self.initial == n
         if first or percent_step > self.last_percent_step or now - self.last_line >= self.interval_s \
