@@ -285,3 +285,76 @@ def test_recursive_catches_tampered_upstream(chain, capsys, data_lost):
     assert any(ln.startswith("input student (artifacts/pretrain): its manifest digest ") and "embedded here" in ln
                for ln in lines), lines
     assert "input student/data (artifacts/latents): verified: 1 files, manifest matches the embedded one" in lines
+
+
+def _craft_inputs(export: Path, paths: list[str]) -> None:
+    """Add external inputs naming ``paths`` to the export's lineage and reseal it (the format holds no secret)."""
+    m = _manifest(export)
+    for i, path in enumerate(paths):
+        m["inputs"].append({"role": f"crafted{i}", "path": path, "kind": "external",
+                            "files": [{"path": "x", "sha256": "0" * 64, "bytes": 1}]})
+    _save(export, m, reseal=True)
+
+
+@pytest.mark.reliability(case="10.F", title="a crafted lineage naming paths outside the tree",
+                         injected="the export's lineage.json given inputs /proc/kmsg, / and /etc (resealed); "
+                                  "`distillery lineage --verify --recursive`",
+                         expect="no hang, no walk: each input noted 'outside the tree being verified: not opened'; "
+                                "the genuine inputs still verified")
+def test_recursive_verify_never_opens_paths_outside_the_tree(chain, capsys, data_lost, monkeypatch):
+    import os as _os
+
+    export = chain["export"]
+    _craft_inputs(export, ["/proc/kmsg", "/", "/etc"])
+    opened: list[str] = []
+    real_scandir, real_open = _os.scandir, open
+
+    def scandir(path="."):
+        opened.append(str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr("os.scandir", scandir)
+    rc, lines, err = lineage(capsys, export, "--verify", "--recursive")
+    outside = [ln for ln in lines if "outside the tree being verified" in ln]
+    assert len(outside) == 3, lines
+    walked = [p for p in opened if p in ("/", "/etc") or p.startswith(("/etc/", "/proc"))]
+    data_lost.record(len(walked), "folders outside the tree walked")
+    assert walked == [] and real_open is open
+    assert "input student (artifacts/pretrain): verified: 3 files, manifest matches the embedded one" in lines
+
+
+@pytest.mark.reliability(case="10.F", title="a recorded input inside the tree that is a FIFO or a device",
+                         injected="artifacts/pretrain replaced by a FIFO, then by a character device (/dev/zero's numbers, "
+                                  "made with mknod inside the tree); `--verify --recursive` of the export",
+                         expect="exit 2, 'is a named pipe / character device, not an artifact: not read'; no hang")
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_recursive_verify_never_reads_a_special_file(chain, capsys, data_lost, tmp_path, kind):
+    import os as _os
+    import shutil as _shutil
+
+    export, pretrain = chain["export"], chain["pretrain"]
+    _shutil.rmtree(pretrain)
+    if kind == "fifo":
+        _os.mkfifo(pretrain)
+        words = "is a named pipe, not an artifact: not read"
+    else:
+        _os.mknod(pretrain, 0o600 | __import__("stat").S_IFCHR, _os.makedev(1, 5))
+        words = "is a character device, not an artifact: not read"
+    rc, lines, _ = lineage(capsys, export, "--verify", "--recursive")
+    _record_undetected(data_lost, rc, lines)
+    assert any(words in ln for ln in lines), lines
+
+
+@pytest.mark.reliability(case="10.3", title="a symbolic link loop in a verified tree",
+                         injected="base/tiny-wan/loop -> . and base/tiny-wan/self -> self (the external input, followed); "
+                                  "`--verify --recursive` of the export",
+                         expect="no 'Symlink loop' traceback: each loop refused by name, exit 2 (the input's tree changed)")
+def test_recursive_verify_over_a_link_loop(chain, capsys, data_lost):
+    base = chain["base"]
+    (base / "loop").symlink_to(".", target_is_directory=True)
+    (base / "self").symlink_to("self")
+    rc, lines, err = lineage(capsys, chain["export"], "--verify", "--recursive")
+    assert "Traceback" not in err
+    _record_undetected(data_lost, rc, lines)
+    text = "\n".join(lines)
+    assert "refused: loop (symlink -> .; a loop)" in text and "refused: self (symlink -> self)" in text, text
