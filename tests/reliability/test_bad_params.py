@@ -232,3 +232,25 @@ def test_a_bad_path_stops_the_first_stage_before_any_work(tmp_path, monkeypatch,
 
     assert preflight.CAPTION_FILES == CAPTION_FILES  # the layout check knows the captions files the latents stage reads
     assert data_lost.total == 0
+
+
+@pytest.mark.reliability(case="10.6", title="params.yaml that is not a file",
+                         injected="params.yaml a FIFO, then a symlink to /dev/zero, then a folder; `distillery params check`",
+                         expect="exit 2, one line saying what it is (not 'not found'); no hang, nothing read from the device")
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "folder"])
+def test_params_file_that_is_not_a_file_is_named(tmp_path, monkeypatch, capsys, data_lost, kind):
+    import os
+
+    from distillery.cli.guard import run_guarded
+    from distillery.cli.main import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    params = tmp_path / "params.yaml"
+    {"fifo": lambda: os.mkfifo(params), "dev-zero": lambda: params.symlink_to("/dev/zero"), "folder": params.mkdir}[kind]()
+    ns = build_parser().parse_args(["params", "check"])
+    capsys.readouterr()
+    rc = run_guarded(lambda: ns.func(ns))
+    lines = capsys.readouterr().err.strip().splitlines()
+    words = {"fifo": "is a named pipe", "dev-zero": "is a character device through a symbolic link", "folder": "is a folder"}[kind]
+    assert rc == 2 and len(lines) == 1 and words in lines[0] and "not found" not in lines[0], lines
+    data_lost.record(0, "files lost")

@@ -254,20 +254,29 @@ def test_huge_caption_is_skipped(tmp_path: Path, tiny_base: Path, clips: Path, d
              "3,125 shards)",
     expect="error naming the split, 99999 of 100000 unusable and the reason, before the base model is loaded "
            "or any shard is written (nothing in OUT)")
-def test_mostly_bad_captions_fail_before_any_shard(tmp_path: Path, tiny_base: Path, clips: Path, data_lost) -> None:
+def test_mostly_bad_captions_fail_before_any_shard(tmp_path: Path, tiny_base: Path, clips: Path, data_lost,
+                                                   monkeypatch) -> None:
+    import distillery.data.preprocess as preprocess_module
+
     data = _copy(clips, tmp_path / "data")
     first = (data / "captions.jsonl").read_text().splitlines()[0]
     (data / "captions.jsonl").write_text(first + "\n" + "{not json\n" * 99_999)
     out = tmp_path / "out"
-    started = time.perf_counter()
+    loaded: list[Path] = []
+    real_encoders = preprocess_module.BaseEncoders
+
+    def encoders(base, *args, **kwargs):  # the real class; the test records that it was (not) reached
+        loaded.append(Path(base))
+        return real_encoders(base, *args, **kwargs)
+
+    monkeypatch.setattr(preprocess_module, "BaseEncoders", encoders)
     with pytest.raises(UserError) as e:
         preprocess(tiny_base, data, out, PreprocessConfig(num_frames=17, height=32, width=32))
-    seconds = time.perf_counter() - started
     message = str(e.value)
     assert "train" in message and "99999 of 100000" in message and "bad_caption_entry" in message, message
     written = data_lost.record(len(list(out.rglob("*"))) if out.exists() else 0, "files written to OUT")
     assert written == 0, _shard_files(out)[:5]
-    assert seconds < 60, seconds  # a scan of the captions file, not 3,125 shards
+    assert loaded == [], loaded  # refused from the scan of the captions file: the base model was never loaded
 
 
 def _special_folder(tmp_path: Path, clips: Path) -> Path:

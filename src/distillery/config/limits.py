@@ -30,6 +30,7 @@ uses it to refuse the scalars DVC's YAML 1.2 reads differently.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import reprlib
 from collections.abc import Callable, Iterable
@@ -40,6 +41,7 @@ from typing import Any
 import yaml
 
 from distillery.common.errors import UserError
+from distillery.common.fsutil import file_kind
 
 MAX_FILE_BYTES = 1 << 20  # a run config or params.yaml (real ones are a few KB)
 MAX_DEPTH = 32  # nested mappings/lists (real configs: 4)
@@ -207,6 +209,10 @@ def read_text_file(path: str | Path, source: str, missing: str) -> str:
     p = Path(path)
     try:
         if not p.is_file():
+            if os.path.lexists(p):  # there, but not a file: say what it is (a FIFO, a link to /dev/zero, a folder)
+                what = file_kind(os.stat(p).st_mode) if os.path.exists(p) else "a dangling symbolic link"
+                via = " through a symbolic link" if p.is_symlink() and os.path.exists(p) else ""
+                raise UserError(f"{source}: is {what}{via}, not a regular file; a config file is a YAML file")
             raise UserError(f"{source}: {missing}")
         size = p.stat().st_size
         if size > MAX_FILE_BYTES:
