@@ -350,3 +350,23 @@ def test_ema_and_recipe_knobs_reach_the_run_config(tmp_path, monkeypatch, stage)
     off = fill_run_config(spec, StageParams(_workspace(tmp_path / "off", monkeypatch), stage, stage_params(stage)), "p")
     assert shipped_weights(spec, off) == {"role": "student", "source": "trained"}
     assert set(row.ema_keys()) <= set(row.params_read())
+
+
+@pytest.mark.parametrize("method", ["self_forcing", "dmd2"])
+@pytest.mark.parametrize("critic_init", ["teacher", "base"])
+def test_distill_critic_init_picks_the_critics_start(tmp_path, monkeypatch, method, critic_init):
+    """``distill.critic_init``: the critic (fake score) starts from the teacher artifact (the default, today's recipe)
+    or from the base — the student's base, as the published recipes start it —, whichever ``distill.method``;
+    its lineage role is ``critic_init`` and dvc.yaml names the dep ``artifacts/${distill.critic_init}``."""
+    from distillery.stages.dvcfile import load_dvc_stages
+
+    params = _workspace(tmp_path, monkeypatch, {"distill.method": method, "distill.critic_init": critic_init})
+    view = StageParams(params, "distill", stage_params("distill"))
+    spec = TRAINING_STAGES["distill"].resolve(view)
+    assert spec.inputs == {"student": "pretrain", "teacher": "teacher", "critic": critic_init} and not spec.input_keys
+    assert ("critic_init", critic_init) in spec.input_artifacts()
+    raw = fill_run_config(spec, view, "p")
+    assert raw["models"]["critic"]["init_from"] == f"artifacts/{critic_init}/model"
+    assert raw["models"]["teacher"]["init_from"] == "artifacts/teacher/model"
+    assert "distill.critic_init" in TRAINING_STAGES["distill"].params_read()
+    assert f"artifacts/{critic_init}" in load_dvc_stages(tmp_path)["distill"].deps

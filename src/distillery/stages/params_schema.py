@@ -209,6 +209,7 @@ class DistillParams(TrainingStageParams):
     generator_update_interval: int = rule(2, 1, 1000)  # the student steps every k-th step; the critic every step
     guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite)  # the teacher's CFG scale in the real score
     context_noise: float = rule(0.0, 0, MAX_TIMESTEP, score_ratio)  # self_forcing: timestep of the KV-cached context chunks (0: clean)
+    critic_init: Literal["teacher", "base"] = rule("teacher")  # the critic's init: the teacher artifact, or the base (the student's; the published recipes')
     same_step_across_chunks: bool = rule(False)  # self_forcing: one exit-step draw for every chunk of a rollout (false: one per chunk)
     student_shift: float | None = rule(None, 0, MAX_SHIFT, optional(positive_finite))  # the student's flow shift (warps its ladder); null: its init's
 

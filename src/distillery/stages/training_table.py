@@ -77,6 +77,9 @@ class TrainingStageSpec:
       already picks where a role starts from (``pdd.method`` beside ``pdd.student_init``): the
       :class:`StageVariant` its value names replaces the template, joins its params, and *adds* its
       ``inputs`` to the roles' (a critic's init), applied after the variant;
+    - ``input_keys``: role → the params.yaml key whose value names the stage that role starts from
+      (``distill.critic_init: teacher | base``), applied last; dvc.yaml names that dep
+      ``artifacts/${<key>}``;
     - ``validation``: how validate scores the stage's model (:class:`ValidationSpec`), None: it does not.
     """
 
@@ -89,6 +92,7 @@ class TrainingStageSpec:
     variants: dict[str, StageVariant] = field(default_factory=dict)
     method_key: str | None = None
     methods: dict[str, StageVariant] = field(default_factory=dict)
+    input_keys: dict[str, str] = field(default_factory=dict)
     validation: ValidationSpec | None = None
 
     def input_artifacts(self) -> list[tuple[str, str]]:
@@ -97,7 +101,8 @@ class TrainingStageSpec:
 
     def resolve(self, params: Any) -> "TrainingStageSpec":
         """The plain spec of the variant ``params.get(variant_key)`` names, then of the method
-        ``params.get(method_key)`` names (``self`` without variants or methods)."""
+        ``params.get(method_key)`` names, with each ``input_keys`` role starting from the stage its key
+        names (``self`` without variants, methods or input keys)."""
         spec = self
         if spec.variant_key is not None:
             choice = params.get(spec.variant_key)
@@ -113,6 +118,9 @@ class TrainingStageSpec:
             method = spec.methods[choice]
             spec = replace(spec, template=method.template, params={**spec.params, **method.params}, method_key=None,
                            methods={}, inputs={**spec.inputs, **(method.inputs or {})})
+        if spec.input_keys:
+            spec = replace(spec, inputs={**spec.inputs, **{role: str(params.get(key)) for role, key in spec.input_keys.items()}},
+                           input_keys={})
         return spec
 
     def templates(self) -> list[str]:
@@ -126,7 +134,7 @@ class TrainingStageSpec:
         keys = list(self.params) + [k for k in self.ema_keys() if k not in self.params]
         for variant in (*self.variants.values(), *self.methods.values()):
             keys += [k for k in variant.params if k not in keys]
-        return keys + [k for k in (self.variant_key, self.method_key) if k and k not in keys]
+        return keys + [k for k in (self.variant_key, self.method_key, *self.input_keys.values()) if k and k not in keys]
 
     def ema_keys(self) -> tuple[str, str]:
         """The params.yaml keys of the stage's EMA: ``<stage>.ema_decay`` (null: off), ``<stage>.ema_start_step``."""
@@ -198,6 +206,8 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
                     "distill.guidance_scale": "method.real_score_guidance_scale",
                     "distill.student_shift": "models.student.shift"},
             variant_key="distill.method",
+            # the critic (fake score) starts from the teacher, or from the student's base as the published recipes do
+            input_keys={"critic": "distill.critic_init"},
             variants={"self_forcing": StageVariant("templates/distill_self_forcing.yaml",
                                                    {"distill.context_noise": "method.context_noise",
                                                     "distill.same_step_across_chunks": "method.same_step_across_chunks",
