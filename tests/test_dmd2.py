@@ -25,6 +25,7 @@ from helpers import dcp_tensors, nudge_weights, read_log, run_config, train_in_p
 from helpers import tiny_raw_batch as raw_batch
 from torchrun_each import torchrun_each
 
+from distillery.common.errors import UserError
 from distillery.config import allowed_prefixes, load_run_config
 from distillery.methods.dmd2 import DMD2Config, DMD2Method, truncated_shifted_timesteps, warped_ladder
 from distillery.models.wan import WanModel, WanModelConfig
@@ -94,6 +95,33 @@ def make(tiny_base: Path, training, **knobs) -> DMD2Method:
 
 def grads(model) -> list[torch.Tensor | None]:
     return [p.grad for p in model.transformer.parameters()]
+
+
+def test_each_roles_lr_schedule_spans_its_own_updates(tiny_base, latent_set):
+    """Issue 46: the student steps its scheduler only on update steps (every k-th), so a schedule over all the
+    run's steps decayed it only ~1/k of the way; each role's horizon is now its own number of updates."""
+    raw = run_config(tiny_base, latent_set, Path("unused"), steps=8)
+    raw["training"]["optimizer"].update({"lr_scheduler": "cosine", "min_lr_ratio": 0.0, "warmup_steps": 0})
+    training = load_run_config(raw=raw, prefixes=allowed_prefixes()).training
+    method = make(tiny_base, training, generator_update_interval=2)
+    lr = training.optimizer.learning_rate
+    for step in range(1, 9):  # no gradients: the optimizers skip every parameter, the schedulers step as in a run
+        method.optimizers_step(step)
+        rates = method.learning_rates()
+        if step % 2 == 0:  # after the student's update: both roles the same way through their decay
+            assert rates["student"] == pytest.approx(rates["critic"], abs=1e-12), (step, rates)
+    assert rates["student"] == pytest.approx(0.0, abs=1e-12) and rates["critic"] == pytest.approx(0.0, abs=1e-12)
+    assert lr > 0
+    assert (method.role_updates("student", 8), method.role_updates("critic", 8)) == (4, 8)
+
+
+def test_guided_real_score_refuses_a_latent_set_without_the_empty_prompt(tiny_base, training):
+    """Issue 46: without the empty prompt's embedding, the teacher's unconditional forward ran on zeros."""
+    batch = {k: v for k, v in raw_batch().items() if k != "empty_text_embeds"}
+    method = make(tiny_base, training, real_score_guidance_scale=3.0, generator_update_interval=1)
+    with pytest.raises(UserError, match=r"has no empty_prompt\.safetensors.*real-score guidance of 3\.0.*zeros are not it"):
+        method.single_train_step(batch, step=1)
+    make(tiny_base, training, real_score_guidance_scale=1.0, generator_update_interval=1).single_train_step(batch, step=1)
 
 
 @pytest.mark.parametrize("rollout,guidance", [("simulate", 3.0), ("simulate", 1.0), ("data_latent", 2.5)])

@@ -18,6 +18,7 @@ import pytest
 import torch
 from helpers import run_config
 
+from distillery.common.errors import UserError
 from distillery.config import allowed_prefixes, load_run_config
 from distillery.methods.dfsft import DFSFTConfig, DFSFTMethod
 from distillery.methods.sft import SFTMethod
@@ -227,3 +228,12 @@ def test_sft_caption_dropout_swaps_in_the_empty_prompt(tiny_base, training):
     assert dropped + kept == 64 and 20 <= dropped <= 44, (dropped, kept)
     step = run_step(make(SFTMethod, {"caption_dropout": 1.0}, tiny_base, training), raw)
     assert all(torch.equal(step.calls[0]["text"][i], raw["empty_text_embeds"]) for i in range(64))
+
+
+def test_caption_dropout_refuses_a_latent_set_without_the_empty_prompt(tiny_base, training):
+    """Issue 46: without the empty prompt's embedding, a dropped caption became zeros (not the empty prompt)."""
+    raw = {k: v for k, v in raw_batch(4, 1, seed=6).items() if k != "empty_text_embeds"}
+    for cls, knobs in ((SFTMethod, {"caption_dropout": 0.5}), (DFSFTMethod, {"chunk_size": 1, "caption_dropout": 0.5})):
+        with pytest.raises(UserError, match=r"has no empty_prompt\.safetensors.*caption dropout \(0\.5\).*zeros are not it"):
+            run_step(make(cls, knobs, tiny_base, training), raw)
+        run_step(make(cls, {**knobs, "caption_dropout": 0.0}, tiny_base, training), raw)  # not needed: no refusal

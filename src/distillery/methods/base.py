@@ -133,11 +133,20 @@ class TrainingMethod(ABC):
     def build_optimizers(self) -> None:
         """One AdamW + LR schedule per trainable role over its ``trainable_modules()``, from that
         role's optimizer config (``models.<role>.optimizer`` over ``training.optimizer``); call after
-        the modules are placed (sharded)."""
+        the modules are placed (sharded). Each role's schedule spans its own number of updates
+        (:meth:`role_updates`), so a decay reaches its end at the run's last step for every role."""
         for role, cfg in self.optimizer_configs.items():
-            built = build_role_optimizer(self.role_models[role].trainable_modules(), cfg, self.training.loop.max_train_steps)
+            updates = self.role_updates(role, self.training.loop.max_train_steps)
+            built = build_role_optimizer(self.role_models[role].trainable_modules(), cfg, updates)
             self.optimizers[role] = built.optimizer
             self.lr_schedulers[role] = built.scheduler
+
+    def role_updates(self, role: str, max_steps: int) -> int:
+        """How many of the run's ``max_steps`` optimizer steps update ``role`` (its scheduler steps only
+        on those, :meth:`optimizers_step`), the horizon of its LR schedule: every step by default; a
+        method whose :meth:`roles_to_step` skips a role on some steps overrides this to match."""
+        del role
+        return max_steps
 
     # -- per step -------------------------------------------------------------------------
     @abstractmethod
@@ -224,11 +233,26 @@ def flow_matching_loss(
     return (pred_velocity - target) ** 2
 
 
+def require_empty_prompt(cond: Any, needed_by: str, training: TrainingConfig | None = None) -> None:
+    """A :class:`UserError` (one line) unless ``cond`` (a batch or :class:`~distillery.models.base.Conditioning`)
+    carries the empty prompt's embedding, which a latent set holds as ``empty_prompt.safetensors``
+    (the latents stage writes it). Nothing falls back to zeros: an all-zero sequence is not what the
+    text encoder makes of "", so a CFG target or a dropped caption built on it would train toward
+    another model. ``needed_by``: the setting that asks for the unconditional forward; ``training``: the
+    run's, to name its latent set."""
+    if getattr(cond, "negative_text_embeds", None) is None:
+        where = training.data.path if training is not None else "training.data.path"
+        raise UserError(f"{where}: the latent set has no empty_prompt.safetensors, the empty prompt's embedding "
+                        f"that {needed_by} needs (zeros are not it); rerun the latents stage, which writes it")
+
+
 def apply_caption_dropout(batch: Any, probability: float, rng: BatchRNG) -> None:
-    """Replace each sample's prompt embedding by the empty prompt's with ``probability`` (in place)."""
+    """Replace each sample's prompt embedding by the empty prompt's with ``probability`` (in place);
+    a latent set without the empty prompt's embedding is refused (:func:`require_empty_prompt`)."""
     if probability <= 0:
         return
+    require_empty_prompt(batch, f"caption dropout ({probability})")
     b = batch.text_embeds.shape[0]
     drop = rng.rand((b,)).to(batch.text_embeds.device) < probability
-    empty = batch.negative_text_embeds if batch.negative_text_embeds is not None else torch.zeros_like(batch.text_embeds)
+    empty = batch.negative_text_embeds
     batch.text_embeds = torch.where(drop[:, None, None], empty.to(batch.text_embeds.dtype), batch.text_embeds)

@@ -22,10 +22,12 @@ One optimizer step (step numbers start at 1; an *update step* is ``step % genera
 
 2. **Generator loss** (update steps only). Per sample a score timestep τ (see below);
    ``x_τ = (1 − σ_τ) x̂0 + σ_τ ε`` (no grad); ``f`` = critic x0 at ``(x_τ, τ)``; ``r = u + w (c − u)``
-   from the teacher's unconditional (negative / empty-prompt embeddings, zeros when absent) and
+   from the teacher's unconditional (the latent set's empty-prompt embedding: a set without one is
+   refused, zeros are not it) and
    conditional x0, ``w = real_score_guidance_scale`` (one teacher forward when w = 1), all without
    gradients; ``g = (f − r) / mean_{C,T,H,W} |x̂0 − r|`` per sample (``g = 0`` for a sample whose
-   normaliser is 0); ``loss = 0.5 · mean((x̂0 − stopgrad(x̂0 − g))²)``, so
+   normaliser is 0; each sample's own normaliser as in the DMD2 paper, on purpose — FastVideo divides
+   by one mean over the whole batch, which lets one far-off sample shrink every other's step); ``loss = 0.5 · mean((x̂0 − stopgrad(x̂0 − g))²)``, so
    ``∂loss/∂x̂0 = g / x̂0.numel()`` (a descent step moves x̂0 along ``r − f``).
 
 3. **Critic loss** (every step): the rollout's sample without gradient (on update steps the
@@ -44,7 +46,15 @@ EMA and compute-copy refreshes follow :meth:`roles_to_step`).
 **Score timesteps** τ (teacher/critic queries, and the critic's training t): per sample, from the
 teacher's shifted distribution truncated to ``[min_score_timestep_ratio, max_score_timestep_ratio]
 · n`` (n = 1000): ``u ~ U[shift⁻¹(min), shift⁻¹(max))``, ``τ = n · shift(u)`` with
-``shift(σ) = sσ / (1 + (s − 1)σ)``, ``shift⁻¹(y) = y / (s − (s − 1) y)``.
+``shift(σ) = sσ / (1 + (s − 1)σ)``, ``shift⁻¹(y) = y / (s − (s − 1) y)``. This departs from FastVideo
+on purpose: FastVideo clamps the shifted draw to the range, which puts an atom at each bound (at
+shift 3, 5.7 % of the draws land on 980 exactly and 0.7 % on 20); truncating and renormalising keeps
+the shifted density inside the range and puts no mass on the bounds (:func:`truncated_shifted_timesteps`,
+drawn by :class:`ScoreTimesteps`, the one copy DMD2, Self-Forcing and DM-PDD share).
+
+**LR schedules.** The student's scheduler steps on update steps only, so its schedule spans its
+``max_train_steps // generator_update_interval`` updates (:meth:`DMD2Method.role_updates`; its
+``warmup_steps`` count updates too), the critic's every step: a decay ends at the run's last step for both.
 
 **Student ladder** ``student_timesteps`` (descending, in (0, n]); null: ``num_student_steps`` steps
 of the shift-warped uniform ladder ``t_j = n · shift(1 − j/K)``, j = 0 … K−1 (``[1000, 900, 750,
@@ -77,7 +87,7 @@ import torch.nn.functional as F
 
 from distillery.common.errors import UserError
 from distillery.config.typed import bounded
-from distillery.methods.base import StepOutput, TrainingMethod
+from distillery.methods.base import StepOutput, TrainingMethod, require_empty_prompt
 from distillery.models.base import ModelBase, TrainingBatch
 from distillery.models.schedule import FlowMatchSchedule, euler_step, renoise, x0_from_velocity
 
@@ -126,7 +136,9 @@ def warped_ladder(schedule: FlowMatchSchedule, num_steps: int) -> list[float]:
 
 def truncated_shifted_timesteps(u01: torch.Tensor, schedule: FlowMatchSchedule, lo_ratio: float, hi_ratio: float) -> torch.Tensor:
     """Timesteps ``[B]`` (float32, in ``[lo_ratio·n, hi_ratio·n]``) from uniforms ``u01 [B]`` in [0, 1):
-    the schedule's shifted distribution truncated to that range (see the module doc)."""
+    the schedule's shifted distribution truncated to that range and renormalised (see the module doc).
+    Departs from FastVideo on purpose: FastVideo clamps the shifted draw to the range, an atom of
+    5.7 % at the upper bound at shift 3; here the density inside the range is kept and none piles up."""
     s, n = schedule.shift, schedule.num_train_timesteps
     a, b = lo_ratio / (s - (s - 1.0) * lo_ratio), hi_ratio / (s - (s - 1.0) * hi_ratio)
     u = a + (b - a) * u01.double()
@@ -135,7 +147,9 @@ def truncated_shifted_timesteps(u01: torch.Tensor, schedule: FlowMatchSchedule, 
 
 def dmd_gradient(x0: torch.Tensor, fake_x0: torch.Tensor, real_x0: torch.Tensor) -> torch.Tensor:
     """``g = (f − r) / mean_{C,T,H,W} |x̂0 − r|`` per sample (float32 ``[B, C, T, H, W]``, no grad);
-    a sample whose normaliser is 0 gets ``g = 0``."""
+    a sample whose normaliser is 0 gets ``g = 0``. The normaliser is each sample's own, as the DMD2
+    paper writes it — a departure from FastVideo on purpose, which divides the batch by one mean over
+    all its samples (so a batch's outlier scales every other sample's step)."""
     with torch.no_grad():
         x0, f, r = x0.detach().float(), fake_x0.float(), real_x0.float()
         norm = (x0 - r).abs().mean(dim=tuple(range(1, x0.ndim)), keepdim=True)
@@ -153,12 +167,31 @@ class ScoreModels:
     critic: ModelBase
     draw_timesteps: Callable[[int], torch.Tensor]
     rng: Any
+    training: Any = None  # the run's TrainingConfig, to name its latent set when the empty prompt is missing
+
+
+class ScoreTimesteps:
+    """The score-timestep draw and the :class:`ScoreModels` of a method with a ``teacher``, a ``critic``,
+    a ``student``, ``self.rng`` and ``min_score_timestep_ratio`` / ``max_score_timestep_ratio`` in its
+    config: the one copy DMD2 (and Self-Forcing) and DM-PDD share."""
+
+    def draw_score_timesteps(self, batch_size: int) -> torch.Tensor:
+        """Per-sample τ ``[B]`` (float32, on the student's device), see the module doc."""
+        u = self.rng.rand((batch_size,)).to(self.student.device)
+        return truncated_shifted_timesteps(u, self.teacher.schedule, self.config.min_score_timestep_ratio,
+                                           self.config.max_score_timestep_ratio)
+
+    def score_models(self) -> ScoreModels:
+        """The teacher, the critic and the score-timestep draw the two losses share."""
+        return ScoreModels(self.teacher, self.critic, self.draw_score_timesteps, self.rng, self.training)
 
 
 def distribution_matching_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels,
                                guidance: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DMD generator loss of a student sample ``x0 [B, C, T, H, W]`` (with graph) and its metrics
     (module doc, step 2: draws τ ``[B]``, then ε_τ; ``guidance`` is the teacher's CFG w)."""
+    if guidance != 1.0:
+        require_empty_prompt(cond, f"a real-score guidance of {guidance}", scores.training)
     b = x0.shape[0]
     tau = scores.draw_timesteps(b)
     with torch.no_grad():
@@ -190,7 +223,7 @@ def fake_score_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels) -> tuple[t
     return loss, {"critic_timestep": t.mean()}
 
 
-class DMD2Method(TrainingMethod):
+class DMD2Method(ScoreTimesteps, TrainingMethod):
     """Distribution-matching distillation (see the module doc for the losses and draws)."""
 
     config_class = DMD2Config
@@ -220,6 +253,11 @@ class DMD2Method(TrainingMethod):
     def roles_to_step(self, step: int) -> list[str]:
         return ["critic", "student"] if self.is_update_step(step) else ["critic"]
 
+    def role_updates(self, role: str, max_steps: int) -> int:
+        """The student updates on every ``generator_update_interval``-th step (its LR schedule spans
+        those), the critic on every step."""
+        return max_steps // self.config.generator_update_interval if role == "student" else max_steps
+
     def sampling_contract(self) -> dict[str, Any]:
         schedule = self.student.schedule
         return {"sampler": "few_step_x0", "shift": schedule.shift, "num_train_timesteps": schedule.num_train_timesteps,
@@ -240,12 +278,6 @@ class DMD2Method(TrainingMethod):
     def exit_metrics(self, exit_step: Any) -> dict[str, torch.Tensor]:
         """The exit draw as logged scalars."""
         return {"exit_step": torch.tensor(float(exit_step)), "exit_timestep": torch.tensor(self.ladder[exit_step])}
-
-    def draw_score_timesteps(self, batch_size: int) -> torch.Tensor:
-        """Per-sample τ ``[B]`` (float32, on the student's device), see the module doc."""
-        u = self.rng.rand((batch_size,)).to(self.student.device)
-        return truncated_shifted_timesteps(u, self.teacher.schedule, self.config.min_score_timestep_ratio,
-                                           self.config.max_score_timestep_ratio)
 
     # -- rollout ----------------------------------------------------------------------------
     def rollout(self, batch: dict[str, Any], exit_step: int, with_grad: bool) -> tuple[torch.Tensor, TrainingBatch]:
@@ -285,10 +317,6 @@ class DMD2Method(TrainingMethod):
     def critic_loss(self, x0: torch.Tensor, cond: TrainingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Flow-matching loss of the critic on the student sample ``x0`` (detached), module doc step 3."""
         return fake_score_loss(x0, cond, self.score_models())
-
-    def score_models(self) -> "ScoreModels":
-        """The teacher, the critic and the score-timestep draw the two losses share."""
-        return ScoreModels(self.teacher, self.critic, self.draw_score_timesteps, self.rng)
 
     # -- one micro-batch: two phases, one graph alive at a time ----------------------------
     def single_train_step(self, batch: dict[str, Any], step: int) -> StepOutput:
