@@ -556,3 +556,42 @@ def test_a_batch_of_videos_samples_what_one_at_a_time_does(validation, base, tmp
         assert abs(batched[f"{c.name}/all"] - metrics[f"{c.name}/all"]) <= 1 / len(VIDEO_KEYS) + 1e-9
     with pytest.raises(UserError, match="sample_batch"):
         ValidationConfig(sample_batch=0)
+
+
+def test_one_s_own_captions_say_where_the_prompts_came_from_and_mark_adherence_not_applicable(validation, base, tmp_path,
+                                                                                             caplog):
+    """Prompts that are not the synthetic clips' captions (one's own data): the analyzer cannot read them, so
+    adherence is n/a — left out of metrics.json (no 0.00 for every candidate), empty in adherence.csv, no plot, ``n/a``
+    in summary.md with the reason — while the scores that apply stay; the log and summary.md say which prompts
+    validate used and where they came from. The same candidates on the grammar's prompts keep every key
+    (:func:`test_run_validation_metrics`)."""
+    import logging
+
+    own = ["a dog runs across a sunny park", "timelapse of clouds over a mountain lake"]
+    cheap = [c for c in validation[2] if c.name != "teacher_10"]
+    cfg = ValidationConfig(teacher_steps=[2], num_seeds=1, progress_bar=False, grid_formats=[], bootstrap_resamples=0)
+    source = "the latent set's TRAIN split: the data has no validation/ folder"
+    with caplog.at_level(logging.INFO, logger="distillery"):
+        metrics = run_validation(base, cheap, own, tmp_path / "own", cfg, prompt_source=source)
+    assert set(metrics) == {f"{c.name}/{k}" for c in cheap for k in METRIC_NAMES
+                            if k.removesuffix("_std") not in ("colour", "shape", "direction", "all")}
+    assert metrics["student/frechet_distance"] > 0 and metrics["student/sharpness"] > 0
+    assert headline_metrics(metrics) == {k: v for k, v in metrics.items() if k.endswith(("/frechet_distance", "/kid"))}
+    report = json.loads((tmp_path / "own" / "report.json").read_text())
+    assert report["prompt_source"] == source and report["adherence"]["applicable"] is False
+    assert report["adherence"]["prompts_in_grammar"] == 0 and report["adherence_readings"] is None
+    assert not any(k in row for rows in report["per_video"].values() for row in rows for k in ("colour", "all"))
+    assert not any("all" in row for rows in report["per_prompt"].values() for row in rows)
+    with (tmp_path / "own" / "plots" / "adherence.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["adherence"], r["colour"]) for r in rows] == [("", "")] * 2 and all(float(r["sharpness"]) > 0 for r in rows)
+    assert not (tmp_path / "own" / "plots" / "adherence_vs_nfe.png").exists()
+    summary = (tmp_path / "own" / "summary.md").read_text()
+    row = next(line for line in summary.splitlines() if line.startswith("| student |"))
+    assert "| n/a | n/a | n/a | n/a |" in row and "0.00 ±" not in row.split("n/a")[0]
+    assert "**Adherence is n/a here**: 0 of 2 prompts are captions of the synthetic clips' grammar" in summary
+    assert f"## Prompts (2, from {source})" in summary and "- #1 timelapse of clouds over a mountain lake" in summary
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"validate: 2 prompts from {source}: #0 'a dog runs across a sunny park'") for m in logged), logged
+    assert any(m.startswith("validate: prompt adherence n/a: 0 of 2 prompts") for m in logged), logged
+    assert any(m.startswith("validate student: 2 NFE, adherence n/a, ") for m in logged), logged

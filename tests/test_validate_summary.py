@@ -49,3 +49,21 @@ def test_the_summary_says_why_24_nfe_and_which_readings_discriminate():
     assert "do not discriminate**: colour (1.00 for every candidate), direction (1.00 for every candidate)" in text
     assert "shape (0.50–0.75)" in text and "steps of 1/16" in text and "noise floor" in text
     assert "1 of 2 candidates reused (teacher_40)" in text
+
+
+def test_adherence_off_the_clips_grammar_reads_n_a_and_the_prompts_are_named():
+    """Metrics without adherence (prompts the analyzer cannot read): the table says n/a, a note says why, no reading
+    is called discriminating or not, and the prompts are listed with where they came from."""
+    metrics = {k: v for k, v in _metrics({"teacher_40": {"nfe": 80}, "distill_4": {"nfe": 24, "frechet_distance": 3.5}}).items()
+               if k.split("/")[1].removesuffix("_std") not in ("colour", "shape", "direction", "all")}
+    report = {"reference": "teacher_40", "prompts": ["a dog in a park", "waves on a beach"], "num_seeds": 1,
+              "prompt_source": "the latent set's TRAIN split", "adherence": {
+                  "applicable": False, "prompts_in_grammar": 0, "why": "0 of 2 prompts are captions of the grammar"},
+              "candidates": [{"name": "teacher_40", "forwards": {"per_video": 80, "chunks": 1, "per_chunk": 80, "cache_writes": 0}},
+                             {"name": "distill_4", "forwards": {"per_video": 24, "chunks": 5, "per_chunk": 4, "cache_writes": 4}}]}
+    text = summary_markdown(metrics, report)
+    row = next(line for line in text.splitlines() if line.startswith("| distill_4 |"))
+    assert "| n/a | n/a | n/a | n/a | 3.50 ± 0.00 |" in row
+    assert "**Adherence is n/a here**: 0 of 2 prompts are captions of the grammar." in text
+    assert "discriminate" not in text and "steps of 1/" not in text
+    assert text.endswith("## Prompts (2, from the latent set's TRAIN split)\n\n- #0 a dog in a park\n- #1 waves on a beach\n")

@@ -11,7 +11,11 @@ and the notes a reader needs to decode it:
 - which adherence readings discriminate: a reading (colour, shape, direction) that has the same
   value for every candidate separates none of them on this prompt set, and adherence moves in steps
   of 1 / (prompts × seeds);
-- the reference and its seed-to-seed Fréchet noise floor.
+- the reference and its seed-to-seed Fréchet noise floor;
+- which prompts were used and where they came from (report.json ``prompt_source``: the latent set's
+  validation split, its train split where the data has no ``validation/`` folder, or ``validate.prompts``),
+  and — where the prompts are not the synthetic clips' captions (report.json ``adherence``) — that
+  adherence is n/a (its cells read ``n/a``, not a 0.00 that cannot apply).
 
 :func:`adherence_readings` is the per-reading spread over candidates (report.json ``adherence_readings``).
 """
@@ -50,6 +54,7 @@ def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) ->
     names = [c["name"] for c in cands]
     cache = report.get("cache") or {}
     videos = len(report["prompts"]) * int(report["num_seeds"])
+    applies = (report.get("adherence") or {}).get("applicable", True)
     lines = [f"# Validation: {len(names)} candidates × {len(report['prompts'])} prompts × {report['num_seeds']} seeds",
              "", f"Reference: `{report['reference']}` (paired distance and Fréchet distance are to its videos, same "
              "prompts and noise). ± is the spread over seeds (Fréchet: bootstrap); latency is the median wall time "
@@ -62,9 +67,11 @@ def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) ->
         where = cache.get(n) or {}
         samples = ("reused" + (f" (sampled {where['sampled']})" if where.get("sampled") else "")) if where.get("reused") \
             else ("sampled" if where else "sampled (no cache)")
+        adherence = (f"{_pm(m('all'), m('all_std'), 2)} | {m('colour'):.2f} | {m('shape'):.2f} | {m('direction'):.2f}"
+                     if applies else "n/a | n/a | n/a | n/a")
         lines.append(
             f"| {n} | {int(m('nfe'))} | {_forwards_cell(c['forwards'])} | {_pm(m('latency_s'), m('latency_s_iqr'), 3)} "
-            f"| {_pm(m('all'), m('all_std'), 2)} | {m('colour'):.2f} | {m('shape'):.2f} | {m('direction'):.2f} "
+            f"| {adherence} "
             f"| {_pm(m('frechet_distance'), m('frechet_distance_std'), 2)} "
             f"| {_pm(1e3 * m('distance_to_teacher'), 1e3 * m('distance_to_teacher_std'), 2)} "
             f"| {_pm(1e3 * m('sharpness'), 1e3 * m('sharpness_std'), 2)} | {samples} |")
@@ -78,9 +85,12 @@ def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) ->
                      "whole video, so compare it on latency as well as NFE.")
     lines.append("- NFE = transformer forwards per video (CFG doubles them); candidates that spend them differently "
                  "compare fairly on the latency column, measured on this machine.")
-    readings = adherence_readings(metrics, names)
-    flat = [r for r in ("colour", "shape", "direction") if not readings[r]["discriminates"]]
-    moving = [r for r in ("colour", "shape", "direction") if readings[r]["discriminates"]]
+    if not applies:
+        lines.append(f"- **Adherence is n/a here**: {report['adherence']['why']}. Compare the candidates on Fréchet, "
+                     "KID, paired distance and sharpness.")
+    readings = adherence_readings(metrics, names) if applies else {}
+    flat = [r for r in ("colour", "shape", "direction") if r in readings and not readings[r]["discriminates"]]
+    moving = [r for r in ("colour", "shape", "direction") if r in readings and readings[r]["discriminates"]]
     if flat:
         lines.append("- **Adherence readings that do not discriminate**: " + ", ".join(
             f"{r} ({readings[r]['min']:.2f} for every candidate)" for r in flat)
@@ -90,10 +100,11 @@ def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) ->
             f"{r} ({readings[r]['min']:.2f}–{readings[r]['max']:.2f})" for r in moving)
             + (f"; `adherence` (all three right: {readings['all']['min']:.2f}–{readings['all']['max']:.2f}) "
                f"follows {' and '.join(moving)}." if flat else "."))
-    if not readings["all"]["discriminates"]:
+    if applies and not readings["all"]["discriminates"]:
         lines.append(f"- `adherence` (all three right) is {readings['all']['min']:.2f} for every candidate: it ranks none of "
                      "them here.")
-    lines.append(f"- Adherence is a fraction of {videos} videos: it moves in steps of 1/{videos} = {1 / videos:.4g}.")
+    if applies:
+        lines.append(f"- Adherence is a fraction of {videos} videos: it moves in steps of 1/{videos} = {1 / videos:.4g}.")
     floor = metrics.get(f"{report['reference']}/frechet_floor")
     if floor is not None:
         lines.append(f"- Fréchet noise floor (the reference's seed 0 vs seed 1 videos): {floor:.2f}; a candidate near it is "
@@ -104,4 +115,7 @@ def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) ->
                      + (f" ({', '.join(reused)})" if reused else "")
             + ("; the others were sampled (report.json `cache` says why)" if len(reused) < len(names) else "")
             + ". A reused candidate's latency is the one measured when it was sampled.")
+    if report.get("prompt_source"):
+        lines += ["", f"## Prompts ({len(report['prompts'])}, from {report['prompt_source']})", ""]
+        lines += [f"- #{i} {p}" for i, p in enumerate(report["prompts"])]
     return "\n".join(lines) + "\n"

@@ -19,7 +19,11 @@ log and report.json ``cache`` say which were reused). Per candidate it reports (
 
 - ``colour``, ``shape``, ``direction``, ``all`` — prompt adherence read back from the decoded
   frames by :mod:`distillery.clips.analyzer` (thresholds from ``base_dir/analyzer.json`` when it
-  exists), as fractions of the P·S videos;
+  exists), as fractions of the P·S videos — only where every prompt is a caption of the synthetic clips'
+  grammar (:func:`distillery.clips.grammar.parse_caption`), the only captions the analyzer reads: on other
+  prompts (one's own data) these metrics (and their ``_std``) are left out of ``metrics.json``, the plot
+  and ``per_*`` tables, and ``summary.md`` marks them n/a (report.json ``adherence``), never a 0.00 that
+  cannot apply;
 - ``latency_s`` — the median wall seconds per video for sampling + VAE decode (batch 1 unless
   ``sample_batch`` says more: then a batch's wall time / its size; text encoding excluded) over the
   candidate's videos after its first :data:`WARMUP_VIDEOS` (one untimed warm-up forward runs before them
@@ -97,7 +101,9 @@ Output folder (written to a temporary sibling, then renamed into place)::
                                           sampler spends it (chunks × forwards per chunk + KV-cache writes) and
                                           its latency, every score ± spread, reused or sampled; which adherence
                                           readings discriminate (:mod:`distillery.evaluation.summary`)
-    out_dir/report.json                   prompts; seeds (the seed-0 generator seed per prompt);
+    out_dir/report.json                   prompts and prompt_source (where they came from, also in summary.md and
+                                          the log); adherence (applicable, how many prompts the analyzer reads);
+                                          seeds (the seed-0 generator seed per prompt);
                                           num_seeds, seed_grid ([prompt][seed index] → generator
                                           seed) and sample_keys (same shape → <key>); candidates;
                                           per_video (every video: prompt and seed index, scores,
@@ -150,6 +156,7 @@ GRID_FORMATS = ("gif", "mp4")
 SEEDED_METRICS = ("colour", "shape", "direction", "all", "distance_to_teacher", "sharpness")  # mean + _std
 METRIC_NAMES = (*(k for m in SEEDED_METRICS for k in (m, f"{m}_std")), "latency_s", "latency_s_iqr", "nfe",
                 "frechet_distance", "frechet_distance_std", *KID_METRICS)  # every candidate's keys in metrics.json (+ floors, resolved flags)
+ADHERENCE_METRICS = ("colour", "shape", "direction", "all")  # the analyzer's readings: n/a off the clips' grammar
 HEADLINE_METRICS = ("all", "frechet_distance", "kid")  # what DVC shows per headline candidate (headline_metrics); the rest: report/
 REFERENCE_ZERO = ("frechet_distance", "kid", "distance_to_teacher")  # the reference's own: 0 by construction, never a headline
 # x264 preset of the sample and grid mp4s: lossless (crf 0) at any preset, so the decoded frames are the same; ultrafast
@@ -584,6 +591,18 @@ CSV_COLUMNS = ("candidate", "sampler", "nfe", "adherence", "adherence_std", "col
                "distance_to_teacher", "sharpness", "frechet_distance", "frechet_distance_std")
 
 
+def adherence_applicability(prompts: list[str]) -> dict[str, Any]:
+    """Whether the analyzer's adherence applies to ``prompts``: ``{"applicable", "prompts_in_grammar", "why"}`` —
+    applicable only when every prompt is a caption of the synthetic clips' grammar (the only captions it reads)."""
+    from distillery.clips.grammar import parse_caption
+
+    parsed = sum(parse_caption(p) is not None for p in prompts)
+    return {"applicable": parsed == len(prompts), "prompts_in_grammar": parsed,
+            "why": None if parsed == len(prompts) else
+            f"{parsed} of {len(prompts)} prompts are captions of the synthetic clips' grammar ('a <colour> <shape> moving "
+            f"<direction> on a <background> background'), the only captions the analyzer reads"}
+
+
 def _write_tables(stage: Path, metrics: dict[str, float], rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
     (stage / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (stage / "plots").mkdir()
@@ -712,6 +731,7 @@ def run_validation(
     reference: str | None = None,
     prompt_embeddings: PromptEmbeddings | None = None,
     cache: "SampleCache | None" = None,
+    prompt_source: str | None = None,
 ) -> dict[str, float]:
     """Sample, score and compare every candidate on every prompt × seed; write ``out_dir`` (layout above).
 
@@ -723,8 +743,9 @@ def run_validation(
     not with ``cfg.prompts``). ``cache``: reuse each candidate's videos and scores from it when
     nothing they depend on changed, and keep the ones sampled
     (:mod:`distillery.evaluation.sample_cache`; the log and report.json ``cache`` say which were
-    reused and why the others were sampled); None: sample every candidate. Returns the flat metrics
-    dict written to ``metrics.json``.
+    reused and why the others were sampled); None: sample every candidate. ``prompt_source``: where
+    ``prompts`` came from, in words (the log, summary.md and report.json say it; ``cfg.prompts`` names
+    itself). Returns the flat metrics dict written to ``metrics.json``.
     """
     from distillery.clips.video_io import write_video
     from distillery.common.progress import Progress
@@ -742,6 +763,14 @@ def run_validation(
         raise UserError(f"validate: at most {SEED_STRIDE} prompts with num_seeds > 1 (the seed grid would repeat noise), "
                         f"got {len(prompts)}")
     ref = _check_candidates(candidates, reference)
+    source = "validate.prompts" if cfg.prompts is not None else (prompt_source or "the prompts given to run_validation")
+    adherence = adherence_applicability(prompts)
+    log.info("validate: %d prompts from %s: %s", len(prompts), source,
+             "; ".join(f"#{i} {p!r}" for i, p in enumerate(prompts[:4])) + (f"; … (+{len(prompts) - 4})" if len(prompts) > 4 else ""))
+    if not adherence["applicable"]:
+        log.info("validate: prompt adherence n/a: %d of %d prompts are captions of the synthetic clips' grammar, the "
+                 "only captions its analyzer reads; the other scores (Fréchet, KID, paired distance, sharpness) apply",
+                 adherence["prompts_in_grammar"], len(prompts))
     started = time.perf_counter()
     ctx = _Context(base_dir, prompts, cfg, prompt_embeddings if cfg.prompts is None else None)
     order = [ref] + [c for c in candidates if c is not ref]  # the reference first: others compare against it
@@ -883,6 +912,8 @@ def run_validation(
             values["nfe"] = cand.nfe(ctx.latent_shape[1])
             latency[cand.name] = latency_summary([v.latency_s for v in videos])  # in sampling order
             values["latency_s"], values["latency_s_iqr"] = latency[cand.name]["median_s"], latency[cand.name]["iqr_s"]
+            if not adherence["applicable"]:  # readings of captions the analyzer cannot read: not scores (module doc)
+                values = {k: v for k, v in values.items() if k.removesuffix("_std") not in ADHERENCE_METRICS}
             names = [*(k for k in METRIC_NAMES if k in values), *(k for k in values if k not in METRIC_NAMES)]  # an added score comes last
             metrics[cand.name] = {k: values[k] if k == "nfe" else round(float(values[k]), 6) for k in names}
             if cand is ref and cfg.num_seeds >= 2:
@@ -894,16 +925,20 @@ def run_validation(
             if cand is not ref and "kid_floor" in floors:  # the interval's lower end above the reference's own seed-to-seed floor
                 m["kid_resolved"] = float(interval_resolved(m["kid_lo"], floors["kid_floor"]))
                 m["frechet_resolved"] = float(interval_resolved(m["frechet_distance"] - 1.96 * m["frechet_distance_std"], floors["frechet_floor"]))
-            rows.append({"candidate": cand.name, "sampler": cand.sampler, "nfe": values["nfe"], "adherence": m["all"],
-                         "adherence_std": m["all_std"], **{k: m[k] for k in CSV_COLUMNS[5:]}})
-            per_video[cand.name] = [v.row() for v in videos]
-            per_seed[cand.name] = [{"seed_index": j, **dict(zip(SEEDED_METRICS, map(float, row)))}
+            rows.append({"candidate": cand.name, "sampler": cand.sampler, "nfe": values["nfe"], "adherence": m.get("all"),
+                         "adherence_std": m.get("all_std"), **{k: m.get(k) for k in CSV_COLUMNS[5:]}})  # n/a: empty cells
+            kept = [k for k in SEEDED_METRICS if adherence["applicable"] or k not in ADHERENCE_METRICS]
+            per_video[cand.name] = [{k: x for k, x in video.row().items() if k in kept or k not in ADHERENCE_METRICS}
+                                    for video in videos]
+            per_seed[cand.name] = [{"seed_index": j, **{k: x for k, x in zip(SEEDED_METRICS, map(float, row)) if k in kept}}
                                    for j, row in enumerate(seed_means)]
-            per_prompt[cand.name] = [{"prompt": prompt, **dict(zip(SEEDED_METRICS, map(float, row)))}
+            per_prompt[cand.name] = [{"prompt": prompt, **{k: x for k, x in zip(SEEDED_METRICS, map(float, row)) if k in kept}}
                                      for prompt, row in zip(prompts, _mean_table(videos, "prompt", len(prompts)))]
-            log.info("validate %s: %s NFE, adherence all %.2f±%.2f (colour %.2f shape %.2f direction %.2f), "
+            said = (f"adherence all {m['all']:.2f}±{m['all_std']:.2f} (colour {m['colour']:.2f} shape {m['shape']:.2f} "
+                    f"direction {m['direction']:.2f})" if adherence["applicable"] else "adherence n/a")
+            log.info("validate %s: %s NFE, %s, "
                      "%.3f s/video (median%s), distance to %s %.5f±%.5f, sharpness %.5f±%.5f, Fréchet distance %.3f±%.3f%s",
-                     cand.name, values["nfe"], m["all"], m["all_std"], m["colour"], m["shape"], m["direction"],
+                     cand.name, values["nfe"], said,
                      m["latency_s"], f", reused: sampled {hit.stored}" if hit is not None else "", ref.name,
                      m["distance_to_teacher"], m["distance_to_teacher_std"], m["sharpness"],
                      m["sharpness_std"], m["frechet_distance"], m["frechet_distance_std"],
@@ -929,7 +964,8 @@ def run_validation(
         _write_grid(labelled, stage, cfg)
         assert scaler is not None
         report = {
-            "base_dir": str(base_dir), "reference": ref.name, "prompts": prompts, "config": asdict(cfg),
+            "base_dir": str(base_dir), "reference": ref.name, "prompts": prompts, "prompt_source": source,
+            "adherence": adherence, "config": asdict(cfg),
             "seeds": [row[0] for row in seed_grid],  # seed index 0: torch.Generator().manual_seed(seed) per prompt
             "num_seeds": cfg.num_seeds,
             "seed_grid": seed_grid,  # [prompt i][seed index j] → generator seed (cfg.seed + i + SEED_STRIDE·j)
@@ -954,13 +990,15 @@ def run_validation(
             "cache": None if cache is None else {
                 "folder": str(cache.root),
                 **{c.name: {k: v for k, v in cache_log[c.name].items() if k != "material"} for c in candidates}},
-            "adherence_readings": adherence_readings(flat, [c.name for c in candidates]),  # which readings separate them
+            "adherence_readings": adherence_readings(flat, [c.name for c in candidates])  # which readings separate them
+            if adherence["applicable"] else None,
             "seconds": round(time.perf_counter() - started, 2),
             "timeline": timeline,
         }
         _write_tables(stage, flat, rows, report)
         (stage / "summary.md").write_text(summary_markdown(flat, report))
-        write_adherence_plot(rows, stage / "plots" / "adherence_vs_nfe.png")
+        if adherence["applicable"]:  # else there is no adherence to plot (module doc)
+            write_adherence_plot(rows, stage / "plots" / "adherence_vs_nfe.png")
         replace_dir(stage, out_dir)
     except BaseException:
         scoring.shutdown(wait=True, cancel_futures=True)  # nothing writes into the stage folder once it is removed
@@ -973,7 +1011,7 @@ def run_validation(
             log.info("validate %s: %d NFE per video = %d chunks × %d forwards + %d KV-cache writes (streamed); "
                      "%.3f s/video", c.name, f["per_video"], f["chunks"], f["per_chunk"], f["cache_writes"],
                      flat[f"{c.name}/latency_s"])
-    flat_readings = [k for k, r in report["adherence_readings"].items() if not r["discriminates"]]
+    flat_readings = [k for k, r in (report["adherence_readings"] or {}).items() if not r["discriminates"]]
     if flat_readings:
         log.info("validate: %s the same for every candidate (%s): not discriminating on these prompts",
                  ", ".join(flat_readings), ", ".join(f"{report['adherence_readings'][k]['min']:.2f}" for k in flat_readings))

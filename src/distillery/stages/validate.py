@@ -32,8 +32,21 @@ def latent_settings() -> dict:
     return latent_manifest()["settings"]
 
 
+def validation_split() -> str:
+    """The latents' split validate takes its prompts from: ``validation``, else ``train`` (data without one)."""
+    root = ARTIFACTS / "latents" / "data"
+    return "validation" if (root / "validation").is_dir() and any((root / "validation").glob("*.parquet")) else "train"
+
+
+PROMPT_SOURCES = {"validation": "the latent set's validation split (the data's validation/ captions)",
+                  "train": "the latent set's TRAIN split: the data has no validation/ folder, so the models are "
+                           "validated on captions they were trained on (give the data a validation/ folder to "
+                           "validate on held-out captions)"}
+
+
 def validation_prompts(n: int) -> tuple[list[str], "PromptEmbeddings | None"]:
-    """The first ``n`` distinct captions of the latents' validation split (train split if none), and
+    """The first ``n`` distinct captions of the latents' validation split (train split if none,
+    :func:`validation_split`), and
     their embeddings as the latents stage stored them with the empty prompt's (the base's own text
     encoder made them: validate need not load it). Latent columns are never read. The embeddings are
     None when the latent set has no stored empty-prompt embedding."""
@@ -41,7 +54,7 @@ def validation_prompts(n: int) -> tuple[list[str], "PromptEmbeddings | None"]:
     from distillery.evaluation.validate import PromptEmbeddings
 
     root = ARTIFACTS / "latents" / "data"
-    split = "validation" if (root / "validation").is_dir() and any((root / "validation").glob("*.parquet")) else "train"
+    split = validation_split()
     ds = LatentDataset(root, split, with_latents=False)
     seen: dict[str, object] = {}
     for i in range(len(ds)):
@@ -136,7 +149,7 @@ def stage_validate(params: StageParams) -> None:
     report = staging / "report"
     prompts, embeddings = validation_prompts(cfg.num_prompts)
     metrics = run_validation(ARTIFACTS / "base" / "model", candidates, prompts, report, cfg, prompt_embeddings=embeddings,
-                             cache=SampleCache(SAMPLE_CACHE))
+                             cache=SampleCache(SAMPLE_CACHE), prompt_source=PROMPT_SOURCES[validation_split()])
     # DVC gets the numbers a user compares; every metric stays in report/metrics.json, the details in report.json
     shown = [(report / name, "grid") for name in ("grid.gif", "grid.mp4")] + [(report / "plots" / "adherence_vs_nfe.png", "plots")]
     finish("validate", staging, kind="validation", params=params,
