@@ -70,9 +70,9 @@ def test_loss_is_the_head_regression_plus_the_weighted_dm_term(tiny_base, traini
 
 
 def check_step(method, step, w, dm_weight, s_calls, t_calls, c_calls):
-    n, k = 3, 5
-    draws = iter([n, k - n])
-    method.rng.shared_randint = lambda high: next(draws)
+    starts, heads_k = [3, 1], [5, 4]  # each row its own block start and head
+    draws = iter([[(n + 0.5) / P for n in starts], [(k - n + 0.5) / (P - n) for n, k in zip(starts, heads_k)]])
+    method.global_uniforms = lambda rows: next(draws)
     student, teacher, critic = method.student, method.teacher, method.critic
     raw = raw_batch()
     out = method.single_train_step(raw, step=step)
@@ -83,20 +83,23 @@ def check_step(method, step, w, dm_weight, s_calls, t_calls, c_calls):
     sigmas = student.fine_sigmas()
     cond = Conditioning(raw["text_embeds"], raw["empty_text_embeds"].expand_as(raw["text_embeds"]))
     x_n, t_n = s_calls[0][0].float(), s_calls[0][1]
-    assert torch.allclose(t_n, torch.full_like(t_n, float(sigmas[n] * 1000)))
+    torch.testing.assert_close(t_n, (sigmas[torch.tensor(starts)] * 1000).float())
 
     def guided(model, x, t):
         c = model.predict_noise(x, t, cond, conditional=True).double()
         u = model.predict_noise(x, t, cond, conditional=False).double()
         return u + w * (c - u)
 
+    rows = list(zip(starts, heads_k))
     with torch.no_grad():
-        heads = student.predict_pdd_heads(x_n, torch.full((2,), float(sigmas[n] * 1000)), cond).double()  # [B, P, ...]
-        x_k = x_n.double() + sum((sigmas[j + 1] - sigmas[j]).double() * heads[:, j] for j in range(n, k))
-        target = guided(teacher, x_k.float(), torch.full((2,), float(sigmas[k] * 1000)))
-        pdd = float(((heads[:, k] - target) ** 2).mean())
-        weights = block_weights(sigmas, n, P)
-        x0 = x_n.double() - float(sigmas[n]) * sum(weights[j - n] * heads[:, j] for j in range(n, P))
+        heads = student.predict_pdd_heads(x_n, t_n, cond).double()  # [B, P, ...]
+        x_k = torch.stack([x_n[i].double() + sum((sigmas[j + 1] - sigmas[j]).double() * heads[i, j] for j in range(n, k))
+                           for i, (n, k) in enumerate(rows)])
+        target = guided(teacher, x_k.float(), (sigmas[torch.tensor(heads_k)] * 1000).float())
+        pdd = float((torch.stack([heads[i, k] for i, k in enumerate(heads_k)]) - target).pow(2).mean())
+        x0 = torch.stack([x_n[i].double() - float(sigmas[n]) * sum(w * heads[i, j] for j, w in
+                                                                    zip(range(n, P), block_weights(sigmas, n, P)))
+                          for i, (n, _) in enumerate(rows)])  # each row's one-forward jump [n_i, P) to σ = 0
     assert float(out.losses["pdd_loss"]) == pytest.approx(pdd, rel=1e-4)
     if dm:
         x_tau, tau = t_calls[2][0].float(), t_calls[2][1]
@@ -115,7 +118,7 @@ def check_step(method, step, w, dm_weight, s_calls, t_calls, c_calls):
     assert float(out.losses["total_loss"]) == pytest.approx(objective + float(out.losses["critic_loss"]), rel=1e-6)
     bank = student.head_bank
     graded = [j for j in range(P) if bank.weight[j].grad is not None]
-    assert graded == (list(range(n, P)) if dm else [k])  # the DM term reaches every head of the jump [n, P)
+    assert graded == (list(range(min(starts), P)) if dm else sorted(heads_k))  # the DM term: every head of the rows' jumps
     assert all(p.grad is not None for p in critic.transformer.parameters() if p.requires_grad)
     assert all(p.grad is None for p in teacher.transformer.parameters())
 

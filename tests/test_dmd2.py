@@ -343,8 +343,9 @@ def _pdd_config(base: Path, data: Path, out: Path, batch_size: int, dm: bool = F
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["pdd", "dm_pdd"])
 def test_pdd_on_two_ranks_is_one_rank_and_resumes_its_carried_trajectories(runs, method):
-    """PDD and DM-PDD under FSDP2 (the head bank its own unit; every rank supervises the same head): 2
-    ranks × 2 samples give the 1-rank × 4 draws and losses; a 2-rank run stopped mid-trajectory resumes bit for bit."""
+    """PDD and DM-PDD under FSDP2 (the head bank its own unit; every rank projects the same heads, each row its own
+    rung and head): 2 ranks × 2 samples give the 1-rank × 4 draws and losses; a 2-rank run stopped mid-trajectory
+    resumes bit for bit."""
     one, two, resumed = (read_log(runs / method / name) for name in ("one", "two", "resumed"))
     assert [r["pdd_head"] for r in two] == [r["pdd_head"] for r in one] and len({r["pdd_head"] for r in one}) > 1
     keys = ["total_loss"] + (["pdd_loss", "critic_loss", "generator_loss", "score_timestep", "critic_timestep"]

@@ -62,12 +62,22 @@ def teacher_calls(method: PDDMethod) -> list[tuple[torch.Tensor, torch.Tensor, t
     return calls
 
 
+def pick(method: PDDMethod, *draws: list[float]) -> None:
+    """Replace the method's global-batch uniforms (block starts, then heads) by ``draws``, in order."""
+    queue = iter(draws)
+    method.global_uniforms = lambda rows: next(queue)
+
+
+def uniforms_for(starts: list[int], heads: list[int]) -> tuple[list[float], list[float]]:
+    """The uniforms that draw these block starts (block_size_min 1) and heads on the P-interval grid."""
+    return [(n + 0.5) / P for n in starts], [(k - n + 0.5) / (P - n) for n, k in zip(starts, heads)]
+
+
 @pytest.mark.parametrize("integrator,guidance,head", [("euler", 1.0, 5), ("midpoint", 3.0, 6), ("euler", 2.0, 2)])
-def test_one_step_supervises_head_k_and_the_trunk_against_the_teacher(tiny_base, training, integrator, guidance, head):
+def test_one_step_supervises_each_rows_head_and_the_trunk_against_the_teacher(tiny_base, training, integrator, guidance, head):
     method = make(tiny_base, training, integrator=integrator, teacher_guidance_scale=guidance, block_size_max=P)
-    start = 2
-    draws = iter([start, head - start])  # the block start (a multiple of block_size_min = 1), then k − n
-    method.rng.shared_randint = lambda high: next(draws)
+    starts, heads_k = [2, 4], [head, 7]  # each row its own block start and head
+    pick(method, *uniforms_for(starts, heads_k))
     student: PDDWanModel = method.student
     calls = teacher_calls(method)
     raw = raw_batch()
@@ -78,54 +88,57 @@ def test_one_step_supervises_head_k_and_the_trunk_against_the_teacher(tiny_base,
     assert len(calls) == n_calls
     sigmas = student.fine_sigmas()
 
-    # gradients: head k and the trunk; no other head, not the frozen proj_out, never the teacher
+    # gradients: the rows' heads and the trunk; no other head, not the frozen proj_out, never the teacher
     bank = student.head_bank
-    assert [bank.weight[j].grad is not None for j in range(P)] == [j == head for j in range(P)]
-    assert [bank.bias[j].grad is not None for j in range(P)] == [j == head for j in range(P)]
-    assert float(bank.weight[head].grad.abs().max()) > 0
+    assert [bank.weight[j].grad is not None for j in range(P)] == [j in heads_k for j in range(P)]
+    assert [bank.bias[j].grad is not None for j in range(P)] == [j in heads_k for j in range(P)]
+    assert all(float(bank.weight[j].grad.abs().max()) > 0 for j in heads_k)
     assert student.transformer.proj_out.weight.grad is None
     trunk = [p for n, p in student.transformer.named_parameters() if not n.startswith("proj_out")]
     assert all(p.grad is not None for p in trunk)
     assert all(p.grad is None for p in method.teacher.transformer.parameters())
 
-    # the teacher's query: x̄_k (detached) at t_k
+    # the teacher's query: each row's x̄_k (detached) at its t_k
     x_k = calls[0][0]
     assert not x_k.requires_grad
-    assert torch.allclose(calls[0][1], torch.full_like(calls[0][1], float(sigmas[head] * 1000)))
-    x_n = data_noised_to(method, raw, float(sigmas[start]))
+    torch.testing.assert_close(calls[0][1], torch.tensor([float(sigmas[k] * 1000) for k in heads_k]))
+    sigma_n = torch.tensor([float(sigmas[n]) for n in starts]).view(2, 1, 1, 1, 1)
+    x_n = data_noised_to(method, raw, sigma_n)
 
     cond = Conditioning(raw["text_embeds"], raw["empty_text_embeds"].expand_as(raw["text_embeds"]))
 
     def teacher_v(x, sigma):
-        t = torch.full((x.shape[0],), float(sigma) * 1000)
+        t = (sigma.float() * 1000).expand(x.shape[0])
         c = method.teacher.predict_noise(x, t, cond, conditional=True).double()
         if guidance <= 1.0:
             return c
         u = method.teacher.predict_noise(x, t, cond, conditional=False).double()
         return u + guidance * (c - u)
 
+    s_k = sigmas[torch.tensor(heads_k)]
     with torch.no_grad():
-        v = teacher_v(x_k.float(), sigmas[head])
+        v = teacher_v(x_k.float(), s_k)
         if integrator == "midpoint":
-            mid = 0.5 * (sigmas[head] + sigmas[head + 1])
-            target = teacher_v((x_k.double() + (float(mid) - float(sigmas[head])) * v).float(), mid)
+            mid = 0.5 * (s_k + sigmas[torch.tensor(heads_k) + 1])
+            target = teacher_v((x_k.double() + (mid - s_k).double().view(2, 1, 1, 1, 1) * v).float(), mid)
         else:
             target = v
     assert torch.equal(calls[0][2], raw["text_embeds"])
     assert out.losses["pdd_loss"] > 0
-    with torch.no_grad():  # x̄_k = x_n + Σ_{j<k} Δ_j head_j(x_n), and head k's prediction, from one forward at x_n
-        t_n = torch.full((2,), float(sigmas[start] * 1000))
-        heads = student.predict_pdd_heads(x_n, t_n, cond, list(range(start, head + 1))).double()
-        x_bar = x_n.double() + sum((sigmas[j + 1] - sigmas[j]).double() * heads[:, j - start] for j in range(start, head))
-    torch.testing.assert_close(x_k.double(), x_bar, rtol=1e-5, atol=1e-5)
-    pred_k = heads[:, head - start]
+    with torch.no_grad():  # x̄_k = x_n + Σ_{n ≤ j < k} Δ_j head_j(x_n) per row, and its head k, from one forward at x_n
+        t_n = (sigmas[torch.tensor(starts)] * 1000).float()
+        every = student.predict_pdd_heads(x_n, t_n, cond).double()  # [B, P, ...]
+    for i, (n, k) in enumerate(zip(starts, heads_k)):
+        x_bar = x_n[i].double() + sum((sigmas[j + 1] - sigmas[j]).double() * every[i, j] for j in range(n, k))
+        torch.testing.assert_close(x_k[i].double(), x_bar, rtol=1e-5, atol=1e-5)
+    pred_k = torch.stack([every[i, k] for i, k in enumerate(heads_k)])
     assert float(out.losses["pdd_loss"]) == pytest.approx(float(((pred_k - target) ** 2).mean()), rel=1e-4)
-    assert out.metrics["pdd_block_start"] == start and out.metrics["pdd_head"] == head
+    assert out.metrics["pdd_block_start"] == sum(starts) / 2 and out.metrics["pdd_head"] == sum(heads_k) / 2
 
 
-def data_noised_to(method: PDDMethod, raw: dict, sigma: float) -> torch.Tensor:
-    """x_n of the step just run: the data latents noised to σ_n with the batch noise, redrawn from a fresh
-    stream of the run's seed (the draws of n and k were replaced, so the noise is the step's first draw)."""
+def data_noised_to(method: PDDMethod, raw: dict, sigma: torch.Tensor) -> torch.Tensor:
+    """x_n of the step just run: the data latents noised to each row's σ_n with the batch noise, redrawn from a
+    fresh stream of the run's seed (the draws of n and k were replaced, so the noise is the step's first draw)."""
     from distillery.components.rng import BatchRNG
 
     noise = BatchRNG(method.training.loop.seed).randn(raw["latents"].shape)
@@ -189,6 +202,94 @@ def test_load_time_checks(tiny_base, training):
         sampler.sample(teacher, Conditioning(torch.zeros(1, 8, 32)), (8, 3, 8, 8), torch.Generator(), num_steps=2)
 
 
+def student_forwards(method: PDDMethod) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Record the student's forwards: (t, text) each."""
+    calls = []
+
+    def hook(module, args, kwargs, output):
+        calls.append((kwargs["timestep"].detach().clone(), kwargs["encoder_hidden_states"].detach().clone()))
+
+    method.student.transformer.register_forward_hook(hook, with_kwargs=True)
+    return calls
+
+
+def test_carried_rows_walk_staggered_rungs_and_restart_with_the_batchs_prompt(tiny_base, training):
+    """Issue 46: every row started together, so a step trained one rung ([0, 0], [1, 1], … per step). Now row g
+    starts at rung g mod R and is at (g + c) mod R at its slot's call c: one step trains R rungs."""
+    method = make(tiny_base, training, rollout="simulate", block_size_min=2, block_size_max=4)
+    rungs, nodes = 4, [0, 2, 4, 6]
+    sigmas = method.student.fine_sigmas()
+    forwards = student_forwards(method)
+    prompts = {}  # row → the prompt its trajectory set out with
+    for call in range(6):
+        raw = raw_batch(4, seed=call)
+        method.single_train_step(raw, step=call + 1)
+        if call == 0:  # a fresh slot walks its rows to their offsets first: 3 forwards at rungs 0, 1, 2
+            walk, forwards[:] = forwards[:3], forwards[3:]
+            for r, (t, _) in enumerate(walk):
+                torch.testing.assert_close(t, torch.full((4,), float(sigmas[nodes[r]] * 1000)))
+        (t, text), = forwards
+        forwards.clear()
+        expected = [(g + call) % rungs for g in range(4)]
+        torch.testing.assert_close(t, torch.tensor([float(sigmas[nodes[r]] * 1000) for r in expected]))
+        for g, r in enumerate(expected):
+            if call == 0 or r == 0:  # a fresh trajectory: this call's prompt for the row
+                prompts[g] = raw["text_embeds"][g]
+            assert torch.equal(text[g], prompts[g]), (call, g)
+    assert method.host_state()["slots"][0]["uses"] == 6
+
+
+def test_two_ranks_plan_and_train_what_one_rank_does(tiny_base, training):
+    """FSDP2 needs every rank to project the same heads (with and without a gradient); the per-row starts and
+    heads are drawn for the global batch, so each rank knows them all: the two ranks' plans are the one rank's,
+    and their rows' losses average to its loss."""
+    from distillery.models.wan import WanModel as Teacher
+
+    def build(rank: int, world: int) -> PDDMethod:
+        student = PDDWanModel(PDDWanModelConfig(init_from=str(tiny_base), pdd_steps=P), "student")
+        teacher = Teacher(WanModelConfig(init_from=str(tiny_base), trainable=False), "teacher")
+        for model in (student, teacher):
+            model.bind_device(torch.device("cpu"))
+        nudge_weights(teacher.transformer)
+        method = PDDMethod(PDDConfig(rollout="simulate", block_size_min=1, block_size_max=4), {"student": student, "teacher": teacher},
+                           training, rank=rank)
+        method.on_train_start(torch.device("cpu"), world_size=world)
+        return method
+
+    one, ranks = build(0, 1), [build(r, 2) for r in range(2)]
+    for call in range(3):
+        raw = raw_batch(4, seed=call)
+        plans: dict[int, list] = {0: [], 1: [], -1: []}
+        full = one.pdd_step(raw, lambda plan: plans[-1].append(plan) or [])
+        halves = [m.pdd_step({k: (v[2 * r:2 * r + 2] if k != "empty_text_embeds" else v) for k, v in raw.items()},
+                             lambda plan, r=r: plans[r].append(plan) or []) for r, m in enumerate(ranks)]
+        (p1,), (p2,), (ref,) = plans[0], plans[1], plans[-1]
+        for p in (p1, p2):
+            assert (p.nodes, p.heads, p.ends, p.rungs) == (ref.nodes, ref.heads, ref.ends, ref.rungs)
+            assert p.supervised == ref.supervised and p.window == ref.window
+        assert len(set(ref.nodes)) > 1  # the rows are on different rungs
+        assert (p1.first, p2.first, p1.rows) == (0, 2, 2)
+        mean = 0.5 * (float(halves[0].loss.detach()) + float(halves[1].loss.detach()))
+        assert mean == pytest.approx(float(full.loss), rel=1e-5)
+
+
+def test_guidance_below_one_and_a_missing_empty_prompt_are_refused(tiny_base, training, latent_set, tmp_path):
+    """Issue 46: w in (0, 1) was silently the conditional teacher in the targets (and CFG in DM-PDD's real score);
+    a latent set without the empty prompt's embedding made the unconditional forward on zeros."""
+    with pytest.raises(ValueError, match="teacher_guidance_scale must be >= 1"):
+        PDDConfig(teacher_guidance_scale=0.5)
+    raw = run_config(tiny_base, latent_set, tmp_path, method="distillery.methods.pdd.PDDMethod",
+                     method_knobs={"teacher_guidance_scale": 0.5})
+    with pytest.raises(UserError, match=r"method.*teacher_guidance_scale must be >= 1") as err:
+        load_run_config(raw=raw, prefixes=allowed_prefixes())
+    assert "\n" not in str(err.value)
+    method = make(tiny_base, training, teacher_guidance_scale=2.0)
+    batch = {k: v for k, v in raw_batch().items() if k != "empty_text_embeds"}
+    with pytest.raises(UserError, match=r"has no empty_prompt\.safetensors.*teacher_guidance_scale 2\.0.*zeros are not it"):
+        method.single_train_step(batch, step=1)
+    make(tiny_base, training, teacher_guidance_scale=1.0).single_train_step(batch, step=1)  # the conditional teacher alone
+
+
 STEPS, STOP = 6, 3
 
 
@@ -219,10 +320,10 @@ def simulate_runs(tmp_path_factory, tiny_base, latent_set):
 def test_carried_trajectories_and_untrained_heads_resume_exactly(simulate_runs):
     full, resumed = simulate_runs / "full", simulate_runs / "resumed"
     log = read_log(full)
-    # rungs 0, 2 of the 4-interval grid (blocks of 2), one rung per call, two slots: 0 0 | 1 1 | 0 0 per step pair
-    assert [r["rollout_rung"] for r in log] == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    # rungs 0, 2 of the 4-interval grid (blocks of 2): the two rows of each slot stagger, one on each rung every call
+    assert [r["rollout_rung"] for r in log] == [0.5] * STEPS
     slots = host_state(full / f"checkpoint-{STOP}")["slots"]
-    assert len(slots) == 2 and all(s is not None and s["rung"] == 1 for s in slots)  # mid-trajectory at the stop
+    assert len(slots) == 2 and all(s is not None and s["uses"] == STOP for s in slots)  # mid-trajectory at the stop
     opt = dcp_tensors(full / "checkpoint-1", ("optimizers.student.state.heads.",))
     trained = {k.split(".")[-2] for k in opt}
     assert trained and trained != {str(j) for j in range(4)}  # some heads had not been supervised: no optimizer state

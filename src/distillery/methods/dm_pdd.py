@@ -13,19 +13,22 @@ student's samples, initialised from the teacher, its own optimizer from ``models
 
 One micro-batch (step numbers start at 1; a *DM step* is ``step % generator_update_interval == 0``):
 
-1. **PDD** — steps 1–4 of :mod:`distillery.methods.pdd` as they are (the block start ``n``, the head
-   ``k``, ``x_n`` noised data or the carried on-policy trajectory, the teacher target), with the same
-   draws in the same order: ``pdd_loss = mean((head_k − target)²)``.
-2. **The student's sample** from the same trunk forward at ``x_n``: the fused block ``[n, P)`` (every
-   head from ``n`` to the grid's end, weighted ``Δ_j / Σ Δ`` as the sampler fuses a block), i.e. the
-   student's one-forward jump to σ = 0: ``x̂0 = x_n − σ_n · v̄_{[n, P)}(x_n)`` ``[B, C, T, H, W]``
-   (float32). It keeps its graph on DM steps (gradients reach heads ``n … P − 1`` and the trunk), and
-   is projected from the detached trunk states otherwise. In ``simulate`` ``x_n`` is on the student's
+1. **PDD** — steps 1–4 of :mod:`distillery.methods.pdd` as they are (each row's block start ``n_i``
+   and head ``k_i``, ``x_n`` noised data or the rows' staggered carried trajectories, the teacher
+   target), with the same draws in the same order: ``pdd_loss = mean((head_k − target)²)``.
+2. **The student's sample** from the same trunk forward at ``x_n``, per row: the fused block
+   ``[n_i, P)`` (every head from ``n_i`` to the grid's end, weighted ``Δ_j / Σ Δ`` as the sampler fuses
+   a block), i.e. the student's one-forward jump to σ = 0: ``x̂0_i = x_{n,i} − σ_{n_i} ·
+   v̄_{[n_i, P)}(x_{n,i})`` ``[B, C, T, H, W]`` (float32). The forward projects the heads ``[min_g n_g,
+   P)`` (the global batch's lowest start: the same heads on every rank) and each row sums its own
+   block's; they keep their graph on DM steps (gradients reach those heads and the trunk), and are
+   projected from the detached trunk states otherwise. In ``simulate`` ``x_n`` is on the student's
    own trajectory, so ``x̂0`` is what the student samples from there.
 3. **Distribution matching** (DM steps): DMD2's generator loss of ``x̂0``
    (:func:`~distillery.methods.dmd2.distribution_matching_loss`: per-sample τ from the teacher's
    shifted distribution truncated to ``[min_score_timestep_ratio, max_score_timestep_ratio] · 1000``,
-   then ε_τ; the real score guided with ``teacher_guidance_scale``, the guidance PDD's target uses).
+   then ε_τ; the real score guided with ``teacher_guidance_scale``, the guidance PDD's target uses:
+   1 is the conditional teacher in both, > 1 is CFG in both, < 1 is refused by the config).
    The student's objective is ``pdd_loss + dm_weight · generator_loss`` (``total_loss`` before the
    backward); other steps it is ``pdd_loss``. The student's optimizer steps every step.
 4. **Critic** (every step, in :meth:`backward` after the student's backward has freed its graph, one
@@ -48,8 +51,8 @@ import torch
 from distillery.common.errors import UserError
 from distillery.config.typed import bounded
 from distillery.methods.base import StepOutput
-from distillery.methods.dmd2 import ScoreModels, distribution_matching_loss, fake_score_loss, truncated_shifted_timesteps
-from distillery.methods.pdd import PDDConfig, PDDMethod
+from distillery.methods.dmd2 import ScoreTimesteps, distribution_matching_loss, fake_score_loss
+from distillery.methods.pdd import PDDConfig, PDDMethod, Plan
 from distillery.models.base import HeadGroup, ModelBase, PDDModelBase
 from distillery.models.schedule import block_weights
 
@@ -71,7 +74,7 @@ class DMPDDConfig(PDDConfig):
             raise ValueError("need 0 <= min_score_timestep_ratio < max_score_timestep_ratio <= 1")
 
 
-class DMPDDMethod(PDDMethod):
+class DMPDDMethod(ScoreTimesteps, PDDMethod):
     """PDD + DMD2's distribution matching (see the module doc)."""
 
     config_class = DMPDDConfig
@@ -91,27 +94,26 @@ class DMPDDMethod(PDDMethod):
         """Whether the distribution-matching term joins the student's loss at optimizer step ``step`` (1-based)."""
         return step % self.config.generator_update_interval == 0
 
-    def draw_score_timesteps(self, batch_size: int) -> torch.Tensor:
-        """Per-sample τ ``[B]`` (float32, on the student's device), as DMD2 draws them."""
-        u = self.rng.rand((batch_size,)).to(self.student.device)
-        return truncated_shifted_timesteps(u, self.teacher.schedule, self.config.min_score_timestep_ratio,
-                                           self.config.max_score_timestep_ratio)
-
-    def score_models(self) -> ScoreModels:
-        return ScoreModels(self.teacher, self.critic, self.draw_score_timesteps, self.rng)
-
     def single_train_step(self, batch: dict[str, Any], step: int) -> StepOutput:
         """Module doc steps 1–3: one trunk forward gives the supervised head and the sample ``x̂0``."""
         dm = self.is_dm_step(step)
         sigmas = self.student.fine_sigmas()  # CPU: the fusion weights, as the sampler's
         p = self.pdd_steps
+        lowest: list[int] = []
 
-        def sample_group(n: int) -> list[HeadGroup]:
-            return [HeadGroup(list(range(n, p)), block_weights(sigmas, n, p), detached=not dm)]
+        def sample_group(plan: Plan) -> list[HeadGroup]:
+            lowest.append(min(plan.nodes))
+            return [HeadGroup(list(range(lowest[0], p)), detached=not dm)]
 
         out = self.pdd_step(batch, sample_group)
-        sigma_n = self.student.fine_sigmas(out.x_n.device)[out.n]
-        x0 = out.x_n.float() - sigma_n * out.extra[0][:, 0]  # the fused jump [n, P) to σ_P = 0
+        heads = out.extra[0]  # [B, P − lowest, C, T, H, W]
+        weights = torch.zeros(len(out.nodes), p - lowest[0], dtype=torch.float64)
+        for i, n in enumerate(out.nodes):  # row i fuses its own block [n_i, P)
+            weights[i, n - lowest[0]:] = block_weights(sigmas, n, p)
+        weights = weights.to(heads.device, torch.float32)
+        v_bar = (weights.view(*weights.shape, *[1] * (heads.ndim - 2)) * heads).sum(1)
+        sigma_n = self.student.fine_sigmas(out.x_n.device)[torch.tensor(out.nodes, device=out.x_n.device)]
+        x0 = out.x_n.float() - sigma_n.view(-1, *[1] * (v_bar.ndim - 1)) * v_bar  # each row's fused jump [n_i, P) to σ_P = 0
         losses: dict[str, torch.Tensor] = {"pdd_loss": out.loss.detach()}
         metrics = dict(out.metrics)
         total = out.loss
