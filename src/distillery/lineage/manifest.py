@@ -305,20 +305,25 @@ def _compare(recorded: Sequence[Any], actual: Sequence[Mapping[str, Any]], refus
 # writing
 
 
-# git pathspecs (from the repository root) that code_info ignores: DVC's bookkeeping and the metric and plot
-# copies the stages write for `dvc metrics/plots/exp show` (dvc.yaml, cache: false; committed with dvc.lock)
-NOT_CODE = ("**/dvc.lock", ".dvc/**", "metrics/**", "plots/**")
+# git pathspecs (from the repository root) that code_info ignores: DVC's bookkeeping, the metric and plot
+# copies the stages write for `dvc metrics/plots/exp show` (dvc.yaml, cache: false; committed with dvc.lock), and
+# params.yaml: settings, not code (each stage records the values it read under `params`; `dvc exp run -S` edits it)
+NOT_CODE = ("**/dvc.lock", ".dvc/**", "metrics/**", "plots/**", "params.yaml")
+# what DVC puts in a stage's environment under `dvc exp run`: the experiment's name and the commit it starts from
+DVC_EXPERIMENT_ENV = ("DVC_EXP_NAME", "DVC_EXP_BASELINE_REV")
 
 
 def code_info() -> dict[str, Any]:
-    """``{"git_commit", "dirty", "package_version"}`` of the code that runs now.
+    """``{"git_commit", "dirty", "package_version"}`` of the code that runs now (+ ``"experiment"``: ``{"name",
+    "baseline"}`` under ``dvc exp run``, from :data:`DVC_EXPERIMENT_ENV`).
 
     Git is asked about the current working directory (``git rev-parse HEAD``, ``git status
     --porcelain``, without taking git's optional index lock); outside a git checkout, or without
     git, commit and dirty are ``None``. DVC's own bookkeeping — ``dvc.lock`` files, which a
     pipeline run writes itself, the ``.dvc/`` folder and the stages' top-level ``metrics/`` and
-    ``plots/`` copies (committed so that ``dvc exp show`` compares experiments) — does not make the tree dirty
-    (:data:`NOT_CODE`): a pristine clone that ran ``dvc repro`` is clean. The version is
+    ``plots/`` copies (committed so that ``dvc exp show`` compares experiments) — does not make the tree dirty,
+    and neither does ``params.yaml``, whose values the manifest records (:data:`NOT_CODE`): a pristine clone that
+    ran ``dvc repro``, or ``dvc exp run -S key=value`` (which edits params.yaml), is clean. The version is
     ``distillery.__version__``.
     """
     from distillery import __version__
@@ -335,9 +340,11 @@ def code_info() -> dict[str, Any]:
     commit = git("rev-parse", "HEAD")
     status = (git("status", "--porcelain", "--", ":/", *(f":(top,exclude,glob){p}" for p in NOT_CODE))
               if commit is not None else None)  # the whole repository, wherever the stage runs
+    name, baseline = (os.environ.get(k) or None for k in DVC_EXPERIMENT_ENV)
     return {"git_commit": commit.strip() if commit else None,
             "dirty": None if status is None else bool(status.strip()),
-            "package_version": __version__}
+            "package_version": __version__,
+            **({"experiment": {"name": name, "baseline": baseline}} if name else {})}
 
 
 def _display_path(p: str | Path) -> str:
@@ -618,7 +625,10 @@ def _node_lines(m: Mapping[str, Any]) -> list[str]:
     dirty = code.get("dirty")
     state = "" if dirty is None else (" (dirty)" if dirty else " (clean)")
     version = f"   distillery {code['package_version']}" if code.get("package_version") else ""
-    lines.append(f"code: {commit[:10] if commit else 'no git commit'}{state}{version}")
+    exp = code.get("experiment") if isinstance(code.get("experiment"), Mapping) else {}
+    baseline = f" from {str(exp['baseline'])[:10]}" if exp.get("baseline") else ""
+    named = f"   dvc experiment {_cut(exp['name'], 60)}{baseline}" if exp.get("name") else ""
+    lines.append(f"code: {commit[:10] if commit else 'no git commit'}{state}{version}{named}")
     ml = m.get("mlflow") or {}
     if ml.get("run_id"):
         exp = f" (experiment {ml['experiment']})" if ml.get("experiment") else ""
