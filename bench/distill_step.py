@@ -174,6 +174,7 @@ def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, s
         "models": models,
         "method": {"_target_": target, **knobs},
         "training": {
+            "distributed": shard_settings(),
             "data": {"path": str(data), "batch_size": 1, "text_max_length": TEXT_LEN},
             "optimizer": {"learning_rate": 1e-5},
             "loop": {"max_train_steps": steps, "progress_bar": False},
@@ -193,6 +194,15 @@ def _exits(method: str, row: dict, size: tuple[int, int, int]) -> list[int]:
         return [int(round(row.get("exit_step", 0.0)))]
     chunks = len(range(0, size[0], CHUNK_SIZE))
     return [int(round(row[f"exit_step/chunk{c}"])) for c in range(chunks)]
+
+
+def shard_settings() -> dict:
+    """``training.distributed`` for one configuration: ``$BENCH_SHARD_SINGLE_RANK=1`` (a run's OPTS) wraps every role
+    in FSDP2 on a world of one with ``reshard_after_forward`` (no resident bf16 compute copy, as FastVideo's loader
+    does); unset: the library's defaults (a plain module on one rank)."""
+    if os.environ.get("BENCH_SHARD_SINGLE_RANK") == "1":
+        return {"shard_single_rank": True, "reshard_after_forward": True}
+    return {}
 
 
 def ac_fraction() -> float:
@@ -299,7 +309,7 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
     return {
         **extra, "attention": attention, "attention_resolved": resolved, "compile_mode": compile_mode,
         "method": method, "size": list(size), "tokens": tokens_of(size), "compile": compile_blocks, "compiled": compiled,
-        "activation_checkpointing": ac, "ac_fraction": ac_fraction() if ac else None,
+        "activation_checkpointing": ac, "ac_fraction": ac_fraction() if ac else None, "distributed": shard_settings(),
         "iteration_s": statistics.median(m_times), "mean_iteration_s": statistics.mean(m_times),
         "gpu_iteration_s": statistics.median(gpu[meas]) if gpu else None, "first_iteration_s": times[0],
         "model_tflop_per_iteration": model_flops / len(m_flops) / 1e12,
