@@ -210,3 +210,62 @@ def test_write_failure_mid_artifact_cleans_up(ws, data_lost):
     lost = 0 if tree_sha(ws / "artifacts" / "base") == before else 1
     data_lost.record(lost, "previous artifacts lost or changed")
     assert lost == 0
+
+
+@pytest.mark.reliability(case="10.1", title="the disk fills up during a training stage",
+                         injected="runs/ on a 256 MiB tmpfs (the preflight passes); once checkpoint-2 of `distillery stage "
+                                  "teacher` exists, another 'job' fills the file system to its last bytes; then the "
+                                  "space is freed and the stage rerun",
+                         expect="exit 2, one line naming the device problem and the path (no DCP or MLflow traceback); "
+                                "checkpoint-2 intact, no partial checkpoint left; the rerun resumes from it and publishes")
+def test_disk_full_mid_training_is_one_line_and_resumes(ws, data_lost):
+    import os
+    import threading
+    import time
+
+    from workspace import set_params
+
+    from distillery.components.checkpoint.checksums import verify_checkpoint
+    from distillery.components.checkpoint.manager import list_checkpoints
+
+    set_params(ws, {"teacher.steps": 12, "teacher.save_every": 2})
+    runs = ws / "runs"
+    if runs.exists():
+        import shutil
+
+        shutil.rmtree(runs)
+    _mount_tmpfs(runs, "size=256m")
+    filler = runs / "another-job.bin"
+    filled = threading.Event()
+
+    def fill_when_saved() -> None:
+        deadline = time.time() + 600
+        while time.time() < deadline and not (runs / "teacher" / "checkpoint-2" / "metadata.json").is_file():
+            time.sleep(0.01)
+        free = os.statvfs(runs).f_bavail * os.statvfs(runs).f_frsize
+        with open(filler, "wb") as fh:
+            os.posix_fallocate(fh.fileno(), 0, max(free - 4096, 1))
+        filled.set()
+
+    try:
+        watcher = threading.Thread(target=fill_when_saved, daemon=True)
+        watcher.start()
+        out = stage(ws, "teacher")
+        watcher.join(5)
+        assert filled.is_set(), f"the run ended before the disk was filled: {out.stderr[-3000:]}"
+        errors = error_lines(out.stderr)
+        assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-4000:]
+        assert "no space left on the device" in errors[0], errors
+        saved = list_checkpoints(runs / "teacher")
+        intact = [path for _, path in saved if verify_checkpoint(path) is None]
+        lost = data_lost.record(0 if saved and len(intact) == len(saved) else 1, "complete checkpoints damaged or lost")
+        assert not list((runs / "teacher").glob(".tmp-checkpoint-*")), "a partial checkpoint was left on the full disk"
+        assert not (ws / "artifacts" / "teacher").exists()
+        filler.unlink()
+        again = stage(ws, "teacher")
+        assert again.returncode == 0, again.stderr[-4000:]
+        assert "resum" in again.stderr.lower(), again.stderr[-3000:]
+        lost += data_lost.record(0 if (ws / "artifacts" / "teacher" / "lineage.json").is_file() else 1, "artifact not published")
+        assert lost == 0
+    finally:
+        subprocess.run(["umount", "-l", str(runs)], check=False)

@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from distillery.common.diskerrors import disk_problem
 from distillery.common.errors import UserError
 from distillery.common.offline import set_offline_env
 
@@ -35,18 +36,31 @@ def report_worker_error(message: str) -> bool:
 
 def run_guarded(fn: Callable[[], int]) -> int:
     """Run ``fn`` in the offline environment; a UserError becomes one line on stderr (rank 0) and
-    exit code 2, Ctrl-C exit code 130; anything else propagates (a crash, with its traceback)."""
+    exit code 2, Ctrl-C exit code 130; a write the disk refused (full, quota, read-only: also wrapped by
+    DCP, safetensors or SQLite, :mod:`distillery.common.diskerrors`) one line and exit code 2; anything
+    else propagates (a crash, with its traceback)."""
     set_offline_env()
     try:
         return fn()
     except UserError as exc:
-        message = " ".join(str(exc).split())
-        if report_worker_error(message):
-            return UserError.exit_code
-        rank = os.environ.get("RANK", "0")
-        if rank == "0":
-            sys.stderr.write(f"error: {message}\n")
-        return UserError.exit_code
+        return _one_line(str(exc))
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # Exception, and DCP's CheckpointException (a BaseException)
+        problem = disk_problem(exc)  # a full or read-only disk is the user's to fix, not a crash
+        if problem is None:
+            raise
+        return _one_line(f"{problem.why}{problem.where()}; what was published before is unchanged: free space and rerun "
+                         "(a training run resumes from its last complete checkpoint)")
+
+
+def _one_line(text: str) -> int:
+    message = " ".join(text.split())
+    if report_worker_error(message):
+        return UserError.exit_code
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"error: {message}\n")
+    return UserError.exit_code

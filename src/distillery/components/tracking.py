@@ -152,7 +152,16 @@ class MLflowTracker:
         return max((m.step for m in history), default=None)
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status=status)
+        """End the run with ``status``. When the store cannot record it (its disk is full, its database
+        locked or broken: the error that ended the run may be that very disk), one warning line says so
+        and the original outcome stands — the trainer's own error, not the store's, is what the user sees."""
+        try:
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as exc:  # noqa: BLE001 - MLflow raises MlflowException, sqlite3 and SQLAlchemy errors
+            if status == "FINISHED":
+                raise
+            log.warning("MLflow run %s could not be marked %s (%s); the run's outcome is the error above",
+                        self.run_id, status, " ".join(str(exc).split())[:200])
 
 
 def build_tracker(cfg: TrackerConfig, is_main: bool, run_id: str | None = None) -> MLflowTracker | NullTracker:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -283,16 +282,15 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def disk_error(stage: str, exc: OSError) -> UserError | None:
-    """A one-line UserError for a write that failed on the disk's account, else None."""
-    code, filename = exc.errno, exc.filename
-    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
-        _, dst, message = exc.args[0][0]  # copytree gathers (src, dst, str(error)) triples
-        found = re.search(r"\[Errno (\d+)\]", str(message))
-        code, filename = (int(found.group(1)) if found else None), dst
-    why = DISK_ERRNOS.get(code or 0)
-    if why is None:
+def disk_error(stage: str, exc: BaseException) -> UserError | None:
+    """A one-line UserError for a write that failed on the disk's account — also one a library wrapped
+    (:func:`distillery.common.diskerrors.disk_problem`: DCP, copytree, safetensors, SQLite) — else None."""
+    from distillery.common.diskerrors import DiskProblem, disk_problem
+
+    problem = disk_problem(exc)
+    if problem is None and isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM):
+        problem = DiskProblem(DISK_ERRNOS[exc.errno], exc.errno, str(exc.filename) if exc.filename else None)
+    if problem is None:
         return None
-    where = f" writing {filename}" if filename else ""
-    return UserError(f"stage {stage}: {why}{where}; its partial output was removed and the previous artifacts/{stage} "
-                     f"is unchanged; fix the disk and rerun")
+    return UserError(f"stage {stage}: {problem.why}{problem.where()}; its partial output was removed and the previous "
+                     f"artifacts/{stage} is unchanged; fix the disk and rerun")

@@ -123,7 +123,7 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
                 stage_function(name)(declared)
             except BaseException as exc:
                 cleanup_failed(name)
-                problem = disk_error(name, exc) if isinstance(exc, OSError) else None
+                problem = disk_error(name, exc) if isinstance(exc, Exception) else None
                 if problem is None:
                     raise
                 raise problem from None

@@ -30,6 +30,7 @@ run's folder, never of the old pickled format — is decided by :mod:`distillery
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -45,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.stateful import Stateful
 
+from distillery.common.diskerrors import DISK_ERRNOS, DiskProblem, disk_problem
 from distillery.common.errors import UserError
 from distillery.common.fsutil import read_json_file
 from distillery.common.log import get_logger
@@ -182,6 +184,35 @@ class CheckpointManager:
         Each rank writes its DCP shards and RNG files and hashes them; rank 0 writes the rest,
         hashes it, writes ``checksums.json`` then ``metadata.json`` and renames the folder.
         """
+        try:
+            return self._save(step, payload)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            last = list_checkpoints(self.output_dir)
+            need = _tree_bytes(last[-1][1]) if last else state_bytes(payload.dcp_state) * self.world_size
+            try:
+                free = shutil.disk_usage(self.output_dir).free
+            except OSError:
+                free = -1
+            problem = disk_problem(exc)
+            if problem is None and 0 <= free < need:  # torch.save's zip writer hides ENOSPC ("unexpected pos 704 vs 598")
+                problem = DiskProblem(DISK_ERRNOS[errno.ENOSPC], errno.ENOSPC, None)
+            if problem is None:
+                raise
+            raise self._disk_full(step, problem, last, need, free) from None
+
+    def _disk_full(self, step: int, problem: DiskProblem, last: list[tuple[int, Path]], need: int, free: int) -> UserError:
+        """The one line for a checkpoint the disk could not hold (``need``: bytes of the last complete checkpoint
+        or, without one, of this rank's weights × ranks; ``free``: bytes free when it failed); this save's partial
+        folder is removed (rank 0) so the space it took is free again; the last complete checkpoint stays as it was."""
+        if self.rank == 0:
+            shutil.rmtree(self.output_dir / f".tmp-checkpoint-{step}", ignore_errors=True)
+        kept = f"{last[-1][1].name} is intact and resumes" if last else "no earlier checkpoint: a rerun starts at step 0"
+        return UserError(f"checkpoint-{step}: {problem.why}{problem.where()} ({self.output_dir}: a checkpoint needs about "
+                         f"{_human(need)}, {_human(free) if free >= 0 else 'unknown'} free); {kept}: free space and rerun")
+
+    def _save(self, step: int, payload: CheckpointPayload) -> Path:
         final = self.output_dir / f"checkpoint-{step}"
         tmp = self.output_dir / f".tmp-checkpoint-{step}"
         if self.rank == 0:
@@ -302,6 +333,18 @@ class CheckpointManager:
         if problem:
             raise UserError(problem)
         return path
+
+
+def _tree_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _gather_to_main(obj: Any) -> list[Any]:
