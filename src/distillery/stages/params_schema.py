@@ -188,8 +188,15 @@ class TrainingStageParams:
 
 
 @dataclass
+class TeacherParams(TrainingStageParams):
+    source: Literal["sft", "base"] = rule("sft")  # sft: a fine-tune of the base on the latents; base: a given model (teacher.path, else the base) as is
+    path: str | None = rule(None, check=optional_path)  # source base: a Wan2.1 diffusers folder (e.g. the 14B beside a 1.3B base); null: the base's
+
+
+@dataclass
 class PretrainParams(TrainingStageParams):
     chunk_size: int = rule(1, 1, MAX_LATENT_FRAMES)  # latent frames that share one timestep (Diffusion-Forcing)
+    student_init: Literal["teacher", "base"] = rule("teacher")  # the causal student's init: the teacher artifact, or the base (a given, larger teacher)
 
 
 def score_ratio(v: float) -> str | None:
@@ -262,7 +269,7 @@ class ParamsSchema:
     clips: ClipsParams = field(default_factory=ClipsParams)
     base: BaseParams = field(default_factory=BaseParams)
     latents: LatentsParams = field(default_factory=LatentsParams)
-    teacher: TrainingStageParams = field(default_factory=TrainingStageParams)
+    teacher: TeacherParams = field(default_factory=TeacherParams)
     pretrain: PretrainParams = field(default_factory=PretrainParams)
     distill: DistillParams = field(default_factory=DistillParams)
     pdd: PDDParams = field(default_factory=PDDParams)
@@ -322,6 +329,9 @@ def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
     _check_together(params, source)
     _check_pdd_blocks(params, source)
     _check_ema(params, source)
+    if params.teacher.path is not None and params.teacher.source != "base":
+        raise UserError(f"{source}: teacher.path: {params.teacher.path}: a given teacher needs teacher.source: base "
+                        f"(teacher.source: sft fine-tunes base.path)")
     return params
 
 

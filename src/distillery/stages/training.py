@@ -241,6 +241,62 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
            mlflow_files=[(staging / "loss.png", "plots")], plots={f"{stage}_loss.json": loss})
 
 
+GIVEN_PARTS = ("transformer", "scheduler")  # what a model artifact of a training stage holds beside sampling.json
+
+
+def given_model_folder(spec: TrainingStageSpec, params: StageParams) -> tuple[Path, list[tuple[str, Path]]]:
+    """The model folder a given-model stage publishes and its lineage input: ``<given_path_key>``'s folder
+    (a Wan2.1 diffusers folder: ``model_index.json`` naming only library classes, a ``transformer/``), or
+    — null — the base artifact's model. A folder that is none of these is one line."""
+    path = params.get(spec.given_path_key) if spec.given_path_key else None
+    if path is None:
+        return ARTIFACTS / "base" / "model", [("base", ARTIFACTS / "base")]
+    from distillery.stages.base_folder import check_model_index
+
+    folder = Path(path).expanduser()
+    what = f"params.yaml: {spec.given_path_key}: {folder}"
+    if not (folder / "model_index.json").is_file() or not (folder / "transformer" / "config.json").is_file():
+        raise UserError(f"{what} is not a diffusers model folder (model_index.json and transformer/config.json); "
+                        f"give a Wan2.1 folder, e.g. Wan2.1-T2V-14B-Diffusers")
+    check_model_index(folder, what)
+    return folder, [("source", folder)]
+
+
+def publish_given_model(spec: TrainingStageSpec, params: StageParams) -> None:
+    """Publish ``artifacts/<stage>`` from a given model instead of training (``teacher.source: base``): its
+    ``transformer/`` and ``scheduler/`` copied without any code file, ``sampling.json`` the many-step Euler
+    contract of its own schedule, no loss; metrics ``steps: 0``; the lineage names the folder (or the base
+    artifact) as its input and says ``weights: given``. Nothing under ``runs/<stage>`` is touched."""
+    from distillery.models.schedule import read_scheduler_shift
+    from distillery.stages.base_folder import copy_model_folder
+
+    stage = spec.name
+    source, inputs = given_model_folder(spec, params)
+    started = time.perf_counter()
+    staging = fresh_staging(stage)
+    for part in GIVEN_PARTS:
+        if (source / part).is_dir():
+            copy_model_folder(source / part, staging / "model" / part, exclude=("lineage.json",))
+    scheduler = staging / "model" / "scheduler"
+    if not scheduler.is_dir():
+        raise UserError(f"{source}: no scheduler/ beside its transformer/: its flow shift is unknown; give a full "
+                        f"Wan2.1 diffusers folder")
+    shift = read_scheduler_shift(scheduler)
+    num_train = int(json.loads((scheduler / "scheduler_config.json").read_text()).get("num_train_timesteps", 1000))
+    write_json_atomic(staging / "model" / "sampling.json", {"sampler": "euler", "shift": shift, "num_train_timesteps": num_train})
+    config = json.loads((staging / "model" / "transformer" / "config.json").read_text())
+    log.info("stage %s: %s given as is (%s layers, %s heads of %s): published untrained", stage, source,
+             config.get("num_layers"), config.get("num_attention_heads"), config.get("attention_head_dim"))
+    finish(stage, staging, kind="model", params=params, metrics={"steps": 0}, inputs=inputs, plots={f"{stage}_loss.json": []},
+           volatile={"seconds": round(time.perf_counter() - started, 1)},
+           weights={"role": spec.export_role, "source": "given", "path": str(source)})
+
+
 def run_training_stage(name: str, params: StageParams) -> None:
-    """The runner's entry for training stage ``name`` (a row of the training table)."""
-    stage_training(TRAINING_STAGES[name], params)
+    """The runner's entry for training stage ``name`` (a row of the training table): trained, or — a stage whose
+    model ``params.yaml`` gives (:meth:`TrainingStageSpec.given`) — published as given."""
+    spec = TRAINING_STAGES[name]
+    if spec.given(params):
+        publish_given_model(spec, params)
+        return
+    stage_training(spec, params)

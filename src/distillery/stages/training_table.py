@@ -77,6 +77,9 @@ class TrainingStageSpec:
       already picks where a role starts from (``pdd.method`` beside ``pdd.student_init``): the
       :class:`StageVariant` its value names replaces the template, joins its params, and *adds* its
       ``inputs`` to the roles' (a critic's init), applied after the variant;
+    - ``given_source_key`` / ``given_path_key``: a stage whose model may be given rather than trained
+      (``teacher.source: base``): the stage then publishes the model folder ``given_path_key`` names
+      (null: the base artifact's) as its artifact, untrained (:func:`distillery.stages.training.publish_given_model`);
     - ``input_keys``: role → the params.yaml key whose value names the stage that role starts from
       (``distill.critic_init: teacher | base``), applied last; dvc.yaml names that dep
       ``artifacts/${<key>}``;
@@ -93,6 +96,8 @@ class TrainingStageSpec:
     method_key: str | None = None
     methods: dict[str, StageVariant] = field(default_factory=dict)
     input_keys: dict[str, str] = field(default_factory=dict)
+    given_source_key: str | None = None
+    given_path_key: str | None = None
     validation: ValidationSpec | None = None
 
     def input_artifacts(self) -> list[tuple[str, str]]:
@@ -134,7 +139,12 @@ class TrainingStageSpec:
         keys = list(self.params) + [k for k in self.ema_keys() if k not in self.params]
         for variant in (*self.variants.values(), *self.methods.values()):
             keys += [k for k in variant.params if k not in keys]
-        return keys + [k for k in (self.variant_key, self.method_key, *self.input_keys.values()) if k and k not in keys]
+        return keys + [k for k in (self.variant_key, self.method_key, *self.input_keys.values(), self.given_source_key,
+                                   self.given_path_key) if k and k not in keys]
+
+    def given(self, params: Any) -> bool:
+        """Whether ``params`` ask for the stage's model to be given (``teacher.source: base``), not trained."""
+        return self.given_source_key is not None and params.get(self.given_source_key) == "base"
 
     def ema_keys(self) -> tuple[str, str]:
         """The params.yaml keys of the stage's EMA: ``<stage>.ema_decay`` (null: off), ``<stage>.ema_start_step``."""
@@ -184,6 +194,8 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             template="templates/teacher_sft.yaml",
             inputs={"student": "base"},
             params=loop_params("teacher"),
+            # teacher.source: base publishes a given model (teacher.path: e.g. the 14B; null: the base) untrained
+            given_source_key="teacher.source", given_path_key="teacher.path",
             # the reference: many- and few-step Euler with CFG (validate.teacher_steps, the first is the reference)
             validation=ValidationSpec("teacher", steps="validate.teacher_steps", guidance="validate.guidance_scale",
                                       sampler="euler"),
@@ -194,6 +206,8 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             inputs={"student": "teacher"},
             # the causal student attends block-causally over the chunks DFSFT noises independently
             params={**loop_params("pretrain"), "pretrain.chunk_size": ("method.chunk_size", "models.student.chunk_size")},
+            # from the teacher (its SFT), or from the base when the teacher is a given, larger model
+            input_keys={"student": "pretrain.student_init"},
             validation=ValidationSpec("pretrain", steps="validate.pretrain_steps", guidance="validate.guidance_scale"),
         ),
         TrainingStageSpec(

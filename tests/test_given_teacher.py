@@ -1,0 +1,78 @@
+"""A teacher that is given, not trained (issue 42 item 1): ``teacher.source: base`` with ``teacher.path`` (a second
+tiny Wan of another width and depth, as Wan2.1-14B beside a 1.3B base), the causal student from the base
+(``pretrain.student_init: base``) and the critic too (``distill.critic_init: base``) — the published recipes'
+layout — through the real stages (`distillery stage`) in a git + DVC workspace, then PDD (from the teacher), validate
+and export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from workspace import make_workspace, stage
+
+from distillery.stages.params_schema import validate_params
+from distillery.tinybase.tiny import TinyBaseConfig, TinyTransformerConfig, make_tiny_base
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _width(transformer: Path) -> tuple[int, int]:
+    config = json.loads((transformer / "config.json").read_text())
+    return config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
+
+
+@pytest.mark.slow
+def test_a_given_wider_teacher_is_published_untrained_and_distilled_against(tmp_path):
+    wide = make_tiny_base(tmp_path / "tiny-wan-wide", TinyBaseConfig(transformer=TinyTransformerConfig(
+        num_attention_heads=6, attention_head_dim=48, ffn_dim=640, num_layers=5)), seed=1)
+    repo = make_workspace(tmp_path / "ws", {"teacher.source": "base", "teacher.path": str(wide),
+                                            "pretrain.student_init": "base", "distill.critic_init": "base"})
+    for name in ("clips", "base", "latents", "teacher", "pretrain", "distill", "pdd", "validate", "export"):
+        stage(repo, name, check=True)
+    teacher = repo / "artifacts" / "teacher"
+    # published as given: the folder's transformer and scheduler, byte for byte, its Euler contract; nothing trained
+    for part in ("transformer", "scheduler"):
+        given = sorted(p.relative_to(wide / part) for p in (wide / part).rglob("*") if p.is_file())
+        assert given and all((teacher / "model" / part / f).read_bytes() == (wide / part / f).read_bytes() for f in given)
+    assert json.loads((teacher / "model" / "sampling.json").read_text()) == {"sampler": "euler", "shift": 3.0,
+                                                                            "num_train_timesteps": 1000}
+    lineage = json.loads((teacher / "lineage.json").read_text())
+    assert lineage["weights"] == {"role": "student", "source": "given", "path": str(wide)}
+    assert [i["role"] for i in lineage["inputs"]] == ["source"] and lineage["metrics"] == {"steps": 0}
+    assert not (repo / "runs" / "teacher").exists()
+    # the student from the base (not the wide teacher), the critic from the base, the teacher the wide model
+    assert _width(repo / "artifacts" / "pretrain" / "model" / "transformer") == (128, 4)
+    pretrain = json.loads((repo / "artifacts" / "pretrain" / "lineage.json").read_text())
+    assert {i["role"]: i["path"] for i in pretrain["inputs"]}["student_init"] == "artifacts/base"
+    distill = json.loads((repo / "artifacts" / "distill" / "lineage.json").read_text())
+    roles = {i["role"]: i["path"] for i in distill["inputs"]}
+    assert roles["critic_init"] == "artifacts/base" and roles["teacher_init"] == "artifacts/teacher"
+    assert _width(repo / "artifacts" / "distill" / "model" / "transformer") == (128, 4)
+    assert _width(teacher / "model" / "transformer") == (288, 5)
+    meta = json.loads(sorted((repo / "runs" / "distill").glob("checkpoint-*/metadata.json"))[-1].read_text())
+    assert meta["frozen_roles"]["teacher"]["path"] == "artifacts/teacher/model/transformer"
+    # validate scores the given teacher as the reference (many-step Euler with CFG) and export ships the student
+    scores = json.loads((repo / "metrics" / "validate.json").read_text())
+    assert {"teacher_6/all", "distill_4/frechet_distance"} <= set(scores) and scores["distill_4/frechet_distance"] > 0.0
+    assert _width(repo / "artifacts" / "export" / "transformer") == (128, 4)
+
+
+def test_a_given_teacher_that_is_no_model_folder_is_one_line(tmp_path):
+    repo = make_workspace(tmp_path / "ws", {"teacher.source": "base", "teacher.path": str(tmp_path)})
+    for name in ("clips", "base"):
+        stage(repo, name, check=True)
+    out = stage(repo, "teacher")
+    assert out.returncode == 2 and "teacher.path" in out.stderr and "not a diffusers model folder" in out.stderr
+    assert "Traceback" not in out.stderr and not (repo / "artifacts" / "teacher").exists()
+
+
+def test_teacher_path_needs_source_base_and_the_defaults_train_the_teacher():
+    shipped = yaml.safe_load((ROOT / "params.yaml").read_text())
+    p = validate_params(shipped)
+    assert (p.teacher.source, p.teacher.path, p.pretrain.student_init, p.distill.critic_init) == ("sft", None, "teacher", "teacher")
+    shipped["teacher"]["path"] = "/models/Wan2.1-T2V-14B-Diffusers"
+    with pytest.raises(Exception, match="teacher.path: .*needs teacher.source: base"):
+        validate_params(shipped)
