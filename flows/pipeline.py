@@ -84,6 +84,7 @@ __all__ = [
     "PipelineFailedError",
     "StageFailedError",
     "StageUserError",
+    "WorkspaceBusyError",
     "artifact_key",
     "build_pipeline_flow",
     "check_params_files",
@@ -96,6 +97,7 @@ __all__ = [
     "run_pipeline",
     "run_stage",
     "stage_exit_code",
+    "workspace_busy_line",
 ]
 
 FLOW_NAME = "distillery-pipeline"
@@ -105,6 +107,8 @@ TAIL_LINES = 40  # dvc output lines kept for the error of a failed stage
 MEDIA_SUFFIXES = (".gif", ".mp4")
 USER_ERROR_EXIT_CODE = 2  # distillery's exit code for a user error (distillery.common.errors.UserError)
 _DVC_STAGE_FAILED = re.compile(r"failed to run: .*, exited with (-?\d+)\s*\Z", re.DOTALL)
+_DVC_BUSY = re.compile(r"'(?P<path>[^']+)' is busy, it is being blocked by:")  # dvc/rwlock.py's LockError
+_DVC_BLOCKER = re.compile(r"\(PID \d+\): .+")
 
 
 class StageFailedError(RuntimeError):
@@ -141,6 +145,17 @@ class StageUserError(StageFailedError):
         self.error_line = error_line
 
 
+class WorkspaceBusyError(StageUserError):
+    """Another DVC run in the same workspace (a ``dvc repro`` in a shell beside this flow) holds an out or dep
+    of the stage: not a crash, never retried — the one line names the holder and what it holds."""
+
+    def __init__(self, stage: str, returncode: int, tail: Sequence[str], error_line: str):
+        RuntimeError.__init__(self, error_line)
+        self.stage, self.returncode, self.tail = stage, returncode, list(tail)
+        self.stage_exit = None
+        self.error_line = error_line
+
+
 class PipelineFailedError(RuntimeError):
     """One or more stages failed; ``results`` is the flow's per-stage dict so far,
     ``user_errors`` the failed stages that failed on a user error (exit 2, not retried)."""
@@ -172,6 +187,19 @@ def stage_exit_code(lines: Sequence[str]) -> int | None:
         return None
     m = _DVC_STAGE_FAILED.search("\n".join(lines[starts[-1]:]))
     return int(m.group(1)) if m else None
+
+
+def workspace_busy_line(lines: Sequence[str]) -> str | None:
+    """The one line for DVC's refusal when another DVC process in the workspace holds a path of the stage
+    (``ERROR: '<path>' is busy, it is being blocked by:`` then ``(PID <n>): <cmd>`` lines), or None."""
+    for i, line in enumerate(lines):
+        busy = _DVC_BUSY.search(line)
+        if busy:
+            holders = [m.group(0) for m in (_DVC_BLOCKER.search(x) for x in lines[i + 1 : i + 6]) if m]
+            who = "; ".join(holders) or "another process"
+            return (f"error: another DVC run in this workspace holds {busy.group('path')} ({who}): wait for it to "
+                    "finish (or stop it), then rerun — two runs of one workspace would write the same artifacts")
+    return None
 
 
 def _user_error_line(lines: Sequence[str]) -> str | None:
@@ -337,6 +365,10 @@ async def run_stage(repo: str, spec: StageSpec) -> dict[str, Any]:
     rc, lines = await _run_dvc(root, spec.name, logger.info)
     seconds = round(time.monotonic() - t0, 3)
     if rc != 0:
+        busy = workspace_busy_line(lines)
+        if busy is not None:
+            logger.error("%s", busy)
+            raise WorkspaceBusyError(spec.name, rc, lines[-TAIL_LINES:], busy)
         stage_exit = stage_exit_code(lines)
         if stage_exit == USER_ERROR_EXIT_CODE:
             raise StageUserError(spec.name, rc, lines[-TAIL_LINES:], _user_error_line(lines))

@@ -659,3 +659,36 @@ def test_stage_timeout_stops_the_stage(prefect_api, tmp_path: Path) -> None:
         time.sleep(0.1)
     else:
         pytest.fail(f"stage process {pid} still alive after the timeout")
+
+
+@pytest.mark.slow
+def test_a_workspace_held_by_another_dvc_run_is_one_line_not_a_retried_crash(prefect_server: str,
+                                                                              tmp_path: Path) -> None:
+    """Issue 46 item 7: `dvc repro` in a shell and the flow started at once in one workspace. DVC refuses the
+    second with "'<out>' is busy, it is being blocked by: (PID n): dvc repro" (its rwlock, which
+    --wait-for-lock does not queue on): the flow says in one line which run holds what, and does not
+    retry it as a crash. The holder is a real live process named in DVC's own rwlock file."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "stage.py").write_text(STAGE_SCRIPT)
+    stages = {"train": {"cmd": "python stage.py", "deps": ["stage.py"], "params": ["exit_code"],
+                        "outs": ["model.txt"]}}
+    make_dvc_repo(repo, stages, {"exit_code": 0})
+    holder = subprocess.Popen(["sleep", "300"])
+    try:
+        (repo / ".dvc" / "tmp").mkdir(parents=True, exist_ok=True)
+        rwlock = {"write": {str(repo / "model.txt"): {"pid": holder.pid, "cmd": "dvc repro"}}, "read": {}}
+        (repo / ".dvc" / "tmp" / "rwlock").write_text(json.dumps(rwlock))
+        r = subprocess.run([PY, "-m", "flows.pipeline", "--repo", str(repo), "--retries", "2", "--retry-delay", "0"],
+                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
+                           env=_env(tmp_path / "home", prefect_server))
+    finally:
+        holder.kill()
+        holder.wait()
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert f"another DVC run in this workspace holds {repo / 'model.txt'} ((PID {holder.pid}): dvc repro)" in out, out
+    assert "Retry" not in out and not (repo / "attempts.log").exists()
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ")
