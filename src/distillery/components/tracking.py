@@ -7,6 +7,7 @@ other ranks get a :class:`NullTracker`.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from collections.abc import Iterator
@@ -87,13 +88,31 @@ def ensure_experiment(client: Any, name: str, tracking_uri: str) -> str:
     """Id of experiment ``name``, created if missing (artifacts in ``mlruns/`` beside a sqlite store).
     Call under :func:`store_lock`."""
     exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
     artifact_location = None
     if tracking_uri.startswith("sqlite:///"):
         db = Path(tracking_uri[len("sqlite:///"):])
         artifact_location = (db.parent / "mlruns").resolve().as_uri()
+        if exp is not None and exp.artifact_location != artifact_location and exp.artifact_location.endswith("/mlruns"):
+            relocate_artifacts(db, exp.artifact_location, artifact_location)
+    if exp is not None:
+        return exp.experiment_id
     return client.create_experiment(name, artifact_location=artifact_location)
+
+
+def relocate_artifacts(db: Path, old: str, new: str) -> None:
+    """A workspace copied or moved with its ``mlflow.db`` and ``mlruns/``: the store still names the old
+    ``mlruns/`` (absolute), so new runs would write their artifacts into the old workspace. Point every
+    experiment and run of the store that names ``old`` at ``new`` instead (MLflow's own tables, one
+    transaction), said in one warning line. Call under :func:`store_lock`."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(db)) as con, con:
+        experiments = con.execute("UPDATE experiments SET artifact_location = ? WHERE artifact_location = ?",
+                                  (new, old)).rowcount
+        runs = con.execute("UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) WHERE artifact_uri LIKE ? ESCAPE '\\'",
+                           (new, len(old) + 1, old.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%")).rowcount
+    log.warning("MLflow store %s named artifacts in %s (a copied or moved workspace): %d experiment(s) and %d run(s) "
+                "now keep them in %s", db, old, experiments, runs, new)
 
 
 class MLflowTracker:

@@ -46,6 +46,23 @@ def human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+MAX_SQLITE_PATH = 500  # bytes of the MLflow store's path SQLite still opens (its journal's name must fit 512)
+
+
+def check_workspace_path(stage: str) -> None:
+    """The workspace's MLflow store (``mlflow.db`` in the current folder, unless ``MLFLOW_TRACKING_URI`` names
+    another) must have a path SQLite can open: a workspace nested ~500 bytes deep failed every stage after its
+    work, when the store was first opened. One line, exit 2, before anything runs."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    if not uri.startswith("sqlite:///"):
+        return
+    size = len(os.fsencode(uri[len("sqlite:///"):]))
+    if size > MAX_SQLITE_PATH:
+        raise UserError(f"stage {stage}: the MLflow store's path ({uri[len('sqlite:///'):][:48]}…) is {size} bytes long; "
+                        f"SQLite opens at most {MAX_SQLITE_PATH}: move the workspace to a shorter path (or set "
+                        "MLFLOW_TRACKING_URI to a store elsewhere); nothing was changed")
+
+
 def check_own_folders(stage: str, artifacts: Path, runs: Path, training: bool) -> None:
     """The folders the stage writes into and may clean up — ``artifacts/<stage>``, its staging folder
     ``artifacts/<stage>.tmp``, ``runs/.locks`` and, for a training stage, ``runs/<stage>`` — must each be a real

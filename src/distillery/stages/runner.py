@@ -100,11 +100,21 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     working, and on any failure leaves the previous ``artifacts/<name>`` as it was."""
     from distillery.common.procutil import AncestorWatch, exclusive_lock
     from distillery.stages.dvcfile import stage_params
-    from distillery.stages.preflight import check_batch, check_free_space, check_memory, check_own_folders, check_paths, check_writable, disk_error
+    from distillery.stages.preflight import (
+        check_batch,
+        check_free_space,
+        check_memory,
+        check_own_folders,
+        check_paths,
+        check_workspace_path,
+        check_writable,
+        disk_error,
+    )
 
     if name not in STAGES:
         raise UserError(f"unknown stage {name!r}; valid: {', '.join(STAGES)}")
     params = Params.load(params_path)
+    check_workspace_path(name)  # SQLite (MLflow's store) cannot open a path past ~500 bytes
     check_paths(params, name, tuple(STAGES))  # the folders params.yaml names, as the stages reading them will (this one and later)
     check_memory(name, params)  # from the params (and the latent set's counts) alone: before anything is touched
     check_batch(name, params, ARTIFACTS)
