@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
 SHIPPED = (Path(__file__).resolve().parents[2] / "params.yaml").read_text()
+DISTILLERY = str(Path(sys.executable).parent / "distillery")
 
 
 @pytest.mark.reliability(case="10.G", title="a workspace path SQLite cannot open",
@@ -65,3 +67,60 @@ def test_a_moved_workspace_keeps_its_mlflow_artifacts(tmp_path, monkeypatch, war
     assert len([w for w in warnings_logged if "copied or moved workspace" in w]) == 1, warnings_logged
     data_lost.record(0 if (Path(uris[0][len("file://"):]) / "notes" / "note.txt").is_file() else 1, "old run's artifacts unreachable")
     assert data_lost.total == 0
+
+
+def _small_workspace(root: Path) -> Path:
+    import yaml
+
+    root.mkdir(parents=True)
+    params = yaml.safe_load(SHIPPED)
+    params["clips"]["num_train"], params["clips"]["num_validation"] = 4, 2
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    shutil.copy(Path(__file__).resolve().parents[2] / "dvc.yaml", root / "dvc.yaml")
+    return root
+
+
+def _truncated_store(ws: Path) -> None:
+    """A real MLflow store cut to its first 8 KiB (the header is SQLite's, the tables are gone)."""
+    import subprocess
+
+    subprocess.run([DISTILLERY, "stage", "clips"], cwd=ws, check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "MLFLOW_TRACKING_URI": ""})
+    raw = (ws / "mlflow.db").read_bytes()
+    shutil.rmtree(ws / "artifacts")
+    (ws / "mlflow.db").write_bytes(raw[:8192])
+
+
+@pytest.mark.reliability(case="10.6b", title="an MLflow store that cannot be used, a quote in the pipeline run",
+                         injected="mlflow.db of random bytes; a FIFO; a real store truncated to 8 KiB; "
+                                  "MLFLOW_TRACKING_URI at a port nothing listens on; DISTILLERY_PIPELINE_RUN with a quote; "
+                                  "`distillery stage clips`",
+                         expect="exit 2, one line naming the store (garbage and FIFO before any work), no traceback; "
+                                "the quote: the stage runs (exit 0)")
+@pytest.mark.parametrize("kind", ["garbage", "fifo", "truncated", "unreachable", "quote"])
+def test_a_store_that_cannot_be_used_is_one_line(tmp_path, data_lost, kind):
+    import subprocess
+
+    ws = _small_workspace(tmp_path / "ws")
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "DISTILLERY_PIPELINE_RUN")}
+    if kind == "garbage":
+        (ws / "mlflow.db").write_bytes(os.urandom(4096))
+    elif kind == "fifo":
+        os.mkfifo(ws / "mlflow.db")
+    elif kind == "truncated":
+        _truncated_store(ws)
+    elif kind == "unreachable":
+        env.update(MLFLOW_TRACKING_URI="http://127.0.0.1:9", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
+                   MLFLOW_HTTP_REQUEST_TIMEOUT="5")
+    else:
+        env["DISTILLERY_PIPELINE_RUN"] = "it's a 'run' \" with quotes"
+    out = subprocess.run([DISTILLERY, "stage", "clips"], cwd=ws, capture_output=True, text=True, timeout=300, env=env)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    if kind == "quote":
+        assert out.returncode == 0 and (ws / "artifacts" / "clips" / "lineage.json").is_file(), out.stderr[-2000:]
+    else:
+        assert out.returncode == 2 and len(errors) == 1 and "MLflow store" in errors[0], out.stderr[-3000:]
+    if kind in ("garbage", "fifo"):
+        assert not (ws / "artifacts").exists()  # refused before the stage worked
+    data_lost.record(0, "files lost")

@@ -10,11 +10,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from distillery.common.errors import UserError
+from distillery.common.fsutil import file_kind
 from distillery.common.log import get_logger
 from distillery.common.treeutil import flatten
 from distillery.config.schema import TrackerConfig
@@ -72,16 +75,41 @@ def store_lock(tracking_uri: str) -> Iterator[None]:
     steps. Other URIs: no lock.
     """
     if not tracking_uri.startswith("sqlite:///"):
-        yield
+        with store_errors(tracking_uri):
+            yield
         return
     db = Path(tracking_uri[len("sqlite:///"):])
+    try:
+        mode = os.stat(db).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):  # SQLite would block on a FIFO, fail on a folder
+        raise UserError(f"MLflow store {db} is {file_kind(mode)}, not a database file: move it away (or set "
+                        "MLFLOW_TRACKING_URI to another store) and rerun")
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(db.with_name(db.name + ".lock"), "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
-            yield
+            with store_errors(tracking_uri):
+                yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextmanager
+def store_errors(tracking_uri: str) -> Iterator[None]:
+    """Opening the MLflow store, finding or making an experiment or a run: a store that cannot be used — a
+    file that is not an SQLite database, a truncated one, one locked by another writer past SQLite's wait, a
+    server that does not answer — is one :class:`UserError` line naming the store, not MLflow's traceback."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - MLflow, SQLAlchemy, sqlite3 and requests all raise their own
+        why = " ".join(str(exc).split())
+        why = why if len(why) <= 160 else why[:159] + "…"
+        raise UserError(f"MLflow store {tracking_uri} cannot be used ({type(exc).__name__}: {why}); fix or move it "
+                        "away (a new one is made), or set MLFLOW_TRACKING_URI to another store, and rerun") from None
 
 
 def ensure_experiment(client: Any, name: str, tracking_uri: str) -> str:

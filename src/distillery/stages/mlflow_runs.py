@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,10 +31,16 @@ from distillery.lineage.manifest import code_info
 EXPERIMENT = "distillery"
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9._:@+-]{1,200}")  # a key MLflow's search filter takes between quotes as is
+
+
 def pipeline_key(params_text: str) -> str:
+    """The tag that finds this pipeline run's parent: ``$DISTILLERY_PIPELINE_RUN`` when it is plain text
+    (letters, digits, ``._:@+-``), else its digest (a quote in it would break MLflow's search filter), else a
+    digest of the params, the commit and the DVC experiment."""
     env = os.environ.get("DISTILLERY_PIPELINE_RUN")
     if env:
-        return env
+        return env if _PLAIN_KEY.fullmatch(env) else "run-" + hashlib.sha256(env.encode()).hexdigest()[:16]
     commit = code_info().get("git_commit") or "no-git"
     return hashlib.sha256((params_text + commit + (experiment_name() or "")).encode()).hexdigest()[:16]  # one per experiment
 
@@ -50,7 +57,7 @@ def pipeline_run_name(key: str, commit: str | None) -> str:
     if exp:
         return exp
     if os.environ.get("DISTILLERY_PIPELINE_RUN"):
-        return key
+        return os.environ["DISTILLERY_PIPELINE_RUN"][:250]
     return f"repro {commit[:7] if commit else 'no-git'} · params {key[:6]}"
 
 

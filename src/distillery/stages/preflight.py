@@ -19,11 +19,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
 from distillery.common.errors import UserError
-from distillery.common.fsutil import read_json_file
+from distillery.common.fsutil import file_kind, read_json_file
 from distillery.stages.params import Params
 from distillery.stages.training_table import DATA_ARTIFACT, TRAINING_STAGES
 
@@ -61,6 +62,24 @@ def check_workspace_path(stage: str) -> None:
         raise UserError(f"stage {stage}: the MLflow store's path ({uri[len('sqlite:///'):][:48]}…) is {size} bytes long; "
                         f"SQLite opens at most {MAX_SQLITE_PATH}: move the workspace to a shorter path (or set "
                         "MLFLOW_TRACKING_URI to a store elsewhere); nothing was changed")
+    db = Path(uri[len("sqlite:///"):])
+    try:
+        fd = os.open(db, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return  # made on first use
+    except OSError as exc:
+        raise UserError(f"stage {stage}: the MLflow store {db} cannot be opened ({exc.strerror or exc}); nothing was changed") from None
+    try:
+        st = os.fstat(fd)
+        head = os.read(fd, 16) if stat.S_ISREG(st.st_mode) else b""
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"stage {stage}: the MLflow store {db} is {file_kind(st.st_mode)}, not a database file: move it "
+                        "away (or set MLFLOW_TRACKING_URI to another store); nothing was changed")
+    if st.st_size and head != b"SQLite format 3\x00":
+        raise UserError(f"stage {stage}: the MLflow store {db} is not an SQLite database (its first bytes are not "
+                        "SQLite's): move it away (a new one is made) or set MLFLOW_TRACKING_URI; nothing was changed")
 
 
 def check_own_folders(stage: str, artifacts: Path, runs: Path, training: bool) -> None:
