@@ -216,3 +216,17 @@ def test_cli_make_and_analyze(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {"train", "validation"} and report["validation"]["num_clips"] == 3
     assert report["train"]["colour"] == 1.0
+
+
+def test_no_validation_clips_make_a_set_the_latents_stage_reads(tmp_path, tiny_base):
+    """clips.num_validation: 0 (params.yaml's '0: validate on train captions'): no validation/ folder is
+    written, so preprocess finds the train split alone (it failed with 'lists no videos' after the clips
+    artifact was replaced; issue 46 6b)."""
+    from distillery.clips.synthetic import ClipSetConfig, make_clip_set
+    from distillery.data.preprocess import PreprocessConfig, preprocess
+    from distillery.data.videos import find_splits
+
+    data = make_clip_set(tmp_path / "clips", ClipSetConfig(num_train=4, num_validation=0, num_frames=9))
+    assert not (data / "validation").exists() and set(find_splits(data)) == {"train"}
+    manifest = preprocess(tiny_base, data, tmp_path / "latents", PreprocessConfig(num_frames=9, height=32, width=32))
+    assert set(manifest["splits"]) == {"train"} and manifest["splits"]["train"]["rows"] == 4

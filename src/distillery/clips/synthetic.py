@@ -259,7 +259,9 @@ def _write_clip_set(root: Path, cfg: ClipSetConfig) -> None:
     specs = plan_clips(cfg)
     captions: dict[str, list[str]] = {split: [] for split in SPLITS}
     truth: list[str] = []
-    for split in SPLITS:
+    counts = {"train": cfg.num_train, "validation": cfg.num_validation}
+    splits = [split for split in SPLITS if counts.get(split, 1) > 0]  # no folder for an empty split: the data has none
+    for split in splits:
         (root / split / "videos").mkdir(parents=True)
     for spec in specs:
         write_video(root / spec.split / spec.path, render_clip(spec, cfg), cfg.fps, crf=cfg.crf)
@@ -268,7 +270,7 @@ def _write_clip_set(root: Path, cfg: ClipSetConfig) -> None:
         record.update(asdict(spec.attrs))
         record.update({"start_xy": list(spec.start_xy), "velocity_xy": list(spec.velocity_xy)})
         truth.append(json.dumps(record))
-    for split in SPLITS:
+    for split in splits:
         (root / split / "captions.jsonl").write_text("".join(line + "\n" for line in captions[split]))
     (root / "ground_truth.jsonl").write_text("".join(line + "\n" for line in truth))
     (root / "README.md").write_text(_readme(cfg))
