@@ -13,6 +13,11 @@ and what they depend on — nothing else, distillery least of all (it first prov
 fails there): :func:`card_venv`, built once and kept under ``~/.cache/distillery-tests/``, keyed by the
 pins (about a minute the first time). A package the export needs and the card leaves out fails here, as
 it fails for a user who installs what the card says.
+
+There too, stock loading: ``WanPipeline.from_pretrained`` loads the teacher's export (a stock Wan model) and
+refuses every student's (its ``model_index.json`` names the folder's own pipeline: diffusers asks for
+``trust_remote_code``, naming ``pipeline.py``) — it must never sample a student with the teacher's loop —, and
+with ``trust_remote_code=True`` any loader gives the folder's ``DistilledWanPipeline``.
 """
 
 from __future__ import annotations
