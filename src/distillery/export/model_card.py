@@ -5,8 +5,9 @@ Everything comes from files the export stage already reads: the student's ``samp
 lineage manifests of the student and its inputs (each artifact once, in the order the chain
 reaches it), the validate stage's ``report/metrics.json`` (every metric) and ``report/report.json`` (the candidates of
 this student and the reference teacher, and the prompt, seed, size and prompt length of the
-snippet), and the base card's ``max_sequence_length`` (kept in the front matter: the folder stays
-usable as a base, :func:`distillery.data.encoders.read_max_sequence_length`).
+snippet), and the base card's ``max_sequence_length`` (kept in the front matter: the teacher's export stays
+usable as a base, :func:`distillery.data.encoders.read_max_sequence_length`; a student's ``model_index.json``
+names its own pipeline, :mod:`distillery.export.code`, which the base stage refuses as code from the folder).
 """
 
 from __future__ import annotations
