@@ -131,11 +131,17 @@ def show_key(key: Any) -> str:
     return show(key)
 
 
-def key_list(keys: Iterable[Any], limit: int = 24) -> str:
-    """``a, b, c`` for valid-key lists in messages (at most ``limit`` names)."""
+def key_list(keys: Iterable[Any], limit: int = 24, max_chars: int = 150) -> str:
+    """``a, b, c`` for valid-key lists in messages (at most ``limit`` names and about ``max_chars`` characters,
+    so the one-line error stays one readable line as sections grow)."""
     names = [show_key(k) for k in keys]
-    more = f", … ({len(names)} in all)" if len(names) > limit else ""
-    return (", ".join(names[:limit]) or "(none)") + more
+    shown: list[str] = []
+    for name in names[:limit]:
+        if shown and sum(len(n) + 2 for n in shown) + len(name) > max_chars:
+            break
+        shown.append(name)
+    more = f", … ({len(names)} in all)" if len(shown) < len(names) else ""
+    return (", ".join(shown) or "(none)") + more
 
 
 def did_you_mean(key: Any, valid: Iterable[str]) -> str:
