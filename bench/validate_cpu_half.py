@@ -75,8 +75,8 @@ def timed(fn, *args) -> float:
 
 
 def main() -> int:
-    from distillery.clips.grid import VideoGrid, write_gif
     from distillery.clips.video_io import write_video
+    from distillery.common.videogrid import VideoGrid, write_gif
     from distillery.evaluation.validate import _write_grid, gif_preview, scoring_workers
 
     parser = argparse.ArgumentParser()

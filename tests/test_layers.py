@@ -1,67 +1,113 @@
 """The house as CONTRIBUTING.md draws it: every package of ``src/distillery`` sits on a floor and
 imports only from its own package or from packages on lower floors (lazy imports inside functions
-included); no two modules import each other, directly or round a longer circle."""
+included, relative ones resolved); no two modules import each other, directly or round a longer circle.
+The training library (floors 0-6) never imports the pipeline built on it (floors 7 and up, and ``flows``)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "distillery"
 
 # floor -> the packages on it, bottom first (CONTRIBUTING.md, "The house")
 FLOORS: list[set[str]] = [
     {"common"},
-    {"config", "lineage", "clips"},
+    {"config"},
     {"components"},
     {"data", "models"},
     {"sampling"},
     {"methods", "callbacks"},
     {"engine"},
+    {"lineage", "clips"},
     {"evaluation", "export"},
     {"tinybase"},
     {"stages"},
     {"cli"},
 ]
 FLOOR = {pkg: i for i, pkgs in enumerate(FLOORS) for pkg in pkgs}
+LIBRARY_TOP_FLOOR = 6  # engine: floors 0-6 are the training library, those above it the pipeline
+PIPELINE_OUTSIDE = ("flows",)  # top-level packages of the pipeline beside src/ (the Prefect face)
 
 
-def _module(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def _module(path: Path, root: Path = PACKAGE) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> list[tuple[str, bool]]:
-    """(distillery module imported, at module level?) for every import of ``path``, lazy ones included."""
+def _absolute(node: ast.ImportFrom, path: Path, root: Path) -> str:
+    """The absolute module an ``ImportFrom`` names: ``from ..engine import loop`` in
+    ``distillery/models/base.py`` is ``distillery.engine`` (level 1 is the module's own package)."""
+    if node.level == 0:
+        return node.module or ""
+    package = _module(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(path: Path, root: Path = PACKAGE) -> list[tuple[str, bool]]:
+    """(module of ``root``'s package imported, at module level?) for every import of ``path``, lazy ones
+    included, relative ones resolved to the absolute module they name."""
     tree = ast.parse(path.read_text(), str(path))
     found: list[tuple[str, bool]] = []
     top = {id(n) for n in tree.body} | {id(n) for n in ast.walk(tree) if isinstance(n, ast.If)
                                           and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING"}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        if isinstance(node, ast.ImportFrom):
+            module = _absolute(node, path, root)
+            names = [module] + [f"{module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:
             continue
         for name in names:
-            if name.split(".")[0] == "distillery" and _exists(name):
+            if name.split(".")[0] == root.name and _exists(name, root):
                 found.append((name, id(node) in top))
     return found
 
 
-def _exists(module: str) -> bool:
+def _outside_imports(path: Path) -> list[str]:
+    """The pipeline packages outside ``src/`` (``flows``) that ``path`` imports, lazy ones included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        found += [n for n in names if n.split(".")[0] in PIPELINE_OUTSIDE]
+    return found
+
+
+def _exists(module: str, root: Path = PACKAGE) -> bool:
     rel = Path(*module.split(".")[1:])
-    return (PACKAGE / rel).with_suffix(".py").is_file() or (PACKAGE / rel / "__init__.py").is_file()
+    return (root / rel).with_suffix(".py").is_file() or (root / rel / "__init__.py").is_file()
 
 
-def _package(module: str) -> str | None:
+def _package(module: str, root: Path = PACKAGE) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else None
+    return parts[1] if len(parts) > 1 and (root / parts[1]).is_dir() else None
 
 
-def _sources() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py") if "assets" not in p.parts)
+def _sources(root: Path = PACKAGE) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if "assets" not in p.parts)
+
+
+def _library_to_pipeline(root: Path = PACKAGE) -> list[str]:
+    """Every import by a library module (a package on floors 0-6) of a pipeline module (a package above,
+    or ``flows``): absolute or relative, at module level or lazy."""
+    wires = []
+    for path in _sources(root):
+        here = _package(_module(path, root), root)
+        if here is None or FLOOR[here] > LIBRARY_TOP_FLOOR:
+            continue
+        for target, _ in _imports(path, root):
+            there = _package(target, root)
+            if there is not None and FLOOR[there] > LIBRARY_TOP_FLOOR:
+                wires.append(f"{_module(path, root)} -> {target} (library {here} imports pipeline {there})")
+        wires += [f"{_module(path, root)} -> {name} (library {here} imports the pipeline's {name})" for name in _outside_imports(path)]
+    return wires
 
 
 def test_every_package_has_a_floor():
@@ -71,15 +117,60 @@ def test_every_package_has_a_floor():
     assert not loose, f"modules at the package root (put each in the package of its job): {loose}"
 
 
-def test_no_package_imports_a_floor_above_it():
+def _upward(root: Path = PACKAGE) -> list[str]:
     upward = []
-    for path in _sources():
-        here = _package(_module(path))
-        for target, _ in _imports(path):
-            there = _package(target)
+    for path in _sources(root):
+        here = _package(_module(path, root), root)
+        for target, _ in _imports(path, root):
+            there = _package(target, root)
             if here and there and there != here and FLOOR[there] >= FLOOR[here]:
-                upward.append(f"{_module(path)} -> {target} ({here} floor {FLOOR[here]}, {there} floor {FLOOR[there]})")
+                upward.append(f"{_module(path, root)} -> {target} ({here} floor {FLOOR[here]}, {there} floor {FLOOR[there]})")
+    return upward
+
+
+def test_no_package_imports_a_floor_above_it():
+    upward = _upward()
     assert not upward, "imports that run up (or sideways on one floor of) the house:\n" + "\n".join(upward)
+
+
+def test_the_library_never_imports_the_pipeline():
+    wires = _library_to_pipeline()
+    assert not wires, "the training library imports the pipeline built on it:\n" + "\n".join(wires)
+
+
+def _house(tmp: Path, files: dict[str, str]) -> Path:
+    """A package ``distillery`` under ``tmp`` with an empty module in every package of the house, plus ``files``."""
+    root = tmp / "distillery"
+    for pkg in FLOOR:
+        (root / pkg).mkdir(parents=True)
+        (root / pkg / "__init__.py").write_text("")
+        (root / pkg / "mod.py").write_text("")
+    (root / "__init__.py").write_text("")
+    for rel, text in files.items():
+        (root / rel).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("text", [
+    "from distillery.stages import mod\n",  # absolute, at module level
+    "def f():\n    import distillery.lineage.mod\n",  # absolute, lazy
+    "from ..clips import mod\n",  # relative: models/base.py's package is models, .. the house
+    "from ...distillery.evaluation.mod import x\n",  # relative, up to the folder above and back in
+    "def f():\n    from .. import export\n",  # relative, lazy, a package by name
+    "import flows.pipeline\n",  # the Prefect face outside src/
+])
+def test_the_checks_see_a_library_module_importing_the_pipeline_however_written(tmp_path, text):
+    root = _house(tmp_path, {"models/base.py": text})
+    assert _library_to_pipeline(root), text
+    assert _upward(root) or text.startswith("import flows"), text
+
+
+def test_the_checks_pass_a_library_house_and_read_relative_imports_within_a_package(tmp_path):
+    root = _house(tmp_path, {"models/base.py": "from . import mod\nfrom ..common import mod as m\nfrom .mod import x\n",
+                             "stages/run.py": "from ..engine import mod\nfrom distillery.models import base\n"})
+    assert _library_to_pipeline(root) == [] and _upward(root) == []
+    assert {t for t, _ in _imports(root / "models" / "base.py", root)} == {
+        "distillery.models", "distillery.models.mod", "distillery.common", "distillery.common.mod"}
 
 
 def test_no_import_circle():

@@ -450,7 +450,7 @@ def test_hash_once_reuses_digests_and_still_catches_tampering(tmp_path: Path, mo
     import dataclasses
     import os
 
-    from distillery.lineage import hashcache
+    from distillery.common import hashcache
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(hashcache.ENV_VAR, str(tmp_path / "runs" / ".hash_cache.json"))
@@ -496,7 +496,7 @@ def test_a_copied_model_folder_is_read_once_for_both_manifests(tmp_path: Path, m
     import dataclasses
     import hashlib
 
-    from distillery.lineage import hashcache
+    from distillery.common import hashcache
     from distillery.stages.base_folder import copy_model_folder
 
     monkeypatch.chdir(tmp_path)

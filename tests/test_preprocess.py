@@ -199,7 +199,7 @@ def test_latents_stage_takes_its_own_size_and_validate_follows_it(tmp_path, monk
     params["latents"].update(data=str(clips), num_frames=5, height=32, width=48, device="cpu")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     monkeypatch.chdir(tmp_path)
-    from distillery.lineage import hashcache
+    from distillery.common import hashcache
 
     monkeypatch.delenv(hashcache.ENV_VAR, raising=False)  # restored after the test (run_stage sets it)
     assert run_stage("base") == 0 and run_stage("latents") == 0

@@ -64,7 +64,7 @@ def test_an_unchanged_candidate_is_reused_with_bitwise_equal_results(setup, capl
 def test_one_flipped_weight_byte_is_sampled_again_even_with_its_mtime_restored(setup, caplog, tmp_path, monkeypatch):
     root, _, student, *_ = setup
     monkeypatch.setenv("DISTILLERY_HASH_CACHE", str(tmp_path / "hash_cache.json"))  # the stages' cache, trusting mtime
-    from distillery.lineage.hashcache import file_sha256, flush_active
+    from distillery.common.hashcache import file_sha256, flush_active
 
     weights = student / WEIGHTS
     file_sha256(weights)

@@ -50,8 +50,11 @@ def student() -> WanModel:
     return model
 
 
+SCORER = "distillery.clips.analyzer.folder_scorer"  # the pipeline's analyzer, a plugin the run config names
+
+
 def make_callback(latent_set: Path, **kw) -> ValidationCallback:
-    kw = {"every_steps": 2, "num_prompts": 2, "text_max_length": 32, "vae_from": str(shipped_tiny_base()), **kw}
+    kw = {"every_steps": 2, "num_prompts": 2, "text_max_length": 32, "vae_from": str(shipped_tiny_base()), "scorer": SCORER, **kw}
     cfg = ValidationCallbackConfig(data_path=str(latent_set), **kw)
     return ValidationCallback(cfg, "validation")
 
@@ -113,3 +116,43 @@ def test_config_and_role_errors(latent_set, student):
     ctx = CallbackContext(roles={"student": student}, rank=0, world_size=1, max_train_steps=4, sampling=CONTRACT)
     with pytest.raises(UserError, match="'critic' is not a role"):
         cb.on_loop_start(ctx, 0)
+
+
+def _run_config(latent_set: Path, scorer) -> dict:
+    return {"models": {"student": {"_target_": "distillery.models.wan.WanModel", "init_from": str(shipped_tiny_base())}},
+            "method": {"_target_": "distillery.methods.sft.SFTMethod"},
+            "callbacks": {"validation": {"_target_": "distillery.callbacks.validation.ValidationCallback",
+                                         "data_path": str(latent_set), "num_prompts": 2, "text_max_length": 32,
+                                         "vae_from": str(shipped_tiny_base()), "scorer": scorer}}}
+
+
+def test_the_scorer_is_a_plugin_the_run_config_names_resolved_under_the_allowed_prefixes(latent_set, student):
+    """The run config names the scorer; the config loader resolves it (the builder hands it over), so the
+    library's callback never imports the pipeline's analyzer; with no scorer the videos are logged unscored."""
+    from distillery.clips.analyzer import folder_scorer
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.engine.builder import build_callbacks
+
+    config = load_run_config(raw=_run_config(latent_set, SCORER), prefixes=allowed_prefixes())
+    assert config.callbacks["validation"].plugins == {"scorer": folder_scorer}
+    assert config.callbacks["validation"].to_plain()["scorer"] == SCORER  # the dumped config keeps the path
+    [cb] = list(build_callbacks(config))
+    ctx = CallbackContext(roles={"student": student}, rank=0, world_size=1, max_train_steps=4, sampling=CONTRACT)
+    scored = cb.validate(ctx, 0)
+    assert {"val/colour", "val/shape", "val/direction", "val/adherence"} <= set(scored)
+    unscored = make_callback(latent_set, scorer=None).validate(ctx, 0)
+    assert not {"val/colour", "val/adherence"} & set(unscored) and "val/decode_s" in unscored
+    assert unscored["val/latent_std"] == scored["val/latent_std"]
+
+
+@pytest.mark.parametrize("scorer, message", [
+    ("os.system", "outside the allowed prefixes"),
+    ("distillery.clips.analyzer.no_such_scorer", "does not exist"),
+    ("not a path", "expected a dotted path"),
+])
+def test_a_bad_scorer_is_one_line_when_the_config_is_built(latent_set, scorer, message):
+    from distillery.config import allowed_prefixes, load_run_config
+
+    with pytest.raises(UserError, match=message) as err:
+        load_run_config(raw=_run_config(latent_set, scorer), prefixes=allowed_prefixes())
+    assert "callbacks.validation.scorer" in str(err.value) and "\n" not in str(err.value)

@@ -131,7 +131,7 @@ def test_restarted_run_keeps_what_it_did_not_write(tmp_path, tiny_base, latent_s
                          expect="one warning line 'left as it is'; the file byte-identical; digests read from the bytes")
 @pytest.mark.parametrize("kind", ["params.yaml", "symlink"])
 def test_hash_cache_never_overwrites_a_file_it_did_not_write(tmp_path, monkeypatch, warnings_logged, data_lost, kind):
-    from distillery.lineage import hashcache
+    from distillery.common import hashcache
     from distillery.lineage.manifest import hash_tree
 
     params = tmp_path / "params.yaml"

@@ -53,7 +53,7 @@ def _one_error_line(capsys) -> str:
 def hash_cache(tmp_path, monkeypatch):
     """This process's hash cache at ``tmp_path/runs/.hash_cache.json`` (as the stage runner sets
     it), read afresh as a new stage process would; the process's cache is forgotten afterwards."""
-    from distillery.lineage import hashcache
+    from distillery.common import hashcache
 
     path = tmp_path / "runs" / ".hash_cache.json"
     path.parent.mkdir(parents=True)
@@ -72,7 +72,7 @@ def _folder(root: Path) -> Path:
 
 
 def _true_entries(folder: Path) -> list[dict]:
-    from distillery.lineage.hashcache import read_sha256
+    from distillery.common.hashcache import read_sha256
 
     return [{"path": p.name, "sha256": read_sha256(p), "bytes": p.stat().st_size} for p in sorted(folder.iterdir())]
 
@@ -109,7 +109,7 @@ def _bad_cache(kind: str, cache: Path, folder: Path) -> None:
                          expect="no hang: the digests are read from the bytes, one warning line names the cache; "
                                 "the FIFO is left as it is")
 def test_hash_cache_fifo_does_not_hang(tmp_path, data_lost):
-    from distillery.lineage import hashcache
+    from distillery.common import hashcache
 
     folder = _folder(tmp_path / "artifact")
     cache = tmp_path / "runs" / ".hash_cache.json"
@@ -136,7 +136,7 @@ def test_hash_cache_fifo_does_not_hang(tmp_path, data_lost):
                          expect="one warning line; the cache is off for the stage and the trainers it launches "
                                 "(DISTILLERY_HASH_CACHE unset); a regular file turns it on again")
 def test_stage_runner_turns_a_fifo_cache_off(tmp_path, monkeypatch, warnings_logged, data_lost):
-    from distillery.lineage import hashcache
+    from distillery.common import hashcache
     from distillery.stages import runner
 
     monkeypatch.chdir(tmp_path)
@@ -163,7 +163,7 @@ def test_stage_runner_turns_a_fifo_cache_off(tmp_path, monkeypatch, warnings_log
                                 "the file or folder is left exactly as it is (never rewritten: it may be someone's file)")
 @pytest.mark.parametrize("kind", ["folder", "deep JSON", "deep JSON entry", "non-string digests", "a list"])
 def test_hash_cache_of_wrong_shape_is_ignored(hash_cache, tmp_path, warnings_logged, data_lost, kind):
-    from distillery.lineage import hashcache
+    from distillery.common import hashcache
     from distillery.lineage.manifest import hash_tree
 
     folder = _folder(tmp_path / "artifact")
@@ -214,7 +214,7 @@ def _intact_checkpoints(run: Path) -> int:
                                 "line, the cache corrected; an input really changed still restarts from step 0")
 def test_poisoned_hash_cache_does_not_discard_a_run(hash_cache, tmp_path, tiny_base, latent_set, monkeypatch,
                                                     warnings_logged, data_lost):
-    from distillery.lineage import hashcache
+    from distillery.common import hashcache
     from distillery.lineage.manifest import hash_tree
     from distillery.stages.resume_key import read_key, resume_key
     from distillery.stages.training import prepare_run_dir
@@ -251,7 +251,7 @@ def test_poisoned_hash_cache_does_not_discard_a_run(hash_cache, tmp_path, tiny_b
 
 
 def _true_entries_tree(folder: Path) -> list[dict]:
-    from distillery.lineage.hashcache import read_sha256
+    from distillery.common.hashcache import read_sha256
 
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     return [{"path": p.relative_to(folder).as_posix(), "sha256": read_sha256(p), "bytes": p.stat().st_size} for p in files]

@@ -15,18 +15,23 @@ forwards; no rank waits on another). Rank 0 then logs through ``ctx.tracker``:
 - ``val/latent_std``, ``val/latent_mean`` — statistics of the sampled normalised latents;
 - ``val/sample_s`` — wall seconds to sample all prompts; ``val/nfe`` — forwards per video;
 - with ``vae_from`` (a diffusers folder holding ``vae/``): the decoded videos as one GIF grid (one
-  row, a column per prompt) logged as the artifact ``validation/step_<step>.gif``, and when that
-  folder has ``analyzer.json``, prompt adherence read back from the frames by
-  :mod:`distillery.clips.analyzer`: ``val/colour``, ``val/shape``, ``val/direction`` and
-  ``val/adherence`` (all three right), as fractions of the prompts;
+  row, a column per prompt) logged as the artifact ``validation/step_<step>.gif``, and with a
+  ``scorer`` plugin that scores that folder's videos, ``val/<name>`` for each name it scores: the
+  fraction of the prompts it scored true (``scorer: distillery.clips.analyzer.folder_scorer``, the
+  pipeline's analyzer, reads colour, shape and direction back from a tiny base's frames:
+  ``val/colour``, ``val/shape``, ``val/direction``, ``val/adherence``);
 - ``val/decode_s`` — wall seconds to decode and score (with ``vae_from``).
+
+The scorer is a ``_target_`` the run config names, resolved under the allowed prefixes when the
+config is built (:func:`distillery.config.loader.resolve_plugins`): the library never imports the
+pipeline that may provide one.
 """
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -36,6 +41,7 @@ import torch
 from distillery.callbacks.base import Callback, CallbackContext
 from distillery.common.errors import UserError
 from distillery.common.log import get_logger
+from distillery.config.targets import allowed_prefixes, resolve_target
 from distillery.config.typed import bounded
 from distillery.config.validation import MAX_PROMPTS, ValidationSampling
 
@@ -54,6 +60,7 @@ class ValidationCallbackConfig(ValidationSampling):
     settings; the rest is the callback's own."""
 
     where: ClassVar[str] = "callbacks.validation"
+    plugin_fields: ClassVar[tuple[str, ...]] = ("scorer",)  # resolved as _target_s when the run config is built
 
     num_prompts: int = bounded(4, 1, MAX_PROMPTS)  # the first this-many rows of the split are the fixed prompts
     data_path: str = ""  # latent set folder (the latents stage's data/) whose prompts and text embeddings are sampled
@@ -63,7 +70,10 @@ class ValidationCallbackConfig(ValidationSampling):
     guidance_scale: float | None = None  # CFG scale (> 1: CFG on); null: the sampling contract's (default 1)
     role: str = "student"  # the role model to sample
     text_max_length: int = bounded(512, 1, 4096)  # embeddings zero-padded/truncated to this many tokens (= training.data.text_max_length)
-    vae_from: str | None = None  # diffusers folder whose vae/ decodes the samples (and analyzer.json scores them); null: no videos
+    vae_from: str | None = None  # diffusers folder whose vae/ decodes the samples; null: no videos
+    # _target_ of the video scorer: called with the vae_from folder, it returns None (nothing to score there) or a
+    # function (frames uint8 [T, H, W, 3], caption) -> {name: bool}; e.g. distillery.clips.analyzer.folder_scorer; null: none
+    scorer: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the shared bounds (num_prompts, seed, fps)
@@ -113,21 +123,22 @@ class ValidationPrompts:
         return Conditioning(self.text_embeds, self.negative_text_embeds)
 
 
+Score = Callable[["np.ndarray", str], dict[str, bool]]  # (frames uint8 [T, H, W, 3], caption) -> {name: scored true}
+
+
 class VideoScorer:
-    """A diffusers folder's VAE (decoding normalised latents to frames) and its analyzer thresholds."""
+    """A diffusers folder's VAE (decoding normalised latents to frames) and the scorer plugin's
+    function for that folder (``score``: None when there is nothing to score)."""
 
-    def __init__(self, folder: Path, device: torch.device) -> None:
+    def __init__(self, folder: Path, device: torch.device, scorer: Callable[[Path], Score | None] | None = None) -> None:
         from diffusers import AutoencoderKLWan
-
-        from distillery.clips.analyzer import AnalyzerConfig
 
         folder = Path(folder)
         if not (folder / "vae").is_dir():
             raise UserError(f"callbacks validation.vae_from: {folder} has no vae/ folder; point it at a diffusers Wan folder")
         self.device = device
         self.vae = AutoencoderKLWan.from_pretrained(folder / "vae", torch_dtype=torch.float32).to(device).eval()
-        analyzer = folder / "analyzer.json"
-        self.analyzer = AnalyzerConfig(**json.loads(analyzer.read_text())) if analyzer.is_file() else None
+        self.score: Score | None = scorer(folder) if scorer is not None else None
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> "np.ndarray":
@@ -144,10 +155,16 @@ class ValidationCallback(Callback):
 
     config_class = ValidationCallbackConfig
 
-    def __init__(self, config: ValidationCallbackConfig, name: str) -> None:
+    def __init__(self, config: ValidationCallbackConfig, name: str, plugins: dict[str, Any] | None = None) -> None:
+        """``plugins``: the resolved ``scorer`` (the run config's, :attr:`Component.plugins`); built
+        directly, the callback resolves ``config.scorer`` under the default allowed prefixes."""
         super().__init__(config, name)
         self._prompts: ValidationPrompts | None = None
         self._scorer: VideoScorer | None = None
+        plugins = dict(plugins or {})
+        if config.scorer is not None and "scorer" not in plugins:
+            plugins["scorer"] = resolve_target(config.scorer, f"callbacks.{name}.scorer", allowed_prefixes())
+        self._score_plugin: Callable[[Path], Score | None] | None = plugins.get("scorer")
 
     def on_loop_start(self, ctx: CallbackContext, step: int) -> None:
         if step == 0:
@@ -196,12 +213,11 @@ class ValidationCallback(Callback):
 
     def _videos(self, ctx: CallbackContext, step: int, latents: torch.Tensor, device: torch.device) -> dict[str, float]:
         """Decode each sample, score it when the analyzer is known, log the grid; returns the video metrics."""
-        from distillery.clips.analyzer import SCORE_KEYS, score
-        from distillery.clips.grid import VideoGrid, write_gif
+        from distillery.common.videogrid import VideoGrid, write_gif
 
         started = time.perf_counter()
         if self._scorer is None:
-            self._scorer = VideoScorer(Path(self.config.vae_from), device)
+            self._scorer = VideoScorer(Path(self.config.vae_from), device, self._score_plugin)
         captions = self._prompts.captions
         videos = [self._scorer.decode(latents[i: i + 1]) for i in range(latents.shape[0])]
         frames, height, width = videos[0].shape[:3]
@@ -209,12 +225,12 @@ class ValidationCallback(Callback):
         for i, video in enumerate(videos):
             grid.put(0, i, video)
         metrics: dict[str, float] = {}
-        if self._scorer.analyzer is not None:
-            hits = dict.fromkeys(SCORE_KEYS, 0)
+        if self._scorer.score is not None:
+            hits: dict[str, int] = {}
             for video, caption in zip(videos, captions):
-                for key, ok in score(video, caption, self._scorer.analyzer).items():
-                    hits[key] += int(bool(ok))
-            metrics.update({f"val/{'adherence' if k == 'all' else k}": hits[k] / len(videos) for k in SCORE_KEYS})
+                for key, ok in self._scorer.score(video, caption).items():
+                    hits[key] = hits.get(key, 0) + int(bool(ok))
+            metrics.update({f"val/{k}": n / len(videos) for k, n in hits.items()})
         metrics["val/decode_s"] = time.perf_counter() - started
         if ctx.tracker is not None:
             with tempfile.TemporaryDirectory(prefix="validation-") as tmp:

@@ -29,9 +29,11 @@ Method (frames are RGB, scaled to [0, 1]):
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -221,6 +223,23 @@ def score_analysis(analysis: AnalyzedClip, caption: str) -> dict[str, bool]:
 def score(frames: np.ndarray, caption: str, cfg: AnalyzerConfig | None = None) -> dict[str, bool]:
     """Does the clip show what the caption says? keys colour, shape, direction, all (all False off-grammar)."""
     return score_analysis(analyze(frames, cfg), caption)
+
+
+def folder_scorer(folder: str | Path) -> Callable[[np.ndarray, str], dict[str, bool]] | None:
+    """The training validation callback's scorer plugin (run config: ``callbacks.<name>.scorer:
+    distillery.clips.analyzer.folder_scorer``): with the thresholds of ``folder/analyzer.json`` (a
+    tiny base's, fitted by ``distillery tinybase``), ``score(frames, caption)`` → ``colour``,
+    ``shape``, ``direction`` and ``adherence`` (all three right); None when the folder has no
+    ``analyzer.json`` (a real base: nothing to score)."""
+    path = Path(folder) / "analyzer.json"
+    if not path.is_file():
+        return None
+    cfg = AnalyzerConfig(**json.loads(path.read_text()))
+
+    def scored(frames: np.ndarray, caption: str) -> dict[str, bool]:
+        return {("adherence" if key == "all" else key): ok for key, ok in score(frames, caption, cfg).items()}
+
+    return scored
 
 
 def evaluate(pairs: Iterable[tuple[np.ndarray, str]], cfg: AnalyzerConfig | None = None) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Video mosaics: many videos of one size tiled into one, for validation grids.
+"""Video mosaics: many videos of one size tiled into one, for validation grids (the training callback's and the validate stage's).
 
 A grid is ``uint8 [T, R·H + R − 1, C·W + C − 1, 3]`` (rows × columns of ``H × W`` tiles separated by
 1-px lines of :data:`SEPARATOR_RGB`). :meth:`VideoGrid.labelled` frames it with readable labels: a

@@ -228,8 +228,25 @@ def build_component(entry: Any, where: str, prefixes: tuple[str, ...], kind: str
         optimizer = from_mapping(OptimizerOverride, knobs.pop("optimizer") or {}, f"{where}.optimizer")
     if kind == "model" and "distributed" in knobs:
         distributed = from_mapping(RoleDistributedOverride, knobs.pop("distributed") or {}, f"{where}.distributed")
-    return Component(target=target, cls=cls, config=from_mapping(config_cls, knobs, where), optimizer=optimizer,
-                     distributed=distributed)
+    config = from_mapping(config_cls, knobs, where)
+    return Component(target=target, cls=cls, config=config, optimizer=optimizer, distributed=distributed,
+                     plugins=resolve_plugins(config, where, prefixes))
+
+
+def resolve_plugins(config: Any, where: str, prefixes: tuple[str, ...]) -> dict[str, Any]:
+    """The plugins a component's ``config`` names: each field its class lists in ``plugin_fields`` holds
+    a dotted ``_target_`` path (or null: none), resolved under the allowed prefixes like any
+    ``_target_`` — a bad one is a one-line error while the run config is built, before anything loads."""
+    plugins: dict[str, Any] = {}
+    for name in getattr(type(config), "plugin_fields", ()):
+        target = getattr(config, name)
+        if target is None:
+            continue
+        if not isinstance(target, str) or len(target) > MAX_TARGET_CHARS or not _TARGET_RE.fullmatch(target):
+            raise config_error(f"{where}.{name}", f"expected a dotted path like distillery.clips.analyzer.folder_scorer "
+                                                  f"(at most {MAX_TARGET_CHARS} characters), got {show(target)}")
+        plugins[name] = resolve_target(target, f"{where}.{name}", prefixes)
+    return plugins
 
 
 def build_run_config(raw: dict[str, Any], prefixes: tuple[str, ...]) -> RunConfig:

@@ -177,6 +177,9 @@ class Component:
     config: Any
     optimizer: OptimizerOverride | None = None  # models.<role>.optimizer (model components only)
     distributed: RoleDistributedOverride | None = None  # models.<role>.distributed (model components only)
+    # the plugins its config names (the config class's ``plugin_fields``: a dotted ``_target_`` path each), resolved
+    # under the run's allowed prefixes when the config is built; the config keeps the path (what to_plain writes)
+    plugins: dict[str, Any] = field(default_factory=dict)
 
     def to_plain(self) -> dict[str, Any]:
         plain = {"_target_": self.target, **to_plain(self.config)}

@@ -52,6 +52,7 @@ import torch
 
 from distillery.common.errors import UserError
 from distillery.common.fsutil import read_json_file, write_text_atomic
+from distillery.common.hashcache import file_sha256
 from distillery.common.log import get_logger
 from distillery.common.progress import Progress
 from distillery.components.distributed import barrier, shutdown
@@ -59,7 +60,6 @@ from distillery.data.dataset import MANIFEST_FILE, NEGATIVE_PROMPT_FILE, shard_r
 from distillery.data.encoders import BaseEncoders
 from distillery.data.videos import ClipItem, IngestConfig, SkippedItem, find_splits, load_entry, read_entries
 from distillery.data.writer import LatentRecord, shard_path, write_shard
-from distillery.lineage.hashcache import file_sha256
 
 log = get_logger("preprocess")
 

@@ -59,7 +59,8 @@ def build_callbacks(config: RunConfig) -> CallbackList:
     for name, comp in config.callbacks.items():
         if not (isinstance(comp.cls, type) and issubclass(comp.cls, Callback)):
             raise UserError(f"config error: callbacks.{name}._target_: {comp.target} is not a distillery callback")
-        out.append(comp.cls(comp.config, name=name))
+        plugins = {"plugins": comp.plugins} if comp.plugins else {}  # a callback naming plugins takes them resolved
+        out.append(comp.cls(comp.config, name=name, **plugins))
     return out
 
 

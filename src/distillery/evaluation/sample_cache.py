@@ -103,8 +103,8 @@ def entry_key(material: Mapping[str, Any]) -> str:
 def file_digests(paths: Iterable[Path], root: Path) -> dict[str, str]:
     """``{path relative to root: sha256}`` of every regular file under each of ``paths`` (a file or a
     folder, recursively; links are not followed), read from the bytes. The digests are recorded in
-    the workspace hash cache when one is active (:func:`distillery.lineage.hashcache.from_bytes`)."""
-    from distillery.lineage.hashcache import file_sha256, from_bytes
+    the workspace hash cache when one is active (:func:`distillery.common.hashcache.from_bytes`)."""
+    from distillery.common.hashcache import file_sha256, from_bytes
 
     out: dict[str, str] = {}
     with from_bytes():
@@ -285,7 +285,7 @@ class SampleCache:
             return None, f"unusable entry: {exc.strerror or exc}"
 
     def _check(self, folder: Path, key: str, material: Mapping[str, Any], expected: Expected) -> CachedCandidate:
-        from distillery.lineage.hashcache import read_sha256
+        from distillery.common.hashcache import read_sha256
 
         try:
             entry = read_json_file(folder / ENTRY_FILE, MAX_ENTRY_JSON_BYTES)
@@ -332,7 +332,7 @@ class SampleCache:
         the entry was written."""
         from safetensors.torch import save_file
 
-        from distillery.lineage.hashcache import read_sha256
+        from distillery.common.hashcache import read_sha256
 
         folder = self._folder(key)
         tmp = self.root / f".tmp-{key[:16]}-{os.getpid()}"

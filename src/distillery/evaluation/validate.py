@@ -137,9 +137,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from distillery.clips.grid import VideoGrid, write_gif
 from distillery.common.errors import UserError
 from distillery.common.fsutil import replace_dir
+from distillery.common.videogrid import VideoGrid, write_gif
 from distillery.config.validation import SEED_STRIDE, ValidationSampling
 from distillery.evaluation.kid import KID_METRICS, kid, kid_summary
 from distillery.evaluation.kid import resolved as interval_resolved

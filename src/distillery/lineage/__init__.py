@@ -1,2 +1,3 @@
 """Artifact lineage: the sealed ``lineage.json`` manifests and their verification (:mod:`~distillery.lineage.manifest`),
-and the hash cache that spares rereading unchanged files (:mod:`~distillery.lineage.hashcache`)."""
+hashed through the workspace hash cache that spares rereading unchanged files (:mod:`distillery.common.hashcache`,
+shared with the training library)."""

@@ -71,8 +71,8 @@ from typing import Any
 
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind
+from distillery.common.hashcache import file_sha256, flush_active, read_sha256
 from distillery.common.treeutil import flatten
-from distillery.lineage.hashcache import file_sha256, flush_active, read_sha256
 
 logger = logging.getLogger("distillery")
 
@@ -207,7 +207,7 @@ def _scan(folder: Path, exclude: Iterable[str] = (), *, follow_links: bool = Fal
 
 def _entry(rel: str, path: Path) -> dict[str, Any]:
     """One ``hash_tree`` entry; the digest comes from the stage's hash cache when the file is
-    unchanged since it was last hashed (:mod:`distillery.lineage.hashcache`; verification never uses it)."""
+    unchanged since it was last hashed (:mod:`distillery.common.hashcache`; verification never uses it)."""
     return {"path": rel, "sha256": file_sha256(path), "bytes": path.stat().st_size}
 
 

@@ -79,7 +79,7 @@ class ModelBase(ABC):
         import hashlib
         from pathlib import Path
 
-        from distillery.lineage.hashcache import file_sha256, flush_active
+        from distillery.common.hashcache import file_sha256, flush_active
 
         folder = Path(getattr(self, "transformer_dir", None) or getattr(self.config, "init_from", ""))
         digest = hashlib.sha256()

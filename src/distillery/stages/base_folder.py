@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from distillery.common.errors import UserError
-from distillery.lineage.hashcache import copy_hashed
+from distillery.common.hashcache import copy_hashed
 from distillery.lineage.manifest import MODEL_LIBRARIES as LIBRARIES
 from distillery.lineage.manifest import is_code_file
 

@@ -22,16 +22,16 @@ import stat
 import sys
 from collections.abc import Callable
 
+from distillery.common import hashcache
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind
 from distillery.common.log import get_logger
-from distillery.lineage import hashcache
 from distillery.stages.artifacts import ARTIFACTS, RUNS
 from distillery.stages.params import Params, StageParams
 from distillery.stages.training_table import TRAINING_STAGES
 
 log = get_logger("stage")
-HASH_CACHE_FILE = ".hash_cache.json"  # in runs/: the workspace's hash cache (distillery.lineage.hashcache)
+HASH_CACHE_FILE = ".hash_cache.json"  # in runs/: the workspace's hash cache (distillery.common.hashcache)
 
 # stage -> "module:function" that runs it with the stage's params (a training stage's also takes its table row's name)
 STAGES: dict[str, str] = {

@@ -117,7 +117,7 @@ def rehashed_key(stage: str, key: dict[str, str], saved: dict[str, str], inputs:
     """``key`` with each input whose digest differs from ``saved`` re-hashed from its files' bytes,
     not taken from the hash cache; a cached digest that was wrong is corrected in the cache and
     reported in one warning line."""
-    from distillery.lineage import hashcache
+    from distillery.common import hashcache
     from distillery.stages.resume_key import folder_digest
 
     changed = {role: folder for role, folder in inputs.items() if saved.get(f"input:{role}") != key.get(f"input:{role}")}
