@@ -262,3 +262,33 @@ def test_did_you_mean_and_override_bounds(tmp_path):
     raw = _raw(tmp_path)
     raw["method"] = ["not", "a", "mapping"]  # an override into a broken section: the section's error, no traceback
     assert "method._target_: expected a dotted path" in _error(raw, ["--method.caption_dropout", "0.1"])
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_callback_role_that_is_not_a_role_of_the_run_is_one_line_before_anything_loads(tmp_path, tiny_base, latent_set, dry_run):
+    """A callback's roles are checked where the method's are (check_roles_early), before any weights load:
+    ``--dry-run`` refuses what the run would (an EMA of an SFT run's critic once passed it and then ended
+    in a ValueError traceback after loading the student), and the run itself writes nothing."""
+    cfg = run_config(tiny_base, latent_set, tmp_path / "run",
+                     callbacks={"ema": {"_target_": "distillery.callbacks.ema.EMACallback", "roles": ["student", "critic"]}})
+    path = write_config(tmp_path / "run.yaml", cfg)
+    out = _cli("train", "--config", str(path), *(["--dry-run"] if dry_run else []), cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr, out.stderr
+    assert "callbacks.ema.roles: 'critic' is not a role of this run; valid: student" in out.stderr
+    run = tmp_path / "run"  # the real run checks its output folder first: it may exist, empty
+    assert out.stdout == "" and (not run.exists() if dry_run else not any(run.iterdir()))
+
+
+def test_callback_roles_are_checked_from_the_config_alone(tmp_path, latent_set):
+    from distillery.engine.builder import check_roles_early
+
+    raw = {"models": {"student": {"_target_": "distillery.models.wan.WanModel", "init_from": str(tmp_path / "absent")}},
+           "method": {"_target_": "distillery.methods.sft.SFTMethod"},
+           "callbacks": {"val": {"_target_": "distillery.callbacks.validation.ValidationCallback",
+                                 "data_path": str(latent_set), "role": "teacher"}}}
+    with pytest.raises(UserError, match=r"callbacks\.val\.role: 'teacher' is not a role of this run; valid: student"):
+        check_roles_early(load_run_config(raw=raw, prefixes=PREFIXES))  # the folder does not exist: nothing was loaded
+    raw["callbacks"]["val"]["role"] = "student"
+    raw["callbacks"]["ema"] = {"_target_": "distillery.callbacks.ema.EMACallback", "roles": ["student"]}
+    check_roles_early(load_run_config(raw=raw, prefixes=PREFIXES))

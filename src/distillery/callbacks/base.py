@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from distillery.common.errors import UserError
+
 if TYPE_CHECKING:
     from distillery.models.base import ModelBase
 
@@ -45,10 +47,25 @@ class CallbackContext:
 class Callback:
     component_kind: ClassVar[str] = "callback"
     config_class: ClassVar[type]
+    role_fields: ClassVar[tuple[str, ...]] = ()  # config fields naming roles (a name or a list), checked by check_roles
 
     def __init__(self, config: Any, name: str) -> None:
         self.config = config
         self.name = name
+
+    @classmethod
+    def check_roles(cls, config: Any, roles: Iterable[str], where: str) -> None:
+        """Raise a one-line UserError unless every role ``config`` names is one of the run's ``roles``;
+        called with the method's own role check, before any model loads
+        (:func:`distillery.engine.builder.check_roles_early`; ``where``: ``callbacks.<name>``). A
+        callback naming roles lists its config's fields of role names in ``role_fields``."""
+        valid = sorted(roles)
+        for field_name in getattr(cls, "role_fields", ()):
+            value = getattr(config, field_name)
+            for role in [value] if isinstance(value, str) else value:
+                if role not in valid:
+                    raise UserError(f"config error: {where}.{field_name}: {role!r} is not a role of this run; "
+                                    f"valid: {', '.join(valid)}")
 
     def on_train_start(self, ctx: CallbackContext) -> None:
         """Before the resume: create state (the resume then loads saved state into it)."""

@@ -35,6 +35,7 @@ class EMAConfig:
 
 class EMACallback(Callback):
     config_class = EMAConfig
+    role_fields = ("roles",)  # each a role of the run, checked before any model loads
 
     def __init__(self, config: EMAConfig, name: str) -> None:
         super().__init__(config, name)

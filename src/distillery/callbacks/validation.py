@@ -154,6 +154,7 @@ class ValidationCallback(Callback):
     """Samples fixed prompts at step 0 and every ``every_steps``; logs numbers and a GIF grid (rank 0)."""
 
     config_class = ValidationCallbackConfig
+    role_fields = ("role",)  # a role of the run, checked before any model loads
 
     def __init__(self, config: ValidationCallbackConfig, name: str, plugins: dict[str, Any] | None = None) -> None:
         """``plugins``: the resolved ``scorer`` (the run config's, :attr:`Component.plugins`); built

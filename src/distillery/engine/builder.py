@@ -65,8 +65,8 @@ def build_callbacks(config: RunConfig) -> CallbackList:
 
 
 def check_roles_early(config: RunConfig) -> dict[str, OptimizerConfig]:
-    """Role/method fit — names, trainability, model kinds, per-role optimizers — checked before any
-    model is loaded (cheap, for --dry-run and stages), once per run; returns each trainable role's
+    """Role/method fit — names, trainability, model kinds, per-role optimizers, the roles callbacks
+    name — checked before any model is loaded (cheap, for --dry-run and stages), once per run; returns each trainable role's
     resolved optimizer config (:func:`~distillery.components.optim.role_optimizer_configs`)."""
     for role, model in config.models.items():
         if not (isinstance(model.cls, type) and issubclass(model.cls, ModelBase)):
@@ -77,6 +77,9 @@ def check_roles_early(config: RunConfig) -> dict[str, OptimizerConfig]:
     comp.cls.check_roles({role: c.config for role, c in config.models.items()})
     for role, model in config.models.items():
         comp.cls.check_role_kind(role, model.cls)
+    for name, callback in config.callbacks.items():  # the roles a callback names, where the method's are checked
+        if isinstance(callback.cls, type) and issubclass(callback.cls, Callback):
+            callback.cls.check_roles(callback.config, config.models, f"callbacks.{name}")
     return role_optimizer_configs(config)
 
 
