@@ -1,5 +1,6 @@
 """The objects the trainer is assembled from, each on its own: the callback list, the one-step-late
-metric pipe and the run logger (JSONL + MLflow across a kill and a resume)."""
+metric pipe (and its wiring in a real trainer run: read once the next step has run) and the run
+logger (JSONL + MLflow across a kill and a resume)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,42 @@ def test_step_metrics_are_read_one_step_late_with_the_step_s_own_timing():
     assert row.step == 1 and row.values == {"a": 1.0, "total_loss": 2.0}
     assert row.metrics == {"a": 1.0, "total_loss": 2.0, "step_time_s": 2.0, "samples_per_s": 4.0, "lr/student": 0.5}
     assert pipe.read() is None  # read once
+
+
+class LogWatcher(Callback):
+    """Records, when each step's work has run (forward and backward done, before its optimizer step),
+    how many steps the trainer had read and logged by then (rows of ``train_log.jsonl``)."""
+
+    def __init__(self, log_path) -> None:
+        super().__init__(None, "watcher")
+        self.log_path, self.logged_before = log_path, {}
+
+    def on_before_optimizer_step(self, ctx, step):
+        rows = self.log_path.read_text().splitlines() if self.log_path.is_file() else []
+        self.logged_before[step] = [json.loads(r)["step"] for r in rows]
+        return {}
+
+
+def test_the_trainer_reads_a_step_s_metrics_once_the_next_step_has_run_or_at_once_to_save_or_end(tmp_path, tiny_base, latent_set):
+    """A real trainer on the tiny Wan: step N's metrics are read (the step's one device→host sync) only
+    after step N+1's forward and backward were issued, so the device never idles while the host
+    waits — except a checkpoint's step and the last, read at once. An every-step read logs step N
+    before step N+1 runs and fails here."""
+    from distillery.components.distributed import init_distributed, shutdown
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.engine.assemble import build_trainer
+
+    config = load_run_config(raw=run_config(tiny_base, latent_set, tmp_path / "run", steps=6, save_every=3), prefixes=allowed_prefixes())
+    env = init_distributed(config.training.distributed)
+    try:
+        trainer = build_trainer(config, env)
+        watcher = LogWatcher(trainer.logger.log_path)
+        trainer.callbacks.append(watcher)
+        result = trainer.fit()
+    finally:
+        shutdown()
+    assert watcher.logged_before == {1: [], 2: [], 3: [1], 4: [1, 2, 3], 5: [1, 2, 3], 6: [1, 2, 3, 4]}
+    assert [row["step"] for row in result.history] == [1, 2, 3, 4, 5, 6]  # each step read once, in order
 
 
 @pytest.fixture
