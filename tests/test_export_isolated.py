@@ -231,7 +231,10 @@ def test_the_cards_say_what_each_export_is(exports):
     assert "guidance_scale=4.0,  # validate's teacher_2" in cards["teacher"]
     assert "WanPipeline.from_pretrained(" in cards["teacher"] and "num_inference_steps=2, guidance_scale=4.0" in cards["teacher"]
     assert re.search(r"3 forwards per chunk, 2 × 2 \+ 1 = 5 per video", cards["distill"]), cards["distill"]
-    for card in cards.values():
+    for name, card in cards.items():
+        if "trust_remote_code=True" in card:  # it runs the folder's pipeline.py: the card says to verify it first
+            verify = card.index(" --verify --expect ")
+            assert "distillery lineage " in card and verify < card.index("trust_remote_code=True)"), name
         assert "latency" not in card.split("## Validation")[1].split("\n\n")[1]  # the table has no latency column
         assert "Latencies are left out" in card
         assert "needs the `distillery`" not in card

@@ -187,6 +187,10 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
                  " Its `model_index.json` names this pipeline (`_class_name`): stock `WanPipeline` would sample it "
                  "with the teacher's many-step loop, so diffusers loads it only with `trust_remote_code=True`, and "
                  "then as this pipeline."), "",
+              "`trust_remote_code=True` runs this folder's `pipeline.py`: verify the folder first, where distillery is "
+              f"installed — `distillery lineage {folder} --verify --expect <the manifest digest published with the "
+              "model>` re-hashes every file, the shipped code included, against the sealed `lineage.json` and refuses "
+              "an edited `pipeline.py`; load it only when that says `verified`.", "",
               "```python", "import torch", "from diffusers import DiffusionPipeline", "",
               f'folder = "{folder}"',
               "pipe = DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True)",
