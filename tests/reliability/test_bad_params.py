@@ -10,6 +10,7 @@ it was afterwards. The full rule table (every range of the schema) runs in-proce
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -255,3 +256,40 @@ def test_params_file_that_is_not_a_file_is_named(tmp_path, monkeypatch, capsys, 
     words = {"fifo": "is a named pipe", "dev-zero": "is a character device through a symbolic link", "folder": "is a folder"}[kind]
     assert rc == 2 and len(lines) == 1 and words in lines[0] and "not found" not in lines[0], lines
     data_lost.record(0, "files lost")
+
+
+@pytest.mark.reliability(case="10.7", title="a few videos of one's own meet the default batch sizes",
+                         injected="latents.data a folder of 5 captioned videos, params.yaml's default batch sizes (16); "
+                                  "`distillery params check`, `distillery stage clips`; then docs/profiles/few-videos.yaml's values",
+                         expect="exit 2, one line naming all four batch keys and the 5 captions, before any video is encoded; "
+                                "with the profile's values: ok")
+def test_a_batch_larger_than_ones_own_videos_is_refused_before_encoding(tmp_path, monkeypatch, capsys, data_lost):
+    from distillery.cli.guard import run_guarded
+    from distillery.cli.main import build_parser
+    from distillery.stages.params_profile import load_profile
+
+    videos = tmp_path / "my-videos"
+    (videos / "videos").mkdir(parents=True)
+    lines = []
+    for i in range(5):
+        (videos / "videos" / f"clip{i}.mp4").write_bytes(b"\0" * 64)  # counted, never decoded by the check
+        lines.append(json.dumps({"path": f"videos/clip{i}.mp4", "caption": f"a red ball moves left, take {i}"}))
+    (videos / "captions.jsonl").write_text("\n".join(lines) + "\n")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    monkeypatch.chdir(ws)
+    (ws / "params.yaml").write_text(_edited(latents__data=str(videos)))
+    for command in (["params", "check"], ["stage", "clips", "--params", "params.yaml"]):
+        ns = build_parser().parse_args(command)
+        capsys.readouterr()
+        rc = run_guarded(lambda: ns.func(ns))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1, err
+        assert all(f"{s}.batch_size 16" in err[0] for s in ("teacher", "pretrain", "distill", "pdd")), err
+        assert "the 5 captions of" in err[0] and "few-videos.yaml" in err[0], err
+    data_lost.record(len([p for p in ws.rglob("*") if p.name != "params.yaml"]), "files written before the refusal")
+    profile = load_profile(ROOT / "docs" / "profiles" / "few-videos.yaml", ws / "params.yaml")
+    (ws / "params.yaml").write_text(_edited(latents__data=str(videos), **{k.replace(".", "__"): v for k, v in profile.items()}))
+    ns = build_parser().parse_args(["params", "check"])
+    assert run_guarded(lambda: ns.func(ns)) == 0
+    assert data_lost.total == 0

@@ -346,8 +346,9 @@ def test_every_run_config_knob_is_bounded(data_lost):
     pytest.param(["stage", "teacher"], {"teacher.batch_size": 4096, "latents.num_frames": 1025, "latents.height": 4096,
                                         "latents.width": 4096},
                  "stage teacher: one batch (teacher.batch_size 4096 × gpus.nproc_per_node 1) of latents", id="batch_memory"),
-    pytest.param(["stage", "teacher"], {"teacher.batch_size": 200}, "stage teacher: one global batch (teacher.batch_size 200 × "
-                 "gpus.nproc_per_node 1 × gpus.nnodes 1) is 200 samples, more than the 96 training samples", id="batch_data"),
+    pytest.param(["stage", "teacher"], {"teacher.batch_size": 200}, "stage teacher: one global batch (× gpus.nproc_per_node 1 × "
+                 "gpus.nnodes 1) of teacher.batch_size 200 is more than the 96 training samples (artifacts/latents)",
+                 id="batch_data"),
 ])
 def test_values_the_code_cannot_take_are_refused_before_work(tmp_path, data_lost, args, params, expected):
     if params is None:

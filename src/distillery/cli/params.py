@@ -26,16 +26,18 @@ def _check_params(args: argparse.Namespace) -> int:
     """Bounds (alias bombs, merge chains), a value DVC reads differently, the schema, a folder it names that its
     stage would refuse (``base.path`` not a model folder, ``latents.data`` without captions), a buffer no stage
     here could hold. Run it before ``dvc repro``, which parses the file with DVC's own parser first."""
+    from distillery.stages.artifacts import ARTIFACTS
     from distillery.stages.params import Params
-    from distillery.stages.preflight import check_memory, check_paths
+    from distillery.stages.preflight import check_batch, check_memory, check_paths
     from distillery.stages.runner import STAGES
 
     params = Params.load(args.params)
     check_paths(params)
+    check_batch("", params, ARTIFACTS, stages=tuple(STAGES), label=args.params)  # before any video is encoded
     for stage in STAGES:
         check_memory(stage, params)
     sys.stdout.write(f"{args.params}: ok: DVC and the stages read the same values, each within its bounds, "
-                     f"the folders it names are what their stages read, and every stage's buffers fit this machine\n")
+                     f"the folders it names are what their stages read, every training batch fits the data, and every stage's buffers fit this machine\n")
     return 0
 
 

@@ -211,22 +211,59 @@ def check_memory(stage: str, params: Params) -> None:
                         "lower those params; nothing was changed")
 
 
-def check_batch(stage: str, params: Params, artifacts: Path) -> None:
-    """Refuse, before any work, a training stage whose global batch is larger than the latent set's
-    training split (the trainer would refuse it only after ``runs/<stage>`` was reset). A latent set
-    that is not there yet, or unreadable, is left to the stage (it names it)."""
-    if stage not in TRAINING_STAGES:
-        return
+def training_rows(params: Params, artifacts: Path) -> tuple[int, str] | None:
+    """How many training samples the training stages will have, and from where, read without encoding anything:
+    the latent set's manifest when ``artifacts/latents`` exists; else the captions lines of ``latents.data``'s train
+    split (an upper bound: an unusable video is skipped later); else ``clips.num_train`` (the synthetic clips).
+    None when it cannot be told here (the stage that reads the data names the problem)."""
     try:
         manifest = read_json_file(artifacts / DATA_ARTIFACT / "data" / "preprocess.json", 64 << 20)  # never blocks on a FIFO
-        rows = int(manifest["splits"]["train"]["rows"])
+        return int(manifest["splits"]["train"]["rows"]), "artifacts/latents"
     except (OSError, ValueError, KeyError, TypeError):
+        pass
+    data = params.get("latents.data")
+    if not data:
+        return params.get("clips.num_train"), "clips.num_train"
+    from distillery.data.videos import find_captions_file, find_splits
+
+    try:
+        captions = find_captions_file(find_splits(Path(data))["train"])
+        fd = os.open(captions, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                lines = sum(1 for line in fh if line.strip())
+        finally:
+            os.close(fd)
+    except (OSError, UserError):
+        return None
+    return lines, f"the {lines} captions of {data}"
+
+
+def check_batch(stage: str, params: Params, artifacts: Path, stages: tuple[str, ...] | None = None,
+                label: str | None = None) -> None:
+    """Refuse, before any work, a training stage whose global batch is larger than its training samples
+    (:func:`training_rows`; the trainer would refuse it only after the latents were encoded and ``runs/<stage>``
+    reset). ``stages``: the training stages to check (default: ``stage`` alone when it is one) — the first stage of
+    a DAG checks every one, so a small folder of one's own videos stops before anything is encoded, with one line
+    naming every key to lower."""
+    names = [n for n in (stages if stages is not None else (stage,)) if n in TRAINING_STAGES]
+    if not names:
         return
-    batch, ranks, nodes = params.get(f"{stage}.batch_size"), params.get("gpus.nproc_per_node"), params.get("gpus.nnodes")
-    if batch * ranks * nodes > rows:
-        raise UserError(f"stage {stage}: one global batch ({stage}.batch_size {batch} × gpus.nproc_per_node {ranks} × "
-                        f"gpus.nnodes {nodes}) is {batch * ranks * nodes} samples, more than the {rows} training samples "
-                        f"of artifacts/latents; lower {stage}.batch_size or use more data; nothing was changed")
+    found = training_rows(params, artifacts)
+    if found is None:
+        return
+    rows, source = found
+    ranks, nodes = params.get("gpus.nproc_per_node"), params.get("gpus.nnodes")
+    over = [(n, params.get(f"{n}.batch_size")) for n in names if params.get(f"{n}.batch_size") * ranks * nodes > rows]
+    if over:
+        keys = ", ".join(f"{n}.batch_size {b}" for n, b in over)
+        most = max(1, rows // (ranks * nodes))
+        fix = " ".join(f"-S {n}.batch_size={most}" for n, _ in over)
+        raise UserError(f"{label or f'stage {stage}'}: one global batch (× gpus.nproc_per_node {ranks} × gpus.nnodes {nodes}) of {keys} "
+                        f"is more than the {rows} training samples ({source}); lower it (dvc exp run {fix}, or "
+                        "docs/profiles/few-videos.yaml) or use more data; nothing was changed")
 
 
 def _check_base_path(params: Params) -> None:

@@ -117,7 +117,7 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     check_workspace_path(name)  # SQLite (MLflow's store) cannot open a path past ~500 bytes
     check_paths(params, name, tuple(STAGES))  # the folders params.yaml names, as the stages reading them will (this one and later)
     check_memory(name, params)  # from the params (and the latent set's counts) alone: before anything is touched
-    check_batch(name, params, ARTIFACTS)
+    check_batch(name, params, ARTIFACTS, stages=tuple(STAGES)[tuple(STAGES).index(name):])  # this and every later training stage
     declared = StageParams(params, name, stage_params(name))
     _use_workspace_hash_cache()
     # under `nohup` the stage outlives the user's shell, never the program that runs it (dvc, a Prefect worker)
