@@ -131,7 +131,7 @@ def show_key(key: Any) -> str:
     return show(key)
 
 
-def key_list(keys: Iterable[Any], limit: int = 24, max_chars: int = 150) -> str:
+def key_list(keys: Iterable[Any], limit: int = 24, max_chars: int = 100) -> str:
     """``a, b, c`` for valid-key lists in messages (at most ``limit`` names and about ``max_chars`` characters,
     so the one-line error stays one readable line as sections grow)."""
     names = [show_key(k) for k in keys]
