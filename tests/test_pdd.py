@@ -270,7 +270,7 @@ def test_two_ranks_plan_and_train_what_one_rank_does(tiny_base, training):
         assert len(set(ref.nodes)) > 1  # the rows are on different rungs
         assert (p1.first, p2.first, p1.rows) == (0, 2, 2)
         mean = 0.5 * (float(halves[0].loss.detach()) + float(halves[1].loss.detach()))
-        assert mean == pytest.approx(float(full.loss), rel=1e-5)
+        assert mean == pytest.approx(float(full.loss.detach()), rel=1e-5)
 
 
 def test_guidance_below_one_and_a_missing_empty_prompt_are_refused(tiny_base, training, latent_set, tmp_path):
