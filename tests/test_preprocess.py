@@ -197,6 +197,8 @@ def test_latents_stage_takes_its_own_size_and_validate_follows_it(tmp_path, monk
         (shutil.copytree if (root / name).is_dir() else shutil.copy2)(root / name, tmp_path / name)
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["latents"].update(data=str(clips), num_frames=5, height=32, width=48, device="cpu")
+    for stage in ("teacher", "pretrain", "distill", "pdd"):  # 12 clips: the first stage refuses the default batch of 16
+        params[stage]["batch_size"] = 4
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     monkeypatch.chdir(tmp_path)
     from distillery.common import hashcache

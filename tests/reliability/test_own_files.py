@@ -232,3 +232,33 @@ def test_symlinked_pipeline_folder_is_refused(ws, tmp_path, data_lost, where, na
     assert where in line and "symbolic link" in line, line
     data_lost.record(0 if tree_sha(folder) == before else 1, "folders of the user's changed")
     assert link.is_symlink()
+
+
+@pytest.mark.reliability(case="10.D", title="preprocess beside prompt-embedding files it did not write",
+                         injected="--out holds a negative_prompt.safetensors of the user's; `preprocess` without a negative "
+                                  "prompt, then with one; then its own run with one, rerun without",
+                         expect="the user's file untouched and a one-line refusal where it would be replaced; the run's own "
+                                "negative embedding removed when no longer asked for")
+def test_preprocess_replaces_only_prompt_embeddings_it_wrote(tmp_path, tiny_base, data_lost):
+    from distillery.clips.synthetic import ClipSetConfig, make_clip_set
+    from distillery.common.errors import UserError
+    from distillery.data.preprocess import PreprocessConfig, preprocess
+
+    data = make_clip_set(tmp_path / "clips", ClipSetConfig(num_train=2, num_validation=1, num_frames=9))
+    out = tmp_path / "latents"
+    out.mkdir()
+    mine = out / "negative_prompt.safetensors"
+    mine.write_bytes(b"the user's own file")
+    cfg = PreprocessConfig(num_frames=9, height=32, width=32)
+    preprocess(tiny_base, data, out, cfg)  # no negative prompt: the user's file is not needed, left alone
+    kept = mine.read_bytes() == b"the user's own file"
+    with pytest.raises(UserError, match="exists and was not written by preprocess"):
+        preprocess(tiny_base, data, out, PreprocessConfig(num_frames=9, height=32, width=32, negative_prompt="blurry"))
+    kept = kept and mine.read_bytes() == b"the user's own file"
+    data_lost.record(0 if kept else 1, "files of the user's overwritten or deleted")
+    own = tmp_path / "own"
+    preprocess(tiny_base, data, own, PreprocessConfig(num_frames=9, height=32, width=32, negative_prompt="blurry"))
+    assert (own / "negative_prompt.safetensors").is_file()
+    preprocess(tiny_base, data, own, cfg)
+    assert not (own / "negative_prompt.safetensors").exists() and (own / "empty_prompt.safetensors").is_file()
+    assert kept

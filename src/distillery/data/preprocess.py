@@ -56,7 +56,7 @@ from distillery.common.hashcache import file_sha256
 from distillery.common.log import get_logger
 from distillery.common.progress import Progress
 from distillery.components.distributed import barrier, shutdown
-from distillery.data.dataset import MANIFEST_FILE, NEGATIVE_PROMPT_FILE, shard_record_path, write_empty_prompt_embedding
+from distillery.data.dataset import EMPTY_PROMPT_FILE, MANIFEST_FILE, NEGATIVE_PROMPT_FILE, shard_record_path, write_empty_prompt_embedding
 from distillery.data.encoders import BaseEncoders
 from distillery.data.videos import ClipItem, IngestConfig, SkippedItem, find_splits, load_entry, read_entries
 from distillery.data.writer import LatentRecord, shard_path, write_shard
@@ -88,7 +88,7 @@ Shard = tuple[str, Path, int, list[Any]]
 _SHARD_FILE = re.compile(r"^\.?shard-(\d{5,})\.(parquet|json)(\..*\.tmp|\.tmp-\d+)?$")
 #: The ledger of the shard files preprocess runs wrote into ``out`` (only those are ever removed).
 LEDGER_FILE = "written_files.json"
-_LEDGER_ENTRY = re.compile(r"^[^/]+/shard-\d{5,}\.(parquet|json)$")
+_LEDGER_ENTRY = re.compile(r"^([^/]+/shard-\d{5,}\.(parquet|json)|(empty|negative)_prompt\.safetensors)$")
 #: The parts of a base model folder the latents depend on.
 _ENCODER_PARTS = ("vae", "text_encoder", "tokenizer")
 
@@ -286,7 +286,33 @@ def _remove_unplanned(out: Path, plan: list[Shard]) -> None:
     if foreign:
         log.warning("%s holds %d shard-named file(s) no preprocess run wrote there (%s): left alone", out, len(foreign),
                     ", ".join(foreign[:3]) + (", …" if len(foreign) > 3 else ""))
-    write_text_atomic(out / LEDGER_FILE, json.dumps({"files": sorted(planned)}, indent=1) + "\n")
+    _write_ledger(out, planned | {e for e in earlier if "/" not in e})  # the prompt embeddings stay recorded
+
+
+def _write_ledger(out: Path, files: set[str]) -> None:
+    write_text_atomic(out / LEDGER_FILE, json.dumps({"files": sorted(files)}, indent=1) + "\n")
+
+
+def _write_prompt_embeddings(out: Path, encoders: BaseEncoders, negative_prompt: str) -> None:
+    """``empty_prompt.safetensors`` and, for a non-empty ``negative_prompt``, ``negative_prompt.safetensors``; an
+    earlier run's negative embedding is removed when none is asked for. Only files the ledger says a preprocess run
+    wrote are replaced or removed: a same-named file of someone else's in ``out`` is one :class:`UserError` line."""
+    ledger = _written_files(out)
+    wanted = [EMPTY_PROMPT_FILE] + ([NEGATIVE_PROMPT_FILE] if negative_prompt else [])
+    for name in (EMPTY_PROMPT_FILE, NEGATIVE_PROMPT_FILE):
+        path = out / name
+        if os.path.lexists(path) and (name not in ledger or path.is_symlink() or not path.is_file()):
+            if name in wanted:
+                raise UserError(f"preprocess: {path} exists and was not written by preprocess: not replaced; move it "
+                                "away (or choose another --out) and rerun")
+            continue  # not ours, not needed: left alone
+        if name not in wanted and name in ledger:
+            path.unlink(missing_ok=True)  # a previous run's, for a negative prompt no longer asked for
+            ledger.discard(name)
+    _write_ledger(out, ledger | set(wanted))  # recorded before they are written (a crash leaves them ours)
+    write_empty_prompt_embedding(out, encoders.encode_prompts([""])[0])
+    if negative_prompt:
+        write_empty_prompt_embedding(out, encoders.encode_prompts([negative_prompt])[0], NEGATIVE_PROMPT_FILE)
 
 
 def preprocess(base: Path, data: Path, out: Path, cfg: PreprocessConfig, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
@@ -335,10 +361,7 @@ def preprocess(base: Path, data: Path, out: Path, cfg: PreprocessConfig, rank: i
     barrier()
     if rank != 0:
         return {"rank": rank, "clips": clips_done}
-    write_empty_prompt_embedding(out, encoders.encode_prompts([""])[0])
-    (out / NEGATIVE_PROMPT_FILE).unlink(missing_ok=True)  # a previous run's, for another negative prompt
-    if cfg.negative_prompt:
-        write_empty_prompt_embedding(out, encoders.encode_prompts([cfg.negative_prompt])[0], NEGATIVE_PROMPT_FILE)
+    _write_prompt_embeddings(out, encoders, cfg.negative_prompt)
     manifest = _summarise(plan, out, splits, totals, cfg, base, data, encoders, time.perf_counter() - started, clips_done)
     return manifest
 
