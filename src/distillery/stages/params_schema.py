@@ -60,6 +60,12 @@ def non_negative_finite(v: float) -> str | None:
     return None if math.isfinite(v) and v >= 0 else "must be a finite number ≥ 0"
 
 
+def guidance_at_least_one(v: float) -> str | None:
+    """PDD's guidance (methods/pdd.py: one rule with DM-PDD's real score): 1 is the conditional teacher, above 1 CFG;
+    a scale in (0, 1) was silently read as 1 in the targets."""
+    return None if math.isfinite(v) and v >= 1 else "must be a finite number ≥ 1 (1: no guidance)"
+
+
 def fraction(v: float) -> str | None:
     return None if 0 <= v <= 1 else "must be in [0, 1]"
 
@@ -234,7 +240,7 @@ class PDDParams(TrainingStageParams):
     block_size_max: int = rule(8, 1, MAX_SAMPLING_STEPS)  # widest block trained; sampling at N NFE needs ⌈pdd_steps / N⌉ ≤ this
     rollout: Literal["data_latent", "simulate"] = rule("simulate")  # carried on-policy trajectories, or noised data at the block start
     integrator: Literal["euler", "midpoint"] = rule("euler")  # the teacher's target over one interval (1 or 2 teacher calls)
-    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite)  # the teacher's CFG in the targets (distilled in: sampled without)
+    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, guidance_at_least_one)  # the teacher's CFG in the targets (distilled in: sampled without); 1: none
     sampling_steps: int = rule(4, 1, MAX_SAMPLING_STEPS)  # the NFE the artifact's sampling contract (and export) default to
     method: Literal["pdd", "dm_pdd"] = rule("pdd")  # pdd: head regression; dm_pdd: + DMD2's distribution matching against a critic
     dm_weight: float = rule(1.0, 0, MAX_GUIDANCE, non_negative_finite)  # dm_pdd: weight of the distribution-matching term

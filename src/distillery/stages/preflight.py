@@ -211,16 +211,18 @@ def check_memory(stage: str, params: Params) -> None:
                         "lower those params; nothing was changed")
 
 
-def training_rows(params: Params, artifacts: Path) -> tuple[int, str] | None:
+def training_rows(params: Params, artifacts: Path, encoded: bool = True) -> tuple[int, str] | None:
     """How many training samples the training stages will have, and from where, read without encoding anything:
-    the latent set's manifest when ``artifacts/latents`` exists; else the captions lines of ``latents.data``'s train
-    split (an upper bound: an unusable video is skipped later); else ``clips.num_train`` (the synthetic clips).
+    with ``encoded``, the latent set's manifest when ``artifacts/latents`` exists (a training stage trains on
+    what was encoded); else — and always before the latents are (re)made — the captions lines of ``latents.data``'s
+    train split (an upper bound: an unusable video is skipped later), or ``clips.num_train`` (the synthetic clips).
     None when it cannot be told here (the stage that reads the data names the problem)."""
-    try:
-        manifest = read_json_file(artifacts / DATA_ARTIFACT / "data" / "preprocess.json", 64 << 20)  # never blocks on a FIFO
-        return int(manifest["splits"]["train"]["rows"]), "artifacts/latents"
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    if encoded:
+        try:
+            manifest = read_json_file(artifacts / DATA_ARTIFACT / "data" / "preprocess.json", 64 << 20)  # never blocks on a FIFO
+            return int(manifest["splits"]["train"]["rows"]), "artifacts/latents"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     data = params.get("latents.data")
     if not data:
         return params.get("clips.num_train"), "clips.num_train"
@@ -251,7 +253,7 @@ def check_batch(stage: str, params: Params, artifacts: Path, stages: tuple[str, 
     names = [n for n in (stages if stages is not None else (stage,)) if n in TRAINING_STAGES]
     if not names:
         return
-    found = training_rows(params, artifacts)
+    found = training_rows(params, artifacts, encoded=stage in TRAINING_STAGES)  # before them: the data to be encoded
     if found is None:
         return
     rows, source = found
