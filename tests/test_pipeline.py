@@ -98,6 +98,8 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo, tmp_path):
                                                "pdd_1/frechet_distance", "pdd_1/kid")}
     assert scores["pretrain_4/nfe"] == 8  # Euler under the causal mask, CFG
     assert "5 chunks × 4 + 4 cache writes" in (report / "summary.md").read_text()  # the 24 NFE of the streaming student
+    # which prompts validate used, and where from (the clip set has a validation/ split: held-out captions)
+    assert "## Prompts (2, from the latent set's validation split" in (report / "summary.md").read_text()
     assert (report / "plots" / "adherence_vs_nfe.png").is_file()
     for stage in ("teacher", "pretrain", "distill", "pdd"):  # each loss curve as an image beside its data
         assert (repo / "artifacts" / stage / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stage
@@ -267,6 +269,8 @@ def test_an_experiment_on_a_pretrain_param_reruns_only_pretrain_and_what_follows
     sh(["git", "commit", "-qm", "baseline run"], repo)
     params_before = yaml.safe_load((repo / "params.yaml").read_text())
     proc = sh(["dvc", "exp", "run", "-S", "pretrain.learning_rate=1e-4"], repo)
+    warnings = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("WARNING:")]
+    assert not warnings, warnings  # DVC's own (e.g. "'src/distillery/cli/__init__.py' is empty."): none about this change
     params_before["pretrain"]["learning_rate"] = 1.0e-4
     assert yaml.safe_load((repo / "params.yaml").read_text()) == params_before
     ran = [line.split("'")[1] for line in proc.stdout.splitlines() if line.startswith("Running stage")]
@@ -305,6 +309,10 @@ def test_an_experiment_on_a_pretrain_param_reruns_only_pretrain_and_what_follows
     pretrain = next(i["lineage"] for i in student["inputs"] if i["role"] == "student_init")
     assert student["stage"] == "distill" and pretrain["stage"] == "pretrain"
     assert pretrain["config"]["training"]["optimizer"]["learning_rate"] == 1.0e-4
+    # the experiment is named, and the params.yaml that -S edited does not make the code dirty
+    experiment = proc.stdout.split("Ran experiment(s): ")[1].split()[0]
+    for node in (lineage, student, pretrain):
+        assert node["code"]["dirty"] is False and node["code"]["experiment"]["name"] == experiment, node["code"]
     shipped = next(o["sha256"] for o in lineage["outputs"] if o["path"] == "transformer/diffusion_pytorch_model.safetensors")
     import hashlib
 
