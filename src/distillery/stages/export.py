@@ -18,7 +18,7 @@ log = get_logger("stage")
 def stage_export(params: StageParams) -> None:
     """A complete diffusers folder: the base's parts + the chosen student's transformer, its sampling
     contract, the modules that sample by it (``pipeline.py`` and the ``distilled_*.py`` it imports,
-    :mod:`distillery.export.code`: they need only torch, diffusers and transformers) and its own model
+    :mod:`distillery.export.code`: they need only torch, diffusers, transformers and accelerate) and its own model
     card (``README.md``, :mod:`distillery.export.model_card`: chain, settings, validation scores, code),
     lineage inside.
 
