@@ -159,12 +159,6 @@ def exit_now(code: int | None) -> NoReturn:
     os._exit(code if isinstance(code, int) else 0)
 
 
-def kill_group(pid: int, sig: int = signal.SIGTERM) -> None:
-    """Send ``sig`` to the process group led by ``pid`` (ignoring one that is already gone)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
-
-
 @contextlib.contextmanager
 def exclusive_lock(lock_file: Path, what: str) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock_file`` for the block; raise a UserError naming
