@@ -59,6 +59,12 @@ def test_an_unchanged_candidate_is_reused_with_bitwise_equal_results(setup, capl
     assert report["per_video"] == before["per_video"] and report["per_prompt"] == before["per_prompt"]
     assert (root / "again" / "grid.gif").read_bytes() == (root / "first" / "grid.gif").read_bytes()
     assert "reusing 2 of 2 candidates' samples" in caplog.text and "sampling 0" in caplog.text
+    # issue 44 item 7: a reused latency says when and beside what load it was measured — the first run's
+    for name in ("teacher_2", "student_1"):
+        then, now = before["latency"][name]["measured"], report["latency"][name]["measured"]
+        assert then["reused"] is False and isinstance(then["load_1min"], float) and then["cpus"] >= 1
+        assert now["reused"] is True and then["at"] <= now["at"]  # the entry's time: stored after its sampling began
+        assert {k: now[k] for k in ("load_1min", "cpus")} == {k: then[k] for k in ("load_1min", "cpus")}
 
 
 def test_one_flipped_weight_byte_is_sampled_again_even_with_its_mtime_restored(setup, caplog, tmp_path, monkeypatch):

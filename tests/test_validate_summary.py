@@ -49,6 +49,12 @@ def test_the_summary_says_why_24_nfe_and_which_readings_discriminate():
     assert "do not discriminate**: colour (1.00 for every candidate), direction (1.00 for every candidate)" in text
     assert "shape (0.50–0.75)" in text and "steps of 1/16" in text and "noise floor" in text
     assert "1 of 2 candidates reused (teacher_40)" in text
+    assert "Latency measured" not in text  # a report without the times (an older run) says nothing of them
+    report["latency"] = {"teacher_40": {"measured": {"reused": True, "at": "2026-12-01T10:00:00Z", "load_1min": 7.5, "cpus": 2}},
+                         "distill_4": {"measured": {"reused": False, "at": "2026-12-03T12:00:00Z", "load_1min": 0.4, "cpus": 2}}}
+    text = summary_markdown(metrics, report)
+    assert ("- Latency measured: teacher_40 reused, sampled 2026-12-01T10:00:00Z (load 7.5 on 2 CPUs); distill_4 sampled "
+            "2026-12-03T12:00:00Z (load 0.4 on 2 CPUs).") in text  # issue 44 item 7: a busy run's latency says it was busy
 
 
 def test_adherence_off_the_clips_grammar_reads_n_a_and_the_prompts_are_named():

@@ -187,6 +187,17 @@ class CachedCandidate:
     frames: dict[str, np.ndarray]  # sample key → uint8 [T, H, W, 3]
     folder: Path  # holds <sample key>.mp4
     stored: str  # when it was sampled (UTC, ISO 8601)
+    load: dict[str, Any] | None = None  # the machine's load when it was sampled (machine_load; None: an older entry)
+
+
+def machine_load() -> dict[str, Any]:
+    """The machine's 1-minute load average and CPU count, now: what a latency measured now ran beside
+    (a reused candidate's latency is compared with fresh ones only together with it)."""
+    try:
+        load = round(os.getloadavg()[0], 2)
+    except OSError:
+        load = None
+    return {"load_1min": load, "cpus": os.cpu_count()}
 
 
 @dataclass(frozen=True)
@@ -322,11 +333,13 @@ class SampleCache:
         frames = _tensors(folder / FRAMES_FILE, names, expected.frame_shape, torch.uint8)
         with contextlib.suppress(OSError):  # a read-only cache is still used
             os.utime(folder / ENTRY_FILE)  # most recently used (prune)
+        load = entry.get("load") if isinstance(entry.get("load"), dict) else None
         return CachedCandidate(key, videos, latents, {k: t.numpy() for k, t in frames.items()}, folder,
-                               str(entry.get("stored", "")))
+                               str(entry.get("stored", "")), load)
 
     def store(self, key: str, material: Mapping[str, Any], name: str, videos: Sequence[CachedVideo],
-              latents: Mapping[str, torch.Tensor], frames: Mapping[str, np.ndarray], mp4_dir: Path) -> bool:
+              latents: Mapping[str, torch.Tensor], frames: Mapping[str, np.ndarray], mp4_dir: Path,
+              load: Mapping[str, Any] | None = None) -> bool:
         """Write the entry ``key`` (through a temporary sibling, renamed): the videos' records, latents,
         frames and the MP4 files ``mp4_dir/<sample key>.mp4``. A failure is a warning; returns whether
         the entry was written."""
@@ -345,7 +358,7 @@ class SampleCache:
             for k in latents:
                 shutil.copyfile(mp4_dir / f"{k}.mp4", tmp / f"{k}.mp4")
             entry = {"format": CACHE_FORMAT, "key": key, "candidate": name,
-                     "stored": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     "stored": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load": dict(load or machine_load()),
                      "material": json.loads(canonical(material)), "videos": [v.record() for v in videos],
                      "files": {p.name: read_sha256(p) for p in sorted(tmp.iterdir())}}
             entry["seal"] = _seal(entry)

@@ -115,6 +115,14 @@ def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) ->
                      + (f" ({', '.join(reused)})" if reused else "")
             + ("; the others were sampled (report.json `cache` says why)" if len(reused) < len(names) else "")
             + ". A reused candidate's latency is the one measured when it was sampled.")
+    measured = {n: (report.get("latency") or {}).get(n, {}).get("measured") for n in names}
+    if any(isinstance(m, dict) for m in measured.values()):
+        def when(m: dict[str, Any]) -> str:
+            load = m.get("load_1min")
+            under = f"load {load} on {m.get('cpus')} CPUs" if load is not None else "load not recorded"
+            return f"{'reused, sampled' if m.get('reused') else 'sampled'} {m.get('at')} ({under})"
+        lines.append("- Latency measured: " + "; ".join(f"{n} {when(m)}" for n, m in measured.items() if isinstance(m, dict))
+                     + ". Compare latencies measured under similar loads (`rm -rf runs/validate/cache` re-times all).")
     if report.get("prompt_source"):
         lines += ["", f"## Prompts ({len(report['prompts'])}, from {report['prompt_source']})", ""]
         lines += [f"- #{i} {p}" for i, p in enumerate(report["prompts"])]

@@ -750,7 +750,7 @@ def run_validation(
     from distillery.clips.video_io import write_video
     from distillery.common.progress import Progress
     from distillery.evaluation.plots import write_adherence_plot
-    from distillery.evaluation.sample_cache import CachedVideo, Expected, entry_key
+    from distillery.evaluation.sample_cache import CachedVideo, Expected, entry_key, machine_load
     from distillery.evaluation.summary import adherence_readings, summary_markdown
     from distillery.evaluation.video_metrics import COV_EPS, FEATURE_NAMES, Standardiser, frechet_distance, paired_mse
 
@@ -836,10 +836,12 @@ def run_validation(
                 shutil.copyfile(hit.folder / "latents.safetensors", folder / "latents.safetensors")
                 for i, j in video_order:
                     shutil.copyfile(hit.folder / f"{sample_key(i, j)}.mp4", folder / f"{sample_key(i, j)}.mp4")
-                return {"cand": cand, "hit": hit, "records": hit.videos, "frames": hit.frames}
+                return {"cand": cand, "hit": hit, "records": hit.videos, "frames": hit.frames,
+                        "measured": {"reused": True, "at": hit.stored, **(hit.load or {"load_1min": None, "cpus": None})}}
             number = to_sample.index(cand) + 1
             bar.set(candidate=f"{cand.name} ({number}/{len(to_sample)})")
             load_started = time.time()
+            measured = {"reused": False, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **machine_load()}
             loaded = ctx.load(cand, resolved[cand.name])
             ctx.warm_up(loaded)
             sampling_started = time.time()
@@ -874,7 +876,8 @@ def run_validation(
             timeline[cand.name] = {"load_s": round(sampling_started - load_started, 3),
                                    "sampling_unix": [round(sampling_started, 3), round(sampling_ended, 3)],
                                    "sampling_s": round(sampling_ended - sampling_started, 3)}
-            return {"cand": cand, "hit": None, "pending": pending, "frames": frames, "sampled": sampled, "folder": folder}
+            return {"cand": cand, "hit": None, "pending": pending, "frames": frames, "sampled": sampled, "folder": folder,
+                    "measured": measured}
 
         def finish(item: dict[str, Any]) -> None:
             """Wait for the candidate's scoring threads (they ran while the next candidate loaded and sampled),
@@ -888,7 +891,7 @@ def run_validation(
                 save_file(item["sampled"], str(item["folder"] / "latents.safetensors"))
                 if cache is not None:
                     cache.store(cache_log[cand.name]["key"], cache_log[cand.name]["material"], cand.name, records,
-                                item["sampled"], frames, item["folder"])
+                                item["sampled"], frames, item["folder"], {k: item["measured"][k] for k in ("load_1min", "cpus")})
             else:
                 records = item["records"]
             videos: list[_Video] = []
@@ -911,6 +914,7 @@ def run_validation(
             values.update(_distribution_scores(scaler(features), reference_z, cfg))
             values["nfe"] = cand.nfe(ctx.latent_shape[1])
             latency[cand.name] = latency_summary([v.latency_s for v in videos])  # in sampling order
+            latency[cand.name]["measured"] = item["measured"]  # when, and beside what load (reused: when it was sampled)
             values["latency_s"], values["latency_s_iqr"] = latency[cand.name]["median_s"], latency[cand.name]["iqr_s"]
             if not adherence["applicable"]:  # readings of captions the analyzer cannot read: not scores (module doc)
                 values = {k: v for k, v in values.items() if k.removesuffix("_std") not in ADHERENCE_METRICS}
