@@ -75,6 +75,8 @@ def _small_workspace(root: Path) -> Path:
     root.mkdir(parents=True)
     params = yaml.safe_load(SHIPPED)
     params["clips"]["num_train"], params["clips"]["num_validation"] = 4, 2
+    for stage in ("teacher", "pretrain", "distill", "pdd"):  # batches 4 clips fill (the first stage checks them all)
+        params[stage]["batch_size"] = 2
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     shutil.copy(Path(__file__).resolve().parents[2] / "dvc.yaml", root / "dvc.yaml")
     return root
