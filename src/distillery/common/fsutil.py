@@ -93,6 +93,15 @@ def write_text_atomic(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def human_bytes(n: float) -> str:
+    """``n`` bytes in words for a message: ``512 B``, ``72.9 MiB``, ``1.2 TiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def file_kind(mode: int) -> str:
     """What a file is, in words ("a file", "a folder", "a named pipe", ...), from its ``st_mode``."""
     return _KINDS.get(stat.S_IFMT(mode), "not a regular file")

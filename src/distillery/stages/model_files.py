@@ -125,7 +125,7 @@ def check_model_files(folder: Path, what: str, components: tuple[str, ...] = ())
                 raise UserError(f"{what}: {rel} cannot be read ({exc.strerror or exc}; a dangling link?)") from None
             if stat.S_ISDIR(st.st_mode):
                 real = os.path.realpath(path)
-                if real in ancestors or any(real == a or a.startswith(real + os.sep) for a in ancestors):
+                if any(real == a or a.startswith(real + os.sep) for a in ancestors):  # itself or above it
                     raise UserError(f"{what}: {rel} links back to a folder above it (a loop); a model folder holds "
                                     "files and folders")
                 stack.append((path, (*ancestors, real)))

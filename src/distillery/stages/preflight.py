@@ -25,6 +25,7 @@ from pathlib import Path
 
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind, read_json_file
+from distillery.common.fsutil import human_bytes as human
 from distillery.stages.params import Params
 from distillery.stages.training_table import DATA_ARTIFACT, TRAINING_STAGES
 
@@ -39,14 +40,6 @@ DISK_ERRNOS = {
 MIN_FREE = 16 << 20  # bytes every stage needs at least (logs, manifests, MLflow rows)
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 MAX_SQLITE_PATH = 500  # bytes of the MLflow store's path SQLite still opens (its journal's name must fit 512)
 
 
@@ -54,7 +47,10 @@ def check_workspace_path(stage: str) -> None:
     """The workspace's MLflow store (``mlflow.db`` in the current folder, unless ``MLFLOW_TRACKING_URI`` names
     another) must have a path SQLite can open: a workspace nested ~500 bytes deep failed every stage after its
     work, when the store was first opened. One line, exit 2, before anything runs."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    from distillery.components.tracking import default_tracking_uri
+    from distillery.config.schema import TrackerConfig
+
+    uri = default_tracking_uri(TrackerConfig())  # the store every stage and trainer of this workspace opens
     if not uri.startswith("sqlite:///"):
         return
     size = len(os.fsencode(uri[len("sqlite:///"):]))

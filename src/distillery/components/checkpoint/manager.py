@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from distillery.common.diskerrors import DISK_ERRNOS, DiskProblem, disk_problem
 from distillery.common.errors import UserError
-from distillery.common.fsutil import read_json_file
+from distillery.common.fsutil import human_bytes, read_json_file
 from distillery.common.log import get_logger
 from distillery.components.checkpoint import record as checkpoint_record
 from distillery.components.checkpoint.checksums import Damage, FileDigest, hash_files, read_metadata, write_checksums
@@ -210,7 +210,7 @@ class CheckpointManager:
             shutil.rmtree(self.output_dir / f".tmp-checkpoint-{step}", ignore_errors=True)
         kept = f"{last[-1][1].name} is intact and resumes" if last else "no earlier checkpoint: a rerun starts at step 0"
         return UserError(f"checkpoint-{step}: {problem.why}{problem.where()} ({self.output_dir}: a checkpoint needs about "
-                         f"{_human(need)}, {_human(free) if free >= 0 else 'unknown'} free); {kept}: free space and rerun")
+                         f"{human_bytes(need)}, {human_bytes(free) if free >= 0 else 'unknown'} free); {kept}: free space and rerun")
 
     def _save(self, step: int, payload: CheckpointPayload) -> Path:
         final = self.output_dir / f"checkpoint-{step}"
@@ -337,14 +337,6 @@ class CheckpointManager:
 
 def _tree_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _gather_to_main(obj: Any) -> list[Any]:
