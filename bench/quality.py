@@ -180,10 +180,10 @@ def set_params(path: Path, updates: dict[str, Any]) -> None:
 
 
 def make_workspace(folder: Path, updates: dict[str, Any], artifacts_from: Path | None = None) -> Path:
-    """A pipeline folder (dvc.yaml, params.yaml, templates) with ``updates`` set; with ``artifacts_from``,
+    """A pipeline folder (dvc.yaml, params.yaml, stages) with ``updates`` set; with ``artifacts_from``,
     links to that workspace's artifacts (a student's inputs: base, latents, teacher, pretrain)."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name in ("dvc.yaml", "params.yaml", "templates"):
+    for name in ("dvc.yaml", "params.yaml", "stages"):
         dst = folder / name
         if dst.is_dir():
             shutil.rmtree(dst)

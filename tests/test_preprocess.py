@@ -193,7 +193,7 @@ def test_latents_stage_takes_its_own_size_and_validate_follows_it(tmp_path, monk
     from distillery.stages.validate import latent_settings
 
     root = Path(__file__).resolve().parents[1]
-    for name in ("dvc.yaml", "templates"):
+    for name in ("dvc.yaml", "stages"):
         (shutil.copytree if (root / name).is_dir() else shutil.copy2)(root / name, tmp_path / name)
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["latents"].update(data=str(clips), num_frames=5, height=32, width=48, device="cpu")

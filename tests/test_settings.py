@@ -135,7 +135,7 @@ def test_distillery_stage_teacher_writes_the_same_run_yaml(tmp_path, monkeypatch
     from distillery.stages.run_config import fill_run_config
     from distillery.stages.training_table import TRAINING_STAGES
 
-    for name in ("dvc.yaml", "params.yaml", "templates"):
+    for name in ("dvc.yaml", "params.yaml", "stages"):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(ROOT / name, tmp_path / name)
     (tmp_path / "artifacts/latents/data").mkdir(parents=True)
     (tmp_path / "artifacts/latents/data/preprocess.json").write_text(json.dumps({"settings": {"max_sequence_length": 24}}))

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _workspace(tmp_path: Path, monkeypatch, updates: dict[str, object] | None = None) -> Params:
-    for name in ("dvc.yaml", "params.yaml", "templates"):
+    for name in ("dvc.yaml", "params.yaml", "stages"):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(ROOT / name, tmp_path / name)
     data = yaml.safe_load((tmp_path / "params.yaml").read_text())
     for dotted, value in (updates or {}).items():
@@ -130,7 +130,7 @@ def test_templates_hold_no_value_a_row_fills(tmp_path, monkeypatch, stage, varia
 
 def test_a_row_naming_an_unknown_config_key_is_one_line(tmp_path, monkeypatch):
     params = _workspace(tmp_path, monkeypatch)
-    spec = TrainingStageSpec(name="teacher", template="templates/teacher_sft.yaml", inputs={"student": "base"},
+    spec = TrainingStageSpec(name="teacher", template="stages/teacher_sft.yaml", inputs={"student": "base"},
                              params={"teacher.steps": "training.loop.max_steps"})
     with pytest.raises(UserError, match="training.loop.max_steps") as info:
         fill_run_config(spec, StageParams(params, "teacher", stage_params("teacher")), "p")
@@ -256,10 +256,10 @@ def test_validate_candidates_follow_a_row_added_to_the_table(tmp_path, monkeypat
     _contracts({**CONTRACTS, "wan22": {"sampler": "few_step_x0", "shift": 5.0, "num_train_timesteps": 1000,
                                        "timesteps": [1000.0, 750.0, 500.0]}})
     table = {**TRAINING_STAGES,
-             "wan22": TrainingStageSpec(name="wan22", template="templates/teacher_sft.yaml", inputs={"student": "base"},
+             "wan22": TrainingStageSpec(name="wan22", template="stages/teacher_sft.yaml", inputs={"student": "base"},
                                         validation=ValidationSpec("wan22")),  # its contract's ladder: 3 steps
-             "unscored": TrainingStageSpec(name="unscored", template="templates/teacher_sft.yaml", inputs={"student": "base"}),
-             "wide": TrainingStageSpec(name="wide", template="templates/teacher_sft.yaml", inputs={"student": "teacher"},
+             "unscored": TrainingStageSpec(name="unscored", template="stages/teacher_sft.yaml", inputs={"student": "base"}),
+             "wide": TrainingStageSpec(name="wide", template="stages/teacher_sft.yaml", inputs={"student": "teacher"},
                                        validation=ValidationSpec("wide", steps="validate.teacher_steps",
                                                                  guidance="validate.guidance_scale", sampler="euler"))}
     view = StageParams(params, "validate", stage_params("validate"))
@@ -297,12 +297,12 @@ def test_pdd_method_picks_the_dm_pdd_recipe_beside_the_students_init(tmp_path, m
     from distillery.config import allowed_prefixes, load_run_config
 
     row = TRAINING_STAGES["pdd"]
-    assert row.templates() == ["templates/pdd.yaml", "templates/pdd_dm.yaml"] and "pdd.method" in row.params_read()
+    assert row.templates() == ["stages/pdd.yaml", "stages/pdd_dm.yaml"] and "pdd.method" in row.params_read()
     params = _workspace(tmp_path, monkeypatch, {"pdd.method": "dm_pdd", "pdd.student_init": student_init,
                                                 "pdd.dm_weight": 0.25, "pdd.critic_learning_rate": 3.0e-5})
     view = StageParams(params, "pdd", stage_params("pdd"))
     spec = row.resolve(view)
-    assert spec.template == "templates/pdd_dm.yaml" and spec.method_key is None and spec.variant_key is None
+    assert spec.template == "stages/pdd_dm.yaml" and spec.method_key is None and spec.variant_key is None
     assert spec.inputs == {"student": student_init, "teacher": "teacher", "critic": "teacher"}
     raw = fill_run_config(spec, view, "p")
     assert raw["method"]["_target_"] == "distillery.methods.dm_pdd.DMPDDMethod" and raw["method"]["dm_weight"] == 0.25
@@ -314,7 +314,7 @@ def test_pdd_method_picks_the_dm_pdd_recipe_beside_the_students_init(tmp_path, m
     assert not [k for k in spec.params if f"params.yaml {k}" not in text]
     (tmp_path / "plain").mkdir()
     plain = row.resolve(StageParams(_workspace(tmp_path / "plain", monkeypatch), "pdd", stage_params("pdd")))
-    assert plain.template == "templates/pdd.yaml" and "critic" not in plain.inputs and "pdd.dm_weight" not in plain.params
+    assert plain.template == "stages/pdd.yaml" and "critic" not in plain.inputs and "pdd.dm_weight" not in plain.params
 
 
 @pytest.mark.parametrize("stage", list(TRAINING_STAGES))

@@ -52,7 +52,7 @@ def make_workspace(repo: Path, updates: dict[str, object] | None = None, dvc_cac
     """A git + DVC repository holding the pipeline (code included, as a user's clone would). ``dvc_cache_type``:
     DVC's ``cache.type`` (default: DVC's own, copies), e.g. ``hardlink,symlink`` as docs/gpus.md advises at real shape."""
     repo.mkdir(parents=True, exist_ok=True)
-    for name in ("dvc.yaml", "params.yaml", "templates", ".gitignore"):
+    for name in ("dvc.yaml", "params.yaml", "stages", ".gitignore"):
         src = ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy2)(src, repo / name)
     with (repo / ".gitignore").open("a") as fh:

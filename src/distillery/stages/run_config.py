@@ -1,4 +1,4 @@
-"""A training stage's run config: its template in ``templates/`` filled in by its table row.
+"""A training stage's run config: its template in ``stages/`` filled in by its table row.
 
 :func:`fill_run_config` reads the template and sets dotted keys to the typed params' Python values
 through the config loader (:func:`distillery.config.loader.set_override`: every key must exist in the

@@ -1,11 +1,11 @@
 """The declarative table of the training stages: one :class:`TrainingStageSpec` per stage.
 
-A training stage is its run-config template in ``templates/`` filled in from the typed ``params.yaml``
+A training stage is its run-config template in ``stages/`` filled in from the typed ``params.yaml``
 by this table (:func:`distillery.stages.run_config.fill_run_config`: each value set as the Python value
-it is; the template holds null there) — no stage-specific code. Adding a training stage: a template in ``templates/``, a row here,
+it is; the template holds null there) — no stage-specific code. Adding a training stage: a template in ``stages/``, a row here,
 a dvc.yaml stage (``cmd: distillery stage <name>``, its ``params:`` covering every key of the row),
 and the params.yaml section with its schema in :mod:`distillery.stages.params_schema`
-(``templates/README.md`` has the list). A row's ``validation`` makes the stage's model a candidate of
+(``stages/README.md`` has the list). A row's ``validation`` makes the stage's model a candidate of
 the validate stage (its name, steps and guidance: :class:`ValidationSpec`).
 """
 
@@ -191,7 +191,7 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
     for spec in (
         TrainingStageSpec(
             name="teacher",
-            template="templates/teacher_sft.yaml",
+            template="stages/teacher_sft.yaml",
             inputs={"student": "base"},
             params=loop_params("teacher"),
             # teacher.source: base publishes a given model (teacher.path: e.g. the 14B; null: the base) untrained
@@ -202,7 +202,7 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
         ),
         TrainingStageSpec(
             name="pretrain",
-            template="templates/pretrain_dfsft.yaml",
+            template="stages/pretrain_dfsft.yaml",
             inputs={"student": "teacher"},
             # the causal student attends block-causally over the chunks DFSFT noises independently
             params={**loop_params("pretrain"), "pretrain.chunk_size": ("method.chunk_size", "models.student.chunk_size")},
@@ -212,7 +212,7 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
         ),
         TrainingStageSpec(
             name="distill",
-            template="templates/distill_self_forcing.yaml",
+            template="stages/distill_self_forcing.yaml",
             inputs={"student": "pretrain", "teacher": "teacher", "critic": "teacher"},
             params={**loop_params("distill"), "distill.critic_learning_rate": "models.critic.optimizer.learning_rate",
                     "distill.student_steps": "method.num_student_steps",
@@ -222,16 +222,16 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             variant_key="distill.method",
             # the critic (fake score) starts from the teacher, or from the student's base as the published recipes do
             input_keys={"critic": "distill.critic_init"},
-            variants={"self_forcing": StageVariant("templates/distill_self_forcing.yaml",
+            variants={"self_forcing": StageVariant("stages/distill_self_forcing.yaml",
                                                    {"distill.context_noise": "method.context_noise",
                                                     "distill.same_step_across_chunks": "method.same_step_across_chunks",
                                                     "pretrain.chunk_size": "models.student.chunk_size"}),
-                      "dmd2": StageVariant("templates/distill_dmd2.yaml")},
+                      "dmd2": StageVariant("stages/distill_dmd2.yaml")},
             validation=ValidationSpec("student"),  # its ladder as its contract says, no CFG (the guidance is distilled in)
         ),
         TrainingStageSpec(
             name="pdd",
-            template="templates/pdd.yaml",
+            template="stages/pdd.yaml",
             inputs={"student": "teacher", "teacher": "teacher"},
             params={**loop_params("pdd"), "pdd.pdd_steps": "models.student.pdd_steps",
                     "pdd.block_size_min": "method.block_size_min", "pdd.block_size_max": "method.block_size_max",
@@ -239,12 +239,12 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
                     "pdd.guidance_scale": "method.teacher_guidance_scale", "pdd.sampling_steps": "method.sampling_steps"},
             # the teacher is always the teacher artifact; the student starts from it or from the distill student
             variant_key="pdd.student_init",
-            variants={"teacher": StageVariant("templates/pdd.yaml", inputs={"student": "teacher", "teacher": "teacher"}),
-                      "distill": StageVariant("templates/pdd.yaml", inputs={"student": "distill", "teacher": "teacher"})},
+            variants={"teacher": StageVariant("stages/pdd.yaml", inputs={"student": "teacher", "teacher": "teacher"}),
+                      "distill": StageVariant("stages/pdd.yaml", inputs={"student": "distill", "teacher": "teacher"})},
             # pdd: the head regression alone; dm_pdd: + DMD2's distribution matching against a critic (from the teacher)
             method_key="pdd.method",
-            methods={"pdd": StageVariant("templates/pdd.yaml"),
-                     "dm_pdd": StageVariant("templates/pdd_dm.yaml", {"pdd.dm_weight": "method.dm_weight",
+            methods={"pdd": StageVariant("stages/pdd.yaml"),
+                     "dm_pdd": StageVariant("stages/pdd_dm.yaml", {"pdd.dm_weight": "method.dm_weight",
                                                                       "pdd.critic_learning_rate": "models.critic.optimizer.learning_rate"},
                                             inputs={"critic": "teacher"})},
             validation=ValidationSpec("pdd", steps="validate.pdd_nfe"),  # its NFE curve: the fused-block sampler at each NFE
