@@ -37,7 +37,7 @@ from distillery.config.limits import (
     show_path,
     unknown_key_message,
 )
-from distillery.config.schema import Component, OptimizerOverride, RoleDistributedOverride, RunConfig, TrainingConfig
+from distillery.config.schema import Component, LoraConfig, OptimizerOverride, RoleDistributedOverride, RunConfig, TrainingConfig
 from distillery.config.targets import resolve_target
 from distillery.config.typed import config_error, field_types, from_mapping
 from distillery.config.yaml_versions import Scalar, collector, disagreement_line, disagreements, dvc_load, is_dotless_float
@@ -189,7 +189,7 @@ def set_override(raw: dict[str, Any], key: str, value: Any, prefixes: tuple[str,
             target = _section(entries, name).get("_target_")
             check_target(target, where)
             cls = resolve_target(target, where, prefixes)
-            overrides = {"optimizer": OptimizerOverride, "distributed": RoleDistributedOverride}
+            overrides = {"optimizer": OptimizerOverride, "distributed": RoleDistributedOverride, "lora": LoraConfig}
             if head == "models" and parts[2] in overrides:
                 if len(parts) > 3:
                     _check_dataclass_path(overrides[parts[2]], parts[3:], f"{where}.{parts[2]}")
@@ -212,7 +212,8 @@ def build_component(entry: Any, where: str, prefixes: tuple[str, ...], kind: str
     ``kind`` (``model`` | ``method`` | ``callback``): a target whose class does not declare that
     ``component_kind`` (the plugin base classes do) is refused before its knobs are checked; the
     config package imports no plugin base class. A model entry may hold ``optimizer:`` (the role's
-    :class:`OptimizerOverride`) and ``distributed:`` (its mesh, :class:`RoleDistributedOverride`).
+    :class:`OptimizerOverride`), ``distributed:`` (its mesh, :class:`RoleDistributedOverride`) and ``lora:``
+    (a LoRA adapter that trains instead of its weights, :class:`LoraConfig`; null: none).
     """
     if not isinstance(entry, dict) or "_target_" not in entry:
         raise config_error(where, "expected a mapping with a _target_ key")
@@ -223,13 +224,16 @@ def build_component(entry: Any, where: str, prefixes: tuple[str, ...], kind: str
         raise config_error(f"{where}._target_", f"{target} is not a distillery {kind} ({KIND_BASES[kind]})")
     config_cls = _config_class(cls, where)
     knobs = {k: v for k, v in entry.items() if k != "_target_"}
-    optimizer = distributed = None
+    optimizer = distributed = lora = None
+    if kind == "model" and "lora" in knobs:  # null: no adapter (the role's weights train, or it is frozen)
+        given = knobs.pop("lora")
+        lora = None if given is None else from_mapping(LoraConfig, given, f"{where}.lora")
     if kind == "model" and "optimizer" in knobs:
         optimizer = from_mapping(OptimizerOverride, knobs.pop("optimizer") or {}, f"{where}.optimizer")
     if kind == "model" and "distributed" in knobs:
         distributed = from_mapping(RoleDistributedOverride, knobs.pop("distributed") or {}, f"{where}.distributed")
     config = from_mapping(config_cls, knobs, where)
-    return Component(target=target, cls=cls, config=config, optimizer=optimizer, distributed=distributed,
+    return Component(target=target, cls=cls, config=config, optimizer=optimizer, distributed=distributed, lora=lora,
                      plugins=resolve_plugins(config, where, prefixes))
 
 

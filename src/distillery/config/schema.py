@@ -54,6 +54,39 @@ class RoleDistributedOverride:
     replicate_size: int | None = bounded(None, 1, MAX_RANKS)  # HSDP replicate dim of this role's mesh; must divide the world size
 
 
+MAX_LORA_RANK = 1024  # a LoRA's rank (published video LoRAs: 16–128; Wan2.1-14B's width is 5120)
+MAX_LORA_TARGETS = 64  # module names in one target_modules list
+MAX_LORA_TARGET_CHARS = 100
+
+
+def _lora_target_names(value: list[str]) -> str | None:
+    """``target_modules``: 1..64 dotted module names (``to_q``, ``attn1.to_q``, ``ffn.net.0.proj``)."""
+    if not value:
+        return "must name at least one module (e.g. [to_q, to_k, to_v, to_out.0])"
+    if len(value) > MAX_LORA_TARGETS:
+        return f"at most {MAX_LORA_TARGETS} module names"
+    for name in value:
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_TARGET_CHARS or not all(
+                part.isidentifier() or part.isdigit() for part in name.split(".")):
+            return f"{name!r} is not a module name (dotted names such as to_q, attn1.to_q, ffn.net.0.proj)"
+    return None
+
+
+@dataclass
+class LoraConfig:
+    """``models.<role>.lora``: train a LoRA adapter on the role's transformer instead of its weights (PEFT; docs/training.md).
+
+    Every Linear layer whose dotted path ends with one of ``target_modules`` (on a ``.`` boundary, as PEFT matches) gets
+    ``W x + (alpha / rank) · B A x`` with ``A`` ``[rank, in]`` (Kaiming) and ``B`` ``[out, rank]`` (zeros: the first
+    forward is the base's). The base weights are frozen: only ``A``/``B`` train, are sharded with the role, carry
+    optimizer state and go into checkpoints. Only a trainable role may have one."""
+
+    rank: int = bounded(16, 1, MAX_LORA_RANK)  # r: the adapter's inner width
+    alpha: float = bounded(16.0, 1e-6, 65536.0)  # the update is scaled by alpha / rank
+    target_modules: list[str] = bounded(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"], check=_lora_target_names)
+    dropout: float = bounded(0.0, 0.0, 0.9)  # dropout on the adapter's input (training only)
+
+
 @dataclass
 class DataConfig:
     path: str = ""  # folder of latent parquet shards (holds train/ and validation/)
@@ -62,6 +95,9 @@ class DataConfig:
     text_max_length: int = bounded(512, 1, MAX_TEXT_TOKENS)  # prompt embeddings are zero-padded/truncated to this many tokens
     drop_last: bool = True  # every rank gets only full batches
     unconditional: Literal["empty", "negative"] = "empty"  # the CFG unconditional (and caption-dropout) prompt: empty, or the set's negative prompt
+    # [C, T, H, W] of the samples a prompts-only method's rollouts generate (a prompt-only set has no latents); null: the set's manifest's
+    latent_shape: list[int] | None = bounded(None, 1, 65536, check=lambda v: None if v is None or len(v) == 4
+                                             else "must be [C, T, H, W] (4 sizes)")
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -177,6 +213,7 @@ class Component:
     config: Any
     optimizer: OptimizerOverride | None = None  # models.<role>.optimizer (model components only)
     distributed: RoleDistributedOverride | None = None  # models.<role>.distributed (model components only)
+    lora: LoraConfig | None = None  # models.<role>.lora (model components only): a LoRA adapter trains instead of the weights
     # the plugins its config names (the config class's ``plugin_fields``: a dotted ``_target_`` path each), resolved
     # under the run's allowed prefixes when the config is built; the config keeps the path (what to_plain writes)
     plugins: dict[str, Any] = field(default_factory=dict)
@@ -187,6 +224,8 @@ class Component:
             plain["optimizer"] = {k: v for k, v in to_plain(self.optimizer).items() if v is not None}
         if self.distributed is not None:
             plain["distributed"] = {k: v for k, v in to_plain(self.distributed).items() if v is not None}
+        if self.lora is not None:
+            plain["lora"] = to_plain(self.lora)
         return plain
 
 

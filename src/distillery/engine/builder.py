@@ -22,6 +22,7 @@ from distillery.components.precision import ComputeCopy, cast_parameters_, compi
 from distillery.config.schema import DistributedConfig, ModelRuntimeConfig, OptimizerConfig, RunConfig
 from distillery.methods.base import TrainingMethod
 from distillery.models.base import ModelBase
+from distillery.models.lora import check_lora
 
 log = get_logger("trainer")
 
@@ -37,12 +38,15 @@ class BuiltRun:
 
 
 def build_models(config: RunConfig) -> dict[str, ModelBase]:
-    """Instantiate each role's model (on CPU, fp32) from its component entry."""
+    """Instantiate each role's model (on CPU, fp32) from its component entry, with its LoRA adapter when it has one
+    (``models.<role>.lora``: injected here, before the method and placement see the transformer)."""
     models = {}
     for role, comp in config.models.items():
         if not (isinstance(comp.cls, type) and issubclass(comp.cls, ModelBase)):
             raise UserError(f"config error: models.{role}._target_: {comp.target} is not a distillery model (ModelBase)")
         models[role] = comp.cls(comp.config, role=role)
+        if comp.lora is not None:
+            models[role].apply_lora(comp.lora)
     return models
 
 
@@ -80,6 +84,10 @@ def check_roles_early(config: RunConfig) -> dict[str, OptimizerConfig]:
     for name, callback in config.callbacks.items():  # the roles a callback names, where the method's are checked
         if isinstance(callback.cls, type) and issubclass(callback.cls, Callback):
             callback.cls.check_roles(callback.config, config.models, f"callbacks.{name}")
+    for role, model in config.models.items():  # a LoRA on a frozen role, on no Linear layer, wider than one
+        if model.lora is not None:
+            trainable = bool(getattr(model.config, "trainable", False))
+            check_lora(role, model.lora, trainable, model.cls.linear_layers(model.config) if trainable else None)
     return role_optimizer_configs(config)
 
 

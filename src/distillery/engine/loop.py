@@ -46,14 +46,17 @@ class TrainResult:
 
 class Trainer:
     """The loop over a built run. ``frozen_sources``: frozen role → its source (path + sha256 of its
-    weights, the same on every rank), recorded in each checkpoint and checked on resume."""
+    weights, the same on every rank), recorded in each checkpoint and checked on resume; ``lora``: LoRA role →
+    its adapter spec and base (:func:`distillery.models.lora.lora_records`), likewise."""
 
     def __init__(self, config: RunConfig, env: DistEnv, *, run: BuiltRun, batches: TrainBatches,
-                 checkpoints: CheckpointManager, logger: RunLogger, frozen_sources: dict[str, dict[str, Any]]) -> None:
+                 checkpoints: CheckpointManager, logger: RunLogger, frozen_sources: dict[str, dict[str, Any]],
+                 lora: dict[str, dict[str, Any]] | None = None) -> None:
         t = config.training
         self.config, self.env, self.loop = config, env, t.loop
         self.run, self.method, self.callbacks = run, run.method, run.callbacks
         self.batches, self.ckpt, self.logger, self.frozen_sources = batches, checkpoints, logger, frozen_sources
+        self.lora = lora or {}
         self.ctx = CallbackContext(roles=run.models, rank=env.rank, world_size=env.world_size, max_train_steps=t.loop.max_train_steps,
                                    roles_to_step=self.method.roles_to_step, sampling=self.method.sampling_contract())
         self.nonfinite = NonFiniteGuard(t.loop.skip_nonfinite_steps, t.checkpoint.output_dir, env.device)
@@ -180,6 +183,8 @@ class Trainer:
         dcp_state.update({key: CallbackState(cb) for key, cb in self.callbacks.stateful().items()})
         role_configs = {role: model.transformer_config() for role, model in self.run.models.items() if model.trainable}
         meta = {"method": self.config.method.target, "mlflow_run_id": self.logger.run_id}
+        if self.lora:  # (absent without one: a full-weight checkpoint's metadata is as before)
+            meta["lora"] = self.lora
         host = capture_rng()
         method_host = self.method.host_state()
         if method_host is not None:

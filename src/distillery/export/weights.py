@@ -4,7 +4,8 @@
 the checkpoint (``roles/<role>/config.json``), loads that role's weights (or its EMA shadow) from
 the DCP shards on one process (any saving world size), and writes ``<out>/transformer/`` with
 ``save_pretrained`` (safetensors + config.json), atomically — with the role's PDD head bank beside
-the weights (``pdd_heads.safetensors``) when it trained one.
+the weights (``pdd_heads.safetensors``) when it trained one. A role that trained a LoRA adapter is its base +
+the adapter, written merged and/or as a diffusers LoRA file (``<out>/lora/``, :func:`export_lora_folder`).
 
 The checkpoint folder is named by the user, so its recorded checksums must verify before anything
 in it is read, and its DCP files are read without unpickling (:mod:`distillery.components.checkpoint.dcp_io`).
@@ -39,19 +40,24 @@ def build_transformer_from_config(config: dict, where: str = "checkpoint role co
 
 
 def load_role_weights(checkpoint: Path, role: str, module: torch.nn.Module, ema: str | None = None,
-                      module_name: str = "transformer") -> None:
+                      module_name: str = "transformer", adapters_only: bool = False) -> None:
     """Load ``role``'s ``module_name`` weights (DCP key ``roles.<role>.<module_name>``) from the
     checkpoint into ``module`` (in place, single process, any saving world size).
 
-    ``ema`` names an EMA callback whose shadow weights to load instead (key ``callbacks.<ema>``).
-    Reads through the safe DCP reader; does not verify checksums (:func:`export_weights` does). A
-    failure raises a one-line UserError.
+    ``ema`` names an EMA callback whose shadow weights to load instead (key ``callbacks.<ema>``);
+    ``adapters_only``: the role trained a LoRA adapter (``module`` has it injected over its base): only the
+    adapter's parameters are in the checkpoint and are loaded. Reads through the safe DCP reader; does not
+    verify checksums (:func:`export_weights` does). A failure raises a one-line UserError.
     """
+    from distillery.components.checkpoint.stateful import is_adapter_key
+
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     checkpoint = Path(checkpoint)
     state = module.state_dict()
+    if adapters_only:
+        state = {k: v for k, v in state.items() if is_adapter_key(k)}
     load_dcp({f"roles.{role}.{module_name}": state}, checkpoint / "dcp", f"role {role!r}")
-    module.load_state_dict(state)
+    module.load_state_dict(state, strict=not adapters_only)
     if ema:  # the shadow of every parameter that trained (a frozen one, e.g. PDD's proj_out, has none: as trained)
         from distillery.components.checkpoint.dcp_io import read_dcp_metadata
 
@@ -79,33 +85,78 @@ def check_out_folder(out: Path) -> None:
             break
 
 
-def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str | None = None) -> Path:
-    """Write ``<out>/transformer/`` for ``role`` of ``checkpoint``; returns that folder."""
+LORA_FORMS = ("merged", "adapter", "both")  # what export_weights writes of a LoRA role (``lora``)
+
+
+def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str | None = None, lora: str = "both") -> Path:
+    """Write ``<out>/transformer/`` for ``role`` of ``checkpoint``; returns that folder.
+
+    A role that trained a LoRA adapter (the checkpoint's ``metadata.json`` ``lora.<role>``: its spec and base) is
+    rebuilt as base + adapter (the base checked against its recorded sha256 first), and ``lora`` says what is
+    written: ``merged`` — ``transformer/`` with the adapter folded into the weights (a stock transformer);
+    ``adapter`` — only ``<out>/lora/`` (:func:`export_lora_folder`: the diffusers LoRA file stock
+    ``load_lora_weights`` reads, and ``base.json`` naming the base it needs), and that folder is returned;
+    ``both`` (default) — both. ``adapter`` of a role that trained its full weights is a :class:`UserError`."""
+    if lora not in LORA_FORMS:
+        raise UserError(f"export: lora: {lora!r}; valid: {', '.join(LORA_FORMS)}")
     ckpt = Path(checkpoint)
     check_out_folder(Path(out))
     require_intact(ckpt, "export", "not exported")
     meta = json.loads((ckpt / "metadata.json").read_text())
     if role not in meta.get("roles", []):
         raise UserError(f"{ckpt}: no trainable role {role!r}; it holds {', '.join(meta.get('roles', [])) or 'none'}")
+    record = (meta.get("lora") or {}).get(role)
+    if record is None and lora == "adapter":
+        raise UserError(f"{ckpt}: the {role} trained its full weights, not a LoRA adapter (models.{role}.lora); "
+                        "export it merged")
     from distillery.models.registry import family_of_class
 
     config_file = ckpt / "roles" / role / "config.json"
     config = json.loads(config_file.read_text())
     loaders = family_of_class(config.get("_class_name"), f"cannot export {config_file}").loaders()
-    module = loaders.build_transformer(config)
-    load_role_weights(ckpt, role, module, ema)
+    if record is None:
+        module = loaders.build_transformer(config)
+        load_role_weights(ckpt, role, module, ema)
+    else:
+        from distillery.models.lora import load_base_with_adapter
+
+        module = load_base_with_adapter(record, config, f"{ckpt}: the {role}'s LoRA")
+        load_role_weights(ckpt, role, module, ema, adapters_only=True)
     out_dir = Path(out)
-    final = out_dir / "transformer"
-    tmp = out_dir / ".tmp-transformer"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"export: cannot create --out {out_dir}: {exc.strerror or exc}") from None
+    if record is not None and lora in ("adapter", "both"):
+        lora_dir = export_lora_folder(module, record, out_dir)
+        if lora == "adapter":
+            return lora_dir
+    if record is not None:
+        from distillery.models.lora import merge_lora_
+
+        merge_lora_(module)
+    final = out_dir / "transformer"
+    tmp = out_dir / ".tmp-transformer"
     if tmp.exists():
         shutil.rmtree(tmp)
     module.save_pretrained(tmp, safe_serialization=True)
     export_head_bank(ckpt, role, module, tmp, loaders, ema)
     follow_umask(tmp)  # safetensors writes its files 0600; the weights are as readable as every other file
+    return replace_dir(tmp, final)
+
+
+def export_lora_folder(module: torch.nn.Module, record: dict, out_dir: Path) -> Path:
+    """``<out_dir>/lora/``, atomically: ``pytorch_lora_weights.safetensors`` (``module``'s adapter in diffusers' layout)
+    and ``base.json`` (:data:`distillery.models.lora.BASE_FILE`: the adapter's spec and the base it needs, path and
+    sha256). Returns the folder."""
+    from distillery.models.lora import BASE_FILE, LORA_WEIGHTS_FILE, save_diffusers_lora, spec_from_record
+
+    tmp, final = out_dir / ".tmp-lora", out_dir / "lora"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_diffusers_lora(module, spec_from_record(record, "lora"), tmp)
+    (tmp / BASE_FILE).write_text(json.dumps({**record, "weights": LORA_WEIGHTS_FILE}, indent=2, sort_keys=True) + "\n")
+    follow_umask(tmp)
     return replace_dir(tmp, final)
 
 

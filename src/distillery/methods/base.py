@@ -188,8 +188,9 @@ class TrainingMethod(ABC):
         state: dict[str, Stateful] = {}
         for role, optimizer in self.optimizers.items():
             modules = self.role_models[role].trainable_modules()
+            lora = getattr(self.role_models[role], "lora", None) is not None  # the adapter is what trains: the checkpoint holds it alone
             for name, module in modules.items():
-                state[f"roles.{role}.{name}"] = ModuleState(module)
+                state[f"roles.{role}.{name}"] = ModuleState(module, adapters_only=lora and name == "transformer")
             state[f"optimizers.{role}"] = OptimizerState(modules, optimizer)
             state[f"schedulers.{role}"] = SchedulerState(self.lr_schedulers[role], optimizer)
         state["method.rng"] = RNGState(self.rng)

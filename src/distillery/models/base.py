@@ -61,10 +61,27 @@ class ModelBase(ABC):
         self.device = torch.device("cpu")
         self.compute_dtype = torch.float32
         self.compute_copy: ComputeCopy | None = None
+        self.lora: Any = None  # the LoraConfig of the adapter that trains on the transformer (apply_lora); None: none
 
     @property
     def trainable(self) -> bool:
         return bool(getattr(self.config, "trainable", False))
+
+    @classmethod
+    def linear_layers(cls, config: Any) -> dict[str, tuple[int, int]] | None:
+        """``{path: (in, out)}`` of the Linear layers of the transformer ``config`` builds, read without loading
+        weights (what a LoRA may target, checked before any work: :func:`distillery.models.lora.check_lora`).
+        Default None: not known before the model is built (checked then)."""
+        del config
+        return None
+
+    def apply_lora(self, spec: Any) -> None:
+        """Put the adapter ``spec`` (a :class:`~distillery.config.schema.LoraConfig`) on ``self.transformer`` (before
+        placement): from now only its parameters train in the transformer (:func:`distillery.models.lora.inject_lora`)."""
+        from distillery.models.lora import inject_lora
+
+        inject_lora(self.transformer, spec, f"models.{self.role}.lora")
+        self.lora = spec
 
     def trainable_modules(self) -> dict[str, torch.nn.Module]:
         """The modules of this role that train, by name (``{"transformer": ...}``; a PDD model adds
@@ -76,18 +93,10 @@ class ModelBase(ABC):
         """Where this role's weights came from (checkpoint metadata of frozen roles): ``path`` (the
         folder they were loaded from: ``self.transformer_dir`` when the plugin sets it, else the
         config's ``init_from``) and ``sha256`` over its files (name + content, in name order)."""
-        import hashlib
         from pathlib import Path
 
-        from distillery.common.hashcache import file_sha256, flush_active
-
         folder = Path(getattr(self, "transformer_dir", None) or getattr(self.config, "init_from", ""))
-        digest = hashlib.sha256()
-        files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
-        for path in files:
-            digest.update(f"{path.relative_to(folder).as_posix()}\0{file_sha256(path)}\n".encode())
-        flush_active()
-        return {"path": str(folder), "sha256": digest.hexdigest() if files else None}
+        return {"path": str(folder), "sha256": folder_sha256(folder)}
 
     def bind_device(self, device: torch.device, compute_dtype: torch.dtype = torch.float32,
                     compute_copy: ComputeCopy | None = None) -> None:
@@ -319,3 +328,20 @@ class PDDModelBase(ModelBase):
     def fuse_into_projection(self, module: torch.nn.Module, start: int, end: int) -> None:
         """Write block ``[start, end)``'s fused projection into ``module`` (a plain transformer of this
         trunk, e.g. ``self.transformer``): its velocity becomes the block's mean velocity."""
+
+
+def folder_sha256(folder: Any) -> str | None:
+    """sha256 over a folder's files (relative name + content digest, in name order); None when it holds none (what
+    :meth:`ModelBase.source` records of a role's weights, and a LoRA export checks its base against)."""
+    import hashlib
+    from pathlib import Path
+
+    from distillery.common.hashcache import file_sha256, flush_active
+
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+    for path in files:
+        digest.update(f"{path.relative_to(folder).as_posix()}\0{file_sha256(path)}\n".encode())
+    flush_active()
+    return digest.hexdigest() if files else None

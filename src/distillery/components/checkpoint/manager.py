@@ -4,7 +4,7 @@ Layout of one checkpoint::
 
     checkpoint-<step>/
       dcp/                      # torch.distributed.checkpoint, tensors only (components.checkpoint.stateful):
-                                #   roles.<role>.<module>  trainable modules (sharded, reshardable)
+                                #   roles.<role>.<module>  trainable modules (sharded, reshardable; a LoRA role: the adapter only)
                                 #   optimizers.<role>      AdamW moments + step per parameter
                                 #   schedulers.<role>      LR schedule position and rates
                                 #   method.*               the method's stream and own state
@@ -16,7 +16,8 @@ Layout of one checkpoint::
       checksums.json            # size + sha256 of every file above, and the digest of metadata.json's
                                 # values (distillery.components.checkpoint.checksums)
       metadata.json             # step, world size, trainable roles, frozen roles' sources (path +
-                                # sha256, not saved), method, MLflow run, time + digest of checksums.json
+                                # sha256, not saved), LoRA roles' adapter spec + base ("lora", when any),
+                                # method, MLflow run, time + digest of checksums.json
 
 It is written into ``.tmp-checkpoint-<step>/`` and renamed when complete, so a crash mid-save
 never leaves a checkpoint that looks complete; ``metadata.json`` is written last.
@@ -301,6 +302,9 @@ class CheckpointManager:
                     f"{path}: checkpoint is from a different model for role {role}: {k}={saved.get(k)!r} there, {current.get(k)!r} here"
                 )
         check_frozen_roles(path, meta.get("frozen_roles", {}), payload.frozen_roles)
+        from distillery.models.lora import check_resume_lora
+
+        check_resume_lora(path, meta.get("lora") or {}, payload.metadata.get("lora") or {})
         keys = set(read_dcp_metadata(path / "dcp").state_dict_metadata)
         for key, state in payload.dcp_state.items():
             if isinstance(state, OptimizerState):

@@ -6,7 +6,7 @@ Each class turns one piece of training state into a dict of tensors for
 continues bit for bit), and sharded parameters and optimizer moments stay DTensors (DCP reshards
 them when the world size changes).
 
-- :class:`ModuleState` — one module's parameters and persistent buffers.
+- :class:`ModuleState` — one module's parameters and persistent buffers (or its LoRA adapter's only).
 - :class:`OptimizerState` — AdamW moments and step per parameter (by FQN within the role's modules);
   hyper-parameters are not stored: they come from the run config and the LR schedule. A parameter
   that never received a gradient has no state and gets none back (:meth:`OptimizerState.expect`).
@@ -32,17 +32,36 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 
-class ModuleState(Stateful):
-    """A module's (possibly FSDP2-sharded) parameters and persistent buffers, by FQN."""
+def is_adapter_key(fqn: str) -> bool:
+    """A LoRA adapter parameter's FQN (``...lora_A.<adapter>.weight`` / ``...lora_B.<adapter>.weight``, PEFT's names)."""
+    return ".lora_A." in fqn or ".lora_B." in fqn
 
-    def __init__(self, module: torch.nn.Module) -> None:
+
+class ModuleState(Stateful):
+    """A module's (possibly FSDP2-sharded) parameters and persistent buffers, by FQN.
+
+    ``adapters_only``: only its LoRA adapter parameters (:func:`is_adapter_key`; a role with ``models.<role>.lora``,
+    whose base weights are frozen and come from its ``init_from``): saved alone, and loaded strictly as that set."""
+
+    def __init__(self, module: torch.nn.Module, adapters_only: bool = False) -> None:
         self.module = module
+        self.adapters_only = adapters_only
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.module)
+        state = get_model_state_dict(self.module)
+        if self.adapters_only:
+            state = {k: v for k, v in state.items() if is_adapter_key(k)}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.module, state, options=StateDictOptions(strict=True))
+        if not self.adapters_only:
+            set_model_state_dict(self.module, state, options=StateDictOptions(strict=True))
+            return
+        wanted = {k for k in get_model_state_dict(self.module) if is_adapter_key(k)}
+        if set(state) != wanted:
+            odd = sorted(set(state) ^ wanted)
+            raise ValueError(f"the saved adapter does not fit this one ({len(odd)} parameters differ, e.g. {odd[0]})")
+        set_model_state_dict(self.module, state, options=StateDictOptions(strict=False))
 
 
 def _container(modules: dict[str, torch.nn.Module]) -> torch.nn.Module:

@@ -65,6 +65,18 @@ class WanModel(ModelBase):
         log.info("role %s: %s from %s (%.1f M params, shift %.2f)", role, TRANSFORMER_CLASS, transformer_dir,
                  sum(p.numel() for p in self.transformer.parameters()) / 1e6, shift)
 
+    @classmethod
+    def linear_layers(cls, config: WanModelConfig) -> dict[str, tuple[int, int]]:
+        """The Linear layers of ``config.init_from``'s transformer, built on the meta device from its ``config.json``."""
+        from diffusers import WanTransformer3DModel
+
+        from distillery.models.lora import linear_layers
+
+        transformer_dir, _ = locate_transformer(config.init_from)
+        with torch.device("meta"):
+            module = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(transformer_dir))
+        return linear_layers(module)
+
     def set_attention_backend(self, backend: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         """Route the transformer's attention to ``backend`` (:mod:`.attention`: ``auto`` resolves for ``device`` and
         ``dtype``, default the bound ones): SDPA through diffusers' dispatcher (native | cudnn | flash | efficient)
