@@ -1,7 +1,9 @@
 """Reading latent shards into memory and collating them into training batches.
 
 :class:`LatentDataset` loads every shard of one split at construction (columns decoded once,
-vectorised) and serves rows as tensor views. :func:`collate_latents` builds the model-boundary
+vectorised) and serves rows as tensor views; without latents (:func:`read_text_embeddings`) it reads
+the text-embedding columns of either data artifact: a latent set (``latents`` stage) or a prompt-only
+set (``prompts`` stage: the same columns, no latent ones; its manifest says ``kind: prompts``). :func:`collate_latents` builds the model-boundary
 batch (``[B, C, T, H, W]`` latents, text embeddings padded the way diffusers' ``WanPipeline`` pads
 its prompt embeddings). The empty-prompt embedding used as the CFG negative lives beside the
 splits in ``empty_prompt.safetensors``.
@@ -40,7 +42,9 @@ __all__ = [
     "MANIFEST_FILE",
     "LatentDataset",
     "collate_latents",
+    "data_kind",
     "read_empty_prompt_embedding",
+    "read_text_embeddings",
     "write_empty_prompt_embedding",
 ]
 
@@ -54,6 +58,8 @@ EMPTY_PROMPT_KEY = "text_embedding"
 #: The latent set's manifest (beside the split folders, written by ``distillery preprocess``):
 #: ``latent_shape`` (``[C, T, H, W]`` of every row), ``text_dim`` and per-split ``rows``.
 MANIFEST_FILE = "preprocess.json"
+#: The manifest's ``kind`` of a prompt-only set (``prompts`` stage); a latent set's manifest has none or ``latents``.
+PROMPTS_KIND = "prompts"
 
 _READ_COLUMNS = [
     "id",
@@ -75,7 +81,10 @@ class _Shard:
             schema = pq.read_schema(path)
         except (pa.ArrowException, OSError) as e:
             raise UserError(f"{path} is not a readable parquet file ({e}); rewrite it with the latents stage") from None
-        problems = schema_problems(schema)
+        problems = schema_problems(schema, with_latents)
+        if problems and with_latents and not schema_problems(schema, with_latents=False):
+            raise UserError(f"{path} holds prompt embeddings only (no video latents): a method that reads video latents "
+                            "cannot train on it; point training.data.path at a latent set (the latents stage's)")
         if problems:
             raise UserError(
                 f"{path} is not a latent shard: {'; '.join(problems)}. "
@@ -235,6 +244,22 @@ class LatentDataset:
         if shard.latents is not None:
             item["latents"] = shard.latents[j]
         return item
+
+
+def read_text_embeddings(root: Path, split: str = "train") -> LatentDataset:
+    """The prompts of ``root/<split>`` with their text embeddings, from either data artifact — a latent set
+    (``artifacts/latents/data``) or a prompt-only set (``artifacts/prompts/data``): ``dataset[i]`` holds
+    ``text_embedding`` ``[L, D]`` (unpadded), ``caption`` and ``id``, never a latent. The one reader of prompt
+    embeddings for anything that starts from text (prompt-only training, teacher trajectory generation); the
+    same checks as :class:`LatentDataset` (one-line :class:`UserError` naming the shard)."""
+    return LatentDataset(root, split, with_latents=False)
+
+
+def data_kind(root: Path) -> str:
+    """``"prompts"`` when the data set at ``root`` holds prompt embeddings only (its manifest's ``kind``), else
+    ``"latents"`` (a latent set, or a folder without a manifest: its shards say what they hold when read)."""
+    manifest = _read_json(Path(root) / MANIFEST_FILE, "data set manifest")
+    return PROMPTS_KIND if (manifest or {}).get("kind") == PROMPTS_KIND else "latents"
 
 
 def _check_column(path: Path, what: str, shapes: np.ndarray, expected: list[int], reference: str) -> None:

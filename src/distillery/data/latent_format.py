@@ -33,6 +33,8 @@ __all__ = [
     "ColumnError",
     "FORMAT_METADATA",
     "LATENT_NDIM",
+    "LATENT_COLUMNS",
+    "PROMPT_SCHEMA",
     "SCHEMA",
     "TEXT_NDIM",
     "TensorColumn",
@@ -79,6 +81,13 @@ SCHEMA: pa.Schema = pa.schema(
     ],
     metadata=FORMAT_METADATA,
 )
+
+#: The columns only a latent shard holds (a prompt shard, written by the ``prompts`` stage, has none of them).
+LATENT_COLUMNS = ("latent_bytes", "latent_shape", "latent_dtype", "num_frames", "height", "width", "fps")
+#: A prompt shard's schema: the latent shard's columns less :data:`LATENT_COLUMNS` — the same id, caption, text
+#: embedding and source columns, written the same way, so one reader serves both (``LatentDataset(with_latents=False)``).
+PROMPT_SCHEMA: pa.Schema = pa.schema([f for f in SCHEMA if f.name not in LATENT_COLUMNS],
+                                     metadata={b"distillery.format": b"prompts/v1"})
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -174,15 +183,19 @@ _COLUMN_CHECKS = {
 }
 
 
-def schema_problems(schema: pa.Schema) -> list[str]:
-    """What keeps ``schema`` from being a latent-shard schema; empty when it is one.
+def schema_problems(schema: pa.Schema, with_latents: bool = True) -> list[str]:
+    """What keeps ``schema`` from being a latent-shard schema (``with_latents=False``: a schema whose text
+    columns can be read, i.e. a latent or a prompt shard's); empty when it is one.
 
-    Extra columns are allowed; every column of :data:`SCHEMA` must be present with a compatible
+    Extra columns are allowed; every column of :data:`SCHEMA` (less :data:`LATENT_COLUMNS` without
+    latents) must be present with a compatible
     type (large/small variants of string, binary and list are accepted, any integer width for
     shapes and int columns, any float width for ``fps``).
     """
     problems = []
     for name, (ok, want) in _COLUMN_CHECKS.items():
+        if not with_latents and name in LATENT_COLUMNS:
+            continue
         idx = schema.get_field_index(name)
         if idx < 0:
             problems.append(f"missing column '{name}' ({want})")

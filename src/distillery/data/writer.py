@@ -1,6 +1,7 @@
-"""Writing latent shards: one :class:`LatentRecord` per row, zstd parquet, atomic per shard.
+"""Writing latent shards: one :class:`LatentRecord` per row, zstd parquet, atomic per shard (and prompt
+shards: one :class:`PromptRecord` per row, the same text-embedding columns without the latent ones).
 
-Called by the preprocessing (``latents``) stage. A shard is written to a hidden temp file in its
+Called by the preprocessing (``latents``) and ``prompts`` stages. A shard is written to a hidden temp file in its
 destination folder and renamed into place, so a shard path either holds a complete shard or does
 not exist; a resumed stage writes only the shards that are missing.
 """
@@ -19,9 +20,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from distillery.data.latent_format import LATENT_NDIM, SCHEMA, TEXT_NDIM, tensor_to_record_fields
+from distillery.data.latent_format import LATENT_NDIM, PROMPT_SCHEMA, SCHEMA, TEXT_NDIM, tensor_to_record_fields
 
-__all__ = ["LatentRecord", "shard_path", "write_latent_shards", "write_shard"]
+__all__ = ["LatentRecord", "PromptRecord", "shard_path", "write_latent_shards", "write_prompt_shard", "write_shard"]
 
 logger = logging.getLogger("distillery.data")
 
@@ -57,6 +58,22 @@ class LatentRecord:
             )
 
 
+@dataclass
+class PromptRecord:
+    """One encoded prompt of a prompt-only set, as stored in one parquet row (:data:`PROMPT_SCHEMA`)."""
+
+    id: str  # unique sample id
+    caption: str  # the prompt the text embedding was computed from
+    text_embedding: torch.Tensor  # [L, D] unpadded text-encoder output
+    source: str  # where the prompt came from (file and line)
+
+    def __post_init__(self) -> None:
+        if self.text_embedding.ndim != TEXT_NDIM:
+            raise ValueError(
+                f"record {self.id!r}: text_embedding must be [L, D], got shape {list(self.text_embedding.shape)}"
+            )
+
+
 def shard_path(out_dir: Path, split: str, index: int) -> Path:
     """Path of shard ``index`` of ``split``: ``out_dir/<split>/shard-<index:05d>.parquet``."""
     return Path(out_dir) / split / f"shard-{index:05d}.parquet"
@@ -83,6 +100,41 @@ def _records_to_table(records: list[LatentRecord]) -> pa.Table:
     return pa.Table.from_pydict(columns, schema=SCHEMA)
 
 
+def _prompts_to_table(records: list[PromptRecord]) -> pa.Table:
+    txt = [tensor_to_record_fields(r.text_embedding) for r in records]
+    columns = {
+        "id": [r.id for r in records],
+        "caption": [r.caption for r in records],
+        "text_embedding_bytes": [b for b, _, _ in txt],
+        "text_embedding_shape": [s for _, s, _ in txt],
+        "text_embedding_dtype": [d for _, _, d in txt],
+        "source": [r.source for r in records],
+    }
+    return pa.Table.from_pydict(columns, schema=PROMPT_SCHEMA)
+
+
+def _write_table(table: pa.Table, path: Path, rows: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        pq.write_table(table, tmp, compression="zstd",
+                       use_dictionary=[c for c in _DICTIONARY_COLUMNS if c in table.column_names])
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    logger.debug("wrote %d rows to %s", rows, path)
+    return path
+
+
+def write_prompt_shard(records: Iterable[PromptRecord], path: Path) -> Path:
+    """Write ``records`` as one zstd parquet prompt shard at ``path``, atomically (as :func:`write_shard`)."""
+    path = Path(path)
+    rows = list(records)
+    if not rows:
+        raise ValueError(f"no records to write to {path}")
+    return _write_table(_prompts_to_table(rows), path, len(rows))
+
+
 def write_shard(records: Iterable[LatentRecord], path: Path) -> Path:
     """Write ``records`` as one zstd parquet shard at ``path``, atomically; returns ``path``.
 
@@ -95,16 +147,7 @@ def write_shard(records: Iterable[LatentRecord], path: Path) -> Path:
     rows = list(records)
     if not rows:
         raise ValueError(f"no records to write to {path}")
-    table = _records_to_table(rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        pq.write_table(table, tmp, compression="zstd", use_dictionary=_DICTIONARY_COLUMNS)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    logger.debug("wrote %d rows to %s", len(rows), path)
-    return path
+    return _write_table(_records_to_table(rows), path, len(rows))
 
 
 def _batched(it: Iterable[LatentRecord], n: int) -> Iterator[list[LatentRecord]]:

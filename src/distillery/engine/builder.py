@@ -93,6 +93,9 @@ def check_roles_early(config: RunConfig) -> dict[str, OptimizerConfig]:
 
 def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
     """Models → method → placement (FSDP2 sharding / compute copies) → optimizers → callbacks."""
+    from distillery.engine.batches import check_data_kind
+
+    check_data_kind(config)  # a method that reads video latents on a prompt-only set: one line before any model loads
     optimizers = check_roles_early(config)
     models = build_models(config)
     method = build_method(config, models, env.rank, optimizers)

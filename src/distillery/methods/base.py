@@ -12,7 +12,11 @@ and refreshes (compute copies) and averages (EMA) only the roles ``roles_to_step
 Class-level declarations (checked from the config, before any weights load): ``required_roles``,
 ``optional_roles``, ``trainable_roles`` / ``frozen_roles``, ``role_kinds`` (role → the model base
 class it must be, e.g. ``{"student": CausalModelBase}``) and ``data_kind`` (``latents``: collated
-latent batches; ``prompts``: prompt embeddings only, for rollouts that never read a video latent).
+latent batches; ``prompts``: prompt embeddings only, for rollouts that never read a video latent). A method
+whose need depends on its config says so in :meth:`TrainingMethod.reads_latents` (DMD2, Self-Forcing and PDD
+read video latents only with ``rollout: data_latent``); an instance's ``data_kind`` is what its config needs.
+Without latents a batch carries ``latent_shape`` (``[C, T, H, W]`` of the samples a rollout generates) and
+:meth:`~distillery.models.base.ModelBase.prepare_batch` draws the noise of that shape.
 
 Checkpoints (:meth:`checkpoint_state`) are the method's: trainable roles' modules under
 ``roles.<role>.<module>``, ``optimizers.<role>``, ``schedulers.<role>``, the random stream under
@@ -78,6 +82,7 @@ class TrainingMethod(ABC):
         ``roles_checked``: the roles were checked from the config already (a run built by
         :func:`distillery.engine.builder.build_run`); otherwise they are checked here."""
         self.config = config
+        self.data_kind = "latents" if self.reads_latents(config) else "prompts"  # what this config needs (module doc)
         self.training = training
         self.rank = rank
         if not roles_checked:
@@ -89,6 +94,13 @@ class TrainingMethod(ABC):
                                   for role, model in role_models.items() if model.trainable}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.lr_schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler] = {}
+
+    @classmethod
+    def reads_latents(cls, config: Any) -> bool:
+        """Whether the method, with ``config``, reads video latents (False: prompt embeddings and the batch's
+        ``latent_shape`` only, so it trains on a prompt-only set too). Default: ``data_kind == "latents"``."""
+        del config
+        return cls.data_kind == "latents"
 
     @classmethod
     def check_roles(cls, role_models: dict[str, Any]) -> None:

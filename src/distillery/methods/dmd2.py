@@ -72,8 +72,8 @@ then ε_τ; the critic's t then ε. ``check_rank_agreement`` (debug, off by defa
 per step, before any forward) raises when ranks drew different exit steps or hold different generator
 states (without it, a mismatch under FSDP2 would hang in a collective rather than fail).
 
-The batch is collated latents (``data_kind = "latents"``) in both rollouts; ``simulate`` reads only
-their shape and the prompt embeddings.
+``simulate`` reads only the prompt embeddings and the batch's latent shape (``data_kind`` prompts: it trains on a
+prompt-only set, and on a latent set without reading its latent columns); ``data_latent`` reads the video latents.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ import torch.nn.functional as F
 from distillery.common.errors import UserError
 from distillery.config.typed import bounded
 from distillery.methods.base import StepOutput, TrainingMethod, require_empty_prompt
-from distillery.models.base import ModelBase, TrainingBatch
+from distillery.models.base import ModelBase, TrainingBatch, batch_latent_shape
 from distillery.models.schedule import FlowMatchSchedule, euler_step, renoise, x0_from_velocity
 
 
@@ -232,6 +232,11 @@ class DMD2Method(ScoreTimesteps, TrainingMethod):
     frozen_roles = ("teacher",)
     data_kind = "latents"
 
+    @classmethod
+    def reads_latents(cls, config: DMD2Config) -> bool:
+        """Only ``data_latent`` starts from the data's latents; ``simulate`` starts from noise of the batch's shape."""
+        return config.rollout == "data_latent"
+
     def __init__(self, config: DMD2Config, role_models: dict[str, ModelBase], training: Any, rank: int = 0, **kwargs: Any) -> None:
         super().__init__(config, role_models, training, rank, **kwargs)
         self.teacher = role_models["teacher"]
@@ -286,7 +291,7 @@ class DMD2Method(ScoreTimesteps, TrainingMethod):
         student, ladder = self.student, self.ladder
         n = student.schedule.num_train_timesteps
         device = student.device
-        b = batch["latents"].shape[0]
+        b = batch_latent_shape(batch)[0]
 
         def full(t: float) -> torch.Tensor:
             return torch.full((b,), t, dtype=torch.float32, device=device)

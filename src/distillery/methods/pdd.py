@@ -79,7 +79,7 @@ from distillery.common.errors import UserError
 from distillery.common.log import get_logger
 from distillery.config.typed import bounded
 from distillery.methods.base import StepOutput, TrainingMethod, require_empty_prompt
-from distillery.models.base import Conditioning, HeadGroup, ModelBase, PDDModelBase
+from distillery.models.base import Conditioning, HeadGroup, ModelBase, PDDModelBase, batch_latent_shape
 from distillery.sampling.base import cfg_enabled, guided_velocity
 from distillery.sampling.pdd import PDDFusedSampler
 
@@ -173,6 +173,12 @@ class PDDMethod(TrainingMethod):
     role_kinds = {"student": PDDModelBase}
     data_kind = "latents"
 
+    @classmethod
+    def reads_latents(cls, config: PDDConfig) -> bool:
+        """Only ``data_latent`` noises the data's latents; ``simulate`` carries trajectories from noise of the batch's
+        shape (it trains on a prompt-only set)."""
+        return config.rollout == "data_latent"
+
     def __init__(self, config: PDDConfig, role_models: dict[str, ModelBase], training: Any, rank: int = 0, **kwargs: Any) -> None:
         super().__init__(config, role_models, training, rank, **kwargs)
         self.teacher = role_models["teacher"]
@@ -251,7 +257,7 @@ class PDDMethod(TrainingMethod):
         this call (module doc, step 1; the carried slot's restarting rows refilled)."""
         student = self.student
         sigmas = student.fine_sigmas(student.device)
-        b = batch["latents"].shape[0]
+        b = batch_latent_shape(batch)[0]
         first = self.rng.rank * b
         if self.config.rollout == "data_latent":
             starts = [self.rung_nodes[int(u * self.num_rungs)] for u in self.global_uniforms(b)]

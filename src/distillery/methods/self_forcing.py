@@ -30,8 +30,8 @@ rank runs the same forwards — FSDP2 all-gathers in each); ``same_step_across_c
 all chunks. Draw order per optimizer step: exit steps; the initial noise (``prepare_batch``); per
 chunk the ``sde`` re-noise draws, then the context-noise draw; then DMD2's τ, ε_τ, t, ε.
 
-The batch is collated latents; only their shape and prompt embeddings are read (``simulate`` only:
-``rollout: data_latent`` is refused).
+Only the prompt embeddings and the batch's latent shape are read (``simulate`` only: ``rollout: data_latent``
+is refused), so it trains on a prompt-only set (``data_kind`` prompts) as on a latent set.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 
 from distillery.common.errors import UserError
 from distillery.methods.dmd2 import DMD2Config, DMD2Method
-from distillery.models.base import CausalModelBase, ModelBase, TrainingBatch, chunk_bounds
+from distillery.models.base import CausalModelBase, ModelBase, TrainingBatch, batch_latent_shape, chunk_bounds
 from distillery.models.schedule import renoise, x0_from_velocity
 
 ROLLOUT_CACHE = "rollout"  # the student's KV cache tag during a rollout
@@ -97,7 +97,7 @@ class SelfForcingMethod(DMD2Method):
     # -- draws ------------------------------------------------------------------------------
     def draw_exit_step(self, batch: dict[str, Any]) -> list[int]:
         """One ladder index per chunk of the batch's video (shared by the batch and every rank)."""
-        chunks = len(chunk_bounds(int(batch["latents"].shape[2]), int(self.causal.chunk_size)))
+        chunks = len(chunk_bounds(int(batch_latent_shape(batch)[2]), int(self.causal.chunk_size)))
         k = len(self.ladder)
         if self.config.last_step_only:
             return [k - 1] * chunks
@@ -125,7 +125,8 @@ class SelfForcingMethod(DMD2Method):
         student, ladder, cfg = self.causal, self.ladder, self.config
         n = student.schedule.num_train_timesteps
         device = student.device
-        b, frames = int(batch["latents"].shape[0]), int(batch["latents"].shape[2])
+        shape = batch_latent_shape(batch)
+        b, frames = int(shape[0]), int(shape[2])
         bounds = chunk_bounds(frames, int(student.chunk_size))
         if len(exit_step) != len(bounds):
             raise ValueError(f"{len(exit_step)} exit steps for {len(bounds)} chunks")

@@ -33,13 +33,25 @@ class Conditioning:
 class TrainingBatch:
     """Forward-ready tensors for one micro-batch (all on the model's device)."""
 
-    latents: torch.Tensor  # clean x0 [B, C, T, H, W]
+    latents: torch.Tensor | None  # clean x0 [B, C, T, H, W]; None for a batch of prompts only (rollouts from noise)
     text_embeds: torch.Tensor  # [B, L, D] zero-padded prompt embeddings
     negative_text_embeds: torch.Tensor | None = None  # [B, L, D] empty-prompt embeddings (CFG)
     noise: torch.Tensor | None = None  # ε [B, C, T, H, W]
     timesteps: torch.Tensor | None = None  # [B] or [B, T] in [0, 1000]
     sigmas: torch.Tensor | None = None  # same shape as timesteps, σ = t / 1000
     noisy_latents: torch.Tensor | None = None  # x_t [B, C, T, H, W]
+
+
+def batch_latent_shape(raw: dict[str, Any]) -> tuple[int, ...]:
+    """``(B, C, T, H, W)`` of a collated batch: its ``latents``' shape, or — a batch of prompts only — ``B`` prompts
+    of its ``latent_shape`` ``[C, T, H, W]`` (:class:`~distillery.engine.batches.TrainBatches` adds it)."""
+    latents = raw.get("latents")
+    if latents is not None:
+        return tuple(int(s) for s in latents.shape)
+    shape = raw.get("latent_shape")
+    if shape is None:
+        raise ValueError("a batch without latents needs latent_shape [C, T, H, W] (training.data.latent_shape)")
+    return (int(raw["text_embeds"].shape[0]), *(int(s) for s in shape))
 
 
 class ModelBase(ABC):
@@ -160,11 +172,15 @@ class ModelBase(ABC):
         forward casts to the compute dtype) and draw noise (and timesteps unless given). Page-locked
         host tensors are copied without waiting for work already queued on the GPU.
 
-        ``raw`` holds ``latents`` [B,C,T,H,W], ``text_embeds`` [B,L,D] and optionally
-        ``negative_text_embeds`` [B,L,D] or ``empty_text_embeds`` [L,D]. All randomness comes from
-        ``rng`` (per-sample draws, independent of the rank split).
+        ``raw`` holds ``latents`` [B,C,T,H,W] — or, a batch of prompts only, ``latent_shape`` [C,T,H,W]: the
+        noise is drawn in that shape (the same draws as for latents of it) and ``latents``/``noisy_latents`` are
+        None —, ``text_embeds`` [B,L,D] and optionally ``negative_text_embeds`` [B,L,D] or ``empty_text_embeds``
+        [L,D]. All randomness comes from ``rng`` (per-sample draws, independent of the rank split).
         """
-        latents = raw["latents"].to(self.device, non_blocking=True).float()  # copy as stored, cast on the device
+        latents = raw.get("latents")
+        if latents is not None:
+            latents = latents.to(self.device, non_blocking=True).float()  # copy as stored, cast on the device
+        shape = batch_latent_shape(raw)
         text = raw["text_embeds"].to(self.device, non_blocking=True).float()
         negative = raw.get("negative_text_embeds")
         if negative is not None:
@@ -172,13 +188,13 @@ class ModelBase(ABC):
         elif raw.get("empty_text_embeds") is not None:  # one [L, D] copy, broadcast over the batch on the device
             negative = raw["empty_text_embeds"].to(self.device, non_blocking=True).float().unsqueeze(0).expand_as(text)
         if timesteps is None:
-            timesteps = self.sample_timesteps(latents.shape[0], rng)
+            timesteps = self.sample_timesteps(shape[0], rng)
         timesteps = timesteps.to(self.device)
-        noise = rng.randn(latents.shape).to(self.device)
+        noise = rng.randn(shape).to(self.device)
         batch = TrainingBatch(latents=latents, text_embeds=text, negative_text_embeds=negative, noise=noise)
         batch.timesteps = timesteps
         batch.sigmas = self.schedule.sigma(timesteps)
-        batch.noisy_latents = self.add_noise(latents, noise, timesteps)
+        batch.noisy_latents = self.add_noise(latents, noise, timesteps) if latents is not None else None
         return batch
 
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
