@@ -23,7 +23,11 @@ What is cached is what depends on the candidate alone — per video its latents,
 time it took. Everything measured against the reference (paired distance, Fréchet distance and its
 bootstrap, the noise floor) and every summary is computed again from those each run, so a reused
 candidate's metrics are bitwise what sampling it again on the same machine gives, its latency the
-one measured when it was sampled.
+one measured when it was sampled. The CLIP scores (``validate.clip_model``,
+:mod:`distillery.evaluation.clip_scores`) are not cached and not part of a key: they are read from the
+frames (cached or fresh) every run, so changing the CLIP folder rescores every candidate from its
+cached frames — never a stale score, and no candidate sampled again for it (:data:`SCORE_KEYS` are the
+analyzer's readings only).
 
 Layout (``root``, the stage's ``runs/validate/cache/``: not a DVC out, so ``dvc repro`` never
 deletes it; ``rm -rf`` it to sample everything again)::

@@ -15,7 +15,10 @@ and the notes a reader needs to decode it:
 - which prompts were used and where they came from (report.json ``prompt_source``: the latent set's
   validation split, its train split where the data has no ``validation/`` folder, or ``validate.prompts``),
   and — where the prompts are not the synthetic clips' captions (report.json ``adherence``) — that
-  adherence is n/a (its cells read ``n/a``, not a 0.00 that cannot apply).
+  adherence is n/a (its cells read ``n/a``, not a 0.00 that cannot apply);
+- with ``validate.clip_model`` (report.json ``clip``), a second table: per candidate the CLIP text–video
+  similarity, CLIP frame consistency and motion (:mod:`distillery.evaluation.clip_scores`), each with its 95%
+  bootstrap interval, the CLIP folder they were read with, and how they compare with VBench's.
 
 :func:`adherence_readings` is the per-reading spread over candidates (report.json ``adherence_readings``).
 """
@@ -46,6 +49,29 @@ def _forwards_cell(f: Mapping[str, int]) -> str:
         return "—"
     writes = f" + {f['cache_writes']} cache writes" if f["cache_writes"] else ""
     return f"{f['chunks']} chunks × {f['per_chunk']}{writes}"
+
+
+def _interval(metrics: Mapping[str, float], name: str, key: str, scale: float, digits: int) -> str:
+    m = lambda k: scale * float(metrics[f"{name}/{k}"])  # noqa: E731
+    return f"{m(key):.{digits}f} [{m(key + '_lo'):.{digits}f}, {m(key + '_hi'):.{digits}f}]"
+
+
+def _clip_table(metrics: Mapping[str, float], names: Sequence[str], clip: Mapping[str, Any]) -> list[str]:
+    """The CLIP scores' section of summary.md (module doc)."""
+    lines = ["", f"## Comparable scores (CLIP model `{clip['folder']}`)", "",
+             "| candidate | CLIP text–video | CLIP frame consistency | motion ×10⁻³ |", "|---|--:|--:|--:|"]
+    for n in names:
+        lines.append(f"| {n} | {_interval(metrics, n, 'clip_text', 1.0, 4)} | {_interval(metrics, n, 'clip_consistency', 1.0, 4)} "
+                     f"| {_interval(metrics, n, 'motion', 1e3, 2)} |")
+    lines += ["", "- Each cell: the mean over the candidate's videos [its 95% bootstrap interval]. CLIP text–video: the "
+              "mean over frames of the cosine between the prompt's and the frame's CLIP embeddings (higher: the video "
+              "shows the prompt more); CLIP frame consistency: the mean cosine of consecutive frames' embeddings (1: "
+              "nothing changes; VBench's subject-consistency idea); motion: the mean absolute change of a pixel's RGB "
+              "value between consecutive frames, in [0, 1] units (×10⁻³ here; 0: a still video).",
+              "- Not VBench's numbers (VBench reads its own prompt suite with ViCLIP, DINO and RAFT optical flow): the "
+              "same ideas, comparable between candidates and runs scored with this CLIP folder, and with papers that "
+              "report CLIP similarity with the same CLIP model. High consistency with low motion can be a still video."]
+    return lines
 
 
 def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) -> str:
@@ -85,9 +111,10 @@ def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) ->
                      "whole video, so compare it on latency as well as NFE.")
     lines.append("- NFE = transformer forwards per video (CFG doubles them); candidates that spend them differently "
                  "compare fairly on the latency column, measured on this machine.")
+    clip = report.get("clip")
     if not applies:
-        lines.append(f"- **Adherence is n/a here**: {report['adherence']['why']}. Compare the candidates on Fréchet, "
-                     "KID, paired distance and sharpness.")
+        lines.append(f"- **Adherence is n/a here**: {report['adherence']['why']}. Compare the candidates on "
+                     + ("CLIP text similarity (below), " if clip else "") + "Fréchet, KID, paired distance and sharpness.")
     readings = adherence_readings(metrics, names) if applies else {}
     flat = [r for r in ("colour", "shape", "direction") if r in readings and not readings[r]["discriminates"]]
     moving = [r for r in ("colour", "shape", "direction") if r in readings and readings[r]["discriminates"]]
@@ -123,6 +150,8 @@ def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) ->
             return f"{'reused, sampled' if m.get('reused') else 'sampled'} {m.get('at')} ({under})"
         lines.append("- Latency measured: " + "; ".join(f"{n} {when(m)}" for n, m in measured.items() if isinstance(m, dict))
                      + ". Compare latencies measured under similar loads (`rm -rf runs/validate/cache` re-times all).")
+    if clip:
+        lines += _clip_table(metrics, names, clip)
     if report.get("prompt_source"):
         lines += ["", f"## Prompts ({len(report['prompts'])}, from {report['prompt_source']})", ""]
         lines += [f"- #{i} {p}" for i, p in enumerate(report["prompts"])]

@@ -73,6 +73,15 @@ log and report.json ``cache`` say which were reused). Per candidate it reports (
 - with the floors, for every other candidate ``kid_resolved`` / ``frechet_resolved`` — 1 when its
   difference from the reference is resolved at this size (``kid_lo`` > max(kid_floor, 0); Fréchet:
   ``frechet_distance − 1.96·frechet_distance_std`` > ``frechet_floor``), else 0 (within sampling noise);
+- with ``cfg.clip_model`` (a CLIP folder in transformers' layout; None: none of these, nothing else
+  changes), ``clip_text`` (CLIP text–video similarity), ``clip_consistency`` (CLIP frame-to-frame
+  consistency) and ``motion`` (mean absolute frame difference, RGB in [0, 1]) — each the mean over the
+  candidate's P·S videos with ``<score>_lo`` / ``<score>_hi``, its 95% bootstrap interval
+  (``cfg.bootstrap_resamples`` resamples of the videos, ``default_rng(cfg.seed)``): contracts in
+  :mod:`distillery.evaluation.clip_scores`. They are read from each video's frames every run, a reused
+  candidate's from its cached frames (the sample cache keeps no CLIP score, so another ``clip_model``
+  rescores every candidate without sampling any again); per video in ``per_video``, the grid's row
+  labels add ``CLIP <clip_text>``, ``plots/adherence.csv`` and :func:`headline_metrics` add them;
 
 Output folder (written to a temporary sibling, then renamed into place)::
 
@@ -115,7 +124,8 @@ Output folder (written to a temporary sibling, then renamed into place)::
                                           candidates[].forwards (per_video, chunks, per_chunk, cache_writes);
                                           adherence_readings (per reading: min, max over candidates and
                                           whether it discriminates); cache (per candidate: its key, reused or
-                                          why it was sampled; null without a cache)
+                                          why it was sampled; null without a cache); clip (the CLIP folder,
+                                          its sizes and preprocessing, the interval's settings; null without)
 """
 
 from __future__ import annotations
@@ -141,6 +151,7 @@ from distillery.common.errors import UserError
 from distillery.common.fsutil import replace_dir
 from distillery.common.videogrid import VideoGrid, write_gif
 from distillery.config.validation import SEED_STRIDE, ValidationSampling
+from distillery.evaluation.clip_scores import CLIP_METRICS, CLIP_SCORES, check_clip_folder
 from distillery.evaluation.kid import KID_METRICS, kid, kid_summary
 from distillery.evaluation.kid import resolved as interval_resolved
 
@@ -158,6 +169,8 @@ METRIC_NAMES = (*(k for m in SEEDED_METRICS for k in (m, f"{m}_std")), "latency_
                 "frechet_distance", "frechet_distance_std", *KID_METRICS)  # every candidate's keys in metrics.json (+ floors, resolved flags)
 ADHERENCE_METRICS = ("colour", "shape", "direction", "all")  # the analyzer's readings: n/a off the clips' grammar
 HEADLINE_METRICS = ("all", "frechet_distance", "kid")  # what DVC shows per headline candidate (headline_metrics); the rest: report/
+CLIP_HEADLINE = ("clip_text", "clip_text_lo", "clip_text_hi", "clip_consistency", "clip_consistency_lo",
+                 "clip_consistency_hi", "motion", "motion_lo", "motion_hi")  # DVC's too, with validate.clip_model
 REFERENCE_ZERO = ("frechet_distance", "kid", "distance_to_teacher")  # the reference's own: 0 by construction, never a headline
 # x264 preset of the sample and grid mp4s: lossless (crf 0) at any preset, so the decoded frames are the same; ultrafast
 # encodes an 81×480×832 video ~10× faster than medium (1.5 s vs 16 s on one thread) for ~15 % more bytes
@@ -192,6 +205,7 @@ class ValidationConfig(ValidationSampling):
     vae_chunk_frames: int | None = None  # latent frames per VAE decoder call after the first; null: sized to the GPU, 1 on CPU
     compile: bool | None = None  # compile each transformer block of the candidates (regional); null: on for bf16 on CUDA
     progress_bar: bool = True  # progress over the videos: a bar on a terminal, else a log line per 10 % or minute
+    clip_model: str | None = None  # a CLIP folder in transformers' layout: CLIP text/consistency and motion scores; None: off
     sample_batch: int = 1  # videos sampled and decoded in one batch (consecutive in sampling order); > 1: a GPU at small
     # shapes runs many videos in the time of one, each video's latency is then the batch's wall time / its size, and the
     # samples equal batch 1's up to floating-point rounding (the noise is each video's own generator either way)
@@ -221,6 +235,10 @@ class ValidationConfig(ValidationSampling):
             raise UserError(f"validate.sample_batch must be >= 1, got {self.sample_batch}")
         if self.prompts is not None and not self.prompts:
             raise UserError("validate.prompts is empty; give at least one prompt or null for the validation captions")
+        if self.clip_model is not None and not str(self.clip_model).strip():
+            self.clip_model = None  # empty: off, as unset
+        if self.clip_model is not None:  # one line before anything loads or samples
+            self.clip_model = str(check_clip_folder(self.clip_model))
 
 
 def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -606,8 +624,8 @@ def adherence_applicability(prompts: list[str]) -> dict[str, Any]:
 def _write_tables(stage: Path, metrics: dict[str, float], rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
     (stage / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (stage / "plots").mkdir()
-    with (stage / "plots" / "adherence.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(CSV_COLUMNS))
+    with (stage / "plots" / "adherence.csv").open("w", newline="") as fh:  # + the CLIP scores' columns when scored
+        writer = csv.DictWriter(fh, fieldnames=[*CSV_COLUMNS, *(k for k in CLIP_METRICS if rows and k in rows[0])])
         writer.writeheader()
         writer.writerows(rows)
     (stage / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -675,15 +693,17 @@ def latency_summary(seconds: list[float], warmup: int = WARMUP_VIDEOS) -> dict[s
 def headline_metrics(metrics: dict[str, float], candidates: list[str] | None = None,
                      reference: str | None = None) -> dict[str, float]:
     """The few numbers a user compares between runs (what ``dvc metrics show`` and ``dvc exp show`` get)
-    out of :func:`run_validation`'s flat metrics: :data:`HEADLINE_METRICS` of each of ``candidates``
-    (None: every candidate), in the metrics' order, without the ``reference``'s own
+    out of :func:`run_validation`'s flat metrics: :data:`HEADLINE_METRICS` (and, scored with
+    ``clip_model``, :data:`CLIP_HEADLINE`: the CLIP scores and motion with their intervals) of each of
+    ``candidates`` (None: every candidate), in the metrics' order, without the ``reference``'s own
     :data:`REFERENCE_ZERO` scores (0 by construction). Every metric stays in ``report/metrics.json``,
     the spreads, NFE and latency in ``report/summary.md`` beside them."""
     picked = None if candidates is None else set(candidates)
     out = {}
     for key, value in metrics.items():
         name, _, metric = key.rpartition("/")
-        if metric in HEADLINE_METRICS and (picked is None or name in picked) and not (name == reference and metric in REFERENCE_ZERO):
+        shown = metric in HEADLINE_METRICS or metric in CLIP_HEADLINE
+        if shown and (picked is None or name in picked) and not (name == reference and metric in REFERENCE_ZERO):
             out[key] = value
     return out
 
@@ -773,6 +793,12 @@ def run_validation(
                  adherence["prompts_in_grammar"], len(prompts))
     started = time.perf_counter()
     ctx = _Context(base_dir, prompts, cfg, prompt_embeddings if cfg.prompts is None else None)
+    clip = None
+    if cfg.clip_model is not None:  # scores from the frames each run (cached or sampled): never stale (module doc)
+        from distillery.evaluation.clip_scores import ClipScorer
+
+        clip = ClipScorer(cfg.clip_model, ctx.device)
+        log.info("validate: CLIP text similarity, frame consistency and motion scored with %s", cfg.clip_model)
     order = [ref] + [c for c in candidates if c is not ref]  # the reference first: others compare against it
     row_of = {c.name: i for i, c in enumerate(candidates)}
     seed_grid = [[generator_seed(cfg, i, j) for j in range(cfg.num_seeds)] for i in range(len(prompts))]
@@ -916,6 +942,12 @@ def run_validation(
             latency[cand.name] = latency_summary([v.latency_s for v in videos])  # in sampling order
             latency[cand.name]["measured"] = item["measured"]  # when, and beside what load (reused: when it was sampled)
             values["latency_s"], values["latency_s_iqr"] = latency[cand.name]["median_s"], latency[cand.name]["iqr_s"]
+            clip_rows = None
+            if clip is not None:  # the CLIP scores of every video, from its frames; means + bootstrap intervals
+                from distillery.evaluation.clip_scores import summarise
+
+                clip_rows = [clip.score(frames[sample_key(v.prompt, v.seed_index)], prompts[v.prompt]) for v in videos]
+                values.update(summarise(clip_rows, cfg.bootstrap_resamples, cfg.seed))
             if not adherence["applicable"]:  # readings of captions the analyzer cannot read: not scores (module doc)
                 values = {k: v for k, v in values.items() if k.removesuffix("_std") not in ADHERENCE_METRICS}
             names = [*(k for k in METRIC_NAMES if k in values), *(k for k in values if k not in METRIC_NAMES)]  # an added score comes last
@@ -930,10 +962,11 @@ def run_validation(
                 m["kid_resolved"] = float(interval_resolved(m["kid_lo"], floors["kid_floor"]))
                 m["frechet_resolved"] = float(interval_resolved(m["frechet_distance"] - 1.96 * m["frechet_distance_std"], floors["frechet_floor"]))
             rows.append({"candidate": cand.name, "sampler": cand.sampler, "nfe": values["nfe"], "adherence": m.get("all"),
-                         "adherence_std": m.get("all_std"), **{k: m.get(k) for k in CSV_COLUMNS[5:]}})  # n/a: empty cells
+                         "adherence_std": m.get("all_std"), **{k: m.get(k) for k in CSV_COLUMNS[5:]},  # n/a: empty cells
+                         **{k: m[k] for k in CLIP_METRICS if k in m}})
             kept = [k for k in SEEDED_METRICS if adherence["applicable"] or k not in ADHERENCE_METRICS]
-            per_video[cand.name] = [{k: x for k, x in video.row().items() if k in kept or k not in ADHERENCE_METRICS}
-                                    for video in videos]
+            per_video[cand.name] = [{**{k: x for k, x in video.row().items() if k in kept or k not in ADHERENCE_METRICS},
+                                     **(clip_rows[n] if clip_rows is not None else {})} for n, video in enumerate(videos)]
             per_seed[cand.name] = [{"seed_index": j, **{k: x for k, x in zip(SEEDED_METRICS, map(float, row)) if k in kept}}
                                    for j, row in enumerate(seed_means)]
             per_prompt[cand.name] = [{"prompt": prompt, **{k: x for k, x in zip(SEEDED_METRICS, map(float, row)) if k in kept}}
@@ -947,6 +980,10 @@ def run_validation(
                      m["distance_to_teacher"], m["distance_to_teacher_std"], m["sharpness"],
                      m["sharpness_std"], m["frechet_distance"], m["frechet_distance_std"],
                      f" (noise floor {m['frechet_floor']:.3f})" if "frechet_floor" in m else "")
+            if clip_rows is not None:
+                log.info("validate %s: CLIP text %.4f [%.4f, %.4f], CLIP consistency %.4f [%.4f, %.4f], "
+                         "motion %.5f [%.5f, %.5f] (95%% bootstrap intervals)", cand.name,
+                         *(m[f"{k}{e}"] for k in CLIP_SCORES for e in ("", "_lo", "_hi")))
 
         # one candidate of overlap: candidate k's CPU half finishes on the scoring threads while candidate k + 1
         # loads and samples on the device (two candidates' frames in memory at most, besides the reference's)
@@ -963,7 +1000,9 @@ def run_validation(
             cache.prune({entry["key"] for entry in cache_log.values()})
         flat = {f"{c.name}/{k}": v for c in candidates for k, v in metrics[c.name].items()}  # input order
         rows.sort(key=lambda r: row_of[r["candidate"]])
-        labelled, origin = grid.labelled([f"{c.name} · {int(metrics[c.name]['nfe'])} NFE" for c in candidates],
+        labelled, origin = grid.labelled([f"{c.name} · {int(metrics[c.name]['nfe'])} NFE"
+                                          + (f" · CLIP {metrics[c.name]['clip_text']:.3f}" if clip is not None else "")
+                                          for c in candidates],
                                          [f"#{i}" for i in range(len(prompts))], [f"#{i}  {p}" for i, p in enumerate(prompts)])
         _write_grid(labelled, stage, cfg)
         assert scaler is not None
@@ -998,6 +1037,9 @@ def run_validation(
             if adherence["applicable"] else None,
             "seconds": round(time.perf_counter() - started, 2),
             "timeline": timeline,
+            "clip": None if clip is None else {**clip.describe(), "scores": list(CLIP_SCORES),
+                                               "interval": "95% bootstrap of the mean over the candidate's videos",
+                                               "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.seed},
         }
         _write_tables(stage, flat, rows, report)
         (stage / "summary.md").write_text(summary_markdown(flat, report))

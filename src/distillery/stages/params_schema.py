@@ -259,6 +259,7 @@ class ValidateParams:
     vae_precision: Literal["auto", "fp32", "bf16"] = rule("fp32")  # the VAE decode's dtype; auto: bf16 on a GPU, fp32 on CPU
     vae_chunk_frames: int | None = rule(None, 1, MAX_LATENT_FRAMES)  # VAE decoder call's latent frames after the first; null: sized to the GPU, 1 on CPU
     compile: bool | None = rule(None)  # compile each transformer block of the candidates; null: on for bf16 on a GPU
+    clip_model: str | None = rule(None, check=optional_path)  # a CLIP folder (transformers' layout): CLIP text/consistency + motion scores; null: off
 
 
 @dataclass

@@ -11,7 +11,8 @@ batch no machine here can hold is one line, not a training run that dies after `
 reset; :func:`check_batch` does the same for a global batch larger than the latent set.
 :func:`check_paths` checks every folder and file ``params.yaml`` names (``base.path``, ``latents.data``) the way
 the stage that reads it will, when the file is validated: by every stage up to that one (a ``base.path`` that is
-not a model folder stops ``clips`` before it works, not ``base`` after ``clips`` ran) and by ``distillery params check``.
+not a model folder stops ``clips`` before it works, not ``base`` after ``clips`` ran; a ``validate.clip_model`` that is
+not a CLIP folder stops the first stage, not ``validate`` after training) and by ``distillery params check``.
 """
 
 from __future__ import annotations
@@ -305,8 +306,19 @@ def _check_latents_data(params: Params) -> None:
                             f'(lines of {{"path": "videos/x.mp4", "caption": "..."}}) or {CAPTION_FILES[1]}')
 
 
+def _check_clip_model(params: Params) -> None:
+    """``validate.clip_model`` (when set): a CLIP folder the validate stage loads
+    (:func:`distillery.evaluation.clip_scores.check_clip_folder`, its own check: reads only config.json)."""
+    folder = params.get("validate.clip_model")
+    if folder:
+        from distillery.evaluation.clip_scores import check_clip_folder  # only when set: the default's stages never import it
+
+        check_clip_folder(folder, "params.yaml: validate.clip_model")
+
+
 # params.yaml keys naming a path -> (the first stage that reads it, its check)
-PATH_PARAMS = {"base.path": ("base", _check_base_path), "latents.data": ("latents", _check_latents_data)}
+PATH_PARAMS = {"base.path": ("base", _check_base_path), "latents.data": ("latents", _check_latents_data),
+               "validate.clip_model": ("validate", _check_clip_model)}
 
 
 def check_paths(params: Params, stage: str | None = None, order: tuple[str, ...] = ()) -> None:

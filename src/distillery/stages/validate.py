@@ -110,12 +110,16 @@ def headline_candidates(candidates: list["Candidate"], table: "Mapping[str, Trai
     return [next(n for n in names if n.rpartition("_")[0] == row) for row in rows if any(n.rpartition("_")[0] == row for n in names)]
 
 
-def validation_inputs(table: "Mapping[str, TrainingStageSpec] | None" = None) -> list[tuple[str, Path]]:
+def validation_inputs(table: "Mapping[str, TrainingStageSpec] | None" = None,
+                      clip_model: str | None = None) -> list[tuple[str, Path]]:
     """The validate artifact's lineage inputs: each validated stage's artifact under its row's
-    ``lineage`` name (table order), then the base and the latents."""
+    ``lineage`` name (table order), then the base and the latents, and ``validate.clip_model``'s folder
+    when given (an external input: pinned file by file, so the lineage names the CLIP weights the scores
+    were read with)."""
     rows = (TRAINING_STAGES if table is None else table).items()
     return ([(spec.validation.lineage, ARTIFACTS / name) for name, spec in rows if spec.validation is not None]
-            + [("base", ARTIFACTS / "base"), ("data", ARTIFACTS / "latents")])
+            + [("base", ARTIFACTS / "base"), ("data", ARTIFACTS / "latents")]
+            + ([("clip_model", Path(clip_model))] if clip_model else []))
 
 
 def stage_validate(params: StageParams) -> None:
@@ -124,7 +128,8 @@ def stage_validate(params: StageParams) -> None:
     the teacher's guidance, the distilled student as its sampling contract says (its ladder, no CFG:
     the guidance is distilled in) and the PDD student at each NFE of ``validate.pdd_nfe``) scored on
     the validation prompts — adherence, distribution and paired distance, sharpness, NFE, latency,
-    each with its spread over seeds. A candidate whose weights, sampling contract, prompts, seeds,
+    each with its spread over seeds, and with ``validate.clip_model`` (a CLIP folder) CLIP text–video
+    similarity, CLIP frame consistency and motion, each with its 95% bootstrap interval. A candidate whose weights, sampling contract, prompts, seeds,
     sizes, device and code did not change since it was last sampled is reused from
     :data:`SAMPLE_CACHE` (the log says which). ``metrics.json`` (and DVC's ``metrics/validate.json``) holds the
     headline numbers (:func:`distillery.evaluation.validate.headline_metrics` of :func:`headline_candidates`:
@@ -141,6 +146,7 @@ def stage_validate(params: StageParams) -> None:
                            teacher_steps=list(v.teacher_steps), guidance_scale=v.guidance_scale,
                            seed=params.get("seed"), num_seeds=v.num_seeds,  # progress: a line per 10 % or minute
                            vae_precision=v.vae_precision, vae_chunk_frames=v.vae_chunk_frames, compile=v.compile,
+                           clip_model=v.clip_model,  # checked here (one line) before anything loads or samples
                            device=stage_device(v.device, params.get("gpus.nproc_per_node"), "validate.device"))
     log.info("validate: on %s", cfg.device)
     # students are sampled as their artifacts' sampling.json says (the sampler registry, no kinds here)
@@ -155,4 +161,5 @@ def stage_validate(params: StageParams) -> None:
     finish("validate", staging, kind="validation", params=params,
            metrics=headline_metrics(metrics, headline_candidates(candidates), candidates[0].name),
            mlflow_files=[(path, folder) for path, folder in shown if path.is_file()],
-           plots={"validate_adherence.csv": Path("report/plots/adherence.csv")}, inputs=validation_inputs())
+           plots={"validate_adherence.csv": Path("report/plots/adherence.csv")},
+           inputs=validation_inputs(clip_model=cfg.clip_model))
