@@ -141,6 +141,20 @@ def rule(default: Any, low: float | None = None, high: float | None = None, chec
     return bounded(default, low, high, check=check)
 
 
+def trajectory_points(v: list[float]) -> str | None:
+    """``pretrain.t_list`` (the same rule as :func:`distillery.methods.kd.t_list_problem`, which the stage layer
+    does not import): at least 2 points, strictly descending, in [0, 1000], the last 0."""
+    if len(v) < 2:
+        return "must list at least 2 timesteps (the trajectory points, then 0)"
+    if any(not math.isfinite(t) or t < 0 or t > MAX_TIMESTEP for t in v):
+        return f"every timestep must be in [0, {MAX_TIMESTEP:g}]"
+    if any(b >= a for a, b in zip(v, v[1:])):
+        return "must be strictly descending (999, 937, 833, 624, 0)"
+    if v[-1] != 0:
+        return "must end at 0 (the trajectory's clean end point, the regression target)"
+    return None
+
+
 # -- the sections -------------------------------------------------------------------------------
 @dataclass
 class GpusParams:
@@ -203,6 +217,13 @@ class TeacherParams(TrainingStageParams):
 class PretrainParams(TrainingStageParams):
     chunk_size: int = rule(1, 1, MAX_LATENT_FRAMES)  # latent frames that share one timestep (Diffusion-Forcing)
     student_init: Literal["teacher", "base"] = rule("teacher")  # the causal student's init: the teacher artifact, or the base (a given, larger teacher)
+    method: Literal["dfsft", "ode_init"] = rule("dfsft")  # dfsft: Diffusion-Forcing SFT on the latents; ode_init: KD onto the teacher's ODE trajectories
+    t_list: list[float] = rule([999.0, 937.0, 833.0, 624.0, 0.0], 0, MAX_TIMESTEP, check=trajectory_points)  # ode_init: the trajectory points
+    teacher_steps: int = rule(8, 1, MAX_SAMPLING_STEPS)  # ode_init: the teacher's Euler steps (t_list's points added to its grid)
+    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite)  # ode_init: the teacher's CFG, u + w (c - u)
+    seeds_per_prompt: int = rule(1, 1, MAX_SEEDS)  # ode_init: trajectories (noise draws) per prompt
+    trajectory_batch_size: int = rule(8, 1, MAX_BATCH)  # ode_init: prompts per teacher batch while generating
+    trajectory_rows_per_shard: int = rule(32, 1, MAX_ROWS_PER_SHARD)  # ode_init: trajectories per shard (the unit of resume)
 
 
 def score_ratio(v: float) -> str | None:

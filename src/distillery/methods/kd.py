@@ -1,0 +1,150 @@
+"""Knowledge distillation (ODE-init): the student regresses each point of the teacher's ODE trajectory onto its end.
+
+The data is a trajectory set (:mod:`distillery.data.trajectories`): a latent set whose every row holds
+the K + 1 points of one teacher ODE trajectory (the teacher's many-step Euler with CFG, from pure noise)
+stacked along the channel axis, point-major: ``latents [(K + 1)·C, T, H, W]`` = ``x_{t_0}, …,
+x_{t_{K−1}}, x_0`` for ``t_list = [t_0 > t_1 > … > t_{K−1} > t_K = 0]`` — the states at the first K
+timesteps, then the trajectory's clean end point.
+
+Per micro-batch (``B`` samples, ``T`` latent frames), one draw ``k ∈ [0, K)`` of a trajectory point:
+
+- **causal student** (a :class:`~distillery.models.base.CausalModelBase`, ``chunk_size`` set and equal
+  to the student's): one ``k`` per sample and chunk of ``chunk_size`` latent frames (the last chunk may be
+  shorter); frame ``f`` of the input is frame ``f`` of the state at ``t_{k(chunk of f)}``, its timestep
+  ``t_{k(chunk of f)}`` (per-frame timesteps ``[B, T]``), attended block-causally in one forward — the
+  noise-level patterns of causal generation, as FastVideo's ``KDCausalMethod`` (per-sample, per-block
+  draws) and CausVid's ODE regression;
+- **bidirectional student** (``chunk_size`` null): one ``k`` per sample, timestep ``t_k`` ``[B]``. FastVideo's
+  ``KDMethod`` draws one ``k`` for the whole batch; one per sample here, on purpose (the same expectation,
+  lower variance per step).
+
+The student's ``x̂0 = x_t − σ v(x_t, t)`` (σ = t / num_train_timesteps, the conditional prompt: no CFG —
+the guidance is in the trajectories) and the loss ``½ · mean_{B,C,T,H,W} (x̂0 − x_0)²`` in float32 — the ½
+as FastVideo's KD (``0.5 * mse_loss``): its gradient is ``(x̂0 − x_0) / numel``.
+
+Draws come from ``self.rng`` (:class:`~distillery.components.rng.BatchRNG`): ``randint(0, K, (B,
+chunks))``, one per sample (or per sample and chunk), independent of the number of ranks.
+
+The artifact's sampling contract is DFSFT's (many-step Euler; a causal student's under the block-causal
+mask, ``chunk_size`` in it), so validate scores it as it scores the DFSFT student; its few-step use is as
+the init of ``distill`` (Self-Forcing or DMD2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from distillery.common.errors import UserError
+from distillery.methods.base import StepOutput, TrainingMethod
+from distillery.models.base import CausalModelBase, Conditioning
+
+DEFAULT_T_LIST = (999.0, 937.0, 833.0, 624.0, 0.0)  # the Self-Forcing paper's ODE-init points (48 teacher steps, shift 5)
+MAX_T = 1000.0  # the timestep scale (num_train_timesteps) of every Wan model
+
+
+def t_list_problem(values: list[float], scale: float = MAX_T) -> str | None:
+    """What is wrong with a ``t_list`` (None: nothing): at least 2 points, strictly descending, in
+    ``[0, scale]``, the last 0 (the trajectory's clean end point)."""
+    if len(values) < 2:
+        return "must list at least 2 timesteps (the trajectory points, then 0)"
+    if any(not math.isfinite(v) or v < 0 or v > scale for v in values):
+        return f"every timestep must be in [0, {scale:g}]"
+    if any(b >= a for a, b in zip(values, values[1:])):
+        return "must be strictly descending (999, 937, 833, 624, 0)"
+    if values[-1] != 0:
+        return "must end at 0 (the trajectory's clean end point, the regression target)"
+    return None
+
+
+@dataclass
+class KDConfig:
+    t_list: list[float] = field(default_factory=lambda: list(DEFAULT_T_LIST))  # trajectory points, descending, ending at 0
+    chunk_size: int | None = None  # a causal student's chunk (frames sharing one point); null: a bidirectional student
+
+    def __post_init__(self) -> None:
+        self.t_list = [float(t) for t in self.t_list]
+        problem = t_list_problem(self.t_list)
+        if problem:
+            raise ValueError(f"t_list {self.t_list}: {problem}")
+        if self.chunk_size is not None:
+            if int(self.chunk_size) < 1:
+                raise ValueError(f"chunk_size must be >= 1 or null, got {self.chunk_size}")
+            self.chunk_size = int(self.chunk_size)
+
+
+def kd_loss(pred_x0: torch.Tensor, target_x0: torch.Tensor) -> torch.Tensor:
+    """``½ · mean (x̂0 − x_0)²`` over every element, in float32 (module doc)."""
+    return 0.5 * torch.mean((pred_x0.float() - target_x0.float()) ** 2)
+
+
+def split_points(latents: torch.Tensor, num_points: int) -> torch.Tensor:
+    """A trajectory batch ``[B, (K + 1)·C, T, H, W]`` as ``[B, K + 1, C, T, H, W]`` (a view; point-major)."""
+    b, channels = int(latents.shape[0]), int(latents.shape[1])
+    if channels % num_points:
+        raise UserError(f"training.data: rows of {channels} channels are not {num_points} stacked trajectory points "
+                        f"(method.t_list has {num_points}); point it at a trajectory set made with this t_list")
+    return latents.reshape(b, num_points, channels // num_points, *latents.shape[2:])
+
+
+class KDMethod(TrainingMethod):
+    """Regression of the teacher's ODE trajectories onto their end points (module doc)."""
+
+    config_class = KDConfig
+
+    def __init__(self, config: KDConfig, role_models: dict, training: Any, rank: int = 0, **kwargs: Any) -> None:
+        super().__init__(config, role_models, training, rank, **kwargs)
+        causal = isinstance(self.student, CausalModelBase)
+        n = self.student.schedule.num_train_timesteps
+        if max(config.t_list) > n:
+            raise UserError(f"config error: method.t_list: {config.t_list} exceeds the student's {n} train timesteps")
+        if causal and config.chunk_size is None:
+            raise UserError("config error: method.chunk_size: the student is causal; set it to the student's chunk_size "
+                            f"({self.student.chunk_size})")
+        if causal and int(self.student.chunk_size) != config.chunk_size:
+            raise UserError(f"config error: method.chunk_size {config.chunk_size} differs from models.student.chunk_size "
+                            f"{self.student.chunk_size}: the frames of a chunk share one trajectory point; make them equal")
+        if not causal and config.chunk_size is not None:
+            raise UserError("config error: method.chunk_size: the student is bidirectional (one trajectory point per "
+                            "sample); set it to null, or make the student a causal model")
+        self.points = len(config.t_list)  # K + 1
+
+    def sampling_contract(self) -> dict[str, Any]:
+        """DFSFT's: many-step Euler; a causal student's adds its ``chunk_size`` (module doc)."""
+        contract = super().sampling_contract()
+        if isinstance(self.student, CausalModelBase):
+            contract["chunk_size"] = int(self.student.chunk_size)
+        return contract
+
+    def draw_points(self, batch_size: int, num_frames: int) -> torch.Tensor:
+        """Point indices ``[B, T]`` in ``[0, K)``: one draw per sample and chunk (causal), or per sample
+        (bidirectional), repeated over the frames it covers."""
+        k = self.points - 1
+        chunk = self.config.chunk_size or num_frames
+        draws = self.rng.randint(0, k, (batch_size, math.ceil(num_frames / chunk)))
+        return draws.repeat_interleave(chunk, dim=1)[:, :num_frames]
+
+    def inputs(self, trajectory: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The student's input ``x_t [B, C, T, H, W]`` and timesteps (``[B, T]`` causal, ``[B]``
+        bidirectional) for the point indices ``index [B, T]`` of ``trajectory [B, K + 1, C, T, H, W]``."""
+        b, _, c, t, h, w = trajectory.shape
+        gather = index[:, None, None, :, None, None].expand(b, 1, c, t, h, w)
+        x_t = torch.gather(trajectory, 1, gather).squeeze(1)
+        steps = torch.tensor(self.config.t_list, dtype=torch.float32, device=index.device)[index]
+        return x_t, (steps if self.config.chunk_size is not None else steps[:, 0])
+
+    def single_train_step(self, batch: dict[str, Any], step: int) -> StepOutput:
+        device = self.student.device
+        trajectory = split_points(batch["latents"], self.points).to(device, non_blocking=True).float()
+        b, t = int(trajectory.shape[0]), int(trajectory.shape[3])
+        index = self.draw_points(b, t).to(device)
+        x_t, timesteps = self.inputs(trajectory, index)
+        target = trajectory[:, -1]
+        cond = Conditioning(batch["text_embeds"].to(device, non_blocking=True).float())  # conditional only: no CFG here
+        pred = self.student.predict_x0(x_t, timesteps, cond, conditional=True)
+        loss = kd_loss(pred, target)
+        return StepOutput(losses={"total_loss": loss, "kd_loss": loss.detach()},
+                          metrics={"kd_point": index.float().mean().detach(), "mean_timestep": timesteps.float().mean().detach()})
