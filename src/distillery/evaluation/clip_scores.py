@@ -39,7 +39,8 @@ A candidate's score is the mean of its P·S videos' scores with a 95% bootstrap 
 
 These are not VBench's numbers: VBench samples its own prompt suite, reads text–video alignment with
 ViCLIP (*overall consistency*), subject consistency with DINO and motion with RAFT optical flow
-(*dynamic degree*). They are the same ideas, with the model the user points at, on validate's prompts
+(*dynamic degree*), and turns the mean absolute frame difference into ``(255 − MAE) / 255`` on static
+scenes (*temporal flickering*). They are the same ideas, with the model the user points at, on validate's prompts
 and seeds — comparable between runs and candidates scored with the same CLIP folder, and with papers
 that report CLIP text similarity with the same CLIP model.
 """
