@@ -87,7 +87,8 @@ def check_clip_folder(path: str | Path, where: str = "validate.clip_model") -> P
     if kind != "clip":
         raise UserError(f"{where}: {folder} is not a CLIPModel folder (config.json model_type {kind!r}, expected 'clip'); {hint}")
     if not any(folder.glob("*.safetensors")):
-        raise UserError(f"{where}: {folder} has no .safetensors weights (pickled .bin weights are not loaded); {hint}")
+        raise UserError(f"{where}: {folder} has no .safetensors weights (pickled .bin weights are not loaded: a pickle can run "
+                        "code); save a copy with CLIPModel.from_pretrained(...).save_pretrained(folder), docs/pipeline.md")
     if not any(all((folder / f).is_file() for f in files) for files in TOKENIZER_FILES):
         raise UserError(f"{where}: {folder} has no tokenizer (tokenizer.json, or vocab.json + merges.txt); {hint}")
     return folder
