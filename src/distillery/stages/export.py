@@ -1,5 +1,6 @@
 """The ``export`` stage: a complete diffusers folder of the chosen student (``export.student``) with its
-sampling contract, its own pipeline module and model card, published as ``artifacts/export/``."""
+sampling contract, its own pipeline module and model card, published as ``artifacts/export/`` — or, for a student
+that trained a LoRA and ``export.lora: adapter``, its adapter file and a card naming the base it needs."""
 
 from __future__ import annotations
 
@@ -40,12 +41,20 @@ def stage_export(params: StageParams) -> None:
     if not (ARTIFACTS / student / "model" / "transformer").is_dir():
         raise UserError(f"stage export: {ARTIFACTS / student / 'model' / 'transformer'} not found: export.student is {student!r}, "
                         f"and its stage has not produced a model here; run it first (dvc repro runs it)")
+    adapter = params.get("export.lora") == "adapter"
+    if adapter:  # the student trained a LoRA: its adapter file alone (a one-line error before any work when it did not)
+        from distillery.export.lora_card import adapter_folder
+
+        adapter_folder(student, ARTIFACTS / student / "model")
     report = ARTIFACTS / "validate" / "report"
     missing = [f.name for f in (report / "metrics.json", report / "report.json") if not f.is_file()]
     if missing:  # the card's scores and snippets come from validate's report: a killed or never-run validate left none
         raise UserError(f"stage export: {report} has no {' or '.join(missing)}: the validate stage has not finished here; "
                         f"run it first (dvc repro runs it)")
     staging = fresh_staging("export")
+    if adapter:
+        export_adapter(student, staging, params)
+        return
     model = staging  # the artifact *is* the diffusers folder, lineage.json inside
     code, stock_nfe = assemble_export(base, ARTIFACTS / student / "model", model)
     metrics = export_metrics(student, model, ARTIFACTS / "validate", stock_nfe)
@@ -57,6 +66,22 @@ def stage_export(params: StageParams) -> None:
                                                        read_max_sequence_length(base), stock_nfe), encoding="utf-8")
     finish("export", staging, kind="export", params=params, metrics=metrics, verify_chain=True,
            config={CODE_RECORD_KEY: code},
+           inputs=[("student", ARTIFACTS / student), ("base", ARTIFACTS / "base"), ("validation", ARTIFACTS / "validate")])
+
+
+def export_adapter(student: str, staging: Path, params: StageParams) -> None:
+    """``export.lora: adapter``: the folder is the student's LoRA adapter, its ``base.json``, ``sampling.json`` and a
+    card naming the base it needs (:mod:`distillery.export.lora_card`), lineage inside."""
+    import json
+
+    from distillery.export.lora_card import adapter_model_card, assemble_adapter_export
+
+    info = assemble_adapter_export(ARTIFACTS / student / "model", staging)
+    contract = json.loads((staging / "sampling.json").read_text())
+    (staging / "README.md").write_text(adapter_model_card(student, info, contract, model_folder=str(ARTIFACTS / "base" / "model")),
+                                       encoding="utf-8")
+    metrics = {"is_teacher": 1 if student == "teacher" else 0, "lora_rank": int(info["rank"])}
+    finish("export", staging, kind="export", params=params, metrics=metrics, verify_chain=True,
            inputs=[("student", ARTIFACTS / student), ("base", ARTIFACTS / "base"), ("validation", ARTIFACTS / "validate")])
 
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from distillery.common.errors import UserError
 from distillery.config.limits import path_problem, show
-from distillery.config.schema import MAX_LEARNING_RATE, MAX_SEED  # the run config's: params feed them
+from distillery.config.schema import MAX_LEARNING_RATE, MAX_LORA_RANK, MAX_SEED  # the run config's: params feed them
 from distillery.config.typed import Check, FieldError, bounded, from_mapping
 from distillery.config.validation import MAX_PROMPTS
 
@@ -205,6 +205,8 @@ class TrainingStageParams:
     save_every: int = rule(40, 0, MAX_STEPS)  # steps between checkpoints (0: only the final one)
     activation_checkpointing: bool = rule(False)  # recompute block activations in backward (real-shape causal/distill runs need it on one GPU)
     activation_checkpointing_fraction: float = rule(1.0, 0.0, 1.0)  # the share of blocks recomputed (evenly spread; 1: all)
+    lora_rank: int = rule(0, 0, MAX_LORA_RANK)  # 0: the model's full weights train; > 0: a LoRA adapter of this rank on it (docs/training.md)
+    lora_alpha: float | None = rule(None, 0.0, 65536.0, optional(positive_finite))  # the LoRA update's scale is alpha / rank; null: alpha = rank
 
 
 @dataclass
@@ -286,6 +288,7 @@ class ValidateParams:
 @dataclass
 class ExportParams:
     student: Literal["teacher", "pretrain", "distill", "pdd"] = rule("distill")  # which training stage's model is exported
+    lora: Literal["merged", "adapter"] = rule("merged")  # a student that trained a LoRA (<stage>.lora_rank > 0): merged weights, or the adapter file alone
 
 
 @dataclass
