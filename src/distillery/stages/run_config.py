@@ -50,12 +50,14 @@ def latent_manifest(folder: Path | None = None) -> dict[str, Any]:
     return manifest
 
 
-def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id: str) -> list[tuple[str, Any]]:
-    """The ``(dotted key, value)`` pairs that turn the template into the stage's run config (module doc)."""
-    latents = latent_manifest()
+def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id: str,
+                    data: Path | None = None) -> list[tuple[str, Any]]:
+    """The ``(dotted key, value)`` pairs that turn the template into the stage's run config (module doc);
+    ``data``: the set the stage trains on when it is not the latent set (its trajectories)."""
+    latents = latent_manifest(data)
     pairs: list[tuple[str, Any]] = [(f"models.{role}.init_from", str(ARTIFACTS / stage / "model"))
                                     for role, stage in spec.inputs.items()]
-    pairs += [("training.data.path", str(data_dir())),
+    pairs += [("training.data.path", str(data if data is not None else data_dir())),
               ("training.data.text_max_length", latents["settings"]["max_sequence_length"])]
     pairs += spec.config_overrides(params)
     pairs += spec.lora_overrides(params)  # <stage>.lora_rank > 0: the exported role trains a LoRA adapter
@@ -68,9 +70,11 @@ def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id:
     return pairs
 
 
-def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id: str) -> dict[str, Any]:
+def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id: str,
+                    data: Path | None = None) -> dict[str, Any]:
     """The stage's run config as a raw mapping: template + :func:`stage_overrides`, each value set as
-    the Python value it is (an override naming a key the schema lacks is a UserError)."""
+    the Python value it is (an override naming a key the schema lacks is a UserError); ``data``: the set it
+    trains on when not the latent set."""
     from distillery.config import allowed_prefixes
     from distillery.config.loader import read_yaml, set_override
 
@@ -84,7 +88,7 @@ def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id:
         if EMA_CALLBACK in callbacks:  # a template's own EMA would be silently replaced
             raise ValueError(f"{spec.template}: callbacks.{EMA_CALLBACK} is the stage's (params.yaml {spec.name}.ema_decay)")
         raw["callbacks"] = {**callbacks, EMA_CALLBACK: ema}
-    for key, value in stage_overrides(spec, params, parent_run_id):
+    for key, value in stage_overrides(spec, params, parent_run_id, data):
         set_override(raw, key, value, prefixes)
     return raw
 
