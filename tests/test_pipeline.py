@@ -79,7 +79,7 @@ def _run_prefect_flow(repo: Path, home: Path) -> dict[str, object]:
 
 def test_whole_dag_runs_and_a_noop_repro_is_fast(repo, tmp_path):
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    stages = {"clips", "base", "latents", "teacher", "pretrain", "distill", "pdd", "validate", "export"}
+    stages = {"clips", "base", "latents", "prompts", "teacher", "pretrain", "distill", "pdd", "validate", "export"}
     assert set(lock["stages"]) == stages  # the Prefect flow ran every stage through DVC
     weights = repo / "artifacts" / "export" / "transformer" / "diffusion_pytorch_model.safetensors"
     assert weights.stat().st_nlink >= 2  # the workspace's file and DVC's cache object are one file (hardlink cache)

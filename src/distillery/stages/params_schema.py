@@ -192,6 +192,22 @@ class LatentsParams:
     negative_prompt: str | None = rule(None, check=optional(prompt_text))  # distill's and pdd's teacher CFG unconditional; null: the empty prompt
 
 
+MAX_PROMPTS_FILE_BYTES = 4 << 30  # distillery.data.prompts.MAX_FILE_BYTES
+MAX_PROMPT_LINE_CHARS = 100_000  # distillery.data.prompts.MAX_PROMPT_CHARS
+
+
+@dataclass
+class PromptsParams:
+    path: str = rule("src/distillery/assets/prompts/tiny.txt", check=usable_path)  # the prompts file: one a line, or .jsonl ({"prompt": ...} a line)
+    rows_per_shard: int = rule(256, 1, MAX_ROWS_PER_SHARD)  # prompts per parquet shard (a changed prompt re-encodes its shard)
+    num_frames: int | None = rule(None, 5, MAX_FRAMES, optional(four_k_plus_one))  # frames the rollouts stand for; null: latents.num_frames, else clips'
+    height: int | None = rule(None, 16, MAX_PIXELS, optional(frame_size))  # pixels; null: latents.height, else clips.size
+    width: int | None = rule(None, 16, MAX_PIXELS, optional(frame_size))  # pixels; null: latents.width, else clips.size
+    device: str = rule("auto", check=device_name)  # the text encoder: auto (the GPU when gpus.nproc_per_node >= 1 and CUDA is there), cpu, cuda[:N]
+    max_file_bytes: int = rule(1 << 30, 1, MAX_PROMPTS_FILE_BYTES)  # a larger prompts file is refused before it is read
+    max_prompt_chars: int = rule(10_000, 1, MAX_PROMPT_LINE_CHARS)  # a longer prompt is refused, naming its line
+
+
 @dataclass
 class TrainingStageParams:
     steps: int = rule(120, 1, MAX_STEPS)  # optimizer steps of the stage's run
@@ -248,6 +264,7 @@ class DistillParams(TrainingStageParams):
     critic_init: Literal["teacher", "base"] = rule("teacher")  # the critic's init: the teacher artifact, or the base (the student's; the published recipes')
     same_step_across_chunks: bool = rule(False)  # self_forcing: one exit-step draw for every chunk of a rollout (false: one per chunk)
     student_shift: float | None = rule(None, 0, MAX_SHIFT, optional(positive_finite))  # the student's flow shift (warps its ladder); null: its init's
+    data: Literal["latents", "prompts"] = rule("latents")  # what it trains on: the latents stage's set, or the prompts stage's (text embeddings only)
 
 
 @dataclass
@@ -268,6 +285,7 @@ class PDDParams(TrainingStageParams):
     method: Literal["pdd", "dm_pdd"] = rule("pdd")  # pdd: head regression; dm_pdd: + DMD2's distribution matching against a critic
     dm_weight: float = rule(1.0, 0, MAX_GUIDANCE, non_negative_finite)  # dm_pdd: weight of the distribution-matching term
     critic_learning_rate: float = rule(2.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # dm_pdd: the critic's (fake score's) peak learning rate
+    data: Literal["latents", "prompts"] = rule("latents")  # the latents stage's set, or the prompts stage's (rollout: simulate only)
 
 
 @dataclass
@@ -300,6 +318,7 @@ class ParamsSchema:
     clips: ClipsParams = field(default_factory=ClipsParams)
     base: BaseParams = field(default_factory=BaseParams)
     latents: LatentsParams = field(default_factory=LatentsParams)
+    prompts: PromptsParams = field(default_factory=PromptsParams)
     teacher: TeacherParams = field(default_factory=TeacherParams)
     pretrain: PretrainParams = field(default_factory=PretrainParams)
     distill: DistillParams = field(default_factory=DistillParams)
@@ -360,6 +379,9 @@ def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
     _check_together(params, source)
     _check_pdd_blocks(params, source)
     _check_ema(params, source)
+    if params.pdd.data == "prompts" and params.pdd.rollout == "data_latent":
+        raise UserError(f"{source}: pdd.data: prompts: pdd.rollout data_latent noises video latents, which a prompt-only "
+                        f"set has none of; use pdd.rollout: simulate, or pdd.data: latents")
     if params.teacher.path is not None and params.teacher.source != "base":
         raise UserError(f"{source}: teacher.path: {params.teacher.path}: a given teacher needs teacher.source: base "
                         f"(teacher.source: sft fine-tunes base.path)")

@@ -240,6 +240,31 @@ def training_rows(params: Params, artifacts: Path, encoded: bool = True) -> tupl
     return lines, f"the {lines} captions of {data}"
 
 
+def prompt_rows(params: Params, artifacts: Path, encoded: bool = True) -> tuple[int, str] | None:
+    """How many prompts a stage with ``<stage>.data: prompts`` trains on: with ``encoded``, the prompt set's manifest
+    when ``artifacts/prompts`` exists; else the non-blank lines of ``prompts.path`` (a regular file, never opened
+    blocking). None when it cannot be told here (the prompts stage names the problem)."""
+    if encoded:
+        try:
+            manifest = read_json_file(artifacts / "prompts" / "data" / "preprocess.json", 64 << 20)
+            return int(manifest["splits"]["train"]["rows"]), "artifacts/prompts"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    path = params.get("prompts.path")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                lines = sum(1 for line in fh if line.strip())
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    return lines, f"the {lines} prompts of {path}"
+
+
 def check_batch(stage: str, params: Params, artifacts: Path, stages: tuple[str, ...] | None = None,
                 label: str | None = None) -> None:
     """Refuse, before any work, a training stage whose global batch is larger than its training samples
@@ -250,9 +275,15 @@ def check_batch(stage: str, params: Params, artifacts: Path, stages: tuple[str, 
     names = [n for n in (stages if stages is not None else (stage,)) if n in TRAINING_STAGES]
     if not names:
         return
-    found = training_rows(params, artifacts, encoded=stage in TRAINING_STAGES)  # before them: the data to be encoded
-    if found is None:
-        return
+    encoded = stage in TRAINING_STAGES  # before them: the data to be encoded
+    kinds = {n: params.get(TRAINING_STAGES[n].data_key) if TRAINING_STAGES[n].data_key else DATA_ARTIFACT for n in names}
+    for kind in dict.fromkeys(kinds.values()):  # the latent set's stages, then the prompt set's (<stage>.data: prompts)
+        found = prompt_rows(params, artifacts, encoded) if kind == "prompts" else training_rows(params, artifacts, encoded)
+        if found is not None:
+            _check_batch_rows([n for n in names if kinds[n] == kind], found, stage, params, label)
+
+
+def _check_batch_rows(names: list[str], found: tuple[int, str], stage: str, params: Params, label: str | None) -> None:
     rows, source = found
     ranks, nodes = params.get("gpus.nproc_per_node"), params.get("gpus.nnodes")
     over = [(n, params.get(f"{n}.batch_size")) for n in names if params.get(f"{n}.batch_size") * ranks * nodes > rows]

@@ -5,8 +5,10 @@ through the config loader (:func:`distillery.config.loader.set_override`: every 
 schema; the values are checked when the config is built), in this order:
 
 1. inputs: ``models.<role>.init_from = artifacts/<stage>/model`` per row ``inputs``;
-2. the data: ``training.data.path = artifacts/latents/data`` and ``training.data.text_max_length``
-   from the latents' ``preprocess.json`` (the text encoder's sequence length);
+2. the data: ``training.data.path = artifacts/<data>/data`` (the latents stage's set, or — ``distill.data:
+   prompts`` — the prompts stage's) and ``training.data.text_max_length`` from its ``preprocess.json`` (the text
+   encoder's sequence length); a prompt-only set also gives ``training.data.latent_shape`` (the ``[C, T, H, W]`` its
+   stage derived from the frames, size and the base's VAE: what the rollouts generate);
 3. the row's ``params``: ``<config key> = params.yaml[<params key>]``, and
    ``training.distributed.replicate_size = gpus.replicate_size`` when > 1 (HSDP; every role's mesh);
 4. the EMA: with ``<stage>.ema_decay`` set, a ``callbacks.ema`` entry (:meth:`TrainingStageSpec.ema_callback`:
@@ -33,8 +35,8 @@ from distillery.stages.params import StageParams
 from distillery.stages.training_table import DATA_ARTIFACT, EMA_CALLBACK, TrainingStageSpec
 
 
-def data_dir() -> Path:
-    return ARTIFACTS / DATA_ARTIFACT / "data"
+def data_dir(artifact: str = DATA_ARTIFACT) -> Path:
+    return ARTIFACTS / artifact / "data"
 
 
 def latent_manifest(folder: Path | None = None) -> dict[str, Any]:
@@ -50,15 +52,15 @@ def latent_manifest(folder: Path | None = None) -> dict[str, Any]:
     return manifest
 
 
-def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id: str,
-                    data: Path | None = None) -> list[tuple[str, Any]]:
-    """The ``(dotted key, value)`` pairs that turn the template into the stage's run config (module doc);
-    ``data``: the set the stage trains on when it is not the latent set (its trajectories)."""
-    latents = latent_manifest(data)
+def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id: str) -> list[tuple[str, Any]]:
+    """The ``(dotted key, value)`` pairs that turn the template into the stage's run config (module doc)."""
+    latents = latent_manifest(data_dir(spec.data))
     pairs: list[tuple[str, Any]] = [(f"models.{role}.init_from", str(ARTIFACTS / stage / "model"))
                                     for role, stage in spec.inputs.items()]
-    pairs += [("training.data.path", str(data if data is not None else data_dir())),
+    pairs += [("training.data.path", str(data_dir(spec.data))),
               ("training.data.text_max_length", latents["settings"]["max_sequence_length"])]
+    if latents.get("kind") == "prompts":  # no latents to read the shape from: the one the prompts stage derived
+        pairs += [("training.data.latent_shape", [int(v) for v in latents["latent_shape"]])]
     pairs += spec.config_overrides(params)
     pairs += spec.lora_overrides(params)  # <stage>.lora_rank > 0: the exported role trains a LoRA adapter
     if params.get("gpus.replicate_size") > 1:  # HSDP over the launch's ranks (1, the default: the template's FSDP)
@@ -70,11 +72,9 @@ def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id:
     return pairs
 
 
-def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id: str,
-                    data: Path | None = None) -> dict[str, Any]:
+def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id: str) -> dict[str, Any]:
     """The stage's run config as a raw mapping: template + :func:`stage_overrides`, each value set as
-    the Python value it is (an override naming a key the schema lacks is a UserError); ``data``: the set it
-    trains on when not the latent set."""
+    the Python value it is (an override naming a key the schema lacks is a UserError)."""
     from distillery.config import allowed_prefixes
     from distillery.config.loader import read_yaml, set_override
 
@@ -88,7 +88,7 @@ def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id:
         if EMA_CALLBACK in callbacks:  # a template's own EMA would be silently replaced
             raise ValueError(f"{spec.template}: callbacks.{EMA_CALLBACK} is the stage's (params.yaml {spec.name}.ema_decay)")
         raw["callbacks"] = {**callbacks, EMA_CALLBACK: ema}
-    for key, value in stage_overrides(spec, params, parent_run_id, data):
+    for key, value in stage_overrides(spec, params, parent_run_id):
         set_override(raw, key, value, prefixes)
     return raw
 
@@ -96,10 +96,12 @@ def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id:
 def check_chain(spec: TrainingStageSpec, raw: dict[str, Any]) -> None:
     """Before any training: the config builds, the roles fit the method, and each role's init model fits the data."""
     from distillery.config import allowed_prefixes, load_run_config
+    from distillery.engine.batches import check_data_kind
     from distillery.engine.builder import check_roles_early
     from distillery.models.registry import family_of
 
     config = load_run_config(raw=raw, prefixes=allowed_prefixes())
+    check_data_kind(config)  # a method that reads video latents on a prompt-only set: one line, nothing launched
     check_roles_early(config)
     latents = latent_manifest(Path(config.training.data.path))
     for role in spec.inputs:

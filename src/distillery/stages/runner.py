@@ -38,6 +38,7 @@ STAGES: dict[str, str] = {
     "clips": "distillery.stages.clips:stage_clips",
     "base": "distillery.stages.base:stage_base",
     "latents": "distillery.stages.latents:stage_latents",
+    "prompts": "distillery.stages.prompts:stage_prompts",
     **{name: "distillery.stages.training:run_training_stage" for name in TRAINING_STAGES},
     "validate": "distillery.stages.validate:stage_validate",
     "export": "distillery.stages.export:stage_export",

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-DATA_ARTIFACT = "latents"  # every training stage trains on artifacts/latents/data
+DATA_ARTIFACT = "latents"  # a training stage trains on artifacts/latents/data (one with a data_key: the stage it names)
+DATA_ARTIFACTS = ("latents", "prompts")  # what a data_key may name: the latent set, or the prompt-only set
 EMA_CALLBACK = "ema"  # the run config's callbacks.<name> of a stage's EMA (params.yaml <stage>.ema_decay set)
 EMA_TARGET = "distillery.callbacks.ema.EMACallback"
 
@@ -28,7 +29,6 @@ class StageVariant:
     template: str
     params: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
     inputs: dict[str, str] | None = None
-    trajectories: bool = False  # the recipe trains on the teacher's ODE trajectories the stage makes first
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,9 @@ class TrainingStageSpec:
     - ``params``: params.yaml key → the run-config key it sets, or a tuple of keys it sets alike
       (each params key must be covered by the stage's dvc.yaml ``params:``; a test checks it);
     - ``export_role``: the role whose trained weights the artifact ships (``model/transformer``);
+    - ``data_key``: the params.yaml key whose value names the stage whose ``data/`` the run trains on
+      (``distill.data: latents | prompts``; without one :data:`DATA_ARTIFACT`), applied by :meth:`resolve` into
+      ``data``; dvc.yaml names that dep ``artifacts/${<key>}``;
     - ``variant_key`` / ``variants``: a stage with several recipes — the params.yaml key whose value
       names a :class:`StageVariant` (its template replaces ``template``, its params join ``params``);
       :meth:`resolve` gives the plain spec of the chosen one;
@@ -84,10 +87,7 @@ class TrainingStageSpec:
     - ``input_keys``: role → the params.yaml key whose value names the stage that role starts from
       (``distill.critic_init: teacher | base``), applied last; dvc.yaml names that dep
       ``artifacts/${<key>}``;
-    - ``validation``: how validate scores the stage's model (:class:`ValidationSpec`), None: it does not;
-    - ``trajectories``: the stage trains on the teacher's ODE trajectories, which it makes first from the
-      teacher artifact and the latent set's prompts (:mod:`distillery.stages.trajectories`; set by the chosen
-      method, ``pretrain.method: ode_init``), instead of on the latents.
+    - ``validation``: how validate scores the stage's model (:class:`ValidationSpec`), None: it does not.
     """
 
     name: str
@@ -95,6 +95,8 @@ class TrainingStageSpec:
     inputs: dict[str, str]
     params: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
     export_role: str = "student"
+    data_key: str | None = None
+    data: str = DATA_ARTIFACT  # the stage whose data/ the run trains on (a resolved spec: data_key's choice)
     variant_key: str | None = None
     variants: dict[str, StageVariant] = field(default_factory=dict)
     method_key: str | None = None
@@ -103,11 +105,10 @@ class TrainingStageSpec:
     given_source_key: str | None = None
     given_path_key: str | None = None
     validation: ValidationSpec | None = None
-    trajectories: bool = False
 
     def input_artifacts(self) -> list[tuple[str, str]]:
         """``[(lineage role, artifact stage)]``: each role's init, then the training data."""
-        return [(f"{role}_init", stage) for role, stage in self.inputs.items()] + [("data", DATA_ARTIFACT)]
+        return [(f"{role}_init", stage) for role, stage in self.inputs.items()] + [("data", self.data)]
 
     def resolve(self, params: Any) -> "TrainingStageSpec":
         """The plain spec of the variant ``params.get(variant_key)`` names, then of the method
@@ -127,10 +128,15 @@ class TrainingStageSpec:
                 raise KeyError(f"stage {spec.name}: {spec.method_key} = {choice!r} has no method ({', '.join(spec.methods)})")
             method = spec.methods[choice]
             spec = replace(spec, template=method.template, params={**spec.params, **method.params}, method_key=None,
-                           methods={}, inputs={**spec.inputs, **(method.inputs or {})}, trajectories=method.trajectories)
+                           methods={}, inputs={**spec.inputs, **(method.inputs or {})})
         if spec.input_keys:
             spec = replace(spec, inputs={**spec.inputs, **{role: str(params.get(key)) for role, key in spec.input_keys.items()}},
                            input_keys={})
+        if spec.data_key is not None:
+            data = params.get(spec.data_key)
+            if data not in DATA_ARTIFACTS:
+                raise KeyError(f"stage {spec.name}: {spec.data_key} = {data!r} names no data artifact ({', '.join(DATA_ARTIFACTS)})")
+            spec = replace(spec, data=data, data_key=None)
         return spec
 
     def templates(self) -> list[str]:
@@ -145,7 +151,7 @@ class TrainingStageSpec:
         for variant in (*self.variants.values(), *self.methods.values()):
             keys += [k for k in variant.params if k not in keys]
         return keys + [k for k in (self.variant_key, self.method_key, *self.input_keys.values(), self.given_source_key,
-                                   self.given_path_key) if k and k not in keys]
+                                   self.given_path_key, self.data_key) if k and k not in keys]
 
     def given(self, params: Any) -> bool:
         """Whether ``params`` ask for the stage's model to be given (``teacher.source: base``), not trained."""
@@ -227,11 +233,6 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             params={**loop_params("pretrain"), "pretrain.chunk_size": ("method.chunk_size", "models.student.chunk_size")},
             # from the teacher (its SFT), or from the base when the teacher is a given, larger model
             input_keys={"student": "pretrain.student_init"},
-            # dfsft: Diffusion-Forcing SFT on the latents; ode_init: KD onto the teacher's ODE trajectories (made first)
-            method_key="pretrain.method",
-            methods={"dfsft": StageVariant("stages/pretrain_dfsft.yaml"),
-                     "ode_init": StageVariant("stages/pretrain_ode_init.yaml", {"pretrain.t_list": "method.t_list"},
-                                              trajectories=True)},
             validation=ValidationSpec("pretrain", steps="validate.pretrain_steps", guidance="validate.guidance_scale"),
         ),
         TrainingStageSpec(
@@ -246,6 +247,7 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             variant_key="distill.method",
             # the critic (fake score) starts from the teacher, or from the student's base as the published recipes do
             input_keys={"critic": "distill.critic_init"},
+            data_key="distill.data",  # the latent set, or the prompt-only set (both methods roll out from noise)
             variants={"self_forcing": StageVariant("stages/distill_self_forcing.yaml",
                                                    {"distill.context_noise": "method.context_noise",
                                                     "distill.same_step_across_chunks": "method.same_step_across_chunks",
@@ -271,6 +273,7 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
                      "dm_pdd": StageVariant("stages/pdd_dm.yaml", {"pdd.dm_weight": "method.dm_weight",
                                                                       "pdd.critic_learning_rate": "models.critic.optimizer.learning_rate"},
                                             inputs={"critic": "teacher"})},
+            data_key="pdd.data",  # the latent set, or the prompt-only set (rollout: simulate; params check refuses data_latent)
             validation=ValidationSpec("pdd", steps="validate.pdd_nfe"),  # its NFE curve: the fused-block sampler at each NFE
         ),
     )

@@ -1,0 +1,109 @@
+"""The ``prompts`` stage in the DAG (issue 42 item 2): a git + DVC workspace on the tiny CPU default whose distill
+trains on prompts only (``distill.data: prompts``, ``prompts.path``) — DMD2 through `dvc repro`, then Self-Forcing and
+PDD (``pdd.data: prompts``, simulate) through `distillery stage` (torchrun, gloo) —, `dvc status` after one changed
+prompt naming only the prompts stage, its rerun re-encoding one shard and rerunning only distill after it, and hostile
+prompts files refused in one line (exit 2) with the last good artifact kept.
+
+One workspace for the module (a `dvc repro distill` of the small DAG: a few minutes on 2 cores); the tests run in file
+order and put back every param they change."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from workspace import ROOT, make_workspace, set_params, sh, stage
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = (ROOT / "src" / "distillery" / "assets" / "prompts" / "tiny.txt").read_text().splitlines()[:12]
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    repo = make_workspace(tmp_path_factory.mktemp("prompts") / "ws", {
+        "distill.data": "prompts", "distill.method": "dmd2", "prompts.path": "prompts.txt", "prompts.rows_per_shard": 4})
+    (repo / "prompts.txt").write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
+    sh(["dvc", "repro", "distill"], repo)
+    return repo
+
+
+def _lineage(repo: Path, name: str) -> dict:
+    return json.loads((repo / "artifacts" / name / "lineage.json").read_text())
+
+
+def _inputs(repo: Path, name: str) -> dict[str, str]:
+    return {i["role"]: i["path"] for i in _lineage(repo, name)["inputs"]}
+
+
+def _status(repo: Path) -> set[str]:
+    out = sh(["dvc", "status", "--json"], repo).stdout.strip()
+    return set(json.loads(out or "{}"))
+
+
+def test_dmd2_distills_from_the_prompts_only(ws):
+    prompts = json.loads((ws / "artifacts" / "prompts" / "data" / "preprocess.json").read_text())
+    assert prompts["kind"] == "prompts" and prompts["latent_shape"] == [8, 5, 8, 8]  # 17 frames of 32x32, the tiny VAE
+    assert prompts["splits"]["train"]["rows"] == 12 and sorted(p.name for p in (ws / "artifacts" / "prompts" / "data" / "train")
+                                                              .glob("*.parquet")) == [f"shard-0000{k}.parquet" for k in range(3)]
+    assert _inputs(ws, "prompts") == {"base": "artifacts/base", "prompts": "prompts.txt"}
+    distill = _lineage(ws, "distill")
+    assert distill["method"] == "distillery.methods.dmd2.DMD2Method" and _inputs(ws, "distill")["data"] == "artifacts/prompts"
+    data = distill["config"]["training"]["data"]
+    assert data["path"] == "artifacts/prompts/data" and data["latent_shape"] == [8, 5, 8, 8]
+    assert json.loads((ws / "metrics" / "distill.json").read_text())["steps"] == 4
+
+
+def test_a_changed_prompt_reruns_only_what_reads_prompts(ws):
+    before = _status(ws)  # the stages the repro did not reach (pdd, validate, export)
+    assert before.isdisjoint({"clips", "base", "latents", "teacher", "pretrain", "prompts", "distill"})
+    changed = PROMPTS[:5] + ["a magenta triangle moving down quickly on a white background"] + PROMPTS[6:]
+    (ws / "prompts.txt").write_text("\n".join(changed) + "\n", encoding="utf-8")
+    assert _status(ws) - before == {"prompts"}  # the one stage that reads the file; distill follows its artifact
+    old_shards = {p.name: p.read_bytes() for p in (ws / "artifacts" / "prompts" / "data" / "train").glob("*.parquet")}
+    done = sh(["dvc", "repro", "distill"], ws)
+    log = done.stdout + done.stderr
+    ran = [line.split("'")[1] for line in log.splitlines() if line.startswith("Running stage")]
+    assert ran == ["prompts", "distill"]
+    assert json.loads((ws / "metrics" / "prompts.json").read_text())["prompts_encoded"] == 4  # shard 1 (prompts 5-8) only
+    new_shards = {p.name: p.read_bytes() for p in (ws / "artifacts" / "prompts" / "data" / "train").glob("*.parquet")}
+    assert [n for n in sorted(new_shards) if new_shards[n] != old_shards[n]] == ["shard-00001.parquet"]
+    assert _status(ws) == before
+
+
+def test_self_forcing_and_pdd_distill_from_the_prompts_only(ws):
+    set_params(ws, {"distill.method": "self_forcing", "pdd.data": "prompts"})
+    try:
+        stage(ws, "distill", check=True)
+        assert _lineage(ws, "distill")["method"] == "distillery.methods.self_forcing.SelfForcingMethod"
+        assert _inputs(ws, "distill")["data"] == "artifacts/prompts"
+        stage(ws, "pdd", check=True)  # simulate: carried trajectories from noise for the prompts' embeddings
+        assert _inputs(ws, "pdd")["data"] == "artifacts/prompts"
+        assert _lineage(ws, "pdd")["config"]["method"]["rollout"] == "simulate"
+        set_params(ws, {"pdd.rollout": "data_latent"})  # noised video latents: none in a prompt-only set
+        out = stage(ws, "pdd")
+        assert out.returncode == 2 and "pdd.data: prompts: pdd.rollout data_latent" in out.stderr
+        assert "Traceback" not in out.stderr
+    finally:
+        set_params(ws, {"distill.method": "dmd2", "pdd.data": "latents", "pdd.rollout": "simulate"})
+
+
+@pytest.mark.parametrize("name,content,says", [
+    ("binary.txt", b"a red circle\n\x00\x01\x02\xff", "line 2: a NUL byte: a binary file"),
+    ("huge.txt", b"a red circle\n" + b"x" * 10_001 + b"\n", "line 2: 10001 characters, more than the limit of 10000"),
+    ("empty.txt", b"", "lists no prompts"),
+    ("latin1.txt", "a caf\xe9 moving left\n".encode("latin-1"), "line 1: not valid UTF-8"),
+])
+def test_a_hostile_prompts_file_is_one_line_exit_2_and_the_last_artifact_stays(ws, name, content, says):
+    (ws / name).write_bytes(content)
+    kept = (ws / "artifacts" / "prompts" / "lineage.json").read_bytes()
+    set_params(ws, {"prompts.path": name})
+    try:
+        out = stage(ws, "prompts")
+    finally:
+        set_params(ws, {"prompts.path": "prompts.txt"})
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1 and says in errors[0] and name in errors[0]
+    assert "Traceback" not in out.stderr and (ws / "artifacts" / "prompts" / "lineage.json").read_bytes() == kept
+    assert not (ws / "artifacts" / "prompts.tmp").exists()
