@@ -9,7 +9,8 @@ schema; the values are checked when the config is built), in this order:
    prompts`` — the prompts stage's) and ``training.data.text_max_length`` from its ``preprocess.json`` (the text
    encoder's sequence length); a prompt-only set also gives ``training.data.latent_shape`` (the ``[C, T, H, W]`` its
    stage derived from the frames, size and the base's VAE: what the rollouts generate);
-3. the row's ``params``: ``<config key> = params.yaml[<params key>]``, and
+3. the row's ``params``: ``<config key> = params.yaml[<params key>]``; ``models.<role>.lora`` with
+   ``<stage>.lora_rank`` above 0 (:meth:`TrainingStageSpec.lora_overrides`); and
    ``training.distributed.replicate_size = gpus.replicate_size`` when > 1 (HSDP; every role's mesh);
 4. the EMA: with ``<stage>.ema_decay`` set, a ``callbacks.ema`` entry (:meth:`TrainingStageSpec.ema_callback`:
    decay, start step, the exported role) beside the template's callbacks; with it null, none;
@@ -52,12 +53,14 @@ def latent_manifest(folder: Path | None = None) -> dict[str, Any]:
     return manifest
 
 
-def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id: str) -> list[tuple[str, Any]]:
-    """The ``(dotted key, value)`` pairs that turn the template into the stage's run config (module doc)."""
-    latents = latent_manifest(data_dir(spec.data))
+def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id: str,
+                    data: Path | None = None) -> list[tuple[str, Any]]:
+    """The ``(dotted key, value)`` pairs that turn the template into the stage's run config (module doc);
+    ``data``: the set the stage trains on when it is not the latent set (its trajectories)."""
+    latents = latent_manifest(data if data is not None else data_dir(spec.data))
     pairs: list[tuple[str, Any]] = [(f"models.{role}.init_from", str(ARTIFACTS / stage / "model"))
                                     for role, stage in spec.inputs.items()]
-    pairs += [("training.data.path", str(data_dir(spec.data))),
+    pairs += [("training.data.path", str(data if data is not None else data_dir(spec.data))),
               ("training.data.text_max_length", latents["settings"]["max_sequence_length"])]
     if latents.get("kind") == "prompts":  # no latents to read the shape from: the one the prompts stage derived
         pairs += [("training.data.latent_shape", [int(v) for v in latents["latent_shape"]])]
@@ -72,9 +75,11 @@ def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id:
     return pairs
 
 
-def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id: str) -> dict[str, Any]:
+def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id: str,
+                    data: Path | None = None) -> dict[str, Any]:
     """The stage's run config as a raw mapping: template + :func:`stage_overrides`, each value set as
-    the Python value it is (an override naming a key the schema lacks is a UserError)."""
+    the Python value it is (an override naming a key the schema lacks is a UserError); ``data``: the set it
+    trains on when not the latent set."""
     from distillery.config import allowed_prefixes
     from distillery.config.loader import read_yaml, set_override
 
@@ -88,7 +93,7 @@ def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id:
         if EMA_CALLBACK in callbacks:  # a template's own EMA would be silently replaced
             raise ValueError(f"{spec.template}: callbacks.{EMA_CALLBACK} is the stage's (params.yaml {spec.name}.ema_decay)")
         raw["callbacks"] = {**callbacks, EMA_CALLBACK: ema}
-    for key, value in stage_overrides(spec, params, parent_run_id):
+    for key, value in stage_overrides(spec, params, parent_run_id, data):
         set_override(raw, key, value, prefixes)
     return raw
 

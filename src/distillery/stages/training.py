@@ -194,11 +194,20 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
 
     stage = spec.name
     spec = spec.resolve(params)  # the recipe params.yaml picks (distill.method)
-    raw = fill_run_config(spec, params, parent_run_id(params.path.read_text()))
+    trajectories = None
+    if spec.trajectories:  # pretrain.method: ode_init: the teacher's ODE trajectories first (resumable), the data it trains on
+        from distillery.stages.trajectories import TEACHER_ARTIFACT, stage_trajectories
+
+        trajectories = stage_trajectories(stage, params)
+    raw = fill_run_config(spec, params, parent_run_id(params.path.read_text()), trajectories)
     check_chain(spec, raw)
     inputs = [(role, ARTIFACTS / artifact) for role, artifact in spec.input_artifacts()]
+    resume_inputs = dict(inputs)
+    if trajectories is not None:
+        inputs.append(("teacher", ARTIFACTS / TEACHER_ARTIFACT))  # whose trajectories; the prompts: the data input
+        resume_inputs.update(teacher=ARTIFACTS / TEACHER_ARTIFACT, trajectories=trajectories)
     world = params.get("gpus.nnodes") * params.get("gpus.nproc_per_node")
-    config_path = prepare_run_dir(stage, raw, dict(inputs), world)  # resumable on another world: the same global batch
+    config_path = prepare_run_dir(stage, raw, resume_inputs, world)  # resumable on another world: the same global batch
     started = time.perf_counter()
     from distillery.stages.launcher import run_launch
 
@@ -228,6 +237,10 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     write_loss_plot(loss, staging / "loss.png", f"{stage}: loss per step",  # the curves offline, beside the data
                     components=summary.component_rows())
     write_json_atomic(staging / "model" / "sampling.json", summary.sampling)
+    if trajectories is not None:  # what the model was trained on, tracked with it
+        from distillery.stages.trajectories import publish_trajectories
+
+        publish_trajectories(trajectories, staging)
     last = loss[-10:] or [{"loss": float("nan")}]
     # named for what it is: the mean over the last 10 logged steps (the last step's own loss is noisy; loss.json has it)
     metrics = {"loss_last10_mean": round(sum(r["loss"] for r in last) / len(last), 5), "last_loss": round(last[-1]["loss"], 5),

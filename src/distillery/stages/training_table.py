@@ -29,6 +29,7 @@ class StageVariant:
     template: str
     params: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
     inputs: dict[str, str] | None = None
+    trajectories: bool = False  # the recipe trains on the teacher's ODE trajectories the stage makes first
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,10 @@ class TrainingStageSpec:
     - ``input_keys``: role → the params.yaml key whose value names the stage that role starts from
       (``distill.critic_init: teacher | base``), applied last; dvc.yaml names that dep
       ``artifacts/${<key>}``;
-    - ``validation``: how validate scores the stage's model (:class:`ValidationSpec`), None: it does not.
+    - ``validation``: how validate scores the stage's model (:class:`ValidationSpec`), None: it does not;
+    - ``trajectories``: the stage trains on the teacher's ODE trajectories, which it makes first from the
+      teacher artifact and the latent set's prompts (:mod:`distillery.stages.trajectories`; set by the chosen
+      method, ``pretrain.method: ode_init``), instead of on the latents.
     """
 
     name: str
@@ -105,6 +109,7 @@ class TrainingStageSpec:
     given_source_key: str | None = None
     given_path_key: str | None = None
     validation: ValidationSpec | None = None
+    trajectories: bool = False
 
     def input_artifacts(self) -> list[tuple[str, str]]:
         """``[(lineage role, artifact stage)]``: each role's init, then the training data."""
@@ -128,7 +133,7 @@ class TrainingStageSpec:
                 raise KeyError(f"stage {spec.name}: {spec.method_key} = {choice!r} has no method ({', '.join(spec.methods)})")
             method = spec.methods[choice]
             spec = replace(spec, template=method.template, params={**spec.params, **method.params}, method_key=None,
-                           methods={}, inputs={**spec.inputs, **(method.inputs or {})})
+                           methods={}, inputs={**spec.inputs, **(method.inputs or {})}, trajectories=method.trajectories)
         if spec.input_keys:
             spec = replace(spec, inputs={**spec.inputs, **{role: str(params.get(key)) for role, key in spec.input_keys.items()}},
                            input_keys={})
@@ -233,6 +238,11 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             params={**loop_params("pretrain"), "pretrain.chunk_size": ("method.chunk_size", "models.student.chunk_size")},
             # from the teacher (its SFT), or from the base when the teacher is a given, larger model
             input_keys={"student": "pretrain.student_init"},
+            # dfsft: Diffusion-Forcing SFT on the latents; ode_init: KD onto the teacher's ODE trajectories (made first)
+            method_key="pretrain.method",
+            methods={"dfsft": StageVariant("stages/pretrain_dfsft.yaml"),
+                     "ode_init": StageVariant("stages/pretrain_ode_init.yaml", {"pretrain.t_list": "method.t_list"},
+                                              trajectories=True)},
             validation=ValidationSpec("pretrain", steps="validate.pretrain_steps", guidance="validate.guidance_scale"),
         ),
         TrainingStageSpec(
