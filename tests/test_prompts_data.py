@@ -211,3 +211,24 @@ def test_a_latent_shape_that_is_not_the_set_s_is_one_line(tiny_base, latent_set,
     cfg["training"]["data"]["latent_shape"] = [8, 5, 8, 8]
     with pytest.raises(UserError, match=r"training.data.latent_shape: \[8, 5, 8, 8\] differs from the \[8, 3, 8, 8\]"):
         train_in_process(cfg)
+
+
+def test_the_first_stage_checks_a_prompt_trained_stage_s_batch_against_the_prompts(tmp_path):
+    """The batch check before any work counts the prompts for a stage that trains on them (not the videos)."""
+    import yaml
+
+    from distillery.stages.params import Params
+    from distillery.stages.preflight import check_batch
+    from distillery.stages.runner import STAGES
+
+    (tmp_path / "prompts.txt").write_text("one\n\ntwo\nthree\n", encoding="utf-8")
+    shipped = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
+    shipped["prompts"]["path"] = str(tmp_path / "prompts.txt")
+    shipped["distill"].update(batch_size=4, data="latents")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(shipped))
+    check_batch("clips", Params.load(tmp_path / "params.yaml"), tmp_path / "artifacts", stages=tuple(STAGES))  # 96 clips
+    shipped["distill"]["data"] = "prompts"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(shipped))
+    with pytest.raises(UserError, match=f"distill.batch_size 4 is more than the 3 training samples \\(the 3 prompts of "
+                                        f"{tmp_path / 'prompts.txt'}\\)"):
+        check_batch("clips", Params.load(tmp_path / "params.yaml"), tmp_path / "artifacts", stages=tuple(STAGES))
