@@ -60,15 +60,14 @@ def test_checkpoints_are_counted_on_the_runs_file_system(tmp_path):
 
 
 @pytest.mark.slow
-def test_export_of_a_student_whose_stage_never_ran_is_one_line(tmp_path):
+def test_export_of_a_student_whose_stage_never_ran_is_one_line(prepared, tmp_path):
     """Outside DVC (``distillery stage export`` alone, a Prefect retry) the student may be missing: one line,
-    exit 2 — it was a ``FileNotFoundError`` traceback from ``copytree`` at real shape."""
-    import sys
+    exit 2 — it was a ``FileNotFoundError`` traceback from ``copytree`` at real shape. (The session's ``prepared``
+    workspace, conftest.py: base, clips and latents made, no training stage run.)"""
+    from workspace import copy_workspace, stage
 
-    from workspace import make_workspace, stage
-
-    repo = make_workspace(tmp_path / "ws")
-    assert subprocess.run([sys.executable, "-m", "distillery.cli.main", "stage", "base"], cwd=repo, capture_output=True).returncode == 0
+    repo = copy_workspace(prepared, tmp_path / "ws")
+    assert (repo / "artifacts" / "base").is_dir() and not (repo / "artifacts" / "distill").exists()
     out = stage(repo, "export")
     assert out.returncode == 2, out.stderr[-2000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
