@@ -2,7 +2,8 @@
 tiny Wan of another width and depth, as Wan2.1-14B beside a 1.3B base), the causal student from the base
 (``pretrain.student_init: base``) and the critic too (``distill.critic_init: base``) — the published recipes'
 layout — through the real stages (`distillery stage`) in a git + DVC workspace, then PDD (from the teacher), validate
-and export."""
+and export. The workspace is a copy of the session's ``prepared`` one (conftest.py: clips, base and latents made by
+`dvc repro latents`, which no param set here feeds), with these params set and committed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from workspace import make_workspace, stage
+from workspace import copy_workspace, set_params, sh, stage
 
 from distillery.stages.params_schema import validate_params
 from distillery.tinybase.tiny import TinyBaseConfig, TinyTransformerConfig, make_tiny_base
@@ -24,13 +25,21 @@ def _width(transformer: Path) -> tuple[int, int]:
     return config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
 
 
+def _workspace(prepared: Path, repo: Path, params: dict[str, object]) -> Path:
+    """A copy of ``prepared`` (clips, base and latents there) with ``params`` set in params.yaml, committed."""
+    copy_workspace(prepared, repo)
+    set_params(repo, params)
+    sh(["git", "commit", "-qam", "given teacher params"], repo)
+    return repo
+
+
 @pytest.mark.slow
-def test_a_given_wider_teacher_is_published_untrained_and_distilled_against(tmp_path):
+def test_a_given_wider_teacher_is_published_untrained_and_distilled_against(prepared, tmp_path):
     wide = make_tiny_base(tmp_path / "tiny-wan-wide", TinyBaseConfig(transformer=TinyTransformerConfig(
         num_attention_heads=6, attention_head_dim=48, ffn_dim=640, num_layers=5)), seed=1)
-    repo = make_workspace(tmp_path / "ws", {"teacher.source": "base", "teacher.path": str(wide),
-                                            "pretrain.student_init": "base", "distill.critic_init": "base"})
-    for name in ("clips", "base", "latents", "teacher", "pretrain", "distill", "pdd", "validate", "export"):
+    repo = _workspace(prepared, tmp_path / "ws", {"teacher.source": "base", "teacher.path": str(wide),
+                                                  "pretrain.student_init": "base", "distill.critic_init": "base"})
+    for name in ("teacher", "pretrain", "distill", "pdd", "validate", "export"):
         stage(repo, name, check=True)
     teacher = repo / "artifacts" / "teacher"
     # published as given: the folder's transformer and scheduler, byte for byte, its Euler contract; nothing trained
@@ -60,10 +69,8 @@ def test_a_given_wider_teacher_is_published_untrained_and_distilled_against(tmp_
     assert _width(repo / "artifacts" / "export" / "transformer") == (128, 4)
 
 
-def test_a_given_teacher_that_is_no_model_folder_is_one_line(tmp_path):
-    repo = make_workspace(tmp_path / "ws", {"teacher.source": "base", "teacher.path": str(tmp_path)})
-    for name in ("clips", "base"):
-        stage(repo, name, check=True)
+def test_a_given_teacher_that_is_no_model_folder_is_one_line(prepared, tmp_path):
+    repo = _workspace(prepared, tmp_path / "ws", {"teacher.source": "base", "teacher.path": str(tmp_path)})
     out = stage(repo, "teacher")
     assert out.returncode == 2 and "teacher.path" in out.stderr and "not a diffusers model folder" in out.stderr
     assert "Traceback" not in out.stderr and not (repo / "artifacts" / "teacher").exists()

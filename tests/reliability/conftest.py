@@ -147,69 +147,9 @@ def warnings_logged():
     logger.removeHandler(handler)
 
 
-def _built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build) -> tuple[Path, dict]:
-    """``build(folder) -> facts`` run once per test run, its folder and facts returned to every caller.
-
-    Alone, the folder is a fresh temp dir of this session. Under xdist (``-n 2``) it is one folder in
-    the run's temp root, shared by the workers: the first worker to need it builds it while holding a
-    lock, the others wait on the lock and reuse it (``built.json`` marks a finished build; a build a
-    failed worker left half done is removed and made again). The workspaces built here are read-only
-    for tests (each takes a copy), so sharing them changes nothing a test sees; it saves one build of
-    each per extra worker (a `dvc repro` of several stages)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return (folder := tmp_path_factory.mktemp(name)), build(folder)
-    import fcntl
-    import json
-    import shutil
-
-    folder = tmp_path_factory.getbasetemp().parent / f"shared-{name}"
-    with open(folder.parent / f"shared-{name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this worker dies
-        done = folder / "built.json"
-        if done.is_file():
-            return folder, json.loads(done.read_text())
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir()
-        facts = build(folder)
-        done.write_text(json.dumps(facts))
-        return folder, facts
-
-
-@pytest.fixture(scope="session")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real git + DVC pipeline workspace (small params) where `dvc repro latents` ran: clips,
-    base and latents are there. Read-only for tests: take a copy (``workspace.copy_workspace``);
-    built once per run (:func:`_built_once`)."""
-    from workspace import make_workspace, sh
-
-    def build(folder: Path) -> dict:
-        sh(["dvc", "repro", "latents"], make_workspace(folder / "ws"))
-        return {}
-
-    return _built_once(tmp_path_factory, "reliability", build)[0] / "ws"
-
-
 @pytest.fixture
 def ws(prepared: Path, tmp_path: Path) -> Path:
     """A private copy of ``prepared``."""
     from workspace import copy_workspace
 
     return copy_workspace(prepared, tmp_path / "ws")
-
-
-@pytest.fixture(scope="session")
-def trained(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``prepared`` + `dvc repro teacher` run to completion, uninterrupted (read-only: copy it; built
-    once per run). ``workspace.TRAINED["seconds"]`` holds how long the teacher stage took."""
-    from workspace import TRAINED, copy_workspace, sh
-
-    def build(folder: Path) -> dict:
-        repo = copy_workspace(prepared, folder / "ws")
-        started = time.perf_counter()
-        sh(["dvc", "repro", "teacher"], repo)
-        return {"seconds": time.perf_counter() - started}
-
-    folder, facts = _built_once(tmp_path_factory, "trained", build)
-    TRAINED["seconds"] = facts["seconds"]
-    return folder / "ws"
