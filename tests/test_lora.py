@@ -197,3 +197,12 @@ def test_lora_under_compile_and_activation_checkpointing_matches_eager(tmp_path,
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=1e-4, rtol=1e-3)
     assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)
+
+
+def test_export_weights_cli_takes_the_lora_form(trained, tmp_path):
+    ckpt = trained["result"].checkpoint
+    out = _cli("export-weights", str(ckpt), "--out", str(tmp_path / "x"), "--lora", "adapter", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "x" / "lora" / "pytorch_lora_weights.safetensors").is_file() and not (tmp_path / "x" / "transformer").exists()
+    both = _cli("export-weights", str(ckpt), "--out", str(tmp_path / "y"), cwd=tmp_path)  # default: both
+    assert both.returncode == 0 and (tmp_path / "y" / "lora").is_dir() and (tmp_path / "y" / "transformer").is_dir()
