@@ -101,12 +101,13 @@ class ValidationPrompts:
     @classmethod
     def read(cls, root: Path, split: str | None, count: int, text_max_length: int) -> "ValidationPrompts":
         """The first ``count`` rows of ``root/<split>`` (fewer when the split is shorter)."""
-        from distillery.data import LatentDataset, collate_latents, pad_prompt_embedding, read_empty_prompt_embedding
+        from distillery.data import LatentDataset, collate_latents, data_kind, pad_prompt_embedding, read_empty_prompt_embedding
 
         root = Path(root)
         if split is None:
             split = "validation" if (root / "validation").is_dir() else "train"
-        data = LatentDataset(root, split)
+        prompts_only = data_kind(root) == "prompts"  # a prompt-only set: the shape its manifest records, no latents read
+        data = LatentDataset(root, split, with_latents=not prompts_only)
         items = [data[i] for i in range(min(count, len(data)))]
         batch = collate_latents(items, text_max_length, dtype=torch.float32)
         empty = read_empty_prompt_embedding(root)
@@ -114,7 +115,15 @@ class ValidationPrompts:
         if empty is not None:
             padded = pad_prompt_embedding(empty, text_max_length, torch.float32)
             negative = padded.unsqueeze(0).expand(len(items), -1, -1).contiguous()
-        shape = tuple(int(s) for s in batch["latents"].shape[1:])
+        if prompts_only:
+            from distillery.data.dataset import recorded_latent_shape
+
+            recorded = recorded_latent_shape(root, split)
+            if recorded is None:
+                raise UserError(f"callbacks validation: {root} records no latent_shape; rerun the prompts stage")
+            shape = tuple(recorded)
+        else:
+            shape = tuple(int(s) for s in batch["latents"].shape[1:])
         return cls(batch["captions"], batch["text_embeds"], negative, shape)  # type: ignore[arg-type]
 
     def conditioning(self) -> "Conditioning":

@@ -262,6 +262,28 @@ def data_kind(root: Path) -> str:
     return PROMPTS_KIND if (manifest or {}).get("kind") == PROMPTS_KIND else "latents"
 
 
+def recorded_latent_shape(root: Path, split: str = "train") -> list[int] | None:
+    """The ``[C, T, H, W]`` a data set records: its manifest's ``latent_shape`` (a latent set: its rows'; a prompt-only
+    set: what its stage derived for rollouts), else — a latent set written without a manifest — the first row's of
+    the split (only that column read; a set holds one layout). None when neither is there to read."""
+    manifest = _read_json(Path(root) / MANIFEST_FILE, "data set manifest") or {}
+    value = manifest.get("latent_shape")
+    if isinstance(value, list) and len(value) == LATENT_NDIM and all(isinstance(v, int) and v > 0 for v in value):
+        return [int(v) for v in value]
+    if manifest.get("kind") == PROMPTS_KIND:
+        return None
+    folder = Path(root) / split
+    for shard in sorted(folder.glob("*.parquet"), key=lambda p: p.name) if folder.is_dir() else []:
+        try:
+            column = pq.read_table(shard, columns=["latent_shape"]).column("latent_shape")
+        except (pa.ArrowException, OSError, KeyError):
+            return None
+        if len(column):
+            value = column[0].as_py()
+            return [int(v) for v in value] if isinstance(value, list) and len(value) == LATENT_NDIM else None
+    return None
+
+
 def _check_column(path: Path, what: str, shapes: np.ndarray, expected: list[int], reference: str) -> None:
     """One-line :class:`UserError` naming ``path`` and the first row whose ``shapes`` row is not ``expected``."""
     bad = np.nonzero((shapes != np.asarray(expected, dtype=np.int64)).any(axis=1))[0]

@@ -22,7 +22,7 @@ from distillery.common.errors import UserError
 from distillery.components.distributed import DistEnv
 from distillery.config.schema import DataConfig, RunConfig
 from distillery.data import LatentBatchLoader, LatentDataset, ShardedBatchSampler, data_kind, pad_prompt_embedding, read_empty_prompt_embedding
-from distillery.data.dataset import MANIFEST_FILE, PROMPTS_KIND
+from distillery.data.dataset import MANIFEST_FILE, PROMPTS_KIND, recorded_latent_shape
 
 
 class TrainBatches:
@@ -77,10 +77,7 @@ def rollout_latent_shape(root: Path, data: DataConfig) -> tuple[int, ...]:
     manifest's ``latent_shape`` (a latent set: its rows'; a prompt-only set: what its stage derived from the frames,
     size and the base's VAE), else — a latent set written without a manifest — its first row's (a set holds one
     layout). Both given and different, or none of them, is one :class:`UserError` line."""
-    recorded = (_manifest(root) or {}).get("latent_shape")
-    recorded = [int(v) for v in recorded] if isinstance(recorded, list) and len(recorded) == 4 else None
-    if recorded is None and data_kind(root) != PROMPTS_KIND:
-        recorded = _first_row_latent_shape(root / data.split)
+    recorded = recorded_latent_shape(root, data.split)
     if data.latent_shape is not None:
         if recorded is not None and list(data.latent_shape) != recorded:
             raise UserError(f"config error: training.data.latent_shape: {list(data.latent_shape)} differs from the "
@@ -90,37 +87,6 @@ def rollout_latent_shape(root: Path, data: DataConfig) -> tuple[int, ...]:
         raise UserError(f"config error: training.data.latent_shape: required ([C, T, H, W] of the samples rollouts "
                         f"generate): {root / MANIFEST_FILE} records none")
     return tuple(recorded)
-
-
-def _first_row_latent_shape(split: Path) -> list[int] | None:
-    """The ``latent_shape`` of the first row of the split's first shard (only that column read), None when there is
-    none to read (the dataset then names the problem)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    shards = sorted(split.glob("*.parquet"), key=lambda p: p.name) if split.is_dir() else []
-    for shard in shards:
-        try:
-            column = pq.read_table(shard, columns=["latent_shape"]).column("latent_shape")
-        except (pa.ArrowException, OSError, KeyError):
-            return None
-        if len(column):
-            value = column[0].as_py()
-            return [int(v) for v in value] if isinstance(value, list) and len(value) == 4 else None
-    return None
-
-
-def _manifest(root: Path) -> dict[str, Any] | None:
-    from distillery.common.fsutil import read_json_file
-
-    path = Path(root) / MANIFEST_FILE
-    if not path.is_file():
-        return None
-    try:
-        value = read_json_file(path, 64 << 20)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: unreadable data set manifest ({type(e).__name__})") from None
-    return value if isinstance(value, dict) else None
 
 
 def check_data_kind(config: RunConfig) -> None:
