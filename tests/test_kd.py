@@ -226,3 +226,14 @@ def test_a_generation_killed_mid_shard_resumes_to_the_same_bytes(tmp_path, tiny_
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.split()[:2] == ["1", "4"]  # shard 0 kept, shard 1 made again from its start
     assert _files(tmp_path / "resumed") == _files(tmp_path / "whole")
+
+
+def test_dfsft_on_a_prompt_only_set_is_refused_at_the_params_check():
+    from distillery.stages.params_schema import validate_params
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["pretrain"]["data"] = "prompts"
+    with pytest.raises(UserError, match="pretrain.data: prompts: pretrain.method dfsft trains on video latents"):
+        validate_params(params)
+    params["pretrain"]["method"] = "ode_init"
+    assert validate_params(params).pretrain.data == "prompts"

@@ -49,3 +49,25 @@ def test_ode_init_then_self_forcing_through_dvc_repro(tmp_path):
     assert "Running stage 'pretrain'" in again.stdout and "Running stage 'teacher'" not in again.stdout
     assert "16 trajectories in 2 shard(s): 0 made this run" in again.stderr + again.stdout
     assert tree_sha(pretrain / "trajectories") == before
+
+
+@pytest.mark.slow
+def test_ode_init_from_prompts_only_with_a_given_teacher(tmp_path):
+    """The published recipes' layout: a given teacher (here the base itself), the student from the base, the
+    trajectories from a prompts file (``pretrain.data: prompts``: the prompts stage's text embeddings, no video)."""
+    from workspace import ROOT
+
+    prompts = (ROOT / "src" / "distillery" / "assets" / "prompts" / "tiny.txt").read_text().splitlines()[:12]
+    repo = make_workspace(tmp_path / "ws", {**FEW, "pretrain.data": "prompts", "prompts.path": "prompts.txt",
+                                            "prompts.rows_per_shard": 4, "teacher.source": "base",
+                                            "pretrain.student_init": "base", "pretrain.batch_size": 4})
+    (repo / "prompts.txt").write_text("\n".join(prompts) + "\n", encoding="utf-8")
+    sh(["dvc", "repro", "pretrain"], repo)
+    lineage = json.loads((repo / "artifacts" / "pretrain" / "lineage.json").read_text())
+    assert {i["role"]: i["path"] for i in lineage["inputs"]} == {"student_init": "artifacts/base", "data": "artifacts/prompts",
+                                                                 "teacher": "artifacts/teacher"}
+    made = json.loads((repo / "artifacts" / "pretrain" / "trajectories" / "trajectories.json").read_text())
+    assert made["rows"] == 12 and made["settings"]["latent_shape"] == [8, 5, 8, 8]  # the prompts stage's derived shape
+    captions = json.loads((repo / "artifacts" / "pretrain" / "trajectories" / "preprocess.json").read_text())
+    assert captions["data"] == "artifacts/prompts/data" and captions["latent_shape"] == [40, 5, 8, 8]
+    assert json.loads((repo / "metrics" / "pretrain.json").read_text())["steps"] == 4

@@ -242,6 +242,7 @@ class PretrainParams(TrainingStageParams):
     seeds_per_prompt: int = rule(1, 1, MAX_SEEDS)  # ode_init: trajectories (noise draws) per prompt
     trajectory_batch_size: int = rule(8, 1, MAX_BATCH)  # ode_init: prompts per teacher batch while generating
     trajectory_rows_per_shard: int = rule(32, 1, MAX_ROWS_PER_SHARD)  # ode_init: trajectories per shard (the unit of resume)
+    data: Literal["latents", "prompts"] = rule("latents")  # ode_init: whose prompts the trajectories start from (dfsft: latents)
 
 
 def score_ratio(v: float) -> str | None:
@@ -382,6 +383,10 @@ def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
     if params.pdd.data == "prompts" and params.pdd.rollout == "data_latent":
         raise UserError(f"{source}: pdd.data: prompts: pdd.rollout data_latent noises video latents, which a prompt-only "
                         f"set has none of; use pdd.rollout: simulate, or pdd.data: latents")
+    if params.pretrain.data == "prompts" and params.pretrain.method != "ode_init":
+        raise UserError(f"{source}: pretrain.data: prompts: pretrain.method {params.pretrain.method} trains on video "
+                        f"latents, which a prompt-only set has none of; use pretrain.method: ode_init (its trajectories "
+                        f"start from the prompts), or pretrain.data: latents")
     if params.teacher.path is not None and params.teacher.source != "base":
         raise UserError(f"{source}: teacher.path: {params.teacher.path}: a given teacher needs teacher.source: base "
                         f"(teacher.source: sft fine-tunes base.path)")

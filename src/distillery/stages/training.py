@@ -198,7 +198,7 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     if spec.trajectories:  # pretrain.method: ode_init: the teacher's ODE trajectories first (resumable), the data it trains on
         from distillery.stages.trajectories import TEACHER_ARTIFACT, stage_trajectories
 
-        trajectories = stage_trajectories(stage, params)
+        trajectories = stage_trajectories(stage, params, spec.data)
     raw = fill_run_config(spec, params, parent_run_id(params.path.read_text()), trajectories)
     check_chain(spec, raw)
     inputs = [(role, ARTIFACTS / artifact) for role, artifact in spec.input_artifacts()]

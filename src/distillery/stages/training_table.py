@@ -240,6 +240,7 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             input_keys={"student": "pretrain.student_init"},
             # dfsft: Diffusion-Forcing SFT on the latents; ode_init: KD onto the teacher's ODE trajectories (made first)
             method_key="pretrain.method",
+            data_key="pretrain.data",  # ode_init: the trajectories' prompts from the latent set or the prompt-only set
             methods={"dfsft": StageVariant("stages/pretrain_dfsft.yaml"),
                      "ode_init": StageVariant("stages/pretrain_ode_init.yaml", {"pretrain.t_list": "method.t_list"},
                                               trajectories=True)},

@@ -3,7 +3,8 @@
 :func:`stage_trajectories` runs inside the training stage, before its run config is filled: the teacher
 artifact's model (``artifacts/teacher/model``), loaded frozen on the stage's device (the first GPU when
 ``gpus.nproc_per_node`` ≥ 1 and CUDA is there, bf16; else the CPU, fp32), integrates its ODE with CFG for
-every prompt of the stage's data set (its text embeddings) and ``<stage>.seeds_per_prompt`` seeds
+every prompt of the stage's data set (its text embeddings: the latent set's, or with ``<stage>.data: prompts``
+the prompt-only set's) and ``<stage>.seeds_per_prompt`` seeds
 (:func:`distillery.data.trajectories.generate_trajectories`), into ``runs/<stage>_trajectories/`` — a
 crash-resume folder like the stage's checkpoints: a killed stage resumes at the first unfinished shard,
 and a rerun whose settings and prompts are unchanged makes nothing again. The finished set is the run's
@@ -34,8 +35,9 @@ def trajectories_dir(stage: str) -> Path:
     return RUNS / f"{stage}_trajectories"
 
 
-def stage_trajectories(stage: str, params: StageParams) -> Path:
-    """Make (or resume, or keep) the stage's trajectory set from ``params.yaml <stage>.*`` (module doc);
+def stage_trajectories(stage: str, params: StageParams, data: str = DATA_ARTIFACT) -> Path:
+    """Make (or resume, or keep) the stage's trajectory set from ``params.yaml <stage>.*`` (module doc) over the
+    prompts of ``artifacts/<data>/data`` (the latent set, or — ``<stage>.data: prompts`` — the prompt-only set);
     returns its folder. Settings out of range never get here (params check: one line)."""
     import torch
 
@@ -45,7 +47,7 @@ def stage_trajectories(stage: str, params: StageParams) -> Path:
     from distillery.stages.resume_key import folder_digest
 
     p = params.get(stage)
-    source = ARTIFACTS / DATA_ARTIFACT / "data"
+    source = ARTIFACTS / data / "data"
     teacher_folder = ARTIFACTS / TEACHER_ARTIFACT / "model"
     device = stage_device("auto", params.get("gpus.nproc_per_node"), "gpus.nproc_per_node")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
