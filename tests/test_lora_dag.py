@@ -1,0 +1,84 @@
+"""A LoRA stage through ``dvc repro``: ``pretrain.lora_rank: 4`` on the DFSFT pretrain (a causal student), killed
+mid-run with dvc and rerun, ends bitwise where an uninterrupted run does — its checkpoints' adapter, the published
+merged weights and adapter file — and the artifact's merged transformer is its base plus that adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from helpers import dcp_tensors
+from workspace import copy_workspace, env, kill_all_in, pause_training, read_log_steps, set_params, sh, wait_no_processes
+
+pytestmark = pytest.mark.slow
+LORA = {"pretrain.lora_rank": 4, "pretrain.lora_alpha": 8.0, "pretrain.learning_rate": 1e-2, "pretrain.steps": 6,
+        "pretrain.save_every": 2}
+
+
+def test_a_lora_pretrain_resumes_after_a_kill_bitwise(trained, tmp_path):
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    from distillery.export.weights import load_role_weights
+    from distillery.models.lora import load_base_with_adapter
+
+    whole, killed = copy_workspace(trained, tmp_path / "whole"), copy_workspace(trained, tmp_path / "killed")
+    for repo in (whole, killed):
+        set_params(repo, LORA)
+    sh(["dvc", "repro", "pretrain"], whole)
+
+    proc = subprocess.Popen(["dvc", "repro", "pretrain"], cwd=killed, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while not (killed / "runs" / "pretrain" / "checkpoint-2" / "metadata.json").is_file():
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.01)
+        pause_training(killed)  # mid-run for sure, then the whole tree killed from dvc down
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert wait_no_processes(killed, timeout=30) == []
+    finally:
+        kill_all_in(killed)
+    assert not (killed / "artifacts" / "pretrain").exists()
+    out = sh(["dvc", "repro", "pretrain"], killed)
+    assert "resumed from runs/pretrain/checkpoint-" in out.stderr
+    assert read_log_steps(killed / "runs" / "pretrain")[-1] == 6
+
+    a = dcp_tensors(whole / "runs" / "pretrain" / "checkpoint-6", ("roles.", "optimizers."))
+    b = dcp_tensors(killed / "runs" / "pretrain" / "checkpoint-6", ("roles.", "optimizers."))
+    assert a.keys() == b.keys() and all(".lora_" in k for k in a if ".state." in k or k.startswith("roles."))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    for name in ("transformer/diffusion_pytorch_model.safetensors", "lora/pytorch_lora_weights.safetensors"):
+        wa, wb = load_file(whole / "artifacts" / "pretrain" / "model" / name), load_file(killed / "artifacts" / "pretrain" / "model" / name)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), name
+
+    # the published merged weights are the base (the teacher artifact) + the adapter the checkpoint holds
+    model = whole / "artifacts" / "pretrain" / "model"
+    info = json.loads((model / "lora" / "base.json").read_text())
+    assert info["base"]["path"] == "artifacts/teacher/model/transformer" and info["rank"] == 4
+    lineage = json.loads((whole / "artifacts" / "pretrain" / "lineage.json").read_text())
+    assert lineage["config"]["models"]["student"]["lora"]["rank"] == 4
+    ckpt = whole / "runs" / "pretrain" / "checkpoint-6"
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    config = json.loads((ckpt / "roles" / "student" / "config.json").read_text())
+    cwd = os.getcwd()
+    os.chdir(whole)  # the base path is recorded relative to the pipeline folder
+    try:
+        adapted = load_base_with_adapter(meta["lora"]["student"], config, "test")
+    finally:
+        os.chdir(cwd)
+    load_role_weights(ckpt, "student", adapted, adapters_only=True)
+    merged = WanTransformer3DModel.from_pretrained(model / "transformer")
+    g = torch.Generator().manual_seed(0)
+    x, text = torch.randn(1, 8, 3, 8, 8, generator=g), torch.randn(1, 8, 32, generator=g)
+    with torch.no_grad():
+        ya = adapted(hidden_states=x, timestep=torch.tensor([400.0]), encoder_hidden_states=text, return_dict=False)[0]
+        ym = merged(hidden_states=x, timestep=torch.tensor([400.0]), encoder_hidden_states=text, return_dict=False)[0]
+    torch.testing.assert_close(ym, ya, atol=1e-5, rtol=1e-5)
