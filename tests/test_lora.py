@@ -206,3 +206,25 @@ def test_export_weights_cli_takes_the_lora_form(trained, tmp_path):
     assert (tmp_path / "x" / "lora" / "pytorch_lora_weights.safetensors").is_file() and not (tmp_path / "x" / "transformer").exists()
     both = _cli("export-weights", str(ckpt), "--out", str(tmp_path / "y"), cwd=tmp_path)  # default: both
     assert both.returncode == 0 and (tmp_path / "y" / "lora").is_dir() and (tmp_path / "y" / "transformer").is_dir()
+
+
+def test_ema_of_the_adapter_exports_as_base_plus_shadow(tmp_path, tiny_base, latent_set):
+    from diffusers import WanTransformer3DModel
+
+    from distillery.export.weights import export_weights
+
+    cfg = _lora_config(tiny_base, latent_set, tmp_path / "run", steps=3)
+    cfg["callbacks"] = {"ema": {"_target_": "distillery.callbacks.ema.EMACallback", "decay": 0.5}}
+    ckpt = train_in_process(cfg).checkpoint
+    shadow = dcp_tensors(ckpt, ("callbacks.ema.",))
+    assert shadow and all(".lora_" in k for k in shadow)  # the EMA averages the adapter only
+    ema = WanTransformer3DModel.from_pretrained(export_weights(ckpt, "student", tmp_path / "ema", ema="ema", lora="merged"))
+    raw = WanTransformer3DModel.from_pretrained(export_weights(ckpt, "student", tmp_path / "raw", lora="merged"))
+    assert not torch.allclose(_forward(ema), _forward(raw), atol=1e-6)
+    # the shadow's own adapter, loaded onto the base by stock diffusers, is the EMA export's forward
+    from diffusers import WanPipeline
+
+    lora_dir = export_weights(ckpt, "student", tmp_path / "ema-adapter", ema="ema", lora="adapter")
+    pipe = WanPipeline.from_pretrained(tiny_base)
+    pipe.load_lora_weights(lora_dir)
+    torch.testing.assert_close(_forward(pipe.transformer), _forward(ema), atol=1e-5, rtol=1e-5)
