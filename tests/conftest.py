@@ -99,14 +99,17 @@ def trained(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # The longest test files first: `-n 2 --dist loadfile` hands files to the two workers in the order of the
 # collection, as each worker runs low on tests; a long file handed out last would run alone at the end.
-# Longest-first keeps both workers busy until the end (the seconds each took in whole-suite runs on 2 cores,
+# Longest-first keeps both workers busy until the end. The seconds each took in whole-suite runs on 2 cores,
 # 2026-12-02: pipeline 600, stage_trust 480, stage_faults 330, flows 250, scale 170, dmd2 150, artifact_trust 110,
-# roles 100, preprocess 85, slurm 85, distributed 80, training 75, preflight_space 40; the rest keep their order).
+# roles 100, preprocess 85, slurm 85, distributed 80, training 75; the files added since, alone on 2 cores
+# (2026-12-03; about 1.5× that in a whole-suite run): prompts_stage 270, given_teacher 90, stage_ema 65, ...
+# Files not named here come next if any of their tests is marked slow (they run stages or torchrun: the long kind),
+# then the rest; each group in collection order (see :func:`_file_rank`).
 LONGEST_FIRST = ("tests/test_pipeline.py", "tests/reliability/test_stage_trust.py", "tests/reliability/test_stage_faults.py",
-                 "tests/test_flows.py", "tests/test_scale.py", "tests/test_dmd2.py", "tests/reliability/test_artifact_trust.py",
-                 "tests/test_roles.py", "tests/test_preprocess.py", "tests/reliability/test_slurm.py", "tests/test_distributed.py",
-                 "tests/test_training.py", "tests/test_preflight_space.py")
-
+                 "tests/test_prompts_stage.py", "tests/test_flows.py", "tests/test_scale.py", "tests/test_dmd2.py",
+                 "tests/test_given_teacher.py", "tests/reliability/test_artifact_trust.py", "tests/test_roles.py",
+                 "tests/test_stage_ema.py", "tests/test_preprocess.py", "tests/reliability/test_slurm.py", "tests/test_distributed.py",
+                 "tests/test_training.py")
 
 def pytest_configure(config):
     """xdist (3.x) hands out the files of ``--dist loadfile`` sorted by their number of tests unless told not to,
@@ -118,14 +121,23 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
-def pytest_collection_modifyitems(session, config, items):
+def _file_rank(items) -> dict[str, tuple[int, int]]:
+    """Each test file's place in the hand-out order: ``(0, i)`` for the i-th of :data:`LONGEST_FIRST`, ``(1, 0)`` for
+    another file with a test marked slow, ``(2, 0)`` for the rest."""
     root = Path(__file__).resolve().parent.parent
     order = {name: i for i, name in enumerate(LONGEST_FIRST)}
-
-    def rank(item) -> int:
+    ranks: dict[str, tuple[int, int]] = {}
+    for item in items:
+        path = str(item.fspath)
         try:
-            return order.get(Path(str(item.fspath)).resolve().relative_to(root).as_posix(), len(order))
+            name = Path(path).resolve().relative_to(root).as_posix()
         except ValueError:
-            return len(order)
+            name = path
+        rank = (0, order[name]) if name in order else (1, 0) if item.get_closest_marker("slow") else (2, 0)
+        ranks[path] = min(ranks.get(path, rank), rank)
+    return ranks
 
-    items.sort(key=rank)  # stable: within a file and among the rest, collection order is kept
+
+def pytest_collection_modifyitems(session, config, items):
+    ranks = _file_rank(items)
+    items.sort(key=lambda item: ranks[str(item.fspath)])  # stable: within a file and within a group, collection order is kept
