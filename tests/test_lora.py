@@ -228,3 +228,23 @@ def test_ema_of_the_adapter_exports_as_base_plus_shadow(tmp_path, tiny_base, lat
     pipe = WanPipeline.from_pretrained(tiny_base)
     pipe.load_lora_weights(lora_dir)
     torch.testing.assert_close(_forward(pipe.transformer), _forward(ema), atol=1e-5, rtol=1e-5)
+
+
+def test_lora_under_the_bf16_compute_copy(tmp_path, tiny_base, latent_set):
+    """One rank, bf16 compute (the GPU's default placement, run here on the CPU): the bf16 copy carries the adapter,
+    its gradients reach the fp32 master adapter, and after each step the copy holds the master's adapter again; the
+    base stays as loaded in both."""
+    from diffusers import WanTransformer3DModel
+
+    cfg = _lora_config(tiny_base, latent_set, tmp_path / "run", steps=2)
+    cfg["training"]["distributed"] = {"mixed_precision": "bf16"}
+    model = _fit(cfg)[1].run.models["student"]
+    assert model.compute_copy is not None and model.compute_dtype == torch.bfloat16
+    master, copy = dict(model.transformer.named_parameters()), dict(model.forward_module.named_parameters())
+    base = WanTransformer3DModel.from_pretrained(tiny_base / "transformer").state_dict()
+    trained = [n for n in master if "lora_B" in n and master[n].abs().sum() > 0]
+    assert trained and all(master[n].dtype == torch.float32 for n in trained)
+    for name, param in master.items():
+        assert torch.equal(copy[name], param.to(torch.bfloat16)), name
+        if ".lora_" not in name:
+            assert not param.requires_grad and torch.equal(param, base[name.replace(".base_layer.", ".")]), name
