@@ -4,18 +4,64 @@ student with no other change — through ``dvc repro`` in a git + DVC workspace 
 
 The trajectories are resumable and tracked: they live in ``runs/pretrain_trajectories`` while the stage works
 and are published inside ``artifacts/pretrain/trajectories`` (a DVC out); a pretrain rerun for another reason
-(its learning rate) makes none again and publishes the same bytes.
+(``ode_init_bidirectional``: a bidirectional student, then DMD2) makes none again and publishes the same bytes.
+``pretrain.data: prompts``: the trajectories start from a prompts file (the prompts stage), with a given teacher.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
-from workspace import make_workspace, set_params, sh, tree_sha
+import yaml
+from workspace import ROOT, make_workspace, set_params, sh, tree_sha
+
+from distillery.stages.dvcfile import stage_params
+from distillery.stages.params import Params, StageParams
+from distillery.stages.run_config import fill_run_config, stage_overrides
+from distillery.stages.training_table import TRAINING_STAGES
 
 FEW = {"pretrain.method": "ode_init", "pretrain.teacher_steps": 2, "pretrain.trajectory_rows_per_shard": 8,
        "pretrain.trajectory_batch_size": 8, "teacher.steps": 2, "pretrain.steps": 4, "distill.steps": 2}
+
+
+@pytest.mark.parametrize("method, target, model, chunks", [
+    ("dfsft", "distillery.methods.dfsft.DFSFTMethod", "distillery.models.wan.CausalWanModel", True),
+    ("ode_init", "distillery.methods.kd.KDMethod", "distillery.models.wan.CausalWanModel", True),
+    ("ode_init_bidirectional", "distillery.methods.kd.KDMethod", "distillery.models.wan.WanModel", False)])
+def test_pretrain_method_picks_its_template_and_fills_it(tmp_path, monkeypatch, method, target, model, chunks):
+    """pretrain.method picks the recipe: its template, the causal chunks where the student is causal, the t_list of
+    KD, and (ODE-init) the trajectory folder as the data; every key the row fills is null in the template."""
+    for name in ("dvc.yaml", "params.yaml", "stages"):
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(ROOT / name, tmp_path / name)
+    data = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    data["pretrain"].update(method=method, chunk_size=2, t_list=[1000, 750, 500, 0])
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    for folder in ("artifacts/latents/data", "runs/pretrain_trajectories"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "preprocess.json").write_text(json.dumps({"settings": {"max_sequence_length": 24}}))
+    monkeypatch.chdir(tmp_path)
+    view = StageParams(Params.load("params.yaml"), "pretrain", stage_params("pretrain"))
+    spec = TRAINING_STAGES["pretrain"].resolve(view)
+    assert spec.trajectories == (method != "dfsft") and spec.template == f"stages/pretrain_{method}.yaml"
+    folder = Path("runs/pretrain_trajectories") if spec.trajectories else None
+    raw = fill_run_config(spec, view, "parent", folder)
+    assert raw["method"]["_target_"] == target and raw["models"]["student"]["_target_"] == model
+    assert raw["training"]["data"]["path"] == str(folder or "artifacts/latents/data")
+    if chunks:
+        assert raw["method"]["chunk_size"] == raw["models"]["student"]["chunk_size"] == 2
+    else:
+        assert "chunk_size" not in raw["method"] and "chunk_size" not in raw["models"]["student"]
+    if spec.trajectories:
+        assert raw["method"]["t_list"] == [1000.0, 750.0, 500.0, 0.0]
+    template = yaml.safe_load(Path(spec.template).read_text())
+    for key, _ in stage_overrides(spec, view, "p", folder):
+        node = template
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        assert node is None, f"{spec.template} holds {key}: {node}"
 
 
 @pytest.mark.slow
@@ -42,13 +88,19 @@ def test_ode_init_then_self_forcing_through_dvc_repro(tmp_path):
     assert {i["role"]: i["path"] for i in distill["inputs"]}["student_init"] == "artifacts/pretrain"
     assert distill["method"] == "distillery.methods.self_forcing.SelfForcingMethod"
     assert "distill" not in sh(["dvc", "status", "distill"], repo).stdout
-    # pretrain again for another reason: no trajectory made again, the same trajectory bytes published
+    # the bidirectional student for DMD2: pretrain again, no trajectory made again (the same settings), the same bytes
     before = tree_sha(pretrain / "trajectories")
-    set_params(repo, {"pretrain.learning_rate": 1.0e-4})
-    again = sh(["dvc", "repro", "pretrain"], repo)
+    set_params(repo, {"pretrain.method": "ode_init_bidirectional", "distill.method": "dmd2"})
+    again = sh(["dvc", "repro", "distill"], repo)
     assert "Running stage 'pretrain'" in again.stdout and "Running stage 'teacher'" not in again.stdout
     assert "16 trajectories in 2 shard(s): 0 made this run" in again.stderr + again.stdout
     assert tree_sha(pretrain / "trajectories") == before
+    lineage = json.loads((pretrain / "lineage.json").read_text())
+    assert lineage["config"]["models"]["student"]["_target_"] == "distillery.models.wan.WanModel"
+    assert json.loads((pretrain / "model" / "sampling.json").read_text()).get("chunk_size") is None
+    distill = json.loads((repo / "artifacts" / "distill" / "lineage.json").read_text())
+    assert distill["method"] == "distillery.methods.dmd2.DMD2Method"
+    assert {i["role"]: i["path"] for i in distill["inputs"]}["student_init"] == "artifacts/pretrain"
 
 
 @pytest.mark.slow

@@ -235,7 +235,9 @@ class TeacherParams(TrainingStageParams):
 class PretrainParams(TrainingStageParams):
     chunk_size: int = rule(1, 1, MAX_LATENT_FRAMES)  # latent frames that share one timestep (Diffusion-Forcing)
     student_init: Literal["teacher", "base"] = rule("teacher")  # the causal student's init: the teacher artifact, or the base (a given, larger teacher)
-    method: Literal["dfsft", "ode_init"] = rule("dfsft")  # dfsft: Diffusion-Forcing SFT on the latents; ode_init: KD onto the teacher's ODE trajectories
+    # dfsft: Diffusion-Forcing SFT on the latents; ode_init: KD onto the teacher's ODE trajectories (a causal student;
+    # ode_init_bidirectional: a bidirectional one, distill.method dmd2's init)
+    method: Literal["dfsft", "ode_init", "ode_init_bidirectional"] = rule("dfsft")
     t_list: list[float] = rule([999.0, 937.0, 833.0, 624.0, 0.0], 0, MAX_TIMESTEP, check=trajectory_points)  # ode_init: the trajectory points
     teacher_steps: int = rule(8, 1, MAX_SAMPLING_STEPS)  # ode_init: the teacher's Euler steps (t_list's points added to its grid)
     guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite)  # ode_init: the teacher's CFG, u + w (c - u)
@@ -383,7 +385,7 @@ def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
     if params.pdd.data == "prompts" and params.pdd.rollout == "data_latent":
         raise UserError(f"{source}: pdd.data: prompts: pdd.rollout data_latent noises video latents, which a prompt-only "
                         f"set has none of; use pdd.rollout: simulate, or pdd.data: latents")
-    if params.pretrain.data == "prompts" and params.pretrain.method != "ode_init":
+    if params.pretrain.data == "prompts" and params.pretrain.method == "dfsft":
         raise UserError(f"{source}: pretrain.data: prompts: pretrain.method {params.pretrain.method} trains on video "
                         f"latents, which a prompt-only set has none of; use pretrain.method: ode_init (its trajectories "
                         f"start from the prompts), or pretrain.data: latents")

@@ -216,6 +216,9 @@ def loop_params(stage: str) -> dict[str, str]:
     }
 
 
+# the causal student attends block-causally over the chunks its method noises (DFSFT) or draws a trajectory point for (KD)
+CAUSAL_CHUNKS = {"pretrain.chunk_size": ("method.chunk_size", "models.student.chunk_size")}
+
 TRAINING_STAGES: dict[str, TrainingStageSpec] = {
     spec.name: spec
     for spec in (
@@ -235,15 +238,18 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             template="stages/pretrain_dfsft.yaml",
             inputs={"student": "teacher"},
             # the causal student attends block-causally over the chunks DFSFT noises independently
-            params={**loop_params("pretrain"), "pretrain.chunk_size": ("method.chunk_size", "models.student.chunk_size")},
+            params=loop_params("pretrain"),
             # from the teacher (its SFT), or from the base when the teacher is a given, larger model
             input_keys={"student": "pretrain.student_init"},
             # dfsft: Diffusion-Forcing SFT on the latents; ode_init: KD onto the teacher's ODE trajectories (made first)
             method_key="pretrain.method",
             data_key="pretrain.data",  # ode_init: the trajectories' prompts from the latent set or the prompt-only set
-            methods={"dfsft": StageVariant("stages/pretrain_dfsft.yaml"),
-                     "ode_init": StageVariant("stages/pretrain_ode_init.yaml", {"pretrain.t_list": "method.t_list"},
-                                              trajectories=True)},
+            # (ode_init_bidirectional: a bidirectional student, the init of distill.method: dmd2)
+            methods={"dfsft": StageVariant("stages/pretrain_dfsft.yaml", CAUSAL_CHUNKS),
+                     "ode_init": StageVariant("stages/pretrain_ode_init.yaml", {**CAUSAL_CHUNKS, "pretrain.t_list": "method.t_list"},
+                                              trajectories=True),
+                     "ode_init_bidirectional": StageVariant("stages/pretrain_ode_init_bidirectional.yaml",
+                                                            {"pretrain.t_list": "method.t_list"}, trajectories=True)},
             validation=ValidationSpec("pretrain", steps="validate.pretrain_steps", guidance="validate.guidance_scale"),
         ),
         TrainingStageSpec(
