@@ -123,3 +123,37 @@ def test_ode_init_from_prompts_only_with_a_given_teacher(tmp_path):
     captions = json.loads((repo / "artifacts" / "pretrain" / "trajectories" / "preprocess.json").read_text())
     assert captions["data"] == "artifacts/prompts/data" and captions["latent_shape"] == [40, 5, 8, 8]
     assert json.loads((repo / "metrics" / "pretrain.json").read_text())["steps"] == 4
+
+
+@pytest.mark.slow
+def test_a_pretrain_killed_mid_shard_resumes_to_the_same_trajectories_and_student(tmp_path):
+    """``distillery stage pretrain`` SIGKILLed while it makes the trajectories — shard 0 written, shard 1 under way —
+    then ``dvc repro``: it makes shard 1 only, and the published trajectories and the trained student are byte for byte
+    those of a run never killed (a copy of the workspace made before)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from workspace import copy_workspace, env, wait_no_processes
+
+    repo = make_workspace(tmp_path / "ws", {**FEW, "pretrain.trajectory_batch_size": 4})
+    sh(["dvc", "repro", "teacher"], repo)
+    reference = copy_workspace(repo, tmp_path / "reference")
+    sh(["dvc", "repro", "pretrain"], reference)
+    proc = subprocess.Popen(["distillery", "stage", "pretrain"], cwd=repo, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    shards = repo / "runs" / "pretrain_trajectories" / "train"
+    deadline = time.time() + 600
+    while not (shards / "shard-00000.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the stage ended before its first shard"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not wait_no_processes(repo)
+    assert not (shards / "shard-00001.parquet").exists() and not (repo / "artifacts" / "pretrain").exists()  # mid-shard 1
+    out = sh(["dvc", "repro", "pretrain"], repo)
+    assert "16 trajectories in 2 shard(s): 8 made this run (1 shard(s)" in out.stdout + out.stderr
+    assert tree_sha(repo / "artifacts" / "pretrain" / "trajectories") == tree_sha(reference / "artifacts" / "pretrain" / "trajectories")
+    assert tree_sha(repo / "artifacts" / "pretrain" / "model" / "transformer") == \
+        tree_sha(reference / "artifacts" / "pretrain" / "model" / "transformer")
