@@ -173,6 +173,7 @@ for kind, folder in EXPORTS.items():
         out = pipe(prompt, generator=torch.Generator().manual_seed(seed), output_type="latent", **kw,
                    num_inference_steps=c["num_steps"], guidance_scale=c["guidance_scale"]).frames[0]
         print("latents", kind, name, (out - saved).abs().max().item())
+    print("plan", kind, pipe.speed_plan.stock, pipe.speed_plan.attention, pipe.speed_plan.decode)
     card = open(folder + "/README.md").read()
     for i, snippet in enumerate(card.split("```python\n")[1:]):
         snippet = snippet.split("```")[0]
@@ -220,6 +221,13 @@ def test_every_export_kind_samples_validate_s_latents_without_distillery(exports
         ("distill", "DistilledWanPipeline", "distill_2"), ("dmd2", "DistilledWanPipeline", "dmd2_2"),
         ("pdd", "DistilledWanPipeline", "pdd_2"), ("pdd", "WanPipeline", "pdd_1")], out.stdout
     assert max(float(s[5]) for s in snippets) <= 1e-4, snippets
+    # on the CPU every export samples on the stock path (its GPU parts stay off) and each pipeline (the card snippets'
+    # too) says so in one line on stderr, on its first video
+    plans = [ln.split()[1:] for ln in lines if ln.startswith("plan ")]
+    assert plans == [[k, "True", "sdpa", "stock"] for k in STUDENTS], plans
+    said = [ln for ln in out.stderr.splitlines() if ln.startswith("distilled Wan pipeline:")]
+    assert len(said) == len(STUDENTS) + sum(s[3] == "DistilledWanPipeline" for s in snippets), said
+    assert all("stock path" in ln and "needs CUDA" in ln for ln in said), said
 
 
 def test_the_cards_say_what_each_export_is(exports):

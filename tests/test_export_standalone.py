@@ -16,36 +16,42 @@ from pathlib import Path
 import pytest
 import torch
 
-from distillery.export.code import SHIPPED_MODULES, shipped_sources
+from distillery.export.code import SHIPPED_ELSEWHERE, SHIPPED_MODULES, shipped_sources
 from distillery.lineage.manifest import EXPORT_OWN_CODE
 from distillery.tinybase.shipped import shipped_tiny_base
 
 STANDALONE = Path(__file__).resolve().parents[1] / "src" / "distillery" / "export" / "standalone"
 ALLOWED = {"torch", "numpy", "safetensors", "diffusers", "transformers"}
+OPTIONAL = {"flash_attn", "triton", "torchao"}  # the GPU path's, imported only inside functions, where installed
 
 
-def _imports(path: Path) -> tuple[set[str], set[str]]:
-    """(top-level packages imported absolutely, modules imported relatively) by ``path``, lazy imports included."""
+def _imports(path: Path, top_level_only: bool = False) -> tuple[set[str], set[str]]:
+    """(top-level packages imported absolutely, modules imported relatively) by ``path``, lazy imports included
+    unless ``top_level_only``; ``from . import x`` counts as the module ``x``."""
     absolute, relative = set(), set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in (tree.body if top_level_only else ast.walk(tree)):
         if isinstance(node, ast.Import):
             absolute |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                relative.add(node.module or "")
+                relative |= {node.module} if node.module else {a.name for a in node.names}
             else:
                 absolute.add(node.module.split(".")[0])
     return absolute, relative
 
 
 def test_the_shipped_modules_import_only_the_libraries_and_each_other():
-    assert sorted(SHIPPED_MODULES) == sorted(p.name for p in STANDALONE.glob("*.py") if p.name != "__init__.py")
+    standalone = sorted(p.name for p in STANDALONE.glob("*.py") if p.name != "__init__.py")
+    assert sorted(SHIPPED_MODULES) == sorted([*standalone, *SHIPPED_ELSEWHERE])
     assert tuple(EXPORT_OWN_CODE) == tuple(SHIPPED_MODULES)  # what lineage --verify lets an export carry
     stems = {name[:-3] for name in SHIPPED_MODULES}
     for name, path in shipped_sources().items():
         absolute, relative = _imports(path)
-        foreign = absolute - ALLOWED - set(sys.stdlib_module_names)
+        foreign = absolute - ALLOWED - OPTIONAL - set(sys.stdlib_module_names)
         assert not foreign, (name, foreign)  # never distillery
+        eager, _ = _imports(path, top_level_only=True)
+        assert not eager & OPTIONAL, (name, eager & OPTIONAL)  # the folder loads where they are not installed
         assert relative <= stems, (name, relative)
     _, from_pipeline = _imports(STANDALONE / "pipeline.py")
     assert from_pipeline == stems - {"pipeline"}  # diffusers copies only the modules the pipeline imports relatively

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from distillery.data import vae_kernels
+from . import vae_kernels  # relative: an export folder ships this module and vae_kernels.py side by side
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan

@@ -1,11 +1,13 @@
-"""The code an export folder ships: the modules of :mod:`distillery.export.standalone`, copied to the
-folder's top level, and the record of them its lineage keeps.
+"""The code an export folder ships: the modules of :mod:`distillery.export.standalone` and the fused chunked VAE
+decode of :mod:`distillery.data` (``vae_decode.py``, ``vae_kernels.py``: the same code validate decodes with), copied
+to the folder's top level, and the record of them its lineage keeps.
 
 The export's only code is these files (``lineage --verify`` refuses any other code file, and these
 unless their digests are the ones recorded, :func:`distillery.lineage.manifest.verify_lineage`):
 :data:`SHIPPED_MODULES` is their names, and the same names are
 :data:`distillery.lineage.manifest.EXPORT_OWN_CODE` (a test keeps the two equal). They import only the
-standard library, torch, numpy, safetensors, diffusers and transformers, so the folder samples where
+standard library, torch, numpy, safetensors, diffusers and transformers (FlashAttention-4, Triton and torchao only
+where installed, for the GPU path of :mod:`distilled_fast`), so the folder samples where
 distillery is not installed — with :data:`REQUIREMENTS` installed (diffusers loads Wan's transformer only
 where accelerate is: ``low_cpu_mem_usage`` cannot be off for its fp32-kept modules), the packages the
 model card names and ``tests/test_export_isolated.py`` installs, alone, to load every kind of export.
@@ -33,7 +35,10 @@ from typing import Any
 
 STANDALONE_PACKAGE = "distillery.export.standalone"
 # the module files copied into every export (pipeline.py imports the others relatively: diffusers copies them with it)
-SHIPPED_MODULES = ("pipeline.py", "distilled_schedule.py", "distilled_samplers.py", "distilled_wan.py", "distilled_causal.py")
+SHIPPED_MODULES = ("pipeline.py", "distilled_schedule.py", "distilled_samplers.py", "distilled_wan.py", "distilled_causal.py",
+                   "distilled_fast.py", "vae_decode.py", "vae_kernels.py")
+# the shipped modules that live outside STANDALONE_PACKAGE: the fused chunked VAE decode validate uses too
+SHIPPED_ELSEWHERE = {"vae_decode.py": "distillery.data", "vae_kernels.py": "distillery.data"}
 CODE_RECORD_KEY = "shipped_code"  # in the export's lineage config: {file name: sha256}
 # what the folder's snippets need installed (the model card names them; the isolated test installs exactly these)
 REQUIREMENTS = ("torch", "diffusers", "transformers", "accelerate")
@@ -45,7 +50,7 @@ def shipped_sources() -> dict[str, Path]:
     """``{file name: source file in the package}`` of every module an export ships."""
     sources = {}
     for name in SHIPPED_MODULES:
-        spec = importlib.util.find_spec(f"{STANDALONE_PACKAGE}.{name[:-3]}")  # located (a dvc.yaml dep), never run
+        spec = importlib.util.find_spec(f"{SHIPPED_ELSEWHERE.get(name, STANDALONE_PACKAGE)}.{name[:-3]}")  # located (a dvc.yaml dep), never run
         assert spec is not None and spec.origin, name
         sources[name] = Path(spec.origin)
     return sources

@@ -198,8 +198,25 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
               f"            {call_args}{marker}",
               f"            generator=torch.Generator().manual_seed({seed})).frames[0]",
               "print(video.shape)", "```", ""]
+    if not stock_samples(contract):
+        lines += _gpu_lines()
     stock = _stock_snippet(teacher, contract, stock_nfe, report, folder, prompt, seed, size, steps, guidance, candidate)
     return "\n".join(front + lines + stock)
+
+
+def _gpu_lines() -> list[str]:
+    """What the folder's pipeline does on a GPU and how to get its fast path (``distilled_fast.py``)."""
+    return ["### On a GPU", "",
+            "Load it in bf16 and move it to the GPU (`DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, "
+            "trust_remote_code=True, torch_dtype=torch.bfloat16).to(\"cuda\")`, a `torch.Generator(\"cuda\")`): the "
+            "pipeline then runs FlashAttention-4 where `flash-attn-4` is installed (`pip install flash-attn-4`, or "
+            "distillery's `[gpu]` extra; a Hopper or newer GPU), compiles each transformer block (the first video "
+            "pays the compile) and decodes with the fused chunked VAE decoder in the VAE's dtype — each part only "
+            "where it can run. Its first video prints one line saying which path it took. "
+            "`pipe.configure_speed(attention=\"sdpa\", compile=\"off\", decode=\"stock\")` before the first video "
+            "keeps diffusers' own kernels; `fp8=\"on\"` (needs `torchao`) runs the blocks' GEMMs in float8 — off by "
+            "default: neither its speed nor how far it moves the samples has been measured yet. On the CPU it is always the stock path, "
+            "and it returns validate's latents bit for bit.", ""]
 
 
 def _stock_snippet(teacher: bool, contract: dict[str, Any], stock_nfe: int | None, report: dict[str, Any], folder: str,

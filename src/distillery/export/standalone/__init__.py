@@ -10,9 +10,22 @@ distilled model samples with nothing of distillery installed:
 - ``distilled_samplers.py`` — the samplers of a ``sampling.json`` (``euler``, ``few_step_x0``,
   ``causal_streaming``, ``pdd_fused``);
 - ``distilled_wan.py`` — the denoisers over the pipeline's ``WanTransformer3DModel`` (plain, PDD heads);
-- ``distilled_causal.py`` — block-causal self-attention and its KV cache (the Self-Forcing student).
+- ``distilled_causal.py`` — block-causal self-attention and its KV cache (the Self-Forcing student);
+- ``distilled_fast.py`` — the GPU path: FlashAttention-4, compiled blocks, fused chunked VAE decode, fp8 on request;
+- ``vae_decode.py``, ``vae_kernels.py`` — the fused chunked VAE decode, shipped from :mod:`distillery.data` (the code
+  validate decodes with). In the folder they sit beside ``pipeline.py``; in this package the same relative imports
+  (``from .vae_decode import …``) find :mod:`distillery.data.vae_decode` and :mod:`distillery.data.vae_kernels`
+  under these names (registered below), so the package and the folder run one and the same code.
 
 The training library keeps its own implementations (:mod:`distillery.sampling`, :mod:`distillery.models`);
 these reproduce their latents (the same operations in the same order; tests compare them bit for bit on the CPU).
 This ``__init__`` is not copied.
 """
+
+import sys
+
+from distillery.data import vae_decode as _vae_decode
+from distillery.data import vae_kernels as _vae_kernels
+
+sys.modules[f"{__name__}.vae_decode"] = _vae_decode
+sys.modules[f"{__name__}.vae_kernels"] = _vae_kernels

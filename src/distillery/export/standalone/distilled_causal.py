@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .distilled_fast import FA4SelfAttnProcessor, attention_output, fa4_attention, fa4_can_run, self_attention_qkv
 from .distilled_wan import Conditioning, WanDenoiser
 
 
@@ -80,50 +81,53 @@ def _rotary_hook(rope: torch.nn.Module, args: tuple, output: Any) -> Any:
     return PlannedRotary(cos, sin, plan)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Wan's rotary embedding of ``x`` ``[B, L, heads, head_dim]`` (interleaved pairs), as diffusers applies it."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
-
-
 class CausalAttnProcessor:
-    """``attn1`` of block ``block_index``: block-causal + KV cache under a plan, else diffusers' ``WanAttnProcessor``."""
+    """``attn1`` of block ``block_index``: block-causal + KV cache under a plan, else diffusers' ``WanAttnProcessor``
+    (or, with ``fa4`` set by :func:`distilled_fast.install_fa4`, FlashAttention-4 for CUDA bf16/fp16 activations)."""
 
     _attention_backend = None
     _parallel_config = None
 
     def __init__(self, block_index: int) -> None:
         self.block_index = block_index
+        self.fa4 = False
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-        from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
-
         plan = getattr(rotary_emb, "plan", None)
         if plan is None or encoder_hidden_states is not None:
-            stock = WanAttnProcessor()
+            if self.fa4 and encoder_hidden_states is None:
+                stock = FA4SelfAttnProcessor()
+            else:
+                from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+                stock = WanAttnProcessor()
             stock._attention_backend, stock._parallel_config = self._attention_backend, self._parallel_config
             return stock(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        query, key, value = _get_qkv_projections(attn, hidden_states, None)
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
-        query = apply_rotary(query, rotary_emb.freqs_cos, rotary_emb.freqs_sin)
-        key = apply_rotary(key, rotary_emb.freqs_cos, rotary_emb.freqs_sin)
-        if plan.store is not None:
-            plan.store[self.block_index] = (key.detach(), value.detach())
-        if plan.past is not None:
-            past_k, past_v = plan.past[self.block_index]
-            key = torch.cat([past_k.to(key.dtype), key], dim=1)
-            value = torch.cat([past_v.to(value.dtype), value], dim=1)
-        outs = [dispatch_attention_fn(query[:, qb:qe], key[:, :ke], value[:, :ke], attn_mask=None, dropout_p=0.0,
-                                      is_causal=False, backend=self._attention_backend)
-                for qb, qe, ke in plan.query_groups()]
-        hidden = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).flatten(2, 3).type_as(query)
-        return attn.to_out[1](attn.to_out[0](hidden))
+        query, key, value = self_attention_qkv(attn, hidden_states, (rotary_emb.freqs_cos, rotary_emb.freqs_sin))
+        return attention_output(attn, _planned_attention(self, query, key, value, plan), query)
+
+
+@torch.compiler.disable
+def _planned_attention(processor: CausalAttnProcessor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       plan: AttentionPlan) -> torch.Tensor:
+    """The call's queries ``[B, L, heads, head_dim]`` (after norm + RoPE) over the cached keys/values ⊕ the call's
+    own, one call per chunk over its key prefix; stores the call's keys/values in ``plan.store``. Kept out of
+    ``torch.compile`` regions: it reads per-call Python state (the plan, the block index), so compiled blocks stay
+    one graph for every block and call."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    if plan.store is not None:
+        plan.store[processor.block_index] = (key.detach(), value.detach())
+    if plan.past is not None:
+        past_k, past_v = plan.past[processor.block_index]
+        key = torch.cat([past_k.to(key.dtype), key], dim=1)
+        value = torch.cat([past_v.to(value.dtype), value], dim=1)
+    fa4 = processor.fa4 and fa4_can_run(query)
+    outs = [fa4_attention(query[:, qb:qe], key[:, :ke], value[:, :ke]) if fa4 else
+            dispatch_attention_fn(query[:, qb:qe], key[:, :ke], value[:, :ke], attn_mask=None, dropout_p=0.0,
+                                  is_causal=False, backend=processor._attention_backend)
+            for qb, qe, ke in plan.query_groups()]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def install_causal_attention(transformer: torch.nn.Module) -> None:

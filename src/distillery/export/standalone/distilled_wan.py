@@ -41,8 +41,11 @@ class WanDenoiser:
         self.transformer = transformer
         self.shift = float(shift)
         self.num_train_timesteps = int(num_train_timesteps)
-        param = next(transformer.parameters())
-        self.device, self.dtype = param.device, param.dtype  # inputs go in as the weights' dtype
+        # inputs go in as the input layer's dtype (loaded in bf16, diffusers keeps some modules in fp32: the first
+        # parameter is not the one to ask)
+        param = getattr(getattr(transformer, "patch_embedding", None), "weight", None)
+        param = param if param is not None else next(transformer.parameters())
+        self.device, self.dtype = param.device, param.dtype
         cfg = transformer.config
         self.patch_size = tuple(cfg.patch_size)
         self.in_channels = int(cfg.in_channels)

@@ -16,8 +16,12 @@ output) whose denoising loop is the sampler of the folder's ``sampling.json``
 (:mod:`distilled_wan`; block-causal with a KV cache for ``causal_streaming``, :mod:`distilled_causal`).
 Every module it needs is in the folder beside it and imported relatively (diffusers copies those).
 For the prompt, seed, size and settings the validate stage used, it returns the latents validate saved (bit for
-bit where both ran the same kernels, e.g. on the CPU; attention here is always SDPA through diffusers' dispatcher,
-so against a validate that ran FlashAttention-4 on a GPU it agrees to that precision, not bit for bit).
+bit where both ran the same kernels, e.g. on the CPU; on a GPU to the precision of the kernels each ran).
+
+Speed (:mod:`distilled_fast`): on a GPU the pipeline uses FlashAttention-4 where ``flash-attn-4`` is installed,
+compiles each transformer block and decodes with the fused chunked VAE decoder, each part only where it can run
+(:meth:`DistilledWanPipeline.configure_speed` switches each; the first video prints one line saying which path it
+took). On the CPU everything is stock: diffusers' attention and frame-by-frame ``vae.decode``.
 
 Noise: one ``torch.Generator`` draws everything (the initial latents ``[1, C, T', H', W']`` first, as
 ``WanPipeline`` draws them, then any re-noise draws), on the generator's device.
@@ -26,6 +30,7 @@ Noise: one ``torch.Generator`` draws everything (the initial latents ``[1, C, T'
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +39,12 @@ from diffusers import WanPipeline
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 
 from .distilled_causal import CausalWanDenoiser
-from .distilled_samplers import Sampler, build_sampler
+from .distilled_fast import SpeedPlan, SpeedSettings, apply_speed_plan, decode_chunk_frames, plan_speed
+from .distilled_samplers import Sampler, build_sampler, cfg_enabled
 from .distilled_schedule import inference_sigmas  # noqa: F401  (diffusers copies the modules a pipeline imports)
 from .distilled_wan import HEADS_FILE, Conditioning, PDDWanDenoiser, WanDenoiser
+from .vae_decode import decode_video
+from .vae_kernels import available as _vae_kernels_available  # noqa: F401  (diffusers copies a module the pipeline imports)
 
 SAMPLING_FILE = "sampling.json"
 
@@ -45,6 +53,27 @@ class DistilledWanPipeline(WanPipeline):
     """``WanPipeline`` sampling through the folder's sampling contract (module doc)."""
 
     _denoiser: Any = None
+    _speed_settings: SpeedSettings | None = None
+    speed_plan: SpeedPlan | None = None  # what ran (set on the first video)
+
+    def configure_speed(self, **switches: Any) -> SpeedSettings:
+        """Choose the GPU path's parts before the first video (:class:`distilled_fast.SpeedSettings`: ``attention``
+        auto|fa4|sdpa, ``compile`` auto|blocks|off, ``decode`` auto|fused|stock, ``fp8`` off|on, ``compile_mode``,
+        ``decode_chunk_frames``); every part ``auto`` by default. Refused once a video has been sampled."""
+        if self.speed_plan is not None:
+            raise RuntimeError("configure_speed must come before the first video (the modules are already changed)")
+        self._speed_settings = SpeedSettings(**switches)
+        return self._speed_settings
+
+    def prepare_speed(self, model: WanDenoiser) -> SpeedPlan:
+        """Plan the path for where the transformer and VAE are now and change them as planned (once); prints
+        the plan's one line (:meth:`distilled_fast.SpeedPlan.describe`)."""
+        if self.speed_plan is None:
+            plan = plan_speed(self._speed_settings or SpeedSettings(), model.device, model.dtype, self.vae)
+            apply_speed_plan(plan, self.transformer, self.vae)
+            self.speed_plan = plan
+            print(plan.describe(), file=sys.stderr, flush=True)
+        return self.speed_plan
 
     def sampling_contract(self) -> dict[str, Any]:
         """The folder's ``sampling.json`` (the folder this pipeline was loaded from)."""
@@ -88,8 +117,9 @@ class DistilledWanPipeline(WanPipeline):
         z = latents.to(self.vae.device, self.vae.dtype)
         mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(z.device, z.dtype)
         std = torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(z.device, z.dtype)
+        plan = self.speed_plan or SpeedPlan()
         with torch.no_grad():
-            decoded = self.vae.decode(z * std + mean, return_dict=False)[0]
+            decoded = decode_video(self.vae, z * std + mean, decode_chunk_frames(plan, self.vae, tuple(z.shape)))
         return self.video_processor.postprocess_video(decoded, output_type=output_type)
 
     @torch.no_grad()
@@ -112,11 +142,13 @@ class DistilledWanPipeline(WanPipeline):
         normalised latents ``[B, C, T', H', W']`` (float32); else decoded as ``WanPipeline`` does."""
         sampler = build_sampler(self.sampling_contract())
         model = self.denoiser(sampler)
+        self.prepare_speed(model)
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        cfg = cfg_enabled(sampler.resolve_guidance(guidance_scale))  # the negative prompt is encoded only for CFG
         text, negative = self.encode_prompt(prompts, negative_prompt=negative_prompt if negative_prompt is not None else "",
-                                            do_classifier_free_guidance=True, max_sequence_length=max_sequence_length,
+                                            do_classifier_free_guidance=cfg, max_sequence_length=max_sequence_length,
                                             device=model.device, dtype=torch.float32)
-        if negative.shape[0] != text.shape[0]:
+        if negative is not None and negative.shape[0] != text.shape[0]:
             negative = negative.expand_as(text)
         z_dim = int(self.vae.config.z_dim)
         tf, sf = int(self.vae_scale_factor_temporal), int(self.vae_scale_factor_spatial)

@@ -1,0 +1,238 @@
+"""Benchmark: one 81×480×832 video from an exported distilled Wan, as a user samples it (issue 43).
+
+Each export kind is a real export folder (``write_export_code``: the shipped ``pipeline.py`` and its modules) over
+the real Wan2.1-T2V-1.3B shape with random weights (``bench/real_shape_pipeline.build_base``: bf16 transformer,
+UMT5-XXL text encoder, Wan 2.1 VAE), loaded as its card says — ``DiffusionPipeline.from_pretrained(folder,
+custom_pipeline=folder, trust_remote_code=True, torch_dtype=torch.bfloat16).to("cuda")`` — in a fresh process per
+kind (so each kind's first video pays its own compile). Kinds (``--kinds``):
+
+- ``dmd2``: ``few_step_x0``, 4 steps (4 NFE); ``sf``: ``causal_streaming``, chunks of 3 latent frames, 4 steps a
+  chunk (7 chunks: 7·4 + 6 cache writes, each over its chunk only); ``pdd``: ``pdd_fused`` over 4 fine steps,
+  sampled at 1, 2 and 4 NFE; ``teacher``: ``euler``, 40 steps with CFG (80 NFE).
+
+Per kind and speed variant (``--variants``: ``fast`` = every part ``auto``; ``stock`` = diffusers' SDPA, eager,
+frame-by-frame decode; ``fp8``; ``cudagraphs`` = ``compile_mode="reduce-overhead"``): ``first_video_s`` (the first
+call after load, compile included), then warm medians of ``--repeats``: ``encode_s`` (``encode_prompt``),
+``denoise_s`` (a latent-output call minus its encode), ``decode_s`` (``decode_latents`` to numpy), ``e2e_s`` (one
+``pipe(prompt)`` call to numpy frames), ``peak_gib`` (the process's peak GPU memory). Quality, per non-stock
+variant: its latents' and frames' max / mean absolute difference from the ``stock`` variant's at the same seed
+(random weights: this measures how far a switch moves the numbers against bf16 rounding, not a trained model's
+quality). Writes ``$OUT/export_latency.json``; ``BENCH_SMOKE=1`` checks the script on the CPU at tiny shapes.
+Usage (device machine, after ``source bench/gpu_env.sh`` and the FA4 wheels): ``python bench/export_latency.py [--kinds …] [--variants …]``;
+``fast_vae_fp32`` decodes with the VAE in fp32, ``eager_fa4`` is ``fast`` without compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_shape_pipeline as rsp  # noqa: E402  (build_base, the shape constants)
+
+OUT = Path(os.environ.get("OUT", "/tmp"))
+PROMPT = "a red fox runs across a snowy field at dawn, cinematic, detailed fur"
+KINDS = {  # kind -> (sampling.json, [(label, num_inference_steps, guidance_scale)])
+    "dmd2": ({"sampler": "few_step_x0", "shift": 5.0, "num_train_timesteps": 1000,
+              "timesteps": [1000.0, 937.5, 833.3, 625.0]}, [("4nfe", None, None)]),
+    "sf": ({"sampler": "causal_streaming", "shift": 5.0, "num_train_timesteps": 1000,
+            "timesteps": [1000.0, 937.5, 833.3, 625.0], "chunk_size": 3, "context_noise": 0.0, "renoise": "sde"},
+           [("4step", None, None)]),
+    "pdd": ({"sampler": "pdd_fused", "shift": 5.0, "num_train_timesteps": 1000, "pdd_steps": 4, "block_size_max": 4,
+             "num_steps": 2}, [("2nfe", 2, None), ("1nfe", 1, None), ("4nfe", 4, None)]),
+    "teacher": ({"sampler": "euler", "shift": 5.0, "num_train_timesteps": 1000, "num_steps": 40, "guidance_scale": 5.0},
+                [("40steps_cfg", 40, 5.0)]),
+}
+VARIANTS = {"fast": {}, "stock": {"attention": "sdpa", "compile": "off", "decode": "stock"},
+            "fp8": {"fp8": "on"}, "cudagraphs": {"compile_mode": "reduce-overhead"},
+            "fast_vae_fp32": {"vae_fp32": True}, "eager_fa4": {"compile": "off"}}  # vae_fp32: the VAE moved to fp32
+
+
+def export_folder(base: Path, root: Path, kind: str) -> Path:
+    """``root/<kind>``: the base's parts (linked), ``kind``'s ``sampling.json``, the shipped code, PDD heads."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from distillery.export.code import write_export_code
+
+    folder = root / kind
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    for part in ("text_encoder", "tokenizer", "scheduler", "vae"):
+        (folder / part).symlink_to(base / part)
+    (folder / "transformer").mkdir()
+    for f in (base / "transformer").iterdir():
+        (folder / "transformer" / f.name).symlink_to(f)
+    shutil.copy2(base / "model_index.json", folder / "model_index.json")
+    (folder / "sampling.json").write_text(json.dumps(KINDS[kind][0]))
+    if kind == "pdd":
+        weights = {k: v for k, v in load_file(str(base / "transformer" / _weights_file(base))).items() if k.startswith("proj_out.")}
+        w, b = weights["proj_out.weight"].float(), weights["proj_out.bias"].float()
+        gen = torch.Generator().manual_seed(3)
+        save_file({"weight": torch.stack([w + 0.01 * torch.randn(w.shape, generator=gen) for _ in range(4)]),
+                   "bias": torch.stack([b + 0.01 * torch.randn(b.shape, generator=gen) for _ in range(4)])},
+                  str(folder / "transformer" / "pdd_heads.safetensors"))
+    write_export_code(folder)
+    return folder
+
+
+def _weights_file(base: Path) -> str:
+    names = sorted(p.name for p in (base / "transformer").glob("*.safetensors"))
+    if len(names) != 1:
+        raise SystemExit(f"{base}/transformer: expected one safetensors file, found {names}")
+    return names[0]
+
+
+def run_kind(folder: Path, kind: str, variants: list[str], repeats: int, deadline: float, out_file: Path) -> dict:
+    """One process: each variant of ``kind`` loaded fresh from ``folder`` (module doc); ``out_file`` is rewritten after
+    every variant (a process stopped by its time limit keeps what it measured)."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    size = dict(num_frames=rsp.FRAMES, height=rsp.HEIGHT, width=rsp.WIDTH)
+    result: dict = {"kind": kind, "contract": KINDS[kind][0], "variants": {}}
+    reference: dict = {}
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        return time.perf_counter() - t0, out
+
+    for variant in variants:
+        if time.time() > deadline:
+            result["variants"][variant] = {"skipped": "out of time"}
+            continue
+        row: dict = {}
+        result["variants"][variant] = row
+        try:
+            t_load, pipe = timed(lambda: DiffusionPipeline.from_pretrained(
+                str(folder), custom_pipeline=str(folder), trust_remote_code=True, torch_dtype=dtype).to(device))
+            row["load_s"] = round(t_load, 2)
+            pipe.set_progress_bar_config(disable=True)
+            switches = dict(VARIANTS[variant])
+            if switches.pop("vae_fp32", False):
+                pipe.vae.to(torch.float32)
+            pipe.configure_speed(**switches)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            for label, steps, guidance in KINDS[kind][1]:
+                call = dict(size, num_inference_steps=steps, guidance_scale=guidance)
+                gen = lambda: torch.Generator(device).manual_seed(0)  # noqa: E731
+                cell: dict = {}
+                row[label] = cell
+                if "first_video_s" not in row:
+                    row["first_video_s"], _ = timed(lambda: pipe(PROMPT, generator=gen(), **call))
+                    row["first_video_s"] = round(row["first_video_s"], 2)
+                    row["plan"] = pipe.speed_plan.describe()
+                encode, latent_calls, decodes, e2e = [], [], [], []
+                latents = frames = None
+                for _ in range(repeats):
+                    t, _ = timed(lambda: pipe.encode_prompt(PROMPT, do_classifier_free_guidance=True, device=device,
+                                                            dtype=torch.float32))
+                    encode.append(t)
+                    t, out = timed(lambda: pipe(PROMPT, generator=gen(), output_type="latent", **call))
+                    latent_calls.append(t)
+                    latents = out.frames
+                    t, frames = timed(lambda: pipe.decode_latents(latents, output_type="np"))
+                    decodes.append(t)
+                    t, _ = timed(lambda: pipe(PROMPT, generator=gen(), **call))
+                    e2e.append(t)
+                med = statistics.median
+                cell.update(encode_s=round(med(encode), 3), denoise_s=round(med(latent_calls) - med(encode), 3),
+                            decode_s=round(med(decodes), 3), e2e_s=round(med(e2e), 3),
+                            nfe=pipe.nfe(rsp.FRAMES, steps, guidance), e2e_times=[round(t, 3) for t in e2e])
+                lat, vid = latents.float().cpu(), torch.from_numpy(frames).float()
+                if label not in reference or variant == "stock":  # compared with stock's, else the first variant's
+                    reference[label] = (variant, lat, vid)
+                else:
+                    ref_name, ref_lat, ref_vid = reference[label]
+                    cell["vs_" + ref_name] = {"latents_max_abs": round((lat - ref_lat).abs().max().item(), 5),
+                                              "latents_mean_abs": round((lat - ref_lat).abs().mean().item(), 6),
+                                              "latents_std": round(ref_lat.std().item(), 4),
+                                              "frames_max_abs_255": round(255 * (vid - ref_vid).abs().max().item(), 3),
+                                              "frames_mean_abs_255": round(255 * (vid - ref_vid).abs().mean().item(), 4)}
+                if time.time() > deadline:
+                    break
+            if device == "cuda":
+                row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+            pipe = None  # noqa: F841  (frees the GPU before the next variant loads)
+        except Exception as exc:  # one variant's failure is a result too
+            import traceback
+
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            row["traceback"] = traceback.format_exc()[-3000:]
+        finally:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            out_file.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default="/tmp/export_bench")
+    parser.add_argument("--kinds", default="dmd2,sf,pdd,teacher")
+    parser.add_argument("--variants", default="stock,fast", help="comma list of " + ",".join(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting work after this many seconds")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one kind in this process
+    args = parser.parse_args()
+    root = Path(args.root)
+    if args.one:
+        kind = args.one
+        run_kind(root / kind, kind, args.variants.split(","), args.repeats, time.time() + args.budget_s, root / f"{kind}.json")
+        return 0
+    start = time.time()
+    OUT.mkdir(parents=True, exist_ok=True)
+    out_file = OUT / "export_latency.json"
+    summary: dict = {"prompt": PROMPT, "shape": [rsp.FRAMES, rsp.HEIGHT, rsp.WIDTH], "kinds": {}}
+    base = root / "wan-1.3b-shape"
+    if not (base / "transformer").is_dir():
+        t0 = time.time()
+        rsp.build_base(root, "xxl" if rsp.DEVICE == "cuda" else "small")
+        summary["base_build_s"] = round(time.time() - t0, 1)
+    for kind in args.kinds.split(","):
+        left = args.budget_s - (time.time() - start)
+        if left < 40:
+            summary["kinds"][kind] = {"skipped": "out of time"}
+            continue
+        export_folder(base, root, kind)
+        cmd = [sys.executable, __file__, "--root", str(root), "--one", kind, "--variants", args.variants,
+               "--repeats", str(args.repeats), "--budget-s", str(left - 30)]
+        t0 = time.time()
+        (root / f"{kind}.json").unlink(missing_ok=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60.0, left))
+        except subprocess.TimeoutExpired as exc:
+            proc = subprocess.CompletedProcess(cmd, -9, "", f"timed out after {exc.timeout:.0f} s")
+        entry = json.loads((root / f"{kind}.json").read_text()) if (root / f"{kind}.json").is_file() else {}
+        entry["process_s"] = round(time.time() - t0, 1)
+        entry["stderr_tail"] = proc.stderr[-1500:]
+        entry["returncode"] = proc.returncode
+        summary["kinds"][kind] = entry
+        out_file.write_text(json.dumps(summary, indent=2))
+        print(kind, json.dumps({v: {k: r.get(k) for k in ("first_video_s", "peak_gib", "error")}
+                                for v, r in entry.get("variants", {}).items()}), flush=True)
+    out_file.write_text(json.dumps(summary, indent=2))
+    print("wrote", out_file)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
