@@ -121,3 +121,27 @@ def test_the_causal_processor_switched_to_fa4_attends_each_chunk_s_prefix(transf
     # 5 frames in chunks of 2: queries of frames [0,2), [2,4), [4,5) over keys up to 2, 4, 5 frames — per block
     assert groups == [(2 * per_frame, 2 * per_frame), (2 * per_frame, 4 * per_frame), (per_frame, 5 * per_frame)] * len(transformer.blocks)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_export_loaded_in_bf16_samples(tmp_path):
+    """The card's GPU load (``torch_dtype=torch.bfloat16``) on the CPU: diffusers keeps some of Wan's modules in fp32,
+    so the denoiser must feed the transformer in its input layer's dtype, not its first parameter's (it failed)."""
+    import json
+    import shutil
+
+    from diffusers import DiffusionPipeline
+
+    from distillery.export.code import write_export_code
+
+    folder = tmp_path / "export"
+    shutil.copytree(shipped_tiny_base(), folder)
+    (folder / "sampling.json").write_text(json.dumps({"sampler": "few_step_x0", "shift": 3.0, "timesteps": [1000.0, 500.0]}))
+    write_export_code(folder)
+    pipe = DiffusionPipeline.from_pretrained(folder, custom_pipeline=str(folder), trust_remote_code=True,
+                                             torch_dtype=torch.bfloat16)
+    assert pipe.transformer.patch_embedding.weight.dtype == torch.bfloat16
+    assert next(pipe.transformer.parameters()).dtype == torch.float32  # what the denoiser used to read
+    out = pipe("a red ball", num_frames=5, height=32, width=32, max_sequence_length=16, output_type="latent",
+               generator=torch.Generator().manual_seed(0)).frames
+    assert out.dtype == torch.float32 and out.shape[:3] == (1, pipe.vae.config.z_dim, 2) and torch.isfinite(out).all()
+    assert pipe.speed_plan.stock
