@@ -1,6 +1,8 @@
 """A LoRA stage through ``dvc repro``: ``pretrain.lora_rank: 4`` on the DFSFT pretrain (a causal student), killed
 mid-run with dvc and rerun, ends bitwise where an uninterrupted run does — its checkpoints' adapter, the published
-merged weights and adapter file — and the artifact's merged transformer is its base plus that adapter."""
+merged weights and adapter file — and the artifact's merged transformer is its base plus that adapter; the adapter
+export (``export.lora: adapter``) loads as its card says in stock diffusers onto the base it names and gives the
+merged weights' forward; ``export.lora: adapter`` of a student without a LoRA is one line before any work."""
 
 from __future__ import annotations
 
@@ -82,3 +84,37 @@ def test_a_lora_pretrain_resumes_after_a_kill_bitwise(trained, tmp_path):
         ya = adapted(hidden_states=x, timestep=torch.tensor([400.0]), encoder_hidden_states=text, return_dict=False)[0]
         ym = merged(hidden_states=x, timestep=torch.tensor([400.0]), encoder_hidden_states=text, return_dict=False)[0]
     torch.testing.assert_close(ym, ya, atol=1e-5, rtol=1e-5)
+    base = WanTransformer3DModel.from_pretrained(whole / "artifacts" / "teacher" / "model" / "transformer")
+    with torch.no_grad():
+        yb = base(hidden_states=x, timestep=torch.tensor([400.0]), encoder_hidden_states=text, return_dict=False)[0]
+    assert (yb - ym).abs().max() > 1e-3  # the adapter trained
+
+    # the export's adapter folder, as `export.lora: adapter` assembles it, loaded as its card says (stock diffusers,
+    # from the workspace root) onto the base it names: the merged artifact's forward
+    from diffusers import WanPipeline
+
+    from distillery.export.lora_card import adapter_model_card, assemble_adapter_export
+
+    out = tmp_path / "export"
+    out.mkdir()
+    shipped = assemble_adapter_export(model, out)
+    card = adapter_model_card("pretrain", shipped, json.loads((out / "sampling.json").read_text()), folder=str(out))
+    assert "It needs its base:** the transformer `artifacts/teacher/model/transformer`" in card
+    assert info["base"]["sha256"] in card and "export it merged" in card  # a causal student: not stock-sampled
+    os.chdir(whole)
+    try:
+        pipe = WanPipeline.from_pretrained("artifacts/base/model",
+                                           transformer=WanTransformer3DModel.from_pretrained(info["base"]["path"]))
+        pipe.load_lora_weights(str(out))
+    finally:
+        os.chdir(cwd)
+    with torch.no_grad():
+        ys = pipe.transformer(hidden_states=x, timestep=torch.tensor([400.0]), encoder_hidden_states=text, return_dict=False)[0]
+    torch.testing.assert_close(ys, ym, atol=1e-5, rtol=1e-5)
+
+    # export.lora: adapter of a student that trained its full weights (the teacher): one line, before any work
+    set_params(whole, {"export.student": "teacher", "export.lora": "adapter"})
+    failed = sh(["distillery", "stage", "export"], whole, check=False)
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    assert "export.lora: adapter: the teacher stage trained its full weights, not a LoRA" in failed.stderr.strip().splitlines()[-1]
+    assert not (whole / "artifacts" / "export").exists()

@@ -46,7 +46,9 @@ def adapter_model_card(student: str, info: dict[str, Any], contract: dict[str, A
     scheduler the snippet loads around the base transformer."""
     base = info.get("base") or {}
     base_path = str(base.get("path"))
-    stock = contract.get("sampler") in ("euler",)  # a plain many-step transformer: stock WanPipeline samples it as validated
+    from distillery.export.code import stock_samples
+
+    stock = stock_samples(contract)  # plain bidirectional Euler: stock WanPipeline samples it as validated
     targets = ", ".join(info.get("target_modules") or [])
     lines = ["---", "library_name: diffusers", "pipeline_tag: text-to-video", f"tags: [wan, distillery, lora, {student}]",
              "distillery:", f"  student: {student}", "  form: lora-adapter", f"  base_transformer: {base_path}",
