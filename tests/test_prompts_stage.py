@@ -66,7 +66,7 @@ def test_a_changed_prompt_reruns_only_what_reads_prompts(ws):
     log = done.stdout + done.stderr
     ran = [line.split("'")[1] for line in log.splitlines() if line.startswith("Running stage")]
     assert ran == ["prompts", "distill"]
-    assert json.loads((ws / "metrics" / "prompts.json").read_text())["prompts_encoded"] == 4  # shard 1 (prompts 5-8) only
+    assert "encoded 4 of 12 prompts (1 shard re-encoded)" in log  # shard 1 (prompts 5-8) only
     new_shards = {p.name: p.read_bytes() for p in (ws / "artifacts" / "prompts" / "data" / "train").glob("*.parquet")}
     assert [n for n in sorted(new_shards) if new_shards[n] != old_shards[n]] == ["shard-00001.parquet"]
     assert _status(ws) == before
@@ -91,14 +91,14 @@ def test_self_forcing_and_pdd_distill_from_the_prompts_only(ws):
 
 @pytest.mark.parametrize("name,content,says", [
     ("binary.txt", b"a red circle\n\x00\x01\x02\xff", "line 2: a NUL byte: a binary file"),
-    ("huge.txt", b"a red circle\n" + b"x" * 10_001 + b"\n", "line 2: 10001 characters, more than the limit of 10000"),
+    ("huge.txt", b"a red circle\n" * 4 + b"x" * 10_001 + b"\n", "line 5: 10001 characters, more than the limit of 10000"),
     ("empty.txt", b"", "lists no prompts"),
-    ("latin1.txt", "a caf\xe9 moving left\n".encode("latin-1"), "line 1: not valid UTF-8"),
+    ("latin1.txt", b"a red circle\n" * 4 + "a caf\xe9 moving left\n".encode("latin-1"), "line 5: not valid UTF-8"),
 ])
 def test_a_hostile_prompts_file_is_one_line_exit_2_and_the_last_artifact_stays(ws, name, content, says):
     (ws / name).write_bytes(content)
     kept = (ws / "artifacts" / "prompts" / "lineage.json").read_bytes()
-    set_params(ws, {"prompts.path": name})
+    set_params(ws, {"prompts.path": name})  # 4 prompts or more where the file counts (the first stage's batch check)
     try:
         out = stage(ws, "prompts")
     finally:

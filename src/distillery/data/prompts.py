@@ -297,5 +297,5 @@ def encode_prompts_file(base: Path, prompts_file: Path, out: Path, cfg: PromptsC
     }
     write_text_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=2))
     manifest.update(seconds_this_run=round(time.perf_counter() - started, 3), prompts_this_run=encoded)
-    log.info("encoded %d of %d prompts (%d shards re-encoded)", encoded, len(prompts), len(todo))
+    log.info("encoded %d of %d prompts (%d shard%s re-encoded)", encoded, len(prompts), len(todo), "" if len(todo) == 1 else "s")
     return manifest

@@ -243,7 +243,8 @@ def training_rows(params: Params, artifacts: Path, encoded: bool = True) -> tupl
 def prompt_rows(params: Params, artifacts: Path, encoded: bool = True) -> tuple[int, str] | None:
     """How many prompts a stage with ``<stage>.data: prompts`` trains on: with ``encoded``, the prompt set's manifest
     when ``artifacts/prompts`` exists; else the non-blank lines of ``prompts.path`` (a regular file, never opened
-    blocking). None when it cannot be told here (the prompts stage names the problem)."""
+    blocking). None when it cannot be told here — no such file, no line, a NUL byte: the prompts stage names the
+    problem in its own line."""
     if encoded:
         try:
             manifest = read_json_file(artifacts / "prompts" / "data" / "preprocess.json", 64 << 20)
@@ -256,13 +257,17 @@ def prompt_rows(params: Params, artifacts: Path, encoded: bool = True) -> tuple[
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None
+            lines = 0
             with os.fdopen(os.dup(fd), "rb") as fh:
-                lines = sum(1 for line in fh if line.strip())
+                for line in fh:
+                    if b"\0" in line:
+                        return None
+                    lines += 1 if line.strip() else 0
         finally:
             os.close(fd)
     except OSError:
         return None
-    return lines, f"the {lines} prompts of {path}"
+    return (lines, f"the {lines} prompts of {path}") if lines else None
 
 
 def check_batch(stage: str, params: Params, artifacts: Path, stages: tuple[str, ...] | None = None,
