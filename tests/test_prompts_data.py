@@ -232,6 +232,9 @@ def test_the_first_stage_checks_a_prompt_trained_stage_s_batch_against_the_promp
     with pytest.raises(UserError, match=f"distill.batch_size 4 is more than the 3 training samples \\(the 3 prompts of "
                                         f"{tmp_path / 'prompts.txt'}\\)"):
         check_batch("clips", Params.load(tmp_path / "params.yaml"), tmp_path / "artifacts", stages=tuple(STAGES))
+    for hostile in (b"", b"a\n\x00b\nc\nd\ne\n"):  # nothing to count, or a binary file: the prompts stage names it, not this check
+        (tmp_path / "prompts.txt").write_bytes(hostile)
+        check_batch("clips", Params.load(tmp_path / "params.yaml"), tmp_path / "artifacts", stages=tuple(STAGES))
 
 
 def test_in_training_validation_reads_a_prompt_set_s_prompts_and_shape(latent_set, tmp_path):
@@ -241,6 +244,3 @@ def test_in_training_validation_reads_a_prompt_set_s_prompts_and_shape(latent_se
     on_latents, on_prompts = (ValidationPrompts.read(root, None, 3, 8) for root in (latent_set, twin))
     assert on_prompts.latent_shape == on_latents.latent_shape == (8, 3, 8, 8)
     assert on_prompts.captions == on_latents.captions and torch.equal(on_prompts.text_embeds, on_latents.text_embeds)
-    for hostile in (b"", b"a\n\x00b\nc\nd\ne\n"):  # nothing to count, or a binary file: the prompts stage names it, not this check
-        (tmp_path / "prompts.txt").write_bytes(hostile)
-        check_batch("clips", Params.load(tmp_path / "params.yaml"), tmp_path / "artifacts", stages=tuple(STAGES))
