@@ -1,6 +1,6 @@
 """Benchmark: ODE-init's trajectory generation (``pretrain.method: ode_init``) per prompt at the real shape.
 
-What ``distillery.data.trajectories.teacher_trajectory`` costs for one prompt: the teacher's Euler ODE with CFG
+What ``distillery.sampling.trajectories.teacher_trajectory`` costs for one prompt: the teacher's Euler ODE with CFG
 (two forwards a step) over the paper's grid — 48 steps at shift 5 with t_list 999, 937, 833, 624, 0 added: 52
 intervals, 104 forwards — at 81×480×832 (latents 16×21×60×104, 32 760 tokens; 512×4096 text), in bf16 on one GPU,
 through the model plugin the stage uses (:func:`distillery.models.wan.inference.load_inference_model` over a
@@ -50,7 +50,7 @@ def main() -> int:
         args.latent = [3, 8, 8]
     from diffusers import WanTransformer3DModel
 
-    from distillery.data.trajectories import ode_grid, teacher_trajectory
+    from distillery.sampling.trajectories import ode_grid, teacher_trajectory
     from distillery.models.wan.inference import load_inference_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -146,7 +146,7 @@ def test_params_check_refuses_a_bad_t_list_in_one_line(tmp_path, t_list, why):
 
 # -- the teacher's trajectories ------------------------------------------------------------------
 def test_the_grid_is_the_teacher_s_euler_grid_with_the_t_list_points_added(tiny_base):
-    from distillery.data.trajectories import ode_grid
+    from distillery.sampling.trajectories import ode_grid
     from distillery.models.schedule import FlowMatchSchedule
 
     sigmas = FlowMatchSchedule(shift=3.0).inference_sigmas(4)
@@ -158,7 +158,7 @@ def test_the_grid_is_the_teacher_s_euler_grid_with_the_t_list_points_added(tiny_
 
 
 def test_the_recorded_states_are_a_hand_written_euler_loop_with_cfg(tiny_base):
-    from distillery.data.trajectories import ode_grid, teacher_trajectory
+    from distillery.sampling.trajectories import ode_grid, teacher_trajectory
     from distillery.models.registry import load_inference_model
 
     teacher = load_inference_model(tiny_base, "cpu")
@@ -184,7 +184,7 @@ def test_the_recorded_states_are_a_hand_written_euler_loop_with_cfg(tiny_base):
 GENERATE = '''
 import os, signal, sys
 from pathlib import Path
-from distillery.data.trajectories import TrajectorySettings, generate_trajectories
+from distillery.sampling.trajectories import TrajectorySettings, generate_trajectories
 from distillery.models.registry import load_inference_model
 
 base, source, out, kill_at = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]

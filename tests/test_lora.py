@@ -92,8 +92,7 @@ def test_checkpoint_holds_the_adapter_only(trained):
 def test_merged_export_is_base_plus_adapter(trained, tmp_path):
     from diffusers import WanTransformer3DModel
 
-    from distillery.export.weights import export_weights, load_role_weights
-    from distillery.models.lora import load_base_with_adapter
+    from distillery.export.weights import export_weights, load_base_with_adapter, load_role_weights
 
     ckpt = trained["result"].checkpoint
     meta = json.loads((ckpt / "metadata.json").read_text())

@@ -26,8 +26,7 @@ def test_a_lora_pretrain_resumes_after_a_kill_bitwise(trained, tmp_path):
     from diffusers import WanTransformer3DModel
     from safetensors.torch import load_file
 
-    from distillery.export.weights import load_role_weights
-    from distillery.models.lora import load_base_with_adapter
+    from distillery.export.weights import load_base_with_adapter, load_role_weights
 
     whole, killed = copy_workspace(trained, tmp_path / "whole"), copy_workspace(trained, tmp_path / "killed")
     for repo in (whole, killed):

@@ -263,3 +263,16 @@ def flush_active() -> None:
     """Write the active cache's new entries (no-op without one)."""
     if _ACTIVE is not None:
         _ACTIVE.flush()
+
+
+def folder_sha256(folder: str | Path) -> str | None:
+    """sha256 over a folder's files (relative name + content digest, in name order); None when it holds none (what
+    :meth:`distillery.models.base.ModelBase.source` records of a role's weights, and a LoRA export checks its base
+    against)."""
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+    for path in files:
+        digest.update(f"{path.relative_to(folder).as_posix()}\0{file_sha256(path)}\n".encode())
+    flush_active()
+    return digest.hexdigest() if files else None

@@ -17,7 +17,7 @@ import json
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -118,8 +118,6 @@ def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str 
         module = loaders.build_transformer(config)
         load_role_weights(ckpt, role, module, ema)
     else:
-        from distillery.models.lora import load_base_with_adapter
-
         module = load_base_with_adapter(record, config, f"{ckpt}: the {role}'s LoRA")
         load_role_weights(ckpt, role, module, ema, adapters_only=True)
     out_dir = Path(out)
@@ -176,3 +174,29 @@ def export_head_bank(checkpoint: Path, role: str, transformer: torch.nn.Module, 
     load_role_weights(checkpoint, role, bank, ema, module_name="heads")
     loaders.save_head_bank(out / loaders.HEAD_BANK_FILE, bank)
     return True
+
+
+def load_base_with_adapter(record: dict[str, Any], config: dict[str, Any], where: str) -> torch.nn.Module:
+    """The transformer a LoRA checkpoint's ``record`` (:func:`distillery.models.lora.lora_record`) trained on — its base folder, checked
+    against the recorded sha256 — with the (untrained) adapter injected, fp32 on CPU: load the checkpoint's adapter
+    into it. ``config``: the role's architecture (``roles/<role>/config.json``); it must be the base's."""
+    import diffusers
+
+    from distillery.common.hashcache import folder_sha256
+    from distillery.models.lora import inject_lora, spec_from_record
+    from distillery.models.registry import family_of_class
+
+    spec = spec_from_record(record, where)
+    base = record.get("base") if isinstance(record.get("base"), dict) else {}
+    folder = Path(str(base.get("path") or ""))
+    if not folder.is_dir() or not (folder / "config.json").is_file():
+        raise UserError(f"{where} was trained on the base {folder}, which is not here (sha256 "
+                        f"{str(base.get('sha256'))[:12]}…); an adapter needs its base: restore it there")
+    if folder_sha256(folder) != base.get("sha256"):
+        raise UserError(f"{where} was trained on {folder} with sha256 {str(base.get('sha256'))[:12]}…; the folder there "
+                        "now holds other weights: restore that base")
+    class_name = config.get("_class_name")
+    family_of_class(class_name, where)  # a class of a registered family: the one diffusers names so
+    module = getattr(diffusers, str(class_name)).from_pretrained(folder, torch_dtype=torch.float32)
+    inject_lora(module, spec, where)
+    return module

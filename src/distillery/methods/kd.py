@@ -1,6 +1,6 @@
 """Knowledge distillation (ODE-init): the student regresses each point of the teacher's ODE trajectory onto its end.
 
-The data is a trajectory set (:mod:`distillery.data.trajectories`): a latent set whose every row holds
+The data is a trajectory set (:mod:`distillery.sampling.trajectories`): a latent set whose every row holds
 the K + 1 points of one teacher ODE trajectory (the teacher's many-step Euler with CFG, from pure noise)
 stacked along the channel axis, point-major: ``latents [(K + 1)·C, T, H, W]`` = ``x_{t_0}, …,
 x_{t_{K−1}}, x_0`` for ``t_list = [t_0 > t_1 > … > t_{K−1} > t_K = 0]`` — the states at the first K

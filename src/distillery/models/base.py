@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from distillery.common.errors import UserError
+from distillery.common.hashcache import folder_sha256
 from distillery.components.precision import ComputeCopy
 from distillery.components.rng import BatchRNG
 from distillery.models.schedule import FlowMatchSchedule, renoise, x0_from_velocity
@@ -344,20 +345,3 @@ class PDDModelBase(ModelBase):
     def fuse_into_projection(self, module: torch.nn.Module, start: int, end: int) -> None:
         """Write block ``[start, end)``'s fused projection into ``module`` (a plain transformer of this
         trunk, e.g. ``self.transformer``): its velocity becomes the block's mean velocity."""
-
-
-def folder_sha256(folder: Any) -> str | None:
-    """sha256 over a folder's files (relative name + content digest, in name order); None when it holds none (what
-    :meth:`ModelBase.source` records of a role's weights, and a LoRA export checks its base against)."""
-    import hashlib
-    from pathlib import Path
-
-    from distillery.common.hashcache import file_sha256, flush_active
-
-    folder = Path(folder)
-    digest = hashlib.sha256()
-    files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
-    for path in files:
-        digest.update(f"{path.relative_to(folder).as_posix()}\0{file_sha256(path)}\n".encode())
-    flush_active()
-    return digest.hexdigest() if files else None

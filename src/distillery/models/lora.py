@@ -159,49 +159,4 @@ def lora_records(models: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {role: lora_record(model.lora, model.source()) for role, model in models.items() if model.lora is not None}
 
 
-def check_resume_lora(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """A :class:`UserError` unless the checkpoint ``path`` trained the same adapters (roles, spec) on the same bases
-    (sha256) as this run: an adapter means nothing on another base."""
-    if set(saved) != set(current):
-        raise UserError(f"{path}: checkpoint trained LoRA adapters on roles {sorted(saved)}, this run on {sorted(current)}; "
-                        "start from step 0 (resume: none) or set models.<role>.lora as it was")
-    for role in sorted(saved):
-        was, now = saved[role], current[role]
-        for key in sorted(k for k in set(was) | set(now) if k != "base"):
-            if was.get(key) != now.get(key):
-                raise UserError(f"{path}: the {role}'s LoRA {key} was {was.get(key)!r}, this run's is {now.get(key)!r}; "
-                                "start from step 0 (resume: none) or set it back")
-        base_was, base_now = was.get("base") or {}, now.get("base") or {}
-        if base_was.get("sha256") != base_now.get("sha256"):
-            raise UserError(f"{path}: the {role}'s LoRA base changed since this checkpoint was saved ({base_was.get('path')} "
-                            f"sha256 {str(base_was.get('sha256'))[:12]}…, now {base_now.get('path')} "
-                            f"{str(base_now.get('sha256'))[:12]}…); an adapter fits only its base: start from step 0 "
-                            "(resume: none) or restore it")
-
-
 BASE_FILE = "base.json"  # beside an exported adapter: its spec and the base it needs (path, sha256)
-
-
-def load_base_with_adapter(record: dict[str, Any], config: dict[str, Any], where: str) -> torch.nn.Module:
-    """The transformer a LoRA checkpoint's ``record`` (:func:`lora_record`) trained on — its base folder, checked
-    against the recorded sha256 — with the (untrained) adapter injected, fp32 on CPU: load the checkpoint's adapter
-    into it. ``config``: the role's architecture (``roles/<role>/config.json``); it must be the base's."""
-    import diffusers
-
-    from distillery.models.base import folder_sha256
-    from distillery.models.registry import family_of_class
-
-    spec = spec_from_record(record, where)
-    base = record.get("base") if isinstance(record.get("base"), dict) else {}
-    folder = Path(str(base.get("path") or ""))
-    if not folder.is_dir() or not (folder / "config.json").is_file():
-        raise UserError(f"{where} was trained on the base {folder}, which is not here (sha256 "
-                        f"{str(base.get('sha256'))[:12]}…); an adapter needs its base: restore it there")
-    if folder_sha256(folder) != base.get("sha256"):
-        raise UserError(f"{where} was trained on {folder} with sha256 {str(base.get('sha256'))[:12]}…; the folder there "
-                        "now holds other weights: restore that base")
-    class_name = config.get("_class_name")
-    family_of_class(class_name, where)  # a class of a registered family: the one diffusers names so
-    module = getattr(diffusers, str(class_name)).from_pretrained(folder, torch_dtype=torch.float32)
-    inject_lora(module, spec, where)
-    return module

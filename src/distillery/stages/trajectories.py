@@ -5,7 +5,7 @@ artifact's model (``artifacts/teacher/model``), loaded frozen on the stage's dev
 ``gpus.nproc_per_node`` ≥ 1 and CUDA is there, bf16; else the CPU, fp32), integrates its ODE with CFG for
 every prompt of the stage's data set (its text embeddings: the latent set's, or with ``<stage>.data: prompts``
 the prompt-only set's) and ``<stage>.seeds_per_prompt`` seeds
-(:func:`distillery.data.trajectories.generate_trajectories`), into ``runs/<stage>_trajectories/`` — a
+(:func:`distillery.sampling.trajectories.generate_trajectories`), into ``runs/<stage>_trajectories/`` — a
 crash-resume folder like the stage's checkpoints: a killed stage resumes at the first unfinished shard,
 and a rerun whose settings and prompts are unchanged makes nothing again. The finished set is the run's
 ``training.data.path``; :func:`publish_trajectories` puts it in the stage's artifact
@@ -41,7 +41,7 @@ def stage_trajectories(stage: str, params: StageParams, data: str = DATA_ARTIFAC
     returns its folder. Settings out of range never get here (params check: one line)."""
     import torch
 
-    from distillery.data.trajectories import TrajectorySettings, generate_trajectories, source_layout
+    from distillery.sampling.trajectories import TrajectorySettings, generate_trajectories, source_layout
     from distillery.models.registry import load_inference_model
     from distillery.stages.device import stage_device
     from distillery.stages.resume_key import folder_digest

@@ -88,6 +88,26 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def check_resume_lora(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """A :class:`UserError` unless the checkpoint ``path`` trained the same adapters (roles, spec) on the same bases
+    (sha256) as this run: an adapter means nothing on another base."""
+    if set(saved) != set(current):
+        raise UserError(f"{path}: checkpoint trained LoRA adapters on roles {sorted(saved)}, this run on {sorted(current)}; "
+                        "start from step 0 (resume: none) or set models.<role>.lora as it was")
+    for role in sorted(saved):
+        was, now = saved[role], current[role]
+        for key in sorted(k for k in set(was) | set(now) if k != "base"):
+            if was.get(key) != now.get(key):
+                raise UserError(f"{path}: the {role}'s LoRA {key} was {was.get(key)!r}, this run's is {now.get(key)!r}; "
+                                "start from step 0 (resume: none) or set it back")
+        base_was, base_now = was.get("base") or {}, now.get("base") or {}
+        if base_was.get("sha256") != base_now.get("sha256"):
+            raise UserError(f"{path}: the {role}'s LoRA base changed since this checkpoint was saved ({base_was.get('path')} "
+                            f"sha256 {str(base_was.get('sha256'))[:12]}…, now {base_now.get('path')} "
+                            f"{str(base_now.get('sha256'))[:12]}…); an adapter fits only its base: start from step 0 "
+                            "(resume: none) or restore it")
+
+
 def check_frozen_roles(path: Path, saved: dict[str, Any], current: dict[str, dict[str, Any]]) -> None:
     """A UserError unless the frozen roles (teacher, ...) are the ones the checkpoint trained against."""
     for role in sorted(set(saved) | set(current)):
@@ -302,8 +322,6 @@ class CheckpointManager:
                     f"{path}: checkpoint is from a different model for role {role}: {k}={saved.get(k)!r} there, {current.get(k)!r} here"
                 )
         check_frozen_roles(path, meta.get("frozen_roles", {}), payload.frozen_roles)
-        from distillery.models.lora import check_resume_lora
-
         check_resume_lora(path, meta.get("lora") or {}, payload.metadata.get("lora") or {})
         keys = set(read_dcp_metadata(path / "dcp").state_dict_metadata)
         for key, state in payload.dcp_state.items():
