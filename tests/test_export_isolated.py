@@ -11,7 +11,7 @@ checkout) runs in a virtual environment holding exactly the packages the cards n
 each at the version this project's venv has (so pip installs them from the machine's wheels, offline),
 and what they depend on — nothing else, distillery least of all (it first proves ``import distillery``
 fails there): :func:`card_venv`, built once and kept under ``~/.cache/distillery-tests/``, keyed by the
-pins (about a minute the first time). A package the export needs and the card leaves out fails here, as
+pins (under a minute the first time). A package the export needs and the card leaves out fails here, as
 it fails for a user who installs what the card says.
 
 There too, stock loading: ``WanPipeline.from_pretrained`` loads the teacher's export (a stock Wan model) and
@@ -130,7 +130,9 @@ def card_venv(packages: list[str]) -> Path:
         building = folder.with_name(folder.name + ".building")
         shutil.rmtree(building, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", str(building)], check=True, capture_output=True, timeout=300)
-        pip = subprocess.run([str(building / "bin" / "python"), "-m", "pip", "install", "-q", *pins], capture_output=True,
+        # --no-compile: pip would byte-compile every file of torch & co. (half the build); the isolated run compiles
+        # only what it imports, once (its __pycache__ stays in the cached venv)
+        pip = subprocess.run([str(building / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", *pins], capture_output=True,
                              text=True, timeout=1200, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
         assert pip.returncode == 0, pip.stderr[-3000:]
         (building / "pins.txt").write_text("\n".join(pins) + "\n")
