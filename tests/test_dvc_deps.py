@@ -220,8 +220,51 @@ def write_code_deps(root: Path, derived: dict[str, list[str]]) -> None:
     (root / "dvc.yaml").write_text("\n".join(out) + "\n")
 
 
+# Modules a stage runs only under a params option the default DAG leaves off, so its import trace cannot see them:
+# they (and the package modules they import, lazily too) are deps of the stage all the same — an edit to the KD method
+# must rerun an ode_init pretrain, never leave its artifact silently stale.
+OPTION_MODULES = {
+    "pretrain": ("methods/kd.py", "stages/trajectories.py", "sampling/trajectories.py"),  # method: ode_init(_bidirectional)
+    "pdd": ("methods/dm_pdd.py",),  # pdd.method: dm_pdd
+}
+
+
+def _static_imports(module_file: str) -> set[str]:
+    """Repo paths of the package modules ``module_file`` (a repo path) imports anywhere in it (lazy imports too)."""
+    import ast
+
+    path = ROOT / module_file
+    package = "distillery." + ".".join(Path(module_file).relative_to(PACKAGE_IN_REPO).with_suffix("").parts[:-1])
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base]) if base else ".".join(parts)
+            names.add(base)
+            names |= {f"{base}.{a.name}" for a in node.names}  # ``from package import module``
+    return {f for f in map(_module_file, (n for n in names if n.startswith("distillery"))) if f}
+
+
+def option_code(stage: str) -> set[str]:
+    """:data:`OPTION_MODULES` of ``stage`` and every package module they import, transitively (repo paths)."""
+    todo = [f"{PACKAGE_IN_REPO}/{m}" for m in OPTION_MODULES.get(stage, ())]
+    seen: set[str] = set()
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(_static_imports(module) - seen)
+    return seen
+
+
 def check_stage_imports(imported: dict[str, set[str]], root: Path) -> None:
-    """Fail unless each stage's package-code deps in dvc.yaml are exactly what it imported."""
+    """Fail unless each stage's package-code deps in dvc.yaml are exactly what it imported, plus the code its
+    non-default options run (:func:`option_code`)."""
+    imported = {name: files | option_code(name) for name, files in imported.items()}
     stages = load_dvc_stages(root)
     assert set(imported) == set(stages), f"traced stages {sorted(imported)} != dvc.yaml stages {sorted(stages)}"
     derived = {name: code_deps(files) for name, files in imported.items()}
@@ -263,3 +306,14 @@ def test_dvc_repro_of_the_default_workspace_prints_no_warning(tmp_path):
     out = sh(["dvc", "repro", "base"], repo)  # the cheapest stage: it depends on most of the package's folders
     warnings = [ln for ln in (out.stdout + out.stderr).splitlines() if "WARNING" in ln]
     assert "Running stage 'base'" in out.stdout and not warnings, warnings
+
+
+def test_every_method_is_a_dep_of_a_training_stage():
+    """A method that only a non-default option selects (``pdd.method: dm_pdd``, ``pretrain.method: ode_init``) still
+    reruns its stage when edited: the default DAG's trace cannot see it, :data:`OPTION_MODULES` names it."""
+    stages = load_dvc_stages(ROOT)
+    for module in sorted((PACKAGE / "methods").glob("*.py")):
+        rel = f"{PACKAGE_IN_REPO}/methods/{module.name}"
+        assert any(_covered(rel, stages[name].deps) for name in TRAINING_STAGES if name in stages), rel
+    assert f"{PACKAGE_IN_REPO}/methods/kd.py" in option_code("pretrain")
+    assert f"{PACKAGE_IN_REPO}/sampling/base.py" in option_code("pretrain")  # what the trajectories import, transitively
