@@ -226,18 +226,31 @@ def training_rows(params: Params, artifacts: Path, encoded: bool = True) -> tupl
     from distillery.data.videos import find_captions_file, find_splits
 
     try:
-        captions = find_captions_file(find_splits(Path(data))["train"])
-        fd = os.open(captions, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        lines = nonblank_lines(find_captions_file(find_splits(Path(data))["train"]))
+    except (OSError, UserError):
+        return None
+    return None if lines is None else (lines, f"the {lines} captions of {data}")
+
+
+def nonblank_lines(path: str | Path, refuse_nul: bool = False) -> int | None:
+    """The non-blank lines of ``path``, read only if it is a regular file (opened non-blocking: a FIFO never blocks
+    the check); None when it cannot be read, is not a regular file, or (``refuse_nul``) holds a NUL byte."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None
+            lines = 0
             with os.fdopen(os.dup(fd), "rb") as fh:
-                lines = sum(1 for line in fh if line.strip())
+                for line in fh:
+                    if refuse_nul and b"\0" in line:
+                        return None
+                    lines += 1 if line.strip() else 0
         finally:
             os.close(fd)
-    except (OSError, UserError):
+    except (OSError, TypeError):
         return None
-    return lines, f"the {lines} captions of {data}"
+    return lines
 
 
 def prompt_rows(params: Params, artifacts: Path, encoded: bool = True) -> tuple[int, str] | None:
@@ -252,21 +265,7 @@ def prompt_rows(params: Params, artifacts: Path, encoded: bool = True) -> tuple[
         except (OSError, ValueError, KeyError, TypeError):
             pass
     path = params.get("prompts.path")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            lines = 0
-            with os.fdopen(os.dup(fd), "rb") as fh:
-                for line in fh:
-                    if b"\0" in line:
-                        return None
-                    lines += 1 if line.strip() else 0
-        finally:
-            os.close(fd)
-    except OSError:
-        return None
+    lines = nonblank_lines(path, refuse_nul=True)
     return (lines, f"the {lines} prompts of {path}") if lines else None
 
 
