@@ -146,8 +146,8 @@ def test_params_check_refuses_a_bad_t_list_in_one_line(tmp_path, t_list, why):
 
 # -- the teacher's trajectories ------------------------------------------------------------------
 def test_the_grid_is_the_teacher_s_euler_grid_with_the_t_list_points_added(tiny_base):
-    from distillery.sampling.trajectories import ode_grid
     from distillery.models.schedule import FlowMatchSchedule
+    from distillery.sampling.trajectories import ode_grid
 
     sigmas = FlowMatchSchedule(shift=3.0).inference_sigmas(4)
     grid, record = ode_grid(sigmas, tuple(T_LIST), 1000)
@@ -158,8 +158,8 @@ def test_the_grid_is_the_teacher_s_euler_grid_with_the_t_list_points_added(tiny_
 
 
 def test_the_recorded_states_are_a_hand_written_euler_loop_with_cfg(tiny_base):
-    from distillery.sampling.trajectories import ode_grid, teacher_trajectory
     from distillery.models.registry import load_inference_model
+    from distillery.sampling.trajectories import ode_grid, teacher_trajectory
 
     teacher = load_inference_model(tiny_base, "cpu")
     grid, record = ode_grid(teacher.schedule.inference_sigmas(3), tuple(T_LIST), 1000)

@@ -243,3 +243,18 @@ class RunConfig:
             "training": to_plain(self.training),
             "callbacks": {k: v.to_plain() for k, v in self.callbacks.items()},
         }
+
+
+def t_list_problem(values: list[float], scale: float = 1000.0) -> str | None:
+    """What is wrong with a knowledge-distillation ``t_list`` (None: nothing): at least 2 points, strictly descending,
+    in ``[0, scale]`` (``scale``: the timestep scale, 1000 for every Wan model), the last 0 (the trajectory's clean
+    end point). The KD method's config and ``params.yaml``'s ``pretrain.t_list`` both follow it."""
+    if len(values) < 2:
+        return "must list at least 2 timesteps (the trajectory points, then 0)"
+    if any(not math.isfinite(v) or v < 0 or v > scale for v in values):
+        return f"every timestep must be in [0, {scale:g}]"
+    if any(b >= a for a, b in zip(values, values[1:])):
+        return "must be strictly descending (999, 937, 833, 624, 0)"
+    if values[-1] != 0:
+        return "must end at 0 (the trajectory's clean end point, the regression target)"
+    return None

@@ -39,25 +39,11 @@ from typing import Any
 import torch
 
 from distillery.common.errors import UserError
+from distillery.config.schema import t_list_problem
 from distillery.methods.base import StepOutput, TrainingMethod
 from distillery.models.base import CausalModelBase, Conditioning
 
 DEFAULT_T_LIST = (999.0, 937.0, 833.0, 624.0, 0.0)  # the Self-Forcing paper's ODE-init points (48 teacher steps, shift 5)
-MAX_T = 1000.0  # the timestep scale (num_train_timesteps) of every Wan model
-
-
-def t_list_problem(values: list[float], scale: float = MAX_T) -> str | None:
-    """What is wrong with a ``t_list`` (None: nothing): at least 2 points, strictly descending, in
-    ``[0, scale]``, the last 0 (the trajectory's clean end point)."""
-    if len(values) < 2:
-        return "must list at least 2 timesteps (the trajectory points, then 0)"
-    if any(not math.isfinite(v) or v < 0 or v > scale for v in values):
-        return f"every timestep must be in [0, {scale:g}]"
-    if any(b >= a for a, b in zip(values, values[1:])):
-        return "must be strictly descending (999, 937, 833, 624, 0)"
-    if values[-1] != 0:
-        return "must end at 0 (the trajectory's clean end point, the regression target)"
-    return None
 
 
 @dataclass

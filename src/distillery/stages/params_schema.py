@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from distillery.common.errors import UserError
 from distillery.config.limits import path_problem, show
-from distillery.config.schema import MAX_LEARNING_RATE, MAX_LORA_RANK, MAX_SEED  # the run config's: params feed them
+from distillery.config.schema import MAX_LEARNING_RATE, MAX_LORA_RANK, MAX_SEED, t_list_problem  # the run config's: params feed them
 from distillery.config.typed import Check, FieldError, bounded, from_mapping
 from distillery.config.validation import MAX_PROMPTS
 
@@ -142,17 +142,8 @@ def rule(default: Any, low: float | None = None, high: float | None = None, chec
 
 
 def trajectory_points(v: list[float]) -> str | None:
-    """``pretrain.t_list`` (the same rule as :func:`distillery.methods.kd.t_list_problem`, which the stage layer
-    does not import): at least 2 points, strictly descending, in [0, 1000], the last 0."""
-    if len(v) < 2:
-        return "must list at least 2 timesteps (the trajectory points, then 0)"
-    if any(not math.isfinite(t) or t < 0 or t > MAX_TIMESTEP for t in v):
-        return f"every timestep must be in [0, {MAX_TIMESTEP:g}]"
-    if any(b >= a for a, b in zip(v, v[1:])):
-        return "must be strictly descending (999, 937, 833, 624, 0)"
-    if v[-1] != 0:
-        return "must end at 0 (the trajectory's clean end point, the regression target)"
-    return None
+    """``pretrain.t_list``: the KD method's own rule (:func:`distillery.config.schema.t_list_problem`)."""
+    return t_list_problem(v, MAX_TIMESTEP)
 
 
 # -- the sections -------------------------------------------------------------------------------
