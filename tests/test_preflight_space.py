@@ -72,3 +72,32 @@ def test_export_of_a_student_whose_stage_never_ran_is_one_line(prepared, tmp_pat
     assert out.returncode == 2, out.stderr[-2000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "artifacts/distill/model/transformer not found" in lines[0] and "Traceback" not in out.stderr
+
+
+def test_an_ode_init_pretrain_counts_its_trajectory_set_less_what_a_killed_run_left(tmp_path):
+    """``pretrain.method: ode_init`` writes the teacher's trajectories in runs/ before it trains: per prompt and seed,
+    float32 latents of len(t_list) points with the base's latent channels (its VAE's z_dim; 16 when it cannot be read)."""
+    from distillery.stages.preflight import latent_shape, trajectory_bytes
+
+    artifacts = _base(tmp_path, 1)
+    (artifacts / "latents" / "data").mkdir(parents=True)
+    (artifacts / "latents" / "data" / "preprocess.json").write_text('{"splits": {"train": {"rows": 24}}}')
+    dfsft = _params(tmp_path)
+    assert trajectory_bytes("pretrain", dfsft, artifacts) == 0  # the default method makes none
+    params = _params(tmp_path, pretrain={"method": "ode_init", "seeds_per_prompt": 2})
+    c, t, h, w = latent_shape(params)
+    points = len(params.get("pretrain.t_list"))
+    whole = 24 * 2 * points * c * t * h * w * 4
+    assert c == 16 and trajectory_bytes("pretrain", params, artifacts) == whole  # no VAE config here: Wan's 16
+    (artifacts / "base" / "model" / "vae").mkdir()
+    (artifacts / "base" / "model" / "vae" / "config.json").write_text('{"z_dim": 8}')
+    assert trajectory_bytes("pretrain", params, artifacts) == whole // 2
+    (artifacts / "base" / "model" / "vae" / "config.json").unlink()
+    assert trajectory_bytes("distill", params, artifacts) == 0
+    _, runs_bytes = training_bytes("pretrain", params, artifacts)
+    _, dfsft_bytes = training_bytes("pretrain", dfsft, artifacts)
+    assert runs_bytes - dfsft_bytes == whole  # on the runs/ file system, beside the checkpoints
+    runs = tmp_path / "runs"
+    (runs / "pretrain_trajectories").mkdir(parents=True)
+    (runs / "pretrain_trajectories" / "shard-00000.parquet").write_bytes(b"\0" * 1000)  # a killed run's first shard
+    assert trajectory_bytes("pretrain", params, artifacts, runs) == whole - 1000

@@ -144,16 +144,40 @@ def estimate_bytes(stage: str, params: Params, artifacts: Path) -> int:
     return 0
 
 
-def training_bytes(stage: str, params: Params, artifacts: Path) -> tuple[int, int]:
+def training_bytes(stage: str, params: Params, artifacts: Path, runs: Path | None = None) -> tuple[int, int]:
     """Lower bounds of what training stage ``stage`` writes: ``(artifact, checkpoints)`` bytes — the
-    exported model, and its checkpoints in ``runs/`` (one checkpoint when the run writes only its final
-    one, ``save_every`` 0 or ≥ ``steps``; else a new one beside the previous)."""
+    exported model, and in ``runs/`` its checkpoints (one checkpoint when the run writes only its final
+    one, ``save_every`` 0 or ≥ ``steps``; else a new one beside the previous) and, for ``pretrain.method:
+    ode_init*``, the teacher's trajectory set (:func:`trajectory_bytes`)."""
     spec = TRAINING_STAGES[stage]
     weights = _transformer_bytes(artifacts / spec.inputs[spec.export_role] / "model")
     fp32 = weights * 2 if weights else 0  # lower bound: the init may be bf16; the master weights are fp32
     checkpoint = 3 * fp32  # weights + AdamW's two moments (of the exported role alone: a lower bound)
     every, steps = params.get(f"{stage}.save_every"), params.get(f"{stage}.steps")
-    return fp32, checkpoint * (1 if every == 0 or every >= steps else 2)
+    return fp32, checkpoint * (1 if every == 0 or every >= steps else 2) + trajectory_bytes(stage, params, artifacts, runs)
+
+
+TRAJECTORY_METHODS = ("ode_init", "ode_init_bidirectional")  # pretrain.method values that make a trajectory set first
+
+
+def trajectory_bytes(stage: str, params: Params, artifacts: Path, runs: Path | None = None) -> int:
+    """A lower bound of the trajectory set ``pretrain.method: ode_init*`` writes in ``runs/<stage>_trajectories``
+    (published into the artifact by hard link: counted once): float32, per training prompt and seed, one latent of
+    ``len(t_list)`` points stacked along the channels (``t_list``'s last point is the clean end); less what an earlier,
+    killed run already wrote there. 0 for any other stage or method, or when the prompt count cannot be told here."""
+    if stage != "pretrain" or params.get("pretrain.method") not in TRAJECTORY_METHODS:
+        return 0
+    found = prompt_rows(params, artifacts) if params.get("pretrain.data") == "prompts" else training_rows(params, artifacts)
+    if not found:
+        return 0
+    _, t, h, w = latent_shape(params)
+    try:  # the base's latent channels (the tiny base has 8, Wan 2.1 16)
+        c = int(read_json_file(artifacts / "base" / "model" / "vae" / "config.json", 1 << 20)["z_dim"])
+    except (OSError, ValueError, KeyError, TypeError):
+        c = LATENT_CHANNELS
+    total = found[0] * int(params.get("pretrain.seeds_per_prompt")) * len(params.get("pretrain.t_list")) * c * t * h * w * 4
+    done = _tree_bytes(runs / f"{stage}_trajectories") if runs is not None else 0
+    return max(0, total - done)
 
 
 LATENT_CHANNELS, VAE_FRAMES, VAE_PIXELS = 16, 4, 8  # the Wan VAE: 16 channels, 4 frames and 8×8 pixels per latent
@@ -373,7 +397,7 @@ def check_free_space(stage: str, params: Params, artifacts: Path, runs: Path | N
     counted on the file system of ``runs`` (which may be another disk: a symlink to scratch space), its
     exported model on that of ``artifacts``."""
     if stage in TRAINING_STAGES and runs is not None:
-        artifact, checkpoints = training_bytes(stage, params, artifacts)
+        artifact, checkpoints = training_bytes(stage, params, artifacts, runs)
         needs = [(artifacts, artifact), (runs, checkpoints)]
     else:
         needs = [(artifacts, estimate_bytes(stage, params, artifacts))]
