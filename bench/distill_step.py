@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sft_step import TEXT_LEN, WAN_1_3B, flops_per_sample, init_weights_on, make_assets  # noqa: E402
+from sft_step import TEXT_DIM, TEXT_LEN, WAN_1_3B, flops_per_sample, init_weights_on, make_assets  # noqa: E402
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 CHUNK_SIZE = 3  # Self-Forcing student: latent frames per causal chunk
@@ -252,6 +252,10 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
             torch.cuda.memory._record_memory_history(max_entries=3_000_000, stacks="python")
     with tempfile.TemporaryDirectory() as tmp:
         model, data = make_assets(Path(tmp), size)
+        # the guided real score needs the empty prompt's embedding (sft_step's set has none): a random one here
+        from distillery.data.dataset import write_empty_prompt_embedding
+
+        write_empty_prompt_embedding(data, torch.randn(TEXT_LEN, TEXT_DIM, generator=torch.Generator().manual_seed(1)).bfloat16())
         raw = distill_run_config(model, data, Path(tmp) / "run", method, steps, compile_blocks, ac, attention, compile_mode)
         config = load_run_config(raw=raw, prefixes=allowed_prefixes())
         env = init_distributed(config.training.distributed)
