@@ -6,6 +6,11 @@ The trajectories are resumable and tracked: they live in ``runs/pretrain_traject
 and are published inside ``artifacts/pretrain/trajectories`` (a DVC out); a pretrain rerun for another reason
 (``ode_init_bidirectional``: a bidirectional student, then DMD2) makes none again and publishes the same bytes.
 ``pretrain.data: prompts``: the trajectories start from a prompts file (the prompts stage), with a given teacher.
+
+The workspaces are copies of the session's ``trained`` one (conftest.py: clips, base, latents and teacher made by
+`dvc repro teacher` with the small params, which no param set here feeds) or, for the given teacher, of ``prepared``
+(clips, base, latents), with these params set and committed. The uninterrupted ODE-init pretrain (:func:`ode_pretrained`)
+is made once for this file: the DAG test goes on from a copy of it, the kill-and-resume test compares against it.
 """
 
 from __future__ import annotations
@@ -16,15 +21,33 @@ from pathlib import Path
 
 import pytest
 import yaml
-from workspace import ROOT, make_workspace, set_params, sh, tree_sha
+from workspace import ROOT, copy_workspace, set_params, sh, tree_sha
 
 from distillery.stages.dvcfile import stage_params
 from distillery.stages.params import Params, StageParams
 from distillery.stages.run_config import fill_run_config, stage_overrides
 from distillery.stages.training_table import TRAINING_STAGES
 
+# pretrain and distill params only (the teacher is ``trained``'s); 16 rows in 2 shards, made 4 at a time (shard 0 is
+# written while shard 1 is still to make: the kill-and-resume test kills the stage then)
 FEW = {"pretrain.method": "ode_init", "pretrain.teacher_steps": 2, "pretrain.trajectory_rows_per_shard": 8,
-       "pretrain.trajectory_batch_size": 8, "teacher.steps": 2, "pretrain.steps": 4, "distill.steps": 2}
+       "pretrain.trajectory_batch_size": 4, "pretrain.steps": 4, "distill.steps": 2}
+
+
+def _workspace(source: Path, repo: Path, params: dict[str, object]) -> Path:
+    """A copy of the session workspace ``source`` with ``params`` set in params.yaml, committed."""
+    copy_workspace(source, repo)
+    set_params(repo, params)
+    sh(["git", "commit", "-qam", "ode-init params"], repo)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def ode_pretrained(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """``trained`` with :data:`FEW` set and `dvc repro pretrain` run uninterrupted: the workspace (read-only: copy
+    it) and what dvc printed."""
+    repo = _workspace(trained, tmp_path_factory.mktemp("ode") / "ws", FEW)
+    return repo, sh(["dvc", "repro", "pretrain"], repo).stdout
 
 
 @pytest.mark.parametrize("method, target, model, chunks", [
@@ -65,10 +88,11 @@ def test_pretrain_method_picks_its_template_and_fills_it(tmp_path, monkeypatch, 
 
 
 @pytest.mark.slow
-def test_ode_init_then_self_forcing_through_dvc_repro(tmp_path):
-    repo = make_workspace(tmp_path / "ws", FEW)
+def test_ode_init_then_self_forcing_through_dvc_repro(ode_pretrained, tmp_path):
+    made_by, pretrain_out = ode_pretrained
+    repo = copy_workspace(made_by, tmp_path / "ws")
     out = sh(["dvc", "repro", "distill"], repo)
-    assert "Running stage 'pretrain'" in out.stdout and "Running stage 'distill'" in out.stdout, out.stdout
+    assert "Running stage 'pretrain'" in pretrain_out and "Running stage 'distill'" in out.stdout, (pretrain_out, out.stdout)
     pretrain = repo / "artifacts" / "pretrain"
     lineage = json.loads((pretrain / "lineage.json").read_text())
     assert lineage["method"] == "distillery.methods.kd.KDMethod"
@@ -104,15 +128,15 @@ def test_ode_init_then_self_forcing_through_dvc_repro(tmp_path):
 
 
 @pytest.mark.slow
-def test_ode_init_from_prompts_only_with_a_given_teacher(tmp_path):
+def test_ode_init_from_prompts_only_with_a_given_teacher(prepared, tmp_path):
     """The published recipes' layout: a given teacher (here the base itself), the student from the base, the
     trajectories from a prompts file (``pretrain.data: prompts``: the prompts stage's text embeddings, no video)."""
     from workspace import ROOT
 
     prompts = (ROOT / "src" / "distillery" / "assets" / "prompts" / "tiny.txt").read_text().splitlines()[:12]
-    repo = make_workspace(tmp_path / "ws", {**FEW, "pretrain.data": "prompts", "prompts.path": "prompts.txt",
-                                            "prompts.rows_per_shard": 4, "teacher.source": "base",
-                                            "pretrain.student_init": "base", "pretrain.batch_size": 4})
+    repo = _workspace(prepared, tmp_path / "ws", {**FEW, "pretrain.data": "prompts", "prompts.path": "prompts.txt",
+                                                  "prompts.rows_per_shard": 4, "teacher.source": "base",
+                                                  "pretrain.student_init": "base", "pretrain.batch_size": 4})
     (repo / "prompts.txt").write_text("\n".join(prompts) + "\n", encoding="utf-8")
     sh(["dvc", "repro", "pretrain"], repo)
     lineage = json.loads((repo / "artifacts" / "pretrain" / "lineage.json").read_text())
@@ -126,21 +150,19 @@ def test_ode_init_from_prompts_only_with_a_given_teacher(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_pretrain_killed_mid_shard_resumes_to_the_same_trajectories_and_student(tmp_path):
+def test_a_pretrain_killed_mid_shard_resumes_to_the_same_trajectories_and_student(trained, ode_pretrained, tmp_path):
     """``distillery stage pretrain`` SIGKILLed while it makes the trajectories — shard 0 written, shard 1 under way —
     then ``dvc repro``: it makes shard 1 only, and the published trajectories and the trained student are byte for byte
-    those of a run never killed (a copy of the workspace made before)."""
+    those of a run never killed (:func:`ode_pretrained`: the same params on a copy of the same ``trained``)."""
     import os
     import signal
     import subprocess
     import time
 
-    from workspace import copy_workspace, env, wait_no_processes
+    from workspace import env, wait_no_processes
 
-    repo = make_workspace(tmp_path / "ws", {**FEW, "pretrain.trajectory_batch_size": 4})
-    sh(["dvc", "repro", "teacher"], repo)
-    reference = copy_workspace(repo, tmp_path / "reference")
-    sh(["dvc", "repro", "pretrain"], reference)
+    repo = _workspace(trained, tmp_path / "ws", FEW)
+    reference = ode_pretrained[0]
     proc = subprocess.Popen(["distillery", "stage", "pretrain"], cwd=repo, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     shards = repo / "runs" / "pretrain_trajectories" / "train"
