@@ -50,8 +50,8 @@ def main() -> int:
         args.latent = [3, 8, 8]
     from diffusers import WanTransformer3DModel
 
-    from distillery.sampling.trajectories import ode_grid, teacher_trajectory
     from distillery.models.wan.inference import load_inference_model
+    from distillery.sampling.trajectories import ode_grid, teacher_trajectory
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

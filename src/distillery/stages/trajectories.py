@@ -41,8 +41,8 @@ def stage_trajectories(stage: str, params: StageParams, data: str = DATA_ARTIFAC
     returns its folder. Settings out of range never get here (params check: one line)."""
     import torch
 
-    from distillery.sampling.trajectories import TrajectorySettings, generate_trajectories, source_layout
     from distillery.models.registry import load_inference_model
+    from distillery.sampling.trajectories import TrajectorySettings, generate_trajectories, source_layout
     from distillery.stages.device import stage_device
     from distillery.stages.resume_key import folder_digest
 
