@@ -79,18 +79,19 @@ def shard_path(out_dir: Path, split: str, index: int) -> Path:
     return Path(out_dir) / split / f"shard-{index:05d}.parquet"
 
 
+def _tensor_columns(name: str, tensors: list) -> dict[str, list]:
+    """The ``<name>_bytes`` / ``_shape`` / ``_dtype`` columns of ``tensors`` (:func:`tensor_to_record_fields` each)."""
+    fields = [tensor_to_record_fields(t) for t in tensors]
+    return {f"{name}_bytes": [b for b, _, _ in fields], f"{name}_shape": [s for _, s, _ in fields],
+            f"{name}_dtype": [d for _, _, d in fields]}
+
+
 def _records_to_table(records: list[LatentRecord]) -> pa.Table:
-    lat = [tensor_to_record_fields(r.latent) for r in records]
-    txt = [tensor_to_record_fields(r.text_embedding) for r in records]
     columns = {
         "id": [r.id for r in records],
         "caption": [r.caption for r in records],
-        "latent_bytes": [b for b, _, _ in lat],
-        "latent_shape": [s for _, s, _ in lat],
-        "latent_dtype": [d for _, _, d in lat],
-        "text_embedding_bytes": [b for b, _, _ in txt],
-        "text_embedding_shape": [s for _, s, _ in txt],
-        "text_embedding_dtype": [d for _, _, d in txt],
+        **_tensor_columns("latent", [r.latent for r in records]),
+        **_tensor_columns("text_embedding", [r.text_embedding for r in records]),
         "num_frames": [int(r.num_frames) for r in records],
         "height": [int(r.height) for r in records],
         "width": [int(r.width) for r in records],
@@ -101,13 +102,10 @@ def _records_to_table(records: list[LatentRecord]) -> pa.Table:
 
 
 def _prompts_to_table(records: list[PromptRecord]) -> pa.Table:
-    txt = [tensor_to_record_fields(r.text_embedding) for r in records]
     columns = {
         "id": [r.id for r in records],
         "caption": [r.caption for r in records],
-        "text_embedding_bytes": [b for b, _, _ in txt],
-        "text_embedding_shape": [s for _, s, _ in txt],
-        "text_embedding_dtype": [d for _, _, d in txt],
+        **_tensor_columns("text_embedding", [r.text_embedding for r in records]),
         "source": [r.source for r in records],
     }
     return pa.Table.from_pydict(columns, schema=PROMPT_SCHEMA)
