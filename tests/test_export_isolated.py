@@ -79,7 +79,8 @@ def exports(tmp_path_factory) -> dict:
     from distillery.evaluation.validate import Candidate, ValidationConfig, run_validation
     from distillery.export.code import CODE_RECORD_KEY
     from distillery.export.model_card import export_model_card
-    from distillery.lineage.manifest import verify_lineage, write_lineage
+    from distillery.lineage.manifest import write_lineage
+    from distillery.lineage.verify import verify_lineage
     from distillery.stages.export import assemble_export
 
     root = tmp_path_factory.mktemp("exports")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from distillery.export.code import SHIPPED_ELSEWHERE, SHIPPED_MODULES, shipped_sources
-from distillery.lineage.manifest import EXPORT_OWN_CODE
+from distillery.lineage.artifact_code import EXPORT_OWN_CODE
 from distillery.tinybase.shipped import shipped_tiny_base
 
 STANDALONE = Path(__file__).resolve().parents[1] / "src" / "distillery" / "export" / "standalone"
@@ -155,7 +155,8 @@ def test_a_folder_that_needs_its_own_sampler_names_its_own_pipeline_and_lineage_
     import json
 
     from distillery.export.code import OWN_PIPELINE
-    from distillery.lineage.manifest import EXPORT_PIPELINE_CLASS, verify_lineage
+    from distillery.lineage.artifact_code import EXPORT_PIPELINE_CLASS
+    from distillery.lineage.verify import verify_lineage
 
     assert tuple(OWN_PIPELINE) == tuple(EXPORT_PIPELINE_CLASS)
     contract = CONTRACTS[kind][0]

@@ -16,22 +16,12 @@ from pathlib import Path
 import pytest
 
 from distillery.common.errors import UserError
-from distillery.lineage.manifest import (
-    DIGEST_KEY,
-    MANIFEST_KEYS,
-    Input,
-    code_info,
-    dvc_dir_md5,
-    find_dvc_out,
-    hash_file,
-    hash_tree,
-    lineage_tree,
-    manifest_digest,
-    read_lineage,
-    tree_digest,
-    verify_lineage,
-    write_lineage,
-)
+from distillery.lineage.contract import DIGEST_KEY
+from distillery.lineage.dvc_outs import find_dvc_out
+from distillery.lineage.hashing import hash_file, hash_tree, tree_digest
+from distillery.lineage.manifest import MANIFEST_KEYS, Input, code_info, manifest_digest, read_lineage, write_lineage
+from distillery.lineage.render import lineage_tree
+from distillery.lineage.verify import verify_lineage
 
 WEIGHTS = "model/transformer/diffusion_pytorch_model.safetensors"
 
@@ -286,8 +276,9 @@ def _reference_dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(dvc), *args], cwd=repo, check=True, capture_output=True, text=True, timeout=120)
 
 
-def test_dvc_dir_md5_is_what_dvc_add_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The DVC 3 directory hash, checked against the installed DVC on a real `dvc add`: nested
+def test_dvc_lock_hash_is_what_dvc_add_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DVC 3 directory hash that `--verify --dvc-lock` recomputes, checked against the installed DVC on a
+    real `dvc add` (before and after a file changes): nested
     and hidden files, non-ASCII names, an empty folder, lineage.json, and names whose string order
     differs from their component order ("a-b/x" < "a/b/y")."""
     import yaml
@@ -305,15 +296,17 @@ def test_dvc_dir_md5_is_what_dvc_add_records(tmp_path: Path, monkeypatch: pytest
     _reference_dvc(repo, "init", "-q")
     _reference_dvc(repo, "add", "-q", "art")
     (out,) = yaml.safe_load((repo / "art.dvc").read_text())["outs"]
-    assert out["nfiles"] == 5 and dvc_dir_md5(art) == (out["md5"], 5)
+    assert out["nfiles"] == 5
     found = find_dvc_out(repo / "art.dvc", art)
     assert (found.stage, found.path, found.md5, found.nfiles) == (None, "art", out["md5"], 5)
     res = verify_lineage("art", dvc_lock="art.dvc")
     assert res.ok and res.notes == [f"dvc: art matches {out['md5']} recorded for art in art.dvc"]
     (art / "a-b" / "x").write_bytes(b"\x00\x02")
-    assert dvc_dir_md5(art)[0] != out["md5"]
     res = verify_lineage("art", dvc_lock="art.dvc")
-    assert res.problems[-1] == (f"dvc: art hashes to {dvc_dir_md5(art)[0]} but art.dvc records {out['md5']} "
+    _reference_dvc(repo, "add", "-q", "art")  # what DVC records for the changed folder
+    (changed,) = yaml.safe_load((repo / "art.dvc").read_text())["outs"]
+    assert changed["md5"] != out["md5"]
+    assert res.problems[-1] == (f"dvc: art hashes to {changed['md5']} but art.dvc records {out['md5']} "
                                 f"for art (changed after DVC recorded it)")
 
 

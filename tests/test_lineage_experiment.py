@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from distillery.lineage.manifest import code_info, lineage_tree, read_lineage, write_lineage
+from distillery.lineage.manifest import code_info, read_lineage, write_lineage
+from distillery.lineage.render import lineage_tree
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="no git")
 

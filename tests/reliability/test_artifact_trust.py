@@ -25,7 +25,11 @@ from workspace import copy_workspace, error_lines, set_params, sh, stage, tree_s
 from distillery.cli.guard import run_guarded
 from distillery.cli.main import build_parser
 from distillery.export.code import CODE_RECORD_KEY, write_export_code
-from distillery.lineage.manifest import DIGEST_KEY, EXPORT_OWN_CODE, Input, hash_tree, manifest_digest, verify_chain, write_lineage
+from distillery.lineage.artifact_code import EXPORT_OWN_CODE
+from distillery.lineage.contract import DIGEST_KEY
+from distillery.lineage.hashing import hash_tree
+from distillery.lineage.manifest import Input, manifest_digest, write_lineage
+from distillery.lineage.verify import verify_chain
 from distillery.tinybase.shipped import shipped_tiny_base
 
 slow = pytest.mark.slow  # the tests that work on a copy of a DAG workspace
@@ -211,7 +215,8 @@ def test_lineage_verify_refuses_code_in_an_export(tmp_path, monkeypatch, capsys,
                          expect="`distillery lineage --verify` exits 2 each time, naming the file; the export as written "
                                 "verifies")
 def test_lineage_verify_allows_only_the_export_s_own_recorded_code(tmp_path, monkeypatch, capsys, data_lost):
-    from distillery.lineage.manifest import hash_tree, seal
+    from distillery.lineage.hashing import hash_tree
+    from distillery.lineage.manifest import seal
 
     monkeypatch.chdir(tmp_path)
     export = _hand_made_export(tmp_path, evil=False)

@@ -18,7 +18,9 @@ import pytest
 from distillery.cli.guard import run_guarded
 from distillery.cli.main import build_parser
 from distillery.common.errors import UserError
-from distillery.lineage.manifest import DIGEST_KEY, Input, hash_tree, manifest_digest, write_lineage
+from distillery.lineage.contract import DIGEST_KEY
+from distillery.lineage.hashing import hash_tree
+from distillery.lineage.manifest import Input, manifest_digest, write_lineage
 
 WEIGHTS = "model/transformer/diffusion_pytorch_model.safetensors"
 FAILED = "lineage check failed"

@@ -132,7 +132,7 @@ def test_restarted_run_keeps_what_it_did_not_write(tmp_path, tiny_base, latent_s
 @pytest.mark.parametrize("kind", ["params.yaml", "symlink"])
 def test_hash_cache_never_overwrites_a_file_it_did_not_write(tmp_path, monkeypatch, warnings_logged, data_lost, kind):
     from distillery.common import hashcache
-    from distillery.lineage.manifest import hash_tree
+    from distillery.lineage.hashing import hash_tree
 
     params = tmp_path / "params.yaml"
     params.write_text("teacher:\n  learning_rate: 1e-4\n")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from workspace import TRAINED, copy_workspace, env, read_log_steps, set_params, sh, stage, tree_sha, wait_no_processes
 
-from distillery.lineage.manifest import hash_file
+from distillery.lineage.hashing import hash_file
 
 pytestmark = pytest.mark.slow
 WEIGHTS = Path("artifacts/teacher/model/transformer/diffusion_pytorch_model.safetensors")

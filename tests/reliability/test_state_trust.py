@@ -115,7 +115,7 @@ def test_hash_cache_fifo_does_not_hang(tmp_path, data_lost):
     cache = tmp_path / "runs" / ".hash_cache.json"
     cache.parent.mkdir()
     os.mkfifo(cache)
-    code = ("import json, sys; from pathlib import Path; from distillery.lineage.manifest import hash_tree; "
+    code = ("import json, sys; from pathlib import Path; from distillery.lineage.hashing import hash_tree; "
             "print(json.dumps(hash_tree(Path(sys.argv[1]))))")
     try:
         proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=60,
@@ -164,7 +164,7 @@ def test_stage_runner_turns_a_fifo_cache_off(tmp_path, monkeypatch, warnings_log
 @pytest.mark.parametrize("kind", ["folder", "deep JSON", "deep JSON entry", "non-string digests", "a list"])
 def test_hash_cache_of_wrong_shape_is_ignored(hash_cache, tmp_path, warnings_logged, data_lost, kind):
     from distillery.common import hashcache
-    from distillery.lineage.manifest import hash_tree
+    from distillery.lineage.hashing import hash_tree
 
     folder = _folder(tmp_path / "artifact")
     _bad_cache(kind, hash_cache, folder)
@@ -215,7 +215,7 @@ def _intact_checkpoints(run: Path) -> int:
 def test_poisoned_hash_cache_does_not_discard_a_run(hash_cache, tmp_path, tiny_base, latent_set, monkeypatch,
                                                     warnings_logged, data_lost):
     from distillery.common import hashcache
-    from distillery.lineage.manifest import hash_tree
+    from distillery.lineage.hashing import hash_tree
     from distillery.stages.resume_key import read_key, resume_key
     from distillery.stages.training import prepare_run_dir
 

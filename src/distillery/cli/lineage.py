@@ -52,7 +52,9 @@ def add_command(subparsers: argparse._SubParsersAction, name: str, help: str) ->
 
 def run_lineage(args: argparse.Namespace) -> int:
     """Entry point of ``distillery lineage``; returns 0, or 2 when ``--verify`` finds problems."""
-    from distillery.lineage.manifest import lineage_tree, read_lineage, verify_lineage
+    from distillery.lineage.manifest import read_lineage
+    from distillery.lineage.render import lineage_tree
+    from distillery.lineage.verify import verify_lineage
 
     extras = [flag for flag, on in (("--expect", args.expect is not None), ("--dvc-lock", args.dvc_lock is not None),
                                     ("--recursive", args.recursive)) if on]

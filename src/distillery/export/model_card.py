@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from distillery.export.code import REQUIREMENTS, stock_samples
-from distillery.lineage.manifest import artifacts_once
+from distillery.lineage.render import artifacts_once
 
 # metrics of a validation candidate shown in the card: (metrics.json key, column title, format); latency only where
 # validate recorded the machine and its load (:func:`_latency_context`)

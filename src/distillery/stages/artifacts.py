@@ -64,7 +64,7 @@ def keep_previous_record(stage: str, staging: Path) -> bool:
     same stable manifest as ``staging``, put its lineage.json and metrics.json in ``staging`` so the
     new artifact is byte-identical (DVC then keeps every downstream stage cached). Its lineage then
     names the MLflow run that first made these bytes. Returns True when it did."""
-    from distillery.lineage.manifest import LINEAGE_FILE
+    from distillery.lineage.contract import LINEAGE_FILE
 
     previous = ARTIFACTS / stage
     try:
@@ -83,11 +83,11 @@ def keep_previous_record(stage: str, staging: Path) -> bool:
 
 def verify_shipped_chain(stage: str, inputs: list[tuple[str, Path]]) -> dict[str, str]:
     """Read every byte of the stage's input artifacts and of every upstream artifact present, against
-    their own manifests (:func:`distillery.lineage.manifest.verify_chain`; DVC and the hash cache trust size
+    their own manifests (:func:`distillery.lineage.verify.verify_chain`; DVC and the hash cache trust size
     and mtime, this does not), and log what it cost. Returns the manifest digest of each artifact
     checked, by normalised path; a mismatch is a one-line :class:`UserError` and nothing is published."""
     from distillery.common.errors import UserError
-    from distillery.lineage.manifest import verify_chain
+    from distillery.lineage.verify import verify_chain
 
     check = verify_chain([path for _, path in inputs])
     log.info("%s: %s the chain it ships (every byte of %d artifacts, %d files, against their lineage.json; "

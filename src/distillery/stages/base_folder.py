@@ -18,7 +18,7 @@ load command passes. So a base is held to this:
   (:func:`distillery.stages.model_files.check_model_files`: no FIFO, device, link loop, oversized
   config or tokenizer file, or safetensors file whose header is not one).
 - :func:`copy_model_folder`: copies a model folder leaving out every code file
-  (:func:`distillery.lineage.manifest.is_code_file`): no ``.py`` (or bytecode, or native module) of a base
+  (:func:`distillery.lineage.artifact_code.is_code_file`): no ``.py`` (or bytecode, or native module) of a base
   is ever copied.
 
 The base stage checks the user's folder before copying it; the export stage checks the base
@@ -39,8 +39,8 @@ from typing import Any
 
 from distillery.common.errors import UserError
 from distillery.common.hashcache import copy_hashed
-from distillery.lineage.manifest import MODEL_LIBRARIES as LIBRARIES
-from distillery.lineage.manifest import is_code_file
+from distillery.lineage.artifact_code import MODEL_LIBRARIES as LIBRARIES
+from distillery.lineage.artifact_code import is_code_file
 
 INDEX_FILE = "model_index.json"
 PIPELINE_CLASS = "WanPipeline"

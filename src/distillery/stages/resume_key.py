@@ -16,7 +16,7 @@ Parts of the key (each a sha256 hex digest):
   *global* batch (``training.data.batch_size`` × the launch's world size) in place of the per-rank one:
   1 node × batch 16 and 2 nodes × batch 8 are the same run (same draws, same losses) and resume each
   other, while the same per-rank batch on more ranks is another run;
-- ``input:<role>``: the content of each input artifact: :func:`distillery.lineage.manifest.tree_digest` of its
+- ``input:<role>``: the content of each input artifact: :func:`distillery.lineage.hashing.tree_digest` of its
   files without its ``lineage.json`` (the ``sha256`` a consumer's lineage records for that input). The
   manifest is left out because it holds facts of one run (times, MLflow run ids, the code commit): an
   older copy of the artifact with the same files resumes instead of retraining from step 0;
@@ -59,7 +59,8 @@ def config_digest(raw: dict[str, Any], world_size: int = 1) -> str:
 def folder_digest(folder: Path) -> str:
     """Content digest of an artifact folder: every file's path, size and sha256, its top-level
     ``lineage.json`` left out (module doc)."""
-    from distillery.lineage.manifest import LINEAGE_FILE, hash_tree, tree_digest
+    from distillery.lineage.contract import LINEAGE_FILE
+    from distillery.lineage.hashing import hash_tree, tree_digest
 
     return tree_digest(hash_tree(folder, exclude=(LINEAGE_FILE,)))
 
