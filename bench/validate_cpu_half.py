@@ -11,9 +11,9 @@ plus noise so the encoders see texture):
   the new one (sharpness once, the mp4 at validate's ``MP4_PRESET``, lossless either way,
   :func:`~distillery.evaluation.video_metrics.paired_mse` on the uint8 frames);
 - **throughput**: ``--videos`` videos' new CPU half on 1 thread and on
-  :func:`~distillery.evaluation.validate.scoring_workers` threads (what validate uses here);
+  :func:`~distillery.evaluation.validation_files.scoring_workers` threads (what validate uses here);
 - **the grid** of ``--rows`` candidates × 2 prompts: GIF at full size then mp4 (old) against the GIF preview
-  (:func:`~distillery.evaluation.validate.gif_preview`) and the mp4 (``MP4_PRESET``) encoded at once (new).
+  (:func:`~distillery.evaluation.validation_files.gif_preview`) and the mp4 (``MP4_PRESET``) encoded at once (new).
 
 Usage: ``python bench/validate_cpu_half.py [--videos 8] [--rows 4] [--out bench/results/x.json]``.
 """
@@ -60,8 +60,9 @@ def old_half(video: np.ndarray, reference: np.ndarray, folder: Path, key: str) -
 def new_half(video: np.ndarray, reference: np.ndarray, folder: Path, key: str) -> float:
     """What validate now runs per video: its scoring function, the mp4, then the paired distance."""
     from distillery.clips.video_io import write_video
-    from distillery.evaluation.validate import MP4_PRESET, score_video
+    from distillery.evaluation.validation_files import MP4_PRESET
     from distillery.evaluation.video_metrics import paired_mse
+    from distillery.evaluation.video_scores import score_video
 
     score_video(video, None, "a red square moving right")
     write_video(folder / f"{key}.mp4", video, 16, preset=MP4_PRESET)
@@ -77,7 +78,7 @@ def timed(fn, *args) -> float:
 def main() -> int:
     from distillery.clips.video_io import write_video
     from distillery.common.videogrid import VideoGrid, write_gif
-    from distillery.evaluation.validate import _write_grid, gif_preview, scoring_workers
+    from distillery.evaluation.validation_files import gif_preview, scoring_workers, write_grid
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--videos", type=int, default=8)
@@ -114,11 +115,7 @@ def main() -> int:
         result["grid_old_s"] = round(time.perf_counter() - t0, 2)
         result["grid_old_gif_mib"] = round((folder / "old.gif").stat().st_size / 2**20, 1)
 
-        class _Cfg:
-            grid_formats = ["gif", "mp4"]
-            fps = 16
-
-        result["grid_new_s"] = round(timed(_write_grid, pixels, folder, _Cfg), 2)
+        result["grid_new_s"] = round(timed(write_grid, pixels, folder, ["gif", "mp4"], 16), 2)
         result["grid_new_gif_mib"] = round((folder / "grid.gif").stat().st_size / 2**20, 1)
         result["grid_gif_preview_hw"] = list(gif_preview(pixels).shape[1:3])
     result["load_average_end"] = os.getloadavg()

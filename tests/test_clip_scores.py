@@ -254,7 +254,7 @@ def test_without_clip_nothing_changes_and_another_clip_rescores_cached_samples(r
 def test_off_the_clips_grammar_the_summary_points_at_the_clip_score():
     """Issue 44 item 3's other half: with a CLIP model, one's own prompts have a text score that applies."""
     from distillery.evaluation.summary import summary_markdown
-    from distillery.evaluation.validate import METRIC_NAMES
+    from distillery.evaluation.video_scores import METRIC_NAMES
 
     metrics = {f"own_4/{k}": 0.5 for k in (*METRIC_NAMES, *CLIP_METRICS)}
     report = {"reference": "own_4", "prompts": ["a dog on a beach"], "num_seeds": 1,

@@ -14,18 +14,14 @@ import torch
 from distillery.common.errors import UserError
 from distillery.evaluation.validate import (
     HEADLINE_METRICS,
-    METRIC_NAMES,
-    SEEDED_METRICS,
-    WARMUP_VIDEOS,
     Candidate,
     ValidationConfig,
     generator_seed,
     headline_metrics,
-    latency_summary,
     run_validation,
-    sample_key,
     teacher_candidates,
 )
+from distillery.evaluation.video_scores import METRIC_NAMES, SEEDED_METRICS, WARMUP_VIDEOS, latency_summary, sample_key
 from distillery.models.base import Conditioning
 from distillery.models.schedule import FlowMatchSchedule
 from distillery.models.wan import load_inference_model
@@ -458,7 +454,7 @@ def test_validation_device_choice():
 
 
 def test_the_grid_gif_is_a_preview_of_at_most_gif_max_px_a_side():
-    from distillery.evaluation.validate import GIF_MAX_PX, gif_preview
+    from distillery.evaluation.validation_files import GIF_MAX_PX, gif_preview
 
     small = np.zeros((3, 40, 70, 3), np.uint8)
     assert gif_preview(small) is small  # tiny tiles: the grid itself
@@ -472,7 +468,7 @@ def test_the_grid_gif_is_a_preview_of_at_most_gif_max_px_a_side():
 def test_scoring_workers_leave_the_sampler_a_core_and_fit_in_memory():
     import os
 
-    from distillery.evaluation.validate import scoring_workers
+    from distillery.evaluation.validation_files import scoring_workers
 
     cores = len(os.sched_getaffinity(0))
     assert scoring_workers(32 * 32 * 17 * 3) == max(1, min(8, cores - 1))  # tiny videos: the cores decide

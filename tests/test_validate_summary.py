@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from distillery.evaluation.summary import adherence_readings, summary_markdown
-from distillery.evaluation.validate import METRIC_NAMES, Candidate, forwards
+from distillery.evaluation.validate import Candidate, forwards
+from distillery.evaluation.video_scores import METRIC_NAMES
 
 STREAMING = {"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
              "timesteps": [1000.0, 900.0, 750.0, 500.0], "chunk_size": 1, "context_noise": 0.0, "renoise": "sde"}

@@ -26,7 +26,7 @@ log and report.json ``cache`` say which were reused). Per candidate it reports (
   cannot apply;
 - ``latency_s`` — the median wall seconds per video for sampling + VAE decode (batch 1 unless
   ``sample_batch`` says more: then a batch's wall time / its size; text encoding excluded) over the
-  candidate's videos after its first :data:`WARMUP_VIDEOS` (one untimed warm-up forward runs before them
+  candidate's videos after its first :data:`~distillery.evaluation.video_scores.WARMUP_VIDEOS` (one untimed warm-up forward runs before them
   too; lazy initialisation, kernel selection and compilation make the first videos slower than the rest,
   so they are timed but left out; a candidate with no more videos than that keeps them all), and
   ``latency_s_iqr`` its spread: the interquartile range (75th − 25th percentile) of the same times;
@@ -130,7 +130,6 @@ Output folder (written to a temporary sibling, then renamed into place)::
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import re
@@ -149,11 +148,26 @@ from safetensors.torch import save_file
 
 from distillery.common.errors import UserError
 from distillery.common.fsutil import replace_dir
-from distillery.common.videogrid import VideoGrid, write_gif
+from distillery.common.videogrid import VideoGrid
 from distillery.config.validation import SEED_STRIDE, ValidationSampling
 from distillery.evaluation.clip_scores import CLIP_METRICS, CLIP_SCORES, check_clip_folder
-from distillery.evaluation.kid import KID_METRICS, kid, kid_summary
+from distillery.evaluation.kid import kid
 from distillery.evaluation.kid import resolved as interval_resolved
+from distillery.evaluation.validation_files import CSV_COLUMNS, MP4_PRESET, scoring_workers, write_grid, write_tables
+from distillery.evaluation.video_scores import (
+    ADHERENCE_METRICS,
+    METRIC_NAMES,
+    SEEDED_METRICS,
+    WARMUP_VIDEOS,
+    ScoredVideo,
+    adherence_applicability,
+    distribution_scores,
+    latency_summary,
+    mean_table,
+    sample_key,
+    score_video,
+    seeded_summary,
+)
 
 if TYPE_CHECKING:
     from distillery.evaluation.sample_cache import SampleCache
@@ -164,19 +178,11 @@ log = logging.getLogger("distillery")
 
 SAMPLING_FILE = "sampling.json"  # an artifact's sampling contract, beside its transformer/
 GRID_FORMATS = ("gif", "mp4")
-SEEDED_METRICS = ("colour", "shape", "direction", "all", "distance_to_teacher", "sharpness")  # mean + _std
-METRIC_NAMES = (*(k for m in SEEDED_METRICS for k in (m, f"{m}_std")), "latency_s", "latency_s_iqr", "nfe",
-                "frechet_distance", "frechet_distance_std", *KID_METRICS)  # every candidate's keys in metrics.json (+ floors, resolved flags)
-ADHERENCE_METRICS = ("colour", "shape", "direction", "all")  # the analyzer's readings: n/a off the clips' grammar
 HEADLINE_METRICS = ("all", "frechet_distance", "kid")  # what DVC shows per headline candidate (headline_metrics); the rest: report/
 CLIP_HEADLINE = ("clip_text", "clip_text_lo", "clip_text_hi", "clip_consistency", "clip_consistency_lo",
                  "clip_consistency_hi", "motion", "motion_lo", "motion_hi")  # DVC's too, with validate.clip_model
 REFERENCE_ZERO = ("frechet_distance", "kid", "distance_to_teacher")  # the reference's own: 0 by construction, never a headline
-# x264 preset of the sample and grid mp4s: lossless (crf 0) at any preset, so the decoded frames are the same; ultrafast
-# encodes an 81×480×832 video ~10× faster than medium (1.5 s vs 16 s on one thread) for ~15 % more bytes
-MP4_PRESET = "ultrafast"
 PRECISIONS = ("auto", "fp32", "bf16")
-WARMUP_VIDEOS = 1  # a candidate's first videos: timed, but left out of its latency (module doc)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -264,10 +270,6 @@ def generator_seed(cfg: ValidationConfig, prompt_index: int, seed_index: int) ->
     return cfg.generator_seed(prompt_index, seed_index)
 
 
-def sample_key(prompt_index: int, seed_index: int) -> str:
-    """Name of a video in ``samples/<candidate>/``: ``"<i>"`` for seed index 0, else ``"<i>_s<j>"``
-    (its ``.mp4`` file stem and its key in ``latents.safetensors``)."""
-    return str(prompt_index) if seed_index == 0 else f"{prompt_index}_s{seed_index}"
 
 
 @dataclass(frozen=True)
@@ -554,142 +556,6 @@ def _check_candidates(candidates: list[Candidate], reference: str | None) -> Can
     return candidates[names.index(reference)]
 
 
-GIF_MAX_PX = 1280  # the grid GIF is a preview: a grid longer than this on a side is written every k-th pixel (the mp4 is full size)
-WORKING_SET_PER_VIDEO = 48  # bytes of scoring working set per byte of a uint8 video (float64 copies in the analyzer)
-
-
-def scoring_workers(video_bytes: int) -> int:
-    """Threads for the CPU half of the videos: the cores but one (the sampler's), at most 8, and no more than
-    the available memory holds at :data:`WORKING_SET_PER_VIDEO` × ``video_bytes`` each; at least 1."""
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        available = 0
-    by_memory = available // max(1, WORKING_SET_PER_VIDEO * video_bytes) if available else 1
-    return int(max(1, min(8, cores - 1, by_memory)))
-
-
-def score_video(video: np.ndarray, analyzer: Any, caption: str) -> tuple[dict[str, bool], float, list[float]]:
-    """The scores of one decoded video ``uint8 [T, H, W, 3]``: adherence to ``caption`` (the analyzer's reading with
-    ``analyzer``'s thresholds), sharpness and the feature vector (computed from one float copy; sharpness once)."""
-    from distillery.clips.analyzer import analyze, score_analysis
-    from distillery.evaluation.video_metrics import sharpness, video_features
-
-    analysis = analyze(video, analyzer)
-    rgb = video.astype(np.float64) / 255.0
-    sharp = sharpness(rgb)
-    return score_analysis(analysis, caption), sharp, [float(f) for f in video_features(rgb, analysis, sharpness_value=sharp)]
-
-
-def gif_preview(grid: np.ndarray, max_px: int = GIF_MAX_PX) -> np.ndarray:
-    """``grid`` ``uint8 [T, H, W, 3]`` as the GIF shows it: every k-th row and column, k the smallest integer that
-    brings both sides to ``max_px`` or less (k = 1: the grid itself)."""
-    k = max(1, -(-max(grid.shape[1], grid.shape[2]) // max_px))
-    return grid if k == 1 else np.ascontiguousarray(grid[:, ::k, ::k])
-
-
-def _write_grid(grid: np.ndarray, stage: Path, cfg: ValidationConfig) -> None:
-    """grid.gif (:func:`gif_preview`) and grid.mp4, as ``cfg.grid_formats`` asks, the two encoded at once."""
-    from distillery.clips.video_io import write_video
-
-    jobs = []
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="validate-grid") as pool:
-        if "gif" in cfg.grid_formats:
-            jobs.append(pool.submit(write_gif, stage / "grid.gif", gif_preview(grid), cfg.fps))
-        if "mp4" in cfg.grid_formats:
-            jobs.append(pool.submit(write_video, stage / "grid.mp4", grid, cfg.fps, preset=MP4_PRESET))
-        for job in jobs:
-            job.result()
-
-
-CSV_COLUMNS = ("candidate", "sampler", "nfe", "adherence", "adherence_std", "colour", "shape", "direction", "latency_s",
-               "distance_to_teacher", "sharpness", "frechet_distance", "frechet_distance_std")
-
-
-def adherence_applicability(prompts: list[str]) -> dict[str, Any]:
-    """Whether the analyzer's adherence applies to ``prompts``: ``{"applicable", "prompts_in_grammar", "why"}`` —
-    applicable only when every prompt is a caption of the synthetic clips' grammar (the only captions it reads)."""
-    from distillery.clips.grammar import parse_caption
-
-    parsed = sum(parse_caption(p) is not None for p in prompts)
-    return {"applicable": parsed == len(prompts), "prompts_in_grammar": parsed,
-            "why": None if parsed == len(prompts) else
-            f"{parsed} of {len(prompts)} prompts are captions of the synthetic clips' grammar ('a <colour> <shape> moving "
-            f"<direction> on a <background> background'), the only captions the analyzer reads"}
-
-
-def _write_tables(stage: Path, metrics: dict[str, float], rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
-    (stage / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    (stage / "plots").mkdir()
-    with (stage / "plots" / "adherence.csv").open("w", newline="") as fh:  # + the CLIP scores' columns when scored
-        writer = csv.DictWriter(fh, fieldnames=[*CSV_COLUMNS, *(k for k in CLIP_METRICS if rows and k in rows[0])])
-        writer.writeheader()
-        writer.writerows(rows)
-    (stage / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-
-
-@dataclass
-class _Video:
-    """What one sampled video scored."""
-
-    prompt: int  # prompt index i
-    seed_index: int  # seed index j
-    seed: int  # generator seed of its noise (generator_seed)
-    scores: dict[str, bool]  # analyzer adherence: colour, shape, direction, all
-    latency_s: float  # wall seconds for sampling + decode
-    warmup: bool  # one of the candidate's first WARMUP_VIDEOS (left out of its latency)
-    distance_to_teacher: float  # mean squared RGB difference ([0, 1] units) to the reference's same video
-    sharpness: float  # video_metrics.sharpness, luminance²
-    features: np.ndarray  # video_metrics.video_features, [len(FEATURE_NAMES)]
-
-    def values(self) -> dict[str, float]:
-        """This video's value of every seeded metric (adherence as 0/1)."""
-        return {**{k: float(self.scores[k]) for k in ("colour", "shape", "direction", "all")},
-                "distance_to_teacher": self.distance_to_teacher, "sharpness": self.sharpness}
-
-    def row(self) -> dict[str, Any]:
-        """Its report.json ``per_video`` entry."""
-        return {"prompt": self.prompt, "seed_index": self.seed_index, "generator_seed": self.seed,
-                "sample": sample_key(self.prompt, self.seed_index), **{k: bool(v) for k, v in self.scores.items()},
-                "latency_s": round(self.latency_s, 6), "warmup": self.warmup, "distance_to_teacher": self.distance_to_teacher,
-                "sharpness": self.sharpness, "features": [float(f) for f in self.features]}
-
-
-def _mean_table(videos: list[_Video], group: str, count: int) -> np.ndarray:
-    """Means ``[count, len(SEEDED_METRICS)]`` of every seeded metric over the videos of each group value
-    (``group``: "seed_index" or "prompt")."""
-    sums, hits = np.zeros((count, len(SEEDED_METRICS))), np.zeros(count)
-    for v in videos:
-        values = v.values()
-        sums[getattr(v, group)] += [values[k] for k in SEEDED_METRICS]
-        hits[getattr(v, group)] += 1
-    return sums / hits[:, None]
-
-
-def _seeded_summary(per_seed: np.ndarray) -> dict[str, float]:
-    """``<metric>`` (mean of the per-seed means ``[S, M]``) and ``<metric>_std`` (their std, ddof=1; 0 when S = 1)."""
-    mean = per_seed.mean(axis=0)
-    std = per_seed.std(axis=0, ddof=1) if per_seed.shape[0] >= 2 else np.zeros_like(mean)
-    out: dict[str, float] = {}
-    for k, m, s in zip(SEEDED_METRICS, mean, std):
-        out[k], out[f"{k}_std"] = float(m), float(s)
-    return out
-
-
-def latency_summary(seconds: list[float], warmup: int = WARMUP_VIDEOS) -> dict[str, Any]:
-    """Per-video wall times (in sampling order) → ``median_s`` and ``iqr_s`` (75th − 25th percentile) of
-    the times after the first ``warmup`` (all of them when there are no more), ``min_s``, ``max_s``,
-    ``timed_videos`` (how many the statistics use) and ``warmup_s`` (the times left out)."""
-    kept = seconds[warmup:] if len(seconds) > warmup else list(seconds)
-    left_out = seconds[:warmup] if len(seconds) > warmup else []
-    q25, q50, q75 = np.percentile(np.asarray(kept, dtype=np.float64), [25, 50, 75])
-    return {"median_s": round(float(q50), 6), "iqr_s": round(float(q75 - q25), 6), "min_s": round(float(min(kept)), 6),
-            "max_s": round(float(max(kept)), 6), "timed_videos": len(kept), "warmup_s": [round(float(t), 6) for t in left_out]}
-
-
 def headline_metrics(metrics: dict[str, float], candidates: list[str] | None = None,
                      reference: str | None = None) -> dict[str, float]:
     """The few numbers a user compares between runs (what ``dvc metrics show`` and ``dvc exp show`` get)
@@ -708,27 +574,6 @@ def headline_metrics(metrics: dict[str, float], candidates: list[str] | None = N
     return out
 
 
-def _frechet(features: np.ndarray, reference: np.ndarray, cfg: ValidationConfig) -> tuple[float, float]:
-    """Fréchet distance of standardised features ``[N, D]`` to the reference's ``[N_ref, D]``, and its bootstrap std."""
-    from distillery.evaluation.video_metrics import bootstrap_frechet, frechet_distance
-
-    distance = frechet_distance(features, reference)
-    if cfg.bootstrap_resamples < 2:
-        return distance, 0.0
-    return distance, float(bootstrap_frechet(features, reference, cfg.bootstrap_resamples, cfg.seed).std(ddof=1))
-
-
-def _distribution_scores(z: np.ndarray, reference_z: np.ndarray, cfg: ValidationConfig) -> dict[str, float]:
-    """A candidate's scores against the reference's videos from standardised features ``[N, D]`` (the
-    reference's ``[N_ref, D]``): one line per distribution-level score (a key not in :data:`METRIC_NAMES`
-    follows them in metrics.json)."""
-    frechet, frechet_std = _frechet(z, reference_z, cfg)
-    scores = {"frechet_distance": frechet, "frechet_distance_std": frechet_std}
-    if min(len(z), len(reference_z)) >= 2:  # the unbiased KID needs two videos a side: left out with one
-        scores.update(kid_summary(z, reference_z, cfg.bootstrap_resamples, cfg.seed))
-    return scores
-
-
 def forwards(cand: Candidate, latent_frames: int) -> dict[str, int]:
     """How a candidate spends its NFE on a video of ``latent_frames`` latent frames: ``per_video`` (its
     NFE), ``chunks`` (1 unless its sampler streams chunk by chunk), ``per_chunk`` (denoising forwards
@@ -740,6 +585,365 @@ def forwards(cand: Candidate, latent_frames: int) -> dict[str, int]:
         return {"per_video": per_video, "chunks": 1, "per_chunk": per_video, "cache_writes": 0}
     chunks = -(-int(latent_frames) // int(chunk))
     return {"per_video": per_video, "chunks": chunks, "per_chunk": per_chunk, "cache_writes": per_video - chunks * per_chunk}
+
+
+def _validation_prompts(cfg: ValidationConfig, prompts: list[str]) -> list[str]:
+    """The prompts a run samples (``cfg.prompts``, else ``prompts``): one line when there are none, or more than the
+    seed grid can hold without repeating noise."""
+    chosen = list(cfg.prompts if cfg.prompts is not None else prompts)
+    if not chosen:
+        raise UserError("validate: no prompts (the clip set has no validation captions and validate.prompts is unset)")
+    if cfg.num_seeds > 1 and len(chosen) > SEED_STRIDE:
+        raise UserError(f"validate: at most {SEED_STRIDE} prompts with num_seeds > 1 (the seed grid would repeat noise), "
+                        f"got {len(chosen)}")
+    return chosen
+
+
+def _log_prompts(prompts: list[str], source: str, adherence: dict[str, Any]) -> None:
+    """Which prompts a run samples and from where, and whether the analyzer's adherence applies to them."""
+    log.info("validate: %d prompts from %s: %s", len(prompts), source,
+             "; ".join(f"#{i} {p!r}" for i, p in enumerate(prompts[:4])) + (f"; … (+{len(prompts) - 4})" if len(prompts) > 4 else ""))
+    if not adherence["applicable"]:
+        log.info("validate: prompt adherence n/a: %d of %d prompts are captions of the synthetic clips' grammar, the "
+                 "only captions its analyzer reads; the other scores (Fréchet, KID, paired distance, sharpness) apply",
+                 adherence["prompts_in_grammar"], len(prompts))
+
+
+def _clip_scorer(cfg: ValidationConfig, device: torch.device) -> Any:
+    """The CLIP scorer of ``cfg.clip_model`` on ``device``; None without one."""
+    if cfg.clip_model is None:
+        return None
+    from distillery.evaluation.clip_scores import ClipScorer
+
+    clip = ClipScorer(cfg.clip_model, device)  # scores from the frames each run (cached or sampled): never stale (module doc)
+    log.info("validate: CLIP text similarity, frame consistency and motion scored with %s", cfg.clip_model)
+    return clip
+
+
+class _Run:
+    """One :func:`run_validation`: its plan (the candidates in sampling order, the seed grid, what the sample cache
+    holds) and, as each candidate finishes, what was measured of it. Its steps, in order: :meth:`plan_cache`,
+    :meth:`begin`, then per candidate :meth:`start` (reuse from the cache, or sample) and :meth:`finish` (score and
+    measure against the reference), then :meth:`report`."""
+
+    def __init__(self, ctx: _Context, cfg: ValidationConfig, candidates: list[Candidate], ref: Candidate,
+                 prompts: list[str], adherence: dict[str, Any], cache: "SampleCache | None", clip: Any) -> None:
+        self.ctx, self.cfg, self.candidates, self.ref, self.prompts = ctx, cfg, candidates, ref, prompts
+        self.adherence, self.cache, self.clip = adherence, cache, clip
+        self.order = [ref] + [c for c in candidates if c is not ref]  # the reference first: others compare against it
+        self.row_of = {c.name: i for i, c in enumerate(candidates)}
+        self.seed_grid = [[generator_seed(cfg, i, j) for j in range(cfg.num_seeds)] for i in range(len(prompts))]
+        self.video_order = [(i, j) for j in range(cfg.num_seeds) for i in range(len(prompts))]  # sampling order: seed-major
+        self.resolved = {c.name: ctx.resolve(c) for c in self.order}
+        self.hits: dict[str, Any] = {}
+        self.cache_log: dict[str, dict[str, Any]] = {}
+        # what finish() measures, per candidate
+        self.metrics: dict[str, dict[str, float]] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.per_video: dict[str, list[dict[str, Any]]] = {}
+        self.per_seed: dict[str, list[dict[str, Any]]] = {}
+        self.per_prompt: dict[str, list[dict[str, Any]]] = {}
+        self.reference_frames: dict[tuple[int, int], np.ndarray] = {}  # (prompt, seed index) → the reference's uint8 RGB frames
+        self.scaler: Any = None  # video_metrics.Standardiser fitted to the reference's features
+        self.reference_z = np.empty(0)  # the reference's standardised features [P·S, D]
+        self.latency: dict[str, dict[str, Any]] = {}
+        self.timeline: dict[str, dict[str, Any]] = {}  # per sampled candidate: where its wall time went (module doc)
+
+    def plan_cache(self) -> None:
+        """Which candidates the sample cache holds unchanged (``hits``) and, for each, its key and why it is reused
+        or sampled (``cache_log``); logged."""
+        from distillery.evaluation.sample_cache import Expected, entry_key
+        from distillery.evaluation.video_metrics import FEATURE_NAMES
+
+        cache, ctx, cfg, order = self.cache, self.ctx, self.cfg, self.order
+        assert cache is not None
+        context = ctx.context_material(self.prompts, self.seed_grid)
+        expected = Expected(tuple((i, j, self.seed_grid[i][j], sample_key(i, j)) for i, j in self.video_order),
+                            ctx.latent_shape, (cfg.num_frames, cfg.height, cfg.width, 3), len(FEATURE_NAMES))
+        for c in order:
+            material = {"context": context, "candidate": ctx.candidate_material(c, self.resolved[c.name])}
+            key = entry_key(material)
+            hit, why = cache.load(key, material, expected)
+            if hit is None and why == "no entry":
+                changed = cache.what_changed(c.name, material)
+                why = f"changed: {changed}" if changed else "not sampled before"
+            elif hit is None:
+                log.warning("validate: %s's cached samples in %s are not used (%s): sampling it again", c.name,
+                            cache.root / key, why.removeprefix("unusable entry: "))
+            self.cache_log[c.name] = {"key": key, "material": material, "reused": hit is not None, "why": why,
+                                      **({"sampled": hit.stored} if hit is not None else {})}
+            if hit is not None:
+                self.hits[c.name] = hit
+        why_sampled = "; ".join(f"{c.name} ({self.cache_log[c.name]['why']})" for c in order if c.name not in self.hits)
+        log.info("validate: reusing %d of %d candidates' samples from %s%s; sampling %d%s", len(self.hits), len(order),
+                 cache.root, f" ({', '.join(self.hits)})" if self.hits else "", len(order) - len(self.hits),
+                 f": {why_sampled}" if why_sampled else "")
+
+    def begin(self, stage: Path, scoring: ThreadPoolExecutor, grid: VideoGrid) -> None:
+        """Where the videos go (``stage``, the run's temporary folder; ``grid``), the scoring threads, and the
+        progress over the videos to sample."""
+        from distillery.common.progress import Progress
+
+        self.stage, self.scoring, self.grid = stage, scoring, grid
+        self.to_sample = [c for c in self.order if c.name not in self.hits]
+        self.bar = Progress(len(self.to_sample) * len(self.video_order), "validate", "video",
+                            enabled=self.cfg.progress_bar and bool(self.to_sample))
+        self.bar_lock = threading.Lock()
+
+    def start(self, cand: Candidate) -> dict[str, Any]:
+        """The candidate's videos: from the cache, or sampled on the device with their CPU half (scoring, mp4)
+        submitted to the scoring threads. Returns what :meth:`finish` needs; ``pending`` futures when sampled."""
+        folder = self.stage / "samples" / cand.name
+        folder.mkdir(parents=True)
+        hit = self.hits.get(cand.name)
+        if hit is not None:
+            return self._reuse(cand, hit, folder)
+        return self._sample(cand, folder)
+
+    def _reuse(self, cand: Candidate, hit: Any, folder: Path) -> dict[str, Any]:
+        """A reused candidate: the cache entry's files as they were written, its records as they were measured."""
+        shutil.copyfile(hit.folder / "latents.safetensors", folder / "latents.safetensors")
+        for i, j in self.video_order:
+            shutil.copyfile(hit.folder / f"{sample_key(i, j)}.mp4", folder / f"{sample_key(i, j)}.mp4")
+        return {"cand": cand, "hit": hit, "records": hit.videos, "frames": hit.frames,
+                "measured": {"reused": True, "at": hit.stored, **(hit.load or {"load_1min": None, "cpus": None})}}
+
+    def _sample(self, cand: Candidate, folder: Path) -> dict[str, Any]:
+        """Load, warm up and sample the candidate batch by batch, timing each batch; each video's CPU half goes to
+        the scoring threads (:meth:`_score_and_write`) while the device samples the next."""
+        from distillery.evaluation.sample_cache import machine_load
+
+        ctx, cfg = self.ctx, self.cfg
+        number = self.to_sample.index(cand) + 1
+        self.bar.set(candidate=f"{cand.name} ({number}/{len(self.to_sample)})")
+        load_started = time.time()
+        measured = {"reused": False, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **machine_load()}
+        loaded = ctx.load(cand, self.resolved[cand.name])
+        ctx.warm_up(loaded)
+        sampling_started = time.time()
+        frames: dict[str, np.ndarray] = {}
+        sampled: dict[str, torch.Tensor] = {}
+        pending = []
+        for first in range(0, len(self.video_order), cfg.sample_batch):
+            batch = self.video_order[first:first + cfg.sample_batch]
+            t0 = time.perf_counter()
+            latents = ctx.sample(cand, loaded, [i for i, _ in batch], [self.seed_grid[i][j] for i, j in batch])
+            batch_videos = ctx.encoders.decode_latents(latents)  # uint8 [B, T, H, W, 3]
+            _synchronize(ctx.device)
+            seconds = (time.perf_counter() - t0) / len(batch)  # per video (the batch's share)
+            for b, (i, j) in enumerate(batch):
+                key = sample_key(i, j)
+                sampled[key] = latents[b].detach().to("cpu", torch.float32).contiguous()
+                frames[key] = batch_videos[b]
+                pending.append(self.scoring.submit(self._score_and_write, folder, i, j, batch_videos[b], seconds, key))
+        del loaded  # the next candidate loads into the device memory this one held
+        sampling_ended = time.time()
+        self.timeline[cand.name] = {"load_s": round(sampling_started - load_started, 3),
+                                    "sampling_unix": [round(sampling_started, 3), round(sampling_ended, 3)],
+                                    "sampling_s": round(sampling_ended - sampling_started, 3)}
+        return {"cand": cand, "hit": None, "pending": pending, "frames": frames, "sampled": sampled, "folder": folder,
+                "measured": measured}
+
+    def _score_and_write(self, folder: Path, i: int, j: int, video: np.ndarray, seconds: float, key: str) -> Any:
+        """The CPU half of one video — adherence, sharpness, features, its mp4 — on a scoring thread
+        while the device samples the next video (numpy and the encoder release the GIL)."""
+        from distillery.clips.video_io import write_video
+        from distillery.evaluation.sample_cache import CachedVideo
+
+        scores, sharp, features = score_video(video, self.ctx.analyzer, self.prompts[i])
+        record = CachedVideo(i, j, self.seed_grid[i][j], scores, seconds, sharp, features)
+        write_video(folder / f"{key}.mp4", video, self.cfg.fps, preset=MP4_PRESET)
+        with self.bar_lock:
+            self.bar.update()
+        return record
+
+    def finish(self, item: dict[str, Any]) -> None:
+        """Wait for the candidate's scoring threads (they ran while the next candidate loaded and sampled),
+        keep its samples in the cache, and measure it against the reference."""
+        cand, frames = item["cand"], item["frames"]
+        records = self._collect(item) if item["hit"] is None else item["records"]
+        videos = self._videos(cand, records, frames)
+        values, seed_means = self._values(cand, videos, item["measured"])
+        clip_rows = None
+        if self.clip is not None:  # the CLIP scores of every video, from its frames; means + bootstrap intervals
+            from distillery.evaluation.clip_scores import summarise
+
+            clip_rows = [self.clip.score(frames[sample_key(v.prompt, v.seed_index)], self.prompts[v.prompt]) for v in videos]
+            values.update(summarise(clip_rows, self.cfg.bootstrap_resamples, self.cfg.seed))
+        self._keep_metrics(cand, values)
+        self._keep_tables(cand, values, videos, seed_means, clip_rows)
+        self._log_candidate(cand, values, item["hit"], clip_rows is not None)
+
+    def _collect(self, item: dict[str, Any]) -> list[Any]:
+        """A sampled candidate's records, in sampling order (whatever order the threads finished in), its latents
+        written beside its videos and the whole kept in the sample cache."""
+        cand = item["cand"]
+        waited = time.time()
+        records = [f.result() for f in item["pending"]]
+        self.timeline[cand.name]["scoring_wait_s"] = round(time.time() - waited, 3)
+        save_file(item["sampled"], str(item["folder"] / "latents.safetensors"))
+        if self.cache is not None:
+            entry = self.cache_log[cand.name]
+            self.cache.store(entry["key"], entry["material"], cand.name, records, item["sampled"], item["frames"],
+                             item["folder"], {k: item["measured"][k] for k in ("load_1min", "cpus")})
+        return records
+
+    def _videos(self, cand: Candidate, records: list[Any], frames: dict[str, np.ndarray]) -> list[ScoredVideo]:
+        """Each video's scores with its paired distance to the reference's same video (the reference's frames are
+        kept for the others); its seed-0 videos put in the grid."""
+        from distillery.evaluation.video_metrics import paired_mse
+
+        ref, reference_frames = self.ref, self.reference_frames
+        videos: list[ScoredVideo] = []
+        for rec in records:
+            pixels = frames[sample_key(rec.prompt, rec.seed_index)]
+            if cand is ref:  # kept as uint8 (97 MB a real-shape video; its float64 copy is 776 MB)
+                reference_frames[(rec.prompt, rec.seed_index)] = pixels
+            paired = 0.0 if cand is ref else paired_mse(pixels, reference_frames[(rec.prompt, rec.seed_index)])
+            videos.append(ScoredVideo(rec.prompt, rec.seed_index, rec.seed, rec.scores, rec.latency_s,
+                                      len(videos) < WARMUP_VIDEOS, paired,
+                                      rec.sharpness, np.asarray(rec.features, dtype=np.float64)))
+            if rec.seed_index == 0:
+                self.grid.put(self.row_of[cand.name], rec.prompt, frames[sample_key(rec.prompt, 0)])
+        return videos
+
+    def _values(self, cand: Candidate, videos: list[ScoredVideo], measured: dict[str, Any]) -> tuple[dict[str, float], np.ndarray]:
+        """The candidate's seeded means and spreads, distribution scores against the reference (whose features fit
+        the standardisation: it finishes first), NFE and latency; and its per-seed means ``[S, M]``."""
+        from distillery.evaluation.video_metrics import Standardiser
+
+        cfg = self.cfg
+        features = np.stack([v.features for v in videos])  # [P·S, D], seed-major
+        if self.scaler is None:  # cand is ref
+            self.scaler = Standardiser.fit(features)
+            self.reference_z = self.scaler(features)
+        seed_means = mean_table(videos, "seed_index", cfg.num_seeds)  # [S, M]
+        values = seeded_summary(seed_means)
+        values.update(distribution_scores(self.scaler(features), self.reference_z, cfg.bootstrap_resamples, cfg.seed))
+        values["nfe"] = cand.nfe(self.ctx.latent_shape[1])
+        latency = self.latency[cand.name] = latency_summary([v.latency_s for v in videos])  # in sampling order
+        latency["measured"] = measured  # when, and beside what load (reused: when it was sampled)
+        values["latency_s"], values["latency_s_iqr"] = latency["median_s"], latency["iqr_s"]
+        return values, seed_means
+
+    def _keep_metrics(self, cand: Candidate, values: dict[str, float]) -> None:
+        """The candidate's metrics.json entries (rounded, :data:`METRIC_NAMES` first; adherence left out where it
+        does not apply), the reference's noise floors, and whether the candidate is resolved from the reference."""
+        from distillery.evaluation.video_metrics import frechet_distance
+
+        ref, reference_z = self.ref, self.reference_z
+        if not self.adherence["applicable"]:  # readings of captions the analyzer cannot read: not scores (module doc)
+            values = {k: v for k, v in values.items() if k.removesuffix("_std") not in ADHERENCE_METRICS}
+        names = [*(k for k in METRIC_NAMES if k in values), *(k for k in values if k not in METRIC_NAMES)]  # an added score comes last
+        self.metrics[cand.name] = {k: values[k] if k == "nfe" else round(float(values[k]), 6) for k in names}
+        if cand is ref and self.cfg.num_seeds >= 2:
+            n = len(self.prompts)  # seed-major: rows [0, n) are seed index 0, [n, 2n) seed index 1
+            self.metrics[cand.name]["frechet_floor"] = round(frechet_distance(reference_z[:n], reference_z[n: 2 * n]), 6)
+            if n >= 2:
+                self.metrics[cand.name]["kid_floor"] = round(kid(reference_z[:n], reference_z[n: 2 * n]), 6)
+        m, floors = self.metrics[cand.name], self.metrics[ref.name]
+        if cand is not ref and "kid_floor" in floors:  # the interval's lower end above the reference's own seed-to-seed floor
+            m["kid_resolved"] = float(interval_resolved(m["kid_lo"], floors["kid_floor"]))
+            m["frechet_resolved"] = float(interval_resolved(m["frechet_distance"] - 1.96 * m["frechet_distance_std"], floors["frechet_floor"]))
+
+    def _keep_tables(self, cand: Candidate, values: dict[str, float], videos: list[ScoredVideo], seed_means: np.ndarray,
+                     clip_rows: list[dict[str, Any]] | None) -> None:
+        """The candidate's row of plots/adherence.csv and its per_video, per_seed and per_prompt tables."""
+        m = self.metrics[cand.name]
+        self.rows.append({"candidate": cand.name, "sampler": cand.sampler, "nfe": values["nfe"], "adherence": m.get("all"),
+                          "adherence_std": m.get("all_std"), **{k: m.get(k) for k in CSV_COLUMNS[5:]},  # n/a: empty cells
+                          **{k: m[k] for k in CLIP_METRICS if k in m}})
+        kept = [k for k in SEEDED_METRICS if self.adherence["applicable"] or k not in ADHERENCE_METRICS]
+        self.per_video[cand.name] = [{**{k: x for k, x in video.row().items() if k in kept or k not in ADHERENCE_METRICS},
+                                      **(clip_rows[n] if clip_rows is not None else {})} for n, video in enumerate(videos)]
+        self.per_seed[cand.name] = [{"seed_index": j, **{k: x for k, x in zip(SEEDED_METRICS, map(float, row)) if k in kept}}
+                                    for j, row in enumerate(seed_means)]
+        self.per_prompt[cand.name] = [{"prompt": prompt, **{k: x for k, x in zip(SEEDED_METRICS, map(float, row)) if k in kept}}
+                                      for prompt, row in zip(self.prompts, mean_table(videos, "prompt", len(self.prompts)))]
+
+    def _log_candidate(self, cand: Candidate, values: dict[str, float], hit: Any, clip_scored: bool) -> None:
+        """One line of the candidate's scores (+ one of its CLIP scores)."""
+        m = self.metrics[cand.name]
+        said = (f"adherence all {m['all']:.2f}±{m['all_std']:.2f} (colour {m['colour']:.2f} shape {m['shape']:.2f} "
+                f"direction {m['direction']:.2f})" if self.adherence["applicable"] else "adherence n/a")
+        log.info("validate %s: %s NFE, %s, "
+                 "%.3f s/video (median%s), distance to %s %.5f±%.5f, sharpness %.5f±%.5f, Fréchet distance %.3f±%.3f%s",
+                 cand.name, values["nfe"], said,
+                 m["latency_s"], f", reused: sampled {hit.stored}" if hit is not None else "", self.ref.name,
+                 m["distance_to_teacher"], m["distance_to_teacher_std"], m["sharpness"],
+                 m["sharpness_std"], m["frechet_distance"], m["frechet_distance_std"],
+                 f" (noise floor {m['frechet_floor']:.3f})" if "frechet_floor" in m else "")
+        if clip_scored:
+            log.info("validate %s: CLIP text %.4f [%.4f, %.4f], CLIP consistency %.4f [%.4f, %.4f], "
+                     "motion %.5f [%.5f, %.5f] (95%% bootstrap intervals)", cand.name,
+                     *(m[f"{k}{e}"] for k in CLIP_SCORES for e in ("", "_lo", "_hi")))
+
+    def write_grid(self) -> tuple[int, int]:
+        """The labelled grid (rows: candidates, in input order) as ``cfg.grid_formats`` asks; returns its tiles' origin."""
+        metrics, prompts = self.metrics, self.prompts
+        labelled, origin = self.grid.labelled([f"{c.name} · {int(metrics[c.name]['nfe'])} NFE"
+                                               + (f" · CLIP {metrics[c.name]['clip_text']:.3f}" if self.clip is not None else "")
+                                               for c in self.candidates],
+                                              [f"#{i}" for i in range(len(prompts))],
+                                              [f"#{i}  {p}" for i, p in enumerate(prompts)])
+        write_grid(labelled, self.stage, self.cfg.grid_formats, self.cfg.fps)
+        return origin
+
+    def report(self, base_dir: Path, source: str, flat: dict[str, float], origin: Any, started: float) -> dict[str, Any]:
+        """report.json (layout in the module doc)."""
+        from distillery.evaluation.summary import adherence_readings
+        from distillery.evaluation.video_metrics import COV_EPS, FEATURE_NAMES
+
+        cfg, ctx, candidates, cache, clip, scaler = self.cfg, self.ctx, self.candidates, self.cache, self.clip, self.scaler
+        assert scaler is not None
+        return {
+            "base_dir": str(base_dir), "reference": self.ref.name, "prompts": self.prompts, "prompt_source": source,
+            "adherence": self.adherence, "config": asdict(cfg),
+            "seeds": [row[0] for row in self.seed_grid],  # seed index 0: torch.Generator().manual_seed(seed) per prompt
+            "num_seeds": cfg.num_seeds,
+            "seed_grid": self.seed_grid,  # [prompt i][seed index j] → generator seed (cfg.seed + i + SEED_STRIDE·j)
+            "sample_keys": [[sample_key(i, j) for j in range(cfg.num_seeds)] for i in range(len(self.prompts))],
+            "max_sequence_length": ctx.encoders.max_sequence_length,  # prompt embeddings padded to this
+            "candidates": [{**asdict(c), "model_dir": str(c.model_dir), "nfe": self.metrics[c.name]["nfe"],
+                            "forwards": forwards(c, ctx.latent_shape[1]), "shift": self.resolved[c.name].shift}
+                           for c in candidates],
+            "grid": {"rows": [c.name for c in candidates], "tile_hw": [cfg.height, cfg.width], "separator_px": 1,
+                     "seed_index": 0, "origin_px": list(origin)},  # tile (r, c) at origin + (r·(H+1), c·(W+1))
+            "frechet": {"feature_names": list(FEATURE_NAMES), "reference_mean": scaler.mean.tolist(),
+                        "reference_scale": scaler.scale.tolist(), "cov_eps": COV_EPS,
+                        "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.seed},
+            "latency": {"warmup_videos": WARMUP_VIDEOS, "sample_batch": cfg.sample_batch, "dtype": str(ctx.dtype),
+                        "vae_dtype": str(ctx.vae_dtype), "compiled": ctx.compile,
+                        "vae_decode": dict(zip(("chunk_frames", "fused"), ctx.vae_decode)),
+                        "statistic": "median, iqr = p75 - p25, of the videos after the warm-up",
+                        **{c.name: self.latency[c.name] for c in candidates}},
+            "per_video": {c.name: self.per_video[c.name] for c in candidates},
+            "per_seed": {c.name: self.per_seed[c.name] for c in candidates},
+            "per_prompt": {c.name: self.per_prompt[c.name] for c in candidates},
+            "cache": None if cache is None else {
+                "folder": str(cache.root),
+                **{c.name: {k: v for k, v in self.cache_log[c.name].items() if k != "material"} for c in candidates}},
+            "adherence_readings": adherence_readings(flat, [c.name for c in candidates])  # which readings separate them
+            if self.adherence["applicable"] else None,
+            "seconds": round(time.perf_counter() - started, 2),
+            "timeline": self.timeline,
+            "clip": None if clip is None else {**clip.describe(), "scores": list(CLIP_SCORES),
+                                               "interval": "95% bootstrap of the mean over the candidate's videos",
+                                               "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.seed},
+        }
+
+
+def _log_closing(candidates: list[Candidate], flat: dict[str, float], report: dict[str, Any]) -> None:
+    """How each streaming candidate spends its NFE, and which adherence readings do not tell the candidates apart."""
+    for c, f in ((c, entry["forwards"]) for c, entry in zip(candidates, report["candidates"])):
+        if f["chunks"] > 1:
+            log.info("validate %s: %d NFE per video = %d chunks × %d forwards + %d KV-cache writes (streamed); "
+                     "%.3f s/video", c.name, f["per_video"], f["chunks"], f["per_chunk"], f["cache_writes"],
+                     flat[f"{c.name}/latency_s"])
+    flat_readings = [k for k, r in (report["adherence_readings"] or {}).items() if not r["discriminates"]]
+    if flat_readings:
+        log.info("validate: %s the same for every candidate (%s): not discriminating on these prompts",
+                 ", ".join(flat_readings), ", ".join(f"{report['adherence_readings'][k]['min']:.2f}" for k in flat_readings))
 
 
 def run_validation(
@@ -767,67 +971,21 @@ def run_validation(
     ``prompts`` came from, in words (the log, summary.md and report.json say it; ``cfg.prompts`` names
     itself). Returns the flat metrics dict written to ``metrics.json``.
     """
-    from distillery.clips.video_io import write_video
-    from distillery.common.progress import Progress
     from distillery.evaluation.plots import write_adherence_plot
-    from distillery.evaluation.sample_cache import CachedVideo, Expected, entry_key, machine_load
-    from distillery.evaluation.summary import adherence_readings, summary_markdown
-    from distillery.evaluation.video_metrics import COV_EPS, FEATURE_NAMES, Standardiser, frechet_distance, paired_mse
+    from distillery.evaluation.summary import summary_markdown
 
     cfg = cfg or ValidationConfig()
     base_dir, out_dir = Path(base_dir), Path(out_dir)
-    prompts = list(cfg.prompts if cfg.prompts is not None else prompts)
-    if not prompts:
-        raise UserError("validate: no prompts (the clip set has no validation captions and validate.prompts is unset)")
-    if cfg.num_seeds > 1 and len(prompts) > SEED_STRIDE:
-        raise UserError(f"validate: at most {SEED_STRIDE} prompts with num_seeds > 1 (the seed grid would repeat noise), "
-                        f"got {len(prompts)}")
+    prompts = _validation_prompts(cfg, prompts)
     ref = _check_candidates(candidates, reference)
     source = "validate.prompts" if cfg.prompts is not None else (prompt_source or "the prompts given to run_validation")
     adherence = adherence_applicability(prompts)
-    log.info("validate: %d prompts from %s: %s", len(prompts), source,
-             "; ".join(f"#{i} {p!r}" for i, p in enumerate(prompts[:4])) + (f"; … (+{len(prompts) - 4})" if len(prompts) > 4 else ""))
-    if not adherence["applicable"]:
-        log.info("validate: prompt adherence n/a: %d of %d prompts are captions of the synthetic clips' grammar, the "
-                 "only captions its analyzer reads; the other scores (Fréchet, KID, paired distance, sharpness) apply",
-                 adherence["prompts_in_grammar"], len(prompts))
+    _log_prompts(prompts, source, adherence)
     started = time.perf_counter()
     ctx = _Context(base_dir, prompts, cfg, prompt_embeddings if cfg.prompts is None else None)
-    clip = None
-    if cfg.clip_model is not None:  # scores from the frames each run (cached or sampled): never stale (module doc)
-        from distillery.evaluation.clip_scores import ClipScorer
-
-        clip = ClipScorer(cfg.clip_model, ctx.device)
-        log.info("validate: CLIP text similarity, frame consistency and motion scored with %s", cfg.clip_model)
-    order = [ref] + [c for c in candidates if c is not ref]  # the reference first: others compare against it
-    row_of = {c.name: i for i, c in enumerate(candidates)}
-    seed_grid = [[generator_seed(cfg, i, j) for j in range(cfg.num_seeds)] for i in range(len(prompts))]
-    video_order = [(i, j) for j in range(cfg.num_seeds) for i in range(len(prompts))]  # sampling order: seed-major
-    resolved = {c.name: ctx.resolve(c) for c in order}
-    hits: dict[str, Any] = {}
-    cache_log: dict[str, dict[str, Any]] = {}
+    run = _Run(ctx, cfg, candidates, ref, prompts, adherence, cache, _clip_scorer(cfg, ctx.device))
     if cache is not None:
-        context = ctx.context_material(prompts, seed_grid)
-        expected = Expected(tuple((i, j, seed_grid[i][j], sample_key(i, j)) for i, j in video_order), ctx.latent_shape,
-                            (cfg.num_frames, cfg.height, cfg.width, 3), len(FEATURE_NAMES))
-        for c in order:
-            material = {"context": context, "candidate": ctx.candidate_material(c, resolved[c.name])}
-            key = entry_key(material)
-            hit, why = cache.load(key, material, expected)
-            if hit is None and why == "no entry":
-                changed = cache.what_changed(c.name, material)
-                why = f"changed: {changed}" if changed else "not sampled before"
-            elif hit is None:
-                log.warning("validate: %s's cached samples in %s are not used (%s): sampling it again", c.name,
-                            cache.root / key, why.removeprefix("unusable entry: "))
-            cache_log[c.name] = {"key": key, "material": material, "reused": hit is not None, "why": why,
-                                 **({"sampled": hit.stored} if hit is not None else {})}
-            if hit is not None:
-                hits[c.name] = hit
-        why_sampled = "; ".join(f"{c.name} ({cache_log[c.name]['why']})" for c in order if c.name not in hits)
-        log.info("validate: reusing %d of %d candidates' samples from %s%s; sampling %d%s", len(hits), len(order),
-                 cache.root, f" ({', '.join(hits)})" if hits else "", len(order) - len(hits),
-                 f": {why_sampled}" if why_sampled else "")
+        run.plan_cache()
     grid = VideoGrid(len(candidates), len(prompts), cfg.num_frames, cfg.height, cfg.width)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -837,230 +995,36 @@ def run_validation(
     # sampling, so it runs on several threads (numpy and the encoder release the GIL); the records stay in order
     scoring = ThreadPoolExecutor(max_workers=scoring_workers(cfg.num_frames * cfg.height * cfg.width * 3),
                                  thread_name_prefix="validate-score")
-    bar_lock = threading.Lock()
     try:
-        metrics: dict[str, dict[str, float]] = {}
-        rows: list[dict[str, Any]] = []
-        per_video: dict[str, list[dict[str, Any]]] = {}
-        per_seed: dict[str, list[dict[str, Any]]] = {}
-        per_prompt: dict[str, list[dict[str, Any]]] = {}
-        reference_frames: dict[tuple[int, int], np.ndarray] = {}  # (prompt, seed index) → the reference's uint8 RGB frames
-        scaler: Standardiser | None = None  # fitted to the reference's features
-        reference_z = np.empty(0)  # the reference's standardised features [P·S, D]
-        latency: dict[str, dict[str, Any]] = {}
-        timeline: dict[str, dict[str, Any]] = {}  # per sampled candidate: where its wall time went (module doc)
-        to_sample = [c for c in order if c.name not in hits]
-        bar = Progress(len(to_sample) * len(video_order), "validate", "video", enabled=cfg.progress_bar and bool(to_sample))
-
-        def start(cand: Candidate) -> dict[str, Any]:
-            """The candidate's videos: from the cache, or sampled on the device with their CPU half (scoring, mp4)
-            submitted to the scoring threads. Returns what :func:`finish` needs; ``pending`` futures when sampled."""
-            folder = stage / "samples" / cand.name
-            folder.mkdir(parents=True)
-            hit = hits.get(cand.name)
-            if hit is not None:  # reused: the entry's files as they were written, its records as they were measured
-                shutil.copyfile(hit.folder / "latents.safetensors", folder / "latents.safetensors")
-                for i, j in video_order:
-                    shutil.copyfile(hit.folder / f"{sample_key(i, j)}.mp4", folder / f"{sample_key(i, j)}.mp4")
-                return {"cand": cand, "hit": hit, "records": hit.videos, "frames": hit.frames,
-                        "measured": {"reused": True, "at": hit.stored, **(hit.load or {"load_1min": None, "cpus": None})}}
-            number = to_sample.index(cand) + 1
-            bar.set(candidate=f"{cand.name} ({number}/{len(to_sample)})")
-            load_started = time.time()
-            measured = {"reused": False, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **machine_load()}
-            loaded = ctx.load(cand, resolved[cand.name])
-            ctx.warm_up(loaded)
-            sampling_started = time.time()
-            frames: dict[str, np.ndarray] = {}
-            sampled: dict[str, torch.Tensor] = {}
-            pending = []
-
-            def score_and_write(i: int, j: int, video: np.ndarray, seconds: float, key: str) -> CachedVideo:
-                """The CPU half of one video — adherence, sharpness, features, its mp4 — on a scoring thread
-                while the device samples the next video (numpy and the encoder release the GIL)."""
-                scores, sharp, features = score_video(video, ctx.analyzer, prompts[i])
-                record = CachedVideo(i, j, seed_grid[i][j], scores, seconds, sharp, features)
-                write_video(folder / f"{key}.mp4", video, cfg.fps, preset=MP4_PRESET)
-                with bar_lock:
-                    bar.update()
-                return record
-
-            for first in range(0, len(video_order), cfg.sample_batch):
-                batch = video_order[first:first + cfg.sample_batch]
-                t0 = time.perf_counter()
-                latents = ctx.sample(cand, loaded, [i for i, _ in batch], [seed_grid[i][j] for i, j in batch])
-                batch_videos = ctx.encoders.decode_latents(latents)  # uint8 [B, T, H, W, 3]
-                _synchronize(ctx.device)
-                seconds = (time.perf_counter() - t0) / len(batch)  # per video (the batch's share)
-                for b, (i, j) in enumerate(batch):
-                    key = sample_key(i, j)
-                    sampled[key] = latents[b].detach().to("cpu", torch.float32).contiguous()
-                    frames[key] = batch_videos[b]
-                    pending.append(scoring.submit(score_and_write, i, j, batch_videos[b], seconds, key))
-            del loaded  # the next candidate loads into the device memory this one held
-            sampling_ended = time.time()
-            timeline[cand.name] = {"load_s": round(sampling_started - load_started, 3),
-                                   "sampling_unix": [round(sampling_started, 3), round(sampling_ended, 3)],
-                                   "sampling_s": round(sampling_ended - sampling_started, 3)}
-            return {"cand": cand, "hit": None, "pending": pending, "frames": frames, "sampled": sampled, "folder": folder,
-                    "measured": measured}
-
-        def finish(item: dict[str, Any]) -> None:
-            """Wait for the candidate's scoring threads (they ran while the next candidate loaded and sampled),
-            keep its samples in the cache, and measure it against the reference."""
-            nonlocal scaler, reference_z
-            cand, hit, frames = item["cand"], item["hit"], item["frames"]
-            if hit is None:
-                waited = time.time()
-                records = [f.result() for f in item["pending"]]  # in sampling order, whatever order they finished in
-                timeline[cand.name]["scoring_wait_s"] = round(time.time() - waited, 3)
-                save_file(item["sampled"], str(item["folder"] / "latents.safetensors"))
-                if cache is not None:
-                    cache.store(cache_log[cand.name]["key"], cache_log[cand.name]["material"], cand.name, records,
-                                item["sampled"], frames, item["folder"], {k: item["measured"][k] for k in ("load_1min", "cpus")})
-            else:
-                records = item["records"]
-            videos: list[_Video] = []
-            for rec in records:
-                pixels = frames[sample_key(rec.prompt, rec.seed_index)]
-                if cand is ref:  # kept as uint8 (97 MB a real-shape video; its float64 copy is 776 MB)
-                    reference_frames[(rec.prompt, rec.seed_index)] = pixels
-                paired = 0.0 if cand is ref else paired_mse(pixels, reference_frames[(rec.prompt, rec.seed_index)])
-                videos.append(_Video(rec.prompt, rec.seed_index, rec.seed, rec.scores, rec.latency_s,
-                                     len(videos) < WARMUP_VIDEOS, paired,
-                                     rec.sharpness, np.asarray(rec.features, dtype=np.float64)))
-                if rec.seed_index == 0:
-                    grid.put(row_of[cand.name], rec.prompt, frames[sample_key(rec.prompt, 0)])
-            features = np.stack([v.features for v in videos])  # [P·S, D], seed-major
-            if scaler is None:  # cand is ref
-                scaler = Standardiser.fit(features)
-                reference_z = scaler(features)
-            seed_means = _mean_table(videos, "seed_index", cfg.num_seeds)  # [S, M]
-            values = _seeded_summary(seed_means)
-            values.update(_distribution_scores(scaler(features), reference_z, cfg))
-            values["nfe"] = cand.nfe(ctx.latent_shape[1])
-            latency[cand.name] = latency_summary([v.latency_s for v in videos])  # in sampling order
-            latency[cand.name]["measured"] = item["measured"]  # when, and beside what load (reused: when it was sampled)
-            values["latency_s"], values["latency_s_iqr"] = latency[cand.name]["median_s"], latency[cand.name]["iqr_s"]
-            clip_rows = None
-            if clip is not None:  # the CLIP scores of every video, from its frames; means + bootstrap intervals
-                from distillery.evaluation.clip_scores import summarise
-
-                clip_rows = [clip.score(frames[sample_key(v.prompt, v.seed_index)], prompts[v.prompt]) for v in videos]
-                values.update(summarise(clip_rows, cfg.bootstrap_resamples, cfg.seed))
-            if not adherence["applicable"]:  # readings of captions the analyzer cannot read: not scores (module doc)
-                values = {k: v for k, v in values.items() if k.removesuffix("_std") not in ADHERENCE_METRICS}
-            names = [*(k for k in METRIC_NAMES if k in values), *(k for k in values if k not in METRIC_NAMES)]  # an added score comes last
-            metrics[cand.name] = {k: values[k] if k == "nfe" else round(float(values[k]), 6) for k in names}
-            if cand is ref and cfg.num_seeds >= 2:
-                n = len(prompts)  # seed-major: rows [0, n) are seed index 0, [n, 2n) seed index 1
-                metrics[cand.name]["frechet_floor"] = round(frechet_distance(reference_z[:n], reference_z[n: 2 * n]), 6)
-                if n >= 2:
-                    metrics[cand.name]["kid_floor"] = round(kid(reference_z[:n], reference_z[n: 2 * n]), 6)
-            m, floors = metrics[cand.name], metrics[ref.name]
-            if cand is not ref and "kid_floor" in floors:  # the interval's lower end above the reference's own seed-to-seed floor
-                m["kid_resolved"] = float(interval_resolved(m["kid_lo"], floors["kid_floor"]))
-                m["frechet_resolved"] = float(interval_resolved(m["frechet_distance"] - 1.96 * m["frechet_distance_std"], floors["frechet_floor"]))
-            rows.append({"candidate": cand.name, "sampler": cand.sampler, "nfe": values["nfe"], "adherence": m.get("all"),
-                         "adherence_std": m.get("all_std"), **{k: m.get(k) for k in CSV_COLUMNS[5:]},  # n/a: empty cells
-                         **{k: m[k] for k in CLIP_METRICS if k in m}})
-            kept = [k for k in SEEDED_METRICS if adherence["applicable"] or k not in ADHERENCE_METRICS]
-            per_video[cand.name] = [{**{k: x for k, x in video.row().items() if k in kept or k not in ADHERENCE_METRICS},
-                                     **(clip_rows[n] if clip_rows is not None else {})} for n, video in enumerate(videos)]
-            per_seed[cand.name] = [{"seed_index": j, **{k: x for k, x in zip(SEEDED_METRICS, map(float, row)) if k in kept}}
-                                   for j, row in enumerate(seed_means)]
-            per_prompt[cand.name] = [{"prompt": prompt, **{k: x for k, x in zip(SEEDED_METRICS, map(float, row)) if k in kept}}
-                                     for prompt, row in zip(prompts, _mean_table(videos, "prompt", len(prompts)))]
-            said = (f"adherence all {m['all']:.2f}±{m['all_std']:.2f} (colour {m['colour']:.2f} shape {m['shape']:.2f} "
-                    f"direction {m['direction']:.2f})" if adherence["applicable"] else "adherence n/a")
-            log.info("validate %s: %s NFE, %s, "
-                     "%.3f s/video (median%s), distance to %s %.5f±%.5f, sharpness %.5f±%.5f, Fréchet distance %.3f±%.3f%s",
-                     cand.name, values["nfe"], said,
-                     m["latency_s"], f", reused: sampled {hit.stored}" if hit is not None else "", ref.name,
-                     m["distance_to_teacher"], m["distance_to_teacher_std"], m["sharpness"],
-                     m["sharpness_std"], m["frechet_distance"], m["frechet_distance_std"],
-                     f" (noise floor {m['frechet_floor']:.3f})" if "frechet_floor" in m else "")
-            if clip_rows is not None:
-                log.info("validate %s: CLIP text %.4f [%.4f, %.4f], CLIP consistency %.4f [%.4f, %.4f], "
-                         "motion %.5f [%.5f, %.5f] (95%% bootstrap intervals)", cand.name,
-                         *(m[f"{k}{e}"] for k in CLIP_SCORES for e in ("", "_lo", "_hi")))
-
+        run.begin(stage, scoring, grid)
         # one candidate of overlap: candidate k's CPU half finishes on the scoring threads while candidate k + 1
         # loads and samples on the device (two candidates' frames in memory at most, besides the reference's)
         previous = None
-        for cand in order:
-            current = start(cand)
+        for cand in run.order:
+            current = run.start(cand)
             if previous is not None:
-                finish(previous)
+                run.finish(previous)
             previous = current
         if previous is not None:
-            finish(previous)
-        bar.close()
+            run.finish(previous)
+        run.bar.close()
         if cache is not None:
-            cache.prune({entry["key"] for entry in cache_log.values()})
-        flat = {f"{c.name}/{k}": v for c in candidates for k, v in metrics[c.name].items()}  # input order
-        rows.sort(key=lambda r: row_of[r["candidate"]])
-        labelled, origin = grid.labelled([f"{c.name} · {int(metrics[c.name]['nfe'])} NFE"
-                                          + (f" · CLIP {metrics[c.name]['clip_text']:.3f}" if clip is not None else "")
-                                          for c in candidates],
-                                         [f"#{i}" for i in range(len(prompts))], [f"#{i}  {p}" for i, p in enumerate(prompts)])
-        _write_grid(labelled, stage, cfg)
-        assert scaler is not None
-        report = {
-            "base_dir": str(base_dir), "reference": ref.name, "prompts": prompts, "prompt_source": source,
-            "adherence": adherence, "config": asdict(cfg),
-            "seeds": [row[0] for row in seed_grid],  # seed index 0: torch.Generator().manual_seed(seed) per prompt
-            "num_seeds": cfg.num_seeds,
-            "seed_grid": seed_grid,  # [prompt i][seed index j] → generator seed (cfg.seed + i + SEED_STRIDE·j)
-            "sample_keys": [[sample_key(i, j) for j in range(cfg.num_seeds)] for i in range(len(prompts))],
-            "max_sequence_length": ctx.encoders.max_sequence_length,  # prompt embeddings padded to this
-            "candidates": [{**asdict(c), "model_dir": str(c.model_dir), "nfe": metrics[c.name]["nfe"],
-                            "forwards": forwards(c, ctx.latent_shape[1]), "shift": resolved[c.name].shift}
-                           for c in candidates],
-            "grid": {"rows": [c.name for c in candidates], "tile_hw": [cfg.height, cfg.width], "separator_px": 1,
-                     "seed_index": 0, "origin_px": list(origin)},  # tile (r, c) at origin + (r·(H+1), c·(W+1))
-            "frechet": {"feature_names": list(FEATURE_NAMES), "reference_mean": scaler.mean.tolist(),
-                        "reference_scale": scaler.scale.tolist(), "cov_eps": COV_EPS,
-                        "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.seed},
-            "latency": {"warmup_videos": WARMUP_VIDEOS, "sample_batch": cfg.sample_batch, "dtype": str(ctx.dtype),
-                        "vae_dtype": str(ctx.vae_dtype), "compiled": ctx.compile,
-                        "vae_decode": dict(zip(("chunk_frames", "fused"), ctx.vae_decode)),
-                        "statistic": "median, iqr = p75 - p25, of the videos after the warm-up",
-                        **{c.name: latency[c.name] for c in candidates}},
-            "per_video": {c.name: per_video[c.name] for c in candidates},
-            "per_seed": {c.name: per_seed[c.name] for c in candidates},
-            "per_prompt": {c.name: per_prompt[c.name] for c in candidates},
-            "cache": None if cache is None else {
-                "folder": str(cache.root),
-                **{c.name: {k: v for k, v in cache_log[c.name].items() if k != "material"} for c in candidates}},
-            "adherence_readings": adherence_readings(flat, [c.name for c in candidates])  # which readings separate them
-            if adherence["applicable"] else None,
-            "seconds": round(time.perf_counter() - started, 2),
-            "timeline": timeline,
-            "clip": None if clip is None else {**clip.describe(), "scores": list(CLIP_SCORES),
-                                               "interval": "95% bootstrap of the mean over the candidate's videos",
-                                               "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.seed},
-        }
-        _write_tables(stage, flat, rows, report)
+            cache.prune({entry["key"] for entry in run.cache_log.values()})
+        flat = {f"{c.name}/{k}": v for c in candidates for k, v in run.metrics[c.name].items()}  # input order
+        run.rows.sort(key=lambda r: run.row_of[r["candidate"]])
+        origin = run.write_grid()
+        report = run.report(base_dir, source, flat, origin, started)
+        write_tables(stage, flat, run.rows, report)
         (stage / "summary.md").write_text(summary_markdown(flat, report))
         if adherence["applicable"]:  # else there is no adherence to plot (module doc)
-            write_adherence_plot(rows, stage / "plots" / "adherence_vs_nfe.png")
+            write_adherence_plot(run.rows, stage / "plots" / "adherence_vs_nfe.png")
         replace_dir(stage, out_dir)
     except BaseException:
         scoring.shutdown(wait=True, cancel_futures=True)  # nothing writes into the stage folder once it is removed
         shutil.rmtree(stage, ignore_errors=True)
         raise
     scoring.shutdown(wait=True)
-    for c in candidates:
-        f = report["candidates"][row_of[c.name]]["forwards"]
-        if f["chunks"] > 1:
-            log.info("validate %s: %d NFE per video = %d chunks × %d forwards + %d KV-cache writes (streamed); "
-                     "%.3f s/video", c.name, f["per_video"], f["chunks"], f["per_chunk"], f["cache_writes"],
-                     flat[f"{c.name}/latency_s"])
-    flat_readings = [k for k, r in (report["adherence_readings"] or {}).items() if not r["discriminates"]]
-    if flat_readings:
-        log.info("validate: %s the same for every candidate (%s): not discriminating on these prompts",
-                 ", ".join(flat_readings), ", ".join(f"{report['adherence_readings'][k]['min']:.2f}" for k in flat_readings))
+    _log_closing(candidates, flat, report)
     log.info("validation of %d candidates on %d prompts × %d seeds written to %s (summary.md)%s", len(candidates),
-             len(prompts), cfg.num_seeds, out_dir, f"; {len(hits)} reused from the sample cache" if cache is not None else "")
+             len(prompts), cfg.num_seeds, out_dir, f"; {len(run.hits)} reused from the sample cache" if cache is not None else "")
     return flat
