@@ -63,10 +63,11 @@ def role_state(checkpoint: Path, role: str = "student", ema: str | None = None) 
     """The role's transformer weights (or EMA shadow) stored in a checkpoint, as a plain state dict."""
     import json
 
-    from distillery.export.weights import build_transformer_from_config, load_role_weights
+    from distillery.export.weights import load_role_weights
+    from distillery.models.registry import family_of_class
 
     config = json.loads((checkpoint / "roles" / role / "config.json").read_text())
-    module = build_transformer_from_config(config)
+    module = family_of_class(config.get("_class_name"), "test read").loaders().build_transformer(config)
     load_role_weights(checkpoint, role, module, ema)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 

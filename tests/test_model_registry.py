@@ -128,10 +128,13 @@ def test_every_family_exports_its_loaders_and_claims_its_own_classes():
 
 
 def test_export_weights_refuses_a_checkpoint_of_an_unknown_family_in_one_line():
-    from distillery.export.weights import build_transformer_from_config
+    """What export_weights asks of a checkpoint role's config.json: the family of its class (one line when none is
+    registered), whose loaders build the transformer."""
+    from distillery.models.registry import family_of_class
 
     with pytest.raises(UserError, match="'HunyuanVideoTransformer3DModel' transformer; no registered model family") as info:
-        build_transformer_from_config({"_class_name": "HunyuanVideoTransformer3DModel"}, "roles/student/config.json")
+        family_of_class("HunyuanVideoTransformer3DModel", "cannot export roles/student/config.json")
     assert "\n" not in str(info.value)
     config = json.loads((shipped_tiny_base() / "transformer" / "config.json").read_text())
-    assert type(build_transformer_from_config(config)).__name__ == "WanTransformer3DModel"
+    module = family_of_class(config["_class_name"], "cannot export").loaders().build_transformer(config)
+    assert type(module).__name__ == "WanTransformer3DModel"

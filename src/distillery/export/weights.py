@@ -30,15 +30,6 @@ if TYPE_CHECKING:
     from distillery.models.registry import FamilyLoaders
 
 
-def build_transformer_from_config(config: dict, where: str = "checkpoint role config") -> torch.nn.Module:
-    """Instantiate the transformer ``config['_class_name']`` names (random weights), by the model
-    family that loads that class (:mod:`distillery.models.registry`; ``where``: the file, for the
-    one-line :class:`UserError` when no registered family does)."""
-    from distillery.models.registry import family_of_class
-
-    return family_of_class(config.get("_class_name"), f"cannot export {where}").loaders().build_transformer(config)
-
-
 def load_role_weights(checkpoint: Path, role: str, module: torch.nn.Module, ema: str | None = None,
                       module_name: str = "transformer", adapters_only: bool = False) -> None:
     """Load ``role``'s ``module_name`` weights (DCP key ``roles.<role>.<module_name>``) from the

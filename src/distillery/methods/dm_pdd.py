@@ -51,7 +51,7 @@ import torch
 from distillery.common.errors import UserError
 from distillery.config.typed import bounded
 from distillery.methods.base import StepOutput
-from distillery.methods.dmd2 import ScoreTimesteps, distribution_matching_loss, fake_score_loss
+from distillery.methods.dmd2 import ScoreTimesteps, check_score_timestep_range, distribution_matching_loss, fake_score_loss
 from distillery.methods.pdd import PDDConfig, PDDMethod, Plan
 from distillery.models.base import HeadGroup, ModelBase, PDDModelBase
 from distillery.models.schedule import block_weights
@@ -70,8 +70,7 @@ class DMPDDConfig(PDDConfig):
             raise ValueError("dm_weight must be >= 0")
         if self.generator_update_interval < 1:
             raise ValueError("generator_update_interval must be >= 1")
-        if not 0.0 <= self.min_score_timestep_ratio < self.max_score_timestep_ratio <= 1.0:
-            raise ValueError("need 0 <= min_score_timestep_ratio < max_score_timestep_ratio <= 1")
+        check_score_timestep_range(self.min_score_timestep_ratio, self.max_score_timestep_ratio)
 
 
 class DMPDDMethod(ScoreTimesteps, PDDMethod):

@@ -92,6 +92,13 @@ from distillery.models.base import ModelBase, TrainingBatch, batch_latent_shape
 from distillery.models.schedule import FlowMatchSchedule, euler_step, renoise, x0_from_velocity
 
 
+def check_score_timestep_range(lo_ratio: float, hi_ratio: float) -> None:
+    """The score timesteps' range ``[lo_ratio, hi_ratio] · 1000`` (``min_score_timestep_ratio`` /
+    ``max_score_timestep_ratio`` of DMD2's and DM-PDD's configs): ``0 <= lo < hi <= 1``, else ValueError."""
+    if not 0.0 <= lo_ratio < hi_ratio <= 1.0:
+        raise ValueError("need 0 <= min_score_timestep_ratio < max_score_timestep_ratio <= 1")
+
+
 @dataclass
 class DMD2Config:
     student_timesteps: list[float] | None = None  # the student's descending ladder in (0, 1000]; null: warped uniform (module doc)
@@ -120,8 +127,7 @@ class DMD2Config:
             raise ValueError("generator_update_interval must be >= 1")
         if not self.real_score_guidance_scale >= 0.0:
             raise ValueError("real_score_guidance_scale must be >= 0")
-        if not 0.0 <= self.min_score_timestep_ratio < self.max_score_timestep_ratio <= 1.0:
-            raise ValueError("need 0 <= min_score_timestep_ratio < max_score_timestep_ratio <= 1")
+        check_score_timestep_range(self.min_score_timestep_ratio, self.max_score_timestep_ratio)
 
 
 def warped_ladder(schedule: FlowMatchSchedule, num_steps: int) -> list[float]:
