@@ -291,7 +291,9 @@ def sample_candidate(spec: CandidateSpec, base_dir: str, prompts: list[str], set
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     logging.getLogger("distillery").setLevel(logging.WARNING)
-    from distillery.evaluation.validate import Candidate, ValidationConfig, run_validation
+    from distillery.evaluation.candidates import Candidate
+    from distillery.evaluation.validate import run_validation
+    from distillery.evaluation.validation_config import ValidationConfig
 
     t0 = time.perf_counter()
     if spec.method == "teacher":

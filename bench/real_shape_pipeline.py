@@ -252,7 +252,9 @@ def main() -> int:
         return {"timing": state_timing.get("pretrain")}
 
     def validate() -> None:
-        from distillery.evaluation.validate import Candidate, ValidationConfig, run_validation, teacher_candidates
+        from distillery.evaluation.candidates import Candidate, teacher_candidates
+        from distillery.evaluation.validate import run_validation
+        from distillery.evaluation.validation_config import ValidationConfig
         from distillery.stages import validate as evaluation
 
         evaluation.ARTIFACTS = root / "artifacts"

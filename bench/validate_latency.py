@@ -1,7 +1,7 @@
 """Benchmark: where one real-shape validation video's latency goes, and what the validate options buy.
 
 One process, one GPU, the real Wan2.1-T2V-1.3B shape (81×480×832: 21×60×104 latents, 32,760 tokens), through
-validate's own parts (``_Context``: the candidate's load, ``sample``, the base's VAE decode). The candidate is the
+validate's own parts (``SamplingContext``: the candidate's load, ``sample``, the base's VAE decode). The candidate is the
 goal's: the teacher at 4 Euler steps with CFG (8 transformer forwards a video). Timed in this order, each the
 median of ``--repeats`` after a warm-up:
 
@@ -104,7 +104,9 @@ def decode_variants(ctx, latents: torch.Tensor, result: dict, args, save) -> Non
 
 
 def main() -> int:
-    from distillery.evaluation.validate import Candidate, ValidationConfig, _Context
+    from distillery.evaluation.candidates import Candidate
+    from distillery.evaluation.sampling_context import SamplingContext
+    from distillery.evaluation.validation_config import ValidationConfig
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", default="/tmp/real_shape_dag/wan-1.3b-shape")
@@ -132,7 +134,7 @@ def main() -> int:
     cfg = ValidationConfig(num_frames=rsp.FRAMES, height=rsp.HEIGHT, width=rsp.WIDTH, device=device, compile=False,
                            progress_bar=False, teacher_steps=[args.steps], guidance_scale=args.guidance)
     t0 = time.perf_counter()
-    ctx = _Context(base, ["a red circle moving left slowly on a black background"], cfg)
+    ctx = SamplingContext(base, ["a red circle moving left slowly on a black background"], cfg)
     if args.decode_only:
         latents = torch.randn(1, *ctx.latent_shape, generator=torch.Generator().manual_seed(0)).to(device)
         decode_variants(ctx, latents, result, args, save)

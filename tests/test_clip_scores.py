@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from distillery.common.errors import UserError
+from distillery.evaluation.candidates import Candidate
 from distillery.evaluation.clip_scores import (
     CLIP_METRICS,
     CLIP_SCORES,
@@ -26,7 +27,8 @@ from distillery.evaluation.clip_scores import (
     summarise,
 )
 from distillery.evaluation.sample_cache import SampleCache
-from distillery.evaluation.validate import CLIP_HEADLINE, Candidate, ValidationConfig, headline_metrics, run_validation
+from distillery.evaluation.validate import CLIP_HEADLINE, headline_metrics, run_validation
+from distillery.evaluation.validation_config import ValidationConfig
 from distillery.tinybase.shipped import shipped_tiny_base
 
 PROMPTS = ["a red circle moving left slowly on a black background", "a blue square moving up quickly on a black background"]

@@ -76,7 +76,9 @@ def _student(root: Path, name: str, contract: dict, heads: bool) -> Path:
 def exports(tmp_path_factory) -> dict:
     """``{"validate": report folder, "exports": {kind: export folder}}``."""
     from distillery.data.encoders import read_max_sequence_length
-    from distillery.evaluation.validate import Candidate, ValidationConfig, run_validation
+    from distillery.evaluation.candidates import Candidate
+    from distillery.evaluation.validate import run_validation
+    from distillery.evaluation.validation_config import ValidationConfig
     from distillery.export.code import CODE_RECORD_KEY
     from distillery.export.model_card import export_model_card
     from distillery.lineage.manifest import write_lineage

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from distillery.evaluation.candidates import Candidate
 from distillery.evaluation.sample_cache import SampleCache
-from distillery.evaluation.validate import Candidate, ValidationConfig, run_validation
+from distillery.evaluation.validate import run_validation
+from distillery.evaluation.validation_config import ValidationConfig
 from distillery.tinybase.shipped import shipped_tiny_base
 
 PROMPTS = ["a red circle moving left slowly on a black background", "a blue square moving up quickly on a black background"]

@@ -115,7 +115,7 @@ def test_validation_settings_are_shared():
     bounds however they are built, the same generator seed for prompt i (seed index 0)."""
     from distillery.callbacks.validation import ValidationCallbackConfig
     from distillery.config.validation import ValidationSampling
-    from distillery.evaluation.validate import ValidationConfig, generator_seed
+    from distillery.evaluation.validation_config import ValidationConfig, generator_seed
 
     stage, callback = ValidationConfig(seed=7, num_seeds=2), ValidationCallbackConfig(data_path="data", seed=7)
     assert isinstance(stage, ValidationSampling) and isinstance(callback, ValidationSampling)

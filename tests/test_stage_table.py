@@ -203,7 +203,8 @@ def _hand_written_candidates(params: StageParams) -> list:
     """The list stages/validate.py wrote out by hand before the table declared it (kept here as the reference)."""
     import dataclasses
 
-    from distillery.evaluation.validate import Candidate, ValidationConfig, teacher_candidates
+    from distillery.evaluation.candidates import Candidate, teacher_candidates
+    from distillery.evaluation.validation_config import ValidationConfig
     from distillery.stages.artifacts import ARTIFACTS
 
     v = params.get("validate")

@@ -253,7 +253,8 @@ def test_base_encoders_decode_chunked_and_fused_to_the_same_frames(tmp_path):
 
 def test_validate_on_cpu_decodes_as_before():
     from distillery.common.errors import UserError
-    from distillery.evaluation.validate import ValidationConfig, resolve_vae_decode
+    from distillery.evaluation.sampling_context import resolve_vae_decode
+    from distillery.evaluation.validation_config import ValidationConfig
 
     assert resolve_vae_decode(None, torch.device("cpu")) == (1, False)
     assert resolve_vae_decode(4, torch.device("cpu")) == (4, False)

@@ -12,15 +12,9 @@ import pytest
 import torch
 
 from distillery.common.errors import UserError
-from distillery.evaluation.validate import (
-    HEADLINE_METRICS,
-    Candidate,
-    ValidationConfig,
-    generator_seed,
-    headline_metrics,
-    run_validation,
-    teacher_candidates,
-)
+from distillery.evaluation.candidates import Candidate, teacher_candidates
+from distillery.evaluation.validate import HEADLINE_METRICS, headline_metrics, run_validation
+from distillery.evaluation.validation_config import ValidationConfig, generator_seed
 from distillery.evaluation.video_scores import METRIC_NAMES, SEEDED_METRICS, WARMUP_VIDEOS, latency_summary, sample_key
 from distillery.models.base import Conditioning
 from distillery.models.schedule import FlowMatchSchedule
@@ -409,7 +403,7 @@ def test_stored_prompt_embeddings_replace_the_text_encoder(validation, base, tmp
     from safetensors.torch import load_file
 
     from distillery.data.encoders import BaseEncoders
-    from distillery.evaluation.validate import PromptEmbeddings
+    from distillery.evaluation.sampling_context import PromptEmbeddings
 
     out, _, candidates, _ = validation
     encoders = BaseEncoders(base)
@@ -501,11 +495,12 @@ def test_a_candidates_scoring_runs_on_while_the_next_candidate_samples(validatio
     import threading
 
     import distillery.evaluation.validate as validate_module
+    from distillery.evaluation.sampling_context import SamplingContext
 
     cfg = ValidationConfig(teacher_steps=[2], num_seeds=NUM_SEEDS, progress_bar=False, grid_formats=[])
     candidates = teacher_candidates(base, cfg) + [Candidate("student", base, 2, 1.0, "few_step_x0")]
     second_sampling = threading.Event()
-    sample, score = validate_module._Context.sample, validate_module.score_video
+    sample, score = SamplingContext.sample, validate_module.score_video
     scored: list[bool] = []  # per scoring call (one thread: in submission order), whether it saw the next candidate sample
 
     def sample_and_say(self, cand, *args):
@@ -521,7 +516,7 @@ def test_a_candidates_scoring_runs_on_while_the_next_candidate_samples(validatio
         return score(video, analyzer, prompt)
 
     monkeypatch.setattr(validate_module, "scoring_workers", lambda video_bytes: 1)
-    monkeypatch.setattr(validate_module._Context, "sample", sample_and_say)
+    monkeypatch.setattr(SamplingContext, "sample", sample_and_say)
     monkeypatch.setattr(validate_module, "score_video", score_last_video_once_the_next_samples)
     overlapped = run_validation(base, candidates, PROMPTS, tmp_path / "overlapped", cfg)
     assert scored[len(VIDEO_KEYS) - 1], "candidate 2 did not start sampling while candidate 1's scoring was running"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from distillery.evaluation.candidates import Candidate, forwards
 from distillery.evaluation.summary import adherence_readings, summary_markdown
-from distillery.evaluation.validate import Candidate, forwards
 from distillery.evaluation.video_scores import METRIC_NAMES
 
 STREAMING = {"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,

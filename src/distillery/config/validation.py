@@ -6,7 +6,7 @@ a ``torch.Generator`` seeded :meth:`ValidationSampling.generator_seed` (``seed +
 seed index 0 is ``seed + i``), so the callback's samples during training are the validate stage's
 seed-0 samples of the same prompts; videos and grids are written at ``fps`` frames per second.
 
-:class:`distillery.evaluation.validate.ValidationConfig` (the ``validate`` stage, filled from
+:class:`distillery.evaluation.validation_config.ValidationConfig` (the ``validate`` stage, filled from
 ``params.yaml: seed`` and ``validate``) and :class:`distillery.callbacks.validation.ValidationCallbackConfig`
 (a run config's ``callbacks.<name>``) extend :class:`ValidationSampling`. Its bounds hold however the
 config is made: read from a run config (:func:`distillery.config.typed.from_mapping`) or built in Python

@@ -1,7 +1,7 @@
 """Validation: sample every candidate model on the same prompts and noise, and score the videos.
 
 For each :class:`Candidate` (a teacher at several step counts counts as several candidates, see
-:func:`teacher_candidates`), each prompt ``i`` and each seed index ``j < cfg.num_seeds``,
+:func:`~distillery.evaluation.candidates.teacher_candidates`), each prompt ``i`` and each seed index ``j < cfg.num_seeds``,
 :func:`run_validation` samples one video with the sampler its sampling contract names (built from
 :mod:`distillery.sampling`'s registry and run through a frozen model plugin that the folder's model
 family loads, :func:`distillery.models.registry.load_inference_model`), starting from the same initial noise for every
@@ -130,17 +130,15 @@ Output folder (written to a temporary sibling, then renamed into place)::
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import shutil
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -149,10 +147,13 @@ from safetensors.torch import save_file
 from distillery.common.errors import UserError
 from distillery.common.fsutil import replace_dir
 from distillery.common.videogrid import VideoGrid
-from distillery.config.validation import SEED_STRIDE, ValidationSampling
-from distillery.evaluation.clip_scores import CLIP_METRICS, CLIP_SCORES, check_clip_folder
+from distillery.config.validation import SEED_STRIDE
+from distillery.evaluation.candidates import Candidate, forwards
+from distillery.evaluation.clip_scores import CLIP_METRICS, CLIP_SCORES
 from distillery.evaluation.kid import kid
 from distillery.evaluation.kid import resolved as interval_resolved
+from distillery.evaluation.sampling_context import PromptEmbeddings, SamplingContext, synchronize
+from distillery.evaluation.validation_config import ValidationConfig, generator_seed
 from distillery.evaluation.validation_files import CSV_COLUMNS, MP4_PRESET, scoring_workers, write_grid, write_tables
 from distillery.evaluation.video_scores import (
     ADHERENCE_METRICS,
@@ -171,375 +172,13 @@ from distillery.evaluation.video_scores import (
 
 if TYPE_CHECKING:
     from distillery.evaluation.sample_cache import SampleCache
-    from distillery.models.base import ModelBase
-    from distillery.sampling import Sampler
 
 log = logging.getLogger("distillery")
 
-SAMPLING_FILE = "sampling.json"  # an artifact's sampling contract, beside its transformer/
-GRID_FORMATS = ("gif", "mp4")
 HEADLINE_METRICS = ("all", "frechet_distance", "kid")  # what DVC shows per headline candidate (headline_metrics); the rest: report/
 CLIP_HEADLINE = ("clip_text", "clip_text_lo", "clip_text_hi", "clip_consistency", "clip_consistency_lo",
                  "clip_consistency_hi", "motion", "motion_lo", "motion_hi")  # DVC's too, with validate.clip_model
 REFERENCE_ZERO = ("frechet_distance", "kid", "distance_to_teacher")  # the reference's own: 0 by construction, never a headline
-PRECISIONS = ("auto", "fp32", "bf16")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-@dataclass
-class ValidationConfig(ValidationSampling):
-    """What to sample and how; one per validation run (``params.yaml: seed`` and ``validate``). The
-    prompts, the noise and the video rate are the fields every validation shares
-    (:class:`~distillery.config.validation.ValidationSampling`: ``num_prompts``, the captions the
-    validate stage takes from the latent set; ``seed``; ``fps``)."""
-
-    where: ClassVar[str] = "validate"
-
-    prompts: list[str] | None = None  # prompts to sample; None: the clip validation captions given to run_validation
-    num_frames: int = 17  # frames per video (VAE temporal factor × k + 1)
-    height: int = 32  # video height, pixels
-    width: int = 32  # video width, pixels
-    teacher_steps: list[int] = field(default_factory=lambda: [40, 4])  # teacher baselines: many- and few-step Euler
-    guidance_scale: float = 4.0  # CFG scale of the teacher baselines (empty-prompt negative)
-    num_seeds: int = 2  # noise draws per prompt (seed indices 0 .. num_seeds − 1); spreads are across them
-    bootstrap_resamples: int = 200  # resamples of a candidate's videos for frechet_distance_std (< 2: std 0)
-    grid_formats: list[str] = field(default_factory=lambda: ["gif", "mp4"])  # grid files to write
-    max_sequence_length: int | None = None  # prompt length; None: the base model's (model card / tokenizer)
-    device: str = "cpu"  # where the models run ("cpu", "cuda", "cuda:1", ...)
-    precision: str = "auto"  # the candidates' weights and compute: fp32, bf16, or auto (bf16 on CUDA, fp32 elsewhere)
-    vae_precision: str = "fp32"  # the VAE's decode: fp32 (the Wan model card's), bf16, or auto (bf16 on CUDA, fp32 elsewhere)
-    vae_chunk_frames: int | None = None  # latent frames per VAE decoder call after the first; null: sized to the GPU, 1 on CPU
-    compile: bool | None = None  # compile each transformer block of the candidates (regional); null: on for bf16 on CUDA
-    progress_bar: bool = True  # progress over the videos: a bar on a terminal, else a log line per 10 % or minute
-    clip_model: str | None = None  # a CLIP folder in transformers' layout: CLIP text/consistency and motion scores; None: off
-    sample_batch: int = 1  # videos sampled and decoded in one batch (consecutive in sampling order); > 1: a GPU at small
-    # shapes runs many videos in the time of one, each video's latency is then the batch's wall time / its size, and the
-    # samples equal batch 1's up to floating-point rounding (the noise is each video's own generator either way)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()  # the shared bounds (num_prompts, seed, fps)
-        if self.num_frames < 1 or self.height < 1 or self.width < 1:
-            raise UserError(f"validate: num_frames, height and width must be >= 1, got {self.num_frames}, "
-                            f"{self.height}, {self.width}")
-        if any(int(s) < 1 for s in self.teacher_steps):
-            raise UserError(f"validate.teacher_steps must be positive step counts, got {self.teacher_steps}")
-        if self.guidance_scale < 0:
-            raise UserError(f"validate.guidance_scale must be >= 0, got {self.guidance_scale}")
-        bad = [f for f in self.grid_formats if f not in GRID_FORMATS]
-        if bad:
-            raise UserError(f"validate.grid_formats: unknown format {bad[0]!r}; valid: {', '.join(GRID_FORMATS)}")
-        if self.num_seeds < 1:
-            raise UserError(f"validate.num_seeds must be >= 1, got {self.num_seeds}")
-        for name in ("precision", "vae_precision"):
-            if getattr(self, name) not in PRECISIONS:
-                raise UserError(f"validate.{name}: {getattr(self, name)!r}; valid: {', '.join(PRECISIONS)}")
-        if self.vae_chunk_frames is not None and int(self.vae_chunk_frames) < 1:
-            raise UserError(f"validate.vae_chunk_frames must be >= 1 or null, got {self.vae_chunk_frames}")
-        if self.bootstrap_resamples < 0:
-            raise UserError(f"validate.bootstrap_resamples must be >= 0, got {self.bootstrap_resamples}")
-        if self.sample_batch < 1:
-            raise UserError(f"validate.sample_batch must be >= 1, got {self.sample_batch}")
-        if self.prompts is not None and not self.prompts:
-            raise UserError("validate.prompts is empty; give at least one prompt or null for the validation captions")
-        if self.clip_model is not None and not str(self.clip_model).strip():
-            self.clip_model = None  # empty: off, as unset
-        if self.clip_model is not None:  # one line before anything loads or samples
-            self.clip_model = str(check_clip_folder(self.clip_model))
-
-
-def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """``auto`` / ``fp32`` / ``bf16`` on ``device`` → the dtype: auto is bfloat16 on CUDA, float32 elsewhere."""
-    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    return torch.bfloat16 if bf16 else torch.float32
-
-
-def resolve_vae_decode(chunk_frames: int | None, device: torch.device) -> tuple[int | None, bool]:
-    """The VAE decode's ``(chunk_frames, fused)`` (:mod:`distillery.data.vae_decode`): on CUDA, ``chunk_frames``
-    null is sized to the GPU (``auto_chunk_frames``) and the residual blocks are fused (the same function in
-    fewer passes); elsewhere diffusers' own frame-by-frame decode (``1``, unfused: the CPU's frames bit for bit
-    as before)."""
-    if device.type != "cuda":
-        return (int(chunk_frames) if chunk_frames is not None else 1), False
-    return (int(chunk_frames) if chunk_frames is not None else None), True
-
-
-def generator_seed(cfg: ValidationConfig, prompt_index: int, seed_index: int) -> int:
-    """Seed of the ``torch.Generator`` that draws the noise of video (prompt ``prompt_index``, seed index
-    ``seed_index``): ``cfg.seed + prompt_index + SEED_STRIDE·seed_index`` (seed index 0: ``cfg.seed + i``;
-    :meth:`~distillery.config.validation.ValidationSampling.generator_seed`, the callback's too)."""
-    return cfg.generator_seed(prompt_index, seed_index)
-
-
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One model × sampler setting to validate."""
-
-    name: str  # label in metric keys, sample folders and plots (letters, digits, '.', '_', '-')
-    model_dir: Path  # diffusers Wan folder, or a folder with transformer/ (the base supplies VAE and text encoder)
-    num_steps: int  # sampling steps (Euler steps, or few-step ladder length)
-    guidance_scale: float  # CFG scale; CFG runs (2 forwards per step) when > 1
-    sampler: str = "euler"  # a registered sampler (distillery.sampling.sampler_names()): euler, few_step_x0, ...
-    timesteps: tuple[float, ...] | None = None  # few_step_x0 ladder in [0, 1000]; None: first num_steps of the Euler grid
-    shift: float | None = None  # flow shift; None: model_dir's scheduler config, else the base's
-    options: dict[str, Any] = field(default_factory=dict, compare=False)  # further sampling-contract keys for the sampler
-
-    def __post_init__(self) -> None:
-        if not _NAME_RE.match(self.name):
-            raise UserError(f"candidate name {self.name!r} must be letters, digits, '.', '_' or '-' (it names files)")
-        if self.num_steps < 1:
-            raise UserError(f"candidate {self.name}: num_steps must be >= 1, got {self.num_steps}")
-        if self.timesteps is not None and len(self.timesteps) != self.num_steps:
-            raise UserError(f"candidate {self.name}: {len(self.timesteps)} timesteps given for num_steps={self.num_steps}")
-        try:
-            self.build_sampler(self.shift)  # unknown sampler names and bad contract keys fail here
-        except UserError as exc:
-            raise UserError(f"candidate {self.name}: {exc}") from None
-
-    @classmethod
-    def from_artifact(cls, name: str, model_dir: Path, num_steps: int | None = None,
-                      guidance_scale: float | None = None) -> "Candidate":
-        """A candidate sampled as ``model_dir/sampling.json`` says (its sampler, shift, ladder, options).
-
-        ``num_steps`` / ``guidance_scale``: None → the contract's ``num_steps`` / ``guidance_scale``,
-        else the length of its ``timesteps`` ladder / the sampler's defaults. :class:`UserError` when
-        the contract is missing or invalid.
-        """
-        from distillery.sampling import build_sampler
-
-        path = Path(model_dir) / SAMPLING_FILE
-        try:
-            contract = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"candidate {name}: {path} not found; point it at an artifact's model/ folder") from None
-        except json.JSONDecodeError as exc:
-            raise UserError(f"candidate {name}: {path}: not valid JSON ({exc.msg})") from None
-        if not isinstance(contract, dict):
-            raise UserError(f"candidate {name}: {path} must hold a JSON object (the sampling contract)")
-        sampler = build_sampler(contract)
-        ladder = contract.get("timesteps")
-        steps = sampler.resolve_steps(num_steps)
-        guidance = sampler.resolve_guidance(guidance_scale)
-        known = ("sampler", "shift", "timesteps", "num_steps", "guidance_scale")
-        return cls(name, Path(model_dir), steps, guidance, sampler=str(contract["sampler"]),
-                   timesteps=tuple(float(t) for t in ladder) if ladder is not None else None,
-                   shift=contract.get("shift"), options={k: v for k, v in contract.items() if k not in known})
-
-    def sampling_contract(self, shift: float | None) -> dict[str, Any]:
-        """The sampling contract this candidate samples with (``shift`` None: the model's own)."""
-        contract: dict[str, Any] = {**self.options, "sampler": self.sampler, "shift": shift}
-        if self.timesteps is not None:
-            contract["timesteps"] = list(self.timesteps)
-        return contract
-
-    def build_sampler(self, shift: float | None) -> "Sampler":
-        """The registered sampler for :meth:`sampling_contract`."""
-        from distillery.sampling import build_sampler
-
-        return build_sampler(self.sampling_contract(shift))
-
-    def nfe(self, num_frames: int | None = None) -> int:
-        """Transformer forward evaluations per video of ``num_frames`` latent frames (a streaming
-        sampler's count grows with the length; None: the sampler's per-chunk count)."""
-        return self.build_sampler(self.shift).nfe(self.num_steps, self.guidance_scale, num_frames=num_frames)
-
-
-def teacher_candidates(teacher_dir: Path, cfg: ValidationConfig) -> list[Candidate]:
-    """The teacher as one Euler candidate per ``cfg.teacher_steps`` entry, named ``teacher_<steps>``."""
-    return [Candidate(f"teacher_{int(n)}", Path(teacher_dir), int(n), cfg.guidance_scale, "euler")
-            for n in cfg.teacher_steps]
-
-
-@dataclass
-class _Loaded:
-    """A candidate's model plugin and flow shift, ready to sample."""
-
-    model: "ModelBase"  # frozen plugin of the folder's family (eval; fp32, or bf16 per ValidationConfig.precision) bound to the run device
-    shift: float  # flow shift of its schedule
-
-
-@dataclass
-class _Resolved:
-    """Where a candidate's model is and how it is sampled, before anything is loaded."""
-
-    loaders: Any  # its family's registry.FamilyLoaders
-    transformer_dir: Path
-    scheduler_dir: Path | None
-    shift: float  # flow shift of its schedule (the candidate's, its folder's scheduler's, else the base's)
-    options: dict[str, Any]  # the model options its sampler asks for (e.g. chunk_size: a causal model)
-
-
-@dataclass(frozen=True)
-class PromptEmbeddings:
-    """Prompt embeddings the base's own text encoder made earlier (the latent set stores them):
-    ``texts[i]`` is prompt ``i``'s unpadded ``[L_i, D]``, ``negative`` the empty prompt's ``[L, D]``.
-    Given to :func:`run_validation`, they replace loading the text encoder and re-encoding."""
-
-    texts: list[torch.Tensor]
-    negative: torch.Tensor
-
-
-class _Context:
-    """Base-model parts shared by every candidate: encoders, prompt embeddings, latent shape, analyzer."""
-
-    def __init__(self, base_dir: Path, prompts: list[str], cfg: ValidationConfig,
-                 embeddings: PromptEmbeddings | None = None) -> None:
-        from distillery.clips.analyzer import AnalyzerConfig
-        from distillery.components.precision import compile_wanted
-        from distillery.data.encoders import BaseEncoders
-
-        self.base_dir = base_dir
-        self.cfg = cfg
-        self.device = torch.device(cfg.device)
-        self.dtype = resolve_dtype(cfg.precision, self.device)  # the candidates' (as WanPipeline(torch_dtype=...) runs them)
-        self.vae_dtype = resolve_dtype(cfg.vae_precision, self.device)
-        self.compile = compile_wanted(cfg.compile, self.device, self.dtype)  # training's rule
-        self.encoders = BaseEncoders(base_dir, self.device, cfg.max_sequence_length, text_encoder=embeddings is None,
-                                     vae_dtype=self.vae_dtype)
-        length = self.encoders.max_sequence_length
-        if embeddings is None:
-            embeds = self.encoders.encode_prompts(list(prompts) + [""])
-        else:
-            embeds = [t.float() for t in [*embeddings.texts, embeddings.negative]]
-            if len(embeddings.texts) != len(prompts) or any(t.ndim != 2 or t.shape[1] != self.encoders.text_dim for t in embeds):
-                raise UserError(f"validate: the given prompt embeddings do not fit: {len(embeddings.texts)} for {len(prompts)} "
-                                f"prompts, shapes {[list(t.shape) for t in embeds[:3]]}…, the base's text width is "
-                                f"{self.encoders.text_dim}; rerun the latents stage with this base")
-        self.text = [self._pad(e, length).to(self.device) for e in embeds[:-1]]  # each [1, L, D], on the device
-        self.negative = self._pad(embeds[-1], length).to(self.device)  # [1, L, D]
-        vae_cfg = self.encoders.vae.config
-        tf, sf = int(vae_cfg.scale_factor_temporal), int(vae_cfg.scale_factor_spatial)
-        if (cfg.num_frames - 1) % tf or cfg.height % sf or cfg.width % sf:
-            raise UserError(f"validate: num_frames − 1 must be a multiple of {tf} and height/width of {sf} for the VAE of "
-                            f"{base_dir}, got {cfg.num_frames}×{cfg.height}×{cfg.width}")
-        self.latent_shape = (self.encoders.z_dim, (cfg.num_frames - 1) // tf + 1, cfg.height // sf, cfg.width // sf)
-        self.encoders.configure_decode(*resolve_vae_decode(cfg.vae_chunk_frames, self.device))
-        # what the frames depend on: the resolved chunk and whether the fused blocks apply to this VAE
-        self.vae_decode = (self.encoders.chunk_frames_for(self.latent_shape), self.encoders.fused_decode)
-        analyzer_json = base_dir / "analyzer.json"
-        self.analyzer = AnalyzerConfig(**json.loads(analyzer_json.read_text())) if analyzer_json.is_file() else None
-        self.base_shift = self._scheduler_shift(base_dir / "scheduler")
-        self._last: tuple[tuple, "ModelBase"] | None = None  # (folder, shift, model options), model: the last loaded
-        # (the teacher's step counts share it)
-        self._digests: dict[tuple[str, ...], dict[str, str]] = {}  # a candidate's folders → their files' sha256
-
-    @staticmethod
-    def _pad(embed: torch.Tensor, length: int) -> torch.Tensor:
-        """Unpadded ``[L_i, D]`` → zero-padded ``[1, length, D]`` (as WanPipeline pads)."""
-        out = embed.new_zeros(length, embed.shape[1])
-        out[: embed.shape[0]] = embed[:length]
-        return out[None]
-
-    @staticmethod
-    def _scheduler_shift(folder: Path | None) -> float | None:
-        from distillery.models.schedule import read_scheduler_shift
-
-        if folder is None or not (folder / "scheduler_config.json").is_file():
-            return None
-        return read_scheduler_shift(folder)
-
-    def resolve(self, cand: Candidate) -> _Resolved:
-        """Where a candidate's weights are, its flow shift and the model options its sampler asks for
-        (nothing loaded)."""
-        from distillery.models.registry import family_of
-
-        loaders = family_of(cand.model_dir).loaders()  # a folder of no registered family: one line
-        transformer_dir, scheduler_dir = loaders.locate_transformer(cand.model_dir)
-        shift = cand.shift if cand.shift is not None else self._scheduler_shift(scheduler_dir)
-        shift = shift if shift is not None else self.base_shift
-        if shift is None:
-            raise UserError(f"candidate {cand.name}: no scheduler config beside {transformer_dir} or in {self.base_dir}; "
-                            "set the candidate's shift")
-        options = cand.build_sampler(float(shift)).model_options()  # e.g. a causal model for causal_streaming
-        return _Resolved(loaders, transformer_dir, scheduler_dir, float(shift), options)
-
-    def context_material(self, prompts: list[str], seed_grid: list[list[int]]) -> dict[str, Any]:
-        """What every candidate's samples of this run depend on besides the candidate (the sample cache's
-        ``context`` material, :mod:`distillery.evaluation.sample_cache`)."""
-        from distillery.evaluation.sample_cache import CACHE_FORMAT, code_digest, file_digests, machine_facts, tensor_digest
-
-        cfg = self.cfg
-        return {"format": CACHE_FORMAT, "code": code_digest(), "machine": machine_facts(self.device, self.dtype),
-                "prompts": list(prompts), "text": tensor_digest([*self.text, self.negative]), "seed_grid": seed_grid,
-                "latent_shape": list(self.latent_shape),
-                **({"sample_batch": cfg.sample_batch} if cfg.sample_batch != 1 else {}),  # batched: other rounding
-                **({"vae_dtype": str(self.vae_dtype)} if self.vae_dtype != torch.float32 else {}),  # other frames
-                **({"vae_decode": list(self.vae_decode)} if self.vae_decode != (1, False) else {}),  # other rounding
-                **({"compiled": "blocks"} if self.compile else {}),  # Inductor's kernels: other rounding
-                "video": {"num_frames": cfg.num_frames, "height": cfg.height, "width": cfg.width, "fps": cfg.fps},
-                "vae": file_digests([self.base_dir / "vae"], self.base_dir),
-                "analyzer": asdict(self.analyzer) if self.analyzer is not None else None}
-
-    def candidate_material(self, cand: Candidate, resolved: _Resolved) -> dict[str, Any]:
-        """What a candidate's samples depend on: its sampling contract and every byte of its weights
-        (transformer and scheduler folders, ``sampling.json``)."""
-        from distillery.evaluation.sample_cache import file_digests
-
-        parts = [resolved.transformer_dir, *([resolved.scheduler_dir] if resolved.scheduler_dir else [])]
-        if (cand.model_dir / SAMPLING_FILE).is_file():
-            parts.append(cand.model_dir / SAMPLING_FILE)
-        where = tuple(str(Path(p).resolve()) for p in parts)
-        if where not in self._digests:  # the teacher's step counts share one folder: read once
-            self._digests[where] = file_digests(parts, cand.model_dir)
-        return {"sampler": cand.sampler, "num_steps": cand.num_steps, "guidance_scale": cand.guidance_scale,
-                "timesteps": list(cand.timesteps) if cand.timesteps is not None else None, "options": cand.options,
-                "shift": resolved.shift, "model_options": resolved.options, "model_files": self._digests[where]}
-
-    def load(self, cand: Candidate, resolved: _Resolved) -> _Loaded:
-        """Load a candidate's model plugin and check it fits the base's latents and text embeddings."""
-        loaders, transformer_dir, shift, options = resolved.loaders, resolved.transformer_dir, resolved.shift, resolved.options
-        key = (transformer_dir.resolve(), shift, tuple(sorted(options.items())))
-        if self._last is not None and self._last[0] == key:
-            model = self._last[1]
-        else:
-            self._last = None
-            model = loaders.load_inference_model(transformer_dir, self.device, self.dtype, shift=shift, role=cand.name,
-                                                 **options)
-            if self.compile:  # regional: one graph for every block, reused by the next candidate of the same family
-                for block in model.shardable_blocks():
-                    block.compile()
-        channels, text_dim = loaders.input_widths(model.transformer_config())
-        if channels != self.latent_shape[0] or text_dim != self.encoders.text_dim:
-            raise UserError(f"candidate {cand.name}: {transformer_dir} takes {channels} latent channels and "
-                            f"text_dim {text_dim}, but the base {self.base_dir} gives {self.latent_shape[0]} and "
-                            f"{self.encoders.text_dim}; validate it against the base it was trained from")
-        self._last = (key, model)
-        return _Loaded(model, shift)
-
-    def sample(self, cand: Candidate, loaded: _Loaded, indices: list[int], seeds: list[int]) -> torch.Tensor:
-        """Normalised latents ``[B, C, T, H, W]``, row ``b`` for prompt ``indices[b]`` with the noise of a generator
-        seeded ``seeds[b]`` (:func:`generator_seed`), from the registered sampler the candidate's sampling contract
-        names. One video (``B = 1``) draws from its generator exactly as a batch of it alone does."""
-        from distillery.models.base import Conditioning
-
-        if len(indices) != len(seeds) or not indices:
-            raise ValueError(f"sample: {len(indices)} prompt indices for {len(seeds)} seeds")
-        sampler = cand.build_sampler(loaded.shift)
-        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-        if len(indices) == 1:
-            cond, noise = Conditioning(self.text[indices[0]], self.negative), generators[0]
-        else:
-            cond = Conditioning(torch.cat([self.text[i] for i in indices]), self.negative.expand(len(indices), -1, -1))
-            noise = generators
-        with torch.no_grad():
-            return sampler.sample(loaded.model, cond, self.latent_shape, noise, num_steps=cand.num_steps,
-                                  guidance_scale=cand.guidance_scale)
-
-    def warm_up(self, loaded: _Loaded) -> None:
-        """One untimed forward (and decode) so lazy initialisation does not count as latency."""
-        from distillery.models.base import Conditioning
-
-        with torch.no_grad():
-            x = torch.zeros(1, *self.latent_shape, device=self.device)
-            loaded.model.predict_noise(x, torch.zeros(1, device=self.device), Conditioning(self.negative))
-            self.encoders.decode_latents(x)
-        _synchronize(self.device)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _check_candidates(candidates: list[Candidate], reference: str | None) -> Candidate:
@@ -572,20 +211,6 @@ def headline_metrics(metrics: dict[str, float], candidates: list[str] | None = N
         if shown and (picked is None or name in picked) and not (name == reference and metric in REFERENCE_ZERO):
             out[key] = value
     return out
-
-
-def forwards(cand: Candidate, latent_frames: int) -> dict[str, int]:
-    """How a candidate spends its NFE on a video of ``latent_frames`` latent frames: ``per_video`` (its
-    NFE), ``chunks`` (1 unless its sampler streams chunk by chunk), ``per_chunk`` (denoising forwards
-    of one chunk: steps × CFG branches) and ``cache_writes`` (forwards that only write a finished
-    chunk into the KV cache: per_video − chunks × per_chunk)."""
-    per_video, per_chunk = cand.nfe(latent_frames), cand.nfe(None)
-    chunk = getattr(cand.build_sampler(cand.shift), "chunk_size", None)
-    if per_video == per_chunk or not chunk:  # the whole video per forward (a causal mask alone does not stream)
-        return {"per_video": per_video, "chunks": 1, "per_chunk": per_video, "cache_writes": 0}
-    chunks = -(-int(latent_frames) // int(chunk))
-    return {"per_video": per_video, "chunks": chunks, "per_chunk": per_chunk, "cache_writes": per_video - chunks * per_chunk}
-
 
 def _validation_prompts(cfg: ValidationConfig, prompts: list[str]) -> list[str]:
     """The prompts a run samples (``cfg.prompts``, else ``prompts``): one line when there are none, or more than the
@@ -626,7 +251,7 @@ class _Run:
     :meth:`begin`, then per candidate :meth:`start` (reuse from the cache, or sample) and :meth:`finish` (score and
     measure against the reference), then :meth:`report`."""
 
-    def __init__(self, ctx: _Context, cfg: ValidationConfig, candidates: list[Candidate], ref: Candidate,
+    def __init__(self, ctx: SamplingContext, cfg: ValidationConfig, candidates: list[Candidate], ref: Candidate,
                  prompts: list[str], adherence: dict[str, Any], cache: "SampleCache | None", clip: Any) -> None:
         self.ctx, self.cfg, self.candidates, self.ref, self.prompts = ctx, cfg, candidates, ref, prompts
         self.adherence, self.cache, self.clip = adherence, cache, clip
@@ -729,7 +354,7 @@ class _Run:
             t0 = time.perf_counter()
             latents = ctx.sample(cand, loaded, [i for i, _ in batch], [self.seed_grid[i][j] for i, j in batch])
             batch_videos = ctx.encoders.decode_latents(latents)  # uint8 [B, T, H, W, 3]
-            _synchronize(ctx.device)
+            synchronize(ctx.device)
             seconds = (time.perf_counter() - t0) / len(batch)  # per video (the batch's share)
             for b, (i, j) in enumerate(batch):
                 key = sample_key(i, j)
@@ -982,7 +607,7 @@ def run_validation(
     adherence = adherence_applicability(prompts)
     _log_prompts(prompts, source, adherence)
     started = time.perf_counter()
-    ctx = _Context(base_dir, prompts, cfg, prompt_embeddings if cfg.prompts is None else None)
+    ctx = SamplingContext(base_dir, prompts, cfg, prompt_embeddings if cfg.prompts is None else None)
     run = _Run(ctx, cfg, candidates, ref, prompts, adherence, cache, _clip_scorer(cfg, ctx.device))
     if cache is not None:
         run.plan_cache()
