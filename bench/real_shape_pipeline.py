@@ -253,7 +253,8 @@ def main() -> int:
 
     def validate() -> None:
         from distillery.evaluation.validate import Candidate, ValidationConfig, run_validation, teacher_candidates
-        from distillery.stages import validate as evaluation
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's stages/ package
+        from stages import validate as evaluation
 
         evaluation.ARTIFACTS = root / "artifacts"
         prompts, embeddings = evaluation.validation_prompts(2)
