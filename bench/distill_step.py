@@ -49,6 +49,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -73,15 +74,28 @@ if SMOKE:  # tiny shapes: 9 latent frames = 3 causal chunks
 
 
 # -- FLOPs ------------------------------------------------------------------------------------------
-def forward_flops(q_tokens: int, k_tokens: int | None = None, text: int = TEXT_LEN) -> float:
+def teacher_shape() -> dict:
+    """The frozen teacher's transformer config: Wan-1.3B's (the student's) unless ``$BENCH_TEACHER=14b`` (a run's OPTS
+    ``BENCH_TEACHER=14b``): Wan2.1-T2V-14B's shape (40 layers × 5120, FFN 13,824), as the published Wan-1.3B
+    distillations' real score — the critic stays 1.3B-shaped, initialised apart from the teacher."""
+    if os.environ.get("BENCH_TEACHER", "1.3b") == "1.3b":
+        return WAN_1_3B
+    if SMOKE:  # a bigger tiny teacher: 3 layers × 3 heads
+        return {**WAN_1_3B, "num_attention_heads": 3, "num_layers": 3}
+    return {**WAN_1_3B, "num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40}
+
+
+def forward_flops(q_tokens: int, k_tokens: int | None = None, text: int = TEXT_LEN, shape: dict | None = None) -> float:
     """One transformer forward over ``q_tokens`` query tokens whose self-attention reads ``k_tokens`` keys
     (``None``: bidirectional over themselves). Dense: per layer 2·(4d² self-attn q,k,v,o + 2d² cross-attn q,o + 2·d·ffn)
     per query token, plus the text's cross-attention k,v (2·2d² per text token, recomputed every forward);
     attention: per layer 4·d·q·k (QKᵀ and PV) for self-attention and 4·d·q·text for cross-attention. Patch/time
     embeddings, norms and the output head are left out. For ``k_tokens = q_tokens`` this is exactly a third of the SFT
-    formula (``sft_step.flops_per_sample``, the anchors' ``3 × forward``)."""
-    d = WAN_1_3B["num_attention_heads"] * WAN_1_3B["attention_head_dim"]
-    layers, ffn = WAN_1_3B["num_layers"], WAN_1_3B["ffn_dim"]
+    formula (``sft_step.flops_per_sample``, the anchors' ``3 × forward``). ``shape``: the transformer's config
+    (default Wan-1.3B's)."""
+    shape = WAN_1_3B if shape is None else shape
+    d = shape["num_attention_heads"] * shape["attention_head_dim"]
+    layers, ffn = shape["num_layers"], shape["ffn_dim"]
     k_tokens = q_tokens if k_tokens is None else k_tokens
     dense = q_tokens * layers * 2 * (6 * d * d + 2 * d * ffn) + text * layers * 2 * (2 * d * d)
     attn = layers * (4 * q_tokens * k_tokens * d + 4 * q_tokens * text * d)
@@ -119,7 +133,7 @@ def iteration_flops(method: str, size: tuple[int, int, int], exits: list[int], a
     if method.startswith("pdd"):  # student: 1 trunk forward with graph + backward (the heads' projections are ~0.01%);
         # teacher: (1 Euler | 2 midpoint calls) × (conditional + unconditional)
         roles["student"] = 3 * full
-        roles["teacher"] = (2 if method == "pdd_mid" else 1) * 2 * full
+        roles["teacher"] = (2 if method == "pdd_mid" else 1) * 2 * forward_flops(n, shape=teacher_shape())
         model = sum(roles.values())
         return {"model": model, "executed": model + (full if ac else 0.0), "roles": roles}
     if method in ("dmd2_data", "dmd2_sim"):
@@ -140,15 +154,16 @@ def iteration_flops(method: str, size: tuple[int, int, int], exits: list[int], a
         roles["student"] = total
     roles["critic"] = full + 3 * full
     recompute += full
-    roles["teacher"] = 2 * full
+    roles["teacher"] = 2 * forward_flops(n, shape=teacher_shape())
     model = sum(roles.values())
     return {"model": model, "executed": model + (recompute if ac else 0.0), "roles": roles}
 
 
 # -- the run config -----------------------------------------------------------------------------------
 def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, steps: int, compile_blocks: bool | None,
-                       ac: bool, attention: str = "auto", compile_mode: str = "blocks") -> dict:
-    """The raw run config of one configuration (batch 1, lr 1e-5, critic betas [0, 0.999], grad clip 1.0, no tracking)."""
+                       ac: bool, attention: str = "auto", compile_mode: str = "blocks", teacher: Path | None = None) -> dict:
+    """The raw run config of one configuration (batch 1, lr 1e-5, critic betas [0, 0.999], grad clip 1.0, no tracking).
+    ``teacher``: the teacher's model folder (default ``model``, the student's)."""
     wan = "distillery.models.wan.WanModel"
     student = {"_target_": wan, "init_from": str(model), "random_init": True}
     knobs = {"generator_update_interval": 1, "real_score_guidance_scale": GUIDANCE, "num_student_steps": STUDENT_STEPS}
@@ -166,7 +181,8 @@ def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, s
     else:
         target = "distillery.methods.dmd2.DMD2Method"
         knobs["rollout"] = {"dmd2_data": "data_latent", "dmd2_sim": "simulate"}[method]
-    models = {"student": student, "teacher": {"_target_": wan, "init_from": str(model), "random_init": True, "trainable": False}}
+    models = {"student": student, "teacher": {"_target_": wan, "init_from": str(teacher or model), "random_init": True,
+                                              "trainable": False}}
     if not method.startswith("pdd"):
         models["critic"] = {"_target_": wan, "init_from": str(model), "random_init": True,
                             "optimizer": {"learning_rate": 1e-5, "betas": [0.0, 0.999]}}
@@ -256,7 +272,13 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
         from distillery.data.dataset import write_empty_prompt_embedding
 
         write_empty_prompt_embedding(data, torch.randn(TEXT_LEN, TEXT_DIM, generator=torch.Generator().manual_seed(1)).bfloat16())
-        raw = distill_run_config(model, data, Path(tmp) / "run", method, steps, compile_blocks, ac, attention, compile_mode)
+        teacher = None
+        if teacher_shape() is not WAN_1_3B:  # a separate teacher folder of its own shape (teacher_shape)
+            teacher = Path(tmp) / "wan-teacher"
+            shutil.copytree(model, teacher)
+            (teacher / "transformer" / "config.json").write_text(json.dumps(teacher_shape()))
+        raw = distill_run_config(model, data, Path(tmp) / "run", method, steps, compile_blocks, ac, attention, compile_mode,
+                                 teacher)
         config = load_run_config(raw=raw, prefixes=allowed_prefixes())
         env = init_distributed(config.training.distributed)
         try:
@@ -322,6 +344,7 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
         "role_tflop_per_iteration": {r: statistics.mean(f["roles"][r] for f in m_flops) / 1e12 for r in m_flops[0]["roles"]},
         "exits": [_exits(method, row, size) for row in hist], "peak_mem_gib": peak, "peak_reserved_gib": peak_reserved,
         "static_mem_gib": static_gib, "build_s": build_s, "fit_s": fit_s, "iteration_times": times, "gpu_times": gpu,
+        "teacher": os.environ.get("BENCH_TEACHER", "1.3b"),
         "final_losses": {k: hist[-1][k] for k in ("generator_loss", "critic_loss", "pdd_loss") if k in hist[-1]},
     }
 

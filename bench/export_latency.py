@@ -11,7 +11,7 @@ kind (so each kind's first video pays its own compile). Kinds (``--kinds``):
   sampled at 1, 2 and 4 NFE; ``teacher``: ``euler``, 40 steps with CFG (80 NFE).
 
 Per kind and speed variant (``--variants``: ``fast`` = every part ``auto``; ``stock`` = diffusers' SDPA, eager,
-frame-by-frame decode; ``fp8``; ``cudagraphs`` = ``compile_mode="reduce-overhead"``): ``first_video_s`` (the first
+frame-by-frame decode; ``fp8``; ``autotune`` = ``compile_mode="max-autotune-no-cudagraphs"``): ``first_video_s`` (the first
 call after load, compile included), then warm medians of ``--repeats``: ``encode_s`` (``encode_prompt``),
 ``denoise_s`` (a latent-output call minus its encode), ``decode_s`` (``decode_latents`` to numpy), ``e2e_s`` (one
 ``pipe(prompt)`` call to numpy frames), ``peak_gib`` (the process's peak GPU memory). Quality, per non-stock
@@ -51,7 +51,7 @@ KINDS = {  # kind -> (sampling.json, [(label, num_inference_steps, guidance_scal
                 [("40steps_cfg", 40, 5.0)]),
 }
 VARIANTS = {"fast": {}, "stock": {"attention": "sdpa", "compile": "off", "decode": "stock"},
-            "fp8": {"fp8": "on"}, "cudagraphs": {"compile_mode": "reduce-overhead"},
+            "fp8": {"fp8": "on"}, "autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
             "fast_vae_fp32": {"vae_fp32": True}, "eager_fa4": {"compile": "off"}}  # vae_fp32: the VAE moved to fp32
 
 

@@ -255,6 +255,7 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
 
 
 GIVEN_PARTS = ("transformer", "scheduler")  # what a model artifact of a training stage holds beside sampling.json
+IMPORTED_RECORD = "imported_from.json"  # what `distillery import-weights` writes beside transformer/ (its source file)
 
 
 def given_model_folder(spec: TrainingStageSpec, params: StageParams) -> tuple[Path, list[tuple[str, Path]]]:
@@ -268,15 +269,19 @@ def given_model_folder(spec: TrainingStageSpec, params: StageParams) -> tuple[Pa
 
     folder = Path(path).expanduser()
     what = f"params.yaml: {spec.given_path_key}: {folder}"
-    if not (folder / "model_index.json").is_file() or not (folder / "transformer" / "config.json").is_file():
-        raise UserError(f"{what} is not a diffusers model folder (model_index.json and transformer/config.json); "
-                        f"give a Wan2.1 folder, e.g. Wan2.1-T2V-14B-Diffusers")
-    check_model_index(folder, what)
+    imported = (folder / IMPORTED_RECORD).is_file()  # `distillery import-weights` wrote it: transformer/ + scheduler/
+    if not (imported or (folder / "model_index.json").is_file()) or not (folder / "transformer" / "config.json").is_file():
+        raise UserError(f"{what} is not a diffusers model folder (model_index.json and transformer/config.json) nor one "
+                        f"`distillery import-weights` wrote ({IMPORTED_RECORD}); give a Wan2.1 folder, e.g. "
+                        f"Wan2.1-T2V-14B-Diffusers")
+    if not imported:
+        check_model_index(folder, what)
     return folder, [("source", folder)]
 
 
 def publish_given_model(spec: TrainingStageSpec, params: StageParams) -> None:
-    """Publish ``artifacts/<stage>`` from a given model instead of training (``teacher.source: base``): its
+    """Publish ``artifacts/<stage>`` from a given model instead of training (``teacher.source: base``,
+    ``pretrain.source: given``; a causal recipe's contract adds its ``chunk_size``, an imported folder's record is kept): its
     ``transformer/`` and ``scheduler/`` copied without any code file, ``sampling.json`` the many-step Euler
     contract of its own schedule, no loss; metrics ``steps: 0``; the lineage names the folder (or the base
     artifact) as its input and says ``weights: given``. Nothing under ``runs/<stage>`` is touched."""
@@ -296,7 +301,14 @@ def publish_given_model(spec: TrainingStageSpec, params: StageParams) -> None:
                         f"Wan2.1 diffusers folder")
     shift = read_scheduler_shift(scheduler)
     num_train = int(json.loads((scheduler / "scheduler_config.json").read_text()).get("num_train_timesteps", 1000))
-    write_json_atomic(staging / "model" / "sampling.json", {"sampler": "euler", "shift": shift, "num_train_timesteps": num_train})
+    contract: dict = {"sampler": "euler", "shift": shift, "num_train_timesteps": num_train}
+    chunks = [key for key, target in spec.resolve(params).params.items() if "models.student.chunk_size" in
+              ((target,) if isinstance(target, str) else target)]
+    if chunks:  # a causal recipe (pretrain.method dfsft / ode_init): the block-causal student's many-step contract
+        contract["chunk_size"] = int(params.get(chunks[0]))
+    write_json_atomic(staging / "model" / "sampling.json", contract)
+    if (source / IMPORTED_RECORD).is_file():  # the file it was imported from (sha256, entry): in the artifact too
+        shutil.copy2(source / IMPORTED_RECORD, staging / "model" / IMPORTED_RECORD)
     config = json.loads((staging / "model" / "transformer" / "config.json").read_text())
     log.info("stage %s: %s given as is (%s layers, %s heads of %s): published untrained", stage, source,
              config.get("num_layers"), config.get("num_attention_heads"), config.get("attention_head_dim"))

@@ -34,10 +34,11 @@ def test_on_the_cpu_every_part_is_stock_and_the_line_says_why(vae):
 
 
 def test_a_fast_plan_describes_what_runs():
-    plan = SpeedPlan(attention="fa4", compiled=True, compile_mode="reduce-overhead", decode="fused", decode_chunk_frames=10)
+    plan = SpeedPlan(attention="fa4", compiled=True, compile_mode="max-autotune-no-cudagraphs", decode="fused",
+                     decode_chunk_frames=10)
     line = plan.describe()
     assert not plan.stock and "fast path" in line and "FlashAttention-4" in line
-    assert "compiled (reduce-overhead)" in line and "10 latent frames a call" in line and "fp8 GEMMs off" in line
+    assert "compiled (max-autotune-no-cudagraphs)" in line and "10 latent frames a call" in line and "fp8 GEMMs off" in line
 
 
 @pytest.mark.parametrize("switches, says", [
@@ -56,6 +57,13 @@ def test_a_fast_part_asked_for_where_it_cannot_run_is_refused_saying_why(vae, sw
 def test_a_wrong_switch_is_refused_naming_it(switches):
     with pytest.raises(ValueError, match=next(iter(switches))):
         SpeedSettings(**switches)
+
+
+def test_cuda_graphs_are_refused_saying_what_was_seen():
+    """``reduce-overhead`` broke over regionally compiled Wan blocks on an H200 (BENCHMARKS.md): refused in one line."""
+    with pytest.raises(ValueError, match="compile_mode='reduce-overhead': CUDA graphs .* overwrote"):
+        SpeedSettings(compile_mode="reduce-overhead")
+    assert SpeedSettings(compile_mode="max-autotune-no-cudagraphs").compile_mode == "max-autotune-no-cudagraphs"
 
 
 def test_fa4_is_refused_in_fp32_and_without_cuda_before_anything_else_is_asked():

@@ -1,9 +1,11 @@
 """A teacher that is given, not trained (issue 42 item 1): ``teacher.source: base`` with ``teacher.path`` (a second
 tiny Wan of another width and depth, as Wan2.1-14B beside a 1.3B base), the causal student from the base
 (``pretrain.student_init: base``) and the critic too (``distill.critic_init: base``) — the published recipes'
-layout — through the real stages (`distillery stage`) in a git + DVC workspace, then PDD (from the teacher), validate
-and export. The workspace is a copy of the session's ``prepared`` one (conftest.py: clips, base and latents made by
-`dvc repro latents`, which no param set here feeds), with these params set and committed."""
+layout, all of it (issue 42's DAG): prompt-only data (the prompts stage; ``<stage>.data: prompts`` for pretrain,
+distill and pdd), ODE-init (the given teacher's trajectories, then KD into the causal student), Self-Forcing, PDD,
+validate and export — through the real stages (`distillery stage`) in a git + DVC workspace. The workspace is a
+copy of the session's ``prepared`` one (conftest.py: clips, base and latents made by `dvc repro latents`, which no
+param set here feeds), with these params set and committed."""
 
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ from distillery.pipeline.params.schema import validate_params
 from distillery.tinybase.tiny import TinyBaseConfig, TinyTransformerConfig, make_tiny_base
 
 ROOT = Path(__file__).resolve().parents[1]
+# the published recipes' data and init (issue 42 items 2-3) at the tiny scale: 12 prompts in 3 shards, trajectories of
+# 2 teacher steps made 4 at a time, then KD; distill and pdd read the same prompts
+RECIPE = {"prompts.path": "prompts.txt", "prompts.rows_per_shard": 4, "pretrain.method": "ode_init",
+          "pretrain.data": "prompts", "pretrain.teacher_steps": 2, "pretrain.trajectory_rows_per_shard": 8,
+          "pretrain.trajectory_batch_size": 4, "pretrain.batch_size": 4, "distill.data": "prompts", "pdd.data": "prompts"}
 
 
 def _width(transformer: Path) -> tuple[int, int]:
@@ -34,12 +41,15 @@ def _workspace(prepared: Path, repo: Path, params: dict[str, object]) -> Path:
 
 
 @pytest.mark.slow
-def test_a_given_wider_teacher_is_published_untrained_and_distilled_against(prepared, tmp_path):
+def test_the_published_recipe_given_wider_teacher_prompts_ode_init_to_export(prepared, tmp_path):
     wide = make_tiny_base(tmp_path / "tiny-wan-wide", TinyBaseConfig(transformer=TinyTransformerConfig(
         num_attention_heads=6, attention_head_dim=48, ffn_dim=640, num_layers=5)), seed=1)
     repo = _workspace(prepared, tmp_path / "ws", {"teacher.source": "base", "teacher.path": str(wide),
-                                                  "pretrain.student_init": "base", "distill.critic_init": "base"})
-    for name in ("teacher", "pretrain", "distill", "pdd", "validate", "export"):
+                                                  "pretrain.student_init": "base", "distill.critic_init": "base",
+                                                  **RECIPE})
+    prompts = (ROOT / "src" / "distillery" / "assets" / "prompts" / "tiny.txt").read_text().splitlines()[:12]
+    (repo / "prompts.txt").write_text("\n".join(prompts) + "\n", encoding="utf-8")
+    for name in ("prompts", "teacher", "pretrain", "distill", "pdd", "validate", "export"):
         stage(repo, name, check=True)
     teacher = repo / "artifacts" / "teacher"
     # published as given: the folder's transformer and scheduler, byte for byte, its Euler contract; nothing trained
@@ -55,10 +65,17 @@ def test_a_given_wider_teacher_is_published_untrained_and_distilled_against(prep
     # the student from the base (not the wide teacher), the critic from the base, the teacher the wide model
     assert _width(repo / "artifacts" / "pretrain" / "model" / "transformer") == (128, 4)
     pretrain = json.loads((repo / "artifacts" / "pretrain" / "lineage.json").read_text())
-    assert {i["role"]: i["path"] for i in pretrain["inputs"]}["student_init"] == "artifacts/base"
+    assert {i["role"]: i["path"] for i in pretrain["inputs"]} == {
+        "student_init": "artifacts/base", "data": "artifacts/prompts", "teacher": "artifacts/teacher"}
+    # ODE-init: the wide teacher's trajectories of the 12 prompts, with no video anywhere upstream of the student
+    made = json.loads((repo / "artifacts" / "pretrain" / "trajectories" / "trajectories.json").read_text())
+    assert made["rows"] == 12
     distill = json.loads((repo / "artifacts" / "distill" / "lineage.json").read_text())
     roles = {i["role"]: i["path"] for i in distill["inputs"]}
     assert roles["critic_init"] == "artifacts/base" and roles["teacher_init"] == "artifacts/teacher"
+    assert roles["data"] == "artifacts/prompts" and roles["student_init"] == "artifacts/pretrain"
+    pdd = json.loads((repo / "artifacts" / "pdd" / "lineage.json").read_text())
+    assert {i["role"]: i["path"] for i in pdd["inputs"]}["data"] == "artifacts/prompts"
     assert _width(repo / "artifacts" / "distill" / "model" / "transformer") == (128, 4)
     assert _width(teacher / "model" / "transformer") == (288, 5)
     meta = json.loads(sorted((repo / "runs" / "distill").glob("checkpoint-*/metadata.json"))[-1].read_text())

@@ -108,3 +108,52 @@ def test_a_file_that_is_not_this_transformer_is_one_line(tmp_path, tiny_base, ca
     assert not (tmp_path / "MARKER").exists()
     assert (case == "out-exists" and (out / "mine.txt").read_text() == "keep") or not out.exists()
     assert not list(tmp_path.glob(".init.tmp*"))
+
+
+@pytest.mark.slow
+def test_an_imported_ode_init_is_published_as_pretrain_and_distill_starts_from_it(prepared, tmp_path, capsys):
+    """``pretrain.source: given`` + ``pretrain.path``: the imported folder is the pretrain artifact untrained — its
+    transformer byte for byte, the causal recipe's contract (``chunk_size``), the import record kept, the lineage's
+    ``weights: given`` — and ``distill`` (Self-Forcing) starts from it (issue 42 item 6, through the real stages)."""
+    from workspace import copy_workspace, set_params, sh, stage
+
+    base = prepared / "artifacts" / "base" / "model"
+    gen = torch.Generator().manual_seed(5)
+    state = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in _tiny_state(base).items()}
+    torch.save({"generator": {f"model.{_original_name(k)}": v for k, v in state.items()}}, tmp_path / "ode_init.pt")
+    rc, err = _cli(capsys, tmp_path / "ode_init.pt", "--like", base, "--out", tmp_path / "ode-init")
+    assert rc == 0, err
+    repo = copy_workspace(prepared, tmp_path / "ws")
+    set_params(repo, {"teacher.source": "base", "pretrain.source": "given", "pretrain.path": str(tmp_path / "ode-init"),
+                      "pretrain.chunk_size": 2, "distill.steps": 2})
+    sh(["git", "commit", "-qam", "given pretrain"], repo)
+    for name in ("teacher", "pretrain", "distill"):
+        stage(repo, name, check=True)
+    model = repo / "artifacts" / "pretrain" / "model"
+    imported = sorted(p.relative_to(tmp_path / "ode-init" / "transformer") for p in (tmp_path / "ode-init" / "transformer").rglob("*")
+                      if p.is_file())
+    assert imported and all((model / "transformer" / f).read_bytes() == (tmp_path / "ode-init" / "transformer" / f).read_bytes()
+                            for f in imported)
+    assert json.loads((model / "sampling.json").read_text())["chunk_size"] == 2
+    assert json.loads((model / "imported_from.json").read_text())["entry"] == "generator"
+    lineage = json.loads((repo / "artifacts" / "pretrain" / "lineage.json").read_text())
+    assert lineage["weights"]["source"] == "given" and [i["role"] for i in lineage["inputs"]] == ["source"]
+    assert not (repo / "runs" / "pretrain").exists()
+    distill = json.loads((repo / "artifacts" / "distill" / "lineage.json").read_text())
+    assert {i["role"]: i["path"] for i in distill["inputs"]}["student_init"] == "artifacts/pretrain"
+
+
+@pytest.mark.parametrize("given, says", [({"pretrain.source": "given"}, "pretrain.source: given needs pretrain.path"),
+                                         ({"pretrain.path": "somewhere"}, "needs pretrain.source: given")])
+def test_a_given_pretrain_without_its_folder_or_a_folder_without_given_is_one_line(given, says):
+    import yaml
+
+    from distillery.common.errors import UserError
+    from distillery.pipeline.params.schema import validate_params
+
+    params = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
+    for dotted, value in given.items():
+        section, key = dotted.split(".")
+        params[section][key] = value
+    with pytest.raises(UserError, match=says):
+        validate_params(params)

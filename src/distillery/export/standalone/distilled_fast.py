@@ -12,8 +12,10 @@ A :class:`SpeedSettings` (every switch ``auto`` by default) becomes, for the dev
   distillery's ``[gpu]`` extra). Else ``sdpa``: diffusers' processors as loaded (the stock path). Cross-attention
   (text keys) is always diffusers'.
 - **compile** ``blocks``: each transformer block compiled (regional: diffusers' ``compile_repeated_blocks``, one
-  graph for all blocks) in ``compile_mode`` (``default``; ``reduce-overhead`` adds CUDA graphs; see BENCHMARKS.md
-  for what each bought). Needs CUDA. The first video after load pays the compile.
+  graph for all blocks) in ``compile_mode`` (``default``, or ``max-autotune-no-cudagraphs``). Needs CUDA. The first
+  video after load pays the compile. ``reduce-overhead`` (CUDA graphs) is refused: over regionally compiled Wan
+  blocks (diffusers 0.42) a block reads an output that a later graph replay overwrote (seen on an H200), and at the
+  export's shapes a forward keeps the GPU busy throughout (distillery's BENCHMARKS.md).
 - **decode** ``fused``: the VAE decodes ``chunk_frames`` latent frames per decoder call (sized to the GPU's
   memory) through the leaner residual blocks of :mod:`vae_decode` (Triton kernels from :mod:`vae_kernels` where
   Triton runs), in the VAE's own dtype: the same function as diffusers' frame-by-frame decode, other rounding.
@@ -38,7 +40,11 @@ from .vae_decode import auto_chunk_frames, fused_decode_applies, set_fused_decod
 
 CHOICES = {"attention": ("auto", "fa4", "sdpa"), "compile": ("auto", "blocks", "off"),
            "decode": ("auto", "fused", "stock"), "fp8": ("off", "on")}
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+REFUSED_COMPILE_MODES = {  # mode -> why (module doc)
+    "reduce-overhead": "CUDA graphs over regionally compiled Wan blocks read block outputs a later graph replay "
+                       "overwrote (diffusers 0.42, seen on an H200); use 'default'",
+}
 FA4_DTYPES = (torch.bfloat16, torch.float16)
 FA4_OP = "distilled_wan::fa4_forward"
 
@@ -59,6 +65,8 @@ class SpeedSettings:
         for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key}={getattr(self, key)!r}: one of {', '.join(allowed)}")
+        if self.compile_mode in REFUSED_COMPILE_MODES:
+            raise ValueError(f"compile_mode={self.compile_mode!r}: {REFUSED_COMPILE_MODES[self.compile_mode]}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode={self.compile_mode!r}: one of {', '.join(COMPILE_MODES)}")
         if self.decode_chunk_frames is not None and not 1 <= int(self.decode_chunk_frames) <= 1024:

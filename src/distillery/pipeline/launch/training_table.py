@@ -82,9 +82,10 @@ class TrainingStageSpec:
       already picks where a role starts from (``pdd.method`` beside ``pdd.student_init``): the
       :class:`StageVariant` its value names replaces the template, joins its params, and *adds* its
       ``inputs`` to the roles' (a critic's init), applied after the variant;
-    - ``given_source_key`` / ``given_path_key``: a stage whose model may be given rather than trained
-      (``teacher.source: base``): the stage then publishes the model folder ``given_path_key`` names
-      (null: the base artifact's) as its artifact, untrained (:func:`stages.training.publish_given_model`);
+    - ``given_source_key`` / ``given_path_key`` / ``given_value``: a stage whose model may be given rather than
+      trained (``teacher.source: base``, ``pretrain.source: given``): the stage then publishes the model folder
+      ``given_path_key`` names (null: the base artifact's) as its artifact, untrained
+      (:func:`stages.training.publish_given_model`);
     - ``input_keys``: role → the params.yaml key whose value names the stage that role starts from
       (``distill.critic_init: teacher | base``), applied last; dvc.yaml names that dep
       ``artifacts/${<key>}``;
@@ -108,6 +109,7 @@ class TrainingStageSpec:
     input_keys: dict[str, str] = field(default_factory=dict)
     given_source_key: str | None = None
     given_path_key: str | None = None
+    given_value: str = "base"  # the value of given_source_key that asks for the given model
     validation: ValidationSpec | None = None
     trajectories: bool = False
 
@@ -160,7 +162,7 @@ class TrainingStageSpec:
 
     def given(self, params: Any) -> bool:
         """Whether ``params`` ask for the stage's model to be given (``teacher.source: base``), not trained."""
-        return self.given_source_key is not None and params.get(self.given_source_key) == "base"
+        return self.given_source_key is not None and params.get(self.given_source_key) == self.given_value
 
     def lora_keys(self) -> tuple[str, str]:
         """The params.yaml keys of the stage's LoRA: ``<stage>.lora_rank`` (0: off), ``<stage>.lora_alpha`` (null: the rank)."""
@@ -241,6 +243,8 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             params=loop_params("pretrain"),
             # from the teacher (its SFT), or from the base when the teacher is a given, larger model
             input_keys={"student": "pretrain.student_init"},
+            # pretrain.source: given publishes pretrain.path (e.g. an imported ode_init.pt) as the student, untrained
+            given_source_key="pretrain.source", given_value="given", given_path_key="pretrain.path",
             # dfsft: Diffusion-Forcing SFT on the latents; ode_init: KD onto the teacher's ODE trajectories (made first)
             method_key="pretrain.method",
             data_key="pretrain.data",  # ode_init: the trajectories' prompts from the latent set or the prompt-only set

@@ -236,6 +236,10 @@ class PretrainParams(TrainingStageParams):
     trajectory_batch_size: int = rule(8, 1, MAX_BATCH)  # ode_init: prompts per teacher batch while generating
     trajectory_rows_per_shard: int = rule(32, 1, MAX_ROWS_PER_SHARD)  # ode_init: trajectories per shard (the unit of resume)
     data: Literal["latents", "prompts"] = rule("latents")  # ode_init: whose prompts the trajectories start from (dfsft: latents)
+    # train: made by pretrain.method; given: pretrain.path published as is — e.g. the Self-Forcing repo's ode_init.pt
+    # after `distillery import-weights` (docs/training.md) — the init of distill, nothing trained
+    source: Literal["train", "given"] = rule("train")
+    path: str | None = rule(None, check=optional_path)  # source given: that folder (import-weights' output, or a diffusers folder)
 
 
 def score_ratio(v: float) -> str | None:
@@ -380,6 +384,11 @@ def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
         raise UserError(f"{source}: pretrain.data: prompts: pretrain.method {params.pretrain.method} trains on video "
                         f"latents, which a prompt-only set has none of; use pretrain.method: ode_init (its trajectories "
                         f"start from the prompts), or pretrain.data: latents")
+    if (params.pretrain.path is None) == (params.pretrain.source == "given"):
+        raise UserError(f"{source}: pretrain.path: {params.pretrain.path}: " + (
+            "pretrain.source: given needs pretrain.path: the folder to publish as the student (e.g. what `distillery "
+            "import-weights ode_init.pt` wrote)" if params.pretrain.path is None else
+            "a given student needs pretrain.source: given (pretrain.source: train makes it with pretrain.method)"))
     if params.teacher.path is not None and params.teacher.source != "base":
         raise UserError(f"{source}: teacher.path: {params.teacher.path}: a given teacher needs teacher.source: base "
                         f"(teacher.source: sft fine-tunes base.path)")
