@@ -201,12 +201,12 @@ def run_one_stage(folder: Path, name: str, device: str) -> None:
     """What ``distillery stage <name>`` computes, in ``folder`` (its cwd), without DVC, MLflow or lineage
     (the device image has neither): clips, base and latents call the stage's library functions; a
     training stage fills its run config from the table and ``params.yaml`` as the stage does
-    (:func:`distillery.stages.run_config.fill_run_config`, tracker off), trains it under ``torchrun``
+    (:func:`distillery.pipeline.launch.run_config.fill_run_config`, tracker off), trains it under ``torchrun``
     (``distillery.cli.launch``) and exports the trained role as the stage's ``artifacts/<name>/model``."""
     os.chdir(folder)
-    from distillery.stages.artifacts import ARTIFACTS, RUNS
-    from distillery.stages.dvcfile import stage_params
-    from distillery.stages.params import Params, StageParams
+    from distillery.pipeline.dvcfile import stage_params
+    from distillery.pipeline.params.reader import Params, StageParams
+    from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS
 
     params = Params.load("params.yaml")
     view = StageParams(params, name, stage_params(name))
@@ -221,8 +221,8 @@ def run_one_stage(folder: Path, name: str, device: str) -> None:
                                                   fps=int(c.fps), seed=view.get("seed")))
         return
     if name == "base":
-        from distillery.stages.base import resolve_base
-        from distillery.stages.base_folder import copy_model_folder
+        from distillery.pipeline.params.base_path import resolve_base
+        from distillery.pipeline.publish.base_folder import copy_model_folder
 
         copy_model_folder(resolve_base(view.get("base.path")), out / "model", exclude=("lineage.json",))
         return
@@ -238,9 +238,9 @@ def run_one_stage(folder: Path, name: str, device: str) -> None:
 
     from distillery.export.weights import export_weights
     from distillery.models.registry import locate_transformer
-    from distillery.stages.run_config import check_chain, fill_run_config
-    from distillery.stages.run_summary import read_run_summary
-    from distillery.stages.training_table import TRAINING_STAGES
+    from distillery.pipeline.launch.run_config import check_chain, fill_run_config
+    from distillery.pipeline.launch.training_table import TRAINING_STAGES
+    from distillery.pipeline.publish.run_summary import read_run_summary
 
     spec = TRAINING_STAGES[name].resolve(view)
     raw = fill_run_config(spec, view, "")

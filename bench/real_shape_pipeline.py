@@ -255,7 +255,8 @@ def main() -> int:
         from distillery.evaluation.candidates import Candidate, teacher_candidates
         from distillery.evaluation.validate import run_validation
         from distillery.evaluation.validation_config import ValidationConfig
-        from distillery.stages import validate as evaluation
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's stages/ package
+        from stages import validate as evaluation
 
         evaluation.ARTIFACTS = root / "artifacts"
         prompts, embeddings = evaluation.validation_prompts(2)

@@ -1,7 +1,7 @@
 """Prefect flows built from ``dvc.yaml`` (docs/architecture.md §1): the pipeline's one DAG, observable.
 
-- :mod:`distillery.stages.dvcfile` (not here: the stages read it too) — parse ``dvc.yaml`` into
-  :class:`~distillery.stages.dvcfile.StageSpec` s and dependency levels (no Prefect import).
+- :mod:`distillery.pipeline.dvcfile` (not here: the stages read it too) — parse ``dvc.yaml`` into
+  :class:`~distillery.pipeline.dvcfile.StageSpec` s and dependency levels (no Prefect import).
 - :mod:`flows.pipeline` — the ``distillery-pipeline`` flow: one task per DVC stage, each running
   ``dvc repro --single-item <stage>``, with retries, timeouts and Prefect artifacts.
 - :mod:`flows.deploy` — the cron-scheduled ``nightly`` deployment (local serve or a work pool).

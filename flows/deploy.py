@@ -53,7 +53,7 @@ from prefect.schedules import Cron, Schedule
 
 import flows  # noqa: F401  (sets the quiet env before Prefect is imported)
 from distillery.common.errors import UserError
-from distillery.stages.dvcfile import load_dvc_stages, stage_order
+from distillery.pipeline.dvcfile import load_dvc_stages, stage_order
 from flows.pipeline import (
     DEFAULT_RETRY_DELAYS,
     DEFAULT_TIMEOUT_SECONDS,

@@ -9,7 +9,7 @@ inputs changed, runs it or skips it, and ``dvc.lock`` stays the truth; Prefect a
 timeouts, logs, artifacts and schedules on top, never a second DAG.
 
 Scheduling: every task is *submitted* at once with ``wait_for=`` the futures of its upstream
-stages (from :func:`distillery.stages.dvcfile.stage_order`), so a stage starts as soon as its own inputs are done
+stages (from :func:`distillery.pipeline.dvcfile.stage_order`), so a stage starts as soon as its own inputs are done
 and independent stages (e.g. two distillation branches) run concurrently, instead of waiting for
 the slowest stage of a level. DVC allows this: it releases its repo lock while a stage's command
 runs and ``--wait-for-lock`` makes concurrent ``dvc`` calls queue for the short locked parts
@@ -76,8 +76,8 @@ import flows  # noqa: F401  (sets the quiet env before Prefect is imported)
 from distillery.common.errors import UserError
 from distillery.common.treeutil import flatten
 from distillery.config.limits import show_path
-from distillery.stages.dvcfile import StageSpec, load_dvc_stages, stage_order
-from distillery.stages.params_file import read_params_file
+from distillery.pipeline.dvcfile import StageSpec, load_dvc_stages, stage_order
+from distillery.pipeline.params.file import read_params_file
 
 __all__ = [
     "FLOW_NAME",
@@ -209,7 +209,7 @@ def _user_error_line(lines: Sequence[str]) -> str | None:
 
 def check_params_files(repo: Path, stages: Mapping[str, StageSpec]) -> None:
     """Read ``params.yaml`` and every other YAML params file the stages list within the input bounds and as
-    DVC reads it (:func:`distillery.stages.params_file.read_params_file`); a UserError at the first bad
+    DVC reads it (:func:`distillery.pipeline.params.file.read_params_file`); a UserError at the first bad
     one. A file that does not exist is left to DVC (it names it)."""
     files = {"params.yaml"} | {p.rpartition(":")[0] for spec in stages.values() for p in spec.params if ":" in p}
     for rel in sorted(files):

@@ -269,7 +269,7 @@ def test_off_the_clips_grammar_the_summary_points_at_the_clip_score():
 
 
 def test_the_validate_artifacts_lineage_pins_the_clip_folder():
-    from distillery.stages.validate import validation_inputs
+    from stages.validate import validation_inputs
 
     plain = validation_inputs()
     assert all(role != "clip_model" for role, _ in plain)

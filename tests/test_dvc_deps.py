@@ -6,8 +6,8 @@
 - Every stage of dvc.yaml runs for real (the whole DAG of tests/test_pipeline.py, which calls
   :func:`check_stage_imports` on what it recorded) with an import recorder in each Python process
   (the stage process, the launcher and the torchrun workers it starts): the stage's code deps under
-  ``src/distillery`` are exactly what its processes imported (:func:`code_deps`: a folder where every
-  module of it was imported, else the files) — nothing missing, so editing a module a stage runs
+  ``src/distillery`` and the stage layer ``stages/*.py`` are exactly what its processes imported (:func:`code_deps`:
+  a package folder where every module of it was imported, else the files) — nothing missing, so editing a module a stage runs
   reruns it, and nothing extra, so editing a module it does not run (another stage's, a help text)
   reruns nothing. ``DISTILLERY_WRITE_DVC_DEPS=1`` rewrites dvc.yaml's code deps from the trace.
 """
@@ -22,18 +22,19 @@ from pathlib import Path
 import pytest
 
 import distillery
-from distillery.stages.dvcfile import load_dvc_stages, stage_params
-from distillery.stages.params import Params, StageParams, UndeclaredParam, covers
-from distillery.stages.runner import STAGES
-from distillery.stages.training_table import TRAINING_STAGES
+from distillery.pipeline.dvcfile import load_dvc_stages, stage_params
+from distillery.pipeline.launch.runner import STAGES
+from distillery.pipeline.launch.training_table import TRAINING_STAGES
+from distillery.pipeline.params.reader import Params, StageParams, UndeclaredParam, covers
 
 ROOT = Path(__file__).resolve().parents[1]
 
 PACKAGE = Path(distillery.__file__).resolve().parent  # where `import distillery` finds the code
 PACKAGE_IN_REPO = "src/distillery"  # the same folder as dvc.yaml names it
+STAGE_LAYER = ROOT / "stages"  # the stage adapters (the top-level package `stages`): dvc.yaml names each module it imports
 
 # Installed first on sys.path of every traced process (and inherited by the processes it starts):
-# records the name of every distillery module the process imports, one file per process.
+# records the name of every distillery (and stage-layer ``stages``) module the process imports, one file per process.
 RECORDER = '''\
 import os, sys
 
@@ -43,7 +44,7 @@ _DIR = os.environ.get("DISTILLERY_TRACE_IMPORTS")
 class _RecordDistilleryImports:
     @staticmethod
     def find_spec(name, path=None, target=None):
-        if _DIR and (name == "distillery" or name.startswith("distillery.")):
+        if _DIR and name.split(".")[0] in ("distillery", "stages"):
             path = os.path.join(_DIR, "%d.txt" % os.getpid())
             first = not os.path.exists(path)
             with open(path, "a") as fh:
@@ -73,7 +74,7 @@ def _covered(path: str, deps: list[str]) -> bool:
 def test_dvc_stages_are_the_code_stages():
     stages = load_dvc_stages(ROOT)
     by_code = {_stage_name(s.cmd): s for s in stages.values() if _stage_name(s.cmd)}
-    assert sorted(by_code) == sorted(STAGES), "dvc.yaml stages vs distillery.stages.runner.STAGES"
+    assert sorted(by_code) == sorted(STAGES), "dvc.yaml stages vs distillery.pipeline.launch.runner.STAGES"
     for name, spec in by_code.items():
         assert len(set(spec.params)) == len(spec.params), f"stage {name}: repeated params {spec.params}"
         assert stage_params(name, ROOT) == spec.params  # plain params.yaml keys
@@ -130,7 +131,8 @@ def test_code_deps_exist():
 
 
 def _module_file(name: str) -> str | None:
-    """The repo path (``src/distillery/...``) of a distillery module, None if it is not a file of the package."""
+    """The repo path (``src/distillery/...``, ``stages/...``) of a distillery or stage-layer module, None if it is not
+    a file of either."""
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
@@ -138,6 +140,8 @@ def _module_file(name: str) -> str | None:
     if spec is None or not spec.origin or not spec.has_location:
         return None
     origin = Path(spec.origin).resolve()
+    if name.split(".")[0] == "stages" and STAGE_LAYER in origin.parents:
+        return f"stages/{origin.relative_to(STAGE_LAYER).as_posix()}"
     if PACKAGE not in origin.parents:
         return None
     return f"{PACKAGE_IN_REPO}/{origin.relative_to(PACKAGE).as_posix()}"
@@ -154,7 +158,7 @@ def recorder_env(folder: Path, trace: Path) -> dict[str, str]:
 
 
 def imports_by_stage(trace: Path) -> dict[str, set[str]]:
-    """{stage: repo paths of the distillery modules its processes imported} from a trace folder: the
+    """{stage: repo paths of the distillery and stage-layer modules its processes imported} from a trace folder: the
     stage process (``distillery stage NAME``), its launcher and workers (``--config runs/NAME/run.yaml``)."""
     import re
 
@@ -175,8 +179,9 @@ def _package_modules(folder: Path) -> set[str]:
 
 
 def code_deps(files: set[str]) -> list[str]:
-    """The fewest dvc.yaml deps that cover exactly ``files`` (repo paths of modules): a folder when
-    every module below it is in ``files``, else the files themselves."""
+    """The fewest dvc.yaml deps that cover exactly ``files`` (repo paths of modules): a folder of the package when
+    every module below it is in ``files``, else the files themselves; the stage layer's modules one by one (its
+    folder holds every stage's adapter and the templates, listed as deps of their own)."""
     chosen: list[str] = []
 
     def walk(folder: Path) -> None:
@@ -193,12 +198,18 @@ def code_deps(files: set[str]) -> list[str]:
                 chosen.append(f"{PACKAGE_IN_REPO}/{p.relative_to(PACKAGE).as_posix()}")
 
     walk(PACKAGE)
-    return sorted(chosen)
+    return sorted(chosen + [f for f in files if _is_stage_module(f)])
+
+
+def _is_stage_module(dep: str) -> bool:
+    return dep.startswith("stages/") and dep.endswith(".py")
 
 
 def _listed_code(deps: list[str]) -> list[str]:
-    """The deps that name package code (modules or folders of them; the shipped assets are data)."""
-    return sorted(d for d in deps if d.startswith(PACKAGE_IN_REPO) and not d.startswith(f"{PACKAGE_IN_REPO}/assets"))
+    """The deps that name package or stage-layer code (modules or folders of them; the shipped assets and the
+    run-config templates are data)."""
+    return sorted(d for d in deps if (d.startswith(PACKAGE_IN_REPO) and not d.startswith(f"{PACKAGE_IN_REPO}/assets"))
+                  or _is_stage_module(d))
 
 
 def write_code_deps(root: Path, derived: dict[str, list[str]]) -> None:
@@ -223,18 +234,21 @@ def write_code_deps(root: Path, derived: dict[str, list[str]]) -> None:
 # Modules a stage runs only under a params option the default DAG leaves off, so its import trace cannot see them:
 # they (and the package modules they import, lazily too) are deps of the stage all the same — an edit to the KD method
 # must rerun an ode_init pretrain, never leave its artifact silently stale.
-OPTION_MODULES = {
-    "pretrain": ("methods/kd.py", "stages/trajectories.py", "sampling/trajectories.py"),  # method: ode_init(_bidirectional)
-    "pdd": ("methods/dm_pdd.py",),  # pdd.method: dm_pdd
+OPTION_MODULES = {  # repo paths
+    "pretrain": (f"{PACKAGE_IN_REPO}/methods/kd.py", "stages/trajectories.py",  # method: ode_init(_bidirectional)
+                 f"{PACKAGE_IN_REPO}/sampling/trajectories.py"),
+    "pdd": (f"{PACKAGE_IN_REPO}/methods/dm_pdd.py",),  # pdd.method: dm_pdd
 }
 
 
 def _static_imports(module_file: str) -> set[str]:
-    """Repo paths of the package modules ``module_file`` (a repo path) imports anywhere in it (lazy imports too)."""
+    """Repo paths of the package and stage-layer modules ``module_file`` (a repo path) imports anywhere in it (lazy
+    imports too)."""
     import ast
 
     path = ROOT / module_file
-    package = "distillery." + ".".join(Path(module_file).relative_to(PACKAGE_IN_REPO).with_suffix("").parts[:-1])
+    inside = Path(module_file).relative_to("stages" if _is_stage_module(module_file) else PACKAGE_IN_REPO)
+    package = ".".join(["stages" if _is_stage_module(module_file) else "distillery", *inside.with_suffix("").parts[:-1]])
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -246,12 +260,12 @@ def _static_imports(module_file: str) -> set[str]:
                 base = ".".join([*parts, base]) if base else ".".join(parts)
             names.add(base)
             names |= {f"{base}.{a.name}" for a in node.names}  # ``from package import module``
-    return {f for f in map(_module_file, (n for n in names if n.startswith("distillery"))) if f}
+    return {f for f in map(_module_file, (n for n in names if n.split(".")[0] in ("distillery", "stages"))) if f}
 
 
 def option_code(stage: str) -> set[str]:
     """:data:`OPTION_MODULES` of ``stage`` and every package module they import, transitively (repo paths)."""
-    todo = [f"{PACKAGE_IN_REPO}/{m}" for m in OPTION_MODULES.get(stage, ())]
+    todo = list(OPTION_MODULES.get(stage, ()))
     seen: set[str] = set()
     while todo:
         module = todo.pop()
@@ -315,5 +329,5 @@ def test_every_method_is_a_dep_of_a_training_stage():
     for module in sorted((PACKAGE / "methods").glob("*.py")):
         rel = f"{PACKAGE_IN_REPO}/methods/{module.name}"
         assert any(_covered(rel, stages[name].deps) for name in TRAINING_STAGES if name in stages), rel
-    assert f"{PACKAGE_IN_REPO}/methods/kd.py" in option_code("pretrain")
+    assert {f"{PACKAGE_IN_REPO}/methods/kd.py", "stages/trajectories.py"} <= option_code("pretrain")
     assert f"{PACKAGE_IN_REPO}/sampling/base.py" in option_code("pretrain")  # what the trajectories import, transitively

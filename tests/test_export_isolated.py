@@ -2,7 +2,7 @@
 samples where distillery is NOT installed, and reproduces the latents validate saved for it; the
 snippets of each export's own model card run there too, and return validate's video.
 
-The exports are made by the export stage's own assembly (:func:`distillery.stages.export.assemble_export`
+The exports are made by the export stage's own assembly (:func:`stages.export.assemble_export`
 and the card, :func:`distillery.export.model_card.export_model_card`) from the shipped tiny Wan and
 hand-made student folders (its transformer under each kind's ``sampling.json``; the PDD one with a head
 bank), after one :func:`~distillery.evaluation.validate.run_validation` over all of them (one prompt,
@@ -83,7 +83,7 @@ def exports(tmp_path_factory) -> dict:
     from distillery.export.model_card import export_model_card
     from distillery.lineage.manifest import write_lineage
     from distillery.lineage.verify import verify_lineage
-    from distillery.stages.export import assemble_export
+    from stages.export import assemble_export
 
     root = tmp_path_factory.mktemp("exports")
     base = shipped_tiny_base()
@@ -254,7 +254,7 @@ def test_the_cards_say_what_each_export_is(exports):
 
 
 def test_the_export_metrics_say_what_they_count(exports):
-    from distillery.stages.export import export_metrics
+    from stages.export import export_metrics
 
     validate = exports["validate"].parent
     got = {k: export_metrics(k, v, validate, 1 if k == "pdd" else None) for k, v in exports["exports"].items()}

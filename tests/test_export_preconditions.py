@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from workspace import copy_stages
+
 from distillery.tinybase.shipped import shipped_tiny_base
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,8 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_export_after_a_validate_that_did_not_finish_is_one_line_and_exit_2(tmp_path):
     shutil.copy2(REPO / "params.yaml", tmp_path / "params.yaml")
     shutil.copy2(REPO / "dvc.yaml", tmp_path / "dvc.yaml")
+    copy_stages(tmp_path)
     shutil.copytree(shipped_tiny_base(), tmp_path / "artifacts" / "base" / "model")
-    student = subprocess.run([sys.executable, "-c", "from distillery.stages.params import Params; "
+    student = subprocess.run([sys.executable, "-c", "from distillery.pipeline.params.reader import Params; "
                               "print(Params.load('params.yaml').get('export.student'))"],
                              cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
     (tmp_path / "artifacts" / student / "model" / "transformer").mkdir(parents=True)

@@ -33,7 +33,7 @@ def test_follow_umask_gives_safetensors_files_the_umask_s_mode(tmp_path):
 
 def test_checkpoint_host_state_and_published_artifacts_follow_the_umask(tmp_path, monkeypatch):
     from distillery.components.checkpoint.host_state import write_state
-    from distillery.stages import artifacts
+    from distillery.pipeline.publish import artifacts
 
     old = os.umask(0o022)
     try:

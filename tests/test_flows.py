@@ -31,7 +31,7 @@ for _k, _v in {
 if "prefect" not in sys.modules:  # a temp PREFECT_HOME, before Prefect reads its settings
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="prefect-home-")
 
-from distillery.stages.dvcfile import StageSpec, load_dvc_stages, stage_order  # noqa: E402
+from distillery.pipeline.dvcfile import StageSpec, load_dvc_stages, stage_order  # noqa: E402
 
 PY = sys.executable
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from workspace import copy_workspace, set_params, sh, stage
 
-from distillery.stages.params_schema import validate_params
+from distillery.pipeline.params.schema import validate_params
 from distillery.tinybase.tiny import TinyBaseConfig, TinyTransformerConfig, make_tiny_base
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ from distillery.components.rng import BatchRNG
 from distillery.methods.kd import KDConfig, KDMethod, kd_loss, t_list_problem
 from distillery.models.base import Conditioning
 from distillery.models.wan import CausalWanModel, CausalWanModelConfig, WanModel, WanModelConfig
-from distillery.stages.params_schema import trajectory_points
+from distillery.pipeline.params.schema import trajectory_points
 
 ROOT = Path(__file__).resolve().parents[1]
 T_LIST = [999.0, 937.0, 833.0, 624.0, 0.0]
@@ -229,7 +229,7 @@ def test_a_generation_killed_mid_shard_resumes_to_the_same_bytes(tmp_path, tiny_
 
 
 def test_dfsft_on_a_prompt_only_set_is_refused_at_the_params_check():
-    from distillery.stages.params_schema import validate_params
+    from distillery.pipeline.params.schema import validate_params
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["pretrain"]["data"] = "prompts"

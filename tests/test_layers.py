@@ -1,7 +1,10 @@
 """The house as CONTRIBUTING.md draws it: every package of ``src/distillery`` sits on a floor and
 imports only from its own package or from packages on lower floors (lazy imports inside functions
 included, relative ones resolved); no two modules import each other, directly or round a longer circle.
-The training library (floors 0-6) never imports the pipeline built on it (floors 7 and up, and ``flows``)."""
+The training library (floors 0-6) never imports the pipeline built on it (floors 7 and up, and ``flows``).
+The stage layer, the top-level ``stages/`` package, stands on the house: it imports ``distillery`` up to its
+``pipeline`` floor, never ``cli`` nor ``flows``; nothing of ``src/distillery`` imports it (the runner looks a
+stage up by name, with importlib: the one way in)."""
 
 from __future__ import annotations
 
@@ -24,12 +27,14 @@ FLOORS: list[set[str]] = [
     {"lineage", "clips"},
     {"evaluation", "export"},
     {"tinybase"},
-    {"stages"},
+    {"pipeline"},
     {"cli"},
 ]
 FLOOR = {pkg: i for i, pkgs in enumerate(FLOORS) for pkg in pkgs}
 LIBRARY_TOP_FLOOR = 6  # engine: floors 0-6 are the training library, those above it the pipeline
-PIPELINE_OUTSIDE = ("flows",)  # top-level packages of the pipeline beside src/ (the Prefect face)
+PIPELINE_OUTSIDE = ("flows", "stages")  # top-level packages of the pipeline beside src/ (the Prefect face, the stage layer)
+STAGES = PACKAGE.parents[1] / "stages"  # the stage layer: one adapter module per dvc.yaml stage
+STAGE_LAYER_TOP_FLOOR = FLOOR["pipeline"]  # what stages/ may import of distillery: up to the pipeline's machinery
 
 
 def _module(path: Path, root: Path = PACKAGE) -> str:
@@ -152,7 +157,7 @@ def _house(tmp: Path, files: dict[str, str]) -> Path:
 
 
 @pytest.mark.parametrize("text", [
-    "from distillery.stages import mod\n",  # absolute, at module level
+    "from distillery.pipeline import mod\n",  # absolute, at module level
     "def f():\n    import distillery.lineage.mod\n",  # absolute, lazy
     "from ..clips import mod\n",  # relative: models/base.py's package is models, .. the house
     "from ...distillery.evaluation.mod import x\n",  # relative, up to the folder above and back in
@@ -167,10 +172,86 @@ def test_the_checks_see_a_library_module_importing_the_pipeline_however_written(
 
 def test_the_checks_pass_a_library_house_and_read_relative_imports_within_a_package(tmp_path):
     root = _house(tmp_path, {"models/base.py": "from . import mod\nfrom ..common import mod as m\nfrom .mod import x\n",
-                             "stages/run.py": "from ..engine import mod\nfrom distillery.models import base\n"})
+                             "pipeline/run.py": "from ..engine import mod\nfrom distillery.models import base\n"})
     assert _library_to_pipeline(root) == [] and _upward(root) == []
     assert {t for t, _ in _imports(root / "models" / "base.py", root)} == {
         "distillery.models", "distillery.models.mod", "distillery.common", "distillery.common.mod"}
+
+
+def _top_level_imports(path: Path) -> list[tuple[str, int]]:
+    """(absolute module, line) of every import in ``path``, lazy ones included; relative ones resolved within the
+    top-level package ``path`` is in (``stages``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([path.parent.name] + ([base] if base else []))
+            found.append((base, node.lineno))
+    return found
+
+
+def _stage_layer_wires(stages: Path = STAGES, package: Path = PACKAGE) -> list[str]:
+    """Imports of the stage layer (``stages/*.py``) that leave it: ``flows``, or ``distillery`` above its floor."""
+    wires = []
+    for path in sorted(stages.glob("*.py")):
+        for name, line in _top_level_imports(path):
+            top = name.split(".")[0]
+            if top == "flows":
+                wires.append(f"stages/{path.name}:{line} imports {name} (the Prefect face stands beside the stages, not under them)")
+            elif top == package.name:
+                there = _package(name, package)
+                if there is not None and FLOOR[there] > STAGE_LAYER_TOP_FLOOR:
+                    wires.append(f"stages/{path.name}:{line} imports {name} ({there} floor {FLOOR[there]}: above the pipeline)")
+    return wires
+
+
+def _imports_of_the_stage_layer(package: Path = PACKAGE) -> list[str]:
+    """Every import of the top-level ``stages`` package by a module of ``src/distillery`` (lazy too): the runner
+    reaches it by name only (``importlib``), so the library and the pipeline import without a workspace."""
+    return [f"{_module(path, package)}:{line} imports {name}" for path in _sources(package)
+            for name, line in _top_level_imports(path) if name.split(".")[0] == "stages"]
+
+
+def test_the_stage_layer_stands_on_the_pipeline():
+    modules = sorted(p.name for p in STAGES.glob("*.py"))
+    assert "__init__.py" in modules and "training.py" in modules, modules
+    wires = _stage_layer_wires()
+    assert not wires, "the stage layer imports what stands beside or above it:\n" + "\n".join(wires)
+
+
+def test_nothing_in_the_package_imports_the_stage_layer():
+    wires = _imports_of_the_stage_layer()
+    assert not wires, "src/distillery imports the stage layer (look a stage up through the runner's STAGES):\n" + "\n".join(wires)
+    runner = (PACKAGE / "pipeline" / "launch" / "runner.py").read_text()
+    assert "importlib.import_module(find_stage(name, workspace))" in runner  # the one way in: by the name in STAGES
+
+
+@pytest.mark.parametrize("text", [
+    "import flows.pipeline\n",
+    "def f():\n    from flows import pipeline\n",
+    "from distillery.cli import main\n",
+    "def f():\n    import distillery.cli.stage\n",
+])
+def test_the_stage_layer_check_sees_an_import_beside_or_above_it(tmp_path, text):
+    root = _house(tmp_path, {})
+    stages = tmp_path / "stages"
+    stages.mkdir()
+    (stages / "__init__.py").write_text("")
+    (stages / "clips.py").write_text("from distillery.pipeline import mod\nfrom . import base\n" + text)
+    assert len(_stage_layer_wires(stages, root)) == 1, text
+    (stages / "clips.py").write_text("from distillery.pipeline import mod\nfrom . import base\nfrom stages.base import x\n")
+    assert _stage_layer_wires(stages, root) == []
+
+
+@pytest.mark.parametrize("text", ["import stages.clips\n", "def f():\n    from stages import training\n",
+                                  "from stages.base import stage_base\n"])
+def test_the_check_sees_the_package_importing_the_stage_layer(tmp_path, text):
+    root = _house(tmp_path, {"pipeline/run.py": text})
+    assert len(_imports_of_the_stage_layer(root)) == 1, text
+    assert _library_to_pipeline(_house(tmp_path / "lib", {"models/base.py": text})), text
 
 
 def test_no_import_circle():

@@ -490,7 +490,7 @@ def test_a_copied_model_folder_is_read_once_for_both_manifests(tmp_path: Path, m
     import hashlib
 
     from distillery.common import hashcache
-    from distillery.stages.base_folder import copy_model_folder
+    from distillery.pipeline.publish.base_folder import copy_model_folder
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(hashcache.ENV_VAR, str(tmp_path / "runs" / ".hash_cache.json"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import time
 
-from distillery.stages.mlflow_runs import parent_run_id
+from distillery.pipeline.publish.mlflow_runs import parent_run_id
 
 
 def test_parent_runs_are_named_and_tagged_after_the_experiment_and_commit(tmp_path, monkeypatch):

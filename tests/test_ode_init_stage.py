@@ -23,10 +23,10 @@ import pytest
 import yaml
 from workspace import ROOT, copy_workspace, set_params, sh, tree_sha
 
-from distillery.stages.dvcfile import stage_params
-from distillery.stages.params import Params, StageParams
-from distillery.stages.run_config import fill_run_config, stage_overrides
-from distillery.stages.training_table import TRAINING_STAGES
+from distillery.pipeline.dvcfile import stage_params
+from distillery.pipeline.launch.run_config import fill_run_config, stage_overrides
+from distillery.pipeline.launch.training_table import TRAINING_STAGES
+from distillery.pipeline.params.reader import Params, StageParams
 
 # pretrain and distill params only (the teacher is ``trained``'s); 16 rows in 2 shards, made 4 at a time (shard 0 is
 # written while shard 1 is still to make: the kill-and-resume test kills the stage then)

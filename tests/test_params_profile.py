@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from distillery.common.errors import UserError
-from distillery.stages.params import Params
-from distillery.stages.params_profile import dvc_set_args, load_profile
+from distillery.pipeline.params.profile import dvc_set_args, load_profile
+from distillery.pipeline.params.reader import Params
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILES = sorted((REPO / "docs" / "profiles").glob("*.yaml"))

@@ -189,8 +189,8 @@ def test_latents_stage_takes_its_own_size_and_validate_follows_it(tmp_path, monk
 
     import yaml
 
-    from distillery.stages.runner import run_stage
-    from distillery.stages.validate import latent_settings
+    from distillery.pipeline.launch.runner import run_stage
+    from stages.validate import latent_settings
 
     root = Path(__file__).resolve().parents[1]
     for name in ("dvc.yaml", "stages"):

@@ -217,9 +217,9 @@ def test_the_first_stage_checks_a_prompt_trained_stage_s_batch_against_the_promp
     """The batch check before any work counts the prompts for a stage that trains on them (not the videos)."""
     import yaml
 
-    from distillery.stages.params import Params
-    from distillery.stages.preflight import check_batch
-    from distillery.stages.runner import STAGES
+    from distillery.pipeline.launch.runner import STAGES
+    from distillery.pipeline.params.preflight import check_batch
+    from distillery.pipeline.params.reader import Params
 
     (tmp_path / "prompts.txt").write_text("one\n\ntwo\nthree\n", encoding="utf-8")
     shipped = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())

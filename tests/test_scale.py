@@ -9,7 +9,7 @@
 - **PDD on a changed world size**: carried trajectories saved mid-way by 1 rank and resumed on 4, or
   saved by 4 and resumed on 1, restart from noise (rung 0, a warning line) — the same losses either way.
 - **Two nodes on one host**: the 2-rank part runs as 2 torchrun agents (``--nnodes 2``, one process
-  each) meeting at the c10d rendezvous the launching process serves (``distillery.stages.launcher``,
+  each) meeting at the c10d rendezvous the launching process serves (``distillery.pipeline.launch.launcher``,
   what a training stage runs for ``gpus.nnodes: 2``); a first launch is SIGKILLed (the stage's death)
   once both workers run, and no agent or worker survives it.
 """
@@ -238,8 +238,8 @@ def test_launch_plans(monkeypatch):
     import sys
 
     from distillery.common.errors import UserError
-    from distillery.stages.launcher import plan_launch
-    from distillery.stages.params_schema import GpusParams
+    from distillery.pipeline.launch.launcher import plan_launch
+    from distillery.pipeline.params.schema import GpusParams
 
     alone = plan_launch(GpusParams(), ["--config", "runs/teacher/run.yaml"])
     assert alone.commands == [[sys.executable, "-m", "distillery.cli.train", "--config", "runs/teacher/run.yaml"]]
@@ -276,7 +276,7 @@ def test_launch_plans(monkeypatch):
 
 
 def test_resume_key_holds_the_global_batch_not_the_layout():
-    from distillery.stages.resume_key import config_digest
+    from distillery.pipeline.launch.resume_key import config_digest
 
     def raw(batch: int, replicate: int = 1, teacher_mesh: int | None = None) -> dict:
         cfg = {"models": {"student": {"_target_": "x"}, "teacher": {"_target_": "x"}}, "method": {"_target_": "m"},
@@ -292,8 +292,8 @@ def test_resume_key_holds_the_global_batch_not_the_layout():
 def _agents(config: str) -> int:
     """What a training stage runs for ``gpus: {nnodes: 2, nproc_per_node: 1, launcher: local}``."""
     from distillery.common.log import setup_logging
-    from distillery.stages.launcher import plan_launch, run_launch
-    from distillery.stages.params_schema import GpusParams
+    from distillery.pipeline.launch.launcher import plan_launch, run_launch
+    from distillery.pipeline.params.schema import GpusParams
 
     setup_logging()
     launch = plan_launch(GpusParams(nproc_per_node=1, nnodes=2, launcher="local"), ["--config", config])

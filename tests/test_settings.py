@@ -21,9 +21,9 @@ from helpers import run_config
 from distillery.common.errors import UserError
 from distillery.config import allowed_prefixes, load_run_config
 from distillery.config.loader import parse_override_args
-from distillery.stages.dvcfile import stage_params
-from distillery.stages.params import Params, StageParams
-from distillery.stages.params_schema import ClipsParams, ValidateParams, validate_params
+from distillery.pipeline.dvcfile import stage_params
+from distillery.pipeline.params.reader import Params, StageParams
+from distillery.pipeline.params.schema import ClipsParams, ValidateParams, validate_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,8 +132,8 @@ def test_validation_settings_are_shared():
 def test_distillery_stage_teacher_writes_the_same_run_yaml(tmp_path, monkeypatch):
     """The run config a training stage writes for the shipped params (what runs/teacher/run.yaml holds), as
     a golden file: a setting's path from params.yaml to the run config must not change its values."""
-    from distillery.stages.run_config import fill_run_config
-    from distillery.stages.training_table import TRAINING_STAGES
+    from distillery.pipeline.launch.run_config import fill_run_config
+    from distillery.pipeline.launch.training_table import TRAINING_STAGES
 
     for name in ("dvc.yaml", "params.yaml", "stages"):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(ROOT / name, tmp_path / name)

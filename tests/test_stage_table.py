@@ -18,12 +18,12 @@ import pytest
 import yaml
 
 from distillery.common.errors import UserError
-from distillery.stages.artifacts import write_json_atomic
-from distillery.stages.dvcfile import stage_params
-from distillery.stages.params import Params, StageParams
-from distillery.stages.run_config import fill_run_config, stage_overrides
-from distillery.stages.run_summary import SUMMARY_FILE, read_run_summary
-from distillery.stages.training_table import TRAINING_STAGES, TrainingStageSpec
+from distillery.pipeline.dvcfile import stage_params
+from distillery.pipeline.launch.run_config import fill_run_config, stage_overrides
+from distillery.pipeline.launch.training_table import TRAINING_STAGES, TrainingStageSpec
+from distillery.pipeline.params.reader import Params, StageParams
+from distillery.pipeline.publish.artifacts import write_json_atomic
+from distillery.pipeline.publish.run_summary import SUMMARY_FILE, read_run_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,7 +205,7 @@ def _hand_written_candidates(params: StageParams) -> list:
 
     from distillery.evaluation.candidates import Candidate, teacher_candidates
     from distillery.evaluation.validation_config import ValidationConfig
-    from distillery.stages.artifacts import ARTIFACTS
+    from distillery.pipeline.publish.artifacts import ARTIFACTS
 
     v = params.get("validate")
     cfg = ValidationConfig(teacher_steps=list(v.teacher_steps), guidance_scale=float(v.guidance_scale))
@@ -225,7 +225,7 @@ def _same(a: list, b: list) -> bool:
 
 
 def test_validate_candidates_from_the_table_are_the_hand_written_list(tmp_path, monkeypatch):
-    from distillery.stages.validate import headline_candidates, table_candidates, validation_inputs
+    from stages.validate import headline_candidates, table_candidates, validation_inputs
 
     params = _workspace(tmp_path, monkeypatch)
     _contracts(CONTRACTS)
@@ -250,8 +250,8 @@ def test_validate_candidates_from_the_table_are_the_hand_written_list(tmp_path, 
 
 
 def test_validate_candidates_follow_a_row_added_to_the_table(tmp_path, monkeypatch):
-    from distillery.stages.training_table import ValidationSpec
-    from distillery.stages.validate import table_candidates, validation_inputs
+    from distillery.pipeline.launch.training_table import ValidationSpec
+    from stages.validate import table_candidates, validation_inputs
 
     params = _workspace(tmp_path, monkeypatch)
     _contracts({**CONTRACTS, "wan22": {"sampler": "few_step_x0", "shift": 5.0, "num_train_timesteps": 1000,
@@ -280,8 +280,8 @@ def test_validate_candidates_follow_a_row_added_to_the_table(tmp_path, monkeypat
 def test_validate_reads_what_its_dvc_stage_declares_of_every_validated_row():
     """Each validated row's params keys are in validate's dvc.yaml ``params:`` and its artifact among the deps (DVC
     reruns validate when they change)."""
-    from distillery.stages.dvcfile import stage_spec
-    from distillery.stages.params import covers
+    from distillery.pipeline.dvcfile import stage_spec
+    from distillery.pipeline.params.reader import covers
 
     declared, deps = stage_params("validate", ROOT), stage_spec("validate", ROOT).deps
     validated = [(name, spec.validation) for name, spec in TRAINING_STAGES.items() if spec.validation is not None]
@@ -323,7 +323,7 @@ def test_ema_and_recipe_knobs_reach_the_run_config(tmp_path, monkeypatch, stage)
     """``<stage>.ema_decay`` set: a ``callbacks.ema`` of the exported role beside the template's callbacks, which
     the built config accepts; the recipe knobs land as typed values; the stage ships (and records) the EMA's weights."""
     from distillery.config import allowed_prefixes, load_run_config
-    from distillery.stages.training import shipped_weights
+    from stages.training import shipped_weights
 
     row = TRAINING_STAGES[stage]
     updates = {f"{stage}.ema_decay": 0.99, f"{stage}.ema_start_step": 5, f"{stage}.weight_decay": 0.01,
@@ -359,7 +359,7 @@ def test_distill_critic_init_picks_the_critics_start(tmp_path, monkeypatch, meth
     """``distill.critic_init``: the critic (fake score) starts from the teacher artifact (the default, today's recipe)
     or from the base — the student's base, as the published recipes start it —, whichever ``distill.method``;
     its lineage role is ``critic_init`` and dvc.yaml names the dep ``artifacts/${distill.critic_init}``."""
-    from distillery.stages.dvcfile import load_dvc_stages
+    from distillery.pipeline.dvcfile import load_dvc_stages
 
     params = _workspace(tmp_path, monkeypatch, {"distill.method": method, "distill.critic_init": critic_init})
     view = StageParams(params, "distill", stage_params("distill"))

@@ -19,7 +19,7 @@ WRITERS = 4
 CODE = (
     "import socket, sys\n"
     "from mlflow.tracking import MlflowClient  # the slow imports happen before the barrier\n"
-    "from distillery.stages.mlflow_runs import log_stage_run, parent_run_id\n"
+    "from distillery.pipeline.publish.mlflow_runs import log_stage_run, parent_run_id\n"
     "barrier = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
     "barrier.connect(sys.argv[2])\n"
     "assert barrier.recv(1) == b'g'  # released together with the other stages\n"

@@ -428,8 +428,8 @@ def test_stored_prompt_embeddings_replace_the_text_encoder(validation, base, tmp
 def test_validation_device_choice():
     """validate.device: auto is the GPU only when the pipeline has one and CUDA is there; an absent
     CUDA device asked for by name is a one-line error; params.yaml refuses other spellings."""
-    from distillery.stages.device import stage_device
-    from distillery.stages.params_schema import validate_params
+    from distillery.pipeline.launch.device import stage_device
+    from distillery.pipeline.params.schema import validate_params
 
     def validation_device(setting, nproc):
         return stage_device(setting, nproc, "validate.device")

@@ -48,13 +48,22 @@ def set_params(repo: Path, updates: dict[str, object]) -> None:
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+def copy_stages(repo: Path) -> Path:
+    """The checkout's stage layer (``stages/``: the adapter modules ``distillery stage`` imports from its workspace,
+    and the run-config templates) into ``repo``, without a local run's bytecode."""
+    return Path(shutil.copytree(ROOT / "stages", repo / "stages", ignore=shutil.ignore_patterns("__pycache__")))
+
+
 def make_workspace(repo: Path, updates: dict[str, object] | None = None, dvc_cache_type: str | None = None) -> Path:
     """A git + DVC repository holding the pipeline (code included, as a user's clone would). ``dvc_cache_type``:
     DVC's ``cache.type`` (default: DVC's own, copies), e.g. ``hardlink,symlink`` as docs/gpus.md advises at real shape."""
     repo.mkdir(parents=True, exist_ok=True)
     for name in ("dvc.yaml", "params.yaml", "stages", ".gitignore"):
         src = ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, repo / name)
+        if name == "stages":
+            copy_stages(repo)
+        else:
+            shutil.copy2(src, repo / name)
     with (repo / ".gitignore").open("a") as fh:
         fh.write("/.dvc-site/\n")  # the site cache dir set below
     shutil.copytree(ROOT / "src" / "distillery", repo / "src" / "distillery", ignore=shutil.ignore_patterns("__pycache__"))

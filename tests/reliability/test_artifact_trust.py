@@ -441,9 +441,9 @@ def _older_copy(artifact: Path) -> None:
                                 "still changes the key and, recorded consistently, fails the chain check")
 def test_resume_keys_on_content(trained, tmp_path, monkeypatch, capsys, data_lost):
     from distillery.components.checkpoint.manager import list_checkpoints
-    from distillery.stages.resume_key import key_mismatch, read_key, resume_key
-    from distillery.stages.training import prepare_run_dir
-    from distillery.stages.training_table import TRAINING_STAGES
+    from distillery.pipeline.launch.resume_key import key_mismatch, read_key, resume_key
+    from distillery.pipeline.launch.training_table import TRAINING_STAGES
+    from stages.training import prepare_run_dir
 
     ws = copy_workspace(trained, tmp_path / "ws")
     monkeypatch.chdir(ws)

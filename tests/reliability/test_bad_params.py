@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from distillery.common.errors import UserError
-from distillery.stages.params import Params
-from distillery.stages.params_schema import TRAINING_STAGES, ParamsSchema, to_plain
+from distillery.pipeline.params.reader import Params
+from distillery.pipeline.params.schema import TRAINING_STAGES, ParamsSchema, to_plain
 
 CASE = "8.12"
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,7 +172,7 @@ def test_every_rule_names_the_key(tmp_path, data_lost):
 @_mark("shipped params.yaml validates", "none: the params.yaml in the repository",
        "validates unchanged; schema defaults equal it; every key a stage reads is in the schema")
 def test_shipped_params_validate_unchanged(data_lost):
-    from distillery.stages.training_table import TRAINING_STAGES as TRAINING
+    from distillery.pipeline.launch.training_table import TRAINING_STAGES as TRAINING
 
     params = Params.load(ROOT / "params.yaml")
     shipped = yaml.safe_load(SHIPPED)
@@ -200,8 +200,8 @@ def test_a_bad_path_stops_the_first_stage_before_any_work(tmp_path, monkeypatch,
 
     from distillery.cli.guard import run_guarded
     from distillery.cli.main import build_parser
-    from distillery.stages.preflight import check_paths
-    from distillery.stages.runner import STAGES
+    from distillery.pipeline.launch.runner import STAGES
+    from distillery.pipeline.params.preflight import check_paths
     from distillery.tinybase.shipped import shipped_tiny_base
 
     not_a_model = tmp_path / "downloads" / "wan"
@@ -229,7 +229,7 @@ def test_a_bad_path_stops_the_first_stage_before_any_work(tmp_path, monkeypatch,
     (ws / "params.yaml").write_text(_edited(base__path=str(not_a_model)))
     check_paths(Params.load(ws / "params.yaml"), "latents", tuple(STAGES))  # base ran already: latents does not read base.path
     from distillery.data.videos import CAPTION_FILES
-    from distillery.stages import preflight
+    from distillery.pipeline.params import preflight
 
     assert preflight.CAPTION_FILES == CAPTION_FILES  # the layout check knows the captions files the latents stage reads
     assert data_lost.total == 0
@@ -265,7 +265,7 @@ def test_params_file_that_is_not_a_file_is_named(tmp_path, monkeypatch, capsys, 
 def test_a_batch_larger_than_ones_own_videos_is_refused_before_encoding(tmp_path, monkeypatch, capsys, data_lost):
     from distillery.cli.guard import run_guarded
     from distillery.cli.main import build_parser
-    from distillery.stages.params_profile import load_profile
+    from distillery.pipeline.params.profile import load_profile
 
     videos = tmp_path / "my-videos"
     (videos / "videos").mkdir(parents=True)

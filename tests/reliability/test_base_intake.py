@@ -104,8 +104,8 @@ def test_a_base_that_would_hang_or_crash_is_one_line(tmp_path, monkeypatch, caps
 
 def test_a_real_base_passes_the_file_checks(tiny_base):
     """The shipped tiny base and the one tests fit pass, with links to files (a Hugging Face snapshot's layout)."""
-    from distillery.stages.base_folder import REQUIRED
-    from distillery.stages.model_files import check_model_files
+    from distillery.pipeline.publish.base_folder import REQUIRED
+    from distillery.pipeline.publish.model_files import check_model_files
     from distillery.tinybase.shipped import shipped_tiny_base
 
     check_model_files(shipped_tiny_base(), "shipped", REQUIRED)

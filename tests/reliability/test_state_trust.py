@@ -137,7 +137,7 @@ def test_hash_cache_fifo_does_not_hang(tmp_path, data_lost):
                                 "(DISTILLERY_HASH_CACHE unset); a regular file turns it on again")
 def test_stage_runner_turns_a_fifo_cache_off(tmp_path, monkeypatch, warnings_logged, data_lost):
     from distillery.common import hashcache
-    from distillery.stages import runner
+    from distillery.pipeline.launch import runner
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(hashcache.ENV_VAR, "")  # so that the variable is restored after the test ...
@@ -191,7 +191,7 @@ def _stage_workspace(root: Path, latent_set: Path, tiny_base: Path) -> tuple[dic
     """A workspace folder (the cwd of a stage) with ``artifacts/latents`` and a run of 2 steps in
     ``runs/teacher`` (checkpoints 1 and 2), prepared by the training stage's own ``prepare_run_dir``.
     Returns the run config and the stage's inputs."""
-    from distillery.stages.training import prepare_run_dir
+    from stages.training import prepare_run_dir
 
     shutil.copytree(latent_set, root / "artifacts" / "latents")
     inputs = {"data": Path("artifacts/latents")}
@@ -216,8 +216,8 @@ def test_poisoned_hash_cache_does_not_discard_a_run(hash_cache, tmp_path, tiny_b
                                                     warnings_logged, data_lost):
     from distillery.common import hashcache
     from distillery.lineage.hashing import hash_tree
-    from distillery.stages.resume_key import read_key, resume_key
-    from distillery.stages.training import prepare_run_dir
+    from distillery.pipeline.launch.resume_key import read_key, resume_key
+    from stages.training import prepare_run_dir
 
     monkeypatch.chdir(tmp_path)
     raw, inputs = _stage_workspace(tmp_path, latent_set, tiny_base)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from workspace import copy_stages
 
-SHIPPED = (Path(__file__).resolve().parents[2] / "params.yaml").read_text()
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = (ROOT / "params.yaml").read_text()
 DISTILLERY = str(Path(sys.executable).parent / "distillery")
 
 
@@ -36,6 +39,22 @@ def test_a_workspace_too_deep_for_sqlite_is_one_line_first(tmp_path, monkeypatch
     assert rc == 2 and len(lines) == 1 and "bytes long; SQLite opens at most 500" in lines[0], lines
     data_lost.record(0, "files lost")
     assert sorted(p.name for p in ws.iterdir()) == ["params.yaml"]
+
+
+@pytest.mark.reliability(case="10.G", title="a stage run outside a workspace (no stages/ package)",
+                         injected="`distillery stage clips` in a folder holding params.yaml and dvc.yaml but no stages/ "
+                                  "(the stage adapters a workspace holds beside them)",
+                         expect="exit 2, one line naming the missing module and the folder, nothing written")
+def test_a_stage_outside_a_workspace_is_one_line(tmp_path, data_lost):
+    for name in ("params.yaml", "dvc.yaml"):
+        shutil.copy2(ROOT / name, tmp_path / name)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    proc = subprocess.run([DISTILLERY, "stage", "clips"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert f"no module stages.clips in {tmp_path.resolve()}" in lines[0] and "Traceback" not in proc.stderr, lines
+    data_lost.record(0, "files lost")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dvc.yaml", "params.yaml"]
 
 
 @pytest.mark.reliability(case="10.G", title="a workspace moved with its mlflow.db",
@@ -79,6 +98,7 @@ def _small_workspace(root: Path) -> Path:
         params[stage]["batch_size"] = 2
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     shutil.copy(Path(__file__).resolve().parents[2] / "dvc.yaml", root / "dvc.yaml")
+    copy_stages(root)
     return root
 
 

@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from distillery.common.errors import UserError
-from distillery.stages.params import Params
+from distillery.pipeline.params.reader import Params
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -283,7 +283,7 @@ def _components() -> list[type]:
 @_mark("9.7", "every params.yaml knob has a bound", "each numeric params.yaml key set to 10**12 / 1e300 (fps also "
        "1e-300), and pdd.pdd_steps 4000000000 with blocks that fit it", "each refused in one line naming the key")
 def test_every_params_knob_is_bounded(tmp_path, data_lost):
-    from distillery.stages.params_schema import ParamsSchema
+    from distillery.pipeline.params.schema import ParamsSchema
 
     path = tmp_path / "params.yaml"
     cases = [(key, _absurd(kind, tp)) for key, kind, tp in _numeric_fields(ParamsSchema)]

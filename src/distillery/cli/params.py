@@ -26,10 +26,10 @@ def _check_params(args: argparse.Namespace) -> int:
     """Bounds (alias bombs, merge chains), a value DVC reads differently, the schema, a folder it names that its
     stage would refuse (``base.path`` not a model folder, ``latents.data`` without captions), a buffer no stage
     here could hold. Run it before ``dvc repro``, which parses the file with DVC's own parser first."""
-    from distillery.stages.artifacts import ARTIFACTS
-    from distillery.stages.params import Params
-    from distillery.stages.preflight import check_batch, check_memory, check_paths
-    from distillery.stages.runner import STAGES
+    from distillery.pipeline.launch.runner import STAGES
+    from distillery.pipeline.params.preflight import check_batch, check_memory, check_paths
+    from distillery.pipeline.params.reader import Params
+    from distillery.pipeline.publish.artifacts import ARTIFACTS
 
     params = Params.load(args.params)
     check_paths(params)
@@ -43,7 +43,7 @@ def _check_params(args: argparse.Namespace) -> int:
 
 def _print_profile(args: argparse.Namespace) -> int:
     """One line of ``-S key=value`` arguments (no quoting needed: a value with whitespace is refused)."""
-    from distillery.stages.params_profile import dvc_set_args, load_profile
+    from distillery.pipeline.params.profile import dvc_set_args, load_profile
 
     sys.stdout.write(" ".join(dvc_set_args(load_profile(args.file, args.params))) + "\n")
     return 0

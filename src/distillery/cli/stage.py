@@ -7,7 +7,7 @@ import argparse
 
 def add_command(sub: argparse._SubParsersAction, name: str, help: str) -> None:  # noqa: A002
     """``stage`` on the top-level subparsers; the stage names come from the runner's table (no stage is imported)."""
-    from distillery.stages.runner import STAGES
+    from distillery.pipeline.launch.runner import STAGES
 
     p = sub.add_parser(name, help=help)
     p.add_argument("name", help=" | ".join(STAGES))
@@ -16,6 +16,6 @@ def add_command(sub: argparse._SubParsersAction, name: str, help: str) -> None: 
 
 
 def _run(args: argparse.Namespace) -> int:
-    from distillery.stages.runner import run_stage
+    from distillery.pipeline.launch.runner import run_stage
 
     return run_stage(args.name, args.params)

@@ -20,7 +20,7 @@ the dotted key and the line. The bounds:
   one merge key ``<<``, and no key is an alias (``*k : 5`` under ``&k steps: 120`` is ``steps`` twice;
   DVC refuses all of these, PyYAML would keep the last).
 
-A caller may look at every scalar as it is checked (``on_scalar``): :mod:`distillery.stages.params_file`
+A caller may look at every scalar as it is checked (``on_scalar``): :mod:`distillery.pipeline.params.file`
 uses it to refuse the scalars DVC's YAML 1.2 reads differently.
 
 :func:`show` is the one helper every config and params error uses to echo a user value: a short

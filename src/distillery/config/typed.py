@@ -1,5 +1,5 @@
 """Strict conversion of plain YAML data into typed config dataclasses: the one converter of run
-configs and of ``params.yaml`` (:mod:`distillery.stages.params_schema`).
+configs and of ``params.yaml`` (:mod:`distillery.pipeline.params.schema`).
 
 ``from_mapping(cls, data, where)`` builds dataclass ``cls`` from a mapping, recursing into
 nested dataclasses, ``list``/``tuple``/``dict`` and ``Optional``/``Literal`` fields. Unknown

@@ -11,7 +11,7 @@ plain scalars differently (1.2's reading first, 1.1's in brackets):
   too (:class:`distillery.config.limits.SafeLoader`), since DVC writes small floats back that way.
 
 :func:`collector` gathers a document's scalars while :func:`distillery.config.limits.parse_yaml_text`
-checks it; :func:`disagreements` reads them all both ways. ``stages/params_file.py`` refuses a params
+checks it; :func:`disagreements` reads them all both ways. :mod:`distillery.pipeline.params.file` refuses a params
 file at the first disagreement; a dotted command-line override (:func:`distillery.config.loader.parse_override_value`)
 takes 1.2's float for an exponent without a dot and refuses the rest. Each refusal is one line saying how
 to write the value so that both read it alike (:func:`disagreement_line`).

@@ -2,12 +2,12 @@
 
 :meth:`Params.load` reads the file within the input bounds of :mod:`distillery.config.limits` (at
 most 1 MiB, strict UTF-8, bounded nesting, strings and integers, no duplicate keys, no alias bombs)
-and as DVC reads it (:mod:`distillery.stages.params_file`: a scalar YAML 1.1 and DVC's YAML 1.2
+and as DVC reads it (:mod:`distillery.pipeline.params.file`: a scalar YAML 1.1 and DVC's YAML 1.2
 read differently is refused), then converts every section to the typed schema of
-:mod:`distillery.stages.params_schema` before any stage does work. Every problem is a one-line
+:mod:`distillery.pipeline.params.schema` before any stage does work. Every problem is a one-line
 :class:`UserError` that names the key as the user wrote it (``params.yaml: teacher.steps: -3: must be ≥ 1``).
 
-A stage reads typed values (``get("distill")`` is a :class:`~distillery.stages.params_schema.DistillParams`,
+A stage reads typed values (``get("distill")`` is a :class:`~distillery.pipeline.params.schema.DistillParams`,
 ``get("distill.learning_rate")`` a float); what it records in its lineage is the values as the file
 wrote them (:meth:`Params.subset`), as DVC records them in ``dvc.lock``.
 """
@@ -20,8 +20,8 @@ from typing import Any
 
 from distillery.common.errors import UserError
 from distillery.config.limits import show_path
-from distillery.stages.params_file import read_params_file
-from distillery.stages.params_schema import ParamsSchema, as_written, to_plain, validate_params
+from distillery.pipeline.params.file import read_params_file
+from distillery.pipeline.params.schema import ParamsSchema, as_written, to_plain, validate_params
 
 
 class Params:
@@ -88,7 +88,7 @@ def covers(declared: list[str], key: str) -> bool:
 
 class StageParams:
     """What one stage may read of params.yaml: exactly the keys its ``dvc.yaml`` ``params:`` list
-    names (:func:`distillery.stages.dvcfile.stage_params`), and what it records in its lineage.
+    names (:func:`distillery.pipeline.dvcfile.stage_params`), and what it records in its lineage.
 
     ``get`` of a key outside that list raises :class:`UndeclaredParam`, so a stage cannot depend on
     a value whose change DVC would not notice.

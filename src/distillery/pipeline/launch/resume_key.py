@@ -68,7 +68,7 @@ def folder_digest(folder: Path) -> str:
 def code_paths(stage: str, dvc_yaml: Path = Path("dvc.yaml")) -> list[Path]:
     """The code files the stage depends on: its ``dvc.yaml`` deps that are not artifacts."""
     if dvc_yaml.is_file():
-        from distillery.stages.dvcfile import stage_spec
+        from distillery.pipeline.dvcfile import stage_spec
 
         deps = stage_spec(stage, dvc_yaml.parent).deps
         roots = [Path(d) for d in deps if not d.startswith("artifacts")]

@@ -15,7 +15,7 @@ load command passes. So a base is held to this:
   parameter is optional; a plain parameter (``boundary_ratio``) holds a JSON scalar. No component
   config (``*config.json``) may name remote code (``auto_map``). A violation is a one-line
   :class:`UserError`. Before the index is read, every file of the folder is checked
-  (:func:`distillery.stages.model_files.check_model_files`: no FIFO, device, link loop, oversized
+  (:func:`distillery.pipeline.publish.model_files.check_model_files`: no FIFO, device, link loop, oversized
   config or tokenizer file, or safetensors file whose header is not one).
 - :func:`copy_model_folder`: copies a model folder leaving out every code file
   (:func:`distillery.lineage.artifact_code.is_code_file`): no ``.py`` (or bytecode, or native module) of a base
@@ -168,7 +168,7 @@ def check_model_index(folder: Path, what: str) -> None:
     """Refuse (one-line :class:`UserError`) a model folder whose ``model_index.json`` names anything
     but library classes WanPipeline takes, or whose component configs name remote code. ``what``
     names the folder in the message (``params.yaml: base.path: /data/wan``)."""
-    from distillery.stages.model_files import check_model_files
+    from distillery.pipeline.publish.model_files import check_model_files
 
     path = Path(folder) / INDEX_FILE
     if not os.path.lexists(path):

@@ -1,6 +1,6 @@
 """How a training stage starts its training: one torchrun agent per node, on this machine or over Slurm.
 
-``params.yaml: gpus`` says where (:class:`~distillery.stages.params_schema.GpusParams`):
+``params.yaml: gpus`` says where (:class:`~distillery.pipeline.params.schema.GpusParams`):
 
 - ``nnodes: 1``: one agent, ``torchrun --standalone`` with ``nproc_per_node`` workers (either launcher) —
   but one process on this machine (``launcher: local``, ``nproc_per_node: 1``, the default and the one-GPU case)

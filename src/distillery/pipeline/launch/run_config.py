@@ -31,9 +31,9 @@ from typing import Any
 
 from distillery.common.errors import UserError
 from distillery.common.fsutil import read_json_file
-from distillery.stages.artifacts import ARTIFACTS, RUNS
-from distillery.stages.params import StageParams
-from distillery.stages.training_table import DATA_ARTIFACT, EMA_CALLBACK, TrainingStageSpec
+from distillery.pipeline.launch.training_table import DATA_ARTIFACT, EMA_CALLBACK, TrainingStageSpec
+from distillery.pipeline.params.reader import StageParams
+from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS
 
 
 def data_dir(artifact: str = DATA_ARTIFACT) -> Path:

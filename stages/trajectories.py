@@ -20,9 +20,9 @@ import shutil
 from pathlib import Path
 
 from distillery.common.log import get_logger
-from distillery.stages.artifacts import ARTIFACTS, RUNS
-from distillery.stages.params import StageParams
-from distillery.stages.training_table import DATA_ARTIFACT
+from distillery.pipeline.launch.training_table import DATA_ARTIFACT
+from distillery.pipeline.params.reader import StageParams
+from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS
 
 log = get_logger("stage")
 
@@ -42,9 +42,9 @@ def stage_trajectories(stage: str, params: StageParams, data: str = DATA_ARTIFAC
     import torch
 
     from distillery.models.registry import load_inference_model
+    from distillery.pipeline.launch.device import stage_device
+    from distillery.pipeline.launch.resume_key import folder_digest
     from distillery.sampling.trajectories import TrajectorySettings, generate_trajectories, source_layout
-    from distillery.stages.device import stage_device
-    from distillery.stages.resume_key import folder_digest
 
     p = params.get(stage)
     source = ARTIFACTS / data / "data"

@@ -13,8 +13,8 @@ import shutil
 from pathlib import Path
 
 from distillery.common.log import get_logger
-from distillery.stages.artifacts import ARTIFACTS, finish, fresh_staging
-from distillery.stages.params import StageParams
+from distillery.pipeline.params.reader import StageParams
+from distillery.pipeline.publish.artifacts import ARTIFACTS, finish, fresh_staging
 
 log = get_logger("stage")
 
@@ -49,7 +49,7 @@ def seed_from_previous(previous: Path, staging: Path) -> int:
 
 def stage_prompts(params: StageParams) -> None:
     from distillery.data.prompts import PromptsConfig, encode_prompts_file
-    from distillery.stages.device import stage_device
+    from distillery.pipeline.launch.device import stage_device
 
     p = params.get("prompts")
     cfg = PromptsConfig(

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from distillery.common.log import get_logger
-from distillery.stages.artifacts import ARTIFACTS, finish, fresh_staging
-from distillery.stages.params import StageParams
+from distillery.pipeline.params.reader import StageParams
+from distillery.pipeline.publish.artifacts import ARTIFACTS, finish, fresh_staging
 
 log = get_logger("stage")
 
@@ -17,7 +17,7 @@ def stage_latents(params: StageParams) -> None:
 
     data = params.get("latents.data") or str(ARTIFACTS / "clips" / "data")
     staging = fresh_staging("latents")
-    from distillery.stages.device import stage_device
+    from distillery.pipeline.launch.device import stage_device
 
     lat = params.get("latents")
 

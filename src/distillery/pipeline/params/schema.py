@@ -12,7 +12,7 @@ declared with :func:`rule`: its default, its range (``low``/``high``, as
 :func:`distillery.config.typed.bounded`) and, where the range alone does not say it, a ``check``
 returning what is wrong with the value as written (4k+1 frames, a host:port, a range worded as
 ``in [0, 1]``), run before the range. The keys each stage reads are its dvc.yaml ``params:`` list
-(:func:`distillery.stages.dvcfile.stage_params`).
+(:func:`distillery.pipeline.dvcfile.stage_params`).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def trajectory_points(v: list[float]) -> str | None:
 @dataclass
 class GpusParams:
     nproc_per_node: int = rule(1, 1, MAX_GPUS_PER_NODE)  # processes (GPUs) per node that torchrun starts
-    nnodes: int = rule(1, 1, MAX_NODES)  # nodes: one torchrun agent each (stages/launcher.py)
+    nnodes: int = rule(1, 1, MAX_NODES)  # nodes: one torchrun agent each (pipeline/launch/launcher.py)
     launcher: Literal["local", "slurm"] = "local"  # local: the agents on this machine; slurm: srun over the stage's Slurm allocation
     rdzv_endpoint: str | None = rule(None, check=host_port)  # host:port of the c10d rendezvous; null: the stage serves it (a free port here)
     replicate_size: int = rule(1, 1, MAX_NODES * MAX_GPUS_PER_NODE)  # HSDP: copies of each trained model (1: FSDP over every GPU; nnodes: one per node)

@@ -4,33 +4,20 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-from distillery.common.errors import UserError
 from distillery.common.log import get_logger
-from distillery.stages.artifacts import finish, fresh_staging
-from distillery.stages.params import StageParams
+from distillery.pipeline.params.base_path import resolve_base
+from distillery.pipeline.params.reader import StageParams
+from distillery.pipeline.publish.artifacts import finish, fresh_staging
 
 log = get_logger("stage")
-
-
-def resolve_base(path: str) -> Path:
-    """``base.path`` → a diffusers model folder (``tiny``: the shipped fitted tiny Wan)."""
-    if path == "tiny":
-        from distillery.tinybase.shipped import shipped_tiny_base
-
-        return shipped_tiny_base()
-    p = Path(path).expanduser()
-    if not (p / "model_index.json").is_file():
-        raise UserError(f"params.yaml: base.path: {p} is not a diffusers model folder (no model_index.json); use 'tiny' or a Wan2.1 folder")
-    return p
 
 
 def stage_base(params: StageParams) -> None:
     """The base model folder as ``artifacts/base/model``: its ``model_index.json`` may name only
     diffusers/transformers classes a WanPipeline takes (one-line error otherwise), and no code file
-    of it (``.py``, bytecode, native modules) is copied (:mod:`distillery.stages.base_folder`)."""
-    from distillery.stages.base_folder import check_model_index, copy_model_folder
+    of it (``.py``, bytecode, native modules) is copied (:mod:`distillery.pipeline.publish.base_folder`)."""
+    from distillery.pipeline.publish.base_folder import check_model_index, copy_model_folder
 
     source = resolve_base(params.get("base.path"))
     check_model_index(source, f"params.yaml: base.path: {source}")

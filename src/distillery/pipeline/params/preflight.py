@@ -27,8 +27,8 @@ from pathlib import Path
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind, read_json_file
 from distillery.common.fsutil import human_bytes as human
-from distillery.stages.params import Params
-from distillery.stages.training_table import DATA_ARTIFACT, TRAINING_STAGES
+from distillery.pipeline.launch.training_table import DATA_ARTIFACT, TRAINING_STAGES
+from distillery.pipeline.params.reader import Params
 
 DISK_ERRNOS = {
     errno.ENOSPC: "no space left on the device",
@@ -127,7 +127,7 @@ def estimate_bytes(stage: str, params: Params, artifacts: Path) -> int:
         frames = (c.num_train + c.num_validation) * c.num_frames * c.size ** 2 * 3
         return frames // 100  # encoded video of synthetic shapes compresses by far more than 100x
     if stage == "base":
-        from distillery.stages.base import resolve_base
+        from distillery.pipeline.params.base_path import resolve_base
 
         return _tree_bytes(resolve_base(params.get("base.path")))
     if stage == "latents":
@@ -326,12 +326,12 @@ def _check_batch_rows(names: list[str], found: tuple[int, str], stage: str, para
 
 def _check_base_path(params: Params) -> None:
     """``base.path``: ``tiny`` (shipped) or a diffusers Wan folder the base stage accepts: a ``model_index.json`` of
-    library classes only (:func:`~distillery.stages.base_folder.check_model_index`, the base stage's own check) and a
+    library classes only (:func:`~distillery.pipeline.publish.base_folder.check_model_index`, the base stage's own check) and a
     transformer config. Only that module is imported: the stages before ``base`` keep their code deps small."""
     path = params.get("base.path")
     if path == "tiny":
         return
-    from distillery.stages.base_folder import check_model_index  # only for a folder: the tiny default's stages never import it
+    from distillery.pipeline.publish.base_folder import check_model_index  # only for a folder: the tiny default's stages never import it
     source = Path(path).expanduser()
     if not (source / "model_index.json").is_file():
         raise UserError(f"params.yaml: base.path: {source} is not a diffusers model folder (no model_index.json); use "
@@ -383,7 +383,7 @@ PATH_PARAMS = {"base.path": ("base", _check_base_path), "latents.data": ("latent
 def check_paths(params: Params, stage: str | None = None, order: tuple[str, ...] = ()) -> None:
     """Refuse (one line) a path ``params.yaml`` names that the stage reading it would refuse — before any work.
     ``stage``: the stage about to run; it checks the paths of itself and of every stage after it in ``order``
-    (the DAG order of the stage table, :data:`distillery.stages.runner.STAGES`; a stage that ran already is not
+    (the DAG order of the stage table, :data:`distillery.pipeline.launch.runner.STAGES`; a stage that ran already is not
     asked again); None: all of them."""
     order = tuple(order)
     at = order.index(stage) if stage in order else 0

@@ -175,7 +175,7 @@ def _vars_context(repo: Path, doc: Mapping[str, Any]) -> dict[str, Any]:
 def _expand(name: str, body: Mapping[str, Any], ctx: Mapping[str, Any]) -> list[tuple[str, dict]]:
     """Expand one ``stages`` entry into ``(name, body)`` pairs (``foreach`` → several)."""
     if "matrix" in body:
-        raise ValueError(f"dvc.yaml: stage {name!r} uses `matrix`, which distillery.stages.dvcfile does not read")
+        raise ValueError(f"dvc.yaml: stage {name!r} uses `matrix`, which distillery.pipeline.dvcfile does not read")
     if "foreach" not in body:
         return [(name, _interpolate(dict(body), ctx, f"stage {name!r}"))]
     items = _interpolate(body["foreach"], ctx, f"stage {name!r} foreach")
@@ -258,7 +258,7 @@ def stage_params(stage: str, repo: Path = Path(".")) -> list[str]:
     """The ``params.yaml`` keys ``stage`` lists under ``params:`` in ``dvc.yaml``, in file order.
 
     This is the one list of what a stage reads: DVC reruns the stage when one of them changes, the
-    stage may read only these (:class:`distillery.stages.params.StageParams`) and records them
+    stage may read only these (:class:`distillery.pipeline.params.reader.StageParams`) and records them
     in its lineage. ``params.yaml:key`` entries count as ``key``; keys of other files are refused.
     """
     from distillery.common.errors import UserError

@@ -1,7 +1,7 @@
 """The ``validate`` stage: the teacher and every student scored on the validation prompts
 (:mod:`distillery.evaluation.validate`), published as ``artifacts/validate/``. Its candidates and
 inputs are the training table's rows that declare a ``validation``
-(:class:`~distillery.stages.training_table.ValidationSpec`)."""
+(:class:`~distillery.pipeline.launch.training_table.ValidationSpec`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distillery.common.log import get_logger
-from distillery.stages.artifacts import ARTIFACTS, RUNS, finish, fresh_staging
-from distillery.stages.params import StageParams
-from distillery.stages.training_table import TRAINING_STAGES, TrainingStageSpec
+from distillery.pipeline.launch.training_table import TRAINING_STAGES, TrainingStageSpec
+from distillery.pipeline.params.reader import StageParams
+from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS, finish, fresh_staging
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -27,7 +27,7 @@ SAMPLE_CACHE = RUNS / "validate" / "cache"  # each candidate's videos and scores
 
 def latent_settings() -> dict:
     """The latents stage's preprocessing settings (frames, size, fps, ...) from its ``preprocess.json``."""
-    from distillery.stages.run_config import latent_manifest
+    from distillery.pipeline.launch.run_config import latent_manifest
 
     return latent_manifest()["settings"]
 
@@ -69,7 +69,7 @@ def validation_prompts(n: int) -> tuple[list[str], "PromptEmbeddings | None"]:
 
 def table_candidates(params: StageParams, table: "Mapping[str, TrainingStageSpec] | None" = None) -> list["Candidate"]:
     """The validate stage's candidates, from the training table (default: :data:`TRAINING_STAGES`):
-    for each row with a ``validation`` (:class:`~distillery.stages.training_table.ValidationSpec`), in
+    for each row with a ``validation`` (:class:`~distillery.pipeline.launch.training_table.ValidationSpec`), in
     table order, one candidate per step count — named ``<stage>_<steps>``, over
     ``artifacts/<stage>/model``, sampled as its ``sampling.json`` says (or by the row's own sampler),
     with the steps and guidance the row's params keys give (else the contract's). The first is the
@@ -137,7 +137,7 @@ def stage_validate(params: StageParams) -> None:
     all of them, ``report/summary.md`` the table a user reads. The grid and the adherence plot go to the stage's MLflow run."""
     from distillery.evaluation.sample_cache import SampleCache
     from distillery.evaluation.validate import ValidationConfig, headline_metrics, run_validation
-    from distillery.stages.device import stage_device
+    from distillery.pipeline.launch.device import stage_device
 
     v = params.get("validate")
     made = latent_settings()  # the videos validate samples have the size the models were trained on

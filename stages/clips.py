@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from distillery.common.log import get_logger
-from distillery.stages.artifacts import finish, fresh_staging
-from distillery.stages.params import StageParams
+from distillery.pipeline.params.reader import StageParams
+from distillery.pipeline.publish.artifacts import finish, fresh_staging
 
 log = get_logger("stage")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from distillery.common.fsutil import follow_umask, replace_dir, write_text_atomic
 from distillery.common.log import get_logger
-from distillery.stages.params import StageParams
+from distillery.pipeline.params.reader import StageParams
 
 log = get_logger("stage")
 
@@ -134,9 +134,9 @@ def finish(stage: str, staging: Path, *, kind: str, params: StageParams, metrics
     inputs and their upstream artifacts is checked against their manifests first
     (:func:`verify_shipped_chain`). ``launch``: how a training stage ran (launcher, nodes, the Slurm
     job), recorded in the lineage. ``weights``: which weights a training stage's model holds (its own
-    or its EMA's, :func:`distillery.stages.training.shipped_weights`), recorded in the lineage."""
+    or its EMA's, :func:`stages.training.shipped_weights`), recorded in the lineage."""
     from distillery.lineage.manifest import Input, write_lineage
-    from distillery.stages.mlflow_runs import log_files, log_stage_run, parent_run_id
+    from distillery.pipeline.publish.mlflow_runs import log_files, log_stage_run, parent_run_id
 
     verified = verify_shipped_chain(stage, inputs) if verify_chain else None
     write_json_atomic(staging / "metrics.json", metrics)

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from distillery.common.errors import UserError
-from distillery.stages.params import Params
-from distillery.stages.params_file import read_params_file
-from distillery.stages.params_schema import validate_params
+from distillery.pipeline.params.file import read_params_file
+from distillery.pipeline.params.reader import Params
+from distillery.pipeline.params.schema import validate_params
 
 
 def load_profile(profile: str | Path, params_path: str | Path = "params.yaml") -> dict[str, Any]:

@@ -1,55 +1,78 @@
 """``distillery stage <name>``: run one pipeline stage = params.yaml → work → ``artifacts/<name>/``.
 
 Around every stage (:func:`run_stage`): ``params.yaml`` is validated whole first; the stage reads
-only the params its ``dvc.yaml`` entry lists (:class:`distillery.stages.params.StageParams`); one
+only the params its ``dvc.yaml`` entry lists (:class:`distillery.pipeline.params.reader.StageParams`); one
 writer per stage (a lock in ``runs/.locks/``); the stage dies with the process that started it; the
 output folders are checked for writability and room before any work; a disk error becomes one
-line; a failure leaves the previous artifact as it was (:mod:`distillery.stages.artifacts`).
+line; a failure leaves the previous artifact as it was (:mod:`distillery.pipeline.publish.artifacts`).
 
-The stages are a table of dotted paths (:data:`STAGES`, one module per stage in this package): a
-stage's process imports its own module and nothing of the others, so its ``dvc.yaml`` code deps are
-only what it runs.
+The stages are a table of dotted paths (:data:`STAGES`): each names its adapter, a module of the
+workspace's top-level ``stages/`` package (beside ``dvc.yaml`` and the run-config templates), imported
+only when its stage runs (:func:`stage_function`): a stage's process imports its own module and nothing
+of the others, so its ``dvc.yaml`` code deps are only what it runs. Nothing else of ``distillery``
+imports ``stages``: the library and this package stay importable without a workspace.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 import shutil
 import signal
 import stat
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from distillery.common import hashcache
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind
 from distillery.common.log import get_logger
-from distillery.stages.artifacts import ARTIFACTS, RUNS
-from distillery.stages.params import Params, StageParams
-from distillery.stages.training_table import TRAINING_STAGES
+from distillery.pipeline.launch.training_table import TRAINING_STAGES
+from distillery.pipeline.params.reader import Params, StageParams
+from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS
 
 log = get_logger("stage")
 HASH_CACHE_FILE = ".hash_cache.json"  # in runs/: the workspace's hash cache (distillery.common.hashcache)
 
-# stage -> "module:function" that runs it with the stage's params (a training stage's also takes its table row's name)
+# stage -> "module:function" of the workspace's ``stages/`` package that runs it with the stage's params (a training
+# stage's also takes its table row's name)
 STAGES: dict[str, str] = {
-    "clips": "distillery.stages.clips:stage_clips",
-    "base": "distillery.stages.base:stage_base",
-    "latents": "distillery.stages.latents:stage_latents",
-    "prompts": "distillery.stages.prompts:stage_prompts",
-    **{name: "distillery.stages.training:run_training_stage" for name in TRAINING_STAGES},
-    "validate": "distillery.stages.validate:stage_validate",
-    "export": "distillery.stages.export:stage_export",
+    "clips": "stages.clips:stage_clips",
+    "base": "stages.base:stage_base",
+    "latents": "stages.latents:stage_latents",
+    "prompts": "stages.prompts:stage_prompts",
+    **{name: "stages.training:run_training_stage" for name in TRAINING_STAGES},
+    "validate": "stages.validate:stage_validate",
+    "export": "stages.export:stage_export",
 }
-TRAINING_MODULE = "distillery.stages.training"
+TRAINING_MODULE = "stages.training"
 
 
-def stage_function(name: str) -> Callable[[StageParams], None]:
-    """Import the module of stage ``name`` (only it) and return its ``fn(params)``."""
-    module, function = STAGES[name].split(":")
-    fn = getattr(importlib.import_module(module), function)
+def find_stage(name: str, workspace: Path = Path(".")) -> str:
+    """Put ``workspace`` (the folder holding ``dvc.yaml`` and ``params.yaml``) first on ``sys.path`` and check that its
+    ``stages/`` package has the adapter module of stage ``name`` (found, not run: only the package's ``__init__``
+    executes); return the module's name. None there (run outside a workspace) is one line (:class:`UserError`)."""
+    module = STAGES[name].split(":")[0]
+    root = str(workspace.resolve())
+    if sys.path[:1] != [root]:
+        sys.path.insert(0, root)
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # no package ``stages`` at all
+        found = False
+    if not found:
+        raise UserError(f"stage {name}: no module {module} in {root} (the stages/ package beside dvc.yaml and params.yaml): "
+                        "run it in the pipeline workspace")
+    return module
+
+
+def stage_function(name: str, workspace: Path = Path(".")) -> Callable[[StageParams], None]:
+    """Import the adapter module of stage ``name`` (only it) from ``workspace``'s ``stages/`` package
+    (:func:`find_stage`) and return its ``fn(params)``."""
+    fn = getattr(importlib.import_module(find_stage(name, workspace)), STAGES[name].split(":")[1])
     return functools.partial(fn, name) if name in TRAINING_STAGES else fn
 
 
@@ -100,8 +123,8 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     """Run one stage: one writer at a time, dies with whoever started it, checked for room before
     working, and on any failure leaves the previous ``artifacts/<name>`` as it was."""
     from distillery.common.procutil import AncestorWatch, exclusive_lock
-    from distillery.stages.dvcfile import stage_params
-    from distillery.stages.preflight import (
+    from distillery.pipeline.dvcfile import stage_params
+    from distillery.pipeline.params.preflight import (
         check_batch,
         check_free_space,
         check_memory,
@@ -120,6 +143,8 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     check_memory(name, params)  # from the params (and the latent set's counts) alone: before anything is touched
     check_batch(name, params, ARTIFACTS, stages=tuple(STAGES)[tuple(STAGES).index(name):])  # this and every later training stage
     declared = StageParams(params, name, stage_params(name))
+    workspace = Path(params_path).parent
+    find_stage(name, workspace)  # its adapter is there (a workspace's stages/), before anything is written
     _use_workspace_hash_cache()
     # under `nohup` the stage outlives the user's shell, never the program that runs it (dvc, a Prefect worker)
     watch = AncestorWatch(lambda: _orphaned(name), hangup_ignored=signal.getsignal(signal.SIGHUP) is signal.SIG_IGN)
@@ -131,7 +156,7 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
             cleanup_failed(name)  # what a killed earlier run of this stage left half-written
             check_free_space(name, params, ARTIFACTS, RUNS)
             try:
-                stage_function(name)(declared)
+                stage_function(name, workspace)(declared)
             except BaseException as exc:
                 cleanup_failed(name)
                 problem = disk_error(name, exc) if isinstance(exc, Exception) else None

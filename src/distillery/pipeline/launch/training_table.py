@@ -1,10 +1,10 @@
 """The declarative table of the training stages: one :class:`TrainingStageSpec` per stage.
 
 A training stage is its run-config template in ``stages/`` filled in from the typed ``params.yaml``
-by this table (:func:`distillery.stages.run_config.fill_run_config`: each value set as the Python value
+by this table (:func:`distillery.pipeline.launch.run_config.fill_run_config`: each value set as the Python value
 it is; the template holds null there) — no stage-specific code. Adding a training stage: a template in ``stages/``, a row here,
 a dvc.yaml stage (``cmd: distillery stage <name>``, its ``params:`` covering every key of the row),
-and the params.yaml section with its schema in :mod:`distillery.stages.params_schema`
+and the params.yaml section with its schema in :mod:`distillery.pipeline.params.schema`
 (``stages/README.md`` has the list). A row's ``validation`` makes the stage's model a candidate of
 the validate stage (its name, steps and guidance: :class:`ValidationSpec`).
 """
@@ -34,7 +34,7 @@ class StageVariant:
 
 @dataclass(frozen=True)
 class ValidationSpec:
-    """How a training stage's model is a candidate of the validate stage (:func:`distillery.stages.validate.table_candidates`).
+    """How a training stage's model is a candidate of the validate stage (:func:`stages.validate.table_candidates`).
 
     - ``lineage``: the name of the stage's artifact among validate's lineage inputs;
     - ``steps``: the params.yaml key of its sampling steps — an int, or a list of ints (one candidate
@@ -85,13 +85,13 @@ class TrainingStageSpec:
     - ``given_source_key`` / ``given_path_key`` / ``given_value``: a stage whose model may be given rather than
       trained (``teacher.source: base``, ``pretrain.source: given``): the stage then publishes the model folder
       ``given_path_key`` names (null: the base artifact's) as its artifact, untrained
-      (:func:`distillery.stages.training.publish_given_model`);
+      (:func:`stages.training.publish_given_model`);
     - ``input_keys``: role → the params.yaml key whose value names the stage that role starts from
       (``distill.critic_init: teacher | base``), applied last; dvc.yaml names that dep
       ``artifacts/${<key>}``;
     - ``validation``: how validate scores the stage's model (:class:`ValidationSpec`), None: it does not;
     - ``trajectories``: the stage trains on the teacher's ODE trajectories, which it makes first from the
-      teacher artifact and the latent set's prompts (:mod:`distillery.stages.trajectories`; set by the chosen
+      teacher artifact and the latent set's prompts (:mod:`stages.trajectories`; set by the chosen
       method, ``pretrain.method: ode_init``), instead of on the latents.
     """
 
@@ -185,7 +185,7 @@ class TrainingStageSpec:
     def ema_callback(self, params: Any) -> dict[str, Any] | None:
         """The run config's ``callbacks.ema`` entry when ``<stage>.ema_decay`` is set (None: no EMA, the
         template's callbacks as they are): an EMA of ``export_role``'s trainable modules, whose shadow the
-        stage then publishes (``distillery.stages.training.shipped_weights``)."""
+        stage then publishes (``stages.training.shipped_weights``)."""
         decay_key, start_key = self.ema_keys()
         decay = params.get(decay_key)
         if decay is None:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from distillery.common.errors import UserError
 from distillery.common.log import get_logger
-from distillery.stages.artifacts import ARTIFACTS, finish, fresh_staging
-from distillery.stages.params import StageParams
-from distillery.stages.training_table import TRAINING_STAGES
+from distillery.pipeline.launch.training_table import TRAINING_STAGES
+from distillery.pipeline.params.reader import StageParams
+from distillery.pipeline.publish.artifacts import ARTIFACTS, finish, fresh_staging
 
 log = get_logger("stage")
 
@@ -25,13 +25,13 @@ def stage_export(params: StageParams) -> None:
 
     What it ships is trusted no further than it can check: the base's ``model_index.json`` may name
     only library classes a WanPipeline takes and no code file of the base is copied
-    (:mod:`distillery.stages.base_folder`), so the only code in the folder is the modules written here,
+    (:mod:`distillery.pipeline.publish.base_folder`), so the only code in the folder is the modules written here,
     each recorded with its sha256 in the lineage (``config.shipped_code``: ``lineage --verify`` refuses
     any other code, and these with another digest); and every byte of the artifacts it is made from,
     and of theirs upstream, is read against their manifests before it is published
     (``finish(verify_chain=True)``; its cost is logged)."""
     from distillery.export.code import CODE_RECORD_KEY
-    from distillery.stages.base_folder import check_model_index
+    from distillery.pipeline.publish.base_folder import check_model_index
 
     student = params.get("export.student")
     if student not in TRAINING_STAGES:
@@ -93,7 +93,7 @@ def assemble_export(base: Path, student_model: Path, out: Path) -> tuple[dict[st
     ``({module file: sha256}, stock NFE or None)``."""
     from distillery.common.fsutil import follow_umask
     from distillery.export.code import write_export_code
-    from distillery.stages.base_folder import copy_model_folder
+    from distillery.pipeline.publish.base_folder import copy_model_folder
 
     # the base's parts; its own transformer is not copied at all (the student's replaces it)
     left_out = copy_model_folder(base, out, exclude=("lineage.json", "fit_report.json"), exclude_top=("transformer",))

@@ -1,18 +1,18 @@
 """The training stages (``teacher``, ``pretrain``, ...): one function for all, driven by the table.
 
-For a stage of :data:`distillery.stages.training_table.TRAINING_STAGES`, :func:`stage_training`:
+For a stage of :data:`distillery.pipeline.launch.training_table.TRAINING_STAGES`, :func:`stage_training`:
 
-1. fills the run config (:func:`distillery.stages.run_config.fill_run_config`) and checks the whole
-   chain before any training (:func:`~distillery.stages.run_config.check_chain`);
-2. writes ``runs/<stage>/run.yaml`` with its resume key (:mod:`distillery.stages.resume_key`): a
+1. fills the run config (:func:`distillery.pipeline.launch.run_config.fill_run_config`) and checks the whole
+   chain before any training (:func:`~distillery.pipeline.launch.run_config.check_chain`);
+2. writes ``runs/<stage>/run.yaml`` with its resume key (:mod:`distillery.pipeline.launch.resume_key`): a
    killed stage resumes from its last checkpoint; a stage whose config, inputs or code changed
    starts from step 0 and says why (docs/reliability.md);
 3. launches ``python -m distillery.cli.launch`` (torchrun, contained), one agent per node, as
-   ``params.yaml: gpus`` says (:mod:`distillery.stages.launcher`: local, or ``srun`` over a Slurm
+   ``params.yaml: gpus`` says (:mod:`distillery.pipeline.launch.launcher`: local, or ``srun`` over a Slurm
    allocation; one local process is the worker itself); every agent dies with this process, its
    workers with it — and while they train, this process imports what publishing needs
    (:class:`PublishImports`);
-4. reads the run's ``run_summary.json`` (:mod:`distillery.stages.run_summary`) and publishes the
+4. reads the run's ``run_summary.json`` (:mod:`distillery.pipeline.publish.run_summary`) and publishes the
    artifact: ``model/`` (the trained role's transformer — its EMA shadow when ``<stage>.ema_decay`` is
    set, :func:`shipped_weights` —, the init's scheduler, ``sampling.json`` from the summary's sampling
    contract), ``loss.json`` and its curve ``loss.png``, metrics and lineage (its ``launch``: launcher,
@@ -33,17 +33,17 @@ import yaml
 from distillery.common.errors import UserError
 from distillery.common.fsutil import write_text_atomic
 from distillery.common.log import get_logger
-from distillery.stages.artifacts import ARTIFACTS, RUNS, finish, fresh_staging, write_json_atomic
-from distillery.stages.params import StageParams
-from distillery.stages.training_table import EMA_CALLBACK, TRAINING_STAGES, TrainingStageSpec
+from distillery.pipeline.launch.training_table import EMA_CALLBACK, TRAINING_STAGES, TrainingStageSpec
+from distillery.pipeline.params.reader import StageParams
+from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS, finish, fresh_staging, write_json_atomic
 
 log = get_logger("stage")
 
 
 def training_launch(params: StageParams, config_path: Path):
     """The launch of ``-m distillery.cli.train --config <config_path>`` that ``params.yaml: gpus`` asks for
-    (:func:`distillery.stages.launcher.plan_launch`: one torchrun agent per node, local or over Slurm)."""
-    from distillery.stages.launcher import plan_launch
+    (:func:`distillery.pipeline.launch.launcher.plan_launch`: one torchrun agent per node, local or over Slurm)."""
+    from distillery.pipeline.launch.launcher import plan_launch
 
     return plan_launch(params.get("gpus"), ["--config", str(config_path)])
 
@@ -58,8 +58,8 @@ def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path], wo
     ``runs/<stage>`` as a symbolic link, or its lock file as a link, folder or FIFO, is one line, nothing touched."""
     from distillery.common.procutil import exclusive_lock
     from distillery.components.checkpoint.manager import list_checkpoints
-    from distillery.stages.resume_key import KEY_FILE, key_mismatch, read_key, resume_key
-    from distillery.stages.run_summary import SUMMARY_FILE
+    from distillery.pipeline.launch.resume_key import KEY_FILE, key_mismatch, read_key, resume_key
+    from distillery.pipeline.publish.run_summary import SUMMARY_FILE
 
     key = resume_key(stage, raw, inputs, world_size)
     run_dir = RUNS / stage
@@ -90,8 +90,8 @@ def discard_run(run_dir: Path) -> None:
     from distillery.components.checkpoint import record
     from distillery.components.checkpoint.trust import CHECKPOINT_RE
     from distillery.engine.run_log import LOG_FILE
-    from distillery.stages.resume_key import KEY_FILE
-    from distillery.stages.run_summary import SUMMARY_FILE
+    from distillery.pipeline.launch.resume_key import KEY_FILE
+    from distillery.pipeline.publish.run_summary import SUMMARY_FILE
 
     ours = record.written(run_dir)
     files = {LOG_FILE, SUMMARY_FILE, KEY_FILE, "run.yaml", record.RECORD_FILE}
@@ -118,7 +118,7 @@ def rehashed_key(stage: str, key: dict[str, str], saved: dict[str, str], inputs:
     not taken from the hash cache; a cached digest that was wrong is corrected in the cache and
     reported in one warning line."""
     from distillery.common import hashcache
-    from distillery.stages.resume_key import folder_digest
+    from distillery.pipeline.launch.resume_key import folder_digest
 
     changed = {role: folder for role, folder in inputs.items() if saved.get(f"input:{role}") != key.get(f"input:{role}")}
     before = len(hashcache.CORRECTED)
@@ -133,7 +133,7 @@ def rehashed_key(stage: str, key: dict[str, str], saved: dict[str, str], inputs:
 
 def kill_launcher() -> None:
     """Kill the running launch, if any (every agent's workers die with it; checkpoints are atomic)."""
-    from distillery.stages.launcher import kill_children
+    from distillery.pipeline.launch.launcher import kill_children
 
     kill_children()
 
@@ -188,15 +188,15 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     """Train the stage ``spec`` declares and publish ``artifacts/<stage>`` (module doc)."""
     from distillery.components.tracking import default_tracking_uri
     from distillery.config.schema import TrackerConfig
-    from distillery.stages.mlflow_runs import parent_run_id
-    from distillery.stages.run_config import check_chain, fill_run_config
-    from distillery.stages.run_summary import read_run_summary
+    from distillery.pipeline.launch.run_config import check_chain, fill_run_config
+    from distillery.pipeline.publish.mlflow_runs import parent_run_id
+    from distillery.pipeline.publish.run_summary import read_run_summary
 
     stage = spec.name
     spec = spec.resolve(params)  # the recipe params.yaml picks (distill.method)
     trajectories = None
     if spec.trajectories:  # pretrain.method: ode_init: the teacher's ODE trajectories first (resumable), the data it trains on
-        from distillery.stages.trajectories import TEACHER_ARTIFACT, stage_trajectories
+        from stages.trajectories import TEACHER_ARTIFACT, stage_trajectories
 
         trajectories = stage_trajectories(stage, params, spec.data)
     raw = fill_run_config(spec, params, parent_run_id(params.path.read_text()), trajectories)
@@ -209,7 +209,7 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     world = params.get("gpus.nnodes") * params.get("gpus.nproc_per_node")
     config_path = prepare_run_dir(stage, raw, resume_inputs, world)  # resumable on another world: the same global batch
     started = time.perf_counter()
-    from distillery.stages.launcher import run_launch
+    from distillery.pipeline.launch.launcher import run_launch
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if params.get("gpus.nproc_per_node") > 1 else "2")}
     launch = training_launch(params, config_path)
@@ -238,7 +238,7 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
                     components=summary.component_rows())
     write_json_atomic(staging / "model" / "sampling.json", summary.sampling)
     if trajectories is not None:  # what the model was trained on, tracked with it
-        from distillery.stages.trajectories import publish_trajectories
+        from stages.trajectories import publish_trajectories
 
         publish_trajectories(trajectories, staging)
     last = loss[-10:] or [{"loss": float("nan")}]
@@ -265,7 +265,7 @@ def given_model_folder(spec: TrainingStageSpec, params: StageParams) -> tuple[Pa
     path = params.get(spec.given_path_key) if spec.given_path_key else None
     if path is None:
         return ARTIFACTS / "base" / "model", [("base", ARTIFACTS / "base")]
-    from distillery.stages.base_folder import check_model_index
+    from distillery.pipeline.publish.base_folder import check_model_index
 
     folder = Path(path).expanduser()
     what = f"params.yaml: {spec.given_path_key}: {folder}"
@@ -286,7 +286,7 @@ def publish_given_model(spec: TrainingStageSpec, params: StageParams) -> None:
     contract of its own schedule, no loss; metrics ``steps: 0``; the lineage names the folder (or the base
     artifact) as its input and says ``weights: given``. Nothing under ``runs/<stage>`` is touched."""
     from distillery.models.schedule import read_scheduler_shift
-    from distillery.stages.base_folder import copy_model_folder
+    from distillery.pipeline.publish.base_folder import copy_model_folder
 
     stage = spec.name
     source, inputs = given_model_folder(spec, params)
