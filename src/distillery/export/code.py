@@ -3,9 +3,9 @@ decode of :mod:`distillery.data` (``vae_decode.py``, ``vae_kernels.py``: the sam
 to the folder's top level, and the record of them its lineage keeps.
 
 The export's only code is these files (``lineage --verify`` refuses any other code file, and these
-unless their digests are the ones recorded, :func:`distillery.lineage.manifest.verify_lineage`):
+unless their digests are the ones recorded, :func:`distillery.lineage.verify.verify_lineage`):
 :data:`SHIPPED_MODULES` is their names, and the same names are
-:data:`distillery.lineage.manifest.EXPORT_OWN_CODE` (a test keeps the two equal). They import only the
+:data:`distillery.lineage.artifact_code.EXPORT_OWN_CODE` (a test keeps the two equal). They import only the
 standard library, torch, numpy, safetensors, diffusers and transformers (FlashAttention-4, Triton and torchao only
 where installed, for the GPU path of :mod:`distilled_fast`), so the folder samples where
 distillery is not installed — with :data:`REQUIREMENTS` installed (diffusers loads Wan's transformer only
@@ -20,7 +20,7 @@ folder's own pipeline class. Then ``DiffusionPipeline.from_pretrained(folder, tr
 :class:`DistilledWanPipeline`, and without ``trust_remote_code`` diffusers refuses, naming
 ``pipeline.py`` — never a plain ``WanPipeline`` that would sample the student with the teacher's loop.
 ``lineage --verify`` accepts that one entry in an export whose ``pipeline.py`` it recorded
-(:data:`distillery.lineage.manifest.EXPORT_PIPELINE_CLASS`, kept equal to :data:`OWN_PIPELINE` by a test).
+(:data:`distillery.lineage.artifact_code.EXPORT_PIPELINE_CLASS`, kept equal to :data:`OWN_PIPELINE` by a test).
 """
 
 from __future__ import annotations
