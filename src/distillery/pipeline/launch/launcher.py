@@ -108,7 +108,7 @@ def plan_launch(gpus: Any, train_args: list[str]) -> Launch:
     (``params.yaml: gpus``, typed): module doc. Without ``gpus.rdzv_endpoint`` (and more than one
     node, or Slurm) the endpoint is a free port of this host that :func:`run_launch` serves."""
     nnodes, nproc, launcher = int(gpus.nnodes), int(gpus.nproc_per_node), str(gpus.launcher)
-    record: dict[str, Any] = {"launcher": launcher, "nnodes": nnodes, "nproc_per_node": nproc, "world_size": nnodes * nproc}
+    record: dict[str, Any] = {"launcher": launcher, "nnodes": nnodes, "nproc_per_node": nproc, "world_size": int(gpus.world_size)}
     run_id = f"distillery-{os.getpid()}-{time.time_ns()}"
     if launcher == "slurm":
         record.update(slurm_allocation(nnodes))
