@@ -260,9 +260,9 @@ def main() -> int:
 
         evaluation.ARTIFACTS = root / "artifacts"
         prompts, embeddings = evaluation.validation_prompts(2)
-        cfg = ValidationConfig(num_frames=FRAMES, height=HEIGHT, width=WIDTH, fps=FPS, teacher_steps=[4], num_seeds=1,
+        cfg = ValidationConfig(num_frames=FRAMES, height=HEIGHT, width=WIDTH, fps=FPS, num_seeds=1,
                                grid_formats=["gif"], device=DEVICE, progress_bar=False)
-        candidates = teacher_candidates(state["teacher"], cfg)
+        candidates = teacher_candidates(state["teacher"], [4], 4.0)
         if "pretrain" in state:
             candidates.append(Candidate.from_artifact("pretrain_4", state["pretrain"], 4, 4.0))
         metrics = run_validation(state["base"], candidates, prompts, root / "artifacts" / "validate", cfg, prompt_embeddings=embeddings)

@@ -2,8 +2,9 @@
 
 For a stage of :data:`distillery.pipeline.launch.training_table.TRAINING_STAGES`, :func:`stage_training`:
 
-1. fills the run config (:func:`distillery.pipeline.launch.run_config.fill_run_config`) and checks the whole
-   chain before any training (:func:`~distillery.pipeline.launch.run_config.check_chain`);
+1. fills the run config (:func:`distillery.pipeline.launch.run_config.fill_run_config`), builds it once and checks
+   the whole chain before any training (:func:`~distillery.pipeline.launch.run_config.check_chain`): what the stage
+   reads of its run config afterwards it reads from that build;
 2. writes ``runs/<stage>/run.yaml`` with its resume key (:mod:`distillery.pipeline.launch.resume_key`): a
    killed stage resumes from its last checkpoint; a stage whose config, inputs or code changed
    starts from step 0 and says why (docs/reliability.md);
@@ -200,20 +201,21 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
 
         trajectories = stage_trajectories(stage, params, spec.data)
     raw = fill_run_config(spec, params, parent_run_id(params.path.read_text()), trajectories)
-    check_chain(spec, raw)
+    config = check_chain(spec, raw)
     inputs = [(role, ARTIFACTS / artifact) for role, artifact in spec.input_artifacts()]
     resume_inputs = dict(inputs)
     if trajectories is not None:
         inputs.append(("teacher", ARTIFACTS / TEACHER_ARTIFACT))  # whose trajectories; the prompts: the data input
         resume_inputs.update(teacher=ARTIFACTS / TEACHER_ARTIFACT, trajectories=trajectories)
-    world = params.get("gpus.nnodes") * params.get("gpus.nproc_per_node")
+    world = params.get("gpus").world_size
     config_path = prepare_run_dir(stage, raw, resume_inputs, world)  # resumable on another world: the same global batch
     started = time.perf_counter()
     from distillery.pipeline.launch.launcher import run_launch
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if params.get("gpus.nproc_per_node") > 1 else "2")}
     launch = training_launch(params, config_path)
-    publishing = PublishImports(raw["models"][spec.export_role]["init_from"])
+    init_from = config.models[spec.export_role].config.init_from
+    publishing = PublishImports(init_from)
     code = run_launch(launch, env, while_running=publishing.start)
     if code != 0:
         raise SystemExit(code)  # the launcher printed the one line (a user error: code 2)
@@ -224,12 +226,12 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     run_dir = RUNS / stage
     summary = read_run_summary(run_dir)
     checkpoint = summary.checkpoint_dir(run_dir)
-    if summary.final_step != raw["training"]["loop"]["max_train_steps"] or checkpoint is None or not checkpoint.is_dir():
+    if summary.final_step != config.training.loop.max_train_steps or checkpoint is None or not checkpoint.is_dir():
         raise UserError(f"stage {stage}: training ended without its final checkpoint in {run_dir}")
     staging = fresh_staging(stage)
     weights = shipped_weights(spec, raw)
     export_weights(checkpoint, spec.export_role, staging / "model", ema=weights.get("callback"))
-    _, scheduler = locate_transformer(raw["models"][spec.export_role]["init_from"])
+    _, scheduler = locate_transformer(init_from)
     if scheduler is not None:
         shutil.copytree(scheduler, staging / "model" / "scheduler")
     loss = summary.loss_rows()
@@ -245,10 +247,10 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     # named for what it is: the mean over the last 10 logged steps (the last step's own loss is noisy; loss.json has it)
     metrics = {"loss_last10_mean": round(sum(r["loss"] for r in last) / len(last), 5), "last_loss": round(last[-1]["loss"], 5),
                "steps": summary.final_step}
-    tracker = raw["training"]["tracker"]
-    mlflow = {"tracking_uri": default_tracking_uri(TrackerConfig()), "experiment": tracker["experiment"],
-              "run_id": summary.mlflow_run_id, "parent_run_id": tracker["parent_run_id"]}
-    finish(stage, staging, kind="checkpoint", params=params, metrics=metrics, method=raw["method"]["_target_"], config=raw,
+    tracker = config.training.tracker
+    mlflow = {"tracking_uri": default_tracking_uri(TrackerConfig()), "experiment": tracker.experiment,
+              "run_id": summary.mlflow_run_id, "parent_run_id": tracker.parent_run_id}
+    finish(stage, staging, kind="checkpoint", params=params, metrics=metrics, method=config.method.target, config=raw,
            inputs=inputs, mlflow=mlflow, volatile={"seconds": round(time.perf_counter() - started, 1)}, launch=launch.record,
            weights=weights,
            mlflow_files=[(staging / "loss.png", "plots")], plots={f"{stage}_loss.json": loss})
@@ -302,10 +304,9 @@ def publish_given_model(spec: TrainingStageSpec, params: StageParams) -> None:
     shift = read_scheduler_shift(scheduler)
     num_train = int(json.loads((scheduler / "scheduler_config.json").read_text()).get("num_train_timesteps", 1000))
     contract: dict = {"sampler": "euler", "shift": shift, "num_train_timesteps": num_train}
-    chunks = [key for key, target in spec.resolve(params).params.items() if "models.student.chunk_size" in
-              ((target,) if isinstance(target, str) else target)]
-    if chunks:  # a causal recipe (pretrain.method dfsft / ode_init): the block-causal student's many-step contract
-        contract["chunk_size"] = int(params.get(chunks[0]))
+    chunks = dict(spec.resolve(params).config_overrides(params)).get("models.student.chunk_size")
+    if chunks is not None:  # a causal recipe (pretrain.method dfsft / ode_init): the block-causal student's many-step contract
+        contract["chunk_size"] = int(chunks)
     write_json_atomic(staging / "model" / "sampling.json", contract)
     if (source / IMPORTED_RECORD).is_file():  # the file it was imported from (sha256, entry): in the artifact too
         shutil.copy2(source / IMPORTED_RECORD, staging / "model" / IMPORTED_RECORD)

@@ -143,7 +143,6 @@ def stage_validate(params: StageParams) -> None:
     made = latent_settings()  # the videos validate samples have the size the models were trained on
     cfg = ValidationConfig(num_prompts=v.num_prompts, num_frames=int(made["num_frames"]), height=int(made["height"]),
                            width=int(made["width"]), fps=float(made["fps"]),
-                           teacher_steps=list(v.teacher_steps), guidance_scale=v.guidance_scale,
                            seed=params.get("seed"), num_seeds=v.num_seeds,  # progress: a line per 10 % or minute
                            vae_precision=v.vae_precision, vae_chunk_frames=v.vae_chunk_frames, compile=v.compile,
                            clip_model=v.clip_model,  # checked here (one line) before anything loads or samples

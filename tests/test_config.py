@@ -29,13 +29,26 @@ def _error(raw: dict, overrides: list[str] = (), prefixes=PREFIXES) -> str:
     return message
 
 
+def test_a_learning_rate_of_zero_is_refused_as_params_yaml_refuses_it(tmp_path):
+    """One rule for a learning rate, a run config's as params.yaml's: a finite number > 0 (0 trains nothing), for
+    ``training.optimizer`` and a role's own ``models.<role>.optimizer`` alike; one line naming the key."""
+    raw = _raw(tmp_path)
+    raw["training"]["optimizer"]["learning_rate"] = 0
+    assert _error(raw) == "config error: training.optimizer.learning_rate: 0: must be a finite number > 0"
+    raw = _raw(tmp_path)
+    raw["models"]["student"]["optimizer"] = {"learning_rate": 0.0}
+    assert _error(raw) == "config error: models.student.optimizer.learning_rate: 0.0: must be a finite number > 0"
+    assert _error(_raw(tmp_path), ["--training.optimizer.learning_rate", "-1e-4"]) == \
+        "config error: training.optimizer.learning_rate: -0.0001: must be a finite number > 0"
+
+
 def test_typed_config_and_explicit_zeros(tmp_path):
     raw = _raw(tmp_path)
-    raw["training"]["optimizer"].update({"weight_decay": 0, "warmup_steps": 0, "learning_rate": 0})
+    raw["training"]["optimizer"].update({"weight_decay": 0, "warmup_steps": 0, "min_lr_ratio": 0})
     raw["callbacks"] = {"ema": {"_target_": "distillery.callbacks.ema.EMACallback", "decay": 0, "start_step": 0}}
     cfg = load_run_config(raw=raw, prefixes=PREFIXES)
     assert cfg.training.optimizer.weight_decay == 0.0 and isinstance(cfg.training.optimizer.weight_decay, float)
-    assert cfg.training.optimizer.learning_rate == 0.0
+    assert cfg.training.optimizer.min_lr_ratio == 0.0
     assert cfg.callbacks["ema"].config.decay == 0.0  # not replaced by the 0.999 default
     assert cfg.training.loop.max_train_steps == 10
     assert cfg.models["student"].config.init_from == str(tmp_path / "base")
@@ -292,3 +305,21 @@ def test_callback_roles_are_checked_from_the_config_alone(tmp_path, latent_set):
     raw["callbacks"]["val"]["role"] = "student"
     raw["callbacks"]["ema"] = {"_target_": "distillery.callbacks.ema.EMACallback", "roles": ["student"]}
     check_roles_early(load_run_config(raw=raw, prefixes=PREFIXES))
+
+
+def test_a_section_built_in_python_meets_its_declared_rules():
+    """A bound is declared once, on its field: a section made in Python (``dataclasses.replace``, a test) is held
+    to it as a read one is, one line naming the key; a role's optimizer override follows the same declarations."""
+    import dataclasses
+
+    from distillery.config.schema import DataConfig, LoopConfig, OptimizerConfig, OptimizerOverride
+    from distillery.config.typed import FieldError
+
+    with pytest.raises(FieldError, match=r"^config error: training.optimizer.learning_rate: 0.0: must be a finite number > 0$"):
+        dataclasses.replace(OptimizerConfig(), learning_rate=0.0)
+    with pytest.raises(FieldError, match=r"^config error: training.data.batch_size: 0: must be ≥ 1$"):
+        DataConfig(batch_size=0)
+    with pytest.raises(FieldError, match=r"^config error: training.loop.stop_at_step: -1: must be ≥ 0$"):
+        LoopConfig(stop_at_step=-1)
+    config, override = ({f.name: f.metadata for f in dataclasses.fields(cls)} for cls in (OptimizerConfig, OptimizerOverride))
+    assert {name: meta for name, meta in override.items() if meta} == {name: config[name] for name in override if config[name]}

@@ -91,7 +91,7 @@ def exports(tmp_path_factory) -> dict:
     candidates = [Candidate("teacher_2", students["teacher"] / "model", 2, 4.0, "euler"),
                   *(Candidate.from_artifact(f"{n}_2", students[n] / "model") for n in ("distill", "dmd2", "pdd")),
                   Candidate.from_artifact("pdd_1", students["pdd"] / "model", num_steps=1)]
-    cfg = ValidationConfig(prompts=[PROMPT], num_frames=9, height=16, width=16, num_seeds=1, teacher_steps=[2], guidance_scale=4.0, grid_formats=[],
+    cfg = ValidationConfig(prompts=[PROMPT], num_frames=9, height=16, width=16, num_seeds=1, grid_formats=[],
                            bootstrap_resamples=0, progress_bar=False, max_sequence_length=16)
     validate = root / "artifacts" / "validate"
     run_validation(base, candidates, [], validate / "report", cfg)

@@ -197,8 +197,10 @@ def test_dfsft_caption_dropout_swaps_in_the_empty_prompt(tiny_base, training):
 
 
 def test_dfsft_config_rejects_bad_knobs():
-    for bad in ({"chunk_size": 0}, {"min_timestep_ratio": 0.5, "max_timestep_ratio": 0.5},
-                {"max_timestep_ratio": 1.5}, {"caption_dropout": -0.1}):
+    # chunk_size: its declared range (a UserError naming the key, as a run config's); the rest: the class's own rules
+    with pytest.raises(UserError, match=r"^config error: method.chunk_size: 0: must be ≥ 1$"):
+        DFSFTConfig(chunk_size=0)
+    for bad in ({"min_timestep_ratio": 0.5, "max_timestep_ratio": 0.5}, {"max_timestep_ratio": 1.5}, {"caption_dropout": -0.1}):
         with pytest.raises(ValueError):
             DFSFTConfig(**bad)
 

@@ -104,6 +104,19 @@ def test_template_filled_by_its_row(tmp_path, monkeypatch, stage, variant):
     assert filled == template
 
 
+def _unnamed_placeholders(spec: TrainingStageSpec, view: StageParams, text: str) -> list[str]:
+    """The knobs the stage takes whose run-config key the template holds (a null placeholder) without naming the
+    knob in its text (``# filled: params.yaml <knob>``): a placeholder says where its value comes from."""
+    template = yaml.safe_load(text)
+    return [s.key for s in spec.settings() if s.taken(view.get) and any(_holds(template, k) for k in s.sets)
+            and f"params.yaml {s.key}" not in text]
+
+
+def _holds(raw: dict, dotted: str) -> bool:
+    first, _, rest = dotted.partition(".")
+    return isinstance(raw, dict) and first in raw and (not rest or _holds(raw[first], rest))
+
+
 def _lookup(raw: dict, dotted: str) -> object:
     node: object = raw
     for part in dotted.split("."):
@@ -116,7 +129,7 @@ def _lookup(raw: dict, dotted: str) -> object:
 @pytest.mark.parametrize("stage,variant", ROWS)
 def test_templates_hold_no_value_a_row_fills(tmp_path, monkeypatch, stage, variant):
     """Every key the stage fills is null (or absent) in its template, so a template never holds a value
-    that contradicts params.yaml; each params.yaml key the row reads is named in the template's text."""
+    that contradicts params.yaml; each placeholder names the params.yaml knob that fills it."""
     row = TRAINING_STAGES[stage]
     params = _workspace(tmp_path, monkeypatch, {row.variant_key: variant} if variant else None)
     view = StageParams(params, stage, stage_params(stage))
@@ -125,13 +138,13 @@ def test_templates_hold_no_value_a_row_fills(tmp_path, monkeypatch, stage, varia
     template = yaml.safe_load(text)
     held = {key: _lookup(template, key) for key, _ in stage_overrides(spec, view, "p") if _lookup(template, key) is not None}
     assert not held, f"{spec.template} holds values its stage fills: {held}"
-    assert not [k for k in spec.params if f"params.yaml {k}" not in text]
+    assert not _unnamed_placeholders(spec, view, text)
 
 
-def test_a_row_naming_an_unknown_config_key_is_one_line(tmp_path, monkeypatch):
+def test_a_knob_setting_an_unknown_config_key_is_one_line(tmp_path, monkeypatch):
     params = _workspace(tmp_path, monkeypatch)
     spec = TrainingStageSpec(name="teacher", template="stages/teacher_sft.yaml", inputs={"student": "base"},
-                             params={"teacher.steps": "training.loop.max_steps"})
+                             borrows={"teacher.steps": ("training.loop.max_steps",)})
     with pytest.raises(UserError, match="training.loop.max_steps") as info:
         fill_run_config(spec, StageParams(params, "teacher", stage_params("teacher")), "p")
     assert "\n" not in str(info.value)
@@ -204,12 +217,10 @@ def _hand_written_candidates(params: StageParams) -> list:
     import dataclasses
 
     from distillery.evaluation.candidates import Candidate, teacher_candidates
-    from distillery.evaluation.validation_config import ValidationConfig
     from distillery.pipeline.publish.artifacts import ARTIFACTS
 
     v = params.get("validate")
-    cfg = ValidationConfig(teacher_steps=list(v.teacher_steps), guidance_scale=float(v.guidance_scale))
-    candidates = teacher_candidates(ARTIFACTS / "teacher" / "model", cfg)
+    candidates = teacher_candidates(ARTIFACTS / "teacher" / "model", list(v.teacher_steps), float(v.guidance_scale))
     candidates.append(Candidate.from_artifact(f"pretrain_{v.pretrain_steps}", ARTIFACTS / "pretrain" / "model",
                                               int(v.pretrain_steps), float(v.guidance_scale)))
     distilled = Candidate.from_artifact("distill", ARTIFACTS / "distill" / "model")
@@ -311,11 +322,12 @@ def test_pdd_method_picks_the_dm_pdd_recipe_beside_the_students_init(tmp_path, m
     assert raw["models"]["critic"]["optimizer"]["learning_rate"] == 3.0e-5
     assert raw["models"]["student"]["init_from"] == f"artifacts/{student_init}/model"
     load_run_config(raw=raw, prefixes=allowed_prefixes())  # the filled config builds
-    text = Path(spec.template).read_text()
-    assert not [k for k in spec.params if f"params.yaml {k}" not in text]
+    assert not _unnamed_placeholders(spec, view, Path(spec.template).read_text())
     (tmp_path / "plain").mkdir()
-    plain = row.resolve(StageParams(_workspace(tmp_path / "plain", monkeypatch), "pdd", stage_params("pdd")))
-    assert plain.template == "stages/pdd.yaml" and "critic" not in plain.inputs and "pdd.dm_weight" not in plain.params
+    plain_view = StageParams(_workspace(tmp_path / "plain", monkeypatch), "pdd", stage_params("pdd"))
+    plain = row.resolve(plain_view)
+    assert plain.template == "stages/pdd.yaml" and "critic" not in plain.inputs
+    assert "method.dm_weight" not in dict(plain.config_overrides(plain_view))  # a dm_pdd knob (pdd.dm_weight's when)
 
 
 @pytest.mark.parametrize("stage", list(TRAINING_STAGES))

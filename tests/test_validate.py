@@ -140,8 +140,8 @@ def test_few_step_x0_matches_the_loop_written_out(pipe, model, embeds, ladder, g
 
 @pytest.fixture(scope="module")
 def validation(base, tmp_path_factory):
-    cfg = ValidationConfig(teacher_steps=[10, 2], num_seeds=NUM_SEEDS, progress_bar=False)
-    candidates = teacher_candidates(base, cfg) + [Candidate("student", base, 2, 1.0, "few_step_x0")]
+    cfg = ValidationConfig(num_seeds=NUM_SEEDS, progress_bar=False)
+    candidates = teacher_candidates(base, [10, 2], 4.0) + [Candidate("student", base, 2, 1.0, "few_step_x0")]
     out = tmp_path_factory.mktemp("validate") / "validate"
     started = time.perf_counter()
     metrics = run_validation(base, candidates, PROMPTS, out, cfg)
@@ -340,7 +340,7 @@ def test_one_seed_gives_the_seed_0_samples_and_no_spread(validation, base, tmp_p
     monkeypatch.setattr(analyzer, "analyze", analyze)
     out, many, candidates, _ = validation
     cheap = [c for c in candidates if c.name != "teacher_10"]  # teacher_2 becomes the reference
-    cfg = ValidationConfig(teacher_steps=[10, 2], num_seeds=1, progress_bar=False, grid_formats=[])
+    cfg = ValidationConfig(num_seeds=1, progress_bar=False, grid_formats=[])
     metrics = run_validation(base, cheap, PROMPTS, tmp_path / "one", cfg)
     assert seen and all(name.startswith("validate-score") for name in seen), seen
     for c in cheap:
@@ -414,7 +414,7 @@ def test_stored_prompt_embeddings_replace_the_text_encoder(validation, base, tmp
     for weights in (stripped / "text_encoder").glob("*.safetensors"):
         weights.unlink()
     cheap = [c for c in candidates if c.name == "student"]
-    cfg = ValidationConfig(teacher_steps=[10, 2], num_seeds=1, progress_bar=False, grid_formats=[])
+    cfg = ValidationConfig(num_seeds=1, progress_bar=False, grid_formats=[])
     run_validation(stripped, cheap, PROMPTS, tmp_path / "stored", cfg, prompt_embeddings=stored)
     mine = load_file(tmp_path / "stored" / "samples" / "student" / "latents.safetensors")
     ref = load_file(out / "samples" / "student" / "latents.safetensors")
@@ -476,7 +476,7 @@ def test_several_scoring_threads_score_what_one_does_in_the_same_order(validatio
 
     out, metrics, candidates, _ = validation
     monkeypatch.setattr(validate_module, "scoring_workers", lambda video_bytes: 3)
-    cfg = ValidationConfig(teacher_steps=[10, 2], num_seeds=NUM_SEEDS, progress_bar=False)
+    cfg = ValidationConfig(num_seeds=NUM_SEEDS, progress_bar=False)
     threaded = run_validation(base, candidates, PROMPTS, tmp_path / "threaded", cfg)
     timing = ("latency_s", "latency_s_iqr")
     assert {k: v for k, v in threaded.items() if not k.endswith(timing)} == {k: v for k, v in metrics.items() if not k.endswith(timing)}
@@ -497,8 +497,8 @@ def test_a_candidates_scoring_runs_on_while_the_next_candidate_samples(validatio
     import distillery.evaluation.validate as validate_module
     from distillery.evaluation.sampling_context import SamplingContext
 
-    cfg = ValidationConfig(teacher_steps=[2], num_seeds=NUM_SEEDS, progress_bar=False, grid_formats=[])
-    candidates = teacher_candidates(base, cfg) + [Candidate("student", base, 2, 1.0, "few_step_x0")]
+    cfg = ValidationConfig(num_seeds=NUM_SEEDS, progress_bar=False, grid_formats=[])
+    candidates = teacher_candidates(base, [2], 4.0) + [Candidate("student", base, 2, 1.0, "few_step_x0")]
     second_sampling = threading.Event()
     sample, score = SamplingContext.sample, validate_module.score_video
     scored: list[bool] = []  # per scoring call (one thread: in submission order), whether it saw the next candidate sample
@@ -533,7 +533,7 @@ def test_a_batch_of_videos_samples_what_one_at_a_time_does(validation, base, tmp
     from safetensors.torch import load_file
 
     out, metrics, candidates, _ = validation
-    cfg = ValidationConfig(teacher_steps=[10, 2], num_seeds=NUM_SEEDS, progress_bar=False, grid_formats=[], sample_batch=4)
+    cfg = ValidationConfig(num_seeds=NUM_SEEDS, progress_bar=False, grid_formats=[], sample_batch=4)
     batched = run_validation(base, candidates, PROMPTS, tmp_path / "batched", cfg)
     assert batched.keys() == metrics.keys()
     for c in candidates:
@@ -560,7 +560,7 @@ def test_one_s_own_captions_say_where_the_prompts_came_from_and_mark_adherence_n
 
     own = ["a dog runs across a sunny park", "timelapse of clouds over a mountain lake"]
     cheap = [c for c in validation[2] if c.name != "teacher_10"]
-    cfg = ValidationConfig(teacher_steps=[2], num_seeds=1, progress_bar=False, grid_formats=[], bootstrap_resamples=0)
+    cfg = ValidationConfig(num_seeds=1, progress_bar=False, grid_formats=[], bootstrap_resamples=0)
     source = "the latent set's TRAIN split: the data has no validation/ folder"
     with caplog.at_level(logging.INFO, logger="distillery"):
         metrics = run_validation(base, cheap, own, tmp_path / "own", cfg, prompt_source=source)

@@ -79,14 +79,10 @@ class ValidationCallbackConfig(ValidationSampling):
         super().__post_init__()  # the shared bounds (num_prompts, seed, fps)
         if not self.data_path:
             raise ValueError("data_path is required: the latent set folder whose prompts are sampled")
-        if self.every_steps < 1 or self.num_prompts < 1 or self.text_max_length < 1:
-            raise ValueError("every_steps, num_prompts and text_max_length must be >= 1")
-        if self.num_steps is not None and self.num_steps < 1:
-            raise ValueError("num_steps must be >= 1 (or null for the sampling contract's)")
+        if self.every_steps < 1:
+            raise ValueError("every_steps must be >= 1")
         if self.guidance_scale is not None and self.guidance_scale < 0:
             raise ValueError("guidance_scale must be >= 0")
-        if self.fps <= 0:
-            raise ValueError("fps must be > 0")
 
 
 @dataclass

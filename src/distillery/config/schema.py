@@ -10,16 +10,18 @@ A run config YAML has four top-level keys::
 Every class named by ``_target_`` declares its knobs as a dataclass in ``config_class``. Every number
 is bounded (:func:`distillery.config.typed.bounded`; the others by the defaults of that module): a
 value past a bound is a one-line error before anything is built, never an allocation the machine
-cannot make.
+cannot make. A bound is written once, in the field's declaration: a section built in Python rather
+than read (``dataclasses.replace``, a test) is held to the same declarations by
+:func:`~distillery.config.typed.check_fields` from its ``__post_init__`` (:class:`Checked`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from distillery.config.typed import bounded, to_plain
+from distillery.config.typed import bounded, check_fields, positive_finite, to_plain, with_default
 
 MAX_STEPS = 1_000_000_000  # optimizer steps of one run
 MAX_BATCH = 4096  # samples per rank per micro-batch
@@ -29,18 +31,27 @@ MAX_RANKS = 65536
 MAX_LEARNING_RATE = 1e12  # sizes nothing; a diverging loss stops at the first NaN step (the NaN guard)
 
 
+class Checked:
+    """A config section whose fields' declared rules (:func:`~distillery.config.typed.bounded`) hold however it
+    is made: read from a file (the converter checks them) or built in Python (``__post_init__`` checks them,
+    a :class:`~distillery.config.typed.FieldError` naming ``<where>.<field>``)."""
+
+    where: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        check_fields(self, self.where)
+
+
 @dataclass
-class DistributedConfig:
+class DistributedConfig(Checked):
+    where: ClassVar[str] = "training.distributed"
+
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl when CUDA is present, else gloo
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when present, else cpu
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"  # auto: bf16 compute on cuda, fp32 on cpu
     replicate_size: int = bounded(1, 1, MAX_RANKS)  # HSDP: size of the replicate mesh dim (1 = plain FSDP over all ranks)
     shard_single_rank: bool = False  # true: FSDP2 even on a world of one; false: a plain module there (bf16 compute copy + fp32 master, faster: BENCHMARKS.md)
     reshard_after_forward: bool | None = None  # FSDP2: free gathered params after forward (ZeRO-3); null: only when the shard group has >1 rank
-
-    def __post_init__(self) -> None:
-        if self.replicate_size < 1:
-            raise ValueError("replicate_size must be >= 1")
 
 
 @dataclass
@@ -88,7 +99,8 @@ class LoraConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Checked):
+    where: ClassVar[str] = "training.data"
     path: str = ""  # folder of latent parquet shards (holds train/ and validation/)
     split: str = "train"  # sub-folder of path to train on
     batch_size: int = bounded(1, 1, MAX_BATCH)  # samples per rank per micro-batch
@@ -99,16 +111,12 @@ class DataConfig:
     latent_shape: list[int] | None = bounded(None, 1, 65536, check=lambda v: None if v is None or len(v) == 4
                                              else "must be [C, T, H, W] (4 sizes)")
 
-    def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
-        if self.text_max_length < 1:
-            raise ValueError("text_max_length must be >= 1")
-
 
 @dataclass
-class OptimizerConfig:
-    learning_rate: float = bounded(1e-4, 0.0, MAX_LEARNING_RATE)  # peak learning rate
+class OptimizerConfig(Checked):
+    where: ClassVar[str] = "training.optimizer"
+
+    learning_rate: float = bounded(1e-4, 0.0, MAX_LEARNING_RATE, check=positive_finite)  # peak learning rate (0 trains nothing)
     betas: tuple[float, float] = bounded((0.9, 0.999), 0.0, 0.999999)  # AdamW betas
     weight_decay: float = bounded(0.01, 0.0, 1000.0)  # decoupled weight decay
     eps: float = bounded(1e-8, 0.0, 1.0)  # AdamW epsilon
@@ -116,28 +124,24 @@ class OptimizerConfig:
     warmup_steps: int = bounded(0, 0, MAX_STEPS)  # linear warmup from 0 over this many optimizer steps
     min_lr_ratio: float = bounded(0.0, 0.0, 1.0)  # floor of cosine/linear decay, as a fraction of learning_rate
 
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.learning_rate) or self.learning_rate < 0 or self.warmup_steps < 0:
-            raise ValueError("learning_rate must be finite and >= 0, warmup_steps >= 0")
-        if not all(math.isfinite(v) for v in (*self.betas, self.weight_decay, self.eps, self.min_lr_ratio)):
-            raise ValueError("betas, weight_decay, eps and min_lr_ratio must be finite numbers")
-
 
 @dataclass
 class OptimizerOverride:
-    """``models.<role>.optimizer``: fields that replace ``training.optimizer``'s for that role (null: keep)."""
+    """``models.<role>.optimizer``: fields that replace ``training.optimizer``'s for that role (null: keep);
+    each held to its :class:`OptimizerConfig` field's rule (declared there, once)."""
 
-    learning_rate: float | None = bounded(None, 0.0, MAX_LEARNING_RATE)
-    betas: tuple[float, float] | None = bounded(None, 0.0, 0.999999)
-    weight_decay: float | None = bounded(None, 0.0, 1000.0)
-    eps: float | None = bounded(None, 0.0, 1.0)
+    learning_rate: float | None = with_default(OptimizerConfig, "learning_rate", None)
+    betas: tuple[float, float] | None = with_default(OptimizerConfig, "betas", None)
+    weight_decay: float | None = with_default(OptimizerConfig, "weight_decay", None)
+    eps: float | None = with_default(OptimizerConfig, "eps", None)
     lr_scheduler: Literal["constant", "cosine", "linear"] | None = None
-    warmup_steps: int | None = bounded(None, 0, MAX_STEPS)
-    min_lr_ratio: float | None = bounded(None, 0.0, 1.0)
+    warmup_steps: int | None = with_default(OptimizerConfig, "warmup_steps", None)
+    min_lr_ratio: float | None = with_default(OptimizerConfig, "min_lr_ratio", None)
 
 
 @dataclass
-class LoopConfig:
+class LoopConfig(Checked):
+    where: ClassVar[str] = "training.loop"
     max_train_steps: int = bounded(100, 0, MAX_STEPS)  # optimizer steps in the whole run (a resumed run stops here too)
     grad_accum_steps: int = bounded(1, 1, 65536)  # micro-batches per optimizer step
     seed: int = bounded(0, 0, MAX_SEED)  # seeds python/numpy/torch, the data order and the method's random stream
@@ -147,26 +151,15 @@ class LoopConfig:
     # skip (no update) up to this many steps whose loss or grad norm is NaN/Inf per invocation; 0: stop at the first
     skip_nonfinite_steps: int = bounded(0, 0, 1_000_000)
 
-    def __post_init__(self) -> None:
-        if self.max_train_steps < 0 or self.grad_accum_steps < 1 or self.log_every < 1:
-            raise ValueError("max_train_steps >= 0, grad_accum_steps >= 1 and log_every >= 1 are required")
-        if self.skip_nonfinite_steps < 0:
-            raise ValueError("skip_nonfinite_steps must be >= 0")
-        if self.stop_at_step is not None and self.stop_at_step < 0:
-            raise ValueError("stop_at_step must be >= 0")
-
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Checked):
+    where: ClassVar[str] = "training.checkpoint"
     output_dir: str = "runs/train"  # checkpoint-<step>/ folders are written here
     save_every: int = bounded(0, 0, MAX_STEPS)  # steps between checkpoints; 0 = only at the end of the run
     keep_last: int = bounded(2, 0, 1_000_000)  # keep this many newest checkpoints (0 = keep all)
     resume: str = "latest"  # "latest" (newest complete checkpoint in output_dir, if any), "none", or a checkpoint path
     save_final: bool = True  # always write a checkpoint at the last step
-
-    def __post_init__(self) -> None:
-        if self.save_every < 0 or self.keep_last < 0:
-            raise ValueError("save_every and keep_last must be >= 0")
 
 
 @dataclass

@@ -16,7 +16,9 @@ tensor of 10**12 tokens, a grid of 4e9 intervals): a field declared with :func:`
 its range; any other integer within ±:data:`MAX_KNOB_INT`, any other float finite and within
 ±:data:`MAX_KNOB_FLOAT` (items of lists and tuples and values of mappings alike). A field may also
 carry a ``check`` (``bounded(..., check=fn)``: a rule of its own, e.g. 4k+1 frames, a host:port), run on
-the value as given once its type fits and before its range.
+the value as given once its type fits and before its range; a null (where the type allows it) is no number
+and meets no check. Each rule is declared once, on its field: :func:`check_fields` holds a config built in
+Python to the same declarations, and :func:`with_default` declares a field again with another default.
 """
 
 from __future__ import annotations
@@ -47,13 +49,26 @@ PATH_FIELD_SUFFIXES = ("_dir", "_path", "_file", "_from")
 
 
 def bounded(default: Any = _MISSING, low: float | None = None, high: float | None = None, *,
-            default_factory: Any = _MISSING, check: Check | None = None) -> Any:
+            default_factory: Any = _MISSING, check: Check | None = None, **metadata: Any) -> Any:
     """A dataclass field whose numbers (the value, or each item of a list) must lie in ``[low, high]``
-    (None: no bound on that side); ``check``: a further rule on the value as given (module doc)."""
-    metadata: dict[str, Any] = {_RANGE: (low, high)}
+    (None: no bound on that side); ``check``: a further rule on the value as given (module doc);
+    ``metadata``: further facts a reader of the field's declaration may use (a params field's run-config keys)."""
+    metadata[_RANGE] = (low, high)
     if check is not None:
         metadata[_CHECK] = check
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def with_default(cls: type, name: str, default: Any, **metadata: Any) -> Any:
+    """The field ``name`` of dataclass ``cls`` declared again with another default and everything else of its
+    declaration (range, check, metadata; ``metadata`` replaces those facts it names): a field that follows
+    another's rule (a subclass's default, an override of the same knob) without restating it."""
+    return dataclasses.field(default=default, metadata={**cls.__dataclass_fields__[name].metadata, **metadata})  # type: ignore[attr-defined]
+
+
+def positive_finite(v: float) -> str | None:
+    """A check (:func:`bounded`): a finite number above 0 (a learning rate, a rate, a scale)."""
+    return None if math.isfinite(v) and v > 0 else "must be a finite number > 0"
 
 
 class FieldError(UserError):
@@ -131,7 +146,7 @@ def check_fields(obj: Any, where: str) -> None:
         if dataclasses.is_dataclass(value):
             continue
         check = f.metadata.get(_CHECK)
-        problem = check(value) if check is not None else None
+        problem = check(value) if check is not None and value is not None else None
         if problem:
             raise FieldError(key, value, problem)
         _check_numbers(value, f.metadata.get(_RANGE), key)
@@ -283,7 +298,7 @@ def from_mapping(cls: type, data: dict[str, Any], where: str) -> Any:
             if dataclasses.is_dataclass(kwargs[f.name]):
                 continue
             check = f.metadata.get(_CHECK)
-            problem = check(given) if check is not None else None
+            problem = check(given) if check is not None and given is not None else None
             if problem:
                 raise FieldError(key, given, problem)
             _check_numbers(kwargs[f.name] if isinstance(given, (list, tuple, dict)) else given, f.metadata.get(_RANGE), key)

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distillery.common.errors import UserError
-from distillery.evaluation.validation_config import ValidationConfig
 
 if TYPE_CHECKING:
     from distillery.sampling import Sampler
@@ -95,10 +94,9 @@ class Candidate:
         return self.build_sampler(self.shift).nfe(self.num_steps, self.guidance_scale, num_frames=num_frames)
 
 
-def teacher_candidates(teacher_dir: Path, cfg: ValidationConfig) -> list[Candidate]:
-    """The teacher as one Euler candidate per ``cfg.teacher_steps`` entry, named ``teacher_<steps>``."""
-    return [Candidate(f"teacher_{int(n)}", Path(teacher_dir), int(n), cfg.guidance_scale, "euler")
-            for n in cfg.teacher_steps]
+def teacher_candidates(teacher_dir: Path, steps: list[int], guidance_scale: float) -> list[Candidate]:
+    """The teacher as one Euler candidate per entry of ``steps`` at CFG ``guidance_scale``, named ``teacher_<steps>``."""
+    return [Candidate(f"teacher_{int(n)}", Path(teacher_dir), int(n), float(guidance_scale), "euler") for n in steps]
 
 
 def forwards(cand: Candidate, latent_frames: int) -> dict[str, int]:

@@ -20,7 +20,9 @@ class ValidationConfig(ValidationSampling):
     """What to sample and how; one per validation run (``params.yaml: seed`` and ``validate``). The
     prompts, the noise and the video rate are the fields every validation shares
     (:class:`~distillery.config.validation.ValidationSampling`: ``num_prompts``, the captions the
-    validate stage takes from the latent set; ``seed``; ``fps``)."""
+    validate stage takes from the latent set; ``seed``; ``fps``). Which models at which steps and guidance
+    are the candidates, not this (:func:`~distillery.evaluation.candidates.teacher_candidates`, the validate
+    stage's training-table rows)."""
 
     where: ClassVar[str] = "validate"
 
@@ -28,8 +30,6 @@ class ValidationConfig(ValidationSampling):
     num_frames: int = 17  # frames per video (VAE temporal factor × k + 1)
     height: int = 32  # video height, pixels
     width: int = 32  # video width, pixels
-    teacher_steps: list[int] = field(default_factory=lambda: [40, 4])  # teacher baselines: many- and few-step Euler
-    guidance_scale: float = 4.0  # CFG scale of the teacher baselines (empty-prompt negative)
     num_seeds: int = 2  # noise draws per prompt (seed indices 0 .. num_seeds − 1); spreads are across them
     bootstrap_resamples: int = 200  # resamples of a candidate's videos for frechet_distance_std (< 2: std 0)
     grid_formats: list[str] = field(default_factory=lambda: ["gif", "mp4"])  # grid files to write
@@ -50,10 +50,6 @@ class ValidationConfig(ValidationSampling):
         if self.num_frames < 1 or self.height < 1 or self.width < 1:
             raise UserError(f"validate: num_frames, height and width must be >= 1, got {self.num_frames}, "
                             f"{self.height}, {self.width}")
-        if any(int(s) < 1 for s in self.teacher_steps):
-            raise UserError(f"validate.teacher_steps must be positive step counts, got {self.teacher_steps}")
-        if self.guidance_scale < 0:
-            raise UserError(f"validate.guidance_scale must be >= 0, got {self.guidance_scale}")
         bad = [f for f in self.grid_formats if f not in GRID_FORMATS]
         if bad:
             raise UserError(f"validate.grid_formats: unknown format {bad[0]!r}; valid: {', '.join(GRID_FORMATS)}")

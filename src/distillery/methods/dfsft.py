@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from distillery.common.errors import UserError
-from distillery.config.typed import bounded
+from distillery.config.typed import bounded, check_fields
 from distillery.methods.base import StepOutput, TrainingMethod, apply_caption_dropout, flow_matching_loss
 from distillery.models.base import CausalModelBase
 from distillery.models.schedule import FlowMatchSchedule
@@ -34,8 +34,7 @@ class DFSFTConfig:
     caption_dropout: float = 0.0  # probability of the empty prompt per sample
 
     def __post_init__(self) -> None:
-        if self.chunk_size < 1:
-            raise ValueError("chunk_size must be >= 1")
+        check_fields(self, "method")  # the declared ranges, for a config built in Python
         if not 0.0 <= self.min_timestep_ratio < self.max_timestep_ratio <= 1.0:
             raise ValueError("need 0 <= min_timestep_ratio < max_timestep_ratio <= 1")
         if not 0.0 <= self.caption_dropout <= 1.0:

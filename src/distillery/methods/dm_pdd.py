@@ -68,8 +68,6 @@ class DMPDDConfig(PDDConfig):
         super().__post_init__()
         if not self.dm_weight >= 0.0:
             raise ValueError("dm_weight must be >= 0")
-        if self.generator_update_interval < 1:
-            raise ValueError("generator_update_interval must be >= 1")
         check_score_timestep_range(self.min_score_timestep_ratio, self.max_score_timestep_ratio)
 
 

@@ -86,7 +86,7 @@ import torch
 import torch.nn.functional as F
 
 from distillery.common.errors import UserError
-from distillery.config.typed import bounded
+from distillery.config.typed import bounded, check_fields
 from distillery.methods.base import StepOutput, TrainingMethod, require_empty_prompt
 from distillery.models.base import ModelBase, TrainingBatch, batch_latent_shape
 from distillery.models.schedule import FlowMatchSchedule, euler_step, renoise, x0_from_velocity
@@ -112,6 +112,7 @@ class DMD2Config:
     check_rank_agreement: bool = False  # debug: all-reduce the shared draws each step, raise if ranks differ
 
     def __post_init__(self) -> None:
+        check_fields(self, "method")  # the declared ranges, for a config built in Python
         if self.rollout not in ("simulate", "data_latent"):
             raise ValueError(f"rollout must be simulate or data_latent, got {self.rollout!r}")
         if self.rollout_renoise not in ("sde", "ode"):
@@ -121,8 +122,6 @@ class DMD2Config:
             if not ts or any(not 0.0 < t <= 1000.0 for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
                 raise ValueError(f"student_timesteps must be non-empty, strictly descending, in (0, 1000]; got {ts}")
             self.student_timesteps = ts
-        if self.num_student_steps < 1:
-            raise ValueError("num_student_steps must be >= 1")
         if self.generator_update_interval < 1:
             raise ValueError("generator_update_interval must be >= 1")
         if not self.real_score_guidance_scale >= 0.0:

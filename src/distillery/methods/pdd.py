@@ -77,7 +77,7 @@ import torch.nn.functional as F
 
 from distillery.common.errors import UserError
 from distillery.common.log import get_logger
-from distillery.config.typed import bounded
+from distillery.config.typed import bounded, check_fields
 from distillery.methods.base import StepOutput, TrainingMethod, require_empty_prompt
 from distillery.models.base import Conditioning, HeadGroup, ModelBase, PDDModelBase, batch_latent_shape
 from distillery.sampling.base import cfg_enabled, guided_velocity
@@ -97,7 +97,8 @@ class PDDConfig:
     validation_steps: list[int] = bounded(low=1, high=1000, default_factory=list)  # NFEs the student will be sampled at (checked now)
 
     def __post_init__(self) -> None:
-        if self.block_size_min < 1 or self.block_size_max < self.block_size_min:
+        check_fields(self, "method")  # the declared ranges, for a config built in Python
+        if self.block_size_max < self.block_size_min:
             raise ValueError(f"need 1 <= block_size_min <= block_size_max, got {self.block_size_min}, {self.block_size_max}")
         if self.rollout not in ("data_latent", "simulate"):
             raise ValueError(f"rollout must be data_latent or simulate, got {self.rollout!r}")
@@ -106,8 +107,6 @@ class PDDConfig:
         if not self.teacher_guidance_scale >= 1.0:  # module doc, step 3: one rule for the target and DM-PDD's real score
             raise ValueError(f"teacher_guidance_scale must be >= 1 (1: the conditional teacher; > 1: CFG u + w(c − u)), got "
                              f"{self.teacher_guidance_scale}; the samplers read w <= 1 as no guidance")
-        if self.sampling_steps < 1:
-            raise ValueError("sampling_steps must be >= 1")
         self.validation_steps = [int(n) for n in self.validation_steps]
 
 

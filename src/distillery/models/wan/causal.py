@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from distillery.config.typed import bounded
+from distillery.config.typed import bounded, check_fields
 from distillery.models.base import CausalModelBase, Conditioning, TrainingBatch
 from distillery.models.wan.attention import (
     FA4WanAttnProcessor,
@@ -60,8 +60,7 @@ class CausalWanModelConfig(WanModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if int(self.chunk_size) < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        check_fields(self, "model")  # chunk_size's declared range, for a config built in Python
 
 
 class _AttentionPlan:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from distillery.common.errors import UserError
-from distillery.config.typed import bounded
+from distillery.config.typed import bounded, check_fields
 from distillery.models.base import Conditioning, HeadGroup, PDDModelBase, TrainingBatch
 from distillery.models.schedule import block_weights
 from distillery.models.wan.bidirectional import WanModel
@@ -88,8 +88,7 @@ class PDDWanModelConfig(WanModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if int(self.pdd_steps) < 1:
-            raise ValueError(f"pdd_steps must be >= 1, got {self.pdd_steps}")
+        check_fields(self, "model")  # pdd_steps' declared range, for a config built in Python
 
 
 class PDDHeadBank(torch.nn.Module):

@@ -108,7 +108,7 @@ def plan_launch(gpus: Any, train_args: list[str]) -> Launch:
     (``params.yaml: gpus``, typed): module doc. Without ``gpus.rdzv_endpoint`` (and more than one
     node, or Slurm) the endpoint is a free port of this host that :func:`run_launch` serves."""
     nnodes, nproc, launcher = int(gpus.nnodes), int(gpus.nproc_per_node), str(gpus.launcher)
-    record: dict[str, Any] = {"launcher": launcher, "nnodes": nnodes, "nproc_per_node": nproc, "world_size": nnodes * nproc}
+    record: dict[str, Any] = {"launcher": launcher, "nnodes": nnodes, "nproc_per_node": nproc, "world_size": int(gpus.world_size)}
     run_id = f"distillery-{os.getpid()}-{time.time_ns()}"
     if launcher == "slurm":
         record.update(slurm_allocation(nnodes))
@@ -128,16 +128,17 @@ def plan_launch(gpus: Any, train_args: list[str]) -> Launch:
     endpoint = gpus.rdzv_endpoint or f"127.0.0.1:{free_port('127.0.0.1')}"
     commands = [agent_command(nnodes, nproc, endpoint, run_id, train_args, is_host=False if hosted else (i == 0),
                               local_addr="127.0.0.1") for i in range(nnodes)]
-    return Launch(commands, launcher, nnodes, nproc, endpoint, record, hosted, local_gpu_slices(nnodes, nproc))
+    return Launch(commands, launcher, nnodes, nproc, endpoint, record, hosted, local_gpu_slices(gpus))
 
 
-def local_gpu_slices(nnodes: int, nproc: int) -> list[dict[str, str]]:
+def local_gpu_slices(gpus: Any) -> list[dict[str, str]]:
     """``CUDA_VISIBLE_DEVICES`` per local agent: agent i sees GPUs ``i·nproc … (i+1)·nproc − 1`` of the ones
     this process sees (``$CUDA_VISIBLE_DEVICES``, else 0, 1, …), so the agents' workers, each on its
     ``LOCAL_RANK``, never share a GPU. Harmless on a machine without GPUs."""
+    nnodes, nproc, world = int(gpus.nnodes), int(gpus.nproc_per_node), int(gpus.world_size)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = [d for d in visible.split(",") if d.strip()] if visible is not None else [str(i) for i in range(nnodes * nproc)]
-    if len(devices) < nnodes * nproc:
+    devices = [d for d in visible.split(",") if d.strip()] if visible is not None else [str(i) for i in range(world)]
+    if len(devices) < world:
         return [{} for _ in range(nnodes)]
     return [{"CUDA_VISIBLE_DEVICES": ",".join(devices[i * nproc:(i + 1) * nproc])} for i in range(nnodes)]
 

@@ -9,7 +9,8 @@ schema; the values are checked when the config is built), in this order:
    prompts`` — the prompts stage's) and ``training.data.text_max_length`` from its ``preprocess.json`` (the text
    encoder's sequence length); a prompt-only set also gives ``training.data.latent_shape`` (the ``[C, T, H, W]`` its
    stage derived from the frames, size and the base's VAE: what the rollouts generate);
-3. the row's ``params``: ``<config key> = params.yaml[<params key>]``; ``models.<role>.lora`` with
+3. the knobs: ``<config key> = params.yaml[<knob>]`` for each knob the recipe takes, the config key the knob's
+   own declaration names (:meth:`TrainingStageSpec.config_overrides`); ``models.<role>.lora`` with
    ``<stage>.lora_rank`` above 0 (:meth:`TrainingStageSpec.lora_overrides`); and
    ``training.distributed.replicate_size = gpus.replicate_size`` when > 1 (HSDP; every role's mesh);
 4. the EMA: with ``<stage>.ema_decay`` set, a ``callbacks.ema`` entry (:meth:`TrainingStageSpec.ema_callback`:
@@ -20,20 +21,24 @@ schema; the values are checked when the config is built), in this order:
    :mod:`distillery.common.progress`).
 
 The result is the raw mapping written to ``runs/<stage>/run.yaml`` (and hashed into the resume key).
-:func:`check_chain` then builds it whole and checks it against its inputs before any training.
+:func:`check_chain` then builds it, once — the typed :class:`~distillery.config.RunConfig` the stage reads from
+then on — and checks it against its inputs before any training.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distillery.common.errors import UserError
 from distillery.common.fsutil import read_json_file
 from distillery.pipeline.launch.training_table import DATA_ARTIFACT, EMA_CALLBACK, TrainingStageSpec
 from distillery.pipeline.params.reader import StageParams
 from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS
+
+if TYPE_CHECKING:
+    from distillery.config import RunConfig
 
 
 def data_dir(artifact: str = DATA_ARTIFACT) -> Path:
@@ -98,8 +103,9 @@ def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id:
     return raw
 
 
-def check_chain(spec: TrainingStageSpec, raw: dict[str, Any]) -> None:
-    """Before any training: the config builds, the roles fit the method, and each role's init model fits the data."""
+def check_chain(spec: TrainingStageSpec, raw: dict[str, Any]) -> "RunConfig":
+    """Before any training: the config builds, the roles fit the method, and each role's init model fits the data.
+    Returns the built config (the stage's one build of it: what it reads of its run config from then on)."""
     from distillery.config import allowed_prefixes, load_run_config
     from distillery.engine.batches import check_data_kind
     from distillery.engine.builder import check_roles_early
@@ -120,3 +126,4 @@ def check_chain(spec: TrainingStageSpec, raw: dict[str, Any]) -> None:
         if text_dim != latents["text_dim"]:
             raise UserError(f"stage {spec.name}: the model in {tdir} takes text_dim {text_dim}, the latents' "
                             f"prompt embeddings have {latents['text_dim']}; preprocess with this model's text encoder")
+    return config

@@ -2,17 +2,22 @@
 
 A training stage is its run-config template in ``stages/`` filled in from the typed ``params.yaml``
 by this table (:func:`distillery.pipeline.launch.run_config.fill_run_config`: each value set as the Python value
-it is; the template holds null there) — no stage-specific code. Adding a training stage: a template in ``stages/``, a row here,
-a dvc.yaml stage (``cmd: distillery stage <name>``, its ``params:`` covering every key of the row),
-and the params.yaml section with its schema in :mod:`distillery.pipeline.params.schema`
-(``stages/README.md`` has the list). A row's ``validation`` makes the stage's model a candidate of
+it is; the template holds null there) — no stage-specific code. Which run-config key a knob sets is declared
+by the knob itself, on its field of :mod:`distillery.pipeline.params.schema` (``sets``, and ``when`` for a
+recipe's own knob): a row takes ``seed`` and every such knob of its stage's section, and names only a knob of
+another section it borrows. Adding a training stage: a template in ``stages/``, a row here, a dvc.yaml stage
+(``cmd: distillery stage <name>``, its ``params:`` covering every key the row reads), and the params.yaml section
+with its schema (``stages/README.md`` has the list). A row's ``validation`` makes the stage's model a candidate of
 the validate stage (its name, steps and guidance: :class:`ValidationSpec`).
 """
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from distillery.pipeline.params.schema import ParamsSchema, Setting, run_config_settings
 
 DATA_ARTIFACT = "latents"  # a training stage trains on artifacts/latents/data (one with a data_key: the stage it names)
 DATA_ARTIFACTS = ("latents", "prompts")  # what a data_key may name: the latent set, or the prompt-only set
@@ -23,11 +28,12 @@ EMA_TARGET = "distillery.callbacks.ema.EMACallback"
 @dataclass(frozen=True)
 class StageVariant:
     """One choice of a stage whose recipe a ``params.yaml`` key picks (``distill.method``,
-    ``pdd.student_init``): its template, the params only that recipe takes (params key → run-config
-    key) and, when the choice is where a role starts from, its ``inputs`` (replacing the stage's)."""
+    ``pdd.student_init``): its template, the knob of another stage it ``borrows`` (that knob's key → the
+    run-config keys it sets here; the stage's own knobs say themselves which recipe takes them) and, when the
+    choice is where a role starts from, its ``inputs`` (replacing the stage's)."""
 
     template: str
-    params: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
+    borrows: dict[str, tuple[str, ...]] = field(default_factory=dict)
     inputs: dict[str, str] | None = None
     trajectories: bool = False  # the recipe trains on the teacher's ODE trajectories the stage makes first
 
@@ -69,18 +75,19 @@ class TrainingStageSpec:
     - ``template``: the run-config template, relative to the pipeline folder (a dvc.yaml dep of the stage);
     - ``inputs``: role → the stage whose artifact the role starts from (``models.<role>.init_from =
       artifacts/<stage>/model``); recorded in lineage and the resume key as ``<role>_init``;
-    - ``params``: params.yaml key → the run-config key it sets, or a tuple of keys it sets alike
-      (each params key must be covered by the stage's dvc.yaml ``params:``; a test checks it);
+    - the knobs it takes (:meth:`settings`): ``seed`` and every knob of the stage's own ``params.yaml`` section
+      that declares the run-config keys it sets (:func:`distillery.pipeline.params.schema.rule`);
+      ``borrows``: a knob of another section, the resolved recipe's (a :class:`StageVariant`'s);
     - ``export_role``: the role whose trained weights the artifact ships (``model/transformer``);
     - ``data_key``: the params.yaml key whose value names the stage whose ``data/`` the run trains on
       (``distill.data: latents | prompts``; without one :data:`DATA_ARTIFACT`), applied by :meth:`resolve` into
       ``data``; dvc.yaml names that dep ``artifacts/${<key>}``;
     - ``variant_key`` / ``variants``: a stage with several recipes — the params.yaml key whose value
-      names a :class:`StageVariant` (its template replaces ``template``, its params join ``params``);
+      names a :class:`StageVariant` (its template replaces ``template``, its borrowed knobs join ``borrows``);
       :meth:`resolve` gives the plain spec of the chosen one;
     - ``method_key`` / ``methods``: a second choice, of the method, for a stage whose ``variant_key``
       already picks where a role starts from (``pdd.method`` beside ``pdd.student_init``): the
-      :class:`StageVariant` its value names replaces the template, joins its params, and *adds* its
+      :class:`StageVariant` its value names replaces the template, joins its borrowed knobs, and *adds* its
       ``inputs`` to the roles' (a critic's init), applied after the variant;
     - ``given_source_key`` / ``given_path_key`` / ``given_value``: a stage whose model may be given rather than
       trained (``teacher.source: base``, ``pretrain.source: given``): the stage then publishes the model folder
@@ -98,7 +105,7 @@ class TrainingStageSpec:
     name: str
     template: str
     inputs: dict[str, str]
-    params: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
+    borrows: dict[str, tuple[str, ...]] = field(default_factory=dict)
     export_role: str = "student"
     data_key: str | None = None
     data: str = DATA_ARTIFACT  # the stage whose data/ the run trains on (a resolved spec: data_key's choice)
@@ -127,14 +134,14 @@ class TrainingStageSpec:
             if choice not in spec.variants:  # params.yaml was validated; a table/schema mismatch is a bug
                 raise KeyError(f"stage {spec.name}: {spec.variant_key} = {choice!r} has no variant ({', '.join(spec.variants)})")
             variant = spec.variants[choice]
-            spec = replace(spec, template=variant.template, params={**spec.params, **variant.params}, variant_key=None,
+            spec = replace(spec, template=variant.template, borrows={**spec.borrows, **variant.borrows}, variant_key=None,
                            variants={}, inputs=dict(variant.inputs) if variant.inputs is not None else spec.inputs)
         if spec.method_key is not None:
             choice = params.get(spec.method_key)
             if choice not in spec.methods:
                 raise KeyError(f"stage {spec.name}: {spec.method_key} = {choice!r} has no method ({', '.join(spec.methods)})")
             method = spec.methods[choice]
-            spec = replace(spec, template=method.template, params={**spec.params, **method.params}, method_key=None,
+            spec = replace(spec, template=method.template, borrows={**spec.borrows, **method.borrows}, method_key=None,
                            methods={}, inputs={**spec.inputs, **(method.inputs or {})}, trajectories=method.trajectories)
         if spec.input_keys:
             spec = replace(spec, inputs={**spec.inputs, **{role: str(params.get(key)) for role, key in spec.input_keys.items()}},
@@ -151,14 +158,24 @@ class TrainingStageSpec:
         chosen = [v.template for v in (*self.variants.values(), *self.methods.values())]
         return list(dict.fromkeys(chosen)) if chosen else [self.template]
 
+    def settings(self) -> list[Setting]:
+        """The knobs the stage may take, whichever recipe: ``seed``, every knob of its section that declares the
+        run-config keys it sets (:func:`~distillery.pipeline.params.schema.run_config_settings`), then those it borrows."""
+        sections = typing.get_type_hints(ParamsSchema)
+        if self.name not in sections:
+            raise KeyError(f"stage {self.name}: params.yaml has no section {self.name} (pipeline/params/schema.py)")
+        borrowed = {**self.borrows, **{k: v for c in (*self.variants.values(), *self.methods.values()) for k, v in c.borrows.items()}}
+        return (run_config_settings(ParamsSchema, "") + run_config_settings(sections[self.name], self.name)
+                + [Setting(key, tuple(keys), {}) for key, keys in borrowed.items()])
+
     def params_read(self) -> list[str]:
-        """Every params.yaml key the stage reads, whichever variant: the table's keys, the variant key and
-        its EMA's (:meth:`ema_callback`) and its LoRA's (:meth:`lora_overrides`)."""
-        keys = list(self.params) + [k for k in (*self.ema_keys(), *self.lora_keys()) if k not in self.params]
-        for variant in (*self.variants.values(), *self.methods.values()):
-            keys += [k for k in variant.params if k not in keys]
-        return keys + [k for k in (self.variant_key, self.method_key, *self.input_keys.values(), self.given_source_key,
-                                   self.given_path_key, self.data_key) if k and k not in keys]
+        """Every params.yaml key the stage reads, whichever variant: its knobs (:meth:`settings`) and what picks
+        them, its EMA's (:meth:`ema_callback`) and its LoRA's (:meth:`lora_overrides`), its choices."""
+        keys = [s.key for s in self.settings()]
+        keys += [k for s in self.settings() for k in s.when if k not in keys]
+        return keys + [k for k in (*self.ema_keys(), *self.lora_keys(), self.variant_key, self.method_key,
+                                   *self.input_keys.values(), self.given_source_key, self.given_path_key, self.data_key)
+                       if k and k not in keys]
 
     def given(self, params: Any) -> bool:
         """Whether ``params`` ask for the stage's model to be given (``teacher.source: base``), not trained."""
@@ -194,32 +211,10 @@ class TrainingStageSpec:
                 "roles": [self.export_role]}
 
     def config_overrides(self, params: Any) -> list[tuple[str, Any]]:
-        """``(run-config key, typed value)`` of the table's params for ``params`` (a resolved spec)."""
-        pairs = []
-        for params_key, config_keys in self.params.items():
-            for config_key in (config_keys,) if isinstance(config_keys, str) else config_keys:
-                pairs.append((config_key, params.get(params_key)))
-        return pairs
-
-
-def loop_params(stage: str) -> dict[str, str]:
-    """The knobs every training stage takes from ``params.yaml: seed`` and its own section."""
-    return {
-        f"{stage}.batch_size": "training.data.batch_size",
-        f"{stage}.learning_rate": "training.optimizer.learning_rate",
-        f"{stage}.lr_scheduler": "training.optimizer.lr_scheduler",
-        f"{stage}.warmup_steps": "training.optimizer.warmup_steps",
-        f"{stage}.weight_decay": "training.optimizer.weight_decay",
-        f"{stage}.steps": "training.loop.max_train_steps",
-        "seed": "training.loop.seed",
-        f"{stage}.save_every": "training.checkpoint.save_every",
-        f"{stage}.activation_checkpointing": "training.model.activation_checkpointing",
-        f"{stage}.activation_checkpointing_fraction": "training.model.activation_checkpointing_fraction",
-    }
-
-
-# the causal student attends block-causally over the chunks its method noises (DFSFT) or draws a trajectory point for (KD)
-CAUSAL_CHUNKS = {"pretrain.chunk_size": ("method.chunk_size", "models.student.chunk_size")}
+        """``(run-config key, typed value)`` of each knob the recipe ``params`` pick takes (a resolved spec)."""
+        if self.variant_key is not None or self.method_key is not None:
+            raise ValueError(f"stage {self.name}: the knobs of a resolved spec only (TrainingStageSpec.resolve)")
+        return [(config_key, params.get(s.key)) for s in self.settings() if s.taken(params.get) for config_key in s.sets]
 
 TRAINING_STAGES: dict[str, TrainingStageSpec] = {
     spec.name: spec
@@ -228,7 +223,6 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             name="teacher",
             template="stages/teacher_sft.yaml",
             inputs={"student": "base"},
-            params=loop_params("teacher"),
             # teacher.source: base publishes a given model (teacher.path: e.g. the 14B; null: the base) untrained
             given_source_key="teacher.source", given_path_key="teacher.path",
             # the reference: many- and few-step Euler with CFG (validate.teacher_steps, the first is the reference)
@@ -239,8 +233,6 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             name="pretrain",
             template="stages/pretrain_dfsft.yaml",
             inputs={"student": "teacher"},
-            # the causal student attends block-causally over the chunks DFSFT noises independently
-            params=loop_params("pretrain"),
             # from the teacher (its SFT), or from the base when the teacher is a given, larger model
             input_keys={"student": "pretrain.student_init"},
             # pretrain.source: given publishes pretrain.path (e.g. an imported ode_init.pt) as the student, untrained
@@ -249,30 +241,23 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             method_key="pretrain.method",
             data_key="pretrain.data",  # ode_init: the trajectories' prompts from the latent set or the prompt-only set
             # (ode_init_bidirectional: a bidirectional student, the init of distill.method: dmd2)
-            methods={"dfsft": StageVariant("stages/pretrain_dfsft.yaml", CAUSAL_CHUNKS),
-                     "ode_init": StageVariant("stages/pretrain_ode_init.yaml", {**CAUSAL_CHUNKS, "pretrain.t_list": "method.t_list"},
-                                              trajectories=True),
-                     "ode_init_bidirectional": StageVariant("stages/pretrain_ode_init_bidirectional.yaml",
-                                                            {"pretrain.t_list": "method.t_list"}, trajectories=True)},
+            # (pretrain.chunk_size and pretrain.t_list say which of them take them)
+            methods={"dfsft": StageVariant("stages/pretrain_dfsft.yaml"),
+                     "ode_init": StageVariant("stages/pretrain_ode_init.yaml", trajectories=True),
+                     "ode_init_bidirectional": StageVariant("stages/pretrain_ode_init_bidirectional.yaml", trajectories=True)},
             validation=ValidationSpec("pretrain", steps="validate.pretrain_steps", guidance="validate.guidance_scale"),
         ),
         TrainingStageSpec(
             name="distill",
             template="stages/distill_self_forcing.yaml",
             inputs={"student": "pretrain", "teacher": "teacher", "critic": "teacher"},
-            params={**loop_params("distill"), "distill.critic_learning_rate": "models.critic.optimizer.learning_rate",
-                    "distill.student_steps": "method.num_student_steps",
-                    "distill.generator_update_interval": "method.generator_update_interval",
-                    "distill.guidance_scale": "method.real_score_guidance_scale",
-                    "distill.student_shift": "models.student.shift"},
             variant_key="distill.method",
             # the critic (fake score) starts from the teacher, or from the student's base as the published recipes do
             input_keys={"critic": "distill.critic_init"},
             data_key="distill.data",  # the latent set, or the prompt-only set (both methods roll out from noise)
+            # self_forcing: the causal student attends block-causally over the chunks it was pretrained on
             variants={"self_forcing": StageVariant("stages/distill_self_forcing.yaml",
-                                                   {"distill.context_noise": "method.context_noise",
-                                                    "distill.same_step_across_chunks": "method.same_step_across_chunks",
-                                                    "pretrain.chunk_size": "models.student.chunk_size"}),
+                                                   borrows={"pretrain.chunk_size": ("models.student.chunk_size",)}),
                       "dmd2": StageVariant("stages/distill_dmd2.yaml")},
             validation=ValidationSpec("student"),  # its ladder as its contract says, no CFG (the guidance is distilled in)
         ),
@@ -280,10 +265,6 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             name="pdd",
             template="stages/pdd.yaml",
             inputs={"student": "teacher", "teacher": "teacher"},
-            params={**loop_params("pdd"), "pdd.pdd_steps": "models.student.pdd_steps",
-                    "pdd.block_size_min": "method.block_size_min", "pdd.block_size_max": "method.block_size_max",
-                    "pdd.rollout": "method.rollout", "pdd.integrator": "method.integrator",
-                    "pdd.guidance_scale": "method.teacher_guidance_scale", "pdd.sampling_steps": "method.sampling_steps"},
             # the teacher is always the teacher artifact; the student starts from it or from the distill student
             variant_key="pdd.student_init",
             variants={"teacher": StageVariant("stages/pdd.yaml", inputs={"student": "teacher", "teacher": "teacher"}),
@@ -291,9 +272,7 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             # pdd: the head regression alone; dm_pdd: + DMD2's distribution matching against a critic (from the teacher)
             method_key="pdd.method",
             methods={"pdd": StageVariant("stages/pdd.yaml"),
-                     "dm_pdd": StageVariant("stages/pdd_dm.yaml", {"pdd.dm_weight": "method.dm_weight",
-                                                                      "pdd.critic_learning_rate": "models.critic.optimizer.learning_rate"},
-                                            inputs={"critic": "teacher"})},
+                     "dm_pdd": StageVariant("stages/pdd_dm.yaml", inputs={"critic": "teacher"})},
             data_key="pdd.data",  # the latent set, or the prompt-only set (rollout: simulate; params check refuses data_latent)
             validation=ValidationSpec("pdd", steps="validate.pdd_nfe"),  # its NFE curve: the fused-block sampler at each NFE
         ),

@@ -313,11 +313,12 @@ def check_batch(stage: str, params: Params, artifacts: Path, stages: tuple[str, 
 
 def _check_batch_rows(names: list[str], found: tuple[int, str], stage: str, params: Params, label: str | None) -> None:
     rows, source = found
-    ranks, nodes = params.get("gpus.nproc_per_node"), params.get("gpus.nnodes")
-    over = [(n, params.get(f"{n}.batch_size")) for n in names if params.get(f"{n}.batch_size") * ranks * nodes > rows]
+    gpus = params.get("gpus")
+    ranks, nodes, world = gpus.nproc_per_node, gpus.nnodes, gpus.world_size
+    over = [(n, params.get(f"{n}.batch_size")) for n in names if params.get(f"{n}.batch_size") * world > rows]
     if over:
         keys = ", ".join(f"{n}.batch_size {b}" for n, b in over)
-        most = max(1, rows // (ranks * nodes))
+        most = max(1, rows // world)
         fix = " ".join(f"-S {n}.batch_size={most}" for n, _ in over)
         raise UserError(f"{label or f'stage {stage}'}: one global batch (× gpus.nproc_per_node {ranks} × gpus.nnodes {nodes}) of {keys} "
                         f"is more than the {rows} training samples ({source}); lower it (dvc exp run {fix}, or "

@@ -13,6 +13,13 @@ declared with :func:`rule`: its default, its range (``low``/``high``, as
 returning what is wrong with the value as written (4k+1 frames, a host:port, a range worded as
 ``in [0, 1]``), run before the range. The keys each stage reads are its dvc.yaml ``params:`` list
 (:func:`distillery.pipeline.dvcfile.stage_params`).
+
+A training stage's knob declares the run-config key(s) it sets (``rule(..., sets="training.optimizer.learning_rate")``),
+and, for a knob only one recipe of its stage takes, ``when`` (``{"method": ("self_forcing",)}``: the section's
+``method`` is one of these): :func:`run_config_settings` lists them, and the stage's run config takes each
+(:meth:`distillery.pipeline.launch.training_table.TrainingStageSpec.config_overrides`) — a knob is its
+``params.yaml`` line and its field here. A subclass changes a default with
+:func:`~distillery.config.typed.with_default`, keeping the field's rule and keys.
 """
 
 from __future__ import annotations
@@ -20,13 +27,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from distillery.common.errors import UserError
 from distillery.config.limits import path_problem, show
 from distillery.config.schema import MAX_LEARNING_RATE, MAX_LORA_RANK, MAX_SEED, t_list_problem  # the run config's: params feed them
-from distillery.config.typed import Check, FieldError, bounded, from_mapping
+from distillery.config.typed import Check, FieldError, bounded, from_mapping, positive_finite, with_default
 from distillery.config.validation import MAX_PROMPTS
 
 TRAINING_STAGES = ("teacher", "pretrain", "distill", "pdd")  # stages that train a model (training_table.TRAINING_STAGES); export picks one
@@ -52,10 +60,7 @@ MAX_PROMPT_CHARS = 4000  # a negative prompt (Wan's default: 139 characters)
 
 
 # -- checks: each returns what is wrong with an already type-checked value, or None --------------
-def positive_finite(v: float) -> str | None:
-    return None if math.isfinite(v) and v > 0 else "must be a finite number > 0"
-
-
+# (positive_finite: distillery.config.typed's, the run config's learning rates' own rule too)
 def non_negative_finite(v: float) -> str | None:
     return None if math.isfinite(v) and v >= 0 else "must be a finite number ≥ 0"
 
@@ -134,11 +139,46 @@ def prompt_text(v: str) -> str | None:
     return "must be one line" if "\n" in v or "\r" in v else None
 
 
-def rule(default: Any, low: float | None = None, high: float | None = None, check: Check | None = None) -> Any:
-    """A schema field: its default (a list default is copied per instance), its range and its check (module doc)."""
+SETS = "sets"  # field metadata: the run-config keys a training stage's knob sets (a tuple)
+WHEN = "when"  # field metadata: {sibling field: values}: the knob is set only while the section's sibling is one of them
+
+
+def rule(default: Any, low: float | None = None, high: float | None = None, check: Check | None = None, *,
+         sets: str | tuple[str, ...] = (), when: dict[str, tuple[str, ...]] | None = None) -> Any:
+    """A schema field: its default (a list default is copied per instance), its range and its check; for a training
+    stage's knob, the run-config key(s) it ``sets`` and ``when`` its recipe takes it (module doc)."""
+    facts: dict[str, Any] = {}
+    if sets:
+        facts[SETS] = (sets,) if isinstance(sets, str) else tuple(sets)
+    if when:
+        facts[WHEN] = dict(when)
     if isinstance(default, list):
-        return bounded(low=low, high=high, check=check, default_factory=lambda: list(default))
-    return bounded(default, low, high, check=check)
+        return bounded(low=low, high=high, check=check, default_factory=lambda: list(default), **facts)
+    return bounded(default, low, high, check=check, **facts)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A knob of ``params.yaml`` that sets run-config keys: its dotted ``key``, the run-config keys it ``sets``,
+    and ``when``: ``{params key: values}`` that must all hold for its stage's recipe to take it (empty: always)."""
+
+    key: str
+    sets: tuple[str, ...]
+    when: dict[str, tuple[str, ...]]
+
+    def taken(self, get: Callable[[str], Any]) -> bool:
+        """Whether the recipe the params (``get``: a key → its typed value) pick takes this knob."""
+        return all(get(key) in values for key, values in self.when.items())
+
+
+def run_config_settings(section: type, prefix: str) -> list[Setting]:
+    """The knobs of the dataclass ``section`` (at the params key ``prefix``; ``""``: the top level) that declare
+    the run-config keys they set (:func:`rule`'s ``sets`` and ``when``), in field order."""
+    def dotted(name: str) -> str:
+        return f"{prefix}.{name}" if prefix else name
+
+    return [Setting(dotted(f.name), f.metadata[SETS], {dotted(k): v for k, v in f.metadata.get(WHEN, {}).items()})
+            for f in dataclasses.fields(section) if f.metadata.get(SETS)]
 
 
 def trajectory_points(v: list[float]) -> str | None:
@@ -154,6 +194,11 @@ class GpusParams:
     launcher: Literal["local", "slurm"] = "local"  # local: the agents on this machine; slurm: srun over the stage's Slurm allocation
     rdzv_endpoint: str | None = rule(None, check=host_port)  # host:port of the c10d rendezvous; null: the stage serves it (a free port here)
     replicate_size: int = rule(1, 1, MAX_NODES * MAX_GPUS_PER_NODE)  # HSDP: copies of each trained model (1: FSDP over every GPU; nnodes: one per node)
+
+    @property
+    def world_size(self) -> int:
+        """The training ranks of a launch: ``nnodes × nproc_per_node``."""
+        return self.nnodes * self.nproc_per_node
 
 
 @dataclass
@@ -201,17 +246,21 @@ class PromptsParams:
 
 @dataclass
 class TrainingStageParams:
-    steps: int = rule(120, 1, MAX_STEPS)  # optimizer steps of the stage's run
-    batch_size: int = rule(16, 1, MAX_BATCH)  # samples per rank per step
-    learning_rate: float = rule(2.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # peak learning rate
-    lr_scheduler: Literal["constant", "cosine", "linear"] = rule("cosine")  # the decay after warmup (to 0.1 of the peak: the template's min_lr_ratio)
-    warmup_steps: int = rule(10, 0, MAX_STEPS)  # linear warmup from 0 over this many optimizer steps
-    weight_decay: float = rule(0.0, 0.0, MAX_WEIGHT_DECAY, non_negative_finite)  # AdamW's decoupled weight decay (every trained role)
+    steps: int = rule(120, 1, MAX_STEPS, sets="training.loop.max_train_steps")  # optimizer steps of the stage's run
+    batch_size: int = rule(16, 1, MAX_BATCH, sets="training.data.batch_size")  # samples per rank per step
+    learning_rate: float = rule(2.0e-4, 0, MAX_LEARNING_RATE, positive_finite, sets="training.optimizer.learning_rate")  # peak learning rate
+    # the decay after warmup (to 0.1 of the peak: the template's min_lr_ratio)
+    lr_scheduler: Literal["constant", "cosine", "linear"] = rule("cosine", sets="training.optimizer.lr_scheduler")
+    warmup_steps: int = rule(10, 0, MAX_STEPS, sets="training.optimizer.warmup_steps")  # linear warmup from 0 over this many optimizer steps
+    # AdamW's decoupled weight decay (every trained role)
+    weight_decay: float = rule(0.0, 0.0, MAX_WEIGHT_DECAY, non_negative_finite, sets="training.optimizer.weight_decay")
     ema_decay: float | None = rule(None, 0.0, 1.0, optional(ema_decay_range))  # EMA of the trained model; null: off; on: the artifact ships the EMA weights
     ema_start_step: int = rule(0, 0, MAX_STEPS)  # with EMA on: the shadow copies the weights until this optimizer step, then averages
-    save_every: int = rule(40, 0, MAX_STEPS)  # steps between checkpoints (0: only the final one)
-    activation_checkpointing: bool = rule(False)  # recompute block activations in backward (real-shape causal/distill runs need it on one GPU)
-    activation_checkpointing_fraction: float = rule(1.0, 0.0, 1.0)  # the share of blocks recomputed (evenly spread; 1: all)
+    save_every: int = rule(40, 0, MAX_STEPS, sets="training.checkpoint.save_every")  # steps between checkpoints (0: only the final one)
+    # recompute block activations in backward (real-shape causal/distill runs need it on one GPU)
+    activation_checkpointing: bool = rule(False, sets="training.model.activation_checkpointing")
+    # the share of blocks recomputed (evenly spread; 1: all)
+    activation_checkpointing_fraction: float = rule(1.0, 0.0, 1.0, sets="training.model.activation_checkpointing_fraction")
     lora_rank: int = rule(0, 0, MAX_LORA_RANK)  # 0: the model's full weights train; > 0: a LoRA adapter of this rank on it (docs/training.md)
     lora_alpha: float | None = rule(None, 0.0, 65536.0, optional(positive_finite))  # the LoRA update's scale is alpha / rank; null: alpha = rank
 
@@ -224,12 +273,15 @@ class TeacherParams(TrainingStageParams):
 
 @dataclass
 class PretrainParams(TrainingStageParams):
-    chunk_size: int = rule(1, 1, MAX_LATENT_FRAMES)  # latent frames that share one timestep (Diffusion-Forcing)
+    # latent frames that share one timestep (Diffusion-Forcing); the causal student attends block-causally over them
+    chunk_size: int = rule(1, 1, MAX_LATENT_FRAMES, sets=("method.chunk_size", "models.student.chunk_size"),
+                           when={"method": ("dfsft", "ode_init")})
     student_init: Literal["teacher", "base"] = rule("teacher")  # the causal student's init: the teacher artifact, or the base (a given, larger teacher)
     # dfsft: Diffusion-Forcing SFT on the latents; ode_init: KD onto the teacher's ODE trajectories (a causal student;
     # ode_init_bidirectional: a bidirectional one, distill.method dmd2's init)
     method: Literal["dfsft", "ode_init", "ode_init_bidirectional"] = rule("dfsft")
-    t_list: list[float] = rule([999.0, 937.0, 833.0, 624.0, 0.0], 0, MAX_TIMESTEP, check=trajectory_points)  # ode_init: the trajectory points
+    t_list: list[float] = rule([999.0, 937.0, 833.0, 624.0, 0.0], 0, MAX_TIMESTEP, check=trajectory_points, sets="method.t_list",
+                               when={"method": ("ode_init", "ode_init_bidirectional")})  # ode_init: the trajectory points
     teacher_steps: int = rule(8, 1, MAX_SAMPLING_STEPS)  # ode_init: the teacher's Euler steps (t_list's points added to its grid)
     guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite)  # ode_init: the teacher's CFG, u + w (c - u)
     seeds_per_prompt: int = rule(1, 1, MAX_SEEDS)  # ode_init: trajectories (noise draws) per prompt
@@ -248,41 +300,56 @@ def score_ratio(v: float) -> str | None:
 
 @dataclass
 class DistillParams(TrainingStageParams):
-    steps: int = rule(150, 1, MAX_STEPS)
-    learning_rate: float = rule(1.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # the student's peak learning rate
-    lr_scheduler: Literal["constant", "cosine", "linear"] = rule("constant")  # the student's and the critic's
-    warmup_steps: int = rule(0, 0, MAX_STEPS)
-    save_every: int = rule(50, 0, MAX_STEPS)
+    steps: int = with_default(TrainingStageParams, "steps", 150)
+    learning_rate: float = with_default(TrainingStageParams, "learning_rate", 1.0e-4)  # the student's peak learning rate
+    lr_scheduler: Literal["constant", "cosine", "linear"] = with_default(TrainingStageParams, "lr_scheduler", "constant")  # the student's and the critic's
+    warmup_steps: int = with_default(TrainingStageParams, "warmup_steps", 0)
+    save_every: int = with_default(TrainingStageParams, "save_every", 50)
     method: Literal["self_forcing", "dmd2"] = rule("self_forcing")  # self_forcing: causal student rolled out chunk by chunk; dmd2: bidirectional
-    student_steps: int = rule(4, 1, MAX_SAMPLING_STEPS)  # the student's timestep ladder length (its sampling steps)
-    critic_learning_rate: float = rule(2.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # the critic's (fake score's) peak learning rate
-    generator_update_interval: int = rule(2, 1, 1000)  # the student steps every k-th step; the critic every step
-    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite)  # the teacher's CFG scale in the real score
-    context_noise: float = rule(0.0, 0, MAX_TIMESTEP, score_ratio)  # self_forcing: timestep of the KV-cached context chunks (0: clean)
+    student_steps: int = rule(4, 1, MAX_SAMPLING_STEPS, sets="method.num_student_steps")  # the student's timestep ladder length (its sampling steps)
+    # the critic's (fake score's) peak learning rate
+    critic_learning_rate: float = with_default(TrainingStageParams, "learning_rate", 2.0e-4,
+                                               sets=("models.critic.optimizer.learning_rate",))
+    # the student steps every k-th step; the critic every step
+    generator_update_interval: int = rule(2, 1, 1000, sets="method.generator_update_interval")
+    # the teacher's CFG scale in the real score
+    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite, sets="method.real_score_guidance_scale")
+    # self_forcing: timestep of the KV-cached context chunks (0: clean)
+    context_noise: float = rule(0.0, 0, MAX_TIMESTEP, score_ratio, sets="method.context_noise", when={"method": ("self_forcing",)})
     critic_init: Literal["teacher", "base"] = rule("teacher")  # the critic's init: the teacher artifact, or the base (the student's; the published recipes')
-    same_step_across_chunks: bool = rule(False)  # self_forcing: one exit-step draw for every chunk of a rollout (false: one per chunk)
-    student_shift: float | None = rule(None, 0, MAX_SHIFT, optional(positive_finite))  # the student's flow shift (warps its ladder); null: its init's
+    # self_forcing: one exit-step draw for every chunk of a rollout (false: one per chunk)
+    same_step_across_chunks: bool = rule(False, sets="method.same_step_across_chunks", when={"method": ("self_forcing",)})
+    # the student's flow shift (warps its ladder); null: its init's
+    student_shift: float | None = rule(None, 0, MAX_SHIFT, optional(positive_finite), sets="models.student.shift")
     data: Literal["latents", "prompts"] = rule("latents")  # what it trains on: the latents stage's set, or the prompts stage's (text embeddings only)
 
 
 @dataclass
 class PDDParams(TrainingStageParams):
-    steps: int = rule(120, 1, MAX_STEPS)
-    learning_rate: float = rule(1.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # the student's (trunk and heads) peak learning rate
-    lr_scheduler: Literal["constant", "cosine", "linear"] = rule("constant")
-    warmup_steps: int = rule(0, 0, MAX_STEPS)
-    save_every: int = rule(40, 0, MAX_STEPS)
+    steps: int = with_default(TrainingStageParams, "steps", 120)
+    learning_rate: float = with_default(TrainingStageParams, "learning_rate", 1.0e-4)  # the student's (trunk and heads) peak learning rate
+    lr_scheduler: Literal["constant", "cosine", "linear"] = with_default(TrainingStageParams, "lr_scheduler", "constant")
+    warmup_steps: int = with_default(TrainingStageParams, "warmup_steps", 0)
+    save_every: int = with_default(TrainingStageParams, "save_every", 40)
     student_init: Literal["teacher", "distill"] = rule("teacher")  # the student starts from the teacher or the distill student
-    pdd_steps: int = rule(8, 1, MAX_SAMPLING_STEPS)  # fine-grid intervals = the student's output heads (its most-NFE sampling)
-    block_size_min: int = rule(1, 1, MAX_SAMPLING_STEPS)  # block starts are multiples of this (simulate: the carried block)
-    block_size_max: int = rule(8, 1, MAX_SAMPLING_STEPS)  # widest block trained; sampling at N NFE needs ⌈pdd_steps / N⌉ ≤ this
-    rollout: Literal["data_latent", "simulate"] = rule("simulate")  # carried on-policy trajectories, or noised data at the block start
-    integrator: Literal["euler", "midpoint"] = rule("euler")  # the teacher's target over one interval (1 or 2 teacher calls)
-    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, guidance_at_least_one)  # the teacher's CFG in the targets (distilled in: sampled without); 1: none
-    sampling_steps: int = rule(4, 1, MAX_SAMPLING_STEPS)  # the NFE the artifact's sampling contract (and export) default to
+    # fine-grid intervals = the student's output heads (its most-NFE sampling)
+    pdd_steps: int = rule(8, 1, MAX_SAMPLING_STEPS, sets="models.student.pdd_steps")
+    block_size_min: int = rule(1, 1, MAX_SAMPLING_STEPS, sets="method.block_size_min")  # block starts are multiples of this (simulate: the carried block)
+    # widest block trained; sampling at N NFE needs ⌈pdd_steps / N⌉ ≤ this
+    block_size_max: int = rule(8, 1, MAX_SAMPLING_STEPS, sets="method.block_size_max")
+    # carried on-policy trajectories, or noised data at the block start
+    rollout: Literal["data_latent", "simulate"] = rule("simulate", sets="method.rollout")
+    integrator: Literal["euler", "midpoint"] = rule("euler", sets="method.integrator")  # the teacher's target over one interval (1 or 2 teacher calls)
+    # the teacher's CFG in the targets (distilled in: sampled without); 1: none
+    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, guidance_at_least_one, sets="method.teacher_guidance_scale")
+    # the NFE the artifact's sampling contract (and export) default to
+    sampling_steps: int = rule(4, 1, MAX_SAMPLING_STEPS, sets="method.sampling_steps")
     method: Literal["pdd", "dm_pdd"] = rule("pdd")  # pdd: head regression; dm_pdd: + DMD2's distribution matching against a critic
-    dm_weight: float = rule(1.0, 0, MAX_GUIDANCE, non_negative_finite)  # dm_pdd: weight of the distribution-matching term
-    critic_learning_rate: float = rule(2.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # dm_pdd: the critic's (fake score's) peak learning rate
+    # dm_pdd: weight of the distribution-matching term
+    dm_weight: float = rule(1.0, 0, MAX_GUIDANCE, non_negative_finite, sets="method.dm_weight", when={"method": ("dm_pdd",)})
+    # dm_pdd: the critic's (fake score's) peak learning rate
+    critic_learning_rate: float = with_default(TrainingStageParams, "learning_rate", 2.0e-4,
+                                               sets=("models.critic.optimizer.learning_rate",), when={"method": ("dm_pdd",)})
     data: Literal["latents", "prompts"] = rule("latents")  # the latents stage's set, or the prompts stage's (rollout: simulate only)
 
 
@@ -311,7 +378,7 @@ class ExportParams:
 class ParamsSchema:
     """The whole params.yaml."""
 
-    seed: int = rule(0, 0, MAX_SEED, seed_range)  # seeds clips, training and validation
+    seed: int = rule(0, 0, MAX_SEED, seed_range, sets="training.loop.seed")  # seeds clips, training and validation
     gpus: GpusParams = field(default_factory=GpusParams)
     clips: ClipsParams = field(default_factory=ClipsParams)
     base: BaseParams = field(default_factory=BaseParams)
@@ -329,7 +396,7 @@ class ParamsSchema:
 def _check_together(params: ParamsSchema, source: str) -> None:
     """Rules that tie keys of a section together."""
     g = params.gpus
-    world = g.nnodes * g.nproc_per_node
+    world = g.world_size
     if world % g.replicate_size:
         raise UserError(f"{source}: gpus.replicate_size: {g.replicate_size}: must divide the {world} processes of gpus.nnodes "
                         f"({g.nnodes}) x gpus.nproc_per_node ({g.nproc_per_node})")
