@@ -179,3 +179,40 @@ def test_sft_and_dmd2_train_a_wan22_model_and_export_it(folders, latents, tmp_pa
     # every sample's timestep picked its expert: with 16 samples on both sides of the boundary, both experts trained
     for after, start in zip(_expert_weights(trained.transformer), _expert_weights(before.transformer), strict=True):
         assert any(not torch.equal(after[k], start[k]) for k in start)
+
+
+@pytest.mark.parametrize("layout", ["ti2v", "a14b"])
+@pytest.mark.parametrize("guidance", [1.0, 4.0])
+def test_our_euler_sampler_is_stock_wanpipeline_on_both_layouts(folders, layout, guidance):
+    """Validate's sampler over the family's plugin gives what stock ``WanPipeline`` gives on the same folder: the
+    A14B expert switch at ``t >= boundary_ratio · 1000`` (10 steps of shift 3 cross it) and TI2V's per-token
+    timesteps, with and without CFG."""
+    from diffusers import WanPipeline
+
+    from distillery.data.encoders import BaseEncoders
+    from distillery.sampling import GeneratorNoise, build_sampler
+
+    folder = folders[layout]
+    pipe = WanPipeline.from_pretrained(str(folder), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    channels = TI2V_Z_DIM if layout == "ti2v" else 8
+    scale = pipe.vae_scale_factor_spatial
+    shape = (channels, 5, 32 // scale, 32 // scale)  # 17 frames of 32 x 32
+    prompts = ["a red circle moving left", "a blue square moving up"]
+    noise = GeneratorNoise(torch.Generator().manual_seed(7)).randn((2, *shape), "cpu")
+    expected = pipe(prompts, negative_prompt="", num_frames=17, height=32, width=32, num_inference_steps=10,
+                    guidance_scale=guidance, max_sequence_length=32, latents=noise.clone(), output_type="latent").frames
+    enc = BaseEncoders(folder)
+    rows = enc.encode_prompts([*prompts, "", ""])
+    padded = torch.stack([torch.cat([r, r.new_zeros(enc.max_sequence_length - r.shape[0], r.shape[1])]) for r in rows])
+    model = registry.load_inference_model(folder)
+    sampler = build_sampler({"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000})
+    ours = sampler.sample(model, Conditioning(padded[:2], padded[2:]), shape, torch.Generator().manual_seed(7),
+                          num_steps=10, guidance_scale=guidance, initial=noise)
+    assert ours.shape == expected.shape
+    assert (ours - expected).abs().max().item() <= 1e-5
+    if layout == "a14b":  # the second expert took part: with its weights swapped for the first's, the result moves
+        model.transformer.transformer_2.load_state_dict(model.transformer.transformer.state_dict())
+        swapped = sampler.sample(model, Conditioning(padded[:2], padded[2:]), shape, torch.Generator().manual_seed(7),
+                                 num_steps=10, guidance_scale=guidance, initial=noise)
+        assert (swapped - expected).abs().max().item() > 1e-3
