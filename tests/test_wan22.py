@@ -216,3 +216,21 @@ def test_our_euler_sampler_is_stock_wanpipeline_on_both_layouts(folders, layout,
         swapped = sampler.sample(model, Conditioning(padded[:2], padded[2:]), shape, torch.Generator().manual_seed(7),
                                  num_steps=10, guidance_scale=guidance, initial=noise)
         assert (swapped - expected).abs().max().item() > 1e-3
+
+
+@pytest.mark.slow
+def test_two_experts_on_two_ranks_train_as_on_one(folders, latents, tmp_path):
+    """FSDP2 over 2 gloo ranks: a rank whose samples all fall to one expert still runs the other when the other rank
+    needs it (its gathers are collectives; nothing hangs) and the run ends where one rank with the whole batch does."""
+    from helpers import role_state
+    from torchrun_each import torchrun_each
+
+    def config(out: Path, batch: int) -> dict:
+        return run_config(folders["a14b"], latents["a14b"], out, steps=4, batch_size=batch, save_every=4)
+
+    one = train_in_process(config(tmp_path / "one", 4))
+    torchrun_each([(config(tmp_path / "two", 2), tmp_path / "two.yaml")])
+    a, b = role_state(one.checkpoint), role_state(tmp_path / "two" / "checkpoint-4")
+    assert a.keys() == b.keys() and any(k.startswith("transformer_2.") for k in a)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=key)
