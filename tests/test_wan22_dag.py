@@ -142,3 +142,15 @@ def test_a_wan22_base_trains_through_dvc_resumes_after_a_kill_and_exports_for_st
         last = failed.stderr.strip().splitlines()[-1]
         assert "names a second expert (transformer_2)" in last and "Traceback" not in failed.stderr
         assert not (broken / "runs" / "teacher").exists() or not list((broken / "runs" / "teacher").glob("checkpoint-*"))
+
+
+def test_the_base_stage_refuses_a_wan22_folder_with_one_expert_missing_before_copying(tmp_path):
+    folder = make_tiny_wan22(tmp_path / "tiny-wan22-a14b", "a14b")
+    shutil.rmtree(folder / "transformer_2")
+    repo = make_workspace(tmp_path / "ws", {"base.path": str(folder)})
+    failed = stage(repo, "base")
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    assert "Traceback" not in failed.stderr
+    last = failed.stderr.strip().splitlines()[-1]
+    assert "names a second expert (transformer_2)" in last and "needs both experts" in last
+    assert not (repo / "artifacts" / "base").exists() and not list((repo / "artifacts").glob("base*"))
