@@ -19,9 +19,8 @@ def stage_base(params: StageParams) -> None:
     of it (``.py``, bytecode, native modules) is copied (:mod:`distillery.pipeline.publish.base_folder`); a folder of
     no registered model family (:func:`distillery.models.registry.family_of`: e.g. a Wan 2.2 A14B folder with one
     expert missing) is refused in one line before anything is copied."""
-    from distillery.pipeline.publish.base_folder import check_model_index, copy_model_folder
-
     from distillery.models.registry import family_of
+    from distillery.pipeline.publish.base_folder import check_model_index, copy_model_folder
 
     source = resolve_base(params.get("base.path"))
     check_model_index(source, f"params.yaml: base.path: {source}")
