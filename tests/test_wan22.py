@@ -234,3 +234,11 @@ def test_two_experts_on_two_ranks_train_as_on_one(folders, latents, tmp_path):
     assert a.keys() == b.keys() and any(k.startswith("transformer_2.") for k in a)
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_a_lora_on_a_two_expert_role_is_one_line_before_any_weight_loads(folders, latents, tmp_path):
+    cfg = run_config(folders["a14b"], latents["a14b"], tmp_path / "run", steps=1)
+    cfg["models"]["student"]["lora"] = {"rank": 4, "alpha": 4.0, "target_modules": ["to_q"]}
+    with pytest.raises(UserError, match=r"a LoRA on .*a two-expert Wan 2\.2 A14B model: not supported yet"):
+        train_in_process(cfg)
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("checkpoint-*"))

@@ -98,6 +98,9 @@ class WanModel(ModelBase):
         from distillery.models.lora import linear_layers
 
         transformer_dir, _ = locate_transformer(config.init_from)
+        if read_wan_layout(transformer_dir).second_dir is not None:  # its export (base + adapter) rebuilds one transformer
+            raise UserError(f"config error: a LoRA on {config.init_from}, a two-expert Wan 2.2 A14B model: not supported "
+                            "yet; train its full weights")
         with torch.device("meta"):
             module = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(transformer_dir))
         return linear_layers(module)
