@@ -16,11 +16,16 @@ log = get_logger("stage")
 def stage_base(params: StageParams) -> None:
     """The base model folder as ``artifacts/base/model``: its ``model_index.json`` may name only
     diffusers/transformers classes a WanPipeline takes (one-line error otherwise), and no code file
-    of it (``.py``, bytecode, native modules) is copied (:mod:`distillery.pipeline.publish.base_folder`)."""
+    of it (``.py``, bytecode, native modules) is copied (:mod:`distillery.pipeline.publish.base_folder`); a folder of
+    no registered model family (:func:`distillery.models.registry.family_of`: e.g. a Wan 2.2 A14B folder with one
+    expert missing) is refused in one line before anything is copied."""
+    from distillery.models.registry import family_of
     from distillery.pipeline.publish.base_folder import check_model_index, copy_model_folder
 
     source = resolve_base(params.get("base.path"))
     check_model_index(source, f"params.yaml: base.path: {source}")
+    family = family_of(source)  # one line, nothing copied: a class or layout no family loads, a Wan 2.2 expert missing
+    log.info("base: %s is a %s model", source, family.name)
     staging = fresh_staging("base")
     left_out = copy_model_folder(source, staging / "model", exclude=("lineage.json",))
     if left_out:

@@ -95,9 +95,13 @@ def assemble_export(base: Path, student_model: Path, out: Path) -> tuple[dict[st
     from distillery.export.code import write_export_code
     from distillery.pipeline.publish.base_folder import copy_model_folder
 
-    # the base's parts; its own transformer is not copied at all (the student's replaces it)
-    left_out = copy_model_folder(base, out, exclude=("lineage.json", "fit_report.json"), exclude_top=("transformer",))
-    left_out += copy_model_folder(student_model / "transformer", out / "transformer")
+    # the base's parts; its own transformer(s) not copied at all (the student's replace them)
+    left_out = copy_model_folder(base, out, exclude=("lineage.json", "fit_report.json"),
+                                 exclude_top=("transformer", "transformer_2"))
+    left_out += copy_model_folder(student_model / "transformer", out / "transformer", exclude=("transformer_2",))
+    second = student_model / "transformer" / "transformer_2"
+    if second.is_dir():  # a Wan 2.2 A14B student's low-noise expert: beside the other, as diffusers lays them out
+        left_out += copy_model_folder(second, out / "transformer_2")
     if left_out:  # an artifact made before the base stage left code out
         log.info("export: left out %d code file(s) (%s): an export ships only its own modules",
                  len(left_out), ", ".join(left_out[:5]))

@@ -21,10 +21,12 @@ LATENT_SHAPE = (8, 3, 8, 8)  # [C, T, H, W] of the tiny VAE (z_dim 8) for 9Ã—32Ã
 TEXT_DIM = 32
 
 
-def make_demo_latents(root: Path, num_samples: int = 16, seed: int = 0, rows_per_shard: int = 8) -> Path:
-    """A fixed, learnable latent set: smooth moving patterns whose phase/colour the caption encodes."""
+def make_demo_latents(root: Path, num_samples: int = 16, seed: int = 0, rows_per_shard: int = 8,
+                      channels: int = LATENT_SHAPE[0]) -> Path:
+    """A fixed, learnable latent set: smooth moving patterns whose phase/colour the caption encodes; ``channels``
+    latent channels (48: a tiny Wan 2.2 TI2V-5B's, :mod:`distillery.tinybase.wan22`)."""
     g = torch.Generator().manual_seed(seed)
-    c, t, h, w = LATENT_SHAPE
+    c, t, h, w = channels, *LATENT_SHAPE[1:]
     records = []
     yy, xx = torch.meshgrid(torch.linspace(0, 1, h), torch.linspace(0, 1, w), indexing="ij")
     for i in range(num_samples):

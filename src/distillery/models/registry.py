@@ -1,12 +1,17 @@
 """Model families: which plugin package loads a folder's transformer.
 
 A model family is one package of model plugins, ``distillery.models.<family>`` (``models/wan/``: Wan
-2.1), for the diffusers transformer classes it declares. :data:`FAMILIES` is the one table of them:
-a family's name, the ``_class_name`` values it loads and its package. A folder's family is read from
-the folder itself (:func:`transformer_class`): the ``_class_name`` of its transformer's
-``config.json`` (``<folder>/transformer/config.json``, or ``<folder>/config.json`` for a transformer
-folder, e.g. an artifact's ``model/transformer``), else the ``transformer`` entry of its
-``model_index.json`` (``["diffusers", "<class>"]``). The variant within the family (bidirectional,
+2.1 and 2.2), for the diffusers transformer classes it declares. :data:`FAMILIES` is the one table of them:
+a family's name, the ``_class_name`` values it loads, the folder layout it claims and its package. A
+folder's family is read from the folder itself (:func:`transformer_class`): the ``_class_name`` of its
+transformer's ``config.json`` (``<folder>/transformer/config.json``, or ``<folder>/config.json`` for a
+transformer folder, e.g. an artifact's ``model/transformer``), else the ``transformer`` entry of its
+``model_index.json`` (``["diffusers", "<class>"]``). Every Wan version's transformer is a
+``WanTransformer3DModel``, so the class alone does not tell them apart: :func:`read_layout` reads the rest
+(:class:`FolderLayout`: ``model_index.json``'s ``transformer_2`` and ``boundary_ratio`` — two experts,
+Wan 2.2 A14B —, its ``expand_timesteps`` and the VAE's ``z_dim`` — Wan 2.2 TI2V-5B's 48-channel VAE
+with per-token timesteps), and a row claims a class *and* a layout; a Wan 2.2 folder with one expert
+missing, or a layout no row claims, is one line (:class:`UserError`). The variant within the family (bidirectional,
 causal, PDD) is not the folder's: it is what the sampling contract asks
 (``Sampler.model_options()``, from the artifact's ``sampling.json``), passed on to the family's
 :func:`load_inference_model`.
@@ -69,36 +74,79 @@ LOADER_NAMES = ("HEAD_BANK_FILE", "locate_transformer", "load_inference_model", 
 
 
 @dataclass(frozen=True)
+class FolderLayout:
+    """What tells model families of one transformer class apart, read from a folder (:func:`read_layout`).
+
+    ``experts``: 2 when the folder's pipeline has a second transformer (``transformer_2``, the low-noise
+    expert of Wan 2.2 A14B, for timesteps below ``boundary_ratio · 1000``), else 1; ``expand_timesteps``:
+    the pipeline feeds the transformer one timestep per token (Wan 2.2 TI2V-5B); ``vae_z_dim``: the
+    VAE's latent channels (None: no ``vae/config.json``, e.g. a trained artifact's ``model/``)."""
+
+    experts: int = 1
+    boundary_ratio: float | None = None
+    expand_timesteps: bool = False
+    vae_z_dim: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """One model family: ``name`` (shown in errors and lineage), the diffusers transformer classes
     (``_class_name``) its plugins load, and ``package``: the dotted module exporting its
-    :class:`FamilyLoaders`."""
+    :class:`FamilyLoaders`; ``experts``, ``expand_timesteps``, ``vae_z_dim`` (None: any) and
+    ``refused_vae_z_dims``: the :class:`FolderLayout` it claims (families sharing a class differ there)."""
 
     name: str
     transformer_classes: tuple[str, ...]
     package: str
+    experts: int = 1
+    expand_timesteps: bool = False
+    vae_z_dim: int | None = None
+    refused_vae_z_dims: tuple[int, ...] = ()
 
     def loaders(self) -> FamilyLoaders:
         """The family's package (imported now), typed as its loaders."""
         return cast(FamilyLoaders, importlib.import_module(self.package))
 
+    def claims(self, layout: FolderLayout) -> bool:
+        """Whether a folder of this ``layout`` is this family's (a layout without a VAE: any ``vae_z_dim``)."""
+        return (layout.experts == self.experts and layout.expand_timesteps == self.expand_timesteps
+                and (self.vae_z_dim is None or layout.vae_z_dim is None or layout.vae_z_dim == self.vae_z_dim)
+                and layout.vae_z_dim not in self.refused_vae_z_dims)
+
+
+WAN22_VAE_Z_DIM = 48  # Wan 2.2's VAE (TI2V-5B's): 48 latent channels, 16x spatial (a patchify 2 in it)
 
 FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily("wan2.1", ("WanTransformer3DModel",), "distillery.models.wan"),
+    ModelFamily("wan2.1", ("WanTransformer3DModel",), "distillery.models.wan", refused_vae_z_dims=(WAN22_VAE_Z_DIM,)),
+    ModelFamily("wan2.2-ti2v-5b", ("WanTransformer3DModel",), "distillery.models.wan", expand_timesteps=True,
+                vae_z_dim=WAN22_VAE_Z_DIM),
+    ModelFamily("wan2.2-a14b", ("WanTransformer3DModel",), "distillery.models.wan", experts=2,
+                refused_vae_z_dims=(WAN22_VAE_Z_DIM,)),  # A14B's VAE is Wan 2.1's
 )
 
 
 def registered() -> str:
-    """The registered families as one phrase: ``wan2.1 (WanTransformer3DModel)``."""
+    """The registered families as one phrase: ``wan2.1 (WanTransformer3DModel), ...``."""
     return ", ".join(f"{f.name} ({', '.join(f.transformer_classes)})" for f in FAMILIES)
 
 
-def family_of_class(class_name: Any, where: str) -> ModelFamily:
-    """The family that loads transformer class ``class_name``; ``where`` names what declared it (a
-    file) in the one-line :class:`UserError` when no family does."""
-    for family in FAMILIES:
-        if class_name in family.transformer_classes:
+def _describe(layout: FolderLayout) -> str:
+    return (f"{layout.experts} expert(s), expand_timesteps {str(layout.expand_timesteps).lower()}, "
+            f"VAE z_dim {layout.vae_z_dim if layout.vae_z_dim is not None else 'unknown'}")
+
+
+def family_of_class(class_name: Any, where: str, layout: FolderLayout | None = None) -> ModelFamily:
+    """The family that loads transformer class ``class_name`` in ``layout`` (None: a lone transformer's,
+    one expert, no per-token timesteps); ``where`` names what declared it (a file) in the one-line
+    :class:`UserError` when no family does."""
+    layout = layout if layout is not None else FolderLayout()
+    known = [family for family in FAMILIES if class_name in family.transformer_classes]
+    for family in known:
+        if family.claims(layout):
             return family
+    if known:
+        raise UserError(f"{where}: a {class_name} model of an unknown layout ({_describe(layout)}); the registered "
+                        f"families of that class: {', '.join(f.name for f in known)}")
     raise UserError(f"{where}: a {class_name!r} transformer; no registered model family loads it "
                     f"(registered: {registered()}; CONTRIBUTING.md, \"Adding a model\")")
 
@@ -134,10 +182,76 @@ def transformer_class(folder: str | Path) -> tuple[Any, Path]:
                     "model folder or a transformer folder")
 
 
+def _pipeline_root(folder: Path) -> Path | None:
+    """The model folder whose ``model_index.json`` describes ``folder``: itself, or — ``folder`` a transformer
+    folder — its parent (None: neither has one)."""
+    for root in (folder, folder.parent):
+        if (root / "model_index.json").is_file():
+            return root
+    return None
+
+
+def read_layout(folder: str | Path) -> FolderLayout:
+    """The :class:`FolderLayout` of a model folder (or of the model folder a transformer folder sits in).
+
+    A one-line :class:`UserError` for a folder whose experts do not add up: ``model_index.json`` names a
+    ``transformer_2`` and there is no ``transformer_2/config.json``, a ``boundary_ratio`` without a second
+    expert (or a second expert without one), a ``boundary_ratio`` outside (0, 1)."""
+    path = Path(folder).expanduser()
+    root = _pipeline_root(path)
+    if root is None:
+        return _trained_layout(path)
+    index_file = root / "model_index.json"
+    index = _read_json(index_file)
+    if not isinstance(index, dict):
+        raise UserError(f"{index_file}: not a JSON object")
+    second = index.get("transformer_2")
+    names_second = isinstance(second, list) and len(second) == 2 and second[1] is not None
+    ratio = index.get("boundary_ratio")
+    has_second = (root / "transformer_2" / "config.json").is_file()
+    if names_second and not has_second:
+        raise UserError(f"{index_file}: names a second expert (transformer_2) but {root / 'transformer_2'} holds no "
+                        "config.json; a Wan 2.2 A14B folder needs both experts (transformer/ and transformer_2/)")
+    if ratio is not None and not names_second:
+        raise UserError(f"{index_file}: boundary_ratio {ratio} but no second expert (transformer_2 is null); a Wan 2.2 "
+                        "A14B folder needs both experts, a one-transformer folder no boundary_ratio")
+    if names_second and ratio is None:
+        raise UserError(f"{index_file}: a second expert (transformer_2) but no boundary_ratio: which timesteps each "
+                        "expert denoises is unknown")
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio < 1):
+        raise UserError(f"{index_file}: boundary_ratio {ratio!r}; expected a number in (0, 1)")
+    expand = index.get("expand_timesteps", False)
+    if not isinstance(expand, bool):
+        raise UserError(f"{index_file}: expand_timesteps {expand!r}; expected true or false")
+    z_dim = None
+    vae_config = root / "vae" / "config.json"
+    if vae_config.is_file():
+        vae = _read_json(vae_config)
+        z_dim = vae.get("z_dim") if isinstance(vae, dict) else None
+        z_dim = int(z_dim) if isinstance(z_dim, int) and not isinstance(z_dim, bool) else None
+    return FolderLayout(experts=2 if names_second else 1, boundary_ratio=float(ratio) if ratio is not None else None,
+                        expand_timesteps=expand, vae_z_dim=z_dim)
+
+
+def _trained_layout(folder: Path) -> FolderLayout:
+    """The layout a trained Wan transformer keeps in its ``config.json`` (``_wan_layout``:
+    :mod:`distillery.models.wan.experts`; an artifact's ``model/`` has no ``model_index.json``); Wan 2.1's without."""
+    for cfg in (folder / "transformer" / "config.json", folder / "config.json"):
+        if cfg.is_file():
+            data = _read_json(cfg)
+            own = data.get("_wan_layout") if isinstance(data, dict) else None
+            if isinstance(own, dict):
+                ratio = own.get("boundary_ratio")
+                return FolderLayout(experts=2 if ratio is not None else 1, boundary_ratio=ratio,
+                                    expand_timesteps=bool(own.get("expand_timesteps", False)))
+            break
+    return FolderLayout()
+
+
 def family_of(folder: str | Path) -> ModelFamily:
-    """The registered family of ``folder``'s transformer (:class:`UserError`, one line, when none)."""
+    """The registered family of ``folder``'s transformer and layout (:class:`UserError`, one line, when none)."""
     class_name, where = transformer_class(folder)
-    return family_of_class(class_name, str(where))
+    return family_of_class(class_name, str(where), read_layout(folder))
 
 
 def locate_transformer(folder: str | Path) -> tuple[Path, Path | None]:

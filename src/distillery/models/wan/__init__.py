@@ -1,4 +1,5 @@
-"""Wan 2.1 model plugins over ``diffusers.WanTransformer3DModel``: the ``wan2.1`` model family.
+"""Wan model plugins over ``diffusers.WanTransformer3DModel``: the ``wan2.1``, ``wan2.2-ti2v-5b`` and
+``wan2.2-a14b`` model families (one package: the layout of a folder, :mod:`.experts`, is what differs).
 
 - :mod:`.common` — locating a diffusers Wan folder, the shared config knobs, building a transformer
   from its config;
@@ -6,6 +7,8 @@
 - :mod:`.causal` — :class:`CausalWanModel`, block-causal attention over frame chunks + a KV cache
   for chunk-by-chunk streaming (same weights and layout);
 - :mod:`.pdd` — :class:`PDDWanModel`, the trunk with a bank of per-interval output heads (PDD);
+- :mod:`.experts` — Wan 2.2's layouts: per-token timesteps (TI2V-5B) and the two experts of A14B
+  (:class:`WanExperts`, each sample to the expert of its timestep);
 - :mod:`.inference` — :func:`load_inference_model`, a frozen plugin over a plain diffusers folder
   (validate, export, in-training validation of a teacher folder);
 - :mod:`.attention` — the attention backends (``auto``: FlashAttention-4 on SM90+ GPUs, else SDPA).

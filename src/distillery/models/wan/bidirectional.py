@@ -1,5 +1,10 @@
-"""Wan 2.1 text-to-video plugin over ``diffusers.WanTransformer3DModel``: full (bidirectional)
+"""Wan text-to-video plugin over ``diffusers.WanTransformer3DModel``: full (bidirectional)
 attention over the whole video. Where the weights and the flow shift come from: :mod:`.common`.
+
+The folder's layout (:mod:`.experts`) is Wan 2.1's (one transformer, one timestep per sample), Wan 2.2
+TI2V-5B's (one timestep per token, as ``WanPipeline(expand_timesteps=True)`` feeds it) or Wan 2.2 A14B's (two
+experts, :class:`~distillery.models.wan.experts.WanExperts`: each sample goes to the expert of its timestep,
+in training and in sampling alike).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from distillery.models.base import Conditioning, ModelBase, TrainingBatch
 from distillery.models.schedule import FlowMatchSchedule, read_scheduler_shift
 from distillery.models.wan.attention import install_attention_backend, resolve_attention_backend
 from distillery.models.wan.common import TRANSFORMER_CLASS, WanModelConfig, locate_transformer
+from distillery.models.wan.experts import LAYOUT_KEY, WanExperts, expert_index, read_wan_layout
 
 log = get_logger("models.wan")
 
@@ -27,6 +33,7 @@ class WanModel(ModelBase):
     """One role backed by a diffusers ``WanTransformer3DModel`` (fp32 master weights on CPU at build)."""
 
     config_class = WanModelConfig
+    two_experts: bool = True  # whether this plugin runs a two-expert (Wan 2.2 A14B) folder
 
     def __init__(self, config: WanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
         """``transformer``: an already loaded ``WanTransformer3DModel`` of ``config.init_from`` to wrap
@@ -36,17 +43,32 @@ class WanModel(ModelBase):
 
         transformer_dir, scheduler_dir = locate_transformer(config.init_from)
         self.transformer_dir = transformer_dir
-        if transformer is not None:
-            self.transformer = transformer
-        elif config.random_init:
-            arch = WanTransformer3DModel.load_config(transformer_dir)
-            self.transformer = WanTransformer3DModel.from_config(arch)
-        else:
+        self.layout = read_wan_layout(transformer_dir)
+        if self.layout.second_dir is not None and not self.two_experts:
+            raise UserError(f"models.{role}: {config.init_from} is a two-expert Wan 2.2 A14B model; "
+                            f"{type(self).__name__} runs one transformer (only the bidirectional WanModel takes two experts)")
+
+        def load(folder: Any) -> torch.nn.Module:
+            if config.random_init:
+                return WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(folder))
             try:
-                self.transformer = WanTransformer3DModel.from_pretrained(transformer_dir, torch_dtype=torch.float32)
+                return WanTransformer3DModel.from_pretrained(folder, torch_dtype=torch.float32)
             except (OSError, ValueError, RuntimeError) as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise UserError(f"{transformer_dir}: cannot load the transformer weights: {first}") from None
+                raise UserError(f"{folder}: cannot load the transformer weights: {first}") from None
+
+        if transformer is not None:
+            self.transformer = transformer
+        elif self.layout.second_dir is not None:
+            self.transformer = WanExperts(load(transformer_dir), load(self.layout.second_dir), self.layout.boundary_ratio)
+        else:
+            self.transformer = load(transformer_dir)
+        self.experts = isinstance(self.transformer, WanExperts)
+        if self.experts != (self.layout.second_dir is not None):
+            raise UserError(f"models.{role}: {transformer_dir}: the given transformer does not match the folder's experts")
+        if self.layout.record():  # every transformer this plugin trains remembers its layout (module doc of .experts)
+            high = self.transformer.transformer if isinstance(self.transformer, WanExperts) else self.transformer
+            high.register_to_config(**{LAYOUT_KEY: self.layout.record()})
         self.transformer.requires_grad_(config.trainable)
         if not config.trainable:
             self.transformer.eval()
@@ -57,12 +79,15 @@ class WanModel(ModelBase):
             shift = read_scheduler_shift(scheduler_dir)
         self.scheduler_dir = scheduler_dir
         self.schedule = FlowMatchSchedule(shift=shift)
+        self.boundary_timestep = (self.layout.boundary_ratio * self.schedule.num_train_timesteps
+                                  if self.layout.boundary_ratio is not None else None)
         cfg = self.transformer.config
         self.patch_size = tuple(cfg.patch_size)
         self.in_channels = int(cfg.in_channels)
         self.text_dim = int(cfg.text_dim)
         self.attention_backend = "native"  # set_attention_backend resolves and installs another
-        log.info("role %s: %s from %s (%.1f M params, shift %.2f)", role, TRANSFORMER_CLASS, transformer_dir,
+        log.info("role %s: %s%s from %s (%.1f M params, shift %.2f)", role, TRANSFORMER_CLASS,
+                 f" x2 (experts at t >= {self.boundary_timestep:g} / below)" if self.experts else "", transformer_dir,
                  sum(p.numel() for p in self.transformer.parameters()) / 1e6, shift)
 
     @classmethod
@@ -73,6 +98,9 @@ class WanModel(ModelBase):
         from distillery.models.lora import linear_layers
 
         transformer_dir, _ = locate_transformer(config.init_from)
+        if read_wan_layout(transformer_dir).second_dir is not None:  # its export (base + adapter) rebuilds one transformer
+            raise UserError(f"config error: a LoRA on {config.init_from}, a two-expert Wan 2.2 A14B model: not supported "
+                            "yet; train its full weights")
         with torch.device("meta"):
             module = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(transformer_dir))
         return linear_layers(module)
@@ -93,7 +121,12 @@ class WanModel(ModelBase):
         return list((module if module is not None else self.transformer).blocks)
 
     def transformer_config(self) -> dict[str, Any]:
-        return dict(self.transformer.config)
+        """The transformer's config; of two experts, the high-noise one's with the second's config under
+        ``_wan_layout.transformer_2`` (what :func:`~distillery.models.wan.common.build_transformer` rebuilds both from)."""
+        config = dict(self.transformer.config)
+        if isinstance(self.transformer, WanExperts):
+            config[LAYOUT_KEY] = {**self.layout.record(), "transformer_2": dict(self.transformer.transformer_2.config)}
+        return config
 
     def enable_activation_checkpointing(self) -> None:
         """Recompute each block's activations in backward (diffusers' gradient checkpointing)."""
@@ -106,11 +139,14 @@ class WanModel(ModelBase):
         return sigmas * self.schedule.num_train_timesteps
 
     def _model_timesteps(self, timesteps: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-        """Per-sample ``[B]`` stays; per-frame ``[B, T]`` becomes per-token ``[B, T/pt · H/ph · W/pw]``."""
-        if timesteps.ndim == 1:
-            return timesteps
+        """Per-sample ``[B]`` stays — unless the layout expands timesteps (TI2V-5B): then, as ``WanPipeline`` does,
+        one per token —; per-frame ``[B, T]`` becomes per-token ``[B, T/pt · H/ph · W/pw]``."""
         p_t, p_h, p_w = self.patch_size
         _, _, t, h, w = latents.shape
+        if timesteps.ndim == 1:
+            if not self.layout.expand_timesteps:
+                return timesteps
+            return timesteps[:, None].expand(-1, (t // p_t) * (h // p_h) * (w // p_w))
         if timesteps.shape[1] != t:
             raise ValueError(f"per-frame timesteps {tuple(timesteps.shape)} do not match {t} latent frames")
         per_patch_frame = timesteps[:, ::p_t]
@@ -127,6 +163,8 @@ class WanModel(ModelBase):
         if text is None:
             text = torch.zeros_like(batch.text_embeds)
         dtype = self.input_dtype()
+        if self.experts:
+            return self._predict_by_expert(noisy_latents.to(dtype), timesteps, text.to(dtype))
         out = self.forward_module(
             hidden_states=noisy_latents.to(dtype),
             timestep=self._model_timesteps(timesteps, noisy_latents).float(),
@@ -134,3 +172,49 @@ class WanModel(ModelBase):
             return_dict=False,
         )[0]
         return out.float()
+
+    def _predict_by_expert(self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """Each sample through the expert of its timestep (:func:`~distillery.models.wan.experts.expert_index`),
+        the rows put back in order. Sharded over several ranks, every rank runs each expert some rank needs (an
+        expert's FSDP2 gathers are collectives): a rank with no sample for it runs its first sample and adds the
+        result times zero (so a backward reaches the expert's blocks on every rank too)."""
+        assert self.boundary_timestep is not None
+        which = expert_index(timesteps, self.boundary_timestep)
+        needed = torch.stack([(which == e).any() for e in (0, 1)]).to(torch.int32)
+        if _sharded_over_ranks(self.forward_module):
+            import torch.distributed as dist
+
+            dist.all_reduce(needed, op=dist.ReduceOp.MAX)
+        needed_list = needed.tolist()  # one host sync: which rows go where is data-dependent
+        out: torch.Tensor | None = None
+        spare = None
+        for expert in (0, 1):
+            if not needed_list[expert]:
+                continue
+            rows = (which == expert).nonzero().squeeze(1)
+            idle = rows.numel() == 0
+            if idle:
+                rows = rows.new_zeros(1)
+            part = self.forward_module(
+                expert,
+                hidden_states=latents[rows],
+                timestep=self._model_timesteps(timesteps[rows], latents[rows]).float(),
+                encoder_hidden_states=text[rows],
+                return_dict=False,
+            )[0].float()
+            if idle:
+                spare = part.sum() * 0.0
+                continue
+            if out is None:
+                out = torch.zeros(latents.shape[:1] + part.shape[1:], dtype=part.dtype, device=part.device)
+            out = out.index_copy(0, rows, part)
+        assert out is not None
+        return out + spare if spare is not None else out
+
+
+def _sharded_over_ranks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 module of a process group of more than one rank."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

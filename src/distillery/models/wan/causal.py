@@ -234,6 +234,7 @@ class CausalWanModel(WanModel, CausalModelBase):
     """
 
     config_class = CausalWanModelConfig
+    two_experts = False  # one transformer (a Wan 2.2 A14B folder: one line)
 
     def __init__(self, config: CausalWanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
         super().__init__(config, role, transformer)

@@ -59,12 +59,25 @@ def locate_transformer(init_from: str | Path) -> tuple[Path, Path | None]:
 
 def build_transformer(config: dict[str, Any]) -> Any:
     """A ``WanTransformer3DModel`` of the architecture ``config`` (a ``config.json`` mapping; random
-    weights, to load a checkpoint into). :class:`UserError` for a config of another class."""
+    weights, to load a checkpoint into) — its Wan 2.2 layout (``_wan_layout``, :mod:`.experts`) kept in its
+    config; two experts (:class:`~distillery.models.wan.experts.WanExperts`) when that layout holds the second
+    one's config (``transformer_2``). :class:`UserError` for a config of another class."""
     from diffusers import WanTransformer3DModel
+
+    from distillery.models.wan.experts import LAYOUT_KEY, WanExperts
 
     if config.get("_class_name") != TRANSFORMER_CLASS:
         raise UserError(f"config of a {config.get('_class_name')}, not a {TRANSFORMER_CLASS}")
-    return WanTransformer3DModel.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    layout = dict(config.get(LAYOUT_KEY) or {})
+    second = layout.pop("transformer_2", None)
+    module = WanTransformer3DModel.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    if layout:
+        module.register_to_config(**{LAYOUT_KEY: layout})
+    if second is None:
+        return module
+    if layout.get("boundary_ratio") is None:
+        raise UserError(f"config of two Wan experts without a boundary_ratio ({LAYOUT_KEY})")
+    return WanExperts(module, build_transformer(second), layout["boundary_ratio"])
 
 
 def input_widths(config: dict[str, Any]) -> tuple[int | None, int | None]:

@@ -156,6 +156,7 @@ class PDDWanModel(WanModel, PDDModelBase):
     family's :class:`~distillery.models.base.PDDModelBase`."""
 
     config_class = PDDWanModelConfig
+    two_experts = False  # one transformer (a Wan 2.2 A14B folder: one line)
 
     def __init__(self, config: PDDWanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
         super().__init__(config, role, transformer)
