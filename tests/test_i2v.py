@@ -178,3 +178,73 @@ def test_an_i2v_stage_refuses_latents_without_first_frames(tmp_path, i2v_base):
     with pytest.raises(UserError, match="takes image embeddings of width 32, the latents in .* have none"):
         check_image_conditioning("teacher", i2v_base / "transformer", spec, short, tmp_path)
     check_image_conditioning("teacher", i2v_base / "transformer", None, {}, tmp_path)  # text-to-video: nothing asked
+
+
+def test_validate_samples_with_the_stored_first_frames(tmp_path, i2v_base, i2v_latents):
+    """validate gives every candidate the first frame the latents stored for its prompt: the samples are the sampler's
+    over the plugin with that frame, and another frame gives other samples; an I2V base without frames is one line."""
+    from safetensors.torch import load_file
+
+    from distillery.data import read_empty_prompt_embedding
+    from distillery.evaluation.candidates import Candidate
+    from distillery.evaluation.sampling_context import PromptEmbeddings
+    from distillery.evaluation.validate import run_validation
+    from distillery.evaluation.validation_config import ValidationConfig
+
+    data = LatentDataset(i2v_latents, "validation", with_latents=False)
+    rows = [data[0]]
+    stored = PromptEmbeddings(texts=[r["text_embedding"] for r in rows], negative=read_empty_prompt_embedding(i2v_latents),
+                              first_frames=[r["first_frame"] for r in rows], image_embeds=[r["image_embedding"] for r in rows])
+    cfg = ValidationConfig(num_frames=9, num_seeds=1, progress_bar=False, grid_formats=[], teacher_steps=[2])
+    cand = [Candidate("teacher", i2v_base, 2, 1.0)]
+    prompts = [r["caption"] for r in rows]
+    run_validation(i2v_base, cand, prompts, tmp_path / "a", cfg, prompt_embeddings=stored)
+    first = load_file(tmp_path / "a" / "samples" / "teacher" / "latents.safetensors")
+    other = PromptEmbeddings(texts=stored.texts, negative=stored.negative, image_embeds=stored.image_embeds,
+                             first_frames=[torch.cat([f[:4], torch.randn_like(f[4:])]) for f in stored.first_frames])
+    run_validation(i2v_base, cand, prompts, tmp_path / "b", cfg, prompt_embeddings=other)
+    second = load_file(tmp_path / "b" / "samples" / "teacher" / "latents.safetensors")
+    assert first.keys() == second.keys() and all(not torch.equal(first[k], second[k]) for k in first)
+    with pytest.raises(UserError, match="is an image-to-video base: every prompt needs its first frame"):
+        run_validation(i2v_base, cand, prompts, tmp_path / "c", cfg,
+                       prompt_embeddings=PromptEmbeddings(texts=stored.texts, negative=stored.negative))
+
+
+def test_dmd2_distills_the_i2v_model_with_the_frame(tmp_path, i2v_base, i2v_latents):
+    """DMD2 through the trainer on the I2V set: the student's rollout, the teacher's and the critic's scores all take
+    the batch's first frame (a forward without it is a UserError: the run would fail), the student and critic move."""
+    from tests.helpers import read_log, role_state, run_config, train_in_process
+
+    raw = run_config(i2v_base, i2v_latents, tmp_path / "run", method="distillery.methods.dmd2.DMD2Method",
+                     method_knobs={"num_student_steps": 2, "generator_update_interval": 2, "real_score_guidance_scale": 2.0},
+                     steps=2, batch_size=2, save_every=2)
+    raw["models"]["teacher"] = {"_target_": "distillery.models.wan.WanModel", "init_from": str(i2v_base), "trainable": False}
+    raw["models"]["critic"] = {"_target_": "distillery.models.wan.WanModel", "init_from": str(i2v_base)}
+    raw["training"]["data"]["text_max_length"] = 512
+    train_in_process(raw)
+    rows = read_log(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["critic_loss"]) for r in rows if "critic_loss" in r)
+    checkpoint = next((tmp_path / "run").glob("checkpoint-*"))
+    from safetensors.torch import load_file
+
+    before = load_file(str(next((i2v_base / "transformer").glob("*.safetensors"))))
+    for role in ("student", "critic"):
+        state = role_state(checkpoint, role)
+        assert any(not torch.equal(before[k], state[k].to(before[k].dtype)) for k in before if "image_embedder" in k), role
+
+
+def test_a_causal_i2v_model_streams_each_chunk_with_its_frames_condition(i2v_base, i2v_latents):
+    """A block-causal I2V student (DFSFT, Self-Forcing) takes the first-frame condition per latent frame: chunk-by-chunk
+    streaming through the KV cache gives what one block-causal forward over the whole video gives."""
+    from distillery.components.rng import BatchRNG
+    from distillery.models.wan import CausalWanModel, CausalWanModelConfig
+
+    model = CausalWanModel(CausalWanModelConfig(init_from=str(i2v_base), trainable=False, chunk_size=1), role="student")
+    data = LatentDataset(i2v_latents, "train")
+    batch = model.prepare_batch(collate_latents([data[0]], text_max_length=32), BatchRNG(0))
+    x, t = batch.noisy_latents, batch.timesteps
+    with torch.no_grad():
+        whole = model.predict_noise(x, t, batch)
+        chunks = [model.predict_noise_streaming(x[:, :, f:f + 1], t, batch, cache_tag="c", store_kv=True, cur_start_frame=f)
+                  for f in range(x.shape[2])]
+    torch.testing.assert_close(torch.cat(chunks, dim=2), whole, atol=1e-5, rtol=1e-5)

@@ -93,7 +93,7 @@ class _Shard:
             )
         try:
             columns = _READ_COLUMNS if with_latents else [c for c in _READ_COLUMNS if not c.startswith("latent_")]
-            i2v = [name for name in I2V_TENSORS if with_latents and f"{name}_bytes" in schema.names]
+            i2v = [name for name in I2V_TENSORS if f"{name}_bytes" in schema.names]  # read with or without latents
             columns = columns + [f"{name}_{part}" for name in i2v for part in ("bytes", "shape", "dtype")]
             table = pq.read_table(path, columns=columns)
             self.ids: list[str] = table.column("id").to_pylist()
@@ -378,7 +378,7 @@ def collate_latents(
     if latents is not None:
         batch["latents"] = latents
     for name, key in (("first_frame", "first_frame"), ("image_embedding", "image_embeds")):  # image-to-video
-        if has_latents and name in first:
+        if name in first:
             if any(name not in it or it[name].shape != first[name].shape for it in items):
                 raise UserError(f"'{name}' in one batch must be in every row, of one shape ({first['id']!r}: "
                                 f"{list(first[name].shape)}); preprocess all clips with one image-to-video base")
