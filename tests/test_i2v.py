@@ -248,3 +248,36 @@ def test_a_causal_i2v_model_streams_each_chunk_with_its_frames_condition(i2v_bas
         chunks = [model.predict_noise_streaming(x[:, :, f:f + 1], t, batch, cache_tag="c", store_kv=True, cur_start_frame=f)
                   for f in range(x.shape[2])]
     torch.testing.assert_close(torch.cat(chunks, dim=2), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_export_of_an_i2v_base_is_stock_or_one_line(i2v_base):
+    """A model of an I2V base exports as a stock WanImageToVideoPipeline folder only where stock code samples its
+    contract (the teacher's Euler); a few-step, causal or PDD student is one line before any work."""
+    from distillery.export.i2v_card import check_i2v_export, is_i2v_folder
+
+    assert is_i2v_folder(i2v_base) and not is_i2v_folder(shipped_tiny_base())
+    check_i2v_export("teacher", {"sampler": "euler", "shift": 3.0})
+    for contract in ({"sampler": "few_step_x0", "timesteps": [1000.0, 500.0]}, {"sampler": "causal_streaming", "chunk_size": 1},
+                     {"sampler": "pdd_fused", "pdd_steps": 4}):
+        with pytest.raises(UserError, match=f"samples with the `{contract['sampler']}` sampler.*export.student: teacher"):
+            check_i2v_export("distill", contract)
+
+
+def test_a_pdd_i2v_student_takes_the_frame(i2v_base, i2v_latents):
+    """The PDD trunk of an I2V base gets the same 20-channel input and image embeddings: one head of a fresh bank (a
+    copy of proj_out) is the plain model's velocity, and the frame changes it."""
+    from distillery.components.rng import BatchRNG
+    from distillery.models.base import HeadGroup
+    from distillery.models.wan import PDDWanModel, PDDWanModelConfig
+
+    pdd = PDDWanModel(PDDWanModelConfig(init_from=str(i2v_base), trainable=False, pdd_steps=2), role="student")
+    plain = _model(i2v_base)
+    data = LatentDataset(i2v_latents, "train")
+    batch = plain.prepare_batch(collate_latents([data[0]], text_max_length=32), BatchRNG(0))
+    with torch.no_grad():
+        (head,) = pdd.predict_head_groups(batch.noisy_latents, batch.timesteps, batch, [HeadGroup([0])])
+        reference = plain.predict_noise(batch.noisy_latents, batch.timesteps, batch)
+        torch.testing.assert_close(head[:, 0], reference, atol=1e-5, rtol=1e-5)
+        batch.first_frame = torch.zeros_like(batch.first_frame)
+        (other,) = pdd.predict_head_groups(batch.noisy_latents, batch.timesteps, batch, [HeadGroup([0])])
+    assert not torch.equal(other, head)
