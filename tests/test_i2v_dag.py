@@ -1,13 +1,13 @@
 """Image-to-video through ``dvc repro`` (issue 45 item 2): with ``base.path`` a Wan 2.1 I2V folder (the tiny one), the
 latents stage stores the first frames' condition and image embeddings, the teacher stage trains the I2V model on
-them — killed mid-run with dvc and rerun, it ends bitwise where an uninterrupted run does — and the teacher's
-transformer beside the base's parts is a folder stock ``WanImageToVideoPipeline`` loads and samples."""
+them — killed mid-run with dvc and rerun, it ends bitwise where an uninterrupted run does —, the rest of the DAG
+(DFSFT, Self-Forcing, PDD, validate with the stored frames) runs on them, and the teacher's export is a folder stock
+``WanImageToVideoPipeline`` loads and samples (a student only our pipeline samples is one line at export)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -16,7 +16,17 @@ import numpy as np
 import pytest
 import torch
 from helpers import dcp_tensors
-from workspace import copy_workspace, env, kill_all_in, make_workspace, pause_training, read_log_steps, sh, wait_no_processes
+from workspace import (
+    copy_workspace,
+    env,
+    kill_all_in,
+    make_workspace,
+    pause_training,
+    read_log_steps,
+    set_params,
+    sh,
+    wait_no_processes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -74,11 +84,24 @@ def test_an_i2v_teacher_trains_through_dvc_and_resumes_after_a_kill(tmp_path):
     trained = WanTransformer3DModel.from_pretrained(whole / "artifacts" / "teacher" / "model" / "transformer")
     assert trained.config.in_channels == 20 and trained.config.image_dim == 32
 
-    # the teacher's transformer in the base's folder (the export's layout for a teacher): stock diffusers samples it
-    folder = tmp_path / "export"
-    shutil.copytree(whole / "artifacts" / "base" / "model", folder, ignore=shutil.ignore_patterns("transformer", "lineage.json"))
-    shutil.copytree(whole / "artifacts" / "teacher" / "model" / "transformer", folder / "transformer")
-    pipe = WanImageToVideoPipeline.from_pretrained(str(folder))
+    # the rest of the DAG on the I2V latents (DFSFT and Self-Forcing causal students, PDD, validate with the stored
+    # frames); the default export.student (the distill student) is one line: only our pipeline samples it
+    sh(["dvc", "repro", "validate"], whole, timeout=1800)
+    report = json.loads((whole / "artifacts" / "validate" / "report" / "report.json").read_text())
+    assert {c["name"].split("_")[0] for c in report["candidates"]} >= {"teacher", "pretrain", "distill", "pdd"}
+    failed = sh(["distillery", "stage", "export"], whole, check=False)
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    assert "stage export: the distill student of an image-to-video base samples with the" in failed.stderr.strip().splitlines()[-1]
+    assert not (whole / "artifacts" / "export").exists()
+    set_params(whole, {"export.student": "teacher"})
+    sh(["dvc", "repro", "export"], whole)
+    folder = whole / "artifacts" / "export"
+    assert json.loads((folder / "model_index.json").read_text())["_class_name"] == "WanImageToVideoPipeline"
+    card = (folder / "README.md").read_text()
+    assert "pipeline_tag: image-to-video" in card and "WanImageToVideoPipeline.from_pretrained(" in card
+    exported = load_file(folder / name)
+    assert all(torch.equal(exported[k], wa[k]) for k in wa)  # the teacher's transformer, as trained
+    pipe = WanImageToVideoPipeline.from_pretrained(str(folder))  # stock diffusers samples the export
     text = torch.randn(1, 512, 32)
     video = pipe(image=Image.fromarray(np.zeros((32, 32, 3), np.uint8)), prompt_embeds=text,
                  negative_prompt_embeds=torch.zeros_like(text), num_frames=9, height=32, width=32,
