@@ -281,3 +281,21 @@ def test_a_pdd_i2v_student_takes_the_frame(i2v_base, i2v_latents):
         batch.first_frame = torch.zeros_like(batch.first_frame)
         (other,) = pdd.predict_head_groups(batch.noisy_latents, batch.timesteps, batch, [HeadGroup([0])])
     assert not torch.equal(other, head)
+
+
+def test_in_training_validation_samples_with_the_sets_first_frames(i2v_base, i2v_latents):
+    """The validation callback reads each prompt's first frame (and image embeddings) with it and gives them to the
+    sampler: an I2V student samples in training (without them its forward would refuse)."""
+    from distillery.callbacks.validation import ValidationPrompts
+
+    prompts = ValidationPrompts.read(i2v_latents, None, 2, 512)
+    cond = prompts.conditioning()
+    assert cond.first_frame.shape == (2, 12, 3, 8, 8) and cond.image_embeds.shape == (2, 17, 32)
+    from distillery.sampling import build_sampler
+
+    model = _model(i2v_base)
+    sampler = build_sampler({"sampler": "euler", "shift": 3.0, "num_steps": 1})
+    generators = [torch.Generator().manual_seed(i) for i in range(2)]
+    with torch.no_grad():
+        latents = sampler.sample(model, cond, prompts.latent_shape, generators, num_steps=1, guidance_scale=1.0)
+    assert latents.shape == (2, *prompts.latent_shape) and torch.isfinite(latents).all()
