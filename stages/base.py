@@ -33,4 +33,4 @@ def stage_base(params: StageParams) -> None:
                  ", ".join(left_out[:5]) + (", ..." if len(left_out) > 5 else ""))
     cfg = json.loads((staging / "model" / "transformer" / "config.json").read_text())
     finish("base", staging, kind="model", params=params, inputs=[("source", source)],
-           metrics={"transformer_layers": cfg.get("num_layers"), "latent_channels": cfg.get("in_channels")})
+           metrics={"transformer_layers": cfg.get("num_layers"), "latent_channels": cfg.get("out_channels") or cfg.get("in_channels")})

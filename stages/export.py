@@ -46,6 +46,13 @@ def stage_export(params: StageParams) -> None:
         from distillery.export.lora_card import adapter_folder
 
         adapter_folder(student, ARTIFACTS / student / "model")
+    from distillery.export.i2v_card import check_i2v_export, is_i2v_folder
+
+    i2v = is_i2v_folder(base)  # an image-to-video base: a stock WanImageToVideoPipeline folder, or one line
+    if i2v:
+        import json
+
+        check_i2v_export(student, json.loads((ARTIFACTS / student / "model" / "sampling.json").read_text()))
     report = ARTIFACTS / "validate" / "report"
     missing = [f.name for f in (report / "metrics.json", report / "report.json") if not f.is_file()]
     if missing:  # the card's scores and snippets come from validate's report: a killed or never-run validate left none
@@ -62,8 +69,13 @@ def stage_export(params: StageParams) -> None:
     from distillery.data.encoders import read_max_sequence_length
     from distillery.export.model_card import export_model_card
 
-    (model / "README.md").write_text(export_model_card(student, ARTIFACTS / student, ARTIFACTS / "validate",
-                                                       read_max_sequence_length(base), stock_nfe), encoding="utf-8")
+    if i2v:
+        from distillery.export.i2v_card import i2v_model_card
+
+        card = i2v_model_card(student, ARTIFACTS / student, ARTIFACTS / "validate", read_max_sequence_length(base))
+    else:
+        card = export_model_card(student, ARTIFACTS / student, ARTIFACTS / "validate", read_max_sequence_length(base), stock_nfe)
+    (model / "README.md").write_text(card, encoding="utf-8")
     finish("export", staging, kind="export", params=params, metrics=metrics, verify_chain=True,
            config={CODE_RECORD_KEY: code},
            inputs=[("student", ARTIFACTS / student), ("base", ARTIFACTS / "base"), ("validation", ARTIFACTS / "validate")])

@@ -48,22 +48,27 @@ def validation_prompts(n: int) -> tuple[list[str], "PromptEmbeddings | None"]:
     """The first ``n`` distinct captions of the latents' validation split (train split if none,
     :func:`validation_split`), and
     their embeddings as the latents stage stored them with the empty prompt's (the base's own text
-    encoder made them: validate need not load it). Latent columns are never read. The embeddings are
-    None when the latent set has no stored empty-prompt embedding."""
+    encoder made them: validate need not load it) — for an image-to-video set with each caption's first clip's
+    first-frame condition and image embeddings: the frames the candidates are given. Latent columns are never read.
+    The embeddings are None when the latent set has no stored empty-prompt embedding."""
     from distillery.data import LatentDataset, read_empty_prompt_embedding
     from distillery.evaluation.validate import PromptEmbeddings
 
     root = ARTIFACTS / "latents" / "data"
     split = validation_split()
     ds = LatentDataset(root, split, with_latents=False)
-    seen: dict[str, object] = {}
+    seen: dict[str, dict] = {}
     for i in range(len(ds)):
         row = ds[i]
-        seen.setdefault(row["caption"], row["text_embedding"])
+        seen.setdefault(row["caption"], row)
         if len(seen) == n:
             break
     negative = read_empty_prompt_embedding(root)
-    embeddings = None if negative is None else PromptEmbeddings(texts=list(seen.values()), negative=negative)
+    rows = list(seen.values())
+    frames = [r["first_frame"] for r in rows] if rows and "first_frame" in rows[0] else None  # an image-to-video set
+    images = [r["image_embedding"] for r in rows] if rows and "image_embedding" in rows[0] else None
+    embeddings = None if negative is None else PromptEmbeddings(texts=[r["text_embedding"] for r in rows], negative=negative,
+                                                                first_frames=frames, image_embeds=images)
     return list(seen), embeddings
 
 

@@ -93,6 +93,8 @@ class ValidationPrompts:
     text_embeds: torch.Tensor  # float32 [N, L, D], zero-padded to text_max_length
     negative_text_embeds: torch.Tensor | None  # float32 [N, L, D] empty-prompt embedding, or None (zeros)
     latent_shape: tuple[int, int, int, int]  # (C, T, H, W) of one stored latent
+    first_frame: torch.Tensor | None = None  # image-to-video set: float32 [N, M + C, T, H, W] each prompt's clip's frame
+    image_embeds: torch.Tensor | None = None  # image-to-video set: float32 [N, K, D_img] its image embeddings
 
     @classmethod
     def read(cls, root: Path, split: str | None, count: int, text_max_length: int) -> "ValidationPrompts":
@@ -120,12 +122,13 @@ class ValidationPrompts:
             shape = tuple(recorded)
         else:
             shape = tuple(int(s) for s in batch["latents"].shape[1:])
-        return cls(batch["captions"], batch["text_embeds"], negative, shape)  # type: ignore[arg-type]
+        return cls(batch["captions"], batch["text_embeds"], negative, shape,  # type: ignore[arg-type]
+                   batch.get("first_frame"), batch.get("image_embeds"))
 
     def conditioning(self) -> "Conditioning":
         from distillery.models.base import Conditioning
 
-        return Conditioning(self.text_embeds, self.negative_text_embeds)
+        return Conditioning(self.text_embeds, self.negative_text_embeds, self.first_frame, self.image_embeds)
 
 
 Score = Callable[["np.ndarray", str], dict[str, bool]]  # (frames uint8 [T, H, W, 3], caption) -> {name: scored true}

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from distillery.common.errors import UserError
 from distillery.data.latent_format import (
+    I2V_TENSORS,
     LATENT_NDIM,
     TEXT_NDIM,
     ColumnError,
@@ -92,6 +93,8 @@ class _Shard:
             )
         try:
             columns = _READ_COLUMNS if with_latents else [c for c in _READ_COLUMNS if not c.startswith("latent_")]
+            i2v = [name for name in I2V_TENSORS if f"{name}_bytes" in schema.names]  # read with or without latents
+            columns = columns + [f"{name}_{part}" for name in i2v for part in ("bytes", "shape", "dtype")]
             table = pq.read_table(path, columns=columns)
             self.ids: list[str] = table.column("id").to_pylist()
             self.captions: list[str] = table.column("caption").to_pylist()
@@ -106,6 +109,10 @@ class _Shard:
                 table.column("text_embedding_dtype"),
                 TEXT_NDIM,
             )
+            #: image-to-video columns (``first_frame``, ``image_embedding``) when the shard has them
+            self.extras: dict[str, TensorColumn] = {
+                name: decode_tensor_column(table.column(f"{name}_bytes"), table.column(f"{name}_shape"),
+                                           table.column(f"{name}_dtype"), I2V_TENSORS[name]) for name in i2v}
         except ColumnError as e:
             raise UserError(f"{path} is a corrupt latent shard: {e}; regenerate it with the latents stage") from None
         except (pa.ArrowException, OSError) as e:
@@ -158,7 +165,8 @@ class LatentDataset:
     """All rows of ``root/<split>/*.parquet`` (shards in name order), held in memory.
 
     ``dataset[i]`` is a dict: ``latents`` (``[C, T, H, W]``, stored dtype), ``text_embedding``
-    (``[L, D]``, stored dtype, unpadded), ``caption`` (str), ``id`` (str). The tensors are
+    (``[L, D]``, stored dtype, unpadded), ``caption`` (str), ``id`` (str); an image-to-video set's rows add
+    ``first_frame`` (``[M + C, T, H, W]``) and, when stored, ``image_embedding`` (``[N, D_img]``). The tensors are
     read-only-by-convention views of the loaded shard buffers: clone before writing in place.
     ``with_latents=False`` reads prompts only (no ``latents`` key; the latent columns are never read):
     what a method whose ``data_kind`` is ``prompts`` trains on. Raises :class:`UserError` naming the path if the split folder is missing, holds no shards, or a
@@ -243,6 +251,8 @@ class LatentDataset:
         item = {"text_embedding": shard.texts[j], "caption": shard.captions[j], "id": shard.ids[j]}
         if shard.latents is not None:
             item["latents"] = shard.latents[j]
+        for name, column in shard.extras.items():  # an image-to-video set: first_frame, image_embedding
+            item[name] = column[j]
         return item
 
 
@@ -304,7 +314,8 @@ def collate_latents(
     prompt's first ``min(L, text_max_length)`` token embeddings followed by zeros (the layout
     ``WanPipeline`` gives its prompt embeddings: trimmed to the real tokens, truncated to the max
     sequence length, zero-padded); ``text_lengths`` int64 ``[B]`` (real tokens kept per row);
-    ``captions`` and ``ids`` lists of str. Tensors are new (not views of the dataset). With
+    ``captions`` and ``ids`` lists of str; items of an image-to-video set add ``first_frame`` ``[B, M + C, T, H, W]``
+    and ``image_embeds`` ``[B, N, D_img]`` (when stored). Tensors are new (not views of the dataset). With
     ``dtype`` both tensors are cast to it; without, all items must share a dtype. With ``pin_memory``
     the tensors are allocated page-locked (needs CUDA).
 
@@ -366,6 +377,14 @@ def collate_latents(
     }
     if latents is not None:
         batch["latents"] = latents
+    for name, key in (("first_frame", "first_frame"), ("image_embedding", "image_embeds")):  # image-to-video
+        if name in first:
+            if any(name not in it or it[name].shape != first[name].shape for it in items):
+                raise UserError(f"'{name}' in one batch must be in every row, of one shape ({first['id']!r}: "
+                                f"{list(first[name].shape)}); preprocess all clips with one image-to-video base")
+            stacked = torch.stack([it[name] for it in items])
+            stacked = stacked.to(dtype) if dtype is not None else stacked
+            batch[key] = stacked.pin_memory() if pin_memory else stacked
     return batch
 
 

@@ -80,8 +80,33 @@ def _text_dim_from_config(path: Path) -> int:
         raise UserError(f"{path}: no readable d_model ({type(exc).__name__}); is the base a diffusers Wan folder?") from None
 
 
+def first_frame_mask_channels(base: Path) -> int | None:
+    """The first-frame mask's channels an image-to-video base's transformer takes — ``in_channels − 2 ·
+    out_channels`` of ``transformer/config.json`` (Wan 2.1 I2V: 36 − 2 · 16 = 4) — or None for a text-to-video
+    base (``in_channels == out_channels``, or no transformer config to read). The model side's reading of the
+    same config is ``distillery.models.wan.image_conditioning``."""
+    path = Path(base) / "transformer" / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        in_ch, out_ch = int(config["in_channels"]), int(config.get("out_channels") or config["in_channels"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return in_ch - 2 * out_ch if in_ch > 2 * out_ch else None
+
+
+def first_frame_mask(num_frames: int, temporal_factor: int, latent_hw: tuple[int, int]) -> torch.Tensor:
+    """The first-frame mask ``[temporal_factor, T', H', W']`` of ``WanImageToVideoPipeline``: per video frame 1 for the
+    given first frame, 0 for the frames to generate; the first frame counted ``temporal_factor`` times so that each
+    latent frame gets ``temporal_factor`` channels (``T' = (num_frames − 1) / temporal_factor + 1``)."""
+    h, w = latent_hw
+    mask = torch.zeros(num_frames + temporal_factor - 1, h, w)
+    mask[:temporal_factor] = 1.0
+    return mask.view(-1, temporal_factor, h, w).transpose(0, 1).contiguous()
+
+
 class BaseEncoders:
-    """VAE + tokenizer + text encoder of a diffusers Wan folder, frozen, on ``device``."""
+    """VAE + tokenizer + text encoder of a diffusers Wan folder, frozen, on ``device``; for an image-to-video base
+    (:func:`first_frame_mask_channels`) also its image encoder and processor (when the folder has them)."""
 
     def __init__(self, base: str | Path, device: str | torch.device = "cpu", max_sequence_length: int | None = None,
                  text_encoder: bool = True, vae_dtype: torch.dtype = torch.float32) -> None:
@@ -111,6 +136,14 @@ class BaseEncoders:
         else:
             self.text_dim = _text_dim_from_config(self.base / "text_encoder" / "config.json")
         self.max_sequence_length = max_sequence_length or read_max_sequence_length(self.base)
+        self.mask_channels = first_frame_mask_channels(self.base)  # None: a text-to-video base
+        self.image_encoder = self.image_processor = None
+        if self.mask_channels is not None and (self.base / "image_encoder").is_dir():
+            from transformers import CLIPImageProcessor, CLIPVisionModel
+
+            self.image_processor = CLIPImageProcessor.from_pretrained(self.base / "image_processor")
+            self.image_encoder = CLIPVisionModel.from_pretrained(self.base / "image_encoder", torch_dtype=torch.float32)
+            self.image_encoder.to(self.device).eval()
         cfg = self.vae.config
         self.z_dim = int(cfg.z_dim)
         if len(cfg.latents_mean) != self.z_dim or len(cfg.latents_std) != self.z_dim:
@@ -126,6 +159,38 @@ class BaseEncoders:
         x = x.permute(0, 4, 1, 2, 3).float().div(127.5).sub(1.0).to(self.vae.dtype)
         z = self.vae.encode(x).latent_dist.mode().float()
         return normalize_latents(self.vae, z).cpu()
+
+    @property
+    def image_to_video(self) -> bool:
+        """Whether the base is an image-to-video model (its latents carry the first frame's condition)."""
+        return self.mask_channels is not None
+
+    @torch.no_grad()
+    def encode_first_frames(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """``uint8 [B, T, H, W, 3]`` → the first-frame condition ``float32 [B, M + C, T', H', W']`` (CPU) as
+        ``WanImageToVideoPipeline.prepare_latents`` builds it: the mask (:func:`first_frame_mask`, ``M`` channels)
+        then the normalised latent (the VAE's mode) of the video whose first frame is the clip's and the rest zeros."""
+        if self.mask_channels is None:
+            raise RuntimeError(f"{self.base} is not an image-to-video base")
+        x = torch.as_tensor(frames).to(self.device)
+        x = x[:, :1].permute(0, 4, 1, 2, 3).float().div(127.5).sub(1.0)  # [B, 3, 1, H, W] in [-1, 1]
+        b, _, _, h, w = x.shape
+        t = int(frames.shape[1])
+        video = torch.cat([x, x.new_zeros(b, 3, t - 1, h, w)], dim=2).to(self.vae.dtype)
+        z = normalize_latents(self.vae, self.vae.encode(video).latent_dist.mode().float()).cpu()
+        mask = first_frame_mask(t, self.mask_channels, (z.shape[3], z.shape[4]))
+        return torch.cat([mask.unsqueeze(0).expand(b, -1, -1, -1, -1), z], dim=1)
+
+    @torch.no_grad()
+    def encode_images(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor | None:
+        """``uint8 [B, T, H, W, 3]`` → the image encoder's embeddings of each first frame ``float32 [B, N, D]`` (CPU),
+        as ``WanImageToVideoPipeline.encode_image``: the processor, then the encoder's penultimate hidden states.
+        None when the base has no image encoder."""
+        if self.image_encoder is None:
+            return None
+        first = [np.asarray(f[0]) for f in (frames.cpu().numpy() if isinstance(frames, torch.Tensor) else frames)]
+        pixels = self.image_processor(images=first, return_tensors="pt").to(self.device)
+        return self.image_encoder(**pixels, output_hidden_states=True).hidden_states[-2].float().cpu()
 
     def configure_decode(self, chunk_frames: int | None, fused: bool = False) -> None:
         """How :meth:`decode_latents` runs the VAE (:mod:`distillery.data.vae_decode`): ``chunk_frames`` latent

@@ -9,6 +9,10 @@ One parquet row is one training clip:
   unpadded (``L`` is the prompt's real token count and may be 0 for the empty prompt).
 - ``num_frames``, ``height``, ``width`` (video frames and pixels), ``fps``, ``source``: metadata of
   the clip the latent was encoded from.
+- image-to-video sets only (:data:`I2V_SCHEMA`): ``first_frame_bytes`` / ``_shape`` / ``_dtype``, the first
+  frame's condition ``[M + C, T, H, W]`` (the mask, then the latent of the first frame followed by zeros, as
+  ``WanImageToVideoPipeline`` builds it), and — when the base has an image encoder —
+  ``image_embedding_bytes`` / ``_shape`` / ``_dtype``, its embeddings of the first frame ``[N, D_img]``.
 
 Supported dtypes are ``float32``, ``float16`` and ``bfloat16``; every codec here round-trips them
 bitwise. Readers honour the dtype column (a row's tensors come back in the dtype they were written
@@ -32,6 +36,7 @@ __all__ = [
     "DTYPES",
     "ColumnError",
     "FORMAT_METADATA",
+    "I2V_TENSORS",
     "LATENT_NDIM",
     "LATENT_COLUMNS",
     "PROMPT_SCHEMA",
@@ -42,6 +47,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "exact_nbytes",
+    "i2v_schema",
     "schema_problems",
     "tensor_from_bytes",
     "tensor_to_record_fields",
@@ -81,6 +87,22 @@ SCHEMA: pa.Schema = pa.schema(
     ],
     metadata=FORMAT_METADATA,
 )
+
+#: An image-to-video set's extra tensor columns (each a ``*_bytes``/``_shape``/``_dtype`` triple) and their ranks.
+I2V_TENSORS = {"first_frame": LATENT_NDIM, "image_embedding": TEXT_NDIM}
+
+
+def _tensor_fields(name: str) -> list[pa.Field]:
+    return [pa.field(f"{name}_bytes", pa.binary(), nullable=False), pa.field(f"{name}_shape", pa.list_(pa.int32()), nullable=False),
+            pa.field(f"{name}_dtype", pa.string(), nullable=False)]
+
+
+def i2v_schema(with_image_embedding: bool) -> pa.Schema:
+    """An image-to-video latent shard's schema: :data:`SCHEMA`, then the first frame's condition columns and (with
+    ``with_image_embedding``) the image embedding's."""
+    extra = [*_tensor_fields("first_frame"), *(_tensor_fields("image_embedding") if with_image_embedding else [])]
+    return pa.schema([*SCHEMA, *extra], metadata={b"distillery.format": b"latents/v1+i2v"})
+
 
 #: The columns only a latent shard holds (a prompt shard, written by the ``prompts`` stage, has none of them).
 LATENT_COLUMNS = ("latent_bytes", "latent_shape", "latent_dtype", "num_frames", "height", "width", "fps")

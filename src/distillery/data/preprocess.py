@@ -89,8 +89,9 @@ _SHARD_FILE = re.compile(r"^\.?shard-(\d{5,})\.(parquet|json)(\..*\.tmp|\.tmp-\d
 #: The ledger of the shard files preprocess runs wrote into ``out`` (only those are ever removed).
 LEDGER_FILE = "written_files.json"
 _LEDGER_ENTRY = re.compile(r"^([^/]+/shard-\d{5,}\.(parquet|json)|(empty|negative)_prompt\.safetensors)$")
-#: The parts of a base model folder the latents depend on.
-_ENCODER_PARTS = ("vae", "text_encoder", "tokenizer")
+#: The parts of a base model folder the latents depend on (an image-to-video base's transformer config says so,
+#: and its image encoder makes the image embeddings; a text-to-video base has neither image folder).
+_ENCODER_PARTS = ("vae", "text_encoder", "tokenizer", "image_encoder", "image_processor")
 
 
 def _shard_record_path(out: Path, split: str, index: int) -> Path:
@@ -109,10 +110,19 @@ def encoders_digest(base: Path) -> str:
     """sha256 over every file of the base's ``vae/``, ``text_encoder/`` and ``tokenizer/`` (relative path
     and content digest, through the hash cache when one is active)."""
     h = hashlib.sha256()
+    if (base / "image_encoder").is_dir() or (base / "image_processor").is_dir() or _is_i2v(base):
+        config = base / "transformer" / "config.json"  # its in_channels say whether the shards carry first frames
+        h.update(f"i2v\0{file_sha256(config) if config.is_file() else ''}\n".encode())
     for part in _ENCODER_PARTS:
         for path in sorted(p for p in (base / part).rglob("*") if p.is_file()):
             h.update(f"{path.relative_to(base).as_posix()}\0{file_sha256(path)}\n".encode())
     return h.hexdigest()
+
+
+def _is_i2v(base: Path) -> bool:
+    from distillery.data.encoders import first_frame_mask_channels
+
+    return first_frame_mask_channels(base) is not None
 
 
 def _entry_fingerprint(split_dir: Path, entry: Any) -> list[Any]:
@@ -195,13 +205,18 @@ def process_shard(
     records: list[LatentRecord] = []
     for start in range(0, len(items), cfg.batch_size):
         chunk = items[start : start + cfg.batch_size]
-        latents = encoders.encode_videos(np.stack([c.frames for c in chunk]))
+        frames = np.stack([c.frames for c in chunk])
+        latents = encoders.encode_videos(frames)
         texts = encoders.encode_prompts([c.caption for c in chunk])
-        for clip, latent, text in zip(chunk, latents, texts):
+        firsts = encoders.encode_first_frames(frames) if encoders.image_to_video else [None] * len(chunk)
+        images = encoders.encode_images(frames) if encoders.image_to_video else None
+        for i, (clip, latent, text) in enumerate(zip(chunk, latents, texts)):
             records.append(LatentRecord(
                 id=clip.id, caption=clip.caption, latent=latent.contiguous(), text_embedding=text,
                 num_frames=cfg.num_frames, height=cfg.height, width=cfg.width, fps=float(cfg.fps),
                 source=f"{split}/{clip.path}",
+                first_frame=None if firsts[i] is None else firsts[i].contiguous(),
+                image_embedding=None if images is None else images[i].contiguous(),
             ))
     if records:
         write_shard(records, shard_path(out, split, index))
@@ -418,12 +433,26 @@ def _summarise(plan, out: Path, splits, totals, cfg, base, data, encoders, secon
         "latent_channels": encoders.z_dim,
         "latent_shape": list(shapes.pop()),  # [C, T, H, W] of every row
         "text_dim": encoders.text_dim,
+        **({"image_conditioning": _image_conditioning(out, plan)} if encoders.image_to_video else {}),
         "normalisation": "latents = (posterior_mean - vae.latents_mean) / vae.latents_std",
     }
     write_text_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=2))  # the same inputs give the same bytes
     manifest.update(seconds_this_run=round(seconds, 3), clips_this_run=clips_this_run)  # facts of this run only
     log.info("preprocessed %s", ", ".join(f"{s}: {c['rows']} clips ({c['skipped']} skipped)" for s, c in counts.items()))
     return manifest
+
+
+def _image_conditioning(out: Path, plan: list[Shard]) -> dict[str, Any]:
+    """An image-to-video set's manifest entry: the first-frame condition's shape and the image embeddings' (None when
+    the base has no image encoder), read from the first shard that holds rows."""
+    for split, _, k, _ in plan:
+        path = shard_path(out, split, k)
+        if path.is_file():
+            names = [c for c in ("first_frame_shape", "image_embedding_shape") if c in pq.read_schema(path).names]
+            row = pq.read_table(path, columns=names).slice(0, 1).to_pylist()[0]
+            embedding = row.get("image_embedding_shape")
+            return {"first_frame_shape": list(row["first_frame_shape"]), "image_embedding_shape": embedding}
+    raise RuntimeError(f"preprocess: no shard of {out} holds rows")
 
 
 def main_preprocess(args: Any) -> int:

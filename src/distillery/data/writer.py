@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from distillery.data.latent_format import LATENT_NDIM, PROMPT_SCHEMA, SCHEMA, TEXT_NDIM, tensor_to_record_fields
+from distillery.data.latent_format import LATENT_NDIM, PROMPT_SCHEMA, SCHEMA, TEXT_NDIM, i2v_schema, tensor_to_record_fields
 
 __all__ = ["LatentRecord", "PromptRecord", "shard_path", "write_latent_shards", "write_prompt_shard", "write_shard"]
 
@@ -46,8 +46,15 @@ class LatentRecord:
     width: int  # source clip width, pixels
     fps: float  # source clip frame rate, frames per second
     source: str  # where the clip came from (file path, URL, generator name)
+    first_frame: torch.Tensor | None = None  # image-to-video: [M + C, T, H, W] the first frame's mask and latent
+    image_embedding: torch.Tensor | None = None  # image-to-video: [N, D_img] the image encoder's embeddings of it
 
     def __post_init__(self) -> None:
+        if self.first_frame is not None and (self.first_frame.ndim != LATENT_NDIM or self.first_frame.shape[1:] != self.latent.shape[1:]):
+            raise ValueError(f"record {self.id!r}: first_frame must be [M + C, T, H, W] with the latent's T, H, W; got "
+                             f"{list(self.first_frame.shape)} beside {list(self.latent.shape)}")
+        if self.image_embedding is not None and (self.first_frame is None or self.image_embedding.ndim != TEXT_NDIM):
+            raise ValueError(f"record {self.id!r}: image_embedding must be [N, D] beside a first_frame")
         if self.latent.ndim != LATENT_NDIM:
             raise ValueError(
                 f"record {self.id!r}: latent must be [C, T, H, W], got shape {list(self.latent.shape)}"
@@ -98,7 +105,18 @@ def _records_to_table(records: list[LatentRecord]) -> pa.Table:
         "fps": [float(r.fps) for r in records],
         "source": [r.source for r in records],
     }
-    return pa.Table.from_pydict(columns, schema=SCHEMA)
+    schema = SCHEMA
+    if records[0].first_frame is not None:  # an image-to-video set: every row has the first frame (and embedding)
+        with_image = records[0].image_embedding is not None
+        if any((r.first_frame is None) or ((r.image_embedding is None) == with_image) for r in records):
+            raise ValueError("records of one shard must all carry a first_frame (and all or none an image_embedding)")
+        columns.update(_tensor_columns("first_frame", [r.first_frame for r in records]))
+        if with_image:
+            columns.update(_tensor_columns("image_embedding", [r.image_embedding for r in records]))
+        schema = i2v_schema(with_image)
+    elif any(r.first_frame is not None for r in records):
+        raise ValueError("records of one shard must all carry a first_frame or none")
+    return pa.Table.from_pydict(columns, schema=schema)
 
 
 def _prompts_to_table(records: list[PromptRecord]) -> pa.Table:

@@ -64,6 +64,8 @@ class PromptEmbeddings:
 
     texts: list[torch.Tensor]
     negative: torch.Tensor
+    first_frames: list[torch.Tensor] | None = None  # image-to-video: prompt i's first-frame condition [M + C, T, H, W]
+    image_embeds: list[torch.Tensor] | None = None  # image-to-video: prompt i's image embeddings [N, D_img]
 
 
 class SamplingContext:
@@ -100,6 +102,7 @@ class SamplingContext:
             raise UserError(f"validate: num_frames − 1 must be a multiple of {tf} and height/width of {sf} for the VAE of "
                             f"{base_dir}, got {cfg.num_frames}×{cfg.height}×{cfg.width}")
         self.latent_shape = (self.encoders.z_dim, (cfg.num_frames - 1) // tf + 1, cfg.height // sf, cfg.width // sf)
+        self.first_frames, self.image_embeds = self._image_conditioning(embeddings, len(prompts))
         self.encoders.configure_decode(*resolve_vae_decode(cfg.vae_chunk_frames, self.device))
         # what the frames depend on: the resolved chunk and whether the fused blocks apply to this VAE
         self.vae_decode = (self.encoders.chunk_frames_for(self.latent_shape), self.encoders.fused_decode)
@@ -109,6 +112,33 @@ class SamplingContext:
         self._last: tuple[tuple, "ModelBase"] | None = None  # (folder, shift, model options), model: the last loaded
         # (the teacher's step counts share it)
         self._digests: dict[tuple[str, ...], dict[str, str]] = {}  # a candidate's folders → their files' sha256
+
+    def _image_conditioning(self, embeddings: PromptEmbeddings | None, count: int,
+                            ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """Each prompt's first-frame condition ``[1, M + C, T, H, W]`` and image embeddings ``[1, N, D]`` on the device
+        (an image-to-video base: the frames the latents stored, every candidate is given them); ``(None, None)`` for a
+        text-to-video base. One :class:`UserError` line when an I2V base has no first frames or they do not fit."""
+        if not self.encoders.image_to_video:
+            return None, None
+        frames = embeddings.first_frames if embeddings is not None else None
+        if frames is None or len(frames) != count:
+            raise UserError(f"validate: {self.base_dir} is an image-to-video base: every prompt needs its first frame, "
+                            "which the latents stage stores (validate.prompts cannot give them); validate on the latent set")
+        if any(tuple(f.shape[1:]) != tuple(self.latent_shape[1:]) for f in frames):
+            raise UserError(f"validate: the stored first frames are {list(frames[0].shape)}, the samples' latents "
+                            f"{list(self.latent_shape)}; validate at the latents' frames and size")
+        images = embeddings.image_embeds if embeddings is not None else None
+        return ([f.float()[None].to(self.device) for f in frames],
+                [e.float()[None].to(self.device) for e in images] if images is not None else None)
+
+    def _image_inputs(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The ``first_frame`` / ``image_embeds`` of :class:`Conditioning` for prompts ``indices`` (none: text-to-video)."""
+        if self.first_frames is None:
+            return {}
+        out = {"first_frame": torch.cat([self.first_frames[i] for i in indices])}
+        if self.image_embeds is not None:
+            out["image_embeds"] = torch.cat([self.image_embeds[i] for i in indices])
+        return out
 
     @staticmethod
     def _pad(embed: torch.Tensor, length: int) -> torch.Tensor:
@@ -148,6 +178,8 @@ class SamplingContext:
         cfg = self.cfg
         return {"format": CACHE_FORMAT, "code": code_digest(), "machine": machine_facts(self.device, self.dtype),
                 "prompts": list(prompts), "text": tensor_digest([*self.text, self.negative]), "seed_grid": seed_grid,
+                **({"first_frames": tensor_digest([*self.first_frames, *(self.image_embeds or [])])}
+                   if self.first_frames is not None else {}),  # image-to-video: the frames every candidate is given
                 "latent_shape": list(self.latent_shape),
                 **({"sample_batch": cfg.sample_batch} if cfg.sample_batch != 1 else {}),  # batched: other rounding
                 **({"vae_dtype": str(self.vae_dtype)} if self.vae_dtype != torch.float32 else {}),  # other frames
@@ -204,9 +236,10 @@ class SamplingContext:
         sampler = cand.build_sampler(loaded.shift)
         generators = [torch.Generator().manual_seed(seed) for seed in seeds]
         if len(indices) == 1:
-            cond, noise = Conditioning(self.text[indices[0]], self.negative), generators[0]
+            cond, noise = Conditioning(self.text[indices[0]], self.negative, **self._image_inputs(indices)), generators[0]
         else:
-            cond = Conditioning(torch.cat([self.text[i] for i in indices]), self.negative.expand(len(indices), -1, -1))
+            cond = Conditioning(torch.cat([self.text[i] for i in indices]), self.negative.expand(len(indices), -1, -1),
+                                **self._image_inputs(indices))
             noise = generators
         with torch.no_grad():
             return sampler.sample(loaded.model, cond, self.latent_shape, noise, num_steps=cand.num_steps,
@@ -218,7 +251,7 @@ class SamplingContext:
 
         with torch.no_grad():
             x = torch.zeros(1, *self.latent_shape, device=self.device)
-            loaded.model.predict_noise(x, torch.zeros(1, device=self.device), Conditioning(self.negative))
+            loaded.model.predict_noise(x, torch.zeros(1, device=self.device), Conditioning(self.negative, **self._image_inputs([0])))
             self.encoders.decode_latents(x)
         synchronize(self.device)
 

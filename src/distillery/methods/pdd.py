@@ -119,9 +119,11 @@ class _Carry:
     uses: int  # calls of this slot since it was filled
     text_embeds: torch.Tensor  # [B, L, D]
     negative_text_embeds: torch.Tensor | None
+    first_frame: torch.Tensor | None = None  # image-to-video: each row's first-frame condition, carried with its prompt
+    image_embeds: torch.Tensor | None = None  # image-to-video: each row's image embeddings
 
     def cond(self) -> Conditioning:
-        return Conditioning(self.text_embeds, self.negative_text_embeds)
+        return Conditioning(self.text_embeds, self.negative_text_embeds, self.first_frame, self.image_embeds)
 
 
 @dataclass
@@ -270,7 +272,7 @@ class PDDMethod(TrainingMethod):
         tb = student.prepare_batch(batch, self.rng, timesteps=torch.full((b,), float(student.schedule.num_train_timesteps)))
         carry = self.slots[slot]
         if carry is None:
-            carry = _Carry(tb.noise.float(), 0, tb.text_embeds, tb.negative_text_embeds)
+            carry = _Carry(tb.noise.float(), 0, tb.text_embeds, tb.negative_text_embeds, tb.first_frame, tb.image_embeds)
             carry.state = self._walk_to_offsets(carry, offsets[first:first + b], max(offsets))
         else:
             fresh = torch.tensor([(o + carry.uses) % self.num_rungs == 0 for o in offsets[first:first + b]],
@@ -280,6 +282,10 @@ class PDDMethod(TrainingMethod):
             if carry.negative_text_embeds is not None and tb.negative_text_embeds is not None:
                 carry.negative_text_embeds = torch.where(fresh[:, None, None], tb.negative_text_embeds,
                                                          carry.negative_text_embeds)
+            for name in ("first_frame", "image_embeds"):  # image-to-video: a fresh row takes its new clip's frame
+                new, old = getattr(tb, name), getattr(carry, name)
+                if new is not None and old is not None:
+                    setattr(carry, name, torch.where(_rows(fresh, old), new, old))
         self.slots[slot] = carry
         rungs = [(o + carry.uses) % self.num_rungs for o in offsets]
         starts = [self.rung_nodes[r] for r in rungs]
@@ -361,7 +367,10 @@ class PDDMethod(TrainingMethod):
         if self.config.rollout != "simulate":
             return None
         slots = [None if c is None else {"state": c.state, "uses": c.uses, "text_embeds": c.text_embeds,
-                                         "negative_text_embeds": c.negative_text_embeds} for c in self.slots]
+                                         "negative_text_embeds": c.negative_text_embeds,
+                                         **({"first_frame": c.first_frame} if c.first_frame is not None else {}),
+                                         **({"image_embeds": c.image_embeds} if c.image_embeds is not None else {})}
+                 for c in self.slots]
         return {"calls": self.calls, "slots": slots, "world_size": int(self.rng.world_size)}
 
     def load_host_state(self, state: dict[str, Any] | None) -> None:
@@ -389,7 +398,8 @@ class PDDMethod(TrainingMethod):
             return None if t is None else t.to(device)
 
         self.slots = [None if s is None else _Carry(on(s["state"]), int(s["uses"]), on(s["text_embeds"]),
-                                                    on(s["negative_text_embeds"])) for s in slots]
+                                                    on(s["negative_text_embeds"]), on(s.get("first_frame")),
+                                                    on(s.get("image_embeds"))) for s in slots]
 
 
 def _rows(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

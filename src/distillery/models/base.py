@@ -28,6 +28,8 @@ class Conditioning:
 
     text_embeds: torch.Tensor  # [B, L, D] zero-padded prompt embeddings
     negative_text_embeds: torch.Tensor | None = None  # [B, L, D] empty-prompt embeddings (CFG); None: zeros
+    first_frame: torch.Tensor | None = None  # image-to-video: [B, M + C, T, H, W] the first-frame mask then its latent
+    image_embeds: torch.Tensor | None = None  # image-to-video: [B, N, D_img] the image encoder's embeddings of the frame
 
 
 @dataclass
@@ -41,6 +43,8 @@ class TrainingBatch:
     timesteps: torch.Tensor | None = None  # [B] or [B, T] in [0, 1000]
     sigmas: torch.Tensor | None = None  # same shape as timesteps, σ = t / 1000
     noisy_latents: torch.Tensor | None = None  # x_t [B, C, T, H, W]
+    first_frame: torch.Tensor | None = None  # image-to-video: [B, M + C, T, H, W] (as :class:`Conditioning`'s)
+    image_embeds: torch.Tensor | None = None  # image-to-video: [B, N, D_img] (as :class:`Conditioning`'s)
 
 
 def batch_latent_shape(raw: dict[str, Any]) -> tuple[int, ...]:
@@ -176,7 +180,8 @@ class ModelBase(ABC):
         ``raw`` holds ``latents`` [B,C,T,H,W] — or, a batch of prompts only, ``latent_shape`` [C,T,H,W]: the
         noise is drawn in that shape (the same draws as for latents of it) and ``latents``/``noisy_latents`` are
         None —, ``text_embeds`` [B,L,D] and optionally ``negative_text_embeds`` [B,L,D] or ``empty_text_embeds``
-        [L,D]. All randomness comes from ``rng`` (per-sample draws, independent of the rank split).
+        [L,D]; an image-to-video set adds ``first_frame`` [B,M+C,T,H,W] and ``image_embeds`` [B,N,D_img].
+        All randomness comes from ``rng`` (per-sample draws, independent of the rank split).
         """
         latents = raw.get("latents")
         if latents is not None:
@@ -193,6 +198,9 @@ class ModelBase(ABC):
         timesteps = timesteps.to(self.device)
         noise = rng.randn(shape).to(self.device)
         batch = TrainingBatch(latents=latents, text_embeds=text, negative_text_embeds=negative, noise=noise)
+        for key in ("first_frame", "image_embeds"):  # image-to-video conditioning, when the set holds it
+            if raw.get(key) is not None:
+                setattr(batch, key, raw[key].to(self.device, non_blocking=True).float())
         batch.timesteps = timesteps
         batch.sigmas = self.schedule.sigma(timesteps)
         batch.noisy_latents = self.add_noise(latents, noise, timesteps) if latents is not None else None

@@ -62,6 +62,10 @@ class FamilyLoaders(Protocol):
     def input_widths(self, config: dict[str, Any]) -> tuple[int | None, int | None]:
         """``(latent channels, text embedding width)`` a transformer of ``config`` takes."""
 
+    def image_conditioning(self, config: dict[str, Any]) -> Any:
+        """How a transformer of ``config`` is conditioned on a first frame (image-to-video: the condition's channels,
+        the image encoder's width), or None for text-to-video."""
+
     def empty_head_bank(self, transformer: "torch.nn.Module", num_heads: int) -> "torch.nn.Module":
         """A PDD head bank of ``num_heads`` heads shaped for ``transformer`` (a checkpoint's ``heads`` load into it)."""
 
@@ -70,7 +74,7 @@ class FamilyLoaders(Protocol):
 
 
 LOADER_NAMES = ("HEAD_BANK_FILE", "locate_transformer", "load_inference_model", "build_transformer", "input_widths",
-                "empty_head_bank", "save_head_bank")  # FamilyLoaders' members
+                "image_conditioning", "empty_head_bank", "save_head_bank")  # FamilyLoaders' members
 
 
 @dataclass(frozen=True)
@@ -257,6 +261,15 @@ def family_of(folder: str | Path) -> ModelFamily:
 def locate_transformer(folder: str | Path) -> tuple[Path, Path | None]:
     """``(transformer folder, scheduler folder or None)`` of ``folder``, by its family's locator."""
     return family_of(folder).loaders().locate_transformer(folder)
+
+
+def image_conditioning(folder: str | Path) -> Any:
+    """The first-frame conditioning of ``folder``'s transformer by its family (:meth:`FamilyLoaders.image_conditioning`:
+    None for a text-to-video model): what tells an image-to-video base (Wan 2.1 I2V: ``in_channels`` 36 =
+    latent 16 + mask 4 + first-frame latent 16, ``image_dim`` set) from a text-to-video one."""
+    loaders = family_of(folder).loaders()
+    transformer_dir, _ = loaders.locate_transformer(folder)
+    return loaders.image_conditioning(_read_json(transformer_dir / "config.json"))
 
 
 def load_inference_model(folder: str | Path, device: Any = "cpu", dtype: Any = None, shift: float | None = None,

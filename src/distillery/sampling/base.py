@@ -103,8 +103,11 @@ def conditioning_on(cond: "Conditioning", device: torch.device) -> "Conditioning
     """``cond`` with its tensors on ``device`` (dtype unchanged: the model casts to its input dtype)."""
     from distillery.models.base import Conditioning
 
-    negative = cond.negative_text_embeds.to(device) if cond.negative_text_embeds is not None else None
-    return Conditioning(cond.text_embeds.to(device), negative)
+    def moved(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t.to(device) if t is not None else None
+
+    return Conditioning(cond.text_embeds.to(device), moved(cond.negative_text_embeds), moved(cond.first_frame),
+                        moved(cond.image_embeds))
 
 
 def check_inputs(cond: "Conditioning", latent_shape: Sequence[int], initial: torch.Tensor | None) -> int:

@@ -20,8 +20,11 @@ from distillery.components.rng import BatchRNG
 from distillery.models.base import Conditioning, ModelBase, TrainingBatch
 from distillery.models.schedule import FlowMatchSchedule, read_scheduler_shift
 from distillery.models.wan.attention import install_attention_backend, resolve_attention_backend
-from distillery.models.wan.common import TRANSFORMER_CLASS, WanModelConfig, locate_transformer
+from distillery.models.wan.common import TRANSFORMER_CLASS, WanModelConfig, image_conditioning, locate_transformer
 from distillery.models.wan.experts import LAYOUT_KEY, WanExperts, expert_index, read_wan_layout
+
+#: Diffusers' Wan attention splits an image-to-video context as ``[image tokens, the last 512 text tokens]``.
+I2V_TEXT_TOKENS = 512
 
 log = get_logger("models.wan")
 
@@ -83,7 +86,8 @@ class WanModel(ModelBase):
                                   if self.layout.boundary_ratio is not None else None)
         cfg = self.transformer.config
         self.patch_size = tuple(cfg.patch_size)
-        self.in_channels = int(cfg.in_channels)
+        self.image_conditioning = image_conditioning(dict(cfg))  # None: text-to-video
+        self.in_channels = int(cfg.in_channels) if self.image_conditioning is None else self.image_conditioning.latent_channels
         self.text_dim = int(cfg.text_dim)
         self.attention_backend = "native"  # set_attention_backend resolves and installs another
         log.info("role %s: %s%s from %s (%.1f M params, shift %.2f)", role, TRANSFORMER_CLASS,
@@ -163,15 +167,47 @@ class WanModel(ModelBase):
         if text is None:
             text = torch.zeros_like(batch.text_embeds)
         dtype = self.input_dtype()
-        if self.experts:
-            return self._predict_by_expert(noisy_latents.to(dtype), timesteps, text.to(dtype))
+        hidden, image = noisy_latents.to(dtype), None
+        if self.image_conditioning is not None:
+            hidden, text, image = self._image_inputs(hidden, text, batch)
+        if self.experts:  # Wan 2.2 A14B: its I2V form conditions by the latent channels only (no image encoder)
+            return self._predict_by_expert(hidden, timesteps, text.to(dtype))
         out = self.forward_module(
-            hidden_states=noisy_latents.to(dtype),
+            hidden_states=hidden,
             timestep=self._model_timesteps(timesteps, noisy_latents).float(),
             encoder_hidden_states=text.to(dtype),
+            encoder_hidden_states_image=None if image is None else image.to(dtype),
             return_dict=False,
         )[0]
         return out.float()
+
+    def _image_inputs(self, hidden: torch.Tensor, text: torch.Tensor, batch: Conditioning | TrainingBatch,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """An image-to-video transformer's inputs, as ``WanImageToVideoPipeline`` builds them: the noisy latent then
+        the first-frame condition (mask, latent) on the channel axis; the image embeddings when the model takes them,
+        with the prompt zero-padded to the 512 tokens diffusers' attention takes as the text (the unconditional
+        forward keeps the frame: only the prompt is dropped, as the pipeline's CFG does)."""
+        spec = self.image_conditioning
+        first = getattr(batch, "first_frame", None)
+        if first is None:
+            raise UserError(f"models.{self.role}: {self.transformer_dir} is an image-to-video model; its batches need "
+                            "the first frame's condition (latents made from this base by the latents stage)")
+        if first.shape[1] != spec.condition_channels or first.shape[2:] != hidden.shape[2:] or first.shape[0] not in (1, hidden.shape[0]):
+            raise ValueError(f"first_frame {tuple(first.shape)} does not fit latents {tuple(hidden.shape)} "
+                             f"({spec.mask_channels} mask + {spec.latent_channels} latent channels)")
+        first = first.to(hidden.dtype).expand(hidden.shape[0], -1, -1, -1, -1)
+        hidden = torch.cat([hidden, first], dim=1)
+        image = None
+        if spec.image_dim is not None:
+            image = getattr(batch, "image_embeds", None)
+            if image is None:
+                raise UserError(f"models.{self.role}: {self.transformer_dir} takes image-encoder embeddings "
+                                f"(image_dim {spec.image_dim}); its batches have none (rerun the latents stage on this base)")
+            image = image.expand(hidden.shape[0], -1, -1)
+            if text.shape[1] > I2V_TEXT_TOKENS:
+                raise ValueError(f"an image-to-video prompt of {text.shape[1]} tokens; diffusers' Wan takes {I2V_TEXT_TOKENS}")
+            text = torch.nn.functional.pad(text, (0, 0, 0, I2V_TEXT_TOKENS - text.shape[1]))
+        return hidden, text, image
 
     def _predict_by_expert(self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """Each sample through the expert of its timestep (:func:`~distillery.models.wan.experts.expert_index`),

@@ -35,7 +35,7 @@ keeps its graph).
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -223,6 +223,15 @@ class _KVCache:
     layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
+def _frames_of(batch: Conditioning | TrainingBatch, start: int, frames: int) -> Conditioning | TrainingBatch:
+    """``batch`` with an image-to-video first-frame condition cut to latent frames ``[start, start + frames)`` (a
+    streaming call's chunk: the condition is per frame, aligned with the latents); as it is without one."""
+    first = getattr(batch, "first_frame", None)
+    if first is None or first.shape[2] == frames:
+        return batch
+    return replace(batch, first_frame=first[:, :, start:start + frames])
+
+
 class CausalWanModel(WanModel, CausalModelBase):
     """Wan 2.1 with block-causal attention over ``chunk_size``-frame chunks and a per-tag KV cache.
 
@@ -320,7 +329,7 @@ class CausalWanModel(WanModel, CausalModelBase):
             past = cache.layers
         store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if store_kv else None
         plan = _AttentionPlan(self.chunk_size, tokens, held, noisy_latents.shape[2], past=past, store=store)
-        v = self._forward(plan, noisy_latents, timesteps, batch, conditional)
+        v = self._forward(plan, noisy_latents, timesteps, _frames_of(batch, held, noisy_latents.shape[2]), conditional)
         if store is not None:
             layers = [store[i] for i in range(len(store))]
             if past is not None:

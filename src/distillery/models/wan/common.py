@@ -82,5 +82,45 @@ def build_transformer(config: dict[str, Any]) -> Any:
 
 def input_widths(config: dict[str, Any]) -> tuple[int | None, int | None]:
     """``(latent channels, text embedding width)`` a Wan transformer of ``config`` takes (its
-    ``in_channels`` and ``text_dim``; None where the config lacks one)."""
-    return config.get("in_channels"), config.get("text_dim")
+    ``in_channels`` and ``text_dim``; None where the config lacks one). An image-to-video transformer's
+    latent channels are its ``out_channels``: the rest of its input is the first-frame condition
+    (:func:`image_conditioning`)."""
+    i2v = image_conditioning(config)
+    return (i2v.latent_channels if i2v is not None else config.get("in_channels")), config.get("text_dim")
+
+
+@dataclass(frozen=True)
+class ImageConditioning:
+    """How a Wan 2.1 image-to-video transformer is conditioned on a first frame (diffusers'
+    ``WanImageToVideoPipeline``): its input is ``concat(noisy latent, mask, first-frame latent)`` on the
+    channel axis — ``latent_channels + mask_channels + latent_channels`` = ``in_channels`` (Wan 2.1 I2V:
+    16 + 4 + 16 = 36; ``mask_channels`` is the VAE's temporal factor) — and, when ``image_dim`` is set,
+    the image encoder's penultimate hidden states ``[N, image_dim]`` go in as ``encoder_hidden_states_image``."""
+
+    latent_channels: int  # the noisy latent's channels (the transformer's out_channels, the VAE's z_dim)
+    mask_channels: int  # the first-frame mask's channels (frames per latent frame)
+    image_dim: int | None  # width of the image encoder's embeddings; None: the base has no image encoder
+
+    @property
+    def condition_channels(self) -> int:
+        """Channels of the stored condition: the mask then the first-frame latent."""
+        return self.mask_channels + self.latent_channels
+
+
+def image_conditioning(config: dict[str, Any]) -> ImageConditioning | None:
+    """The first-frame conditioning a Wan transformer ``config`` (a ``config.json`` mapping) takes; None for
+    text-to-video (``in_channels == out_channels``). :class:`UserError` for channel counts no Wan I2V layout has."""
+    in_ch, out_ch = config.get("in_channels"), config.get("out_channels")
+    if in_ch is None or out_ch is None or int(in_ch) == int(out_ch):
+        if config.get("image_dim") is not None:
+            raise UserError(f"a {TRANSFORMER_CLASS} config with image_dim {config['image_dim']} but in_channels == "
+                            "out_channels: not a Wan 2.1 image-to-video transformer")
+        return None
+    in_ch, out_ch = int(in_ch), int(out_ch)
+    mask = in_ch - 2 * out_ch
+    if mask <= 0:
+        raise UserError(f"a {TRANSFORMER_CLASS} config with in_channels {in_ch}, out_channels {out_ch}: neither "
+                        f"text-to-video (equal) nor image-to-video (2 × out_channels + the mask's channels)")
+    image_dim = config.get("image_dim")
+    return ImageConditioning(latent_channels=out_ch, mask_channels=mask,
+                             image_dim=None if image_dim is None else int(image_dim))

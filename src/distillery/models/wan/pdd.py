@@ -208,11 +208,16 @@ class PDDWanModel(WanModel, PDDModelBase):
             text = torch.zeros_like(batch.text_embeds)
         dtype = self.input_dtype()
         pt, ph, pw = self.patch_size
+        hidden, image = noisy_latents.to(dtype), None
+        if self.image_conditioning is not None:  # image-to-video: the first frame's condition and embeddings
+            hidden, text, image = self._image_inputs(hidden, text, batch)
         token = _REQUEST.set(_Request(self.head_bank, groups, pt * ph * pw))
         try:
-            out = self.forward_module(hidden_states=noisy_latents.to(dtype),
+            out = self.forward_module(hidden_states=hidden,
                                       timestep=self._model_timesteps(timesteps, noisy_latents).float(),
-                                      encoder_hidden_states=text.to(dtype), return_dict=False)[0]
+                                      encoder_hidden_states=text.to(dtype),
+                                      encoder_hidden_states_image=None if image is None else image.to(dtype),
+                                      return_dict=False)[0]
         finally:
             _REQUEST.reset(token)
         b, _, t, h, w = out.shape

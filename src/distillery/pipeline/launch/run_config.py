@@ -103,6 +103,25 @@ def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id:
     return raw
 
 
+def check_image_conditioning(stage: str, tdir: Path, spec: Any, latents: dict[str, Any], data: Path) -> None:
+    """An image-to-video model (``spec``: its family's ``image_conditioning``, None for text-to-video) trains only on
+    latents that carry its first frames — the condition's channels and, when it takes them, the image embeddings' width
+    (the manifest's ``image_conditioning``); one :class:`UserError` line otherwise, before anything is launched."""
+    if spec is None:
+        return
+    recorded = latents.get("image_conditioning")
+    if not isinstance(recorded, dict):
+        raise UserError(f"stage {stage}: the model in {tdir} is image-to-video, but the latents in {data} have no first "
+                        "frames; make them with the latents stage from an image-to-video base (base.path)")
+    shape, embedding = recorded.get("first_frame_shape") or [None], recorded.get("image_embedding_shape")
+    if shape[0] != spec.condition_channels:
+        raise UserError(f"stage {stage}: the model in {tdir} takes a first-frame condition of {spec.condition_channels} "
+                        f"channels, the latents in {data} have {shape[0]}; preprocess with this model's base")
+    if spec.image_dim is not None and (not embedding or embedding[-1] != spec.image_dim):
+        raise UserError(f"stage {stage}: the model in {tdir} takes image embeddings of width {spec.image_dim}, the latents "
+                        f"in {data} have {'none' if not embedding else embedding[-1]}; preprocess with this model's base")
+
+
 def check_chain(spec: TrainingStageSpec, raw: dict[str, Any]) -> "RunConfig":
     """Before any training: the config builds, the roles fit the method, and each role's init model fits the data.
     Returns the built config (the stage's one build of it: what it reads of its run config from then on)."""
@@ -126,4 +145,6 @@ def check_chain(spec: TrainingStageSpec, raw: dict[str, Any]) -> "RunConfig":
         if text_dim != latents["text_dim"]:
             raise UserError(f"stage {spec.name}: the model in {tdir} takes text_dim {text_dim}, the latents' "
                             f"prompt embeddings have {latents['text_dim']}; preprocess with this model's text encoder")
+        check_image_conditioning(spec.name, tdir, loaders.image_conditioning(json.loads((tdir / "config.json").read_text())),
+                                 latents, Path(config.training.data.path))
     return config

@@ -44,6 +44,8 @@ from distillery.lineage.artifact_code import is_code_file
 
 INDEX_FILE = "model_index.json"
 PIPELINE_CLASS = "WanPipeline"
+#: The pipeline classes a base may be: text-to-video, or Wan 2.1 image-to-video (a first frame + CLIP image embeddings).
+PIPELINE_CLASSES = (PIPELINE_CLASS, "WanImageToVideoPipeline")
 REQUIRED = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")  # what the pipeline's stages load
 _IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _CONFIG_BYTES = 1 << 20  # a component config larger than this is not read for auto_map (tokenizer.json is not a config)
@@ -54,11 +56,13 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:79] + "…"
 
 
-def wan_pipeline_parameters() -> dict[str, inspect.Parameter]:
-    """``WanPipeline.__init__``'s parameters (annotations evaluated), ``self`` left out."""
-    from diffusers import WanPipeline
+def wan_pipeline_parameters(pipeline_class: str = PIPELINE_CLASS) -> dict[str, inspect.Parameter]:
+    """``<pipeline_class>.__init__``'s parameters (annotations evaluated), ``self`` left out (one of :data:`PIPELINE_CLASSES`)."""
+    import diffusers
 
-    params = inspect.signature(WanPipeline.__init__, eval_str=True).parameters
+    if pipeline_class not in PIPELINE_CLASSES:
+        raise ValueError(f"not a Wan pipeline class: {pipeline_class!r}")
+    params = inspect.signature(getattr(diffusers, pipeline_class).__init__, eval_str=True).parameters
     return {name: p for name, p in params.items() if name != "self"}
 
 
@@ -127,15 +131,17 @@ def model_index_problems(index: Any) -> list[str]:
     if not isinstance(index, dict):
         return [f"expected a JSON object, got {_show(index)}"]
     problems: list[str] = []
-    if index.get("_class_name") != PIPELINE_CLASS:
-        problems.append(f"_class_name: {_show(index.get('_class_name'))}: expected \"{PIPELINE_CLASS}\" (a Wan 2.1 "
-                        "diffusers folder; a [module, class] pair would load code from the folder)")
-    params = wan_pipeline_parameters()
+    pipeline_class = index.get("_class_name")
+    if pipeline_class not in PIPELINE_CLASSES:
+        problems.append(f"_class_name: {_show(pipeline_class)}: expected \"{PIPELINE_CLASS}\" or \"{PIPELINE_CLASSES[1]}\" "
+                        "(a Wan 2.1 diffusers folder; a [module, class] pair would load code from the folder)")
+        pipeline_class = PIPELINE_CLASS
+    params = wan_pipeline_parameters(pipeline_class)
     for key, value in index.items():
         if not isinstance(key, str) or key.startswith("_"):
             continue
         if key not in params:
-            problems.append(f"{key}: {_show(value)}: not a component WanPipeline takes "
+            problems.append(f"{key}: {_show(value)}: not a component {pipeline_class} takes "
                             f"({', '.join(params)})")
             continue
         problem = _component_problem(key, value, params[key])

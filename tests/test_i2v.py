@@ -1,0 +1,301 @@
+"""Image-to-video (Wan 2.1 I2V, issue 45 item 2): the tiny I2V base, recognising an I2V folder, the first frame's
+condition and image embeddings stored by the latents, the plugin's 36-channel input, SFT on it, the one-line refusals."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from distillery.clips.synthetic import ClipSetConfig, make_clip_set  # noqa: E402
+from distillery.common.errors import UserError  # noqa: E402
+from distillery.data import LatentDataset  # noqa: E402
+from distillery.data.dataset import collate_latents  # noqa: E402
+from distillery.data.encoders import BaseEncoders  # noqa: E402
+from distillery.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
+from distillery.models import registry  # noqa: E402
+from distillery.tinybase.shipped import shipped_tiny_base  # noqa: E402
+from distillery.tinybase.tiny_i2v import make_tiny_i2v_base  # noqa: E402
+
+CFG = PreprocessConfig(num_frames=9, height=32, width=32, fps=8.0, rows_per_shard=4, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def i2v_base(tmp_path_factory) -> Path:
+    return make_tiny_i2v_base(tmp_path_factory.mktemp("i2v") / "base", seed=0,
+                              captions=["a red circle moving left on a black background"])
+
+
+@pytest.fixture(scope="module")
+def i2v_latents(tmp_path_factory, i2v_base) -> Path:
+    clips = make_clip_set(tmp_path_factory.mktemp("clips") / "clips", ClipSetConfig(num_train=6, num_validation=2, num_frames=9))
+    out = tmp_path_factory.mktemp("lat") / "data"
+    preprocess(i2v_base, clips, out, CFG)
+    return out
+
+
+def test_the_tiny_i2v_base_is_recognised_and_accepted_as_a_base(i2v_base):
+    from distillery.pipeline.publish.base_folder import check_model_index
+
+    index = json.loads((i2v_base / "model_index.json").read_text())
+    assert index["_class_name"] == "WanImageToVideoPipeline"
+    assert index["image_encoder"] == ["transformers", "CLIPVisionModel"]
+    config = json.loads((i2v_base / "transformer" / "config.json").read_text())
+    assert (config["in_channels"], config["out_channels"], config["image_dim"]) == (20, 8, 32)
+    spec = registry.image_conditioning(i2v_base)
+    assert (spec.latent_channels, spec.mask_channels, spec.image_dim, spec.condition_channels) == (8, 4, 32, 12)
+    assert registry.family_of(i2v_base).loaders().input_widths(config) == (8, 32)  # the latents' channels, not 20
+    assert registry.image_conditioning(shipped_tiny_base()) is None  # a text-to-video base
+    check_model_index(i2v_base, "base")  # a WanImageToVideoPipeline of library classes is a base
+    bad = dict(index, _class_name="WanVACEPipeline")
+    from distillery.pipeline.publish.base_folder import model_index_problems
+
+    assert "expected \"WanPipeline\" or \"WanImageToVideoPipeline\"" in model_index_problems(bad)[0]
+
+
+def test_stock_pipeline_runs_the_tiny_i2v_base(i2v_base):
+    """Stock diffusers samples the folder (prompt embeddings given: diffusers' I2V prompt cleaning needs ftfy)."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    pipe = WanImageToVideoPipeline.from_pretrained(str(i2v_base))
+    text = torch.randn(1, 512, 32)
+    video = pipe(image=Image.fromarray(np.zeros((32, 32, 3), np.uint8)), prompt_embeds=text,
+                 negative_prompt_embeds=torch.zeros_like(text), num_frames=9, height=32, width=32,
+                 num_inference_steps=1, output_type="np").frames[0]
+    assert video.shape == (9, 32, 32, 3) and np.isfinite(video).all()
+
+
+def test_the_first_frame_condition_is_the_pipelines(i2v_base):
+    """What the latents store is what WanImageToVideoPipeline builds from the same frame (float rounding apart)."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    frames = np.random.default_rng(0).integers(0, 256, (2, 9, 32, 32, 3), dtype=np.uint8)
+    enc = BaseEncoders(i2v_base)
+    assert enc.image_to_video and enc.max_sequence_length == 512
+    cond, images = enc.encode_first_frames(frames), enc.encode_images(frames)
+    assert cond.shape == (2, 12, 3, 8, 8) and images.shape == (2, 17, 32)
+    pipe = WanImageToVideoPipeline.from_pretrained(str(i2v_base))
+    for b in range(2):
+        image = Image.fromarray(frames[b, 0])
+        pixels = pipe.video_processor.preprocess(image, height=32, width=32).float()
+        _, expected = pipe.prepare_latents(pixels, 1, 8, 32, 32, 9, torch.float32, torch.device("cpu"), None)
+        torch.testing.assert_close(cond[b], expected[0], atol=1e-5, rtol=0)
+        assert torch.equal(cond[b, :4], expected[0, :4])  # the mask exactly
+        torch.testing.assert_close(images[b], pipe.encode_image(image, torch.device("cpu"))[0], atol=1e-5, rtol=0)
+    assert BaseEncoders(shipped_tiny_base()).image_to_video is False
+
+
+def test_the_latents_store_first_frames_and_image_embeddings(i2v_latents):
+    manifest = json.loads((i2v_latents / "preprocess.json").read_text())
+    assert manifest["image_conditioning"] == {"first_frame_shape": [12, 3, 8, 8], "image_embedding_shape": [17, 32]}
+    data = LatentDataset(i2v_latents, "train")
+    item = data[0]
+    assert item["first_frame"].shape == (12, 3, 8, 8) and item["image_embedding"].shape == (17, 32)
+    assert torch.all(item["first_frame"][:4, 0] == 1) and torch.all(item["first_frame"][:4, 1:] == 0)
+    batch = collate_latents([data[0], data[1]], text_max_length=512)
+    assert batch["first_frame"].shape == (2, 12, 3, 8, 8) and batch["image_embeds"].shape == (2, 17, 32)
+
+
+def _model(i2v_base: Path):
+    from distillery.models.wan import WanModel, WanModelConfig
+
+    return WanModel(WanModelConfig(init_from=str(i2v_base), trainable=False), role="student")
+
+
+def test_the_plugin_builds_the_pipelines_transformer_input(i2v_base, i2v_latents):
+    """predict_noise = the transformer on concat(noisy latent, mask, first-frame latent) with the image embeddings and
+    the prompt padded to 512 tokens: what WanImageToVideoPipeline's denoising loop calls."""
+    from distillery.components.rng import BatchRNG
+
+    model = _model(i2v_base)
+    data = LatentDataset(i2v_latents, "train")
+    raw = collate_latents([data[0], data[1]], text_max_length=32)
+    batch = model.prepare_batch(raw, BatchRNG(0))
+    assert batch.first_frame.shape == (2, 12, 3, 8, 8) and batch.image_embeds.shape == (2, 17, 32)
+    with torch.no_grad():
+        got = model.predict_noise(batch.noisy_latents, batch.timesteps, batch)
+        text = torch.nn.functional.pad(batch.text_embeds, (0, 0, 0, 512 - 32))
+        expected = model.transformer(hidden_states=torch.cat([batch.noisy_latents, batch.first_frame], 1),
+                                     timestep=batch.timesteps, encoder_hidden_states=text,
+                                     encoder_hidden_states_image=batch.image_embeds, return_dict=False)[0]
+    assert got.shape == batch.noisy_latents.shape
+    assert torch.equal(got, expected)
+    other = batch.first_frame.clone()
+    other[:, 4:] += 1.0
+    batch.first_frame = other
+    with torch.no_grad():
+        assert not torch.equal(model.predict_noise(batch.noisy_latents, batch.timesteps, batch), got)  # the frame counts
+
+
+def test_an_i2v_model_refuses_batches_without_first_frames(i2v_base):
+    from distillery.models.base import Conditioning
+
+    model = _model(i2v_base)
+    with pytest.raises(UserError, match="image-to-video model; its batches need the first frame"):
+        model.predict_noise(torch.zeros(1, 8, 3, 8, 8), torch.tensor([500.0]), Conditioning(torch.zeros(1, 8, 32)))
+    cond = Conditioning(torch.zeros(1, 8, 32), first_frame=torch.zeros(1, 12, 3, 8, 8))
+    with pytest.raises(UserError, match="takes image-encoder embeddings"):
+        model.predict_noise(torch.zeros(1, 8, 3, 8, 8), torch.tensor([500.0]), cond)
+
+
+def test_sft_trains_the_i2v_model_on_the_frame(tmp_path, i2v_base, i2v_latents):
+    """SFT through the trainer on the I2V set: the loss is finite, the weights move (the image embedder too: the frame
+    reaches the gradient)."""
+    from tests.helpers import read_log, role_state, run_config, train_in_process
+
+    raw = run_config(i2v_base, i2v_latents, tmp_path / "run", steps=2, batch_size=2, save_every=2)
+    raw["training"]["data"]["text_max_length"] = 512
+    result = train_in_process(raw)
+    assert result is not None
+    losses = [r["total_loss"] for r in read_log(tmp_path / "run")]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    state = role_state(next((tmp_path / "run").glob("checkpoint-*")))
+    from safetensors.torch import load_file
+
+    before = load_file(str(next((i2v_base / "transformer").glob("*.safetensors"))))
+    moved = [k for k in before if "image_embedder" in k and not torch.equal(before[k], state[k].to(before[k].dtype))]
+    assert moved, "the image embedder got no update: the frame's embeddings do not reach the loss"
+
+
+def test_an_i2v_stage_refuses_latents_without_first_frames(tmp_path, i2v_base):
+    from distillery.models.wan import image_conditioning
+    from distillery.pipeline.launch.run_config import check_image_conditioning
+
+    spec = image_conditioning(json.loads((i2v_base / "transformer" / "config.json").read_text()))
+    with pytest.raises(UserError, match="is image-to-video, but the latents in .* have no first frames"):
+        check_image_conditioning("teacher", i2v_base / "transformer", spec, {"latent_channels": 8, "text_dim": 32}, tmp_path)
+    short = {"image_conditioning": {"first_frame_shape": [12, 3, 8, 8], "image_embedding_shape": None}}
+    with pytest.raises(UserError, match="takes image embeddings of width 32, the latents in .* have none"):
+        check_image_conditioning("teacher", i2v_base / "transformer", spec, short, tmp_path)
+    check_image_conditioning("teacher", i2v_base / "transformer", None, {}, tmp_path)  # text-to-video: nothing asked
+
+
+def test_validate_samples_with_the_stored_first_frames(tmp_path, i2v_base, i2v_latents):
+    """validate gives every candidate the first frame the latents stored for its prompt: the samples are the sampler's
+    over the plugin with that frame, and another frame gives other samples; an I2V base without frames is one line."""
+    from safetensors.torch import load_file
+
+    from distillery.data import read_empty_prompt_embedding
+    from distillery.evaluation.candidates import Candidate
+    from distillery.evaluation.sampling_context import PromptEmbeddings
+    from distillery.evaluation.validate import run_validation
+    from distillery.evaluation.validation_config import ValidationConfig
+
+    data = LatentDataset(i2v_latents, "validation", with_latents=False)
+    rows = [data[0]]
+    stored = PromptEmbeddings(texts=[r["text_embedding"] for r in rows], negative=read_empty_prompt_embedding(i2v_latents),
+                              first_frames=[r["first_frame"] for r in rows], image_embeds=[r["image_embedding"] for r in rows])
+    cfg = ValidationConfig(num_frames=9, num_seeds=1, progress_bar=False, grid_formats=[])
+    cand = [Candidate("teacher", i2v_base, 2, 1.0)]
+    prompts = [r["caption"] for r in rows]
+    run_validation(i2v_base, cand, prompts, tmp_path / "a", cfg, prompt_embeddings=stored)
+    first = load_file(tmp_path / "a" / "samples" / "teacher" / "latents.safetensors")
+    other = PromptEmbeddings(texts=stored.texts, negative=stored.negative, image_embeds=stored.image_embeds,
+                             first_frames=[torch.cat([f[:4], torch.randn_like(f[4:])]) for f in stored.first_frames])
+    run_validation(i2v_base, cand, prompts, tmp_path / "b", cfg, prompt_embeddings=other)
+    second = load_file(tmp_path / "b" / "samples" / "teacher" / "latents.safetensors")
+    assert first.keys() == second.keys() and all(not torch.equal(first[k], second[k]) for k in first)
+    with pytest.raises(UserError, match="is an image-to-video base: every prompt needs its first frame"):
+        run_validation(i2v_base, cand, prompts, tmp_path / "c", cfg,
+                       prompt_embeddings=PromptEmbeddings(texts=stored.texts, negative=stored.negative))
+
+
+def test_dmd2_distills_the_i2v_model_with_the_frame(tmp_path, i2v_base, i2v_latents):
+    """DMD2 through the trainer on the I2V set: the student's rollout, the teacher's and the critic's scores all take
+    the batch's first frame (a forward without it is a UserError: the run would fail), the student and critic move."""
+    from tests.helpers import read_log, role_state, run_config, train_in_process
+
+    raw = run_config(i2v_base, i2v_latents, tmp_path / "run", method="distillery.methods.dmd2.DMD2Method",
+                     method_knobs={"num_student_steps": 2, "generator_update_interval": 2, "real_score_guidance_scale": 2.0},
+                     steps=2, batch_size=2, save_every=2)
+    raw["models"]["teacher"] = {"_target_": "distillery.models.wan.WanModel", "init_from": str(i2v_base), "trainable": False}
+    raw["models"]["critic"] = {"_target_": "distillery.models.wan.WanModel", "init_from": str(i2v_base)}
+    raw["training"]["data"]["text_max_length"] = 512
+    train_in_process(raw)
+    rows = read_log(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["critic_loss"]) for r in rows if "critic_loss" in r)
+    checkpoint = next((tmp_path / "run").glob("checkpoint-*"))
+    from safetensors.torch import load_file
+
+    before = load_file(str(next((i2v_base / "transformer").glob("*.safetensors"))))
+    for role in ("student", "critic"):
+        state = role_state(checkpoint, role)
+        assert any(not torch.equal(before[k], state[k].to(before[k].dtype)) for k in before if "image_embedder" in k), role
+
+
+def test_a_causal_i2v_model_streams_each_chunk_with_its_frames_condition(i2v_base, i2v_latents):
+    """A block-causal I2V student (DFSFT, Self-Forcing) takes the first-frame condition per latent frame: chunk-by-chunk
+    streaming through the KV cache gives what one block-causal forward over the whole video gives."""
+    from distillery.components.rng import BatchRNG
+    from distillery.models.wan import CausalWanModel, CausalWanModelConfig
+
+    model = CausalWanModel(CausalWanModelConfig(init_from=str(i2v_base), trainable=False, chunk_size=1), role="student")
+    data = LatentDataset(i2v_latents, "train")
+    batch = model.prepare_batch(collate_latents([data[0]], text_max_length=32), BatchRNG(0))
+    x, t = batch.noisy_latents, batch.timesteps
+    with torch.no_grad():
+        whole = model.predict_noise(x, t, batch)
+        chunks = [model.predict_noise_streaming(x[:, :, f:f + 1], t, batch, cache_tag="c", store_kv=True, cur_start_frame=f)
+                  for f in range(x.shape[2])]
+    torch.testing.assert_close(torch.cat(chunks, dim=2), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_export_of_an_i2v_base_is_stock_or_one_line(i2v_base):
+    """A model of an I2V base exports as a stock WanImageToVideoPipeline folder only where stock code samples its
+    contract (the teacher's Euler); a few-step, causal or PDD student is one line before any work."""
+    from distillery.export.i2v_card import check_i2v_export, is_i2v_folder
+
+    assert is_i2v_folder(i2v_base) and not is_i2v_folder(shipped_tiny_base())
+    check_i2v_export("teacher", {"sampler": "euler", "shift": 3.0})
+    for contract in ({"sampler": "few_step_x0", "timesteps": [1000.0, 500.0]}, {"sampler": "causal_streaming", "chunk_size": 1},
+                     {"sampler": "pdd_fused", "pdd_steps": 4}):
+        with pytest.raises(UserError, match=f"samples with the `{contract['sampler']}` sampler.*export.student: teacher"):
+            check_i2v_export("distill", contract)
+
+
+def test_a_pdd_i2v_student_takes_the_frame(i2v_base, i2v_latents):
+    """The PDD trunk of an I2V base gets the same 20-channel input and image embeddings: one head of a fresh bank (a
+    copy of proj_out) is the plain model's velocity, and the frame changes it."""
+    from distillery.components.rng import BatchRNG
+    from distillery.models.base import HeadGroup
+    from distillery.models.wan import PDDWanModel, PDDWanModelConfig
+
+    pdd = PDDWanModel(PDDWanModelConfig(init_from=str(i2v_base), trainable=False, pdd_steps=2), role="student")
+    plain = _model(i2v_base)
+    data = LatentDataset(i2v_latents, "train")
+    batch = plain.prepare_batch(collate_latents([data[0]], text_max_length=32), BatchRNG(0))
+    with torch.no_grad():
+        (head,) = pdd.predict_head_groups(batch.noisy_latents, batch.timesteps, batch, [HeadGroup([0])])
+        reference = plain.predict_noise(batch.noisy_latents, batch.timesteps, batch)
+        torch.testing.assert_close(head[:, 0], reference, atol=1e-5, rtol=1e-5)
+        batch.first_frame = torch.zeros_like(batch.first_frame)
+        (other,) = pdd.predict_head_groups(batch.noisy_latents, batch.timesteps, batch, [HeadGroup([0])])
+    assert not torch.equal(other, head)
+
+
+def test_in_training_validation_samples_with_the_sets_first_frames(i2v_base, i2v_latents):
+    """The validation callback reads each prompt's first frame (and image embeddings) with it and gives them to the
+    sampler: an I2V student samples in training (without them its forward would refuse)."""
+    from distillery.callbacks.validation import ValidationPrompts
+
+    prompts = ValidationPrompts.read(i2v_latents, None, 2, 512)
+    cond = prompts.conditioning()
+    assert cond.first_frame.shape == (2, 12, 3, 8, 8) and cond.image_embeds.shape == (2, 17, 32)
+    from distillery.sampling import build_sampler
+
+    model = _model(i2v_base)
+    sampler = build_sampler({"sampler": "euler", "shift": 3.0, "num_steps": 1})
+    generators = [torch.Generator().manual_seed(i) for i in range(2)]
+    with torch.no_grad():
+        latents = sampler.sample(model, cond, prompts.latent_shape, generators, num_steps=1, guidance_scale=1.0)
+    assert latents.shape == (2, *prompts.latent_shape) and torch.isfinite(latents).all()
