@@ -69,7 +69,10 @@ def test_the_published_recipe_given_wider_teacher_prompts_ode_init_to_export(pre
         "student_init": "artifacts/base", "data": "artifacts/prompts", "teacher": "artifacts/teacher"}
     # ODE-init: the wide teacher's trajectories of the 12 prompts, with no video anywhere upstream of the student
     made = json.loads((repo / "artifacts" / "pretrain" / "trajectories" / "trajectories.json").read_text())
-    assert made["rows"] == 12
+    assert made["rows"] == 12 and made["settings"]["latent_shape"] == [8, 5, 8, 8]  # the prompts stage's derived shape
+    captions = json.loads((repo / "artifacts" / "pretrain" / "trajectories" / "preprocess.json").read_text())
+    assert captions["data"] == "artifacts/prompts/data" and captions["latent_shape"] == [40, 5, 8, 8]  # 5 t_list points
+    assert json.loads((repo / "metrics" / "pretrain.json").read_text())["steps"] == 6  # the workspace's pretrain.steps
     distill = json.loads((repo / "artifacts" / "distill" / "lineage.json").read_text())
     roles = {i["role"]: i["path"] for i in distill["inputs"]}
     assert roles["critic_init"] == "artifacts/base" and roles["teacher_init"] == "artifacts/teacher"

@@ -5,12 +5,13 @@ student with no other change — through ``dvc repro`` in a git + DVC workspace 
 The trajectories are resumable and tracked: they live in ``runs/pretrain_trajectories`` while the stage works
 and are published inside ``artifacts/pretrain/trajectories`` (a DVC out); a pretrain rerun for another reason
 (``ode_init_bidirectional``: a bidirectional student, then DMD2) makes none again and publishes the same bytes.
-``pretrain.data: prompts``: the trajectories start from a prompts file (the prompts stage), with a given teacher.
+``pretrain.data: prompts`` (the trajectories from a prompts file, with a given teacher) runs in
+tests/test_given_teacher.py, the published recipe's whole DAG.
 
 The workspaces are copies of the session's ``trained`` one (conftest.py: clips, base, latents and teacher made by
-`dvc repro teacher` with the small params, which no param set here feeds) or, for the given teacher, of ``prepared``
-(clips, base, latents), with these params set and committed. The uninterrupted ODE-init pretrain (:func:`ode_pretrained`)
-is made once for this file: the DAG test goes on from a copy of it, the kill-and-resume test compares against it.
+`dvc repro teacher` with the small params, which no param set here feeds), with these params set and committed.
+The uninterrupted ODE-init pretrain (:func:`ode_pretrained`) is made once for this file: the DAG test goes on from a
+copy of it, the kill-and-resume test compares against it.
 """
 
 from __future__ import annotations
@@ -125,28 +126,6 @@ def test_ode_init_then_self_forcing_through_dvc_repro(ode_pretrained, tmp_path):
     distill = json.loads((repo / "artifacts" / "distill" / "lineage.json").read_text())
     assert distill["method"] == "distillery.methods.dmd2.DMD2Method"
     assert {i["role"]: i["path"] for i in distill["inputs"]}["student_init"] == "artifacts/pretrain"
-
-
-@pytest.mark.slow
-def test_ode_init_from_prompts_only_with_a_given_teacher(prepared, tmp_path):
-    """The published recipes' layout: a given teacher (here the base itself), the student from the base, the
-    trajectories from a prompts file (``pretrain.data: prompts``: the prompts stage's text embeddings, no video)."""
-    from workspace import ROOT
-
-    prompts = (ROOT / "src" / "distillery" / "assets" / "prompts" / "tiny.txt").read_text().splitlines()[:12]
-    repo = _workspace(prepared, tmp_path / "ws", {**FEW, "pretrain.data": "prompts", "prompts.path": "prompts.txt",
-                                                  "prompts.rows_per_shard": 4, "teacher.source": "base",
-                                                  "pretrain.student_init": "base", "pretrain.batch_size": 4})
-    (repo / "prompts.txt").write_text("\n".join(prompts) + "\n", encoding="utf-8")
-    sh(["dvc", "repro", "pretrain"], repo)
-    lineage = json.loads((repo / "artifacts" / "pretrain" / "lineage.json").read_text())
-    assert {i["role"]: i["path"] for i in lineage["inputs"]} == {"student_init": "artifacts/base", "data": "artifacts/prompts",
-                                                                 "teacher": "artifacts/teacher"}
-    made = json.loads((repo / "artifacts" / "pretrain" / "trajectories" / "trajectories.json").read_text())
-    assert made["rows"] == 12 and made["settings"]["latent_shape"] == [8, 5, 8, 8]  # the prompts stage's derived shape
-    captions = json.loads((repo / "artifacts" / "pretrain" / "trajectories" / "preprocess.json").read_text())
-    assert captions["data"] == "artifacts/prompts/data" and captions["latent_shape"] == [40, 5, 8, 8]
-    assert json.loads((repo / "metrics" / "pretrain.json").read_text())["steps"] == 4
 
 
 @pytest.mark.slow

@@ -1,11 +1,13 @@
 """The ``prompts`` stage in the DAG (issue 42 item 2): a git + DVC workspace on the tiny CPU default whose distill
-trains on prompts only (``distill.data: prompts``, ``prompts.path``) — DMD2 through `dvc repro`, then Self-Forcing and
-PDD (``pdd.data: prompts``, simulate) through `distillery stage` (torchrun, gloo) —, `dvc status` after one changed
-prompt naming only the prompts stage, its rerun re-encoding one shard and rerunning only distill after it, and hostile
-prompts files refused in one line (exit 2) with the last good artifact kept.
+trains on prompts only (``distill.data: prompts``, ``prompts.path``) — DMD2 through `dvc repro` —, `dvc status` after one
+changed prompt naming only the prompts stage, its rerun re-encoding one shard and rerunning only distill after it, a
+PDD on prompts that asks for noised video latents refused by the params check, and hostile prompts files refused in
+one line (exit 2) with the last good artifact kept. Self-Forcing and PDD from the prompts only run in
+tests/test_given_teacher.py (the published recipe's whole DAG).
 
-One workspace for the module (a `dvc repro distill` of the small DAG: a few minutes on 2 cores); the tests run in file
-order and put back every param they change."""
+One workspace for the module: a copy of the session's ``trained`` one (conftest.py: clips, base, latents and teacher
+there, none of which a param set here feeds), then `dvc repro distill` (prompts, pretrain, distill); the tests run in
+file order and put back every param they change."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from workspace import ROOT, make_workspace, set_params, sh, stage
+from workspace import ROOT, copy_workspace, set_params, sh, stage
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +23,11 @@ PROMPTS = (ROOT / "src" / "distillery" / "assets" / "prompts" / "tiny.txt").read
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Path:
-    repo = make_workspace(tmp_path_factory.mktemp("prompts") / "ws", {
-        "distill.data": "prompts", "distill.method": "dmd2", "prompts.path": "prompts.txt", "prompts.rows_per_shard": 4})
+def ws(trained: Path, tmp_path_factory) -> Path:
+    repo = copy_workspace(trained, tmp_path_factory.mktemp("prompts") / "ws")
+    set_params(repo, {"distill.data": "prompts", "distill.method": "dmd2", "prompts.path": "prompts.txt",
+                      "prompts.rows_per_shard": 4})
+    sh(["git", "commit", "-qam", "distill from prompts"], repo)
     (repo / "prompts.txt").write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
     sh(["dvc", "repro", "distill"], repo)
     return repo
@@ -72,21 +76,18 @@ def test_a_changed_prompt_reruns_only_what_reads_prompts(ws):
     assert _status(ws) == before
 
 
-def test_self_forcing_and_pdd_distill_from_the_prompts_only(ws):
-    set_params(ws, {"distill.method": "self_forcing", "pdd.data": "prompts"})
+def test_a_pdd_that_noises_video_latents_of_a_prompt_only_set_is_refused_by_the_params_check(ws):
+    set_params(ws, {"pdd.data": "prompts", "pdd.rollout": "data_latent"})  # noised video latents: none in a prompt-only set
     try:
-        stage(ws, "distill", check=True)
-        assert _lineage(ws, "distill")["method"] == "distillery.methods.self_forcing.SelfForcingMethod"
-        assert _inputs(ws, "distill")["data"] == "artifacts/prompts"
-        stage(ws, "pdd", check=True)  # simulate: carried trajectories from noise for the prompts' embeddings
-        assert _inputs(ws, "pdd")["data"] == "artifacts/prompts"
-        assert _lineage(ws, "pdd")["config"]["method"]["rollout"] == "simulate"
-        set_params(ws, {"pdd.rollout": "data_latent"})  # noised video latents: none in a prompt-only set
-        out = stage(ws, "pdd")
-        assert out.returncode == 2 and "pdd.data: prompts: pdd.rollout data_latent" in out.stderr
-        assert "Traceback" not in out.stderr
+        out = sh(["distillery", "params", "check"], ws, check=False)
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert [line for line in out.stderr.splitlines() if line.strip()] == [
+            "error: params.yaml: pdd.data: prompts: pdd.rollout data_latent noises video latents, which a prompt-only set "
+            "has none of; use pdd.rollout: simulate, or pdd.data: latents"]
+        set_params(ws, {"pdd.rollout": "simulate"})
+        assert sh(["distillery", "params", "check"], ws).returncode == 0
     finally:
-        set_params(ws, {"distill.method": "dmd2", "pdd.data": "latents", "pdd.rollout": "simulate"})
+        set_params(ws, {"pdd.data": "latents", "pdd.rollout": "simulate"})
 
 
 @pytest.mark.parametrize("name,content,says", [
