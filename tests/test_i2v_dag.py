@@ -7,10 +7,6 @@ them — killed mid-run with dvc and rerun, it ends bitwise where an uninterrupt
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 
 import numpy as np
 import pytest
@@ -18,14 +14,11 @@ import torch
 from helpers import dcp_tensors
 from workspace import (
     copy_workspace,
-    env,
-    kill_all_in,
     make_workspace,
-    pause_training,
     read_log_steps,
+    repro_killed_beside_whole,
     set_params,
     sh,
-    wait_no_processes,
 )
 
 pytestmark = pytest.mark.slow
@@ -45,32 +38,7 @@ def test_an_i2v_teacher_trains_through_dvc_and_resumes_after_a_kill(tmp_path):
     assert manifest["image_conditioning"]["first_frame_shape"][0] == 12  # 4 mask + 8 latent channels
     assert manifest["image_conditioning"]["image_embedding_shape"] == [17, 32]
     killed = copy_workspace(whole, tmp_path / "killed")
-    log = tmp_path / "whole.log"
-    with log.open("w") as printed:
-        uninterrupted = subprocess.Popen(["dvc", "repro", "teacher"], cwd=whole, env=env(), stdout=printed,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        proc = subprocess.Popen(["dvc", "repro", "teacher"], cwd=killed, env=env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            deadline = time.time() + 600
-            while not (killed / "runs" / "teacher" / "checkpoint-2" / "metadata.json").is_file():
-                assert proc.poll() is None and time.time() < deadline
-                time.sleep(0.01)
-            pause_training(killed)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            assert wait_no_processes(killed, timeout=30) == []
-        finally:
-            kill_all_in(killed)
-        assert not (killed / "artifacts" / "teacher").exists()
-        out = sh(["dvc", "repro", "teacher"], killed)
-        assert uninterrupted.wait(timeout=900) == 0, log.read_text()[-3000:]
-    finally:
-        if uninterrupted.poll() is None:
-            os.killpg(uninterrupted.pid, signal.SIGKILL)
-            uninterrupted.wait()
-        kill_all_in(whole)
+    out = repro_killed_beside_whole(killed, whole, "teacher", tmp_path / "whole.log")
     assert "resumed from runs/teacher/checkpoint-" in out.stderr
     assert read_log_steps(killed / "runs" / "teacher")[-1] == 4
     a = dcp_tensors(whole / "runs" / "teacher" / "checkpoint-4", ("roles.", "optimizers."))

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
 from helpers import dcp_tensors
-from workspace import copy_workspace, env, kill_all_in, pause_training, read_log_steps, set_params, sh, wait_no_processes
+from workspace import copy_workspace, read_log_steps, repro_killed_beside_whole, set_params, sh
 
 pytestmark = pytest.mark.slow
 LORA = {"pretrain.lora_rank": 4, "pretrain.lora_alpha": 8.0, "pretrain.learning_rate": 1e-2, "pretrain.steps": 6,
@@ -32,32 +29,7 @@ def test_a_lora_pretrain_resumes_after_a_kill_bitwise(trained, tmp_path):
     for repo in (whole, killed):
         set_params(repo, LORA)
     # the uninterrupted run works beside the killed one and its resume (two workspaces, nothing shared): one core each
-    log = tmp_path / "whole.log"
-    with log.open("w") as printed:
-        uninterrupted = subprocess.Popen(["dvc", "repro", "pretrain"], cwd=whole, env=env(), stdout=printed,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        proc = subprocess.Popen(["dvc", "repro", "pretrain"], cwd=killed, env=env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            deadline = time.time() + 600
-            while not (killed / "runs" / "pretrain" / "checkpoint-2" / "metadata.json").is_file():
-                assert proc.poll() is None and time.time() < deadline
-                time.sleep(0.01)
-            pause_training(killed)  # mid-run for sure, then the whole tree killed from dvc down
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            assert wait_no_processes(killed, timeout=30) == []
-        finally:
-            kill_all_in(killed)
-        assert not (killed / "artifacts" / "pretrain").exists()
-        out = sh(["dvc", "repro", "pretrain"], killed)
-        assert uninterrupted.wait(timeout=900) == 0, log.read_text()[-3000:]
-    finally:
-        if uninterrupted.poll() is None:
-            os.killpg(uninterrupted.pid, signal.SIGKILL)
-            uninterrupted.wait()
-        kill_all_in(whole)
+    out = repro_killed_beside_whole(killed, whole, "pretrain", tmp_path / "whole.log")
     assert "resumed from runs/pretrain/checkpoint-" in out.stderr
     assert read_log_steps(killed / "runs" / "pretrain")[-1] == 6
 

@@ -9,25 +9,18 @@ base whose second expert is missing stops the teacher stage in one line, exit 2,
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
 from helpers import dcp_tensors
 from workspace import (
     copy_workspace,
-    env,
-    kill_all_in,
     make_workspace,
-    pause_training,
     read_log_steps,
+    repro_killed_beside_whole,
     sh,
     stage,
-    wait_no_processes,
 )
 
 from distillery.models import registry
@@ -35,38 +28,6 @@ from distillery.tinybase.wan22 import A14B_BOUNDARY_RATIO, TI2V_Z_DIM, make_tiny
 
 pytestmark = pytest.mark.slow
 FAMILY = {"ti2v": "wan2.2-ti2v-5b", "a14b": "wan2.2-a14b"}
-
-
-def _kill_mid_run_and_resume(killed, whole, tmp_path) -> subprocess.CompletedProcess:
-    """``dvc repro teacher`` in ``whole`` uninterrupted, and in ``killed`` killed after its checkpoint-2 then rerun
-    (the two side by side); returns the rerun."""
-    log = tmp_path / "whole.log"
-    with log.open("w") as printed:
-        uninterrupted = subprocess.Popen(["dvc", "repro", "teacher"], cwd=whole, env=env(), stdout=printed,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        proc = subprocess.Popen(["dvc", "repro", "teacher"], cwd=killed, env=env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            deadline = time.time() + 600
-            while not (killed / "runs" / "teacher" / "checkpoint-2" / "metadata.json").is_file():
-                assert proc.poll() is None and time.time() < deadline
-                time.sleep(0.01)
-            pause_training(killed)  # mid-run for sure, then the whole tree killed from dvc down
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            assert wait_no_processes(killed, timeout=30) == []
-        finally:
-            kill_all_in(killed)
-        assert not (killed / "artifacts" / "teacher").exists()
-        out = sh(["dvc", "repro", "teacher"], killed)
-        assert uninterrupted.wait(timeout=900) == 0, log.read_text()[-3000:]
-    finally:
-        if uninterrupted.poll() is None:
-            os.killpg(uninterrupted.pid, signal.SIGKILL)
-            uninterrupted.wait()
-        kill_all_in(whole)
-    return out
 
 
 @pytest.mark.parametrize("layout", ["ti2v", "a14b"])
@@ -85,7 +46,7 @@ def test_a_wan22_base_trains_through_dvc_resumes_after_a_kill_and_exports_for_st
     else:
         sh(["dvc", "repro", "latents"], killed)
         whole = copy_workspace(killed, tmp_path / "whole")
-        out = _kill_mid_run_and_resume(killed, whole, tmp_path)
+        out = repro_killed_beside_whole(killed, whole, "teacher", tmp_path / "whole.log")
         assert "resumed from runs/teacher/checkpoint-" in out.stderr
         a = dcp_tensors(whole / "runs" / "teacher" / "checkpoint-6", ("roles.", "optimizers."))
         b = dcp_tensors(killed / "runs" / "teacher" / "checkpoint-6", ("roles.", "optimizers."))

@@ -187,3 +187,36 @@ def resume_training(pids: list[int]) -> None:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
+
+
+def repro_killed_beside_whole(killed: Path, whole: Path, stage_name: str, log: Path) -> subprocess.CompletedProcess:
+    """``dvc repro <stage_name>`` in ``whole`` uninterrupted (its output into ``log``) and, side by side, in ``killed``:
+    once its ``runs/<stage_name>/checkpoint-2`` exists the training is paused (mid-run for sure) and the whole tree is
+    SIGKILLed from dvc down, no process left and no artifact published; then ``dvc repro <stage_name>`` there again.
+    Returns that rerun, once the uninterrupted run has exited 0 (two workspaces, nothing shared: one core each)."""
+    with log.open("w") as printed:
+        uninterrupted = subprocess.Popen(["dvc", "repro", stage_name], cwd=whole, env=env(), stdout=printed,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        proc = subprocess.Popen(["dvc", "repro", stage_name], cwd=killed, env=env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.time() + 600
+            while not (killed / "runs" / stage_name / "checkpoint-2" / "metadata.json").is_file():
+                assert proc.poll() is None and time.time() < deadline
+                time.sleep(0.01)
+            pause_training(killed)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            assert wait_no_processes(killed, timeout=30) == []
+        finally:
+            kill_all_in(killed)
+        assert not (killed / "artifacts" / stage_name).exists()
+        out = sh(["dvc", "repro", stage_name], killed)
+        assert uninterrupted.wait(timeout=900) == 0, log.read_text()[-3000:]
+    finally:
+        if uninterrupted.poll() is None:
+            os.killpg(uninterrupted.pid, signal.SIGKILL)
+            uninterrupted.wait()
+        kill_all_in(whole)
+    return out
