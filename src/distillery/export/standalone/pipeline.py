@@ -76,6 +76,13 @@ class DistilledWanPipeline(WanPipeline):
                          transformer_2=transformer_2, boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps)
         self.register_modules(image_encoder=image_encoder, image_processor=image_processor)
 
+    @property
+    def components(self) -> dict[str, Any]:
+        """diffusers' ``components``, without the image encoder and processor where the folder has none (a
+        text-to-video folder: its parts still make a stock ``WanPipeline(**parts)``)."""
+        parts = super().components
+        return {k: v for k, v in parts.items() if not (k in ("image_encoder", "image_processor") and v is None)}
+
     def image_to_video(self) -> bool:
         """Whether the transformer takes a first frame (``in_channels`` > ``out_channels``: Wan 2.1 I2V)."""
         cfg = self.transformer.config
