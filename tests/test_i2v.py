@@ -452,6 +452,8 @@ def test_an_exported_i2v_dmd2_student_samples_validates_latents_from_the_first_f
     assert got.shape == (1, *saved.shape) and torch.equal(got[0], saved), (got[0] - saved).abs().max()
     with pytest.raises(ValueError, match="image-to-video model: pass the first frame"):
         sample()
+    with pytest.raises(ValueError, match="pass prompt= .* or prompt_embeds="):
+        pipe(first_frame=rows[0]["first_frame"][None], image_embeds=rows[0]["image_embedding"][None], **size)
 
     frames = np.random.default_rng(1).integers(0, 256, (1, 9, 32, 32, 3), dtype=np.uint8)
     enc = BaseEncoders(i2v_base)

@@ -207,6 +207,8 @@ class DistilledWanPipeline(WanPipeline):
         / ``guidance_scale``: None → the contract's (a distilled student: its ladder, no CFG). ``output_type="latent"``:
         the normalised latents ``[B, C, T', H', W']`` (float32); else decoded as ``WanPipeline`` does. An
         image-to-video model needs ``image`` or ``first_frame`` (+ ``image_embeds`` where it takes them; module doc)."""
+        if prompt is None and prompt_embeds is None:
+            raise ValueError("pass prompt= (text) or prompt_embeds= [B, L, D]")
         sampler = build_sampler(self.sampling_contract())
         model = self.denoiser(sampler)
         self.prepare_speed(model)
