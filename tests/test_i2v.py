@@ -250,17 +250,99 @@ def test_a_causal_i2v_model_streams_each_chunk_with_its_frames_condition(i2v_bas
     torch.testing.assert_close(torch.cat(chunks, dim=2), whole, atol=1e-5, rtol=1e-5)
 
 
-def test_export_of_an_i2v_base_is_stock_or_one_line(i2v_base):
-    """A model of an I2V base exports as a stock WanImageToVideoPipeline folder only where stock code samples its
-    contract (the teacher's Euler); a few-step, causal or PDD student is one line before any work."""
+def test_export_of_an_i2v_base_is_stock_or_its_own_pipeline(i2v_base):
+    """A model of an I2V base exports as a stock WanImageToVideoPipeline folder where stock code samples its contract
+    (the teacher's Euler), else with distillery's own pipeline, which takes the first frame; a two-expert (Wan 2.2
+    A14B) I2V student, whose experts the own pipeline does not route, is one line before any work."""
     from distillery.export.i2v_card import check_i2v_export, is_i2v_folder
 
     assert is_i2v_folder(i2v_base) and not is_i2v_folder(shipped_tiny_base())
     check_i2v_export("teacher", {"sampler": "euler", "shift": 3.0})
     for contract in ({"sampler": "few_step_x0", "timesteps": [1000.0, 500.0]}, {"sampler": "causal_streaming", "chunk_size": 1},
-                     {"sampler": "pdd_fused", "pdd_steps": 4}):
-        with pytest.raises(UserError, match=f"samples with the `{contract['sampler']}` sampler.*export.student: teacher"):
-            check_i2v_export("distill", contract)
+                     {"sampler": "pdd_fused", "pdd_steps": 4}, {"sampler": "euler", "chunk_size": 1}):
+        check_i2v_export("distill", contract)
+        with pytest.raises(UserError, match=f"two-expert .* `{contract['sampler']}` sampler.*export.student: teacher"):
+            check_i2v_export("distill", contract, two_experts=True)
+    check_i2v_export("teacher", {"sampler": "euler", "shift": 3.0}, two_experts=True)
+
+
+I2V_CONTRACTS = {  # (contract, call steps, call guidance): every kind of student the own pipeline samples
+    "dmd2_few_step": ({"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000,
+                       "timesteps": [1000.0, 750.0, 500.0]}, None, None),
+    "dfsft_block_causal_euler_cfg": ({"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000, "chunk_size": 1}, 2, 3.0),
+    "self_forcing_streaming": ({"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
+                                "timesteps": [1000.0, 800.0, 400.0], "chunk_size": 1, "context_noise": 50.0,
+                                "renoise": "sde"}, None, None),
+    "self_forcing_streaming_ode_cfg": ({"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
+                                        "chunk_size": 2, "renoise": "ode"}, 2, 2.5),
+    "pdd_fused": ({"sampler": "pdd_fused", "shift": 3.0, "num_train_timesteps": 1000, "pdd_steps": 4,
+                   "block_size_max": 4, "num_steps": 2, "guidance_scale": 1.0}, None, None),
+}
+
+
+def _with_heads(root: Path, i2v_base: Path) -> Path:
+    """``root``: the I2V base's transformer and scheduler with a PDD bank of 4 heads (``proj_out`` + noise each)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for part in ("transformer", "scheduler"):
+        shutil.copytree(i2v_base / part, root / part)
+    weights = load_file(str(next((root / "transformer").glob("*.safetensors"))))
+    w, b = weights["proj_out.weight"].float(), weights["proj_out.bias"].float()
+    gen = torch.Generator().manual_seed(3)
+    save_file({"weight": torch.stack([w + 0.05 * torch.randn(w.shape, generator=gen) for _ in range(4)]),
+               "bias": torch.stack([b + 0.05 * torch.randn(b.shape, generator=gen) for _ in range(4)])},
+              str(root / "transformer" / "pdd_heads.safetensors"))
+    return root
+
+
+@pytest.mark.parametrize("kind", list(I2V_CONTRACTS))
+def test_the_shipped_samplers_reproduce_the_package_s_i2v_latents(tmp_path, i2v_base, i2v_latents, kind):
+    """The exported pipeline's samplers and denoisers (no distillery) give the package's latents bit for bit on the CPU
+    for an I2V student of every kind, with the stored first frame and image embeddings; another frame, other latents."""
+    from diffusers import WanTransformer3DModel
+
+    from distillery.export.standalone import distilled_causal, distilled_samplers, distilled_wan
+    from distillery.models.base import Conditioning
+    from distillery.models.registry import load_inference_model
+    from distillery.sampling import build_sampler
+
+    folder = _with_heads(tmp_path / "model", i2v_base)
+    contract, steps, guidance = I2V_CONTRACTS[kind]
+    row = LatentDataset(i2v_latents, "validation", with_latents=False)[0]
+    first, images = row["first_frame"][None].float(), row["image_embedding"][None].float()
+    gen = torch.Generator().manual_seed(11)
+    text, negative = torch.randn(1, 512, 32, generator=gen), torch.randn(1, 512, 32, generator=gen)
+    shape = tuple(first.shape[2:])
+    shape = (8, *shape)  # 3 latent frames: chunks of 2 are 2 + 1
+
+    package = build_sampler(contract)
+    plugin = load_inference_model(folder, shift=package.shift, role="validate", **package.model_options())
+    expected = package.sample(plugin, Conditioning(text, negative, first_frame=first, image_embeds=images), shape,
+                              torch.Generator().manual_seed(5), num_steps=steps, guidance_scale=guidance)
+
+    shipped = distilled_samplers.build_sampler(contract)
+    transformer = WanTransformer3DModel.from_pretrained(folder / "transformer").eval().requires_grad_(False)
+    options = shipped.model_kind()
+    if "chunk_size" in options:
+        model = distilled_causal.CausalWanDenoiser(transformer, 3.0, options["chunk_size"])
+    elif "pdd_steps" in options:
+        model = distilled_wan.PDDWanDenoiser(transformer, 3.0, options["pdd_steps"], folder / "transformer" / "pdd_heads.safetensors")
+    else:
+        model = distilled_wan.WanDenoiser(transformer, 3.0)
+
+    def sample(frame: torch.Tensor) -> torch.Tensor:
+        cond = distilled_wan.Conditioning(text, negative, first_frame=frame, image_embeds=images)
+        return shipped.sample(model, cond, shape, torch.Generator().manual_seed(5), num_steps=steps, guidance_scale=guidance)
+
+    got = sample(first)
+    assert got.shape == expected.shape == (1, *shape)
+    assert torch.equal(got, expected), (got - expected).abs().max()
+    assert not torch.equal(sample(torch.cat([first[:, :4], torch.randn_like(first[:, 4:])], dim=1)), got)
+    with pytest.raises(ValueError, match="image-to-video transformer samples from a first frame"):
+        shipped.sample(model, distilled_wan.Conditioning(text, negative), shape, torch.Generator().manual_seed(5),
+                       num_steps=steps, guidance_scale=guidance)
 
 
 def test_a_pdd_i2v_student_takes_the_frame(i2v_base, i2v_latents):
@@ -299,3 +381,84 @@ def test_in_training_validation_samples_with_the_sets_first_frames(i2v_base, i2v
     with torch.no_grad():
         latents = sampler.sample(model, cond, prompts.latent_shape, generators, num_steps=1, guidance_scale=1.0)
     assert latents.shape == (2, *prompts.latent_shape) and torch.isfinite(latents).all()
+
+
+def test_an_exported_i2v_dmd2_student_samples_validates_latents_from_the_first_frame(tmp_path, i2v_base, i2v_latents):
+    """The export of a DMD2 student of an I2V base: the folder names its own pipeline, ships the base's image encoder and
+    processor, passes ``lineage --verify``; loaded by diffusers (``trust_remote_code``) it samples, from the stored
+    first-frame condition and image embeddings, bit for bit the latents validate sampled for that student; from a
+    PIL frame it builds the condition the latents stage builds (float rounding apart) and decodes a video; without a
+    frame it refuses. Its card calls the own pipeline with ``image=``."""
+    import shutil
+
+    from diffusers import DiffusionPipeline
+    from PIL import Image
+    from safetensors.torch import load_file, save_file
+
+    from distillery.data import read_empty_prompt_embedding
+    from distillery.data.encoders import read_max_sequence_length
+    from distillery.evaluation.candidates import Candidate
+    from distillery.evaluation.sampling_context import PromptEmbeddings
+    from distillery.evaluation.validate import run_validation
+    from distillery.evaluation.validation_config import ValidationConfig
+    from distillery.export.code import CODE_RECORD_KEY, OWN_PIPELINE
+    from distillery.export.i2v_card import i2v_model_card
+    from distillery.lineage.manifest import write_lineage
+    from distillery.lineage.verify import verify_lineage
+    from stages.export import assemble_export
+
+    student = tmp_path / "artifacts" / "dmd2"  # the base's transformer, moved off it (the export must ship this one)
+    shutil.copytree(i2v_base / "transformer", student / "model" / "transformer")
+    weights_file = next((student / "model" / "transformer").glob("*.safetensors"))
+    gen = torch.Generator().manual_seed(7)
+    weights = {k: v + 0.02 * torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in load_file(str(weights_file)).items()}
+    save_file(weights, str(weights_file))
+    (student / "model" / "sampling.json").write_text(json.dumps(I2V_CONTRACTS["dmd2_few_step"][0]))
+    write_lineage(student, kind="model", stage="dmd2", config={}, method="dmd2")
+
+    data = LatentDataset(i2v_latents, "validation", with_latents=False)
+    rows = [data[0]]
+    stored = PromptEmbeddings(texts=[r["text_embedding"] for r in rows], negative=read_empty_prompt_embedding(i2v_latents),
+                              first_frames=[r["first_frame"] for r in rows], image_embeds=[r["image_embedding"] for r in rows])
+    cfg = ValidationConfig(num_frames=9, num_seeds=1, progress_bar=False, grid_formats=[], bootstrap_resamples=0)
+    validate = tmp_path / "artifacts" / "validate"
+    run_validation(i2v_base, [Candidate.from_artifact("dmd2_3", student / "model")], [r["caption"] for r in rows],
+                   validate / "report", cfg, prompt_embeddings=stored)
+    saved = load_file(str(validate / "report" / "samples" / "dmd2_3" / "latents.safetensors"))["0"]
+    report = json.loads((validate / "report" / "report.json").read_text())
+
+    folder = tmp_path / "export"
+    folder.mkdir()
+    code, _ = assemble_export(i2v_base, student / "model", folder)
+    card = i2v_model_card("dmd2", student, validate, read_max_sequence_length(i2v_base), folder=str(folder))
+    (folder / "README.md").write_text(card)
+    write_lineage(folder, kind="export", stage="export", config={CODE_RECORD_KEY: code})
+    assert verify_lineage(folder).ok, verify_lineage(folder).problems
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["_class_name"] == list(OWN_PIPELINE) and index["image_encoder"] == ["transformers", "CLIPVisionModel"]
+    assert "custom_pipeline=" in card and "pipe(image=image" in card and "WanImageToVideoPipeline.from_pretrained" not in card
+
+    pipe = DiffusionPipeline.from_pretrained(str(folder), custom_pipeline=str(folder), trust_remote_code=True)
+    assert type(pipe).__name__ == "DistilledWanPipeline" and pipe.image_encoder is not None
+    text = torch.zeros(1, 512, 32)
+    text[0, :rows[0]["text_embedding"].shape[0]] = rows[0]["text_embedding"].float()
+    size = dict(num_frames=9, height=32, width=32)
+
+    def sample(**kw):
+        return pipe(prompt_embeds=text, generator=torch.Generator().manual_seed(report["seeds"][0]), output_type="latent",
+                    **size, **kw).frames
+
+    got = sample(first_frame=rows[0]["first_frame"][None], image_embeds=rows[0]["image_embedding"][None])
+    assert got.shape == (1, *saved.shape) and torch.equal(got[0], saved), (got[0] - saved).abs().max()
+    with pytest.raises(ValueError, match="image-to-video model: pass the first frame"):
+        sample()
+    with pytest.raises(ValueError, match="pass prompt= .* or prompt_embeds="):
+        pipe(first_frame=rows[0]["first_frame"][None], image_embeds=rows[0]["image_embedding"][None], **size)
+
+    frames = np.random.default_rng(1).integers(0, 256, (1, 9, 32, 32, 3), dtype=np.uint8)
+    enc = BaseEncoders(i2v_base)
+    image = Image.fromarray(frames[0, 0])
+    torch.testing.assert_close(pipe.encode_first_frame(image, **size), enc.encode_first_frames(frames), atol=1e-5, rtol=0)
+    torch.testing.assert_close(pipe.encode_image_embeds(image), enc.encode_images(frames), atol=1e-5, rtol=0)
+    video = pipe(prompt_embeds=text, image=image, generator=torch.Generator().manual_seed(0), **size).frames[0]
+    assert video.shape == (9, 32, 32, 3) and np.isfinite(video).all()

@@ -1,11 +1,14 @@
 """The export of an image-to-video model (a Wan 2.1 I2V base, issue 45): what stock ``WanImageToVideoPipeline`` samples,
 and its model card.
 
-A model of an I2V base is exported as a stock diffusers folder: the base's parts (its ``model_index.json`` names
-``WanImageToVideoPipeline``, with the image encoder and processor) and the student's transformer. Stock code samples
-it only where its sampling contract is plain Euler with CFG (:func:`distillery.export.code.stock_samples`: the
-teacher's); the folder's own pipeline (few-step ladders, causal streaming, PDD) takes no first frame, so exporting
-another student of an I2V base is one line (:func:`check_i2v_export`) before any work.
+A model of an I2V base is exported as a diffusers folder: the base's parts (with the image encoder and processor) and
+the student's transformer. Where its sampling contract is plain Euler with CFG (:func:`distillery.export.code.stock_samples`:
+the teacher's) its ``model_index.json`` names stock ``WanImageToVideoPipeline``; every other student (a few-step ladder,
+block-causal Euler, causal streaming, PDD) is sampled by the folder's own pipeline
+(:class:`distillery.export.standalone.pipeline.DistilledWanPipeline`), which takes the first frame (``image=``, or the
+condition latents and image embeddings precomputed) and loads the folder's image encoder and processor. The own pipeline
+samples one transformer, so a two-expert (Wan 2.2 A14B) I2V student that stock code does not sample is one line
+(:func:`check_i2v_export`) before any work.
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ def is_i2v_folder(folder: Path) -> bool:
         return False
 
 
-def check_i2v_export(student: str, contract: dict[str, Any]) -> None:
-    """One :class:`UserError` line when the ``student`` of an I2V base samples by a contract stock
-    ``WanImageToVideoPipeline`` does not run (module doc)."""
-    if not stock_samples(contract):
-        raise UserError(f"stage export: the {student} student of an image-to-video base samples with the "
-                        f"`{contract.get('sampler')}` sampler, which only distillery's own pipeline runs, and that takes no "
-                        f"first frame yet; export.student: teacher exports a stock {I2V_PIPELINE} folder")
+def check_i2v_export(student: str, contract: dict[str, Any], two_experts: bool = False) -> None:
+    """One :class:`UserError` line when the ``student`` of an I2V base can be sampled by neither stock
+    ``WanImageToVideoPipeline`` nor the folder's own pipeline: a two-expert model (``two_experts``) whose contract
+    stock code does not run (module doc)."""
+    if two_experts and not stock_samples(contract):
+        raise UserError(f"stage export: the {student} student of a two-expert image-to-video base samples with the "
+                        f"`{contract.get('sampler')}` sampler, which only distillery's own pipeline runs, and that samples "
+                        f"one transformer; export.student: teacher exports a stock {I2V_PIPELINE} folder")
 
 
 def i2v_model_card(student: str, student_dir: Path, validate_dir: Path, max_sequence_length: int | None,
@@ -51,28 +55,42 @@ def i2v_model_card(student: str, student_dir: Path, validate_dir: Path, max_sequ
     guidance = float(candidates[0]["guidance_scale"]) if candidates else float(contract.get("guidance_scale", 5.0) or 5.0)
     cfg = report.get("config", {})
     size = f"num_frames={cfg.get('num_frames')}, height={cfg.get('height')}, width={cfg.get('width')}"
+    stock = stock_samples(contract)
     front = ["---", "library_name: diffusers", "pipeline_tag: image-to-video", f"tags: [wan, distillery, image-to-video, {student}]",
              "distillery:", *([f"  max_sequence_length: {max_sequence_length}"] if max_sequence_length else []),
              f"  student: {student}", f"  sampler: {contract.get('sampler')}", "---", ""]
     lines = [f"# The `{student}` image-to-video model, exported by distillery", "",
              f"A Wan 2.1 image-to-video model in diffusers layout: the transformer the `{student}` stage trained "
              f"(`{manifest.get('method')}`) on the latents with their first frames as the condition, with the base's VAE, "
-             "text encoder, tokenizer, image encoder and image processor. It is a stock Wan I2V model: stock "
-             f"`{I2V_PIPELINE}` samples it (below). Validate scored it with the first frames of the latent set's "
-             f"validation clips at {steps} steps, guidance {guidance}.", "",
+             "text encoder, tokenizer, image encoder and image processor. "
+             + (f"It is a stock Wan I2V model: stock `{I2V_PIPELINE}` samples it (below). " if stock else
+                f"It samples by its `{contract.get('sampler')}` contract (`sampling.json`), which stock `{I2V_PIPELINE}` "
+                "does not run: the folder's own pipeline (`pipeline.py`, `DistilledWanPipeline`, and the modules beside "
+                "it) does, and takes the first frame as `image=` (below). ")
+             + f"Validate scored it with the first frames of the latent set's validation clips at {steps} steps, "
+             f"guidance {guidance}.", "",
              "## Sampling settings (`sampling.json`)", "", "```json", json.dumps(contract, indent=2), "```", "",
              "## How it was made (from `lineage.json`)", "", "| stage | kind | artifact digest |", "|---|---|---|"]
     for node in artifacts_once(manifest):
         lines.append(f"| {node.get('stage')} | {node.get('kind')} | `{str(node.get('manifest_sha256', ''))[:16]}` |")
     prompt, seed = (report.get("prompts") or [""])[0], (report.get("seeds") or [0])[0]
-    lines += ["", "## Load and sample it (offline: torch, diffusers, transformers, accelerate; `ftfy` for text prompts)", "",
-              "```python", "import torch", "from PIL import Image",
-              f"from diffusers import FlowMatchEulerDiscreteScheduler, {I2V_PIPELINE}", "",
-              f'pipe = {I2V_PIPELINE}.from_pretrained("{folder}")',
-              f"pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift={contract.get('shift')})",
-              'image = Image.open("first_frame.png")  # the frame the video starts from',
-              f"video = pipe(image=image, prompt={json.dumps(prompt)}, {size},",
-              f"            max_sequence_length={max_sequence_length or 512}, num_inference_steps={steps}, guidance_scale={guidance},",
-              f"            generator=torch.Generator().manual_seed({seed})).frames[0]",
-              "print(video.shape)", "```", ""]
+    lines += ["", "## Load and sample it (offline: torch, diffusers, transformers, accelerate; `ftfy` for text prompts)", ""]
+    call = [f"video = pipe(image=image, prompt={json.dumps(prompt)}, {size},",
+            f"            max_sequence_length={max_sequence_length or 512}, num_inference_steps={steps}, guidance_scale={guidance},",
+            f"            generator=torch.Generator().manual_seed({seed})).frames[0]"]
+    if stock:
+        lines += ["```python", "import torch", "from PIL import Image",
+                  f"from diffusers import FlowMatchEulerDiscreteScheduler, {I2V_PIPELINE}", "",
+                  f'pipe = {I2V_PIPELINE}.from_pretrained("{folder}")',
+                  f"pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift={contract.get('shift')})",
+                  'image = Image.open("first_frame.png")  # the frame the video starts from', *call,
+                  "print(video.shape)", "```", ""]
+    else:
+        lines += ["The folder's own pipeline builds the first frame's condition as the stock pipeline does (the VAE's "
+                  "latent of the frame then zeros, after the first latent frame's mask; the image encoder's penultimate "
+                  "hidden states); `first_frame=` and `image_embeds=` take them precomputed instead of `image=`.", "",
+                  "```python", "import torch", "from PIL import Image", "from diffusers import DiffusionPipeline", "",
+                  f'pipe = DiffusionPipeline.from_pretrained("{folder}", custom_pipeline="{folder}", trust_remote_code=True)',
+                  'image = Image.open("first_frame.png")  # the frame the video starts from', *call,
+                  "print(video.shape)", "```", ""]
     return "\n".join(front + lines)

@@ -194,6 +194,7 @@ class CausalWanDenoiser(WanDenoiser):
         if int(start_frame) != held or int(start_frame) % self.chunk_size:
             raise ValueError(f"cache {tag!r} holds {held} frames; a call must start there, at a chunk boundary "
                              f"(chunks of {self.chunk_size}), not at frame {start_frame}")
+        cond = cond.frames(int(start_frame), x.shape[2])  # an image-to-video chunk: its frames' condition
         tokens = self._tokens_per_frame(x)
         past = cache.layers if cache is not None and held else None
         store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if store_kv else None

@@ -122,8 +122,7 @@ class Sampler:
 
 
 def _on(cond: Conditioning, device: torch.device) -> Conditioning:
-    negative = cond.negative_text_embeds.to(device) if cond.negative_text_embeds is not None else None
-    return Conditioning(cond.text_embeds.to(device), negative)
+    return cond.to(device)
 
 
 def _chunk_size(value: Any, name: str) -> int | None:

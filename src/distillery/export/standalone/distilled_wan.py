@@ -3,7 +3,12 @@
 
 - :class:`WanDenoiser` — the velocity ``v = ε − x0`` (float32 ``[B, C, T, H, W]``) of the transformer
   at timesteps ``[B]`` in ``[0, num_train_timesteps]``, conditioned on text embeddings ``[B, L, D]``
-  (the unconditional pass: the negative embeddings, zeros when None);
+  (the unconditional pass: the negative embeddings, zeros when None); an image-to-video transformer
+  (``in_channels`` > ``out_channels``) also on the first frame, as ``WanImageToVideoPipeline`` feeds it: the
+  condition ``[B, M + C, T, H, W]`` (mask, then the frame's latent) after the noisy latent on the channel axis,
+  and, where the transformer has an ``image_dim``, the image encoder's embeddings ``[B, N, D']`` with the
+  prompt zero-padded to :data:`I2V_TEXT_TOKENS` (diffusers' attention takes the text as the last 512 tokens).
+  The unconditional pass keeps the frame (only the prompt is dropped, as the stock pipeline's CFG does);
 - :class:`PDDWanDenoiser` — a PDD student: one velocity head per interval of a fine σ grid of
   ``pdd_steps`` intervals (``transformer/pdd_heads.safetensors``: ``weight [P, out, inner]``,
   ``bias [P, out]``); a block ``[a, b)`` of the grid is one forward through the heads fused into one
@@ -24,14 +29,35 @@ import torch.nn.functional as F
 from .distilled_schedule import block_weights, inference_sigmas
 
 HEADS_FILE = "pdd_heads.safetensors"  # a PDD student's head bank, beside the transformer's weights
+I2V_TEXT_TOKENS = 512  # the prompt length diffusers' Wan attention takes beside image embeddings
 
 
 @dataclass
 class Conditioning:
-    """Text embeddings ``[B, L, D]`` (zero-padded to the prompt length) and the CFG negative (None: zeros)."""
+    """Text embeddings ``[B, L, D]`` (zero-padded to the prompt length) and the CFG negative (None: zeros); for an
+    image-to-video transformer the first-frame condition ``first_frame [B or 1, M + C, T, H, W]`` and the image
+    embeddings ``image_embeds [B or 1, N, D']`` (None for a text-to-video one)."""
 
     text_embeds: torch.Tensor
     negative_text_embeds: torch.Tensor | None = None
+    first_frame: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> "Conditioning":
+        """Every tensor on ``device``."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return Conditioning(self.text_embeds.to(device), move(self.negative_text_embeds), move(self.first_frame),
+                            move(self.image_embeds))
+
+    def frames(self, start: int, count: int) -> "Conditioning":
+        """The conditioning of latent frames ``[start, start + count)`` (a streaming chunk: the first-frame condition
+        is per latent frame, aligned with the latents); itself when it has none or holds just those frames."""
+        first = self.first_frame
+        if first is None or (start == 0 and first.shape[2] == count):
+            return self
+        return Conditioning(self.text_embeds, self.negative_text_embeds, first[:, :, start:start + count], self.image_embeds)
 
 
 class WanDenoiser:
@@ -49,15 +75,45 @@ class WanDenoiser:
         cfg = transformer.config
         self.patch_size = tuple(cfg.patch_size)
         self.in_channels = int(cfg.in_channels)
+        out = cfg.get("out_channels") if hasattr(cfg, "get") else getattr(cfg, "out_channels", None)
+        self.condition_channels = self.in_channels - int(out if out is not None else self.in_channels)  # 0: text-to-video
+        image_dim = cfg.get("image_dim") if hasattr(cfg, "get") else getattr(cfg, "image_dim", None)
+        self.image_dim = None if image_dim is None else int(image_dim)
 
     def text_for(self, cond: Conditioning, conditional: bool) -> torch.Tensor:
         text = cond.text_embeds if conditional else cond.negative_text_embeds
         return torch.zeros_like(cond.text_embeds) if text is None else text
 
+    def image_inputs(self, x: torch.Tensor, text: torch.Tensor, cond: Conditioning,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(hidden, text, image embeddings or None)`` the transformer takes for ``x`` (module doc): ``x`` and ``text``
+        as they are for a text-to-video transformer. ``ValueError`` when an image-to-video one is given no frame."""
+        if not self.condition_channels:
+            return x, text, None
+        first = cond.first_frame
+        if first is None:
+            raise ValueError("an image-to-video transformer samples from a first frame: pass image= (or first_frame= "
+                             "and image_embeds=)")
+        if first.shape[1] != self.condition_channels or first.shape[2:] != x.shape[2:] or first.shape[0] not in (1, x.shape[0]):
+            raise ValueError(f"first_frame {tuple(first.shape)} does not fit latents {tuple(x.shape)} "
+                             f"({self.condition_channels} condition channels)")
+        hidden = torch.cat([x, first.to(x.dtype).expand(x.shape[0], -1, -1, -1, -1)], dim=1)
+        if self.image_dim is None:
+            return hidden, text, None
+        if cond.image_embeds is None:
+            raise ValueError(f"this image-to-video transformer takes image-encoder embeddings (image_dim {self.image_dim}): "
+                             "pass image= with the folder's image encoder, or image_embeds=")
+        if text.shape[1] > I2V_TEXT_TOKENS:
+            raise ValueError(f"an image-to-video prompt of {text.shape[1]} tokens; diffusers' Wan takes {I2V_TEXT_TOKENS}")
+        text = F.pad(text, (0, 0, 0, I2V_TEXT_TOKENS - text.shape[1]))
+        return hidden, text, cond.image_embeds.expand(x.shape[0], -1, -1)
+
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, conditional: bool) -> torch.Tensor:
         """The transformer's output for ``x`` at ``timesteps`` ``[B]`` (its dtype)."""
-        return self.transformer(hidden_states=x.to(self.dtype), timestep=timesteps.float(),
-                                encoder_hidden_states=self.text_for(cond, conditional).to(self.dtype), return_dict=False)[0]
+        hidden, text, image = self.image_inputs(x.to(self.dtype), self.text_for(cond, conditional), cond)
+        return self.transformer(hidden_states=hidden, timestep=timesteps.float(), encoder_hidden_states=text.to(self.dtype),
+                                encoder_hidden_states_image=None if image is None else image.to(self.dtype),
+                                return_dict=False)[0]
 
     def velocity(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, conditional: bool = True) -> torch.Tensor:
         """``v = ε − x0`` (float32, shape of ``x``)."""

@@ -23,6 +23,17 @@ compiles each transformer block and decodes with the fused chunked VAE decoder, 
 (:meth:`DistilledWanPipeline.configure_speed` switches each; the first video prints one line saying which path it
 took). On the CPU everything is stock: diffusers' attention and frame-by-frame ``vae.decode``.
 
+Image-to-video (an export of a Wan 2.1 I2V base: its ``model_index.json`` names the image encoder and processor too,
+and the transformer takes the first frame): pass the frame as ``image=`` (a PIL image, array or tensor, as diffusers'
+``VideoProcessor.preprocess`` takes it) and the pipeline builds what ``WanImageToVideoPipeline`` builds from it — the
+VAE's latent (its mode, normalised) of ``[frame, zeros…]`` after the mask of the first latent frame, and the image
+encoder's penultimate hidden states where the folder has an image encoder — or pass them precomputed as
+``first_frame=`` ``[1 or B, M + C, T', H', W']`` and ``image_embeds=`` ``[1 or B, N, D]``
+(:meth:`DistilledWanPipeline.encode_first_frame`, :meth:`DistilledWanPipeline.encode_image_embeds`)::
+
+    video = pipe("a red ball moves left", image=Image.open("first_frame.png"), height=480, width=832,
+                 generator=torch.Generator().manual_seed(0)).frames[0]
+
 Noise: one ``torch.Generator`` draws everything (the initial latents ``[1, C, T', H', W']`` first, as
 ``WanPipeline`` draws them, then any re-noise draws), on the generator's device.
 """
@@ -50,11 +61,61 @@ SAMPLING_FILE = "sampling.json"
 
 
 class DistilledWanPipeline(WanPipeline):
-    """``WanPipeline`` sampling through the folder's sampling contract (module doc)."""
+    """``WanPipeline`` sampling through the folder's sampling contract (module doc); an image-to-video folder's
+    image encoder and processor are its optional components."""
 
+    _optional_components = ["transformer", "transformer_2", "image_encoder", "image_processor"]
     _denoiser: Any = None
     _speed_settings: SpeedSettings | None = None
     speed_plan: SpeedPlan | None = None  # what ran (set on the first video)
+
+    def __init__(self, tokenizer: Any, text_encoder: Any, vae: Any, scheduler: Any, transformer: Any = None,
+                 transformer_2: Any = None, boundary_ratio: float | None = None, expand_timesteps: bool = False,
+                 image_encoder: Any = None, image_processor: Any = None) -> None:
+        super().__init__(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer,
+                         transformer_2=transformer_2, boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps)
+        self.register_modules(image_encoder=image_encoder, image_processor=image_processor)
+
+    @property
+    def components(self) -> dict[str, Any]:
+        """diffusers' ``components``, without the image encoder and processor where the folder has none (a
+        text-to-video folder: its parts still make a stock ``WanPipeline(**parts)``)."""
+        parts = super().components
+        return {k: v for k, v in parts.items() if not (k in ("image_encoder", "image_processor") and v is None)}
+
+    def image_to_video(self) -> bool:
+        """Whether the transformer takes a first frame (``in_channels`` > ``out_channels``: Wan 2.1 I2V)."""
+        cfg = self.transformer.config
+        return int(cfg.in_channels) > int(cfg.get("out_channels") or cfg.in_channels)
+
+    @torch.no_grad()
+    def encode_first_frame(self, image: Any, num_frames: int, height: int, width: int) -> torch.Tensor:
+        """The first-frame condition ``float32 [B, M + C, T', H', W']`` of ``image`` (one frame or a batch, as
+        ``VideoProcessor.preprocess`` takes them), as ``WanImageToVideoPipeline`` builds it: the mask (``M`` = the VAE's
+        temporal factor channels, ones at the first latent frame, zeros after) then the normalised latent (the VAE's
+        mode) of the ``num_frames`` video whose first frame is ``image`` and the rest zeros."""
+        tf, sf = int(self.vae_scale_factor_temporal), int(self.vae_scale_factor_spatial)
+        pixels = self.video_processor.preprocess(image, height=height, width=width)
+        pixels = pixels.to(self.vae.device, self.vae.dtype).unsqueeze(2)  # [B, 3, 1, H, W] in [-1, 1]
+        b = pixels.shape[0]
+        video = torch.cat([pixels, pixels.new_zeros(b, 3, num_frames - 1, height, width)], dim=2)
+        z = self.vae.encode(video).latent_dist.mode().float()
+        z_dim = int(self.vae.config.z_dim)
+        mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(z.device, z.dtype)
+        std = torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(z.device, z.dtype)
+        z = (z - mean) / std
+        mask = torch.zeros(b, tf, z.shape[2], height // sf, width // sf, dtype=z.dtype, device=z.device)
+        mask[:, :, 0] = 1.0
+        return torch.cat([mask, z], dim=1)
+
+    @torch.no_grad()
+    def encode_image_embeds(self, image: Any) -> torch.Tensor | None:
+        """The image encoder's penultimate hidden states ``float32 [B, N, D]`` of ``image`` (the processor first), as
+        ``WanImageToVideoPipeline.encode_image``; None where the folder has no image encoder."""
+        if getattr(self, "image_encoder", None) is None or getattr(self, "image_processor", None) is None:
+            return None
+        pixels = self.image_processor(images=image, return_tensors="pt").to(self.image_encoder.device)
+        return self.image_encoder(**pixels, output_hidden_states=True).hidden_states[-2].float()
 
     def configure_speed(self, **switches: Any) -> SpeedSettings:
         """Choose the GPU path's parts before the first video (:class:`distilled_fast.SpeedSettings`: ``attention``
@@ -125,7 +186,7 @@ class DistilledWanPipeline(WanPipeline):
     @torch.no_grad()
     def __call__(
         self,
-        prompt: str | list[str],
+        prompt: str | list[str] | None = None,
         negative_prompt: str | list[str] | None = "",
         height: int = 480,
         width: int = 832,
@@ -136,25 +197,42 @@ class DistilledWanPipeline(WanPipeline):
         output_type: str = "np",
         return_dict: bool = True,
         max_sequence_length: int = 512,
+        image: Any = None,
+        first_frame: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
     ) -> WanPipelineOutput | tuple:
-        """Videos for ``prompt`` (one per prompt). ``num_inference_steps`` / ``guidance_scale``: None
-        → the contract's (a distilled student: its ladder, no CFG). ``output_type="latent"``: the
-        normalised latents ``[B, C, T', H', W']`` (float32); else decoded as ``WanPipeline`` does."""
+        """Videos for ``prompt`` (one per prompt; or per row of ``prompt_embeds`` ``[B, L, D]``). ``num_inference_steps``
+        / ``guidance_scale``: None → the contract's (a distilled student: its ladder, no CFG). ``output_type="latent"``:
+        the normalised latents ``[B, C, T', H', W']`` (float32); else decoded as ``WanPipeline`` does. An
+        image-to-video model needs ``image`` or ``first_frame`` (+ ``image_embeds`` where it takes them; module doc)."""
+        if prompt is None and prompt_embeds is None:
+            raise ValueError("pass prompt= (text) or prompt_embeds= [B, L, D]")
         sampler = build_sampler(self.sampling_contract())
         model = self.denoiser(sampler)
         self.prepare_speed(model)
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        prompts = None if prompt is None else [prompt] if isinstance(prompt, str) else list(prompt)
         cfg = cfg_enabled(sampler.resolve_guidance(guidance_scale))  # the negative prompt is encoded only for CFG
         text, negative = self.encode_prompt(prompts, negative_prompt=negative_prompt if negative_prompt is not None else "",
-                                            do_classifier_free_guidance=cfg, max_sequence_length=max_sequence_length,
-                                            device=model.device, dtype=torch.float32)
+                                            do_classifier_free_guidance=cfg, prompt_embeds=prompt_embeds,
+                                            negative_prompt_embeds=negative_prompt_embeds,
+                                            max_sequence_length=max_sequence_length, device=model.device, dtype=torch.float32)
         if negative is not None and negative.shape[0] != text.shape[0]:
             negative = negative.expand_as(text)
         z_dim = int(self.vae.config.z_dim)
         tf, sf = int(self.vae_scale_factor_temporal), int(self.vae_scale_factor_spatial)
         shape = (z_dim, (num_frames - 1) // tf + 1, height // sf, width // sf)
-        latents = sampler.sample(model, Conditioning(text, negative), shape, generator, num_steps=num_inference_steps,
-                                 guidance_scale=guidance_scale)
+        if image is not None and first_frame is None:
+            first_frame = self.encode_first_frame(image, num_frames, height, width)
+        if image is not None and image_embeds is None:
+            image_embeds = self.encode_image_embeds(image)
+        if first_frame is None and self.image_to_video():
+            raise ValueError("this is an image-to-video model: pass the first frame as image= (or first_frame= and "
+                             "image_embeds=)")
+        cond = Conditioning(text, negative, None if first_frame is None else first_frame.float(),
+                            None if image_embeds is None else image_embeds.float())
+        latents = sampler.sample(model, cond, shape, generator, num_steps=num_inference_steps, guidance_scale=guidance_scale)
         video: Any = latents if output_type == "latent" else self.decode_latents(latents, output_type)
         self.maybe_free_model_hooks()
         return WanPipelineOutput(frames=video) if return_dict else (video,)
