@@ -30,7 +30,7 @@ def stage_export(params: StageParams) -> None:
     any other code, and these with another digest); and every byte of the artifacts it is made from,
     and of theirs upstream, is read against their manifests before it is published
     (``finish(verify_chain=True)``; its cost is logged)."""
-    from distillery.export.code import CODE_RECORD_KEY
+    from distillery.export.code import CODE_RECORD_KEY, check_own_pipeline_samples
     from distillery.pipeline.publish.base_folder import check_model_index
 
     student = params.get("export.student")
@@ -47,6 +47,8 @@ def stage_export(params: StageParams) -> None:
 
         adapter_folder(student, ARTIFACTS / student / "model")
     from distillery.export.i2v_card import check_i2v_export, is_i2v_folder
+
+    check_own_pipeline_samples(student, ARTIFACTS / student / "model")  # a Wan 2.2 student its pipeline.py would get wrong
 
     i2v = is_i2v_folder(base)  # an image-to-video base: stock WanImageToVideoPipeline or its own pipeline, or one line
     if i2v:

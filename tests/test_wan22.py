@@ -152,6 +152,7 @@ def _expert_weights(module) -> list[dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("layout", ["ti2v", "a14b"])
 @pytest.mark.parametrize("method", ["sft", "dmd2"])
 def test_sft_and_dmd2_train_a_wan22_model_and_export_it(folders, latents, tmp_path, layout, method):
+    from distillery.export.code import check_own_pipeline_samples
     from distillery.export.weights import export_weights
 
     base = folders[layout]
@@ -170,6 +171,19 @@ def test_sft_and_dmd2_train_a_wan22_model_and_export_it(folders, latents, tmp_pa
     shutil.copytree(base / "scheduler", tmp_path / "model" / "scheduler")
     family = {"ti2v": "wan2.2-ti2v-5b", "a14b": "wan2.2-a14b"}[layout]
     assert registry.family_of(tmp_path / "model").name == family  # the artifact tells its layout alone
+    # the export stage's check: a teacher-form (Euler) contract is stock WanPipeline's, which samples both layouts; a
+    # few-step student would need the folder's own pipeline.py, which runs neither layout: one line, before any work
+    contract = {"sampler": "euler", "shift": 5.0, "num_train_timesteps": 1000}
+    if method == "dmd2":
+        contract = {"sampler": "few_step_x0", "shift": 5.0, "num_train_timesteps": 1000, "timesteps": [1000, 750, 500, 250]}
+    (tmp_path / "model" / "sampling.json").write_text(json.dumps(contract))
+    if method == "dmd2":
+        form = "one timestep per token" if layout == "ti2v" else "two experts"
+        with pytest.raises(UserError, match=f"the distill student is a {family} model \\({form}\\) with the 'few_step_x0' "
+                                            "sampling contract; the exported pipeline.py samples one transformer"):
+            check_own_pipeline_samples("distill", tmp_path / "model")
+    else:
+        check_own_pipeline_samples("teacher", tmp_path / "model")
     trained, before = registry.load_inference_model(tmp_path / "model"), registry.load_inference_model(base)
     assert trained.layout.expand_timesteps == (layout == "ti2v")
     if layout == "ti2v":

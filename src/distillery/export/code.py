@@ -62,6 +62,26 @@ def stock_samples(contract: Mapping[str, Any]) -> bool:
     return contract.get("sampler") == "euler" and contract.get("chunk_size") is None
 
 
+def check_own_pipeline_samples(student: str, model: Path) -> None:
+    """Refuse, in one line (:class:`UserError`) before any work, the export of a student in ``model`` (an artifact's
+    ``model/``) that only the folder's own pipeline would sample (:func:`stock_samples` false) when its transformer is
+    of a layout that pipeline does not run: it drives one transformer with one timestep per sample (Wan 2.1's form),
+    not Wan 2.2 TI2V-5B's one timestep per token nor A14B's two experts (the layout a trained transformer records,
+    :func:`distillery.models.registry.family_of`). Sampled by it, such a student's videos would be silently wrong."""
+    from distillery.common.errors import UserError
+    from distillery.models.registry import family_of
+
+    contract = json.loads((model / "sampling.json").read_text())
+    family = family_of(model)
+    if stock_samples(contract) or (family.experts == 1 and not family.expand_timesteps):
+        return
+    form = "two experts" if family.experts > 1 else "one timestep per token"
+    raise UserError(f"stage export: the {student} student is a {family.name} model ({form}) with the "
+                    f"{contract.get('sampler')!r} sampling contract; the exported pipeline.py samples one transformer "
+                    "with one timestep per sample and would sample it wrongly (not supported yet): export a stage "
+                    "whose contract stock WanPipeline samples (export.student: teacher)")
+
+
 def name_own_pipeline(folder: Path) -> bool:
     """Where ``folder/sampling.json`` is a contract stock ``WanPipeline`` does not sample (:func:`stock_samples`),
     set ``folder/model_index.json``'s ``_class_name`` to :data:`OWN_PIPELINE` (module doc); returns whether it did.
