@@ -8,6 +8,7 @@ its own pipeline samples from the stored first frame, bit for bit as validate di
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
