@@ -48,8 +48,6 @@ def stage_export(params: StageParams) -> None:
         adapter_folder(student, ARTIFACTS / student / "model")
     from distillery.export.i2v_card import check_i2v_export, is_i2v_folder
 
-    check_own_pipeline_samples(student, ARTIFACTS / student / "model")  # a Wan 2.2 student its pipeline.py would get wrong
-
     i2v = is_i2v_folder(base)  # an image-to-video base: stock WanImageToVideoPipeline or its own pipeline, or one line
     if i2v:
         import json
@@ -61,6 +59,7 @@ def stage_export(params: StageParams) -> None:
     if missing:  # the card's scores and snippets come from validate's report: a killed or never-run validate left none
         raise UserError(f"stage export: {report} has no {' or '.join(missing)}: the validate stage has not finished here; "
                         f"run it first (dvc repro runs it)")
+    check_own_pipeline_samples(student, ARTIFACTS / student / "model")  # a Wan 2.2 student its pipeline.py would get wrong
     staging = fresh_staging("export")
     if adapter:
         export_adapter(student, staging, params)
