@@ -46,14 +46,9 @@ def stage_export(params: StageParams) -> None:
         from distillery.export.lora_card import adapter_folder
 
         adapter_folder(student, ARTIFACTS / student / "model")
-    from distillery.export.i2v_card import check_i2v_export, is_i2v_folder
+    from distillery.export.i2v_card import is_i2v_folder
 
-    i2v = is_i2v_folder(base)  # an image-to-video base: stock WanImageToVideoPipeline or its own pipeline, or one line
-    if i2v:
-        import json
-
-        check_i2v_export(student, json.loads((ARTIFACTS / student / "model" / "sampling.json").read_text()),
-                         two_experts=(ARTIFACTS / student / "model" / "transformer" / "transformer_2").is_dir())
+    i2v = is_i2v_folder(base)  # an image-to-video base: stock WanImageToVideoPipeline or its own pipeline
     report = ARTIFACTS / "validate" / "report"
     missing = [f.name for f in (report / "metrics.json", report / "report.json") if not f.is_file()]
     if missing:  # the card's scores and snippets come from validate's report: a killed or never-run validate left none

@@ -14,6 +14,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers import shipped_denoiser  # noqa: E402
 
 from distillery.clips.synthetic import ClipSetConfig, make_clip_set  # noqa: E402
 from distillery.common.errors import UserError  # noqa: E402
@@ -250,20 +251,33 @@ def test_a_causal_i2v_model_streams_each_chunk_with_its_frames_condition(i2v_bas
     torch.testing.assert_close(torch.cat(chunks, dim=2), whole, atol=1e-5, rtol=1e-5)
 
 
-def test_export_of_an_i2v_base_is_stock_or_its_own_pipeline(i2v_base):
+def test_export_of_an_i2v_base_is_stock_or_its_own_pipeline(i2v_base, tmp_path):
     """A model of an I2V base exports as a stock WanImageToVideoPipeline folder where stock code samples its contract
     (the teacher's Euler), else with distillery's own pipeline, which takes the first frame; a two-expert (Wan 2.2
-    A14B) I2V student, whose experts the own pipeline does not route, is one line before any work."""
-    from distillery.export.i2v_card import check_i2v_export, is_i2v_folder
+    A14B) student, whose experts the own pipeline does not route, is one line before any work (the export's one check
+    of what its own pipeline samples, for every base)."""
+    import shutil
+
+    from distillery.export.code import check_own_pipeline_samples
+    from distillery.export.i2v_card import is_i2v_folder
+    from distillery.tinybase.wan22 import make_tiny_wan22
 
     assert is_i2v_folder(i2v_base) and not is_i2v_folder(shipped_tiny_base())
-    check_i2v_export("teacher", {"sampler": "euler", "shift": 3.0})
+    one = Path(shutil.copytree(i2v_base, tmp_path / "i2v"))
+    two = make_tiny_wan22(tmp_path / "a14b", "a14b")
+
+    def check(folder: Path, student: str, contract: dict) -> None:
+        (folder / "sampling.json").write_text(json.dumps(contract))
+        check_own_pipeline_samples(student, folder)
+
+    for folder in (one, two):
+        check(folder, "teacher", {"sampler": "euler", "shift": 3.0})
     for contract in ({"sampler": "few_step_x0", "timesteps": [1000.0, 500.0]}, {"sampler": "causal_streaming", "chunk_size": 1},
                      {"sampler": "pdd_fused", "pdd_steps": 4}, {"sampler": "euler", "chunk_size": 1}):
-        check_i2v_export("distill", contract)
-        with pytest.raises(UserError, match=f"two-expert .* `{contract['sampler']}` sampler.*export.student: teacher"):
-            check_i2v_export("distill", contract, two_experts=True)
-    check_i2v_export("teacher", {"sampler": "euler", "shift": 3.0}, two_experts=True)
+        check(one, "distill", contract)
+        with pytest.raises(UserError, match=f"two experts\\) with the '{contract['sampler']}' sampling contract.*"
+                                            "export.student: teacher"):
+            check(two, "distill", contract)
 
 
 I2V_CONTRACTS = {  # (contract, call steps, call guidance): every kind of student the own pipeline samples
@@ -301,9 +315,8 @@ def _with_heads(root: Path, i2v_base: Path) -> Path:
 def test_the_shipped_samplers_reproduce_the_package_s_i2v_latents(tmp_path, i2v_base, i2v_latents, kind):
     """The exported pipeline's samplers and denoisers (no distillery) give the package's latents bit for bit on the CPU
     for an I2V student of every kind, with the stored first frame and image embeddings; another frame, other latents."""
-    from diffusers import WanTransformer3DModel
 
-    from distillery.export.standalone import distilled_causal, distilled_samplers, distilled_wan
+    from distillery.export.standalone import distilled_samplers, distilled_wan
     from distillery.models.base import Conditioning
     from distillery.models.registry import load_inference_model
     from distillery.sampling import build_sampler
@@ -323,14 +336,7 @@ def test_the_shipped_samplers_reproduce_the_package_s_i2v_latents(tmp_path, i2v_
                               torch.Generator().manual_seed(5), num_steps=steps, guidance_scale=guidance)
 
     shipped = distilled_samplers.build_sampler(contract)
-    transformer = WanTransformer3DModel.from_pretrained(folder / "transformer").eval().requires_grad_(False)
-    options = shipped.model_kind()
-    if "chunk_size" in options:
-        model = distilled_causal.CausalWanDenoiser(transformer, 3.0, options["chunk_size"])
-    elif "pdd_steps" in options:
-        model = distilled_wan.PDDWanDenoiser(transformer, 3.0, options["pdd_steps"], folder / "transformer" / "pdd_heads.safetensors")
-    else:
-        model = distilled_wan.WanDenoiser(transformer, 3.0)
+    model = shipped_denoiser(folder, shipped.model_kind())
 
     def sample(frame: torch.Tensor) -> torch.Tensor:
         cond = distilled_wan.Conditioning(text, negative, first_frame=frame, image_embeds=images)

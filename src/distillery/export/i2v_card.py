@@ -7,17 +7,16 @@ the teacher's) its ``model_index.json`` names stock ``WanImageToVideoPipeline``;
 block-causal Euler, causal streaming, PDD) is sampled by the folder's own pipeline
 (:class:`distillery.export.standalone.pipeline.DistilledWanPipeline`), which takes the first frame (``image=``, or the
 condition latents and image embeddings precomputed) and loads the folder's image encoder and processor. The own pipeline
-samples one transformer, so a two-expert (Wan 2.2 A14B) I2V student that stock code does not sample is one line
-(:func:`check_i2v_export`) before any work.
+samples one transformer with one timestep per sample, so a two-expert (Wan 2.2 A14B) student that stock code does not
+sample — of an I2V base or not — is one line before any work
+(:func:`distillery.export.code.check_own_pipeline_samples`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-from distillery.common.errors import UserError
 from distillery.export.code import stock_samples
 from distillery.lineage.render import artifacts_once
 
@@ -31,16 +30,6 @@ def is_i2v_folder(folder: Path) -> bool:
         return json.loads(index.read_text()).get("_class_name") == I2V_PIPELINE
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def check_i2v_export(student: str, contract: dict[str, Any], two_experts: bool = False) -> None:
-    """One :class:`UserError` line when the ``student`` of an I2V base can be sampled by neither stock
-    ``WanImageToVideoPipeline`` nor the folder's own pipeline: a two-expert model (``two_experts``) whose contract
-    stock code does not run (module doc)."""
-    if two_experts and not stock_samples(contract):
-        raise UserError(f"stage export: the {student} student of a two-expert image-to-video base samples with the "
-                        f"`{contract.get('sampler')}` sampler, which only distillery's own pipeline runs, and that samples "
-                        f"one transformer; export.student: teacher exports a stock {I2V_PIPELINE} folder")
 
 
 def i2v_model_card(student: str, student_dir: Path, validate_dir: Path, max_sequence_length: int | None,
