@@ -102,3 +102,19 @@ def read_log(output_dir: Path) -> list[dict[str, float]]:
     import json
 
     return [json.loads(line) for line in (output_dir / "train_log.jsonl").read_text().splitlines() if line.strip()]
+
+
+def shipped_denoiser(folder: Path, model_kind: dict[str, Any], shift: float = 3.0) -> Any:
+    """The exported package's denoiser over ``folder``'s transformer (eval, frozen) for a shipped sampler's
+    ``model_kind()``: causal (``chunk_size``), PDD (``pdd_steps``: its ``pdd_heads.safetensors`` beside the weights) or
+    plain — what ``DistilledWanPipeline`` builds, at flow ``shift``."""
+    from diffusers import WanTransformer3DModel
+
+    from distillery.export.standalone import distilled_causal, distilled_wan
+
+    transformer = WanTransformer3DModel.from_pretrained(folder / "transformer").eval().requires_grad_(False)
+    if "chunk_size" in model_kind:
+        return distilled_causal.CausalWanDenoiser(transformer, shift, model_kind["chunk_size"])
+    if "pdd_steps" in model_kind:
+        return distilled_wan.PDDWanDenoiser(transformer, shift, model_kind["pdd_steps"], folder / "transformer" / "pdd_heads.safetensors")
+    return distilled_wan.WanDenoiser(transformer, shift)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import shipped_denoiser
 
 from distillery.export.code import SHIPPED_ELSEWHERE, SHIPPED_MODULES, shipped_sources
 from distillery.lineage.artifact_code import EXPORT_OWN_CODE
@@ -92,9 +93,8 @@ CONTRACTS = {  # (contract, call steps, call guidance)
 
 @pytest.mark.parametrize("kind", list(CONTRACTS))
 def test_the_shipped_samplers_reproduce_the_package_s_latents(folder, kind):
-    from diffusers import WanTransformer3DModel
 
-    from distillery.export.standalone import distilled_causal, distilled_samplers, distilled_wan
+    from distillery.export.standalone import distilled_samplers, distilled_wan
     from distillery.models.base import Conditioning
     from distillery.models.registry import load_inference_model
     from distillery.sampling import build_sampler
@@ -110,14 +110,7 @@ def test_the_shipped_samplers_reproduce_the_package_s_latents(folder, kind):
                               num_steps=steps, guidance_scale=guidance)
 
     shipped = distilled_samplers.build_sampler(contract)
-    transformer = WanTransformer3DModel.from_pretrained(folder / "transformer").eval().requires_grad_(False)
-    options = shipped.model_kind()
-    if "chunk_size" in options:
-        model = distilled_causal.CausalWanDenoiser(transformer, 3.0, options["chunk_size"])
-    elif "pdd_steps" in options:
-        model = distilled_wan.PDDWanDenoiser(transformer, 3.0, options["pdd_steps"], folder / "transformer" / "pdd_heads.safetensors")
-    else:
-        model = distilled_wan.WanDenoiser(transformer, 3.0)
+    model = shipped_denoiser(folder, shipped.model_kind())
     got = shipped.sample(model, distilled_wan.Conditioning(text, negative), shape, torch.Generator().manual_seed(5),
                          num_steps=steps, guidance_scale=guidance)
     assert got.dtype == torch.float32 and got.shape == expected.shape == (1, *shape)
