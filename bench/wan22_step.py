@@ -1,4 +1,5 @@
-"""Benchmark: SFT training steps of a Wan 2.2 TI2V-5B-shaped transformer (random weights) at its native 720p.
+"""Benchmark: SFT or DMD2 training steps of a Wan 2.2 TI2V-5B-shaped transformer (random weights) at its native 720p,
+full weights or a LoRA adapter on every trainable role.
 
 The shape is the real one (Wan2.2-TI2V-5B, the Wan team's ``wan/configs/wan_ti2v_5B.py`` and the diffusers
 folder's ``transformer/config.json``): dim 3072 = 24 heads × 128, 30 layers, ffn 14336, in/out channels 48
@@ -14,11 +15,18 @@ batch 1, 512 × 4096 text; ``--wrapper fsdp`` (default): FSDP2 on a world of one
 ``plain``: no wrapper (a bf16 compute copy beside the fp32 masters). Activation checkpointing on by default
 (``--no-ac`` turns it off), ``training.model.compile`` null (regional compile on CUDA in bf16).
 
-Reports, as JSON (stdout ``RESULT {...}`` and ``$OUT/wan22_step.json``): the median post-warm-up step time
+``--method dmd2``: the step of ``bench/distill_step.py``'s ``dmd2_data`` on this layout — student and critic trained
+(critic betas [0, 0.999]), the teacher frozen, teacher CFG 4, a generator and a critic update every iteration, a
+4-step student ladder; all three roles TI2V-5B-shaped. ``--lora R``: ``models.<role>.lora`` of rank R (alpha R) on
+q, k, v, out of both attentions and the two FFN projections of every block, for every trainable role (the frozen
+base weights stay fp32 beside the adapters, as in ``bench/lora_step.py``).
+
+Reports, as JSON (stdout ``RESULT {...}`` and ``$OUT/wan22_step_<method>[_lora].json``): the median post-warm-up step time
 (the trainer's ``step_time_s``), the first step's, the peak CUDA memory (``max_memory_allocated``), the family the
 folder was recognised as, the latent shape and token count.
 
-Usage (device machine):  python bench/wan22_step.py [--steps 8 --warmup 3] [--wrapper fsdp|plain] [--no-ac]
+Usage (device machine):  python bench/wan22_step.py [--method sft|dmd2] [--lora 64] [--steps 8 --warmup 3]
+                         [--wrapper fsdp|plain] [--no-ac]
 CPU check of this script:  ``BENCH_SMOKE=1 python bench/wan22_step.py`` (a tiny transformer of the same layout,
 latents 3 × 8 × 8; its times mean nothing).
 """
@@ -85,15 +93,34 @@ def make_assets(root: Path) -> tuple[Path, Path]:
         for i in range(2)
     ]
     write_latent_shards(records, data, rows_per_shard=2)
+    from distillery.data.dataset import write_empty_prompt_embedding  # the negative prompt DMD2's teacher CFG reads
+
+    write_empty_prompt_embedding(data, torch.randn(TEXT_LEN, TEXT_DIM, generator=g).bfloat16())
     return model, data
 
 
-def run_config(model: Path, data: Path, out: Path, steps: int, wrapper: str, ac: bool) -> dict:
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+
+
+def run_config(model: Path, data: Path, out: Path, steps: int, wrapper: str, ac: bool, method: str = "sft",
+               lora: int | None = None) -> dict:
+    """The raw run config of one configuration: ``method`` ``sft`` (one trainable student) or ``dmd2`` (student and
+    critic trained, a frozen teacher); ``lora``: an adapter of that rank on every trainable role, else full weights."""
+    wan = "distillery.models.wan.WanModel"
+    adapter = {"lora": {"rank": lora, "alpha": float(lora), "target_modules": LORA_TARGETS}} if lora else {}
+    models = {"student": {"_target_": wan, "init_from": str(model), "random_init": True, **adapter}}
+    target = {"_target_": "distillery.methods.sft.SFTMethod"}
+    if method == "dmd2":
+        models["critic"] = {"_target_": wan, "init_from": str(model), "random_init": True, **adapter,
+                            "optimizer": {"learning_rate": 1e-5, "betas": [0.0, 0.999]}}
+        models["teacher"] = {"_target_": wan, "init_from": str(model), "random_init": True, "trainable": False}
+        target = {"_target_": "distillery.methods.dmd2.DMD2Method", "rollout": "data_latent", "generator_update_interval": 1,
+                  "real_score_guidance_scale": 4.0, "num_student_steps": 4}
     return {
-        "models": {"student": {"_target_": "distillery.models.wan.WanModel", "init_from": str(model), "random_init": True}},
-        "method": {"_target_": "distillery.methods.sft.SFTMethod"},
+        "models": models,
+        "method": target,
         "training": {
-            "distributed": {"shard_single_rank": wrapper == "fsdp"},
+            "distributed": {"shard_single_rank": wrapper == "fsdp", **({"reshard_after_forward": True} if method == "dmd2" else {})},
             "data": {"path": str(data), "batch_size": 1, "text_max_length": TEXT_LEN},
             "optimizer": {"learning_rate": 1e-5},
             "loop": {"max_train_steps": steps, "progress_bar": False},
@@ -105,7 +132,7 @@ def run_config(model: Path, data: Path, out: Path, steps: int, wrapper: str, ac:
     }
 
 
-def run(steps: int, warmup: int, wrapper: str, ac: bool) -> dict:
+def run(steps: int, warmup: int, wrapper: str, ac: bool, method: str = "sft", lora: int | None = None) -> dict:
     import torch
 
     from distillery.components.distributed import init_distributed, shutdown
@@ -117,7 +144,7 @@ def run(steps: int, warmup: int, wrapper: str, ac: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model, data = make_assets(Path(tmp))
         family = family_of(model).name
-        config = load_run_config(raw=run_config(model, data, Path(tmp) / "run", steps, wrapper, ac), prefixes=allowed_prefixes())
+        config = load_run_config(raw=run_config(model, data, Path(tmp) / "run", steps, wrapper, ac, method, lora), prefixes=allowed_prefixes())
         env = init_distributed(config.training.distributed)
         try:
             init_weights_on(env.device)
@@ -127,6 +154,8 @@ def run(steps: int, warmup: int, wrapper: str, ac: bool) -> dict:
             student = trainer.run.models["student"]
             assert student.layout.expand_timesteps, "the TI2V-5B layout was not read: timesteps would not be per token"
             params = sum(p.numel() for p in student.transformer.parameters())
+            trainable = sum(p.numel() for m in trainer.run.models.values() for p in m.transformer.parameters()
+                            if p.requires_grad)
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -142,7 +171,8 @@ def run(steps: int, warmup: int, wrapper: str, ac: bool) -> dict:
     p_t, p_h, p_w = TI2V_5B["patch_size"]
     return {"model": "Wan2.2-TI2V-5B shape, random weights", "family": family, "params": params,
             "video": [FRAMES, HEIGHT, WIDTH], "latent": [c, t, h, w], "tokens": (t // p_t) * (h // p_h) * (w // p_w),
-            "method": "sft", "wrapper": wrapper, "activation_checkpointing": ac, "batch_size": 1, "text": [TEXT_LEN, TEXT_DIM],
+            "method": method, "lora_rank": lora, "trainable_params": trainable,
+            "wrapper": wrapper, "activation_checkpointing": ac, "batch_size": 1, "text": [TEXT_LEN, TEXT_DIM],
             "steps": steps, "warmup": warmup, "step_s": statistics.median(times[warmup:]) if len(times) > warmup else None,
             "first_step_s": times[0], "step_times": times, "peak_mem_gib": peak, "static_mem_gib": static, "build_s": build_s,
             "final_loss": result.history[-1].get("total_loss"),
@@ -155,11 +185,13 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--wrapper", default="fsdp", choices=["fsdp", "plain"])
     parser.add_argument("--no-ac", action="store_true", help="activation checkpointing off (on by default)")
+    parser.add_argument("--method", default="sft", choices=["sft", "dmd2"])
+    parser.add_argument("--lora", type=int, default=None, help="a LoRA adapter of this rank on every trainable role")
     args = parser.parse_args()
-    out = run(args.steps, args.warmup, args.wrapper, not args.no_ac)
+    out = run(args.steps, args.warmup, args.wrapper, not args.no_ac, args.method, args.lora)
     print("RESULT " + json.dumps(out), flush=True)
     out_dir = Path(os.environ.get("OUT", "/tmp"))
-    (out_dir / "wan22_step.json").write_text(json.dumps(out, indent=1) + "\n")
+    (out_dir / f"wan22_step_{args.method}{'_lora' if args.lora else ''}.json").write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 
