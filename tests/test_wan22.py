@@ -378,6 +378,7 @@ def test_an_exported_wan22_student_samples_validates_latents_through_diffusers(f
     from distillery.evaluation.validate import run_validation
     from distillery.evaluation.validation_config import ValidationConfig
     from distillery.export.code import CODE_RECORD_KEY, OWN_PIPELINE, check_own_pipeline_samples
+    from distillery.export.model_card import export_model_card
     from distillery.lineage.manifest import write_lineage
     from distillery.lineage.verify import verify_lineage
     from stages.export import assemble_export
@@ -398,7 +399,11 @@ def test_an_exported_wan22_student_samples_validates_latents_through_diffusers(f
     check_own_pipeline_samples("distill", student / "model")  # accepted now: before any work, as the stage runs it
     folder = tmp_path / "export"
     folder.mkdir()
-    code, _ = assemble_export(base, student / "model", folder)
+    code, stock_nfe = assemble_export(base, student / "model", folder)
+    card = export_model_card("distill", student, tmp_path / "artifacts" / "validate", read_max_sequence_length(base),
+                             stock_nfe, folder=str(folder))
+    assert {"ti2v": "A Wan 2.2 TI2V-5B (one timestep per token", "a14b": "A Wan 2.2 A14B (two experts"}[layout] in card
+    (folder / "README.md").write_text(card)
     write_lineage(folder, kind="export", stage="export", config={CODE_RECORD_KEY: code})
     assert verify_lineage(folder).ok, verify_lineage(folder).problems
     index = json.loads((folder / "model_index.json").read_text())
