@@ -3,8 +3,11 @@ workspaces ``prepared`` (clips → base → latents) and ``trained`` (+ teacher)
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +24,13 @@ for _k, _v in {
     os.environ.setdefault(_k, _v)
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# diffusers copies a folder's own pipeline.py (trust_remote_code) into HF_MODULES_CACHE, read when diffusers is first
+# imported: one shared folder would let two xdist workers (or two sessions) loading exports at once read each other's
+# half-written copies — each test process gets its own, removed at exit
+_MODULES = Path(tempfile.gettempdir()) / f"distillery-tests-hf-modules-{os.getpid()}"
+os.environ.setdefault("HF_MODULES_CACHE", str(_MODULES))
+atexit.register(shutil.rmtree, _MODULES, True)
 
 
 @pytest.fixture(scope="session")

@@ -107,14 +107,25 @@ def read_log(output_dir: Path) -> list[dict[str, float]]:
 def shipped_denoiser(folder: Path, model_kind: dict[str, Any], shift: float = 3.0) -> Any:
     """The exported package's denoiser over ``folder``'s transformer (eval, frozen) for a shipped sampler's
     ``model_kind()``: causal (``chunk_size``), PDD (``pdd_steps``: its ``pdd_heads.safetensors`` beside the weights) or
-    plain — what ``DistilledWanPipeline`` builds, at flow ``shift``."""
+    plain — what ``DistilledWanPipeline`` builds, at flow ``shift``, in the folder's Wan 2.2 layout (per-token timesteps;
+    the second expert in ``transformer_2/`` beside ``transformer/`` or inside it, an artifact's)."""
     from diffusers import WanTransformer3DModel
 
     from distillery.export.standalone import distilled_causal, distilled_wan
+    from distillery.models.registry import read_layout
 
-    transformer = WanTransformer3DModel.from_pretrained(folder / "transformer").eval().requires_grad_(False)
+    def load(path: Path) -> Any:
+        return WanTransformer3DModel.from_pretrained(path).eval().requires_grad_(False)
+
+    found = read_layout(folder)
+    second = None
+    if found.experts == 2:
+        second = load(next(p for p in (folder / "transformer_2", folder / "transformer" / "transformer_2") if p.is_dir()))
+    layout = distilled_wan.WanLayout(found.expand_timesteps, second, found.boundary_ratio)
+    transformer = load(folder / "transformer")
     if "chunk_size" in model_kind:
-        return distilled_causal.CausalWanDenoiser(transformer, shift, model_kind["chunk_size"])
+        return distilled_causal.CausalWanDenoiser(transformer, shift, model_kind["chunk_size"], layout=layout)
     if "pdd_steps" in model_kind:
-        return distilled_wan.PDDWanDenoiser(transformer, shift, model_kind["pdd_steps"], folder / "transformer" / "pdd_heads.safetensors")
-    return distilled_wan.WanDenoiser(transformer, shift)
+        return distilled_wan.PDDWanDenoiser(transformer, shift, model_kind["pdd_steps"],
+                                            folder / "transformer" / "pdd_heads.safetensors", layout=layout)
+    return distilled_wan.WanDenoiser(transformer, shift, layout=layout)

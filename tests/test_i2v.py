@@ -275,9 +275,20 @@ def test_export_of_an_i2v_base_is_stock_or_its_own_pipeline(i2v_base, tmp_path):
     for contract in ({"sampler": "few_step_x0", "timesteps": [1000.0, 500.0]}, {"sampler": "causal_streaming", "chunk_size": 1},
                      {"sampler": "pdd_fused", "pdd_steps": 4}, {"sampler": "euler", "chunk_size": 1}):
         check(one, "distill", contract)
+        if contract["sampler"] == "few_step_x0":  # the own pipeline routes two text-to-video experts (tests/test_wan22.py)
+            check(two, "distill", contract)
+            continue
         with pytest.raises(UserError, match=f"two experts\\) with the '{contract['sampler']}' sampling contract.*"
                                             "export.student: teacher"):
             check(two, "distill", contract)
+    # a two-expert image-to-video student (Wan 2.2 I2V-A14B): its first frame through two experts is not shown sampled
+    # as validate samples it — refused, every own-pipeline contract
+    config = json.loads((two / "transformer" / "config.json").read_text())
+    config["in_channels"] = 2 * config["out_channels"] + 4
+    (two / "transformer" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="few_step_x0' sampling contract; the exported pipeline.py does not sample an "
+                                        "image-to-video student of two experts"):
+        check(two, "distill", {"sampler": "few_step_x0", "timesteps": [1000.0, 500.0]})
 
 
 I2V_CONTRACTS = {  # (contract, call steps, call guidance): every kind of student the own pipeline samples

@@ -172,18 +172,24 @@ def test_sft_and_dmd2_train_a_wan22_model_and_export_it(folders, latents, tmp_pa
     family = {"ti2v": "wan2.2-ti2v-5b", "a14b": "wan2.2-a14b"}[layout]
     assert registry.family_of(tmp_path / "model").name == family  # the artifact tells its layout alone
     # the export stage's check: a teacher-form (Euler) contract is stock WanPipeline's, which samples both layouts; a
-    # few-step student would need the folder's own pipeline.py, which runs neither layout: one line, before any work
+    # few-step student's is the folder's own pipeline.py's, which runs both layouts too; a causal or PDD student of two
+    # experts (training makes none) is one line, before any work
     contract = {"sampler": "euler", "shift": 5.0, "num_train_timesteps": 1000}
     if method == "dmd2":
         contract = {"sampler": "few_step_x0", "shift": 5.0, "num_train_timesteps": 1000, "timesteps": [1000, 750, 500, 250]}
     (tmp_path / "model" / "sampling.json").write_text(json.dumps(contract))
+    check_own_pipeline_samples("distill" if method == "dmd2" else "teacher", tmp_path / "model")
     if method == "dmd2":
-        form = "one timestep per token" if layout == "ti2v" else "two experts"
-        with pytest.raises(UserError, match=f"the distill student is a {family} model \\({form}\\) with the 'few_step_x0' "
-                                            "sampling contract; the exported pipeline.py samples one transformer"):
-            check_own_pipeline_samples("distill", tmp_path / "model")
-    else:
-        check_own_pipeline_samples("teacher", tmp_path / "model")
+        for other in ({"sampler": "causal_streaming", "chunk_size": 1}, {"sampler": "pdd_fused", "pdd_steps": 4},
+                      {"sampler": "euler", "chunk_size": 1}):
+            (tmp_path / "model" / "sampling.json").write_text(json.dumps(other))
+            if layout == "ti2v":
+                check_own_pipeline_samples("distill", tmp_path / "model")
+                continue
+            with pytest.raises(UserError, match=f"the distill student is a {family} model \\(two experts\\) with the "
+                                                f"'{other['sampler']}' sampling contract; the exported pipeline.py does not "
+                                                "sample a (causal|PDD) student of two experts"):
+                check_own_pipeline_samples("distill", tmp_path / "model")
     trained, before = registry.load_inference_model(tmp_path / "model"), registry.load_inference_model(base)
     assert trained.layout.expand_timesteps == (layout == "ti2v")
     if layout == "ti2v":
@@ -256,3 +262,166 @@ def test_a_lora_on_a_two_expert_role_is_one_line_before_any_weight_loads(folders
     with pytest.raises(UserError, match=r"a LoRA on .*a two-expert Wan 2\.2 A14B model: not supported yet"):
         train_in_process(cfg)
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+# -- the export's own pipeline on Wan 2.2 (issue 45): per-token timesteps and two experts, as validate samples them --
+
+WAN22_CONTRACTS = {  # (contract, call steps, call guidance): every kind of student trained on the layout
+    "dmd2_few_step": ({"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000,
+                       "timesteps": [1000.0, 900.0, 875.0, 500.0]}, None, None),  # crosses A14B's boundary, 875 itself high
+    "teacher_euler_cfg": ({"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000}, 6, 4.0),
+    "dfsft_block_causal_euler_cfg": ({"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000, "chunk_size": 2}, 2, 4.0),
+    "self_forcing_streaming": ({"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
+                                "timesteps": [1000.0, 800.0, 400.0], "chunk_size": 2, "context_noise": 50.0,
+                                "renoise": "sde"}, None, None),
+    "self_forcing_streaming_ode_cfg": ({"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
+                                        "chunk_size": 1, "renoise": "ode"}, 2, 2.5),
+    "pdd_fused": ({"sampler": "pdd_fused", "shift": 3.0, "num_train_timesteps": 1000, "pdd_steps": 4,
+                   "block_size_max": 4, "num_steps": 2, "guidance_scale": 1.0}, None, None),
+}
+TWO_EXPERT_KINDS = ("dmd2_few_step", "teacher_euler_cfg")  # training makes no causal or PDD student of two experts
+
+
+def _student(base: Path, out: Path, contract: dict) -> Path:
+    """``out``: a trained student's ``model/`` as a training stage writes it — ``base``'s transformer(s) moved off the
+    base (seeded noise), saved by the plugin (the layout in its config, the second expert in ``transformer/transformer_2``),
+    the scheduler and ``contract`` as ``sampling.json``; a PDD contract's head bank of ``proj_out`` + noise per head."""
+    from helpers import nudge_weights
+    from safetensors.torch import save_file
+
+    model = registry.load_inference_model(base)
+    nudge_weights(model.transformer)
+    model.transformer.save_pretrained(out / "transformer", safe_serialization=True)
+    shutil.copytree(base / "scheduler", out / "scheduler")
+    (out / "sampling.json").write_text(json.dumps(contract))
+    if contract["sampler"] == "pdd_fused":
+        proj, gen = model.transformer.proj_out, torch.Generator().manual_seed(3)
+        w, b = proj.weight.detach().float(), proj.bias.detach().float()
+        steps = contract["pdd_steps"]
+        save_file({"weight": torch.stack([w + 0.05 * torch.randn(w.shape, generator=gen) for _ in range(steps)]),
+                   "bias": torch.stack([b + 0.05 * torch.randn(b.shape, generator=gen) for _ in range(steps)])},
+                  str(out / "transformer" / "pdd_heads.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("layout,kind", [("ti2v", k) for k in WAN22_CONTRACTS] + [("a14b", k) for k in TWO_EXPERT_KINDS])
+def test_the_shipped_samplers_sample_a_wan22_student_as_the_package_does(folders, tmp_path, layout, kind):
+    """The export's denoiser over a trained Wan 2.2 student (its layout read from the artifact, as the export's
+    ``model_index.json`` gives it to the pipeline) and its samplers give the package's latents bit for bit: TI2V's
+    per-token timesteps for every kind of student, A14B's two experts each step by its timestep."""
+    from helpers import shipped_denoiser
+
+    from distillery.export.standalone import distilled_samplers, distilled_wan
+    from distillery.sampling import build_sampler
+
+    contract, steps, guidance = WAN22_CONTRACTS[kind]
+    model_dir = _student(folders[layout], tmp_path / "model", contract)
+    gen = torch.Generator().manual_seed(11)
+    text, negative = torch.randn(2, 6, 32, generator=gen), torch.randn(2, 6, 32, generator=gen)
+    shape = (TI2V_Z_DIM if layout == "ti2v" else 8, 5, 4, 4)  # 5 latent frames: chunks of 2 are 2 + 2 + 1
+
+    package = build_sampler(contract)
+    plugin = registry.load_inference_model(model_dir, shift=package.shift, role="validate", **package.model_options())
+    expected = package.sample(plugin, Conditioning(text, negative), shape, torch.Generator().manual_seed(5),
+                              num_steps=steps, guidance_scale=guidance)
+    shipped = distilled_samplers.build_sampler(contract)
+    model = shipped_denoiser(model_dir, shipped.model_kind())
+    assert model.layout.expand_timesteps == (layout == "ti2v") and (model.layout.second is not None) == (layout == "a14b")
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    experts = [model.transformer] + ([model.layout.second] if model.layout.second is not None else [])
+    for index, expert in enumerate(experts):
+        expert.register_forward_hook(lambda m, args, kwargs, out, index=index: seen.append((index, tuple(kwargs["timestep"].shape))),
+                                     with_kwargs=True)
+    got = shipped.sample(model, distilled_wan.Conditioning(text, negative), shape, torch.Generator().manual_seed(5),
+                         num_steps=steps, guidance_scale=guidance)
+    assert got.shape == expected.shape == (2, *shape)
+    assert torch.equal(got, expected), (got - expected).abs().max()
+    if layout == "ti2v":  # one timestep per token: [B, tokens] (a streaming chunk's own tokens)
+        assert seen and all(len(s) == 2 for _, s in seen), seen
+    else:  # both experts ran, each on its own steps
+        assert {index for index, _ in seen} == {0, 1} and all(s == (2,) for _, s in seen), seen
+
+
+def test_the_shipped_denoiser_routes_each_sample_to_its_expert_as_the_plugin_does(folders, tmp_path):
+    """A batch spanning the boundary: each row through the expert of its timestep (the boundary itself the high-noise
+    expert's), the rows in order — the plugin's velocities, bit for bit, with and without the prompt."""
+    from helpers import shipped_denoiser
+
+    from distillery.export.standalone import distilled_wan
+
+    model_dir = _student(folders["a14b"], tmp_path / "model", WAN22_CONTRACTS["dmd2_few_step"][0])
+    plugin, shipped = registry.load_inference_model(model_dir, shift=3.0), shipped_denoiser(model_dir, {})
+    g = torch.Generator().manual_seed(0)
+    x, text = torch.randn(4, 8, 3, 8, 8, generator=g), torch.randn(4, 6, 32, generator=g)
+    t = torch.tensor([10.0, BOUNDARY, 999.0, BOUNDARY - 0.5])
+    for conditional in (True, False):
+        expected = plugin.predict_noise(x, t, Conditioning(text_embeds=text), conditional=conditional)
+        got = shipped.velocity(x, t, distilled_wan.Conditioning(text), conditional=conditional)
+        assert torch.equal(got, expected)
+    high = shipped.transformer(hidden_states=x[1:3], timestep=t[1:3], encoder_hidden_states=text[1:3], return_dict=False)[0]
+    assert torch.equal(shipped.velocity(x, t, distilled_wan.Conditioning(text))[1:3], high.float())
+
+
+@pytest.mark.parametrize("layout,kind", [("ti2v", "dmd2_few_step"), ("ti2v", "self_forcing_streaming"),
+                                         ("ti2v", "pdd_fused"), ("a14b", "dmd2_few_step")])
+def test_an_exported_wan22_student_samples_validates_latents_through_diffusers(folders, tmp_path, layout, kind):
+    """The export stage's check and assembly of a Wan 2.2 student (the base's ``model_index.json``: TI2V's
+    ``expand_timesteps``, A14B's ``transformer_2`` and ``boundary_ratio``) give a folder that names its own pipeline and
+    passes ``lineage --verify``; ``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)`` loads it (both
+    experts) and samples bit for bit the latents validate sampled for that student."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    from distillery.data.encoders import read_max_sequence_length
+    from distillery.evaluation.candidates import Candidate
+    from distillery.evaluation.sampling_context import PromptEmbeddings
+    from distillery.evaluation.validate import run_validation
+    from distillery.evaluation.validation_config import ValidationConfig
+    from distillery.export.code import CODE_RECORD_KEY, OWN_PIPELINE, check_own_pipeline_samples
+    from distillery.export.model_card import export_model_card
+    from distillery.lineage.manifest import write_lineage
+    from distillery.lineage.verify import verify_lineage
+    from stages.export import assemble_export
+
+    base = folders[layout]
+    student = tmp_path / "artifacts" / "distill"
+    _student(base, student / "model", WAN22_CONTRACTS[kind][0])
+    write_lineage(student, kind="model", stage="distill", config={}, method="dmd2")
+    gen = torch.Generator().manual_seed(2)
+    stored = PromptEmbeddings(texts=[torch.randn(5, 32, generator=gen)], negative=torch.randn(3, 32, generator=gen))
+    cfg = ValidationConfig(num_frames=9, num_seeds=1, progress_bar=False, grid_formats=[], bootstrap_resamples=0)
+    report_dir = tmp_path / "artifacts" / "validate" / "report"
+    run_validation(base, [Candidate.from_artifact("distill_s", student / "model")], ["a red circle moving left"],
+                   report_dir, cfg, prompt_embeddings=stored)
+    saved = load_file(str(report_dir / "samples" / "distill_s" / "latents.safetensors"))["0"]
+    seed = json.loads((report_dir / "report.json").read_text())["seeds"][0]
+
+    check_own_pipeline_samples("distill", student / "model")  # accepted now: before any work, as the stage runs it
+    folder = tmp_path / "export"
+    folder.mkdir()
+    code, stock_nfe = assemble_export(base, student / "model", folder)
+    card = export_model_card("distill", student, tmp_path / "artifacts" / "validate", read_max_sequence_length(base),
+                             stock_nfe, folder=str(folder))
+    assert {"ti2v": "A Wan 2.2 TI2V-5B (one timestep per token", "a14b": "A Wan 2.2 A14B (two experts"}[layout] in card
+    (folder / "README.md").write_text(card)
+    write_lineage(folder, kind="export", stage="export", config={CODE_RECORD_KEY: code})
+    assert verify_lineage(folder).ok, verify_lineage(folder).problems
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["_class_name"] == list(OWN_PIPELINE)
+
+    pipe = DiffusionPipeline.from_pretrained(str(folder), trust_remote_code=True)
+    assert type(pipe).__name__ == "DistilledWanPipeline"
+    if layout == "a14b":
+        assert pipe.config.boundary_ratio == A14B_BOUNDARY_RATIO and pipe.transformer_2 is not None
+    else:
+        assert pipe.config.expand_timesteps and pipe.transformer_2 is None
+    calls: list[int] = []
+    for index_, expert in enumerate([pipe.transformer, pipe.transformer_2]):
+        if expert is not None:
+            expert.register_forward_hook(lambda *a, index_=index_: calls.append(index_))
+    text = torch.zeros(1, read_max_sequence_length(base), 32)
+    text[0, :5] = stored.texts[0]
+    got = pipe(prompt_embeds=text, generator=torch.Generator().manual_seed(seed), output_type="latent", num_frames=9,
+               height=32, width=32).frames
+    assert got.shape == (1, *saved.shape) and torch.equal(got[0], saved), (got[0] - saved).abs().max()
+    assert set(calls) == ({0, 1} if layout == "a14b" else {0}), calls

@@ -9,6 +9,7 @@ base whose second expert is missing stops the teacher stage in one line, exit 2,
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -92,6 +93,28 @@ def test_a_wan22_base_trains_through_dvc_resumes_after_a_kill_and_exports_for_st
         trained, Conditioning(padded[:1], padded[1:]), shape, torch.Generator().manual_seed(3), num_steps=8,
         guidance_scale=3.0, initial=noise)
     assert (ours - expected).abs().max().item() <= 1e-5
+
+    # the trained artifact as a few-step student (its layout as training recorded it): the export stage's check accepts
+    # it, its folder names its own pipeline, and that pipeline (both experts; per-token timesteps) samples our few-step
+    # sampler's latents from the artifact bit for bit
+    from diffusers import DiffusionPipeline
+
+    from distillery.export.code import check_own_pipeline_samples
+
+    few = tmp_path / "few-step"
+    shutil.copytree(model, few / "model")
+    contract = {"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000.0, 880.0, 600.0]}
+    (few / "model" / "sampling.json").write_text(json.dumps(contract))
+    check_own_pipeline_samples("distill", few / "model")
+    (few / "export").mkdir()
+    assemble_export(repo / "artifacts" / "base" / "model", few / "model", few / "export")
+    own = DiffusionPipeline.from_pretrained(str(few / "export"), trust_remote_code=True)
+    assert type(own).__name__ == "DistilledWanPipeline" and (own.transformer_2 is not None) == (layout == "a14b")
+    student = registry.load_inference_model(few / "model", shift=3.0)
+    expected = build_sampler(contract).sample(student, Conditioning(padded[:1]), shape, torch.Generator().manual_seed(4))
+    got = own(prompt_embeds=padded[:1], generator=torch.Generator().manual_seed(4), output_type="latent", num_frames=17,
+              height=32, width=32).frames
+    assert torch.equal(got, expected), (got - expected).abs().max()
 
     if layout == "a14b":  # a base with one expert missing: the teacher stage stops in one line before training
         broken = copy_workspace(killed, tmp_path / "broken")

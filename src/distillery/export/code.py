@@ -65,23 +65,33 @@ def stock_samples(contract: Mapping[str, Any]) -> bool:
 def check_own_pipeline_samples(student: str, model: Path) -> None:
     """Refuse, in one line (:class:`UserError`) before any work, the export of a student in ``model`` (an artifact's
     ``model/``) that only the folder's own pipeline would sample (:func:`stock_samples` false) when its transformer is
-    of a layout that pipeline does not run: it drives one transformer with one timestep per sample (Wan 2.1's form),
-    not Wan 2.2 TI2V-5B's one timestep per token nor A14B's two experts (the layout a trained transformer records,
+    of a layout that pipeline does not run as distillery sampled it. It runs Wan 2.1's one transformer, Wan 2.2
+    TI2V-5B's one timestep per token (every contract) and A14B's two experts routed by timestep for the bidirectional
+    contracts (``few_step_x0``; ``euler`` without ``chunk_size`` is stock's) — not a causal or PDD student on two
+    experts, which training refuses too, nor an image-to-video one on two experts (Wan 2.2 I2V-A14B: no test shows
+    it sampled as validate samples it) (the layout a trained transformer records,
     :func:`distillery.models.registry.family_of`). Sampled by it, such a student's videos would be silently wrong."""
     from distillery.common.errors import UserError
-    from distillery.models.registry import family_of
+    from distillery.models.registry import family_of, image_conditioning
 
     if not (model / "sampling.json").is_file():
         return  # no contract: the export's own checks name what is missing
     contract = json.loads((model / "sampling.json").read_text())
-    family = family_of(model)
-    if stock_samples(contract) or (family.experts == 1 and not family.expand_timesteps):
+    if stock_samples(contract):
         return
-    form = "two experts" if family.experts > 1 else "one timestep per token"
-    raise UserError(f"stage export: the {student} student is a {family.name} model ({form}) with the "
-                    f"{contract.get('sampler')!r} sampling contract; the exported pipeline.py samples one transformer "
-                    "with one timestep per sample and would sample it wrongly (not supported yet): export a stage "
-                    "whose contract stock WanPipeline samples (export.student: teacher)")
+    family = family_of(model)
+    if family.experts == 1:
+        return
+    kind = ("causal" if contract.get("chunk_size") is not None or contract.get("sampler") == "causal_streaming"
+            else "PDD" if contract.get("sampler") == "pdd_fused"
+            else "image-to-video" if image_conditioning(model) is not None else None)
+    if kind is None:
+        return
+    raise UserError(f"stage export: the {student} student is a {family.name} model (two experts) with the "
+                    f"{contract.get('sampler')!r} sampling contract; the exported pipeline.py does not sample "
+                    f"{'an' if kind[0] == 'i' else 'a'} {kind} "
+                    "student of two experts (not supported yet): export a stage whose contract stock WanPipeline "
+                    "samples (export.student: teacher)")
 
 
 def name_own_pipeline(folder: Path) -> bool:

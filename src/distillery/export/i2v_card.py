@@ -6,10 +6,10 @@ the student's transformer. Where its sampling contract is plain Euler with CFG (
 the teacher's) its ``model_index.json`` names stock ``WanImageToVideoPipeline``; every other student (a few-step ladder,
 block-causal Euler, causal streaming, PDD) is sampled by the folder's own pipeline
 (:class:`distillery.export.standalone.pipeline.DistilledWanPipeline`), which takes the first frame (``image=``, or the
-condition latents and image embeddings precomputed) and loads the folder's image encoder and processor. The own pipeline
-samples one transformer with one timestep per sample, so a two-expert (Wan 2.2 A14B) student that stock code does not
-sample — of an I2V base or not — is one line before any work
-(:func:`distillery.export.code.check_own_pipeline_samples`).
+condition latents and image embeddings precomputed) and loads the folder's image encoder and processor. A two-expert
+(Wan 2.2 I2V-A14B) student that stock code does not sample is one line before any work
+(:func:`distillery.export.code.check_own_pipeline_samples`: the own pipeline routes two text-to-video experts; its
+first frame through two experts is not tested).
 """
 
 from __future__ import annotations

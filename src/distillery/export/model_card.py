@@ -114,6 +114,23 @@ def _versions() -> str:
     return ", ".join(one(name) for name in REQUIREMENTS)
 
 
+FAMILY_WORDS = {  # a model family (models/registry.py) as the card names it, with its layout
+    "wan2.1": "Wan 2.1",
+    "wan2.2-ti2v-5b": "Wan 2.2 TI2V-5B (one timestep per token, the 48-channel Wan 2.2 VAE)",
+    "wan2.2-a14b": "Wan 2.2 A14B (two experts: `transformer` denoises timesteps >= `boundary_ratio` · 1000 of "
+                   "`model_index.json`, `transformer_2` those below; both trained, both in this folder)",
+}
+
+
+def model_words(model: Path) -> str:
+    """The card's name of the model in ``model`` (an artifact's ``model/``): its family and layout (:data:`FAMILY_WORDS`;
+    the family's registry name for one not listed)."""
+    from distillery.models.registry import family_of
+
+    name = family_of(model).name
+    return FAMILY_WORDS.get(name, name)
+
+
 def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_sequence_length: int | None,
                       stock_nfe: int | None, folder: str = "artifacts/export") -> str:
     """The card's text. ``student``: the exported training stage; ``student_dir``: its artifact
@@ -145,14 +162,14 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     front += [f"  student: {student}", f"  sampler: {sampler}", "---", ""]
     if teacher:
         lines = ["# The teacher, exported by distillery", "",
-                 f"A Wan 2.1 text-to-video model in diffusers layout: the transformer the `teacher` stage fine-tuned "
+                 f"A {model_words(student_dir / 'model')} text-to-video model in diffusers layout: the transformer the `teacher` stage fine-tuned "
                  f"(`{method}`) on the latents, with the base's VAE, text encoder and tokenizer. It is a stock Wan "
                  f"model: stock `WanPipeline` samples it (below). Validate scored it with the `{sampler}` sampler"
                  + (f" at {steps} steps" if steps else "") + f", guidance {guidance}"
                  + (f" (candidate `{candidate['name']}`)" if candidate else "") + ".", ""]
     else:
         lines = [f"# The `{student}` student, exported by distillery", "",
-                 f"A Wan 2.1 text-to-video model in diffusers layout: the transformer trained by the `{student}` stage "
+                 f"A {model_words(student_dir / 'model')} text-to-video model in diffusers layout: the transformer trained by the `{student}` stage "
                  f"(`{method}`), with the base's VAE, text encoder and tokenizer. It samples with the "
                  f"`{sampler}` sampler of `sampling.json`" + (f" at {steps} steps" if steps else "")
                  + f" (guidance {guidance})" + (f", as validate's candidate `{candidate['name']}`" if candidate else "")

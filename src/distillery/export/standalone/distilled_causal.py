@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .distilled_fast import FA4SelfAttnProcessor, attention_output, fa4_attention, fa4_can_run, self_attention_qkv
-from .distilled_wan import Conditioning, WanDenoiser
+from .distilled_wan import Conditioning, WanDenoiser, WanLayout
 
 
 class AttentionPlan:
@@ -154,8 +154,11 @@ class KVCache:
 class CausalWanDenoiser(WanDenoiser):
     """:class:`WanDenoiser` attending block-causally over ``chunk_size``-frame chunks, with a KV cache per tag."""
 
-    def __init__(self, transformer: torch.nn.Module, shift: float, chunk_size: int, num_train_timesteps: int = 1000) -> None:
-        super().__init__(transformer, shift, num_train_timesteps)
+    def __init__(self, transformer: torch.nn.Module, shift: float, chunk_size: int, num_train_timesteps: int = 1000, *,
+                 layout: WanLayout | None = None) -> None:
+        super().__init__(transformer, shift, num_train_timesteps, layout=layout)
+        if self.layout.second is not None:
+            raise ValueError("a causal student of two experts (Wan 2.2 A14B): one KV cache per transformer; not supported")
         if self.patch_size[0] != 1:
             raise ValueError(f"a causal Wan needs a temporal patch size of 1, got patch_size {self.patch_size}")
         self.chunk_size = int(chunk_size)

@@ -164,16 +164,16 @@ def plan_speed(settings: SpeedSettings, device: torch.device, dtype: torch.dtype
     return plan
 
 
-def apply_speed_plan(plan: SpeedPlan, transformer: torch.nn.Module, vae: torch.nn.Module) -> None:
-    """Change ``transformer`` and ``vae`` in place as ``plan`` says (once; nothing for a stock plan). The
-    attention goes first (its processors are what the compiled blocks trace), fp8 before compile."""
+def apply_speed_plan(plan: SpeedPlan, transformer: torch.nn.Module, vae: torch.nn.Module | None) -> None:
+    """Change ``transformer`` and ``vae`` (None: leave it) in place as ``plan`` says (once; nothing for a stock plan).
+    The attention goes first (its processors are what the compiled blocks trace), fp8 before compile."""
     if plan.attention == "fa4":
         install_fa4(transformer)
     if plan.fp8:
         quantize_fp8(transformer)
     if plan.compiled:
         transformer.compile_repeated_blocks(**({} if plan.compile_mode == "default" else {"mode": plan.compile_mode}))
-    if plan.decode == "fused":
+    if plan.decode == "fused" and vae is not None:
         set_fused_decode(vae, True)
 
 

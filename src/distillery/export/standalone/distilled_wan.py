@@ -9,6 +9,10 @@
   and, where the transformer has an ``image_dim``, the image encoder's embeddings ``[B, N, D']`` with the
   prompt zero-padded to :data:`I2V_TEXT_TOKENS` (diffusers' attention takes the text as the last 512 tokens).
   The unconditional pass keeps the frame (only the prompt is dropped, as the stock pipeline's CFG does);
+  Wan 2.2's layouts (:class:`WanLayout`, from the folder's ``model_index.json``): TI2V-5B's ``expand_timesteps``
+  feeds the transformer one timestep per token (``[B]`` → ``[B, T/pt · H/ph · W/pw]``, as ``WanPipeline`` does);
+  A14B's two experts: each sample goes through ``transformer`` (high noise) when its timestep is
+  ``>= boundary_ratio · num_train_timesteps``, else through ``transformer_2`` — distillery's ``WanModel`` routing;
 - :class:`PDDWanDenoiser` — a PDD student: one velocity head per interval of a fine σ grid of
   ``pdd_steps`` intervals (``transformer/pdd_heads.safetensors``: ``weight [P, out, inner]``,
   ``bias [P, out]``); a block ``[a, b)`` of the grid is one forward through the heads fused into one
@@ -60,13 +64,34 @@ class Conditioning:
         return Conditioning(self.text_embeds, self.negative_text_embeds, first[:, :, start:start + count], self.image_embeds)
 
 
-class WanDenoiser:
-    """Velocity of a (frozen) ``WanTransformer3DModel``; ``shift``: the flow shift of its schedule."""
+@dataclass(frozen=True)
+class WanLayout:
+    """How the transformer is fed (module doc): ``expand_timesteps`` (Wan 2.2 TI2V-5B: one timestep per token);
+    ``second`` with ``boundary_ratio`` (Wan 2.2 A14B: the low-noise expert ``transformer_2`` and where it takes
+    over). The default is Wan 2.1's: one transformer, one timestep per sample."""
 
-    def __init__(self, transformer: torch.nn.Module, shift: float, num_train_timesteps: int = 1000) -> None:
+    expand_timesteps: bool = False
+    second: torch.nn.Module | None = None
+    boundary_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.second is None) != (self.boundary_ratio is None):
+            raise ValueError("two experts need both the second transformer and the boundary_ratio (model_index.json)")
+
+
+class WanDenoiser:
+    """Velocity of a (frozen) ``WanTransformer3DModel``; ``shift``: the flow shift of its schedule; ``layout``: Wan
+    2.2's per-token timesteps or second expert (:class:`WanLayout`; None: Wan 2.1's)."""
+
+    def __init__(self, transformer: torch.nn.Module, shift: float, num_train_timesteps: int = 1000, *,
+                 layout: WanLayout | None = None) -> None:
         self.transformer = transformer
         self.shift = float(shift)
         self.num_train_timesteps = int(num_train_timesteps)
+        self.layout = layout if layout is not None else WanLayout()
+        # the high-noise expert's timesteps: t >= this (the plugin's boundary_ratio · its num_train_timesteps)
+        ratio = self.layout.boundary_ratio
+        self.boundary_timestep = None if ratio is None else float(ratio) * self.num_train_timesteps
         # inputs go in as the input layer's dtype (loaded in bf16, diffusers keeps some modules in fp32: the first
         # parameter is not the one to ask)
         param = getattr(getattr(transformer, "patch_embedding", None), "weight", None)
@@ -108,12 +133,42 @@ class WanDenoiser:
         text = F.pad(text, (0, 0, 0, I2V_TEXT_TOKENS - text.shape[1]))
         return hidden, text, cond.image_embeds.expand(x.shape[0], -1, -1)
 
+    def model_timesteps(self, timesteps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """What the transformer takes for ``timesteps`` ``[B]`` at latents ``x``: ``[B]`` as they are, or — the layout
+        expands timesteps (TI2V-5B) — the sample's timestep for each of its ``T/pt · H/ph · W/pw`` tokens."""
+        if not self.layout.expand_timesteps:
+            return timesteps
+        p_t, p_h, p_w = self.patch_size
+        _, _, t, h, w = x.shape
+        return timesteps[:, None].expand(-1, (t // p_t) * (h // p_h) * (w // p_w))
+
+    def run(self, module: torch.nn.Module, hidden: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
+            image: torch.Tensor | None) -> torch.Tensor:
+        """One transformer's output (its dtype) for ``hidden`` at ``timesteps`` ``[B]`` (expanded per the layout)."""
+        return module(hidden_states=hidden, timestep=self.model_timesteps(timesteps, hidden).float(),
+                      encoder_hidden_states=text.to(self.dtype),
+                      encoder_hidden_states_image=None if image is None else image.to(self.dtype), return_dict=False)[0]
+
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, conditional: bool) -> torch.Tensor:
-        """The transformer's output for ``x`` at ``timesteps`` ``[B]`` (its dtype)."""
+        """The transformer's output for ``x`` at ``timesteps`` ``[B]`` (its dtype); of two experts, each sample's
+        through the expert of its timestep (module doc), the rows put back in order (float32)."""
         hidden, text, image = self.image_inputs(x.to(self.dtype), self.text_for(cond, conditional), cond)
-        return self.transformer(hidden_states=hidden, timestep=timesteps.float(), encoder_hidden_states=text.to(self.dtype),
-                                encoder_hidden_states_image=None if image is None else image.to(self.dtype),
-                                return_dict=False)[0]
+        if self.layout.second is None:
+            return self.run(self.transformer, hidden, timesteps, text, image)
+        if timesteps.ndim != 1:
+            raise ValueError(f"two experts take one timestep per sample, got timesteps {tuple(timesteps.shape)}")
+        low = timesteps < self.boundary_timestep  # the boundary itself is the high-noise expert's
+        out: torch.Tensor | None = None
+        for module, rows in ((self.transformer, (~low).nonzero().squeeze(1)), (self.layout.second, low.nonzero().squeeze(1))):
+            if rows.numel() == 0:
+                continue
+            part = self.run(module, hidden[rows], timesteps[rows], text[rows],
+                            None if image is None else image[rows]).float()
+            if out is None:
+                out = torch.zeros(hidden.shape[:1] + part.shape[1:], dtype=part.dtype, device=part.device)
+            out = out.index_copy(0, rows, part)
+        assert out is not None
+        return out
 
     def velocity(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, conditional: bool = True) -> torch.Tensor:
         """``v = ε − x0`` (float32, shape of ``x``)."""
@@ -133,8 +188,11 @@ class PDDWanDenoiser(WanDenoiser):
     read from ``heads_file`` (module doc)."""
 
     def __init__(self, transformer: torch.nn.Module, shift: float, pdd_steps: int, heads_file: Path,
-                 num_train_timesteps: int = 1000) -> None:
-        super().__init__(transformer, shift, num_train_timesteps)
+                 num_train_timesteps: int = 1000, *, layout: WanLayout | None = None) -> None:
+        super().__init__(transformer, shift, num_train_timesteps, layout=layout)
+        if self.layout.second is not None:
+            raise ValueError("a PDD student of two experts (Wan 2.2 A14B): its head bank replaces one transformer's "
+                             "output; not supported")
         if not Path(heads_file).is_file():
             raise FileNotFoundError(f"{heads_file}: no PDD head bank beside the transformer weights; a pdd_fused "
                                     "sampling contract needs the PDD stage's heads")

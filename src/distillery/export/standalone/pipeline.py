@@ -34,6 +34,12 @@ encoder's penultimate hidden states where the folder has an image encoder — or
     video = pipe("a red ball moves left", image=Image.open("first_frame.png"), height=480, width=832,
                  generator=torch.Generator().manual_seed(0)).frames[0]
 
+Wan 2.2 (an export of a Wan 2.2 base: its ``model_index.json`` as diffusers lays it out, :meth:`DistilledWanPipeline.layout`):
+TI2V-5B's ``expand_timesteps`` feeds the transformer one timestep per token; A14B's two experts are both loaded
+(``transformer``, ``transformer_2``) and each step goes through the expert of its timestep (``transformer`` at
+``t >= boundary_ratio · 1000``, ``transformer_2`` below), as distillery's validate samples them. A causal or PDD
+contract on two experts is refused (distillery trains no such student).
+
 Noise: one ``torch.Generator`` draws everything (the initial latents ``[1, C, T', H', W']`` first, as
 ``WanPipeline`` draws them, then any re-noise draws), on the generator's device.
 """
@@ -53,7 +59,7 @@ from .distilled_causal import CausalWanDenoiser
 from .distilled_fast import SpeedPlan, SpeedSettings, apply_speed_plan, decode_chunk_frames, plan_speed
 from .distilled_samplers import Sampler, build_sampler, cfg_enabled
 from .distilled_schedule import inference_sigmas  # noqa: F401  (diffusers copies the modules a pipeline imports)
-from .distilled_wan import HEADS_FILE, Conditioning, PDDWanDenoiser, WanDenoiser
+from .distilled_wan import HEADS_FILE, Conditioning, PDDWanDenoiser, WanDenoiser, WanLayout
 from .vae_decode import decode_video
 from .vae_kernels import available as _vae_kernels_available  # noqa: F401  (diffusers copies a module the pipeline imports)
 
@@ -132,6 +138,8 @@ class DistilledWanPipeline(WanPipeline):
         if self.speed_plan is None:
             plan = plan_speed(self._speed_settings or SpeedSettings(), model.device, model.dtype, self.vae)
             apply_speed_plan(plan, self.transformer, self.vae)
+            if model.layout.second is not None:  # the low-noise expert takes the same path (the VAE is changed once)
+                apply_speed_plan(plan, model.layout.second, None)
             self.speed_plan = plan
             print(plan.describe(), file=sys.stderr, flush=True)
         return self.speed_plan
@@ -151,19 +159,33 @@ class DistilledWanPipeline(WanPipeline):
                 return float(cfg[key])
         return 1.0
 
+    def layout(self) -> WanLayout:
+        """How the folder's transformer(s) are fed, from its ``model_index.json`` as ``WanPipeline`` reads it: Wan 2.2
+        TI2V-5B's ``expand_timesteps`` (one timestep per token), A14B's ``transformer_2`` and ``boundary_ratio`` (the
+        low-noise expert and where it takes over); Wan 2.1's (neither) otherwise."""
+        ratio = self.config.get("boundary_ratio")
+        second = getattr(self, "transformer_2", None)
+        if (ratio is None) != (second is None):
+            raise ValueError(f"{self.name_or_path}: model_index.json's boundary_ratio {ratio} and its transformer_2 "
+                             f"({'none' if second is None else 'loaded'}): two experts need both, one transformer neither")
+        if second is not None:
+            second.eval().requires_grad_(False)
+        return WanLayout(bool(self.config.get("expand_timesteps", False)), second, None if ratio is None else float(ratio))
+
     def denoiser(self, sampler: Sampler) -> WanDenoiser:
-        """The denoiser around ``self.transformer`` that ``sampler`` needs (built once)."""
+        """The denoiser around ``self.transformer`` (and ``self.transformer_2``, two experts) that ``sampler`` needs
+        (built once); a causal or PDD contract on two experts is a ``ValueError`` (no such student is trained)."""
         if self._denoiser is None:
             self.transformer.eval().requires_grad_(False)
             shift, scale = sampler.schedule(self.scheduler_shift())
-            kind = sampler.model_kind()
+            kind, layout = sampler.model_kind(), self.layout()
             if "chunk_size" in kind:
-                self._denoiser = CausalWanDenoiser(self.transformer, shift, kind["chunk_size"], scale)
+                self._denoiser = CausalWanDenoiser(self.transformer, shift, kind["chunk_size"], scale, layout=layout)
             elif "pdd_steps" in kind:
                 heads = Path(self.name_or_path) / "transformer" / HEADS_FILE
-                self._denoiser = PDDWanDenoiser(self.transformer, shift, kind["pdd_steps"], heads, scale)
+                self._denoiser = PDDWanDenoiser(self.transformer, shift, kind["pdd_steps"], heads, scale, layout=layout)
             else:
-                self._denoiser = WanDenoiser(self.transformer, shift, scale)
+                self._denoiser = WanDenoiser(self.transformer, shift, scale, layout=layout)
         return self._denoiser
 
     def nfe(self, num_frames: int = 81, num_inference_steps: int | None = None, guidance_scale: float | None = None) -> int:
