@@ -114,7 +114,8 @@ def shipped_denoiser(folder: Path, model_kind: dict[str, Any], shift: float = 3.
 
     transformer = WanTransformer3DModel.from_pretrained(folder / "transformer").eval().requires_grad_(False)
     if "chunk_size" in model_kind:
-        return distilled_causal.CausalWanDenoiser(transformer, shift, model_kind["chunk_size"])
+        return distilled_causal.CausalWanDenoiser(transformer, shift, model_kind["chunk_size"],
+                                                  given_first_frame=bool(model_kind.get("given_first_frame", False)))
     if "pdd_steps" in model_kind:
         return distilled_wan.PDDWanDenoiser(transformer, shift, model_kind["pdd_steps"], folder / "transformer" / "pdd_heads.safetensors")
     return distilled_wan.WanDenoiser(transformer, shift)

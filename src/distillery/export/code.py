@@ -74,6 +74,14 @@ def check_own_pipeline_samples(student: str, model: Path) -> None:
     if not (model / "sampling.json").is_file():
         return  # no contract: the export's own checks name what is missing
     contract = json.loads((model / "sampling.json").read_text())
+    config_file = model / "transformer" / "config.json"
+    if contract.get("chunk_size") is not None and not contract.get("given_first_frame") and config_file.is_file():
+        from distillery.models.wan.common import image_conditioning
+
+        if image_conditioning(json.loads(config_file.read_text())) is not None:
+            raise UserError(f"stage export: the {student} student is a causal image-to-video model whose sampling.json "
+                            "lacks given_first_frame: true (trained before its latent frame 0 was the given frame, it "
+                            "generates frame 0); retrain it")
     family = family_of(model)
     if stock_samples(contract) or (family.experts == 1 and not family.expand_timesteps):
         return
