@@ -632,3 +632,85 @@ def test_self_forcing_rolls_a_causal_i2v_student_out_from_the_given_frame(i2v_ba
     critic = method.critic_loss(x0, tb)[0]
     critic_whole = fake_score_loss(x0, tb, scores(8))[0]
     assert not torch.equal(critic.detach(), critic_whole.detach())
+
+
+# --- ODE-init (KD) trajectories carry the first frames -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def i2v_trajectories(tmp_path_factory, i2v_base, i2v_latents) -> Path:
+    from distillery.models.registry import load_inference_model
+    from distillery.sampling.trajectories import TrajectorySettings, generate_trajectories, source_layout
+
+    teacher = load_inference_model(i2v_base, "cpu", torch.float32, role="teacher")
+    shape, length = source_layout(i2v_latents)
+    settings = TrajectorySettings(teacher_sha256="tiny-i2v", t_list=(999.0, 500.0, 0.0), teacher_steps=2,
+                                  guidance_scale=2.0, seed=0, seeds_per_prompt=1, rows_per_shard=4, batch_size=3,
+                                  teacher_shift=float(teacher.schedule.shift), latent_shape=tuple(shape),
+                                  text_max_length=length)
+    out = tmp_path_factory.mktemp("traj") / "set"
+    generate_trajectories(teacher, i2v_latents, out, settings)
+    return out
+
+
+def test_ode_init_trajectories_carry_the_first_frames_the_teacher_integrated_with(i2v_base, i2v_latents, i2v_trajectories):
+    """The teacher's trajectories of an I2V latent set: each row carries its source row's first-frame condition and
+    image embeddings (the manifest its image_conditioning, which the training stage's check reads), and the recorded
+    states are the teacher's ODE with that frame — another frame gives another trajectory."""
+    from distillery.models.registry import load_inference_model
+    from distillery.sampling.trajectories import ode_grid, row_noise, teacher_trajectory
+
+    source = LatentDataset(i2v_latents, "train")
+    traj = LatentDataset(i2v_trajectories, "train")
+    assert len(traj) == len(source) == 6
+    by_id = {source[i]["id"]: source[i] for i in range(len(source))}
+    for i in range(len(traj)):
+        row = traj[i]
+        src = by_id[row["id"].split("#seed")[0]]
+        assert torch.equal(row["first_frame"], src["first_frame"]) and torch.equal(row["image_embedding"], src["image_embedding"])
+    manifest = json.loads((i2v_trajectories / "preprocess.json").read_text())
+    assert manifest["image_conditioning"] == json.loads((i2v_latents / "preprocess.json").read_text())["image_conditioning"]
+    teacher = load_inference_model(i2v_base, "cpu", torch.float32, role="teacher")
+    row = traj[0]
+    src = by_id[row["id"].split("#seed")[0]]
+    c = 8
+    grid, record = ode_grid(teacher.schedule.inference_sigmas(2), (999.0, 500.0, 0.0), 1000)
+    text = torch.nn.functional.pad(src["text_embedding"].float(), (0, 0, 0, 512 - src["text_embedding"].shape[0]))[None]
+    from distillery.data import read_empty_prompt_embedding
+
+    empty = read_empty_prompt_embedding(i2v_latents)
+    negative = torch.nn.functional.pad(empty.float(), (0, 0, 0, 512 - empty.shape[0]))[None]
+    noise = row_noise(0, src["id"], 0, (c, *row["latents"].shape[1:]))[None]
+
+    def states(first: torch.Tensor) -> torch.Tensor:
+        return teacher_trajectory(teacher, text, negative, noise, grid, record, 2.0, first_frame=first[None].float(),
+                                  image_embeds=src["image_embedding"][None].float())[0]
+
+    points = row["latents"].float().reshape(3, c, *row["latents"].shape[1:])
+    torch.testing.assert_close(states(src["first_frame"]), points, rtol=1e-5, atol=1e-5)
+    other = torch.cat([src["first_frame"][:4], src["first_frame"][4:] + 1.0])
+    assert not torch.allclose(states(other), points)
+
+
+def test_kd_trains_a_causal_i2v_student_on_the_trajectories_with_their_frames(i2v_base, i2v_trajectories, i2v_training):
+    """KD of a causal I2V student on the trajectories: the student sees the rows' frames (the condition channels in its
+    input), frame 0 is the given latent at t = 0 and out of the loss — the trajectory's frame 0 changed leaves the loss
+    bit for bit, frame 1 moves it —; rows without first frames are one line for an I2V student."""
+    from distillery.methods.kd import KDConfig, KDMethod
+
+    method = KDMethod(KDConfig(t_list=[999.0, 500.0, 0.0], chunk_size=1), {"student": _causal_i2v(i2v_base, 1)}, i2v_training)
+    assert method.sampling_contract()["given_first_frame"] is True
+    data = LatentDataset(i2v_trajectories, "train")
+    batch = collate_latents([data[0], data[1]], text_max_length=512)
+    out, calls = _captured_step(method, batch)
+    x, t = calls[0]["x"], calls[0]["t"].reshape(2, 3, -1)
+    assert torch.equal(x[:, 8:], batch["first_frame"].float())  # the rows' condition, after the latent channels
+    assert torch.equal(x[:, :8, :1], batch["first_frame"][:, 4:, :1].float()) and (t[:, 0] == 0).all() and (t[:, 1:] > 0).all()
+    assert torch.isfinite(out.losses["total_loss"]) and out.losses["total_loss"].requires_grad
+    points = batch["latents"].reshape(2, 3, 8, *batch["latents"].shape[2:])
+    for frame, same in ((0, True), (1, False)):
+        changed = points.clone()
+        changed[:, :, :, frame] += 5.0
+        loss = _captured_step(method, {**batch, "latents": changed.reshape(batch["latents"].shape)})[0].losses["total_loss"]
+        assert torch.equal(loss, out.losses["total_loss"]) is same, frame
+    with pytest.raises(UserError, match="trajectories without first frames for an image-to-video student"):
+        method.single_train_step({k: v for k, v in batch.items() if k not in ("first_frame", "image_embeds")}, step=1)
