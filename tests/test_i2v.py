@@ -179,6 +179,14 @@ def test_an_i2v_stage_refuses_latents_without_first_frames(tmp_path, i2v_base):
     with pytest.raises(UserError, match="takes image embeddings of width 32, the latents in .* have none"):
         check_image_conditioning("teacher", i2v_base / "transformer", spec, short, tmp_path)
     check_image_conditioning("teacher", i2v_base / "transformer", None, {}, tmp_path)  # text-to-video: nothing asked
+    from distillery.pipeline.launch.run_config import check_given_frame_layout
+
+    with pytest.raises(UserError, match="stage pretrain: 5 latent frames do not fit a causal image-to-video student's "
+                                        "layout: the given first frame, then chunks of 3 .*change clips.num_frames"):
+        check_given_frame_layout("pretrain", spec, 3, {"latent_shape": [8, 5, 4, 4]})
+    check_given_frame_layout("pretrain", spec, 2, {"latent_shape": [8, 5, 4, 4]})  # 1 + 2·2
+    check_given_frame_layout("pretrain", None, 3, {"latent_shape": [8, 5, 4, 4]})  # text-to-video: chunks from frame 0
+    check_given_frame_layout("pretrain", spec, None, {"latent_shape": [8, 5, 4, 4]})  # bidirectional: no chunks
 
 
 def test_validate_samples_with_the_stored_first_frames(tmp_path, i2v_base, i2v_latents):

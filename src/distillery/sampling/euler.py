@@ -67,8 +67,10 @@ class EulerSampler(Sampler):
             raise UserError("sampler euler: given_first_frame is a causal student's layout; the contract names no chunk_size")
 
     def nfe(self, num_steps: int | None = None, guidance_scale: float | None = None, num_frames: int | None = None) -> int:
-        """steps × branches, + branches for a given first frame's cache write."""
-        del num_frames
+        """steps × branches, + branches for a given first frame's cache write (a ``num_frames`` its layout does not fit:
+        the one-line :class:`UserError` sampling would raise)."""
+        if self.given_first_frame and num_frames is not None and self.chunk_size is not None:
+            chunk_bounds(int(num_frames), self.chunk_size, True)
         per = nfe_per_video(self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale))
         return per + (2 if cfg_enabled(self.resolve_guidance(guidance_scale)) else 1) * int(self.given_first_frame)
 
