@@ -203,7 +203,8 @@ def fa4_block_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     block-sparse call with the chunk layout (``chunk_size · tokens_per_frame`` tokens per chunk, the queries
     starting at token ``start_frame · tokens_per_frame``), or one plain call when the call is one chunk."""
     groups = plan.query_groups()
-    if mode == "sparse" and len(groups) > 1 and not plan.lead:  # the block-sparse layout is uniform chunks from frame 0
+    uniform = not plan.lead or plan.chunk_size == 1  # the block-sparse layout: equal chunks from frame 0 (a given frame 0
+    if mode == "sparse" and len(groups) > 1 and uniform:  # then chunks of 1 is one; of more, per-chunk prefix calls)
         return fa4_attention(query, key, value, chunk_tokens=plan.chunk_size * plan.tokens_per_frame,
                              q_offset=plan.start_frame * plan.tokens_per_frame)
     outs = [fa4_attention(query[:, q_begin:q_end], key[:, :k_end], value[:, :k_end]) for q_begin, q_end, k_end in groups]
