@@ -307,6 +307,10 @@ def publish_given_model(spec: TrainingStageSpec, params: StageParams) -> None:
     chunks = dict(spec.resolve(params).config_overrides(params)).get("models.student.chunk_size")
     if chunks is not None:  # a causal recipe (pretrain.method dfsft / ode_init): the block-causal student's many-step contract
         contract["chunk_size"] = int(chunks)
+        from distillery.models.wan.common import image_conditioning
+
+        if image_conditioning(json.loads((staging / "model" / "transformer" / "config.json").read_text())) is not None:
+            contract["given_first_frame"] = True  # a causal image-to-video student: its frame 0 is the given frame
     write_json_atomic(staging / "model" / "sampling.json", contract)
     if (source / IMPORTED_RECORD).is_file():  # the file it was imported from (sha256, entry): in the artifact too
         shutil.copy2(source / IMPORTED_RECORD, staging / "model" / IMPORTED_RECORD)

@@ -124,7 +124,9 @@ def shipped_denoiser(folder: Path, model_kind: dict[str, Any], shift: float = 3.
     layout = distilled_wan.WanLayout(found.expand_timesteps, second, found.boundary_ratio)
     transformer = load(folder / "transformer")
     if "chunk_size" in model_kind:
-        return distilled_causal.CausalWanDenoiser(transformer, shift, model_kind["chunk_size"], layout=layout)
+        return distilled_causal.CausalWanDenoiser(transformer, shift, model_kind["chunk_size"],
+                                                  given_first_frame=bool(model_kind.get("given_first_frame", False)),
+                                                  layout=layout)
     if "pdd_steps" in model_kind:
         return distilled_wan.PDDWanDenoiser(transformer, shift, model_kind["pdd_steps"],
                                             folder / "transformer" / "pdd_heads.safetensors", layout=layout)

@@ -179,6 +179,14 @@ def test_an_i2v_stage_refuses_latents_without_first_frames(tmp_path, i2v_base):
     with pytest.raises(UserError, match="takes image embeddings of width 32, the latents in .* have none"):
         check_image_conditioning("teacher", i2v_base / "transformer", spec, short, tmp_path)
     check_image_conditioning("teacher", i2v_base / "transformer", None, {}, tmp_path)  # text-to-video: nothing asked
+    from distillery.pipeline.launch.run_config import check_given_frame_layout
+
+    with pytest.raises(UserError, match="stage pretrain: 5 latent frames do not fit a causal image-to-video student's "
+                                        "layout: the given first frame, then chunks of 3 .*change clips.num_frames"):
+        check_given_frame_layout("pretrain", spec, 3, {"latent_shape": [8, 5, 4, 4]})
+    check_given_frame_layout("pretrain", spec, 2, {"latent_shape": [8, 5, 4, 4]})  # 1 + 2·2
+    check_given_frame_layout("pretrain", None, 3, {"latent_shape": [8, 5, 4, 4]})  # text-to-video: chunks from frame 0
+    check_given_frame_layout("pretrain", spec, None, {"latent_shape": [8, 5, 4, 4]})  # bidirectional: no chunks
 
 
 def test_validate_samples_with_the_stored_first_frames(tmp_path, i2v_base, i2v_latents):
@@ -272,8 +280,12 @@ def test_export_of_an_i2v_base_is_stock_or_its_own_pipeline(i2v_base, tmp_path):
 
     for folder in (one, two):
         check(folder, "teacher", {"sampler": "euler", "shift": 3.0})
-    for contract in ({"sampler": "few_step_x0", "timesteps": [1000.0, 500.0]}, {"sampler": "causal_streaming", "chunk_size": 1},
-                     {"sampler": "pdd_fused", "pdd_steps": 4}, {"sampler": "euler", "chunk_size": 1}):
+    for causal in ({"sampler": "causal_streaming", "chunk_size": 1}, {"sampler": "euler", "chunk_size": 1}):
+        with pytest.raises(UserError, match="causal image-to-video model whose sampling.json lacks given_first_frame"):
+            check(one, "distill", causal)  # a causal I2V student trained before its frame 0 was the given frame
+    for contract in ({"sampler": "few_step_x0", "timesteps": [1000.0, 500.0]},
+                     {"sampler": "causal_streaming", "chunk_size": 1, "given_first_frame": True},
+                     {"sampler": "pdd_fused", "pdd_steps": 4}, {"sampler": "euler", "chunk_size": 1, "given_first_frame": True}):
         check(one, "distill", contract)
         if contract["sampler"] == "few_step_x0":  # the own pipeline routes two text-to-video experts (tests/test_wan22.py)
             check(two, "distill", contract)
@@ -294,12 +306,13 @@ def test_export_of_an_i2v_base_is_stock_or_its_own_pipeline(i2v_base, tmp_path):
 I2V_CONTRACTS = {  # (contract, call steps, call guidance): every kind of student the own pipeline samples
     "dmd2_few_step": ({"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000,
                        "timesteps": [1000.0, 750.0, 500.0]}, None, None),
-    "dfsft_block_causal_euler_cfg": ({"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000, "chunk_size": 1}, 2, 3.0),
+    "dfsft_block_causal_euler_cfg": ({"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000, "chunk_size": 1,
+                                      "given_first_frame": True}, 2, 3.0),
     "self_forcing_streaming": ({"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
                                 "timesteps": [1000.0, 800.0, 400.0], "chunk_size": 1, "context_noise": 50.0,
-                                "renoise": "sde"}, None, None),
+                                "renoise": "sde", "given_first_frame": True}, None, None),
     "self_forcing_streaming_ode_cfg": ({"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
-                                        "chunk_size": 2, "renoise": "ode"}, 2, 2.5),
+                                        "chunk_size": 2, "renoise": "ode", "given_first_frame": True}, 2, 2.5),
     "pdd_fused": ({"sampler": "pdd_fused", "shift": 3.0, "num_train_timesteps": 1000, "pdd_steps": 4,
                    "block_size_max": 4, "num_steps": 2, "guidance_scale": 1.0}, None, None),
 }
@@ -339,7 +352,7 @@ def test_the_shipped_samplers_reproduce_the_package_s_i2v_latents(tmp_path, i2v_
     gen = torch.Generator().manual_seed(11)
     text, negative = torch.randn(1, 512, 32, generator=gen), torch.randn(1, 512, 32, generator=gen)
     shape = tuple(first.shape[2:])
-    shape = (8, *shape)  # 3 latent frames: chunks of 2 are 2 + 1
+    shape = (8, *shape)  # 3 latent frames: a causal student's given frame, then 2 chunks of 1 or 1 chunk of 2
 
     package = build_sampler(contract)
     plugin = load_inference_model(folder, shift=package.shift, role="validate", **package.model_options())
@@ -356,6 +369,8 @@ def test_the_shipped_samplers_reproduce_the_package_s_i2v_latents(tmp_path, i2v_
     got = sample(first)
     assert got.shape == expected.shape == (1, *shape)
     assert torch.equal(got, expected), (got - expected).abs().max()
+    if contract.get("given_first_frame"):  # the causal I2V student's frame 0 is the given frame's latent, exactly
+        assert torch.equal(got[:, :, :1], first[:, 4:, :1])
     assert not torch.equal(sample(torch.cat([first[:, :4], torch.randn_like(first[:, 4:])], dim=1)), got)
     with pytest.raises(ValueError, match="image-to-video transformer samples from a first frame"):
         shipped.sample(model, distilled_wan.Conditioning(text, negative), shape, torch.Generator().manual_seed(5),
@@ -479,3 +494,242 @@ def test_an_exported_i2v_dmd2_student_samples_validates_latents_from_the_first_f
     torch.testing.assert_close(pipe.encode_image_embeds(image), enc.encode_images(frames), atol=1e-5, rtol=0)
     video = pipe(prompt_embeds=text, image=image, generator=torch.Generator().manual_seed(0), **size).frames[0]
     assert video.shape == (9, 32, 32, 3) and np.isfinite(video).all()
+
+
+# --- a causal I2V student's first chunk is the given frame (issue 45 item 2) ---------------------------------------
+
+@pytest.fixture(scope="module")
+def i2v_training(i2v_base, i2v_latents):
+    from helpers import run_config
+
+    from distillery.config import allowed_prefixes, load_run_config
+
+    return load_run_config(raw=run_config(i2v_base, i2v_latents, Path("unused")), prefixes=allowed_prefixes()).training
+
+
+def _causal_i2v(i2v_base: Path, chunk_size: int, trainable: bool = True):
+    from distillery.models.wan import CausalWanModel, CausalWanModelConfig
+
+    return CausalWanModel(CausalWanModelConfig(init_from=str(i2v_base), trainable=trainable, chunk_size=chunk_size), "student")
+
+
+@pytest.mark.parametrize("contract", [
+    {"sampler": "causal_streaming", "timesteps": [1000.0, 500.0], "chunk_size": 1, "context_noise": 100.0,
+     "given_first_frame": True, "guidance_scale": 2.0},
+    {"sampler": "euler", "num_steps": 3, "chunk_size": 2, "given_first_frame": True, "guidance_scale": 2.0},
+], ids=["causal_streaming", "block_causal_euler"])
+def test_a_causal_i2v_sample_starts_with_the_given_frame_s_latent(i2v_base, i2v_latents, contract):
+    """Latent frame 0 of a causal I2V student's sample is the given frame's clean latent (the condition's latent frame
+    0) exactly, and the frames after it are generated against it; the layout is in the contract: without
+    given_first_frame the student is refused, and a length that is not 1 + k·chunk_size is one line."""
+    from distillery.models.base import Conditioning
+    from distillery.sampling import build_sampler
+
+    model = _causal_i2v(i2v_base, contract["chunk_size"], trainable=False)
+    assert model.given_first_frame
+    row = LatentDataset(i2v_latents, "validation", with_latents=False)[0]
+    first, images = row["first_frame"][None].float(), row["image_embedding"][None].float()
+    gen = torch.Generator().manual_seed(2)
+    text, negative = torch.randn(2, 512, 32, generator=gen), torch.randn(2, 512, 32, generator=gen)
+    cond = Conditioning(text, negative, first_frame=first.expand(2, -1, -1, -1, -1), image_embeds=images.expand(2, -1, -1))
+    shape = (8, *first.shape[2:])  # 3 latent frames: the given frame + 2
+    sampler = build_sampler(contract)
+    out = sampler.sample(model, cond, shape, torch.Generator().manual_seed(4))
+    assert out.shape == (2, *shape) and torch.isfinite(out).all()
+    assert torch.equal(out[:, :, :1], first[:, 4:, :1].expand(2, -1, -1, -1, -1))  # the given frame, not generated
+    other = Conditioning(text, negative, image_embeds=images.expand(2, -1, -1),
+                         first_frame=torch.cat([first[:, :4], first[:, 4:] + 1.0], dim=1).expand(2, -1, -1, -1, -1))
+    moved = sampler.sample(model, other, shape, torch.Generator().manual_seed(4))
+    assert torch.equal(moved[:, :, :1], out[:, :, :1] + 1.0) and not torch.equal(moved[:, :, 1:], out[:, :, 1:])
+    with pytest.raises(UserError, match="causal image-to-video student .* lacks given_first_frame: true"):
+        build_sampler({k: v for k, v in contract.items() if k != "given_first_frame"}).sample(
+            model, cond, shape, torch.Generator().manual_seed(4))
+    with pytest.raises(UserError, match="4 latent frames do not fit a causal image-to-video student's layout"):
+        sampler.sample(model, cond, (8, 4, *shape[2:]), torch.Generator().manual_seed(4)) if contract["chunk_size"] == 2 \
+            else build_sampler({**contract, "chunk_size": 2}).sample(_causal_i2v(i2v_base, 2, trainable=False), cond,
+                                                                      (8, 4, *shape[2:]), torch.Generator().manual_seed(4))
+
+
+def _captured_step(method, batch: dict, seed: int = 0):
+    """``method.single_train_step`` on a fresh random stream; returns its output and the transformer's inputs."""
+    from distillery.components.rng import BatchRNG
+
+    calls = []
+
+    def hook(_module, _args, kwargs, output):
+        calls.append({"x": kwargs["hidden_states"].detach().clone(), "t": kwargs["timestep"].detach().clone()})
+
+    method.rng = BatchRNG(seed)
+    handle = method.student.transformer.register_forward_hook(hook, with_kwargs=True)
+    try:
+        out = method.single_train_step(batch, step=1)
+    finally:
+        handle.remove()
+    return out, calls
+
+
+def test_dfsft_of_a_causal_i2v_student_gives_frame_0_and_leaves_it_out_of_the_loss(i2v_base, i2v_latents, i2v_training):
+    """DFSFT of a causal I2V student: frame 0's input is the given frame's clean latent at t = 0 (not the clip's
+    latent, not noised), its contract says given_first_frame; the loss does not see frame 0 — the clip's frame 0
+    changed leaves it bit for bit, frame 1 changed moves it (it would move for frame 0 too were frame 0 in the loss) —
+    and a clip of other than 1 + k·chunk_size latent frames is one line."""
+    from distillery.methods.dfsft import DFSFTConfig, DFSFTMethod
+
+    method = DFSFTMethod(DFSFTConfig(chunk_size=1), {"student": _causal_i2v(i2v_base, 1)}, i2v_training)
+    assert method.sampling_contract()["given_first_frame"] is True and method.sampling_contract()["chunk_size"] == 1
+    data = LatentDataset(i2v_latents, "train")
+    batch = collate_latents([data[0], data[1]], text_max_length=512)
+    out, calls = _captured_step(method, batch)
+    assert len(calls) == 1
+    x, t = calls[0]["x"], calls[0]["t"].reshape(2, 3, -1)
+    assert torch.equal(x[:, :8, :1], batch["first_frame"][:, 4:, :1].float())  # the given latent, clean
+    assert (t[:, 0] == 0).all() and (t[:, 1:] > 0).all()
+    changed = {**batch, "latents": batch["latents"].clone()}
+    changed["latents"][:, :, 0] += 5.0
+    assert torch.equal(_captured_step(method, changed)[0].losses["total_loss"], out.losses["total_loss"])
+    changed = {**batch, "latents": batch["latents"].clone()}
+    changed["latents"][:, :, 1] += 5.0
+    assert not torch.equal(_captured_step(method, changed)[0].losses["total_loss"], out.losses["total_loss"])
+    three = DFSFTMethod(DFSFTConfig(chunk_size=3), {"student": _causal_i2v(i2v_base, 3)}, i2v_training)
+    with pytest.raises(UserError, match="3 latent frames do not fit a causal image-to-video student's layout"):
+        three.single_train_step(batch, step=1)
+
+
+def test_self_forcing_rolls_a_causal_i2v_student_out_from_the_given_frame(i2v_base, i2v_latents, i2v_training):
+    """Self-Forcing's rollout of a causal I2V student: frame 0 of x̂0 is the given frame's latent, one exit draw per
+    generated chunk (frames 1, 2), and with last_step_only it is the artifact's causal_streaming sampler exactly; the
+    generator and critic losses leave frame 0 out: the generator loss's gradient on a frame 0 that could move is zero
+    (the DMD gradient there is not: with frame 0 in the loss it would be), and both losses differ from the whole
+    video's."""
+    from distillery.components.rng import BatchRNG
+    from distillery.methods.self_forcing import SelfForcingConfig, SelfForcingMethod
+    from distillery.models.base import Conditioning
+    from distillery.models.wan import WanModel, WanModelConfig
+    from distillery.sampling import build_sampler
+
+    teacher = WanModel(WanModelConfig(init_from=str(i2v_base), trainable=False), "teacher")
+    critic = WanModel(WanModelConfig(init_from=str(i2v_base)), "critic")
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():  # a critic apart from the teacher: a non-zero DMD gradient
+        for param in critic.transformer.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    method = SelfForcingMethod(SelfForcingConfig(num_student_steps=2, last_step_only=True, rollout="simulate",
+                                                 real_score_guidance_scale=1.0),
+                               {"student": _causal_i2v(i2v_base, 1), "teacher": teacher, "critic": critic}, i2v_training)
+    contract = method.sampling_contract()
+    assert contract["given_first_frame"] is True
+    data = LatentDataset(i2v_latents, "train")
+    batch = collate_latents([data[0]], text_max_length=512)
+    exit_step = method.draw_exit_step(batch)
+    assert exit_step == [1, 1]  # two generated chunks after the given frame
+    method.rng = BatchRNG(0)
+    with torch.no_grad():
+        x0, tb = method.rollout(batch, exit_step, with_grad=False)
+    assert torch.equal(x0[:, :, :1], batch["first_frame"][:, 4:, :1].float())
+    rng = BatchRNG(0)
+    rng.randn(tuple(batch["latents"].shape))  # the rollout's initial-noise draw (prepare_batch), the sampler's too
+    cond = Conditioning(tb.text_embeds, first_frame=tb.first_frame, image_embeds=tb.image_embeds)
+    initial = BatchRNG(0).randn(tuple(batch["latents"].shape))
+    expected = build_sampler(contract).sample(method.student, cond, tuple(batch["latents"].shape[1:]), rng, initial=initial)
+    assert torch.equal(x0, expected)
+    from distillery.methods.dmd2 import distribution_matching_loss, fake_score_loss
+
+    method.rng = BatchRNG(7)
+    x0g = x0.clone().requires_grad_(True)
+    loss, _ = method.generator_loss(x0g, tb)
+    loss.backward()
+    assert torch.equal(x0g.grad[:, :, 0], torch.zeros_like(x0g.grad[:, :, 0])) and x0g.grad[:, :, 1:].abs().sum() > 0
+
+    def scores(seed: int):
+        method.rng = BatchRNG(seed)  # the score-timestep draw and the noise both read the method's stream
+        return method.score_models()
+
+    generated, _ = distribution_matching_loss(x0, tb, scores(7), 1.0, skip_frames=1)
+    whole, _ = distribution_matching_loss(x0, tb, scores(7), 1.0)
+    assert torch.equal(generated, loss.detach()) and not torch.equal(whole, loss.detach())
+    method.rng = BatchRNG(8)
+    critic = method.critic_loss(x0, tb)[0]
+    critic_whole = fake_score_loss(x0, tb, scores(8))[0]
+    assert not torch.equal(critic.detach(), critic_whole.detach())
+
+
+# --- ODE-init (KD) trajectories carry the first frames -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def i2v_trajectories(tmp_path_factory, i2v_base, i2v_latents) -> Path:
+    from distillery.models.registry import load_inference_model
+    from distillery.sampling.trajectories import TrajectorySettings, generate_trajectories, source_layout
+
+    teacher = load_inference_model(i2v_base, "cpu", torch.float32, role="teacher")
+    shape, length = source_layout(i2v_latents)
+    settings = TrajectorySettings(teacher_sha256="tiny-i2v", t_list=(999.0, 500.0, 0.0), teacher_steps=2,
+                                  guidance_scale=2.0, seed=0, seeds_per_prompt=1, rows_per_shard=4, batch_size=3,
+                                  teacher_shift=float(teacher.schedule.shift), latent_shape=tuple(shape),
+                                  text_max_length=length)
+    out = tmp_path_factory.mktemp("traj") / "set"
+    generate_trajectories(teacher, i2v_latents, out, settings)
+    return out
+
+
+def test_ode_init_trajectories_carry_the_first_frames_the_teacher_integrated_with(i2v_base, i2v_latents, i2v_trajectories):
+    """The teacher's trajectories of an I2V latent set: each row carries its source row's first-frame condition and
+    image embeddings (the manifest its image_conditioning, which the training stage's check reads), and the recorded
+    states are the teacher's ODE with that frame — another frame gives another trajectory."""
+    from distillery.models.registry import load_inference_model
+    from distillery.sampling.trajectories import ode_grid, row_noise, teacher_trajectory
+
+    source = LatentDataset(i2v_latents, "train")
+    traj = LatentDataset(i2v_trajectories, "train")
+    assert len(traj) == len(source) == 6
+    by_id = {source[i]["id"]: source[i] for i in range(len(source))}
+    for i in range(len(traj)):
+        row = traj[i]
+        src = by_id[row["id"].split("#seed")[0]]
+        assert torch.equal(row["first_frame"], src["first_frame"]) and torch.equal(row["image_embedding"], src["image_embedding"])
+    manifest = json.loads((i2v_trajectories / "preprocess.json").read_text())
+    assert manifest["image_conditioning"] == json.loads((i2v_latents / "preprocess.json").read_text())["image_conditioning"]
+    teacher = load_inference_model(i2v_base, "cpu", torch.float32, role="teacher")
+    row = traj[0]
+    src = by_id[row["id"].split("#seed")[0]]
+    c = 8
+    grid, record = ode_grid(teacher.schedule.inference_sigmas(2), (999.0, 500.0, 0.0), 1000)
+    text = torch.nn.functional.pad(src["text_embedding"].float(), (0, 0, 0, 512 - src["text_embedding"].shape[0]))[None]
+    from distillery.data import read_empty_prompt_embedding
+
+    empty = read_empty_prompt_embedding(i2v_latents)
+    negative = torch.nn.functional.pad(empty.float(), (0, 0, 0, 512 - empty.shape[0]))[None]
+    noise = row_noise(0, src["id"], 0, (c, *row["latents"].shape[1:]))[None]
+
+    def states(first: torch.Tensor) -> torch.Tensor:
+        return teacher_trajectory(teacher, text, negative, noise, grid, record, 2.0, first_frame=first[None].float(),
+                                  image_embeds=src["image_embedding"][None].float())[0]
+
+    points = row["latents"].float().reshape(3, c, *row["latents"].shape[1:])
+    torch.testing.assert_close(states(src["first_frame"]), points, rtol=1e-5, atol=1e-5)
+    other = torch.cat([src["first_frame"][:4], src["first_frame"][4:] + 1.0])
+    assert not torch.allclose(states(other), points)
+
+
+def test_kd_trains_a_causal_i2v_student_on_the_trajectories_with_their_frames(i2v_base, i2v_trajectories, i2v_training):
+    """KD of a causal I2V student on the trajectories: the student sees the rows' frames (the condition channels in its
+    input), frame 0 is the given latent at t = 0 and out of the loss — the trajectory's frame 0 changed leaves the loss
+    bit for bit, frame 1 moves it —; rows without first frames are one line for an I2V student."""
+    from distillery.methods.kd import KDConfig, KDMethod
+
+    method = KDMethod(KDConfig(t_list=[999.0, 500.0, 0.0], chunk_size=1), {"student": _causal_i2v(i2v_base, 1)}, i2v_training)
+    assert method.sampling_contract()["given_first_frame"] is True
+    data = LatentDataset(i2v_trajectories, "train")
+    batch = collate_latents([data[0], data[1]], text_max_length=512)
+    out, calls = _captured_step(method, batch)
+    x, t = calls[0]["x"], calls[0]["t"].reshape(2, 3, -1)
+    assert torch.equal(x[:, 8:], batch["first_frame"].float())  # the rows' condition, after the latent channels
+    assert torch.equal(x[:, :8, :1], batch["first_frame"][:, 4:, :1].float()) and (t[:, 0] == 0).all() and (t[:, 1:] > 0).all()
+    assert torch.isfinite(out.losses["total_loss"]) and out.losses["total_loss"].requires_grad
+    points = batch["latents"].reshape(2, 3, 8, *batch["latents"].shape[2:])
+    for frame, same in ((0, True), (1, False)):
+        changed = points.clone()
+        changed[:, :, :, frame] += 5.0
+        loss = _captured_step(method, {**batch, "latents": changed.reshape(batch["latents"].shape)})[0].losses["total_loss"]
+        assert torch.equal(loss, out.losses["total_loss"]) is same, frame
+    with pytest.raises(UserError, match="trajectories without first frames for an image-to-video student"):
+        method.single_train_step({k: v for k, v in batch.items() if k not in ("first_frame", "image_embeds")}, step=1)

@@ -104,9 +104,13 @@ def forwards(cand: Candidate, latent_frames: int) -> dict[str, int]:
     NFE), ``chunks`` (1 unless its sampler streams chunk by chunk), ``per_chunk`` (denoising forwards
     of one chunk: steps × CFG branches) and ``cache_writes`` (forwards that only write a finished
     chunk into the KV cache: per_video − chunks × per_chunk)."""
+    from distillery.models.base import chunk_bounds
+
     per_video, per_chunk = cand.nfe(latent_frames), cand.nfe(None)
-    chunk = getattr(cand.build_sampler(cand.shift), "chunk_size", None)
-    if per_video == per_chunk or not chunk:  # the whole video per forward (a causal mask alone does not stream)
+    sampler = cand.build_sampler(cand.shift)
+    chunk = getattr(sampler, "chunk_size", None)
+    if sampler.name != "causal_streaming" or not chunk:  # the whole video per forward (a causal mask alone does not stream)
         return {"per_video": per_video, "chunks": 1, "per_chunk": per_video, "cache_writes": 0}
-    chunks = -(-int(latent_frames) // int(chunk))
+    # a causal image-to-video student's given frame 0 is no chunk: its cache write counts among cache_writes
+    chunks = len(chunk_bounds(int(latent_frames), int(chunk), bool(getattr(sampler, "given_first_frame", False))))
     return {"per_video": per_video, "chunks": chunks, "per_chunk": per_chunk, "cache_writes": per_video - chunks * per_chunk}

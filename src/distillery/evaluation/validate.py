@@ -608,6 +608,8 @@ def run_validation(
     _log_prompts(prompts, source, adherence)
     started = time.perf_counter()
     ctx = SamplingContext(base_dir, prompts, cfg, prompt_embeddings if cfg.prompts is None else None)
+    for cand in candidates:  # a causal I2V student whose layout the frames do not fit: one line before any sampling
+        cand.nfe(ctx.latent_shape[1])
     run = _Run(ctx, cfg, candidates, ref, prompts, adherence, cache, _clip_scorer(cfg, ctx.device))
     if cache is not None:
         run.plan_cache()

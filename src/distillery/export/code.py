@@ -70,13 +70,20 @@ def check_own_pipeline_samples(student: str, model: Path) -> None:
     contracts (``few_step_x0``; ``euler`` without ``chunk_size`` is stock's) — not a causal or PDD student on two
     experts, which training refuses too, nor an image-to-video one on two experts (Wan 2.2 I2V-A14B: no test shows
     it sampled as validate samples it) (the layout a trained transformer records,
-    :func:`distillery.models.registry.family_of`). Sampled by it, such a student's videos would be silently wrong."""
+    :func:`distillery.models.registry.family_of`). Sampled by it, such a student's videos would be silently wrong.
+    A causal image-to-video student whose contract lacks ``given_first_frame`` (trained when it generated its latent
+    frame 0) is refused too: retrain it."""
     from distillery.common.errors import UserError
     from distillery.models.registry import family_of, image_conditioning
 
     if not (model / "sampling.json").is_file():
         return  # no contract: the export's own checks name what is missing
     contract = json.loads((model / "sampling.json").read_text())
+    if (contract.get("chunk_size") is not None and not contract.get("given_first_frame")
+            and image_conditioning(model) is not None):
+        raise UserError(f"stage export: the {student} student is a causal image-to-video model whose sampling.json "
+                        "lacks given_first_frame: true (trained before its latent frame 0 was the given frame, it "
+                        "generates frame 0); retrain it")
     if stock_samples(contract):
         return
     family = family_of(model)

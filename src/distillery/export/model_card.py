@@ -87,6 +87,14 @@ def _nfe_lines(contract: dict[str, Any], metrics: dict[str, float], candidate: d
     branches = 2 if float(candidate.get("guidance_scale", 1.0)) > 1 else 1
     per_video = int(metrics[f"{candidate['name']}/nfe"])
     chunks = (per_video // branches + 1) // (steps + 1)
+    if contract.get("given_first_frame"):  # + 1 forward writing the given frame 0 into the cache: chunks × (steps + 1)
+        chunks = per_video // branches // (steps + 1)
+        return ["", f"**NFE (transformer forwards) of this streaming image-to-video student.** Latent frame 0 is the "
+                f"given frame: one forward writes its clean latent into the KV cache (it is never denoised). Then it "
+                f"generates chunk by chunk: at validate's size, {chunks} chunk(s) of {chunk} latent frame(s), each "
+                f"{steps} denoising forwards, then one more writing it into the cache (none after the last): **1 + "
+                f"{chunks} × {steps} + {chunks - 1} = {per_video // branches} per video**"
+                + (f" (× 2: CFG, {per_video})" if branches == 2 else "") + "."]
     return ["", f"**NFE (transformer forwards) of this streaming student.** It generates the video chunk by chunk: at "
             f"validate's size, {chunks} chunk(s) of {chunk} latent frame(s). Each chunk takes {steps} denoising "
             f"forwards (its {steps}-step ladder), then one more forward writes the finished chunk into the KV cache "

@@ -231,6 +231,20 @@ def _is_trainable(model: Any) -> bool:
     return bool(getattr(getattr(model, "config", model), "trainable", False))
 
 
+def causal_contract(student: Any) -> dict[str, Any]:
+    """The sampling-contract keys of a causal student (a :class:`~distillery.models.base.CausalModelBase`):
+    ``chunk_size``, and ``given_first_frame: true`` for an image-to-video one (its latent frame 0 is the given frame:
+    validate and export read the layout from the artifact); ``{}`` for another student."""
+    from distillery.models.base import CausalModelBase
+
+    if not isinstance(student, CausalModelBase):
+        return {}
+    out: dict[str, Any] = {"chunk_size": int(student.chunk_size)}
+    if student.given_first_frame:
+        out["given_first_frame"] = True
+    return out
+
+
 def flow_matching_loss(
     pred_velocity: torch.Tensor,
     batch: Any,

@@ -8,6 +8,12 @@ scaled so that the mean of ``w`` over the table is 1. This trains the student fo
 levels of causal / streaming generation. With a causal student (a
 :class:`~distillery.models.base.CausalModelBase`, whose ``chunk_size`` must equal the method's) the
 artifact's sampling contract is Euler under the block-causal mask (``chunk_size`` in it).
+
+A causal image-to-video student (``given_first_frame``): latent frame 0 is the given frame — its input is the
+condition's clean latent of the frame (:func:`~distillery.models.base.given_first_latent`, what sampling writes to the
+cache) at t = 0, it draws no timestep and is left out of the loss; the chunks of ``chunk_size`` start at frame 1 (a
+clip of other than ``1 + k · chunk_size`` latent frames: one line). The noise is still drawn for the whole video. The
+contract adds ``given_first_frame: true``.
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ import torch
 
 from distillery.common.errors import UserError
 from distillery.config.typed import bounded, check_fields
-from distillery.methods.base import StepOutput, TrainingMethod, apply_caption_dropout, flow_matching_loss
-from distillery.models.base import CausalModelBase
+from distillery.methods.base import StepOutput, TrainingMethod, apply_caption_dropout, causal_contract, flow_matching_loss
+from distillery.models.base import CausalModelBase, chunk_bounds, given_first_latent
 from distillery.models.schedule import FlowMatchSchedule
 
 
@@ -76,10 +82,7 @@ class DFSFTMethod(TrainingMethod):
         """Many-step Euler; a causal student's contract adds its ``chunk_size`` (every frame denoised in
         step under the block-causal mask: one of the noise-level patterns DF trains on, and one
         forward per step — the chunk-by-chunk ``causal_streaming`` sampler also runs it)."""
-        contract = super().sampling_contract()
-        if isinstance(self.student, CausalModelBase):
-            contract["chunk_size"] = int(self.student.chunk_size)
-        return contract
+        return {**super().sampling_contract(), **causal_contract(self.student)}
 
     def sample_frame_indices(self, batch_size: int, num_frames: int) -> torch.Tensor:
         """Table indices ``[B, T]``: one draw per chunk, repeated over the chunk's frames."""
@@ -89,14 +92,23 @@ class DFSFTMethod(TrainingMethod):
 
     def single_train_step(self, batch: dict[str, Any], step: int) -> StepOutput:
         latents = batch["latents"]
-        b, _, t = latents.shape[:3]
-        idx = self.sample_frame_indices(b, t).to(self.student.device)
+        b, c, t = latents.shape[:3]
+        given = isinstance(self.student, CausalModelBase) and self.student.given_first_frame
+        if given:
+            chunk_bounds(int(t), self.config.chunk_size, True)  # a length that does not fit: one line
+        skip = 1 if given else 0  # frame 0 of an I2V student is the given frame: no draw, no loss
+        idx = self.sample_frame_indices(b, t - skip).to(self.student.device)
         table = self.table.to(self.student.device)
-        timesteps = table[idx]  # [B, T]
+        timesteps = table[idx]  # [B, T − skip]
+        if given:
+            timesteps = torch.cat([torch.zeros_like(timesteps[:, :1]), timesteps], dim=1)  # the given frame at t = 0
         tb = self.student.prepare_batch(batch, self.rng, timesteps=timesteps)
+        if given:
+            tb.noisy_latents = torch.cat([given_first_latent(tb, int(c)), tb.noisy_latents[:, :, 1:]], dim=2)
         apply_caption_dropout(tb, self.config.caption_dropout, self.rng)
         pred = self.student.predict_noise(tb.noisy_latents, tb.timesteps, tb, conditional=True)
-        per_frame = flow_matching_loss(pred, tb, self.config.precondition_outputs).mean(dim=(1, 3, 4))  # [B, T]
+        per_frame = flow_matching_loss(pred, tb, self.config.precondition_outputs).mean(dim=(1, 3, 4))[:, skip:]  # [B, T − skip]
+        timesteps = timesteps[:, skip:]
         weights = self.weights.to(per_frame.device)[idx]
         loss = (weights * per_frame).mean()
         return StepOutput(

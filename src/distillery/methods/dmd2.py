@@ -192,13 +192,16 @@ class ScoreTimesteps:
 
 
 def distribution_matching_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels,
-                               guidance: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                               guidance: float, skip_frames: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DMD generator loss of a student sample ``x0 [B, C, T, H, W]`` (with graph) and its metrics
-    (module doc, step 2: draws τ ``[B]``, then ε_τ; ``guidance`` is the teacher's CFG w)."""
+    (module doc, step 2: draws τ ``[B]``, then ε_τ; ``guidance`` is the teacher's CFG w). ``skip_frames``: latent
+    frames at the start that are given, not generated (a causal image-to-video student's frame 0): the scores see the
+    whole video, the gradient, its normaliser and the loss only the frames after them."""
     if guidance != 1.0:
         require_empty_prompt(cond, f"a real-score guidance of {guidance}", scores.training)
     b = x0.shape[0]
     tau = scores.draw_timesteps(b)
+    generated = x0[:, :, skip_frames:] if skip_frames else x0  # with graph
     with torch.no_grad():
         noise = scores.rng.randn(x0.shape).to(x0.device)
         x_tau = renoise(x0.detach(), noise, scores.teacher.schedule.sigma(tau))
@@ -209,21 +212,26 @@ def distribution_matching_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels,
         else:
             uncond_x0 = scores.teacher.predict_x0(x_tau, tau, cond, conditional=False)
             real = uncond_x0 + guidance * (cond_x0 - uncond_x0)
-        g = dmd_gradient(x0, fake, real)
-    loss = 0.5 * F.mse_loss(x0.float(), (x0.detach().float() - g))
+        if skip_frames:  # the generated frames only
+            fake, real = fake[:, :, skip_frames:], real[:, :, skip_frames:]
+        g = dmd_gradient(generated, fake, real)
+    loss = 0.5 * F.mse_loss(generated.float(), (generated.detach().float() - g))
     metrics = {"dmd_grad_norm": g.abs().mean(), "score_timestep": tau.mean(),
                "fake_real_x0_gap": (fake - real).abs().mean()}
     return loss, metrics
 
 
-def fake_score_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def fake_score_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels,
+                    skip_frames: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The critic's flow-matching loss on the detached student sample ``x0`` (module doc, step 3:
-    draws t ``[B]``, then ε)."""
+    draws t ``[B]``, then ε); ``skip_frames``: given leading frames, in the critic's input, not in its loss."""
     x0 = x0.detach().float()
     t = scores.draw_timesteps(x0.shape[0])
     noise = scores.rng.randn(x0.shape).to(x0.device)
     x_t = renoise(x0, noise, scores.critic.schedule.sigma(t))
     v = scores.critic.predict_noise(x_t, t, cond, conditional=True)
+    if skip_frames:
+        v, noise, x0 = v[:, :, skip_frames:], noise[:, :, skip_frames:], x0[:, :, skip_frames:]
     loss = F.mse_loss(v, noise - x0)
     return loss, {"critic_timestep": t.mean()}
 

@@ -25,6 +25,13 @@ as FastVideo's KD (``0.5 * mse_loss``): its gradient is ``(x̂0 − x_0) / numel
 Draws come from ``self.rng`` (:class:`~distillery.components.rng.BatchRNG`): ``randint(0, K, (B,
 chunks))``, one per sample (or per sample and chunk), independent of the number of ranks.
 
+**Image-to-video** (the set's rows carry the teacher's first-frame condition and image embeddings,
+:mod:`~distillery.sampling.trajectories`): the student is conditioned on them (a set without them for an I2V
+student: one line). A causal I2V student (``given_first_frame``) takes latent frame 0 as the given frame — its input
+the condition's clean latent (:func:`~distillery.models.base.given_first_latent`) at t = 0 whatever the trajectory's
+frame 0 is, no point drawn for it, left out of the loss (the mean runs over frames 1 …) —, and its chunks start at
+frame 1 (a length other than ``1 + k · chunk_size``: one line).
+
 The artifact's sampling contract is DFSFT's (many-step Euler; a causal student's under the block-causal
 mask, ``chunk_size`` in it), so validate scores it as it scores the DFSFT student; its few-step use is as
 the init of ``distill`` (Self-Forcing or DMD2).
@@ -40,8 +47,8 @@ import torch
 
 from distillery.common.errors import UserError
 from distillery.config.schema import t_list_problem
-from distillery.methods.base import StepOutput, TrainingMethod
-from distillery.models.base import CausalModelBase, Conditioning
+from distillery.methods.base import StepOutput, TrainingMethod, causal_contract
+from distillery.models.base import CausalModelBase, Conditioning, chunk_bounds, given_first_latent
 
 DEFAULT_T_LIST = (999.0, 937.0, 833.0, 624.0, 0.0)  # the Self-Forcing paper's ODE-init points (48 teacher steps, shift 5)
 
@@ -99,11 +106,8 @@ class KDMethod(TrainingMethod):
         self.points = len(config.t_list)  # K + 1
 
     def sampling_contract(self) -> dict[str, Any]:
-        """DFSFT's: many-step Euler; a causal student's adds its ``chunk_size`` (module doc)."""
-        contract = super().sampling_contract()
-        if isinstance(self.student, CausalModelBase):
-            contract["chunk_size"] = int(self.student.chunk_size)
-        return contract
+        """DFSFT's: many-step Euler; a causal student's adds its ``chunk_size`` (and ``given_first_frame``), module doc."""
+        return {**super().sampling_contract(), **causal_contract(self.student)}
 
     def draw_points(self, batch_size: int, num_frames: int) -> torch.Tensor:
         """Point indices ``[B, T]`` in ``[0, K)``: one draw per sample and chunk (causal), or per sample
@@ -122,15 +126,40 @@ class KDMethod(TrainingMethod):
         steps = torch.tensor(self.config.t_list, dtype=torch.float32, device=index.device)[index]
         return x_t, (steps if self.config.chunk_size is not None else steps[:, 0])
 
+    def conditioning(self, batch: dict[str, Any]) -> Conditioning:
+        """The prompt (conditional only: no CFG here) and, an image-to-video set, the rows' first-frame condition and
+        image embeddings; a set without them for an image-to-video student is a one-line :class:`UserError`."""
+        device = self.student.device
+
+        def moved(key: str) -> torch.Tensor | None:
+            value = batch.get(key)
+            return None if value is None else value.to(device, non_blocking=True).float()
+
+        cond = Conditioning(moved("text_embeds"), first_frame=moved("first_frame"), image_embeds=moved("image_embeds"))
+        if getattr(self.student, "image_conditioning", None) is not None and cond.first_frame is None:
+            raise UserError(f"training.data: {self.training.data.path}: trajectories without first frames for an "
+                            "image-to-video student; make them again from the image-to-video latents (the stage's "
+                            "trajectories carry each row's first-frame condition and image embeddings)")
+        return cond
+
     def single_train_step(self, batch: dict[str, Any], step: int) -> StepOutput:
         device = self.student.device
+        cond = self.conditioning(batch)
         trajectory = split_points(batch["latents"], self.points).to(device, non_blocking=True).float()
-        b, t = int(trajectory.shape[0]), int(trajectory.shape[3])
-        index = self.draw_points(b, t).to(device)
+        b, c, t = int(trajectory.shape[0]), int(trajectory.shape[2]), int(trajectory.shape[3])
+        given = isinstance(self.student, CausalModelBase) and self.student.given_first_frame
+        if given:
+            chunk_bounds(t, int(self.config.chunk_size), True)  # a length that does not fit: one line
+            index = self.draw_points(b, t - 1).to(device)
+            index = torch.cat([torch.zeros_like(index[:, :1]), index], dim=1)  # frame 0's point: replaced below
+        else:
+            index = self.draw_points(b, t).to(device)
         x_t, timesteps = self.inputs(trajectory, index)
         target = trajectory[:, -1]
-        cond = Conditioning(batch["text_embeds"].to(device, non_blocking=True).float())  # conditional only: no CFG here
+        if given:  # the given frame: its clean latent at t = 0, out of the loss
+            x_t = torch.cat([given_first_latent(cond, c), x_t[:, :, 1:]], dim=2)
+            timesteps = torch.cat([torch.zeros_like(timesteps[:, :1]), timesteps[:, 1:]], dim=1)
         pred = self.student.predict_x0(x_t, timesteps, cond, conditional=True)
-        loss = kd_loss(pred, target)
+        loss = kd_loss(pred[:, :, 1:], target[:, :, 1:]) if given else kd_loss(pred, target)
         return StepOutput(losses={"total_loss": loss, "kd_loss": loss.detach()},
                           metrics={"kd_point": index.float().mean().detach(), "mean_timestep": timesteps.float().mean().detach()})

@@ -21,6 +21,12 @@ The ``T`` latent frames are split into chunks of the student's ``chunk_size`` fr
 2. unless it is the last chunk, write ``x̂0_c`` (detached) to the cache (``store_kv=True``), clean
    at t = 0 or re-noised to ``t = context_noise`` with fresh noise.
 
+**Given first frame** (a causal image-to-video student, ``given_first_frame``): latent frame 0 of ``x̂0`` is the
+condition's clean latent of the given frame (:func:`~distillery.models.base.given_first_latent`), written to the cache
+at t = 0 (clean, whatever ``context_noise``) before the first chunk, never denoised; the chunks (and their exit draws)
+start at frame 1 (a length other than ``1 + k · chunk_size``: one line). The teacher and critic score the whole video;
+the DMD gradient, its normaliser, the generator loss and the critic's loss leave frame 0 out.
+
 ``x̂0`` is the chunks concatenated along T. With ``last_step_only`` every exit step is ``K − 1`` and
 the rollout is exactly the ``causal_streaming`` sampler of the artifact's sampling contract run on
 the method's random stream (a test checks it).
@@ -42,8 +48,9 @@ from typing import Any
 import torch
 
 from distillery.common.errors import UserError
-from distillery.methods.dmd2 import DMD2Config, DMD2Method
-from distillery.models.base import CausalModelBase, ModelBase, TrainingBatch, batch_latent_shape, chunk_bounds
+from distillery.methods.base import causal_contract
+from distillery.methods.dmd2 import DMD2Config, DMD2Method, distribution_matching_loss, fake_score_loss
+from distillery.models.base import CausalModelBase, ModelBase, TrainingBatch, batch_latent_shape, chunk_bounds, given_first_latent
 from distillery.models.schedule import renoise, x0_from_velocity
 
 ROLLOUT_CACHE = "rollout"  # the student's KV cache tag during a rollout
@@ -91,13 +98,27 @@ class SelfForcingMethod(DMD2Method):
     def sampling_contract(self) -> dict[str, Any]:
         schedule = self.student.schedule
         return {"sampler": "causal_streaming", "shift": schedule.shift, "num_train_timesteps": schedule.num_train_timesteps,
-                "timesteps": list(self.ladder), "chunk_size": int(self.causal.chunk_size),
+                "timesteps": list(self.ladder), **causal_contract(self.causal),
                 "context_noise": self.config.context_noise, "renoise": self.config.rollout_renoise}
+
+    @property
+    def given_frames(self) -> int:
+        """Leading latent frames that are given, not generated: 1 for a causal image-to-video student, else 0."""
+        return 1 if self.causal.given_first_frame else 0
+
+    def generator_loss(self, x0: torch.Tensor, cond: TrainingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """DMD2's, on the generated frames (module doc)."""
+        return distribution_matching_loss(x0, cond, self.score_models(), self.config.real_score_guidance_scale,
+                                          skip_frames=self.given_frames)
+
+    def critic_loss(self, x0: torch.Tensor, cond: TrainingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """DMD2's, on the generated frames (module doc)."""
+        return fake_score_loss(x0, cond, self.score_models(), skip_frames=self.given_frames)
 
     # -- draws ------------------------------------------------------------------------------
     def draw_exit_step(self, batch: dict[str, Any]) -> list[int]:
         """One ladder index per chunk of the batch's video (shared by the batch and every rank)."""
-        chunks = len(chunk_bounds(int(batch_latent_shape(batch)[2]), int(self.causal.chunk_size)))
+        chunks = len(chunk_bounds(int(batch_latent_shape(batch)[2]), int(self.causal.chunk_size), self.causal.given_first_frame))
         k = len(self.ladder)
         if self.config.last_step_only:
             return [k - 1] * chunks
@@ -127,7 +148,7 @@ class SelfForcingMethod(DMD2Method):
         device = student.device
         shape = batch_latent_shape(batch)
         b, frames = int(shape[0]), int(shape[2])
-        bounds = chunk_bounds(frames, int(student.chunk_size))
+        bounds = chunk_bounds(frames, int(student.chunk_size), student.given_first_frame)
         if len(exit_step) != len(bounds):
             raise ValueError(f"{len(exit_step)} exit steps for {len(bounds)} chunks")
 
@@ -143,6 +164,11 @@ class SelfForcingMethod(DMD2Method):
         chunks: list[torch.Tensor] = []
         student.clear_caches(ROLLOUT_CACHE)
         try:
+            if student.given_first_frame:  # frame 0: the given frame's clean latent, cached at t = 0, never denoised
+                first = given_first_latent(tb, int(shape[1])).expand(b, -1, -1, -1, -1)
+                chunks.append(first)
+                with torch.no_grad():
+                    velocity(first, 0.0, 0, store=True)
             for (start, f), k in zip(bounds, exit_step):
                 x = noise[:, :, start:start + f]
                 with torch.no_grad():

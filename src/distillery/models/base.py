@@ -237,11 +237,46 @@ class ModelBase(ABC):
         (loss / max(1, grad_accum_rounds)).backward()
 
 
-def chunk_bounds(num_frames: int, chunk_size: int) -> list[tuple[int, int]]:
-    """``[(start frame, frames)]`` of the causal chunks of a ``num_frames``-frame video, from frame 0
-    (the last one may be shorter): the split every chunk-by-chunk generator of a
-    :class:`CausalModelBase` uses (the ``causal_streaming`` sampler, the Self-Forcing rollout)."""
-    return [(s, min(chunk_size, num_frames - s)) for s in range(0, num_frames, chunk_size)]
+def given_frame_layout_problem(num_frames: int, chunk_size: int) -> str | None:
+    """Why ``num_frames`` latent frames do not fit a causal image-to-video layout — the given frame, then chunks of
+    ``chunk_size`` (``1 + k · chunk_size`` latent frames, ``4 · k · chunk_size + 1`` video frames at Wan's temporal
+    factor 4) —, or None when they fit."""
+    if num_frames >= 2 and (num_frames - 1) % chunk_size == 0:
+        return None
+    fits = [1 + k * chunk_size for k in (1, 2, 3)]
+    return (f"{num_frames} latent frames do not fit a causal image-to-video student's layout: the given first frame, then "
+            f"chunks of {chunk_size} (1 + k·{chunk_size} latent frames, e.g. {', '.join(map(str, fits))}: "
+            f"{', '.join(str(4 * (f - 1) + 1) for f in fits)} video frames)")
+
+
+def chunk_bounds(num_frames: int, chunk_size: int, given_first_frame: bool = False) -> list[tuple[int, int]]:
+    """``[(start frame, frames)]`` of the chunks a causal generator denoises in a ``num_frames``-frame video: the
+    split every chunk-by-chunk generator of a :class:`CausalModelBase` uses (the ``causal_streaming`` sampler, the
+    Self-Forcing rollout, DFSFT's and KD's per-chunk draws).
+
+    ``given_first_frame`` false (text-to-video): chunks of ``chunk_size`` from frame 0, the last one may be shorter.
+    True (an image-to-video student, :attr:`CausalModelBase.given_first_frame`): latent frame 0 is the given frame —
+    its own block, written to the cache clean, never denoised, not listed — and the chunks start at frame 1, all
+    ``chunk_size`` long; a length that does not fit (:func:`given_frame_layout_problem`) is a one-line
+    :class:`UserError`."""
+    if not given_first_frame:
+        return [(s, min(chunk_size, num_frames - s)) for s in range(0, num_frames, chunk_size)]
+    problem = given_frame_layout_problem(int(num_frames), int(chunk_size))
+    if problem:
+        raise UserError(problem)
+    return [(s, chunk_size) for s in range(1, num_frames, chunk_size)]
+
+
+def given_first_latent(cond: Conditioning | TrainingBatch, latent_channels: int) -> torch.Tensor:
+    """The clean latent of an image-to-video condition's given frame, float32 ``[B, C, 1, H, W]``: latent frame 0 of
+    the condition's latent part (its last ``latent_channels`` channels, after the mask) — the VAE latent of
+    [frame, zeros…], whose first latent frame is the frame's own (Wan's VAE is causal in time), normalised as the
+    video latents are. A :class:`UserError` when ``cond`` has no first frame."""
+    first = getattr(cond, "first_frame", None)
+    if first is None:
+        raise UserError("a causal image-to-video student starts from the given first frame; this batch has none "
+                        "(latents made from an image-to-video base by the latents stage carry it)")
+    return first[:, first.shape[1] - latent_channels:, :1].float()
 
 
 class CausalModelBase(ModelBase):
@@ -265,6 +300,10 @@ class CausalModelBase(ModelBase):
     """
 
     chunk_size: int  # latent frames per causal chunk
+    #: An image-to-video student: latent frame 0 is the given frame's clean latent (:func:`given_first_latent`), a block
+    #: of its own that every later frame attends to; it is written to the cache at t = 0 and never denoised, the
+    #: generated chunks start at frame 1 (:func:`chunk_bounds`) and training losses leave frame 0 out.
+    given_first_frame: bool = False
 
     @abstractmethod
     def clear_caches(self, cache_tag: str | None = None) -> None:

@@ -55,9 +55,20 @@ def parse_chunk_size(value: Any, sampler: str) -> int | None:
     return value
 
 
-def require_causal(model: "ModelBase", chunk_size: int | None, sampler: str) -> int:
+def parse_given_first_frame(value: Any, sampler: str) -> bool:
+    """A contract's ``given_first_frame`` (a causal image-to-video student: latent frame 0 is the given frame's clean
+    latent, written to the cache at t = 0 and never denoised; generation starts at frame 1): a bool, False when absent."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise UserError(f"sampler {sampler}: given_first_frame must be true or false, got {value!r}")
+    return value
+
+
+def require_causal(model: "ModelBase", chunk_size: int | None, sampler: str, given_first_frame: bool = False) -> int:
     """The chunk size a causal ``model`` attends over; a :class:`UserError` when it is not a
-    :class:`~distillery.models.base.CausalModelBase` or differs from the contract's ``chunk_size``."""
+    :class:`~distillery.models.base.CausalModelBase`, differs from the contract's ``chunk_size``, or its
+    ``given_first_frame`` (an image-to-video student's layout) is not the contract's."""
     from distillery.models.base import CausalModelBase
 
     if not isinstance(model, CausalModelBase):
@@ -67,6 +78,13 @@ def require_causal(model: "ModelBase", chunk_size: int | None, sampler: str) -> 
     if chunk_size is not None and chunk_size != own:
         raise UserError(f"sampler {sampler}: the contract's chunk_size {chunk_size} differs from the model's {own}; "
                         f"the model attends block-causally over chunks of {own} frames")
+    if bool(model.given_first_frame) != given_first_frame:
+        if model.given_first_frame:
+            raise UserError(f"sampler {sampler}: the model is a causal image-to-video student (latent frame 0 is the given "
+                            "frame, never denoised) but its sampling contract lacks given_first_frame: true — a student "
+                            "trained before that layout generated frame 0; retrain it")
+        raise UserError(f"sampler {sampler}: the sampling contract says given_first_frame but the model takes no first "
+                        "frame (not an image-to-video model)")
     return own
 
 

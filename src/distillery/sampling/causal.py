@@ -12,11 +12,18 @@ shorter). Chunk by chunk, starting at latent frame ``s``:
 2. write the chunk's final x0 to the cache (``store_kv=True``), clean (t = 0) or re-noised to
    ``t = context_noise`` with fresh noise — skipped after the last chunk (nothing follows it).
 
+**Given first frame** (contract ``given_first_frame: true``: a causal image-to-video student,
+:attr:`~distillery.models.base.CausalModelBase.given_first_frame`): latent frame 0 is the condition's clean latent
+of the given frame (:func:`~distillery.models.base.given_first_latent`), written to the cache(s) first by one forward
+at t = 0 (clean, whatever ``context_noise``) and returned as it is; the chunks of ``chunk_size`` start at frame 1, and
+a video of other than ``1 + k · chunk_size`` latent frames is refused in one line. The initial noise is still drawn
+for the whole video (its frame 0 unused), so the draws are the same as without.
+
 With CFG (``w > 1``) the conditional and unconditional passes keep separate caches (tags
 ``cond`` / ``uncond``). Noise draws, in order: the initial noise of the whole video
 ``[B, C, T, H, W]`` (unless given), then per chunk the SDE re-noise draws ``[B, C, f, H, W]`` and the
 context-noise draw. Forward evaluations per video (:meth:`CausalStreamingSampler.nfe`):
-branches × (chunks × K + chunks − 1).
+branches × (chunks × K + chunks − 1), + branches for the given frame's write.
 """
 
 from __future__ import annotations
@@ -26,9 +33,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distillery.common.errors import UserError
-from distillery.models.base import chunk_bounds
+from distillery.models.base import chunk_bounds, given_first_latent
 from distillery.models.schedule import renoise, x0_from_velocity
-from distillery.sampling.base import LatentShape, causal_model_options, cfg_enabled, check_inputs, conditioning_on, parse_chunk_size, require_causal
+from distillery.sampling.base import (
+    LatentShape,
+    causal_model_options,
+    cfg_enabled,
+    check_inputs,
+    conditioning_on,
+    parse_chunk_size,
+    parse_given_first_frame,
+    require_causal,
+)
 from distillery.sampling.few_step import LadderSampler
 from distillery.sampling.noise import NoiseLike, as_noise_source
 from distillery.sampling.registry import register_sampler
@@ -42,16 +58,17 @@ CACHE_TAGS = ("cond", "uncond")  # cache tags of the conditional / unconditional
 @register_sampler("causal_streaming")
 class CausalStreamingSampler(LadderSampler):
     """Contract: ``{"sampler": "causal_streaming", "shift", "num_train_timesteps"[, "timesteps": [t_0, …],
-    "num_steps", "guidance_scale", "chunk_size", "context_noise", "renoise"]}``.
+    "num_steps", "guidance_scale", "chunk_size", "context_noise", "renoise", "given_first_frame"]}``.
 
     ``timesteps``: the per-chunk step list (default :func:`~distillery.sampling.few_step.default_ladder`
     of ``num_steps``); ``chunk_size``: latent frames per chunk (default: the model's; must equal it);
     ``context_noise``: timestep in ``[0, num_train_timesteps)`` at which finished chunks are written
-    to the cache (default 0: clean); ``renoise``: ``sde`` (fresh noise, default) or ``ode``.
+    to the cache (default 0: clean); ``renoise``: ``sde`` (fresh noise, default) or ``ode``;
+    ``given_first_frame``: the model's frame 0 is the given frame (module doc; must be the model's).
     Needs a :class:`~distillery.models.base.CausalModelBase`. Runs under the caller's grad mode.
     """
 
-    option_keys = ("timesteps", "chunk_size", "context_noise", "renoise")
+    option_keys = ("timesteps", "chunk_size", "context_noise", "renoise", "given_first_frame")
     default_num_steps = 4
 
     def configure(self, options: dict[str, Any]) -> None:
@@ -69,6 +86,7 @@ class CausalStreamingSampler(LadderSampler):
         if mode not in ("sde", "ode"):
             raise UserError(f"sampler causal_streaming: renoise must be 'sde' or 'ode', got {mode!r}")
         self.renoise_mode = mode
+        self.given_first_frame = parse_given_first_frame(options.get("given_first_frame"), self.name)
 
     def model_options(self) -> dict[str, Any]:
         """A causal model with the contract's ``chunk_size`` (a plain folder does not say it is causal)."""
@@ -77,18 +95,20 @@ class CausalStreamingSampler(LadderSampler):
     def nfe(self, num_steps: int | None = None, guidance_scale: float | None = None,
             num_frames: int | None = None) -> int:
         """Transformer forward evaluations per video of ``num_frames`` latent frames:
-        branches × (chunks × steps + chunks − 1 context writes). Without ``num_frames`` (or without a
-        contract ``chunk_size``): one chunk's, branches × steps — the video total needs the length."""
+        branches × (chunks × steps + chunks − 1 context writes), + branches for a given first frame's write (its
+        chunks: those after it). Without ``num_frames`` (or without a contract ``chunk_size``): one chunk's,
+        branches × steps — the video total needs the length."""
         steps = self.resolve_steps(num_steps)
         branches = 2 if cfg_enabled(self.resolve_guidance(guidance_scale)) else 1
         if num_frames is None or self.chunk_size is None:
             return branches * steps
-        chunks = -(-int(num_frames) // self.chunk_size)
-        return branches * (chunks * steps + chunks - 1)
+        chunks = len(chunk_bounds(int(num_frames), self.chunk_size, self.given_first_frame))
+        return branches * (chunks * steps + chunks - 1 + (1 if self.given_first_frame else 0))
 
     def chunk_size_for(self, model: "ModelBase") -> int:
-        """The chunk size of a call: the model's; a contract's ``chunk_size`` must agree with it."""
-        return require_causal(model, self.chunk_size, self.name)
+        """The chunk size of a call: the model's; a contract's ``chunk_size`` (and ``given_first_frame``) must agree
+        with it."""
+        return require_causal(model, self.chunk_size, self.name, self.given_first_frame)
 
     def sample(
         self,
@@ -130,9 +150,15 @@ class CausalStreamingSampler(LadderSampler):
                                                cur_start_frame=start, conditional=False)
             return u + w * (v - u)
 
+        bounds = chunk_bounds(frames, chunk_size, self.given_first_frame)  # a length that does not fit: one line
         chunks = []
         try:
-            for start, f in chunk_bounds(frames, chunk_size):
+            if self.given_first_frame:  # frame 0: the given frame's clean latent, cached at t = 0, never denoised
+                first = given_first_latent(cond, c).expand(batch, -1, -1, -1, -1)
+                chunks.append(first)
+                with torch.no_grad():
+                    velocity(first, 0.0, 0, store=True)
+            for start, f in bounds:
                 shape = (batch, c, f, h, wd)
                 x = whole[:, :, start:start + f]
                 x0 = x

@@ -18,6 +18,14 @@ end point. Each step's velocity is CFG in the standard form ``u + w (c − u)`` 
 unconditional prompt: the set's negative prompt's embedding — its empty prompt's where it has none; one
 conditional forward when w = 1). Latents stay float32 between steps.
 
+**Image-to-video.** From an image-to-video latent set (rows with ``first_frame`` — the first frame's mask and
+VAE latent — and ``image_embedding``), the teacher integrates each row conditioned on its prompt's first frame and
+image embeddings (both CFG branches keep the frame, as the pipeline's), and every trajectory row carries those two
+columns as they are in the source (the i2v shard schema): a KD student trains on them with the frame of the
+trajectory. The manifest keeps the source's ``image_conditioning``, so the training stage's check reads a trajectory
+set without frames as latents without first frames (one line for an image-to-video student). A source with first
+frames for some rows only is refused in one line.
+
 **Shards and resume.** Row ``r`` of the set is prompt ``r // seeds_per_prompt``, seed
 ``r % seeds_per_prompt``; shard ``k`` holds rows ``[k·R, (k+1)·R)`` (``R = rows_per_shard``), computed in
 batches of ``batch_size`` rows counted from the shard's start. A shard is written to a temp file and
@@ -114,16 +122,18 @@ def ode_grid(inference_sigmas: torch.Tensor, t_list: tuple[float, ...], num_trai
 
 @torch.no_grad()
 def teacher_trajectory(teacher: Any, text: torch.Tensor, negative: torch.Tensor | None, noise: torch.Tensor,
-                       grid: list[float], record: list[int], guidance_scale: float) -> torch.Tensor:
+                       grid: list[float], record: list[int], guidance_scale: float,
+                       first_frame: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
     """The ODE states ``[B, K + 1, C, T, H, W]`` (float32) at the grid indices ``record`` (module doc).
 
     ``teacher``: a :class:`~distillery.models.base.ModelBase`; ``text`` / ``negative`` ``[B, L, D]`` on its
-    device; ``noise [B, C, T, H, W]`` the state at σ = ``grid[0]`` = 1."""
+    device; ``noise [B, C, T, H, W]`` the state at σ = ``grid[0]`` = 1; an image-to-video teacher's
+    ``first_frame [B, M + C, T, H, W]`` and ``image_embeds [B, N, D_img]`` (None for text-to-video)."""
     from distillery.models.base import Conditioning
     from distillery.sampling.base import guided_velocity
 
     n = teacher.schedule.num_train_timesteps
-    cond = Conditioning(text, negative)
+    cond = Conditioning(text, negative, first_frame, image_embeds)
     x = noise.to(teacher.device, torch.float32)
     keep: dict[int, torch.Tensor] = {}
     b = x.shape[0]
@@ -138,13 +148,27 @@ def teacher_trajectory(teacher: Any, text: torch.Tensor, negative: torch.Tensor 
     return torch.stack([keep[i] for i in record], dim=1)
 
 
-def rows_digest(rows: list[tuple[str, int]], texts: list[torch.Tensor]) -> str:
-    """sha256 over a shard's inputs: each row's prompt id, seed index and prompt embedding (shape, dtype, bytes)."""
+def rows_digest(rows: list[tuple[str, int]], texts: list[torch.Tensor],
+                extras: list[list[torch.Tensor]] | None = None) -> str:
+    """sha256 over a shard's inputs: each row's prompt id, seed index and prompt embedding (shape, dtype, bytes), and,
+    an image-to-video set, each row's ``extras`` (its first-frame condition and image embeddings, the same way)."""
     h = hashlib.sha256()
-    for (pid, s), emb in zip(rows, texts):
-        h.update(f"{pid}\0{s}\0{list(emb.shape)}\0{emb.dtype}\0".encode())
-        h.update(emb.contiguous().view(torch.uint8).numpy().tobytes() if emb.numel() else b"")
+    for i, ((pid, s), emb) in enumerate(zip(rows, texts)):
+        for k, tensor in enumerate([emb, *(extras[i] if extras is not None else [])]):
+            if k == 0:
+                h.update(f"{pid}\0{s}\0{list(tensor.shape)}\0{tensor.dtype}\0".encode())
+            else:
+                h.update(f"extra{k}\0{list(tensor.shape)}\0{tensor.dtype}\0".encode())
+            h.update(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return h.hexdigest()
+
+
+I2V_COLUMNS = ("first_frame", "image_embedding")  # the image-to-video columns a trajectory row carries from its source
+
+
+def _row_extras(item: dict[str, Any]) -> list[torch.Tensor]:
+    """A source row's image-to-video tensors, in :data:`I2V_COLUMNS` order (those it has)."""
+    return [item[name] for name in I2V_COLUMNS if item.get(name) is not None]
 
 
 def file_sha256(path: Path) -> str:
@@ -211,7 +235,11 @@ def generate_trajectories(teacher: Any, source: Path, out: Path, settings: Traje
         rows = [(r // per, r % per) for r in range(lo, hi)]
         items = {i: dataset[i] for i in sorted({i for i, _ in rows})}
         keys = [(items[i]["id"], s) for i, s in rows]
-        inputs = rows_digest(keys, [items[i]["text_embedding"] for i, _ in rows])
+        extras = [_row_extras(items[i]) for i, _ in rows]
+        if len({len(e) for e in extras}) > 1 or len({len(_row_extras(item)) for item in items.values()}) > 1:
+            raise UserError(f"{source}: some rows have a first frame (image-to-video) and some not; rerun the stage "
+                            f"that made {source}")
+        inputs = rows_digest(keys, [items[i]["text_embedding"] for i, _ in rows], extras if extras and extras[0] else None)
         path = shard_path(out, SPLIT, k)
         if not shard_is_done(path, recorded, inputs, len(rows)):
             records = []
@@ -247,7 +275,13 @@ def _batch_records(teacher: Any, items: dict[int, dict[str, Any]], part: list[tu
         negative = pad_prompt_embedding(uncond, length, torch.float32).to(device).unsqueeze(0).expand_as(text)
     shape = tuple(settings.latent_shape)
     noise = torch.stack([row_noise(settings.seed, items[i]["id"], s, shape) for i, s in part])
-    points = teacher_trajectory(teacher, text, negative, noise, grid, record, settings.guidance_scale).cpu()
+    first = images = None
+    if items[part[0][0]].get("first_frame") is not None:  # image-to-video: each row's frame and image embeddings
+        first = torch.stack([items[i]["first_frame"].float() for i, _ in part]).to(device)
+        if items[part[0][0]].get("image_embedding") is not None:
+            images = torch.stack([items[i]["image_embedding"].float() for i, _ in part]).to(device)
+    points = teacher_trajectory(teacher, text, negative, noise, grid, record, settings.guidance_scale,
+                                first_frame=first, image_embeds=images).cpu()
     c, t, h, w = shape
     out = []
     for row, (i, s) in enumerate(part):
@@ -256,7 +290,9 @@ def _batch_records(teacher: Any, items: dict[int, dict[str, Any]], part: list[tu
                                 latent=points[row].reshape(len(record) * c, t, h, w).contiguous(),
                                 text_embedding=item["text_embedding"].clone(),
                                 num_frames=int(meta.get("num_frames") or 0), height=int(meta.get("height") or 0),
-                                width=int(meta.get("width") or 0), fps=float(meta.get("fps") or 0.0), source=SOURCE))
+                                width=int(meta.get("width") or 0), fps=float(meta.get("fps") or 0.0), source=SOURCE,
+                                first_frame=None if item.get("first_frame") is None else item["first_frame"].clone(),
+                                image_embedding=None if item.get("image_embedding") is None else item["image_embedding"].clone()))
     return out
 
 
@@ -284,6 +320,8 @@ def _write_manifest(source: Path, out: Path, settings: TrajectorySettings, rows:
                 "splits": {SPLIT: {"rows": rows, "skipped": 0, "entries": rows}},
                 "latent_channels": c, "latent_shape": [points * c, t, h, w], "text_dim": text_dim,
                 "normalisation": src.get("normalisation"), "trajectory_points": points}
+    if src.get("image_conditioning") is not None:  # the rows carry the source's first frames and image embeddings
+        manifest["image_conditioning"] = src["image_conditioning"]
     write_text_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=2))
     write_text_atomic(out / SETTINGS_FILE, json.dumps({"format": FORMAT, "settings": settings.record(), "rows": rows,
                                                         "shards": shards, "shard_sha256": digests}, indent=2))

@@ -2,7 +2,8 @@
 samples chunk by chunk through this (stdlib + torch + diffusers only).
 
 Block-causal: latent frame ``f`` is in chunk ``f // chunk_size`` and attends to every token of its own
-chunk and of every earlier one. Tokens are frame-major after patchify (temporal patch 1), so a chunk
+chunk and of every earlier one. An image-to-video student (``given_first_frame``, from ``sampling.json``) has the
+given frame as a block of its own: frame 0, then chunks of ``chunk_size`` from frame 1. Tokens are frame-major after patchify (temporal patch 1), so a chunk
 is a contiguous token range and its queries attend a key *prefix*: one SDPA call (diffusers'
 attention dispatcher, no mask) per chunk over the keys of frames ``[0, end of its chunk)``.
 
@@ -34,13 +35,20 @@ class AttentionPlan:
     (``tokens_per_frame`` tokens each); keys are ``past[i]`` (block i's cached frames, or none) ⊕ the
     call's own; ``store`` (when not None) receives each block's own keys/values."""
 
-    __slots__ = ("chunk_size", "tokens_per_frame", "start_frame", "frames", "past", "store")
+    __slots__ = ("chunk_size", "tokens_per_frame", "start_frame", "frames", "past", "store", "lead")
 
     def __init__(self, chunk_size: int, tokens_per_frame: int, start_frame: int, frames: int,
                  past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None, lead: int = 0) -> None:
         self.chunk_size, self.tokens_per_frame = chunk_size, tokens_per_frame
         self.start_frame, self.frames, self.past, self.store = start_frame, frames, past, store
+        self.lead = lead  # 1: frame 0 is a block of its own (the given first frame)
+
+    def chunk_end(self, frame: int) -> int:
+        """The first frame after the chunk that holds ``frame``."""
+        if frame < self.lead:
+            return self.lead
+        return self.lead + ((frame - self.lead) // self.chunk_size + 1) * self.chunk_size
 
     def query_groups(self) -> list[tuple[int, int, int]]:
         """``(query token begin, query token end, key token end)`` per chunk the call's frames touch
@@ -48,7 +56,7 @@ class AttentionPlan:
         groups = []
         frame, end, n = self.start_frame, self.start_frame + self.frames, self.tokens_per_frame
         while frame < end:
-            chunk_end = min((frame // self.chunk_size + 1) * self.chunk_size, end)
+            chunk_end = min(self.chunk_end(frame), end)
             groups.append(((frame - self.start_frame) * n, (chunk_end - self.start_frame) * n, chunk_end * n))
             frame = chunk_end
         return groups
@@ -152,16 +160,19 @@ class KVCache:
 
 
 class CausalWanDenoiser(WanDenoiser):
-    """:class:`WanDenoiser` attending block-causally over ``chunk_size``-frame chunks, with a KV cache per tag."""
+    """:class:`WanDenoiser` attending block-causally over ``chunk_size``-frame chunks, with a KV cache per tag;
+    ``given_first_frame``: an image-to-video student whose frame 0 is the given frame (a block of its own)."""
 
-    def __init__(self, transformer: torch.nn.Module, shift: float, chunk_size: int, num_train_timesteps: int = 1000, *,
-                 layout: WanLayout | None = None) -> None:
+    def __init__(self, transformer: torch.nn.Module, shift: float, chunk_size: int, num_train_timesteps: int = 1000,
+                 given_first_frame: bool = False, *, layout: WanLayout | None = None) -> None:
         super().__init__(transformer, shift, num_train_timesteps, layout=layout)
         if self.layout.second is not None:
             raise ValueError("a causal student of two experts (Wan 2.2 A14B): one KV cache per transformer; not supported")
         if self.patch_size[0] != 1:
             raise ValueError(f"a causal Wan needs a temporal patch size of 1, got patch_size {self.patch_size}")
         self.chunk_size = int(chunk_size)
+        self.given_first_frame = bool(given_first_frame)
+        self.lead = 1 if self.given_first_frame else 0
         install_causal_attention(transformer)
         self.caches: dict[str, KVCache] = {}
 
@@ -185,8 +196,8 @@ class CausalWanDenoiser(WanDenoiser):
 
     def velocity(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, conditional: bool = True) -> torch.Tensor:
         """The whole video under the block-causal mask (no cache read or written)."""
-        return self._planned(AttentionPlan(self.chunk_size, self._tokens_per_frame(x), 0, x.shape[2]), x, timesteps,
-                             cond, conditional)
+        return self._planned(AttentionPlan(self.chunk_size, self._tokens_per_frame(x), 0, x.shape[2], lead=self.lead), x,
+                             timesteps, cond, conditional)
 
     def velocity_streaming(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, *, tag: str,
                            store_kv: bool, start_frame: int, conditional: bool = True) -> torch.Tensor:
@@ -194,15 +205,16 @@ class CausalWanDenoiser(WanDenoiser):
         and block-causally to themselves; ``store_kv``: append their keys/values to the cache."""
         cache = self.caches.get(tag)
         held = cache.frames if cache is not None else 0
-        if int(start_frame) != held or int(start_frame) % self.chunk_size:
+        start = int(start_frame)
+        if start != held or ((start - self.lead) % self.chunk_size if start >= self.lead else start):
             raise ValueError(f"cache {tag!r} holds {held} frames; a call must start there, at a chunk boundary "
                              f"(chunks of {self.chunk_size}), not at frame {start_frame}")
         cond = cond.frames(int(start_frame), x.shape[2])  # an image-to-video chunk: its frames' condition
         tokens = self._tokens_per_frame(x)
         past = cache.layers if cache is not None and held else None
         store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if store_kv else None
-        v = self._planned(AttentionPlan(self.chunk_size, tokens, held, x.shape[2], past=past, store=store), x, timesteps,
-                          cond, conditional)
+        v = self._planned(AttentionPlan(self.chunk_size, tokens, held, x.shape[2], past=past, store=store, lead=self.lead),
+                          x, timesteps, cond, conditional)
         if store is not None:
             layers = [store[i] for i in range(len(store))]
             if past is not None:

@@ -9,12 +9,17 @@ A sampling contract (``sampling.json``)::
 
 - ``euler`` (``chunk_size``): Euler on diffusers' σ grid with CFG ``u + w (c − u)`` when ``w > 1``;
   with ``chunk_size`` every frame is denoised in step under the block-causal mask. NFE/video: steps × branches.
+  With ``given_first_frame`` (a causal image-to-video student): frame 0 is the given frame's clean latent, written
+  once to a KV cache at t = 0 (+ branches forwards), frames 1 … T − 1 denoised in step against it.
 - ``few_step_x0`` (``timesteps``): at each ladder timestep predict ``x0 = x_t − σ v``, re-noise it to
   the next one with fresh noise; returns the last x0. NFE/video: steps × branches.
 - ``causal_streaming`` (``timesteps``, ``chunk_size``, ``context_noise``, ``renoise``): the ladder of
   ``few_step_x0`` chunk by chunk, each chunk attending to the earlier ones through the KV cache; a
   finished chunk is written to the cache by one more forward (at ``context_noise``, fresh noise when
   > 0), except the last. NFE/video: branches × (chunks × steps + chunks − 1); per chunk: steps (+1 write).
+  With ``given_first_frame`` (a causal image-to-video student): frame 0 is the given frame's clean latent (the first
+  frame condition's latent frame 0), written to the cache at t = 0 first (+ branches forwards) and returned as it is;
+  the chunks start at frame 1 (the video: 1 + k · chunk_size latent frames).
 - ``pdd_fused`` (``pdd_steps``, ``block_size_max``): N blocks of the ``pdd_steps``-interval fine grid,
   one fused-head forward each. NFE/video: N × branches.
 
@@ -129,19 +134,58 @@ def _chunk_size(value: Any, name: str) -> int | None:
     return None if value is None else _positive_int(value, "chunk_size", name)
 
 
+def _given_first_frame(value: Any, name: str) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"sampler {name}: given_first_frame must be true or false, got {value!r}")
+    return value
+
+
+def _causal_kind(chunk_size: int | None, given_first_frame: bool) -> dict[str, Any]:
+    if chunk_size is None:
+        return {}
+    return {"chunk_size": chunk_size, **({"given_first_frame": True} if given_first_frame else {})}
+
+
+def _check_causal(model: Any, chunk_size: int, given_first_frame: bool, name: str) -> None:
+    if int(getattr(model, "chunk_size", -1)) != chunk_size or bool(getattr(model, "given_first_frame", False)) != given_first_frame:
+        raise ValueError(f"sampler {name} needs a causal model with chunk_size {chunk_size}"
+                         + (" whose frame 0 is the given frame" if given_first_frame else ""))
+
+
+def first_latent(cond: Conditioning, latent_channels: int, batch: int) -> torch.Tensor:
+    """The given frame's clean latent ``[B, C, 1, H, W]`` (float32): latent frame 0 of the first-frame condition's
+    latent part (its last ``latent_channels`` channels, after the mask)."""
+    first = cond.first_frame
+    if first is None:
+        raise ValueError("an image-to-video transformer samples from a first frame: pass image= (or first_frame=)")
+    return first[:, first.shape[1] - latent_channels:, :1].float().expand(batch, -1, -1, -1, -1)
+
+
 class EulerSampler(Sampler):
     name = "euler"
-    option_keys = ("chunk_size",)
+    option_keys = ("chunk_size", "given_first_frame")
     default_num_steps = 40
 
     def configure(self, options: dict[str, Any]) -> None:
         self.chunk_size = _chunk_size(options.get("chunk_size"), self.name)
+        self.given_first_frame = _given_first_frame(options.get("given_first_frame"), self.name)
+        if self.given_first_frame and self.chunk_size is None:
+            raise ValueError("sampler euler: given_first_frame is a causal student's layout; the contract names no chunk_size")
 
     def model_kind(self) -> dict[str, Any]:
-        return {} if self.chunk_size is None else {"chunk_size": self.chunk_size}
+        return _causal_kind(self.chunk_size, self.given_first_frame)
+
+    def nfe(self, num_steps=None, guidance_scale=None, num_frames=None) -> int:
+        """steps × branches, + branches for a given first frame's cache write."""
+        branches = 2 if cfg_enabled(self.resolve_guidance(guidance_scale)) else 1
+        return branches * (self.resolve_steps(num_steps) + int(self.given_first_frame))
 
     @torch.no_grad()
     def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
+        if self.given_first_frame:
+            return self._sample_given_first_frame(model, cond, latent_shape, generator, num_steps, guidance_scale)
         batch = cond.text_embeds.shape[0]
         steps, guidance = self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale)
         device = model.device
@@ -155,6 +199,37 @@ class EulerSampler(Sampler):
             v = guide(lambda conditional: model.velocity(x, t, cond, conditional), guidance)
             x = euler_step(x, v, sigmas[i], sigmas[i + 1])
         return x
+
+    def _sample_given_first_frame(self, model, cond, latent_shape, generator, num_steps, guidance_scale):
+        """Frame 0 cached clean at t = 0 once, frames 1 … T − 1 denoised in step against it (module doc)."""
+        _check_causal(model, self.chunk_size, True, self.name)
+        batch = cond.text_embeds.shape[0]
+        c, frames = int(latent_shape[0]), int(latent_shape[1])
+        chunk_bounds(frames, self.chunk_size, True)  # a length that does not fit: before any forward
+        steps, guidance = self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale)
+        device = model.device
+        shift, scale = self.schedule(model.shift)
+        sigmas = inference_sigmas(shift, steps, scale).to(device)
+        timesteps = sigmas[:-1] * scale
+        whole = draw(generator, (batch, *latent_shape), device)
+        cond = _on(cond, device)
+        first = first_latent(cond, c, batch)
+
+        def streamed(x: torch.Tensor, t: torch.Tensor, start: int, store: bool) -> torch.Tensor:
+            return guide(lambda conditional: model.velocity_streaming(
+                x, t, cond, tag=CACHE_TAGS[0 if conditional else 1], store_kv=store, start_frame=start,
+                conditional=conditional), guidance)
+
+        model.clear_caches()
+        try:
+            streamed(first, torch.zeros(batch, dtype=torch.float32, device=device), 0, True)
+            x = whole[:, :, 1:]
+            for i in range(steps):
+                v = streamed(x, timesteps[i].expand(batch), 1, False)
+                x = euler_step(x, v, sigmas[i], sigmas[i + 1])
+        finally:
+            model.clear_caches()
+        return torch.cat([first, x], dim=2)
 
 
 class LadderSampler(Sampler):
@@ -214,9 +289,10 @@ class FewStepX0Sampler(LadderSampler):
 
 class CausalStreamingSampler(LadderSampler):
     name = "causal_streaming"
-    option_keys = ("timesteps", "chunk_size", "context_noise", "renoise")
+    option_keys = ("timesteps", "chunk_size", "context_noise", "renoise", "given_first_frame")
 
     def configure(self, options: dict[str, Any]) -> None:
+        self.given_first_frame = _given_first_frame(options.get("given_first_frame"), self.name)
         scale = self.num_train_timesteps or 1000
         self.configure_ladder(options)
         self.chunk_size = _chunk_size(options.get("chunk_size"), self.name)
@@ -231,21 +307,21 @@ class CausalStreamingSampler(LadderSampler):
             raise ValueError(f"sampler causal_streaming: renoise must be 'sde' or 'ode', got {self.renoise_mode!r}")
 
     def model_kind(self) -> dict[str, Any]:
-        return {"chunk_size": self.chunk_size}
+        return _causal_kind(self.chunk_size, self.given_first_frame)
 
     def nfe(self, num_steps=None, guidance_scale=None, num_frames=None) -> int:
-        """branches × (chunks × steps + chunks − 1 cache writes); without ``num_frames``: one chunk's, branches × steps."""
+        """branches × (chunks × steps + chunks − 1 cache writes), + branches for a given first frame's write; without
+        ``num_frames``: one chunk's, branches × steps."""
         steps = self.resolve_steps(num_steps)
         branches = 2 if cfg_enabled(self.resolve_guidance(guidance_scale)) else 1
         if num_frames is None:
             return branches * steps
-        chunks = -(-int(num_frames) // self.chunk_size)
-        return branches * (chunks * steps + chunks - 1)
+        chunks = len(chunk_bounds(int(num_frames), self.chunk_size, self.given_first_frame))
+        return branches * (chunks * steps + chunks - 1 + int(self.given_first_frame))
 
     @torch.no_grad()
     def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
-        if int(getattr(model, "chunk_size", -1)) != self.chunk_size:
-            raise ValueError(f"sampler causal_streaming needs a causal model with chunk_size {self.chunk_size}")
+        _check_causal(model, self.chunk_size, self.given_first_frame, self.name)
         batch = cond.text_embeds.shape[0]
         w = self.resolve_guidance(guidance_scale)
         guided = cfg_enabled(w)
@@ -266,9 +342,14 @@ class CausalStreamingSampler(LadderSampler):
             u = model.velocity_streaming(x, step, cond, tag=tags[1], store_kv=store, start_frame=start, conditional=False)
             return u + w * (v - u)
 
+        bounds = chunk_bounds(frames, self.chunk_size, self.given_first_frame)  # a length that does not fit: ValueError
         chunks = []
         try:
-            for start, f in chunk_bounds(frames, self.chunk_size):
+            if self.given_first_frame:  # frame 0: the given frame's clean latent, cached at t = 0, never denoised
+                first = first_latent(cond, c, batch)
+                chunks.append(first)
+                velocity(first, 0.0, 0, store=True)
+            for start, f in bounds:
                 shape = (batch, c, f, h, wd)
                 x = whole[:, :, start:start + f]
                 x0 = x

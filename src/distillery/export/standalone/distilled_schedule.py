@@ -69,6 +69,14 @@ def block_weights(sigmas: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return deltas / deltas.sum()
 
 
-def chunk_bounds(num_frames: int, chunk_size: int) -> list[tuple[int, int]]:
-    """``[(start frame, frames)]`` of the causal chunks of a video, from frame 0 (the last may be shorter)."""
-    return [(s, min(chunk_size, num_frames - s)) for s in range(0, num_frames, chunk_size)]
+def chunk_bounds(num_frames: int, chunk_size: int, given_first_frame: bool = False) -> list[tuple[int, int]]:
+    """``[(start frame, frames)]`` of the chunks a causal sampler denoises: from frame 0 (the last may be shorter);
+    ``given_first_frame`` (an image-to-video student: frame 0 is the given frame, never denoised): from frame 1, all
+    ``chunk_size`` long — a ``ValueError`` for a length other than ``1 + k · chunk_size``."""
+    if not given_first_frame:
+        return [(s, min(chunk_size, num_frames - s)) for s in range(0, num_frames, chunk_size)]
+    if num_frames < 2 or (num_frames - 1) % chunk_size:
+        raise ValueError(f"{num_frames} latent frames do not fit this image-to-video student's layout: the given first "
+                         f"frame, then chunks of {chunk_size} latent frames (1 + k·{chunk_size} latent frames: "
+                         f"num_frames = 4·k·{chunk_size} + 1)")
+    return [(s, chunk_size) for s in range(1, num_frames, chunk_size)]

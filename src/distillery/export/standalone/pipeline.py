@@ -180,7 +180,9 @@ class DistilledWanPipeline(WanPipeline):
             shift, scale = sampler.schedule(self.scheduler_shift())
             kind, layout = sampler.model_kind(), self.layout()
             if "chunk_size" in kind:
-                self._denoiser = CausalWanDenoiser(self.transformer, shift, kind["chunk_size"], scale, layout=layout)
+                self._denoiser = CausalWanDenoiser(self.transformer, shift, kind["chunk_size"], scale,
+                                                   given_first_frame=bool(kind.get("given_first_frame", False)),
+                                                   layout=layout)
             elif "pdd_steps" in kind:
                 heads = Path(self.name_or_path) / "transformer" / HEADS_FILE
                 self._denoiser = PDDWanDenoiser(self.transformer, shift, kind["pdd_steps"], heads, scale, layout=layout)

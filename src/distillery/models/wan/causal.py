@@ -7,7 +7,9 @@ self-attention (``attn1``) of every block gets a different processor; cross-atte
 time and text embeddings are diffusers' own.
 
 Block-causal: latent frame ``f`` belongs to chunk ``f // chunk_size`` and attends to every token of
-its own chunk and of every earlier chunk. Tokens are frame-major after patchify (patch ``(1, 2, 2)``:
+its own chunk and of every earlier chunk. An image-to-video student (the folder's transformer takes a first-frame
+condition) has the given frame as a block of its own: frame 0, then chunks of ``chunk_size`` from frame 1
+(``given_first_frame``, :attr:`~distillery.models.base.CausalModelBase.given_first_frame`). Tokens are frame-major after patchify (patch ``(1, 2, 2)``:
 each latent frame is ``H/2 · W/2`` consecutive tokens), so a chunk is a contiguous token range and
 the attention of a chunk's queries is plain attention over a key *prefix* — no mask tensor is built:
 each chunk's queries run one SDPA call over the keys of frames ``[0, end of its chunk)`` (FlashAttention-4,
@@ -76,17 +78,24 @@ class _AttentionPlan:
     dict the blocks write to stays the one the model reads.
     """
 
-    __slots__ = ("chunk_size", "tokens_per_frame", "start_frame", "frames", "past", "store")
+    __slots__ = ("chunk_size", "tokens_per_frame", "start_frame", "frames", "past", "store", "lead")
 
     def __init__(self, chunk_size: int, tokens_per_frame: int, start_frame: int, frames: int,
                  past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None, lead: int = 0) -> None:
         self.chunk_size = chunk_size
         self.tokens_per_frame = tokens_per_frame
         self.start_frame = start_frame
         self.frames = frames
         self.past = past
         self.store = store
+        self.lead = lead  # 1: frame 0 is a block of its own (the given first frame), chunks start at frame 1
+
+    def chunk_end(self, frame: int) -> int:
+        """The first frame after the chunk that holds ``frame``."""
+        if frame < self.lead:
+            return self.lead
+        return self.lead + ((frame - self.lead) // self.chunk_size + 1) * self.chunk_size
 
     def query_groups(self) -> list[tuple[int, int, int]]:
         """``(query token begin, query token end, key token end)`` per chunk the call's frames touch.
@@ -95,7 +104,7 @@ class _AttentionPlan:
         groups = []
         frame, end = self.start_frame, self.start_frame + self.frames
         while frame < end:
-            chunk_end = min((frame // self.chunk_size + 1) * self.chunk_size, end)
+            chunk_end = min(self.chunk_end(frame), end)
             n = self.tokens_per_frame
             groups.append(((frame - self.start_frame) * n, (chunk_end - self.start_frame) * n, chunk_end * n))
             frame = chunk_end
@@ -194,7 +203,8 @@ def fa4_block_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     block-sparse call with the chunk layout (``chunk_size · tokens_per_frame`` tokens per chunk, the queries
     starting at token ``start_frame · tokens_per_frame``), or one plain call when the call is one chunk."""
     groups = plan.query_groups()
-    if mode == "sparse" and len(groups) > 1:
+    uniform = not plan.lead or plan.chunk_size == 1  # the block-sparse layout: equal chunks from frame 0 (a given frame 0
+    if mode == "sparse" and len(groups) > 1 and uniform:  # then chunks of 1 is one; of more, per-chunk prefix calls)
         return fa4_attention(query, key, value, chunk_tokens=plan.chunk_size * plan.tokens_per_frame,
                              q_offset=plan.start_frame * plan.tokens_per_frame)
     outs = [fa4_attention(query[:, q_begin:q_end], key[:, :k_end], value[:, :k_end]) for q_begin, q_end, k_end in groups]
@@ -240,6 +250,11 @@ class CausalWanModel(WanModel, CausalModelBase):
     same latents and timesteps, streaming chunk by chunk (``store_kv=True``) gives each chunk the
     output the full-sequence call gives it. With ``chunk_size`` ≥ the number of frames the full call
     is the bidirectional :class:`WanModel`.
+
+    An image-to-video folder makes it a ``given_first_frame`` student, always: frame 0 is a block of its own (it
+    attends to itself only, every later frame attends to it) and streaming chunks start at frame 1. The model only
+    lays the blocks out; the callers put the given frame's clean latent at t = 0 there
+    (:func:`~distillery.models.base.given_first_latent`) and leave frame 0 out of their losses.
     """
 
     config_class = CausalWanModelConfig
@@ -250,6 +265,8 @@ class CausalWanModel(WanModel, CausalModelBase):
         if tuple(self.patch_size)[0] != 1:
             raise ValueError(f"causal Wan needs a temporal patch size of 1, got patch_size {self.patch_size}")
         self.chunk_size = int(config.chunk_size)
+        self.given_first_frame = self.image_conditioning is not None  # an I2V student: frame 0 is the given frame
+        self._lead = 1 if self.given_first_frame else 0
         install_causal_attention(self.transformer)
         self._caches: dict[str, _KVCache] = {}
 
@@ -288,7 +305,8 @@ class CausalWanModel(WanModel, CausalModelBase):
     ) -> torch.Tensor:
         """Velocity ``[B, C, T, H, W]`` (float32) of the whole video under the block-causal mask;
         ``timesteps`` ``[B]`` or per-frame ``[B, T]`` in [0, 1000]. No cache is read or written."""
-        plan = _AttentionPlan(self.chunk_size, self._tokens_per_frame(noisy_latents), 0, noisy_latents.shape[2])
+        plan = _AttentionPlan(self.chunk_size, self._tokens_per_frame(noisy_latents), 0, noisy_latents.shape[2],
+                              lead=self._lead)
         return self._forward(plan, noisy_latents, timesteps, batch, conditional)
 
     def predict_noise_streaming(
@@ -308,17 +326,20 @@ class CausalWanModel(WanModel, CausalModelBase):
         at these timesteps) to the cache. Runs under the caller's grad mode; the cache is detached.
         A call may cover several chunks (block-causal among them); it must start at a chunk boundary
         (a chunk stored in pieces would not have seen its own later frames). Raises ``ValueError``
-        when ``cur_start_frame`` is not the number of cached frames or not a multiple of
-        ``chunk_size``, or the batch size / frame size differs from the cached frames'.
+        when ``cur_start_frame`` is not the number of cached frames or not a chunk boundary (a multiple of
+        ``chunk_size``; with ``given_first_frame``: 0, or 1 + a multiple), or the batch size / frame size differs
+        from the cached frames'.
         """
         cache = self._caches.get(cache_tag)
         held = cache.frames if cache is not None else 0
         if int(cur_start_frame) != held:
             raise ValueError(f"cache {cache_tag!r} holds {held} frames; a chunk starting at frame {cur_start_frame} "
                              "does not follow them")
-        if int(cur_start_frame) % self.chunk_size:
+        start = int(cur_start_frame)
+        if (start - self._lead) % self.chunk_size if start >= self._lead else start:
             raise ValueError(f"a streaming call starts at frame {cur_start_frame}, inside a chunk of {self.chunk_size} "
-                             "frames; calls start at chunk boundaries (the cache holds whole chunks)")
+                             "frames" + (" (after the given frame 0)" if self._lead else "")
+                             + "; calls start at chunk boundaries (the cache holds whole chunks)")
         tokens = self._tokens_per_frame(noisy_latents)
         past = None
         if cache is not None and held:
@@ -328,7 +349,7 @@ class CausalWanModel(WanModel, CausalModelBase):
                                  f"frame; got batch {noisy_latents.shape[0]} × {tokens}")
             past = cache.layers
         store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if store_kv else None
-        plan = _AttentionPlan(self.chunk_size, tokens, held, noisy_latents.shape[2], past=past, store=store)
+        plan = _AttentionPlan(self.chunk_size, tokens, held, noisy_latents.shape[2], past=past, store=store, lead=self._lead)
         v = self._forward(plan, noisy_latents, timesteps, _frames_of(batch, held, noisy_latents.shape[2]), conditional)
         if store is not None:
             layers = [store[i] for i in range(len(store))]

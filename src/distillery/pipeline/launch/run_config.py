@@ -145,6 +145,21 @@ def check_chain(spec: TrainingStageSpec, raw: dict[str, Any]) -> "RunConfig":
         if text_dim != latents["text_dim"]:
             raise UserError(f"stage {spec.name}: the model in {tdir} takes text_dim {text_dim}, the latents' "
                             f"prompt embeddings have {latents['text_dim']}; preprocess with this model's text encoder")
-        check_image_conditioning(spec.name, tdir, loaders.image_conditioning(json.loads((tdir / "config.json").read_text())),
-                                 latents, Path(config.training.data.path))
+        image = loaders.image_conditioning(json.loads((tdir / "config.json").read_text()))
+        check_image_conditioning(spec.name, tdir, image, latents, Path(config.training.data.path))
+        check_given_frame_layout(spec.name, image, getattr(config.models[role].config, "chunk_size", None), latents)
     return config
+
+
+def check_given_frame_layout(stage: str, image: Any, chunk_size: int | None, latents: dict[str, Any]) -> None:
+    """A causal image-to-video model (``image`` set, ``chunk_size`` not None: its latent frame 0 is the given frame,
+    then chunks of ``chunk_size``) trains only on clips of ``1 + k · chunk_size`` latent frames (the manifest's
+    ``latent_shape``); one :class:`UserError` line otherwise, before anything is launched."""
+    from distillery.models.base import given_frame_layout_problem
+
+    shape = latents.get("latent_shape")
+    if image is None or chunk_size is None or not isinstance(shape, list) or len(shape) != 4:
+        return
+    problem = given_frame_layout_problem(int(shape[1]), int(chunk_size))
+    if problem:
+        raise UserError(f"stage {stage}: {problem}; change clips.num_frames (latents.num_frames) or the chunk_size")
