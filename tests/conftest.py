@@ -4,7 +4,9 @@ workspaces ``prepared`` (clips → base → latents) and ``trained`` (+ teacher)
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -149,6 +151,61 @@ def _file_rank(items) -> dict[str, tuple[int, int]]:
     return ranks
 
 
+# The fast tier (`-m "not slow and not process"`, README "Test") is the tests that take well under a second each: a test
+# that starts one of these programs, builds `prepared`/`trained` or calls torch.compile is marked `process` (or slow).
+PROCESS_PROGRAMS = re.compile(r"(python[0-9.]*|dvc|distillery|torchrun|prefect|bash|sh)")
+SESSION_WORKSPACES = ("prepared", "trained")
+
+
+def _in_fast_tier(item) -> bool:
+    return item.get_closest_marker("slow") is None and item.get_closest_marker("process") is None
+
+
+def _unmarked_workspace_users(items) -> list[str]:
+    """The tests of the fast tier that use this file's session workspaces (a test module's own fixture of the same
+    name, as test_lora.py's ``trained``, is not one)."""
+    here = Path(__file__).resolve()
+    found = []
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if _in_fast_tier(item) and any(name in defs and Path(inspect.getsourcefile(defs[name][-1].func)).resolve() == here
+                                       for name in SESSION_WORKSPACES):
+            found.append(item.nodeid)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request, monkeypatch):
+    """A test of the fast tier that starts a python / dvc / distillery / torchrun / shell process or calls
+    torch.compile fails, saying to mark it ``process``: the fast tier stays what its marker expression promises.
+    (Session and module fixtures are set up before this one: only what the test itself starts is seen.)"""
+    if not _in_fast_tier(request.node):
+        return
+    import subprocess
+
+    import torch
+
+    popen_init = subprocess.Popen.__init__
+
+    def init(self, *a, **k):
+        args = a[0] if a else k.get("args")
+        first = args if isinstance(args, (str, bytes, os.PathLike)) else (list(args) or [""])[0]
+        words = os.fsdecode(first).split()
+        program = Path(words[0]).name if words else ""
+        if PROCESS_PROGRAMS.fullmatch(program):
+            pytest.fail(f"{request.node.nodeid} starts `{program}`: mark it @pytest.mark.process", pytrace=False)
+        popen_init(self, *a, **k)
+
+    def compile(*a, **k):
+        pytest.fail(f"{request.node.nodeid} calls torch.compile: mark it @pytest.mark.process", pytrace=False)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", init)
+    monkeypatch.setattr(torch, "compile", compile)
+
+
 def pytest_collection_modifyitems(session, config, items):
+    if unmarked := _unmarked_workspace_users(items):
+        raise pytest.UsageError("these tests use the session workspace `prepared`/`trained` but are marked neither "
+                                "slow nor process: " + ", ".join(unmarked))
     ranks = _file_rank(items)
     items.sort(key=lambda item: ranks[str(item.fspath)])  # stable: within a file and within a group, collection order is kept

@@ -142,6 +142,7 @@ def _targets(gm) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("chunk_tokens,q_offset", [(0, 0), (96, 0), (64, 128)])
 def test_fake_implementation_under_torch_compile_on_meta_tensors(chunk_tokens, q_offset):
     torch._dynamo.reset()
@@ -167,6 +168,7 @@ def test_fake_implementation_under_torch_compile_on_meta_tensors(chunk_tokens, q
     assert out_meta.is_contiguous() and lse_meta.is_contiguous()
 
 
+@pytest.mark.process
 def test_a_compiled_wan_block_keeps_the_fa4_op_whole():
     """A Wan block (head_dim 128 as Wan-1.3B's, 2 heads, meta weights and activations in bf16) routed to FA4
     compiles to one graph per direction (fullgraph: no graph break) with the op as one node and its backward op."""
@@ -279,6 +281,7 @@ def test_attention_over_the_block_lists_equals_masked_sdpa_in_fp32(q_len, k_len,
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.process
 def test_the_op_and_its_autograd_equal_sdpa_eager_and_compiled_on_cpu():
     """The op through its registered CPU kernel and backward (the wiring FA4 gets on the GPU), fp32, block-causal
     and plain, against masked SDPA; compiled with aot_eager it gives the same."""
@@ -313,6 +316,7 @@ def test_the_causal_wans_fa4_layouts_equal_its_sdpa_path():
 
 
 # -- compile modes ----------------------------------------------------------------------------------------
+@pytest.mark.process
 @pytest.mark.parametrize("mode", ["blocks", "model"])
 def test_compile_mode_compiles_each_block_or_the_whole_module(mode):
     from distillery.components.distributed import DistEnv

@@ -367,6 +367,7 @@ def test_a_causal_dfsft_student_samples_causally_and_plain_folders_load_causal(c
     assert streaming.nfe(num_steps=40, num_frames=5) == 3 * 40 + 2  # 3 chunks of 2, 2, 1 frames + 2 cache writes
 
 
+@pytest.mark.process
 def test_streaming_with_each_block_compiled_samples_what_eager_does(cond):
     """validate's ``compile`` on a causal student: each block compiled by Inductor (CPU here), the streaming
     sampler's KV-cache forwards (growing context, CFG) give the eager latents up to rounding and leave no cache."""

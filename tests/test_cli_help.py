@@ -6,6 +6,8 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
 from distillery.cli.main import build_parser
 from distillery.cli.train import build_parser as build_train_parser
 
@@ -47,6 +49,7 @@ def test_every_option_of_every_subcommand_has_help_and_shows_its_default():
     assert not no_default, f"options whose help does not show the default: {no_default}"
 
 
+@pytest.mark.process
 def test_train_help_explains_the_dotted_overrides():
     out = subprocess.run([sys.executable, "-m", "distillery.cli.main", "train", "--help"], capture_output=True, text=True,
                          timeout=120)

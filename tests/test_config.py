@@ -142,6 +142,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "distillery.cli.main", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.process
 def test_cli_config_errors_exit_2_with_one_line(tmp_path, tiny_base, latent_set):
     cfg = run_config(tiny_base, latent_set, tmp_path / "run")
     path = write_config(tmp_path / "run.yaml", cfg)
@@ -160,6 +161,7 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path, tiny_base, latent_set)
     assert missing.returncode == 2 and "file not found" in missing.stderr
 
 
+@pytest.mark.process
 def test_dry_run_prints_resolved_config_and_trains_nothing(tmp_path, tiny_base, latent_set):
     path = write_config(tmp_path / "run.yaml", run_config(tiny_base, latent_set, tmp_path / "run"))
     out = _cli("train", "--config", str(path), "--dry-run", "--training.optimizer.warmup_steps", "0", cwd=tmp_path)
@@ -277,6 +279,7 @@ def test_did_you_mean_and_override_bounds(tmp_path):
     assert "method._target_: expected a dotted path" in _error(raw, ["--method.caption_dropout", "0.1"])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_a_callback_role_that_is_not_a_role_of_the_run_is_one_line_before_anything_loads(tmp_path, tiny_base, latent_set, dry_run):
     """A callback's roles are checked where the method's are (check_roles_early), before any weights load:

@@ -37,6 +37,7 @@ def _cpu_env() -> DistEnv:
                    compute_dtype=torch.float32)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("trainable", [True, False])
 def test_compiling_a_bidirectional_wan_turns_off_mix_order_reduction(tiny_base, trainable):
     """Placing a compiled bidirectional Wan role (student/critic or frozen teacher) switches Inductor's mix-order

@@ -10,11 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from workspace import copy_stages
 
 from distillery.tinybase.shipped import shipped_tiny_base
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.process  # python and the CLI in subprocesses
 
 
 def test_export_after_a_validate_that_did_not_finish_is_one_line_and_exit_2(tmp_path):

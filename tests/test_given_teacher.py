@@ -89,6 +89,7 @@ def test_the_published_recipe_given_wider_teacher_prompts_ode_init_to_export(pre
     assert _width(repo / "artifacts" / "export" / "transformer") == (128, 4)
 
 
+@pytest.mark.process
 def test_a_given_teacher_that_is_no_model_folder_is_one_line(prepared, tmp_path):
     repo = _workspace(prepared, tmp_path / "ws", {"teacher.source": "base", "teacher.path": str(tmp_path)})
     out = stage(repo, "teacher")

@@ -131,6 +131,7 @@ def test_the_student_s_chunks_and_the_method_s_must_agree(tiny_base, training):
                  training)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("t_list, why", [("[999, 624, 833, 0]", "strictly descending"), ("[999, 937, 833, 624]", "must end at 0"),
                                          ("[1500, 937, 0]", "in [0, 1000]")])
 def test_params_check_refuses_a_bad_t_list_in_one_line(tmp_path, t_list, why):
@@ -205,6 +206,7 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.process
 def test_a_generation_killed_mid_shard_resumes_to_the_same_bytes(tmp_path, tiny_base):
     from distillery.data.demo import make_demo_latents
 

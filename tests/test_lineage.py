@@ -200,6 +200,7 @@ def test_tree_shows_every_stage(chain: dict[str, Path]) -> None:
     assert f"sha256 {digest}" in text
 
 
+@pytest.mark.process
 def test_cli_tree_and_json_round_trip(chain: dict[str, Path]) -> None:
     rc, out, _ = _cli(str(chain["export"]), "--json")
     assert rc == 0 and json.loads(out) == read_lineage(chain["export"])
@@ -207,6 +208,7 @@ def test_cli_tree_and_json_round_trip(chain: dict[str, Path]) -> None:
     assert rc == 0 and out.rstrip("\n") == lineage_tree(read_lineage(chain["export"]))
 
 
+@pytest.mark.process
 def test_verify_copy_then_tamper(chain: dict[str, Path], tmp_path: Path) -> None:
     copy = tmp_path / "elsewhere" / "export"
     shutil.copytree(chain["export"], copy)
@@ -258,6 +260,7 @@ def test_write_refuses_an_input_changed_after_its_lineage(chain: dict[str, Path]
         write_lineage(chain["export"], kind="export", stage="export", inputs=[Input("teacher", "artifacts/none")])
 
 
+@pytest.mark.process
 def test_read_errors_are_user_errors(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="no lineage.json"):
         read_lineage(tmp_path)
@@ -276,6 +279,7 @@ def _reference_dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(dvc), *args], cwd=repo, check=True, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.process
 def test_dvc_lock_hash_is_what_dvc_add_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The DVC 3 directory hash that `--verify --dvc-lock` recomputes, checked against the installed DVC on a
     real `dvc add` (before and after a file changes): nested
@@ -339,6 +343,7 @@ def test_find_dvc_out_errors(tmp_path: Path) -> None:
     assert find_dvc_out(lock, copy, "artifacts/export").path == "artifacts/export"
 
 
+@pytest.mark.process
 def test_unsealed_manifest_verifies_with_a_warning(chain: dict[str, Path]) -> None:
     """Manifests written before seals (no manifest_sha256, at any level) still verify, with a
     warning; they never satisfy --expect."""
@@ -367,6 +372,7 @@ def test_unsealed_manifest_verifies_with_a_warning(chain: dict[str, Path]) -> No
     assert DIGEST_KEY not in m["inputs"][0]["lineage"] and verify_lineage(chain["export"]).ok
 
 
+@pytest.mark.process
 def test_verify_flag_errors_are_one_line(chain: dict[str, Path]) -> None:
     for args, msg in (((str(chain["export"]), "--verify", "--expect", "abc"), "is not a sha256 hex digest"),
                       ((str(chain["export"]), "--recursive"), "--recursive only applies with --verify"),
@@ -435,6 +441,7 @@ def test_staged_write_records_the_final_artifact_path(chain: dict[str, Path]) ->
     assert verify_lineage(chain["export"], expect=m[DIGEST_KEY], recursive=True).ok
 
 
+@pytest.mark.process
 def test_hash_once_reuses_digests_and_still_catches_tampering(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the stage runner's hash cache active, a downstream stage takes the producer's digests
     for unchanged files instead of reading them again (staging renamed into place included); an

@@ -65,6 +65,7 @@ write_lineage(out, kind="model", stage="s")
 """
 
 
+@pytest.mark.process
 def test_dvc_exp_run_records_a_clean_tree_and_the_experiment_s_name(tmp_path):
     """The documented workflow for real: commit a baseline, ``dvc exp run -S lr=2``; the stage's lineage is clean,
     at the baseline commit, and names the experiment DVC reports."""

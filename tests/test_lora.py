@@ -150,6 +150,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "distillery.cli.main", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("where, lora, expected", [
     ("teacher", dict(LORA), "models.teacher.lora: the teacher is frozen (trainable: false)"),
     ("student", {"rank": 4, "target_modules": ["to_qq"]}, "models.student.lora.target_modules: 'to_qq' names no Linear layer"),
@@ -198,6 +199,7 @@ def test_lora_under_compile_and_activation_checkpointing_matches_eager(tmp_path,
     assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)
 
 
+@pytest.mark.process
 def test_export_weights_cli_takes_the_lora_form(trained, tmp_path):
     ckpt = trained["result"].checkpoint
     out = _cli("export-weights", str(ckpt), "--out", str(tmp_path / "x"), "--lora", "adapter", cwd=tmp_path)

@@ -40,6 +40,7 @@ def test_dvc_writes_a_profile_back_as_the_stages_read_it(tmp_path, profile):
         assert loaded.get(key) == value, key
 
 
+@pytest.mark.process
 def test_a_profile_key_that_params_yaml_lacks_or_a_bad_value_is_one_line(tmp_path):
     shutil.copy2(REPO / "params.yaml", tmp_path / "params.yaml")
     bad = tmp_path / "bad.yaml"

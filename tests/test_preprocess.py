@@ -100,6 +100,7 @@ def test_bad_items_are_skipped_with_reasons_and_nothing_else_is_lost(tmp_path, t
     assert ids == good
 
 
+@pytest.mark.process
 def test_too_many_bad_items_exit_2_with_one_line(tmp_path, tiny_base, clips):
     import shutil
 

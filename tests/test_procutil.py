@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process  # real process trees
+
 # The "stage": reports its chains, then watches its ancestors as the stage runner does and says when it was orphaned.
 STAGE = """
 import json, os, signal, sys, time

@@ -178,6 +178,7 @@ def test_a_bf16_vae_decodes_the_same_latents_to_nearby_frames_under_its_own_cach
         ValidationConfig(vae_precision="fp8")
 
 
+@pytest.mark.process
 def test_compiled_blocks_sample_what_eager_does_up_to_rounding_under_their_own_cache_key(setup):
     """``compile: true`` (each transformer block compiled by Inductor, here on CPU): sampled again under its own key,
     latents within rounding of the eager run's; report.json says so."""

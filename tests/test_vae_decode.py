@@ -187,6 +187,7 @@ print("kernels ok")
 """
 
 
+@pytest.mark.process
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (GPU machines have it)")
 def test_triton_kernels_equal_the_reference_in_the_interpreter():
     """The GPU kernels run on CPU tensors in Triton's interpreter (a fresh process: Triton reads

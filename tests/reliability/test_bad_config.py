@@ -20,6 +20,7 @@ import yaml
 CASE = "8.11"
 DISTILLERY = str(Path(sys.executable).parent / "distillery")
 MAX_LINE = 400  # an error line a person can read
+pytestmark = pytest.mark.process  # every case runs the CLI in a subprocess
 
 
 def _good(tmp: Path) -> dict:

@@ -158,6 +158,7 @@ def test_tiny_video_is_skipped_with_its_size(hostile_run, data_lost) -> None:
     assert lost == 0
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     case=CASE, title="captions file symlinked out of the folder",
     injected="data/captions.jsonl (and, in a second folder, videos2caption.json) a symlink to a valid captions "

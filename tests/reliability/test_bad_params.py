@@ -86,6 +86,7 @@ CLI_CASES = [
 ]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("text, names", CLI_CASES)
 def test_bad_params_is_one_line_exit_2_before_any_work(tmp_path, data_lost, text, names):
     before = _workspace(tmp_path)

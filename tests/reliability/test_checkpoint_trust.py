@@ -369,6 +369,7 @@ def test_old_pickled_state_is_refused(runs, tmp_path, tiny_base, latent_set, cap
     assert lost == 0
 
 
+@pytest.mark.process
 @pytest.mark.reliability(case="8.4", title="resume from an ungranted outside folder",
                          injected="training.checkpoint.resume names an intact checkpoint outside the run's output "
                                   "folder, no --allow-checkpoint (a real `distillery train` process)",

@@ -182,6 +182,7 @@ def test_overflowing_shape_is_refused(tmp_path: Path, real_latents: Path, data_l
     data_lost.record(0, "rows lost (the refusal keeps every file)")
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     case="9.6", title="same bytes, another layout",
     injected="a shard of a 17×32×32 latent set (rows [8, 5, 8, 8]) whose latent_shape column says [8, 5, 16, 4] "
@@ -347,6 +348,7 @@ def test_special_files_are_found_before_encoding(tmp_path: Path, tiny_base: Path
     assert lost == 0
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     case="9.8", title="the captions file is a FIFO",
     injected="data/captions.jsonl a FIFO (a watcher counts every open of it for reading); distillery preprocess CLI",

@@ -233,6 +233,7 @@ def _dvc(repo: Path, *args: str) -> None:
     subprocess.run([str(dvc), *args], cwd=repo, check=True, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.process
 @pytest.mark.reliability(case="8.5", title="files and manifest rewritten consistently: --dvc-lock",
                          injected="`dvc repro` a stage that writes a sealed artifact; then edit its weights, rewrite "
                                   "its outputs and recompute manifest_sha256",

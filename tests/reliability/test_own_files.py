@@ -39,6 +39,7 @@ def _one_line(out) -> str:
     return errors[0]
 
 
+@pytest.mark.process
 @pytest.mark.reliability(case="10.A", title="a lock file that is a symbolic link",
                          injected="runs/.locks/teacher.lock, then runs/teacher/.lock, a symlink to a file of the user's "
                                   "outside the workspace; `distillery stage teacher`",
@@ -59,6 +60,7 @@ def test_symlinked_lock_file_is_never_written(ws, tmp_path, data_lost, where):
     assert link.is_symlink()
 
 
+@pytest.mark.process
 @pytest.mark.reliability(case="10.5", title="the stage lock as a folder or a FIFO",
                          injected="runs/.locks/clips.lock made a folder (with a file in it), then a FIFO; `distillery stage clips`",
                          expect="exit 2, one line saying what it is (no IsADirectoryError / EINVAL traceback, no hang); "
@@ -78,6 +80,7 @@ def test_lock_that_is_not_a_file_is_one_line(ws, data_lost, kind):
     data_lost.record(0 if kind == "fifo" or (lock / "keep").read_text() == "x" else 1, "files lost")
 
 
+@pytest.mark.process
 @pytest.mark.reliability(case="10.B", title="runs/<stage> a symbolic link to the user's folder",
                          injected="runs/teacher a symlink to a folder of the user's (files and a subfolder) outside the "
                                   "workspace, after a config change; `distillery stage teacher`",
@@ -214,6 +217,7 @@ def test_preprocess_removes_only_shards_it_wrote(tmp_path, tiny_base, warnings_l
     assert changed == 0
 
 
+@pytest.mark.process
 @pytest.mark.reliability(case="10.2", title="a symbolic link where the pipeline keeps its folders",
                          injected="artifacts/clips, artifacts/clips.tmp, runs/.locks, runs/teacher each a symlink to a folder "
                                   "of the user's outside the workspace; the stage that writes there",

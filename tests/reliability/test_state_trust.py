@@ -103,6 +103,7 @@ def _bad_cache(kind: str, cache: Path, folder: Path) -> None:
         raise AssertionError(kind)
 
 
+@pytest.mark.process
 @pytest.mark.reliability(case="9.9", title="hash cache is a FIFO",
                          injected="runs/.hash_cache.json replaced by a named pipe nobody writes to; a process hashes "
                                   "a folder through the cache (what every stage does)",

@@ -13,6 +13,7 @@ import torch
 from helpers import read_log, role_state, run_config, train_in_process, write_config
 
 PY = sys.executable
+pytestmark = pytest.mark.process  # each test runs `python -m distillery.cli.train` in a subprocess
 
 
 def _nan_latent_set(src: Path, dst: Path) -> Path:

@@ -41,6 +41,7 @@ def test_a_workspace_too_deep_for_sqlite_is_one_line_first(tmp_path, monkeypatch
     assert sorted(p.name for p in ws.iterdir()) == ["params.yaml"]
 
 
+@pytest.mark.process
 @pytest.mark.reliability(case="10.G", title="a stage run outside a workspace (no stages/ package)",
                          injected="`distillery stage clips` in a folder holding params.yaml and dvc.yaml but no stages/ "
                                   "(the stage adapters a workspace holds beside them)",
@@ -113,6 +114,7 @@ def _truncated_store(ws: Path) -> None:
     (ws / "mlflow.db").write_bytes(raw[:8192])
 
 
+@pytest.mark.process
 @pytest.mark.reliability(case="10.6b", title="an MLflow store that cannot be used, a quote in the pipeline run",
                          injected="mlflow.db of random bytes; a FIFO; a real store truncated to 8 KiB; "
                                   "MLFLOW_TRACKING_URI at a port nothing listens on; DISTILLERY_PIPELINE_RUN with a quote; "

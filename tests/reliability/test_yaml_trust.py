@@ -127,6 +127,7 @@ training:
 """
 
 
+@pytest.mark.process
 @_mark("9.3", "duplicate key through an anchor", "`&k max_train_steps: 60` … `*k : 100000000` in a run config and "
        "`&k steps: 120` … `*k : 5` in params.yaml", "exit 2, one line naming the key; DVC refuses the same file; no file touched")
 def test_alias_keys_are_refused(tmp_path, data_lost):
@@ -178,6 +179,7 @@ AGREED = [  # read alike by both: accepted, and the value is DVC's
 ]
 
 
+@pytest.mark.process
 @_mark("9.4", "DVC and the stage read params.yaml alike", "each YAML 1.1/1.2-ambiguous scalar (octal-looking ints, "
        "sexagesimal, yes/no/on/off; 1e-4 without a dot, which DVC writes back, is read as DVC reads it) at a params.yaml key",
        "either the value DVC's own parser reads, or one line naming the key; the CLI refuses before any work")
@@ -336,6 +338,7 @@ def test_every_run_config_knob_is_bounded(data_lost):
     data_lost.record(0, "files (in-process check, nothing written)")
 
 
+@pytest.mark.process
 @_mark("9.7", "values the code cannot take", "--training.data.text_max_length 1000000000000; teacher.batch_size 1e24; "
        "clips.fps 1e-300; a teacher batch of 4096 latents of 1025×4096×4096", "exit 2, one line, before runs/teacher or any file is touched")
 @pytest.mark.parametrize("args, params, expected", [
@@ -378,6 +381,7 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
 
 
+@pytest.mark.process
 @_mark("9.14", "billion laughs / merge chain before DVC parses it", "params.yaml with 9^10 aliased strings (billion "
        "laughs) or a 40-level doubling merge chain; `python -m flows.pipeline` and `distillery params check`",
        "exit 2, one line naming params.yaml, before dvc runs (dvc repro alone hangs in its parser)")
