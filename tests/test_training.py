@@ -194,6 +194,7 @@ def test_step_time_summary_drops_warm_up():
 
 def test_exported_transformer_reproduces_the_trained_module(tmp_path, tiny_base, latent_set):
     from diffusers import WanTransformer3DModel
+    from direct_weights_check import assert_direct_export_is_save_pretrained
 
     from distillery.components.distributed import init_distributed, shutdown
     from distillery.config import allowed_prefixes, load_run_config
@@ -215,6 +216,7 @@ def test_exported_transformer_reproduces_the_trained_module(tmp_path, tiny_base,
         shutdown()
     out = export_weights(result.checkpoint, "student", tmp_path / "export")
     assert out == tmp_path / "export" / "transformer"
+    assert_direct_export_is_save_pretrained(result.checkpoint, "student", tmp_path / "direct")  # Wan 2.1, full weights
     loaded = WanTransformer3DModel.from_pretrained(out)
     with torch.no_grad():
         exported = loaded(x, t, text, return_dict=False)[0]
