@@ -140,15 +140,17 @@ def kill_launcher() -> None:
 
 
 class PublishImports:
-    """What publishing a trained model imports (torch, the model family's package and diffusers, matplotlib: ~10 s
-    on a 2-core CPU), imported on a thread of this process while the launch trains — this process only waits
-    then — instead of after it, on the stage's critical path. :meth:`wait` joins it; an import that failed there
-    fails again, with its own error, where the module is used."""
+    """What publishing a trained model imports (torch, the model family's package, matplotlib — and diffusers when
+    ``diffusers`` says export rebuilds the transformer: a LoRA role, two experts; a full-weight role of one is written
+    without it, :mod:`distillery.export.direct_weights`), imported on a thread of this process while the launch
+    trains — this process only waits then — instead of after it, on the stage's critical path. :meth:`wait` joins
+    it; an import that failed there fails again, with its own error, where the module is used."""
 
-    def __init__(self, init_folder: str) -> None:
+    def __init__(self, init_folder: str, diffusers: bool = True) -> None:
         import threading
 
         self.init_folder = init_folder
+        self.diffusers = diffusers
         self.thread = threading.Thread(target=self._run, name="publish-imports", daemon=True)
 
     def _run(self) -> None:
@@ -159,8 +161,10 @@ class PublishImports:
             import distillery.export.weights  # noqa: F401
             from distillery.models.registry import family_of, transformer_class
 
-            family_of(self.init_folder).loaders()
-            getattr(importlib.import_module("diffusers"), transformer_class(self.init_folder)[0])  # a family's classes are diffusers'
+            family = family_of(self.init_folder)
+            family.loaders()
+            if self.diffusers or family.experts != 1:
+                getattr(importlib.import_module("diffusers"), transformer_class(self.init_folder)[0])  # a family's classes are diffusers'
             importlib.import_module("matplotlib.figure")
             importlib.import_module("matplotlib.backends.backend_agg")
         except Exception:  # noqa: BLE001 - a warm-up only: the real import reports it
@@ -215,7 +219,7 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if params.get("gpus.nproc_per_node") > 1 else "2")}
     launch = training_launch(params, config_path)
     init_from = config.models[spec.export_role].config.init_from
-    publishing = PublishImports(init_from)
+    publishing = PublishImports(init_from, diffusers=config.models[spec.export_role].lora is not None)
     code = run_launch(launch, env, while_running=publishing.start)
     if code != 0:
         raise SystemExit(code)  # the launcher printed the one line (a user error: code 2)

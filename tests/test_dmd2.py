@@ -415,3 +415,15 @@ def test_a_stopped_two_rank_run_resumes_to_the_uninterrupted_weights(runs, metho
     b = dcp_tensors(runs / "resumed" / f"checkpoint-{STEPS}", prefixes)
     assert a.keys() == b.keys() and any(k.startswith("roles.student.") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_student_and_critic_saved_on_two_ranks_export_as_save_pretrained_writes_them(runs, method, tmp_path):
+    """A checkpoint saved by 2 ranks (DCP shards of both), its causal (self forcing) or bidirectional student and its
+    critic: the export written without diffusers is save_pretrained's folder, byte for byte."""
+    from direct_weights_check import assert_direct_export_is_save_pretrained
+
+    checkpoint = runs / method / "two" / f"checkpoint-{STEPS}"
+    for role in ("student", "critic"):
+        assert_direct_export_is_save_pretrained(checkpoint, role, tmp_path / role)

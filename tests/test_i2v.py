@@ -166,6 +166,10 @@ def test_sft_trains_the_i2v_model_on_the_frame(tmp_path, i2v_base, i2v_latents):
     before = load_file(str(next((i2v_base / "transformer").glob("*.safetensors"))))
     moved = [k for k in before if "image_embedder" in k and not torch.equal(before[k], state[k].to(before[k].dtype))]
     assert moved, "the image embedder got no update: the frame's embeddings do not reach the loss"
+    from tests.direct_weights_check import assert_direct_export_is_save_pretrained
+
+    checkpoint = next((tmp_path / "run").glob("checkpoint-*"))  # an image-to-video trunk, written without diffusers
+    assert_direct_export_is_save_pretrained(checkpoint, "student", tmp_path / "direct")
 
 
 def test_an_i2v_stage_refuses_latents_without_first_frames(tmp_path, i2v_base):

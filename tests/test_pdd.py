@@ -349,10 +349,14 @@ def host_state(checkpoint: Path) -> dict:
 
 @pytest.mark.slow
 def test_export_writes_the_head_bank_and_samples_the_trained_student(simulate_runs, tiny_base, tmp_path):
+    from direct_weights_check import assert_direct_export_is_save_pretrained
+
     from distillery.export.weights import export_weights
     from distillery.models.wan import load_inference_model
 
     ckpt = simulate_runs / "full" / f"checkpoint-{STEPS}"
+    for ema in (None, "ema"):  # the head bank beside a trunk written without diffusers: save_pretrained's bytes
+        assert_direct_export_is_save_pretrained(ckpt, "student", tmp_path / f"direct-{ema}", ema)
     out = export_weights(ckpt, "student", tmp_path / "model")
     assert (out / HEADS_FILE).is_file()
     heads = dcp_tensors(ckpt, ("roles.student.heads.",))

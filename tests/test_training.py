@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,6 +196,7 @@ def test_step_time_summary_drops_warm_up():
 
 def test_exported_transformer_reproduces_the_trained_module(tmp_path, tiny_base, latent_set):
     from diffusers import WanTransformer3DModel
+    from direct_weights_check import assert_direct_export_is_save_pretrained
 
     from distillery.components.distributed import init_distributed, shutdown
     from distillery.config import allowed_prefixes, load_run_config
@@ -215,6 +218,16 @@ def test_exported_transformer_reproduces_the_trained_module(tmp_path, tiny_base,
         shutdown()
     out = export_weights(result.checkpoint, "student", tmp_path / "export")
     assert out == tmp_path / "export" / "transformer"
+    assert_direct_export_is_save_pretrained(result.checkpoint, "student", tmp_path / "direct")  # Wan 2.1, full weights
+    # a training stage's publish of a full-weight role (its warm-up, the export, the plot) imports no diffusers
+    probe = (f"import sys; from stages.training import PublishImports; p = PublishImports({str(tiny_base)!r}, diffusers=False); "
+             "p._run(); from distillery.export.weights import export_weights; "
+             f"export_weights({str(result.checkpoint)!r}, 'student', {str(tmp_path / 'probe')!r}); "
+             "from distillery.models.registry import locate_transformer; locate_transformer("
+             f"{str(tiny_base)!r}); print(sorted(m for m in sys.modules if m.split('.')[0] == 'diffusers'))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
     loaded = WanTransformer3DModel.from_pretrained(out)
     with torch.no_grad():
         exported = loaded(x, t, text, return_dict=False)[0]

@@ -152,6 +152,8 @@ def _expert_weights(module) -> list[dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("layout", ["ti2v", "a14b"])
 @pytest.mark.parametrize("method", ["sft", "dmd2"])
 def test_sft_and_dmd2_train_a_wan22_model_and_export_it(folders, latents, tmp_path, layout, method):
+    from direct_weights_check import assert_direct_export_is_save_pretrained
+
     from distillery.export.code import check_own_pipeline_samples
     from distillery.export.weights import export_weights
 
@@ -167,6 +169,8 @@ def test_sft_and_dmd2_train_a_wan22_model_and_export_it(folders, latents, tmp_pa
     result = train_in_process(cfg)
     assert result.final_step == 4 and result.checkpoint is not None
     assert all(torch.isfinite(torch.tensor(v)) for row in result.history for k, v in row.items() if "loss" in k)
+    # TI2V: written without diffusers, save_pretrained's bytes; A14B (two experts): diffusers' path, kept
+    assert_direct_export_is_save_pretrained(result.checkpoint, "student", tmp_path / "direct", direct=layout == "ti2v")
     out = export_weights(result.checkpoint, "student", tmp_path / "model")
     shutil.copytree(base / "scheduler", tmp_path / "model" / "scheduler")
     family = {"ti2v": "wan2.2-ti2v-5b", "a14b": "wan2.2-a14b"}[layout]

@@ -105,6 +105,10 @@ def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str 
     config_file = ckpt / "roles" / role / "config.json"
     config = json.loads(config_file.read_text())
     loaders = family_of_class(config.get("_class_name"), f"cannot export {config_file}").loaders()
+    if record is None and lora != "adapter":
+        direct = _export_direct(ckpt, role, config, Path(out), loaders, ema)
+        if direct is not None:
+            return direct
     if record is None:
         module = loaders.build_transformer(config)
         load_role_weights(ckpt, role, module, ema)
@@ -130,6 +134,32 @@ def export_weights(checkpoint: str | Path, role: str, out: str | Path, ema: str 
         shutil.rmtree(tmp)
     module.save_pretrained(tmp, safe_serialization=True)
     export_head_bank(ckpt, role, module, tmp, loaders, ema)
+    follow_umask(tmp)  # safetensors writes its files 0600; the weights are as readable as every other file
+    return replace_dir(tmp, final)
+
+
+def _export_direct(ckpt: Path, role: str, config: dict[str, Any], out_dir: Path, loaders: "FamilyLoaders",
+                   ema: str | None) -> Path | None:
+    """``<out_dir>/transformer/`` of a full-weight role written without diffusers, byte for byte what
+    ``save_pretrained`` writes (:mod:`distillery.export.direct_weights`); None when that is not provable here."""
+    from distillery.export import direct_weights as direct
+
+    config_text = direct.direct_config(config)
+    if config_text is None:
+        return None
+    shapes = direct.role_tensor_shapes(ckpt, role)
+    if not shapes or not direct.fits_one_file(shapes):
+        return None
+    state = direct.load_role_tensors(ckpt, role, shapes, ema)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"export: cannot create --out {out_dir}: {exc.strerror or exc}") from None
+    final, tmp = out_dir / "transformer", out_dir / ".tmp-transformer"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    direct.write_direct(tmp, config_text, state)
+    export_head_bank(ckpt, role, direct.ProjOutHolder(state), tmp, loaders, ema)
     follow_umask(tmp)  # safetensors writes its files 0600; the weights are as readable as every other file
     return replace_dir(tmp, final)
 
