@@ -194,6 +194,7 @@ def test_step_time_summary_drops_warm_up():
     assert summarize_step_times(rows[:2]) is None
 
 
+@pytest.mark.process
 def test_exported_transformer_reproduces_the_trained_module(tmp_path, tiny_base, latent_set):
     from diffusers import WanTransformer3DModel
     from direct_weights_check import assert_direct_export_is_save_pretrained
