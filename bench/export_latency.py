@@ -18,6 +18,9 @@ call after load, compile included), then warm medians of ``--repeats``: ``encode
 variant: its latents' and frames' max / mean absolute difference from the ``stock`` variant's at the same seed
 (random weights: this measures how far a switch moves the numbers against bf16 rounding, not a trained model's
 quality). Writes ``$OUT/export_latency.json``; ``BENCH_SMOKE=1`` checks the script on the CPU at tiny shapes.
+``--family wan2.2-ti2v-5b``: the same over a Wan2.2-TI2V-5B-shaped base (5B transformer of one timestep per token, the
+Wan 2.2 VAE of 16× space / 4× time compression, UMT5-XXL), one 121×704×1280 video (its native 720p, 24 fps) per call;
+the teacher kind is its own recipe, Euler 50 steps with CFG 5; results in ``$OUT/export_latency_wan2.2-ti2v-5b.json``.
 Usage (device machine, after ``source bench/gpu_env.sh`` and the FA4 wheels): ``python bench/export_latency.py [--kinds …] [--variants …]``;
 ``fast_vae_fp32`` decodes with the VAE in fp32, ``eager_fa4`` is ``fast`` without compile.
 """
@@ -36,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_shape_pipeline as rsp  # noqa: E402  (build_base, the shape constants)
+import wan22_step  # noqa: E402  (the TI2V-5B transformer's configuration)
 
 OUT = Path(os.environ.get("OUT", "/tmp"))
 PROMPT = "a red fox runs across a snowy field at dawn, cinematic, detailed fur"
@@ -50,6 +54,18 @@ KINDS = {  # kind -> (sampling.json, [(label, num_inference_steps, guidance_scal
     "teacher": ({"sampler": "euler", "shift": 5.0, "num_train_timesteps": 1000, "num_steps": 40, "guidance_scale": 5.0},
                 [("40steps_cfg", 40, 5.0)]),
 }
+# --family: the base's layout, its folder name and one video's size (frames, height, width)
+FAMILIES = {"wan2.1-t2v-1.3b": ("wan-1.3b-shape", (rsp.FRAMES, rsp.HEIGHT, rsp.WIDTH)),
+            "wan2.2-ti2v-5b": ("wan2.2-ti2v-5b-shape", (wan22_step.FRAMES, wan22_step.HEIGHT, wan22_step.WIDTH))}
+TEACHER_TI2V = {"sampler": "euler", "shift": 5.0, "num_train_timesteps": 1000, "num_steps": 50, "guidance_scale": 5.0}
+# the Wan 2.2 VAE of Wan2.2-TI2V-5B-Diffusers' vae/config.json; latents_mean / std 0 / 1 (random weights: the
+# statistics move no time)
+WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                 temperal_downsample=[False, True, True], dropout=0.0, in_channels=12, out_channels=12, patch_size=2,
+                 scale_factor_spatial=16, scale_factor_temporal=4, is_residual=True,
+                 latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
+if os.environ.get("BENCH_SMOKE") == "1":
+    WAN22_VAE.update(base_dim=8, decoder_base_dim=8, num_res_blocks=1)
 VARIANTS = {"fast": {}, "stock": {"attention": "sdpa", "compile": "off", "decode": "stock"},
             "fp8": {"fp8": "on"}, "autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
             "fast_vae_fp32": {"vae_fp32": True}, "eager_fa4": {"compile": "off"}}  # vae_fp32: the VAE moved to fp32
@@ -58,7 +74,8 @@ VARIANTS = {"fast": {}, "stock": {"attention": "sdpa", "compile": "off", "decode
 def export_folder(base: Path, root: Path, kind: str) -> Path:
     """``root/<kind>``: the base's parts (linked), ``kind``'s ``sampling.json``, the shipped code, PDD heads."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
     from distillery.export.code import write_export_code
 
@@ -72,9 +89,13 @@ def export_folder(base: Path, root: Path, kind: str) -> Path:
     for f in (base / "transformer").iterdir():
         (folder / "transformer" / f.name).symlink_to(f)
     shutil.copy2(base / "model_index.json", folder / "model_index.json")
-    (folder / "sampling.json").write_text(json.dumps(KINDS[kind][0]))
+    contract = TEACHER_TI2V if kind == "teacher" and base.name == FAMILIES["wan2.2-ti2v-5b"][0] else KINDS[kind][0]
+    (folder / "sampling.json").write_text(json.dumps(contract))
     if kind == "pdd":
-        weights = {k: v for k, v in load_file(str(base / "transformer" / _weights_file(base))).items() if k.startswith("proj_out.")}
+        weights = {}
+        for shard in sorted((base / "transformer").glob("*.safetensors")):  # proj_out from whichever shard holds it
+            with safe_open(str(shard), framework="pt") as f:
+                weights.update({k: f.get_tensor(k) for k in f.keys() if k.startswith("proj_out.")})
         w, b = weights["proj_out.weight"].float(), weights["proj_out.bias"].float()
         gen = torch.Generator().manual_seed(3)
         save_file({"weight": torch.stack([w + 0.01 * torch.randn(w.shape, generator=gen) for _ in range(4)]),
@@ -84,14 +105,51 @@ def export_folder(base: Path, root: Path, kind: str) -> Path:
     return folder
 
 
-def _weights_file(base: Path) -> str:
-    names = sorted(p.name for p in (base / "transformer").glob("*.safetensors"))
-    if len(names) != 1:
-        raise SystemExit(f"{base}/transformer: expected one safetensors file, found {names}")
-    return names[0]
+def build_ti2v_base(root: Path, text_encoder: str) -> Path:
+    """A Wan2.2-TI2V-5B-shaped diffusers folder (random weights): the 5B transformer (bf16, ``wan22_step.TI2V_5B``),
+    the Wan 2.2 VAE (:data:`WAN22_VAE`, fp32), UMT5-XXL (bf16; ``small``: 2 layers of its width), the tiny base's
+    tokenizer and scheduler, ``model_index.json`` with ``expand_timesteps: true`` (one timestep per token)."""
+    import torch
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from distillery.tinybase.shipped import shipped_tiny_base
+
+    base = root / FAMILIES["wan2.2-ti2v-5b"][0]
+    tiny = shipped_tiny_base()
+    if base.exists():
+        shutil.rmtree(base)
+    base.mkdir(parents=True)
+    for part in ("tokenizer", "scheduler"):
+        shutil.copytree(tiny / part, base / part)
+    index = json.loads((tiny / "model_index.json").read_text())
+    index.update(boundary_ratio=None, expand_timesteps=True, transformer_2=[None, None])
+    (base / "model_index.json").write_text(json.dumps(index, indent=2))
+    (base / "README.md").write_text("---\nlibrary_name: diffusers\ndistillery:\n  max_sequence_length: 512\n---\n"
+                                    "Wan2.2-TI2V-5B-shaped, random weights (bench/export_latency.py).\n")
+    config = {k: v for k, v in wan22_step.TI2V_5B.items() if k != "_class_name"}
+    config["text_dim"] = rsp.UMT5_XXL["d_model"]  # 4096 (the smoke run's text encoder is narrower)
+    torch.manual_seed(0)
+    with torch.device(rsp.DEVICE):
+        transformer = WanTransformer3DModel(**config).to(torch.bfloat16)
+    transformer.save_pretrained(base / "transformer")
+    del transformer
+    with torch.device(rsp.DEVICE):
+        vae = AutoencoderKLWan(**WAN22_VAE)
+    vae.save_pretrained(base / "vae")
+    del vae
+    cfg = dict(rsp.UMT5_XXL, num_layers=rsp.UMT5_XXL["num_layers"] if text_encoder == "xxl" else 2)
+    with torch.device(rsp.DEVICE):
+        encoder = UMT5EncoderModel(UMT5Config(**cfg)).to(torch.bfloat16)
+    encoder.save_pretrained(base / "text_encoder")
+    del encoder
+    if rsp.DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return base
 
 
-def run_kind(folder: Path, kind: str, variants: list[str], repeats: int, deadline: float, out_file: Path) -> dict:
+def run_kind(folder: Path, kind: str, variants: list[str], repeats: int, deadline: float, out_file: Path,
+             shape: tuple[int, int, int]) -> dict:
     """One process: each variant of ``kind`` loaded fresh from ``folder`` (module doc); ``out_file`` is rewritten after
     every variant (a process stopped by its time limit keeps what it measured)."""
     import torch
@@ -99,8 +157,9 @@ def run_kind(folder: Path, kind: str, variants: list[str], repeats: int, deadlin
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    size = dict(num_frames=rsp.FRAMES, height=rsp.HEIGHT, width=rsp.WIDTH)
-    result: dict = {"kind": kind, "contract": KINDS[kind][0], "variants": {}}
+    size = dict(num_frames=shape[0], height=shape[1], width=shape[2])
+    contract = json.loads((folder / "sampling.json").read_text())
+    result: dict = {"kind": kind, "contract": contract, "variants": {}}
     reference: dict = {}
 
     def sync() -> None:
@@ -131,7 +190,9 @@ def run_kind(folder: Path, kind: str, variants: list[str], repeats: int, deadlin
             pipe.configure_speed(**switches)
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            for label, steps, guidance in KINDS[kind][1]:
+            calls = [(f"{contract['num_steps']}steps_cfg", contract["num_steps"], contract["guidance_scale"])] \
+                if kind == "teacher" else KINDS[kind][1]
+            for label, steps, guidance in calls:
                 call = dict(size, num_inference_steps=steps, guidance_scale=guidance)
                 gen = lambda: torch.Generator(device).manual_seed(0)  # noqa: E731
                 cell: dict = {}
@@ -156,7 +217,7 @@ def run_kind(folder: Path, kind: str, variants: list[str], repeats: int, deadlin
                 med = statistics.median
                 cell.update(encode_s=round(med(encode), 3), denoise_s=round(med(latent_calls) - med(encode), 3),
                             decode_s=round(med(decodes), 3), e2e_s=round(med(e2e), 3),
-                            nfe=pipe.nfe(rsp.FRAMES, steps, guidance), e2e_times=[round(t, 3) for t in e2e])
+                            nfe=pipe.nfe(shape[0], steps, guidance), e2e_times=[round(t, 3) for t in e2e])
                 lat, vid = latents.float().cpu(), torch.from_numpy(frames).float()
                 if label not in reference or variant == "stock":  # compared with stock's, else the first variant's
                     reference[label] = (variant, lat, vid)
@@ -187,6 +248,7 @@ def run_kind(folder: Path, kind: str, variants: list[str], repeats: int, deadlin
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default="/tmp/export_bench")
+    parser.add_argument("--family", default="wan2.1-t2v-1.3b", choices=sorted(FAMILIES))
     parser.add_argument("--kinds", default="dmd2,sf,pdd,teacher")
     parser.add_argument("--variants", default="stock,fast", help="comma list of " + ",".join(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3)
@@ -196,16 +258,19 @@ def main() -> int:
     root = Path(args.root)
     if args.one:
         kind = args.one
-        run_kind(root / kind, kind, args.variants.split(","), args.repeats, time.time() + args.budget_s, root / f"{kind}.json")
+        run_kind(root / kind, kind, args.variants.split(","), args.repeats, time.time() + args.budget_s, root / f"{kind}.json",
+                 FAMILIES[args.family][1])
         return 0
     start = time.time()
     OUT.mkdir(parents=True, exist_ok=True)
-    out_file = OUT / "export_latency.json"
-    summary: dict = {"prompt": PROMPT, "shape": [rsp.FRAMES, rsp.HEIGHT, rsp.WIDTH], "kinds": {}}
-    base = root / "wan-1.3b-shape"
+    out_file = OUT / ("export_latency.json" if args.family == "wan2.1-t2v-1.3b" else f"export_latency_{args.family}.json")
+    folder_name, shape = FAMILIES[args.family]
+    summary: dict = {"prompt": PROMPT, "family": args.family, "shape": list(shape), "kinds": {}}
+    base = root / folder_name
     if not (base / "transformer").is_dir():
         t0 = time.time()
-        rsp.build_base(root, "xxl" if rsp.DEVICE == "cuda" else "small")
+        build = build_ti2v_base if args.family == "wan2.2-ti2v-5b" else rsp.build_base
+        build(root, "xxl" if rsp.DEVICE == "cuda" else "small")
         summary["base_build_s"] = round(time.time() - t0, 1)
     for kind in args.kinds.split(","):
         left = args.budget_s - (time.time() - start)
@@ -213,7 +278,7 @@ def main() -> int:
             summary["kinds"][kind] = {"skipped": "out of time"}
             continue
         export_folder(base, root, kind)
-        cmd = [sys.executable, __file__, "--root", str(root), "--one", kind, "--variants", args.variants,
+        cmd = [sys.executable, __file__, "--root", str(root), "--family", args.family, "--one", kind, "--variants", args.variants,
                "--repeats", str(args.repeats), "--budget-s", str(left - 30)]
         t0 = time.time()
         (root / f"{kind}.json").unlink(missing_ok=True)

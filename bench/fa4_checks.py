@@ -16,8 +16,12 @@ each part.
    (fa4) and the causal Wan (fa4, fa4_sparse). The bf16 noise floor is SDPA against SDPA: ``cudnn`` / ``flash``
    against ``native``. A backend agrees when its relative L2 is at most ``max(1.6e-2, 2 × floor)`` (1.6e-2: the
    bf16 rtol of ``torch.testing``).
+3. ``causal_i2v`` — the causal image-to-video student (latent frame 0 the given frame, a block of its own) at an
+   I2V-shaped Wan-1.3B, latent 22×60×104: forward and streaming with ``chunk_size`` 1 (FA4 sparse: one block-sparse
+   call) and 3 (per-chunk prefix calls), and one step's gradients, every backend against ``native``; the streamed
+   video against the whole-video forward.
 
-Usage (device machine, after ``source device-env.sh``):  python bench/fa4_checks.py [--parts agreement,kernels]
+Usage (device machine, after ``source device-env.sh``):  python bench/fa4_checks.py [--parts agreement,kernels,causal_i2v]
 CPU check of the agreement part's code: ``BENCH_SMOKE=1 python bench/fa4_checks.py --parts agreement`` (tiny model;
 the FA4 and CUDA-only backends report their errors).
 """
@@ -280,6 +284,122 @@ def agreement() -> None:
     gradients("causal_gradients", causal, ["native", "cudnn", "fa4", "fa4_sparse"])
 
 
+# -- 3. causal_i2v ------------------------------------------------------------------------------------------
+def causal_i2v() -> None:
+    """The causal image-to-video student (latent frame 0 the given frame, a block of its own; chunks from frame 1) at
+    an I2V-shaped Wan-1.3B (in_channels 36, image_dim 1280, 257 image tokens), latent 22×60×104 = 1 + 21 frames:
+    forwards with chunk_size 1 (fa4_sparse takes its one block-sparse call) and 3 (fa4_sparse falls back to
+    per-chunk prefix calls), streaming (frame 0 into the cache, then chunks 1.., then the rest in one call) and the
+    gradients of one step, every backend against ``native``."""
+    import torch
+    import torch.nn.functional as F
+
+    from distillery.components.precision import cast_parameters_
+    from distillery.models.base import Conditioning
+    from distillery.models.wan import CausalWanModel, CausalWanModelConfig
+
+    dev, bf16 = torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16
+    frames = 1 + (LATENT[0] // 3) * 3  # 22 on the GPU, 10 in the smoke run
+    latent = (frames, *LATENT[1:])
+    rows = RESULTS.setdefault("causal_i2v", {"latent": list(latent), "bf16_rtol": BF16_RTOL})
+    folder, _ = make_assets(Path(tempfile.mkdtemp(prefix="fa4-i2v-")), (3, 8, 8))
+    config_file = folder / "transformer" / "config.json"
+    config = json.loads(config_file.read_text())
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    image_dim = 1280 if not SMOKE else 32
+    config.update(in_channels=36, out_channels=16, image_dim=image_dim, added_kv_proj_dim=width)
+    config_file.write_text(json.dumps(config))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(1, 16, *latent, device=dev, generator=g)
+    target = torch.randn(1, 16, *latent, device=dev, generator=g)
+    first = torch.zeros(1, 20, *latent, device=dev)
+    first[:, :4, 0] = 1.0  # the mask marks frame 0 given
+    first[:, 4:, :1] = torch.randn(1, 16, 1, *latent[1:], device=dev, generator=g)
+    cond = Conditioning(torch.randn(1, TEXT_LEN, WAN_1_3B["text_dim"], device=dev, generator=g), first_frame=first,
+                        image_embeds=torch.randn(1, 257, image_dim, device=dev, generator=g))
+    t = torch.tensor([500.0], device=dev)
+    every = ["native", "cudnn", "flash", "fa4", "fa4_sparse"]
+    shared, whole = None, None
+    for chunk in (1, 3):
+        with torch.device(dev):
+            model = CausalWanModel(CausalWanModelConfig(init_from=str(folder), random_init=shared is None,
+                                                        trainable=True, chunk_size=chunk),
+                                   role="causal", **({} if shared is None else {"transformer": shared}))
+        if shared is None:
+            cast_parameters_(model.transformer, bf16)
+            shared = model.transformer
+        model.bind_device(dev, bf16)
+        assert model.given_first_frame, "an I2V folder makes a given-first-frame causal student"
+
+        def forward(m):
+            return m.predict_noise(x, t, cond)
+
+        def stream(m, chunk=chunk):
+            m.clear_caches()
+            outs = [m.predict_noise_streaming(x[:, :, :1], t, cond, cache_tag="c", store_kv=True, cur_start_frame=0)]
+            outs.append(m.predict_noise_streaming(x[:, :, 1:1 + chunk], t, cond, cache_tag="c", store_kv=True,
+                                                  cur_start_frame=1))
+            outs.append(m.predict_noise_streaming(x[:, :, 1 + chunk:], t, cond, cache_tag="c", store_kv=False,
+                                                  cur_start_frame=1 + chunk))
+            m.clear_caches()
+            return torch.cat(outs, dim=2)
+
+        for name, call in ((f"forward_chunk{chunk}", forward), (f"streaming_chunk{chunk}", stream)):
+            outs = {}
+            for backend in every:
+                try:
+                    model.set_attention_backend(backend, dev, bf16)
+                    t0 = time.time()
+                    with torch.no_grad():
+                        outs[backend] = call(model)
+                    sync()
+                    rows.setdefault(name, {})[backend] = {"s": time.time() - t0, "resolved": model.attention_backend}
+                except Exception as exc:
+                    rows.setdefault(name, {})[backend] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+                    traceback.print_exc()
+            _verdicts(rows[name], outs)
+            if name.startswith("forward"):
+                whole = outs.get("native")
+            elif whole is not None and "native" in outs:  # the streamed video against the whole-video forward
+                rows[name]["native_vs_whole_forward"] = _compare(outs["native"], whole)
+            print(name, json.dumps(rows[name]), flush=True)
+            save()
+        model.transformer.enable_gradient_checkpointing()
+        params = [p for p in model.transformer.parameters() if p.requires_grad]
+        entry, ref = rows.setdefault(f"gradients_chunk{chunk}", {}), None
+        for backend in ["native", "cudnn", "fa4", "fa4_sparse"]:
+            try:
+                model.set_attention_backend(backend, dev, bf16)
+                for p in params:
+                    p.grad = None
+                t0 = time.time()
+                F.mse_loss(model.predict_noise(x, t, cond)[:, :, 1:], target[:, :, 1:]).backward()
+                sync()
+                grads = [p.grad.detach().clone() for p in params if p.grad is not None]
+                entry[backend] = {"s": time.time() - t0}
+                if ref is None:
+                    ref = grads
+                    continue
+                num = sum(float((a.float() - b.float()).pow(2).sum()) for a, b in zip(grads, ref))
+                den = sum(float(b.float().pow(2).sum()) for b in ref)
+                entry[backend]["rel_l2"] = (num / den) ** 0.5
+                del grads
+            except Exception as exc:
+                entry[backend] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+                traceback.print_exc()
+        for p in params:
+            p.grad = None
+        model.transformer.disable_gradient_checkpointing()
+        floor = entry.get("cudnn", {}).get("rel_l2")
+        for r in entry.values():
+            if isinstance(r, dict) and "rel_l2" in r:
+                r["agrees"] = r["rel_l2"] <= max(BF16_RTOL, 2 * floor) if floor is not None else r["rel_l2"] <= BF16_RTOL
+        entry["floor_rel_l2"] = floor
+        print(f"gradients_chunk{chunk}", json.dumps(entry), flush=True)
+        save()
+
+
 def _verdicts(entry: dict, outs: dict) -> None:
     if "native" not in outs:
         return
@@ -319,7 +439,7 @@ def main() -> int:
     for part in args.parts.split(","):
         t0 = time.time()
         try:
-            {"kernels": lambda: kernels(args.reps), "agreement": agreement}[part]()
+            {"kernels": lambda: kernels(args.reps), "agreement": agreement, "causal_i2v": causal_i2v}[part]()
         except Exception as exc:
             RESULTS[f"{part}_error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
             traceback.print_exc()
