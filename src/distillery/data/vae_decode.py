@@ -56,6 +56,21 @@ ACTIVATIONS_PER_FRAME = 9  # full-resolution activations alive per output frame 
 DECODE_MEMORY_SHARE = 4  # auto_chunk_frames sizes a call to 1/4 of the GPU's memory
 
 
+def full_resolution_layout(vae: AutoencoderKLWan) -> tuple[int, int]:
+    """``(channels, spatial factor)`` that :func:`auto_chunk_frames` counts an output frame's activations in: the
+    decoder's last resolution (latent × ``scale_factor_spatial``, ÷ ``patch_size`` where the output is patchified)
+    and the widest activation there. Wan 2.1: ``base_dim`` channels × 8 (the last up block and the head). Wan 2.2:
+    its last upsampler and ``DupUp3D`` shortcut write ``decoder_base_dim · dim_mult[1]`` channels (512) at × 8 (half the
+    video's size: 2×2 patches) before the last up block narrows them to ``decoder_base_dim``: counting all
+    :data:`ACTIVATIONS_PER_FRAME` at the wider count overestimates (conservative: smaller chunks, never more memory
+    than sized)."""
+    cfg = vae.config
+    dim = int(cfg.decoder_base_dim or cfg.base_dim)
+    mult = list(cfg.dim_mult)
+    wide = mult[1] if getattr(cfg, "is_residual", False) and len(mult) > 1 else mult[0]
+    return dim * int(wide), int(cfg.scale_factor_spatial) // int(cfg.patch_size or 1)
+
+
 def auto_chunk_frames(vae: AutoencoderKLWan, latent_shape: tuple[int, ...], device: torch.device,
                       total_memory: int | None = None) -> int:
     """Latent frames per decoder call for latents ``[C, T', H', W']`` (or their last three sizes) on ``device``:
@@ -67,10 +82,10 @@ def auto_chunk_frames(vae: AutoencoderKLWan, latent_shape: tuple[int, ...], devi
     frames, height, width = (int(v) for v in latent_shape[-3:])
     if device.type != "cuda" or frames <= 2:
         return 1
-    cfg = vae.config
-    scale_t, scale_s = int(cfg.scale_factor_temporal), int(cfg.scale_factor_spatial)
+    channels, scale_s = full_resolution_layout(vae)
     itemsize = torch.empty((), dtype=vae.dtype).element_size()
-    per_frame = ACTIVATIONS_PER_FRAME * scale_t * int(cfg.base_dim) * height * scale_s * width * scale_s * itemsize
+    per_frame = (ACTIVATIONS_PER_FRAME * int(vae.config.scale_factor_temporal) * channels
+                 * height * scale_s * width * scale_s * itemsize)
     total = total_memory if total_memory is not None else torch.cuda.get_device_properties(device).total_memory
     budget = int(total) // DECODE_MEMORY_SHARE
     most = max(1, min(frames - 1, budget // per_frame))
@@ -79,11 +94,14 @@ def auto_chunk_frames(vae: AutoencoderKLWan, latent_shape: tuple[int, ...], devi
 
 
 def chunked_decode_applies(vae: AutoencoderKLWan) -> bool:
-    """Whether :func:`decode_video` may chunk this VAE: the Wan 2.1 layout (no residual up blocks, no
-    patchified output) and no spatial tiling."""
-    cfg = vae.config
-    return (not getattr(cfg, "is_residual", False) and getattr(cfg, "patch_size", None) is None
-            and not getattr(vae, "use_tiling", False))
+    """Whether :func:`decode_video` may chunk this VAE: a Wan decoder whose up blocks are Wan 2.1's
+    (``WanUpBlock``) or Wan 2.2's (``WanResidualUpBlock``: the same residual blocks and upsamplers plus a
+    ``DupUp3D`` shortcut), patchified output or not, and no spatial tiling (module doc)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanDecoder3d, WanResidualUpBlock, WanUpBlock
+
+    decoder = getattr(vae, "decoder", None)
+    return (isinstance(decoder, WanDecoder3d) and not getattr(vae, "use_tiling", False)
+            and all(isinstance(block, (WanUpBlock, WanResidualUpBlock)) for block in decoder.up_blocks))
 
 
 @torch.no_grad()
@@ -102,7 +120,12 @@ def decode_video(vae: AutoencoderKLWan, z: torch.Tensor, chunk_frames: int) -> t
                                      first_chunk=i == 0))
     finally:
         vae.clear_cache()  # the cache holds activations of this video: never leak them into the next
-    return torch.cat(parts, dim=2).clamp_(-1.0, 1.0)
+    out = torch.cat(parts, dim=2)
+    if vae.config.patch_size is not None:  # Wan 2.2: the decoder's output channels are 2×2 pixel patches
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        out = unpatchify(out, patch_size=vae.config.patch_size)
+    return out.clamp_(-1.0, 1.0)
 
 
 CACHE_FRAMES = 2  # what diffusers' Wan decoder carries per causal convolution (its CACHE_T)
