@@ -1,4 +1,4 @@
-"""The Wan 2.1 VAE's decode in time chunks larger than diffusers' one latent frame per decoder call.
+"""The Wan VAEs' decode (2.1 and 2.2) in time chunks larger than diffusers' one latent frame per decoder call.
 
 ``AutoencoderKLWan.decode`` runs its causal decoder once per latent frame, carrying each causal
 convolution's last two input frames to the next call (its feature cache). Every convolution in the
@@ -6,16 +6,23 @@ decoder is causal in time (left padding only), the temporal upsamplers double ea
 independently of the frames' count, and the middle attention is per frame: so decoding latent frame 0
 alone (the first chunk, where the upsamplers keep one frame) and then the remaining frames ``n`` at a
 time through the same cache computes the same function — the same sums in another order (fp32:
-differences of a few 1e-6; ``chunk_spans(T, 1)`` is diffusers' own loop, bit for bit). Larger calls
-give cuDNN's 3D convolutions more work per launch; each call's activations grow with ``n``: the decoder's peak
-holds about :data:`ACTIVATIONS_PER_FRAME` full-resolution ``base_dim``-channel activations per output frame
-(measured at 81×480×832: +2.56 GiB per latent frame in bf16), which :func:`auto_chunk_frames` sizes against the
-GPU's memory.
+differences of a few 1e-6; ``chunk_spans(T, 1)`` is diffusers' own loop, bit for bit). The Wan 2.2 VAE
+(``is_residual``, ``patch_size`` 2) adds to each up block a ``DupUp3D`` shortcut — channels repeated and
+rearranged into 2×2 pixels (and, where the block upsamples in time, 2 frames) of each input frame alone — which
+drops its duplicated first frame when ``first_chunk`` is set, as the temporal upsampler keeps one frame then: both
+happen on the first call only (frame 0 alone; any other first call, or ``first_chunk`` on a later one, gives the
+two paths different frame counts), and its 2×2 patches are unpatchified after the last chunk, per frame, as
+diffusers does. Larger calls give cuDNN's 3D convolutions more work per launch; each call's activations grow
+with ``n``: the decoder's peak holds about :data:`ACTIVATIONS_PER_FRAME` full-resolution activations per output
+frame (:func:`full_resolution_layout`: Wan 2.1's ``base_dim`` channels at the video's size, measured at
+81×480×832: +2.56 GiB per latent frame in bf16; Wan 2.2 counted at its widest, 512 channels at half the video's
+size: an overestimate, not measured), which :func:`auto_chunk_frames` sizes against the GPU's memory.
 
 Contract: ``decode_video(vae, z, n)`` takes **raw** latents ``z [B, z_dim, T', H', W']`` in the VAE's
-dtype (``denormalize_latents`` first) and returns ``vae.decode(z).sample``: ``[B, 3, 4(T'−1)+1, 8H', 8W']``
-clamped to ``[-1, 1]``, in the VAE's dtype. VAEs this reasoning is not checked for (Wan 2.2's residual
-up blocks and patchified output, a tiling VAE) go through ``vae.decode`` unchanged.
+dtype (``denormalize_latents`` first) and returns ``vae.decode(z).sample``: ``[B, 3, 4(T'−1)+1, s·H', s·W']``
+(``s`` the VAE's ``scale_factor_spatial``: 8 for Wan 2.1, 16 for Wan 2.2 TI2V-5B's) clamped to ``[-1, 1]``, in
+the VAE's dtype. A VAE whose decoder has other up blocks than these two, or that tiles, goes through
+``vae.decode`` unchanged.
 
 :func:`set_fused_decode` swaps the forwards of the decoder, its residual blocks, causal convolutions and
 nearest upsamplers for leaner ones that compute the same function with fewer roundings and memory passes: before
@@ -24,8 +31,10 @@ previous convolution's bias folded in, written straight into the convolution's t
 frames (diffusers rounds after the norm and after the scale, adds the bias in its own pass and copies the whole
 input through ``F.pad``); the block's second bias and its shortcut added in one pass; the convolution pads in space
 itself; the nearest-exact upsamplers stay in the VAE's dtype (diffusers goes through fp32 and back: the same
-values). On a GPU with Triton the two passes are the kernels of :mod:`distillery.data.vae_kernels`; elsewhere
-:func:`norm_silu_reference` and an fp32 add. Times at 81×480×832 on an H200: BENCHMARKS.md "Validate's VAE decode".
+values). Wan 2.2's residual up blocks keep diffusers' own forward (its ``DupUp3D`` shortcut and add) around these
+residual blocks and upsamplers. On a GPU with Triton the two passes are the kernels of
+:mod:`distillery.data.vae_kernels`; elsewhere :func:`norm_silu_reference` and an fp32 add. Times at 81×480×832
+on an H200: BENCHMARKS.md "Validate's VAE decode".
 """
 
 from __future__ import annotations
@@ -60,8 +69,8 @@ def full_resolution_layout(vae: AutoencoderKLWan) -> tuple[int, int]:
     """``(channels, spatial factor)`` that :func:`auto_chunk_frames` counts an output frame's activations in: the
     decoder's last resolution (latent × ``scale_factor_spatial``, ÷ ``patch_size`` where the output is patchified)
     and the widest activation there. Wan 2.1: ``base_dim`` channels × 8 (the last up block and the head). Wan 2.2:
-    its last upsampler and ``DupUp3D`` shortcut write ``decoder_base_dim · dim_mult[1]`` channels (512) at × 8 (half the
-    video's size: 2×2 patches) before the last up block narrows them to ``decoder_base_dim``: counting all
+    its last upsampler and ``DupUp3D`` shortcut write ``decoder_base_dim · dim_mult[1]`` channels (512) at × 8
+    (half the video's size: 2×2 patches) before the last up block narrows them to ``decoder_base_dim``: counting all
     :data:`ACTIVATIONS_PER_FRAME` at the wider count overestimates (conservative: smaller chunks, never more memory
     than sized)."""
     cfg = vae.config
@@ -263,8 +272,8 @@ def _upsample_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_decode_applies(vae: AutoencoderKLWan) -> bool:
-    """Whether :func:`set_fused_decode` knows this VAE's blocks: Wan 2.1's (bias-free channel-first norms, SiLU,
-    no dropout at eval) under :func:`chunked_decode_applies`."""
+    """Whether :func:`set_fused_decode` knows this VAE's blocks: Wan 2.1's and Wan 2.2's residual blocks (bias-free
+    channel-first norms, SiLU, no dropout at eval) under :func:`chunked_decode_applies`."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock
 
     if not chunked_decode_applies(vae) or vae.training:
