@@ -173,7 +173,7 @@ import torch
 from distillery.data import vae_kernels
 from distillery.data.vae_decode import norm_silu_reference
 
-for channels in (24, 384):
+for channels in (24, 384, 1024):  # Wan 2.1's decoder: ≤ 384 channels, Wan 2.2's: ≤ 1024
     x = torch.randn(2, channels, 3, 5, 7)
     gamma, bias = torch.randn(channels), torch.randn(channels)
     out = torch.full((2, channels, 5, 5, 7), 7.0)
@@ -197,7 +197,7 @@ print("kernels ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (GPU machines have it)")
 def test_triton_kernels_equal_the_reference_in_the_interpreter():
     """The GPU kernels run on CPU tensors in Triton's interpreter (a fresh process: Triton reads
-    ``TRITON_INTERPRET`` when it is imported): the norm (with bias, into a padded buffer, 24 and 384 channels, a
+    ``TRITON_INTERPRET`` when it is imported): the norm (with bias, into a padded buffer, 24, 384 and 1024 channels, a
     spatial size no tile divides) and the bias + shortcut add."""
     import os
     import subprocess
