@@ -26,6 +26,7 @@ from distillery.data.vae_decode import (
     chunk_spans,
     chunked_decode_applies,
     decode_video,
+    dup_up_add_,
     full_resolution_layout,
     fused_decode_applies,
     norm_silu,
@@ -312,7 +313,7 @@ def test_wan22_chunked_and_fused_decode_is_diffusers_decode(wan22_vae, frames):
     assert set_fused_decode(wan22_vae, True)
     try:
         fused = {type(m).__name__ for m in wan22_vae.decoder.modules() if "forward" in m.__dict__}
-        assert {"WanDecoder3d", "WanResidualBlock", "WanCausalConv3d", "WanUpsample"} <= fused
+        assert {"WanDecoder3d", "WanResidualUpBlock", "WanResidualBlock", "WanCausalConv3d", "WanUpsample"} <= fused
         for chunk in (1, 3, frames):
             assert float((decode_video(wan22_vae, z, chunk) - reference).abs().max()) < 5e-6  # measured ≤ 1.7e-6
     finally:
@@ -380,3 +381,22 @@ def test_wan22_chunk_sizing_counts_the_wide_half_resolution_activations():
     assert auto_chunk_frames(real, shape, cuda, 143771 * 2**20) == 4
     assert auto_chunk_frames(real, shape, cuda, 81559 * 2**20) == 2
     assert auto_chunk_frames(real, shape, torch.device("cpu")) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("factor_t", "frames", "first_chunk"), [(1, 3, False), (1, 1, True), (2, 3, False),
+                                                                 (2, 1, True), (2, 3, True)])
+def test_dup_up_add_is_diffusers_shortcut_add_bit_for_bit(dtype, factor_t, frames, first_chunk):
+    """The in-place ``DupUp3D`` add of the lean residual up block equals diffusers' ``x + shortcut(source)`` exactly
+    (the same values, one rounding), into an upsampler's permuted (non-contiguous) output too; ``first_chunk`` of
+    more than one frame (no decode does it) takes diffusers' own way."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import DupUp3D
+
+    shortcut = DupUp3D(16, 8, factor_t=factor_t, factor_s=2)
+    generator = torch.Generator().manual_seed(factor_t * 10 + frames)
+    source = torch.randn(1, 16, frames, 3, 5, generator=generator).to(dtype)
+    out_frames = frames * factor_t - (factor_t - 1 if first_chunk else 0)
+    x = torch.randn(1, out_frames, 8, 6, 10, generator=generator).to(dtype).permute(0, 2, 1, 3, 4)  # WanResample's layout
+    expected = x + shortcut(source, first_chunk=first_chunk)
+    got = dup_up_add_(x, shortcut, source, first_chunk)
+    assert got is x and torch.equal(got, expected)

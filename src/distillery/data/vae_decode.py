@@ -31,8 +31,9 @@ previous convolution's bias folded in, written straight into the convolution's t
 frames (diffusers rounds after the norm and after the scale, adds the bias in its own pass and copies the whole
 input through ``F.pad``); the block's second bias and its shortcut added in one pass; the convolution pads in space
 itself; the nearest-exact upsamplers stay in the VAE's dtype (diffusers goes through fp32 and back: the same
-values). Wan 2.2's residual up blocks keep diffusers' own forward (its ``DupUp3D`` shortcut and add) around these
-residual blocks and upsamplers. On a GPU with Triton the two passes are the kernels of
+values); Wan 2.2's residual up blocks skip the copy of their input and add their ``DupUp3D`` shortcut into the
+upsampler's output through a strided view (:func:`dup_up_add_`: bit for bit diffusers' add, without its rearranged
+copy and new sum). On a GPU with Triton the two passes are the kernels of
 :mod:`distillery.data.vae_kernels`; elsewhere :func:`norm_silu_reference` and an fp32 add. Times at 81×480×832
 on an H200: BENCHMARKS.md "Validate's VAE decode".
 """
@@ -271,6 +272,39 @@ def _upsample_forward(self, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.Upsample.forward(self, x)
 
 
+def dup_up_add_(x: torch.Tensor, shortcut, source: torch.Tensor, first_chunk: bool = False) -> torch.Tensor:
+    """``x += shortcut(source, first_chunk)`` in place for diffusers' ``DupUp3D`` ``shortcut`` (Wan 2.2's residual up
+    blocks): ``source``'s channels repeated, then each group of ``factor_t · factor_s²`` laid out as that many frames
+    and pixels of ``x`` (which has ``factor_t`` frames per ``source`` frame, ``factor_s`` pixels a side per pixel; on
+    the first chunk of one frame the last of its ``factor_t`` frames only). The same values added to the same values
+    in ``x``'s dtype, one rounding, as ``x + shortcut(...)``; but added through a strided view of the repeated
+    channels instead of a copy rearranged into frames and pixels, and into ``x`` instead of a new tensor."""
+    b, _, t, h, w = source.shape
+    ft, fs, c = int(shortcut.factor_t), int(shortcut.factor_s), int(shortcut.out_channels)
+    if first_chunk and ft > 1 and t != 1:  # never in a decode (the first chunk is one frame): diffusers' own way
+        return x.add_(shortcut(source, first_chunk=True))
+    repeated = source.repeat_interleave(shortcut.repeats, dim=1).view(b, c, ft, fs, fs, t, h, w)
+    laid_out = repeated.permute(0, 1, 5, 2, 6, 3, 7, 4)  # [b, c, t, ft, h, fs, w, fs]: x's frames and pixels
+    if first_chunk:
+        laid_out = laid_out[:, :, :, ft - 1:]
+    x.unflatten(4, (w, fs)).unflatten(3, (h, fs)).unflatten(2, (t, laid_out.shape[3])).add_(laid_out)
+    return x
+
+
+def _residual_up_block_forward(self, x: torch.Tensor, feat_cache: list | None = None,
+                               feat_idx: list[int] = [0], first_chunk: bool = False) -> torch.Tensor:  # noqa: B006
+    """``WanResidualUpBlock.forward`` (Wan 2.2) without the copy of its input (the lean residual blocks never write
+    their input) and with its ``DupUp3D`` shortcut added in place (:func:`dup_up_add_`)."""
+    source = x
+    for resnet in self.resnets:
+        x = resnet(x, feat_cache=feat_cache, feat_idx=feat_idx)
+    if self.upsampler is not None:
+        x = self.upsampler(x, feat_cache=feat_cache, feat_idx=feat_idx)
+    if self.avg_shortcut is not None:
+        x = dup_up_add_(x.clone() if x is source else x, self.avg_shortcut, source, first_chunk)
+    return x
+
+
 def fused_decode_applies(vae: AutoencoderKLWan) -> bool:
     """Whether :func:`set_fused_decode` knows this VAE's blocks: Wan 2.1's and Wan 2.2's residual blocks (bias-free
     channel-first norms, SiLU, no dropout at eval) under :func:`chunked_decode_applies`."""
@@ -299,6 +333,7 @@ def set_fused_decode(vae: AutoencoderKLWan, fused: bool) -> bool:
         WanCausalConv3d,
         WanDecoder3d,
         WanResidualBlock,
+        WanResidualUpBlock,
         WanUpsample,
     )
 
@@ -308,6 +343,8 @@ def set_fused_decode(vae: AutoencoderKLWan, fused: bool) -> bool:
             kind = _decoder_forward
         elif isinstance(module, WanResidualBlock):
             kind = _residual_block_forward
+        elif isinstance(module, WanResidualUpBlock):
+            kind = _residual_up_block_forward
         elif isinstance(module, WanCausalConv3d):
             kind = _causal_conv_forward
         elif isinstance(module, WanUpsample) and module.mode in ("nearest", "nearest-exact"):
