@@ -6,6 +6,9 @@ fused residual blocks too (and switch back to diffusers' forwards exactly; in bf
 than diffusers' bf16 decode), the GPU's Triton kernels equal the reference (in Triton's interpreter, where Triton
 is installed), the GPU-sized chunk follows the GPU's memory, and
 validate on CPU decodes exactly as before (no chunking, no fusing, nothing new in the sample cache's material).
+The Wan 2.2 VAE (residual up blocks with a ``DupUp3D`` shortcut that drops its duplicated first frame on the first
+call, 2×2-patchified output) too, in two tiny layouts: tinybase's (two temporal upsamplers) and TI2V-5B's own
+(``dim_mult [1, 2, 4, 4]``, ``temperal_downsample [False, True, True]``, spatial factor 16), base_dim 8.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ from distillery.data.vae_decode import (
     auto_chunk_frames,
     bias_residual_,
     chunk_spans,
+    chunked_decode_applies,
     decode_video,
+    dup_up_add_,
+    full_resolution_layout,
+    fused_decode_applies,
     norm_silu,
     norm_silu_reference,
     set_fused_decode,
@@ -167,7 +174,7 @@ import torch
 from distillery.data import vae_kernels
 from distillery.data.vae_decode import norm_silu_reference
 
-for channels in (24, 384):
+for channels in (24, 384, 1024):  # Wan 2.1's decoder: ≤ 384 channels, Wan 2.2's: ≤ 1024
     x = torch.randn(2, channels, 3, 5, 7)
     gamma, bias = torch.randn(channels), torch.randn(channels)
     out = torch.full((2, channels, 5, 5, 7), 7.0)
@@ -191,7 +198,7 @@ print("kernels ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (GPU machines have it)")
 def test_triton_kernels_equal_the_reference_in_the_interpreter():
     """The GPU kernels run on CPU tensors in Triton's interpreter (a fresh process: Triton reads
-    ``TRITON_INTERPRET`` when it is imported): the norm (with bias, into a padded buffer, 24 and 384 channels, a
+    ``TRITON_INTERPRET`` when it is imported): the norm (with bias, into a padded buffer, 24, 384 and 1024 channels, a
     spatial size no tile divides) and the bias + shortcut add."""
     import os
     import subprocess
@@ -262,3 +269,134 @@ def test_validate_on_cpu_decodes_as_before():
     assert resolve_vae_decode(None, torch.device("cuda")) == (None, True)
     with pytest.raises(UserError, match="vae_chunk_frames"):
         ValidationConfig(vae_chunk_frames=0)
+
+
+def _wan22_ti2v_layout():
+    """The TI2V-5B VAE's layout (three up-sampling stages, the first one spatial only; spatial factor 16) with
+    base_dim 8."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                            temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                            patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+                            latents_mean=[0.0] * 48, latents_std=[1.0] * 48).eval()
+
+
+@pytest.fixture(scope="module", params=["tinybase", "ti2v-5b-layout"])
+def wan22_vae(request):
+    from distillery.tinybase.wan22 import build_wan22_vae
+
+    torch.manual_seed(3)
+    vae = build_wan22_vae() if request.param == "tinybase" else _wan22_ti2v_layout()
+    assert vae.config.is_residual and vae.config.patch_size == 2
+    return vae
+
+
+@pytest.mark.parametrize("frames", [1, 2, 5, 8])
+def test_wan22_chunked_and_fused_decode_is_diffusers_decode(wan22_vae, frames):
+    """Frame 0 alone (``first_chunk``: the upsamplers keep one frame, ``DupUp3D`` drops its duplicate), then 1, 2, 3
+    or all the remaining latent frames a call, unpatchified and clamped: diffusers' frame-by-frame decode (chunk 1 and
+    every decode of ≤ 2 latent frames: the same calls, bit for bit). The fused residual blocks too."""
+    z = torch.randn(1, 48, frames, 3, 4, generator=torch.Generator().manual_seed(frames))
+    reference = _diffusers(wan22_vae, z)
+    spatial = int(wan22_vae.config.scale_factor_spatial)
+    assert reference.shape == (1, 3, 4 * (frames - 1) + 1, 3 * spatial, 4 * spatial)
+    assert chunked_decode_applies(wan22_vae) and fused_decode_applies(wan22_vae)
+    for chunk in (1, 2, 3, frames):
+        out = decode_video(wan22_vae, z, chunk)
+        assert out.shape == reference.shape and out.dtype == reference.dtype
+        if chunk == 1 or frames <= 2:
+            assert torch.equal(out, reference)
+        else:
+            assert float((out - reference).abs().max()) < 5e-6  # measured ≤ 1.2e-6
+        assert all(f is None for f in wan22_vae._feat_map)
+    assert set_fused_decode(wan22_vae, True)
+    try:
+        fused = {type(m).__name__ for m in wan22_vae.decoder.modules() if "forward" in m.__dict__}
+        assert {"WanDecoder3d", "WanResidualUpBlock", "WanResidualBlock", "WanCausalConv3d", "WanUpsample"} <= fused
+        for chunk in (1, 3, frames):
+            assert float((decode_video(wan22_vae, z, chunk) - reference).abs().max()) < 5e-6  # measured ≤ 1.7e-6
+    finally:
+        assert not set_fused_decode(wan22_vae, False)
+    assert torch.equal(decode_video(wan22_vae, z, 1), reference)
+
+
+def test_wan22_chunks_need_first_chunk_on_the_first_call_only(wan22_vae):
+    """What the chunked decode relies on, shown failing when broken: with ``first_chunk`` on a later call, or a
+    first call of two latent frames, the residual up block's upsampler and ``DupUp3D`` shortcut disagree in frames."""
+    z = torch.randn(1, 48, 5, 3, 4, generator=torch.Generator().manual_seed(9))
+    reference = _diffusers(wan22_vae, z)
+
+    def decode(spans, first):
+        wan22_vae.clear_cache()
+        with torch.no_grad():
+            x = wan22_vae.post_quant_conv(z)
+            parts = []
+            for i, (start, end) in enumerate(spans):
+                wan22_vae._conv_idx = [0]
+                parts.append(wan22_vae.decoder(x[:, :, start:end], feat_cache=wan22_vae._feat_map,
+                                               feat_idx=wan22_vae._conv_idx, first_chunk=first(i)))
+        wan22_vae.clear_cache()
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        return unpatchify(torch.cat(parts, dim=2), 2).clamp(-1.0, 1.0)
+
+    assert float((decode(chunk_spans(5, 2), lambda i: i == 0) - reference).abs().max()) < 5e-6
+    with pytest.raises(RuntimeError, match="size of tensor"):  # the shortcut drops a frame the upsampler keeps
+        decode(chunk_spans(5, 2), lambda i: True)
+    with pytest.raises(RuntimeError, match="size of tensor"):  # the first upsampling call doubles no frame
+        decode([(0, 2), (2, 5)], lambda i: i == 0)
+
+
+def test_wan22_fused_decode_in_bfloat16_is_diffusers_decode_within_its_rounding(wan22_vae):
+    from diffusers import AutoencoderKLWan
+
+    z = torch.randn(1, 48, 5, 3, 4, generator=torch.Generator().manual_seed(4))
+    reference = _diffusers(wan22_vae, z)
+    half = AutoencoderKLWan.from_config(wan22_vae.config).eval()
+    half.load_state_dict(wan22_vae.state_dict())
+    half.to(torch.bfloat16)
+    with torch.no_grad():
+        diffusers_bf16 = half.decode(z.bfloat16(), return_dict=False)[0].float()
+    assert set_fused_decode(half, True)
+    out = decode_video(half, z.bfloat16(), 3).float()
+    ours, theirs = float((out - reference).abs().max()), float((diffusers_bf16 - reference).abs().max())
+    assert ours < 0.1 and ours <= 1.5 * theirs
+
+
+def test_wan22_chunk_sizing_counts_the_wide_half_resolution_activations():
+    """TI2V-5B's VAE (no weights): activations at half the video's size (2×2 patches) and 512 channels (its last
+    upsampler's width, before the last up block narrows to 256) — 8.3 GB a latent frame in bf16 at 704×1280, so
+    4 latent frames a call on an H200 (30 frames after the first in 8 calls), 2 on an H100."""
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        real = AutoencoderKLWan(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                                out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4)
+        wan21 = AutoencoderKLWan()
+    assert full_resolution_layout(real) == (512, 8) and full_resolution_layout(wan21) == (96, 8)
+    real.to(dtype=torch.bfloat16)
+    cuda, shape = torch.device("cuda"), (48, 31, 44, 80)  # 121×704×1280
+    assert auto_chunk_frames(real, shape, cuda, 143771 * 2**20) == 4
+    assert auto_chunk_frames(real, shape, cuda, 81559 * 2**20) == 2
+    assert auto_chunk_frames(real, shape, torch.device("cpu")) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("factor_t", "frames", "first_chunk"), [(1, 3, False), (1, 1, True), (2, 3, False),
+                                                                 (2, 1, True), (2, 3, True)])
+def test_dup_up_add_is_diffusers_shortcut_add_bit_for_bit(dtype, factor_t, frames, first_chunk):
+    """The in-place ``DupUp3D`` add of the lean residual up block equals diffusers' ``x + shortcut(source)`` exactly
+    (the same values, one rounding), into an upsampler's permuted (non-contiguous) output too; ``first_chunk`` of
+    more than one frame (no decode does it) takes diffusers' own way."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import DupUp3D
+
+    shortcut = DupUp3D(16, 8, factor_t=factor_t, factor_s=2)
+    generator = torch.Generator().manual_seed(factor_t * 10 + frames)
+    source = torch.randn(1, 16, frames, 3, 5, generator=generator).to(dtype)
+    out_frames = frames * factor_t - (factor_t - 1 if first_chunk else 0)
+    x = torch.randn(1, out_frames, 8, 6, 10, generator=generator).to(dtype).permute(0, 2, 1, 3, 4)  # WanResample's layout
+    expected = x + shortcut(source, first_chunk=first_chunk)
+    got = dup_up_add_(x, shortcut, source, first_chunk)
+    assert got is x and torch.equal(got, expected)

@@ -1,4 +1,4 @@
-"""The Wan 2.1 VAE's decode in time chunks larger than diffusers' one latent frame per decoder call.
+"""The Wan VAEs' decode (2.1 and 2.2) in time chunks larger than diffusers' one latent frame per decoder call.
 
 ``AutoencoderKLWan.decode`` runs its causal decoder once per latent frame, carrying each causal
 convolution's last two input frames to the next call (its feature cache). Every convolution in the
@@ -6,16 +6,23 @@ decoder is causal in time (left padding only), the temporal upsamplers double ea
 independently of the frames' count, and the middle attention is per frame: so decoding latent frame 0
 alone (the first chunk, where the upsamplers keep one frame) and then the remaining frames ``n`` at a
 time through the same cache computes the same function — the same sums in another order (fp32:
-differences of a few 1e-6; ``chunk_spans(T, 1)`` is diffusers' own loop, bit for bit). Larger calls
-give cuDNN's 3D convolutions more work per launch; each call's activations grow with ``n``: the decoder's peak
-holds about :data:`ACTIVATIONS_PER_FRAME` full-resolution ``base_dim``-channel activations per output frame
-(measured at 81×480×832: +2.56 GiB per latent frame in bf16), which :func:`auto_chunk_frames` sizes against the
-GPU's memory.
+differences of a few 1e-6; ``chunk_spans(T, 1)`` is diffusers' own loop, bit for bit). The Wan 2.2 VAE
+(``is_residual``, ``patch_size`` 2) adds to each up block a ``DupUp3D`` shortcut — channels repeated and
+rearranged into 2×2 pixels (and, where the block upsamples in time, 2 frames) of each input frame alone — which
+drops its duplicated first frame when ``first_chunk`` is set, as the temporal upsampler keeps one frame then: both
+happen on the first call only (frame 0 alone; any other first call, or ``first_chunk`` on a later one, gives the
+two paths different frame counts), and its 2×2 patches are unpatchified after the last chunk, per frame, as
+diffusers does. Larger calls give cuDNN's 3D convolutions more work per launch; each call's activations grow
+with ``n``: the decoder's peak holds about :data:`ACTIVATIONS_PER_FRAME` full-resolution activations per output
+frame (:func:`full_resolution_layout`: Wan 2.1's ``base_dim`` channels at the video's size, measured at
+81×480×832: +2.56 GiB per latent frame in bf16; Wan 2.2 counted at its widest, 512 channels at half the video's
+size: an overestimate, not measured), which :func:`auto_chunk_frames` sizes against the GPU's memory.
 
 Contract: ``decode_video(vae, z, n)`` takes **raw** latents ``z [B, z_dim, T', H', W']`` in the VAE's
-dtype (``denormalize_latents`` first) and returns ``vae.decode(z).sample``: ``[B, 3, 4(T'−1)+1, 8H', 8W']``
-clamped to ``[-1, 1]``, in the VAE's dtype. VAEs this reasoning is not checked for (Wan 2.2's residual
-up blocks and patchified output, a tiling VAE) go through ``vae.decode`` unchanged.
+dtype (``denormalize_latents`` first) and returns ``vae.decode(z).sample``: ``[B, 3, 4(T'−1)+1, s·H', s·W']``
+(``s`` the VAE's ``scale_factor_spatial``: 8 for Wan 2.1, 16 for Wan 2.2 TI2V-5B's) clamped to ``[-1, 1]``, in
+the VAE's dtype. A VAE whose decoder has other up blocks than these two, or that tiles, goes through
+``vae.decode`` unchanged.
 
 :func:`set_fused_decode` swaps the forwards of the decoder, its residual blocks, causal convolutions and
 nearest upsamplers for leaner ones that compute the same function with fewer roundings and memory passes: before
@@ -24,8 +31,11 @@ previous convolution's bias folded in, written straight into the convolution's t
 frames (diffusers rounds after the norm and after the scale, adds the bias in its own pass and copies the whole
 input through ``F.pad``); the block's second bias and its shortcut added in one pass; the convolution pads in space
 itself; the nearest-exact upsamplers stay in the VAE's dtype (diffusers goes through fp32 and back: the same
-values). On a GPU with Triton the two passes are the kernels of :mod:`distillery.data.vae_kernels`; elsewhere
-:func:`norm_silu_reference` and an fp32 add. Times at 81×480×832 on an H200: BENCHMARKS.md "Validate's VAE decode".
+values); Wan 2.2's residual up blocks skip the copy of their input and add their ``DupUp3D`` shortcut into the
+upsampler's output through a strided view (:func:`dup_up_add_`: bit for bit diffusers' add, without its rearranged
+copy and new sum). On a GPU with Triton the two passes are the kernels of
+:mod:`distillery.data.vae_kernels`; elsewhere :func:`norm_silu_reference` and an fp32 add. Times at 81×480×832
+on an H200: BENCHMARKS.md "Validate's VAE decode".
 """
 
 from __future__ import annotations
@@ -56,6 +66,21 @@ ACTIVATIONS_PER_FRAME = 9  # full-resolution activations alive per output frame 
 DECODE_MEMORY_SHARE = 4  # auto_chunk_frames sizes a call to 1/4 of the GPU's memory
 
 
+def full_resolution_layout(vae: AutoencoderKLWan) -> tuple[int, int]:
+    """``(channels, spatial factor)`` that :func:`auto_chunk_frames` counts an output frame's activations in: the
+    decoder's last resolution (latent × ``scale_factor_spatial``, ÷ ``patch_size`` where the output is patchified)
+    and the widest activation there. Wan 2.1: ``base_dim`` channels × 8 (the last up block and the head). Wan 2.2:
+    its last upsampler and ``DupUp3D`` shortcut write ``decoder_base_dim · dim_mult[1]`` channels (512) at × 8
+    (half the video's size: 2×2 patches) before the last up block narrows them to ``decoder_base_dim``: counting all
+    :data:`ACTIVATIONS_PER_FRAME` at the wider count overestimates (conservative: smaller chunks, never more memory
+    than sized)."""
+    cfg = vae.config
+    dim = int(cfg.decoder_base_dim or cfg.base_dim)
+    mult = list(cfg.dim_mult)
+    wide = mult[1] if getattr(cfg, "is_residual", False) and len(mult) > 1 else mult[0]
+    return dim * int(wide), int(cfg.scale_factor_spatial) // int(cfg.patch_size or 1)
+
+
 def auto_chunk_frames(vae: AutoencoderKLWan, latent_shape: tuple[int, ...], device: torch.device,
                       total_memory: int | None = None) -> int:
     """Latent frames per decoder call for latents ``[C, T', H', W']`` (or their last three sizes) on ``device``:
@@ -67,10 +92,10 @@ def auto_chunk_frames(vae: AutoencoderKLWan, latent_shape: tuple[int, ...], devi
     frames, height, width = (int(v) for v in latent_shape[-3:])
     if device.type != "cuda" or frames <= 2:
         return 1
-    cfg = vae.config
-    scale_t, scale_s = int(cfg.scale_factor_temporal), int(cfg.scale_factor_spatial)
+    channels, scale_s = full_resolution_layout(vae)
     itemsize = torch.empty((), dtype=vae.dtype).element_size()
-    per_frame = ACTIVATIONS_PER_FRAME * scale_t * int(cfg.base_dim) * height * scale_s * width * scale_s * itemsize
+    per_frame = (ACTIVATIONS_PER_FRAME * int(vae.config.scale_factor_temporal) * channels
+                 * height * scale_s * width * scale_s * itemsize)
     total = total_memory if total_memory is not None else torch.cuda.get_device_properties(device).total_memory
     budget = int(total) // DECODE_MEMORY_SHARE
     most = max(1, min(frames - 1, budget // per_frame))
@@ -79,11 +104,14 @@ def auto_chunk_frames(vae: AutoencoderKLWan, latent_shape: tuple[int, ...], devi
 
 
 def chunked_decode_applies(vae: AutoencoderKLWan) -> bool:
-    """Whether :func:`decode_video` may chunk this VAE: the Wan 2.1 layout (no residual up blocks, no
-    patchified output) and no spatial tiling."""
-    cfg = vae.config
-    return (not getattr(cfg, "is_residual", False) and getattr(cfg, "patch_size", None) is None
-            and not getattr(vae, "use_tiling", False))
+    """Whether :func:`decode_video` may chunk this VAE: a Wan decoder whose up blocks are Wan 2.1's
+    (``WanUpBlock``) or Wan 2.2's (``WanResidualUpBlock``: the same residual blocks and upsamplers plus a
+    ``DupUp3D`` shortcut), patchified output or not, and no spatial tiling (module doc)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanDecoder3d, WanResidualUpBlock, WanUpBlock
+
+    decoder = getattr(vae, "decoder", None)
+    return (isinstance(decoder, WanDecoder3d) and not getattr(vae, "use_tiling", False)
+            and all(isinstance(block, (WanUpBlock, WanResidualUpBlock)) for block in decoder.up_blocks))
 
 
 @torch.no_grad()
@@ -102,7 +130,12 @@ def decode_video(vae: AutoencoderKLWan, z: torch.Tensor, chunk_frames: int) -> t
                                      first_chunk=i == 0))
     finally:
         vae.clear_cache()  # the cache holds activations of this video: never leak them into the next
-    return torch.cat(parts, dim=2).clamp_(-1.0, 1.0)
+    out = torch.cat(parts, dim=2)
+    if vae.config.patch_size is not None:  # Wan 2.2: the decoder's output channels are 2×2 pixel patches
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        out = unpatchify(out, patch_size=vae.config.patch_size)
+    return out.clamp_(-1.0, 1.0)
 
 
 CACHE_FRAMES = 2  # what diffusers' Wan decoder carries per causal convolution (its CACHE_T)
@@ -239,9 +272,42 @@ def _upsample_forward(self, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.Upsample.forward(self, x)
 
 
+def dup_up_add_(x: torch.Tensor, shortcut, source: torch.Tensor, first_chunk: bool = False) -> torch.Tensor:
+    """``x += shortcut(source, first_chunk)`` in place for diffusers' ``DupUp3D`` ``shortcut`` (Wan 2.2's residual up
+    blocks): ``source``'s channels repeated, then each group of ``factor_t · factor_s²`` laid out as that many frames
+    and pixels of ``x`` (which has ``factor_t`` frames per ``source`` frame, ``factor_s`` pixels a side per pixel; on
+    the first chunk of one frame the last of its ``factor_t`` frames only). The same values added to the same values
+    in ``x``'s dtype, one rounding, as ``x + shortcut(...)``; but added through a strided view of the repeated
+    channels instead of a copy rearranged into frames and pixels, and into ``x`` instead of a new tensor."""
+    b, _, t, h, w = source.shape
+    ft, fs, c = int(shortcut.factor_t), int(shortcut.factor_s), int(shortcut.out_channels)
+    if first_chunk and ft > 1 and t != 1:  # never in a decode (the first chunk is one frame): diffusers' own way
+        return x.add_(shortcut(source, first_chunk=True))
+    repeated = source.repeat_interleave(shortcut.repeats, dim=1).view(b, c, ft, fs, fs, t, h, w)
+    laid_out = repeated.permute(0, 1, 5, 2, 6, 3, 7, 4)  # [b, c, t, ft, h, fs, w, fs]: x's frames and pixels
+    if first_chunk:
+        laid_out = laid_out[:, :, :, ft - 1:]
+    x.unflatten(4, (w, fs)).unflatten(3, (h, fs)).unflatten(2, (t, laid_out.shape[3])).add_(laid_out)
+    return x
+
+
+def _residual_up_block_forward(self, x: torch.Tensor, feat_cache: list | None = None,
+                               feat_idx: list[int] = [0], first_chunk: bool = False) -> torch.Tensor:  # noqa: B006
+    """``WanResidualUpBlock.forward`` (Wan 2.2) without the copy of its input (the lean residual blocks never write
+    their input) and with its ``DupUp3D`` shortcut added in place (:func:`dup_up_add_`)."""
+    source = x
+    for resnet in self.resnets:
+        x = resnet(x, feat_cache=feat_cache, feat_idx=feat_idx)
+    if self.upsampler is not None:
+        x = self.upsampler(x, feat_cache=feat_cache, feat_idx=feat_idx)
+    if self.avg_shortcut is not None:
+        x = dup_up_add_(x.clone() if x is source else x, self.avg_shortcut, source, first_chunk)
+    return x
+
+
 def fused_decode_applies(vae: AutoencoderKLWan) -> bool:
-    """Whether :func:`set_fused_decode` knows this VAE's blocks: Wan 2.1's (bias-free channel-first norms, SiLU,
-    no dropout at eval) under :func:`chunked_decode_applies`."""
+    """Whether :func:`set_fused_decode` knows this VAE's blocks: Wan 2.1's and Wan 2.2's residual blocks (bias-free
+    channel-first norms, SiLU, no dropout at eval) under :func:`chunked_decode_applies`."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock
 
     if not chunked_decode_applies(vae) or vae.training:
@@ -267,6 +333,7 @@ def set_fused_decode(vae: AutoencoderKLWan, fused: bool) -> bool:
         WanCausalConv3d,
         WanDecoder3d,
         WanResidualBlock,
+        WanResidualUpBlock,
         WanUpsample,
     )
 
@@ -276,6 +343,8 @@ def set_fused_decode(vae: AutoencoderKLWan, fused: bool) -> bool:
             kind = _decoder_forward
         elif isinstance(module, WanResidualBlock):
             kind = _residual_block_forward
+        elif isinstance(module, WanResidualUpBlock):
+            kind = _residual_up_block_forward
         elif isinstance(module, WanCausalConv3d):
             kind = _causal_conv_forward
         elif isinstance(module, WanUpsample) and module.mode in ("nearest", "nearest-exact"):

@@ -31,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MAX_CHANNELS = 1024  # one program holds every channel of its spatial positions (the Wan 2.1 decoder has ≤ 384)
+MAX_CHANNELS = 1024  # one program holds every channel of its positions (decoders: Wan 2.1 ≤ 384, Wan 2.2 ≤ 1024)
 TILE_ELEMENTS = 8192  # channels × positions per program of the norm kernel
 MAX_GRID_ROWS = 65535  # a CUDA grid's second axis: the norm's samples, the add's (sample, channel) rows per launch
 

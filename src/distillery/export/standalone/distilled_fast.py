@@ -19,7 +19,8 @@ A :class:`SpeedSettings` (every switch ``auto`` by default) becomes, for the dev
 - **decode** ``fused``: the VAE decodes ``chunk_frames`` latent frames per decoder call (sized to the GPU's
   memory) through the leaner residual blocks of :mod:`vae_decode` (Triton kernels from :mod:`vae_kernels` where
   Triton runs), in the VAE's own dtype: the same function as diffusers' frame-by-frame decode, other rounding.
-  Needs CUDA and a Wan 2.1 VAE. Else ``stock``: ``vae.decode``.
+  Needs CUDA and a Wan 2.1 or Wan 2.2 VAE (TI2V-5B's: residual up blocks, 2×2-patchified output) that does not
+  tile. Else ``stock``: ``vae.decode``.
 - **fp8** (off unless asked): the blocks' linear layers as float8 e4m3 GEMMs with row-wise scales (dynamic
   activations) through torchao's ``Float8DynamicActivationFloat8WeightConfig``. Needs torchao and compute
   capability 8.9+. Off by default: BENCHMARKS.md says how far it moves the samples.
@@ -149,7 +150,7 @@ def plan_speed(settings: SpeedSettings, device: torch.device, dtype: torch.dtype
     if settings.decode != "stock":
         problem = (None if vae.device.type == "cuda" else f"needs the VAE on CUDA, it is on {vae.device.type}")
         if problem is None and not fused_decode_applies(vae):
-            problem = "this VAE is not Wan 2.1's (or tiles)"
+            problem = "this VAE's decoder is not Wan 2.1's or Wan 2.2's (or it tiles)"
         if problem is None:
             plan.decode, plan.decode_chunk_frames = "fused", settings.decode_chunk_frames
         elif settings.decode == "fused":
