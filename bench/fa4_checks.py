@@ -184,6 +184,77 @@ def _compare(a, b) -> dict:
     return {"rel_l2": (diff.norm() / b.float().norm().clamp_min(1e-30)).item(), "max_abs": diff.abs().max().item()}
 
 
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def forwards(rows: dict, name: str, model, backends: list[str], call, dev, dtype) -> dict:
+    """``call(model)`` under each attention backend (no grad), timed; ``rows[name]``: per backend its seconds and
+    resolved backend (or its error), then each against ``native`` (:func:`_verdicts`). Returns the outputs."""
+    import torch
+
+    outs = {}
+    for backend in backends:
+        try:
+            model.set_attention_backend(backend, dev, dtype)
+            t0 = time.time()
+            with torch.no_grad():
+                outs[backend] = call(model)
+            _sync(dev)
+            rows.setdefault(name, {})[backend] = {"s": time.time() - t0, "resolved": model.attention_backend}
+        except Exception as exc:
+            rows.setdefault(name, {})[backend] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+            traceback.print_exc()
+    _verdicts(rows[name], outs)
+    print(name, json.dumps(rows[name]), flush=True)
+    save()
+    return outs
+
+
+def gradients(rows: dict, name: str, model, backends: list[str], loss, dev, dtype) -> None:
+    """The gradients of ``loss(model)`` (a scalar) under each backend against the first backend's: ``rows[name]``
+    per backend its seconds, relative L2 over all trainable parameters, the worst tensor's; ``agrees`` as module doc
+    (the floor: ``cudnn`` / ``flash`` against the first)."""
+    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    names = [n for n, p in model.transformer.named_parameters() if p.requires_grad]
+    ref: list | None = None
+    entry = rows.setdefault(name, {})
+    for backend in backends:
+        try:
+            model.set_attention_backend(backend, dev, dtype)
+            for p in params:
+                p.grad = None
+            t0 = time.time()
+            loss(model).backward()
+            _sync(dev)
+            grads = [p.grad.detach().clone() if p.grad is not None else None for p in params]
+            entry[backend] = {"s": time.time() - t0}
+            if ref is None:
+                ref = grads
+                continue
+            pairs = [(i, a, b) for i, (a, b) in enumerate(zip(grads, ref)) if b is not None]
+            num = sum(float((a.float() - b.float()).pow(2).sum()) for _, a, b in pairs)
+            den = sum(float(b.float().pow(2).sum()) for _, _, b in pairs)
+            worst = max((_compare(a, b)["rel_l2"], i) for i, a, b in pairs if b.float().norm() > 0)
+            entry[backend].update(rel_l2=(num / den) ** 0.5, worst_tensor_rel_l2=worst[0], worst_tensor=names[worst[1]])
+            del grads
+        except Exception as exc:
+            entry[backend] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+            traceback.print_exc()
+    for p in params:
+        p.grad = None
+    floor = max((entry[b]["rel_l2"] for b in ("cudnn", "flash") if "rel_l2" in entry.get(b, {})), default=None)
+    for r in entry.values():
+        if isinstance(r, dict) and "rel_l2" in r:
+            r["agrees"] = r["rel_l2"] <= max(BF16_RTOL, 2 * floor) if floor is not None else r["rel_l2"] <= BF16_RTOL
+    entry["floor_rel_l2"] = floor
+    print(name, json.dumps(entry), flush=True)
+    save()
+
+
 def agreement() -> None:
     import torch
     import torch.nn.functional as F
@@ -202,7 +273,6 @@ def agreement() -> None:
     pdd = PDDWanModel(PDDWanModelConfig(init_from=str(folder), random_init=True, pdd_steps=8), role="pdd", transformer=bi.transformer)
     pdd.bind_device(dev, bf16)
     causal_cfg = CausalWanModelConfig(init_from=str(folder), random_init=True, chunk_size=3)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(1, 16, *LATENT, device=dev, generator=g)
     target = torch.randn(1, 16, *LATENT, device=dev, generator=g)
@@ -210,68 +280,18 @@ def agreement() -> None:
     cond = Conditioning(text)
     t = torch.tensor([500.0], device=dev)
 
-    def forwards(name: str, model, backends: list[str], call) -> None:
-        outs = {}
-        for backend in backends:
-            try:
-                model.set_attention_backend(backend, dev, bf16)
-                t0 = time.time()
-                with torch.no_grad():
-                    outs[backend] = call(model)
-                sync()
-                rows.setdefault(name, {})[backend] = {"s": time.time() - t0, "resolved": model.attention_backend}
-            except Exception as exc:
-                rows.setdefault(name, {})[backend] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-                traceback.print_exc()
-        _verdicts(rows[name], outs)
-        print(name, json.dumps(rows[name]), flush=True)
-        save()
-
-    def gradients(name: str, model, backends: list[str]) -> None:
-        params = [p for p in model.transformer.parameters() if p.requires_grad]
-        ref: list | None = None
-        entry = rows.setdefault(name, {})
-        for backend in backends:
-            try:
-                model.set_attention_backend(backend, dev, bf16)
-                for p in params:
-                    p.grad = None
-                t0 = time.time()
-                F.mse_loss(model.predict_noise(x, t, cond), target).backward()
-                sync()
-                grads = [p.grad.detach().clone() for p in params]
-                entry[backend] = {"s": time.time() - t0}
-                if ref is None:
-                    ref = grads
-                    continue
-                num = sum(float((a.float() - b.float()).pow(2).sum()) for a, b in zip(grads, ref))
-                den = sum(float(b.float().pow(2).sum()) for b in ref)
-                worst = max((_compare(a, b)["rel_l2"], i) for i, (a, b) in enumerate(zip(grads, ref)) if b.float().norm() > 0)
-                entry[backend].update(rel_l2=(num / den) ** 0.5, worst_tensor_rel_l2=worst[0],
-                                      worst_tensor=[n for n, p in model.transformer.named_parameters() if p.requires_grad][worst[1]])
-                del grads
-            except Exception as exc:
-                entry[backend] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-                traceback.print_exc()
-        for p in params:
-            p.grad = None
-        floor = max((entry[b]["rel_l2"] for b in ("cudnn", "flash") if "rel_l2" in entry.get(b, {})), default=None)
-        for r in entry.values():
-            if isinstance(r, dict) and "rel_l2" in r:
-                r["agrees"] = r["rel_l2"] <= max(BF16_RTOL, 2 * floor) if floor is not None else r["rel_l2"] <= BF16_RTOL
-        entry["floor_rel_l2"] = floor
-        print(name, json.dumps(entry), flush=True)
-        save()
-
     sdpa = ["native", "cudnn", "flash"]
-    forwards("bidirectional_forward", bi, sdpa + ["fa4"], lambda m: m.predict_noise(x, t, cond))
-    forwards("pdd_forward", pdd, sdpa + ["fa4"], lambda m: m.predict_noise(x, t, cond))
+    def mse(m):
+        return F.mse_loss(m.predict_noise(x, t, cond), target)
+
+    forwards(rows, "bidirectional_forward", bi, sdpa + ["fa4"], lambda m: m.predict_noise(x, t, cond), dev, bf16)
+    forwards(rows, "pdd_forward", pdd, sdpa + ["fa4"], lambda m: m.predict_noise(x, t, cond), dev, bf16)
     bi.transformer.enable_gradient_checkpointing()
-    gradients("bidirectional_gradients", bi, ["native", "cudnn", "fa4"])
+    gradients(rows, "bidirectional_gradients", bi, ["native", "cudnn", "fa4"], mse, dev, bf16)
     causal = CausalWanModel(causal_cfg, role="causal", transformer=bi.transformer)
     causal.bind_device(dev, bf16)
     every = sdpa + ["fa4", "fa4_sparse"]
-    forwards("causal_forward", causal, every, lambda m: m.predict_noise(x, t, cond))
+    forwards(rows, "causal_forward", causal, every, lambda m: m.predict_noise(x, t, cond), dev, bf16)
 
     def stream(m):
         m.clear_caches()
@@ -280,8 +300,8 @@ def agreement() -> None:
         m.clear_caches()
         return out
 
-    forwards("causal_streaming", causal, every, stream)
-    gradients("causal_gradients", causal, ["native", "cudnn", "fa4", "fa4_sparse"])
+    forwards(rows, "causal_streaming", causal, every, stream, dev, bf16)
+    gradients(rows, "causal_gradients", causal, ["native", "cudnn", "fa4", "fa4_sparse"], mse, dev, bf16)
 
 
 # -- 3. causal_i2v ------------------------------------------------------------------------------------------
@@ -309,7 +329,6 @@ def causal_i2v() -> None:
     image_dim = 1280 if not SMOKE else 32
     config.update(in_channels=36, out_channels=16, image_dim=image_dim, added_kv_proj_dim=width)
     config_file.write_text(json.dumps(config))
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(1, 16, *latent, device=dev, generator=g)
     target = torch.randn(1, 16, *latent, device=dev, generator=g)
@@ -320,7 +339,7 @@ def causal_i2v() -> None:
                         image_embeds=torch.randn(1, 257, image_dim, device=dev, generator=g))
     t = torch.tensor([500.0], device=dev)
     every = ["native", "cudnn", "flash", "fa4", "fa4_sparse"]
-    shared, whole = None, None
+    shared = None
     for chunk in (1, 3):
         with torch.device(dev):
             model = CausalWanModel(CausalWanModelConfig(init_from=str(folder), random_init=shared is None,
@@ -345,59 +364,15 @@ def causal_i2v() -> None:
             m.clear_caches()
             return torch.cat(outs, dim=2)
 
-        for name, call in ((f"forward_chunk{chunk}", forward), (f"streaming_chunk{chunk}", stream)):
-            outs = {}
-            for backend in every:
-                try:
-                    model.set_attention_backend(backend, dev, bf16)
-                    t0 = time.time()
-                    with torch.no_grad():
-                        outs[backend] = call(model)
-                    sync()
-                    rows.setdefault(name, {})[backend] = {"s": time.time() - t0, "resolved": model.attention_backend}
-                except Exception as exc:
-                    rows.setdefault(name, {})[backend] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-                    traceback.print_exc()
-            _verdicts(rows[name], outs)
-            if name.startswith("forward"):
-                whole = outs.get("native")
-            elif whole is not None and "native" in outs:  # the streamed video against the whole-video forward
-                rows[name]["native_vs_whole_forward"] = _compare(outs["native"], whole)
-            print(name, json.dumps(rows[name]), flush=True)
+        whole = forwards(rows, f"forward_chunk{chunk}", model, every, forward, dev, bf16).get("native")
+        streamed = forwards(rows, f"streaming_chunk{chunk}", model, every, stream, dev, bf16).get("native")
+        if whole is not None and streamed is not None:  # the streamed video against the whole-video forward
+            rows[f"streaming_chunk{chunk}"]["native_vs_whole_forward"] = _compare(streamed, whole)
             save()
         model.transformer.enable_gradient_checkpointing()
-        params = [p for p in model.transformer.parameters() if p.requires_grad]
-        entry, ref = rows.setdefault(f"gradients_chunk{chunk}", {}), None
-        for backend in ["native", "cudnn", "fa4", "fa4_sparse"]:
-            try:
-                model.set_attention_backend(backend, dev, bf16)
-                for p in params:
-                    p.grad = None
-                t0 = time.time()
-                F.mse_loss(model.predict_noise(x, t, cond)[:, :, 1:], target[:, :, 1:]).backward()
-                sync()
-                grads = [p.grad.detach().clone() for p in params if p.grad is not None]
-                entry[backend] = {"s": time.time() - t0}
-                if ref is None:
-                    ref = grads
-                    continue
-                num = sum(float((a.float() - b.float()).pow(2).sum()) for a, b in zip(grads, ref))
-                den = sum(float(b.float().pow(2).sum()) for b in ref)
-                entry[backend]["rel_l2"] = (num / den) ** 0.5
-                del grads
-            except Exception as exc:
-                entry[backend] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-                traceback.print_exc()
-        for p in params:
-            p.grad = None
+        gradients(rows, f"gradients_chunk{chunk}", model, ["native", "cudnn", "fa4", "fa4_sparse"],
+                  lambda m: F.mse_loss(m.predict_noise(x, t, cond)[:, :, 1:], target[:, :, 1:]), dev, bf16)
         model.transformer.disable_gradient_checkpointing()
-        floor = entry.get("cudnn", {}).get("rel_l2")
-        for r in entry.values():
-            if isinstance(r, dict) and "rel_l2" in r:
-                r["agrees"] = r["rel_l2"] <= max(BF16_RTOL, 2 * floor) if floor is not None else r["rel_l2"] <= BF16_RTOL
-        entry["floor_rel_l2"] = floor
-        print(f"gradients_chunk{chunk}", json.dumps(entry), flush=True)
-        save()
 
 
 def _verdicts(entry: dict, outs: dict) -> None:
