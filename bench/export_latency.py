@@ -109,43 +109,10 @@ def build_ti2v_base(root: Path, text_encoder: str) -> Path:
     """A Wan2.2-TI2V-5B-shaped diffusers folder (random weights): the 5B transformer (bf16, ``wan22_step.TI2V_5B``),
     the Wan 2.2 VAE (:data:`WAN22_VAE`, fp32), UMT5-XXL (bf16; ``small``: 2 layers of its width), the tiny base's
     tokenizer and scheduler, ``model_index.json`` with ``expand_timesteps: true`` (one timestep per token)."""
-    import torch
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    from distillery.tinybase.shipped import shipped_tiny_base
-
-    base = root / FAMILIES["wan2.2-ti2v-5b"][0]
-    tiny = shipped_tiny_base()
-    if base.exists():
-        shutil.rmtree(base)
-    base.mkdir(parents=True)
-    for part in ("tokenizer", "scheduler"):
-        shutil.copytree(tiny / part, base / part)
-    index = json.loads((tiny / "model_index.json").read_text())
-    index.update(boundary_ratio=None, expand_timesteps=True, transformer_2=[None, None])
-    (base / "model_index.json").write_text(json.dumps(index, indent=2))
-    (base / "README.md").write_text("---\nlibrary_name: diffusers\ndistillery:\n  max_sequence_length: 512\n---\n"
-                                    "Wan2.2-TI2V-5B-shaped, random weights (bench/export_latency.py).\n")
-    config = {k: v for k, v in wan22_step.TI2V_5B.items() if k != "_class_name"}
-    config["text_dim"] = rsp.UMT5_XXL["d_model"]  # 4096 (the smoke run's text encoder is narrower)
-    torch.manual_seed(0)
-    with torch.device(rsp.DEVICE):
-        transformer = WanTransformer3DModel(**config).to(torch.bfloat16)
-    transformer.save_pretrained(base / "transformer")
-    del transformer
-    with torch.device(rsp.DEVICE):
-        vae = AutoencoderKLWan(**WAN22_VAE)
-    vae.save_pretrained(base / "vae")
-    del vae
-    cfg = dict(rsp.UMT5_XXL, num_layers=rsp.UMT5_XXL["num_layers"] if text_encoder == "xxl" else 2)
-    with torch.device(rsp.DEVICE):
-        encoder = UMT5EncoderModel(UMT5Config(**cfg)).to(torch.bfloat16)
-    encoder.save_pretrained(base / "text_encoder")
-    del encoder
-    if rsp.DEVICE == "cuda":
-        torch.cuda.empty_cache()
-    return base
+    return rsp.build_base(root, text_encoder, name=FAMILIES["wan2.2-ti2v-5b"][0],
+                          transformer={k: v for k, v in wan22_step.TI2V_5B.items() if k != "_class_name"},
+                          vae=WAN22_VAE, index=dict(boundary_ratio=None, expand_timesteps=True, transformer_2=[None, None]),
+                          note="Wan2.2-TI2V-5B-shaped")
 
 
 def run_kind(folder: Path, kind: str, variants: list[str], repeats: int, deadline: float, out_file: Path,

@@ -88,15 +88,19 @@ class GpuSampler:
             self._proc.terminate()
 
 
-def build_base(root: Path, text_encoder: str) -> Path:
-    """The real-shape diffusers folder (random weights, bf16 transformer and text encoder, fp32 VAE)."""
+def build_base(root: Path, text_encoder: str, *, name: str = "wan-1.3b-shape", transformer: dict | None = None,
+               vae: dict | None = None, index: dict | None = None, note: str = "Wan2.1-T2V-1.3B-shaped") -> Path:
+    """The real-shape diffusers folder ``root/name`` (random weights, bf16 transformer and text encoder, fp32 VAE).
+    Defaults: Wan2.1-T2V-1.3B (``WAN_1_3B``, the Wan 2.1 VAE of diffusers' defaults, the tiny base's
+    ``model_index.json``); ``transformer`` / ``vae``: another layout's configuration (the transformer's
+    ``text_dim`` is set to the text encoder's width), ``index``: keys set in ``model_index.json``."""
     import torch
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     from distillery.tinybase.shipped import shipped_tiny_base
 
-    base = root / "wan-1.3b-shape"
+    base = root / name
     tiny = shipped_tiny_base()
     if base.exists():
         shutil.rmtree(base)
@@ -104,17 +108,22 @@ def build_base(root: Path, text_encoder: str) -> Path:
     for part in ("tokenizer", "scheduler"):
         shutil.copytree(tiny / part, base / part)
     shutil.copy2(tiny / "model_index.json", base / "model_index.json")
+    if index:
+        model_index = json.loads((base / "model_index.json").read_text())
+        (base / "model_index.json").write_text(json.dumps({**model_index, **index}, indent=2))
     (base / "README.md").write_text("---\nlibrary_name: diffusers\ndistillery:\n  max_sequence_length: 512\n---\n"
-                                    "Wan2.1-T2V-1.3B-shaped, random weights (bench/real_shape_pipeline.py).\n")
+                                    f"{note}, random weights (bench/).\n")
+    config = WAN_1_3B if transformer is None else dict(transformer, text_dim=UMT5_XXL["d_model"])
     torch.manual_seed(0)
     with torch.device(DEVICE):
-        transformer = WanTransformer3DModel(**WAN_1_3B).to(torch.bfloat16)
-    transformer.save_pretrained(base / "transformer")
-    del transformer
+        model = WanTransformer3DModel(**config).to(torch.bfloat16)
+    model.save_pretrained(base / "transformer")
+    del model
+    smoke = {"base_dim": 8} if os.environ.get("BENCH_SMOKE") == "1" else {}
     with torch.device(DEVICE):
-        vae = AutoencoderKLWan(**({"base_dim": 8} if os.environ.get("BENCH_SMOKE") == "1" else {}))  # the Wan2.1 VAE's configuration (diffusers' defaults)
-    vae.save_pretrained(base / "vae")
-    del vae
+        autoencoder = AutoencoderKLWan(**(vae if vae is not None else smoke))  # default: the Wan2.1 VAE (diffusers' defaults)
+    autoencoder.save_pretrained(base / "vae")
+    del autoencoder
     cfg = dict(UMT5_XXL, num_layers=UMT5_XXL["num_layers"] if text_encoder == "xxl" else 2)
     with torch.device(DEVICE):
         encoder = UMT5EncoderModel(UMT5Config(**cfg)).to(torch.bfloat16)
