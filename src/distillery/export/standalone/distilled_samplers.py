@@ -182,16 +182,20 @@ class EulerSampler(Sampler):
         branches = 2 if cfg_enabled(self.resolve_guidance(guidance_scale)) else 1
         return branches * (self.resolve_steps(num_steps) + int(self.given_first_frame))
 
+    def _ladder(self, model, num_steps, guidance_scale):
+        """``(steps, guidance, sigmas [steps + 1] on the model's device, timesteps [steps])`` of one call."""
+        steps, guidance = self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale)
+        shift, scale = self.schedule(model.shift)
+        sigmas = inference_sigmas(shift, steps, scale).to(model.device)
+        return steps, guidance, sigmas, sigmas[:-1] * scale
+
     @torch.no_grad()
     def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
         if self.given_first_frame:
             return self._sample_given_first_frame(model, cond, latent_shape, generator, num_steps, guidance_scale)
         batch = cond.text_embeds.shape[0]
-        steps, guidance = self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale)
+        steps, guidance, sigmas, timesteps = self._ladder(model, num_steps, guidance_scale)
         device = model.device
-        shift, scale = self.schedule(model.shift)
-        sigmas = inference_sigmas(shift, steps, scale).to(device)
-        timesteps = sigmas[:-1] * scale
         x = draw(generator, (batch, *latent_shape), device)
         cond = _on(cond, device)
         for i in range(steps):
@@ -206,11 +210,8 @@ class EulerSampler(Sampler):
         batch = cond.text_embeds.shape[0]
         c, frames = int(latent_shape[0]), int(latent_shape[1])
         chunk_bounds(frames, self.chunk_size, True)  # a length that does not fit: before any forward
-        steps, guidance = self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale)
+        steps, guidance, sigmas, timesteps = self._ladder(model, num_steps, guidance_scale)
         device = model.device
-        shift, scale = self.schedule(model.shift)
-        sigmas = inference_sigmas(shift, steps, scale).to(device)
-        timesteps = sigmas[:-1] * scale
         whole = draw(generator, (batch, *latent_shape), device)
         cond = _on(cond, device)
         first = first_latent(cond, c, batch)
