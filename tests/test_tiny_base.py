@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from distillery.common.errors import UserError  # noqa: E402
-from distillery.tinybase import TinyBaseConfig, make_tiny_base  # noqa: E402
+from distillery.tinybase.tiny import TinyBaseConfig, make_tiny_base  # noqa: E402
 from distillery.tinybase.tokenizer import BUILTIN_VOCABULARY  # noqa: E402
 
 CAPTIONS = ["a red circle moving left on a black background", "a Zebra-striped blob drifting, slowly"]

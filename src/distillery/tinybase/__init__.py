@@ -1,19 +1,5 @@
-"""Base models the pipeline starts from: the tiny Wan 2.1 the project makes itself."""
+"""Base models the pipeline starts from: the tiny Wan 2.1 the project makes itself (:mod:`.tiny`, its tokenizer
+:mod:`.tokenizer`, the fitted one shipped in the package :mod:`.shipped`).
 
-from distillery.tinybase.tiny import (
-    TinyBaseConfig,
-    TinyTextEncoderConfig,
-    TinyTransformerConfig,
-    TinyVAEConfig,
-    make_tiny_base,
-)
-from distillery.tinybase.tokenizer import build_tokenizer
-
-__all__ = [
-    "TinyBaseConfig",
-    "TinyTextEncoderConfig",
-    "TinyTransformerConfig",
-    "TinyVAEConfig",
-    "build_tokenizer",
-    "make_tiny_base",
-]
+Nothing is imported here: finding the shipped base (``params.yaml: base.path: tiny``, read by every stage's
+preflight) must not import transformers and torch, which building a tiny base needs."""

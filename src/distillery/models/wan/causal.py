@@ -169,7 +169,6 @@ class CausalWanAttnProcessor:
         return attention_output(attn, hidden_states, query)
 
 
-@torch.compiler.disable
 def _block_causal_attention(processor: CausalWanAttnProcessor, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
     """Attention of the call's queries ``[B, L, heads, head_dim]`` (after norm + RoPE) over the cached
@@ -211,9 +210,21 @@ def fa4_block_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def _keep_block_causal_attention_out_of_compile() -> None:
+    """Put :func:`_block_causal_attention` behind ``torch.compiler.disable`` (once, when a model first installs the
+    processors, before any compile can trace them): done at import, it would import ``torch._dynamo`` (~0.8 s of CPU)
+    in every process that reads only this module's config class, as a training stage checking its run config."""
+    global _block_causal_attention
+    if not getattr(_block_causal_attention, "_kept_out_of_compile", False):
+        disabled = torch.compiler.disable(_block_causal_attention)
+        disabled._kept_out_of_compile = True
+        _block_causal_attention = disabled
+
+
 def install_causal_attention(transformer: torch.nn.Module) -> None:
     """Give every block's ``attn1`` a :class:`CausalWanAttnProcessor` and ``rope`` the plan hook
     (idempotent; keeps the attention backend already chosen, FA4 included)."""
+    _keep_block_causal_attention_out_of_compile()
     blocks = transformer.blocks
     if blocks and isinstance(blocks[0].attn1.processor, CausalWanAttnProcessor):
         return
