@@ -8,8 +8,10 @@ starts its own server needs none. Fast tests need neither.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -28,8 +30,9 @@ for _k, _v in {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
 }.items():
     os.environ[_k] = _v
-if "prefect" not in sys.modules:  # a temp PREFECT_HOME, before Prefect reads its settings
+if "prefect" not in sys.modules:  # a temp PREFECT_HOME, before Prefect reads its settings; gone when the session ends
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="prefect-home-")
+    atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], True)
 
 from distillery.pipeline.dvcfile import StageSpec, load_dvc_stages, stage_order  # noqa: E402
 

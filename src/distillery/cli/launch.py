@@ -11,6 +11,10 @@ The same options and behaviour as ``torchrun`` (it runs torch's own launcher in 
   launcher prints that line once (``error: ...``) and exits 2, instead of torch's multi-line
   ``ChildFailedError`` report. Any other failure prints one line naming the rank and exit code and
   exits 1 (the worker's own traceback is above it).
+
+That folder is ``distillery-worker-errors-<launcher pid>-*`` in the temp folder, removed when the launcher ends;
+one left by a launcher that was killed (SIGKILL skips the removal) is removed by the next launcher
+(:func:`remove_orphaned_error_folders`).
 """
 
 from __future__ import annotations
@@ -19,13 +23,40 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 from pathlib import Path
 
 from distillery.cli.guard import WORKER_ERRORS_ENV
 from distillery.common.errors import UserError
-from distillery.common.procutil import die_with_parent
+from distillery.common.procutil import die_with_parent, process_alive
+
+ERRORS_PREFIX = "distillery-worker-errors-"  # + the launcher's pid + "-" + mkdtemp's random part
+
+
+def remove_orphaned_error_folders(temp: Path | None = None) -> list[Path]:
+    """Remove the worker-error folders in ``temp`` (default: the temp folder) that launchers killed before their
+    own cleanup left: a real folder of this user named ``distillery-worker-errors-<pid>-*`` whose launcher
+    ``<pid>`` is no longer alive. A live launcher's folder, a link, a file or another user's folder is left alone.
+    Returns what was removed."""
+    temp = Path(temp or tempfile.gettempdir())
+    removed = []
+    try:
+        entries = list(temp.glob(f"{ERRORS_PREFIX}*-*"))
+    except OSError:
+        return removed
+    for folder in entries:
+        pid = folder.name[len(ERRORS_PREFIX):].split("-", 1)[0]
+        try:
+            st = folder.lstat()
+        except OSError:
+            continue
+        if not (pid.isdigit() and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()) or process_alive(int(pid)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
 
 
 def first_worker_error(folder: Path) -> str | None:
@@ -51,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    errors = Path(tempfile.mkdtemp(prefix="distillery-worker-errors-"))
+    remove_orphaned_error_folders()
+    errors = Path(tempfile.mkdtemp(prefix=f"{ERRORS_PREFIX}{os.getpid()}-"))
     os.environ[WORKER_ERRORS_ENV] = str(errors)
     _quiet_torch_launcher()
     try:

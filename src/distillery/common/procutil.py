@@ -51,7 +51,7 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
             return
     except (OSError, AttributeError):
         return
-    if parent == 1 or not _alive(parent):
+    if parent == 1 or not process_alive(parent):
         os.kill(os.getpid(), sig)
 
 
@@ -66,7 +66,7 @@ def _proc_stat(pid: int) -> tuple[str, str, int] | None:
     return name, fields[0], int(fields[1])
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """True when ``pid`` exists and is not a zombie."""
     st = _proc_stat(pid)
     return st is not None and st[1] not in ("Z", "X")
@@ -133,7 +133,7 @@ class AncestorWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            if os.getppid() != self.parent or not all(_alive(p) for p in self.watched):
+            if os.getppid() != self.parent or not all(process_alive(p) for p in self.watched):
                 self.on_orphaned()
                 return
 
