@@ -30,7 +30,8 @@ def torchrun(config: dict, path: Path, nproc: int = 2) -> subprocess.CompletedPr
 
 
 def _launch(args: list[str], cwd: Path, nproc: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "--log-dir", str(cwd / "torch-logs"), *args]  # torch's log folder here, not a torchelastic_* left in /tmp
     proc = subprocess.run(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc

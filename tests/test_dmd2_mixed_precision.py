@@ -82,7 +82,7 @@ def test_two_gloo_ranks_under_the_gpu_precision_policy_match_one_rank(tmp_path, 
     two = _dmd2_bf16_config(tiny_base, latent_set, tmp_path / "two", batch_size=1)
     path = write_config(tmp_path / "two.yaml", two)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "distillery.cli.train", "--config", str(path)]
+           "--log-dir", str(tmp_path / "torch-logs"), "-m", "distillery.cli.train", "--config", str(path)]
     proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -11,8 +11,8 @@
 - **Two nodes on one host**: the 2-rank part runs as 2 torchrun agents (``--nnodes 2``, one process
   each) meeting at the c10d rendezvous the launching process serves (``distillery.pipeline.launch.launcher``,
   what a training stage runs for ``gpus.nnodes: 2``); a first launch is SIGKILLed (the stage's death)
-  once both workers run, and no agent or worker survives it; the next launch removes the worker-error folders the
-  killed agents could not.
+  once both workers run, and no agent or worker survives it; the next launch removes the worker-error folders
+  (torch's logs inside) the killed agents could not.
 """
 
 from __future__ import annotations
@@ -148,6 +148,7 @@ def runs(tmp_path_factory, tiny_base, latent_set):
             assert killed.poll() is None and time.time() < deadline, killed.communicate()[1][-3000:]
             time.sleep(0.05)
         orphaned = _error_folders_of_agents(config)  # the kill skips the agents' own removal of these
+        torch_logs_inside = all((f / "torch-logs").is_dir() for f in orphaned)  # torch's log folder, not a torchelastic_*
         killed.send_signal(signal.SIGKILL)  # the stage dies: nothing may outlive it
         killed.wait()
         left = wait_no_processes(cwd, timeout=30)
@@ -158,7 +159,8 @@ def runs(tmp_path_factory, tiny_base, latent_set):
     assert done.returncode == 0, err[-4000:]
     _resume_copy(sft / "four_to_two", sft / "two_to_one", FROM_TWO)
     train_in_process(_sft(tiny_base, latent_set, sft / "two_to_one", 1))
-    return {"root": root, "left_after_kill": left, "agents_log": err, "four_ranks_log": four, "orphaned_folders": orphaned}
+    return {"root": root, "left_after_kill": left, "agents_log": err, "four_ranks_log": four, "orphaned_folders": orphaned,
+            "torch_logs_inside": torch_logs_inside}
 
 
 def _same_losses(got: list[dict], ref: list[dict], keys: tuple[str, ...], first: int = 1) -> None:
@@ -246,7 +248,7 @@ def test_pdd_trajectories_restart_from_noise_the_same_on_any_world_size(runs):
 @pytest.mark.slow
 def test_two_agents_meet_and_a_killed_launch_leaves_no_process(runs):
     assert runs["left_after_kill"] == []
-    assert len(runs["orphaned_folders"]) == 2  # one per killed agent; the next launch's agents removed them
+    assert len(runs["orphaned_folders"]) == 2 and runs["torch_logs_inside"]  # one per killed agent, torch's logs in it
     assert not any(f.exists() for f in runs["orphaned_folders"]), runs["orphaned_folders"]
     assert "launch: local, 2 node(s) x 1 process(es), rendezvous 127.0.0.1:" in runs["agents_log"]
     assert [r["step"] for r in read_log(runs["root"] / "sft" / "four_to_two")] == list(range(1, FROM_TWO + 1))

@@ -22,8 +22,9 @@ def torchrun_each(configs: list[tuple[dict, Path]], nproc: int = 2, env: dict[st
     process's with one OpenMP thread)."""
     for cfg, path in configs:
         write_config(path, cfg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), __file__,
-           *[str(path) for _, path in configs]]
+    logs = configs[0][1].parent / "torch-logs"  # torch's own log folder: in the test's folder, not a torchelastic_* in /tmp
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "--log-dir", str(logs),
+           __file__, *[str(path) for _, path in configs]]
     proc = subprocess.run(cmd, cwd=configs[0][1].parent, env=env or {**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -14,7 +14,9 @@ The same options and behaviour as ``torchrun`` (it runs torch's own launcher in 
 
 That folder is ``distillery-worker-errors-<launcher pid>-*`` in the temp folder, removed when the launcher ends;
 one left by a launcher that was killed (SIGKILL skips the removal) is removed by the next launcher
-(:func:`remove_orphaned_error_folders`).
+(:func:`remove_orphaned_error_folders`). Unless ``--log-dir`` (or ``PET_LOG_DIR``) names one, torch's own log
+folder of the launch is ``torch-logs`` in it, removed with it (torch's default, a ``torchelastic_*`` temp folder, is
+never removed).
 """
 
 from __future__ import annotations
@@ -87,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[WORKER_ERRORS_ENV] = str(errors)
     _quiet_torch_launcher()
     try:
-        run(parse_args(argv))
+        args = parse_args(argv)
+        if args.log_dir is None:  # torch's default: a new torchelastic_* temp folder per launch, never removed
+            args.log_dir = str(errors / "torch-logs")
+        run(args)
         return 0
     except ChildFailedError as exc:
         message = first_worker_error(errors)
