@@ -102,7 +102,7 @@ def _error_folders_of_agents(config: Path) -> list[Path]:
     """The worker-error folders (:mod:`distillery.cli.launch`) of the torchrun agents running ``config``."""
     import tempfile
 
-    from distillery.cli.launch import ERRORS_PREFIX
+    from distillery.cli.launch import error_folder_prefix
 
     agents = []
     for entry in Path("/proc").iterdir():
@@ -112,7 +112,7 @@ def _error_folders_of_agents(config: Path) -> list[Path]:
             continue
         if str(config).encode() in argv and b"distillery.cli.launch" in argv:
             agents.append(entry.name)
-    return sorted(f for pid in agents for f in Path(tempfile.gettempdir()).glob(f"{ERRORS_PREFIX}{pid}-*"))
+    return sorted(f for pid in agents for f in Path(tempfile.gettempdir()).glob(f"{error_folder_prefix(int(pid))}*"))
 
 
 @pytest.fixture(scope="module")

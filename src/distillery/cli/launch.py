@@ -12,9 +12,9 @@ The same options and behaviour as ``torchrun`` (it runs torch's own launcher in 
   ``ChildFailedError`` report. Any other failure prints one line naming the rank and exit code and
   exits 1 (the worker's own traceback is above it).
 
-That folder is ``distillery-worker-errors-<launcher pid>-*`` in the temp folder, removed when the launcher ends;
-one left by a launcher that was killed (SIGKILL skips the removal) is removed by the next launcher
-(:func:`remove_orphaned_error_folders`). Unless ``--log-dir`` (or ``PET_LOG_DIR``) names one, torch's own log
+That folder is ``distillery-worker-errors-<launcher pid>@<host>-*`` in the temp folder, removed when the launcher
+ends; one left by a launcher that was killed (SIGKILL skips the removal) is removed by the next launcher on the same
+host (:func:`remove_orphaned_error_folders`). Unless ``--log-dir`` (or ``PET_LOG_DIR``) names one, torch's own log
 folder of the launch is ``torch-logs`` in it, removed with it (torch's default, a ``torchelastic_*`` temp folder, is
 never removed).
 """
@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import stat
 import sys
 import tempfile
@@ -34,22 +35,31 @@ from distillery.cli.guard import WORKER_ERRORS_ENV
 from distillery.common.errors import UserError
 from distillery.common.procutil import die_with_parent, process_alive
 
-ERRORS_PREFIX = "distillery-worker-errors-"  # + the launcher's pid + "-" + mkdtemp's random part
+ERRORS_PREFIX = "distillery-worker-errors-"  # + "<launcher pid>@<host>-" + mkdtemp's random part
+
+
+def error_folder_prefix(pid: int | None = None) -> str:
+    """The name a launcher's worker-error folder starts with: its pid and this host (a temp folder shared by
+    several hosts holds their launchers' folders side by side; a pid is alive or dead on its own host only)."""
+    return f"{ERRORS_PREFIX}{os.getpid() if pid is None else pid}@{socket.gethostname()}-"
 
 
 def remove_orphaned_error_folders(temp: Path | None = None) -> list[Path]:
     """Remove the worker-error folders in ``temp`` (default: the temp folder) that launchers killed before their
-    own cleanup left: a real folder of this user named ``distillery-worker-errors-<pid>-*`` whose launcher
-    ``<pid>`` is no longer alive. A live launcher's folder, a link, a file or another user's folder is left alone.
-    Returns what was removed."""
+    own cleanup left: a real folder of this user named ``distillery-worker-errors-<pid>@<this host>-*`` whose
+    launcher ``<pid>`` is no longer alive. A live launcher's folder, another host's, a link, a file or another user's
+    folder is left alone. Returns what was removed."""
     temp = Path(temp or tempfile.gettempdir())
+    host = f"@{socket.gethostname()}-"
     removed = []
     try:
-        entries = list(temp.glob(f"{ERRORS_PREFIX}*-*"))
+        entries = [f for f in temp.glob(f"{ERRORS_PREFIX}*") if host in f.name]
     except OSError:
         return removed
     for folder in entries:
-        pid = folder.name[len(ERRORS_PREFIX):].split("-", 1)[0]
+        pid, _, rest = folder.name[len(ERRORS_PREFIX):].partition(host)
+        if not rest or "-" in rest:  # mkdtemp's part has no "-": "-" there means a host named "<this host>-…"
+            continue
         try:
             st = folder.lstat()
         except OSError:
@@ -85,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     remove_orphaned_error_folders()
-    errors = Path(tempfile.mkdtemp(prefix=f"{ERRORS_PREFIX}{os.getpid()}-"))
+    errors = Path(tempfile.mkdtemp(prefix=error_folder_prefix()))
     os.environ[WORKER_ERRORS_ENV] = str(errors)
     _quiet_torch_launcher()
     try:
