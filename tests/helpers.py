@@ -40,6 +40,15 @@ def run_config(
     return cfg
 
 
+def torchrun_command(nproc: int, folder: Path, *args: str) -> list[str]:
+    """Plain ``torchrun --standalone`` on ``nproc`` local ranks running ``args`` (a script, or ``-m module``, and its
+    arguments), its own log folder in the test's ``folder`` (torch's default leaves a ``torchelastic_*`` in /tmp)."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "--log-dir", str(folder / "torch-logs"), *args]
+
+
 def write_config(path: Path, cfg: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path

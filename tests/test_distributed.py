@@ -7,12 +7,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_log, role_state, run_config, train_in_process, write_config
+from helpers import read_log, role_state, run_config, torchrun_command, train_in_process, write_config
 from torchrun_each import torchrun_each
 
 pytestmark = pytest.mark.slow
@@ -30,8 +29,7 @@ def torchrun(config: dict, path: Path, nproc: int = 2) -> subprocess.CompletedPr
 
 
 def _launch(args: list[str], cwd: Path, nproc: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "--log-dir", str(cwd / "torch-logs"), *args]  # torch's log folder here, not a torchelastic_* left in /tmp
+    cmd = torchrun_command(nproc, cwd, *args)
     proc = subprocess.run(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc

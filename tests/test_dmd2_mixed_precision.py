@@ -18,12 +18,11 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_log, run_config, train_in_process, write_config
+from helpers import read_log, run_config, torchrun_command, train_in_process, write_config
 
 from distillery.components.distributed import DistEnv
 from distillery.config.schema import DistributedConfig, ModelRuntimeConfig
@@ -81,8 +80,7 @@ def test_two_gloo_ranks_under_the_gpu_precision_policy_match_one_rank(tmp_path, 
     beside fp32 masters): every loss and gradient norm finite and equal to bf16 rounding."""
     two = _dmd2_bf16_config(tiny_base, latent_set, tmp_path / "two", batch_size=1)
     path = write_config(tmp_path / "two.yaml", two)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--log-dir", str(tmp_path / "torch-logs"), "-m", "distillery.cli.train", "--config", str(path)]
+    cmd = torchrun_command(2, tmp_path, "-m", "distillery.cli.train", "--config", str(path))
     proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

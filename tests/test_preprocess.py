@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import torchrun_command
 
 from distillery.clips.synthetic import ClipSetConfig, make_clip_set
 from distillery.data import LatentDataset, read_empty_prompt_embedding
@@ -175,9 +176,7 @@ def _identity(path: Path) -> tuple[int, int]:
 
 @pytest.mark.slow
 def test_torchrun_ranks_split_the_shards(tmp_path, tiny_base, clips, uninterrupted):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--log-dir", str(tmp_path / "torch-logs"), "-m", "distillery.cli.main",
-           *_pp_args(tiny_base, clips, tmp_path / "two")]
+    cmd = torchrun_command(2, tmp_path, "-m", "distillery.cli.main", *_pp_args(tiny_base, clips, tmp_path / "two"))
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -84,18 +84,23 @@ def _two_agents(config: Path, cwd: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _workers(config: Path) -> list[int]:
-    """Pids of the training workers (not agents) running ``config``."""
+def _running(config: Path) -> list[tuple[int, list[bytes]]]:
+    """(pid, argv) of every process whose command line names ``config``."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if str(config).encode() in argv and b"distillery.cli.train" in argv and b"distillery.cli.launch" not in argv \
-                and b"agents" not in argv:
-            found.append(int(entry.name))
+        if str(config).encode() in argv:
+            found.append((int(entry.name), argv))
     return found
+
+
+def _workers(config: Path) -> list[int]:
+    """Pids of the training workers (not agents) running ``config``."""
+    return [pid for pid, argv in _running(config) if b"distillery.cli.train" in argv and b"distillery.cli.launch" not in argv
+            and b"agents" not in argv]
 
 
 def _error_folders_of_agents(config: Path) -> list[Path]:
@@ -104,15 +109,8 @@ def _error_folders_of_agents(config: Path) -> list[Path]:
 
     from distillery.cli.launch import error_folder_prefix
 
-    agents = []
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if str(config).encode() in argv and b"distillery.cli.launch" in argv:
-            agents.append(entry.name)
-    return sorted(f for pid in agents for f in Path(tempfile.gettempdir()).glob(f"{error_folder_prefix(int(pid))}*"))
+    agents = [pid for pid, argv in _running(config) if b"distillery.cli.launch" in argv]
+    return sorted(f for pid in agents for f in Path(tempfile.gettempdir()).glob(f"{error_folder_prefix(pid)}*"))
 
 
 @pytest.fixture(scope="module")

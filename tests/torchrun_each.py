@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import write_config
+from helpers import torchrun_command, write_config
 
 
 def torchrun_each(configs: list[tuple[dict, Path]], nproc: int = 2, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -22,9 +22,7 @@ def torchrun_each(configs: list[tuple[dict, Path]], nproc: int = 2, env: dict[st
     process's with one OpenMP thread)."""
     for cfg, path in configs:
         write_config(path, cfg)
-    logs = configs[0][1].parent / "torch-logs"  # torch's own log folder: in the test's folder, not a torchelastic_* in /tmp
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "--log-dir", str(logs),
-           __file__, *[str(path) for _, path in configs]]
+    cmd = torchrun_command(nproc, configs[0][1].parent, __file__, *[str(path) for _, path in configs])
     proc = subprocess.run(cmd, cwd=configs[0][1].parent, env=env or {**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
