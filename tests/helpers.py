@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,6 @@ def run_config(
 def torchrun_command(nproc: int, folder: Path, *args: str) -> list[str]:
     """Plain ``torchrun --standalone`` on ``nproc`` local ranks running ``args`` (a script, or ``-m module``, and its
     arguments), its own log folder in the test's ``folder`` (torch's default leaves a ``torchelastic_*`` in /tmp)."""
-    import sys
-
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
             "--log-dir", str(folder / "torch-logs"), *args]
 

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from helpers import read_log, run_config, train_in_process, write_config
 from torchrun_each import torchrun_each
 from workspace import kill_all_in, wait_no_processes
 
+from distillery.cli.launch import error_folder_prefix
 from distillery.config import allowed_prefixes, load_run_config
 
 STEPS, DMD2_STEPS, PDD_STEPS, GLOBAL_BATCH = 6, 4, 3, 4
@@ -105,10 +107,6 @@ def _workers(config: Path) -> list[int]:
 
 def _error_folders_of_agents(config: Path) -> list[Path]:
     """The worker-error folders (:mod:`distillery.cli.launch`) of the torchrun agents running ``config``."""
-    import tempfile
-
-    from distillery.cli.launch import error_folder_prefix
-
     agents = [pid for pid, argv in _running(config) if b"distillery.cli.launch" in argv]
     return sorted(f for pid in agents for f in Path(tempfile.gettempdir()).glob(f"{error_folder_prefix(pid)}*"))
 
