@@ -118,7 +118,8 @@ def trained(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 # lora_dag 90, stage_ema 65, ...; beside other agents on 2 cores (2026-12-03): wan22_dag 420, i2v_dag 500.
 # Files not named here come next if any of their tests is marked slow (they run stages or torchrun: the long kind),
 # then the rest; each group in collection order (see :func:`_file_rank`).
-LONGEST_FIRST = ("tests/test_pipeline.py", "tests/test_i2v_dag.py", "tests/reliability/test_stage_trust.py", "tests/reliability/test_stage_faults.py",
+LONGEST_FIRST = ("tests/test_pipeline.py", "tests/test_sequence_parallel.py", "tests/test_i2v_dag.py",
+                 "tests/reliability/test_stage_trust.py", "tests/reliability/test_stage_faults.py",
                  "tests/test_prompts_stage.py", "tests/test_flows.py", "tests/test_ode_init_stage.py", "tests/test_scale.py",
                  "tests/test_dmd2.py", "tests/test_given_teacher.py", "tests/test_wan22_dag.py", "tests/test_lora_dag.py",
                  "tests/reliability/test_artifact_trust.py", "tests/test_roles.py", "tests/test_stage_ema.py",

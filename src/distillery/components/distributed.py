@@ -14,6 +14,13 @@ all-reduced across the R groups). A role may pick its own R (``models.<role>.dis
 frozen teacher sharded over every rank; :meth:`DistEnv.mesh_for` builds each R's mesh once (a
 collective: every rank asks for the same meshes in the same order). Every rank is data-parallel in
 both layouts: rank r trains slice r of the global batch, so the trajectory does not depend on R.
+
+**Sequence parallelism.** ``training.distributed.sp_size`` S > 1 splits each sample's tokens over S consecutive
+ranks (one node: :mod:`~distillery.components.sequence_parallel`). The run's device mesh is then ``(replicate, shard,
+sp)`` = ``(R, W/(R·S), S)``; FSDP2 shards over the flattened ``(shard, sp)`` dims (``shard_sp``: the SP ranks hold
+shards of the weights too, as torchtitan's context parallelism does) and the ``sp`` dim is the SP group. The data —
+batches and :class:`~distillery.components.rng.BatchRNG` draws — is split over the W/S *data ranks* only
+(:attr:`DistEnv.data_rank`, :attr:`DistEnv.data_world`): the ranks of a group train the same samples.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from distillery.common.errors import UserError
+from distillery.components.sequence_parallel import SequenceParallel
 from distillery.config.schema import DistributedConfig
 
 
@@ -41,10 +49,25 @@ class DistEnv:
     mesh: DeviceMesh  # the run's mesh (training.distributed.replicate_size)
     compute_dtype: torch.dtype  # bf16 under mixed precision, else fp32
     meshes: dict[int, DeviceMesh] = field(default_factory=dict)  # replicate size → its mesh (mesh_for)
+    sp: SequenceParallel | None = None  # this rank's sequence-parallel group (None: sp_size 1)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def sp_size(self) -> int:
+        return self.sp.size if self.sp is not None else 1
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (the ranks of an SP group share one)."""
+        return self.rank // self.sp_size
+
+    @property
+    def data_world(self) -> int:
+        """The number of data-parallel ranks: ranks that train different samples (world / sp_size)."""
+        return self.world_size // self.sp_size
 
     def mesh_for(self, replicate_size: int, key: str = "training.distributed.replicate_size") -> DeviceMesh:
         """The ``(replicate_size, world/replicate_size)`` HSDP mesh (1-D ``shard`` when 1), built on first use.
@@ -52,18 +75,46 @@ class DistEnv:
         Collective on first use (it creates process groups). A size that does not divide the world
         is a one-line :class:`UserError` naming ``key``."""
         if replicate_size not in self.meshes:
-            self.meshes[replicate_size] = build_mesh(self.device.type, self.world_size, replicate_size, key)
+            self.meshes[replicate_size] = build_mesh(self.device.type, self.world_size, replicate_size, key, self.sp_size)[0]
         return self.meshes[replicate_size]
 
 
-def build_mesh(device_type: str, world: int, replicate_size: int, key: str) -> DeviceMesh:
-    """A 1-D ``("shard",)`` mesh over ``world`` ranks, or the ``("replicate", "shard")`` HSDP mesh."""
+def build_mesh(device_type: str, world: int, replicate_size: int, key: str, sp_size: int = 1) -> tuple[DeviceMesh, DeviceMesh]:
+    """``(FSDP2 mesh, device mesh)``: a 1-D ``("shard",)`` mesh over ``world`` ranks, or the ``("replicate", "shard")``
+    HSDP mesh — with ``sp_size`` 1 the device mesh itself. With ``sp_size`` S > 1 FSDP2's mesh is ``(replicate,
+    shard_sp)`` (1-D ``shard_sp`` when R is 1) and the device mesh its ``shard_sp`` dim unflattened: ``(replicate,
+    shard, sp)`` (``(shard, sp)`` when R is 1), whose ``sp`` dim is the SP group (module doc)."""
     if replicate_size < 1 or world % replicate_size:
         raise UserError(f"config error: {key}: {replicate_size} does not divide the world size {world} "
                         f"(nodes x processes per node); use a divisor of {world}")
+    if (world // replicate_size) % sp_size:
+        raise UserError(f"config error: training.distributed.sp_size: {sp_size} does not divide the {world // replicate_size} "
+                        f"ranks of a shard group ({key} {replicate_size} of a world of {world})")
+    shard = "shard_sp" if sp_size > 1 else "shard"
     if replicate_size > 1:
-        return init_device_mesh(device_type, (replicate_size, world // replicate_size), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+        mesh = init_device_mesh(device_type, (replicate_size, world // replicate_size), mesh_dim_names=("replicate", shard))
+    else:
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=(shard,))
+    if sp_size == 1:
+        return mesh, mesh
+    return mesh, mesh._unflatten(shard, (world // (replicate_size * sp_size), sp_size), ("shard", "sp"))
+
+
+def check_sequence_parallel(sp_size: int, world: int) -> None:
+    """``training.distributed.sp_size`` against the launch, before any process group exists: it must divide the world
+    and the processes per node (an SP group's all-to-alls stay inside a node: ``LOCAL_WORLD_SIZE``, set by torchrun)."""
+    if sp_size == 1:
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    where = "config error: training.distributed.sp_size"
+    if world % sp_size:
+        raise UserError(f"{where}: {sp_size} does not divide the world size {world} (nodes x processes per node)")
+    if sp_size > local:
+        raise UserError(f"{where}: an SP group of {sp_size} ranks is larger than a node's {local} processes; an SP group "
+                        "runs an all-to-all in every attention layer and stays inside a node (sp_size <= processes per node)")
+    if local % sp_size:
+        raise UserError(f"{where}: {sp_size} does not divide the {local} processes per node; "
+                        "SP groups are consecutive ranks of one node")
 
 
 def _resolve_device(cfg: DistributedConfig) -> str:
@@ -97,11 +148,15 @@ def init_distributed(cfg: DistributedConfig) -> DistEnv:
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = build_mesh(device_type, world, cfg.replicate_size, "training.distributed.replicate_size")
+    check_sequence_parallel(cfg.sp_size, world)
+    mesh, device_mesh = build_mesh(device_type, world, cfg.replicate_size, "training.distributed.replicate_size", cfg.sp_size)
+    sp = None
+    if cfg.sp_size > 1:
+        sp = SequenceParallel(device_mesh["sp"].get_group(), cfg.sp_size, device_mesh["sp"].get_local_rank())
     mp = cfg.mixed_precision
     bf16 = mp == "bf16" or (mp == "auto" and device_type == "cuda")
     return DistEnv(rank, world, local_rank, device, backend, mesh, torch.bfloat16 if bf16 else torch.float32,
-                   meshes={cfg.replicate_size: mesh})
+                   meshes={cfg.replicate_size: mesh}, sp=sp)
 
 
 def uses_fsdp(env: DistEnv, cfg: DistributedConfig) -> bool:

@@ -62,7 +62,7 @@ def build_batches(root: Path, data: DataConfig, seed: int, env: DistEnv, with_la
     prompt's (:func:`~distillery.data.read_empty_prompt_embedding`)."""
     latent_shape = None if with_latents else rollout_latent_shape(root, data)
     dataset = LatentDataset(root, data.split, with_latents=with_latents)
-    sampler = ShardedBatchSampler(len(dataset), data.batch_size, env.rank, env.world_size, seed, data.drop_last)
+    sampler = ShardedBatchSampler(len(dataset), data.batch_size, env.data_rank, env.data_world, seed, data.drop_last)  # the ranks of an SP group read the same
     # on CUDA, batches are collated into page-locked memory: their copy to the GPU does not wait for queued work
     loader = LatentBatchLoader(dataset, sampler, data.text_max_length, pin_memory=env.device.type == "cuda")
     empty = read_empty_prompt_embedding(root, data.unconditional)

@@ -84,11 +84,29 @@ def check_roles_early(config: RunConfig) -> dict[str, OptimizerConfig]:
     for name, callback in config.callbacks.items():  # the roles a callback names, where the method's are checked
         if isinstance(callback.cls, type) and issubclass(callback.cls, Callback):
             callback.cls.check_roles(callback.config, config.models, f"callbacks.{name}")
+    check_sequence_parallel_fit(config)
     for role, model in config.models.items():  # a LoRA on a frozen role, on no Linear layer, wider than one
         if model.lora is not None:
             trainable = bool(getattr(model.config, "trainable", False))
             check_lora(role, model.lora, trainable, model.cls.linear_layers(model.config) if trainable else None)
     return role_optimizer_configs(config)
+
+
+def check_sequence_parallel_fit(config: RunConfig) -> None:
+    """``training.distributed.sp_size`` > 1 against the method (a method may declare it cannot take SP:
+    ``TrainingMethod.sequence_parallel``) and every role's model (its plugin's ``sequence_parallel_problem``: e.g.
+    heads that do not split over the group), from the config and the models' ``config.json`` — before any weights load."""
+    sp_size = config.training.distributed.sp_size
+    if sp_size == 1:
+        return
+    where = "config error: training.distributed.sp_size"
+    method = config.method.cls
+    if not getattr(method, "sequence_parallel", False):
+        raise UserError(f"{where}: {sp_size}, but {method.__name__} does not take sequence parallelism; use sp_size 1")
+    for role, model in config.models.items():
+        problem = model.cls.sequence_parallel_problem(model.config, sp_size)
+        if problem:
+            raise UserError(f"{where}: {sp_size}: models.{role}: {problem}")
 
 
 def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
@@ -98,8 +116,10 @@ def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
     check_data_kind(config)  # a method that reads video latents on a prompt-only set: one line before any model loads
     optimizers = check_roles_early(config)
     models = build_models(config)
-    method = build_method(config, models, env.rank, optimizers)
+    method = build_method(config, models, env.data_rank, optimizers)
     runtime = config.training.model
+    if env.sp is not None and env.is_main:
+        log.info("sequence parallel: %d ranks per sample (Ulysses), %d data ranks", env.sp_size, env.data_world)
     for role, model in models.items():  # in config order on every rank (a new mesh is a collective)
         if runtime.activation_checkpointing and runtime.activation_checkpointing_fraction >= 1.0 and hasattr(model, "enable_activation_checkpointing"):
             model.enable_activation_checkpointing()  # every block: diffusers' own (a share of them: place_model)
@@ -128,13 +148,17 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
 
     ``runtime.compile`` compiles the module that runs forward (:func:`resolve_compile`): each of its blocks
     (``compile_mode: blocks``, regional compilation) or the whole of it (``model``);
-    ``runtime.attention_backend`` picks the attention kernel (``auto``: FA4 where it runs, else SDPA).
+    ``runtime.attention_backend`` picks the attention kernel (``auto``: FA4 where it runs, else SDPA). Under
+    sequence parallelism (``env.sp``) the role's forwards split their tokens over the SP group (every role: the
+    frozen ones' activations are as large).
     """
     if runtime.attention_backend not in ("native", "auto") and env.device.type != "cuda":
         raise UserError(
             f"config error: training.model.attention_backend: {runtime.attention_backend} needs a CUDA device; use native"
         )
     model.set_attention_backend(runtime.attention_backend, env.device, env.compute_dtype)
+    if env.sp is not None:  # every role's forwards split their tokens over the SP group (after the backend's processors)
+        model.enable_sequence_parallel(env.sp)
     compiled = resolve_compile(runtime, env)
     compile_blocks = compiled and runtime.compile_mode == "blocks"
     if compiled:  # every Wan block: both torch bugs below, bidirectional ones included

@@ -60,7 +60,7 @@ class Trainer:
         self.ctx = CallbackContext(roles=run.models, rank=env.rank, world_size=env.world_size, max_train_steps=t.loop.max_train_steps,
                                    roles_to_step=self.method.roles_to_step, sampling=self.method.sampling_contract())
         self.nonfinite = NonFiniteGuard(t.loop.skip_nonfinite_steps, t.checkpoint.output_dir, env.device)
-        samples_per_step = t.data.batch_size * t.loop.grad_accum_steps * env.world_size
+        samples_per_step = t.data.batch_size * t.loop.grad_accum_steps * env.data_world
         self.metrics = StepMetrics(env.device, samples_per_step, self.method.learning_rates)
         self.step = 0  # the last completed optimizer step (what a checkpoint records)
         self.saved: Path | None = None  # the last checkpoint this invocation wrote
@@ -196,7 +196,7 @@ class Trainer:
         """Create the method's and callbacks' state, then load the checkpoint to resume from (if
         any) into it; returns the step to continue after (0: a fresh run) and the MLflow run the
         checkpoint names (None: a new one)."""
-        self.method.on_train_start(self.env.device, self.env.world_size)
+        self.method.on_train_start(self.env.device, self.env.data_world)  # draws per global sample: SP ranks draw alike
         self.callbacks.on_train_start(self.ctx)
         path = self.ckpt.resume_path(self.config.training.checkpoint.resume)
         if path is None:

@@ -68,6 +68,10 @@ class TrainingMethod(ABC):
     frozen_roles: ClassVar[tuple[str, ...]] = ()
     role_kinds: ClassVar[dict[str, type]] = {}
     data_kind: ClassVar[Literal["latents", "prompts"]] = "latents"
+    #: Whether the method runs under sequence parallelism (``training.distributed.sp_size`` > 1). A method that
+    #: reaches models only through :class:`~distillery.models.base.ModelBase` takes it (inputs and outputs stay
+    #: whole on every rank of a group, the data and draws are per data rank); one that cannot says False.
+    sequence_parallel: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -78,7 +82,8 @@ class TrainingMethod(ABC):
         optimizer_configs: dict[str, OptimizerConfig] | None = None,
         roles_checked: bool = False,
     ) -> None:
-        """``optimizer_configs``: each trainable role's resolved optimizer (default: ``training.optimizer``);
+        """``rank``: this rank's index among the data-parallel ranks (its slice of every global draw; the ranks of a
+        sequence-parallel group share one); ``optimizer_configs``: each trainable role's resolved optimizer (default: ``training.optimizer``);
         ``roles_checked``: the roles were checked from the config already (a run built by
         :func:`distillery.engine.builder.build_run`); otherwise they are checked here."""
         self.config = config
@@ -139,7 +144,8 @@ class TrainingMethod(ABC):
 
     # -- set-up ---------------------------------------------------------------------------
     def on_train_start(self, device: torch.device, world_size: int = 1) -> None:
-        """Create the random stream on ``device`` (seeded with the run seed, sliced by rank)."""
+        """Create the random stream on ``device`` (seeded with the run seed, sliced by data rank over ``world_size``
+        data ranks)."""
         self.rng = BatchRNG(self.training.loop.seed, self.rank, world_size, device)
 
     def build_optimizers(self) -> None:

@@ -154,6 +154,20 @@ class ModelBase(ABC):
         if backend not in ("native", "auto"):
             raise UserError(f"config error: training.model.attention_backend: {type(self).__name__} offers only native")
 
+    @classmethod
+    def sequence_parallel_problem(cls, config: Any, sp_size: int) -> str | None:
+        """Why this model, built from ``config``, cannot split its token sequence over ``sp_size`` ranks
+        (``training.distributed.sp_size``), read without loading weights — None when it can. Default: a model
+        offers no sequence parallelism."""
+        del config
+        return f"{cls.__name__} does not offer sequence parallelism" if sp_size > 1 else None
+
+    def enable_sequence_parallel(self, sp: Any) -> None:
+        """Split every forward's token sequence over the SP group ``sp`` (a
+        :class:`~distillery.components.sequence_parallel.SequenceParallel`; placement calls this once, before
+        FSDP2 wraps the transformer). Inputs and outputs stay whole on every rank of the group."""
+        raise UserError(f"config error: training.distributed.sp_size: {type(self).__name__} does not offer sequence parallelism")
+
     @abstractmethod
     def shardable_blocks(self, module: torch.nn.Module | None = None) -> list[torch.nn.Module]:
         """The repeated blocks of ``module`` (default: ``self.transformer``) that FSDP2 shards one

@@ -376,9 +376,29 @@ def stock_processor(processor):
     return stock
 
 
+def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backend=None) -> torch.Tensor:
+    """Plain attention ``[B, Lq, heads, head_dim]`` through diffusers' dispatcher (torch SDPA; ``backend``: the kernel
+    ``set_attention_backend`` chose), the call diffusers' ``WanAttnProcessor`` makes."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    return dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=backend)
+
+
+def across_sequence_shards(rotary_emb, attend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``attend(query, key, value)`` — whichever attention runs —, or, when ``rotary_emb`` carries a sequence-parallel
+    group (a sharded call, :mod:`distillery.models.wan.sequence_parallel`), the same over the whole sequence from this
+    rank's token shards: all-to-all in, ``attend``, all-to-all out
+    (:meth:`~distillery.components.sequence_parallel.SequenceParallel.attention`)."""
+    sp = getattr(rotary_emb, "sequence_parallel", None)
+    if sp is None:
+        return attend(query, key, value)
+    return sp.attention(attend, query, key, value, rotary_emb.tokens)
+
+
 class FA4WanAttnProcessor:
     """The self-attention (``attn1``) of a bidirectional Wan block through the FA4 op when ``fa4_mode`` is set
-    and the activations are CUDA bf16/fp16; anything else (cross-attention, a mask, CPU) runs diffusers'
+    and the activations are CUDA bf16/fp16, and through SDPA in a sequence-parallel call otherwise (both
+    :func:`across_sequence_shards`); anything else (cross-attention, a mask, CPU without SP) runs diffusers'
     ``WanAttnProcessor``. A plain picklable object: ``copy.deepcopy`` (the bf16 compute copy) carries it."""
 
     _attention_backend = None
@@ -388,11 +408,13 @@ class FA4WanAttnProcessor:
         self.fa4_mode = fa4_mode
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        if (self.fa4_mode is None or encoder_hidden_states is not None or attention_mask is not None or rotary_emb is None
-                or not fa4_can_run(hidden_states)):
+        fa4 = self.fa4_mode is not None and fa4_can_run(hidden_states)
+        sharded = getattr(rotary_emb, "sequence_parallel", None) is not None
+        if encoder_hidden_states is not None or attention_mask is not None or rotary_emb is None or not (fa4 or sharded):
             return stock_processor(self)(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         query, key, value = self_attention_qkv(attn, hidden_states, rotary_emb[0], rotary_emb[1])
-        return attention_output(attn, fa4_attention(query, key, value), query)
+        attend = fa4_attention if fa4 else functools.partial(sdpa_attention, backend=self._attention_backend)
+        return attention_output(attn, across_sequence_shards(rotary_emb, attend, query, key, value), query)
 
 
 def install_attention_backend(transformer: torch.nn.Module, backend: str) -> None:

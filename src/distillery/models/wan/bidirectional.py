@@ -121,6 +121,30 @@ class WanModel(ModelBase):
         if resolved != "native":
             log.info("role %s: attention backend %s%s", self.role, resolved, f" (from {backend})" if backend != resolved else "")
 
+    @classmethod
+    def sequence_parallel_problem(cls, config: WanModelConfig, sp_size: int) -> str | None:
+        """Ulysses splits the attention heads over the SP group: ``sp_size`` must divide the folder's
+        ``num_attention_heads`` (read from its ``config.json``). Any sequence length is split (padded: :mod:`.sequence_parallel`)."""
+        from diffusers import WanTransformer3DModel
+
+        from distillery.components.sequence_parallel import heads_problem
+
+        if sp_size == 1:
+            return None
+        transformer_dir, _ = locate_transformer(config.init_from)
+        heads = int(WanTransformer3DModel.load_config(transformer_dir)["num_attention_heads"])
+        problem = heads_problem(heads, sp_size)
+        return f"{transformer_dir}: {problem}" if problem else None
+
+    def enable_sequence_parallel(self, sp: Any) -> None:
+        """Split every forward's tokens over ``sp`` (:func:`~distillery.models.wan.sequence_parallel.install_sequence_parallel`
+        on the transformer, each of two experts)."""
+        from distillery.models.wan.sequence_parallel import install_sequence_parallel
+
+        for module in {id(m): m for m in (self.transformer, self.forward_module)}.values():
+            for transformer in (module.experts if isinstance(module, WanExperts) else (module,)):
+                install_sequence_parallel(transformer, sp)
+
     def shardable_blocks(self, module: torch.nn.Module | None = None) -> list[torch.nn.Module]:
         return list((module if module is not None else self.transformer).blocks)
 

@@ -46,6 +46,7 @@ from distillery.config.typed import bounded, check_fields
 from distillery.models.base import CausalModelBase, Conditioning, TrainingBatch
 from distillery.models.wan.attention import (
     FA4WanAttnProcessor,
+    across_sequence_shards,
     attention_output,
     fa4_attention,
     fa4_can_run,
@@ -159,20 +160,24 @@ class CausalWanAttnProcessor:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         plan = getattr(rotary_emb, "plan", None)
         if plan is None or encoder_hidden_states is not None:
-            if self.fa4_mode is not None and encoder_hidden_states is None:  # an unplanned self-attention: plain FA4
-                proc = FA4WanAttnProcessor(self.fa4_mode)
+            sharded = getattr(rotary_emb, "sequence_parallel", None) is not None
+            if (self.fa4_mode is not None or sharded) and encoder_hidden_states is None:  # an unplanned self-attention:
+                proc = FA4WanAttnProcessor(self.fa4_mode)  # plain FA4 (or SDPA across sequence shards)
                 proc._attention_backend, proc._parallel_config = self._attention_backend, self._parallel_config
                 return proc(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
             return stock_processor(self)(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         query, key, value = self_attention_qkv(attn, hidden_states, rotary_emb.freqs_cos, rotary_emb.freqs_sin)
-        hidden_states = _block_causal_attention(self, query, key, value, plan)
+        hidden_states = across_sequence_shards(rotary_emb, lambda q, k, v: _block_causal_attention(self, q, k, v, plan),
+                                               query, key, value)
         return attention_output(attn, hidden_states, query)
 
 
 def _block_causal_attention(processor: CausalWanAttnProcessor, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
     """Attention of the call's queries ``[B, L, heads, head_dim]`` (after norm + RoPE) over the cached
-    keys/values ⊕ the call's own, block-causally; writes the call's keys/values to ``plan.store``.
+    keys/values ⊕ the call's own, block-causally; writes the call's keys/values to ``plan.store``. Under sequence
+    parallelism it runs between the all-to-alls (:func:`~.attention.across_sequence_shards`): every token of the
+    call, this rank's heads — so the KV cache a rank keeps holds its heads of every cached token.
     Returns ``[B, L, heads, head_dim]``. Kept out of torch.compile regions (it reads per-call Python
     state: the plan and the block index), so a compiled block is one graph for every block and call.
 
