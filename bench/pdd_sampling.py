@@ -57,9 +57,8 @@ def timed(fn, repeats: int, cuda: bool, warm=None) -> dict:
 def main() -> int:
     import torch
 
-    from distillery.models.base import Conditioning
+    from distillery.models.base import Conditioning, cast_keeping_fp32_modules
     from distillery.models.wan import WanModel, WanModelConfig
-    from distillery.models.wan.inference import _cast_keeping_fp32_modules
     from distillery.models.wan.pdd import PDDWanModel, PDDWanModelConfig
     from distillery.sampling import build_sampler
 
@@ -85,7 +84,7 @@ def main() -> int:
             student = PDDWanModel(PDDWanModelConfig(init_from=str(model_dir), trainable=False, random_init=not SMOKE,
                                                     pdd_steps=PDD_STEPS), "student")
         student.transformer.to(device).eval().requires_grad_(False)
-        _cast_keeping_fp32_modules(student.transformer, dtype)
+        cast_keeping_fp32_modules(student.transformer, dtype)
         student.bind_device(device, dtype)
         teacher = WanModel(WanModelConfig(init_from=str(model_dir), trainable=False), "teacher", transformer=student.transformer)
         teacher.bind_device(device, dtype)

@@ -1,4 +1,5 @@
-"""The base model's VAE and text encoder, used exactly as diffusers' WanPipeline uses them.
+"""The base model's VAE and text encoder, used exactly as the base's diffusers pipeline uses them (WanPipeline's;
+Cosmos Predict 2.5's pipeline has the same VAE, its text encoder is :class:`PromptEncoder`).
 
 Contracts:
 - videos: ``uint8 [B, T, H, W, 3]`` RGB frames ↔ latents ``float32 [B, C, T', H', W']`` with
@@ -9,14 +10,17 @@ Contracts:
   these latents matches sampling with the stock pipeline.
 - prompts: ``prompt_clean`` → tokenizer (pad to ``max_sequence_length``, truncate, add ``</s>``) →
   encoder with the attention mask → each row trimmed to its real token count: ``[L_i, D]``
-  unpadded. Training pads them back with zeros to the same ``max_sequence_length``.
+  unpadded. Training pads them back with zeros to the same ``max_sequence_length``. (A Cosmos base's rows are
+  ``max_sequence_length`` long already: :class:`PromptEncoder`.)
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -70,16 +74,6 @@ def denormalize_latents(vae: AutoencoderKLWan, x: torch.Tensor) -> torch.Tensor:
     return x / (1.0 / std) + mean
 
 
-def _text_dim_from_config(path: Path) -> int:
-    """``d_model`` of a text encoder's ``config.json`` (one-line :class:`UserError` when unreadable)."""
-    import json
-
-    try:
-        return int(json.loads(path.read_text())["d_model"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{path}: no readable d_model ({type(exc).__name__}); is the base a diffusers Wan folder?") from None
-
-
 def first_frame_mask_channels(base: Path) -> int | None:
     """The first-frame mask's channels an image-to-video base's transformer takes — ``in_channels − 2 ·
     out_channels`` of ``transformer/config.json`` (Wan 2.1 I2V: 36 − 2 · 16 = 4) — or None for a text-to-video
@@ -104,8 +98,128 @@ def first_frame_mask(num_frames: int, temporal_factor: int, latent_hw: tuple[int
     return mask.view(-1, temporal_factor, h, w).transpose(0, 1).contiguous()
 
 
+# -- the prompt encoder, by the text encoder's class ---------------------------------------------------------
+UMT5 = "UMT5EncoderModel"
+QWEN25_VL = "Qwen2_5_VLForConditionalGeneration"
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: unreadable ({type(exc).__name__}); is the base a diffusers model folder?") from None
+
+
+def text_encoder_class(base: Path) -> str:
+    """The text encoder's class name of the diffusers folder ``base`` (module doc)."""
+    index = base / "model_index.json"
+    if index.is_file():
+        entry = _read(index).get("text_encoder")
+        if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str):
+            return entry[1]
+    archs = _read(base / "text_encoder" / "config.json").get("architectures") or []
+    if archs:
+        return str(archs[0])
+    raise UserError(f"{base}: neither model_index.json nor text_encoder/config.json names the text encoder's class")
+
+
+def _umt5_width(config: dict[str, Any]) -> int:
+    return int(config["d_model"])
+
+
+def _qwen25_vl_width(config: dict[str, Any]) -> int:
+    text = config.get("text_config") or config  # transformers 5 nests the language model's config
+    return int(text["hidden_size"]) * int(text["num_hidden_layers"])
+
+
+@dataclass(frozen=True)
+class TextEncoderKind:
+    """One text-encoder class and how its embedding width reads from its ``config.json``."""
+
+    class_name: str
+    width: Callable[[dict[str, Any]], int]
+
+
+KINDS = {k.class_name: k for k in (TextEncoderKind(UMT5, _umt5_width), TextEncoderKind(QWEN25_VL, _qwen25_vl_width))}
+
+
+def kind_of(base: Path) -> TextEncoderKind:
+    """The :class:`TextEncoderKind` of ``base``'s text encoder (one line for a class no row knows)."""
+    name = text_encoder_class(base)
+    if name not in KINDS:
+        raise UserError(f"{base}: a {name} text encoder; distillery encodes prompts with {', '.join(KINDS)}")
+    return KINDS[name]
+
+
+def text_width(base: Path) -> int:
+    """The width ``D`` of the prompt embeddings ``base``'s text encoder makes, read from its config (nothing loaded)."""
+    path = base / "text_encoder" / "config.json"
+    try:
+        return kind_of(base).width(_read(path))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{path}: no readable width ({type(exc).__name__}: {exc})") from None
+
+
+class PromptEncoder:
+    """A base folder's prompt encoder, by its text encoder's class: the prompt → embeddings step of each family's diffusers
+    pipeline, run the way that pipeline runs it (so latents made here condition a transformer as the stock pipeline does).
+
+    - ``UMT5EncoderModel`` (Wan 2.1 / 2.2): ``prompt_clean``, the tokenizer padded to ``max_sequence_length`` with its
+      ``</s>``, the encoder under the attention mask, each row trimmed to its real tokens: ``[L_i, D]`` (``D = d_model``).
+    - ``Qwen2_5_VLForConditionalGeneration`` (Cosmos Predict 2.5): the tokenizer's chat template (a system turn, the
+      prompt as the user turn) padded to ``max_sequence_length``, the decoder without an attention mask, every hidden
+      layer after the embeddings normalised over its width and concatenated — ``Cosmos2_5_PredictBasePipeline``'s own
+      ``_get_prompt_embeds``, called as it is — untrimmed: ``[max_sequence_length, layers · hidden]`` (the pipeline
+      passes the pad tokens' embeddings to the transformer too).
+
+    Which one a folder has: ``model_index.json``'s ``text_encoder`` entry (``["transformers", "<class>"]``), else the
+    ``architectures`` of ``text_encoder/config.json``. A class no row knows is one line (:class:`UserError`). It holds
+    the tokenizer and text encoder of ``base``, frozen, float32, on ``device``."""
+
+    def __init__(self, base: Path, device: torch.device, max_sequence_length: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.kind = kind_of(base)
+        self.device = device
+        self.max_sequence_length = int(max_sequence_length)
+        self.tokenizer = AutoTokenizer.from_pretrained(base / "tokenizer")
+        if self.kind.class_name == UMT5:
+            from transformers import UMT5EncoderModel as model_class
+        else:
+            from transformers import Qwen2_5_VLForConditionalGeneration as model_class
+        self.model = model_class.from_pretrained(base / "text_encoder", torch_dtype=torch.float32).to(device).eval()
+        self.width = self.kind.width(self.model.config.to_dict())
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> list[torch.Tensor]:
+        """Prompts → embeddings ``[L_i, D]`` (float32, CPU): trimmed to the real tokens (UMT5) or all
+        ``max_sequence_length`` of them (Qwen2.5-VL), module doc."""
+        if self.kind.class_name == UMT5:
+            return self._encode_umt5(prompts)
+        from diffusers import Cosmos2_5_PredictBasePipeline
+
+        # the pipeline's own encoding, on a stand-in holding only what that method reads
+        parts = SimpleNamespace(tokenizer=self.tokenizer, text_encoder=self.model, _execution_device=self.device)
+        hidden = Cosmos2_5_PredictBasePipeline._get_prompt_embeds(parts, prompt=list(prompts),
+                                                                   max_sequence_length=self.max_sequence_length,
+                                                                   device=self.device, dtype=torch.float32)
+        return [h.float().cpu().clone() for h in hidden]
+
+    def _encode_umt5(self, prompts: list[str]) -> list[torch.Tensor]:
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        tokens = self.tokenizer(
+            [prompt_clean(p) for p in prompts], padding="max_length", max_length=self.max_sequence_length,
+            truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="pt",
+        )
+        mask = tokens.attention_mask
+        lengths = mask.gt(0).sum(dim=1)
+        hidden = self.model(tokens.input_ids.to(self.device), mask.to(self.device)).last_hidden_state.float().cpu()
+        return [h[: int(n)].clone() for h, n in zip(hidden, lengths)]
+
+
 class BaseEncoders:
-    """VAE + tokenizer + text encoder of a diffusers Wan folder, frozen, on ``device``; for an image-to-video base
+    """VAE + tokenizer + text encoder (:class:`PromptEncoder`) of a diffusers Wan or Cosmos folder, frozen, on ``device``; for an image-to-video base
     (:func:`first_frame_mask_channels`) also its image encoder and processor (when the folder has them)."""
 
     def __init__(self, base: str | Path, device: str | torch.device = "cpu", max_sequence_length: int | None = None,
@@ -125,17 +239,9 @@ class BaseEncoders:
         self.device = torch.device(device)
         self.vae = AutoencoderKLWan.from_pretrained(self.base / "vae", torch_dtype=vae_dtype).to(self.device).eval()
         self.configure_decode(1, False)
-        self.tokenizer = self.text_encoder = None
-        if text_encoder:
-            from transformers import AutoTokenizer, UMT5EncoderModel
-
-            self.tokenizer = AutoTokenizer.from_pretrained(self.base / "tokenizer")
-            self.text_encoder = UMT5EncoderModel.from_pretrained(self.base / "text_encoder", torch_dtype=torch.float32)
-            self.text_encoder.to(self.device).eval()
-            self.text_dim = int(self.text_encoder.config.d_model)
-        else:
-            self.text_dim = _text_dim_from_config(self.base / "text_encoder" / "config.json")
         self.max_sequence_length = max_sequence_length or read_max_sequence_length(self.base)
+        self.prompt_encoder = PromptEncoder(self.base, self.device, self.max_sequence_length) if text_encoder else None
+        self.text_dim = self.prompt_encoder.width if self.prompt_encoder is not None else text_width(self.base)
         self.mask_channels = first_frame_mask_channels(self.base)  # None: a text-to-video base
         self.image_encoder = self.image_processor = None
         if self.mask_channels is not None and (self.base / "image_encoder").is_dir():
@@ -216,19 +322,9 @@ class BaseEncoders:
         frames = ((video + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
         return frames.permute(0, 2, 3, 4, 1).cpu().numpy()
 
-    @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> list[torch.Tensor]:
-        """Captions → unpadded embeddings ``[L_i, D]`` (float32, CPU), as WanPipeline computes them."""
-        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-
-        if self.text_encoder is None:
+        """Captions → embeddings ``[L_i, D]`` (float32, CPU), as the base's pipeline computes them
+        (:class:`PromptEncoder`: unpadded for Wan's UMT5, all ``max_sequence_length`` rows for Cosmos)."""
+        if self.prompt_encoder is None:
             raise RuntimeError("BaseEncoders was built with text_encoder=False: it cannot encode prompts")
-        cleaned = [prompt_clean(p) for p in prompts]
-        tokens = self.tokenizer(
-            cleaned, padding="max_length", max_length=self.max_sequence_length, truncation=True,
-            add_special_tokens=True, return_attention_mask=True, return_tensors="pt",
-        )
-        mask = tokens.attention_mask
-        lengths = mask.gt(0).sum(dim=1)
-        hidden = self.text_encoder(tokens.input_ids.to(self.device), mask.to(self.device)).last_hidden_state.float().cpu()
-        return [h[: int(n)].clone() for h, n in zip(hidden, lengths)]
+        return self.prompt_encoder.encode(prompts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -406,3 +407,27 @@ class PDDModelBase(ModelBase):
     def fuse_into_projection(self, module: torch.nn.Module, start: int, end: int) -> None:
         """Write block ``[start, end)``'s fused projection into ``module`` (a plain transformer of this
         trunk, e.g. ``self.transformer``): its velocity becomes the block's mean velocity."""
+
+
+# -- loading a family's diffusers transformer, as every model plugin does ------------------------------------
+def load_transformer(model_class: Any, folder: str | Path, random_init: bool = False) -> torch.nn.Module:
+    """``model_class`` (a diffusers ``ModelMixin``) from ``folder`` in float32 — or, ``random_init``, built from its
+    ``config.json`` alone with random weights (benchmarks). A folder whose weights do not load is one line."""
+    if random_init:
+        return model_class.from_config(model_class.load_config(folder))
+    try:
+        return model_class.from_pretrained(folder, torch_dtype=torch.float32)
+    except (OSError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{folder}: cannot load the transformer weights: {first}") from None
+
+
+def cast_keeping_fp32_modules(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating parameters and buffers to ``dtype`` except inside the modules the model class keeps in fp32
+    (``_keep_in_fp32_modules``: as ``from_pretrained(torch_dtype=dtype)`` leaves them)."""
+    if dtype == torch.float32:
+        return
+    keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.is_floating_point() and not keep.intersection(name.split(".")):
+            tensor.data = tensor.data.to(dtype)

@@ -84,20 +84,23 @@ class FolderLayout:
     ``experts``: 2 when the folder's pipeline has a second transformer (``transformer_2``, the low-noise
     expert of Wan 2.2 A14B, for timesteps below ``boundary_ratio · 1000``), else 1; ``expand_timesteps``:
     the pipeline feeds the transformer one timestep per token (Wan 2.2 TI2V-5B); ``vae_z_dim``: the
-    VAE's latent channels (None: no ``vae/config.json``, e.g. a trained artifact's ``model/``)."""
+    VAE's latent channels (None: no ``vae/config.json``, e.g. a trained artifact's ``model/``); ``pipeline_class``:
+    ``model_index.json``'s ``_class_name`` (the class of a ``["module", "Class"]`` custom pipeline; None: no index)."""
 
     experts: int = 1
     boundary_ratio: float | None = None
     expand_timesteps: bool = False
     vae_z_dim: int | None = None
+    pipeline_class: str | None = None
 
 
 @dataclass(frozen=True)
 class ModelFamily:
     """One model family: ``name`` (shown in errors and lineage), the diffusers transformer classes
     (``_class_name``) its plugins load, and ``package``: the dotted module exporting its
-    :class:`FamilyLoaders`; ``experts``, ``expand_timesteps``, ``vae_z_dim`` (None: any) and
-    ``refused_vae_z_dims``: the :class:`FolderLayout` it claims (families sharing a class differ there)."""
+    :class:`FamilyLoaders`; ``experts``, ``expand_timesteps``, ``vae_z_dim`` (None: any), ``refused_vae_z_dims`` and
+    ``pipeline_classes`` (the ``model_index.json`` pipelines it loads; empty: any): the :class:`FolderLayout` it claims
+    (families sharing a class differ there)."""
 
     name: str
     transformer_classes: tuple[str, ...]
@@ -106,6 +109,7 @@ class ModelFamily:
     expand_timesteps: bool = False
     vae_z_dim: int | None = None
     refused_vae_z_dims: tuple[int, ...] = ()
+    pipeline_classes: tuple[str, ...] = ()
 
     def loaders(self) -> FamilyLoaders:
         """The family's package (imported now), typed as its loaders."""
@@ -115,7 +119,8 @@ class ModelFamily:
         """Whether a folder of this ``layout`` is this family's (a layout without a VAE: any ``vae_z_dim``)."""
         return (layout.experts == self.experts and layout.expand_timesteps == self.expand_timesteps
                 and (self.vae_z_dim is None or layout.vae_z_dim is None or layout.vae_z_dim == self.vae_z_dim)
-                and layout.vae_z_dim not in self.refused_vae_z_dims)
+                and layout.vae_z_dim not in self.refused_vae_z_dims
+                and (not self.pipeline_classes or layout.pipeline_class is None or layout.pipeline_class in self.pipeline_classes))
 
 
 WAN22_VAE_Z_DIM = 48  # Wan 2.2's VAE (TI2V-5B's): 48 latent channels, 16x spatial (a patchify 2 in it)
@@ -126,6 +131,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 vae_z_dim=WAN22_VAE_Z_DIM),
     ModelFamily("wan2.2-a14b", ("WanTransformer3DModel",), "distillery.models.wan", experts=2,
                 refused_vae_z_dims=(WAN22_VAE_Z_DIM,)),  # A14B's VAE is Wan 2.1's
+    # Cosmos Predict 2.5 (text-to-world); Cosmos 1.0 and Predict 2 share the transformer class, not the pipeline
+    ModelFamily("cosmos-predict2.5", ("CosmosTransformer3DModel",), "distillery.models.cosmos",
+                pipeline_classes=("Cosmos2_5_PredictBasePipeline",)),
 )
 
 
@@ -136,7 +144,8 @@ def registered() -> str:
 
 def _describe(layout: FolderLayout) -> str:
     return (f"{layout.experts} expert(s), expand_timesteps {str(layout.expand_timesteps).lower()}, "
-            f"VAE z_dim {layout.vae_z_dim if layout.vae_z_dim is not None else 'unknown'}")
+            f"VAE z_dim {layout.vae_z_dim if layout.vae_z_dim is not None else 'unknown'}"
+            + (f", pipeline {layout.pipeline_class}" if layout.pipeline_class is not None else ""))
 
 
 def family_of_class(class_name: Any, where: str, layout: FolderLayout | None = None) -> ModelFamily:
@@ -233,8 +242,11 @@ def read_layout(folder: str | Path) -> FolderLayout:
         vae = _read_json(vae_config)
         z_dim = vae.get("z_dim") if isinstance(vae, dict) else None
         z_dim = int(z_dim) if isinstance(z_dim, int) and not isinstance(z_dim, bool) else None
+    pipeline = index.get("_class_name")
+    if isinstance(pipeline, list) and len(pipeline) == 2:  # a custom pipeline: ["module", "Class"]
+        pipeline = pipeline[1]
     return FolderLayout(experts=2 if names_second else 1, boundary_ratio=float(ratio) if ratio is not None else None,
-                        expand_timesteps=expand, vae_z_dim=z_dim)
+                        expand_timesteps=expand, vae_z_dim=z_dim, pipeline_class=pipeline if isinstance(pipeline, str) else None)
 
 
 def _trained_layout(folder: Path) -> FolderLayout:

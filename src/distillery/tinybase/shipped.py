@@ -15,6 +15,8 @@ from pathlib import Path
 from distillery.common.errors import UserError
 
 SHIPPED_TINY_BASE = Path(__file__).resolve().parent.parent / "assets" / "tiny-wan"
+#: The tiny Cosmos Predict 2.5 (:mod:`distillery.tinybase.cosmos`, seed 0): random transformer, the fitted tiny Wan VAE.
+SHIPPED_TINY_COSMOS = SHIPPED_TINY_BASE.parent / "tiny-cosmos"
 
 
 def shipped_tiny_base() -> Path:
@@ -23,6 +25,14 @@ def shipped_tiny_base() -> Path:
         raise UserError(f"the shipped tiny base is missing from {SHIPPED_TINY_BASE}; reinstall distillery or run "
                         "`distillery base make-tiny --fit --out DIR`")
     return SHIPPED_TINY_BASE
+
+
+def shipped_tiny_cosmos() -> Path:
+    """Path of the shipped tiny Cosmos Predict 2.5 (read-only: copy it before changing anything)."""
+    if not (SHIPPED_TINY_COSMOS / "model_index.json").is_file():
+        raise UserError(f"the shipped tiny Cosmos is missing from {SHIPPED_TINY_COSMOS}; reinstall distillery or run "
+                        "`distillery base make-tiny --family cosmos --out DIR`")
+    return SHIPPED_TINY_COSMOS
 
 
 def copy_shipped_tiny_base(out: Path, overwrite: bool = False) -> Path:

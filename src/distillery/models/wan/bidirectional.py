@@ -17,7 +17,7 @@ import torch
 from distillery.common.errors import UserError
 from distillery.common.log import get_logger
 from distillery.components.rng import BatchRNG
-from distillery.models.base import Conditioning, ModelBase, TrainingBatch
+from distillery.models.base import Conditioning, ModelBase, TrainingBatch, load_transformer
 from distillery.models.schedule import FlowMatchSchedule, read_scheduler_shift
 from distillery.models.wan.attention import install_attention_backend, resolve_attention_backend
 from distillery.models.wan.common import TRANSFORMER_CLASS, WanModelConfig, image_conditioning, locate_transformer
@@ -52,13 +52,7 @@ class WanModel(ModelBase):
                             f"{type(self).__name__} runs one transformer (only the bidirectional WanModel takes two experts)")
 
         def load(folder: Any) -> torch.nn.Module:
-            if config.random_init:
-                return WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(folder))
-            try:
-                return WanTransformer3DModel.from_pretrained(folder, torch_dtype=torch.float32)
-            except (OSError, ValueError, RuntimeError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise UserError(f"{folder}: cannot load the transformer weights: {first}") from None
+            return load_transformer(WanTransformer3DModel, folder, config.random_init)
 
         if transformer is not None:
             self.transformer = transformer

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from distillery.common.errors import UserError
+from distillery.models.base import cast_keeping_fp32_modules
 from distillery.models.wan.bidirectional import WanModel
 from distillery.models.wan.common import WanModelConfig
 
@@ -54,17 +55,7 @@ def load_inference_model(folder: str | Path, device: torch.device | str = "cpu",
     else:
         model = WanModel(WanModelConfig(init_from=str(folder), trainable=False, shift=shift), role=role, transformer=transformer)
     model.transformer.to(device=device).eval().requires_grad_(False)
-    _cast_keeping_fp32_modules(model.transformer, dtype)
+    cast_keeping_fp32_modules(model.transformer, dtype)
     model.bind_device(device, compute_dtype=dtype)
     model.set_attention_backend(attention_backend, device, dtype)
     return model
-
-
-def _cast_keeping_fp32_modules(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast floating parameters and buffers to ``dtype`` except inside the modules the model class keeps in fp32."""
-    if dtype == torch.float32:
-        return
-    keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if tensor.is_floating_point() and not keep.intersection(name.split(".")):
-            tensor.data = tensor.data.to(dtype)

@@ -1,0 +1,42 @@
+"""A frozen Cosmos plugin over a plain diffusers folder, for validation and export (as :mod:`distillery.models.wan.inference`
+is Wan's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from distillery.common.errors import UserError
+from distillery.models.base import cast_keeping_fp32_modules
+from distillery.models.cosmos.bidirectional import CosmosModel
+from distillery.models.cosmos.common import CosmosModelConfig
+
+#: Why a PDD Cosmos student is refused (one line): its head bank is Wan's so far.
+PDD_REFUSAL = ("a PDD Cosmos Predict 2.5 student is not built yet: the PDD head bank exists for Wan only; distill this "
+               "family with DMD2")
+#: Why a causal Cosmos student is refused (one line; docs/architecture.md "Model families").
+CAUSAL_REFUSAL = ("a causal (chunk-by-chunk) Cosmos Predict 2.5 student is not built: distillery's block-causal attention "
+                  "and KV cache exist for Wan only; train a bidirectional Cosmos student (DMD2) or a Wan one")
+
+
+def load_inference_model(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                         shift: float | None = None, role: str = "inference", chunk_size: int | None = None,
+                         transformer: torch.nn.Module | None = None, pdd_steps: int | None = None,
+                         attention_backend: str = "auto") -> CosmosModel:
+    """``folder``'s ``CosmosTransformer3DModel`` as an eval, gradient-free :class:`CosmosModel` on ``device`` in
+    ``dtype`` (diffusers' fp32 modules stay fp32). ``chunk_size`` (a causal student) and ``pdd_steps`` (a PDD one) are
+    one line each (:data:`CAUSAL_REFUSAL`, :data:`PDD_REFUSAL`). ``shift`` None: the
+    scheduler's. ``attention_backend``: ``auto`` and ``native`` run diffusers' SDPA dispatch (Cosmos offers no other)."""
+    device = torch.device(device)
+    if chunk_size is not None:
+        raise UserError(f"{folder}: {CAUSAL_REFUSAL}")
+    if pdd_steps is not None:
+        raise UserError(f"{folder}: {PDD_REFUSAL}")
+    model = CosmosModel(CosmosModelConfig(init_from=str(folder), trainable=False, shift=shift), role=role,
+                        transformer=transformer)
+    model.transformer.to(device=device).eval().requires_grad_(False)
+    cast_keeping_fp32_modules(model.transformer, dtype)
+    model.bind_device(device, compute_dtype=dtype)
+    model.set_attention_backend(attention_backend, device, dtype)
+    return model
