@@ -69,6 +69,23 @@ def test_the_tiny_wan_folders_resolve_to_the_wan_loaders(tmp_path):
         plain.transformer.config.in_channels, plain.transformer.config.text_dim)
 
 
+def test_the_tiny_cosmos_folders_resolve_to_the_cosmos_loaders(tmp_path):
+    from distillery.models.cosmos import CosmosModel
+    from distillery.tinybase.shipped import shipped_tiny_cosmos
+
+    base = shipped_tiny_cosmos()
+    trained = tmp_path / "teacher" / "model"  # an artifact's model/: no model_index.json, the family from the class
+    for part in ("transformer", "scheduler"):
+        shutil.copytree(base / part, trained / part)
+    for folder in (base, base / "transformer", trained, trained / "transformer"):
+        family = registry.family_of(folder)
+        assert family.name == "cosmos-predict2.5" and family.loaders() is importlib.import_module("distillery.models.cosmos")
+    assert registry.locate_transformer(trained) == (trained / "transformer", trained / "scheduler")
+    plain = registry.load_inference_model(trained)
+    assert type(plain) is CosmosModel and not plain.transformer.training and plain.schedule.shift == SHIFT
+    assert registry.image_conditioning(base) is None  # text-to-world
+
+
 def _foreign(tmp_path: Path, class_name: str = "HunyuanVideoTransformer3DModel") -> Path:
     folder = tmp_path / "hunyuan"
     (folder / "transformer").mkdir(parents=True)

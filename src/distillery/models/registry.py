@@ -142,10 +142,11 @@ def registered() -> str:
     return ", ".join(f"{f.name} ({', '.join(f.transformer_classes)})" for f in FAMILIES)
 
 
-def _describe(layout: FolderLayout) -> str:
+def _describe(layout: FolderLayout, pipeline: bool = False) -> str:
+    """The layout in words; ``pipeline``: with its pipeline class (where a family of the class claims by it)."""
     return (f"{layout.experts} expert(s), expand_timesteps {str(layout.expand_timesteps).lower()}, "
             f"VAE z_dim {layout.vae_z_dim if layout.vae_z_dim is not None else 'unknown'}"
-            + (f", pipeline {layout.pipeline_class}" if layout.pipeline_class is not None else ""))
+            + (f", pipeline {layout.pipeline_class}" if pipeline and layout.pipeline_class is not None else ""))
 
 
 def family_of_class(class_name: Any, where: str, layout: FolderLayout | None = None) -> ModelFamily:
@@ -158,7 +159,8 @@ def family_of_class(class_name: Any, where: str, layout: FolderLayout | None = N
         if family.claims(layout):
             return family
     if known:
-        raise UserError(f"{where}: a {class_name} model of an unknown layout ({_describe(layout)}); the registered "
+        by_pipeline = any(f.pipeline_classes for f in known)
+        raise UserError(f"{where}: a {class_name} model of an unknown layout ({_describe(layout, by_pipeline)}); the registered "
                         f"families of that class: {', '.join(f.name for f in known)}")
     raise UserError(f"{where}: a {class_name!r} transformer; no registered model family loads it "
                     f"(registered: {registered()}; CONTRIBUTING.md, \"Adding a model\")")

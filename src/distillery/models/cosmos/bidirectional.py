@@ -66,12 +66,13 @@ class CosmosModel(ModelBase):
 
         transformer_dir, scheduler_dir = locate_transformer(config.init_from)
         self.transformer_dir = transformer_dir
+        problem = padding_mask_problem(dict(transformer.config) if transformer is not None
+                                       else CosmosTransformer3DModel.load_config(transformer_dir))
+        if problem:  # before any weight is read
+            raise UserError(f"models.{role}: {transformer_dir}: {problem}")
         self.transformer = transformer if transformer is not None else load_transformer(
             CosmosTransformer3DModel, transformer_dir, config.random_init)
         cfg = dict(self.transformer.config)
-        problem = padding_mask_problem(cfg)
-        if problem:
-            raise UserError(f"models.{role}: {transformer_dir}: {problem}")
         image_conditioning(cfg)  # a config of another layout: one line
         self.transformer.requires_grad_(config.trainable)
         if not config.trainable:

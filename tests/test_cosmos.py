@@ -1,0 +1,139 @@
+"""The Cosmos Predict 2.5 family (models/cosmos/): the plugin's mapping onto our flow convention against stock diffusers'
+``Cosmos2_5_PredictBasePipeline`` on the same inputs, its prompt encoding, a training step, the tiny base and its
+refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from distillery.common.errors import UserError
+from distillery.components.rng import BatchRNG
+from distillery.data.encoders import BaseEncoders
+from distillery.models import registry
+from distillery.models.base import Conditioning
+from distillery.sampling import build_sampler
+from distillery.tinybase.shipped import shipped_tiny_cosmos
+
+PROMPT = "a red circle moving left"
+SHAPE = (8, 3, 8, 8)  # the tiny Cosmos' latents of 9 × 32 × 32 frames
+
+
+class PassThroughChecker:
+    """The safety checker the stock pipeline insists on (NVIDIA's guardrail fetches its own models): passes all."""
+
+    def to(self, *args, **kwargs):
+        return self
+
+    def check_text_safety(self, prompt):
+        return True
+
+
+@pytest.fixture(scope="module")
+def stock():
+    from diffusers import Cosmos2_5_PredictBasePipeline
+
+    return Cosmos2_5_PredictBasePipeline.from_pretrained(shipped_tiny_cosmos(), safety_checker=PassThroughChecker())
+
+
+@pytest.fixture(scope="module")
+def embeds(stock):
+    return stock.encode_prompt(PROMPT, negative_prompt="", do_classifier_free_guidance=True, max_sequence_length=48,
+                               device="cpu")
+
+
+def test_prompt_embeddings_are_the_stock_pipelines_own(embeds):
+    encoders = BaseEncoders(shipped_tiny_cosmos())
+    assert encoders.max_sequence_length == 48 and encoders.text_dim == 32 and encoders.z_dim == 8
+    ours = encoders.encode_prompts([PROMPT, ""])
+    assert [tuple(e.shape) for e in ours] == [(48, 32), (48, 32)]  # untrimmed: the pipeline passes its pad tokens too
+    assert torch.equal(ours[0], embeds[0][0]) and torch.equal(ours[1], embeds[1][0])
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0])
+def test_euler_sampling_is_the_stock_pipeline_on_the_same_inputs(stock, embeds, guidance):
+    """Our euler sampler over the plugin (t / 1000 as σ per frame, a zero condition mask, our guidance u + w (c − u))
+    against the stock pipeline with its Euler scheduler, the same noise and embeddings: bitwise without guidance; with
+    it, the stock form c + (w − 1)(c − u) rounds otherwise."""
+    model = registry.load_inference_model(shipped_tiny_cosmos())
+    positive, negative = embeds
+    sampler = build_sampler({"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000})
+    ours = sampler.sample(model, Conditioning(positive, negative), SHAPE, torch.Generator().manual_seed(0), num_steps=3,
+                          guidance_scale=guidance)
+    noise = torch.randn(1, *SHAPE, generator=torch.Generator().manual_seed(0))
+    theirs = stock(prompt_embeds=positive, negative_prompt_embeds=negative, num_frames=9, height=32, width=32,
+                   num_inference_steps=3, guidance_scale=guidance - 1 if guidance > 1 else 1.0, latents=noise,
+                   output_type="latent").frames
+    assert ours.abs().mean() > 0.1
+    if guidance == 1.0:
+        assert torch.equal(ours, theirs)
+    else:
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_per_frame_timesteps_are_the_per_sample_ones_broadcast():
+    model = registry.load_inference_model(shipped_tiny_cosmos())
+    x = torch.randn(2, *SHAPE, generator=torch.Generator().manual_seed(1))
+    cond = Conditioning(torch.randn(2, 48, 32, generator=torch.Generator().manual_seed(2)))
+    t = torch.tensor([700.0, 250.0])
+    with torch.no_grad():
+        per_sample = model.predict_noise(x, t, cond)
+        per_frame = model.predict_noise(x, t[:, None].expand(-1, SHAPE[1]), cond)
+        mixed = model.predict_noise(x, torch.tensor([[700.0, 700.0, 10.0], [250.0, 250.0, 250.0]]), cond)
+    assert torch.equal(per_sample, per_frame)
+    assert torch.equal(mixed[1], per_sample[1]) and not torch.equal(mixed[0], per_sample[0])
+
+
+def test_a_training_step_reaches_every_block_of_the_transformer():
+    from distillery.models.cosmos import CosmosModel, CosmosModelConfig
+
+    model = CosmosModel(CosmosModelConfig(init_from=str(shipped_tiny_cosmos())), role="student")
+    raw = {"latents": torch.randn(2, *SHAPE), "text_embeds": torch.randn(2, 48, 32)}
+    batch = model.prepare_batch(raw, BatchRNG(0))
+    assert batch.timesteps.shape == (2,) and bool(((batch.timesteps > 0) & (batch.timesteps < 1000)).all())
+    v = model.predict_noise(batch.noisy_latents, batch.timesteps, batch)
+    loss = torch.nn.functional.mse_loss(v, batch.noise - batch.latents)
+    model.backward(loss)
+    blocks = model.shardable_blocks()
+    assert len(blocks) == 2 and all(p.grad is not None and p.grad.abs().sum() > 0 for b in blocks for p in b.parameters()
+                                    if p.requires_grad)
+    assert registry.family_of(shipped_tiny_cosmos()).loaders().input_widths(model.transformer_config()) == (8, 32)
+
+
+def test_causal_and_pdd_students_are_one_line_each():
+    for options in ({"chunk_size": 1}, {"pdd_steps": 4}):
+        with pytest.raises(UserError) as info:
+            registry.load_inference_model(shipped_tiny_cosmos(), **options)
+        assert "\n" not in str(info.value) and "Cosmos" in str(info.value)
+
+
+def test_a_cosmos_folder_of_another_pipeline_or_with_a_padding_mask_it_cannot_resize_is_one_line(tmp_path):
+    other = tmp_path / "predict2"
+    shutil.copytree(shipped_tiny_cosmos(), other)
+    index = json.loads((other / "model_index.json").read_text())
+    (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "Cosmos2VideoToWorldPipeline"}))
+    with pytest.raises(UserError, match="unknown layout.*Cosmos2VideoToWorldPipeline"):
+        registry.family_of(other)
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        return  # where torchvision imports, diffusers resizes the mask itself
+    padded = tmp_path / "padded"
+    shutil.copytree(shipped_tiny_cosmos(), padded)
+    config = json.loads((padded / "transformer" / "config.json").read_text())
+    (padded / "transformer" / "config.json").write_text(json.dumps({**config, "concat_padding_mask": True}))
+    with pytest.raises(UserError, match="torchvision") as info:
+        registry.load_inference_model(padded)
+    assert "\n" not in str(info.value)
+
+
+def test_the_shipped_tiny_cosmos_is_what_its_maker_makes(tmp_path):
+    from distillery.tinybase.cosmos import make_tiny_cosmos
+
+    made = make_tiny_cosmos(tmp_path / "tiny-cosmos", seed=0)
+    for part in ("transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors", "tokenizer/tokenizer.json",
+                 "vae/diffusion_pytorch_model.safetensors", "model_index.json", "scheduler/scheduler_config.json"):
+        assert (made / part).read_bytes() == (shipped_tiny_cosmos() / part).read_bytes(), part
