@@ -137,3 +137,85 @@ def test_the_shipped_tiny_cosmos_is_what_its_maker_makes(tmp_path):
     for part in ("transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors", "tokenizer/tokenizer.json",
                  "vae/diffusion_pytorch_model.safetensors", "model_index.json", "scheduler/scheduler_config.json"):
         assert (made / part).read_bytes() == (shipped_tiny_cosmos() / part).read_bytes(), part
+
+
+def test_the_tiny_cosmos_is_a_base_the_pipeline_takes():
+    from distillery.pipeline.publish.base_folder import check_model_index, model_index_problems
+
+    check_model_index(shipped_tiny_cosmos(), "base")  # library classes of Cosmos2_5_PredictBasePipeline, no checker
+    index = json.loads((shipped_tiny_cosmos() / "model_index.json").read_text())
+    assert model_index_problems({**index, "safety_checker": ["evil", "Checker"]})[0].startswith("safety_checker")
+
+
+TEACHER = {"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000}
+STUDENT = {"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000.0, 750.0, 500.0]}
+
+
+def _trained(out, contract):
+    """A trained Cosmos role's ``model/`` as a training stage writes it: the tiny transformer moved off the base
+    (seeded noise), the scheduler, ``contract`` as ``sampling.json``."""
+    from helpers import nudge_weights
+
+    model = registry.load_inference_model(shipped_tiny_cosmos())
+    nudge_weights(model.transformer)
+    model.transformer.save_pretrained(out / "transformer", safe_serialization=True)
+    shutil.copytree(shipped_tiny_cosmos() / "scheduler", out / "scheduler")
+    (out / "sampling.json").write_text(json.dumps(contract))
+    return out
+
+
+@pytest.mark.parametrize("stage,contract,guidance", [("teacher", TEACHER, 4.0), ("distill", STUDENT, None)])
+def test_an_exported_cosmos_model_samples_validates_latents_through_diffusers(tmp_path, stage, contract, guidance):
+    """Validate samples a trained Cosmos role; the export stage's assembly gives a folder that passes
+    ``lineage --verify``; the teacher's loads in stock ``Cosmos2_5_PredictBasePipeline`` (guidance w − 1) and
+    returns validate's latents within 1e-5, the student's names its own pipeline, which diffusers loads with
+    ``trust_remote_code`` and which returns them bit for bit."""
+    from diffusers import Cosmos2_5_PredictBasePipeline, DiffusionPipeline
+    from safetensors.torch import load_file
+
+    from distillery.data.encoders import read_max_sequence_length
+    from distillery.evaluation.candidates import Candidate
+    from distillery.evaluation.validate import run_validation
+    from distillery.evaluation.validation_config import ValidationConfig
+    from distillery.export.code import CODE_RECORD_KEY, OWN_PIPELINES, check_own_pipeline_samples
+    from distillery.export.model_card import export_model_card
+    from distillery.lineage.manifest import write_lineage
+    from distillery.lineage.verify import verify_lineage
+    from stages.export import assemble_export
+
+    base = shipped_tiny_cosmos()
+    artifact = tmp_path / "artifacts" / stage
+    _trained(artifact / "model", contract)
+    write_lineage(artifact, kind="model", stage=stage, config={}, method="sft" if stage == "teacher" else "dmd2")
+    cfg = ValidationConfig(num_frames=9, num_seeds=1, progress_bar=False, grid_formats=[], bootstrap_resamples=0)
+    report_dir = tmp_path / "artifacts" / "validate" / "report"
+    name = f"{stage}_s"
+    steps = 3 if stage == "teacher" else None
+    run_validation(base, [Candidate.from_artifact(name, artifact / "model", num_steps=steps, guidance_scale=guidance)],
+                   [PROMPT], report_dir, cfg)
+    saved = load_file(str(report_dir / "samples" / name / "latents.safetensors"))["0"]
+    seed = json.loads((report_dir / "report.json").read_text())["seeds"][0]
+
+    check_own_pipeline_samples(stage, artifact / "model")
+    folder = tmp_path / "export"
+    folder.mkdir()
+    code, _ = assemble_export(base, artifact / "model", folder)
+    card = export_model_card(stage, artifact, tmp_path / "artifacts" / "validate", read_max_sequence_length(base), None,
+                             folder=str(folder))
+    (folder / "README.md").write_text(card)
+    write_lineage(folder, kind="export", stage="export", config={CODE_RECORD_KEY: code})
+    assert verify_lineage(folder).ok, verify_lineage(folder).problems
+    index = json.loads((folder / "model_index.json").read_text())
+    call = {"prompt": PROMPT, "negative_prompt": "", "num_frames": 9, "height": 32, "width": 32, "max_sequence_length": 48,
+            "output_type": "latent", "generator": torch.Generator().manual_seed(seed)}
+    if stage == "teacher":
+        assert index["_class_name"] == "Cosmos2_5_PredictBasePipeline" and "guidance_scale=3.0" in card
+        pipe = Cosmos2_5_PredictBasePipeline.from_pretrained(str(folder), safety_checker=PassThroughChecker())
+        got = pipe(**call, num_inference_steps=3, guidance_scale=guidance - 1).frames
+        torch.testing.assert_close(got[0], saved, rtol=0, atol=1e-5)
+    else:
+        assert index["_class_name"] == list(OWN_PIPELINES["Cosmos2_5_PredictBasePipeline"])
+        pipe = DiffusionPipeline.from_pretrained(str(folder), trust_remote_code=True, safety_checker=PassThroughChecker())
+        assert type(pipe).__name__ == "DistilledCosmosPipeline" and "safety_checker=checker" in card
+        got = pipe(**call).frames
+        assert torch.equal(got[0], saved), (got[0] - saved).abs().max()

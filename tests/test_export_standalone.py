@@ -55,7 +55,10 @@ def test_the_shipped_modules_import_only_the_libraries_and_each_other():
         assert not eager & OPTIONAL, (name, eager & OPTIONAL)  # the folder loads where they are not installed
         assert relative <= stems, (name, relative)
     _, from_pipeline = _imports(STANDALONE / "pipeline.py")
-    assert from_pipeline == stems - {"pipeline"}  # diffusers copies only the modules the pipeline imports relatively
+    cosmos = {"pipeline_cosmos", "distilled_cosmos"}  # a Cosmos export's own pipeline and its denoiser
+    assert from_pipeline == stems - {"pipeline"} - cosmos  # diffusers copies only the modules the pipeline imports relatively
+    _, from_cosmos = _imports(STANDALONE / "pipeline_cosmos.py")
+    assert from_cosmos == stems - {"pipeline_cosmos"}  # a Cosmos export's: every module, directly
 
 
 @pytest.fixture(scope="module")
@@ -147,11 +150,12 @@ def test_a_folder_that_needs_its_own_sampler_names_its_own_pipeline_and_lineage_
     export that recorded its ``pipeline.py``. The rest of the index is the base's, unchanged."""
     import json
 
-    from distillery.export.code import OWN_PIPELINE
-    from distillery.lineage.artifact_code import EXPORT_PIPELINE_CLASS
+    from distillery.export.code import OWN_PIPELINE, OWN_PIPELINES
+    from distillery.lineage.artifact_code import EXPORT_PIPELINE_CLASS, EXPORT_PIPELINE_CLASSES
     from distillery.lineage.verify import verify_lineage
 
     assert tuple(OWN_PIPELINE) == tuple(EXPORT_PIPELINE_CLASS)
+    assert sorted(set(OWN_PIPELINES.values())) == sorted(EXPORT_PIPELINE_CLASSES)  # every family's own pipeline
     contract = CONTRACTS[kind][0]
     folder = _export_folder(tmp_path, contract)
     index = json.loads((folder / "model_index.json").read_text())

@@ -59,7 +59,7 @@ def test_the_tiny_i2v_base_is_recognised_and_accepted_as_a_base(i2v_base):
     bad = dict(index, _class_name="WanVACEPipeline")
     from distillery.pipeline.publish.base_folder import model_index_problems
 
-    assert "expected \"WanPipeline\" or \"WanImageToVideoPipeline\"" in model_index_problems(bad)[0]
+    assert "expected one of WanPipeline, WanImageToVideoPipeline, Cosmos2_5_PredictBasePipeline" in model_index_problems(bad)[0]
 
 
 def test_stock_pipeline_runs_the_tiny_i2v_base(i2v_base):

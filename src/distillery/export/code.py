@@ -36,13 +36,16 @@ from typing import Any
 STANDALONE_PACKAGE = "distillery.export.standalone"
 # the module files copied into every export (pipeline.py imports the others relatively: diffusers copies them with it)
 SHIPPED_MODULES = ("pipeline.py", "distilled_schedule.py", "distilled_samplers.py", "distilled_wan.py", "distilled_causal.py",
-                   "distilled_fast.py", "vae_decode.py", "vae_kernels.py")
+                   "distilled_fast.py", "vae_decode.py", "vae_kernels.py", "pipeline_cosmos.py", "distilled_cosmos.py")
 # the shipped modules that live outside STANDALONE_PACKAGE: the fused chunked VAE decode validate uses too
 SHIPPED_ELSEWHERE = {"vae_decode.py": "distillery.data", "vae_kernels.py": "distillery.data"}
 CODE_RECORD_KEY = "shipped_code"  # in the export's lineage config: {file name: sha256}
 # what the folder's snippets need installed (the model card names them; the isolated test installs exactly these)
 REQUIREMENTS = ("torch", "diffusers", "transformers", "accelerate")
 OWN_PIPELINE = ("pipeline", "DistilledWanPipeline")  # model_index.json's _class_name where stock WanPipeline is wrong
+#: A base pipeline class → the export's own pipeline in its place (a Cosmos Predict 2.5 export: pipeline_cosmos.py)
+OWN_PIPELINES = {"WanPipeline": OWN_PIPELINE, "WanImageToVideoPipeline": OWN_PIPELINE,
+                 "Cosmos2_5_PredictBasePipeline": ("pipeline_cosmos", "DistilledCosmosPipeline")}
 INDEX_FILE = "model_index.json"
 
 
@@ -103,13 +106,14 @@ def check_own_pipeline_samples(student: str, model: Path) -> None:
 
 def name_own_pipeline(folder: Path) -> bool:
     """Where ``folder/sampling.json`` is a contract stock ``WanPipeline`` does not sample (:func:`stock_samples`),
-    set ``folder/model_index.json``'s ``_class_name`` to :data:`OWN_PIPELINE` (module doc); returns whether it did.
+    set ``folder/model_index.json``'s ``_class_name`` to the family's own pipeline (:data:`OWN_PIPELINES`: Wan's
+    :data:`OWN_PIPELINE`, module doc; Cosmos Predict 2.5's ``pipeline_cosmos.py``); returns whether it did.
     The rest of the index is kept as it is, key order included."""
     contract = json.loads((folder / "sampling.json").read_text())
     if stock_samples(contract):
         return False
     index = json.loads((folder / INDEX_FILE).read_text())
-    index["_class_name"] = list(OWN_PIPELINE)
+    index["_class_name"] = list(OWN_PIPELINES.get(index.get("_class_name"), OWN_PIPELINE))
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return True
 

@@ -127,6 +127,7 @@ FAMILY_WORDS = {  # a model family (models/registry.py) as the card names it, wi
     "wan2.2-ti2v-5b": "Wan 2.2 TI2V-5B (one timestep per token, the 48-channel Wan 2.2 VAE)",
     "wan2.2-a14b": "Wan 2.2 A14B (two experts: `transformer` denoises timesteps >= `boundary_ratio` · 1000 of "
                    "`model_index.json`, `transformer_2` those below; both trained, both in this folder)",
+    "cosmos-predict2.5": "Cosmos Predict 2.5 (text-to-world; its VAE is Wan 2.1's, its prompts Qwen2.5-VL's)",
 }
 
 
@@ -163,16 +164,21 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     if candidate is not None:
         steps, guidance = int(candidate["num_steps"]), float(candidate["guidance_scale"])
     method = manifest.get("method")
-    front = ["---", "library_name: diffusers", "pipeline_tag: text-to-video", f"tags: [wan, distillery, {student}]",
-             "distillery:"]
+    from distillery.export import cosmos_card
+    from distillery.models.registry import family_of
+
+    cosmos = family_of(student_dir / "model").name == cosmos_card.FAMILY
+    front = ["---", "library_name: diffusers", "pipeline_tag: text-to-video",
+             f"tags: [{'cosmos' if cosmos else 'wan'}, distillery, {student}]", "distillery:"]
     if max_sequence_length is not None:
         front.append(f"  max_sequence_length: {max_sequence_length}")
     front += [f"  student: {student}", f"  sampler: {sampler}", "---", ""]
     if teacher:
         lines = ["# The teacher, exported by distillery", "",
                  f"A {model_words(student_dir / 'model')} text-to-video model in diffusers layout: the transformer the `teacher` stage fine-tuned "
-                 f"(`{method}`) on the latents, with the base's VAE, text encoder and tokenizer. It is a stock Wan "
-                 f"model: stock `WanPipeline` samples it (below). Validate scored it with the `{sampler}` sampler"
+                 f"(`{method}`) on the latents, with the base's VAE, text encoder and tokenizer. It is a stock "
+                 + ("Cosmos model: stock `Cosmos2_5_PredictBasePipeline`" if cosmos else "Wan model: stock `WanPipeline`")
+                 + f" samples it (below). Validate scored it with the `{sampler}` sampler"
                  + (f" at {steps} steps" if steps else "") + f", guidance {guidance}"
                  + (f" (candidate `{candidate['name']}`)" if candidate else "") + ".", ""]
     else:
@@ -202,16 +208,27 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     size = f"num_frames={cfg['num_frames']}, height={cfg['height']}, width={cfg['width']}"
     call_args = f"num_inference_steps={steps}, guidance_scale={guidance}," if steps else f"guidance_scale={guidance},"
     marker = f"  # validate's {candidate['name']}" if candidate else ""
-    lines += ["", f"## Load and sample it (offline, needs only {_listed(REQUIREMENTS)})", "",
-              f"Install them (`pip install {' '.join(REQUIREMENTS)}`; this folder was made with {_versions()}): "
-              "diffusers loads Wan's transformer only where accelerate is installed. "
-              f"Run from the workspace root (or replace `{folder}` by where this folder is). The folder's own modules "
+    installs = f"Install them (`pip install {' '.join(REQUIREMENTS)}`; this folder was made with {_versions()})"
+    where = f"Run from the workspace root (or replace `{folder}` by where this folder is)."
+    lines += ["", f"## Load and sample it (offline, needs only {_listed(REQUIREMENTS)})", ""]
+    if cosmos:
+        own = cosmos_card.own_pipeline_lines(folder, contract, prompt, size, report["max_sequence_length"], call_args,
+                                             marker, seed)
+        lines += [f"{installs}. {where} {own[0]}", *own[1:]]
+        stock: list[str] = []
+        if teacher and stock_samples(contract) and steps:
+            stock = cosmos_card.stock_lines(folder, contract, prompt, size, report["max_sequence_length"], steps, guidance,
+                                            candidate["name"] if candidate else None, seed)
+        return "\n".join(front + lines + stock)
+    lines += [f"{installs}: diffusers loads Wan's transformer only where accelerate is installed. {where} "
+              "The folder's own modules "
               "(`pipeline.py` and the `distilled_*.py` it imports) do the sampling; nothing of distillery is imported. "
               "For this prompt and seed, at these steps and guidance, it returns the video validate scored."
               + ("" if stock_samples(contract) else
                  " Its `model_index.json` names this pipeline (`_class_name`): stock `WanPipeline` would sample it "
                  "with the teacher's many-step loop, so diffusers loads it only with `trust_remote_code=True`, and "
-                 "then as this pipeline."), "",
+                 "then as this pipeline.")]
+    lines += ["",
               "`trust_remote_code=True` runs this folder's `pipeline.py`: verify the folder first, where distillery is "
               f"installed — `distillery lineage {folder} --verify --expect <the manifest digest published with the "
               "model>` re-hashes every file, the shipped code included, against the sealed `lineage.json` and refuses "

@@ -5,7 +5,7 @@ refused — but an export's own modules (:data:`EXPORT_OWN_CODE` at its top leve
 export stage recorded in the manifest's ``config.shipped_code``; one missing from that record, or of another
 digest, is refused) —, and so is a ``model_index.json`` entry naming a module outside diffusers/transformers
 (diffusers would import it from the folder under ``trust_remote_code``) — but an export's top-level
-``_class_name`` :data:`EXPORT_PIPELINE_CLASS`, its own pipeline (allowed only where ``pipeline.py`` is recorded).
+``_class_name`` of :data:`EXPORT_PIPELINE_CLASSES`, its own pipeline (allowed only where that module is recorded).
 :func:`code_problems` names each such file; :mod:`distillery.lineage.verify` reports them.
 
 Stdlib only.
@@ -26,11 +26,13 @@ CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyd", ".pyw", ".pyx", ".so", ".dylib",
 # the code files an export ships (its pipeline and the modules it imports: distillery.export.code.SHIPPED_MODULES),
 # each allowed only with the digest recorded under config.shipped_code of the export's manifest
 EXPORT_OWN_CODE = ("pipeline.py", "distilled_schedule.py", "distilled_samplers.py", "distilled_wan.py", "distilled_causal.py",
-                   "distilled_fast.py", "vae_decode.py", "vae_kernels.py")
+                   "distilled_fast.py", "vae_decode.py", "vae_kernels.py", "pipeline_cosmos.py", "distilled_cosmos.py")
 EXPORT_CODE_RECORD = "shipped_code"
 # the _class_name an export's top-level model_index.json may give as [module, class]: its own recorded pipeline.py
 # (distillery.export.code.OWN_PIPELINE: diffusers then loads that class, never a plain WanPipeline)
 EXPORT_PIPELINE_CLASS = ("pipeline", "DistilledWanPipeline")
+# every family's own pipeline (distillery.export.code.OWN_PIPELINES): Wan's, Cosmos Predict 2.5's
+EXPORT_PIPELINE_CLASSES = (EXPORT_PIPELINE_CLASS, ("pipeline_cosmos", "DistilledCosmosPipeline"))
 MODEL_LIBRARIES = ("diffusers", "transformers")  # the libraries a model_index.json component may come from
 _INDEX_FILE = "model_index.json"
 
@@ -41,11 +43,11 @@ def is_code_file(name: str) -> bool:
     return name.lower().endswith(CODE_SUFFIXES)
 
 
-def _index_problems(path: Path, own_pipeline: Sequence[str] | None = None) -> list[str]:
+def _index_problems(path: Path, own_pipelines: Sequence[Sequence[str]] = ()) -> list[str]:
     """Entries of a ``model_index.json`` that name code from outside :data:`MODEL_LIBRARIES` —
     which diffusers imports from the folder itself (``["evil_sched", "EvilScheduler"]`` →
     ``<component>/evil_sched.py``; a ``_class_name`` given as ``[module, class]`` → ``<module>.py``) —
-    but a ``_class_name`` equal to ``own_pipeline`` (an export's own, recorded pipeline)."""
+    but a ``_class_name`` equal to one of ``own_pipelines`` (an export's own, recorded pipeline)."""
     try:
         index = json.loads(path.read_text(encoding="utf-8")) if path.stat().st_size <= 1 << 20 else None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
@@ -53,7 +55,7 @@ def _index_problems(path: Path, own_pipeline: Sequence[str] | None = None) -> li
     if not isinstance(index, dict):
         return ["not a JSON object"]
     problems = []
-    if isinstance(index.get("_class_name"), list) and index["_class_name"] != list(own_pipeline or ()):
+    if isinstance(index.get("_class_name"), list) and index["_class_name"] not in [list(own) for own in own_pipelines]:
         problems.append(f"_class_name: {cut(json.dumps(index['_class_name']), 80)}: a [module, class] pair, which "
                         f"diffusers would import from the folder")
     for key, value in index.items():
@@ -79,7 +81,7 @@ def code_problems(listing: Listing, manifest: Mapping[str, Any], digests: Mappin
     ``digests``, relative path → sha256), and every ``model_index.json`` entry naming code from outside the libraries."""
     export = manifest.get("kind") == "export"
     record = _shipped_code(manifest) if export else {}
-    own_pipeline = EXPORT_PIPELINE_CLASS if f"{EXPORT_PIPELINE_CLASS[0]}.py" in record else None
+    own_pipelines = [own for own in EXPORT_PIPELINE_CLASSES if f"{own[0]}.py" in record]
     problems = []
     for rel in sorted(listing.files):
         if not is_code_file(rel.rsplit("/", 1)[-1]):
@@ -96,5 +98,5 @@ def code_problems(listing: Listing, manifest: Mapping[str, Any], digests: Mappin
     for rel in sorted(listing.files):
         if rel.rsplit("/", 1)[-1] == _INDEX_FILE:
             problems.extend(f"refused: {cut(rel)}: {q}" for q in
-                            _index_problems(listing.files[rel], own_pipeline if rel == _INDEX_FILE else None))
+                            _index_problems(listing.files[rel], own_pipelines if rel == _INDEX_FILE else ()))
     return problems

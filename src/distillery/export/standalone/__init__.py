@@ -11,6 +11,9 @@ distilled model samples with nothing of distillery installed:
   ``causal_streaming``, ``pdd_fused``);
 - ``distilled_wan.py`` — the denoisers over the pipeline's ``WanTransformer3DModel`` (plain, PDD heads);
 - ``distilled_causal.py`` — block-causal self-attention and its KV cache (the Self-Forcing student);
+- ``pipeline_cosmos.py`` — :class:`DistilledCosmosPipeline`, a Cosmos Predict 2.5 export's own pipeline (its
+  ``model_index.json`` names ``["pipeline_cosmos", "DistilledCosmosPipeline"]``), on ``pipeline.py``'s shared parts;
+- ``distilled_cosmos.py`` — the denoiser over the pipeline's ``CosmosTransformer3DModel``;
 - ``distilled_fast.py`` — the GPU path: FlashAttention-4, compiled blocks, fused chunked VAE decode, fp8 on request;
 - ``vae_decode.py``, ``vae_kernels.py`` — the fused chunked VAE decode, shipped from :mod:`distillery.data` (the code
   validate decodes with). In the folder they sit beside ``pipeline.py``; in this package the same relative imports

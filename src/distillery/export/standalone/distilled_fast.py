@@ -173,7 +173,12 @@ def apply_speed_plan(plan: SpeedPlan, transformer: torch.nn.Module, vae: torch.n
     if plan.fp8:
         quantize_fp8(transformer)
     if plan.compiled:
-        transformer.compile_repeated_blocks(**({} if plan.compile_mode == "default" else {"mode": plan.compile_mode}))
+        options = {} if plan.compile_mode == "default" else {"mode": plan.compile_mode}
+        if getattr(transformer, "_repeated_blocks", None):
+            transformer.compile_repeated_blocks(**options)
+        else:  # a class diffusers names no repeated blocks for (Cosmos): each of its blocks, as validate compiles them
+            for block in transformer.transformer_blocks:
+                block.compile(**options)
     if plan.decode == "fused" and vae is not None:
         set_fused_decode(vae, True)
 

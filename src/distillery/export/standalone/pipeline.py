@@ -66,14 +66,79 @@ from .vae_kernels import available as _vae_kernels_available  # noqa: F401  (dif
 SAMPLING_FILE = "sampling.json"
 
 
-class DistilledWanPipeline(WanPipeline):
+class ContractSampling:
+    """What a distilled pipeline of any family shares (a mixin before the family's diffusers pipeline class): the
+    folder's sampling contract, its scheduler's shift, the forwards per video, the GPU path's switches, the VAE decode
+    (``AutoencoderKLWan`` latents: Wan's and Cosmos Predict 2.5's)."""
+
+    _denoiser: Any = None
+    _speed_settings: SpeedSettings | None = None
+    speed_plan: SpeedPlan | None = None  # what ran (set on the first video)
+
+    def configure_speed(self, **switches: Any) -> SpeedSettings:
+        """Choose the GPU path's parts before the first video (:class:`distilled_fast.SpeedSettings`: ``attention``
+        auto|fa4|sdpa, ``compile`` auto|blocks|off, ``decode`` auto|fused|stock, ``fp8`` off|on, ``compile_mode``,
+        ``decode_chunk_frames``); every part ``auto`` by default. Refused once a video has been sampled."""
+        if self.speed_plan is not None:
+            raise RuntimeError("configure_speed must come before the first video (the modules are already changed)")
+        self._speed_settings = SpeedSettings(**switches)
+        return self._speed_settings
+
+    def speed_settings(self) -> SpeedSettings:
+        """The switches :meth:`configure_speed` set (every part ``auto`` when it was not called)."""
+        return self._speed_settings or SpeedSettings()
+
+    def prepare_speed(self, model: Any) -> SpeedPlan:
+        """Plan the path for where the transformer and VAE are now and change them as planned (once); prints
+        the plan's one line (:meth:`distilled_fast.SpeedPlan.describe`)."""
+        if self.speed_plan is None:
+            plan = plan_speed(self.speed_settings(), model.device, model.dtype, self.vae)
+            apply_speed_plan(plan, self.transformer, self.vae)
+            second = getattr(getattr(model, "layout", None), "second", None)
+            if second is not None:  # the low-noise expert takes the same path (the VAE is changed once)
+                apply_speed_plan(plan, second, None)
+            self.speed_plan = plan
+            print(plan.describe(), file=sys.stderr, flush=True)
+        return self.speed_plan
+
+    def sampling_contract(self) -> dict[str, Any]:
+        """The folder's ``sampling.json`` (the folder this pipeline was loaded from)."""
+        path = Path(self.name_or_path) / SAMPLING_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: load the pipeline from an export folder of distillery")
+        return json.loads(path.read_text())
+
+    def scheduler_shift(self) -> float:
+        """The flow shift of the folder's scheduler config (``shift``, or UniPC's ``flow_shift``; else 1)."""
+        cfg = self.scheduler.config
+        for key in ("shift", "flow_shift"):
+            if cfg.get(key) is not None:
+                return float(cfg[key])
+        return 1.0
+
+    def nfe(self, num_frames: int = 81, num_inference_steps: int | None = None, guidance_scale: float | None = None) -> int:
+        """Transformer forwards per video of ``num_frames`` frames for a call with these arguments."""
+        sampler = build_sampler(self.sampling_contract())
+        latent_frames = (num_frames - 1) // int(self.vae_scale_factor_temporal) + 1
+        return sampler.nfe(num_inference_steps, guidance_scale, num_frames=latent_frames)
+
+    def decode_latents(self, latents: torch.Tensor, output_type: str = "np") -> Any:
+        """Normalised latents ``[B, C, T', H', W']`` → videos, as ``WanPipeline`` decodes them."""
+        z_dim = int(self.vae.config.z_dim)
+        z = latents.to(self.vae.device, self.vae.dtype)
+        mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(z.device, z.dtype)
+        std = torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(z.device, z.dtype)
+        plan = self.speed_plan or SpeedPlan()
+        with torch.no_grad():
+            decoded = decode_video(self.vae, z * std + mean, decode_chunk_frames(plan, self.vae, tuple(z.shape)))
+        return self.video_processor.postprocess_video(decoded, output_type=output_type)
+
+
+class DistilledWanPipeline(ContractSampling, WanPipeline):
     """``WanPipeline`` sampling through the folder's sampling contract (module doc); an image-to-video folder's
     image encoder and processor are its optional components."""
 
     _optional_components = ["transformer", "transformer_2", "image_encoder", "image_processor"]
-    _denoiser: Any = None
-    _speed_settings: SpeedSettings | None = None
-    speed_plan: SpeedPlan | None = None  # what ran (set on the first video)
 
     def __init__(self, tokenizer: Any, text_encoder: Any, vae: Any, scheduler: Any, transformer: Any = None,
                  transformer_2: Any = None, boundary_ratio: float | None = None, expand_timesteps: bool = False,
@@ -123,42 +188,6 @@ class DistilledWanPipeline(WanPipeline):
         pixels = self.image_processor(images=image, return_tensors="pt").to(self.image_encoder.device)
         return self.image_encoder(**pixels, output_hidden_states=True).hidden_states[-2].float()
 
-    def configure_speed(self, **switches: Any) -> SpeedSettings:
-        """Choose the GPU path's parts before the first video (:class:`distilled_fast.SpeedSettings`: ``attention``
-        auto|fa4|sdpa, ``compile`` auto|blocks|off, ``decode`` auto|fused|stock, ``fp8`` off|on, ``compile_mode``,
-        ``decode_chunk_frames``); every part ``auto`` by default. Refused once a video has been sampled."""
-        if self.speed_plan is not None:
-            raise RuntimeError("configure_speed must come before the first video (the modules are already changed)")
-        self._speed_settings = SpeedSettings(**switches)
-        return self._speed_settings
-
-    def prepare_speed(self, model: WanDenoiser) -> SpeedPlan:
-        """Plan the path for where the transformer and VAE are now and change them as planned (once); prints
-        the plan's one line (:meth:`distilled_fast.SpeedPlan.describe`)."""
-        if self.speed_plan is None:
-            plan = plan_speed(self._speed_settings or SpeedSettings(), model.device, model.dtype, self.vae)
-            apply_speed_plan(plan, self.transformer, self.vae)
-            if model.layout.second is not None:  # the low-noise expert takes the same path (the VAE is changed once)
-                apply_speed_plan(plan, model.layout.second, None)
-            self.speed_plan = plan
-            print(plan.describe(), file=sys.stderr, flush=True)
-        return self.speed_plan
-
-    def sampling_contract(self) -> dict[str, Any]:
-        """The folder's ``sampling.json`` (the folder this pipeline was loaded from)."""
-        path = Path(self.name_or_path) / SAMPLING_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: load the pipeline from an export folder of distillery")
-        return json.loads(path.read_text())
-
-    def scheduler_shift(self) -> float:
-        """The flow shift of the folder's scheduler config (``shift``, or UniPC's ``flow_shift``; else 1)."""
-        cfg = self.scheduler.config
-        for key in ("shift", "flow_shift"):
-            if cfg.get(key) is not None:
-                return float(cfg[key])
-        return 1.0
-
     def layout(self) -> WanLayout:
         """How the folder's transformer(s) are fed, from its ``model_index.json`` as ``WanPipeline`` reads it: Wan 2.2
         TI2V-5B's ``expand_timesteps`` (one timestep per token), A14B's ``transformer_2`` and ``boundary_ratio`` (the
@@ -189,23 +218,6 @@ class DistilledWanPipeline(WanPipeline):
             else:
                 self._denoiser = WanDenoiser(self.transformer, shift, scale, layout=layout)
         return self._denoiser
-
-    def nfe(self, num_frames: int = 81, num_inference_steps: int | None = None, guidance_scale: float | None = None) -> int:
-        """Transformer forwards per video of ``num_frames`` frames for a call with these arguments."""
-        sampler = build_sampler(self.sampling_contract())
-        latent_frames = (num_frames - 1) // int(self.vae_scale_factor_temporal) + 1
-        return sampler.nfe(num_inference_steps, guidance_scale, num_frames=latent_frames)
-
-    def decode_latents(self, latents: torch.Tensor, output_type: str = "np") -> Any:
-        """Normalised latents ``[B, C, T', H', W']`` → videos, as ``WanPipeline`` decodes them."""
-        z_dim = int(self.vae.config.z_dim)
-        z = latents.to(self.vae.device, self.vae.dtype)
-        mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(z.device, z.dtype)
-        std = torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(z.device, z.dtype)
-        plan = self.speed_plan or SpeedPlan()
-        with torch.no_grad():
-            decoded = decode_video(self.vae, z * std + mean, decode_chunk_frames(plan, self.vae, tuple(z.shape)))
-        return self.video_processor.postprocess_video(decoded, output_type=output_type)
 
     @torch.no_grad()
     def __call__(

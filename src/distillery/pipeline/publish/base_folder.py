@@ -1,14 +1,15 @@
 """What a base model folder may carry into the pipeline (docs/reliability.md: nothing read from an
 artifact executes code).
 
-A base is a diffusers Wan folder: ``model_index.json`` and one folder per component. Diffusers
+A base is a diffusers Wan or Cosmos Predict 2.5 folder: ``model_index.json`` and one folder per component. Diffusers
 imports code *from the folder* when its index names a library it does not ship: a component
 ``["evil_sched", "EvilScheduler"]`` loads ``scheduler/evil_sched.py``, and a ``_class_name`` given as
 ``[module, class]`` loads ``<module>.py`` — under ``trust_remote_code=True``, which the export's own
 load command passes. So a base is held to this:
 
-- :func:`check_model_index`: ``_class_name`` is ``"WanPipeline"``; every other key is a parameter of
-  ``WanPipeline.__init__`` (what a Wan pipeline takes); a component is ``[library, class]`` with
+- :func:`check_model_index`: ``_class_name`` is one of :data:`PIPELINE_CLASSES` (``WanPipeline``, ...); every other key
+  is a parameter of that class's ``__init__`` (what the pipeline takes; a Cosmos base's ``safety_checker`` is
+  ``[null, null]`` or NVIDIA's installed guardrail, :data:`SAFETY_CHECKER`); a component is ``[library, class]`` with
   ``library`` ``diffusers`` or ``transformers`` and ``class`` a class of that library that fits the
   parameter's annotation (a scheduler: any diffusers scheduler; the tokenizer: any concrete
   transformers tokenizer, not the ``AutoTokenizer`` factory), or ``[null, null]`` where the
@@ -44,8 +45,13 @@ from distillery.lineage.artifact_code import is_code_file
 
 INDEX_FILE = "model_index.json"
 PIPELINE_CLASS = "WanPipeline"
-#: The pipeline classes a base may be: text-to-video, or Wan 2.1 image-to-video (a first frame + CLIP image embeddings).
-PIPELINE_CLASSES = (PIPELINE_CLASS, "WanImageToVideoPipeline")
+COSMOS_PIPELINE_CLASS = "Cosmos2_5_PredictBasePipeline"
+#: The pipeline classes a base may be: Wan text-to-video, Wan 2.1 image-to-video (a first frame + CLIP image embeddings),
+#: Cosmos Predict 2.5 (text-to-world).
+PIPELINE_CLASSES = (PIPELINE_CLASS, "WanImageToVideoPipeline", COSMOS_PIPELINE_CLASS)
+#: NVIDIA's guardrail, the one component of a Cosmos base that is neither diffusers' nor transformers': an installed
+#: package's class (never code of the folder), or none (the caller passes it when loading, as the model card says).
+SAFETY_CHECKER = ("cosmos_guardrail", "CosmosSafetyChecker")
 REQUIRED = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")  # what the pipeline's stages load
 _IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _CONFIG_BYTES = 1 << 20  # a component config larger than this is not read for auto_map (tokenizer.json is not a config)
@@ -56,12 +62,12 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:79] + "…"
 
 
-def wan_pipeline_parameters(pipeline_class: str = PIPELINE_CLASS) -> dict[str, inspect.Parameter]:
+def pipeline_parameters(pipeline_class: str = PIPELINE_CLASS) -> dict[str, inspect.Parameter]:
     """``<pipeline_class>.__init__``'s parameters (annotations evaluated), ``self`` left out (one of :data:`PIPELINE_CLASSES`)."""
     import diffusers
 
     if pipeline_class not in PIPELINE_CLASSES:
-        raise ValueError(f"not a Wan pipeline class: {pipeline_class!r}")
+        raise ValueError(f"not a base pipeline class: {pipeline_class!r}")
     params = inspect.signature(getattr(diffusers, pipeline_class).__init__, eval_str=True).parameters
     return {name: p for name, p in params.items() if name != "self"}
 
@@ -98,12 +104,15 @@ def _library_class(library: str, name: str) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
-def _component_problem(key: str, value: Any, param: inspect.Parameter) -> str | None:
-    """Why ``model_index.json``'s entry ``key: value`` is not a library class WanPipeline takes there."""
+def _component_problem(key: str, value: Any, param: inspect.Parameter, pipeline_class: str) -> str | None:
+    """Why ``model_index.json``'s entry ``key: value`` is not a library class ``pipeline_class`` takes there."""
+    if key == "safety_checker" and pipeline_class == COSMOS_PIPELINE_CLASS:
+        return None if value in ([None, None], list(SAFETY_CHECKER)) else (
+            f"{key}: {_show(value)}: expected [null, null] or {_show(list(SAFETY_CHECKER))}")
     classes = _annotation_classes(param.annotation)
     if not classes or not any(hasattr(c, "from_pretrained") for c in classes):  # a plain value (boundary_ratio)
         if isinstance(value, (list, dict)):
-            return f"{key}: {_show(value)}: WanPipeline takes a plain value there"
+            return f"{key}: {_show(value)}: {pipeline_class} takes a plain value there"
         return None
     if not (isinstance(value, list) and len(value) == 2):
         return f"{key}: {_show(value)}: expected [library, class]"
@@ -121,22 +130,22 @@ def _component_problem(key: str, value: Any, param: inspect.Parameter) -> str | 
     bases = [_accepted_bases(c) for c in classes]
     if not any(issubclass(cls, b) for b in bases):
         wanted = " or ".join(f"{b.__module__.split('.')[0]}.{b.__name__}" for b in bases)
-        return f"{key}: {_show(value)}: WanPipeline takes a {wanted} there"
+        return f"{key}: {_show(value)}: {pipeline_class} takes a {wanted} there"
     return None
 
 
 def model_index_problems(index: Any) -> list[str]:
-    """Every reason the parsed ``model_index.json`` ``index`` is not a plain WanPipeline of library
-    classes (module doc); empty when it is one."""
+    """Every reason the parsed ``model_index.json`` ``index`` is not a plain pipeline of :data:`PIPELINE_CLASSES` of
+    library classes (module doc); empty when it is one."""
     if not isinstance(index, dict):
         return [f"expected a JSON object, got {_show(index)}"]
     problems: list[str] = []
     pipeline_class = index.get("_class_name")
     if pipeline_class not in PIPELINE_CLASSES:
-        problems.append(f"_class_name: {_show(pipeline_class)}: expected \"{PIPELINE_CLASS}\" or \"{PIPELINE_CLASSES[1]}\" "
-                        "(a Wan 2.1 diffusers folder; a [module, class] pair would load code from the folder)")
+        problems.append(f"_class_name: {_show(pipeline_class)}: expected one of {', '.join(PIPELINE_CLASSES)} "
+                        "(a diffusers base folder; a [module, class] pair would load code from the folder)")
         pipeline_class = PIPELINE_CLASS
-    params = wan_pipeline_parameters(pipeline_class)
+    params = pipeline_parameters(pipeline_class)
     for key, value in index.items():
         if not isinstance(key, str) or key.startswith("_"):
             continue
@@ -144,10 +153,10 @@ def model_index_problems(index: Any) -> list[str]:
             problems.append(f"{key}: {_show(value)}: not a component {pipeline_class} takes "
                             f"({', '.join(params)})")
             continue
-        problem = _component_problem(key, value, params[key])
+        problem = _component_problem(key, value, params[key], pipeline_class)
         if problem:
             problems.append(problem)
-    problems.extend(f"{key}: missing (a Wan base has one)" for key in REQUIRED if key not in index)
+    problems.extend(f"{key}: missing (a base has one)" for key in REQUIRED if key not in index)
     return problems
 
 
@@ -172,7 +181,7 @@ def _remote_code_configs(folder: Path, components: Iterable[str]) -> list[str]:
 
 def check_model_index(folder: Path, what: str) -> None:
     """Refuse (one-line :class:`UserError`) a model folder whose ``model_index.json`` names anything
-    but library classes WanPipeline takes, or whose component configs name remote code. ``what``
+    but library classes its pipeline (:data:`PIPELINE_CLASSES`) takes, or whose component configs name remote code. ``what``
     names the folder in the message (``params.yaml: base.path: /data/wan``)."""
     from distillery.pipeline.publish.model_files import check_model_files
 
@@ -193,7 +202,7 @@ def check_model_index(folder: Path, what: str) -> None:
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         raise UserError(f"{what}: {INDEX_FILE}: {problems[0]}{more}; a base may name only diffusers/transformers "
-                        f"classes a {PIPELINE_CLASS} takes, and no code of a base is ever copied or run")
+                        f"classes its pipeline takes, and no code of a base is ever copied or run")
 
 
 def copy_model_folder(source: Path, target: Path, *, exclude: Iterable[str] = (), exclude_top: Iterable[str] = ()) -> list[str]:
