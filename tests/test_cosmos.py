@@ -103,11 +103,67 @@ def test_a_training_step_reaches_every_block_of_the_transformer():
     assert registry.family_of(shipped_tiny_cosmos()).loaders().input_widths(model.transformer_config()) == (8, 32)
 
 
-def test_causal_and_pdd_students_are_one_line_each():
-    for options in ({"chunk_size": 1}, {"pdd_steps": 4}):
-        with pytest.raises(UserError) as info:
+def test_a_causal_student_and_a_pdd_folder_without_heads_are_one_line_each():
+    for options, words in (({"chunk_size": 1}, "causal"), ({"pdd_steps": 4}, "pdd_heads.safetensors")):
+        with pytest.raises(UserError, match=words) as info:
             registry.load_inference_model(shipped_tiny_cosmos(), **options)
-        assert "\n" not in str(info.value) and "Cosmos" in str(info.value)
+        assert "\n" not in str(info.value)
+
+
+def test_a_pdd_cosmos_student_trains_its_heads_and_the_trunk_and_fuses_into_proj_out(tmp_path):
+    """The head bank (every family's, models/wan/pdd.py) over the Cosmos trunk: bias-less heads as its proj_out; each
+    head starts as the plain model; one PDD step reaches the supervised heads and the trunk only; the fused block is one
+    stock transformer's output; the saved bank loads back (and a bank with a bias is refused)."""
+    from helpers import nudge_weights, run_config
+    from helpers import tiny_raw_batch as raw_batch
+
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.methods.pdd import PDDConfig, PDDMethod
+    from distillery.models.cosmos import CosmosModel, CosmosModelConfig, PDDCosmosModel, PDDCosmosModelConfig
+    from distillery.models.wan.pdd import HEADS_FILE, save_head_bank, write_head_bank
+
+    base = shipped_tiny_cosmos()
+    student = PDDCosmosModel(PDDCosmosModelConfig(init_from=str(base), pdd_steps=4), "student")
+    teacher = CosmosModel(CosmosModelConfig(init_from=str(base), trainable=False), "teacher")
+    bank = student.head_bank
+    assert not bank.has_bias and len(bank.bias) == 0 and student.transformer.proj_out.bias is None
+    x = torch.randn(1, *SHAPE, generator=torch.Generator().manual_seed(4))
+    cond = Conditioning(torch.randn(1, 48, 32, generator=torch.Generator().manual_seed(5)))
+    t = torch.tensor([600.0])
+    with torch.no_grad():
+        plain = teacher.predict_noise(x, t, cond)
+        heads = student.predict_pdd_heads(x, t, cond)
+    assert heads.shape == (1, 4, *SHAPE) and all(torch.equal(heads[:, k], plain) for k in range(4))
+
+    training = load_run_config(raw=run_config(base, tmp_path / "unused", tmp_path / "unused"), prefixes=allowed_prefixes()).training
+    for model in (student, teacher):
+        model.bind_device(torch.device("cpu"))
+    nudge_weights(teacher.transformer)
+    method = PDDMethod(PDDConfig(block_size_max=4), {"student": student, "teacher": teacher}, training)
+    method.on_train_start(torch.device("cpu"))
+    method.build_optimizers()
+    method.backward(method.single_train_step(raw_batch(), step=1))  # the tiny Wan's batch: the same widths
+    supervised = [k for k in range(4) if bank.weight[k].grad is not None]
+    assert supervised and all(float(bank.weight[k].grad.abs().max()) > 0 for k in supervised)
+    assert student.transformer.proj_out.weight.grad is None
+    assert all(p.grad is not None for n, p in student.transformer.named_parameters() if not n.startswith("proj_out"))
+
+    with torch.no_grad():
+        for k in range(4):
+            bank.weight[k].add_(0.01 * (k + 1))
+        fused = student.predict_pdd_fused(x, t, cond, 0, 4)
+        stock = CosmosModel(CosmosModelConfig(init_from=str(base), trainable=False), "stock")
+        student.fuse_into_projection(stock.transformer, 0, 4)
+        torch.testing.assert_close(stock.predict_noise(x, t, cond), fused, rtol=0, atol=1e-6)
+    folder = tmp_path / "pdd"
+    shutil.copytree(base, folder)
+    save_head_bank(folder / "transformer" / HEADS_FILE, bank)
+    loaded = registry.load_inference_model(folder, pdd_steps=4)
+    assert type(loaded) is PDDCosmosModel and all(torch.equal(loaded.head_bank.weight[k], bank.weight[k]) for k in range(4))
+    weight, _ = bank.weights(list(range(4)))
+    write_head_bank(folder / "transformer" / HEADS_FILE, weight, torch.ones(4, weight.shape[1]))
+    with pytest.raises(UserError, match="bias"):
+        registry.load_inference_model(folder, pdd_steps=4)
 
 
 def test_a_cosmos_folder_of_another_pipeline_or_with_a_padding_mask_it_cannot_resize_is_one_line(tmp_path):

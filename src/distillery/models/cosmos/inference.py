@@ -12,12 +12,9 @@ from distillery.models.base import cast_keeping_fp32_modules
 from distillery.models.cosmos.bidirectional import CosmosModel
 from distillery.models.cosmos.common import CosmosModelConfig
 
-#: Why a PDD Cosmos student is refused (one line): its head bank is Wan's so far.
-PDD_REFUSAL = ("a PDD Cosmos Predict 2.5 student is not built yet: the PDD head bank exists for Wan only; distill this "
-               "family with DMD2")
 #: Why a causal Cosmos student is refused (one line; docs/architecture.md "Model families").
 CAUSAL_REFUSAL = ("a causal (chunk-by-chunk) Cosmos Predict 2.5 student is not built: distillery's block-causal attention "
-                  "and KV cache exist for Wan only; train a bidirectional Cosmos student (DMD2) or a Wan one")
+                  "and KV cache exist for Wan only; train a bidirectional Cosmos student (DMD2, PDD) or a Wan one")
 
 
 def load_inference_model(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -25,16 +22,26 @@ def load_inference_model(folder: str | Path, device: torch.device | str = "cpu",
                          transformer: torch.nn.Module | None = None, pdd_steps: int | None = None,
                          attention_backend: str = "auto") -> CosmosModel:
     """``folder``'s ``CosmosTransformer3DModel`` as an eval, gradient-free :class:`CosmosModel` on ``device`` in
-    ``dtype`` (diffusers' fp32 modules stay fp32). ``chunk_size`` (a causal student) and ``pdd_steps`` (a PDD one) are
-    one line each (:data:`CAUSAL_REFUSAL`, :data:`PDD_REFUSAL`). ``shift`` None: the
+    ``dtype`` (diffusers' fp32 modules stay fp32) — or, with ``pdd_steps``, as a PDD student whose head bank is the
+    folder's (:mod:`.pdd`; :class:`UserError` when it has none). ``chunk_size`` (a causal student) is one line
+    (:data:`CAUSAL_REFUSAL`). ``shift`` None: the
     scheduler's. ``attention_backend``: ``auto`` and ``native`` run diffusers' SDPA dispatch (Cosmos offers no other)."""
     device = torch.device(device)
     if chunk_size is not None:
         raise UserError(f"{folder}: {CAUSAL_REFUSAL}")
     if pdd_steps is not None:
-        raise UserError(f"{folder}: {PDD_REFUSAL}")
-    model = CosmosModel(CosmosModelConfig(init_from=str(folder), trainable=False, shift=shift), role=role,
-                        transformer=transformer)
+        from distillery.models.cosmos.common import locate_transformer
+        from distillery.models.cosmos.pdd import PDDCosmosModel, PDDCosmosModelConfig
+        from distillery.models.wan.pdd import HEADS_FILE
+
+        if not (locate_transformer(folder)[0] / HEADS_FILE).is_file():
+            raise UserError(f"{folder}: no {HEADS_FILE} beside the transformer weights; a PDD sampling contract needs "
+                            "the PDD stage's head bank")
+        model: CosmosModel = PDDCosmosModel(PDDCosmosModelConfig(init_from=str(folder), trainable=False, shift=shift,
+                                                                 pdd_steps=int(pdd_steps)), role=role, transformer=transformer)
+    else:
+        model = CosmosModel(CosmosModelConfig(init_from=str(folder), trainable=False, shift=shift), role=role,
+                            transformer=transformer)
     model.transformer.to(device=device).eval().requires_grad_(False)
     cast_keeping_fp32_modules(model.transformer, dtype)
     model.bind_device(device, compute_dtype=dtype)

@@ -32,6 +32,7 @@ only; nothing is unpickled). A folder without it starts every head from ``proj_o
 from __future__ import annotations
 
 import contextvars
+from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from distillery.models.wan.common import WanModelConfig
 
 HEADS_FILE = "pdd_heads.safetensors"  # the head bank beside the trunk's weights (module doc)
 
-__all__ = ["HEADS_FILE", "HeadGroup", "PDDHeadBank", "PDDWanModel", "PDDWanModelConfig", "empty_head_bank", "read_head_bank",
+__all__ = ["HEADS_FILE", "HeadBankModel", "HeadGroup", "PDDHeadBank", "PDDWanModel", "PDDWanModelConfig", "empty_head_bank", "read_head_bank",
            "save_head_bank", "write_head_bank"]
 
 @dataclass
@@ -93,19 +94,22 @@ class PDDWanModelConfig(WanModelConfig):
 
 class PDDHeadBank(torch.nn.Module):
     """``num_heads`` output projections ``W_k [out, in]``, ``b_k [out]`` (fp32 masters), one parameter
-    pair per head (``weight.<k>``, ``bias.<k>``) so a head that receives no gradient has no optimizer state."""
+    pair per head (``weight.<k>``, ``bias.<k>``) so a head that receives no gradient has no optimizer state. Of a
+    projection without a bias (``base.bias`` None), heads without one: ``b_k`` is 0 and never trains."""
 
     def __init__(self, base: torch.nn.Linear, num_heads: int) -> None:
         super().__init__()
-        w, b = base.weight.detach().float(), base.bias.detach().float()
+        w = base.weight.detach().float()
         self.weight = torch.nn.ParameterList([torch.nn.Parameter(w.clone()) for _ in range(num_heads)])
-        self.bias = torch.nn.ParameterList([torch.nn.Parameter(b.clone()) for _ in range(num_heads)])
+        self.has_bias = base.bias is not None  # a projection without one (Cosmos' proj_out): heads without one, bias 0
+        b = base.bias.detach().float() if base.bias is not None else None
+        self.bias = torch.nn.ParameterList([torch.nn.Parameter(b.clone()) for _ in range(num_heads)] if b is not None else [])
 
     def weights(self, heads: list[int], coeffs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weight [m, out, in], bias [m, out])`` of the heads ``heads``; with ``coeffs`` (``[len(heads)]``)
         their fusion ``Σ_j coeffs_j head_j`` (summed in float64) as m = 1. Keeps the graph to the heads."""
         w = torch.stack([self.weight[k] for k in heads])
-        b = torch.stack([self.bias[k] for k in heads])
+        b = torch.stack([self.bias[k] for k in heads]) if self.has_bias else w.new_zeros(w.shape[:2])
         if coeffs is None:
             return w, b
         c = coeffs.to(w.device, torch.float64)
@@ -147,19 +151,21 @@ def empty_head_bank(transformer: torch.nn.Module, num_heads: int) -> PDDHeadBank
 
 
 def save_head_bank(path: Path, bank: PDDHeadBank) -> None:
-    """Write ``bank`` as a heads file (:func:`write_head_bank`)."""
-    write_head_bank(path, torch.stack(list(bank.weight)), torch.stack(list(bank.bias)))
+    """Write ``bank`` as a heads file (:func:`write_head_bank`; a bias-less bank's ``bias`` is zeros)."""
+    weight, bias = bank.weights(list(range(len(bank.weight))))
+    write_head_bank(path, weight, bias)
 
 
-class PDDWanModel(WanModel, PDDModelBase):
-    """A :class:`WanModel` whose output projection is a :class:`PDDHeadBank` (module doc); the Wan
-    family's :class:`~distillery.models.base.PDDModelBase`."""
+class HeadBankModel(PDDModelBase):
+    """The head-bank half of a PDD student of any family (module doc): the family's plugin
+    (``class PDD<Family>Model(HeadBankModel, <Family>Model)``) calls :meth:`attach_head_bank` after building its
+    transformer and gives :meth:`trunk_output`, one transformer call's raw output; everything else — what trains, the
+    heads' forwards, the fused projection — is here. ``self.transformer.proj_out`` is the projection the bank
+    replaces (``Linear(inner, out · prod(patch))``, its output channel-last per token, as Wan's and Cosmos' are)."""
 
-    config_class = PDDWanModelConfig
-    two_experts = False  # one transformer (a Wan 2.2 A14B folder: one line)
-
-    def __init__(self, config: PDDWanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
-        super().__init__(config, role, transformer)
+    def attach_head_bank(self, config: Any, role: str) -> None:
+        """Freeze ``proj_out``, build the bank from it (``config.pdd_steps`` heads), load the folder's stored bank
+        (``HEADS_FILE`` beside the weights) when there is one, hook ``proj_out``."""
         self.pdd_steps = int(config.pdd_steps)
         self._fine_sigmas = self.schedule.inference_sigmas(self.pdd_steps)  # derived once: [pdd_steps + 1], CPU
         proj = self.transformer.proj_out
@@ -168,22 +174,32 @@ class PDDWanModel(WanModel, PDDModelBase):
         stored = Path(self.transformer_dir) / HEADS_FILE
         if stored.is_file():
             weight, bias = read_head_bank(stored)
-            if tuple(weight.shape) != (self.pdd_steps, *proj.weight.shape) or tuple(bias.shape) != (self.pdd_steps, *proj.bias.shape):
+            out = proj.weight.shape[0]
+            if tuple(weight.shape) != (self.pdd_steps, *proj.weight.shape) or tuple(bias.shape) != (self.pdd_steps, out):
                 raise UserError(f"{stored}: holds {weight.shape[0]} heads of shape {tuple(weight.shape[1:])}; models.{role} "
                                 f"asks for pdd_steps={self.pdd_steps} heads of {tuple(proj.weight.shape)}")
+            if not self.head_bank.has_bias and bool(bias.ne(0).any()):
+                raise UserError(f"{stored}: its heads have a bias; the transformer's proj_out has none")
             with torch.no_grad():
                 for k in range(self.pdd_steps):
                     self.head_bank.weight[k].copy_(weight[k])
-                    self.head_bank.bias[k].copy_(bias[k])
+                    if self.head_bank.has_bias:
+                        self.head_bank.bias[k].copy_(bias[k])
         self.head_bank.requires_grad_(config.trainable)
         proj.register_forward_hook(_project_with_head_bank)
+
+    @abstractmethod
+    def trunk_output(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, batch: Conditioning | TrainingBatch,
+                     conditional: bool) -> torch.Tensor:
+        """One call of ``self.forward_module`` on the family's inputs for ``noisy_latents`` ``[B, C, T, H, W]``: its
+        raw output ``[B, M · C, T, H, W]`` (M heads: the bank's projections replace ``proj_out``'s, module doc)."""
 
     # -- what trains, what is saved ------------------------------------------------------------
     def trainable_modules(self) -> dict[str, torch.nn.Module]:
         return {"transformer": self.transformer, "heads": self.head_bank}
 
     def transformer_config(self) -> dict[str, Any]:
-        return {**dict(self.transformer.config), "_pdd_steps": self.pdd_steps}
+        return {**super().transformer_config(), "_pdd_steps": self.pdd_steps}
 
     def fine_sigmas(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The fine σ grid ``float32 [pdd_steps + 1]``, 1 → 0 (the ``pdd_steps``-step Euler grid)."""
@@ -203,21 +219,10 @@ class PDDWanModel(WanModel, PDDModelBase):
         for group in groups:
             if not group.heads or min(group.heads) < 0 or max(group.heads) >= self.pdd_steps:
                 raise ValueError(f"heads {group.heads} outside the bank's 0 … {self.pdd_steps - 1}")
-        text = batch.text_embeds if conditional else batch.negative_text_embeds
-        if text is None:
-            text = torch.zeros_like(batch.text_embeds)
-        dtype = self.input_dtype()
         pt, ph, pw = self.patch_size
-        hidden, image = noisy_latents.to(dtype), None
-        if self.image_conditioning is not None:  # image-to-video: the first frame's condition and embeddings
-            hidden, text, image = self._image_inputs(hidden, text, batch)
         token = _REQUEST.set(_Request(self.head_bank, groups, pt * ph * pw))
         try:
-            out = self.forward_module(hidden_states=hidden,
-                                      timestep=self._model_timesteps(timesteps, noisy_latents).float(),
-                                      encoder_hidden_states=text.to(dtype),
-                                      encoder_hidden_states_image=None if image is None else image.to(dtype),
-                                      return_dict=False)[0]
+            out = self.trunk_output(noisy_latents, timesteps, batch, conditional)
         finally:
             _REQUEST.reset(token)
         b, _, t, h, w = out.shape
@@ -258,9 +263,38 @@ class PDDWanModel(WanModel, PDDModelBase):
     # -- fused export ---------------------------------------------------------------------------
     def fuse_into_projection(self, module: torch.nn.Module, start: int, end: int) -> None:
         """Write block ``[start, end)``'s fused projection into ``module.proj_out`` (a plain
-        ``WanTransformer3DModel`` of this trunk): that transformer's velocity is the block's mean
-        velocity, so stock Euler with the block as one step reproduces the fused sampler."""
+        transformer of this trunk): that transformer's velocity is the block's mean
+        velocity, so stock Euler with the block as one step reproduces the fused sampler (a bias-less projection's
+        heads have none to write)."""
         with torch.no_grad():
             weight, bias = self.head_bank.weights(list(range(start, end)), block_weights(self.fine_sigmas(), start, end))
             module.proj_out.weight.copy_(weight[0].to(module.proj_out.weight.dtype))
-            module.proj_out.bias.copy_(bias[0].to(module.proj_out.bias.dtype))
+            if module.proj_out.bias is not None:
+                module.proj_out.bias.copy_(bias[0].to(module.proj_out.bias.dtype))
+
+
+class PDDWanModel(HeadBankModel, WanModel):
+    """A :class:`WanModel` whose output projection is a :class:`PDDHeadBank` (module doc); the Wan
+    family's :class:`~distillery.models.base.PDDModelBase`."""
+
+    config_class = PDDWanModelConfig
+    two_experts = False  # one transformer (a Wan 2.2 A14B folder: one line)
+
+    def __init__(self, config: PDDWanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
+        WanModel.__init__(self, config, role, transformer)
+        self.attach_head_bank(config, role)
+
+    def trunk_output(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, batch: Conditioning | TrainingBatch,
+                     conditional: bool) -> torch.Tensor:
+        """The Wan transformer's output at ``noisy_latents`` (image-to-video: with the first frame's condition)."""
+        text = batch.text_embeds if conditional else batch.negative_text_embeds
+        if text is None:
+            text = torch.zeros_like(batch.text_embeds)
+        dtype = self.input_dtype()
+        hidden, image = noisy_latents.to(dtype), None
+        if self.image_conditioning is not None:  # image-to-video: the first frame's condition and embeddings
+            hidden, text, image = self._image_inputs(hidden, text, batch)
+        return self.forward_module(hidden_states=hidden, timestep=self._model_timesteps(timesteps, noisy_latents).float(),
+                                   encoder_hidden_states=text.to(dtype),
+                                   encoder_hidden_states_image=None if image is None else image.to(dtype),
+                                   return_dict=False)[0]
