@@ -205,6 +205,8 @@ def test_the_tiny_cosmos_is_a_base_the_pipeline_takes():
 
 TEACHER = {"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000}
 STUDENT = {"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000.0, 750.0, 500.0]}
+PDD = {"sampler": "pdd_fused", "shift": 3.0, "num_train_timesteps": 1000, "pdd_steps": 4, "block_size_max": 4, "num_steps": 2,
+       "guidance_scale": 1.0}
 
 
 def _trained(out, contract):
@@ -217,10 +219,16 @@ def _trained(out, contract):
     model.transformer.save_pretrained(out / "transformer", safe_serialization=True)
     shutil.copytree(shipped_tiny_cosmos() / "scheduler", out / "scheduler")
     (out / "sampling.json").write_text(json.dumps(contract))
+    if contract["sampler"] == "pdd_fused":  # a head bank: proj_out + seeded noise per head (bias-less as proj_out)
+        from distillery.models.wan.pdd import HEADS_FILE, write_head_bank
+
+        w = model.transformer.proj_out.weight.detach().float()
+        noise = 0.02 * torch.randn(4, *w.shape, generator=torch.Generator().manual_seed(3))
+        write_head_bank(out / "transformer" / HEADS_FILE, w + noise, torch.zeros(4, w.shape[0]))
     return out
 
 
-@pytest.mark.parametrize("stage,contract,guidance", [("teacher", TEACHER, 4.0), ("distill", STUDENT, None)])
+@pytest.mark.parametrize("stage,contract,guidance", [("teacher", TEACHER, 4.0), ("distill", STUDENT, None), ("pdd", PDD, None)])
 def test_an_exported_cosmos_model_samples_validates_latents_through_diffusers(tmp_path, stage, contract, guidance):
     """Validate samples a trained Cosmos role; the export stage's assembly gives a folder that passes
     ``lineage --verify``; the teacher's loads in stock ``Cosmos2_5_PredictBasePipeline`` (guidance w − 1) and
@@ -242,7 +250,7 @@ def test_an_exported_cosmos_model_samples_validates_latents_through_diffusers(tm
     base = shipped_tiny_cosmos()
     artifact = tmp_path / "artifacts" / stage
     _trained(artifact / "model", contract)
-    write_lineage(artifact, kind="model", stage=stage, config={}, method="sft" if stage == "teacher" else "dmd2")
+    write_lineage(artifact, kind="model", stage=stage, config={}, method={"teacher": "sft", "distill": "dmd2"}.get(stage, "pdd"))
     cfg = ValidationConfig(num_frames=9, num_seeds=1, progress_bar=False, grid_formats=[], bootstrap_resamples=0)
     report_dir = tmp_path / "artifacts" / "validate" / "report"
     name = f"{stage}_s"
@@ -255,9 +263,10 @@ def test_an_exported_cosmos_model_samples_validates_latents_through_diffusers(tm
     check_own_pipeline_samples(stage, artifact / "model")
     folder = tmp_path / "export"
     folder.mkdir()
-    code, _ = assemble_export(base, artifact / "model", folder)
-    card = export_model_card(stage, artifact, tmp_path / "artifacts" / "validate", read_max_sequence_length(base), None,
-                             folder=str(folder))
+    code, stock_nfe = assemble_export(base, artifact / "model", folder)
+    assert stock_nfe == (1 if stage == "pdd" else None)  # a PDD student's whole grid fused into its proj_out too
+    card = export_model_card(stage, artifact, tmp_path / "artifacts" / "validate", read_max_sequence_length(base),
+                             stock_nfe, folder=str(folder))
     (folder / "README.md").write_text(card)
     write_lineage(folder, kind="export", stage="export", config={CODE_RECORD_KEY: code})
     assert verify_lineage(folder).ok, verify_lineage(folder).problems

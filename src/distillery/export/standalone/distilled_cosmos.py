@@ -6,18 +6,22 @@ feeds it for text-to-world and as distillery's ``CosmosModel`` does (its module 
 - the condition mask is zeros ``[B, 1, T, H, W]`` (no given frame); the padding mask, where the config concatenates
   one (``concat_padding_mask``), zeros ``[1, 1, H, W]``;
 - the output is the velocity ``v = ε − x0`` as it is (float32 ``[B, C, T, H, W]``).
+
+:class:`PDDCosmosDenoiser` is a PDD student's: the same trunk, its heads (:class:`distilled_wan.HeadBankDenoiser`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from .distilled_wan import Conditioning
+from .distilled_wan import Conditioning, HeadBankDenoiser
 
 
 class CosmosDenoiser:
     """Velocity of a (frozen) ``CosmosTransformer3DModel``; ``shift``: the flow shift of its schedule. The samplers of
-    :mod:`distilled_samplers` call :meth:`velocity` (a causal or PDD contract is not built for Cosmos)."""
+    :mod:`distilled_samplers` call :meth:`velocity` (no causal Cosmos student is trained)."""
 
     def __init__(self, transformer: torch.nn.Module, shift: float, num_train_timesteps: int = 1000) -> None:
         self.transformer = transformer
@@ -30,6 +34,10 @@ class CosmosDenoiser:
 
     def velocity(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, conditional: bool = True) -> torch.Tensor:
         """``v = ε − x0`` (float32, shape of ``x`` ``[B, C, T, H, W]``) at ``timesteps`` ``[B]`` or per frame ``[B, T]``."""
+        return self.forward(x, timesteps, cond, conditional).float()
+
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, conditional: bool) -> torch.Tensor:
+        """The transformer's output for ``x`` at ``timesteps`` (its dtype), fed as the module doc says."""
         text = cond.text_embeds if conditional else cond.negative_text_embeds
         text = torch.zeros_like(cond.text_embeds) if text is None else text
         b, _, t, h, w = x.shape
@@ -41,4 +49,13 @@ class CosmosDenoiser:
         out = self.transformer(hidden_states=hidden, timestep=sigma[:, None, :, None, None].float(),
                                encoder_hidden_states=text.to(self.dtype), condition_mask=hidden.new_zeros(b, 1, t, h, w),
                                return_dict=False, **extra)[0]
-        return out.float()
+        return out
+
+
+class PDDCosmosDenoiser(HeadBankDenoiser, CosmosDenoiser):
+    """A PDD Cosmos student: the trunk of :class:`CosmosDenoiser` with ``pdd_steps`` bias-less heads from ``heads_file``."""
+
+    def __init__(self, transformer: torch.nn.Module, shift: float, pdd_steps: int, heads_file: Path,
+                 num_train_timesteps: int = 1000) -> None:
+        CosmosDenoiser.__init__(self, transformer, shift, num_train_timesteps)
+        self.load_head_bank(pdd_steps, heads_file)

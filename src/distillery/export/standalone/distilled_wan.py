@@ -183,22 +183,25 @@ def read_head_bank(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         return f.get_tensor("weight"), f.get_tensor("bias")
 
 
-class PDDWanDenoiser(WanDenoiser):
-    """A PDD student: the trunk of :class:`WanDenoiser` with a bank of ``pdd_steps`` output heads
-    read from ``heads_file`` (module doc)."""
+class HeadBankDenoiser:
+    """A PDD student's head bank over a family's denoiser (a mixin before it: ``class PDD<Family>Denoiser(HeadBankDenoiser,
+    <Family>Denoiser)``), which gives ``transformer`` (its ``proj_out`` the projection the heads replace), ``device``,
+    ``shift``, ``num_train_timesteps`` and ``forward(x, timesteps, cond, conditional)``, the transformer's output. A
+    ``proj_out`` without a bias has heads without one (their stored ``bias`` is zeros)."""
 
-    def __init__(self, transformer: torch.nn.Module, shift: float, pdd_steps: int, heads_file: Path,
-                 num_train_timesteps: int = 1000, *, layout: WanLayout | None = None) -> None:
-        super().__init__(transformer, shift, num_train_timesteps, layout=layout)
-        if self.layout.second is not None:
-            raise ValueError("a PDD student of two experts (Wan 2.2 A14B): its head bank replaces one transformer's "
-                             "output; not supported")
+    transformer: torch.nn.Module
+    device: torch.device
+    shift: float
+    num_train_timesteps: int
+
+    def load_head_bank(self, pdd_steps: int, heads_file: Path) -> None:
+        """Read ``heads_file`` (``pdd_steps`` heads of ``proj_out``'s shape); ``ValueError`` / ``FileNotFoundError``."""
         if not Path(heads_file).is_file():
             raise FileNotFoundError(f"{heads_file}: no PDD head bank beside the transformer weights; a pdd_fused "
                                     "sampling contract needs the PDD stage's heads")
         weight, bias = read_head_bank(Path(heads_file))
-        proj = transformer.proj_out
-        if tuple(weight.shape) != (pdd_steps, *proj.weight.shape) or tuple(bias.shape) != (pdd_steps, *proj.bias.shape):
+        proj = self.transformer.proj_out
+        if tuple(weight.shape) != (pdd_steps, *proj.weight.shape) or tuple(bias.shape) != (pdd_steps, proj.weight.shape[0]):
             raise ValueError(f"{heads_file}: holds {weight.shape[0]} heads of shape {tuple(weight.shape[1:])}; the "
                              f"contract asks for pdd_steps={pdd_steps} heads of {tuple(proj.weight.shape)}")
         self.pdd_steps = int(pdd_steps)
@@ -225,6 +228,19 @@ class PDDWanDenoiser(WanDenoiser):
 
         handle = self.transformer.proj_out.register_forward_hook(project)
         try:
-            return self.forward(x, timesteps, cond, conditional).float()
+            return self.forward(x, timesteps, cond, conditional).float()  # type: ignore[attr-defined]  (the family's)
         finally:
             handle.remove()
+
+
+class PDDWanDenoiser(HeadBankDenoiser, WanDenoiser):
+    """A PDD student: the trunk of :class:`WanDenoiser` with a bank of ``pdd_steps`` output heads
+    read from ``heads_file`` (module doc)."""
+
+    def __init__(self, transformer: torch.nn.Module, shift: float, pdd_steps: int, heads_file: Path,
+                 num_train_timesteps: int = 1000, *, layout: WanLayout | None = None) -> None:
+        WanDenoiser.__init__(self, transformer, shift, num_train_timesteps, layout=layout)
+        if self.layout.second is not None:
+            raise ValueError("a PDD student of two experts (Wan 2.2 A14B): its head bank replaces one transformer's "
+                             "output; not supported")
+        self.load_head_bank(pdd_steps, heads_file)

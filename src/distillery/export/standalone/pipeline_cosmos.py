@@ -2,9 +2,9 @@
 ``sampling.json`` says.
 
 A distilled Cosmos student is not sampled by stock ``Cosmos2_5_PredictBasePipeline``'s many-step loop: a DMD2 student
-runs its few-step x0 ladder. diffusers loads the folder with its own components and :class:`DistilledCosmosPipeline`
-(``model_index.json``: ``"_class_name": ["pipeline_cosmos", "DistilledCosmosPipeline"]``), offline, with only torch,
-diffusers, transformers and accelerate installed::
+runs its few-step x0 ladder, a PDD student decodes blocks of its fine grid through its fused heads. diffusers loads the
+folder with its own components and :class:`DistilledCosmosPipeline` (``model_index.json``: ``"_class_name":
+["pipeline_cosmos", "DistilledCosmosPipeline"]``), offline, with only torch, diffusers, transformers and accelerate installed::
 
     from diffusers import DiffusionPipeline
     pipe = DiffusionPipeline.from_pretrained(folder, trust_remote_code=True, safety_checker=checker)
@@ -23,6 +23,7 @@ size and settings validate used, it returns the latents validate saved (bit for 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,11 +33,11 @@ from diffusers.pipelines.cosmos.pipeline_cosmos2_5_predict import CosmosSafetyCh
 from diffusers.pipelines.cosmos.pipeline_output import CosmosPipelineOutput
 
 from .distilled_causal import CausalWanDenoiser  # noqa: F401  (diffusers copies only the modules a pipeline imports)
-from .distilled_cosmos import CosmosDenoiser
+from .distilled_cosmos import CosmosDenoiser, PDDCosmosDenoiser
 from .distilled_fast import SpeedSettings
 from .distilled_samplers import Sampler, build_sampler, cfg_enabled
 from .distilled_schedule import inference_sigmas  # noqa: F401  (as above)
-from .distilled_wan import Conditioning
+from .distilled_wan import HEADS_FILE, Conditioning
 from .pipeline import ContractSampling
 from .vae_decode import decode_video  # noqa: F401  (as above)
 from .vae_kernels import available as _vae_kernels_available  # noqa: F401  (as above)
@@ -56,15 +57,19 @@ class DistilledCosmosPipeline(ContractSampling, Cosmos2_5_PredictBasePipeline):
         return settings
 
     def denoiser(self, sampler: Sampler) -> CosmosDenoiser:
-        """The denoiser around ``self.transformer`` (built once); a causal or PDD contract is a ``ValueError`` (no such
-        Cosmos student is trained)."""
+        """The denoiser around ``self.transformer`` (built once): a PDD student's with its heads
+        (``transformer/pdd_heads.safetensors``); a causal contract is a ``ValueError`` (no causal Cosmos student is trained)."""
         if self._denoiser is None:
             kind = sampler.model_kind()
-            if kind:
-                raise ValueError(f"a {sorted(kind)} sampling contract: no causal or PDD Cosmos student is trained")
+            if "chunk_size" in kind:
+                raise ValueError("a causal sampling contract: no causal Cosmos student is trained")
             self.transformer.eval().requires_grad_(False)
             shift, scale = sampler.schedule(self.scheduler_shift())
-            self._denoiser = CosmosDenoiser(self.transformer, shift, scale)
+            if "pdd_steps" in kind:
+                heads = Path(self.name_or_path) / "transformer" / HEADS_FILE
+                self._denoiser = PDDCosmosDenoiser(self.transformer, shift, kind["pdd_steps"], heads, scale)
+            else:
+                self._denoiser = CosmosDenoiser(self.transformer, shift, scale)
         return self._denoiser
 
     @torch.no_grad()
