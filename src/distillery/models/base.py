@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -21,6 +21,26 @@ from distillery.common.hashcache import folder_sha256
 from distillery.components.precision import ComputeCopy
 from distillery.components.rng import BatchRNG
 from distillery.models.schedule import FlowMatchSchedule, renoise, x0_from_velocity
+
+
+@dataclass
+class TransformerModelConfig:
+    """The knobs every family's plugin takes (its ``config_class`` subclasses this: ``WanModelConfig``,
+    ``CosmosModelConfig``, their causal and PDD variants)."""
+
+    init_from: str  # diffusers model folder (with transformer/) or a transformer folder
+    trainable: bool = True  # False: frozen (teacher); no optimizer, no gradients
+    random_init: bool = False  # build from config.json only with random weights (benchmarks)
+    shift: float | None = None  # flow shift; null: read from the scheduler config beside the weights
+    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"  # how training σ are drawn
+    logit_mean: float = 0.0  # logit-normal location
+    logit_std: float = 1.0  # logit-normal scale
+
+    def __post_init__(self) -> None:
+        if self.logit_std <= 0:
+            raise ValueError("logit_std must be > 0")
+        if self.shift is not None and self.shift <= 0:
+            raise ValueError("shift must be > 0")
 
 
 @dataclass
@@ -126,6 +146,15 @@ class ModelBase(ABC):
         self.device = device
         self.compute_dtype = compute_dtype
         self.compute_copy = compute_copy
+
+    def settle_transformer(self, scheduler_dir: Path | None) -> None:
+        """After a plugin set ``self.transformer`` (and ``self.transformer_dir``): freeze it unless the role trains (eval
+        then), and set ``self.schedule`` to the role's shift (``config.shift``, else ``scheduler_dir``'s config)."""
+        self.transformer.requires_grad_(self.config.trainable)
+        if not self.config.trainable:
+            self.transformer.eval()
+        self.scheduler_dir = scheduler_dir
+        self.schedule = FlowMatchSchedule(shift=scheduler_shift(self.config.shift, scheduler_dir, self.transformer_dir, self.role))
 
     @property
     def forward_module(self) -> torch.nn.Module:
@@ -431,3 +460,49 @@ def cast_keeping_fp32_modules(module: torch.nn.Module, dtype: torch.dtype) -> No
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         if tensor.is_floating_point() and not keep.intersection(name.split(".")):
             tensor.data = tensor.data.to(dtype)
+
+
+def locate_transformer_folder(init_from: str | Path, class_name: str, family: str) -> tuple[Path, Path | None]:
+    """``(transformer folder, scheduler folder or None)`` of a model folder (with ``transformer/``) or a transformer
+    folder (its scheduler in a sibling ``scheduler/``) holding a ``class_name``; :class:`UserError` otherwise (``family``
+    names the family in it: ``Wan``)."""
+    import json
+
+    root = Path(init_from).expanduser()
+    if not root.exists():
+        raise UserError(f"model folder {root} does not exist")
+    for candidate in (root / "transformer", root):
+        cfg = candidate / "config.json"
+        if cfg.is_file():
+            try:
+                found = json.loads(cfg.read_text()).get("_class_name")
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{cfg}: not valid JSON ({exc.msg})") from None
+            if found != class_name:
+                raise UserError(f"{cfg}: holds a {found}, not a {class_name}; point init_from at a {family} model")
+            for sched in (candidate.parent / "scheduler", root / "scheduler"):
+                if (sched / "scheduler_config.json").is_file():
+                    return candidate, sched
+            return candidate, None
+    raise UserError(f"{root}: no transformer/config.json or config.json found; expected a diffusers {family} folder")
+
+
+def scheduler_shift(shift: float | None, scheduler_dir: Path | None, transformer_dir: Path, role: str) -> float:
+    """The flow shift of a role: ``shift`` when given, else its scheduler config's (:class:`UserError` when it has none)."""
+    from distillery.models.schedule import read_scheduler_shift
+
+    if shift is not None:
+        return shift
+    if scheduler_dir is None:
+        raise UserError(f"models.{role}: no scheduler/scheduler_config.json beside {transformer_dir}; set models.{role}.shift")
+    return read_scheduler_shift(scheduler_dir)
+
+
+def ready_for_inference(model: ModelBase, device: torch.device, dtype: torch.dtype, attention_backend: str) -> ModelBase:
+    """A loaded plugin made an inference one: its transformer on ``device``, eval, frozen, cast to ``dtype`` (diffusers'
+    fp32 modules kept), bound, with ``attention_backend`` resolved for there."""
+    model.transformer.to(device=device).eval().requires_grad_(False)
+    cast_keeping_fp32_modules(model.transformer, dtype)
+    model.bind_device(device, compute_dtype=dtype)
+    model.set_attention_backend(attention_backend, device, dtype)
+    return model

@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from distillery.common.errors import UserError
-from distillery.common.fsutil import replace_dir
 
 #: What ``Cosmos2_5_PredictBasePipeline._get_prompt_embeds`` puts around a prompt (its system turn's words join the
 #: tokenizer's vocabulary, so the tiny tokenizer gives them ids of their own).
@@ -103,6 +101,7 @@ def make_tiny_cosmos(out_dir: Path, seed: int = 0, captions: Sequence[str] | Non
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 
     from distillery.tinybase.shipped import shipped_tiny_base
+    from distillery.tinybase.tiny import write_folder_atomically
     from distillery.tinybase.tokenizer import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, build_tokenizer
 
     out_dir = Path(out_dir)
@@ -121,9 +120,8 @@ def make_tiny_cosmos(out_dir: Path, seed: int = 0, captions: Sequence[str] | Non
         torch.manual_seed(seed + 2)
         transformer = build_transformer(config, int(vae.config.z_dim))
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=config.shift)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+
+    def fill(staging: Path) -> None:
         tokenizer.save_pretrained(staging / "tokenizer")
         text_encoder.save_pretrained(staging / "text_encoder", safe_serialization=True)
         vae.save_pretrained(staging / "vae", safe_serialization=True)
@@ -133,14 +131,8 @@ def make_tiny_cosmos(out_dir: Path, seed: int = 0, captions: Sequence[str] | Non
         (staging / "model_index.json").write_text(json.dumps(model_index(), indent=2) + "\n")
         (staging / "README.md").write_text(_card(config, seed, command or f"distillery base make-tiny --family cosmos "
                                                                           f"--out {out_dir} --seed {seed}"))
-        staging.chmod(0o755)
-        for path in staging.rglob("*"):
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out_dir
+
+    return write_folder_atomically(out_dir, fill)
 
 
 def model_index() -> dict:

@@ -9,7 +9,6 @@ report (``fit_report.json``) and the analyzer thresholds calibrated on its VAE (
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 from distillery.common.errors import UserError
@@ -37,19 +36,9 @@ def shipped_tiny_cosmos() -> Path:
 
 def copy_shipped_tiny_base(out: Path, overwrite: bool = False) -> Path:
     """Copy the shipped fitted tiny base to ``out`` (atomically: temp sibling, then rename)."""
-    from distillery.common.fsutil import replace_dir
-    from distillery.tinybase.tiny import _check_destination, _make_readable
+    from distillery.tinybase.tiny import _check_destination, write_folder_atomically
 
     src = shipped_tiny_base()
     out = Path(out)
     _check_destination(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        shutil.copytree(src, staging, dirs_exist_ok=True)
-        _make_readable(staging)
-        replace_dir(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+    return write_folder_atomically(out, lambda staging: shutil.copytree(src, staging, dirs_exist_ok=True))

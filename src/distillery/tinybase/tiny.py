@@ -270,6 +270,21 @@ def _check_destination(out_dir: Path, overwrite: bool) -> None:
         raise UserError(f"{out_dir} already exists and is not empty; choose another --out or pass --overwrite")
 
 
+def write_folder_atomically(out_dir: Path, fill) -> Path:
+    """Make ``out_dir`` by ``fill(staging)`` on a temporary sibling folder, then give it ordinary modes and rename it
+    into place: ``out_dir`` either holds the complete folder or is left as it was."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        fill(staging)
+        _make_readable(staging)
+        replace_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
 def _make_readable(root: Path) -> None:
     """Give the staged tree ordinary modes (mkdtemp and safetensors write owner-only files)."""
     root.chmod(0o755)

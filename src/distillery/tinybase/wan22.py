@@ -10,14 +10,11 @@ Wan 2.1 base's (:mod:`distillery.tinybase.tiny`). Stock ``WanPipeline.from_pretr
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 from distillery.common.errors import UserError
-from distillery.common.fsutil import replace_dir
 
 A14B_BOUNDARY_RATIO = 0.875  # Wan2.2-T2V-A14B-Diffusers' model_index.json
 TI2V_Z_DIM = 48  # the Wan 2.2 VAE's latent channels
@@ -41,7 +38,14 @@ def make_tiny_wan22(out_dir: Path, layout: Layout, seed: int = 0, captions: Sequ
     import torch
     from diffusers import WanPipeline
 
-    from distillery.tinybase.tiny import TinyBaseConfig, build_scheduler, build_text_encoder, build_transformer, build_vae
+    from distillery.tinybase.tiny import (
+        TinyBaseConfig,
+        build_scheduler,
+        build_text_encoder,
+        build_transformer,
+        build_vae,
+        write_folder_atomically,
+    )
     from distillery.tinybase.tokenizer import build_tokenizer
 
     if layout not in ("ti2v", "a14b"):
@@ -72,15 +76,4 @@ def make_tiny_wan22(out_dir: Path, layout: Layout, seed: int = 0, captions: Sequ
                        transformer=transformer, transformer_2=second,
                        boundary_ratio=A14B_BOUNDARY_RATIO if layout == "a14b" else None,
                        expand_timesteps=layout == "ti2v")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        pipe.save_pretrained(str(staging), safe_serialization=True)
-        staging.chmod(0o755)
-        for path in staging.rglob("*"):
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out_dir
+    return write_folder_atomically(out_dir, lambda staging: pipe.save_pretrained(str(staging), safe_serialization=True))

@@ -122,6 +122,26 @@ class ContractSampling:
         latent_frames = (num_frames - 1) // int(self.vae_scale_factor_temporal) + 1
         return sampler.nfe(num_inference_steps, guidance_scale, num_frames=latent_frames)
 
+    def prompt_pair(self, sampler: Sampler, model: Any, prompts: list[str] | None, negative_prompt: Any,
+                    guidance_scale: float | None, prompt_embeds: torch.Tensor | None,
+                    negative_prompt_embeds: torch.Tensor | None, max_sequence_length: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(text [B, L, D], negative or None)`` float32 on the model's device, by the pipeline's own ``encode_prompt``:
+        the negative prompt (``""`` when None) only where ``sampler`` guides, expanded to the batch."""
+        cfg = cfg_enabled(sampler.resolve_guidance(guidance_scale))  # the negative prompt is encoded only for CFG
+        text, negative = self.encode_prompt(prompts, negative_prompt=negative_prompt if negative_prompt is not None else "",
+                                            do_classifier_free_guidance=cfg, prompt_embeds=prompt_embeds,
+                                            negative_prompt_embeds=negative_prompt_embeds,
+                                            max_sequence_length=max_sequence_length, device=model.device, dtype=torch.float32)
+        if negative is not None and negative.shape[0] != text.shape[0]:
+            negative = negative.expand_as(text)
+        return text, negative
+
+    def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        """``(C, T', H', W')`` of a video of ``num_frames`` × ``height`` × ``width`` in the VAE's latent space."""
+        tf, sf = int(self.vae_scale_factor_temporal), int(self.vae_scale_factor_spatial)
+        return (int(self.vae.config.z_dim), (num_frames - 1) // tf + 1, height // sf, width // sf)
+
     def decode_latents(self, latents: torch.Tensor, output_type: str = "np") -> Any:
         """Normalised latents ``[B, C, T', H', W']`` → videos, as ``WanPipeline`` decodes them."""
         z_dim = int(self.vae.config.z_dim)
@@ -249,16 +269,9 @@ class DistilledWanPipeline(ContractSampling, WanPipeline):
         model = self.denoiser(sampler)
         self.prepare_speed(model)
         prompts = None if prompt is None else [prompt] if isinstance(prompt, str) else list(prompt)
-        cfg = cfg_enabled(sampler.resolve_guidance(guidance_scale))  # the negative prompt is encoded only for CFG
-        text, negative = self.encode_prompt(prompts, negative_prompt=negative_prompt if negative_prompt is not None else "",
-                                            do_classifier_free_guidance=cfg, prompt_embeds=prompt_embeds,
-                                            negative_prompt_embeds=negative_prompt_embeds,
-                                            max_sequence_length=max_sequence_length, device=model.device, dtype=torch.float32)
-        if negative is not None and negative.shape[0] != text.shape[0]:
-            negative = negative.expand_as(text)
-        z_dim = int(self.vae.config.z_dim)
-        tf, sf = int(self.vae_scale_factor_temporal), int(self.vae_scale_factor_spatial)
-        shape = (z_dim, (num_frames - 1) // tf + 1, height // sf, width // sf)
+        text, negative = self.prompt_pair(sampler, model, prompts, negative_prompt, guidance_scale, prompt_embeds,
+                                          negative_prompt_embeds, max_sequence_length)
+        shape = self.latent_shape(num_frames, height, width)
         if image is not None and first_frame is None:
             first_frame = self.encode_first_frame(image, num_frames, height, width)
         if image is not None and image_embeds is None:

@@ -35,7 +35,7 @@ from diffusers.pipelines.cosmos.pipeline_output import CosmosPipelineOutput
 from .distilled_causal import CausalWanDenoiser  # noqa: F401  (diffusers copies only the modules a pipeline imports)
 from .distilled_cosmos import CosmosDenoiser, PDDCosmosDenoiser
 from .distilled_fast import SpeedSettings
-from .distilled_samplers import Sampler, build_sampler, cfg_enabled
+from .distilled_samplers import Sampler, build_sampler
 from .distilled_schedule import inference_sigmas  # noqa: F401  (as above)
 from .distilled_wan import HEADS_FILE, Conditioning
 from .pipeline import ContractSampling
@@ -104,18 +104,10 @@ class DistilledCosmosPipeline(ContractSampling, Cosmos2_5_PredictBasePipeline):
         for text_prompt in prompts or []:
             if not self.safety_checker.check_text_safety(text_prompt):
                 raise ValueError(f"the safety checker refused the prompt {text_prompt!r}")
-        cfg = cfg_enabled(sampler.resolve_guidance(guidance_scale))  # the negative prompt is encoded only for CFG
-        text, negative = self.encode_prompt(prompts, negative_prompt=negative_prompt if negative_prompt is not None else "",
-                                            do_classifier_free_guidance=cfg, prompt_embeds=prompt_embeds,
-                                            negative_prompt_embeds=negative_prompt_embeds,
-                                            max_sequence_length=max_sequence_length, device=model.device, dtype=torch.float32)
-        if negative is not None and negative.shape[0] != text.shape[0]:
-            negative = negative.expand_as(text)
-        z_dim = int(self.vae.config.z_dim)
-        tf, sf = int(self.vae_scale_factor_temporal), int(self.vae_scale_factor_spatial)
-        shape = (z_dim, (num_frames - 1) // tf + 1, height // sf, width // sf)
-        latents = sampler.sample(model, Conditioning(text, negative), shape, generator, num_steps=num_inference_steps,
-                                 guidance_scale=guidance_scale)
+        text, negative = self.prompt_pair(sampler, model, prompts, negative_prompt, guidance_scale, prompt_embeds,
+                                          negative_prompt_embeds, max_sequence_length)
+        latents = sampler.sample(model, Conditioning(text, negative), self.latent_shape(num_frames, height, width), generator,
+                                 num_steps=num_inference_steps, guidance_scale=guidance_scale)
         video: Any = latents if output_type == "latent" else self.decode_latents(latents, "np")
         if output_type != "latent" and isinstance(self.safety_checker, CosmosSafetyChecker):  # NVIDIA's: the videos too
             checked = [self.safety_checker.check_video_safety((v * 255).astype(np.uint8)) for v in video]

@@ -39,7 +39,6 @@ from distillery.models.cosmos.common import (
     locate_transformer,
     text_width,
 )
-from distillery.models.schedule import FlowMatchSchedule, read_scheduler_shift
 
 log = get_logger("models.cosmos")
 
@@ -74,16 +73,8 @@ class CosmosModel(ModelBase):
             CosmosTransformer3DModel, transformer_dir, config.random_init)
         cfg = dict(self.transformer.config)
         image_conditioning(cfg)  # a config of another layout: one line
-        self.transformer.requires_grad_(config.trainable)
-        if not config.trainable:
-            self.transformer.eval()
-        shift = config.shift
-        if shift is None:
-            if scheduler_dir is None:
-                raise UserError(f"models.{role}: no scheduler/scheduler_config.json beside {transformer_dir}; set models.{role}.shift")
-            shift = read_scheduler_shift(scheduler_dir)
-        self.scheduler_dir = scheduler_dir
-        self.schedule = FlowMatchSchedule(shift=shift)
+        self.settle_transformer(scheduler_dir)
+        shift = self.schedule.shift
         self.patch_size = tuple(cfg["patch_size"])
         self.in_channels = latent_channels(cfg)
         self.text_dim = text_width(cfg)

@@ -10,12 +10,12 @@ chat template) and ``scheduler/`` (``UniPCMultistepScheduler`` with flow sigmas 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from distillery.common.errors import UserError
+from distillery.models.base import TransformerModelConfig, locate_transformer_folder
 
 TRANSFORMER_CLASS = "CosmosTransformer3DModel"
 #: Channels the transformer's input carries besides the latent: the condition mask (1: which latent frames are given).
@@ -23,46 +23,14 @@ CONDITION_MASK_CHANNELS = 1
 
 
 @dataclass
-class CosmosModelConfig:
-    init_from: str  # diffusers Cosmos folder (with transformer/) or a transformer folder
-    trainable: bool = True  # False: frozen (teacher); no optimizer, no gradients
-    random_init: bool = False  # build from config.json only with random weights (benchmarks)
-    shift: float | None = None  # flow shift; null: read from the scheduler config beside the weights
-    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"  # how training σ are drawn
-    logit_mean: float = 0.0  # logit-normal location
-    logit_std: float = 1.0  # logit-normal scale
-
-    def __post_init__(self) -> None:
-        if self.logit_std <= 0:
-            raise ValueError("logit_std must be > 0")
-        if self.shift is not None and self.shift <= 0:
-            raise ValueError("shift must be > 0")
-
-
-def _class_of(cfg: Path) -> Any:
-    try:
-        return json.loads(cfg.read_text()).get("_class_name")
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{cfg}: not valid JSON ({exc.msg})") from None
+class CosmosModelConfig(TransformerModelConfig):
+    """A Cosmos plugin's knobs (:class:`~distillery.models.base.TransformerModelConfig`'s)."""
 
 
 def locate_transformer(init_from: str | Path) -> tuple[Path, Path | None]:
     """``(transformer folder, scheduler folder or None)`` of a Cosmos model folder or a transformer folder (its
     scheduler in a sibling ``scheduler/``); :class:`UserError` when it holds no ``CosmosTransformer3DModel``."""
-    root = Path(init_from).expanduser()
-    if not root.exists():
-        raise UserError(f"model folder {root} does not exist")
-    for candidate in (root / "transformer", root):
-        cfg = candidate / "config.json"
-        if cfg.is_file():
-            class_name = _class_of(cfg)
-            if class_name != TRANSFORMER_CLASS:
-                raise UserError(f"{cfg}: holds a {class_name}, not a {TRANSFORMER_CLASS}; point init_from at a Cosmos model")
-            for sched in (candidate.parent / "scheduler", root / "scheduler"):
-                if (sched / "scheduler_config.json").is_file():
-                    return candidate, sched
-            return candidate, None
-    raise UserError(f"{root}: no transformer/config.json or config.json found; expected a diffusers Cosmos folder")
+    return locate_transformer_folder(init_from, TRANSFORMER_CLASS, "Cosmos")
 
 
 def build_transformer(config: dict[str, Any]) -> Any:

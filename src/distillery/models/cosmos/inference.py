@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from distillery.common.errors import UserError
-from distillery.models.base import cast_keeping_fp32_modules
+from distillery.models.base import ready_for_inference
 from distillery.models.cosmos.bidirectional import CosmosModel
 from distillery.models.cosmos.common import CosmosModelConfig
 
@@ -42,8 +42,5 @@ def load_inference_model(folder: str | Path, device: torch.device | str = "cpu",
     else:
         model = CosmosModel(CosmosModelConfig(init_from=str(folder), trainable=False, shift=shift), role=role,
                             transformer=transformer)
-    model.transformer.to(device=device).eval().requires_grad_(False)
-    cast_keeping_fp32_modules(model.transformer, dtype)
-    model.bind_device(device, compute_dtype=dtype)
-    model.set_attention_backend(attention_backend, device, dtype)
+    ready_for_inference(model, device, dtype, attention_backend)
     return model

@@ -18,7 +18,6 @@ from distillery.common.errors import UserError
 from distillery.common.log import get_logger
 from distillery.components.rng import BatchRNG
 from distillery.models.base import Conditioning, ModelBase, TrainingBatch, load_transformer
-from distillery.models.schedule import FlowMatchSchedule, read_scheduler_shift
 from distillery.models.wan.attention import install_attention_backend, resolve_attention_backend
 from distillery.models.wan.common import TRANSFORMER_CLASS, WanModelConfig, image_conditioning, locate_transformer
 from distillery.models.wan.experts import LAYOUT_KEY, WanExperts, expert_index, read_wan_layout
@@ -66,16 +65,8 @@ class WanModel(ModelBase):
         if self.layout.record():  # every transformer this plugin trains remembers its layout (module doc of .experts)
             high = self.transformer.transformer if isinstance(self.transformer, WanExperts) else self.transformer
             high.register_to_config(**{LAYOUT_KEY: self.layout.record()})
-        self.transformer.requires_grad_(config.trainable)
-        if not config.trainable:
-            self.transformer.eval()
-        shift = config.shift
-        if shift is None:
-            if scheduler_dir is None:
-                raise UserError(f"models.{role}: no scheduler/scheduler_config.json beside {transformer_dir}; set models.{role}.shift")
-            shift = read_scheduler_shift(scheduler_dir)
-        self.scheduler_dir = scheduler_dir
-        self.schedule = FlowMatchSchedule(shift=shift)
+        self.settle_transformer(scheduler_dir)
+        shift = self.schedule.shift
         self.boundary_timestep = (self.layout.boundary_ratio * self.schedule.num_train_timesteps
                                   if self.layout.boundary_ratio is not None else None)
         cfg = self.transformer.config

@@ -9,52 +9,24 @@ config unless given explicitly.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from distillery.common.errors import UserError
+from distillery.models.base import TransformerModelConfig, locate_transformer_folder
 
 TRANSFORMER_CLASS = "WanTransformer3DModel"
 
 
 @dataclass
-class WanModelConfig:
-    init_from: str  # diffusers model folder (with transformer/) or a transformer folder
-    trainable: bool = True  # False: frozen (teacher); no optimizer, no gradients
-    random_init: bool = False  # build from config.json only with random weights (benchmarks)
-    shift: float | None = None  # flow shift; null: read from the scheduler config beside the weights
-    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"  # how training σ are drawn
-    logit_mean: float = 0.0  # logit-normal location
-    logit_std: float = 1.0  # logit-normal scale
-
-    def __post_init__(self) -> None:
-        if self.logit_std <= 0:
-            raise ValueError("logit_std must be > 0")
-        if self.shift is not None and self.shift <= 0:
-            raise ValueError("shift must be > 0")
+class WanModelConfig(TransformerModelConfig):
+    """A Wan plugin's knobs (:class:`~distillery.models.base.TransformerModelConfig`'s)."""
 
 
 def locate_transformer(init_from: str | Path) -> tuple[Path, Path | None]:
     """Return (transformer folder, scheduler folder or None) for a model or transformer folder."""
-    root = Path(init_from).expanduser()
-    if not root.exists():
-        raise UserError(f"model folder {root} does not exist")
-    for candidate in (root / "transformer", root):
-        cfg = candidate / "config.json"
-        if cfg.is_file():
-            try:
-                class_name = json.loads(cfg.read_text()).get("_class_name")
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{cfg}: not valid JSON ({exc.msg})") from None
-            if class_name != TRANSFORMER_CLASS:
-                raise UserError(f"{cfg}: holds a {class_name}, not a {TRANSFORMER_CLASS}; point init_from at a Wan model")
-            for sched in (candidate.parent / "scheduler", root / "scheduler"):
-                if (sched / "scheduler_config.json").is_file():
-                    return candidate, sched
-            return candidate, None
-    raise UserError(f"{root}: no transformer/config.json or config.json found; expected a diffusers Wan folder")
+    return locate_transformer_folder(init_from, TRANSFORMER_CLASS, "Wan")
 
 
 def build_transformer(config: dict[str, Any]) -> Any:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from distillery.common.errors import UserError
-from distillery.models.base import cast_keeping_fp32_modules
+from distillery.models.base import ready_for_inference
 from distillery.models.wan.bidirectional import WanModel
 from distillery.models.wan.common import WanModelConfig
 
@@ -54,8 +54,5 @@ def load_inference_model(folder: str | Path, device: torch.device | str = "cpu",
                                                               chunk_size=int(chunk_size)), role=role, transformer=transformer)
     else:
         model = WanModel(WanModelConfig(init_from=str(folder), trainable=False, shift=shift), role=role, transformer=transformer)
-    model.transformer.to(device=device).eval().requires_grad_(False)
-    cast_keeping_fp32_modules(model.transformer, dtype)
-    model.bind_device(device, compute_dtype=dtype)
-    model.set_attention_backend(attention_backend, device, dtype)
+    ready_for_inference(model, device, dtype, attention_backend)
     return model
