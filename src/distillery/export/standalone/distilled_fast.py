@@ -92,8 +92,8 @@ class SpeedPlan:
         """Whether nothing of the fast path runs (the pipeline as it samples on a CPU)."""
         return self.attention == "sdpa" and not self.compiled and self.decode == "stock" and not self.fp8
 
-    def describe(self) -> str:
-        """One line: the path taken and why each stock part is stock."""
+    def describe(self, pipeline: str = "distilled Wan pipeline") -> str:
+        """One line: the path taken and why each stock part is stock (``pipeline`` names what took it)."""
         parts = [f"attention {'FlashAttention-4' if self.attention == 'fa4' else 'SDPA (diffusers)'}",
                  f"blocks {'compiled (' + self.compile_mode + ')' if self.compiled else 'eager'}",
                  "VAE decode " + ("fused, " + (f"{self.decode_chunk_frames} latent frames a call"
@@ -101,7 +101,7 @@ class SpeedPlan:
                                   if self.decode == "fused" else "stock (frame by frame)"),
                  f"fp8 GEMMs {'on' if self.fp8 else 'off'}"]
         why = "; ".join(f"{key}: {reason}" for key, reason in self.reasons.items())
-        return ("distilled Wan pipeline: " + ("stock path" if self.stock else "fast path") + " — " + ", ".join(parts)
+        return (f"{pipeline}: " + ("stock path" if self.stock else "fast path") + " — " + ", ".join(parts)
                 + (f" ({why})" if why else ""))
 
 

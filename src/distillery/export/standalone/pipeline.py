@@ -74,6 +74,7 @@ class ContractSampling:
     _denoiser: Any = None
     _speed_settings: SpeedSettings | None = None
     speed_plan: SpeedPlan | None = None  # what ran (set on the first video)
+    speed_label = "distilled Wan pipeline"  # what the plan's line names
 
     def configure_speed(self, **switches: Any) -> SpeedSettings:
         """Choose the GPU path's parts before the first video (:class:`distilled_fast.SpeedSettings`: ``attention``
@@ -98,7 +99,7 @@ class ContractSampling:
             if second is not None:  # the low-noise expert takes the same path (the VAE is changed once)
                 apply_speed_plan(plan, second, None)
             self.speed_plan = plan
-            print(plan.describe(), file=sys.stderr, flush=True)
+            print(plan.describe(self.speed_label), file=sys.stderr, flush=True)
         return self.speed_plan
 
     def sampling_contract(self) -> dict[str, Any]:

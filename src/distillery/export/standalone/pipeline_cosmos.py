@@ -46,6 +46,8 @@ from .vae_kernels import available as _vae_kernels_available  # noqa: F401  (as 
 class DistilledCosmosPipeline(ContractSampling, Cosmos2_5_PredictBasePipeline):
     """``Cosmos2_5_PredictBasePipeline`` sampling through the folder's sampling contract (module doc)."""
 
+    speed_label = "distilled Cosmos pipeline"
+
     def speed_settings(self) -> SpeedSettings:
         """The switches :meth:`configure_speed` set; ``attention`` stays SDPA (FlashAttention-4 is installed into Wan's
         attention only): ``auto`` becomes ``sdpa``, an explicit ``fa4`` is a ``ValueError``."""

@@ -1,0 +1,276 @@
+"""Benchmark: Cosmos Predict 2.5 (2B) at its native shape with random weights in the real layout — one SFT step's time
+and peak memory through our trainer, and one video end to end from its exported 4-NFE student (issue 63).
+
+The shape is the released one (nvidia/Cosmos-Predict2.5-2B, diffusers' ``CosmosTransformer3DModel`` config: 16 heads ×
+128 = 2048 wide, 28 blocks, mlp 4, AdaLN-LoRA 256, patch (1, 2, 2), RoPE scale (1, 3, 3), in 17 = 16 latent + the
+condition mask, out 16, the Qwen2.5-VL-7B prompt embedding of 28 layers × 3584 = 100,352 projected to 1024), Wan 2.1's
+VAE (8× space, 4× time) and Qwen2.5-VL-7B (28 layers of 3584; its vision tower as released). One video is 93 frames ×
+704 × 1280 (the pipeline's defaults): latents 16 × 24 × 88 × 160, 24 × 44 × 80 = 84,480 tokens; prompts of 512
+tokens. ``concat_padding_mask`` is the release's (true) where torchvision imports, else false (diffusers resizes the
+mask with torchvision; the result says which ran).
+
+1. **SFT step** (``sft``): a config-only folder of that layout (recognised as ``cosmos-predict2.5``),
+   ``CosmosModel(random_init)`` drawn on the GPU, the ``Trainer`` with SFT, bf16 compute on fp32 masters, FSDP2 on a
+   world of one, activation checkpointing, fused AdamW, clip 1, batch 1, ``--steps`` (median after ``--warmup``).
+2. **Exported 4-NFE student** (``export``): an export folder as the export stage assembles it (the parts' weights
+   random, bf16 transformer and text encoder built on the GPU, fp32 VAE; a ``few_step_x0`` contract of 4 steps; the
+   shipped code, ``model_index.json`` naming ``pipeline_cosmos.DistilledCosmosPipeline``), loaded as its card says
+   (``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True, safety_checker=..., torch_dtype=bf16)``, a
+   pass-through checker: NVIDIA's guardrail downloads its own models), then the first video (compile included) and
+   warm medians of ``--repeats`` prompt → frames calls (``e2e_s``), with the denoise and decode parts.
+
+Prints ``RESULT {...}`` per part and writes ``$OUT/cosmos_bench.json``.
+Usage (device machine, ``source bench/gpu_env.sh`` first): ``python bench/cosmos_bench.py [--parts sft,export]``.
+CPU check of this script: ``BENCH_SMOKE=1 python bench/cosmos_bench.py`` (tiny shapes; its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"
+OUT = Path(os.environ.get("OUT", "/tmp"))
+PADDING_MASK = importlib.util.find_spec("torchvision") is not None
+COSMOS_2B = dict(
+    _class_name="CosmosTransformer3DModel", in_channels=17, out_channels=16, num_attention_heads=16, attention_head_dim=128,
+    num_layers=28, mlp_ratio=4.0, text_embed_dim=1024, adaln_lora_dim=256, max_size=[128, 240, 240], patch_size=[1, 2, 2],
+    rope_scale=[1.0, 3.0, 3.0], concat_padding_mask=PADDING_MASK, extra_pos_embed_type=None, use_crossattn_projection=True,
+    crossattn_proj_in_channels=100352, encoder_hidden_states_channels=1024,
+)
+QWEN_7B_TEXT = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                    num_key_value_heads=4, max_position_embeddings=128000, rope_theta=1000000.0,
+                    rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
+QWEN_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[7, 15, 23, 31])
+FRAMES, HEIGHT, WIDTH, TEXT_LEN = 93, 704, 1280, 512
+VAE_STRIDE = (4, 8, 8)
+SHIFT = 5.0
+STUDENT = {"sampler": "few_step_x0", "shift": SHIFT, "num_train_timesteps": 1000, "timesteps": [1000.0, 937.5, 833.3, 625.0]}
+PROMPT = "a red fox runs across a snowy field at dawn, cinematic, detailed fur"
+if SMOKE:
+    COSMOS_2B.update(num_attention_heads=2, attention_head_dim=16, num_layers=2, adaln_lora_dim=8, text_embed_dim=32,
+                     encoder_hidden_states_channels=32, crossattn_proj_in_channels=2 * 16, max_size=[32, 64, 64])
+    QWEN_7B_TEXT.update(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        max_position_embeddings=512, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    QWEN_7B_VISION.update(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
+                          fullatt_block_indexes=[0])
+    FRAMES, HEIGHT, WIDTH, TEXT_LEN = 9, 32, 32, 48
+
+
+def latent_shape() -> tuple[int, int, int, int]:
+    st, sh, sw = VAE_STRIDE
+    return COSMOS_2B["out_channels"], (FRAMES - 1) // st + 1, HEIGHT // sh, WIDTH // sw
+
+
+def device():
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def config_only_folder(root: Path) -> Path:
+    """A Cosmos Predict 2.5 folder of configs only (``random_init`` draws the weights): index, transformer, VAE, scheduler."""
+    from distillery.tinybase.cosmos import model_index
+
+    folder = root / "cosmos-predict2.5-2b-shape"
+    for part in ("transformer", "scheduler", "vae"):
+        (folder / part).mkdir(parents=True, exist_ok=True)
+    (folder / "model_index.json").write_text(json.dumps(model_index()))
+    (folder / "transformer" / "config.json").write_text(json.dumps(COSMOS_2B))
+    (folder / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKLWan", "z_dim": 16}))
+    (folder / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps({"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": SHIFT, "num_train_timesteps": 1000}))
+    return folder
+
+
+def build_on_device(model_class, dev):
+    """``model_class.from_config`` drawing its random weights on ``dev`` (for this process: a 2B init on the CPU takes
+    longer than the step)."""
+    import torch
+
+    on_cpu = model_class.from_config
+
+    def from_config_on_device(*args, **kwargs):
+        with torch.device(dev):
+            return on_cpu(*args, **kwargs)
+
+    model_class.from_config = from_config_on_device
+
+
+def sft(steps: int, warmup: int) -> dict:
+    import torch
+    from diffusers import CosmosTransformer3DModel
+
+    from distillery.components.distributed import init_distributed, shutdown
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.data import LatentRecord, write_latent_shards
+    from distillery.engine.assemble import build_trainer
+    from distillery.models.registry import family_of
+
+    cuda = torch.cuda.is_available()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = config_only_folder(Path(tmp))
+        g = torch.Generator().manual_seed(0)
+        text_width = COSMOS_2B["crossattn_proj_in_channels"]
+        records = [LatentRecord(id=f"s{i}", caption="bench", latent=torch.randn(*latent_shape(), generator=g).bfloat16(),
+                                text_embedding=torch.randn(TEXT_LEN, text_width, generator=g).bfloat16(), num_frames=FRAMES,
+                                height=HEIGHT, width=WIDTH, fps=16.0, source="bench") for i in range(2)]
+        write_latent_shards(records, Path(tmp) / "latents", rows_per_shard=2)
+        raw = {"models": {"student": {"_target_": "distillery.models.cosmos.CosmosModel", "init_from": str(folder),
+                                      "random_init": True}},
+               "method": {"_target_": "distillery.methods.sft.SFTMethod"},
+               "training": {"distributed": {"shard_single_rank": True},
+                            "data": {"path": str(Path(tmp) / "latents"), "batch_size": 1, "text_max_length": TEXT_LEN},
+                            "optimizer": {"learning_rate": 1e-5}, "loop": {"max_train_steps": steps, "progress_bar": False},
+                            "checkpoint": {"output_dir": str(Path(tmp) / "run"), "save_final": False},
+                            "tracker": {"backend": "none"}, "model": {"activation_checkpointing": True}},
+               "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}}}
+        config = load_run_config(raw=raw, prefixes=allowed_prefixes())
+        env = init_distributed(config.training.distributed)
+        try:
+            build_on_device(CosmosTransformer3DModel, env.device)
+            t0 = time.perf_counter()
+            trainer = build_trainer(config, env)
+            build_s = time.perf_counter() - t0
+            params = sum(p.numel() for p in trainer.run.models["student"].transformer.parameters())
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            result = trainer.fit()
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        finally:
+            shutdown()
+        family = family_of(folder).name
+    times = [row["step_time_s"] for row in result.history]
+    c, t, h, w = latent_shape()
+    return {"part": "sft", "model": "Cosmos-Predict2.5-2B shape, random weights", "family": family, "params": params,
+            "video": [FRAMES, HEIGHT, WIDTH], "latent": [c, t, h, w], "tokens": t * (h // 2) * (w // 2),
+            "text": [TEXT_LEN, COSMOS_2B["crossattn_proj_in_channels"]], "concat_padding_mask": PADDING_MASK,
+            "steps": steps, "warmup": warmup, "step_s": statistics.median(times[warmup:]) if len(times) > warmup else None,
+            "first_step_s": times[0], "step_times": times, "peak_mem_gib": peak, "build_s": build_s,
+            "activation_checkpointing": True, "wrapper": "fsdp (one rank)"}
+
+
+def export_folder(root: Path) -> Path:
+    """The export stage's folder of a 4-step student over random real-layout parts (module doc)."""
+    import torch
+    from diffusers import AutoencoderKLWan, CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from distillery.export.code import write_export_code
+    from distillery.tinybase.cosmos import model_index
+    from distillery.tinybase.shipped import shipped_tiny_cosmos
+
+    dev = device()
+    folder = root / "export"
+    folder.mkdir(parents=True)
+    shutil.copytree(shipped_tiny_cosmos() / "tokenizer", folder / "tokenizer")  # word ids; the embedding table is Qwen's
+    FlowMatchEulerDiscreteScheduler(shift=SHIFT).save_pretrained(folder / "scheduler")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(dev):
+        transformer = CosmosTransformer3DModel(**{k: v for k, v in COSMOS_2B.items() if not k.startswith("_")}).to(dtype)
+    transformer.save_pretrained(folder / "transformer")
+    del transformer
+    with torch.device(dev):
+        vae = AutoencoderKLWan(**({"base_dim": 8} if SMOKE else {}))
+    vae.save_pretrained(folder / "vae")
+    del vae
+    qwen = Qwen2_5_VLConfig(text_config=QWEN_7B_TEXT, vision_config=QWEN_7B_VISION, torch_dtype="bfloat16")
+    with torch.device(dev):
+        encoder = Qwen2_5_VLForConditionalGeneration(qwen).to(dtype)
+    encoder.save_pretrained(folder / "text_encoder")
+    del encoder
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    (folder / "model_index.json").write_text(json.dumps(model_index()))
+    (folder / "sampling.json").write_text(json.dumps(STUDENT))
+    write_export_code(folder)
+    return folder
+
+
+class PassThroughChecker:
+    """A safety checker that passes everything (the pipeline does not run without one)."""
+
+    def to(self, *args, **kwargs):
+        return self
+
+    def check_text_safety(self, prompt):
+        return True
+
+
+def export(repeats: int) -> dict:
+    import torch
+    from diffusers import DiffusionPipeline
+
+    dev = device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+    def timed(fn):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build_s, folder = timed(lambda: export_folder(Path(tmp)))
+        load_s, pipe = timed(lambda: DiffusionPipeline.from_pretrained(str(folder), trust_remote_code=True, torch_dtype=dtype,
+                                                                       safety_checker=PassThroughChecker()).to(dev))
+        pipe.set_progress_bar_config(disable=True)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        call = dict(num_frames=FRAMES, height=HEIGHT, width=WIDTH, max_sequence_length=TEXT_LEN, output_type="np")
+        first_s, _ = timed(lambda: pipe(PROMPT, generator=torch.Generator(dev).manual_seed(0), **call))
+        e2e, denoise = [], []
+        for _ in range(repeats):
+            t, _ = timed(lambda: pipe(PROMPT, generator=torch.Generator(dev).manual_seed(0), **call))
+            e2e.append(t)
+            t, latents = timed(lambda: pipe(PROMPT, generator=torch.Generator(dev).manual_seed(0), **{**call, "output_type": "latent"}))
+            denoise.append(t)
+        decode_s, _ = timed(lambda: pipe.decode_latents(latents.frames, output_type="np"))
+        peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+        return {"part": "export", "pipeline": type(pipe).__name__, "contract": STUDENT, "nfe": pipe.nfe(FRAMES),
+                "video": [FRAMES, HEIGHT, WIDTH], "plan": pipe.speed_plan.describe(pipe.speed_label), "build_s": round(build_s, 1),
+                "load_s": round(load_s, 1), "first_video_s": round(first_s, 2), "e2e_s": round(statistics.median(e2e), 3),
+                "latents_call_s": round(statistics.median(denoise), 3), "decode_s": round(decode_s, 3),
+                "e2e_times": [round(t, 3) for t in e2e], "peak_gib": peak, "concat_padding_mask": PADDING_MASK}
+
+
+def main() -> int:
+    import torch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default="sft,export")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
+    for part in args.parts.split(","):
+        try:
+            row = sft(args.steps, args.warmup) if part == "sft" else export(args.repeats)
+        except Exception as exc:  # one part's failure is a result too
+            import traceback
+
+            row = {"part": part, "error": f"{type(exc).__name__}: {str(exc)[:500]}", "traceback": traceback.format_exc()[-3000:]}
+        results[part] = row
+        print("RESULT " + json.dumps(row), flush=True)
+        (OUT / "cosmos_bench.json").write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+    raise SystemExit(main())
