@@ -284,3 +284,49 @@ def test_an_exported_cosmos_model_samples_validates_latents_through_diffusers(tm
         assert type(pipe).__name__ == "DistilledCosmosPipeline" and "safety_checker=checker" in card
         got = pipe(**call).frames
         assert torch.equal(got[0], saved), (got[0] - saved).abs().max()
+
+
+def test_cosmos_clips_preprocess_and_train_sft_then_dmd2_through_the_trainer(tmp_path):
+    """The tiny Cosmos as a base end to end below the stage layer: synthetic clips → latents by its own VAE and
+    Qwen2.5-VL prompts (untrimmed rows) → two SFT steps of a Cosmos teacher through the trainer → two DMD2 steps of a
+    Cosmos student, critic and frozen teacher (the SFT'd one, exported by ``export_weights``)."""
+    from helpers import role_state, train_in_process
+
+    from distillery.clips.synthetic import ClipSetConfig, make_clip_set
+    from distillery.data.preprocess import PreprocessConfig, preprocess
+
+    base = shipped_tiny_cosmos()
+    clips = make_clip_set(tmp_path / "clips", ClipSetConfig(num_train=4, num_validation=2, num_frames=9))
+    manifest = preprocess(base, clips, tmp_path / "latents", PreprocessConfig(num_frames=9))
+    assert manifest["text_dim"] == 32 and list(manifest["latent_shape"]) == [8, 3, 8, 8]
+    cosmos = "distillery.models.cosmos.CosmosModel"
+
+    def config(out, models, method):
+        return {"models": models, "method": method,
+                "training": {"data": {"path": str(tmp_path / "latents"), "batch_size": 2, "text_max_length": 48},
+                             "optimizer": {"learning_rate": 1e-3, "weight_decay": 0.0},
+                             "loop": {"max_train_steps": 2, "seed": 0, "progress_bar": False},
+                             "checkpoint": {"output_dir": str(out), "save_every": 2, "keep_last": 0},
+                             "tracker": {"backend": "none"}}, "callbacks": {}}
+
+    sft = train_in_process(config(tmp_path / "teacher", {"student": {"_target_": cosmos, "init_from": str(base)}},
+                                  {"_target_": "distillery.methods.sft.SFTMethod"}))
+    assert len(sft.history) == 2 and all(torch.isfinite(torch.tensor(r["total_loss"])) for r in sft.history)
+    checkpoint = next(p for p in sorted((tmp_path / "teacher").glob("checkpoint-*")) if p.is_dir())
+    trained = role_state(checkpoint)
+    start = registry.load_inference_model(base).transformer.state_dict()
+    assert any(not torch.equal(trained[k], start[k]) for k in start)  # SFT moved the Cosmos weights
+
+    teacher = tmp_path / "teacher-model"
+    shutil.copytree(base / "scheduler", teacher / "scheduler")
+    module = registry.family_of(base).loaders().build_transformer(
+        json.loads((base / "transformer" / "config.json").read_text()))
+    module.load_state_dict(trained)
+    module.save_pretrained(teacher / "transformer", safe_serialization=True)
+    dmd2 = train_in_process(config(tmp_path / "distill", {
+        "student": {"_target_": cosmos, "init_from": str(base)},
+        "critic": {"_target_": cosmos, "init_from": str(base)},
+        "teacher": {"_target_": cosmos, "init_from": str(teacher), "trainable": False}},
+        {"_target_": "distillery.methods.dmd2.DMD2Method", "generator_update_interval": 1, "num_student_steps": 2,
+         "real_score_guidance_scale": 2.5}))
+    assert len(dmd2.history) == 2 and all(torch.isfinite(torch.tensor(r["total_loss"])) for r in dmd2.history)
