@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,11 +104,95 @@ def test_a_training_step_reaches_every_block_of_the_transformer():
     assert registry.family_of(shipped_tiny_cosmos()).loaders().input_widths(model.transformer_config()) == (8, 32)
 
 
-def test_a_causal_student_and_a_pdd_folder_without_heads_are_one_line_each():
-    for options, words in (({"chunk_size": 1}, "causal"), ({"pdd_steps": 4}, "pdd_heads.safetensors")):
-        with pytest.raises(UserError, match=words) as info:
-            registry.load_inference_model(shipped_tiny_cosmos(), **options)
-        assert "\n" not in str(info.value)
+def test_a_pdd_folder_without_heads_is_one_line():
+    with pytest.raises(UserError, match="pdd_heads.safetensors") as info:
+        registry.load_inference_model(shipped_tiny_cosmos(), pdd_steps=4)
+    assert "\n" not in str(info.value)
+
+
+def _stream(model, video, t, cond, sizes, tag="pos"):
+    """``video`` chunk by chunk (``sizes`` latent frames each) through the KV cache, storing every chunk."""
+    outs, start = [], 0
+    model.clear_caches()
+    for size in sizes:
+        outs.append(model.predict_noise_streaming(video[:, :, start:start + size], t[:, start:start + size], cond,
+                                                  cache_tag=tag, store_kv=True, cur_start_frame=start))
+        start += size
+    model.clear_caches()
+    return torch.cat(outs, dim=2)
+
+
+def test_a_causal_cosmos_student_attends_block_causally_and_streams_what_its_full_forward_gives():
+    """The block-causal half (Wan's module, every family's) over the Cosmos trunk: one chunk is the bidirectional
+    model bit for bit; frames never see later chunks; chunk-by-chunk streaming through the KV cache (the rotary
+    positions shifted to each chunk) gives the full block-causal forward; plain folders load causal by contract."""
+    from distillery.models.base import CausalModelBase
+    from distillery.models.cosmos import CausalCosmosModel
+
+    base = shipped_tiny_cosmos()
+    plain = registry.load_inference_model(base)
+    causal = registry.load_inference_model(base, chunk_size=2)
+    assert type(causal) is CausalCosmosModel and isinstance(causal, CausalModelBase) and causal.chunk_size == 2
+    g = torch.Generator().manual_seed(6)
+    video = torch.randn(2, 8, 6, 8, 8, generator=g)
+    cond = Conditioning(torch.randn(2, 48, 32, generator=g), torch.randn(2, 48, 32, generator=g))
+    t = torch.tensor([[0.0, 0.0, 250.0, 600.0, 800.0, 950.0], [10.0, 20.0, 400.0, 700.0, 900.0, 1000.0]])
+    with torch.no_grad():
+        one_chunk = registry.load_inference_model(base, chunk_size=6)
+        assert torch.equal(one_chunk.predict_noise(video, t, cond), plain.predict_noise(video, t, cond))
+        full = causal.predict_noise(video, t, cond)
+        later = video.clone()
+        later[:, :, 4:] += 1.0  # the last chunk changed: the first two chunks' outputs are not
+        moved = causal.predict_noise(later, t, cond)
+        assert torch.equal(moved[:, :, :4], full[:, :, :4]) and not torch.equal(moved[:, :, 4:], full[:, :, 4:])
+        for sizes in ([2, 2, 2], [4, 2], [2, 4]):
+            torch.testing.assert_close(_stream(causal, video, t, cond, sizes), full, rtol=0, atol=1e-5)
+        unconditional = causal.predict_noise(video, t, cond, conditional=False)
+        causal.clear_caches()
+        first = causal.predict_noise_streaming(video[:, :, :2], t[:, :2], cond, cache_tag="neg", store_kv=True,
+                                               cur_start_frame=0, conditional=False)
+        with pytest.raises(ValueError, match="holds 2 frames"):
+            causal.predict_noise_streaming(video[:, :, 4:], t[:, 4:], cond, cache_tag="neg", store_kv=False, cur_start_frame=4)
+        torch.testing.assert_close(first, unconditional[:, :, :2], rtol=0, atol=1e-5)
+
+
+def test_the_export_of_a_causal_cosmos_student_is_refused_in_one_line_before_any_work(tmp_path):
+    from distillery.export.code import check_own_pipeline_samples
+
+    model = _trained(tmp_path / "model", {"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
+                                          "timesteps": [1000.0, 500.0], "chunk_size": 1})
+    with pytest.raises(UserError, match="causal Cosmos") as info:
+        check_own_pipeline_samples("self_forcing", model)
+    assert "\n" not in str(info.value)
+
+
+def test_a_self_forcing_step_trains_a_causal_cosmos_student():
+    """Self-Forcing (its rollout streams the causal student chunk by chunk) over Cosmos roles: the student's blocks get
+    gradients, the frozen teacher none."""
+    from helpers import nudge_weights, run_config
+    from helpers import tiny_raw_batch as raw_batch
+
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.methods.self_forcing import SelfForcingConfig, SelfForcingMethod
+    from distillery.models.cosmos import CausalCosmosModel, CausalCosmosModelConfig, CosmosModel, CosmosModelConfig
+
+    base = str(shipped_tiny_cosmos())
+    roles = {"student": CausalCosmosModel(CausalCosmosModelConfig(init_from=base, chunk_size=1), "student"),
+             "critic": CosmosModel(CosmosModelConfig(init_from=base), "critic"),
+             "teacher": CosmosModel(CosmosModelConfig(init_from=base, trainable=False), "teacher")}
+    for model in roles.values():
+        model.bind_device(torch.device("cpu"))
+    nudge_weights(roles["teacher"].transformer)
+    training = load_run_config(raw=run_config(shipped_tiny_cosmos(), Path("unused"), Path("unused")),
+                               prefixes=allowed_prefixes()).training
+    method = SelfForcingMethod(SelfForcingConfig(generator_update_interval=1), roles, training)
+    method.on_train_start(torch.device("cpu"))
+    method.build_optimizers()
+    method.backward(method.single_train_step(raw_batch(), step=1))
+    student = roles["student"].transformer
+    assert all(p.grad is not None for b in roles["student"].shardable_blocks() for p in b.parameters() if p.requires_grad)
+    assert all(p.grad is None for p in roles["teacher"].transformer.parameters())
+    assert any(float(p.grad.abs().max()) > 0 for p in student.parameters() if p.grad is not None)
 
 
 def test_a_pdd_cosmos_student_trains_its_heads_and_the_trunk_and_fuses_into_proj_out(tmp_path):

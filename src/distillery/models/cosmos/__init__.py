@@ -5,17 +5,19 @@
 - :mod:`.bidirectional` — :class:`CosmosModel`, full attention, text-to-world; how diffusers'
   ``Cosmos2_5_PredictBasePipeline`` conventions (σ as the timestep, the condition-mask channel, its guidance form) map
   onto ours is its module doc;
+- :mod:`.causal` — :class:`CausalCosmosModel`, block-causal attention over frame chunks + a KV cache (the block-causal
+  half is Wan's module, every family's);
 - :mod:`.pdd` — :class:`PDDCosmosModel`, the trunk with a PDD head bank (the bank is Wan's module, every family's);
 - :mod:`.inference` — :func:`load_inference_model`, a frozen plugin over a plain folder (validate, export).
 
-A causal (chunk-by-chunk) Cosmos student is one line (:data:`.inference.CAUSAL_REFUSAL`).
-``distillery.models.cosmos.CosmosModel`` / ``PDDCosmosModel`` are the run configs' ``_target_``s; the loaders below are
+``distillery.models.cosmos.CosmosModel`` / ``CausalCosmosModel`` / ``PDDCosmosModel`` are the run configs' ``_target_``s; the loaders below are
 the family's :class:`distillery.models.registry.FamilyLoaders`.
 """
 
 from __future__ import annotations
 
 from distillery.models.cosmos.bidirectional import CosmosModel
+from distillery.models.cosmos.causal import CausalCosmosModel, CausalCosmosModelConfig
 from distillery.models.cosmos.common import (
     TRANSFORMER_CLASS,
     CosmosModelConfig,
@@ -24,11 +26,12 @@ from distillery.models.cosmos.common import (
     input_widths,
     locate_transformer,
 )
-from distillery.models.cosmos.inference import CAUSAL_REFUSAL, load_inference_model
+from distillery.models.cosmos.inference import load_inference_model
 from distillery.models.cosmos.pdd import PDDCosmosModel, PDDCosmosModelConfig
 from distillery.models.wan.pdd import HEADS_FILE as HEAD_BANK_FILE
 from distillery.models.wan.pdd import empty_head_bank, save_head_bank  # the head bank is every family's (its module doc)
 
-__all__ = ["CAUSAL_REFUSAL", "HEAD_BANK_FILE", "TRANSFORMER_CLASS", "CosmosModel", "CosmosModelConfig", "PDDCosmosModel",
+__all__ = ["HEAD_BANK_FILE", "TRANSFORMER_CLASS", "CausalCosmosModel", "CausalCosmosModelConfig", "CosmosModel",
+           "CosmosModelConfig", "PDDCosmosModel",
            "PDDCosmosModelConfig", "build_transformer", "empty_head_bank", "image_conditioning", "input_widths",
            "load_inference_model", "locate_transformer", "save_head_bank"]

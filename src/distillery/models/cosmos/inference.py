@@ -12,10 +12,6 @@ from distillery.models.base import ready_for_inference
 from distillery.models.cosmos.bidirectional import CosmosModel
 from distillery.models.cosmos.common import CosmosModelConfig
 
-#: Why a causal Cosmos student is refused (one line; docs/architecture.md "Model families").
-CAUSAL_REFUSAL = ("a causal (chunk-by-chunk) Cosmos Predict 2.5 student is not built: distillery's block-causal attention "
-                  "and KV cache exist for Wan only; train a bidirectional Cosmos student (DMD2, PDD) or a Wan one")
-
 
 def load_inference_model(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                          shift: float | None = None, role: str = "inference", chunk_size: int | None = None,
@@ -23,12 +19,17 @@ def load_inference_model(folder: str | Path, device: torch.device | str = "cpu",
                          attention_backend: str = "auto") -> CosmosModel:
     """``folder``'s ``CosmosTransformer3DModel`` as an eval, gradient-free :class:`CosmosModel` on ``device`` in
     ``dtype`` (diffusers' fp32 modules stay fp32) — or, with ``pdd_steps``, as a PDD student whose head bank is the
-    folder's (:mod:`.pdd`; :class:`UserError` when it has none). ``chunk_size`` (a causal student) is one line
-    (:data:`CAUSAL_REFUSAL`). ``shift`` None: the
+    folder's (:mod:`.pdd`; :class:`UserError` when it has none) — or, with ``chunk_size``, as a causal student
+    attending block-causally over chunks of that many latent frames (:mod:`.causal`). ``shift`` None: the
     scheduler's. ``attention_backend``: ``auto`` and ``native`` run diffusers' SDPA dispatch (Cosmos offers no other)."""
     device = torch.device(device)
     if chunk_size is not None:
-        raise UserError(f"{folder}: {CAUSAL_REFUSAL}")
+        from distillery.models.cosmos.causal import CausalCosmosModel, CausalCosmosModelConfig
+
+        model: CosmosModel = CausalCosmosModel(CausalCosmosModelConfig(init_from=str(folder), trainable=False, shift=shift,
+                                                                       chunk_size=int(chunk_size)), role=role,
+                                               transformer=transformer)
+        return ready_for_inference(model, device, dtype, attention_backend)
     if pdd_steps is not None:
         from distillery.models.cosmos.common import locate_transformer
         from distillery.models.cosmos.pdd import PDDCosmosModel, PDDCosmosModelConfig

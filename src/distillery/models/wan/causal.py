@@ -37,6 +37,7 @@ keeps its graph).
 from __future__ import annotations
 
 import contextvars
+from abc import abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -126,21 +127,30 @@ class _PlannedRotary(NamedTuple):
     plan: _AttentionPlan
 
 
-def _plan_rotary_hook(rope: torch.nn.Module, args: tuple, output: Any) -> Any:
-    """Forward hook of ``transformer.rope``: inside a planned call, attach the plan and shift the
-    rotary positions so the call's first frame sits at ``start_frame`` (computed for the whole
-    ``start_frame + frames`` and sliced: the exact values diffusers gives those frames)."""
+def planned_rotary(rope: torch.nn.Module, args: tuple, output: Any, device: Any = "meta", token_dim: int = 1) -> Any:
+    """What a forward hook of a family's ``transformer.rope`` returns inside a planned call (None outside one): its
+    ``(cos, sin)`` as a :class:`_PlannedRotary` carrying the plan, the rotary positions shifted so the call's first frame
+    sits at ``start_frame`` (computed for the whole ``start_frame + frames`` and sliced: the exact values the rope gives
+    those frames). ``device``: where that whole-video shape is made (``meta`` for a rope that reads only the shape and
+    computes on its own buffers, Wan's; None: the input's own device, for one that computes on it, Cosmos');
+    ``token_dim``: the axis of ``cos``/``sin`` that runs over tokens (Wan's ``[1, tokens, 1, head_dim]``: 1)."""
     plan = _PLAN.get()
     if plan is None:
         return None
     cos, sin = output
     if plan.start_frame:
         b, c, f, h, w = args[0].shape
-        whole = torch.empty((b, c, plan.start_frame + f, h, w), device="meta")
+        whole = torch.empty((b, c, plan.start_frame + f, h, w), device=args[0].device if device is None else device)
         cos_all, sin_all = rope.forward(whole)
         skip = plan.start_frame * plan.tokens_per_frame
-        cos, sin = cos_all[:, skip:].contiguous(), sin_all[:, skip:].contiguous()
+        keep = cos_all.shape[token_dim] - skip
+        cos, sin = cos_all.narrow(token_dim, skip, keep).contiguous(), sin_all.narrow(token_dim, skip, keep).contiguous()
     return _PlannedRotary(cos, sin, plan)
+
+
+def _plan_rotary_hook(rope: torch.nn.Module, args: tuple, output: Any) -> Any:
+    """Forward hook of Wan's ``transformer.rope`` (:func:`planned_rotary` on the meta device)."""
+    return planned_rotary(rope, args, output)
 
 
 class CausalWanAttnProcessor:
@@ -201,6 +211,18 @@ def _block_causal_attention(processor: CausalWanAttnProcessor, query: torch.Tens
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def block_causal_attention(processor: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           plan: _AttentionPlan) -> torch.Tensor:
+    """:func:`_block_causal_attention` for another family's processor (``block_index``, ``fa4_mode``,
+    ``_attention_backend``): the one kept out of torch.compile once a model installed its processors."""
+    return _block_causal_attention(processor, query, key, value, plan)
+
+
+def keep_block_causal_attention_out_of_compile() -> None:
+    """What a family's processor installer calls first (:func:`_keep_block_causal_attention_out_of_compile`)."""
+    _keep_block_causal_attention_out_of_compile()
+
+
 def fa4_block_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: _AttentionPlan, mode: str) -> torch.Tensor:
     """The FA4 op's block-causal attention of ``plan``'s queries over ``key``/``value`` (the cached frames ⊕ the
     call's own, from frame 0): ``prefix``: one plain call per chunk over its key prefix; ``sparse``: one
@@ -258,33 +280,27 @@ def _frames_of(batch: Conditioning | TrainingBatch, start: int, frames: int) -> 
     return replace(batch, first_frame=first[:, :, start:start + frames])
 
 
-class CausalWanModel(WanModel, CausalModelBase):
-    """Wan 2.1 with block-causal attention over ``chunk_size``-frame chunks and a per-tag KV cache.
+class BlockCausalModel(CausalModelBase):
+    """The block-causal half of a causal student of any family (Wan's :class:`CausalWanModel`, Cosmos'): the plan of
+    each call (:class:`_AttentionPlan`), the per-tag KV cache and its bookkeeping, the full-sequence and streaming
+    forwards. The family's plugin (``class Causal<Family>Model(BlockCausalModel, <Family>Model)``) calls
+    :meth:`attach_block_causal` after building its transformer (it installs its own attention processors, which read
+    the plan through its rope) and gives :meth:`_forward`: its transformer's velocity under a plan."""
 
-    ``predict_noise`` (full sequence, training with teacher forcing / DFSFT) applies the block-causal
-    mask to the whole video; ``predict_noise_streaming`` runs one chunk against the cache. For the
-    same latents and timesteps, streaming chunk by chunk (``store_kv=True``) gives each chunk the
-    output the full-sequence call gives it. With ``chunk_size`` ≥ the number of frames the full call
-    is the bidirectional :class:`WanModel`.
-
-    An image-to-video folder makes it a ``given_first_frame`` student, always: frame 0 is a block of its own (it
-    attends to itself only, every later frame attends to it) and streaming chunks start at frame 1. The model only
-    lays the blocks out; the callers put the given frame's clean latent at t = 0 there
-    (:func:`~distillery.models.base.given_first_latent`) and leave frame 0 out of their losses.
-    """
-
-    config_class = CausalWanModelConfig
-    two_experts = False  # one transformer (a Wan 2.2 A14B folder: one line)
-
-    def __init__(self, config: CausalWanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
-        super().__init__(config, role, transformer)
+    def attach_block_causal(self, chunk_size: int, given_first_frame: bool) -> None:
+        """``chunk_size`` latent frames per chunk; ``given_first_frame``: frame 0 is a block of its own (an image-to-video
+        student). Needs a temporal patch size of 1 (a chunk is a whole number of tokens per frame)."""
         if tuple(self.patch_size)[0] != 1:
-            raise ValueError(f"causal Wan needs a temporal patch size of 1, got patch_size {self.patch_size}")
-        self.chunk_size = int(config.chunk_size)
-        self.given_first_frame = self.image_conditioning is not None  # an I2V student: frame 0 is the given frame
+            raise ValueError(f"a causal student needs a temporal patch size of 1, got patch_size {self.patch_size}")
+        self.chunk_size = int(chunk_size)
+        self.given_first_frame = bool(given_first_frame)
         self._lead = 1 if self.given_first_frame else 0
-        install_causal_attention(self.transformer)
         self._caches: dict[str, _KVCache] = {}
+
+    @abstractmethod
+    def _forward(self, plan: _AttentionPlan, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+                 batch: Conditioning | TrainingBatch, conditional: bool) -> torch.Tensor:
+        """The family's velocity ``[B, C, f, H, W]`` (float32) of one call with ``plan`` in force (:data:`_PLAN`)."""
 
     # --- cache bookkeeping -------------------------------------------------------------------
     def clear_caches(self, cache_tag: str | None = None) -> None:
@@ -301,16 +317,6 @@ class CausalWanModel(WanModel, CausalModelBase):
     def _tokens_per_frame(self, latents: torch.Tensor) -> int:
         _, p_h, p_w = self.patch_size
         return (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
-
-    def _forward(self, plan: _AttentionPlan, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
-                 batch: Conditioning | TrainingBatch, conditional: bool) -> torch.Tensor:
-        module = self.forward_module
-        install_causal_attention(module)  # a compute copy made before this plugin existed
-        token = _PLAN.set(plan)
-        try:
-            return WanModel.predict_noise(self, noisy_latents, timesteps, batch, conditional)
-        finally:
-            _PLAN.reset(token)
 
     def predict_noise(
         self,
@@ -373,3 +379,37 @@ class CausalWanModel(WanModel, CausalModelBase):
                 layers = [(torch.cat([pk, k], dim=1), torch.cat([pv, v_], dim=1)) for (pk, pv), (k, v_) in zip(past, layers)]
             self._caches[cache_tag] = _KVCache(held + noisy_latents.shape[2], tokens, layers)
         return v
+
+
+class CausalWanModel(BlockCausalModel, WanModel):
+    """Wan 2.1 with block-causal attention over ``chunk_size``-frame chunks and a per-tag KV cache.
+
+    ``predict_noise`` (full sequence, training with teacher forcing / DFSFT) applies the block-causal
+    mask to the whole video; ``predict_noise_streaming`` runs one chunk against the cache. For the
+    same latents and timesteps, streaming chunk by chunk (``store_kv=True``) gives each chunk the
+    output the full-sequence call gives it. With ``chunk_size`` ≥ the number of frames the full call
+    is the bidirectional :class:`WanModel`.
+
+    An image-to-video folder makes it a ``given_first_frame`` student, always: frame 0 is a block of its own (it
+    attends to itself only, every later frame attends to it) and streaming chunks start at frame 1. The model only
+    lays the blocks out; the callers put the given frame's clean latent at t = 0 there
+    (:func:`~distillery.models.base.given_first_latent`) and leave frame 0 out of their losses.
+    """
+
+    config_class = CausalWanModelConfig
+    two_experts = False  # one transformer (a Wan 2.2 A14B folder: one line)
+
+    def __init__(self, config: CausalWanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
+        WanModel.__init__(self, config, role, transformer)
+        self.attach_block_causal(config.chunk_size, self.image_conditioning is not None)  # an I2V student: frame 0 given
+        install_causal_attention(self.transformer)
+
+    def _forward(self, plan: _AttentionPlan, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+                 batch: Conditioning | TrainingBatch, conditional: bool) -> torch.Tensor:
+        module = self.forward_module
+        install_causal_attention(module)  # a compute copy made before this plugin existed
+        token = _PLAN.set(plan)
+        try:
+            return WanModel.predict_noise(self, noisy_latents, timesteps, batch, conditional)
+        finally:
+            _PLAN.reset(token)
