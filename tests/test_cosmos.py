@@ -156,16 +156,6 @@ def test_a_causal_cosmos_student_attends_block_causally_and_streams_what_its_ful
         torch.testing.assert_close(first, unconditional[:, :, :2], rtol=0, atol=1e-5)
 
 
-def test_the_export_of_a_causal_cosmos_student_is_refused_in_one_line_before_any_work(tmp_path):
-    from distillery.export.code import check_own_pipeline_samples
-
-    model = _trained(tmp_path / "model", {"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000,
-                                          "timesteps": [1000.0, 500.0], "chunk_size": 1})
-    with pytest.raises(UserError, match="causal Cosmos") as info:
-        check_own_pipeline_samples("self_forcing", model)
-    assert "\n" not in str(info.value)
-
-
 def test_a_self_forcing_step_trains_a_causal_cosmos_student():
     """Self-Forcing (its rollout streams the causal student chunk by chunk) over Cosmos roles: the student's blocks get
     gradients, the frozen teacher none."""
@@ -290,6 +280,8 @@ def test_the_tiny_cosmos_is_a_base_the_pipeline_takes():
 
 TEACHER = {"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000}
 STUDENT = {"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000.0, 750.0, 500.0]}
+STREAMING = {"sampler": "causal_streaming", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000.0, 600.0],
+             "chunk_size": 1, "context_noise": 50.0, "renoise": "sde"}
 PDD = {"sampler": "pdd_fused", "shift": 3.0, "num_train_timesteps": 1000, "pdd_steps": 4, "block_size_max": 4, "num_steps": 2,
        "guidance_scale": 1.0}
 
@@ -313,7 +305,8 @@ def _trained(out, contract):
     return out
 
 
-@pytest.mark.parametrize("stage,contract,guidance", [("teacher", TEACHER, 4.0), ("distill", STUDENT, None), ("pdd", PDD, None)])
+@pytest.mark.parametrize("stage,contract,guidance", [("teacher", TEACHER, 4.0), ("distill", STUDENT, None), ("pdd", PDD, None),
+                                                          ("self_forcing", STREAMING, None)])
 def test_an_exported_cosmos_model_samples_validates_latents_through_diffusers(tmp_path, stage, contract, guidance):
     """Validate samples a trained Cosmos role; the export stage's assembly gives a folder that passes
     ``lineage --verify``; the teacher's loads in stock ``Cosmos2_5_PredictBasePipeline`` (guidance w − 1) and
@@ -335,7 +328,7 @@ def test_an_exported_cosmos_model_samples_validates_latents_through_diffusers(tm
     base = shipped_tiny_cosmos()
     artifact = tmp_path / "artifacts" / stage
     _trained(artifact / "model", contract)
-    write_lineage(artifact, kind="model", stage=stage, config={}, method={"teacher": "sft", "distill": "dmd2"}.get(stage, "pdd"))
+    write_lineage(artifact, kind="model", stage=stage, config={}, method={"teacher": "sft", "distill": "dmd2", "pdd": "pdd"}.get(stage, "self_forcing"))
     cfg = ValidationConfig(num_frames=9, num_seeds=1, progress_bar=False, grid_formats=[], bootstrap_resamples=0)
     report_dir = tmp_path / "artifacts" / "validate" / "report"
     name = f"{stage}_s"

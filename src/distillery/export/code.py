@@ -73,8 +73,7 @@ def check_own_pipeline_samples(student: str, model: Path) -> None:
     contracts (``few_step_x0``; ``euler`` without ``chunk_size`` is stock's) — not a causal or PDD student on two
     experts, which training refuses too, nor an image-to-video one on two experts (Wan 2.2 I2V-A14B: no test shows
     it sampled as validate samples it) (the layout a trained transformer records,
-    :func:`distillery.models.registry.family_of`). Sampled by it, such a student's videos would be silently wrong. A
-    causal Cosmos Predict 2.5 student is refused too (``pipeline_cosmos.py`` samples bidirectional and PDD students only).
+    :func:`distillery.models.registry.family_of`). Sampled by it, such a student's videos would be silently wrong.
     A causal image-to-video student whose contract lacks ``given_first_frame`` (trained when it generated its latent
     frame 0) is refused too: retrain it."""
     from distillery.common.errors import UserError
@@ -91,11 +90,6 @@ def check_own_pipeline_samples(student: str, model: Path) -> None:
     if stock_samples(contract):
         return
     family = family_of(model)
-    causal = contract.get("chunk_size") is not None or contract.get("sampler") == "causal_streaming"
-    if family.name == "cosmos-predict2.5" and causal:
-        raise UserError(f"stage export: the {student} student is a causal Cosmos Predict 2.5 model ({contract.get('sampler')!r} "
-                        "sampling contract); the exported pipeline_cosmos.py does not stream a causal Cosmos student (not "
-                        "built yet): export a bidirectional stage (the teacher, a DMD2 or PDD student)")
     if family.experts == 1:
         return
     kind = ("causal" if contract.get("chunk_size") is not None or contract.get("sampler") == "causal_streaming"

@@ -73,20 +73,28 @@ class PlannedRotary(NamedTuple):
     plan: AttentionPlan
 
 
-def _rotary_hook(rope: torch.nn.Module, args: tuple, output: Any) -> Any:
-    """Forward hook of ``transformer.rope``: in a planned call, the rotary of frames
-    ``[start_frame, start_frame + frames)`` (computed for the whole prefix and sliced) with the plan."""
+def planned_rotary(rope: torch.nn.Module, args: tuple, output: Any, device: Any = "meta", token_dim: int = 1) -> Any:
+    """What a forward hook of ``transformer.rope`` returns in a planned call (None outside one): the rotary of frames
+    ``[start_frame, start_frame + frames)`` (computed for the whole prefix and sliced) with the plan. ``device``: where
+    the whole prefix's shape is made (``meta``: a rope that reads only the shape, Wan's; None: the input's device, for
+    one that computes on it, Cosmos'); ``token_dim``: the axis of ``cos``/``sin`` over tokens (Wan's: 1)."""
     plan = _PLAN.get()
     if plan is None:
         return None
     cos, sin = output
     if plan.start_frame:
         b, c, f, h, w = args[0].shape
-        whole = torch.empty((b, c, plan.start_frame + f, h, w), device="meta")
+        whole = torch.empty((b, c, plan.start_frame + f, h, w), device=args[0].device if device is None else device)
         cos_all, sin_all = rope.forward(whole)
         skip = plan.start_frame * plan.tokens_per_frame
-        cos, sin = cos_all[:, skip:].contiguous(), sin_all[:, skip:].contiguous()
+        keep = cos_all.shape[token_dim] - skip
+        cos, sin = cos_all.narrow(token_dim, skip, keep).contiguous(), sin_all.narrow(token_dim, skip, keep).contiguous()
     return PlannedRotary(cos, sin, plan)
+
+
+def _rotary_hook(rope: torch.nn.Module, args: tuple, output: Any) -> Any:
+    """Forward hook of Wan's ``transformer.rope`` (:func:`planned_rotary`)."""
+    return planned_rotary(rope, args, output)
 
 
 class CausalAttnProcessor:
@@ -159,22 +167,25 @@ class KVCache:
     layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
-class CausalWanDenoiser(WanDenoiser):
-    """:class:`WanDenoiser` attending block-causally over ``chunk_size``-frame chunks, with a KV cache per tag;
-    ``given_first_frame``: an image-to-video student whose frame 0 is the given frame (a block of its own)."""
+class BlockCausalDenoiser:
+    """The block-causal half of a causal student's denoiser of any family (a mixin before it: ``class
+    Causal<Family>Denoiser(BlockCausalDenoiser, <Family>Denoiser)``, which installs its own processors and gives
+    :meth:`plain_velocity`, its velocity as the processors read the plan): the per-tag KV cache, the whole-video
+    and streaming calls. Needs ``patch_size`` of the family's denoiser (a temporal patch of 1)."""
 
-    def __init__(self, transformer: torch.nn.Module, shift: float, chunk_size: int, num_train_timesteps: int = 1000,
-                 given_first_frame: bool = False, *, layout: WanLayout | None = None) -> None:
-        super().__init__(transformer, shift, num_train_timesteps, layout=layout)
-        if self.layout.second is not None:
-            raise ValueError("a causal student of two experts (Wan 2.2 A14B): one KV cache per transformer; not supported")
+    patch_size: tuple[int, int, int]
+
+    def attach_block_causal(self, chunk_size: int, given_first_frame: bool) -> None:
+        """``chunk_size`` latent frames per chunk; ``given_first_frame``: frame 0 is a block of its own."""
         if self.patch_size[0] != 1:
-            raise ValueError(f"a causal Wan needs a temporal patch size of 1, got patch_size {self.patch_size}")
+            raise ValueError(f"a causal student needs a temporal patch size of 1, got patch_size {self.patch_size}")
         self.chunk_size = int(chunk_size)
         self.given_first_frame = bool(given_first_frame)
         self.lead = 1 if self.given_first_frame else 0
-        install_causal_attention(transformer)
         self.caches: dict[str, KVCache] = {}
+
+    def plain_velocity(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, conditional: bool) -> torch.Tensor:
+        raise NotImplementedError  # the family's
 
     def clear_caches(self, tag: str | None = None) -> None:
         """Forget the cache ``tag`` (every cache when None)."""
@@ -190,7 +201,7 @@ class CausalWanDenoiser(WanDenoiser):
                  conditional: bool) -> torch.Tensor:
         token = _PLAN.set(plan)
         try:
-            return WanDenoiser.velocity(self, x, timesteps, cond, conditional)
+            return self.plain_velocity(x, timesteps, cond, conditional)
         finally:
             _PLAN.reset(token)
 
@@ -198,7 +209,6 @@ class CausalWanDenoiser(WanDenoiser):
         """The whole video under the block-causal mask (no cache read or written)."""
         return self._planned(AttentionPlan(self.chunk_size, self._tokens_per_frame(x), 0, x.shape[2], lead=self.lead), x,
                              timesteps, cond, conditional)
-
     def velocity_streaming(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, *, tag: str,
                            store_kv: bool, start_frame: int, conditional: bool = True) -> torch.Tensor:
         """Frames ``[start_frame, start_frame + f)`` attending to the cache ``tag`` (frames ``[0, start_frame)``)
@@ -221,3 +231,19 @@ class CausalWanDenoiser(WanDenoiser):
                 layers = [(torch.cat([pk, k], dim=1), torch.cat([pv, v_], dim=1)) for (pk, pv), (k, v_) in zip(past, layers)]
             self.caches[tag] = KVCache(held + x.shape[2], tokens, layers)
         return v
+
+
+class CausalWanDenoiser(BlockCausalDenoiser, WanDenoiser):
+    """:class:`WanDenoiser` attending block-causally over ``chunk_size``-frame chunks, with a KV cache per tag;
+    ``given_first_frame``: an image-to-video student whose frame 0 is the given frame (a block of its own)."""
+
+    def __init__(self, transformer: torch.nn.Module, shift: float, chunk_size: int, num_train_timesteps: int = 1000,
+                 given_first_frame: bool = False, *, layout: WanLayout | None = None) -> None:
+        WanDenoiser.__init__(self, transformer, shift, num_train_timesteps, layout=layout)
+        if self.layout.second is not None:
+            raise ValueError("a causal student of two experts (Wan 2.2 A14B): one KV cache per transformer; not supported")
+        self.attach_block_causal(chunk_size, given_first_frame)
+        install_causal_attention(transformer)
+
+    def plain_velocity(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, conditional: bool) -> torch.Tensor:
+        return WanDenoiser.velocity(self, x, timesteps, cond, conditional)

@@ -2,9 +2,10 @@
 ``sampling.json`` says.
 
 A distilled Cosmos student is not sampled by stock ``Cosmos2_5_PredictBasePipeline``'s many-step loop: a DMD2 student
-runs its few-step x0 ladder, a PDD student decodes blocks of its fine grid through its fused heads. diffusers loads the
-folder with its own components and :class:`DistilledCosmosPipeline` (``model_index.json``: ``"_class_name":
-["pipeline_cosmos", "DistilledCosmosPipeline"]``), offline, with only torch, diffusers, transformers and accelerate installed::
+runs its few-step x0 ladder, a Self-Forcing student streams chunk by chunk through its KV cache, a PDD student decodes
+blocks of its fine grid through its fused heads. diffusers loads the folder with its own components and
+:class:`DistilledCosmosPipeline` (``model_index.json``: ``"_class_name": ["pipeline_cosmos", "DistilledCosmosPipeline"]``),
+offline, with only torch, diffusers, transformers and accelerate installed::
 
     from diffusers import DiffusionPipeline
     pipe = DiffusionPipeline.from_pretrained(folder, trust_remote_code=True, safety_checker=checker)
@@ -33,7 +34,7 @@ from diffusers.pipelines.cosmos.pipeline_cosmos2_5_predict import CosmosSafetyCh
 from diffusers.pipelines.cosmos.pipeline_output import CosmosPipelineOutput
 
 from .distilled_causal import CausalWanDenoiser  # noqa: F401  (diffusers copies only the modules a pipeline imports)
-from .distilled_cosmos import CosmosDenoiser, PDDCosmosDenoiser
+from .distilled_cosmos import CausalCosmosDenoiser, CosmosDenoiser, PDDCosmosDenoiser
 from .distilled_fast import SpeedSettings
 from .distilled_samplers import Sampler, build_sampler
 from .distilled_schedule import inference_sigmas  # noqa: F401  (as above)
@@ -59,15 +60,17 @@ class DistilledCosmosPipeline(ContractSampling, Cosmos2_5_PredictBasePipeline):
         return settings
 
     def denoiser(self, sampler: Sampler) -> CosmosDenoiser:
-        """The denoiser around ``self.transformer`` (built once): a PDD student's with its heads
-        (``transformer/pdd_heads.safetensors``); a causal contract is a ``ValueError`` (no causal Cosmos student is trained)."""
+        """The denoiser around ``self.transformer`` (built once): a causal student's (block-causal, a KV cache), a PDD
+        student's with its heads (``transformer/pdd_heads.safetensors``), else the plain one."""
         if self._denoiser is None:
             kind = sampler.model_kind()
-            if "chunk_size" in kind:
-                raise ValueError("a causal sampling contract: no causal Cosmos student is trained")
             self.transformer.eval().requires_grad_(False)
             shift, scale = sampler.schedule(self.scheduler_shift())
-            if "pdd_steps" in kind:
+            if "chunk_size" in kind:
+                if kind.get("given_first_frame"):
+                    raise ValueError("a causal image-to-video contract: Cosmos students are text-to-world")
+                self._denoiser = CausalCosmosDenoiser(self.transformer, shift, kind["chunk_size"], scale)
+            elif "pdd_steps" in kind:
                 heads = Path(self.name_or_path) / "transformer" / HEADS_FILE
                 self._denoiser = PDDCosmosDenoiser(self.transformer, shift, kind["pdd_steps"], heads, scale)
             else:
