@@ -18,7 +18,6 @@ from typing import Any
 
 from distillery.export.code import stock_samples
 
-FAMILY = "cosmos-predict2.5"
 CHECKER = ("checker = ...  # cosmos_guardrail.CosmosSafetyChecker() (NVIDIA's guardrail), or your own object with "
            "to(device) and check_text_safety(prompt)")
 

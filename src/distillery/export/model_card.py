@@ -122,6 +122,7 @@ def _versions() -> str:
     return ", ".join(one(name) for name in REQUIREMENTS)
 
 
+COSMOS_FAMILY = "cosmos-predict2.5"  # the registry's name of the family whose card sections are export/cosmos_card.py's
 FAMILY_WORDS = {  # a model family (models/registry.py) as the card names it, with its layout
     "wan2.1": "Wan 2.1",
     "wan2.2-ti2v-5b": "Wan 2.2 TI2V-5B (one timestep per token, the 48-channel Wan 2.2 VAE)",
@@ -164,10 +165,9 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     if candidate is not None:
         steps, guidance = int(candidate["num_steps"]), float(candidate["guidance_scale"])
     method = manifest.get("method")
-    from distillery.export import cosmos_card
     from distillery.models.registry import family_of
 
-    cosmos = family_of(student_dir / "model").name == cosmos_card.FAMILY
+    cosmos = family_of(student_dir / "model").name == COSMOS_FAMILY  # its snippets: export/cosmos_card.py
     front = ["---", "library_name: diffusers", "pipeline_tag: text-to-video",
              f"tags: [{'cosmos' if cosmos else 'wan'}, distillery, {student}]", "distillery:"]
     if max_sequence_length is not None:
@@ -212,6 +212,8 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     where = f"Run from the workspace root (or replace `{folder}` by where this folder is)."
     lines += ["", f"## Load and sample it (offline, needs only {_listed(REQUIREMENTS)})", ""]
     if cosmos:
+        from distillery.export import cosmos_card  # imported for a Cosmos export only
+
         own = cosmos_card.own_pipeline_lines(folder, contract, prompt, size, report["max_sequence_length"], call_args,
                                              marker, seed)
         lines += [f"{installs}. {where} {own[0]}", *own[1:]]
