@@ -20,13 +20,18 @@ mask with torchvision; the result says which ran).
    warm medians of ``--repeats`` prompt → frames calls (``e2e_s``), with the denoise and decode parts.
 
 Prints ``RESULT {...}`` per part and writes ``$OUT/cosmos_bench.json``.
-Usage (device machine, ``source bench/gpu_env.sh`` first): ``python bench/cosmos_bench.py [--parts sft,export]``.
+Usage (device machine, ``source bench/gpu_env.sh`` first): ``python bench/cosmos_bench.py [--parts sft,export]``
+(estimated on one H100/H200, unmeasured: the SFT part ~3 min — a 2B step at 84,480 tokens with activation
+checkpointing, ~10–15 s, the first with the blocks' compile —, the export part ~4–5 min — 2B + 8B random weights
+drawn in bf16 on the GPU, written and read back (~21 GB), one video with the blocks' compile, one warm —; run the parts
+as two commands where one 8-minute call is too short).
 CPU check of this script: ``BENCH_SMOKE=1 python bench/cosmos_bench.py`` (tiny shapes; its times mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -177,17 +182,17 @@ def export_folder(root: Path) -> Path:
     FlowMatchEulerDiscreteScheduler(shift=SHIFT).save_pretrained(folder / "scheduler")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    with torch.device(dev):
-        transformer = CosmosTransformer3DModel(**{k: v for k, v in COSMOS_2B.items() if not k.startswith("_")}).to(dtype)
+    with torch.device(dev), default_dtype(dtype):  # drawn on the GPU in bf16: no fp32 copy of 2B / 8B weights
+        transformer = CosmosTransformer3DModel(**{k: v for k, v in COSMOS_2B.items() if not k.startswith("_")})
     transformer.save_pretrained(folder / "transformer")
     del transformer
     with torch.device(dev):
         vae = AutoencoderKLWan(**({"base_dim": 8} if SMOKE else {}))
     vae.save_pretrained(folder / "vae")
     del vae
-    qwen = Qwen2_5_VLConfig(text_config=QWEN_7B_TEXT, vision_config=QWEN_7B_VISION, torch_dtype="bfloat16")
-    with torch.device(dev):
-        encoder = Qwen2_5_VLForConditionalGeneration(qwen).to(dtype)
+    qwen = Qwen2_5_VLConfig(text_config=QWEN_7B_TEXT, vision_config=QWEN_7B_VISION)
+    with torch.device(dev), default_dtype(dtype):
+        encoder = Qwen2_5_VLForConditionalGeneration(qwen)
     encoder.save_pretrained(folder / "text_encoder")
     del encoder
     if dev.type == "cuda":
@@ -196,6 +201,19 @@ def export_folder(root: Path) -> Path:
     (folder / "sampling.json").write_text(json.dumps(STUDENT))
     write_export_code(folder)
     return folder
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    """torch's default dtype is ``dtype`` inside (modules built there hold their weights in it)."""
+    import torch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 class PassThroughChecker:
@@ -253,9 +271,9 @@ def main() -> int:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="sft,export")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     for part in args.parts.split(","):
