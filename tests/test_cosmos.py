@@ -261,10 +261,15 @@ def test_a_cosmos_folder_of_another_pipeline_or_with_a_padding_mask_it_cannot_re
     assert "\n" not in str(info.value)
 
 
-def test_the_shipped_tiny_cosmos_is_what_its_maker_makes(tmp_path):
-    from distillery.tinybase.cosmos import make_tiny_cosmos
+def test_the_shipped_tiny_cosmos_is_what_its_maker_makes(tmp_path, capsys):
+    """``distillery base make-tiny --family cosmos`` (its command, in process) makes the shipped folder's bytes; the
+    tiny Wan's own options with it are one line, exit 2."""
+    from distillery.cli.main import main
 
-    made = make_tiny_cosmos(tmp_path / "tiny-cosmos", seed=0)
+    made = tmp_path / "tiny-cosmos"
+    assert main(["base", "make-tiny", "--family", "cosmos", "--out", str(made), "--seed", "0"]) == 0
+    assert main(["base", "make-tiny", "--family", "cosmos", "--fit", "--out", str(tmp_path / "other")]) == 2
+    assert "--family cosmos" in capsys.readouterr().err and not (tmp_path / "other").exists()
     for part in ("transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors", "tokenizer/tokenizer.json",
                  "vae/diffusion_pytorch_model.safetensors", "model_index.json", "scheduler/scheduler_config.json"):
         assert (made / part).read_bytes() == (shipped_tiny_cosmos() / part).read_bytes(), part
@@ -408,3 +413,19 @@ def test_cosmos_clips_preprocess_and_train_sft_then_dmd2_through_the_trainer(tmp
         {"_target_": "distillery.methods.dmd2.DMD2Method", "generator_update_interval": 1, "num_student_steps": 2,
          "real_score_guidance_scale": 2.5}))
     assert len(dmd2.history) == 2 and all(torch.isfinite(torch.tensor(r["total_loss"])) for r in dmd2.history)
+
+
+def test_the_prompt_width_reads_from_the_text_encoders_config_as_released_and_as_saved_here(tmp_path):
+    """Qwen2.5-VL-7B's released config has its sizes at the top (28 layers × 3584 = the 2B transformer's 100,352-wide
+    projection input); transformers 5 saves them under ``text_config``; a class no row knows is one line."""
+    from distillery.data.encoders import text_width
+
+    folder = tmp_path / "released"
+    (folder / "text_encoder").mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"]}))
+    (folder / "text_encoder" / "config.json").write_text(json.dumps({"hidden_size": 3584, "num_hidden_layers": 28}))
+    assert text_width(folder) == 100352 and text_width(shipped_tiny_cosmos()) == 32
+    (folder / "model_index.json").write_text(json.dumps({"text_encoder": ["transformers", "Gemma3ForConditionalGeneration"]}))
+    with pytest.raises(UserError, match="Gemma3ForConditionalGeneration") as info:
+        text_width(folder)
+    assert "\n" not in str(info.value)
