@@ -203,7 +203,7 @@ def set_override(raw: dict[str, Any], key: str, value: Any, prefixes: tuple[str,
     node[parts[-1]] = value
 
 
-KIND_BASES = {"model": "ModelBase", "method": "TrainingMethod", "callback": "Callback"}
+KIND_BASES = {"model": "ModelBase", "method": "TrainingMethod", "callback": "Callback", "reward": "Reward"}
 
 
 def build_component(entry: Any, where: str, prefixes: tuple[str, ...], kind: str | None = None) -> Component:
@@ -240,8 +240,19 @@ def build_component(entry: Any, where: str, prefixes: tuple[str, ...], kind: str
 def resolve_plugins(config: Any, where: str, prefixes: tuple[str, ...]) -> dict[str, Any]:
     """The plugins a component's ``config`` names: each field its class lists in ``plugin_fields`` holds
     a dotted ``_target_`` path (or null: none), resolved under the allowed prefixes like any
-    ``_target_`` — a bad one is a one-line error while the run config is built, before anything loads."""
+    ``_target_`` — a bad one is a one-line error while the run config is built, before anything loads.
+    Each field its class lists in ``component_fields`` (field → component kind, e.g. a method's ``rewards`` →
+    ``reward``) holds a mapping of names to ``{_target_: ..., knobs}`` entries, each built as a component of that
+    kind (:func:`build_component`: its class, its typed knobs): ``plugins[field]`` is ``{name: Component}``."""
     plugins: dict[str, Any] = {}
+    for name, kind in getattr(type(config), "component_fields", {}).items():
+        entries = getattr(config, name)
+        if entries is None:
+            continue
+        if not isinstance(entries, dict):
+            raise config_error(f"{where}.{name}", f"expected a mapping of name -> {{_target_: ..., ...}}, got {show(entries)}")
+        plugins[name] = {key: build_component(entry, f"{where}.{name}.{show_key(key)}", prefixes, kind)
+                         for key, entry in entries.items()}
     for name in getattr(type(config), "plugin_fields", ()):
         target = getattr(config, name)
         if target is None:

@@ -55,7 +55,9 @@ def build_method(config: RunConfig, models: dict[str, ModelBase], rank: int, opt
     comp = config.method
     if not (isinstance(comp.cls, type) and issubclass(comp.cls, TrainingMethod)):
         raise UserError(f"config error: method._target_: {comp.target} is not a distillery method (TrainingMethod)")
-    return comp.cls(comp.config, models, config.training, rank=rank, optimizer_configs=optimizers, roles_checked=True)
+    plugins = {"plugins": comp.plugins} if comp.plugins else {}  # a method naming plugins (rewards) takes them built
+    return comp.cls(comp.config, models, config.training, rank=rank, optimizer_configs=optimizers, roles_checked=True,
+                    **plugins)
 
 
 def build_callbacks(config: RunConfig) -> CallbackList:

@@ -60,8 +60,7 @@ class Trainer:
         self.ctx = CallbackContext(roles=run.models, rank=env.rank, world_size=env.world_size, max_train_steps=t.loop.max_train_steps,
                                    roles_to_step=self.method.roles_to_step, sampling=self.method.sampling_contract())
         self.nonfinite = NonFiniteGuard(t.loop.skip_nonfinite_steps, t.checkpoint.output_dir, env.device)
-        samples_per_step = t.data.batch_size * t.loop.grad_accum_steps * env.data_world
-        self.metrics = StepMetrics(env.device, samples_per_step, self.method.learning_rates)
+        self.metrics = StepMetrics(env.device, self.method.samples_per_step(env.data_world), self.method.learning_rates)
         self.step = 0  # the last completed optimizer step (what a checkpoint records)
         self.saved: Path | None = None  # the last checkpoint this invocation wrote
 
@@ -103,25 +102,28 @@ class Trainer:
 
     # -- the pieces of a step -----------------------------------------------------------------
     def _forward_backward(self, step: int) -> dict[str, torch.Tensor]:
-        """Each of the ``grad_accum_steps`` micro-batches: the method's step and backward (the loss
-        scaled by 1/accum), the roles' gradients collected; returns the losses and metrics averaged
-        over the micro-batches."""
-        accum = self.loop.grad_accum_steps
+        """Each micro-step the method plans for this step (:meth:`~distillery.methods.base.TrainingMethod.plan_step`:
+        by default ``grad_accum_steps`` micro-batches): its forward and the method's backward (the loss scaled by
+        1/count), the roles' gradients collected; returns the losses and metrics averaged over the micro-steps, with
+        the plan's own metrics."""
+        plan = self.method.plan_step(self.batches, step)
+        accum = len(plan.micro_steps)
         sums: dict[str, torch.Tensor] = {}
-        for micro in range(accum):
-            self._set_gradient_sync(micro == accum - 1)  # FSDP2: reduce gradients once, after the last micro-batch
-            out = self.method.single_train_step(next(self.batches), step)
+        for micro, forward in enumerate(plan.micro_steps):
+            self._set_gradient_sync(micro == accum - 1, accum)  # FSDP2: reduce gradients once, after the last micro-step
+            out = forward()
             self.method.backward(out, grad_accum_rounds=accum)
             for model in self.run.models.values():
                 model.collect_grads()
             for k, v in {**out.losses, **out.metrics}.items():
                 sums[k] = sums.get(k, 0) + v.detach().float() / accum
+        sums.update(plan.metrics)
         return sums
 
-    def _set_gradient_sync(self, enabled: bool) -> None:
+    def _set_gradient_sync(self, enabled: bool, micro_steps: int) -> None:
         """FSDP2 modules of trainable roles reduce-scatter gradients only when ``enabled`` (the last
-        micro-batch of an accumulation; the others accumulate unsharded gradients locally)."""
-        if self.loop.grad_accum_steps == 1:
+        micro-step of an accumulation of ``micro_steps``; the others accumulate unsharded gradients locally)."""
+        if micro_steps == 1:
             return
         from torch.distributed.fsdp import FSDPModule
 

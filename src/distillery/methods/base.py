@@ -7,7 +7,14 @@ trainer calls, per optimizer step::
     for each micro-batch:  out = method.single_train_step(batch, step); method.backward(out, rounds)
     callbacks.on_before_optimizer_step; method.optimizers_step(step); method.zero_grad(step)
 
-and refreshes (compute copies) and averages (EMA) only the roles ``roles_to_step(step)`` names.
+and refreshes (compute copies) and averages (EMA) only the roles ``roles_to_step(step)`` names. The micro-batches
+are the method's :meth:`TrainingMethod.plan_step`: by default ``training.loop.grad_accum_steps`` calls of
+``single_train_step``, each on the next batch. A method whose optimizer cadence is its own (an outer loop of
+rollouts, then several updates on them: DiffusionNFT) plans each optimizer step itself — how many forwards it
+accumulates, which batches (if any) it draws, what it samples first — while the trainer still runs every update:
+the backwards, grad clipping and the other callbacks, the non-finite check, the optimizer step, EMA,
+checkpoints and logging (the seam FastVideo calls ``manages_optimization``; there the method also steps its own
+optimizers, clips and averages, so callbacks and checkpoints do not see inside its outer step).
 
 Class-level declarations (checked from the config, before any weights load): ``required_roles``,
 ``optional_roles``, ``trainable_roles`` / ``frozen_roles``, ``role_kinds`` (role → the model base
@@ -33,6 +40,7 @@ the number of ranks.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -45,6 +53,18 @@ from distillery.components.optim import build_role_optimizer
 from distillery.components.rng import BatchRNG
 from distillery.config.schema import OptimizerConfig, TrainingConfig
 from distillery.models.base import ModelBase
+
+
+@dataclass
+class StepPlan:
+    """One optimizer step as the method plans it (:meth:`TrainingMethod.plan_step`): ``micro_steps``, the
+    forwards whose gradients accumulate into the update, each called once in order (the trainer scales each
+    backward by ``1 / len(micro_steps)``, turns on FSDP2's gradient reduction for the last one and averages their
+    losses and metrics over them); ``metrics``, scalars measured while planning (a rollout's rewards), logged with
+    the step's."""
+
+    micro_steps: list[Callable[[], "StepOutput"]]
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -167,6 +187,23 @@ class TrainingMethod(ABC):
         return max_steps
 
     # -- per step -------------------------------------------------------------------------
+    def plan_step(self, batches: Iterator[dict[str, Any]], step: int) -> StepPlan:
+        """The forwards of optimizer step ``step`` (module doc): by default ``training.loop.grad_accum_steps``
+        calls of :meth:`single_train_step`, each drawing the next batch of ``batches`` when it runs. A method with
+        a cadence of its own overrides this (it may draw several batches, or none, and do work without gradients
+        first); what it keeps across steps for that goes in its checkpoint state (:meth:`checkpoint_state`,
+        :meth:`host_state`), so a run stopped between any two steps resumes bit for bit."""
+
+        def micro() -> StepOutput:
+            return self.single_train_step(next(batches), step)
+
+        return StepPlan([micro] * self.training.loop.grad_accum_steps)
+
+    def samples_per_step(self, world_size: int) -> int:
+        """Samples the optimizer step trains on over all ``world_size`` data ranks (the logged ``samples_per_s``): by
+        default ``batch_size · grad_accum_steps · world_size``."""
+        return self.training.data.batch_size * self.training.loop.grad_accum_steps * world_size
+
     @abstractmethod
     def single_train_step(self, batch: dict[str, Any], step: int) -> StepOutput:
         """Forward one micro-batch and return its losses (``total_loss`` required)."""

@@ -1,0 +1,157 @@
+"""Model-based rewards (plugins of :mod:`distillery.methods.rewards`) from a user's model folder.
+
+- :class:`ClipTextReward` — CLIP text–video similarity, the ``clip_text`` score validate reports
+  (:mod:`distillery.evaluation.clip_scores`, with the same folder rules, preprocessing and embeddings): the mean
+  over the frames it reads of ``cos(e_text, e_frame)``, in [−1, 1]. ``model_from``: a CLIP folder in
+  transformers' layout (``CLIPModel``: e.g. ``openai/clip-vit-large-patch14``, or PickScore's ``CLIPModel``
+  weights, whose similarity is its preference score up to a scale). Default frames: all.
+- :class:`ImagePreferenceReward` — an image classifier's score of the frames it reads, averaged:
+  ``model_from`` is a folder transformers' ``AutoModelForImageClassification`` and ``AutoImageProcessor`` load
+  (``config.json`` naming a ``*ForImageClassification`` architecture, ``*.safetensors`` weights,
+  ``preprocessor_config.json``; never remote code): a CLIP-based aesthetic or preference head
+  (``CLIPForImageClassification``), a ViT / BEiT aesthetic classifier (e.g. ``cafeai/cafe_aesthetic``'s
+  ``aesthetic`` label). ``label``: the class whose softmax probability is the reward; null: the head must have
+  one output (a regression head), whose value is the reward. It reads no prompt. Default frames: first.
+
+Both check their folder's layout when the run config is built (one line naming the key, before any weights
+load) and load the weights when the method starts: weights that do not load are one line too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from distillery.common.errors import UserError
+from distillery.config.typed import with_default
+from distillery.methods.rewards import Reward, RewardConfig
+
+_CONFIG_BYTES = 1 << 20
+
+
+def _load_problem(folder: str, exc: BaseException) -> UserError:
+    return UserError(f"method.rewards: the model in {folder} does not load ({type(exc).__name__}: {str(exc)[:160]})")
+
+
+@dataclass
+class ClipTextRewardConfig(RewardConfig):
+    model_from: str = ""  # a CLIP model folder in transformers' layout (config.json model_type clip, safetensors, tokenizer)
+
+    def __post_init__(self) -> None:
+        from distillery.evaluation.clip_scores import check_clip_folder
+
+        if not self.model_from:
+            raise ValueError("model_from is required: a CLIP model folder in transformers' layout")
+        try:
+            check_clip_folder(self.model_from, "model_from")
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+
+
+class ClipTextReward(Reward):
+    """Mean CLIP cosine between the prompt and the frames it reads (module doc)."""
+
+    config_class = ClipTextRewardConfig
+
+    def __init__(self, config: ClipTextRewardConfig, device: torch.device | str = "cpu") -> None:
+        from distillery.evaluation.clip_scores import ClipScorer
+
+        super().__init__(config, device)
+        try:
+            self.scorer = ClipScorer(config.model_from, self.device)
+        except UserError:
+            raise
+        except Exception as exc:  # a corrupt or truncated safetensors file, a config the class refuses
+            raise _load_problem(config.model_from, exc) from None
+
+    @classmethod
+    def model_folder(cls, config: ClipTextRewardConfig) -> Path:
+        return Path(config.model_from)
+
+    def score(self, frames: np.ndarray, prompts: list[str]) -> np.ndarray:
+        out = np.zeros(len(prompts))
+        for i, (video, prompt) in enumerate(zip(frames, prompts)):
+            images = self.scorer.image_embeddings(video)  # [T', D], unit norm
+            out[i] = float((images @ self.scorer.text_embedding(prompt)).mean())
+        return out
+
+
+@dataclass
+class ImagePreferenceRewardConfig(RewardConfig):
+    model_from: str = ""  # a folder AutoModelForImageClassification + AutoImageProcessor load (safetensors, no code)
+    label: str | None = None  # the class whose probability is the reward; null: a one-output (regression) head's value
+    frames: Literal["first", "all"] = with_default(RewardConfig, "frames", "first")
+
+    def __post_init__(self) -> None:
+        if not self.model_from:
+            raise ValueError("model_from is required: an image-classification model folder in transformers' layout")
+        check_classifier_folder(Path(self.model_from), self.label)
+
+
+def check_classifier_folder(folder: Path, label: str | None) -> None:
+    """A ValueError (one line) unless ``folder`` holds an image classifier ``label`` can be read from (module doc);
+    reads only its JSON files."""
+    from distillery.common.fsutil import read_json_file
+
+    hint = "point it at an image-classification model folder in transformers' layout"
+    if not folder.is_dir():
+        raise ValueError(f"{folder} does not exist or is not a folder; {hint}")
+    try:
+        config = read_json_file(folder / "config.json", _CONFIG_BYTES)
+    except FileNotFoundError:
+        raise ValueError(f"{folder} has no config.json: not a transformers model folder; {hint}") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{folder}/config.json is not readable JSON ({str(exc)[:80]})") from None
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(archs, list) or not any(isinstance(a, str) and a.endswith("ForImageClassification") for a in archs):
+        raise ValueError(f"{folder} is not an image classifier (config.json architectures {archs!r}, expected a "
+                         f"*ForImageClassification); {hint}")
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder} has no .safetensors weights (pickled .bin weights are not loaded: a pickle can run code)")
+    if not (folder / "preprocessor_config.json").is_file():
+        raise ValueError(f"{folder} has no preprocessor_config.json (the image processor's settings)")
+    labels = {str(v) for v in (config.get("id2label") or {}).values()}
+    count = len(config.get("id2label") or {}) or int(config.get("num_labels", 2))
+    if label is None and count != 1:
+        raise ValueError(f"{folder}'s head has {count} outputs ({', '.join(sorted(labels)) or 'unnamed'}); name the label "
+                         "whose probability is the reward")
+    if label is not None and label not in labels:
+        raise ValueError(f"label {label!r} is not one of {folder}'s classes ({', '.join(sorted(labels)) or 'none named'})")
+
+
+class ImagePreferenceReward(Reward):
+    """An image classifier's probability of ``label`` (or its one output), averaged over the frames it reads."""
+
+    config_class = ImagePreferenceRewardConfig
+
+    def __init__(self, config: ImagePreferenceRewardConfig, device: torch.device | str = "cpu") -> None:
+        from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+        super().__init__(config, device)
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(config.model_from)
+            model = AutoModelForImageClassification.from_pretrained(config.model_from, dtype=torch.float32,
+                                                                    use_safetensors=True)
+        except Exception as exc:  # a corrupt weights file, a class transformers does not know
+            raise _load_problem(config.model_from, exc) from None
+        self.model = model.to(self.device).eval()
+        id2label = {int(k): str(v) for k, v in (self.model.config.id2label or {}).items()}
+        self.index = None if config.label is None else next(i for i, name in id2label.items() if name == config.label)
+
+    @classmethod
+    def model_folder(cls, config: ImagePreferenceRewardConfig) -> Path:
+        return Path(config.model_from)
+
+    @torch.no_grad()
+    def score(self, frames: np.ndarray, prompts: list[str]) -> np.ndarray:
+        del prompts  # an image preference: the frames alone
+        b, t = frames.shape[:2]
+        images = list(frames.reshape(b * t, *frames.shape[2:]))
+        pixels = self.processor(images=images, return_tensors="pt")["pixel_values"].to(self.device, torch.float32)
+        logits = self.model(pixel_values=pixels).logits.float()  # [B·T', labels]
+        values = logits[:, 0] if self.index is None else logits.softmax(dim=-1)[:, self.index]
+        return values.view(b, t).mean(dim=1).double().cpu().numpy()
