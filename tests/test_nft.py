@@ -148,3 +148,305 @@ def test_advantages_training_timesteps_and_old_decay_are_fastvideos():
     for decay_type, (flat, rate, cap) in presets.items():
         for group in (1, 2, 60, 74, 75, 76, 300, 1000):
             assert old_policy_decay(group, flat, rate, cap) == fv._return_decay(group, decay_type), (decay_type, group)
+
+
+# -- the method on the tiny Wan ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def grammar_set(tmp_path_factory) -> Path:
+    """Captions of the clip grammar with the shipped base's text embeddings (a latent set whose latents only give
+    the shape: DiffusionNFT reads prompts)."""
+    from distillery.data import LatentRecord, write_empty_prompt_embedding, write_latent_shards
+    from distillery.data.encoders import BaseEncoders
+
+    root = tmp_path_factory.mktemp("nft-data") / "data"
+    enc = BaseEncoders(shipped_tiny_base())
+    embeds = enc.encode_prompts(CAPTIONS + [""])
+    records = [LatentRecord(id=f"v{i}", caption=c, latent=torch.zeros(LATENT_SHAPE), text_embedding=e, num_frames=9,
+                            height=32, width=32, fps=8.0, source="test") for i, (c, e) in enumerate(zip(CAPTIONS, embeds))]
+    write_latent_shards(records, root, rows_per_shard=4, split="train")
+    write_empty_prompt_embedding(root, embeds[-1])
+    return root
+
+
+def nft_config(data: Path, out: Path, batch_size: int = 2, steps: int = 4, knobs: dict | None = None,
+               rewards: dict | None = None, base: Path | None = None, **kw) -> dict:
+    """A run config of DiffusionNFT on the shipped tiny base with the adherence reward."""
+    base = base or shipped_tiny_base()
+    method = {"samples_per_prompt": 3, "minibatch_size": batch_size, "sampling": CONTRACT, "kl_beta": 0.05,
+              "rewards": rewards or {"adherence": {"_target_": ADHERENCE, "folder": str(shipped_tiny_base())}},
+              **(knobs or {})}
+    cfg = run_config(base, data, out, method=NFT, method_knobs=method, steps=steps, batch_size=batch_size, lr=1e-4, **kw)
+    cfg["training"]["data"]["text_max_length"] = 32
+    return cfg
+
+
+def make_method(raw: dict) -> DiffusionNFTMethod:
+    config = load_run_config(raw=raw, prefixes=allowed_prefixes())
+    student = WanModel(config.models["student"].config, "student")
+    student.bind_device(torch.device("cpu"))
+    method = DiffusionNFTMethod(config.method.config, {"student": student}, config.training,
+                                plugins=config.method.plugins)
+    method.on_train_start(torch.device("cpu"))
+    method.build_optimizers()
+    return method
+
+
+def batches(data: Path, batch_size: int):
+    from distillery.components.distributed import DistEnv
+    from distillery.config.schema import DataConfig
+    from distillery.engine.batches import build_batches
+
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), compute_dtype=torch.float32,
+                  backend="gloo", mesh=None)
+    return build_batches(data, DataConfig(path=str(data), batch_size=batch_size, text_max_length=32), 0, env,
+                         with_latents=False)
+
+
+def test_a_rollout_group_is_k_samples_of_each_prompt_from_the_old_policy_scored_and_normalised(grammar_set, tmp_path):
+    from distillery.clips.reward import AdherenceReward, AdherenceRewardConfig
+    from distillery.data.encoders import BaseEncoders
+    from distillery.models.base import Conditioning
+    from distillery.sampling import build_sampler
+
+    method = make_method(nft_config(grammar_set, tmp_path))
+    k = method.config.samples_per_prompt
+    stream = batches(grammar_set, 2)
+    state = method.rng.generator.get_state()
+    peek = batches(grammar_set, 2)
+    raw = next(peek)
+    plan = method.plan_step(stream, 1)
+    group = method.group
+    assert group.index == 1 and group.x0.shape == (2 * k, *LATENT_SHAPE)
+    # the old policy is the student at the start: the group is what the student's own sampler gives from that noise
+    method.rng.generator.set_state(state)
+    rows = torch.arange(2).repeat_interleave(k)
+    noise = method.rng.randn((2 * k, *LATENT_SHAPE))
+    text = raw["text_embeds"][rows].float()
+    with torch.no_grad():
+        expected = build_sampler(CONTRACT).sample(method.student, Conditioning(text), LATENT_SHAPE, method.rng, initial=noise)
+    torch.testing.assert_close(group.x0, expected, rtol=0, atol=0)
+    assert torch.equal(group.cond["text_embeds"], text)
+    # scored by the reward on the decoded frames, then normalised within each prompt's k rollouts
+    videos = BaseEncoders(shipped_tiny_base(), text_encoder=False).decode_latents(expected)
+    reward = AdherenceReward(AdherenceRewardConfig(folder=str(shipped_tiny_base())))
+    scores = torch.tensor(reward(videos, [raw["captions"][int(i)] for i in rows]), dtype=torch.float32)
+    torch.testing.assert_close(group.advantages, group_advantages(scores.view(2, k)).view(-1))
+    assert float(plan.metrics["reward"]) == pytest.approx(float(scores.mean()))
+    assert float(plan.metrics["reward/adherence"]) == pytest.approx(float(scores.mean()))
+    # the step: one minibatch (grad_accum_steps 1) × the contract's first int(3 · 0.99) = 2 timesteps
+    assert len(plan.micro_steps) == 2 and len(method.points) == 2
+    assert [p.t for p in method.points] == CONTRACT["timesteps"][:2]
+    outs = []
+    for micro in plan.micro_steps:
+        out = micro()
+        method.backward(out, grad_accum_rounds=len(plan.micro_steps))
+        outs.append(out)
+    # old policy = reference = student at the start: no deviation, no KL; the policy loss pulls by advantage
+    for out in outs:
+        assert float(out.losses["old_deviation"]) == 0.0 and float(out.losses["kl_loss"]) == 0.0
+        assert torch.isfinite(out.losses["total_loss"])
+    grads = [p.grad for p in method.student.transformer.parameters() if p.requires_grad]
+    assert all(g is not None for g in grads) and any(float(g.abs().max()) > 0 for g in grads)
+
+
+def test_the_updates_of_a_group_cover_it_and_the_old_policy_follows_the_student(grammar_set, tmp_path):
+    raw = nft_config(grammar_set, tmp_path, batch_size=2, knobs={"minibatch_size": 3, "inner_epochs": 2})
+    raw["training"]["loop"]["grad_accum_steps"] = 2
+    method = make_method(raw)
+    assert (method.group_size, method.minibatches, method.updates_per_group) == (6, 2, 2)
+    stream = batches(grammar_set, 2)
+    student = method.student.transformer
+    seen: list[list[int]] = []
+    for step in (1, 2):
+        plan = method.plan_step(stream, step)
+        assert len(plan.micro_steps) == 2 * 2  # two minibatches × two timesteps
+        order = method.group.orders[step - 1]
+        assert sorted(order.tolist()) == list(range(6))  # each epoch's order is a permutation ...
+        for p in range(2):  # ... that keeps each prompt's samples in its own block
+            assert sorted(order[3 * p: 3 * p + 3].tolist()) == [3 * p, 3 * p + 1, 3 * p + 2]
+        seen.append(sorted(order[m::2].tolist() for m in range(2)))
+        for micro in plan.micro_steps:
+            method.backward(micro(), grad_accum_rounds=4)
+        method.optimizers_step(step)
+        method.zero_grad(step)
+    assert all(sorted(i for mb in epoch for i in mb) == list(range(6)) for epoch in seen)  # the minibatches partition it
+    old = {n: t.clone() for n, t in method.old.tensors["transformer"].items()}
+    live = {n: p.detach().clone() for n, p in student.named_parameters()}
+    assert any(not torch.equal(old[n], live[n]) for n in old)  # the student moved, the old policy did not yet
+    method.plan_step(stream, 3)  # group 2: the old policy first moves toward the student (decay 0.001 after group 1)
+    assert method.group.index == 2
+    for n, t in method.old.tensors["transformer"].items():
+        torch.testing.assert_close(t, torch.lerp(old[n], live[n], 1 - 0.001), rtol=0, atol=1e-7)
+
+
+def test_a_weight_copy_runs_and_gives_the_role_its_weights_back_bit_for_bit():
+    from distillery.components.precision import ComputeCopy
+    from distillery.methods.weight_copy import WeightCopy
+    from distillery.models.base import Conditioning
+
+    for bf16 in (False, True):
+        model = WanModel(WanModelConfig(init_from=str(shipped_tiny_base()), trainable=True), "student")
+        copy = ComputeCopy(model.transformer, torch.bfloat16, torch.device("cpu")) if bf16 else None
+        model.bind_device(torch.device("cpu"), torch.bfloat16 if bf16 else torch.float32, copy)
+        snapshot = WeightCopy(model)
+        with torch.no_grad():
+            for p in model.transformer.parameters():
+                p.add_(0.01)
+            if copy is not None:
+                copy.refresh()
+        before = [p.detach().clone() for p in model.forward_module.parameters()]
+        masters = [p.detach().clone() for p in model.transformer.parameters()]
+        g = torch.Generator().manual_seed(0)
+        x, t, cond = torch.randn(1, *LATENT_SHAPE, generator=g), torch.tensor([500.0]), Conditioning(torch.randn(1, 8, 32, generator=g))
+        with torch.no_grad():
+            now = model.predict_noise(x, t, cond)
+        with snapshot.swapped_in():
+            then = model.predict_noise(x, t, cond)
+        assert not torch.equal(now, then)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.forward_module.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(masters, model.transformer.parameters()))
+        with torch.no_grad():
+            again = model.predict_noise(x, t, cond)
+        assert torch.equal(now, again)
+
+
+# -- the rewards -----------------------------------------------------------------------------------------
+def test_the_adherence_reward_gives_a_third_per_attribute_read_back():
+    from distillery.clips.grammar import format_caption
+    from distillery.clips.reward import AdherenceReward, AdherenceRewardConfig
+    from distillery.clips.synthetic import ClipSetConfig, plan_clips, render_clip
+
+    cfg = ClipSetConfig(num_train=6, num_validation=0, num_frames=9)
+    specs = plan_clips(cfg)[:3]
+    videos = np.stack([render_clip(s, cfg) for s in specs])
+    reward = AdherenceReward(AdherenceRewardConfig(folder=str(shipped_tiny_base())))
+    right = [s.caption for s in specs]
+    assert reward(videos, right).tolist() == [1.0, 1.0, 1.0]
+    from dataclasses import replace
+
+    other_colour = {"red": "blue", "blue": "green", "green": "red", "yellow": "red", "white": "red"}
+    other_dir = {"left": "right", "right": "left", "up": "down", "down": "up"}
+    one_wrong = [format_caption(replace(s.attrs, colour=other_colour.get(s.attrs.colour, "red"))) for s in specs]
+    two_wrong = [format_caption(replace(s.attrs, colour=other_colour.get(s.attrs.colour, "red"),
+                                        direction=other_dir[s.attrs.direction])) for s in specs]
+    assert reward(videos, one_wrong).tolist() == pytest.approx([2 / 3] * 3)
+    assert reward(videos, two_wrong).tolist() == pytest.approx([1 / 3] * 3)
+    only_colour = AdherenceReward(AdherenceRewardConfig(folder=str(shipped_tiny_base()), attributes=["colour"]))
+    assert only_colour(videos, one_wrong).tolist() == [0.0] * 3
+    with pytest.raises(UserError, match="not one"):
+        reward(videos[:1], ["a purple elephant dancing"])
+
+
+def _preference_folder(where: Path, seed: int = 0) -> Path:
+    """A CLIP-based image classifier in transformers' layout: random tiny weights of the real class
+    (``CLIPForImageClassification``, 3 labels) and its ``CLIPImageProcessor`` (32-px crops)."""
+    from transformers import CLIPConfig, CLIPForImageClassification, CLIPImageProcessor
+
+    torch.manual_seed(seed)
+    vision = dict(image_size=32, patch_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = CLIPConfig(vision_config=vision, text_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                               num_attention_heads=2), projection_dim=8,
+                        id2label={0: "bad", 1: "aesthetic", 2: "neutral"}, label2id={"bad": 0, "aesthetic": 1, "neutral": 2})
+    CLIPForImageClassification(config).save_pretrained(where)
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(where)
+    return where
+
+
+def test_clip_and_preference_rewards_are_their_definitions(tmp_path):
+    from transformers import AutoImageProcessor, CLIPForImageClassification
+
+    from distillery.evaluation.clip_scores import ClipScorer
+    from distillery.evaluation.rewards import ClipTextReward, ClipTextRewardConfig, ImagePreferenceReward, ImagePreferenceRewardConfig
+
+    rng = np.random.default_rng(0)
+    videos = rng.integers(0, 256, size=(2, 5, 32, 48, 3), dtype=np.uint8)
+    clip = make_clip_folder(tmp_path / "clip", 0)
+    scorer = ClipScorer(clip)
+    every = ClipTextReward(ClipTextRewardConfig(model_from=str(clip)))(videos, CAPTIONS[:2])
+    assert every.tolist() == pytest.approx([scorer.score(v, p)["clip_text"] for v, p in zip(videos, CAPTIONS[:2])], abs=1e-6)
+    first = ClipTextReward(ClipTextRewardConfig(model_from=str(clip), frames="first"))(videos, CAPTIONS[:2])
+    assert first.tolist() == pytest.approx([scorer.score(v[:1], p)["clip_text"] for v, p in zip(videos, CAPTIONS[:2])], abs=1e-6)
+
+    folder = _preference_folder(tmp_path / "pref")
+    model = CLIPForImageClassification.from_pretrained(folder).eval()
+    processor = AutoImageProcessor.from_pretrained(folder)
+    with torch.no_grad():
+        by_hand = [float(model(**processor(images=list(v[::2]), return_tensors="pt")).logits.softmax(-1)[:, 1].mean())
+                   for v in videos]
+    reward = ImagePreferenceReward(ImagePreferenceRewardConfig(model_from=str(folder), label="aesthetic", frames="all",
+                                                               frame_stride=2))
+    assert reward(videos, ["", ""]).tolist() == pytest.approx(by_hand, abs=1e-6)
+    assert ImagePreferenceReward(ImagePreferenceRewardConfig(model_from=str(folder), label="aesthetic")).config.frames == "first"
+
+
+def _reward_config(grammar_set: Path, tmp_path: Path, reward: dict) -> dict:
+    return nft_config(grammar_set, tmp_path, rewards={"r": reward})
+
+
+@pytest.mark.parametrize("reward, message", [
+    ({"_target_": "os.system"}, "outside the allowed prefixes"),
+    ({"_target_": "distillery.clips.reward.NoSuchReward"}, "does not exist"),
+    ({"_target_": "distillery.methods.sft.SFTMethod"}, "is not a distillery reward"),
+    ({"_target_": ADHERENCE, "folder": "/nonexistent"}, "analyzer.json does not exist"),
+    ({"_target_": ADHERENCE, "folder": "SHIPPED", "frames": "first"}, "cannot be scored"),
+    ({"_target_": "distillery.evaluation.rewards.ClipTextReward", "model_from": "SHIPPED"}, "has no config.json|not a CLIPModel"),
+    ({"_target_": "distillery.evaluation.rewards.ImagePreferenceReward", "model_from": "SHIPPED"}, "config.json"),
+])
+def test_a_bad_reward_is_one_line_when_the_config_is_built(grammar_set, tmp_path, reward, message):
+    reward = {k: (str(shipped_tiny_base()) if v == "SHIPPED" else v) for k, v in reward.items()}
+    with pytest.raises(UserError, match=message) as err:
+        load_run_config(raw=_reward_config(grammar_set, tmp_path, reward), prefixes=allowed_prefixes())
+    assert "\n" not in str(err.value) and "method.rewards.r" in str(err.value)
+
+
+def test_a_reward_folder_that_does_not_load_or_a_label_it_lacks_is_one_line(grammar_set, tmp_path):
+    folder = _preference_folder(tmp_path / "pref")
+    target = "distillery.evaluation.rewards.ImagePreferenceReward"
+    with pytest.raises(UserError, match="label 'pretty' is not one of"):
+        load_run_config(raw=_reward_config(grammar_set, tmp_path, {"_target_": target, "model_from": str(folder),
+                                                                    "label": "pretty"}), prefixes=allowed_prefixes())
+    with pytest.raises(UserError, match="has 3 outputs"):
+        load_run_config(raw=_reward_config(grammar_set, tmp_path, {"_target_": target, "model_from": str(folder)}),
+                        prefixes=allowed_prefixes())
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not safetensors")  # corrupt weights
+    raw = _reward_config(grammar_set, tmp_path, {"_target_": target, "model_from": str(folder), "label": "aesthetic"})
+    with pytest.raises(UserError, match="does not load") as err:
+        make_method(raw)  # the layout passes; the weights load when the method starts
+    assert "\n" not in str(err.value)
+
+
+def test_a_reward_that_returns_nan_stops_the_rollout_in_one_line(grammar_set, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
+    monkeypatch.setenv("DISTILLERY_ALLOWED_TARGET_PREFIXES", "nan_reward")
+    raw = _reward_config(grammar_set, tmp_path, {"_target_": "nan_reward.NaNReward"})
+    method = make_method(raw)
+    with pytest.raises(UserError, match=r"reward r returned nan for the sample of prompt 'a red circle") as err:
+        method.plan_step(batches(grammar_set, 2), 1)
+    assert "\n" not in str(err.value)
+    sys.modules.pop("nan_reward", None)
+
+
+def test_the_points_follow_the_contract_and_a_causal_student_is_refused(grammar_set, tmp_path):
+    from distillery.methods.nft_policy import train_points
+    from distillery.models.wan import CausalWanModel, CausalWanModelConfig, PDDWanModel, PDDWanModelConfig
+
+    base = str(shipped_tiny_base())
+    pdd = PDDWanModel(PDDWanModelConfig(init_from=base, pdd_steps=4), "student")
+    points = train_points({"sampler": "pdd_fused", "shift": 3.0, "pdd_steps": 4, "num_steps": 2}, pdd, None, 1.0)
+    sigmas = pdd.schedule.inference_sigmas(4)
+    assert [p.t for p in points] == pytest.approx([float(sigmas[0]) * 1000, float(sigmas[2]) * 1000])
+    from distillery.models.base import Conditioning
+
+    x, cond = torch.randn(1, *LATENT_SHAPE), Conditioning(torch.randn(1, 8, 32))
+    with torch.no_grad():
+        t = torch.tensor([points[1].t])
+        assert torch.equal(points[1].velocity(pdd, x, t, cond), pdd.predict_pdd_fused(x, t, cond, 2, 4))
+    causal = CausalWanModel(CausalWanModelConfig(init_from=base, chunk_size=2), "student")
+    with pytest.raises(UserError, match="KV cache"):
+        train_points({"sampler": "causal_streaming", "chunk_size": 2, "shift": 3.0}, causal, None, 1.0)
+    with pytest.raises(UserError, match="does not divide a rank's rollout group"):
+        make_method(nft_config(grammar_set, tmp_path, knobs={"minibatch_size": 4}))
+    with pytest.raises(UserError, match="has no vae/ folder"):
+        make_method(nft_config(grammar_set, tmp_path, knobs={"vae_from": str(tmp_path)}))

@@ -112,7 +112,7 @@ class RewardSet:
             bad = np.flatnonzero(~np.isfinite(values))
             if bad.size and name != "total":
                 i = int(bad[0])
-                return f"reward {name} returned {values[i]!r} for the sample of prompt {prompts[i][:80]!r}"
+                return f"reward {name} returned {float(values[i])} for the sample of prompt {prompts[i][:80]!r}"
         return None
 
     def sources(self) -> dict[str, dict[str, Any]]:
