@@ -15,8 +15,8 @@
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import os
 from collections import defaultdict
