@@ -616,15 +616,17 @@ def train(args: argparse.Namespace, scale: Scale, work: Path, deadline: float, s
 
 
 def evaluate(args: argparse.Namespace, scale: Scale, work: Path, trained: dict[str, Path], deadline: float,
-             settings: dict[str, Any], out: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Sample every candidate (``--eval-jobs`` processes), score each as it ends, rewrite the results."""
+             settings: dict[str, Any], out: Path,
+             specs: list[CandidateSpec] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Sample every candidate (``--eval-jobs`` processes), score each as it ends, rewrite the results. ``specs``: the
+    candidates (``teacher_40`` first: the reference); default :func:`candidate_specs` of ``trained``."""
     import multiprocessing
 
     from distillery.data.encoders import BaseEncoders
     from distillery.evaluation.video_metrics import Standardiser
 
     prompts = PROMPTS_FILE.read_text().splitlines()[: scale.prompts]
-    specs = candidate_specs(work, trained)
+    specs = candidate_specs(work, trained) if specs is None else specs
     base_dir = str(work / "base" / "artifacts" / "base" / "model")
     sampling = {**latent_settings(work), "seeds": scale.seeds, "sample_batch": args.sample_batch}
     settings.update(prompts=prompts, num_prompts=len(prompts), num_seeds=scale.seeds, videos_per_candidate=len(prompts) * scale.seeds,

@@ -26,7 +26,7 @@ FLOORS: list[set[str]] = [
     {"engine"},
     {"lineage", "clips"},
     {"evaluation", "export"},
-    {"tinybase"},
+    {"tinybase", "rewards"},
     {"pipeline"},
     {"cli"},
 ]

@@ -39,7 +39,7 @@ from distillery.tinybase.shipped import shipped_tiny_base
 FASTVIDEO = Path(os.environ.get("DISTILLERY_FASTVIDEO_SRC", "/work/peer/fastvideo"))
 FASTVIDEO_NFT = FASTVIDEO / "fastvideo" / "train" / "methods" / "rl" / "diffusion_nft.py"
 NFT = "distillery.methods.nft.DiffusionNFTMethod"
-ADHERENCE = "distillery.clips.reward.AdherenceReward"
+ADHERENCE = "distillery.rewards.adherence.AdherenceReward"
 CAPTIONS = [
     "a red circle moving left slowly on a black background",
     "a blue square moving up quickly on a black background",
@@ -203,9 +203,9 @@ def batches(data: Path, batch_size: int):
 
 
 def test_a_rollout_group_is_k_samples_of_each_prompt_from_the_old_policy_scored_and_normalised(grammar_set, tmp_path):
-    from distillery.clips.reward import AdherenceReward, AdherenceRewardConfig
     from distillery.data.encoders import BaseEncoders
     from distillery.models.base import Conditioning
+    from distillery.rewards.adherence import AdherenceReward, AdherenceRewardConfig
     from distillery.sampling import build_sampler
 
     method = make_method(nft_config(grammar_set, tmp_path))
@@ -313,8 +313,8 @@ def test_a_weight_copy_runs_and_gives_the_role_its_weights_back_bit_for_bit():
 # -- the rewards -----------------------------------------------------------------------------------------
 def test_the_adherence_reward_gives_a_third_per_attribute_read_back():
     from distillery.clips.grammar import format_caption
-    from distillery.clips.reward import AdherenceReward, AdherenceRewardConfig
     from distillery.clips.synthetic import ClipSetConfig, plan_clips, render_clip
+    from distillery.rewards.adherence import AdherenceReward, AdherenceRewardConfig
 
     cfg = ClipSetConfig(num_train=6, num_validation=0, num_frames=9)
     specs = plan_clips(cfg)[:3]
@@ -356,7 +356,8 @@ def test_clip_and_preference_rewards_are_their_definitions(tmp_path):
     from transformers import AutoImageProcessor, CLIPForImageClassification
 
     from distillery.evaluation.clip_scores import ClipScorer
-    from distillery.evaluation.rewards import ClipTextReward, ClipTextRewardConfig, ImagePreferenceReward, ImagePreferenceRewardConfig
+    from distillery.rewards.clip import ClipTextReward, ClipTextRewardConfig
+    from distillery.rewards.preference import ImagePreferenceReward, ImagePreferenceRewardConfig
 
     rng = np.random.default_rng(0)
     videos = rng.integers(0, 256, size=(2, 5, 32, 48, 3), dtype=np.uint8)
@@ -385,12 +386,12 @@ def _reward_config(grammar_set: Path, tmp_path: Path, reward: dict) -> dict:
 
 @pytest.mark.parametrize("reward, message", [
     ({"_target_": "os.system"}, "outside the allowed prefixes"),
-    ({"_target_": "distillery.clips.reward.NoSuchReward"}, "does not exist"),
+    ({"_target_": "distillery.rewards.adherence.NoSuchReward"}, "does not exist"),
     ({"_target_": "distillery.methods.sft.SFTMethod"}, "is not a distillery reward"),
     ({"_target_": ADHERENCE, "folder": "/nonexistent"}, "analyzer.json does not exist"),
     ({"_target_": ADHERENCE, "folder": "SHIPPED", "frames": "first"}, "cannot be scored"),
-    ({"_target_": "distillery.evaluation.rewards.ClipTextReward", "model_from": "SHIPPED"}, "has no config.json|not a CLIPModel"),
-    ({"_target_": "distillery.evaluation.rewards.ImagePreferenceReward", "model_from": "SHIPPED"}, "config.json"),
+    ({"_target_": "distillery.rewards.clip.ClipTextReward", "model_from": "SHIPPED"}, "has no config.json|not a CLIPModel"),
+    ({"_target_": "distillery.rewards.preference.ImagePreferenceReward", "model_from": "SHIPPED"}, "config.json"),
 ])
 def test_a_bad_reward_is_one_line_when_the_config_is_built(grammar_set, tmp_path, reward, message):
     reward = {k: (str(shipped_tiny_base()) if v == "SHIPPED" else v) for k, v in reward.items()}
@@ -401,7 +402,7 @@ def test_a_bad_reward_is_one_line_when_the_config_is_built(grammar_set, tmp_path
 
 def test_a_reward_folder_that_does_not_load_or_a_label_it_lacks_is_one_line(grammar_set, tmp_path):
     folder = _preference_folder(tmp_path / "pref")
-    target = "distillery.evaluation.rewards.ImagePreferenceReward"
+    target = "distillery.rewards.preference.ImagePreferenceReward"
     with pytest.raises(UserError, match="label 'pretty' is not one of"):
         load_run_config(raw=_reward_config(grammar_set, tmp_path, {"_target_": target, "model_from": str(folder),
                                                                     "label": "pretty"}), prefixes=allowed_prefixes())

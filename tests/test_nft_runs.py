@@ -35,8 +35,8 @@ def _config(data: Path, out: Path, batch_size: int, clip: Path, validation: bool
         callbacks["validation"] = {"_target_": "distillery.callbacks.validation.ValidationCallback", "data_path": str(data),
                                    "split": "train", "num_prompts": 2, "every_steps": 3, "text_max_length": 32,
                                    "vae_from": str(shipped_tiny_base()), "scorer": "distillery.clips.analyzer.folder_scorer"}
-    rewards = {"adherence": {"_target_": "distillery.clips.reward.AdherenceReward", "folder": str(shipped_tiny_base())},
-               "clip": {"_target_": "distillery.evaluation.rewards.ClipTextReward", "model_from": str(clip), "weight": 2.0}}
+    rewards = {"adherence": {"_target_": "distillery.rewards.adherence.AdherenceReward", "folder": str(shipped_tiny_base())},
+               "clip": {"_target_": "distillery.rewards.clip.ClipTextReward", "model_from": str(clip), "weight": 2.0}}
     return nft_config(data, out, batch_size=batch_size, steps=STEPS, save_every=1, callbacks=callbacks, rewards=rewards, **kw)
 
 

@@ -42,7 +42,7 @@ def test_a_reward_folder_that_does_not_load_is_one_line(tmp_path, grammar_set, d
     folder = _preference_folder(tmp_path / "pref")
     (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not safetensors")
     cfg = nft_config(grammar_set, tmp_path / "run", rewards={"r": {
-        "_target_": "distillery.evaluation.rewards.ImagePreferenceReward", "model_from": str(folder), "label": "aesthetic"}})
+        "_target_": "distillery.rewards.preference.ImagePreferenceReward", "model_from": str(folder), "label": "aesthetic"}})
     out, errors = _train(cfg, tmp_path / "c.yaml")
     assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "does not load" in errors[0] and str(folder) in errors[0]

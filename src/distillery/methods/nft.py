@@ -185,6 +185,8 @@ class DiffusionNFTMethod(TrainingMethod):
         self.reference = WeightCopy(self.student) if self.config.kl_beta > 0 else None
         self.rewards.load(device)
         self.decoder = BaseEncoders(self.vae_from, device, text_encoder=False)
+        if device.type == "cuda":  # the decoder's calls sized to the GPU's memory (the same function, other rounding)
+            self.decoder.configure_decode(None)
 
     # -- the cadence ----------------------------------------------------------------------
     def plan_step(self, batches: Any, step: int) -> StepPlan:

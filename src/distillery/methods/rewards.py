@@ -4,8 +4,7 @@ A reward is a class with ``component_kind = "reward"`` and a ``config_class`` (a
 subclass). A method that takes rewards lists them in its config as ``rewards: {name: {_target_: ..., knobs}}``;
 the run config builds each entry as a component, under the allowed ``_target_`` prefixes like every target
 (:func:`distillery.config.loader.resolve_plugins`), so an unknown or disallowed reward is one line before
-anything loads, and the library never imports the reward's own module (the synthetic clip set's analyzer,
-:mod:`distillery.clips.reward`; the CLIP and image-preference rewards, :mod:`distillery.evaluation.rewards`).
+anything loads, and the library never imports the reward's own module (the shipped ones: :mod:`distillery.rewards`).
 
 Contract of a reward (:class:`Reward`):
 

@@ -1,20 +1,13 @@
-"""Model-based rewards (plugins of :mod:`distillery.methods.rewards`) from a user's model folder.
+"""An image classifier's preference as a reward (a plugin of :mod:`distillery.methods.rewards`).
 
-- :class:`ClipTextReward` — CLIP text–video similarity, the ``clip_text`` score validate reports
-  (:mod:`distillery.evaluation.clip_scores`, with the same folder rules, preprocessing and embeddings): the mean
-  over the frames it reads of ``cos(e_text, e_frame)``, in [−1, 1]. ``model_from``: a CLIP folder in
-  transformers' layout (``CLIPModel``: e.g. ``openai/clip-vit-large-patch14``, or PickScore's ``CLIPModel``
-  weights, whose similarity is its preference score up to a scale). Default frames: all.
-- :class:`ImagePreferenceReward` — an image classifier's score of the frames it reads, averaged:
-  ``model_from`` is a folder transformers' ``AutoModelForImageClassification`` and ``AutoImageProcessor`` load
-  (``config.json`` naming a ``*ForImageClassification`` architecture, ``*.safetensors`` weights,
-  ``preprocessor_config.json``; never remote code): a CLIP-based aesthetic or preference head
-  (``CLIPForImageClassification``), a ViT / BEiT aesthetic classifier (e.g. ``cafeai/cafe_aesthetic``'s
-  ``aesthetic`` label). ``label``: the class whose softmax probability is the reward; null: the head must have
-  one output (a regression head), whose value is the reward. It reads no prompt. Default frames: first.
-
-Both check their folder's layout when the run config is built (one line naming the key, before any weights
-load) and load the weights when the method starts: weights that do not load are one line too.
+:class:`ImagePreferenceReward`: an image classifier's score of the frames it reads, averaged. ``model_from`` is a
+folder transformers' ``AutoModelForImageClassification`` and ``AutoImageProcessor`` load (``config.json`` naming a
+``*ForImageClassification`` architecture, ``*.safetensors`` weights, ``preprocessor_config.json``; never remote
+code): a CLIP-based aesthetic or preference head (``CLIPForImageClassification``), a ViT / BEiT aesthetic classifier
+(e.g. ``cafeai/cafe_aesthetic``'s ``aesthetic`` label). ``label``: the class whose softmax probability is the reward;
+null: the head must have one output (a regression head), whose value is the reward. It reads no prompt. Default
+frames: first. The folder's layout and label are checked when the run config is built; its weights load when the
+method starts (one line when they do not).
 """
 
 from __future__ import annotations
@@ -26,58 +19,11 @@ from typing import Literal
 import numpy as np
 import torch
 
-from distillery.common.errors import UserError
 from distillery.config.typed import with_default
 from distillery.methods.rewards import Reward, RewardConfig
+from distillery.rewards.clip import load_problem
 
 _CONFIG_BYTES = 1 << 20
-
-
-def _load_problem(folder: str, exc: BaseException) -> UserError:
-    return UserError(f"method.rewards: the model in {folder} does not load ({type(exc).__name__}: {str(exc)[:160]})")
-
-
-@dataclass
-class ClipTextRewardConfig(RewardConfig):
-    model_from: str = ""  # a CLIP model folder in transformers' layout (config.json model_type clip, safetensors, tokenizer)
-
-    def __post_init__(self) -> None:
-        from distillery.evaluation.clip_scores import check_clip_folder
-
-        if not self.model_from:
-            raise ValueError("model_from is required: a CLIP model folder in transformers' layout")
-        try:
-            check_clip_folder(self.model_from, "model_from")
-        except UserError as exc:
-            raise ValueError(str(exc)) from None
-
-
-class ClipTextReward(Reward):
-    """Mean CLIP cosine between the prompt and the frames it reads (module doc)."""
-
-    config_class = ClipTextRewardConfig
-
-    def __init__(self, config: ClipTextRewardConfig, device: torch.device | str = "cpu") -> None:
-        from distillery.evaluation.clip_scores import ClipScorer
-
-        super().__init__(config, device)
-        try:
-            self.scorer = ClipScorer(config.model_from, self.device)
-        except UserError:
-            raise
-        except Exception as exc:  # a corrupt or truncated safetensors file, a config the class refuses
-            raise _load_problem(config.model_from, exc) from None
-
-    @classmethod
-    def model_folder(cls, config: ClipTextRewardConfig) -> Path:
-        return Path(config.model_from)
-
-    def score(self, frames: np.ndarray, prompts: list[str]) -> np.ndarray:
-        out = np.zeros(len(prompts))
-        for i, (video, prompt) in enumerate(zip(frames, prompts)):
-            images = self.scorer.image_embeddings(video)  # [T', D], unit norm
-            out[i] = float((images @ self.scorer.text_embedding(prompt)).mean())
-        return out
 
 
 @dataclass
@@ -137,7 +83,7 @@ class ImagePreferenceReward(Reward):
             model = AutoModelForImageClassification.from_pretrained(config.model_from, dtype=torch.float32,
                                                                     use_safetensors=True)
         except Exception as exc:  # a corrupt weights file, a class transformers does not know
-            raise _load_problem(config.model_from, exc) from None
+            raise load_problem(config.model_from, exc) from None
         self.model = model.to(self.device).eval()
         id2label = {int(k): str(v) for k, v in (self.model.config.id2label or {}).items()}
         self.index = None if config.label is None else next(i for i, name in id2label.items() if name == config.label)

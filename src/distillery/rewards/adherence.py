@@ -1,7 +1,7 @@
 """The synthetic clip set's verifiable reward: does the video show the colour, shape and motion its caption says?
 
 :class:`AdherenceReward` (a reward plugin, :mod:`distillery.methods.rewards`; run config:
-``method.rewards.<name>: {_target_: distillery.clips.reward.AdherenceReward, folder: <tiny base>}``) reads
+``method.rewards.<name>: {_target_: distillery.rewards.adherence.AdherenceReward, folder: <tiny base>}``) reads
 each decoded video back with the clip analyzer (:mod:`distillery.clips.analyzer`, with the thresholds the
 folder's ``analyzer.json`` holds: a tiny base's, fitted on its VAE) and scores it against its caption: the
 fraction of ``attributes`` (colour, shape, direction) read back as the caption says — 0, 1/3, 2/3 or 1 with
