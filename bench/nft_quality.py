@@ -4,7 +4,7 @@
    ``<work>/base``, then the DMD2 student ``--student`` (default ``dmd2_2``: DMD2 on a 2-step ladder) in its own
    workspace — what ``python bench/quality.py --students dmd2_2`` trains.
 2. **Post-training**: that student's artifact (its weights, scheduler and ``sampling.json``) post-trained by
-   ``distillery.methods.nft.DiffusionNFTMethod`` through ``distillery.cli.train`` (torchrun, one process), once per
+   ``distillery.methods.rl.nft.DiffusionNFTMethod`` through ``distillery.cli.train`` (torchrun, one process), once per
    ``--train-seeds`` seed (``training.loop.seed``: prompt order, rollout noise, minibatch order), on the latents
    stage's prompts, with the analyzer's adherence reward (``distillery.rewards.adherence.AdherenceReward`` over the base's
    ``analyzer.json``: a third per attribute read back). Each result is exported as an artifact that samples as the
@@ -47,7 +47,7 @@ def nft_run_config(work: Path, student: Path, run_dir: Path, seed: int, args: ar
     base = work / "base" / "artifacts" / "base" / "model"
     return {
         "models": {"student": {"_target_": "distillery.models.wan.WanModel", "init_from": str(student)}},
-        "method": {"_target_": "distillery.methods.nft.DiffusionNFTMethod", "samples_per_prompt": args.k,
+        "method": {"_target_": "distillery.methods.rl.nft.DiffusionNFTMethod", "samples_per_prompt": args.k,
                    "minibatch_size": args.minibatch, "inner_epochs": args.inner_epochs,
                    "sampling": json.loads((student / "sampling.json").read_text()), "timestep_fraction": args.timestep_fraction,
                    "beta": args.beta, "kl_beta": args.kl_beta, "vae_from": str(base),

@@ -5,7 +5,7 @@ Through the real ``Trainer`` (``build_trainer(config, env).fit()``), one GPU: th
 weights (the real layout, ``sft_step.WAN_1_3B``), a DMD2-style 4-step ``few_step_x0`` contract, latents 21×60×104 and
 512×4096 prompt embeddings, bf16 compute over fp32 masters (compiled blocks: ``training.model.compile`` null),
 activation checkpointing on, grad clipping at 1.0; the old policy and the reference are fp32 copies of the student
-(``methods/weight_copy.py``). The reward is :class:`~distillery.rewards.clip.ClipTextReward` over a CLIP
+(``methods/rl/weight_copy.py``). The reward is :class:`~distillery.rewards.clip.ClipTextReward` over a CLIP
 ViT-L/14-shaped ``CLIPModel`` with random weights (the layout of ``openai/clip-vit-large-patch14``: 24 × 1024 vision
 layers at 224 px / patch 14, 12 × 768 text layers, 768-d projections; a byte-level tokenizer), every decoded frame; the
 rollouts are decoded by a Wan 2.1-shaped ``AutoencoderKLWan`` with random weights (diffusers' default config, fp32, as
@@ -87,7 +87,7 @@ def make_reward_assets(root: Path) -> tuple[Path, Path]:
 def run_config(model: Path, data: Path, clip: Path, base: Path, out: Path, k: int, prompts: int) -> dict:
     return {
         "models": {"student": {"_target_": "distillery.models.wan.WanModel", "init_from": str(model), "random_init": True}},
-        "method": {"_target_": "distillery.methods.nft.DiffusionNFTMethod", "samples_per_prompt": k, "minibatch_size": 1,
+        "method": {"_target_": "distillery.methods.rl.nft.DiffusionNFTMethod", "samples_per_prompt": k, "minibatch_size": 1,
                    "sampling": {"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": LADDER},
                    "vae_from": str(base),
                    "rewards": {"clip": {"_target_": "distillery.rewards.clip.ClipTextReward", "model_from": str(clip)}}},

@@ -1,4 +1,4 @@
-"""DiffusionNFT (src/distillery/methods/nft.py) and its reward plugins, in process.
+"""DiffusionNFT (src/distillery/methods/rl/nft.py) and its reward plugins, in process.
 
 - against FastVideo 0.2.1's own code on the same tensors: its ``DiffusionNFTMethod._training_timestep_loss`` (the
   objective and its gradient, every advantage mode), ``_compute_advantages`` and ``_return_decay``, compiled from
@@ -31,14 +31,14 @@ from test_clip_scores import make_clip_folder
 
 from distillery.common.errors import UserError
 from distillery.config import allowed_prefixes, load_run_config
-from distillery.methods.nft import DiffusionNFTMethod
-from distillery.methods.nft_objective import clip_advantages, group_advantages, nft_loss, old_policy_decay
+from distillery.methods.rl.nft import DiffusionNFTMethod
+from distillery.methods.rl.objective import clip_advantages, group_advantages, nft_loss, old_policy_decay
 from distillery.models.wan import WanModel, WanModelConfig
 from distillery.tinybase.shipped import shipped_tiny_base
 
 FASTVIDEO = Path(os.environ.get("DISTILLERY_FASTVIDEO_SRC", "/work/peer/fastvideo"))
 FASTVIDEO_NFT = FASTVIDEO / "fastvideo" / "train" / "methods" / "rl" / "diffusion_nft.py"
-NFT = "distillery.methods.nft.DiffusionNFTMethod"
+NFT = "distillery.methods.rl.nft.DiffusionNFTMethod"
 ADHERENCE = "distillery.rewards.adherence.AdherenceReward"
 CAPTIONS = [
     "a red circle moving left slowly on a black background",
@@ -136,7 +136,7 @@ def test_advantages_training_timesteps_and_old_decay_are_fastvideos():
         fv._sample_steps, fv._timestep_fraction = steps, fraction
         fv._sampling_config = type("Sampling", (), {"timesteps": None, "sigmas": None})()
         theirs = fv._compute_advantages([{"prompts": prompts}], {"avg": rewards})
-        from distillery.methods.nft_policy import train_points
+        from distillery.methods.rl.policy import train_points
 
         student = WanModel(WanModelConfig(init_from=str(shipped_tiny_base()), trainable=False), "student")
         points = train_points({"sampler": "euler", "shift": 3.0}, student, steps, fraction)
@@ -281,7 +281,7 @@ def test_the_updates_of_a_group_cover_it_and_the_old_policy_follows_the_student(
 
 def test_a_weight_copy_runs_and_gives_the_role_its_weights_back_bit_for_bit():
     from distillery.components.precision import ComputeCopy
-    from distillery.methods.weight_copy import WeightCopy
+    from distillery.methods.rl.weight_copy import WeightCopy
     from distillery.models.base import Conditioning
 
     for bf16 in (False, True):
@@ -430,7 +430,7 @@ def test_a_reward_that_returns_nan_stops_the_rollout_in_one_line(grammar_set, tm
 
 
 def test_the_points_follow_the_contract_and_a_causal_student_is_refused(grammar_set, tmp_path):
-    from distillery.methods.nft_policy import train_points
+    from distillery.methods.rl.policy import train_points
     from distillery.models.wan import CausalWanModel, CausalWanModelConfig, PDDWanModel, PDDWanModelConfig
 
     base = str(shipped_tiny_base())
@@ -451,3 +451,35 @@ def test_the_points_follow_the_contract_and_a_causal_student_is_refused(grammar_
         make_method(nft_config(grammar_set, tmp_path, knobs={"minibatch_size": 4}))
     with pytest.raises(UserError, match="has no vae/ folder"):
         make_method(nft_config(grammar_set, tmp_path, knobs={"vae_from": str(tmp_path)}))
+
+
+@pytest.mark.parametrize("student", ["teacher", "pdd"])
+def test_a_teacher_and_a_pdd_student_are_post_trained_on_their_own_schedule(grammar_set, tmp_path, student):
+    """The many-step teacher samples its group with Euler and trains at its grid's timesteps; the PDD student samples
+    with its fused blocks and trains each block's fused velocity (its head bank gets gradients)."""
+    if student == "teacher":
+        raw = nft_config(grammar_set, tmp_path, knobs={"sampling": None, "rollout_steps": 3})
+    else:
+        raw = nft_config(grammar_set, tmp_path, knobs={"sampling": {"sampler": "pdd_fused", "shift": 3.0, "num_train_timesteps": 1000,
+                                                                    "pdd_steps": 4, "num_steps": 2}, "timestep_fraction": 1.0})
+        raw["models"]["student"].update(_target_="distillery.models.wan.PDDWanModel", pdd_steps=4)
+    config = load_run_config(raw=raw, prefixes=allowed_prefixes())
+    model = config.models["student"].cls(config.models["student"].config, "student")
+    model.bind_device(torch.device("cpu"))
+    method = DiffusionNFTMethod(config.method.config, {"student": model}, config.training, plugins=config.method.plugins)
+    method.on_train_start(torch.device("cpu"))
+    method.build_optimizers()
+    schedule = model.schedule
+    if student == "teacher":
+        assert method.sampling_contract()["sampler"] == "euler"
+        assert [p.t for p in method.points] == pytest.approx(schedule.inference_timesteps(3).tolist()[:2])
+    else:
+        sigmas = schedule.inference_sigmas(4)
+        assert [p.t for p in method.points] == pytest.approx([float(sigmas[0]) * 1000, float(sigmas[2]) * 1000])
+    plan = method.plan_step(batches(grammar_set, 2), 1)
+    assert "reward" in plan.metrics and method.group.x0.shape == (6, *LATENT_SHAPE)
+    for micro in plan.micro_steps:
+        method.backward(micro(), grad_accum_rounds=len(plan.micro_steps))
+    for name, module in model.trainable_modules().items():
+        grads = [p.grad for p in module.parameters() if p.requires_grad and p.grad is not None]
+        assert grads and any(float(g.abs().max()) > 0 for g in grads), name

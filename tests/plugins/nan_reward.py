@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distillery.methods.rewards import Reward, RewardConfig
+from distillery.methods.rl.rewards import Reward, RewardConfig
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The synthetic clip set's verifiable reward: does the video show the colour, shape and motion its caption says?
 
-:class:`AdherenceReward` (a reward plugin, :mod:`distillery.methods.rewards`; run config:
+:class:`AdherenceReward` (a reward plugin, :mod:`distillery.methods.rl.rewards`; run config:
 ``method.rewards.<name>: {_target_: distillery.rewards.adherence.AdherenceReward, folder: <tiny base>}``) reads
 each decoded video back with the clip analyzer (:mod:`distillery.clips.analyzer`, with the thresholds the
 folder's ``analyzer.json`` holds: a tiny base's, fitted on its VAE) and scores it against its caption: the
@@ -25,7 +25,7 @@ import torch
 from distillery.clips.analyzer import AnalyzerConfig, analyze, score_analysis
 from distillery.clips.grammar import parse_caption
 from distillery.common.errors import UserError
-from distillery.methods.rewards import Reward, RewardConfig
+from distillery.methods.rl.rewards import Reward, RewardConfig
 
 ATTRIBUTES = ("colour", "shape", "direction")
 

@@ -1,4 +1,4 @@
-"""CLIP text–video similarity as a reward (a plugin of :mod:`distillery.methods.rewards`).
+"""CLIP text–video similarity as a reward (a plugin of :mod:`distillery.methods.rl.rewards`).
 
 :class:`ClipTextReward` scores with validate's ``clip_text`` (:mod:`distillery.evaluation.clip_scores`, with the same
 folder rules, preprocessing and embeddings): the mean over the frames it reads of ``cos(e_text, e_frame)``, in
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from distillery.common.errors import UserError
-from distillery.methods.rewards import Reward, RewardConfig
+from distillery.methods.rl.rewards import Reward, RewardConfig
 
 
 def load_problem(folder: str, exc: BaseException) -> UserError:

@@ -1,4 +1,4 @@
-"""An image classifier's preference as a reward (a plugin of :mod:`distillery.methods.rewards`).
+"""An image classifier's preference as a reward (a plugin of :mod:`distillery.methods.rl.rewards`).
 
 :class:`ImagePreferenceReward`: an image classifier's score of the frames it reads, averaged. ``model_from`` is a
 folder transformers' ``AutoModelForImageClassification`` and ``AutoImageProcessor`` load (``config.json`` naming a
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from distillery.config.typed import with_default
-from distillery.methods.rewards import Reward, RewardConfig
+from distillery.methods.rl.rewards import Reward, RewardConfig
 from distillery.rewards.clip import load_problem
 
 _CONFIG_BYTES = 1 << 20

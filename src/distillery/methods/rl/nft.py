@@ -1,17 +1,17 @@
 """DiffusionNFT: reward-driven post-training of a teacher or a distilled student, on its own sampling schedule.
 
 Roles: ``student`` (trainable; any bidirectional model: the teacher, a fine-tuned base, a DMD2 or PDD student).
-Two more policies are fp32 copies of the student's trainable weights (:class:`~distillery.methods.weight_copy.WeightCopy`):
+Two more policies are fp32 copies of the student's trainable weights (:class:`~distillery.methods.rl.weight_copy.WeightCopy`):
 the **old policy**, which samples the rollouts and anchors the objective, and the **reference**, the student's
 weights when the run started (the KL term's anchor; its folder's digest is recorded as a frozen source, so a
 resume against other initial weights is refused). Rewards are plugins the run config names
-(``rewards: {name: {_target_, weight, knobs}}``, :mod:`distillery.methods.rewards`).
+(``rewards: {name: {_target_, weight, knobs}}``, :mod:`distillery.methods.rl.rewards`).
 
 **Cadence** (the method plans every optimizer step itself, :meth:`DiffusionNFTMethod.plan_step`; the trainer still
 clips, skips a non-finite step, steps the optimizer, averages EMA, checkpoints and logs each one):
 
 1. **Rollout group** (when the last group's updates are done): the old policy moves toward the student
-   (``old ← d · old + (1 − d) · θ``, ``d`` from ``old_decay_*``, :func:`~distillery.methods.nft_objective.old_policy_decay`;
+   (``old ← d · old + (1 − d) · θ``, ``d`` from ``old_decay_*``, :func:`~distillery.methods.rl.objective.old_policy_decay`;
    not before the first group: the old policy starts as the student); one batch of ``P`` prompts
    (``training.data.batch_size`` per rank) is drawn, each repeated ``K = samples_per_prompt`` times, and the old policy
    samples the ``P·K`` videos with the student's sampling contract (``sampling``: the input artifact's
@@ -19,15 +19,15 @@ clips, skips a non-finite step, steps the optimizer, averages EMA, checkpoints a
    sampler's steps and CFG), from the run's random stream. The latents are decoded with ``vae_from``'s VAE (null:
    the student's own folder's) and scored by every reward (uint8 frames and the prompts; a non-finite score on any
    rank stops the run in one line before anything is saved); their weighted sum's K values per prompt give the
-   advantages (:func:`~distillery.methods.nft_objective.group_advantages`). The group (latents, conditioning,
+   advantages (:func:`~distillery.methods.rl.objective.group_advantages`). The group (latents, conditioning,
    advantages, sample orders) is this rank's host state: a run stopped mid-group resumes it bit for bit.
 2. **Updates**: the group's ``P·K`` samples are split into ``M = P·K / minibatch_size`` minibatches per inner
    epoch (``inner_epochs`` of them, each in a fresh order: each prompt's K samples shuffled, sample ``i`` of the
    epoch's order in minibatch ``i mod M``); an optimizer step takes ``grad_accum_steps`` minibatches and, for each,
-   every training timestep (:func:`~distillery.methods.nft_policy.train_points`: those the student's sampler visits,
+   every training timestep (:func:`~distillery.methods.rl.policy.train_points`: those the student's sampler visits,
    the first ``timestep_fraction`` of them) as one micro-step: fresh noise, ``x_t``, the old policy's and the
    reference's velocities (no gradient), the student's (with it), the objective
-   (:func:`~distillery.methods.nft_objective.nft_loss`). A group lasts ``inner_epochs · M / grad_accum_steps`` steps.
+   (:func:`~distillery.methods.rl.objective.nft_loss`). A group lasts ``inner_epochs · M / grad_accum_steps`` steps.
 
 **Ranks**: every draw is the global batch's (:class:`~distillery.components.rng.BatchRNG`): a prompt's K rollouts
 live on the rank that drew it, its advantages are its own, and minibatch ``m`` holds the same global samples in the
@@ -53,10 +53,10 @@ from distillery.components.checkpoint.stateful import CallbackState
 from distillery.components.distributed import all_reduce_mean
 from distillery.config.typed import bounded, check_fields
 from distillery.methods.base import StepOutput, StepPlan, TrainingMethod, require_empty_prompt
-from distillery.methods.nft_objective import AdvantageMode, clip_advantages, group_advantages, nft_loss, old_policy_decay
-from distillery.methods.nft_policy import TrainPoint, train_points
-from distillery.methods.rewards import RewardSet
-from distillery.methods.weight_copy import WeightCopy
+from distillery.methods.rl.objective import AdvantageMode, clip_advantages, group_advantages, nft_loss, old_policy_decay
+from distillery.methods.rl.policy import TrainPoint, train_points
+from distillery.methods.rl.rewards import RewardSet
+from distillery.methods.rl.weight_copy import WeightCopy
 from distillery.models.base import Conditioning, ModelBase, batch_latent_shape
 from distillery.models.schedule import renoise
 

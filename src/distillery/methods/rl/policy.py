@@ -2,7 +2,7 @@
 
 DiffusionNFT trains the velocity field a model *samples with*, at the timesteps its sampler visits (the first
 ``timestep_fraction`` of them, FastVideo's rule): a rollout's clean latent is noised to each of those timesteps and
-the policy's velocity there enters the objective (:mod:`distillery.methods.nft_objective`). Both come from the
+the policy's velocity there enters the objective (:mod:`distillery.methods.rl.objective`). Both come from the
 student's sampling contract (``sampling.json``), so a many-step teacher and a few-step student are trained on their
 own schedule:
 
