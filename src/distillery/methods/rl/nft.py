@@ -122,6 +122,9 @@ class DiffusionNFTMethod(TrainingMethod):
     required_roles = ("student",)
     trainable_roles = ("student",)
     data_kind = "prompts"
+    #: Not run under sequence parallelism yet: its decoding and rewards would run on every rank of a group, and no test
+    #: holds it to the one-process run there (training.distributed.sp_size > 1 is refused in one line).
+    sequence_parallel = False
 
     def __init__(self, config: DiffusionNFTConfig, role_models: dict[str, ModelBase], training: Any, rank: int = 0,
                  plugins: dict[str, Any] | None = None, **kwargs: Any) -> None:
