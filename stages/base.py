@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from distillery.common.log import get_logger
+from distillery.lineage.manifest import pin_input
 from distillery.pipeline.params.base_path import resolve_base
 from distillery.pipeline.params.reader import StageParams
 from distillery.pipeline.publish.artifacts import finish, fresh_staging
@@ -27,10 +28,11 @@ def stage_base(params: StageParams) -> None:
     family = family_of(source)  # one line, nothing copied: a class or layout no family loads, a Wan 2.2 expert missing
     log.info("base: %s is a %s model", source, family.name)
     staging = fresh_staging("base")
+    pinned = {"source": pin_input(source)}  # the folder as copied: a file changed meanwhile is refused at the end
     left_out = copy_model_folder(source, staging / "model", exclude=("lineage.json",))
     if left_out:
         log.info("base: left out %d code file(s) of %s (%s): no code of a base is copied or run", len(left_out), source,
                  ", ".join(left_out[:5]) + (", ..." if len(left_out) > 5 else ""))
     cfg = json.loads((staging / "model" / "transformer" / "config.json").read_text())
-    finish("base", staging, kind="model", params=params, inputs=[("source", source)],
+    finish("base", staging, kind="model", params=params, inputs=[("source", source)], pinned=pinned,
            metrics={"transformer_layers": cfg.get("num_layers"), "latent_channels": cfg.get("out_channels") or cfg.get("in_channels")})

@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from distillery.common.log import get_logger
+from distillery.lineage.manifest import pin_input
 from distillery.pipeline.params.reader import StageParams
+from distillery.pipeline.params.schema import CLIPS_VIDEOS, given_path
 from distillery.pipeline.publish.artifacts import ARTIFACTS, finish, fresh_staging
 
 log = get_logger("stage")
@@ -15,7 +17,8 @@ log = get_logger("stage")
 def stage_latents(params: StageParams) -> None:
     from distillery.data.preprocess import PreprocessConfig, preprocess
 
-    data = params.get("latents.data") or str(ARTIFACTS / "clips" / "data")
+    own = given_path(params.get("latents.data"), CLIPS_VIDEOS)  # None: the clips stage's videos
+    data = own or str(ARTIFACTS / "clips" / "data")
     staging = fresh_staging("latents")
     from distillery.pipeline.launch.device import stage_device
 
@@ -30,9 +33,10 @@ def stage_latents(params: StageParams) -> None:
                            device=stage_device(lat.device, params.get("gpus.nproc_per_node"), "latents.device"),
                            negative_prompt=lat.negative_prompt or "")
     log.info("latents: %d frames of %dx%d at %g fps on %s", cfg.num_frames, cfg.height, cfg.width, cfg.fps, cfg.device)
+    pinned = {"videos": pin_input(own)} if own else None  # one's own videos as read: changed meanwhile, refused at the end
     manifest = preprocess(ARTIFACTS / "base" / "model", Path(data), staging / "data", cfg)
     metrics = {f"{s}_clips": c["rows"] for s, c in manifest["splits"].items()}
     metrics.update({f"{s}_skipped": c["skipped"] for s, c in manifest["splits"].items()})
-    inputs = [("base", ARTIFACTS / "base"), ("videos", ARTIFACTS / "clips" if not params.get("latents.data") else Path(data))]
+    inputs = [("base", ARTIFACTS / "base"), ("videos", ARTIFACTS / "clips" if not own else Path(data))]
     finish("latents", staging, kind="data", params=params, inputs=inputs, metrics=metrics,
-           volatile={"seconds": manifest["seconds_this_run"]})
+           volatile={"seconds": manifest["seconds_this_run"]}, pinned=pinned)

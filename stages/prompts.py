@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from distillery.common.log import get_logger
+from distillery.lineage.manifest import pin_input
 from distillery.pipeline.params.reader import StageParams
 from distillery.pipeline.publish.artifacts import ARTIFACTS, finish, fresh_staging
 
@@ -64,7 +65,8 @@ def stage_prompts(params: StageParams) -> None:
     seeded = seed_from_previous(ARTIFACTS / "prompts" / "data", staging / "data")
     log.info("prompts: %s for rollouts of %d frames of %dx%d on %s (%d files of the previous set reused where unchanged)",
              source, cfg.num_frames, cfg.height, cfg.width, cfg.device, seeded)
+    pinned = {"prompts": pin_input(source)}  # the file as read: a file replaced while it encodes is refused at the end
     manifest = encode_prompts_file(ARTIFACTS / "base" / "model", source, staging / "data", cfg)
     metrics = {"train_prompts": manifest["splits"]["train"]["rows"]}
     finish("prompts", staging, kind="data", params=params, inputs=[("base", ARTIFACTS / "base"), ("prompts", source)],
-           metrics=metrics, volatile={"seconds": manifest["seconds_this_run"]})  # how many it encoded: the log's last line
+           metrics=metrics, volatile={"seconds": manifest["seconds_this_run"]}, pinned=pinned)  # how many it encoded: the log's last line

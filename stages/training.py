@@ -260,15 +260,16 @@ def stage_training(spec: TrainingStageSpec, params: StageParams) -> None:
            mlflow_files=[(staging / "loss.png", "plots")], plots={f"{stage}_loss.json": loss})
 
 
-GIVEN_PARTS = ("transformer", "scheduler")  # what a model artifact of a training stage holds beside sampling.json
 IMPORTED_RECORD = "imported_from.json"  # what `distillery import-weights` writes beside transformer/ (its source file)
 
 
 def given_model_folder(spec: TrainingStageSpec, params: StageParams) -> tuple[Path, list[tuple[str, Path]]]:
     """The model folder a given-model stage publishes and its lineage input: ``<given_path_key>``'s folder
     (a Wan2.1 diffusers folder: ``model_index.json`` naming only library classes, a ``transformer/``), or
-    — null — the base artifact's model. A folder that is none of these is one line."""
-    path = params.get(spec.given_path_key) if spec.given_path_key else None
+    — its default, ``artifacts/base/model`` — the base artifact's model. A folder that is none of these is one line."""
+    from distillery.pipeline.params.schema import BASE_MODEL, given_path
+
+    path = given_path(params.get(spec.given_path_key), BASE_MODEL) if spec.given_path_key else None
     if path is None:
         return ARTIFACTS / "base" / "model", [("base", ARTIFACTS / "base")]
     from distillery.pipeline.publish.base_folder import check_model_index
@@ -288,19 +289,27 @@ def given_model_folder(spec: TrainingStageSpec, params: StageParams) -> tuple[Pa
 def publish_given_model(spec: TrainingStageSpec, params: StageParams) -> None:
     """Publish ``artifacts/<stage>`` from a given model instead of training (``teacher.source: base``,
     ``pretrain.source: given``; a causal recipe's contract adds its ``chunk_size``, an imported folder's record is kept): its
-    ``transformer/`` and ``scheduler/`` copied without any code file, ``sampling.json`` the many-step Euler
+    ``transformer/`` laid out as a trained artifact holds it (its family's ``lay_out_given_model``: a Wan 2.2 A14B's
+    second expert inside it and the folder's boundary in its config) and ``scheduler/``, copied without any code file, ``sampling.json`` the many-step Euler
     contract of its own schedule, no loss; metrics ``steps: 0``; the lineage names the folder (or the base
     artifact) as its input and says ``weights: given``. Nothing under ``runs/<stage>`` is touched."""
     from distillery.models.schedule import read_scheduler_shift
     from distillery.pipeline.publish.base_folder import copy_model_folder
 
     stage = spec.name
+    from distillery.models.registry import family_of
+
     source, inputs = given_model_folder(spec, params)
     started = time.perf_counter()
     staging = fresh_staging(stage)
-    for part in GIVEN_PARTS:
-        if (source / part).is_dir():
-            copy_model_folder(source / part, staging / "model" / part, exclude=("lineage.json",))
+    from distillery.lineage.manifest import pin_input
+
+    pinned = {role: pin_input(path) for role, path in inputs if role == "source"}  # a given folder as copied
+    # every expert and the folder's layout, as a trained artifact holds them (a Wan 2.2 A14B: transformer_2, boundary)
+    family_of(source).loaders().lay_out_given_model(
+        source, staging / "model", lambda src, dst: copy_model_folder(src, dst, exclude=("lineage.json",)))
+    if (source / "scheduler").is_dir():
+        copy_model_folder(source / "scheduler", staging / "model" / "scheduler", exclude=("lineage.json",))
     scheduler = staging / "model" / "scheduler"
     if not scheduler.is_dir():
         raise UserError(f"{source}: no scheduler/ beside its transformer/: its flow shift is unknown; give a full "
@@ -321,7 +330,8 @@ def publish_given_model(spec: TrainingStageSpec, params: StageParams) -> None:
     config = json.loads((staging / "model" / "transformer" / "config.json").read_text())
     log.info("stage %s: %s given as is (%s layers, %s heads of %s): published untrained", stage, source,
              config.get("num_layers"), config.get("num_attention_heads"), config.get("attention_head_dim"))
-    finish(stage, staging, kind="model", params=params, metrics={"steps": 0}, inputs=inputs, plots={f"{stage}_loss.json": []},
+    finish(stage, staging, kind="model", params=params, metrics={"steps": 0}, inputs=inputs, pinned=pinned,
+           plots={f"{stage}_loss.json": []},
            volatile={"seconds": round(time.perf_counter() - started, 1)},
            weights={"role": spec.export_role, "source": "given", "path": str(source)})
 

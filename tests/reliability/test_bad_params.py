@@ -149,7 +149,7 @@ RULES = [  # (edits, the message must contain)
     ({"distill__student_steps": 0}, "distill.student_steps: 0: must be ≥ 1"),
     ({"distill__context_noise": 1000.0}, "distill.context_noise: 1000.0: must be in [0, 1000): a timestep"),
     ({"distill__critic_learning_rate": 0}, "distill.critic_learning_rate: 0: must be a finite number > 0"),
-    ({"validate__guidance_scale": -1.0}, "validate.guidance_scale: -1.0: must be a finite number ≥ 0"),
+    ({"validate__guidance_scale": -1.0}, "validate.guidance_scale: -1.0: must be a finite number ≥ 1 (1: no guidance)"),
     ({"export__student": "base"}, "export.student: 'base': valid values: teacher, pretrain, distill"),
     ({"teachr": {}}, "teachr: unknown key; valid keys: seed, gpus, clips, base, latents, prompts, teacher, pretrain, distill, "
                      "pdd, validate, export; did you mean teacher?"),
@@ -292,4 +292,35 @@ def test_a_batch_larger_than_ones_own_videos_is_refused_before_encoding(tmp_path
     (ws / "params.yaml").write_text(_edited(latents__data=str(videos), **{k.replace(".", "__"): v for k, v in profile.items()}))
     ns = build_parser().parse_args(["params", "check"])
     assert run_guarded(lambda: ns.func(ns)) == 0
+    assert data_lost.total == 0
+
+
+GUIDANCE_KNOBS = ("pretrain.guidance_scale", "distill.guidance_scale", "pdd.guidance_scale", "validate.guidance_scale")
+
+
+@pytest.mark.reliability(case="11.4", title="one rule for guidance: every guidance knob below 1 is refused",
+                         injected="each of pretrain/distill/pdd/validate.guidance_scale set to 0.5, then 0; "
+                                  "`distillery params check` (the real parser and error guard, in-process)",
+                         expect="exit 2, one line naming the knob with pdd's words (must be a finite number ≥ 1 (1: no "
+                                "guidance)); 1 and 4 pass")
+def test_every_guidance_knob_below_one_is_refused(tmp_path, monkeypatch, capsys, data_lost):
+    """The samplers' CFG (:func:`distillery.sampling.base.guide`) runs the conditional model alone for every w ≤ 1, so a
+    scale in [0, 1) would be recorded in logs and lineage while w = 1 ran; pdd refused it, the others did not."""
+    from distillery.cli.guard import run_guarded
+    from distillery.cli.main import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    for knob in GUIDANCE_KNOBS:
+        for value, refused in ((0.5, True), (0.0, True), (1.0, False), (4.0, False)):
+            (tmp_path / "params.yaml").write_text(_edited(**{knob.replace(".", "__"): value}))
+            ns = build_parser().parse_args(["params", "check"])
+            capsys.readouterr()
+            rc = run_guarded(lambda: ns.func(ns))
+            err = capsys.readouterr().err.strip().splitlines()
+            if refused:
+                assert rc == 2 and len(err) == 1, (knob, value, err)
+                assert err[0] == f"error: params.yaml: {knob}: {value}: must be a finite number ≥ 1 (1: no guidance)", err
+            else:
+                assert rc == 0, (knob, value, err)
+    data_lost.record(len([p for p in tmp_path.rglob("*") if p.name != "params.yaml"]), "files written by the check")
     assert data_lost.total == 0

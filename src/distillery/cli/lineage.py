@@ -13,7 +13,10 @@ show or check an artifact's lineage, offline.
 - ``--dvc-lock PATH``: also fail unless the DVC directory hash that PATH (a dvc.lock or .dvc file)
   records for the artifact folder matches the folder as it is now.
 - ``--recursive``: also verify each upstream input present at its recorded path (relative to the
-  current directory) and match its manifest against the one embedded in PATH's.
+  current directory) and match its manifest against the one embedded in PATH's. An input outside the current
+  directory is not opened; the last line then says how many were not checked (``not all verified: ...``).
+- ``--outside`` (with ``--recursive``): also rehash the inputs read from outside ``artifacts/`` where they are (a
+  given teacher, one's own videos, a prompts file: recorded file by file), outside the current directory too.
 
 The seal alone catches edits of the manifest; files and manifest rewritten consistently are caught
 only by ``--expect`` or ``--dvc-lock``. PATH is an artifact folder or its lineage.json. A missing,
@@ -47,6 +50,8 @@ def add_command(subparsers: argparse._SubParsersAction, name: str, help: str) ->
                    help="--verify: check the folder against the DVC directory hash LOCK (dvc.lock or .dvc) records")
     p.add_argument("--recursive", action="store_true",
                    help="--verify: also verify upstream inputs present at their recorded paths")
+    p.add_argument("--outside", action="store_true",
+                   help="--verify --recursive: also rehash inputs read from outside the tree (a given model, your videos)")
     p.set_defaults(func=run_lineage)
 
 
@@ -57,15 +62,23 @@ def run_lineage(args: argparse.Namespace) -> int:
     from distillery.lineage.verify import verify_lineage
 
     extras = [flag for flag, on in (("--expect", args.expect is not None), ("--dvc-lock", args.dvc_lock is not None),
-                                    ("--recursive", args.recursive)) if on]
+                                    ("--recursive", args.recursive), ("--outside", args.outside)) if on]
     if extras and not args.verify:
         verb = "applies" if len(extras) == 1 else "apply"
         raise UserError(f"{', '.join(extras)} only {verb} with --verify: "
                         f"distillery lineage PATH --verify {' '.join(extras)} ...")
     if args.verify:
-        result = verify_lineage(args.path, expect=args.expect, dvc_lock=args.dvc_lock, recursive=args.recursive)
+        if args.outside and not args.recursive:
+            raise UserError("--outside only applies with --recursive: distillery lineage PATH --verify --recursive --outside")
+        result = verify_lineage(args.path, expect=args.expect, dvc_lock=args.dvc_lock, recursive=args.recursive,
+                                outside=args.outside)
         lines = [f"manifest digest: {result.manifest_digest}", *result.notes]
-        if result.ok:
+        if result.ok and result.not_checked:
+            n = len(result.not_checked)
+            lines.append(f"not all verified: {result.files} files of the artifact verified; {n} input{'s' if n > 1 else ''} "
+                         f"outside this folder not checked ({result.not_checked[0]}{', …' if n > 1 else ''}): --outside "
+                         f"rehashes those read from outside artifacts/")
+        elif result.ok:
             lines.append(f"verified: {result.files} files")
         else:
             lines.extend(result.problems)

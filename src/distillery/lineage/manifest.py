@@ -68,6 +68,30 @@ class Input:
 
     role: str  # what the stage uses it for
     path: str | Path  # the input folder as the stage saw it (recorded as given)
+    # an input without a lineage.json (read from outside artifacts/): its files as :func:`pin_input` found them before
+    # the stage read it; recorded only if they still are (else one line: it changed while the stage read it)
+    pinned: tuple[dict[str, Any], ...] | None = None
+
+
+def _external_files(path: Path) -> list[dict[str, Any]]:
+    """``[{path, sha256, bytes}]`` of an input without a lineage.json: one file, or every file of a folder (links
+    followed and hashed by content)."""
+    if path.is_file():
+        files = [{"path": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size}]
+        flush_active()
+        return files
+    return hash_tree(path, follow_symlinks=True)
+
+
+def pin_input(path: str | Path) -> tuple[dict[str, Any], ...]:
+    """The files of an input read from outside ``artifacts/`` (no lineage.json: a prompts file, one's own videos, a
+    given model folder) as they are now — taken before the stage reads it, handed to :class:`Input` ``pinned``: the
+    lineage then records them only if the input is unchanged when the stage finishes, so the digest it records is
+    the one of the bytes that were read. (With the hash cache, the second hash costs a stat per file.)"""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"input not found: {cut(p)}")
+    return tuple(_external_files(p))
 
 
 def manifest_digest(manifest: Mapping[str, Any]) -> str:
@@ -168,14 +192,14 @@ def _input_entry(inp: Input) -> dict[str, Any]:
     lineage.json is embedded after checking that its seal and its files still match it."""
     path = Path(inp.path)
     shown = _display_path(inp.path)
-    if path.is_file():
-        files = [{"path": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size}]
-        flush_active()
-        return {"role": inp.role, "path": shown, "sha256": tree_digest(files), "lineage": None, "files": files}
-    if not path.is_dir():
+    if not path.is_file() and not path.is_dir():
         raise UserError(f"input '{cut(inp.role, 40)}' not found: {cut(path)} (run the stage that produces it first)")
-    if not (path / LINEAGE_FILE).is_file():
-        files = hash_tree(path, follow_symlinks=True)
+    if path.is_file() or not (path / LINEAGE_FILE).is_file():
+        files = _external_files(path)
+        if inp.pinned is not None and list(inp.pinned) != files:
+            raise UserError(f"input '{cut(inp.role, 40)}' at {cut(path)} changed while the stage read it "
+                            f"({_first_change(list(inp.pinned), files)}): what it made is not what that file holds now; "
+                            f"nothing was published; run the stage again (dvc repro)")
         return {"role": inp.role, "path": shown, "sha256": tree_digest(files), "lineage": None, "files": files}
     manifest = read_lineage(path)
     files = hash_tree(path)
@@ -185,6 +209,12 @@ def _input_entry(inp: Input) -> dict[str, Any]:
                         f"({len(problems)} problem(s), first: {problems[0]}); "
                         f"check it with `distillery lineage {cut(path)} --verify` and rerun its stage")
     return {"role": inp.role, "path": shown, "sha256": tree_digest(files), "lineage": manifest}
+
+
+def _first_change(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
+    """The first file that differs between two ``[{path, sha256, bytes}]`` lists, in words."""
+    problems = compare_files(before, after)
+    return cut(problems[0], 120) if problems else "its files changed"
 
 
 def _utc_now() -> str:

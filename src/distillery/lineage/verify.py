@@ -59,6 +59,8 @@ class VerifyResult:
     sealed: bool = False  # the manifest records its own digest (manifest_sha256)
     notes: list[str] = dataclasses.field(default_factory=list)  # informational lines and warnings
     bytes_read: int = 0  # bytes of the artifact's own files read to rehash them
+    # --recursive: inputs read from outside this tree (a given model, one's own videos) whose files were not read here
+    not_checked: list[str] = dataclasses.field(default_factory=list)
 
 
 def _check_inputs(inputs: Any, chain: str, problems: list[str]) -> None:
@@ -181,10 +183,13 @@ def _outside_tree(p: Path, root: Path) -> bool:
     return real != root and root not in real.parents
 
 
-def _check_present_input(name: str, inp: Mapping[str, Any], problems: list[str], notes: list[str]) -> None:
+def _check_present_input(name: str, inp: Mapping[str, Any], problems: list[str], notes: list[str],
+                         outside: bool = False, not_checked: list[str] | None = None) -> None:
     """Check one recorded input where it is — only inside the tree being verified (the current directory):
-    a crafted lineage naming ``/``, ``/etc`` or ``/proc/kmsg`` gets a note and nothing is opened; an input
-    inside it that is not a folder or a regular file (a FIFO, a device) is a problem, never read."""
+    a crafted lineage naming ``/``, ``/etc`` or ``/proc/kmsg`` gets a note and nothing is opened (its path is added to
+    ``not_checked``); an input inside it that is not a folder or a regular file (a FIFO, a device) is a problem, never
+    read. ``outside`` (``--outside``: asked for): an input without a lineage read from outside the tree — a given
+    teacher, one's own videos — is opened there too (a folder or a regular file only, never a FIFO or a device)."""
     path = str(inp.get("path"))
     label = f"input {cut(name, 60)} ({cut(path)})"
     p = Path(path)
@@ -192,7 +197,9 @@ def _check_present_input(name: str, inp: Mapping[str, Any], problems: list[str],
         notes.append(f"{label}: not present, checked from the embedded manifest only")
         return
     root = real_path(Path.cwd())
-    if _outside_tree(p, root):
+    if _outside_tree(p, root) and not (outside and not isinstance(inp.get("lineage"), Mapping)):
+        if not_checked is not None:
+            not_checked.append(path)
         notes.append(f"{label}: outside the tree being verified ({cut(str(root))}): not opened, checked from the "
                      "embedded manifest only (verify it where it is)")
         return
@@ -238,7 +245,8 @@ def _check_present_input(name: str, inp: Mapping[str, Any], problems: list[str],
         notes.append(f"{label}: verified: {len(files)} files (external, no lineage)")
 
 
-def _check_upstream(manifest: Mapping[str, Any], problems: list[str], notes: list[str]) -> None:
+def _check_upstream(manifest: Mapping[str, Any], problems: list[str], notes: list[str], outside: bool = False,
+                    not_checked: list[str] | None = None) -> None:
     """Each embedded input found at its recorded path (relative to the current directory):
     its files against its own manifest and that manifest against the embedded one (external
     inputs: their files against the recorded list). Each (path, embedded content) once."""
@@ -251,11 +259,11 @@ def _check_upstream(manifest: Mapping[str, Any], problems: list[str], notes: lis
         if key in seen:
             continue
         seen.add(key)
-        _check_present_input(name, inp, problems, notes)
+        _check_present_input(name, inp, problems, notes, outside, not_checked)
 
 
 def verify_lineage(artifact_dir: str | Path, *, expect: str | None = None, dvc_lock: str | Path | None = None,
-                   recursive: bool = False) -> VerifyResult:
+                   recursive: bool = False, outside: bool = False) -> VerifyResult:
     """Check an artifact folder against its own lineage.json, offline and path-independent.
 
     Always: recomputes the manifest digest and checks the seal (``manifest_sha256``); reports
@@ -270,7 +278,8 @@ def verify_lineage(artifact_dir: str | Path, *, expect: str | None = None, dvc_l
     files and manifest rewritten consistently, which the seal alone cannot (see the module
     docstring). ``recursive``: also check each upstream input present at its recorded path
     (relative to the current directory) against its own manifest, and that manifest's digest
-    against the one embedded here; absent inputs get a note. Raises :class:`UserError` if
+    against the one embedded here; absent inputs get a note; an input outside the current directory is not opened
+    (``not_checked``) unless ``outside`` asks for the ones without a lineage (read from outside ``artifacts/``). Raises :class:`UserError` if
     there is no readable manifest, ``expect`` is not a digest, or the dvc.lock is unusable.
     """
     want = _parse_expect(expect) if expect is not None else None
@@ -290,7 +299,7 @@ def verify_lineage(artifact_dir: str | Path, *, expect: str | None = None, dvc_l
     if dvc_lock is not None:
         _check_dvc(folder, dvc_lock, check, res.problems, res.notes)
     if recursive:
-        _check_upstream(check.manifest, res.problems, res.notes)
+        _check_upstream(check.manifest, res.problems, res.notes, outside, res.not_checked)
     res.ok = not res.problems
     return res
 

@@ -72,9 +72,14 @@ class FamilyLoaders(Protocol):
     def save_head_bank(self, path: Path, bank: "torch.nn.Module") -> None:
         """Write ``bank`` to ``path`` (the ``HEAD_BANK_FILE`` that ``load_inference_model(pdd_steps=...)`` reads)."""
 
+    def lay_out_given_model(self, folder: Path, model_dir: Path, copy: Any) -> None:
+        """Lay ``folder``'s transformer out in ``model_dir`` as a trained artifact of the family holds it (every expert,
+        the folder's layout recorded in the transformer): what a given-model stage publishes; ``copy(source, target)``
+        copies one folder."""
+
 
 LOADER_NAMES = ("HEAD_BANK_FILE", "locate_transformer", "load_inference_model", "build_transformer", "input_widths",
-                "image_conditioning", "empty_head_bank", "save_head_bank")  # FamilyLoaders' members
+                "image_conditioning", "empty_head_bank", "save_head_bank", "lay_out_given_model")  # FamilyLoaders' members
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@
 configs use as ``_target_``. The family's loaders — :func:`locate_transformer`,
 :func:`load_inference_model`, :func:`build_transformer`, :func:`input_widths`, :func:`image_conditioning`
 (a transformer config's first-frame conditioning, Wan 2.1 image-to-video; None for text-to-video), :data:`HEAD_BANK_FILE`,
-:func:`empty_head_bank`, :func:`save_head_bank` — are what :mod:`distillery.models.registry` hands
+:func:`empty_head_bank`, :func:`save_head_bank`, :func:`lay_out_given_model` (a given folder's transformer laid out
+as a trained artifact holds it: both experts, the layout in its config) — are what :mod:`distillery.models.registry` hands
 the stages, validate and export for a folder whose transformer is a ``WanTransformer3DModel``
 (:class:`distillery.models.registry.FamilyLoaders` is the contract); they never import this package.
 """
@@ -33,11 +34,12 @@ from distillery.models.wan.common import (
     input_widths,
     locate_transformer,
 )
+from distillery.models.wan.experts import lay_out_given_model
 from distillery.models.wan.inference import load_inference_model
 from distillery.models.wan.pdd import HEADS_FILE as HEAD_BANK_FILE
 from distillery.models.wan.pdd import PDDWanModel, PDDWanModelConfig, empty_head_bank, save_head_bank
 
 __all__ = ["HEAD_BANK_FILE", "TRANSFORMER_CLASS", "CausalWanModel", "CausalWanModelConfig", "ImageConditioning", "PDDWanModel",
            "PDDWanModelConfig", "WanModel", "WanModelConfig", "build_transformer", "empty_head_bank", "image_conditioning",
-           "input_widths", "load_inference_model",
+           "input_widths", "lay_out_given_model", "load_inference_model",
            "locate_transformer", "save_head_bank"]

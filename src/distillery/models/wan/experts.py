@@ -18,6 +18,7 @@ start with ``_``), which the plugin writes into every transformer it trains, so 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,30 @@ def read_wan_layout(transformer_dir: Path) -> WanLayout:
         second = transformer_dir.parent / SECOND_EXPERT if folder.experts == 2 else None
         return WanLayout(folder.expand_timesteps, folder.boundary_ratio, second)
     return WanLayout()
+
+
+def lay_out_given_model(folder: Path, model_dir: Path, copy: Callable[[Path, Path], Any]) -> None:
+    """Lay the transformer of ``folder`` (a diffusers Wan folder, or one ``distillery import-weights`` wrote) out in
+    ``model_dir`` as a trained artifact holds it (module doc): ``transformer/`` (copied by ``copy(source, target)``),
+    Wan 2.2 A14B's second expert inside it (``transformer/transformer_2/``) and the folder's layout (``boundary_ratio``,
+    ``expand_timesteps``) in ``transformer/config.json`` under :data:`LAYOUT_KEY` — so the artifact alone tells its
+    layout, as one a stage trained does: a given two-expert teacher keeps both experts and its boundary, a given
+    TI2V-5B its per-token timesteps."""
+    from distillery.models.registry import read_layout
+
+    folder, model_dir = Path(folder), Path(model_dir)
+    copy(folder / "transformer", model_dir / "transformer")
+    if not (folder / "model_index.json").is_file():
+        return  # an imported Wan 2.1 checkpoint: one transformer, Wan 2.1's layout
+    found = read_layout(folder)  # one line for a folder whose experts do not add up
+    layout = WanLayout(found.expand_timesteps, found.boundary_ratio)
+    if found.experts == 2:
+        copy(folder / SECOND_EXPERT, model_dir / "transformer" / SECOND_EXPERT)
+    if layout.record():
+        config_file = model_dir / "transformer" / "config.json"
+        config = json.loads(config_file.read_text())
+        config[LAYOUT_KEY] = layout.record()
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def expert_index(timesteps: torch.Tensor, boundary_timestep: float) -> torch.Tensor:

@@ -91,7 +91,7 @@ class TrainingStageSpec:
       ``inputs`` to the roles' (a critic's init), applied after the variant;
     - ``given_source_key`` / ``given_path_key`` / ``given_value``: a stage whose model may be given rather than
       trained (``teacher.source: base``, ``pretrain.source: given``): the stage then publishes the model folder
-      ``given_path_key`` names (null: the base artifact's) as its artifact, untrained
+      ``given_path_key`` names (its default ``artifacts/base/model``: the base artifact's) as its artifact, untrained
       (:func:`stages.training.publish_given_model`);
     - ``input_keys``: role → the params.yaml key whose value names the stage that role starts from
       (``distill.critic_init: teacher | base``), applied last; dvc.yaml names that dep
@@ -223,7 +223,7 @@ TRAINING_STAGES: dict[str, TrainingStageSpec] = {
             name="teacher",
             template="stages/teacher_sft.yaml",
             inputs={"student": "base"},
-            # teacher.source: base publishes a given model (teacher.path: e.g. the 14B; null: the base) untrained
+            # teacher.source: base publishes a given model (teacher.path: e.g. the 14B; its default artifacts/base/model: the base) untrained
             given_source_key="teacher.source", given_path_key="teacher.path",
             # the reference: many- and few-step Euler with CFG (validate.teacher_steps, the first is the reference)
             validation=ValidationSpec("teacher", steps="validate.teacher_steps", guidance="validate.guidance_scale",

@@ -9,12 +9,16 @@ from distillery.common.errors import UserError
 
 
 def resolve_base(path: str) -> Path:
-    """``base.path`` → a diffusers model folder (``tiny``: the shipped fitted tiny Wan)."""
-    if path == "tiny":
+    """``base.path`` → a diffusers model folder (the default, ``src/distillery/assets/tiny-wan``: the shipped fitted tiny
+    Wan, checked present as the package ships it)."""
+    from distillery.pipeline.params.schema import SHIPPED_TINY_BASE, given_path
+
+    if given_path(path, SHIPPED_TINY_BASE) is None:
         from distillery.tinybase.shipped import shipped_tiny_base
 
-        return shipped_tiny_base()
+        shipped_tiny_base()  # one line when the package lost it
     p = Path(path).expanduser()
     if not (p / "model_index.json").is_file():
-        raise UserError(f"params.yaml: base.path: {p} is not a diffusers model folder (no model_index.json); use 'tiny' or a Wan2.1 folder")
+        raise UserError(f"params.yaml: base.path: {p} is not a diffusers model folder (no model_index.json); use "
+                        f"{SHIPPED_TINY_BASE} (the shipped tiny Wan) or a Wan2.1 folder")
     return p

@@ -29,6 +29,7 @@ from distillery.common.fsutil import file_kind, read_json_file
 from distillery.common.fsutil import human_bytes as human
 from distillery.pipeline.launch.training_table import DATA_ARTIFACT, TRAINING_STAGES
 from distillery.pipeline.params.reader import Params
+from distillery.pipeline.params.schema import CLIPS_VIDEOS, SHIPPED_TINY_BASE, given_path
 
 DISK_ERRNOS = {
     errno.ENOSPC: "no space left on the device",
@@ -132,7 +133,7 @@ def estimate_bytes(stage: str, params: Params, artifacts: Path) -> int:
         return _tree_bytes(resolve_base(params.get("base.path")))
     if stage == "latents":
         c = params.get("clips")
-        data = params.get("latents.data")
+        data = given_path(params.get("latents.data"), CLIPS_VIDEOS)
         count = c.num_train + c.num_validation if not data else sum(1 for _ in Path(data).rglob("*") if _.is_file()) // 2
         latent = 16 * ((c.num_frames - 1) // 4 + 1) * (c.size // 8) ** 2 * 4
         return count * latent
@@ -244,7 +245,7 @@ def training_rows(params: Params, artifacts: Path, encoded: bool = True) -> tupl
             return int(manifest["splits"]["train"]["rows"]), "artifacts/latents"
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    data = params.get("latents.data")
+    data = given_path(params.get("latents.data"), CLIPS_VIDEOS)
     if not data:
         return params.get("clips.num_train"), "clips.num_train"
     from distillery.data.videos import find_captions_file, find_splits
@@ -326,11 +327,11 @@ def _check_batch_rows(names: list[str], found: tuple[int, str], stage: str, para
 
 
 def _check_base_path(params: Params) -> None:
-    """``base.path``: ``tiny`` (shipped) or a diffusers Wan folder the base stage accepts: a ``model_index.json`` of
+    """``base.path``: the shipped tiny Wan or a diffusers Wan folder the base stage accepts: a ``model_index.json`` of
     library classes only (:func:`~distillery.pipeline.publish.base_folder.check_model_index`, the base stage's own check) and a
     transformer config. Only that module is imported: the stages before ``base`` keep their code deps small."""
     path = params.get("base.path")
-    if path == "tiny":
+    if given_path(path, SHIPPED_TINY_BASE) is None:
         return
     from distillery.pipeline.publish.base_folder import check_model_index  # only for a folder: the tiny default's stages never import it
     source = Path(path).expanduser()
@@ -340,17 +341,17 @@ def _check_base_path(params: Params) -> None:
     check_model_index(source, f"params.yaml: base.path: {source}")
     if not (source / "transformer" / "config.json").is_file():
         raise UserError(f"params.yaml: base.path: {source} has no transformer/config.json: not a Wan model folder; "
-                        "use 'tiny' or a Wan2.1 diffusers folder")
+                        f"use {SHIPPED_TINY_BASE} (the shipped tiny Wan) or a Wan2.1 diffusers folder")
 
 
 CAPTION_FILES = ("captions.jsonl", "videos2caption.json")  # distillery.data.videos.CAPTION_FILES (a test keeps them equal)
 
 
 def _check_latents_data(params: Params) -> None:
-    """``latents.data`` (when set): a folder with a captions file, or ``train/`` [+ ``validation/``] split folders each
-    with one, as the latents stage reads it (:func:`distillery.data.videos.find_splits` checks the files themselves;
-    this is the folder layout, without importing the data package)."""
-    data = params.get("latents.data")
+    """``latents.data`` (when one's own: not the clips stage's): a folder with a captions file, or ``train/`` [+
+    ``validation/``] split folders each with one, as the latents stage reads it (:func:`distillery.data.videos.find_splits`
+    checks the files themselves; this is the folder layout, without importing the data package)."""
+    data = given_path(params.get("latents.data"), CLIPS_VIDEOS)
     if not data:
         return
     folder = Path(data).expanduser()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,8 +67,10 @@ def non_negative_finite(v: float) -> str | None:
 
 
 def guidance_at_least_one(v: float) -> str | None:
-    """PDD's guidance (methods/pdd.py: one rule with DM-PDD's real score): 1 is the conditional teacher, above 1 CFG;
-    a scale in (0, 1) was silently read as 1 in the targets."""
+    """Every guidance knob's one rule (pretrain's trajectories, distill's real score, pdd's targets, validate's teacher
+    baselines): 1 is the conditional model alone, above 1 CFG ``u + w (c − u)``. A scale below 1 is refused: the
+    samplers (:func:`distillery.sampling.base.guide`) run the conditional model alone for every w ≤ 1, so w = 0.5 would
+    be recorded while w = 1 ran."""
     return None if math.isfinite(v) and v >= 1 else "must be a finite number ≥ 1 (1: no guidance)"
 
 
@@ -100,6 +103,30 @@ def usable_path(v: str) -> str | None:
 
 def optional_path(v: str | None) -> str | None:
     return None if v is None else usable_path(v)
+
+
+# What a path key's default stands for, written as the path it is: dvc.yaml names these keys as dependencies of the
+# stage reading them (``${latents.data}``), so DVC hashes what they name — a caption edited in one's own videos, a given
+# teacher's weights swapped — and reruns the stage; a dependency is never null (DVC cannot name an empty one).
+SHIPPED_TINY_BASE = "src/distillery/assets/tiny-wan"  # base.path: the fitted tiny Wan shipped in the package (the clone's)
+CLIPS_VIDEOS = "artifacts/clips/data"  # latents.data: the clips stage's captioned videos
+BASE_MODEL = "artifacts/base/model"  # teacher.path, pretrain.path: the base artifact's model
+
+
+def given_path(value: str, stands_for: str) -> str | None:
+    """``value`` as given, or None when it names ``stands_for`` (the in-tree default of its key: nothing given)."""
+    return None if os.path.normpath(value) == os.path.normpath(stands_for) else value
+
+
+def dependency_path(stands_for: str) -> Check:
+    """The rule of a path key dvc.yaml makes a dependency (above): a usable path, never null — which names the
+    default it stands for."""
+    def check(v: str | None) -> str | None:
+        if v is None or v == "tiny":
+            return (f"must name a path: dvc.yaml makes it a dependency of the stage that reads it (DVC reruns the stage "
+                    f"when a file there changes); the default is {stands_for}")
+        return usable_path(v)
+    return check
 
 
 def host_port(v: str | None) -> str | None:
@@ -212,12 +239,12 @@ class ClipsParams:
 
 @dataclass
 class BaseParams:
-    path: str = rule("tiny", check=usable_path)  # "tiny" (the shipped fitted tiny Wan) or a Wan2.1 diffusers folder
+    path: str | None = rule(SHIPPED_TINY_BASE, check=dependency_path(SHIPPED_TINY_BASE))  # the shipped fitted tiny Wan, or a Wan2.1 diffusers folder
 
 
 @dataclass
 class LatentsParams:
-    data: str | None = rule(None, check=optional_path)  # null: the clips stage's output; or a folder of videos/ + captions
+    data: str | None = rule(CLIPS_VIDEOS, check=dependency_path(CLIPS_VIDEOS))  # the clips stage's output, or a folder of videos/ + captions
     rows_per_shard: int = rule(64, 1, MAX_ROWS_PER_SHARD)  # caption entries per parquet shard
     max_bad_fraction: float = rule(0.5, 0, 1, fraction)  # fail when more than this fraction of the clips is unusable
     num_frames: int | None = rule(None, 5, MAX_FRAMES, optional(four_k_plus_one))  # frames per latent clip; null: clips.num_frames
@@ -268,7 +295,8 @@ class TrainingStageParams:
 @dataclass
 class TeacherParams(TrainingStageParams):
     source: Literal["sft", "base"] = rule("sft")  # sft: a fine-tune of the base on the latents; base: a given model (teacher.path, else the base) as is
-    path: str | None = rule(None, check=optional_path)  # source base: a Wan2.1 diffusers folder (e.g. the 14B beside a 1.3B base); null: the base's
+    # source base: a Wan diffusers folder (e.g. the 14B beside a 1.3B base); the default: the base's
+    path: str | None = rule(BASE_MODEL, check=dependency_path(BASE_MODEL))
 
 
 @dataclass
@@ -283,7 +311,7 @@ class PretrainParams(TrainingStageParams):
     t_list: list[float] = rule([999.0, 937.0, 833.0, 624.0, 0.0], 0, MAX_TIMESTEP, check=trajectory_points, sets="method.t_list",
                                when={"method": ("ode_init", "ode_init_bidirectional")})  # ode_init: the trajectory points
     teacher_steps: int = rule(8, 1, MAX_SAMPLING_STEPS)  # ode_init: the teacher's Euler steps (t_list's points added to its grid)
-    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite)  # ode_init: the teacher's CFG, u + w (c - u)
+    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, guidance_at_least_one)  # ode_init: the teacher's CFG, u + w (c - u)
     seeds_per_prompt: int = rule(1, 1, MAX_SEEDS)  # ode_init: trajectories (noise draws) per prompt
     trajectory_batch_size: int = rule(8, 1, MAX_BATCH)  # ode_init: prompts per teacher batch while generating
     trajectory_rows_per_shard: int = rule(32, 1, MAX_ROWS_PER_SHARD)  # ode_init: trajectories per shard (the unit of resume)
@@ -291,7 +319,7 @@ class PretrainParams(TrainingStageParams):
     # train: made by pretrain.method; given: pretrain.path published as is — e.g. the Self-Forcing repo's ode_init.pt
     # after `distillery import-weights` (docs/training.md) — the init of distill, nothing trained
     source: Literal["train", "given"] = rule("train")
-    path: str | None = rule(None, check=optional_path)  # source given: that folder (import-weights' output, or a diffusers folder)
+    path: str | None = rule(BASE_MODEL, check=dependency_path(BASE_MODEL))  # source given: that folder (import-weights' output, or a diffusers folder)
 
 
 def score_ratio(v: float) -> str | None:
@@ -313,7 +341,7 @@ class DistillParams(TrainingStageParams):
     # the student steps every k-th step; the critic every step
     generator_update_interval: int = rule(2, 1, 1000, sets="method.generator_update_interval")
     # the teacher's CFG scale in the real score
-    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite, sets="method.real_score_guidance_scale")
+    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, guidance_at_least_one, sets="method.real_score_guidance_scale")
     # self_forcing: timestep of the KV-cached context chunks (0: clean)
     context_noise: float = rule(0.0, 0, MAX_TIMESTEP, score_ratio, sets="method.context_noise", when={"method": ("self_forcing",)})
     critic_init: Literal["teacher", "base"] = rule("teacher")  # the critic's init: the teacher artifact, or the base (the student's; the published recipes')
@@ -359,7 +387,7 @@ class ValidateParams:
     num_seeds: int = rule(2, 1, MAX_SEEDS)  # noise draws per prompt (spreads are over them)
     teacher_steps: list[int] = rule([40, 8, 4, 2, 1], 1, MAX_SAMPLING_STEPS, step_list)  # the teacher's sampling step counts (the first: the reference)
     pretrain_steps: int = rule(40, 1, MAX_SAMPLING_STEPS)  # the pretrain student's sampling steps
-    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, non_negative_finite)  # CFG scale of the teacher baselines
+    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, guidance_at_least_one)  # CFG scale of the teacher baselines
     pdd_nfe: list[int] = rule([1, 2, 4, 8], 1, MAX_SAMPLING_STEPS, step_list)  # the PDD student's NFE curve (blocks of pdd_steps / NFE)
     device: str = rule("auto", check=device_name)  # auto: the GPU when gpus.nproc_per_node >= 1 and CUDA is there, else cpu
     vae_precision: Literal["auto", "fp32", "bf16"] = rule("fp32")  # the VAE decode's dtype; auto: bf16 on a GPU, fp32 on CPU
@@ -451,12 +479,13 @@ def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
         raise UserError(f"{source}: pretrain.data: prompts: pretrain.method {params.pretrain.method} trains on video "
                         f"latents, which a prompt-only set has none of; use pretrain.method: ode_init (its trajectories "
                         f"start from the prompts), or pretrain.data: latents")
-    if (params.pretrain.path is None) == (params.pretrain.source == "given"):
+    given_student = given_path(params.pretrain.path, BASE_MODEL)
+    if (given_student is None) == (params.pretrain.source == "given"):
         raise UserError(f"{source}: pretrain.path: {params.pretrain.path}: " + (
             "pretrain.source: given needs pretrain.path: the folder to publish as the student (e.g. what `distillery "
-            "import-weights ode_init.pt` wrote)" if params.pretrain.path is None else
+            "import-weights ode_init.pt` wrote)" if given_student is None else
             "a given student needs pretrain.source: given (pretrain.source: train makes it with pretrain.method)"))
-    if params.teacher.path is not None and params.teacher.source != "base":
+    if given_path(params.teacher.path, BASE_MODEL) is not None and params.teacher.source != "base":
         raise UserError(f"{source}: teacher.path: {params.teacher.path}: a given teacher needs teacher.source: base "
                         f"(teacher.source: sft fine-tunes base.path)")
     return params

@@ -121,7 +121,7 @@ def finish(stage: str, staging: Path, *, kind: str, params: StageParams, metrics
            mlflow: dict | None = None, volatile: dict[str, Any] | None = None,
            mlflow_files: list[tuple[Path, str]] | None = None, plots: dict[str, Any] | None = None,
            verify_chain: bool = False, launch: dict[str, Any] | None = None,
-           weights: dict[str, Any] | None = None) -> Path:
+           weights: dict[str, Any] | None = None, pinned: dict[str, Any] | None = None) -> Path:
     """metrics.json + lineage.json into ``staging``, the MLflow child run (unless the trainer made
     one), then publish ``staging`` as ``artifacts/<stage>``. ``metrics`` must be a function of the
     artifact's content; ``volatile`` numbers (durations) go to MLflow and ``metrics/<stage>.json`` only.
@@ -134,7 +134,10 @@ def finish(stage: str, staging: Path, *, kind: str, params: StageParams, metrics
     inputs and their upstream artifacts is checked against their manifests first
     (:func:`verify_shipped_chain`). ``launch``: how a training stage ran (launcher, nodes, the Slurm
     job), recorded in the lineage. ``weights``: which weights a training stage's model holds (its own
-    or its EMA's, :func:`stages.training.shipped_weights`), recorded in the lineage."""
+    or its EMA's, :func:`stages.training.shipped_weights`), recorded in the lineage. ``pinned``: ``{role: files}`` of
+    the inputs read from outside ``artifacts/``, as :func:`distillery.lineage.manifest.pin_input` found them before the
+    stage read them: an input changed since is one line and nothing is published (its lineage would record bytes the
+    stage never read)."""
     from distillery.lineage.manifest import Input, write_lineage
     from distillery.pipeline.publish.mlflow_runs import log_files, log_stage_run, parent_run_id
 
@@ -149,7 +152,7 @@ def finish(stage: str, staging: Path, *, kind: str, params: StageParams, metrics
         if mlflow_files and mlflow.get("run_id"):
             log_files(mlflow["tracking_uri"], mlflow["run_id"], mlflow_files)
     manifest = write_lineage(staging, kind=kind, stage=stage, method=method, config=config, params=read,
-                             inputs=[Input(role, path) for role, path in inputs], mlflow=mlflow, metrics=metrics,
+                             inputs=[Input(role, path, (pinned or {}).get(role)) for role, path in inputs], mlflow=mlflow, metrics=metrics,
                              artifact_name=(ARTIFACTS / stage).as_posix(), launch=launch, weights=weights)
     if verified is not None:
         _embedded_as_verified(stage, manifest, verified)
