@@ -188,10 +188,7 @@ def make_workspace(folder: Path, updates: dict[str, Any], artifacts_from: Path |
         if dst.is_dir():
             shutil.rmtree(dst)
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(ROOT / name, dst)
-    from distillery.tinybase.shipped import SHIPPED_TINY_BASE
-
-    # the shipped tiny Wan where the package has it: this folder holds no src/ for params.yaml's default path
-    set_params(folder / "params.yaml", {"base.path": str(SHIPPED_TINY_BASE), **updates})
+    set_params(folder / "params.yaml", updates)
     if artifacts_from is not None:
         shutil.rmtree(folder / "artifacts", ignore_errors=True)
         (folder / "artifacts").mkdir()

@@ -9,7 +9,7 @@ from distillery.common.log import get_logger
 from distillery.lineage.manifest import pin_input
 from distillery.pipeline.params.reader import StageParams
 from distillery.pipeline.params.schema import CLIPS_VIDEOS, given_path
-from distillery.pipeline.publish.artifacts import ARTIFACTS, finish, fresh_staging
+from distillery.pipeline.publish.artifacts import ARTIFACTS, finish, resumable_staging
 
 log = get_logger("stage")
 
@@ -19,7 +19,7 @@ def stage_latents(params: StageParams) -> None:
 
     own = given_path(params.get("latents.data"), CLIPS_VIDEOS)  # None: the clips stage's videos
     data = own or str(ARTIFACTS / "clips" / "data")
-    staging = fresh_staging("latents")
+    staging = resumable_staging("latents")  # a killed run's finished shards are kept
     from distillery.pipeline.launch.device import stage_device
 
     lat = params.get("latents")

@@ -1,7 +1,8 @@
 """The ``prompts`` stage: the prompt embeddings of ``prompts.path`` (no videos) as parquet shards, published as
 ``artifacts/prompts/`` — the data of a distillation stage with ``<stage>.data: prompts``.
 
-The previous ``artifacts/prompts/data`` seeds the new one (its files hard-linked, or copied where a link cannot be
+A killed run's finished shards in ``artifacts/prompts.tmp/data`` are kept (:func:`resumable_staging`), and the
+previous ``artifacts/prompts/data`` seeds the rest of the new one (its files hard-linked, or copied where a link cannot be
 made; every file the encoder rewrites is replaced by rename, never written in place), so a rerun re-encodes only the
 shards whose prompts, settings or text encoder changed (:func:`distillery.data.prompts.encode_prompts_file`).
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 from distillery.common.log import get_logger
 from distillery.lineage.manifest import pin_input
 from distillery.pipeline.params.reader import StageParams
-from distillery.pipeline.publish.artifacts import ARTIFACTS, finish, fresh_staging
+from distillery.pipeline.publish.artifacts import ARTIFACTS, finish, resumable_staging
 
 log = get_logger("stage")
 
@@ -30,8 +31,9 @@ def _chosen(params: StageParams, *keys: str):
 
 
 def seed_from_previous(previous: Path, staging: Path) -> int:
-    """Hard-link (else copy) every regular file of ``previous`` into ``staging`` (same relative paths); symbolic
-    links and other file types are left out (the encoder then redoes what they held). Returns the files seeded."""
+    """Hard-link (else copy) every regular file of ``previous`` into ``staging`` (same relative paths) that ``staging``
+    does not hold yet (a stopped run's newer shard stays); symbolic links and other file types are left out (the encoder
+    then redoes what they held). Returns the files seeded."""
     seeded = 0
     if not previous.is_dir() or previous.is_symlink():
         return 0
@@ -39,6 +41,8 @@ def seed_from_previous(previous: Path, staging: Path) -> int:
         if src.is_symlink() or not src.is_file():
             continue
         dst = staging / src.relative_to(previous)
+        if os.path.lexists(dst):
+            continue
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.link(src, dst)
@@ -61,7 +65,7 @@ def stage_prompts(params: StageParams) -> None:
         negative_prompt=params.get("latents.negative_prompt") or "", max_file_bytes=p.max_file_bytes,
         max_prompt_chars=p.max_prompt_chars)
     source = Path(p.path)
-    staging = fresh_staging("prompts")
+    staging = resumable_staging("prompts")  # a killed run's finished shards are kept
     seeded = seed_from_previous(ARTIFACTS / "prompts" / "data", staging / "data")
     log.info("prompts: %s for rollouts of %d frames of %dx%d on %s (%d files of the previous set reused where unchanged)",
              source, cfg.num_frames, cfg.height, cfg.width, cfg.device, seeded)

@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 import pytest
+from workspace import shipped_params_text
 
 import distillery
 from distillery.pipeline.dvcfile import load_dvc_stages, stage_params
@@ -71,6 +72,16 @@ def _covered(path: str, deps: list[str]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in deps)
 
 
+def _shipped_params() -> Params:
+    """The shipped params.yaml (:func:`workspace.shipped_params_text`), validated."""
+    import yaml
+
+    from distillery.pipeline.params.schema import ParamsSchema, as_written, to_plain, validate_params
+
+    data = yaml.safe_load(shipped_params_text())
+    return Params(as_written(data, to_plain(ParamsSchema())), ROOT / "params.yaml", validate_params(data))
+
+
 def test_dvc_stages_are_the_code_stages():
     stages = load_dvc_stages(ROOT)
     by_code = {_stage_name(s.cmd): s for s in stages.values() if _stage_name(s.cmd)}
@@ -91,12 +102,12 @@ def test_training_table_reads_only_its_dvc_params():
         for template in spec.templates():
             assert template in load_dvc_stages(ROOT)[name].deps, f"stage {name}: template {template} not a dep"
         # the inputs of the variant params.yaml picks (dvc.yaml names a variant's init as artifacts/${<variant key>})
-        for stage in spec.resolve(Params.load(ROOT / "params.yaml")).inputs.values():
+        for stage in spec.resolve(_shipped_params()).inputs.values():
             assert f"artifacts/{stage}" in load_dvc_stages(ROOT)[name].deps, f"stage {name}: input artifacts/{stage} not a dep"
 
 
 def test_params_schema_knows_every_key_a_stage_reads():
-    params = Params.load(ROOT / "params.yaml")
+    params = _shipped_params()
     for name in STAGES:
         for key in stage_params(name, ROOT):
             params.get(key)  # raises (UserError) on a key the schema lacks
@@ -106,7 +117,7 @@ def test_params_schema_knows_every_key_a_stage_reads():
 
 
 def test_a_stage_sees_only_its_dvc_params():
-    params = Params.load(ROOT / "params.yaml")
+    params = _shipped_params()
     view = StageParams(params, "teacher", stage_params("teacher", ROOT))
     assert view.get("teacher.steps") == params.get("teacher.steps") and view.get("gpus.nproc_per_node") == 1
     with pytest.raises(UndeclaredParam, match="pretrain.steps"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from workspace import copy_workspace, set_params, sh, stage
+from workspace import copy_workspace, set_params, sh, shipped_params_text, stage
 
 from distillery.pipeline.params.schema import validate_params
 from distillery.tinybase.tiny import TinyBaseConfig, TinyTransformerConfig, make_tiny_base
@@ -98,9 +98,10 @@ def test_a_given_teacher_that_is_no_model_folder_is_one_line(prepared, tmp_path)
 
 
 def test_teacher_path_needs_source_base_and_the_defaults_train_the_teacher():
-    shipped = yaml.safe_load((ROOT / "params.yaml").read_text())
+    shipped = yaml.safe_load(shipped_params_text())
     p = validate_params(shipped)
-    assert (p.teacher.source, p.teacher.path, p.pretrain.student_init, p.distill.critic_init) == ("sft", None, "teacher", "teacher")
+    assert (p.teacher.source, p.teacher.path, p.pretrain.student_init, p.distill.critic_init) == (
+        "sft", "artifacts/base/model", "teacher", "teacher")  # the default path stands for the base: nothing given
     shipped["teacher"]["path"] = "/models/Wan2.1-T2V-14B-Diffusers"
     with pytest.raises(Exception, match="teacher.path: .*needs teacher.source: base"):
         validate_params(shipped)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from workspace import shipped_params_text
 
 from distillery.common.errors import UserError
 from distillery.components.rng import BatchRNG
@@ -135,7 +136,7 @@ def test_the_student_s_chunks_and_the_method_s_must_agree(tiny_base, training):
 @pytest.mark.parametrize("t_list, why", [("[999, 624, 833, 0]", "strictly descending"), ("[999, 937, 833, 624]", "must end at 0"),
                                          ("[1500, 937, 0]", "in [0, 1000]")])
 def test_params_check_refuses_a_bad_t_list_in_one_line(tmp_path, t_list, why):
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params = yaml.safe_load(shipped_params_text())
     params["pretrain"]["t_list"] = yaml.safe_load(t_list)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     proc = subprocess.run([sys.executable, "-m", "distillery.cli.main", "params", "check"], cwd=tmp_path,
@@ -233,7 +234,7 @@ def test_a_generation_killed_mid_shard_resumes_to_the_same_bytes(tmp_path, tiny_
 def test_dfsft_on_a_prompt_only_set_is_refused_at_the_params_check():
     from distillery.pipeline.params.schema import validate_params
 
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params = yaml.safe_load(shipped_params_text())
     params["pretrain"]["data"] = "prompts"
     with pytest.raises(UserError, match="pretrain.data: prompts: pretrain.method dfsft trains on video latents"):
         validate_params(params)

@@ -17,12 +17,11 @@ copy of it, the kill-and-resume test compares against it.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from workspace import ROOT, copy_workspace, set_params, sh, tree_sha
+from workspace import copy_pipeline, copy_workspace, set_params, sh, tree_sha
 
 from distillery.pipeline.dvcfile import stage_params
 from distillery.pipeline.launch.run_config import fill_run_config, stage_overrides
@@ -58,8 +57,7 @@ def ode_pretrained(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> t
 def test_pretrain_method_picks_its_template_and_fills_it(tmp_path, monkeypatch, method, target, model, chunks):
     """pretrain.method picks the recipe: its template, the causal chunks where the student is causal, the t_list of
     KD, and (ODE-init) the trajectory folder as the data; every key the row fills is null in the template."""
-    for name in ("dvc.yaml", "params.yaml", "stages"):
-        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(ROOT / name, tmp_path / name)
+    copy_pipeline(tmp_path)
     data = yaml.safe_load((tmp_path / "params.yaml").read_text())
     data["pretrain"].update(method=method, chunk_size=2, t_list=[1000, 750, 500, 0])
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))

@@ -15,17 +15,11 @@ import subprocess
 from pathlib import Path
 
 import yaml
+from workspace import committed_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def committed_params(root: Path = ROOT) -> str:
-    """``params.yaml`` as committed at HEAD of ``root`` (the checkout's file when there is no git)."""
-    try:
-        out = subprocess.run(["git", "show", "HEAD:params.yaml"], cwd=root, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        out = None
-    return out.stdout if out is not None and out.returncode == 0 and out.stdout else (root / "params.yaml").read_text()
 
 
 def _set(path: Path, *overrides: str) -> str:

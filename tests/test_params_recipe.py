@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 from helpers import nudge_weights, run_config
+from workspace import shipped_params_text
 
 from distillery.common.errors import UserError
 from distillery.pipeline.params.schema import validate_params
@@ -32,7 +33,7 @@ WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，
 
 
 def _shipped() -> dict:
-    return yaml.safe_load((ROOT / "params.yaml").read_text())
+    return yaml.safe_load(shipped_params_text())
 
 
 def _with(**dotted) -> dict:

@@ -186,17 +186,15 @@ def test_torchrun_ranks_split_the_shards(tmp_path, tiny_base, clips, uninterrupt
 def test_latents_stage_takes_its_own_size_and_validate_follows_it(tmp_path, monkeypatch, clips):
     """latents.height/width/num_frames override the clips' square size (a user's 480×832 data); the
     manifest records them and validate reads its video size from there, not from clips.*."""
-    import shutil
 
     import yaml
+    from workspace import copy_pipeline, shipped_params_text
 
     from distillery.pipeline.launch.runner import run_stage
     from stages.validate import latent_settings
 
-    root = Path(__file__).resolve().parents[1]
-    for name in ("dvc.yaml", "stages"):
-        (shutil.copytree if (root / name).is_dir() else shutil.copy2)(root / name, tmp_path / name)
-    params = yaml.safe_load((root / "params.yaml").read_text())
+    copy_pipeline(tmp_path, ("dvc.yaml", "stages"))
+    params = yaml.safe_load(shipped_params_text())
     params["latents"].update(data=str(clips), num_frames=5, height=32, width=48, device="cpu")
     for stage in ("teacher", "pretrain", "distill", "pdd"):  # 12 clips: the first stage refuses the default batch of 16
         params[stage]["batch_size"] = 4

@@ -11,12 +11,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 from helpers import run_config
+from workspace import copy_pipeline, shipped_params_text
 
 from distillery.common.errors import UserError
 from distillery.config import allowed_prefixes, load_run_config
@@ -34,7 +34,7 @@ def _params(tmp_path: Path, text: str) -> Params:
 
 
 def test_stages_read_typed_params_and_record_them_as_written(tmp_path):
-    shipped = (ROOT / "params.yaml").read_text()
+    shipped = shipped_params_text()
     assert "  fps: 8\n" in shipped  # an integer where the schema takes a number
     params = _params(tmp_path, shipped)
     view = StageParams(params, "validate", stage_params("validate", ROOT))
@@ -135,8 +135,7 @@ def test_distillery_stage_teacher_writes_the_same_run_yaml(tmp_path, monkeypatch
     from distillery.pipeline.launch.run_config import fill_run_config
     from distillery.pipeline.launch.training_table import TRAINING_STAGES
 
-    for name in ("dvc.yaml", "params.yaml", "stages"):
-        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(ROOT / name, tmp_path / name)
+    copy_pipeline(tmp_path)
     (tmp_path / "artifacts/latents/data").mkdir(parents=True)
     (tmp_path / "artifacts/latents/data/preprocess.json").write_text(json.dumps({"settings": {"max_sequence_length": 24}}))
     monkeypatch.chdir(tmp_path)

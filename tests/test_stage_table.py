@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
+from workspace import copy_pipeline
 
 from distillery.common.errors import UserError
 from distillery.pipeline.dvcfile import stage_params
@@ -29,8 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _workspace(tmp_path: Path, monkeypatch, updates: dict[str, object] | None = None) -> Params:
-    for name in ("dvc.yaml", "params.yaml", "stages"):
-        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(ROOT / name, tmp_path / name)
+    copy_pipeline(tmp_path)
     data = yaml.safe_load((tmp_path / "params.yaml").read_text())
     for dotted, value in (updates or {}).items():
         section, key = dotted.split(".")

@@ -3,6 +3,7 @@ dvc.yaml/params.yaml/stages, small params; and the process helpers those tests n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -24,6 +25,37 @@ SMALL = {"clips.num_train": 16, "clips.num_validation": 4, "teacher.steps": 6, "
          "validate.num_prompts": 2, "validate.teacher_steps": [6, 2], "validate.pretrain_steps": 4,
          "distill.steps": 4, "distill.batch_size": 4, "distill.save_every": 2, "distill.generator_update_interval": 2,
          "pdd.steps": 4, "pdd.batch_size": 4, "pdd.save_every": 2, "validate.pdd_nfe": [1, 4]}
+
+
+def committed_params(root: Path = ROOT) -> str:
+    """``params.yaml`` as committed at HEAD of ``root`` (``git show HEAD:params.yaml``); the file itself outside git."""
+    try:
+        out = subprocess.run(["git", "show", "HEAD:params.yaml"], cwd=root, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        out = None
+    return out.stdout if out is not None and out.returncode == 0 and out.stdout else (root / "params.yaml").read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def shipped_params_text() -> str:
+    """``params.yaml`` as the checkout ships it: as committed (:func:`committed_params`), not the file in the checkout —
+    which ``dvc exp run -S`` (as the docs teach) leaves holding an experiment's values. Tests build their workspaces and
+    take the defaults from this."""
+    return committed_params(ROOT)
+
+
+def copy_pipeline(dst: Path, names: tuple[str, ...] = ("dvc.yaml", "params.yaml", "stages")) -> Path:
+    """The checkout's pipeline files ``names`` into ``dst``: ``params.yaml`` as shipped (:func:`shipped_params_text`),
+    ``stages/`` without a local run's bytecode, the others as they are."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if name == "params.yaml":
+            (dst / name).write_text(shipped_params_text())
+        elif name == "stages":
+            copy_stages(dst)
+        else:
+            shutil.copy2(ROOT / name, dst / name)
+    return dst
 
 
 def env() -> dict[str, str]:
@@ -57,13 +89,7 @@ def copy_stages(repo: Path) -> Path:
 def make_workspace(repo: Path, updates: dict[str, object] | None = None, dvc_cache_type: str | None = None) -> Path:
     """A git + DVC repository holding the pipeline (code included, as a user's clone would). ``dvc_cache_type``:
     DVC's ``cache.type`` (default: DVC's own, copies), e.g. ``hardlink,symlink`` as docs/gpus.md advises at real shape."""
-    repo.mkdir(parents=True, exist_ok=True)
-    for name in ("dvc.yaml", "params.yaml", "stages", ".gitignore"):
-        src = ROOT / name
-        if name == "stages":
-            copy_stages(repo)
-        else:
-            shutil.copy2(src, repo / name)
+    copy_pipeline(repo, ("dvc.yaml", "params.yaml", "stages", ".gitignore"))
     with (repo / ".gitignore").open("a") as fh:
         fh.write("/.dvc-site/\n")  # the site cache dir set below
     shutil.copytree(ROOT / "src" / "distillery", repo / "src" / "distillery", ignore=shutil.ignore_patterns("__pycache__"))

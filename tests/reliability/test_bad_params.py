@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from workspace import shipped_params_text
 
 from distillery.common.errors import UserError
 from distillery.pipeline.params.reader import Params
@@ -26,7 +27,7 @@ from distillery.pipeline.params.schema import TRAINING_STAGES, ParamsSchema, to_
 CASE = "8.12"
 ROOT = Path(__file__).resolve().parents[2]
 DISTILLERY = str(Path(sys.executable).parent / "distillery")
-SHIPPED = (ROOT / "params.yaml").read_text()
+SHIPPED = shipped_params_text()  # the defaults as shipped, not the workspace's (an experiment edits it)
 LAST_LINE = SHIPPED.count("\n") + 1  # a line appended to the shipped file
 TEACHER_STEPS_LINE = SHIPPED.splitlines().index("  steps: 120") + 1  # the first "steps:" is the teacher's
 
@@ -172,10 +173,11 @@ def test_every_rule_names_the_key(tmp_path, data_lost):
 
 @_mark("shipped params.yaml validates", "none: the params.yaml in the repository",
        "validates unchanged; schema defaults equal it; every key a stage reads is in the schema")
-def test_shipped_params_validate_unchanged(data_lost):
+def test_shipped_params_validate_unchanged(tmp_path, data_lost):
     from distillery.pipeline.launch.training_table import TRAINING_STAGES as TRAINING
 
-    params = Params.load(ROOT / "params.yaml")
+    (tmp_path / "params.yaml").write_text(SHIPPED)
+    params = Params.load(tmp_path / "params.yaml")
     shipped = yaml.safe_load(SHIPPED)
     assert params.data == shipped  # nothing added, dropped or converted
     assert to_plain(ParamsSchema()) == shipped  # the defaults are the shipped values
@@ -324,3 +326,40 @@ def test_every_guidance_knob_below_one_is_refused(tmp_path, monkeypatch, capsys,
                 assert rc == 0, (knob, value, err)
     data_lost.record(len([p for p in tmp_path.rglob("*") if p.name != "params.yaml"]), "files written by the check")
     assert data_lost.total == 0
+
+
+@pytest.mark.process
+@pytest.mark.reliability(case="11.8", title="the tests read the shipped defaults, not the workspace's params.yaml",
+                         injected="a copy of the checkout (git, its params.yaml committed) whose params.yaml an experiment "
+                                  "changed as `dvc exp run -S distill.method=dmd2 -S teacher.steps=7` leaves it; then this "
+                                  "file's schema tests run there (pytest)",
+                         expect="they pass: the defaults they compare are the committed file's, never the experiment's")
+def test_the_tests_read_the_shipped_params_not_an_experiments(tmp_path, data_lost):
+    import os
+    import shutil
+
+    from dvc.utils.hydra import apply_overrides
+
+    checkout = tmp_path / "checkout"
+    for name in ("tests", "stages", "docs", "dvc.yaml", "params.yaml", "pyproject.toml"):
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, checkout / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, checkout / name)
+    (checkout / "params.yaml").write_text(SHIPPED)
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q"], cwd=checkout, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=checkout, check=True)
+    subprocess.run([*git, "commit", "-qm", "the checkout"], cwd=checkout, check=True)
+    apply_overrides(checkout / "params.yaml", ["distill.method=dmd2", "teacher.steps=7"])  # what `dvc exp run -S` leaves
+    assert (checkout / "params.yaml").read_text() != SHIPPED
+    (tmp_path / "inner-tmp").mkdir()  # its own temp root: the inner pytest must not clean this session's folders
+    inner = {k: v for k, v in os.environ.items() if k != "DISTILLERY_RELIABILITY_REPORT"}
+    inner["PYTEST_DEBUG_TEMPROOT"] = str(tmp_path / "inner-tmp")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                           "tests/reliability/test_bad_params.py", "-k", "shipped_params_validate or every_rule or guidance"],
+                          cwd=checkout, capture_output=True, text=True, timeout=600, env=inner)
+    assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    data_lost.record(0, "files of the checkout changed")

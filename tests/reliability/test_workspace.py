@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from workspace import copy_stages
+from workspace import copy_pipeline, copy_stages, shipped_params_text
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = (ROOT / "params.yaml").read_text()
+SHIPPED = shipped_params_text()  # the defaults as shipped, not the workspace's
 DISTILLERY = str(Path(sys.executable).parent / "distillery")
 
 
@@ -47,8 +47,7 @@ def test_a_workspace_too_deep_for_sqlite_is_one_line_first(tmp_path, monkeypatch
                                   "(the stage adapters a workspace holds beside them)",
                          expect="exit 2, one line naming the missing module and the folder, nothing written")
 def test_a_stage_outside_a_workspace_is_one_line(tmp_path, data_lost):
-    for name in ("params.yaml", "dvc.yaml"):
-        shutil.copy2(ROOT / name, tmp_path / name)
+    copy_pipeline(tmp_path, ("params.yaml", "dvc.yaml"))
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     proc = subprocess.run([DISTILLERY, "stage", "clips"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     lines = proc.stderr.strip().splitlines()

@@ -95,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
         die_with_parent(signal.SIGKILL)
 
-    return run_guarded(lambda: run_training(sys.argv[1:] if argv is None else argv))
+    from distillery.common.procutil import stop_on_sigterm
+
+    with stop_on_sigterm():  # a stopped run ends its MLflow run KILLED (the trainer's `finally`), not RUNNING forever
+        return run_guarded(lambda: run_training(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,32 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
+class Stopped(SystemExit):
+    """SIGTERM (a stop asked for: ``kill``, Prefect cancelling, ``srun`` cancelling a step) as an exception of the
+    main thread: ``finally`` blocks run — the MLflow run is ended ``KILLED``, children stopped, finished work kept —
+    and the process exits with 143, as the signal's default would."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """While inside: SIGTERM raises :class:`Stopped` in the main thread (entered from another thread: nothing changes);
+    the previous handler is back on leaving."""
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _proc_stat(pid: int) -> tuple[str, str, int] | None:
     """(name, state, ppid) of ``pid`` from /proc, or None when it does not exist."""
     try:

@@ -1,7 +1,8 @@
 """Experiment tracking: MLflow on a local store by default, nothing sent to the network.
 
 The tracking URI is ``training.tracker.tracking_uri`` if set, else ``$MLFLOW_TRACKING_URI``,
-else ``sqlite:///<cwd>/mlflow.db`` (artifacts in ``<cwd>/mlruns``). Only rank 0 talks to MLflow;
+else ``sqlite:///<workspace>/mlflow.db`` (artifacts in ``<workspace>/mlruns``; the workspace: :func:`workspace_root`,
+the current folder unless DVC runs the stage). Only rank 0 talks to MLflow;
 other ranks get a :class:`NullTracker`.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import stat
 from collections.abc import Iterator
@@ -56,13 +58,21 @@ def log_param_texts(client: Any, run_id: str, texts: dict[str, str]) -> None:
         client.log_batch(run_id, params=batch[i : i + 100])
 
 
+def workspace_root() -> Path:
+    """The folder whose ``mlflow.db`` a run logs into: the workspace DVC names in ``DVC_ROOT`` when it runs the stage —
+    under ``dvc exp run --queue`` (or ``--temp``) the user's workspace, not the temporary copy under ``.dvc/tmp/exps``
+    the experiment runs in, so queued experiments reach the store ``mlflow ui`` shows — else the current folder."""
+    root = os.environ.get("DVC_ROOT")
+    return Path(root) if root and Path(root).is_dir() else Path.cwd()
+
+
 def default_tracking_uri(cfg: TrackerConfig) -> str:
     if cfg.tracking_uri:
         return cfg.tracking_uri
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
-    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    return f"sqlite:///{workspace_root() / 'mlflow.db'}"
 
 
 @contextmanager
@@ -143,19 +153,62 @@ def relocate_artifacts(db: Path, old: str, new: str) -> None:
                 "now keep them in %s", db, old, experiments, runs, new)
 
 
+def store_error_words(error: object) -> str:
+    """An MLflow/SQLAlchemy error's own words, on one line: the driver's error (``(sqlite3.OperationalError) database or
+    disk is full``) without SQLAlchemy's preamble and the SQL it ran."""
+    flat = " ".join(str(error).split())
+    flat = flat.split(" [SQL:")[0]
+    driver = flat.rfind("(sqlite3.")
+    flat = flat[driver:] if driver >= 0 else flat
+    return flat if len(flat) <= 200 else flat[:199] + "…"
+
+
+class _OneWarning(logging.Filter):
+    """On MLflow's log handler: its own error records — SQLAlchemy's traceback, logged by every call into a store that
+    cannot be written (a full disk) — become one warning line, the first one only: the caller's error, or its own
+    one-line warning, says the rest (the stage's outcome is not MLflow's to tell)."""
+
+    def __init__(self) -> None:
+        super().__init__("distillery-one-warning")
+        self.said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        if self.said:
+            return False
+        self.said = True
+        cause = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        words = store_error_words(cause if isinstance(cause, BaseException) else record.getMessage())
+        record.msg, record.args = "MLflow: %s (further MLflow errors of this process not shown)", (words or "error",)
+        record.exc_info = record.exc_text = None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def mlflow_client(tracking_uri: str) -> Any:
+    """An ``MlflowClient`` of ``tracking_uri`` (telemetry off; MLflow's error logs quieted to one warning line,
+    :class:`_OneWarning`): the one way distillery opens an MLflow store."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow.tracking import MlflowClient
+
+    for handler in logging.getLogger("mlflow").handlers:  # MLflow's own, set up when it is imported
+        if not any(isinstance(f, _OneWarning) for f in handler.filters):
+            handler.addFilter(_OneWarning())
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
 class MLflowTracker:
     """One MLflow run; resumes ``run_id`` when given (a resumed training continues its run)."""
 
     def __init__(self, cfg: TrackerConfig, run_id: str | None = None) -> None:
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-        import mlflow
-        from mlflow.tracking import MlflowClient
-
         self.tracking_uri = default_tracking_uri(cfg)
         self.experiment = cfg.experiment
         with store_lock(self.tracking_uri):
-            self.client = MlflowClient(tracking_uri=self.tracking_uri)
+            self.client = mlflow_client(self.tracking_uri)
             exp_id = ensure_experiment(self.client, cfg.experiment, self.tracking_uri)
+        import mlflow
+
         if run_id is not None:
             try:
                 self.client.update_run(run_id, status="RUNNING")
@@ -208,7 +261,7 @@ class MLflowTracker:
             if status == "FINISHED":
                 raise
             log.warning("MLflow run %s could not be marked %s (%s); the run's outcome is the error above",
-                        self.run_id, status, " ".join(str(exc).split())[:200])
+                        self.run_id, status, store_error_words(exc))
 
 
 def build_tracker(cfg: TrackerConfig, is_main: bool, run_id: str | None = None) -> MLflowTracker | NullTracker:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -67,6 +68,8 @@ FORMAT = "distillery.trajectories/v1"
 SETTINGS_FILE = "trajectories.json"  # beside the manifest: the set's settings and per-shard digests
 SPLIT = "train"
 SOURCE = "teacher ODE trajectory"
+
+TEMP_FILE = re.compile(r"^\..+\.tmp(-\d+)?$")  # the temp files this module's writers leave when killed
 
 
 @dataclass(frozen=True)
@@ -224,8 +227,10 @@ def generate_trajectories(teacher: Any, source: Path, out: Path, settings: Traje
     total = len(dataset) * per
     recorded = settings.record()
     out.mkdir(parents=True, exist_ok=True)
-    for leftover in [*out.glob(".*.tmp"), *(out / SPLIT).glob(".*.tmp")]:  # a killed run's half-written file
-        leftover.unlink()
+    for leftover in [*out.iterdir(), *((out / SPLIT).iterdir() if (out / SPLIT).is_dir() else ())]:
+        # a killed run's half-written file: a shard's ``.<name>.tmp``, a record's ``.<name>.tmp-<pid>`` (write_text_atomic)
+        if TEMP_FILE.match(leftover.name) and leftover.is_file() and not leftover.is_symlink():
+            leftover.unlink()
     meta = _source_manifest(source).get("settings") or {}
     shards = (total + settings.rows_per_shard - 1) // settings.rows_per_shard
     made = rows_made = 0

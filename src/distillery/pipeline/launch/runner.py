@@ -32,7 +32,7 @@ from distillery.common.fsutil import file_kind
 from distillery.common.log import get_logger
 from distillery.pipeline.launch.training_table import TRAINING_STAGES
 from distillery.pipeline.params.reader import Params, StageParams
-from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS
+from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS, keep_only
 
 log = get_logger("stage")
 HASH_CACHE_FILE = ".hash_cache.json"  # in runs/: the workspace's hash cache (distillery.common.hashcache)
@@ -49,6 +49,9 @@ STAGES: dict[str, str] = {
     "export": "stages.export:stage_export",
 }
 TRAINING_MODULE = "stages.training"
+# stages whose staging folder's ``data/`` holds finished shards a rerun keeps (each written by rename, its record last;
+# :func:`distillery.pipeline.publish.artifacts.resumable_staging`): a killed run's are not encoded again
+KEEPS_SHARDS = ("latents", "prompts")
 
 
 def find_stage(name: str, workspace: Path = Path(".")) -> str:
@@ -86,11 +89,28 @@ def _orphaned(stage: str) -> None:
     os._exit(143)
 
 
-def cleanup_failed(stage: str) -> None:
-    """Remove what a failed run of ``stage`` left half-written beside its artifact."""
-    shutil.rmtree(ARTIFACTS / f"{stage}.tmp", ignore_errors=True)
+def cleanup_failed(stage: str, keep_shards: bool = False) -> None:
+    """Remove what a failed run of ``stage`` left half-written beside its artifact — with ``keep_shards`` (a run that
+    was stopped, not refused), the finished shards a :data:`KEEPS_SHARDS` stage keeps in ``<stage>.tmp/data`` aside."""
+    staging = ARTIFACTS / f"{stage}.tmp"
+    if not (keep_shards and stage in KEEPS_SHARDS and keep_only(staging, "data")):
+        shutil.rmtree(staging, ignore_errors=True)
     for old in ARTIFACTS.glob(f".{stage}.old-*"):
         shutil.rmtree(old, ignore_errors=True)
+
+
+def end_stopped_runs(stage: str, params_path: str) -> None:
+    """A stage stopped by SIGTERM: its MLflow runs still ``RUNNING`` under this pipeline run (a worker killed before it
+    could say so) are ended ``KILLED``, said in one line; a store that cannot be written is one warning, nothing more."""
+    from distillery.pipeline.publish.mlflow_runs import end_running_stage_runs
+
+    try:
+        ended = end_running_stage_runs(stage, Path(params_path).read_text())
+    except Exception as exc:  # noqa: BLE001 - the stop is the outcome: MLflow's trouble is only worth a line
+        log.warning("stage %s: stopped; its MLflow runs could not be marked KILLED (%s)", stage, " ".join(str(exc).split())[:200])
+        return
+    if ended:
+        log.info("stage %s: stopped; MLflow run(s) %s marked KILLED (a rerun resumes)", stage, ", ".join(ended))
 
 
 _CACHE_SET_HERE: str | None = None  # the cache path this process put in the environment, if any
@@ -122,7 +142,7 @@ def _use_workspace_hash_cache() -> None:
 def run_stage(name: str, params_path: str = "params.yaml") -> int:
     """Run one stage: one writer at a time, dies with whoever started it, checked for room before
     working, and on any failure leaves the previous ``artifacts/<name>`` as it was."""
-    from distillery.common.procutil import AncestorWatch, exclusive_lock
+    from distillery.common.procutil import AncestorWatch, Stopped, exclusive_lock, stop_on_sigterm
     from distillery.pipeline.dvcfile import stage_params
     from distillery.pipeline.params.preflight import (
         check_batch,
@@ -153,12 +173,15 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
         check_own_folders(name, ARTIFACTS, RUNS, name in TRAINING_STAGES)  # no link where it writes or cleans up
         check_writable([ARTIFACTS, RUNS / ".locks"] + ([RUNS] if name in TRAINING_STAGES else []), name)
         with exclusive_lock(RUNS / ".locks" / f"{name}.lock", f"stage {name}"):
-            cleanup_failed(name)  # what a killed earlier run of this stage left half-written
+            cleanup_failed(name, keep_shards=True)  # what a killed earlier run of this stage left half-written
             check_free_space(name, params, ARTIFACTS, RUNS)
             try:
-                stage_function(name, workspace)(declared)
+                with stop_on_sigterm():  # stopped: the launch's workers stop, finished shards are kept, MLflow is told
+                    stage_function(name, workspace)(declared)
             except BaseException as exc:
-                cleanup_failed(name)
+                cleanup_failed(name, keep_shards=not isinstance(exc, Exception))  # stopped (a signal): shards kept
+                if isinstance(exc, Stopped):
+                    end_stopped_runs(name, params_path)
                 problem = disk_error(name, exc) if isinstance(exc, Exception) else None
                 if problem is None:
                     raise

@@ -9,14 +9,14 @@ from distillery.common.errors import UserError
 
 
 def resolve_base(path: str) -> Path:
-    """``base.path`` → a diffusers model folder (the default, ``src/distillery/assets/tiny-wan``: the shipped fitted tiny
-    Wan, checked present as the package ships it)."""
+    """``base.path`` → a diffusers model folder (the default, ``src/distillery/assets/tiny-wan``: the fitted tiny Wan the
+    package ships — the clone's own folder under an editable install, as the README's is)."""
     from distillery.pipeline.params.schema import SHIPPED_TINY_BASE, given_path
 
-    if given_path(path, SHIPPED_TINY_BASE) is None:
+    if given_path(path, SHIPPED_TINY_BASE) is None:  # the package's own copy (a workspace need not hold src/)
         from distillery.tinybase.shipped import shipped_tiny_base
 
-        shipped_tiny_base()  # one line when the package lost it
+        return shipped_tiny_base()
     p = Path(path).expanduser()
     if not (p / "model_index.json").is_file():
         raise UserError(f"params.yaml: base.path: {p} is not a diffusers model folder (no model_index.json); use "

@@ -36,6 +36,36 @@ def fresh_staging(stage: str) -> Path:
     return tmp
 
 
+def keep_only(staging: Path, keep: str) -> bool:
+    """Empty the staging folder ``staging`` but for its sub-folder ``keep`` (never through a link); False, nothing
+    touched, when there is no such folder to keep."""
+    kept = staging / keep
+    if not (staging.is_dir() and not staging.is_symlink() and kept.is_dir() and not kept.is_symlink()):
+        return False
+    for child in staging.iterdir():
+        if child.name == keep:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    return True
+
+
+def resumable_staging(stage: str, keep: str = "data") -> Path:
+    """``artifacts/<stage>.tmp/`` keeping a stopped run's ``<keep>/`` folder — the shards a killed ``latents`` or
+    ``prompts`` stage finished (each written by rename, its record last: the encoder keeps a shard only where its record
+    says these settings and inputs, and redoes the rest) — and removing everything else there; a fresh one otherwise."""
+    tmp = ARTIFACTS / f"{stage}.tmp"
+    kept = tmp / keep
+    if not keep_only(tmp, keep):
+        return fresh_staging(stage)
+    files = sum(1 for p in kept.rglob("*") if p.is_file())
+    log.info("stage %s: %s holds %d file(s) of a stopped run: its finished shards are kept, not encoded again",
+             stage, kept, files)
+    return tmp
+
+
 def publish(stage: str, staging: Path) -> Path:
     """Rename the stage's staging folder to ``artifacts/<stage>`` (replacing the previous one), its files
     readable as the umask says (a writer's private 0600 temp files, e.g. safetensors', put right)."""

@@ -24,7 +24,14 @@ from typing import Any
 import yaml
 
 from distillery.common.treeutil import flatten
-from distillery.components.tracking import MLflowTracker, default_tracking_uri, ensure_experiment, log_param_texts, store_lock
+from distillery.components.tracking import (
+    MLflowTracker,
+    default_tracking_uri,
+    ensure_experiment,
+    log_param_texts,
+    mlflow_client,
+    store_lock,
+)
 from distillery.config.schema import TrackerConfig
 from distillery.lineage.manifest import code_info
 
@@ -65,9 +72,6 @@ def parent_run_id(params_text: str, experiment: str = EXPERIMENT) -> str:
     """Find or create the parent run of this pipeline run; returns its id (its end time moved to now)."""
     import time
 
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    from mlflow.tracking import MlflowClient
-
     key = pipeline_key(params_text)
     commit = code_info().get("git_commit")
     tags = {"distillery.pipeline_key": key, "distillery.kind": "pipeline",
@@ -77,7 +81,7 @@ def parent_run_id(params_text: str, experiment: str = EXPERIMENT) -> str:
     cfg = TrackerConfig(experiment=experiment, run_name=pipeline_run_name(key, commit), tags=tags)
     uri = default_tracking_uri(cfg)
     with store_lock(uri):  # concurrent stages of one pipeline run find (or make) the same parent
-        client = MlflowClient(tracking_uri=uri)
+        client = mlflow_client(uri)
         exp_id = ensure_experiment(client, experiment, uri)
         found = client.search_runs([exp_id], f"tags.`distillery.pipeline_key` = '{key}'", max_results=1)
         if found:
@@ -102,10 +106,7 @@ def log_params_file(client: Any, run_id: str, params_text: str) -> None:
 def log_files(tracking_uri: str, run_id: str, files: Sequence[tuple[Path, str]]) -> None:
     """Copy ``(local file, artifact folder)`` pairs into the existing run ``run_id`` (a training stage's
     loss plot into the run its trainer made)."""
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = mlflow_client(tracking_uri)
     for path, folder in files:
         client.log_artifact(run_id, str(path), folder)
 
@@ -124,3 +125,20 @@ def log_stage_run(stage: str, parent: str, params: dict[str, Any], metrics: dict
         tracker.log_artifact(path, folder)
     tracker.finish()
     return {"tracking_uri": tracker.tracking_uri, "experiment": EXPERIMENT, "run_id": tracker.run_id, "parent_run_id": parent}
+
+
+def end_running_stage_runs(stage: str, params_text: str, experiment: str = EXPERIMENT) -> list[str]:
+    """End ``KILLED`` every run of ``stage`` still ``RUNNING`` under this pipeline run's parent (``params_text``'s): what a
+    stage stopped by a signal leaves when its trainer was killed before it could end its own run. Returns their ids."""
+    parent = parent_run_id(params_text, experiment)
+    uri = default_tracking_uri(TrackerConfig(experiment=experiment))
+    with store_lock(uri):
+        client = mlflow_client(uri)
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            return []
+        running = client.search_runs([exp.experiment_id], f"tags.`distillery.stage` = '{stage}' and "
+                                     f"tags.`mlflow.parentRunId` = '{parent}' and attributes.status = 'RUNNING'")
+        for run in running:
+            client.set_terminated(run.info.run_id, status="KILLED")
+    return [run.info.run_id for run in running]
