@@ -57,6 +57,7 @@ from distillery.pipeline.dvcfile import load_dvc_stages, stage_order
 from flows.pipeline import (
     DEFAULT_RETRY_DELAYS,
     DEFAULT_TIMEOUT_SECONDS,
+    FLOW_NAME,
     check_params_files,
     distillery_pipeline,
     retry_delays,
@@ -150,7 +151,10 @@ def serve_nightly(
     when serving ends). Raises ``PrefectServerError`` when that server cannot start.
     """
     root = _local_repo(repo)
-    with prefect_api(root, say=say):
+    with prefect_api(root, say=say) as api:
+        # Prefect's own hint below (`$ prefect deployment run ...`) reaches this server only with its URL exported
+        say(f"to start a run from another shell: PREFECT_API_URL={api.api_url} prefect deployment run "
+            f"'{FLOW_NAME}/{DEPLOYMENT_NAME}'")
         distillery_pipeline.serve(
             name=DEPLOYMENT_NAME,
             parameters=pipeline_parameters(root, **pipeline_kw),

@@ -55,13 +55,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,7 @@ import yaml
 from prefect import Flow, flow, get_run_logger, task
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import CancelledRun
 from prefect.futures import wait
 
 import flows  # noqa: F401  (sets the quiet env before Prefect is imported)
@@ -219,8 +222,41 @@ def check_params_files(repo: Path, stages: Mapping[str, StageSpec]) -> None:
 
 
 def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect ``retry_condition_fn``: retry a failed stage unless it failed on a user error."""
-    return not isinstance(state.data, StageUserError)
+    """Prefect ``retry_condition_fn``: retry a failed stage unless it failed on a user error, or the flow run is being
+    stopped (SIGTERM: :func:`stop_stages_on_sigterm` ended its stages)."""
+    return not isinstance(state.data, StageUserError) and not _STOPPING.is_set()
+
+
+_RUNNING: set[int] = set()  # process groups of the `dvc repro` this flow-run process runs now (one per stage task)
+_STOPPING = threading.Event()  # set once SIGTERM asked the flow run to stop: no task retries, no new stage
+
+
+@contextlib.contextmanager
+def stop_stages_on_sigterm() -> Iterator[None]:
+    """While the flow body runs (its main thread): SIGTERM — Prefect cancelling the run, ``serve`` stopping — ends every
+    running stage (SIGTERM to each ``dvc repro`` process group: DVC, the stage and its workers: a training stage stops
+    its workers and keeps its checkpoints, a rerun resumes) and starts no other; the stage tasks then return
+    ``stopped`` and the flow ends ``Cancelled`` (:func:`_run_stages`), quietly — no task traceback, no "Crash detected".
+    Prefect's own handler would raise in this thread while the stage tasks' threads kept the process alive until it was
+    SIGKILLed, their ``dvc repro`` (in its own session) outliving the run."""
+    _STOPPING.clear()  # a new flow run in this process (tests, `python -m flows.pipeline` twice)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        _STOPPING.set()
+        for pgid in list(_RUNNING):
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def dvc_repro_command(stage: str) -> list[str]:
@@ -313,6 +349,7 @@ async def _run_dvc(repo: Path, stage: str, on_line: Callable[[str], None]) -> tu
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
     )
+    _RUNNING.add(proc.pid)  # its process group: what stop_stages_on_sigterm ends
     lines: list[str] = []
 
     def emit(raw: bytes) -> None:
@@ -334,6 +371,7 @@ async def _run_dvc(repo: Path, stage: str, on_line: Callable[[str], None]) -> tu
             emit(buf)
         rc = await proc.wait()
     finally:
+        _RUNNING.discard(proc.pid)
         if proc.returncode is None:
             with anyio.CancelScope(shield=True):
                 _signal_group(proc, signal.SIGTERM)
@@ -360,10 +398,15 @@ async def run_stage(repo: str, spec: StageSpec) -> dict[str, Any]:
     """
     logger = get_run_logger()
     root = Path(repo)
+    if _STOPPING.is_set():  # the flow run is being stopped: no new stage
+        return {"status": "stopped", "seconds": 0.0, "metrics": {}}
     logger.info("$ dvc %s  (cwd %s)", " ".join(dvc_repro_command(spec.name)[3:]), root)
     t0 = time.monotonic()
     rc, lines = await _run_dvc(root, spec.name, logger.info)
     seconds = round(time.monotonic() - t0, 3)
+    if rc != 0 and _STOPPING.is_set():  # ended by stop_stages_on_sigterm, not failed
+        logger.info("stage %s: stopped (SIGTERM to the flow run) after %.1f s", spec.name, seconds)
+        return {"status": "stopped", "seconds": seconds, "metrics": {}}
     if rc != 0:
         busy = workspace_busy_line(lines)
         if busy is not None:
@@ -429,7 +472,27 @@ def _run_stages(
     training_stages: Iterable[str] | None,
 ) -> dict[str, dict[str, Any]]:
     """Body of the flow: read dvc.yaml now (so each run sees the current DAG), submit one task
-    per stage with ``wait_for`` its upstream, wait for all, fail loudly on any failure."""
+    per stage with ``wait_for`` its upstream, wait for all, fail loudly on any failure; a SIGTERM meanwhile ends the
+    running stages first (:func:`stop_stages_on_sigterm`)."""
+    with stop_stages_on_sigterm():
+        results = _run_stages_until_done(repo, retries, retry_delay_seconds, timeout_seconds, training_stages)
+    if _STOPPING.is_set():  # SIGTERM: the run was stopped, not failed
+        from prefect.states import Cancelled
+
+        stopped = [name for name, r in results.items() if r["status"] == "stopped"]
+        get_run_logger().info("stopped by SIGTERM: stage(s) %s ended (a rerun resumes them)", ", ".join(stopped) or "none")
+        return Cancelled(message=f"stopped by SIGTERM; stages ended: {', '.join(stopped) or 'none'}", data=results)
+    return results
+
+
+def _run_stages_until_done(
+    repo: str,
+    retries: int,
+    retry_delay_seconds: Any,
+    timeout_seconds: float | None,
+    training_stages: Iterable[str] | None,
+) -> dict[str, dict[str, Any]]:
+    """:func:`_run_stages` inside its SIGTERM handler."""
     logger = get_run_logger()
     root = Path(repo).resolve()
     stages = load_dvc_stages(root)
@@ -485,8 +548,16 @@ def _run_stages(
         if skipped:
             msg += f"; not run (upstream failed): {', '.join(skipped)}"
         msg += "".join(f"\n\n--- {n} ---\n{errors[n]}" for n in failed)
-        raise PipelineFailedError(msg, results, user_errors)
-    return results
+        raise PipelineFailedError(msg, dag_ordered(results, stages, levels), user_errors)
+    return dag_ordered(results, stages, levels)
+
+
+def dag_ordered(results: dict[str, Any], stages: Mapping[str, Any], levels: list[list[str]]) -> dict[str, Any]:
+    """``results`` in the DAG's order: by dependency level, and within a level as ``dvc.yaml`` lists the stages (clips
+    before base), so the summary reads as the pipeline runs."""
+    position = {name: i for i, name in enumerate(stages)}
+    level = {name: k for k, names in enumerate(levels) for name in names}
+    return {name: results[name] for name in sorted(results, key=lambda n: (level.get(n, 0), position.get(n, 0)))}
 
 
 @flow(name=FLOW_NAME, description="The dvc.yaml DAG, one task per stage via `dvc repro`.")
@@ -563,17 +634,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--training-stage", action="append", dest="training_stages", default=None,
                    help="stage that gets retries (repeatable; default: all stages)")
     a = p.parse_args(argv)
+    from flows.server import configured_api_url, find_workspace_server, prefect_api
+
+    kept = configured_api_url() is not None or find_workspace_server(a.repo) is not None
     try:
-        results = run_pipeline(
-            a.repo,
-            retries=a.retries,
-            retry_delay_seconds=a.retry_delay,
-            timeout_seconds=a.timeout or None,
-            training_stages=set(a.training_stages) if a.training_stages else None,
-        )
+        # a kept record: PREFECT_API_URL's server, else this workspace's when it is up; else Prefect's temporary one
+        with prefect_api(a.repo, start=False) if kept else contextlib.nullcontext():
+            results = run_pipeline(
+                a.repo,
+                retries=a.retries,
+                retry_delay_seconds=a.retry_delay,
+                timeout_seconds=a.timeout or None,
+                training_stages=set(a.training_stages) if a.training_stages else None,
+            )
     except UserError as e:  # a params file refused before any stage ran
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CancelledRun:  # SIGTERM: the running stages were ended (stop_stages_on_sigterm); a rerun resumes them
+        print("pipeline stopped (SIGTERM): the running stages were ended; `python -m flows.pipeline` again resumes",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
     except PipelineFailedError as e:
         if e.only_user_errors:  # each stage's `error:` line is in the log above: one line here
             print(f"error: pipeline stopped: stage(s) {', '.join(e.user_errors)} failed on a user "
@@ -584,6 +664,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     for name, r in results.items():
         print(f"{name:24s} {r['status']:9s} {r['seconds']:8.1f} s  {len(r['metrics'])} metrics")
+    if not kept:
+        print("this run's Prefect record was on a temporary server, gone with it (its stages' record: dvc.lock, "
+              "mlflow.db); to keep the next one, run `python -m flows.deploy server --repo "
+              f"{a.repo}` in another shell first: runs then go to this workspace's server (UI and history in "
+              f"{Path(a.repo) / '.prefect'})", file=sys.stderr)
     return 0
 
 

@@ -76,6 +76,36 @@ def stage_export(params: StageParams) -> None:
     finish("export", staging, kind="export", params=params, metrics=metrics, verify_chain=True,
            config={CODE_RECORD_KEY: code},
            inputs=[("student", ARTIFACTS / student), ("base", ARTIFACTS / "base"), ("validation", ARTIFACTS / "validate")])
+    say_where_results_are(student, i2v)
+
+
+def say_where_results_are(student: str, i2v: bool = False) -> None:
+    """The last lines of a run (the export is the DAG's last stage; DVC's own hints follow): where the report and the
+    export are, how to load the export, and the exported student against the teacher in one fair line
+    (:func:`distillery.evaluation.summary.versus_line`)."""
+    import json
+
+    from distillery.evaluation.summary import versus_line
+    from distillery.export.model_card import validated_candidate
+
+    folder = ARTIFACTS / "export"
+    report_dir = ARTIFACTS / "validate" / "report"
+    report = json.loads((report_dir / "report.json").read_text())
+    metrics = json.loads((report_dir / "metrics.json").read_text())
+    contract = json.loads((folder / "sampling.json").read_text())
+    candidate = validated_candidate(student, contract, report)
+    if student == "teacher":
+        load = f'WanPipeline.from_pretrained("{folder}")'
+    else:
+        load = f'DiffusionPipeline.from_pretrained("{folder}", custom_pipeline="{folder}", trust_remote_code=True)'
+    lines = ["results:",
+             f"  report: {report_dir / 'summary.md'} (every candidate's scores; the videos: {report_dir / 'grid.gif'})",
+             f"  export: {folder}/ ({student}; its card {folder / 'README.md'} has the code to sample and save a video)",
+             f"  load it: {load}" + (" (an image-to-video model: the card says how to pass the first frame)" if i2v else "")]
+    if candidate is not None and candidate["name"] != report.get("reference"):
+        lines.append("  " + versus_line(metrics, report, candidate["name"]))
+    for line in lines:
+        log.info("%s", line)
 
 
 def export_adapter(student: str, staging: Path, params: StageParams) -> None:

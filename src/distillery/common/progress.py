@@ -10,10 +10,11 @@
   (:data:`DEFAULT_INTERVAL_S`; ``$DISTILLERY_PROGRESS_INTERVAL_S`` overrides it), whichever comes
   first, and one line at the end — about a dozen lines per loop, never a flood.
 
-The rate and the ETA are the steady ones: measured from the end of this process's first item on, so the
-start-up before it and the first item itself (CUDA init, ``torch.compile``, the data loader's first batch:
-often minutes, the cost of many steady steps) do not count as the loop's pace. After the first item
-alone no steady rate is known yet: the line shows that item's time and ``ETA ?``.
+The rate and the ETA are the recent ones: measured over the last :data:`RECENT_ITEMS` items (or the last tenth of the
+loop, if longer) after this process's first item — so neither the start-up and the first item (CUDA init,
+``torch.compile``, the data loader's first batch: often minutes, the cost of many steady steps) nor a slow stretch
+long past (the cores shared with another job for a while) counts as the loop's pace now. After the first item alone
+no rate is known yet: the line shows that item's time and ``ETA ?``.
 
 ``$DISTILLERY_PROGRESS`` = ``bar`` | ``lines`` | ``off`` forces a mode (default ``auto``: as above).
 Only the process that should talk shows anything: pass ``enabled=False`` on ranks other than 0.
@@ -21,6 +22,7 @@ Only the process that should talk shows anything: pass ``enabled=False`` on rank
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -31,6 +33,7 @@ from typing import Any
 
 from distillery.common.log import get_logger
 
+RECENT_ITEMS = 10  # the rate and ETA: over the last this many items (or the last tenth of the loop, if longer)
 EVERY_PERCENT = 10  # lines mode: a line at each new multiple of this percentage of the total
 DEFAULT_INTERVAL_S = 60.0  # lines mode: a line at least this often (seconds) while items complete
 MODES = ("auto", "bar", "lines", "off")
@@ -87,6 +90,7 @@ class Progress:
         self.clock = clock or time.monotonic
         self.started = self.last_line = self.clock()
         self.warm: tuple[float, int] | None = None  # (time, done) when this process's first item ended
+        self.marks: collections.deque[tuple[float, int]] = collections.deque()  # (time, done) of the recent items
         self.last_percent_step = -1  # the multiple of EVERY_PERCENT last reported
         self.lines = 0  # log lines written (lines mode)
         self._bar = None
@@ -103,18 +107,19 @@ class Progress:
         self.close()
 
     def steady_s(self) -> float | None:
-        """Seconds per item since this process's first item ended (module doc); None until an item after it ends."""
-        if self.warm is None or self.done <= self.warm[1]:
+        """Seconds per item over the recent items (module doc: the last :data:`RECENT_ITEMS`, or the last tenth of the
+        loop, after this process's first item); None until an item after the first ends."""
+        if not self.marks or self.done <= self.marks[0][1]:
             return None
-        return (self.clock() - self.warm[0]) / (self.done - self.warm[1])
+        return (self.clock() - self.marks[0][0]) / (self.done - self.marks[0][1])
 
     def eta_s(self) -> float:
-        """Seconds left at the steady rate (:meth:`steady_s`); inf while it is unknown."""
+        """Seconds left at the recent rate (:meth:`steady_s`); inf while it is unknown."""
         steady = self.steady_s()
         return math.inf if steady is None else steady * (self.total - self.done)
 
     def line(self) -> str:
-        """The text of one progress line: ``train 40/120 (33%) loss 0.1234, 2.1 s/step, ETA 2m48s`` (the steady
+        """The text of one progress line: ``train 40/120 (33%) loss 0.1234, 2.1 s/step, ETA 2m48s`` (the recent
         rate; after the first item alone, that item's time)."""
         ran, elapsed = self.done - self.initial, self.clock() - self.started
         pct = 100 * self.done / self.total if self.total else 100
@@ -141,8 +146,13 @@ class Progress:
     def update(self, n: int = 1, **values: Any) -> None:
         """``n`` more items done; ``values`` replace the live values shown."""
         self.done += n
+        now = self.clock()
         if self.warm is None:
-            self.warm = (self.clock(), self.done)
+            self.warm = (now, self.done)
+        self.marks.append((now, self.done))  # the window: from the oldest mark still within it, to now
+        window = max(RECENT_ITEMS, self.total // 10)
+        while len(self.marks) > 1 and self.done - self.marks[1][1] >= window:
+            self.marks.popleft()
         if values:
             self.set(**values)
         if self._bar is not None:
@@ -150,7 +160,6 @@ class Progress:
             return
         if self.mode != "lines":
             return
-        now = self.clock()
         percent_step = int(100 * self.done / self.total) // EVERY_PERCENT if self.total else 0
         first = self.done - self.initial == n
         if first or percent_step > self.last_percent_step or now - self.last_line >= self.interval_s \

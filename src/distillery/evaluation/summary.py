@@ -74,6 +74,65 @@ def _clip_table(metrics: Mapping[str, float], names: Sequence[str], clip: Mappin
     return lines
 
 
+def _first_of_each_stage(names: Sequence[str]) -> list[str]:
+    """The first candidate of each stage (``<stage>_<steps>``), in order: the one each stage is judged by."""
+    seen: set[str] = set()
+    out = []
+    for n in names:
+        stage = n.rpartition("_")[0] or n
+        if stage not in seen:
+            seen.add(stage)
+            out.append(n)
+    return out
+
+
+def versus(metrics: Mapping[str, float], report: Mapping[str, Any], student: str) -> dict[str, Any]:
+    """Candidate ``student`` against the reference teacher, fairly: their NFE per video and how many times fewer the
+    student spends; quality — adherence (or, where it does not apply, the Fréchet distance to the teacher's videos) of
+    each and the difference with its spread over seeds; latency of each and the ratio, only when both were measured in
+    the same run (neither reused from the sample cache: one machine, one moment), else ``latency_x`` None and
+    ``latency_why`` saying when each was measured."""
+    ref = str(report["reference"])
+    m = lambda name, key: float(metrics[f"{name}/{key}"])  # noqa: E731
+    out: dict[str, Any] = {"student": student, "teacher": ref, "nfe": (m(student, "nfe"), m(ref, "nfe"))}
+    out["nfe_x"] = out["nfe"][1] / out["nfe"][0] if out["nfe"][0] else None
+    if (report.get("adherence") or {}).get("applicable", True):
+        out["quality"] = "adherence"
+        out["values"] = (m(student, "all"), m(ref, "all"))
+        out["delta"] = out["values"][0] - out["values"][1]
+        out["spread"] = (m(student, "all_std") ** 2 + m(ref, "all_std") ** 2) ** 0.5
+    else:  # the reference's own Fréchet distance is 0 by construction: the student's is the difference
+        out["quality"] = "Fréchet distance to the teacher"
+        out["values"] = (m(student, "frechet_distance"), 0.0)
+        out["delta"], out["spread"] = out["values"][0], m(student, "frechet_distance_std")
+    measured = {n: ((report.get("latency") or {}).get(n) or {}).get("measured") or {} for n in (student, ref)}
+    out["latency"] = (m(student, "latency_s"), m(ref, "latency_s"))
+    if any(measured[n].get("reused", True) for n in (student, ref)):
+        out["latency_x"] = None
+        out["latency_why"] = "; ".join(f"{n}'s {'reused, sampled' if measured[n].get('reused', True) else 'sampled'} "
+                                       f"{measured[n].get('at', '(when unknown)')} (load {measured[n].get('load_1min')})"
+                                       for n in (student, ref))
+    else:
+        out["latency_x"] = out["latency"][1] / out["latency"][0] if out["latency"][0] else None
+    return out
+
+
+def versus_line(metrics: Mapping[str, float], report: Mapping[str, Any], student: str) -> str:
+    """:func:`versus` in one line: ``student vs teacher: NFE ×, quality Δ, latency ×`` (or why the latencies do not
+    compare)."""
+    v = versus(metrics, report, student)
+    nfe = f"NFE {v['nfe'][0]:g} vs {v['nfe'][1]:g}" + (f" (×{v['nfe_x']:.3g} fewer)" if v["nfe_x"] else "")
+    quality = (f"{v['quality']} {v['values'][0]:.3f} vs {v['values'][1]:.3f} (Δ {v['delta']:+.3f} ± {v['spread']:.3f})"
+               if v["quality"] == "adherence" else f"{v['quality']} {v['delta']:.3f} ± {v['spread']:.3f}")
+    if v["latency_x"] is not None:
+        faster = (f"×{v['latency_x']:.3g} faster" if v["latency_x"] >= 1 else f"×{1 / v['latency_x']:.3g} slower")
+        latency = f"latency {v['latency'][0]:.3g} vs {v['latency'][1]:.3g} s/video ({faster}, measured in one run)"
+    else:
+        latency = (f"latency not comparable: not measured in one run ({v['latency_why']}); "
+                   "`rm -rf runs/validate/cache` re-times both")
+    return f"student vs teacher ({v['student']} vs {v['teacher']}): {nfe}, {quality}, {latency}"
+
+
 def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) -> str:
     """The Markdown of ``report/summary.md`` (module doc) from the flat metrics and report.json's content."""
     cands = report["candidates"]
@@ -101,6 +160,9 @@ def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) ->
             f"| {_pm(m('frechet_distance'), m('frechet_distance_std'), 2)} "
             f"| {_pm(1e3 * m('distance_to_teacher'), 1e3 * m('distance_to_teacher_std'), 2)} "
             f"| {_pm(1e3 * m('sharpness'), 1e3 * m('sharpness_std'), 2)} | {samples} |")
+    students = [n for n in _first_of_each_stage(names) if n.rpartition("_")[0] != str(report["reference"]).rpartition("_")[0]]
+    if students:
+        lines += ["", "## Student vs teacher", "", *[f"- {versus_line(metrics, report, n)}" for n in students]]
     lines += ["", "## Reading it", ""]
     streamed = [c for c in cands if c["forwards"]["chunks"] > 1]
     for c in streamed:

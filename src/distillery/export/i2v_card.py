@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from distillery.export.code import stock_samples
+from distillery.export.model_card import install_words, save_lines
 from distillery.lineage.render import artifacts_once
 
 I2V_PIPELINE = "WanImageToVideoPipeline"
@@ -63,23 +64,26 @@ def i2v_model_card(student: str, student_dir: Path, validate_dir: Path, max_sequ
     for node in artifacts_once(manifest):
         lines.append(f"| {node.get('stage')} | {node.get('kind')} | `{str(node.get('manifest_sha256', ''))[:16]}` |")
     prompt, seed = (report.get("prompts") or [""])[0], (report.get("seeds") or [0])[0]
-    lines += ["", "## Load and sample it (offline: torch, diffusers, transformers, accelerate; `ftfy` for text prompts)", ""]
+    lines += ["", "## Load and sample it (offline: torch, diffusers, transformers, accelerate; `ftfy` for text prompts)", "",
+              install_words(), ""]
+    fps = float((report.get("config") or {}).get("fps", 16))
     call = [f"video = pipe(image=image, prompt={json.dumps(prompt)}, {size},",
             f"            max_sequence_length={max_sequence_length or 512}, num_inference_steps={steps}, guidance_scale={guidance},",
             f"            generator=torch.Generator().manual_seed({seed})).frames[0]"]
     if stock:
         lines += ["```python", "import torch", "from PIL import Image",
-                  f"from diffusers import FlowMatchEulerDiscreteScheduler, {I2V_PIPELINE}", "",
+                  f"from diffusers import FlowMatchEulerDiscreteScheduler, {I2V_PIPELINE}", "from diffusers.utils import export_to_video", "",
                   f'pipe = {I2V_PIPELINE}.from_pretrained("{folder}")',
                   f"pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift={contract.get('shift')})",
                   'image = Image.open("first_frame.png")  # the frame the video starts from', *call,
-                  "print(video.shape)", "```", ""]
+                  *save_lines(fps), "```", ""]
     else:
         lines += ["The folder's own pipeline builds the first frame's condition as the stock pipeline does (the VAE's "
                   "latent of the frame then zeros, after the first latent frame's mask; the image encoder's penultimate "
                   "hidden states); `first_frame=` and `image_embeds=` take them precomputed instead of `image=`.", "",
-                  "```python", "import torch", "from PIL import Image", "from diffusers import DiffusionPipeline", "",
+                  "```python", "import torch", "from PIL import Image", "from diffusers import DiffusionPipeline",
+                  "from diffusers.utils import export_to_video", "",
                   f'pipe = DiffusionPipeline.from_pretrained("{folder}", custom_pipeline="{folder}", trust_remote_code=True)',
                   'image = Image.open("first_frame.png")  # the frame the video starts from', *call,
-                  "print(video.shape)", "```", ""]
+                  *save_lines(fps), "```", ""]
     return "\n".join(front + lines)

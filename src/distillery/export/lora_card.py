@@ -64,8 +64,8 @@ def adapter_model_card(student: str, info: dict[str, Any], contract: dict[str, A
              "the pipeline that samples it as trained (`sampling.json`).", "",
              "## Load it onto its base (stock diffusers)", "", "```python", "import torch",
              "from diffusers import WanPipeline, WanTransformer3DModel", "",
-             f'transformer = WanTransformer3DModel.from_pretrained("{base_path}", torch_dtype=torch.bfloat16)',
-             f'pipe = WanPipeline.from_pretrained("{model_folder}", transformer=transformer, torch_dtype=torch.bfloat16)',
+             f'transformer = WanTransformer3DModel.from_pretrained("{base_path}", dtype=torch.bfloat16)',
+             f'pipe = WanPipeline.from_pretrained("{model_folder}", transformer=transformer, dtype=torch.bfloat16)',
              f'pipe.load_lora_weights("{folder}")  # {LORA_WEIGHTS_FILE}', "```", ""]
     if not stock:
         lines += [f"The student samples with the `{contract.get('sampler')}` sampler of `sampling.json`, which stock "

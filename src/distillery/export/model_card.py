@@ -104,6 +104,34 @@ def _nfe_lines(contract: dict[str, Any], metrics: dict[str, float], candidate: d
             f"{chunks}× the tokens a streaming forward sees: compare candidates by latency beside NFE."]
 
 
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"  # PyPI's default torch brings CUDA's libraries
+VIDEO_WRITER = ("imageio", "imageio-ffmpeg")  # what diffusers' export_to_video writes an mp4 with
+
+
+def install_words() -> str:
+    """How to install what loading, sampling and saving the video need — on a GPU machine and on a CPU one."""
+    return (f"Install them (`pip install {' '.join(REQUIREMENTS)}`; on a machine without a CUDA GPU run `{CPU_TORCH}` "
+            "first: PyPI's default torch brings the CUDA libraries, gigabytes a CPU never uses; this folder was made with "
+            f"{_versions()}), and `pip install {' '.join(VIDEO_WRITER)}` to save the video as an mp4 (diffusers' "
+            "`export_to_video` writes with them). Diffusers loads Wan's transformer only where accelerate is installed.")
+
+
+def save_lines(fps: float) -> list[str]:
+    """The snippet's last lines: the frames (float RGB in [0, 1], ``[T, H, W, 3]``) written as an mp4."""
+    return ["print(video.shape)  # (frames, height, width, 3), RGB in [0, 1]",
+            f'export_to_video(video, "video.mp4", fps={fps:g})  # needs imageio and imageio-ffmpeg']
+
+
+def latents_note(candidate: dict[str, Any] | None, prompt_index: int = 0) -> list[str]:
+    """Which key of validate's ``latents.safetensors`` the snippet's call reproduces, and how the keys are named."""
+    if candidate is None:
+        return []
+    return [f"With `output_type=\"latent\"` the call returns validate's stored latents of this video: "
+            f"`artifacts/validate/samples/{candidate['name']}/latents.safetensors`, key `\"{prompt_index}\"`. Its keys: "
+            "`\"<i>\"` is prompt #i of validate's `report.json` `prompts` at seed `seeds[i]` (seed index 0), `\"<i>_s<j>\"` "
+            "the same prompt at seed index j (`seed_grid[i][j]`); each holds float32 `[C, T, H, W]`.", ""]
+
+
 def _listed(names: tuple[str, ...]) -> str:
     """``a, b, c and d``."""
     return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
@@ -222,7 +250,7 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
             stock = cosmos_card.stock_lines(folder, contract, prompt, size, report["max_sequence_length"], steps, guidance,
                                             candidate["name"] if candidate else None, seed)
         return "\n".join(front + lines + stock)
-    lines += [f"{installs}: diffusers loads Wan's transformer only where accelerate is installed. {where} "
+    lines += [f"{install_words()} {where} "
               "The folder's own modules "
               "(`pipeline.py` and the `distilled_*.py` it imports) do the sampling; nothing of distillery is imported. "
               "For this prompt and seed, at these steps and guidance, it returns the video validate scored."
@@ -235,13 +263,14 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
               f"installed — `distillery lineage {folder} --verify --expect <the manifest digest published with the "
               "model>` re-hashes every file, the shipped code included, against the sealed `lineage.json` and refuses "
               "an edited `pipeline.py`; load it only when that says `verified`.", "",
-              "```python", "import torch", "from diffusers import DiffusionPipeline", "",
-              f'folder = "{folder}"',
+              "```python", "import torch", "from diffusers import DiffusionPipeline", "from diffusers.utils import export_to_video",
+              "", f'folder = "{folder}"',
               "pipe = DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True)",
               f"video = pipe({json.dumps(prompt)}, {size}, max_sequence_length={report['max_sequence_length']},",
               f"            {call_args}{marker}",
               f"            generator=torch.Generator().manual_seed({seed})).frames[0]",
-              "print(video.shape)", "```", ""]
+              *save_lines(float(cfg["fps"])), "```", ""]
+    lines += latents_note(candidate)
     if not stock_samples(contract):
         lines += _gpu_lines()
     stock = _stock_snippet(teacher, contract, stock_nfe, report, folder, prompt, seed, size, steps, guidance, candidate)
@@ -252,7 +281,7 @@ def _gpu_lines() -> list[str]:
     """What the folder's pipeline does on a GPU and how to get its fast path (``distilled_fast.py``)."""
     return ["### On a GPU", "",
             "Load it in bf16 and move it to the GPU (`DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, "
-            "trust_remote_code=True, torch_dtype=torch.bfloat16).to(\"cuda\")`, a `torch.Generator(\"cuda\")`): the "
+            "trust_remote_code=True, dtype=torch.bfloat16).to(\"cuda\")`, a `torch.Generator(\"cuda\")`): the "
             "pipeline then runs FlashAttention-4 where `flash-attn-4` is installed (`pip install flash-attn-4`, or "
             "distillery's `[gpu]` extra; a Hopper or newer GPU), compiles each transformer block (the first video "
             "pays the compile) and decodes with the fused chunked VAE decoder in the VAE's dtype — each part only "
@@ -292,9 +321,10 @@ def _stock_snippet(teacher: bool, contract: dict[str, Any], stock_nfe: int | Non
         load = [f'folder = "{folder}"',
                 "parts = DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True).components",
                 "pipe = WanPipeline(**parts)"]
-    return [intro, "", "```python", "import torch", f"from diffusers import {imports}", "", *load,
+    return [intro, "", "```python", "import torch", f"from diffusers import {imports}", "from diffusers.utils import export_to_video",
+            "", *load,
             f"pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift={contract.get('shift')})",
             f"video = pipe({json.dumps(prompt)}, {size}, max_sequence_length={report['max_sequence_length']},",
             f"            num_inference_steps={nfe}, guidance_scale={scale},{marker}",
             f"            generator=torch.Generator().manual_seed({seed})).frames[0]",
-            "print(video.shape)", "```", ""]
+            *save_lines(float(report["config"]["fps"])), "```", ""]

@@ -32,7 +32,7 @@ def _fmt_pairs(d: Any, limit: int) -> str | None:
     if not pairs:
         return None
     shown = ", ".join(f"{k}={_fmt_value(v)}" for k, v in pairs[:limit])
-    return shown + (f", … (+{len(pairs) - limit} more)" if len(pairs) > limit else "")
+    return shown + (f", … (+{len(pairs) - limit} more: --json shows all)" if len(pairs) > limit else "")
 
 
 def _fmt_bytes(n: int) -> str:
