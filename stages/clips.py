@@ -22,5 +22,5 @@ def stage_clips(params: StageParams) -> None:
                         height=c.size, width=c.size, fps=fps, seed=params.get("seed"))
     make_clip_set(staging / "data", cfg)
     finish("clips", staging, kind="data", params=params, inputs=[],
-           metrics={"clips_train": c.num_train, "clips_validation": c.num_validation},
+           metrics={"train": c.num_train, "validation": c.num_validation},  # counts: the columns latents shares
            volatile={"seconds": round(time.perf_counter() - started, 2)})

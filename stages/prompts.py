@@ -71,6 +71,6 @@ def stage_prompts(params: StageParams) -> None:
              source, cfg.num_frames, cfg.height, cfg.width, cfg.device, seeded)
     pinned = {"prompts": pin_input(source)}  # the file as read: a file replaced while it encodes is refused at the end
     manifest = encode_prompts_file(ARTIFACTS / "base" / "model", source, staging / "data", cfg)
-    metrics = {"train_prompts": manifest["splits"]["train"]["rows"]}
+    metrics = {"train": manifest["splits"]["train"]["rows"]}  # the column the clips' and latents' counts share
     finish("prompts", staging, kind="data", params=params, inputs=[("base", ARTIFACTS / "base"), ("prompts", source)],
            metrics=metrics, volatile={"seconds": manifest["seconds_this_run"]}, pinned=pinned)  # how many it encoded: the log's last line

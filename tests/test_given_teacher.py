@@ -85,7 +85,7 @@ def test_the_published_recipe_given_wider_teacher_prompts_ode_init_to_export(pre
     assert meta["frozen_roles"]["teacher"]["path"] == "artifacts/teacher/model/transformer"
     # validate scores the given teacher as the reference (many-step Euler with CFG) and export ships the student
     scores = json.loads((repo / "metrics" / "validate.json").read_text())
-    assert {"teacher_6/all", "distill_4/frechet_distance"} <= set(scores) and scores["distill_4/frechet_distance"] > 0.0
+    assert {"teacher_6/all", "distill_4/frechet"} <= set(scores) and scores["distill_4/frechet"] > 0.0
     assert _width(repo / "artifacts" / "export" / "transformer") == (128, 4)
 
 

@@ -69,7 +69,7 @@ def test_changed_input_data_retrains_without_manual_cleanup(trained, tmp_path):
     assert "not resuming runs/teacher (changed: input data): starting from step 0" in out.stderr
     assert "cannot resume" not in out.stderr and "resumed from" not in out.stderr
     assert read_log_steps(repo / "runs" / "teacher") == [1, 2, 3, 4, 5, 6]
-    assert json.loads((repo / "metrics" / "latents.json").read_text())["train_clips"] == 12
+    assert json.loads((repo / "metrics" / "latents.json").read_text())["train"] == 12
 
 
 @pytest.mark.reliability(case="8.3", title="same inputs, same artifact bytes",

@@ -175,7 +175,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("distillery")
 
-HEADLINE_METRICS = ("all", "frechet_distance", "kid")  # what DVC shows per headline candidate (headline_metrics); the rest: report/
+# what DVC shows per headline candidate (headline_metrics), under these short names (a narrow `dvc metrics show`):
+# adherence and the Fréchet distance to the teacher; the rest (KID — unbiased, so near 0 it can read below 0 —, the
+# spreads, NFE, latency) is in report/metrics.json and summary.md
+HEADLINE_METRICS = {"all": "all", "frechet_distance": "frechet"}
 CLIP_HEADLINE = ("clip_text", "clip_text_lo", "clip_text_hi", "clip_consistency", "clip_consistency_lo",
                  "clip_consistency_hi", "motion", "motion_lo", "motion_hi")  # DVC's too, with validate.clip_model
 REFERENCE_ZERO = ("frechet_distance", "kid", "distance_to_teacher")  # the reference's own: 0 by construction, never a headline
@@ -209,7 +212,7 @@ def headline_metrics(metrics: dict[str, float], candidates: list[str] | None = N
         name, _, metric = key.rpartition("/")
         shown = metric in HEADLINE_METRICS or metric in CLIP_HEADLINE
         if shown and (picked is None or name in picked) and not (name == reference and metric in REFERENCE_ZERO):
-            out[key] = value
+            out[f"{name}/{HEADLINE_METRICS.get(metric, metric)}"] = value
     return out
 
 def _validation_prompts(cfg: ValidationConfig, prompts: list[str]) -> list[str]:
