@@ -123,6 +123,8 @@ def test_whole_dag_runs_and_a_noop_repro_is_fast(repo, tmp_path):
     assert (repo / "runs" / "teacher" / "checkpoint-6").is_dir()
     out = sh(["dvc", "repro"], repo).stdout
     assert "Data and pipelines are up to date" in out  # its wall time is in BENCHMARKS.md, not asserted here
+    table = sh(["dvc", "metrics", "show"], repo).stdout  # one table of every stage's few, shared columns
+    assert max(map(len, table.splitlines())) <= 300, table  # issue 58 item 9: narrow enough to read
     shown = json.loads(sh(["dvc", "metrics", "show", "--json"], repo).stdout)
     teacher_metrics = next(d["data"]["metrics/teacher.json"]["data"] for d in shown.values() if "metrics/teacher.json" in d.get("data", {}))
     logged = [json.loads(line) for line in (repo / "runs" / "teacher" / "train_log.jsonl").read_text().splitlines()]
