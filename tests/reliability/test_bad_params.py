@@ -355,11 +355,15 @@ def test_the_tests_read_the_shipped_params_not_an_experiments(tmp_path, data_los
     subprocess.run([*git, "commit", "-qm", "the checkout"], cwd=checkout, check=True)
     apply_overrides(checkout / "params.yaml", ["distill.method=dmd2", "teacher.steps=7"])  # what `dvc exp run -S` leaves
     assert (checkout / "params.yaml").read_text() != SHIPPED
-    (tmp_path / "inner-tmp").mkdir()  # its own temp root: the inner pytest must not clean this session's folders
+    import tempfile
+
+    # its own, short temp root: the inner pytest must not clean this session's folders, and its messages name paths
+    inner_tmp = tempfile.mkdtemp(prefix="inner-")
     inner = {k: v for k, v in os.environ.items() if k != "DISTILLERY_RELIABILITY_REPORT"}
-    inner["PYTEST_DEBUG_TEMPROOT"] = str(tmp_path / "inner-tmp")
+    inner["PYTEST_DEBUG_TEMPROOT"] = inner_tmp
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
                            "tests/reliability/test_bad_params.py", "-k", "shipped_params_validate or every_rule or guidance"],
                           cwd=checkout, capture_output=True, text=True, timeout=600, env=inner)
+    shutil.rmtree(inner_tmp, ignore_errors=True)
     assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
     data_lost.record(0, "files of the checkout changed")
