@@ -190,3 +190,28 @@ def test_inputs_outside_the_tree_changed_after_their_stage_rerun(prepared, tmp_p
     assert next(i for i in lineage["inputs"] if i["role"] == "source")["files"] == list(pin_input(given[1]))
     data_lost.record(0, "stale artifacts reported up to date")
     assert data_lost.total == 0
+
+
+@pytest.mark.process
+@pytest.mark.reliability(case="11.5", title="a link loop in one's own videos is refused before the encode",
+                         injected="latents.data a folder of videos + captions.jsonl with a symbolic link loop in an unused "
+                                  "subfolder (old/self -> ../old); `distillery stage latents`",
+                         expect="exit 2, one line naming the loop that does not call the folder 'an artifact', before any "
+                                "video is encoded (no shard written)")
+def test_a_link_loop_in_ones_videos_is_refused_before_the_encode(tmp_path, data_lost):
+    from workspace import copy_pipeline, set_params
+
+    videos = tmp_path / "my-videos"
+    (videos / "videos").mkdir(parents=True)
+    (videos / "videos" / "clip0.mp4").write_bytes(b"\0" * 64)
+    (videos / "captions.jsonl").write_text(json.dumps({"path": "videos/clip0.mp4", "caption": "a red ball"}) + "\n")
+    (videos / "old").mkdir()
+    (videos / "old" / "self").symlink_to("../old")
+    ws = copy_pipeline(tmp_path / "ws")
+    set_params(ws, {"latents.data": str(videos), **{f"{s}.batch_size": 1 for s in ("teacher", "pretrain", "distill", "pdd")}})
+    proc = subprocess.run(["distillery", "stage", "latents"], cwd=ws, env=env(), capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "old/self" in lines[0] and "loop" in lines[0] and "artifact" not in lines[0], lines
+    assert not list(ws.rglob("shard-*")), "videos were encoded before the refusal"
+    data_lost.record(0, "files of the user's folder changed")

@@ -266,3 +266,26 @@ def test_preprocess_replaces_only_prompt_embeddings_it_wrote(tmp_path, tiny_base
     preprocess(tiny_base, data, own, cfg)
     assert not (own / "negative_prompt.safetensors").exists() and (own / "empty_prompt.safetensors").is_file()
     assert kept
+
+
+@pytest.mark.reliability(case="11.5", title="a foreign checkpoint where the run will save is refused before training",
+                         injected="output_dir holds checkpoint-8 copied from another run (not in its record); a run of 8 "
+                                  "steps (it saves step 8 there)",
+                         expect="one line naming checkpoint-8 before step 1 (no step trained, no checkpoint written); the "
+                                "copied checkpoint untouched")
+def test_a_foreign_checkpoint_where_the_run_saves_is_refused_before_training(tmp_path, tiny_base, latent_set, data_lost):
+    from distillery.common.errors import UserError
+
+    other = run_config(tiny_base, latent_set, tmp_path / "other", steps=2, save_every=2)
+    train_in_process(other)
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(tmp_path / "other" / "checkpoint-2", out / "checkpoint-8")
+    before = tree_sha(out / "checkpoint-8")
+    with pytest.raises(UserError) as info:
+        train_in_process(run_config(tiny_base, latent_set, out, steps=8, save_every=4))
+    assert f"{out / 'checkpoint-8'} was not written by a run of this folder" in str(info.value)
+    assert "nothing was trained" in str(info.value) and "\n" not in str(info.value)
+    assert not (out / "train_log.jsonl").exists() and not (out / "checkpoint-4").exists()
+    data_lost.record(0 if tree_sha(out / "checkpoint-8") == before else 1, "foreign checkpoints changed")
+    assert data_lost.total == 0

@@ -12,6 +12,7 @@ checkpoint.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,7 @@ class Trainer:
         """Train to ``max_train_steps`` holding the output folder's writer lock (one writer per folder)."""
         with self._output_lock():
             start, run_id = self._start()
+            self._refuse_foreign_targets(start)
             with self.logger.session(start, run_id, self.config) as tracker:
                 self.ctx.tracker = tracker
                 self.callbacks.on_loop_start(self.ctx, start)
@@ -164,6 +166,28 @@ class Trainer:
         every, last = self.config.training.checkpoint.save_every, self.loop.max_train_steps
         return bool((every and step % every == 0) or step == self.loop.stop_at_step
                     or (step == last and self.config.training.checkpoint.save_final))
+
+    def _refuse_foreign_targets(self, start: int) -> None:
+        """Before the first step: a ``checkpoint-N`` in the output folder that no run of this folder wrote (not in its
+        record) where this run will save one is one line now — it is never replaced (docs/reliability.md rule 8), so the
+        run would otherwise train up to step N and stop there. Rank 0 looks; every rank learns it (no rank hangs)."""
+        from distillery.components.checkpoint import record
+
+        problem = None
+        if self.env.is_main:
+            out = Path(self.config.training.checkpoint.output_dir)
+            ours = record.written(out)
+            due = [step for step in range(start + 1, self.loop.max_train_steps + 1) if self._checkpoint_due(step)]
+            foreign = [out / f"checkpoint-{step}" for step in due if os.path.lexists(out / f"checkpoint-{step}")
+                       and f"checkpoint-{step}" not in ours]
+            if foreign:
+                problem = (f"{foreign[0]} was not written by a run of this folder, and this run saves its step "
+                           f"{foreign[0].name.split('-')[1]} there: it would train up to that step and stop (a folder not "
+                           f"its own is never replaced); move it away (or choose another training.checkpoint.output_dir) "
+                           f"and rerun; nothing was trained" + (f" ({len(foreign)} such)" if len(foreign) > 1 else ""))
+        problem = broadcast_object(problem)
+        if problem:
+            raise UserError(problem)
 
     def _save_checkpoint(self, step: int) -> None:
         """Save step ``step`` (collective), then hand MLflow the steps it now covers."""

@@ -119,8 +119,13 @@ def hash_tree(folder: str | Path, exclude: Sequence[str] = (LINEAGE_FILE,), *,
     if listing.refused:
         rel, why = listing.refused[0]
         count = len(listing.refused)
+        entries = f"{count} such entr{'y' if count == 1 else 'ies'}"
+        if follow_symlinks:  # a folder of the user's (a stage's input read from outside artifacts/), not an artifact
+            raise UserError(f"{cut(folder)} holds {cut(rel)} ({why}): it cannot be read as an input (links are followed "
+                            f"to files and folders, never around a loop or to nothing); remove or fix it ({entries}); "
+                            "nothing was read or written")
         raise UserError(f"{cut(folder)} holds {cut(rel)} ({why}): refused, an artifact holds regular files and "
-                        f"folders only; copy the real file in ({count} such entr{'y' if count == 1 else 'ies'})")
+                        f"folders only; copy the real file in ({entries})")
     try:
         entries = [_entry(rel, listing.files[rel]) for rel in sorted(listing.files)]
     except OSError as exc:
