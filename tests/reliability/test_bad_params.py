@@ -367,3 +367,29 @@ def test_the_tests_read_the_shipped_params_not_an_experiments(tmp_path, data_los
     shutil.rmtree(inner_tmp, ignore_errors=True)
     assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
     data_lost.record(0, "files of the checkout changed")
+
+
+@pytest.mark.reliability(case="11.10", title="a chain no recipe describes is said in one line",
+                         injected="distill.method: dmd2 on the defaults (pretrain.method: dfsft, a causal student); then with "
+                                  "pretrain.method: ode_init_bidirectional; then self_forcing from ode_init_bidirectional",
+                         expect="`distillery params check` exits 0 with one 'note:' line naming the init DMD2's recipe "
+                                "starts from (and the -S that sets it); the recipe's chain: no note")
+def test_a_mismatched_chain_is_said_in_one_line(tmp_path, monkeypatch, capsys, data_lost):
+    from distillery.cli.guard import run_guarded
+    from distillery.cli.main import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    cases = [({"distill__method": "dmd2"}, "distill.method: dmd2 starts from pretrain.method: dfsft (a causal student), "
+                                           "not its recipe's init: add -S pretrain.method=ode_init_bidirectional"),
+             ({"distill__method": "dmd2", "pretrain__method": "ode_init_bidirectional"}, None),
+             ({"pretrain__method": "ode_init_bidirectional"}, "distill.method: self_forcing starts from pretrain.method: "
+                                                              "ode_init_bidirectional (a bidirectional student)"),
+             ({}, None)]
+    for updates, note in cases:
+        (tmp_path / "params.yaml").write_text(_edited(**updates))
+        ns = build_parser().parse_args(["params", "check"])
+        capsys.readouterr()
+        assert run_guarded(lambda ns=ns: ns.func(ns)) == 0
+        notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+        assert (notes == []) if note is None else (len(notes) == 1 and notes[0].startswith(f"note: {note}")), (updates, notes)
+    data_lost.record(0, "files written by the check")

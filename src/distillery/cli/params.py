@@ -38,6 +38,10 @@ def _check_params(args: argparse.Namespace) -> int:
         check_memory(stage, params)
     sys.stdout.write(f"{args.params}: ok: DVC and the stages read the same values, each within its bounds, "
                      f"the folders it names are what their stages read, every training batch fits the data, and every stage's buffers fit this machine\n")
+    from distillery.pipeline.params.schema import chain_notes
+
+    for note in chain_notes(params.typed):  # a chain that runs but is no recipe: said, not refused
+        sys.stdout.write(f"note: {note}\n")
     return 0
 
 

@@ -163,6 +163,11 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     check_memory(name, params)  # from the params (and the latent set's counts) alone: before anything is touched
     check_batch(name, params, ARTIFACTS, stages=tuple(STAGES)[tuple(STAGES).index(name):])  # this and every later training stage
     declared = StageParams(params, name, stage_params(name))
+    if name == "distill":  # a chain that runs but is no recipe (DMD2 from the causal DFSFT student): said in one line
+        from distillery.pipeline.params.schema import chain_notes
+
+        for note in chain_notes(params.typed):
+            log.warning("stage %s: %s", name, note)
     workspace = Path(params_path).parent
     find_stage(name, workspace)  # its adapter is there (a workspace's stages/), before anything is written
     _use_workspace_hash_cache()

@@ -491,6 +491,25 @@ def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
     return params
 
 
+# the distill recipes' students and the pretrain recipe each starts from (docs/training.md): Self-Forcing streams a causal
+# student (dfsft or ode_init makes one), DMD2 samples a bidirectional one (ode_init_bidirectional makes one)
+CAUSAL_PRETRAIN = ("dfsft", "ode_init")
+DISTILL_INIT = {"self_forcing": CAUSAL_PRETRAIN, "dmd2": ("ode_init_bidirectional",)}
+
+
+def chain_notes(params: ParamsSchema) -> list[str]:
+    """One line per stage chain that runs but is not a recipe the docs describe: a distill method whose student starts
+    from a pretrain student of the other kind (DMD2 from the causal DFSFT student — it then trains that causal student's
+    weights as a bidirectional one; Self-Forcing from a bidirectional one). Empty for the recipes; the given-student
+    path (``pretrain.source: given``) is the user's to say."""
+    wanted = DISTILL_INIT[params.distill.method]
+    if params.pretrain.source != "train" or params.pretrain.method in wanted:
+        return []
+    kind = "causal" if params.pretrain.method in CAUSAL_PRETRAIN else "bidirectional"
+    return [f"distill.method: {params.distill.method} starts from pretrain.method: {params.pretrain.method} (a {kind} "
+            f"student), not its recipe's init: add -S pretrain.method={wanted[0]} (docs/training.md)"]
+
+
 def as_written(data: Any, defaults: Any) -> Any:
     """The params as the file wrote them (what DVC records in ``dvc.lock``) with every absent key at its
     default: ``data`` (the validated mapping, or a section of it) over ``defaults`` (the plain defaults)."""
