@@ -28,10 +28,11 @@ from distillery.models.cosmos.common import (
 )
 from distillery.models.cosmos.inference import load_inference_model
 from distillery.models.cosmos.pdd import PDDCosmosModel, PDDCosmosModelConfig
+from distillery.models.wan.experts import lay_out_given_model  # a given folder's transformer as an artifact holds it (one expert here)
 from distillery.models.wan.pdd import HEADS_FILE as HEAD_BANK_FILE
 from distillery.models.wan.pdd import empty_head_bank, save_head_bank  # the head bank is every family's (its module doc)
 
 __all__ = ["HEAD_BANK_FILE", "TRANSFORMER_CLASS", "CausalCosmosModel", "CausalCosmosModelConfig", "CosmosModel",
            "CosmosModelConfig", "PDDCosmosModel",
            "PDDCosmosModelConfig", "build_transformer", "empty_head_bank", "image_conditioning", "input_widths",
-           "load_inference_model", "locate_transformer", "save_head_bank"]
+           "lay_out_given_model", "load_inference_model", "locate_transformer", "save_head_bank"]
