@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,32 @@ def torchrun_command(nproc: int, folder: Path, *args: str) -> list[str]:
     arguments), its own log folder in the test's ``folder`` (torch's default leaves a ``torchelastic_*`` in /tmp)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
             "--log-dir", str(folder / "torch-logs"), *args]
+
+
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+
+
+@contextlib.contextmanager
+def plugins_allowed(prefixes: str) -> Iterator[None]:
+    """The test plugins (tests/plugins/) importable, and ``prefixes`` (comma-separated module names) allowed as
+    `_target_`s, in this process for the duration."""
+    sys.path.insert(0, str(PLUGINS))
+    previous = os.environ.get("DISTILLERY_ALLOWED_TARGET_PREFIXES")
+    os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"] = prefixes
+    try:
+        yield
+    finally:
+        sys.path.remove(str(PLUGINS))
+        if previous is None:
+            del os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"]
+        else:
+            os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"] = previous
+
+
+def plugin_env(prefixes: str) -> dict[str, str]:
+    """A worker's environment with the test plugins on its path and ``prefixes`` allowed (one OpenMP thread)."""
+    return {**os.environ, "PYTHONPATH": f"{PLUGINS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "DISTILLERY_ALLOWED_TARGET_PREFIXES": prefixes, "OMP_NUM_THREADS": "1"}
 
 
 def write_config(path: Path, cfg: dict[str, Any]) -> Path:

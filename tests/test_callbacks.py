@@ -73,7 +73,9 @@ def test_ema_tracks_the_weights_with_the_given_decay():
 def test_ema_shadow_after_n_trainer_steps_is_the_hand_written_average(tmp_path, tiny_base, latent_set):
     """Through the real trainer (SFT on the tiny Wan, 6 steps, a checkpoint after every step): the EMA shadow
     in the last checkpoint is the average written out by hand over each step's saved weights w_k —
-    s = w_k while k < start_step, then s ← d·s + (1 − d)·w_k — and not the last weights themselves."""
+    s = w_k while k < start_step, then s ← lerp(s, w_k, 1 − d) in fp32, as torch.lerp computes it — bit for bit
+    (the shadow weights component keeps the EMA exactly as the callback computed it before it existed), and not the
+    last weights themselves."""
     from helpers import role_state, run_config, train_in_process
 
     decay, start, steps = 0.6, 3, 6
@@ -84,11 +86,10 @@ def test_ema_shadow_after_n_trainer_steps_is_the_hand_written_average(tmp_path, 
     reference: dict[str, torch.Tensor] = {}
     for k, w in enumerate(weights, start=1):
         for name, t in w.items():
-            t = t.double()
-            reference[name] = t if k < start else decay * reference[name] + (1.0 - decay) * t
+            reference[name] = t.float().clone() if k < start else torch.lerp(reference[name], t.float(), 1.0 - decay)
     shadow = role_state(tmp_path / "run" / f"checkpoint-{steps}", ema="ema")
     assert shadow.keys() == reference.keys()
     for name in reference:
-        torch.testing.assert_close(shadow[name].double(), reference[name], rtol=1e-6, atol=1e-6)
-    moved = [n for n in reference if not torch.allclose(reference[n], weights[-1][n].double(), atol=1e-6)]
+        assert torch.equal(shadow[name], reference[name]), name
+    moved = [n for n in reference if not torch.equal(reference[n], weights[-1][n])]
     assert moved, "the average must differ from the last weights (else the test cannot tell them apart)"

@@ -10,23 +10,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import dcp_tensors, read_log, run_config, train_in_process, write_config
+from helpers import PLUGINS, dcp_tensors, plugin_env, plugins_allowed, read_log, run_config, train_in_process, write_config
 from safetensors.torch import load_file, save_file
 from torchrun_each import torchrun_each
 
 from distillery.common.errors import UserError
 
 pytestmark = pytest.mark.slow
-PLUGINS = Path(__file__).resolve().parent / "plugins"
 STEPS = 6
 CRITIC_LR, STUDENT_LR = 2e-4, 1e-3
 
@@ -47,11 +44,6 @@ def _config(base: Path, data: Path, out: Path, batch_size: int, teacher: Path | 
     return cfg
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{PLUGINS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            "DISTILLERY_ALLOWED_TARGET_PREFIXES": "two_role_method", "OMP_NUM_THREADS": "1"}
-
-
 def _train(cfg: dict, path: Path) -> None:
     """One run of ``cfg`` on 1 rank, in this process (the Trainer a worker builds, without paying the imports again)."""
     write_config(path, cfg)
@@ -67,20 +59,9 @@ def _accum(base: Path, data: Path, out: Path, batch_size: int) -> dict:
     return c
 
 
-@contextlib.contextmanager
 def _plugins():
     """The test plugins importable and allowed as `_target_`s in this process."""
-    sys.path.insert(0, str(PLUGINS))
-    previous = os.environ.get("DISTILLERY_ALLOWED_TARGET_PREFIXES")
-    os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"] = "two_role_method"
-    try:
-        yield
-    finally:
-        sys.path.remove(str(PLUGINS))
-        if previous is None:
-            del os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"]
-        else:
-            os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"] = previous
+    return plugins_allowed("two_role_method")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +77,7 @@ def runs(tmp_path_factory, tiny_base, latent_set):
     torchrun_each([(two, root / "two_to_one-stopped.yaml"),
                    (_config(tiny_base, latent_set, root / "one_to_two", 2), root / "one_to_two-resumed.yaml"),  # ... resumed on 2
                    (_accum(tiny_base, latent_set, root / "accum_two", 1), root / "accum_two.yaml")],  # 2 ranks × 1 sample × 2
-                  env=_env())  # the test's method plugin on the workers' path
+                  env=plugin_env("two_role_method"))  # the test's method plugin on the workers' path
     _train(_config(tiny_base, latent_set, root / "two_to_one", 4), root / "two_to_one.yaml")  # ... resumed on 1
     return root
 
@@ -207,8 +188,7 @@ def test_a_prompts_only_method_gets_prompt_batches(tiny_base, latent_set, tmp_pa
     from distillery.data import LatentDataset
 
     cfg = run_config(tiny_base, latent_set, tmp_path / "run", method="prompt_method.PromptRolloutMethod", steps=2)
-    with _plugins():
-        os.environ["DISTILLERY_ALLOWED_TARGET_PREFIXES"] = "prompt_method"
+    with plugins_allowed("prompt_method"):
         result = train_in_process(cfg)
     assert result.final_step == 2 and all(r["total_loss"] > 0 for r in result.history)
     prompts, full = LatentDataset(latent_set, with_latents=False), LatentDataset(latent_set)

@@ -1,9 +1,9 @@
 """Exponential moving average of trainable roles' weights.
 
-Shadow weights live beside the (sharded) parameters of each role's ``trainable_modules()``, in
-fp32, with the same sharding; they are saved in checkpoints (key ``callbacks.<name>``:
-``{role: {module: {param: tensor}}}``) and can be exported instead of the raw weights
-(``distillery export-weights --ema``). A role is averaged only at the steps it was updated
+Each averaged role's shadow is a :class:`~distillery.components.shadow.ShadowWeights` of its
+``trainable_modules()`` (fp32, the role's sharding); the shadows are saved in checkpoints (key
+``callbacks.<name>``: ``{role: {module: {param: tensor}}}``) and can be exported instead of the raw
+weights (``distillery export-weights --ema``). A role is averaged only at the steps it was updated
 (``roles_to_step``): an alternating critic/student schedule does not pull a student's average
 towards weights that did not change.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from distillery.callbacks.base import Callback, CallbackContext
-from distillery.components.distributed import local_shard
+from distillery.components.shadow import ShadowWeights
 
 
 @dataclass
@@ -39,46 +39,35 @@ class EMACallback(Callback):
 
     def __init__(self, config: EMAConfig, name: str) -> None:
         super().__init__(config, name)
-        self.shadow: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
-        self._params: dict[str, dict[str, dict[str, torch.nn.Parameter]]] = {}
+        self.shadows: dict[str, ShadowWeights] = {}
+
+    @property
+    def shadow(self) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+        """``{role: {module: {param: tensor}}}``: each averaged role's shadow tensors."""
+        return {role: shadow.tensors for role, shadow in self.shadows.items()}
 
     def on_train_start(self, ctx: CallbackContext) -> None:
         for role in self.config.roles:
             if role not in ctx.roles:
                 raise ValueError(f"EMA role {role!r} is not a model role")
-            self._params[role], self.shadow[role] = {}, {}
-            for module_name, module in ctx.roles[role].trainable_modules().items():
-                params = {n: p for n, p in module.named_parameters() if p.requires_grad}
-                self._params[role][module_name] = params
-                with torch.no_grad():
-                    self.shadow[role][module_name] = {n: p.detach().float().clone() for n, p in params.items()}
+            self.shadows[role] = ShadowWeights.detached(ctx.roles[role].trainable_modules())
 
-    @torch.no_grad()
     def on_training_step_end(self, ctx: CallbackContext, step: int) -> dict[str, torch.Tensor]:
         if step % self.config.update_every:
             return {}
         stepped = set(ctx.roles_to_step(step))
-        for role, modules in self._params.items():
+        for role, shadow in self.shadows.items():
             if role not in stepped:
                 continue
-            for module_name, params in modules.items():
-                names = list(params)
-                shadow = [local_shard(self.shadow[role][module_name][n]) for n in names]
-                current = [local_shard(params[n]).float() for n in names]
-                if step < self.config.start_step:
-                    torch._foreach_copy_(shadow, current)
-                else:
-                    torch._foreach_lerp_(shadow, current, 1.0 - self.config.decay)
+            if step < self.config.start_step:
+                shadow.copy_()
+            else:
+                shadow.lerp_(1.0 - self.config.decay)
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {role: {m: dict(tensors) for m, tensors in modules.items()} for role, modules in self.shadow.items()}
+        return {role: shadow.state_dict() for role, shadow in self.shadows.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            for role, modules in state.items():
-                for module_name, tensors in modules.items():
-                    for n, t in tensors.items():
-                        target = self.shadow[role][module_name][n]
-                        if t is not target:
-                            local_shard(target).copy_(local_shard(t))
+        for role, modules in state.items():
+            self.shadows[role].load_state_dict(modules)

@@ -112,7 +112,8 @@ def check_sequence_parallel_fit(config: RunConfig) -> None:
 
 
 def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
-    """Models → method → placement (FSDP2 sharding / compute copies) → optimizers → callbacks."""
+    """Models → method → placement (FSDP2 sharding / compute copies; a role's shadow twins as the role) → optimizers
+    → callbacks."""
     from distillery.engine.batches import check_data_kind
 
     check_data_kind(config)  # a method that reads video latents on a prompt-only set: one line before any model loads
@@ -126,7 +127,8 @@ def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
         if runtime.activation_checkpointing and runtime.activation_checkpointing_fraction >= 1.0 and hasattr(model, "enable_activation_checkpointing"):
             model.enable_activation_checkpointing()  # every block: diffusers' own (a share of them: place_model)
         own = config.models[role].distributed
-        place_model(model, env, config.training.distributed, runtime, own.replicate_size if own else None)
+        for placed in (model, *method.twins_of(role)):  # a method's frozen twins of the role: placed as the role is
+            place_model(placed, env, config.training.distributed, runtime, own.replicate_size if own else None)
     method.build_optimizers()
     return BuiltRun(models=models, method=method, callbacks=build_callbacks(config))
 

@@ -25,12 +25,19 @@ read video latents only with ``rollout: data_latent``); an instance's ``data_kin
 Without latents a batch carries ``latent_shape`` (``[C, T, H, W]`` of the samples a rollout generates) and
 :meth:`~distillery.models.base.ModelBase.prepare_batch` draws the noise of that shape.
 
+Shadow weights (:mod:`distillery.components.shadow`): a method that reads a target network (a consistency
+model's EMA target, an old policy) names it in :meth:`TrainingMethod.shadow_networks` (name → the trainable role
+it shadows); the method then holds a frozen twin of that role (``self.twins[name]``, a model to run without
+gradient, placed like the role by the builder) whose parameters are the shadow weights ``self.shadows[name]``
+(:class:`~distillery.components.shadow.ShadowWeights`, made in :meth:`on_train_start`): the method moves them
+towards the role when its algorithm says (``copy_``, ``lerp_``).
+
 Checkpoints (:meth:`checkpoint_state`) are the method's: trainable roles' modules under
-``roles.<role>.<module>``, ``optimizers.<role>``, ``schedulers.<role>``, the random stream under
-``method.rng``, plus whatever a subclass adds; all DCP. Per-rank state that is neither sharded nor
-replicated (PDD's carried trajectories) is :meth:`TrainingMethod.host_state`, saved beside each
-rank's process RNGs. Frozen roles are
-not saved; :meth:`frozen_sources` names them (path + sha256) for the checkpoint metadata.
+``roles.<role>.<module>``, ``optimizers.<role>``, ``schedulers.<role>``, the shadow weights under
+``shadows.<name>``, the random stream under ``method.rng``, plus whatever a subclass adds; all DCP. Per-rank state
+that is neither sharded nor replicated (PDD's carried trajectories) is :meth:`TrainingMethod.host_state`, saved
+beside each rank's process RNGs. Frozen roles are not saved; :meth:`frozen_sources` names them (path + sha256) for
+the checkpoint metadata.
 
 Randomness: ``self.rng`` (a :class:`~distillery.components.rng.BatchRNG` on the student's device) is the
 only source of random draws in methods, models and samplers; its per-sample draws do not depend on
@@ -51,6 +58,7 @@ from distillery.common.errors import UserError
 from distillery.components.checkpoint.stateful import ModuleState, OptimizerState, RNGState, SchedulerState
 from distillery.components.optim import build_role_optimizer
 from distillery.components.rng import BatchRNG
+from distillery.components.shadow import ShadowWeights
 from distillery.config.schema import OptimizerConfig, TrainingConfig
 from distillery.models.base import ModelBase
 
@@ -119,6 +127,26 @@ class TrainingMethod(ABC):
                                   for role, model in role_models.items() if model.trainable}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.lr_schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler] = {}
+        self.twin_roles = dict(self.shadow_networks(config))
+        self.twins: dict[str, ModelBase] = {}
+        for name, role in self.twin_roles.items():
+            model = self.role_models.get(role)
+            if model is None or not model.trainable:
+                raise UserError(f"config error: models: {type(self).__name__} reads a shadow of the {role} ({name}); "
+                                f"the {role} must be a trainable role of this run")
+            self.twins[name] = model.twin(name)
+        self.shadows: dict[str, ShadowWeights] = {}
+
+    @classmethod
+    def shadow_networks(cls, config: Any) -> dict[str, str]:
+        """The target networks this method reads with ``config``: name → the trainable role whose shadow weights
+        they compute with (module doc). Default: none."""
+        del config
+        return {}
+
+    def twins_of(self, role: str) -> list["ModelBase"]:
+        """The frozen twins of ``role`` (what the builder places beside it, in name order)."""
+        return [self.twins[name] for name in sorted(self.twins) if self.twin_roles[name] == role]
 
     @classmethod
     def reads_latents(cls, config: Any) -> bool:
@@ -165,8 +193,12 @@ class TrainingMethod(ABC):
     # -- set-up ---------------------------------------------------------------------------
     def on_train_start(self, device: torch.device, world_size: int = 1) -> None:
         """Create the random stream on ``device`` (seeded with the run seed, sliced by data rank over ``world_size``
-        data ranks)."""
+        data ranks) and pair each twin with its role in a :class:`~distillery.components.shadow.ShadowWeights` (after
+        placement: the parameters are the placed ones)."""
         self.rng = BatchRNG(self.training.loop.seed, self.rank, world_size, device)
+        self.shadows = {name: ShadowWeights.of_twin(self.role_models[self.twin_roles[name]].trainable_modules(),
+                                                    twin.trainable_modules(), twin.refresh_compute_weights)
+                        for name, twin in self.twins.items()}
 
     def build_optimizers(self) -> None:
         """One AdamW + LR schedule per trainable role over its ``trainable_modules()``, from that
@@ -248,6 +280,8 @@ class TrainingMethod(ABC):
                 state[f"roles.{role}.{name}"] = ModuleState(module, adapters_only=lora and name == "transformer")
             state[f"optimizers.{role}"] = OptimizerState(modules, optimizer)
             state[f"schedulers.{role}"] = SchedulerState(self.lr_schedulers[role], optimizer)
+        for name, shadow in self.shadows.items():
+            state[f"shadows.{name}"] = shadow
         state["method.rng"] = RNGState(self.rng)
         return state
 

@@ -127,6 +127,21 @@ class ModelBase(ABC):
         EMA and export all go through this; nothing else decides what trains."""
         return {"transformer": self.transformer}
 
+    def twin(self, name: str) -> "ModelBase":
+        """A frozen twin of this role for shadow weights (:mod:`distillery.components.shadow`): a deep copy, made
+        before placement (the builder places it as it places this role), with its own caches, its transformer in
+        eval mode and its ``role`` ``<role>.<name>`` (log lines). Its parameters keep their ``requires_grad`` (the
+        shadow is exactly the set the role trains, and a one-rank compute copy refreshes those); it is only ever
+        run without gradient. Call it on an unplaced role."""
+        import copy
+
+        if self.compute_copy is not None or self.device.type != "cpu":
+            raise RuntimeError(f"models.{self.role}: a twin is made before the role is placed")
+        twin = copy.deepcopy(self)
+        twin.role = f"{self.role}.{name}"
+        twin.transformer.eval()
+        return twin
+
     def source(self) -> dict[str, Any]:
         """Where this role's weights came from (checkpoint metadata of frozen roles): ``path`` (the
         folder they were loaded from: ``self.transformer_dir`` when the plugin sets it, else the

@@ -7,6 +7,7 @@ Layout of one checkpoint::
                                 #   roles.<role>.<module>  trainable modules (sharded, reshardable; a LoRA role: the adapter only)
                                 #   optimizers.<role>      AdamW moments + step per parameter
                                 #   schedulers.<role>      LR schedule position and rates
+                                #   shadows.<name>         a method's shadow weights (its target networks)
                                 #   method.*               the method's stream and own state
                                 #   trainer                step, data position
                                 #   callbacks.<name>       callback tensors (EMA shadow weights)
