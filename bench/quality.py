@@ -302,7 +302,7 @@ def sample_candidate(spec: CandidateSpec, base_dir: str, prompts: list[str], set
         cand = Candidate.from_artifact(spec.name, Path(spec.model_dir), spec.steps)
     cfg = ValidationConfig(prompts=prompts, num_frames=settings["num_frames"], height=settings["height"],
                            width=settings["width"], fps=settings["fps"], num_seeds=settings["seeds"], seed=0,
-                           guidance_scale=GUIDANCE, bootstrap_resamples=0, grid_formats=[], progress_bar=False,
+                           bootstrap_resamples=0, grid_formats=[], progress_bar=False,
                            device="cuda" if device == "cuda" else "cpu", sample_batch=int(settings.get("sample_batch", 1)))
     metrics = run_validation(Path(base_dir), [cand], prompts, Path(out_dir), cfg)
     return {"nfe": metrics[f"{spec.name}/nfe"], "latency_s": metrics[f"{spec.name}/latency_s"],
