@@ -54,6 +54,16 @@ newer than every file of its model (a student retrained since is sampled again) 
 retrained student is compared with the others' samples as they were (``settings.kept_sampled`` names them).
 ``--train-only`` stops after training: with ``--reuse`` a later call (a later device call on the same machine)
 evaluates.
+
+Sparse against dense (issue 64): ``--sparse 0.9:1,1,2`` trains each chosen student a second time with block-sparse
+attention (``models.student.attention: sparse`` at that sparsity and tile, put into the stage's run config through a
+``model_overrides.json`` in its workspace: the params do not reach the model plugin's settings yet), sampled with it
+(its artifact records it); ``--train-seeds N`` trains every student with params ``seed`` 0 … N − 1; ``settings.
+sparse_vs_dense`` lists, per student and metric, each seed's value and their mean and spread both ways.
+``--teacher-steps 40,4`` limits the teacher's candidates (40 is the reference)::
+
+    python bench/quality.py --device cpu --scale small --students dmd2_4,self_forcing --train-seeds 3 \
+        --sparse 0.9:1,1,2 --teacher-steps 40,4
 """
 
 from __future__ import annotations
@@ -111,12 +121,14 @@ SCALES = {
 
 @dataclass(frozen=True)
 class Student:
-    """A student trained in its own workspace: the stage and the params that pick its recipe."""
+    """A student trained in its own workspace: the stage and the params that pick its recipe; ``model`` — settings of
+    the trained role's model plugin put into the stage's run config (``--sparse``: ``attention: sparse``)."""
 
     name: str
     stage: str  # distill | pdd
     method: str  # dmd2 | self_forcing | pdd | dm_pdd
     params: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
 
 
 STUDENTS = (
@@ -139,11 +151,30 @@ class CandidateSpec:
     steps: int | None  # Euler steps (teacher), the PDD NFE, or None: the artifact's contract
 
 
-def candidate_specs(work: Path, trained: dict[str, Path]) -> list[CandidateSpec]:
+MODEL_OVERRIDES = "model_overrides.json"  # in a student's workspace: {role: {knob: value}} for its run config
+
+
+def expand_students(chosen: list[Student], train_seeds: int, sparse: dict[str, Any] | None) -> list[Student]:
+    """Each chosen student trained with ``train_seeds`` seeds (params ``seed`` 0 … N − 1; ``<name>`` then
+    ``<name>_seed<k>``), and with ``sparse`` (``{"sparsity", "sparse_tile"}``) each also as a twin whose student
+    trains and samples with block-sparse attention (``<name>_sparse…``, the same seeds)."""
+    out = []
+    for student in chosen:
+        for twin in ([False, True] if sparse else [False]):
+            for k in range(train_seeds):
+                name = student.name + ("_sparse" if twin else "") + (f"_seed{k}" if k else "")
+                params = {**student.params, **({"seed": k} if k else {})}
+                model = {"attention": "sparse", **sparse} if twin else {}
+                out.append(Student(name, student.stage, student.method + ("_sparse" if twin else ""), params, model))
+    return out
+
+
+def candidate_specs(work: Path, trained: dict[str, Path], students: list[Student] | None = None,
+                    teacher_steps: tuple[int, ...] = TEACHER_STEPS) -> list[CandidateSpec]:
     """The reference (teacher_40) first, then every candidate whose model exists."""
     teacher = str(work / "base" / "artifacts" / "teacher" / "model")
-    specs = [CandidateSpec(f"teacher_{n}", "teacher", teacher, n) for n in TEACHER_STEPS]
-    for student in STUDENTS:
+    specs = [CandidateSpec(f"teacher_{n}", "teacher", teacher, n) for n in teacher_steps]
+    for student in students if students is not None else STUDENTS:
         if student.name not in trained:
             continue
         model = str(trained[student.name])
@@ -245,6 +276,9 @@ def run_one_stage(folder: Path, name: str, device: str) -> None:
     spec = TRAINING_STAGES[name].resolve(view)
     raw = fill_run_config(spec, view, "")
     raw["training"]["tracker"] = {"backend": "none"}
+    if Path(MODEL_OVERRIDES).is_file():  # a student's model settings the params do not reach (--sparse)
+        for role, knobs in json.loads(Path(MODEL_OVERRIDES).read_text()).items():
+            raw["models"][role].update(knobs)
     check_chain(spec, raw)
     run_dir = RUNS / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -490,6 +524,28 @@ def check_goals(cands: dict[str, dict[str, Any]], floor: dict[str, Any]) -> dict
     return goals
 
 
+def sparse_vs_dense(rows: list[dict[str, Any]], students: list[Student]) -> dict[str, Any]:
+    """Per student trained both ways, per metric: each training seed's value (its 95% interval in the candidate's
+    row), their mean and spread (min, max over seeds) dense and sparse, and the sparse mean minus the dense mean."""
+    by_name = {r["name"]: r for r in rows}
+    out: dict[str, Any] = {}
+    for dense in [s for s in students if not s.model and "_seed" not in s.name]:  # each student's dense seed-0 run
+        groups = {kind: [by_name[s.name] for s in students if s.name in by_name
+                         and s.name.split("_seed")[0] == dense.name + ("_sparse" if kind == "sparse" else "")]
+                  for kind in ("dense", "sparse")}
+        if not groups["dense"] or not groups["sparse"]:
+            continue
+        entry: dict[str, Any] = {}
+        for metric in METRICS:
+            per = {kind: [r[metric] for r in group] for kind, group in groups.items()}
+            entry[metric] = {kind: {"seeds": vals, "mean": round(float(np.mean(vals)), 6),
+                                    "min": round(float(np.min(vals)), 6), "max": round(float(np.max(vals)), 6)}
+                             for kind, vals in per.items()}
+            entry[metric]["sparse_minus_dense"] = round(entry[metric]["sparse"]["mean"] - entry[metric]["dense"]["mean"], 6)
+        out[dense.name] = entry
+    return out
+
+
 # -- output -------------------------------------------------------------------------------------
 def write_results(out: Path, settings: dict[str, Any], rows: list[dict[str, Any]], floor: dict[str, Any] | None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -505,7 +561,8 @@ def write_plot(rows: list[dict[str, Any]], floor: dict[str, Any] | None, path: P
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    markers = {"teacher": "o", "dmd2": "s", "self_forcing": "^", "pdd": "D", "dm_pdd": "v"}
+    markers = {"teacher": "o", "dmd2": "s", "self_forcing": "^", "pdd": "D", "dm_pdd": "v", "dmd2_sparse": "P",
+               "self_forcing_sparse": "X", "pdd_sparse": "d", "dm_pdd_sparse": "1"}
     for ax, metric, label in ((axes[0], "kid", "KID to teacher-40"), (axes[1], "frechet", "Fréchet distance to teacher-40")):
         for method in markers:
             pts = sorted((r["nfe"], r[metric], *r[f"{metric}_ci"]) for r in rows if r["method"] == method and r["name"] != "teacher_40")
@@ -574,7 +631,7 @@ def train(args: argparse.Namespace, scale: Scale, work: Path, deadline: float, s
             timings[name] = round(run_stage(base, name, args.device, logs), 1)
             print(f"[quality] stage {name}: {timings[name]} s", flush=True)
             timings_file.write_text(json.dumps(timings, indent=1) + "\n")
-    chosen = [s for s in STUDENTS if s.name in args.students]
+    chosen = getattr(args, "expanded", None) or [s for s in STUDENTS if s.name in args.students]  # (nft_quality: names only)
     pending = [s for s in chosen if not (args.reuse and (work / s.name / "artifacts" / s.stage / "model").is_dir())]
     for s in chosen:
         if s not in pending:
@@ -587,6 +644,9 @@ def train(args: argparse.Namespace, scale: Scale, work: Path, deadline: float, s
                 settings["skipped"].append(f"train {student.name} (budget)")
                 continue
             folder = make_workspace(work / student.name, {**scale.params, **student.params}, artifacts_from=base)
+            (folder / MODEL_OVERRIDES).unlink(missing_ok=True)
+            if student.model:
+                (folder / MODEL_OVERRIDES).write_text(json.dumps({"student": student.model}))
             log = (logs / f"{student.name}-{student.stage}.log").open("w")
             proc = subprocess.Popen(stage_command(folder, student.stage, args.device), cwd=folder, env=_env(args.device),
                                     stdout=log, stderr=subprocess.STDOUT)
@@ -626,7 +686,7 @@ def evaluate(args: argparse.Namespace, scale: Scale, work: Path, trained: dict[s
     from distillery.evaluation.video_metrics import Standardiser
 
     prompts = PROMPTS_FILE.read_text().splitlines()[: scale.prompts]
-    specs = candidate_specs(work, trained) if specs is None else specs
+    specs = candidate_specs(work, trained, args.expanded, args.teacher_steps) if specs is None else specs
     base_dir = str(work / "base" / "artifacts" / "base" / "model")
     sampling = {**latent_settings(work), "seeds": scale.seeds, "sample_batch": args.sample_batch}
     settings.update(prompts=prompts, num_prompts=len(prompts), num_seeds=scale.seeds, videos_per_candidate=len(prompts) * scale.seeds,
@@ -738,6 +798,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="a params.yaml value for every workspace (YAML), e.g. --set pdd.dm_weight=0.5")
     parser.add_argument("--students", default=",".join(s.name for s in STUDENTS),
                         help="the students to train and evaluate, comma-separated (default: all); the teacher's candidates always")
+    parser.add_argument("--train-seeds", type=int, default=1,
+                        help="train each student with this many seeds (params seed 0 … N − 1): <name>, <name>_seed1, …")
+    parser.add_argument("--sparse", default=None, metavar="SPARSITY:F,H,W",
+                        help="also train each student with block-sparse attention (models.student.attention: sparse; e.g. "
+                             "0.9:1,1,2): <name>_sparse…, sampled with it; the results add sparse_vs_dense")
+    parser.add_argument("--teacher-steps", default=",".join(map(str, TEACHER_STEPS)),
+                        help="the teacher's candidates (the first must be 40: the reference)")
     parser.add_argument("--reuse", action="store_true", help="keep the work folder's trained models; evaluate only what is missing")
     parser.add_argument("--keep-sampled", action="store_true",
                         help="with --reuse: sample only the candidates without current samples in the work folder (module doc)")
@@ -760,6 +827,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: --students: unknown {', '.join(unknown)}; valid: {', '.join(s.name for s in STUDENTS)}", file=sys.stderr)
         return 2
+    args.teacher_steps = tuple(int(v) for v in args.teacher_steps.split(","))
+    if args.teacher_steps[0] != 40 or args.train_seeds < 1:
+        print("error: --teacher-steps must start with 40 (the reference); --train-seeds must be >= 1", file=sys.stderr)
+        return 2
+    sparse = None
+    if args.sparse:
+        try:
+            sparsity, tile = args.sparse.split(":")
+            sparse = {"sparsity": float(sparsity), "sparse_tile": [int(v) for v in tile.split(",")]}
+        except ValueError:
+            print(f"error: --sparse {args.sparse!r}: SPARSITY:F,H,W, e.g. 0.9:1,1,2", file=sys.stderr)
+            return 2
+    args.expanded = expand_students([s for s in STUDENTS if s.name in args.students], args.train_seeds, sparse)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -792,7 +872,8 @@ def main(argv: list[str] | None = None) -> int:
         "interval": ("95% bootstrap: percentiles (KID: both sets resampled; adherence, sharpness, paired: over videos); "
                      "Fréchet's shifted by its bootstrap bias"),
         "budget_s": args.budget_s if args.budget_s != float("inf") else None, "train_jobs": args.train_jobs,
-        "eval_jobs": args.eval_jobs, "sample_batch": args.sample_batch, "students": [asdict(s) for s in STUDENTS], "skipped": [],
+        "eval_jobs": args.eval_jobs, "sample_batch": args.sample_batch, "students": [asdict(s) for s in args.expanded], "skipped": [],
+        "train_seeds": args.train_seeds, "sparse": sparse,
         "reference": "teacher_40", "comparison": "students vs the teacher at the same step count; nfe counts CFG's 2 forwards",
     }
     if args.rescore and args.out.is_file():  # keep the training times of the run that trained these models
@@ -807,6 +888,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows, floor = evaluate(args, scale, work, trained, deadline, settings, args.out)
     settings["total_s"] = round(time.monotonic() - started, 1)
+    if sparse:
+        settings["sparse_vs_dense"] = sparse_vs_dense(rows, args.expanded)
+        print(json.dumps(settings["sparse_vs_dense"], indent=1))
     write_results(args.out, settings, rows, floor)
     goals = check_goals({r["name"]: r for r in rows}, floor or {"kid": 0.0, "frechet": 0.0})
     (args.out.parent / f"{args.out.stem}_goals.json").write_text(json.dumps(goals, indent=2) + "\n")

@@ -145,10 +145,11 @@ def shipped_denoiser(folder: Path, model_kind: dict[str, Any], shift: float = 3.
     """The exported package's denoiser over ``folder``'s transformer (eval, frozen) for a shipped sampler's
     ``model_kind()``: causal (``chunk_size``), PDD (``pdd_steps``: its ``pdd_heads.safetensors`` beside the weights) or
     plain — what ``DistilledWanPipeline`` builds, at flow ``shift``, in the folder's Wan 2.2 layout (per-token timesteps;
-    the second expert in ``transformer_2/`` beside ``transformer/`` or inside it, an artifact's)."""
+    the second expert in ``transformer_2/`` beside ``transformer/`` or inside it, an artifact's), with the sparse
+    attention its ``config.json`` records."""
     from diffusers import WanTransformer3DModel
 
-    from distillery.export.standalone import distilled_causal, distilled_wan
+    from distillery.export.standalone import distilled_causal, distilled_sparse, distilled_wan
     from distillery.models.registry import read_layout
 
     def load(path: Path) -> Any:
@@ -161,10 +162,15 @@ def shipped_denoiser(folder: Path, model_kind: dict[str, Any], shift: float = 3.
     layout = distilled_wan.WanLayout(found.expand_timesteps, second, found.boundary_ratio)
     transformer = load(folder / "transformer")
     if "chunk_size" in model_kind:
-        return distilled_causal.CausalWanDenoiser(transformer, shift, model_kind["chunk_size"],
-                                                  given_first_frame=bool(model_kind.get("given_first_frame", False)),
-                                                  layout=layout)
-    if "pdd_steps" in model_kind:
-        return distilled_wan.PDDWanDenoiser(transformer, shift, model_kind["pdd_steps"],
-                                            folder / "transformer" / "pdd_heads.safetensors", layout=layout)
-    return distilled_wan.WanDenoiser(transformer, shift, layout=layout)
+        denoiser = distilled_causal.CausalWanDenoiser(transformer, shift, model_kind["chunk_size"],
+                                                      given_first_frame=bool(model_kind.get("given_first_frame", False)),
+                                                      layout=layout)
+    elif "pdd_steps" in model_kind:
+        denoiser = distilled_wan.PDDWanDenoiser(transformer, shift, model_kind["pdd_steps"],
+                                                folder / "transformer" / "pdd_heads.safetensors", layout=layout)
+    else:
+        denoiser = distilled_wan.WanDenoiser(transformer, shift, layout=layout)
+    spec = distilled_sparse.folder_spec(folder / "transformer")  # trained sparse: sampled sparse, as the pipeline does
+    if spec is not None:
+        distilled_sparse.install_sparse(transformer, spec)
+    return denoiser

@@ -23,7 +23,7 @@ from distillery.tinybase.shipped import shipped_tiny_base
 
 STANDALONE = Path(__file__).resolve().parents[1] / "src" / "distillery" / "export" / "standalone"
 ALLOWED = {"torch", "numpy", "safetensors", "diffusers", "transformers"}
-OPTIONAL = {"flash_attn", "triton", "torchao"}  # the GPU path's, imported only inside functions, where installed
+OPTIONAL = {"flash_attn", "cutlass", "triton", "torchao"}  # the GPU path's, imported only inside functions, where installed
 
 
 def _imports(path: Path, top_level_only: bool = False) -> tuple[set[str], set[str]]:
@@ -120,6 +120,44 @@ def test_the_shipped_samplers_reproduce_the_package_s_latents(folder, kind):
     assert torch.equal(got, expected), (got - expected).abs().max()
     frames = shape[1]
     assert shipped.nfe(steps, guidance, num_frames=frames) == package.nfe(steps, guidance, num_frames=frames)
+
+
+SPARSE_KINDS = ("dfsft_block_causal_euler", "dmd2_few_step", "self_forcing_streaming", "pdd_fused")
+
+
+@pytest.mark.parametrize("kind", SPARSE_KINDS)
+def test_a_student_trained_sparse_samples_as_the_package_samples_it(folder, tmp_path, kind):
+    """A transformer whose config.json records block-sparse attention (frame tiles of 2 × 2 tokens: 5 tiles, a query
+    tile keeps half of those it may attend): the shipped samplers, through the shipped sparse attention, reproduce the
+    package's latents bit for bit, and those differ from the dense student's."""
+    import json
+
+    from distillery.export.standalone import distilled_samplers, distilled_wan
+    from distillery.models.base import Conditioning
+    from distillery.models.registry import load_inference_model
+    from distillery.sampling import build_sampler
+
+    sparse = tmp_path / "sparse"
+    shutil.copytree(folder, sparse)
+    config = json.loads((sparse / "transformer" / "config.json").read_text())
+    config["_sparse_attention"] = {"sparsity": 0.5, "tile": [1, 2, 2]}
+    (sparse / "transformer" / "config.json").write_text(json.dumps(config))
+    contract, steps, guidance = CONTRACTS[kind]
+    gen = torch.Generator().manual_seed(11)
+    text, negative = torch.randn(1, 16, 32, generator=gen), torch.randn(1, 16, 32, generator=gen)
+    shape = (8, 5, 4, 4)
+    package = build_sampler(contract)
+    latents = {}
+    for name, where in (("sparse", sparse), ("dense", folder)):
+        plugin = load_inference_model(where, shift=package.shift, role="validate", **package.model_options())
+        assert (plugin.sparse is not None) == (name == "sparse")
+        latents[name] = package.sample(plugin, Conditioning(text, negative), shape, torch.Generator().manual_seed(5),
+                                       num_steps=steps, guidance_scale=guidance)
+    shipped = distilled_samplers.build_sampler(contract)
+    got = shipped.sample(shipped_denoiser(sparse, shipped.model_kind()), distilled_wan.Conditioning(text, negative), shape,
+                         torch.Generator().manual_seed(5), num_steps=steps, guidance_scale=guidance)
+    assert torch.equal(got, latents["sparse"]), (got - latents["sparse"]).abs().max()
+    assert (latents["sparse"] - latents["dense"]).abs().max() > 1e-3
 
 
 def _export_folder(root: Path, contract: dict, *, kind: str = "export", record_pipeline: bool = True) -> Path:

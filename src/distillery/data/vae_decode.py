@@ -120,22 +120,45 @@ def decode_video(vae: AutoencoderKLWan, z: torch.Tensor, chunk_frames: int) -> t
     ``chunk_frames`` latent frames per decoder call after the first (1: diffusers' loop)."""
     if chunk_frames == 1 or not chunked_decode_applies(vae):
         return vae.decode(z, return_dict=False)[0]
-    vae.clear_cache()
-    try:
-        x = vae.post_quant_conv(z)
-        parts = []
-        for i, (start, end) in enumerate(chunk_spans(int(x.shape[2]), chunk_frames)):
-            vae._conv_idx = [0]  # the decoder walks its feature cache from the first convolution
-            parts.append(vae.decoder(x[:, :, start:end], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
-                                     first_chunk=i == 0))
-    finally:
-        vae.clear_cache()  # the cache holds activations of this video: never leak them into the next
-    out = torch.cat(parts, dim=2)
-    if vae.config.patch_size is not None:  # Wan 2.2: the decoder's output channels are 2×2 pixel patches
-        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+    return StreamingDecoder(vae, chunk_frames).push(z)
 
-        out = unpatchify(out, patch_size=vae.config.patch_size)
-    return out.clamp_(-1.0, 1.0)
+
+class StreamingDecoder:
+    """A video's decode in consecutive pieces of its latent frames, each as soon as it is there (a causal student's
+    finished chunk): the decoder's causal feature cache (its own, not the VAE's) carries from one :meth:`push` to the
+    next, so the pieces' frames, concatenated in time, are :func:`decode_video` of the whole latents — the same
+    decoder calls where the spans agree (``chunk_frames`` 1: diffusers' own loop), the same function in other sums
+    where they do not. Frame 0 is decoded alone (the first push starts there), then ``chunk_frames`` latent frames
+    per decoder call. A ``ValueError`` for a VAE :func:`chunked_decode_applies` refuses (another decoder, or tiling)."""
+
+    def __init__(self, vae: AutoencoderKLWan, chunk_frames: int) -> None:
+        if not chunked_decode_applies(vae):
+            raise ValueError("a decode piece by piece needs a Wan 2.1 or 2.2 VAE decoder that does not tile "
+                             "(vae.disable_tiling())")
+        if chunk_frames < 1:
+            raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
+        self.vae, self.chunk_frames = vae, int(chunk_frames)
+        self.cache: list = [None] * int(vae._cached_conv_counts["decoder"])
+        self.frames = 0  # latent frames decoded so far
+
+    @torch.no_grad()
+    def push(self, z: torch.Tensor) -> torch.Tensor:
+        """The next latent frames ``z [B, z_dim, f, H', W']`` (raw, the VAE's dtype) → their video frames ``[B, 3, F,
+        H, W]`` in ``[-1, 1]`` (``F`` = 1 + 4(f − 1) for the first push, 4f after)."""
+        x = self.vae.post_quant_conv(z)
+        spans = chunk_spans(int(x.shape[2]), self.chunk_frames) if self.frames == 0 else \
+            [(s, min(s + self.chunk_frames, int(x.shape[2]))) for s in range(0, int(x.shape[2]), self.chunk_frames)]
+        parts = []
+        for start, end in spans:
+            parts.append(self.vae.decoder(x[:, :, start:end], feat_cache=self.cache, feat_idx=[0],
+                                          first_chunk=self.frames == 0 and start == 0))
+        self.frames += int(x.shape[2])
+        out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        if self.vae.config.patch_size is not None:  # Wan 2.2: the decoder's output channels are 2×2 pixel patches
+            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+            out = unpatchify(out, patch_size=self.vae.config.patch_size)
+        return out.clamp_(-1.0, 1.0)
 
 
 CACHE_FRAMES = 2  # what diffusers' Wan decoder carries per causal convolution (its CACHE_T)

@@ -36,9 +36,12 @@ from typing import Any
 STANDALONE_PACKAGE = "distillery.export.standalone"
 # the module files copied into every export (pipeline.py imports the others relatively: diffusers copies them with it)
 SHIPPED_MODULES = ("pipeline.py", "distilled_schedule.py", "distilled_samplers.py", "distilled_wan.py", "distilled_causal.py",
-                   "distilled_fast.py", "vae_decode.py", "vae_kernels.py", "pipeline_cosmos.py", "distilled_cosmos.py")
-# the shipped modules that live outside STANDALONE_PACKAGE: the fused chunked VAE decode validate uses too
-SHIPPED_ELSEWHERE = {"vae_decode.py": "distillery.data", "vae_kernels.py": "distillery.data"}
+                   "distilled_fast.py", "distilled_sparse.py", "distilled_decode.py", "sparse_attention.py", "vae_decode.py",
+                   "vae_kernels.py", "pipeline_cosmos.py", "distilled_cosmos.py")
+# the shipped modules that live outside STANDALONE_PACKAGE: the fused chunked VAE decode validate uses too, and the
+# block-sparse video attention a sparse student trained with
+SHIPPED_ELSEWHERE = {"vae_decode.py": "distillery.data", "vae_kernels.py": "distillery.data",
+                     "sparse_attention.py": "distillery.models.wan"}
 CODE_RECORD_KEY = "shipped_code"  # in the export's lineage config: {file name: sha256}
 # what the folder's snippets need installed (the model card names them; the isolated test installs exactly these)
 REQUIREMENTS = ("torch", "diffusers", "transformers", "accelerate")
@@ -47,6 +50,7 @@ OWN_PIPELINE = ("pipeline", "DistilledWanPipeline")  # model_index.json's _class
 OWN_PIPELINES = {"WanPipeline": OWN_PIPELINE, "WanImageToVideoPipeline": OWN_PIPELINE,
                  "Cosmos2_5_PredictBasePipeline": ("pipeline_cosmos", "DistilledCosmosPipeline")}
 INDEX_FILE = "model_index.json"
+SPARSE_RECORD_KEY = "_sparse_attention"  # distillery.models.wan.sparse_attention.RECORD_KEY (that module imports torch)
 
 
 def shipped_sources() -> dict[str, Path]:
@@ -59,10 +63,19 @@ def shipped_sources() -> dict[str, Path]:
     return sources
 
 
-def stock_samples(contract: Mapping[str, Any]) -> bool:
+def stock_samples(contract: Mapping[str, Any], sparse: bool = False) -> bool:
     """Whether stock ``WanPipeline`` samples a model of this sampling contract as the contract says: plain
-    (bidirectional) Euler with CFG — the teacher's. Every other contract needs the folder's own pipeline."""
-    return contract.get("sampler") == "euler" and contract.get("chunk_size") is None
+    (bidirectional) Euler with CFG — the teacher's — and dense attention (``sparse``: the transformer trained with
+    block-sparse attention, :func:`records_sparse`, which stock diffusers would run dense). Every other model needs
+    the folder's own pipeline."""
+    return contract.get("sampler") == "euler" and contract.get("chunk_size") is None and not sparse
+
+
+def records_sparse(transformer_dir: Path) -> bool:
+    """Whether the transformer in ``transformer_dir`` trained with block-sparse attention (its ``config.json`` records
+    it: :data:`distillery.models.wan.sparse_attention.RECORD_KEY`, not null)."""
+    config = Path(transformer_dir) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get(SPARSE_RECORD_KEY) is not None
 
 
 def check_own_pipeline_samples(student: str, model: Path) -> None:
@@ -87,7 +100,7 @@ def check_own_pipeline_samples(student: str, model: Path) -> None:
         raise UserError(f"stage export: the {student} student is a causal image-to-video model whose sampling.json "
                         "lacks given_first_frame: true (trained before its latent frame 0 was the given frame, it "
                         "generates frame 0); retrain it")
-    if stock_samples(contract):
+    if stock_samples(contract, records_sparse(model / "transformer")):
         return
     family = family_of(model)
     if family.experts == 1:
@@ -110,7 +123,7 @@ def name_own_pipeline(folder: Path) -> bool:
     :data:`OWN_PIPELINE`, module doc; Cosmos Predict 2.5's ``pipeline_cosmos.py``); returns whether it did.
     The rest of the index is kept as it is, key order included."""
     contract = json.loads((folder / "sampling.json").read_text())
-    if stock_samples(contract):
+    if stock_samples(contract, records_sparse(folder / "transformer")):
         return False
     index = json.loads((folder / INDEX_FILE).read_text())
     index["_class_name"] = list(OWN_PIPELINES.get(index.get("_class_name"), OWN_PIPELINE))

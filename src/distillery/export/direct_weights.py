@@ -38,6 +38,7 @@ WAN_INIT_KEYS = frozenset({  # WanTransformer3DModel.__init__'s arguments in dif
     "num_attention_heads", "num_layers", "out_channels", "patch_size", "pos_embed_seq_len", "qk_norm", "rope_max_seq_len",
     "text_dim"})
 LAYOUT_KEY = "_wan_layout"  # distillery.models.wan.experts.LAYOUT_KEY (not imported: that module imports the model)
+SPARSE_KEY = "_sparse_attention"  # distillery.models.wan.sparse_attention.RECORD_KEY (likewise)
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 CONFIG_NAME = "config.json"
 MAX_SHARD_BYTES = 10 * 10**9  # save_pretrained's max_shard_size="10GB" as huggingface_hub parses it
@@ -65,6 +66,8 @@ def direct_config(config: dict[str, Any]) -> str | None:
     out = {k: config[k] for k in WAN_INIT_KEYS}
     if layout:
         out[LAYOUT_KEY] = dict(layout)
+    if SPARSE_KEY in config:  # what build_transformer registers: the attention it trained with (null: dense)
+        out[SPARSE_KEY] = config[SPARSE_KEY]
     out["_class_name"] = CLASS_NAME
     out["_diffusers_version"] = installed
     return json.dumps(out, indent=2, sort_keys=True) + "\n"

@@ -26,7 +26,8 @@ CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyd", ".pyw", ".pyx", ".so", ".dylib",
 # the code files an export ships (its pipeline and the modules it imports: distillery.export.code.SHIPPED_MODULES),
 # each allowed only with the digest recorded under config.shipped_code of the export's manifest
 EXPORT_OWN_CODE = ("pipeline.py", "distilled_schedule.py", "distilled_samplers.py", "distilled_wan.py", "distilled_causal.py",
-                   "distilled_fast.py", "vae_decode.py", "vae_kernels.py", "pipeline_cosmos.py", "distilled_cosmos.py")
+                   "distilled_fast.py", "distilled_sparse.py", "distilled_decode.py", "sparse_attention.py", "vae_decode.py",
+                   "vae_kernels.py", "pipeline_cosmos.py", "distilled_cosmos.py")
 EXPORT_CODE_RECORD = "shipped_code"
 # the _class_name an export's top-level model_index.json may give as [module, class]: its own recorded pipeline.py
 # (distillery.export.code.OWN_PIPELINE: diffusers then loads that class, never a plain WanPipeline)

@@ -15,6 +15,11 @@ distilled model samples with nothing of distillery installed:
   ``model_index.json`` names ``["pipeline_cosmos", "DistilledCosmosPipeline"]``), on ``pipeline.py``'s shared parts;
 - ``distilled_cosmos.py`` — the denoiser over the pipeline's ``CosmosTransformer3DModel``;
 - ``distilled_fast.py`` — the GPU path: FlashAttention-4, compiled blocks, fused chunked VAE decode, fp8 on request;
+- ``distilled_sparse.py`` — a student trained with block-sparse video attention samples with it;
+- ``distilled_decode.py`` — latents to frames: the whole video's decode with its host copy overlapped, and a causal
+  student's chunks decoded as they finish (``DistilledWanPipeline.stream``);
+- ``sparse_attention.py`` — that attention, shipped from :mod:`distillery.models.wan.sparse_attention` (the code the
+  student trained with; registered below like the VAE decode's modules);
 - ``vae_decode.py``, ``vae_kernels.py`` — the fused chunked VAE decode, shipped from :mod:`distillery.data` (the code
   validate decodes with). In the folder they sit beside ``pipeline.py``; in this package the same relative imports
   (``from .vae_decode import …``) find :mod:`distillery.data.vae_decode` and :mod:`distillery.data.vae_kernels`
@@ -29,6 +34,8 @@ import sys
 
 from distillery.data import vae_decode as _vae_decode
 from distillery.data import vae_kernels as _vae_kernels
+from distillery.models.wan import sparse_attention as _sparse_attention
 
 sys.modules[f"{__name__}.vae_decode"] = _vae_decode
 sys.modules[f"{__name__}.vae_kernels"] = _vae_kernels
+sys.modules[f"{__name__}.sparse_attention"] = _sparse_attention

@@ -28,6 +28,7 @@ import torch
 
 from .distilled_fast import FA4SelfAttnProcessor, attention_output, fa4_attention, fa4_can_run, self_attention_qkv
 from .distilled_wan import Conditioning, WanDenoiser, WanLayout
+from .sparse_attention import Causal, video_sparse_attention
 
 
 class AttentionPlan:
@@ -35,14 +36,16 @@ class AttentionPlan:
     (``tokens_per_frame`` tokens each); keys are ``past[i]`` (block i's cached frames, or none) ⊕ the
     call's own; ``store`` (when not None) receives each block's own keys/values."""
 
-    __slots__ = ("chunk_size", "tokens_per_frame", "start_frame", "frames", "past", "store", "lead")
+    __slots__ = ("chunk_size", "tokens_per_frame", "start_frame", "frames", "past", "store", "lead", "frame_grid")
 
     def __init__(self, chunk_size: int, tokens_per_frame: int, start_frame: int, frames: int,
                  past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None, lead: int = 0) -> None:
+                 store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None, lead: int = 0,
+                 frame_grid: tuple[int, int] | None = None) -> None:
         self.chunk_size, self.tokens_per_frame = chunk_size, tokens_per_frame
         self.start_frame, self.frames, self.past, self.store = start_frame, frames, past, store
         self.lead = lead  # 1: frame 0 is a block of its own (the given first frame)
+        self.frame_grid = frame_grid  # a frame's (rows, columns) of tokens: what sparse attention tiles
 
     def chunk_end(self, frame: int) -> int:
         """The first frame after the chunk that holds ``frame``."""
@@ -107,6 +110,7 @@ class CausalAttnProcessor:
     def __init__(self, block_index: int) -> None:
         self.block_index = block_index
         self.fa4 = False
+        self.sparse = None  # a SparseSpec (distilled_sparse.install_sparse): block-sparse video attention
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         plan = getattr(rotary_emb, "plan", None)
@@ -138,6 +142,11 @@ def _planned_attention(processor: CausalAttnProcessor, query: torch.Tensor, key:
         past_k, past_v = plan.past[processor.block_index]
         key = torch.cat([past_k.to(key.dtype), key], dim=1)
         value = torch.cat([past_v.to(value.dtype), value], dim=1)
+    sparse = getattr(processor, "sparse", None)  # a Wan processor's (Cosmos' attend densely)
+    if sparse is not None:
+        rows, cols = plan.frame_grid
+        return video_sparse_attention(query, key, value, sparse, (key.shape[1] // (rows * cols), rows, cols),
+                                      q_start=plan.start_frame, causal=Causal(plan.chunk_size, plan.lead), fa4=processor.fa4)
     fa4 = processor.fa4 and fa4_can_run(query)
     outs = [fa4_attention(query[:, qb:qe], key[:, :ke], value[:, :ke]) if fa4 else
             dispatch_attention_fn(query[:, qb:qe], key[:, :ke], value[:, :ke], attn_mask=None, dropout_p=0.0,
@@ -194,8 +203,12 @@ class BlockCausalDenoiser:
         else:
             self.caches.pop(tag, None)
 
+    def _frame_grid(self, x: torch.Tensor) -> tuple[int, int]:
+        return x.shape[3] // self.patch_size[1], x.shape[4] // self.patch_size[2]
+
     def _tokens_per_frame(self, x: torch.Tensor) -> int:
-        return (x.shape[3] // self.patch_size[1]) * (x.shape[4] // self.patch_size[2])
+        rows, cols = self._frame_grid(x)
+        return rows * cols
 
     def _planned(self, plan: AttentionPlan, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning,
                  conditional: bool) -> torch.Tensor:
@@ -207,8 +220,9 @@ class BlockCausalDenoiser:
 
     def velocity(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, conditional: bool = True) -> torch.Tensor:
         """The whole video under the block-causal mask (no cache read or written)."""
-        return self._planned(AttentionPlan(self.chunk_size, self._tokens_per_frame(x), 0, x.shape[2], lead=self.lead), x,
-                             timesteps, cond, conditional)
+        return self._planned(AttentionPlan(self.chunk_size, self._tokens_per_frame(x), 0, x.shape[2], lead=self.lead,
+                                           frame_grid=self._frame_grid(x)), x, timesteps, cond, conditional)
+
     def velocity_streaming(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, *, tag: str,
                            store_kv: bool, start_frame: int, conditional: bool = True) -> torch.Tensor:
         """Frames ``[start_frame, start_frame + f)`` attending to the cache ``tag`` (frames ``[0, start_frame)``)
@@ -223,8 +237,8 @@ class BlockCausalDenoiser:
         tokens = self._tokens_per_frame(x)
         past = cache.layers if cache is not None and held else None
         store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if store_kv else None
-        v = self._planned(AttentionPlan(self.chunk_size, tokens, held, x.shape[2], past=past, store=store, lead=self.lead),
-                          x, timesteps, cond, conditional)
+        v = self._planned(AttentionPlan(self.chunk_size, tokens, held, x.shape[2], past=past, store=store, lead=self.lead,
+                                        frame_grid=self._frame_grid(x)), x, timesteps, cond, conditional)
         if store is not None:
             layers = [store[i] for i in range(len(store))]
             if past is not None:

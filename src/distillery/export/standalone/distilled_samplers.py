@@ -322,6 +322,14 @@ class CausalStreamingSampler(LadderSampler):
 
     @torch.no_grad()
     def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
+        return torch.cat([x0 for _, x0 in self.stream(model, cond, latent_shape, generator, num_steps=num_steps,
+                                                       guidance_scale=guidance_scale)], dim=2)
+
+    @torch.no_grad()
+    def stream(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
+        """:meth:`sample` chunk by chunk: yields ``(start frame, latents float32 [B, C, f, H, W])`` as each chunk is
+        finished (a given first frame first), before its keys and values are written to the cache for the next; the
+        chunks, concatenated in time, are :meth:`sample`'s latents (the same draws in the same order)."""
         _check_causal(model, self.chunk_size, self.given_first_frame, self.name)
         batch = cond.text_embeds.shape[0]
         w = self.resolve_guidance(guidance_scale)
@@ -344,11 +352,10 @@ class CausalStreamingSampler(LadderSampler):
             return u + w * (v - u)
 
         bounds = chunk_bounds(frames, self.chunk_size, self.given_first_frame)  # a length that does not fit: ValueError
-        chunks = []
         try:
             if self.given_first_frame:  # frame 0: the given frame's clean latent, cached at t = 0, never denoised
                 first = first_latent(cond, c, batch)
-                chunks.append(first)
+                yield 0, first
                 velocity(first, 0.0, 0, store=True)
             for start, f in bounds:
                 shape = (batch, c, f, h, wd)
@@ -360,7 +367,7 @@ class CausalStreamingSampler(LadderSampler):
                     if k + 1 < len(ts):
                         eps = draw(generator, shape, device) if self.renoise_mode == "sde" else x0 + v
                         x = renoise(x0, eps, ts[k + 1] / scale)
-                chunks.append(x0)
+                yield start, x0
                 if start + f < frames:  # the finished chunk becomes context for the next ones
                     context = x0
                     if self.context_noise > 0:
@@ -368,7 +375,6 @@ class CausalStreamingSampler(LadderSampler):
                     velocity(context, self.context_noise, start, store=True)
         finally:
             model.clear_caches()
-        return torch.cat(chunks, dim=2)
 
 
 class PDDFusedSampler(Sampler):

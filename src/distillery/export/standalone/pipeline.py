@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +57,14 @@ from diffusers import WanPipeline
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 
 from .distilled_causal import CausalWanDenoiser
+from .distilled_decode import ChunkDecoder, decode_frames
 from .distilled_fast import SpeedPlan, SpeedSettings, apply_speed_plan, decode_chunk_frames, plan_speed
 from .distilled_samplers import Sampler, build_sampler, cfg_enabled
 from .distilled_schedule import inference_sigmas  # noqa: F401  (diffusers copies the modules a pipeline imports)
+from .distilled_sparse import folder_spec, install_sparse
 from .distilled_wan import HEADS_FILE, Conditioning, PDDWanDenoiser, WanDenoiser, WanLayout
-from .vae_decode import decode_video
+from .sparse_attention import RECORD_KEY  # noqa: F401  (diffusers copies a module the pipeline imports)
+from .vae_decode import decode_video  # noqa: F401  (diffusers copies a module the pipeline imports)
 from .vae_kernels import available as _vae_kernels_available  # noqa: F401  (diffusers copies a module the pipeline imports)
 
 SAMPLING_FILE = "sampling.json"
@@ -144,15 +148,34 @@ class ContractSampling:
         return (int(self.vae.config.z_dim), (num_frames - 1) // tf + 1, height // sf, width // sf)
 
     def decode_latents(self, latents: torch.Tensor, output_type: str = "np") -> Any:
-        """Normalised latents ``[B, C, T', H', W']`` → videos, as ``WanPipeline`` decodes them."""
-        z_dim = int(self.vae.config.z_dim)
-        z = latents.to(self.vae.device, self.vae.dtype)
-        mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(z.device, z.dtype)
-        std = torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(z.device, z.dtype)
-        plan = self.speed_plan or SpeedPlan()
-        with torch.no_grad():
-            decoded = decode_video(self.vae, z * std + mean, decode_chunk_frames(plan, self.vae, tuple(z.shape)))
-        return self.video_processor.postprocess_video(decoded, output_type=output_type)
+        """Normalised latents ``[B, C, T', H', W']`` → videos, as ``WanPipeline`` decodes them
+        (:func:`distilled_decode.decode_frames`: on the GPU's fused path the frames reach the host while the decoder
+        still works)."""
+        chunk = decode_chunk_frames(self.speed_plan or SpeedPlan(), self.vae, tuple(latents.shape))
+        return decode_frames(self.vae, latents, chunk, output_type, self.video_processor)
+
+    def stream_frames(self, sampler: Sampler, model: Any, cond: Any, shape: tuple, generator: torch.Generator | None,
+                      num_steps: int | None, guidance_scale: float | None, output_type: str) -> Iterator[Any]:
+        """A causal student's chunks as they finish (``sampler.stream``), each decoded through the VAE's causal cache
+        on a CUDA stream of higher priority while the next chunk denoises (:class:`distilled_decode.ChunkDecoder`);
+        ``latent``: the chunks' normalised latents. A ``ValueError`` for a sampler that does not stream."""
+        if not hasattr(sampler, "stream"):
+            raise ValueError(f"stream() yields a causal student's chunks; this folder's sampler is {sampler.name!r}: "
+                             "call the pipeline")
+        chunks = sampler.stream(model, cond, shape, generator, num_steps=num_steps, guidance_scale=guidance_scale)
+        if output_type == "latent":
+            yield from (x0 for _, x0 in chunks)
+            return
+        chunk = decode_chunk_frames(self.speed_plan or SpeedPlan(), self.vae, (1, *shape))
+        decoder = ChunkDecoder(self.vae, chunk, output_type, self.video_processor)
+        pending = None
+        for _, x0 in chunks:  # the next chunk's denoising is queued before the last one's frames are waited for
+            piece = decoder.launch(x0)
+            if pending is not None:
+                yield pending.result()
+            pending = piece
+        if pending is not None:
+            yield pending.result()
 
 
 class DistilledWanPipeline(ContractSampling, WanPipeline):
@@ -238,7 +261,70 @@ class DistilledWanPipeline(ContractSampling, WanPipeline):
                 self._denoiser = PDDWanDenoiser(self.transformer, shift, kind["pdd_steps"], heads, scale, layout=layout)
             else:
                 self._denoiser = WanDenoiser(self.transformer, shift, scale, layout=layout)
+            spec = folder_spec(Path(self.name_or_path) / "transformer")  # trained sparse: sampled sparse
+            if spec is not None:
+                if layout.second is not None:
+                    raise ValueError("a transformer trained with sparse attention on two experts: not supported")
+                install_sparse(self.transformer, spec)
         return self._denoiser
+
+    def _inputs(self, prompt, negative_prompt, height, width, num_frames, guidance_scale, max_sequence_length, image,
+                first_frame, image_embeds, prompt_embeds, negative_prompt_embeds) -> tuple[Sampler, WanDenoiser, Conditioning, tuple]:
+        """``(sampler, denoiser, conditioning, latent shape [C, T', H', W'])`` of a call (the speed plan made on the
+        first): the prompt encoded, an image-to-video model's first frame taken (:meth:`__call__`'s arguments)."""
+        if prompt is None and prompt_embeds is None:
+            raise ValueError("pass prompt= (text) or prompt_embeds= [B, L, D]")
+        sampler = build_sampler(self.sampling_contract())
+        model = self.denoiser(sampler)
+        self.prepare_speed(model)
+        prompts = None if prompt is None else [prompt] if isinstance(prompt, str) else list(prompt)
+        text, negative = self.prompt_pair(sampler, model, prompts, negative_prompt, guidance_scale, prompt_embeds,
+                                          negative_prompt_embeds, max_sequence_length)
+        shape = self.latent_shape(num_frames, height, width)
+        if image is not None and first_frame is None:
+            first_frame = self.encode_first_frame(image, num_frames, height, width)
+        if image is not None and image_embeds is None:
+            image_embeds = self.encode_image_embeds(image)
+        if first_frame is None and self.image_to_video():
+            raise ValueError("this is an image-to-video model: pass the first frame as image= (or first_frame= and "
+                             "image_embeds=)")
+        cond = Conditioning(text, negative, None if first_frame is None else first_frame.float(),
+                            None if image_embeds is None else image_embeds.float())
+        return sampler, model, cond, shape
+
+    @torch.no_grad()
+    def stream(
+        self,
+        prompt: str | list[str] | None = None,
+        negative_prompt: str | list[str] | None = "",
+        height: int = 480,
+        width: int = 832,
+        num_frames: int = 81,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        generator: torch.Generator | None = None,
+        output_type: str = "np",
+        max_sequence_length: int = 512,
+        image: Any = None,
+        first_frame: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+    ) -> Iterator[Any]:
+        """A causal (``causal_streaming``) student's video chunk by chunk, beside :meth:`__call__` with its arguments:
+        yields each finished chunk's frames (``np``: float32 ``[B, f, H, W, 3]``; ``pt``: ``[B, f, 3, H, W]``; ``pil``:
+        per video a list of images; ``latent``: the chunk's normalised latents ``[B, C, f', H', W']``) — the first
+        chunk's 1 + 4 (f' − 1) frames, then 4 f' a chunk. Concatenated in time they are the frames ``__call__`` returns
+        for the same arguments (bit for bit on the CPU, where both decode with diffusers' loop; on a GPU the fused
+        decode's calls are the chunks, so the sums differ by rounding). Each finished chunk is decoded through the
+        VAE's causal cache on a CUDA stream of higher priority while the next chunk denoises
+        (:class:`distilled_decode.ChunkDecoder`); a ``ValueError`` for another sampler."""
+        sampler, model, cond, shape = self._inputs(prompt, negative_prompt, height, width, num_frames, guidance_scale,
+                                                   max_sequence_length, image, first_frame, image_embeds, prompt_embeds,
+                                                   negative_prompt_embeds)
+        yield from self.stream_frames(sampler, model, cond, shape, generator, num_inference_steps, guidance_scale,
+                                      output_type)
+        self.maybe_free_model_hooks()
 
     @torch.no_grad()
     def __call__(
@@ -263,25 +349,11 @@ class DistilledWanPipeline(ContractSampling, WanPipeline):
         """Videos for ``prompt`` (one per prompt; or per row of ``prompt_embeds`` ``[B, L, D]``). ``num_inference_steps``
         / ``guidance_scale``: None → the contract's (a distilled student: its ladder, no CFG). ``output_type="latent"``:
         the normalised latents ``[B, C, T', H', W']`` (float32); else decoded as ``WanPipeline`` does. An
-        image-to-video model needs ``image`` or ``first_frame`` (+ ``image_embeds`` where it takes them; module doc)."""
-        if prompt is None and prompt_embeds is None:
-            raise ValueError("pass prompt= (text) or prompt_embeds= [B, L, D]")
-        sampler = build_sampler(self.sampling_contract())
-        model = self.denoiser(sampler)
-        self.prepare_speed(model)
-        prompts = None if prompt is None else [prompt] if isinstance(prompt, str) else list(prompt)
-        text, negative = self.prompt_pair(sampler, model, prompts, negative_prompt, guidance_scale, prompt_embeds,
-                                          negative_prompt_embeds, max_sequence_length)
-        shape = self.latent_shape(num_frames, height, width)
-        if image is not None and first_frame is None:
-            first_frame = self.encode_first_frame(image, num_frames, height, width)
-        if image is not None and image_embeds is None:
-            image_embeds = self.encode_image_embeds(image)
-        if first_frame is None and self.image_to_video():
-            raise ValueError("this is an image-to-video model: pass the first frame as image= (or first_frame= and "
-                             "image_embeds=)")
-        cond = Conditioning(text, negative, None if first_frame is None else first_frame.float(),
-                            None if image_embeds is None else image_embeds.float())
+        image-to-video model needs ``image`` or ``first_frame`` (+ ``image_embeds`` where it takes them; module doc).
+        A causal student's chunks, as they finish: :meth:`stream`."""
+        sampler, model, cond, shape = self._inputs(prompt, negative_prompt, height, width, num_frames, guidance_scale,
+                                                   max_sequence_length, image, first_frame, image_embeds, prompt_embeds,
+                                                   negative_prompt_embeds)
         latents = sampler.sample(model, cond, shape, generator, num_steps=num_inference_steps, guidance_scale=guidance_scale)
         video: Any = latents if output_type == "latent" else self.decode_latents(latents, output_type)
         self.maybe_free_model_hooks()

@@ -17,10 +17,11 @@ import torch
 from distillery.common.errors import UserError
 from distillery.common.log import get_logger
 from distillery.components.rng import BatchRNG
-from distillery.models.base import Conditioning, ModelBase, TrainingBatch, load_transformer
+from distillery.models.base import CausalModelBase, Conditioning, ModelBase, TrainingBatch, load_transformer
 from distillery.models.wan.attention import install_attention_backend, resolve_attention_backend
 from distillery.models.wan.common import TRANSFORMER_CLASS, WanModelConfig, image_conditioning, locate_transformer
 from distillery.models.wan.experts import LAYOUT_KEY, WanExperts, expert_index, read_wan_layout
+from distillery.models.wan.sparse import install_sparse_attention, record, spec_of
 
 #: Diffusers' Wan attention splits an image-to-video context as ``[image tokens, the last 512 text tokens]``.
 I2V_TEXT_TOKENS = 512
@@ -75,6 +76,14 @@ class WanModel(ModelBase):
         self.in_channels = int(cfg.in_channels) if self.image_conditioning is None else self.image_conditioning.latent_channels
         self.text_dim = int(cfg.text_dim)
         self.attention_backend = "native"  # set_attention_backend resolves and installs another
+        self.sparse = spec_of(config, role, transformer_dir)  # block-sparse self-attention (models/wan/sparse.py); None: dense
+        if self.sparse is not None and self.experts:
+            raise UserError(f"config error: models.{role}: sparse attention on a two-expert Wan 2.2 A14B model is not "
+                            "supported; use attention: dense")
+        if not self.experts:
+            record(self.transformer, self.sparse)  # the config says how this transformer attends (None: dense)
+        if self.sparse is not None and not isinstance(self, CausalModelBase):  # the causal plugin installs its own
+            install_sparse_attention(self.transformer, self.sparse)
         log.info("role %s: %s%s from %s (%.1f M params, shift %.2f)", role, TRANSFORMER_CLASS,
                  f" x2 (experts at t >= {self.boundary_timestep:g} / below)" if self.experts else "", transformer_dir,
                  sum(p.numel() for p in self.transformer.parameters()) / 1e6, shift)

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from distillery.common.errors import UserError
 from distillery.config.typed import bounded, check_fields
 from distillery.models.base import CausalModelBase, Conditioning, TrainingBatch
 from distillery.models.wan.attention import (
@@ -56,6 +57,7 @@ from distillery.models.wan.attention import (
 )
 from distillery.models.wan.bidirectional import WanModel
 from distillery.models.wan.common import WanModelConfig
+from distillery.models.wan.sparse_attention import Causal, causal_problem, video_sparse_attention
 
 
 @dataclass
@@ -80,12 +82,14 @@ class _AttentionPlan:
     dict the blocks write to stays the one the model reads.
     """
 
-    __slots__ = ("chunk_size", "tokens_per_frame", "start_frame", "frames", "past", "store", "lead")
+    __slots__ = ("chunk_size", "tokens_per_frame", "start_frame", "frames", "past", "store", "lead", "frame_grid")
 
     def __init__(self, chunk_size: int, tokens_per_frame: int, start_frame: int, frames: int,
                  past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None, lead: int = 0) -> None:
+                 store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None, lead: int = 0,
+                 frame_grid: tuple[int, int] | None = None) -> None:
         self.chunk_size = chunk_size
+        self.frame_grid = frame_grid  # a frame's (rows, columns) of tokens: what sparse attention tiles
         self.tokens_per_frame = tokens_per_frame
         self.start_frame = start_frame
         self.frames = frames
@@ -166,6 +170,7 @@ class CausalWanAttnProcessor:
     def __init__(self, block_index: int, fa4_mode: str | None = None) -> None:
         self.block_index = block_index
         self.fa4_mode = fa4_mode
+        self.sparse = None  # a SparseSpec: block-sparse video attention (models/wan/sparse.py)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         plan = getattr(rotary_emb, "plan", None)
@@ -202,6 +207,11 @@ def _block_causal_attention(processor: CausalWanAttnProcessor, query: torch.Tens
         past_k, past_v = plan.past[index]
         key = torch.cat([past_k.to(key.dtype), key], dim=1)
         value = torch.cat([past_v.to(value.dtype), value], dim=1)
+    if getattr(processor, "sparse", None) is not None:
+        rows, cols = plan.frame_grid
+        return video_sparse_attention(query, key, value, processor.sparse, (key.shape[1] // (rows * cols), rows, cols),
+                                      q_start=plan.start_frame, causal=Causal(plan.chunk_size, plan.lead),
+                                      fa4=processor.fa4_mode is not None)
     if processor.fa4_mode is not None and fa4_can_run(query):
         return fa4_block_causal(query, key, value, plan, processor.fa4_mode)
     outs = []
@@ -315,8 +325,13 @@ class BlockCausalModel(CausalModelBase):
 
     # --- forward -----------------------------------------------------------------------------
     def _tokens_per_frame(self, latents: torch.Tensor) -> int:
+        rows, cols = self._frame_grid(latents)
+        return rows * cols
+
+    def _frame_grid(self, latents: torch.Tensor) -> tuple[int, int]:
+        """A latent frame's tokens after patchify: ``(rows, columns)``."""
         _, p_h, p_w = self.patch_size
-        return (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
+        return latents.shape[3] // p_h, latents.shape[4] // p_w
 
     def predict_noise(
         self,
@@ -328,7 +343,7 @@ class BlockCausalModel(CausalModelBase):
         """Velocity ``[B, C, T, H, W]`` (float32) of the whole video under the block-causal mask;
         ``timesteps`` ``[B]`` or per-frame ``[B, T]`` in [0, 1000]. No cache is read or written."""
         plan = _AttentionPlan(self.chunk_size, self._tokens_per_frame(noisy_latents), 0, noisy_latents.shape[2],
-                              lead=self._lead)
+                              lead=self._lead, frame_grid=self._frame_grid(noisy_latents))
         return self._forward(plan, noisy_latents, timesteps, batch, conditional)
 
     def predict_noise_streaming(
@@ -371,7 +386,8 @@ class BlockCausalModel(CausalModelBase):
                                  f"frame; got batch {noisy_latents.shape[0]} × {tokens}")
             past = cache.layers
         store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if store_kv else None
-        plan = _AttentionPlan(self.chunk_size, tokens, held, noisy_latents.shape[2], past=past, store=store, lead=self._lead)
+        plan = _AttentionPlan(self.chunk_size, tokens, held, noisy_latents.shape[2], past=past, store=store, lead=self._lead,
+                              frame_grid=self._frame_grid(noisy_latents))
         v = self._forward(plan, noisy_latents, timesteps, _frames_of(batch, held, noisy_latents.shape[2]), conditional)
         if store is not None:
             layers = [store[i] for i in range(len(store))]
@@ -403,11 +419,23 @@ class CausalWanModel(BlockCausalModel, WanModel):
         WanModel.__init__(self, config, role, transformer)
         self.attach_block_causal(config.chunk_size, self.image_conditioning is not None)  # an I2V student: frame 0 given
         install_causal_attention(self.transformer)
+        if self.sparse is not None:
+            problem = causal_problem(self.sparse.tile, self.chunk_size, self._lead)
+            if problem:
+                raise UserError(f"config error: models.{role}: sparse_tile {list(self.sparse.tile)}: {problem}")
+        self._set_sparse(self.transformer)
+
+    def _set_sparse(self, module: torch.nn.Module) -> None:
+        """Give ``module``'s causal processors this plugin's sparse attention (None: dense), where they lack it."""
+        if module.blocks and module.blocks[0].attn1.processor.sparse != self.sparse:
+            for block in module.blocks:
+                block.attn1.processor.sparse = self.sparse
 
     def _forward(self, plan: _AttentionPlan, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
                  batch: Conditioning | TrainingBatch, conditional: bool) -> torch.Tensor:
         module = self.forward_module
         install_causal_attention(module)  # a compute copy made before this plugin existed
+        self._set_sparse(module)
         token = _PLAN.set(plan)
         try:
             return WanModel.predict_noise(self, noisy_latents, timesteps, batch, conditional)

@@ -11,17 +11,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from distillery.common.errors import UserError
+from distillery.config.typed import bounded
 from distillery.models.base import TransformerModelConfig, locate_transformer_folder
+from distillery.models.wan.sparse_attention import DEFAULT_TILE
+from distillery.models.wan.sparse_attention import RECORD_KEY as SPARSE_RECORD_KEY
 
 TRANSFORMER_CLASS = "WanTransformer3DModel"
 
 
+def _three_sizes(value: list[int]) -> str | None:
+    return None if len(value) == 3 else "must be 3 integers (frames, rows, columns)"
+
+
 @dataclass
 class WanModelConfig(TransformerModelConfig):
-    """A Wan plugin's knobs (:class:`~distillery.models.base.TransformerModelConfig`'s)."""
+    """A Wan plugin's knobs: :class:`~distillery.models.base.TransformerModelConfig`'s and how its self-attention runs."""
+
+    # self-attention: sparse (trained block-sparse video attention, models/wan/sparse.py) | dense | auto (as the folder's
+    # transformer trained: its config.json's record, dense without one)
+    attention: Literal["auto", "dense", "sparse"] = "auto"
+    sparsity: float = bounded(0.9, 0.0, 0.999)  # sparse: the share of the key tiles a query tile may attend that it skips
+    sparse_tile: list[int] = bounded(default_factory=lambda: list(DEFAULT_TILE), low=1, high=4096,
+                                     check=_three_sizes)  # sparse: a tile's tokens in frames, rows, columns
 
 
 def locate_transformer(init_from: str | Path) -> tuple[Path, Path | None]:
@@ -31,9 +45,10 @@ def locate_transformer(init_from: str | Path) -> tuple[Path, Path | None]:
 
 def build_transformer(config: dict[str, Any]) -> Any:
     """A ``WanTransformer3DModel`` of the architecture ``config`` (a ``config.json`` mapping; random
-    weights, to load a checkpoint into) — its Wan 2.2 layout (``_wan_layout``, :mod:`.experts`) kept in its
-    config; two experts (:class:`~distillery.models.wan.experts.WanExperts`) when that layout holds the second
-    one's config (``transformer_2``). :class:`UserError` for a config of another class."""
+    weights, to load a checkpoint into) — its Wan 2.2 layout (``_wan_layout``, :mod:`.experts`) and its sparse
+    attention (``_sparse_attention``, :mod:`.sparse`) kept in its config; two experts
+    (:class:`~distillery.models.wan.experts.WanExperts`) when that layout holds the second one's config
+    (``transformer_2``). :class:`UserError` for a config of another class."""
     from diffusers import WanTransformer3DModel
 
     from distillery.models.wan.experts import LAYOUT_KEY, WanExperts
@@ -45,6 +60,8 @@ def build_transformer(config: dict[str, Any]) -> Any:
     module = WanTransformer3DModel.from_config({k: v for k, v in config.items() if not k.startswith("_")})
     if layout:
         module.register_to_config(**{LAYOUT_KEY: layout})
+    if SPARSE_RECORD_KEY in config:  # how it trained to attend travels with the weights (null: dense)
+        module.register_to_config(**{SPARSE_RECORD_KEY: config[SPARSE_RECORD_KEY]})
     if second is None:
         return module
     if layout.get("boundary_ratio") is None:

@@ -33,7 +33,9 @@ def load_inference_model(folder: str | Path, device: torch.device | str = "cpu",
     diffusers keeps in float32 (``_keep_in_fp32_modules``: norms, time embedder, rope) stay float32,
     as ``from_pretrained(torch_dtype=dtype)`` leaves them. ``shift``:
     the flow shift; None reads it from the scheduler config beside the weights (:class:`UserError`
-    when there is none). ``attention_backend``: as ``training.model.attention_backend`` (:mod:`.attention`; ``auto``:
+    when there is none). A transformer that trained with sparse attention samples with it (``attention: auto`` reads
+    its ``config.json``'s record, :mod:`~distillery.models.wan.sparse`). ``attention_backend``: as
+    ``training.model.attention_backend`` (:mod:`.attention`; ``auto``:
     FlashAttention-4 on an SM90+ GPU in bf16/fp16 where ``flash_attn.cute`` imports, else SDPA). Raises
     :class:`UserError` for a folder that holds no Wan transformer.
     """

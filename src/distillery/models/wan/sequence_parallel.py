@@ -9,7 +9,8 @@ hooks (the forward itself is diffusers' own; :func:`install_sequence_parallel` a
 - ``patch_embedding`` (forward hook): its ``[B, C, F, H, W]`` output becomes this rank's shard of the flattened
   tokens, ``[B, C, n]`` — diffusers' ``flatten(2).transpose(1, 2)`` then gives the blocks ``[B, n, C]``;
 - ``rope`` (forward hook, after a causal plan's own): the rotary tables are cut to the shard, and travel as a
-  :class:`ShardedRotary` that also carries the group and ``tokens`` (and a causal plan), so every block's
+  :class:`ShardedRotary` that also carries the group and ``tokens`` (and a causal plan, a sparse attention's token
+  grid), so every block's
   self-attention — recomputed under activation checkpointing too — knows the call is sharded
   (:func:`~distillery.models.wan.attention.across_sequence_shards`: all-to-all, attention, all-to-all);
 - ``proj_out`` (forward hook, after a PDD head bank's): the per-token output is gathered from every rank, the
@@ -34,13 +35,15 @@ from distillery.models.wan.attention import FA4WanAttnProcessor
 
 class ShardedRotary(NamedTuple):
     """The rotary tables of this rank's tokens (each ``[1, n, 1, head_dim]``), the SP group, the call's sequence
-    length ``tokens`` (before padding) and the causal plan the rotary carried (None: bidirectional)."""
+    length ``tokens`` (before padding), the causal plan the rotary carried (None: bidirectional) and the token grid
+    (:mod:`.sparse`; None: dense attention)."""
 
     freqs_cos: torch.Tensor
     freqs_sin: torch.Tensor
     sequence_parallel: SequenceParallel
     tokens: int
     plan: Any = None
+    grid: Any = None  # the call's token grid (frames, rows, columns) a sparse attention's rope hook attached
 
 
 class _Call(NamedTuple):
@@ -89,7 +92,7 @@ def _shard_rotary(module: torch.nn.Module, args: tuple, output: Any) -> Any:
         return None
     cos, sin = output[0], output[1]
     return ShardedRotary(call.sp.shard(cos, dim=1), call.sp.shard(sin, dim=1), call.sp, call.tokens,
-                         getattr(output, "plan", None))
+                         getattr(output, "plan", None), getattr(output, "grid", None))
 
 
 def _gather_output(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
