@@ -1,8 +1,8 @@
 """Ulysses sequence parallelism (``training.distributed.sp_size``) on gloo CPU ranks against one process.
 
 - every method (SFT, DFSFT, KD, DMD2, Self-Forcing and its causal KV-cache rollout, PDD, DM-PDD; activation
-  checkpointing on some) at world 2 = 1 data rank × sp 2: the losses and gradient norms of each step and the weights
-  at the end are one process's, within fp32 tolerance; Wan 2.2's per-token timesteps (TI2V-5B) and two experts
+  checkpointing on some; SFT and Self-Forcing with a block-sparse student) at world 2 = 1 data rank × sp 2: the losses
+  and gradient norms of each step and the weights at the end are one process's, within fp32 tolerance; Wan 2.2's per-token timesteps (TI2V-5B) and two experts
   (A14B) too;
 - world 4 = 2 data ranks × sp 2 (FSDP2, and HSDP: ``replicate × shard × sp``) is one process with the global batch;
 - a run stopped at sp 2 resumes at sp 2 bit for bit, at sp 1 (resharded) and the reverse, within tolerance;
@@ -36,7 +36,12 @@ CAUSAL = "distillery.models.wan.CausalWanModel"
 
 
 def _method(name: str, base: Path, data: Path, trajectories: Path, out: Path, batch_size: int = 2) -> dict:
-    """The run config of ``name`` over the tiny Wan (3 latent frames of 4 × 4 tokens: 48 tokens, 4 heads)."""
+    """The run config of ``name`` over the tiny Wan (3 latent frames of 4 × 4 tokens: 48 tokens, 4 heads); ``<method>_sparse``:
+    its student with block-sparse attention (frame tiles of 2 × 2 tokens, half of those it may attend kept)."""
+    if name.endswith("_sparse"):
+        cfg = _method(name[:-len("_sparse")], base, data, trajectories, out, batch_size)
+        cfg["models"]["student"].update(attention="sparse", sparsity=0.5, sparse_tile=[1, 2, 2])
+        return cfg
     if name == "kd":
         data = trajectories
     targets = {"sft": "distillery.methods.sft.SFTMethod", "sft_ac": "distillery.methods.sft.SFTMethod",
@@ -68,7 +73,7 @@ def _method(name: str, base: Path, data: Path, trajectories: Path, out: Path, ba
     return cfg
 
 
-METHODS = ("sft", "sft_ac", "dfsft", "kd", "dmd2", "self_forcing", "pdd", "dm_pdd")
+METHODS = ("sft", "sft_ac", "dfsft", "kd", "dmd2", "self_forcing", "pdd", "dm_pdd", "sft_sparse", "self_forcing_sparse")
 FOUR = (("sft", "dp2-sp2"), ("self_forcing", "hsdp-sp2"))  # world 4: the plain layout, and HSDP over the 3-D mesh
 
 

@@ -35,11 +35,14 @@ from diffusers.pipelines.cosmos.pipeline_output import CosmosPipelineOutput
 
 from .distilled_causal import CausalWanDenoiser  # noqa: F401  (diffusers copies only the modules a pipeline imports)
 from .distilled_cosmos import CausalCosmosDenoiser, CosmosDenoiser, PDDCosmosDenoiser
+from .distilled_decode import ChunkDecoder  # noqa: F401  (as above: what ContractSampling's decode imports)
 from .distilled_fast import SpeedSettings
 from .distilled_samplers import Sampler, build_sampler
 from .distilled_schedule import inference_sigmas  # noqa: F401  (as above)
+from .distilled_sparse import install_sparse  # noqa: F401  (as above)
 from .distilled_wan import HEADS_FILE, Conditioning
 from .pipeline import ContractSampling
+from .sparse_attention import RECORD_KEY  # noqa: F401  (as above)
 from .vae_decode import decode_video  # noqa: F401  (as above)
 from .vae_kernels import available as _vae_kernels_available  # noqa: F401  (as above)
 
