@@ -1,7 +1,7 @@
 """Quality benchmark: does distillation work? Every student at 1, 2 and 4 NFE against the teacher, with intervals.
 
 Runs the tiny-base DAG's stages with scaled settings in a work folder — what ``distillery stage <name>``
-computes: the stages' library functions and the training table's run configs (:func:`run_one_stage`), without
+computes: the stages' library functions and the recipes' run configs (:func:`run_one_stage`), without
 DVC, MLflow or lineage, which the GPU image lacks —, trains every student, samples every candidate on many
 prompts × seeds and scores it against the 40-step teacher's samples:
 
@@ -231,8 +231,8 @@ def make_workspace(folder: Path, updates: dict[str, Any], artifacts_from: Path |
 def run_one_stage(folder: Path, name: str, device: str) -> None:
     """What ``distillery stage <name>`` computes, in ``folder`` (its cwd), without DVC, MLflow or lineage
     (the device image has neither): clips, base and latents call the stage's library functions; a
-    training stage fills its run config from the table and ``params.yaml`` as the stage does
-    (:func:`distillery.pipeline.launch.run_config.fill_run_config`, tracker off), trains it under ``torchrun``
+    training stage builds its run config with its recipe as the stage does
+    (:func:`stages.training.stage_run_config`, tracker off), trains it under ``torchrun``
     (``distillery.cli.launch``) and exports the trained role as the stage's ``artifacts/<name>/model``."""
     os.chdir(folder)
     from distillery.pipeline.dvcfile import stage_params
@@ -267,31 +267,33 @@ def run_one_stage(folder: Path, name: str, device: str) -> None:
         return
     import yaml
 
+    from distillery.config.loader import build_component
+    from distillery.config.schema import TrackerConfig
     from distillery.export.weights import export_weights
     from distillery.models.registry import locate_transformer
-    from distillery.pipeline.launch.run_config import check_chain, fill_run_config
-    from distillery.pipeline.launch.training_table import TRAINING_STAGES
+    from distillery.pipeline.launch.run_config import EXPORT_ROLE, check_run_config
     from distillery.pipeline.publish.run_summary import read_run_summary
+    from stages.training import stage_run_config
 
-    spec = TRAINING_STAGES[name].resolve(view)
-    raw = fill_run_config(spec, view, "")
-    raw["training"]["tracker"] = {"backend": "none"}
+    config, roles = stage_run_config(view, "")
+    config.training.tracker = TrackerConfig(backend="none")
     if Path(MODEL_OVERRIDES).is_file():  # a student's model settings the params do not reach (--sparse)
         for role, knobs in json.loads(Path(MODEL_OVERRIDES).read_text()).items():
-            raw["models"][role].update(knobs)
-    check_chain(spec, raw)
+            config.models[role] = build_component({**config.models[role].to_plain(), **knobs}, f"models.{role}",
+                                                  ("distillery.",), "model")
+    check_run_config(name, config, roles)
     run_dir = RUNS / name
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    (run_dir / "run.yaml").write_text(yaml.safe_dump(raw, sort_keys=True))
+    (run_dir / "run.yaml").write_text(yaml.safe_dump(config.to_plain(), sort_keys=True))
     cmd = [sys.executable, "-m", "distillery.cli.launch", "--standalone", "--nproc_per_node", "1",
            "-m", "distillery.cli.train", "--config", str(run_dir / "run.yaml")]
     code = subprocess.run(cmd, env=_env(device)).returncode
     if code != 0:
         raise SystemExit(f"error: training {name} in {folder} exited {code}")
     summary = read_run_summary(run_dir)
-    export_weights(summary.checkpoint_dir(run_dir), spec.export_role, out / "model")
-    _, scheduler = locate_transformer(raw["models"][spec.export_role]["init_from"])
+    export_weights(summary.checkpoint_dir(run_dir), EXPORT_ROLE, out / "model")
+    _, scheduler = locate_transformer(config.models[EXPORT_ROLE].config.init_from)
     if scheduler is not None:
         shutil.copytree(scheduler, out / "model" / "scheduler")
     (out / "model" / "sampling.json").write_text(json.dumps(summary.sampling))

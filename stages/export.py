@@ -9,8 +9,8 @@ from pathlib import Path
 
 from distillery.common.errors import UserError
 from distillery.common.log import get_logger
-from distillery.pipeline.launch.training_table import TRAINING_STAGES
 from distillery.pipeline.params.reader import StageParams
+from distillery.pipeline.params.schema import TRAINING_STAGES
 from distillery.pipeline.publish.artifacts import ARTIFACTS, finish, fresh_staging
 
 log = get_logger("stage")

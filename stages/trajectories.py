@@ -8,20 +8,18 @@ the prompt-only set's) and ``<stage>.seeds_per_prompt`` seeds
 (:func:`distillery.sampling.trajectories.generate_trajectories`), into ``runs/<stage>_trajectories/`` — a
 crash-resume folder like the stage's checkpoints: a killed stage resumes at the first unfinished shard,
 and a rerun whose settings and prompts are unchanged makes nothing again. The finished set is the run's
-``training.data.path``; :func:`publish_trajectories` puts it in the stage's artifact
-(``artifacts/<stage>/trajectories/``, hard links where the file system allows), so DVC tracks it and the
-artifact says what its model was trained on.
+``training.data.path``; the stage puts it in its artifact (``artifacts/<stage>/trajectories/``, hard links where the
+file system allows: :func:`distillery.pipeline.publish.artifacts.link_tree`), so DVC tracks it and the artifact says
+what its model was trained on. The ODE-init recipes make it (``stages/recipes/pretrain``: their ``prepare``).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from distillery.common.log import get_logger
-from distillery.pipeline.launch.training_table import DATA_ARTIFACT
 from distillery.pipeline.params.reader import StageParams
+from distillery.pipeline.params.schema import DATA_ARTIFACT
 from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS
 
 log = get_logger("stage")
@@ -70,16 +68,3 @@ def stage_trajectories(stage: str, params: StageParams, data: str = DATA_ARTIFAC
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return out
-
-
-def publish_trajectories(folder: Path, staging: Path) -> None:
-    """The finished set ``folder`` into ``staging/trajectories`` (hard links; a copy across file systems)."""
-
-    def link(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
-    shutil.copytree(folder, staging / ARTIFACT_FOLDER, copy_function=link,
-                    ignore=shutil.ignore_patterns(".*"))  # a killed run's hidden temp files are not the set

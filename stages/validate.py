@@ -1,16 +1,15 @@
 """The ``validate`` stage: the teacher and every student scored on the validation prompts
 (:mod:`distillery.evaluation.validate`), published as ``artifacts/validate/``. Its candidates and
-inputs are the training table's rows that declare a ``validation``
-(:class:`~distillery.pipeline.launch.training_table.ValidationSpec`)."""
+inputs are the training stages :data:`VALIDATED` names, each with how it is scored (:class:`ValidationSpec`)."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distillery.common.log import get_logger
-from distillery.pipeline.launch.training_table import TRAINING_STAGES, TrainingStageSpec
 from distillery.pipeline.params.reader import StageParams
 from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS, finish, fresh_staging
 
@@ -20,6 +19,46 @@ if TYPE_CHECKING:
     from distillery.evaluation.validate import Candidate, PromptEmbeddings
 
 log = get_logger("stage")
+
+
+@dataclass(frozen=True)
+class ValidationSpec:
+    """How a training stage's model is a candidate of the validate stage (:func:`table_candidates`).
+
+    - ``lineage``: the name of the stage's artifact among validate's lineage inputs;
+    - ``steps``: the params.yaml key of its sampling steps — an int, or a list of ints (one candidate
+      each) — or None: its sampling contract's own (``sampling.json``);
+    - ``guidance``: the params.yaml key of its CFG scale, or None: the contract's (a distilled
+      student's guidance is distilled in: none);
+    - ``sampler``: None: sampled as the artifact's ``sampling.json`` says; a registered sampler
+      name: that sampler at its defaults over the artifact's weights (the teacher's Euler baselines).
+
+    A candidate is named ``<stage>_<steps>``; validate takes the stages in :data:`VALIDATED`'s order, and the first
+    candidate is the reference every distance is measured against (put the teacher first).
+    """
+
+    lineage: str
+    steps: str | None = None
+    guidance: str | None = None
+    sampler: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampler is not None and self.steps is None:
+            raise ValueError(f"validation {self.lineage}: a sampler of its own ({self.sampler}) needs a steps key")
+
+    def params_read(self) -> list[str]:
+        """The params.yaml keys the validate stage reads for this stage."""
+        return [k for k in (self.steps, self.guidance) if k is not None]
+
+
+# training stage -> how validate scores its model (validate's dvc.yaml entry lists each artifact and each key)
+VALIDATED: dict[str, ValidationSpec] = {
+    # the reference: many- and few-step Euler with CFG (validate.teacher_steps, the first is the reference)
+    "teacher": ValidationSpec("teacher", steps="validate.teacher_steps", guidance="validate.guidance_scale", sampler="euler"),
+    "pretrain": ValidationSpec("pretrain", steps="validate.pretrain_steps", guidance="validate.guidance_scale"),
+    "distill": ValidationSpec("student"),  # its ladder as its contract says, no CFG (the guidance is distilled in)
+    "pdd": ValidationSpec("pdd", steps="validate.pdd_nfe"),  # its NFE curve: the fused-block sampler at each NFE
+}
 
 SAMPLE_CACHE = RUNS / "validate" / "cache"  # each candidate's videos and scores, reused while nothing they depend on
 # changes (distillery.evaluation.sample_cache); not a DVC out: `dvc repro` leaves it, `rm -rf` it to sample all again
@@ -72,20 +111,16 @@ def validation_prompts(n: int) -> tuple[list[str], "PromptEmbeddings | None"]:
     return list(seen), embeddings
 
 
-def table_candidates(params: StageParams, table: "Mapping[str, TrainingStageSpec] | None" = None) -> list["Candidate"]:
-    """The validate stage's candidates, from the training table (default: :data:`TRAINING_STAGES`):
-    for each row with a ``validation`` (:class:`~distillery.pipeline.launch.training_table.ValidationSpec`), in
-    table order, one candidate per step count — named ``<stage>_<steps>``, over
-    ``artifacts/<stage>/model``, sampled as its ``sampling.json`` says (or by the row's own sampler),
-    with the steps and guidance the row's params keys give (else the contract's). The first is the
-    reference. :class:`UserError` when an artifact's sampling contract is missing or invalid."""
+def table_candidates(params: StageParams, table: "Mapping[str, ValidationSpec] | None" = None) -> list["Candidate"]:
+    """The validate stage's candidates, from ``table`` (default: :data:`VALIDATED`): for each stage, in table order,
+    one candidate per step count — named ``<stage>_<steps>``, over ``artifacts/<stage>/model``, sampled as its
+    ``sampling.json`` says (or by its own sampler), with the steps and guidance its params keys give (else the
+    contract's). The first is the reference. :class:`UserError` when an artifact's sampling contract is missing or
+    invalid."""
     from distillery.evaluation.validate import Candidate
 
     candidates: list[Candidate] = []
-    for name, spec in (TRAINING_STAGES if table is None else table).items():
-        how = spec.validation
-        if how is None:
-            continue
+    for name, how in (VALIDATED if table is None else table).items():
         model_dir = ARTIFACTS / name / "model"
         guidance = float(params.get(how.guidance)) if how.guidance is not None else None
         if how.steps is None:
@@ -105,24 +140,24 @@ def table_candidates(params: StageParams, table: "Mapping[str, TrainingStageSpec
     return candidates
 
 
-def headline_candidates(candidates: list["Candidate"], table: "Mapping[str, TrainingStageSpec] | None" = None) -> list[str]:
+def headline_candidates(candidates: list["Candidate"], table: "Mapping[str, ValidationSpec] | None" = None) -> list[str]:
     """The candidates whose numbers DVC shows: each validated stage's first (:func:`table_candidates` names
     them ``<stage>_<steps>``, in table order: the reference teacher, the pretrain student, the distilled
     student, the PDD student at its first NFE); the others (the teacher's and PDD's NFE curves) are in
     the report."""
     names = [c.name for c in candidates]
-    rows = [name for name, spec in (TRAINING_STAGES if table is None else table).items() if spec.validation is not None]
+    rows = list(VALIDATED if table is None else table)
     return [next(n for n in names if n.rpartition("_")[0] == row) for row in rows if any(n.rpartition("_")[0] == row for n in names)]
 
 
-def validation_inputs(table: "Mapping[str, TrainingStageSpec] | None" = None,
+def validation_inputs(table: "Mapping[str, ValidationSpec] | None" = None,
                       clip_model: str | None = None) -> list[tuple[str, Path]]:
     """The validate artifact's lineage inputs: each validated stage's artifact under its row's
     ``lineage`` name (table order), then the base and the latents, and ``validate.clip_model``'s folder
     when given (an external input: pinned file by file, so the lineage names the CLIP weights the scores
     were read with)."""
-    rows = (TRAINING_STAGES if table is None else table).items()
-    return ([(spec.validation.lineage, ARTIFACTS / name) for name, spec in rows if spec.validation is not None]
+    rows = (VALIDATED if table is None else table).items()
+    return ([(how.lineage, ARTIFACTS / name) for name, how in rows]
             + [("base", ARTIFACTS / "base"), ("data", ARTIFACTS / "latents")]
             + ([("clip_model", Path(clip_model))] if clip_model else []))
 

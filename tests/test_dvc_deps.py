@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -25,8 +26,9 @@ from workspace import shipped_params_text
 import distillery
 from distillery.pipeline.dvcfile import load_dvc_stages, stage_params
 from distillery.pipeline.launch.runner import STAGES
-from distillery.pipeline.launch.training_table import TRAINING_STAGES
-from distillery.pipeline.params.reader import Params, StageParams, UndeclaredParam, covers
+from distillery.pipeline.params.reader import Params, StageParams, UndeclaredParam
+from distillery.pipeline.params.schema import TRAINING_STAGES
+from stages.recipes import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,10 +78,12 @@ def _shipped_params() -> Params:
     """The shipped params.yaml (:func:`workspace.shipped_params_text`), validated."""
     import yaml
 
-    from distillery.pipeline.params.schema import ParamsSchema, as_written, to_plain, validate_params
+    from distillery.pipeline.params.recipes import recipe_params
+    from distillery.pipeline.params.schema import as_written, to_plain, validate_params
 
     data = yaml.safe_load(shipped_params_text())
-    return Params(as_written(data, to_plain(ParamsSchema())), ROOT / "params.yaml", validate_params(data))
+    typed = validate_params(data, "params.yaml", recipe_params(registry()))
+    return Params(as_written(data, to_plain(typed)), ROOT / "params.yaml", typed, registry())
 
 
 def test_dvc_stages_are_the_code_stages():
@@ -91,19 +95,28 @@ def test_dvc_stages_are_the_code_stages():
         assert stage_params(name, ROOT) == spec.params  # plain params.yaml keys
 
 
-def test_training_table_reads_only_its_dvc_params():
-    """Every params.yaml key a training stage's table row reads lies inside the stage's dvc.yaml
-    params (so DVC reruns the stage when it changes), and the template it fills is a dep."""
-    for name, spec in TRAINING_STAGES.items():
-        declared = stage_params(name, ROOT)
-        outside = [k for k in spec.params_read() if not covers(declared, k)]
-        assert not outside, f"stage {name}: table reads {outside}, not in its dvc.yaml params {declared}"
-        assert "gpus" in declared  # the launcher's command line
-        for template in spec.templates():
-            assert template in load_dvc_stages(ROOT)[name].deps, f"stage {name}: template {template} not a dep"
-        # the inputs of the variant params.yaml picks (dvc.yaml names a variant's init as artifacts/${<variant key>})
-        for stage in spec.resolve(_shipped_params()).inputs.values():
-            assert f"artifacts/{stage}" in load_dvc_stages(ROOT)[name].deps, f"stage {name}: input artifacts/{stage} not a dep"
+def test_training_stages_read_only_their_dvc_params():
+    """A training stage's dvc.yaml entry lists its section and ``gpus`` (so DVC reruns it when one changes), its recipe
+    folder as one dep (a new recipe is a dep of its stage, of no other), and the input artifacts of every recipe: at the
+    shipped params, and an init a key chooses (``<stage>.student_init``, ``critic_init``) as ``artifacts/${<key>}``."""
+    import typing
+
+    params = _shipped_params()
+    text = (ROOT / "dvc.yaml").read_text()
+    stages = load_dvc_stages(ROOT)
+    for name, methods in registry().items():
+        declared, deps = stage_params(name, ROOT), stages[name].deps
+        assert name in declared and "gpus" in declared, (name, declared)
+        assert f"stages/recipes/{name}" in deps, f"stage {name}: its recipes' folder is not a dep"
+        for method, recipe in methods.items():
+            p = dataclasses.replace(params.get(name), method=method) if isinstance(params.get(name), recipe.Params) \
+                else recipe.Params(method=method)
+            for stage in recipe.inputs(p).values():
+                if stage in ("base", "teacher", "pretrain", "distill") and f"artifacts/{stage}" not in deps:
+                    keys = [k for k, tp in typing.get_type_hints(recipe.Params).items() if typing.get_origin(tp) is
+                            typing.Literal and stage in typing.get_args(tp) and k.endswith("_init")]
+                    assert any(f"artifacts/${{{name}.{k}}}" in text for k in keys), \
+                        f"stage {name} ({method}): input artifacts/{stage} is not a dep"
 
 
 def test_params_schema_knows_every_key_a_stage_reads():
@@ -111,9 +124,6 @@ def test_params_schema_knows_every_key_a_stage_reads():
     for name in STAGES:
         for key in stage_params(name, ROOT):
             params.get(key)  # raises (UserError) on a key the schema lacks
-    for spec in TRAINING_STAGES.values():
-        for key in spec.params_read():
-            params.get(key)
 
 
 def test_a_stage_sees_only_its_dvc_params():
@@ -242,14 +252,15 @@ def write_code_deps(root: Path, derived: dict[str, list[str]]) -> None:
     (root / "dvc.yaml").write_text("\n".join(out) + "\n")
 
 
-# Modules a stage runs only under a params option the default DAG leaves off, so its import trace cannot see them:
-# they (and the package modules they import, lazily too) are deps of the stage all the same — an edit to the KD method
-# must rerun an ode_init pretrain, never leave its artifact silently stale.
-OPTION_MODULES = {  # repo paths
-    "pretrain": (f"{PACKAGE_IN_REPO}/methods/kd.py", "stages/trajectories.py",  # method: ode_init(_bidirectional)
-                 f"{PACKAGE_IN_REPO}/sampling/trajectories.py"),
-    "pdd": (f"{PACKAGE_IN_REPO}/methods/dm_pdd.py",),  # pdd.method: dm_pdd
-}
+RECIPES = STAGE_LAYER / "recipes"  # stages/recipes/<stage>/: a training stage's recipes, one dep of it (a folder)
+
+
+def _in_recipe_folder(module_file: str) -> bool:
+    """Whether ``module_file`` (a repo path) is a module of a stage's recipe folder, ``stages/recipes/<stage>/``: every
+    stage imports them all to check params.yaml whole (their knobs' declarations), and each is a dep of its own stage
+    only, as its folder (a new recipe reruns its stage and no other; a recipe cannot change another stage's output)."""
+    parts = Path(module_file).parts
+    return len(parts) > 3 and parts[:2] == ("stages", "recipes")
 
 
 def _static_imports(module_file: str) -> set[str]:
@@ -275,21 +286,24 @@ def _static_imports(module_file: str) -> set[str]:
 
 
 def option_code(stage: str) -> set[str]:
-    """:data:`OPTION_MODULES` of ``stage`` and every package module they import, transitively (repo paths)."""
-    todo = list(OPTION_MODULES.get(stage, ()))
+    """The code every recipe of ``stage`` imports (``stages/recipes/<stage>/*.py``, lazy imports too), transitively
+    (repo paths): what its non-default methods run — ``pretrain.method: ode_init``'s KD and trajectories,
+    ``pdd.method: dm_pdd`` — which the default DAG's trace cannot see, so that an edit to them reruns the stage too."""
+    todo = [f"stages/{p.relative_to(STAGE_LAYER).as_posix()}" for p in sorted((RECIPES / stage).glob("*.py"))]
     seen: set[str] = set()
     while todo:
         module = todo.pop()
         if module not in seen:
             seen.add(module)
             todo.extend(_static_imports(module) - seen)
-    return seen
+    return {m for m in seen if not _in_recipe_folder(m)}
 
 
 def check_stage_imports(imported: dict[str, set[str]], root: Path) -> None:
     """Fail unless each stage's package-code deps in dvc.yaml are exactly what it imported, plus the code its
-    non-default options run (:func:`option_code`)."""
-    imported = {name: files | option_code(name) for name, files in imported.items()}
+    non-default methods run (:func:`option_code`); the recipe folders are deps of their own stage, as folders
+    (:func:`_in_recipe_folder`, ``test_training_stages_read_only_their_dvc_params``)."""
+    imported = {name: {f for f in files if not _in_recipe_folder(f)} | option_code(name) for name, files in imported.items()}
     stages = load_dvc_stages(root)
     assert set(imported) == set(stages), f"traced stages {sorted(imported)} != dvc.yaml stages {sorted(stages)}"
     derived = {name: code_deps(files) for name, files in imported.items()}
@@ -335,10 +349,13 @@ def test_dvc_repro_of_the_default_workspace_prints_no_warning(tmp_path):
 
 def test_every_method_is_a_dep_of_a_training_stage():
     """A method that only a non-default option selects (``pdd.method: dm_pdd``, ``pretrain.method: ode_init``) still
-    reruns its stage when edited: the default DAG's trace cannot see it, :data:`OPTION_MODULES` names it."""
+    reruns its stage when edited: the default DAG's trace cannot see it, its recipe's imports (:func:`option_code`)
+    name it."""
     stages = load_dvc_stages(ROOT)
     for module in sorted((PACKAGE / "methods").glob("*.py")):
         rel = f"{PACKAGE_IN_REPO}/methods/{module.name}"
         assert any(_covered(rel, stages[name].deps) for name in TRAINING_STAGES if name in stages), rel
     assert {f"{PACKAGE_IN_REPO}/methods/kd.py", "stages/trajectories.py"} <= option_code("pretrain")
     assert f"{PACKAGE_IN_REPO}/sampling/base.py" in option_code("pretrain")  # what the trajectories import, transitively
+    assert f"{PACKAGE_IN_REPO}/methods/dm_pdd.py" in option_code("pdd") and "stages/trajectories.py" not in option_code("pdd")
+    assert not any(_in_recipe_folder(m) for m in option_code("distill"))

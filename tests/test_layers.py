@@ -196,15 +196,15 @@ def _top_level_imports(path: Path) -> list[tuple[str, int]]:
 def _stage_layer_wires(stages: Path = STAGES, package: Path = PACKAGE) -> list[str]:
     """Imports of the stage layer (``stages/*.py``) that leave it: ``flows``, or ``distillery`` above its floor."""
     wires = []
-    for path in sorted(stages.glob("*.py")):
+    for path in sorted(stages.rglob("*.py")):
         for name, line in _top_level_imports(path):
             top = name.split(".")[0]
             if top == "flows":
-                wires.append(f"stages/{path.name}:{line} imports {name} (the Prefect face stands beside the stages, not under them)")
+                wires.append(f"{path.relative_to(stages.parent)}:{line} imports {name} (the Prefect face stands beside the stages, not under them)")
             elif top == package.name:
                 there = _package(name, package)
                 if there is not None and FLOOR[there] > STAGE_LAYER_TOP_FLOOR:
-                    wires.append(f"stages/{path.name}:{line} imports {name} ({there} floor {FLOOR[there]}: above the pipeline)")
+                    wires.append(f"{path.relative_to(stages.parent)}:{line} imports {name} ({there} floor {FLOOR[there]}: above the pipeline)")
     return wires
 
 
@@ -281,3 +281,67 @@ def test_no_import_circle():
     for name in sorted(graph):
         if name not in state and (circle := visit(name)):
             raise AssertionError("import circle: " + " -> ".join(circle))
+
+
+# Library modules that import (or look up) a module by a name computed at run time: the registered plugin loaders — a
+# run config's ``_target_`` under the allowed prefixes, a model family's package from its table row, the package a
+# plugin class is exported from. Each takes names from its own table or config, never a pipeline module's.
+PLUGIN_LOADERS = {"distillery.config.targets", "distillery.models.registry", "distillery.config.loader"}
+PIPELINE_NAMES = tuple(f"distillery.{pkg}" for pkg, floor in FLOOR.items() if floor > LIBRARY_TOP_FLOOR) + PIPELINE_OUTSIDE
+
+
+def _string_imports(path: Path) -> list[tuple[int, str | None]]:
+    """``(line, the name or None when computed)`` of every import by name in ``path``: ``importlib.import_module(...)``,
+    ``import_module(...)``, ``__import__(...)``, ``sys.modules[...]`` and ``sys.modules.get(...)``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        arg = None
+        if isinstance(node, ast.Call) and node.args:
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            modules_get = isinstance(f, ast.Attribute) and f.attr == "get" and isinstance(f.value, ast.Attribute) \
+                and f.value.attr == "modules"
+            if name in ("import_module", "__import__") or modules_get:
+                arg = node.args[0]
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "modules":
+            arg = node.slice
+        if arg is not None:
+            found.append((node.lineno, arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None))
+    return found
+
+
+def _library_string_imports(root: Path = PACKAGE) -> list[str]:
+    """Every import by name of a pipeline module (``distillery`` above the engine, ``flows``, ``stages``) by a library
+    module, and every import by a computed name outside :data:`PLUGIN_LOADERS`."""
+    wires = []
+    for path in _sources(root):
+        here = _package(_module(path, root), root)
+        if here is None or FLOOR[here] > LIBRARY_TOP_FLOOR:
+            continue
+        for line, name in _string_imports(path):
+            where = f"{_module(path, root)}:{line}"
+            if name is None and _module(path, root) not in PLUGIN_LOADERS:
+                wires.append(f"{where} imports a module by a computed name (not a registered plugin loader)")
+            elif name is not None and (name + ".").startswith(tuple(n + "." for n in PIPELINE_NAMES)):
+                wires.append(f"{where} imports the pipeline's {name} by name")
+    return wires
+
+
+def test_the_library_imports_no_pipeline_module_by_name():
+    wires = _library_string_imports()
+    assert not wires, "the training library reaches the pipeline by name:\n" + "\n".join(wires)
+
+
+@pytest.mark.parametrize("text", [
+    "import importlib\nimportlib.import_module('distillery.pipeline.launch.runner')\n",
+    "from importlib import import_module\ndef f():\n    return import_module('stages.training')\n",
+    "def f():\n    return __import__('flows.pipeline')\n",
+    "import sys\nsys.modules['distillery.cli.main']\n",
+    "import sys\ndef f():\n    return sys.modules.get('stages.training')\n",
+    "import importlib\ndef f(name):\n    return importlib.import_module(name)\n",
+])
+def test_the_check_sees_a_library_module_importing_the_pipeline_by_name(tmp_path, text):
+    root = _house(tmp_path, {"models/base.py": text})
+    assert len(_library_string_imports(root)) == 1, text
+    assert not _library_string_imports(_house(tmp_path / "ok", {"models/base.py": "import importlib\n"
+                                                                "importlib.import_module('flash_attn.cute')\n"}))

@@ -24,8 +24,6 @@ import yaml
 from workspace import copy_pipeline, copy_workspace, set_params, sh, tree_sha
 
 from distillery.pipeline.dvcfile import stage_params
-from distillery.pipeline.launch.run_config import fill_run_config, stage_overrides
-from distillery.pipeline.launch.training_table import TRAINING_STAGES
 from distillery.pipeline.params.reader import Params, StageParams
 
 # pretrain and distill params only (the teacher is ``trained``'s); 16 rows in 2 shards, made 4 at a time (shard 0 is
@@ -54,9 +52,12 @@ def ode_pretrained(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> t
     ("dfsft", "distillery.methods.dfsft.DFSFTMethod", "distillery.models.wan.CausalWanModel", True),
     ("ode_init", "distillery.methods.kd.KDMethod", "distillery.models.wan.CausalWanModel", True),
     ("ode_init_bidirectional", "distillery.methods.kd.KDMethod", "distillery.models.wan.WanModel", False)])
-def test_pretrain_method_picks_its_template_and_fills_it(tmp_path, monkeypatch, method, target, model, chunks):
-    """pretrain.method picks the recipe: its template, the causal chunks where the student is causal, the t_list of
-    KD, and (ODE-init) the trajectory folder as the data; every key the row fills is null in the template."""
+def test_pretrain_method_picks_its_recipe(tmp_path, monkeypatch, method, target, model, chunks):
+    """pretrain.method picks the recipe: the causal chunks where the student is causal, the t_list of KD, and
+    (ODE-init) the trajectory set it makes first as the data."""
+    from distillery.pipeline.launch.run_config import PreparedData
+    from stages.training import stage_run_config
+
     copy_pipeline(tmp_path)
     data = yaml.safe_load((tmp_path / "params.yaml").read_text())
     data["pretrain"].update(method=method, chunk_size=2, t_list=[1000, 750, 500, 0])
@@ -66,24 +67,19 @@ def test_pretrain_method_picks_its_template_and_fills_it(tmp_path, monkeypatch, 
         (tmp_path / folder / "preprocess.json").write_text(json.dumps({"settings": {"max_sequence_length": 24}}))
     monkeypatch.chdir(tmp_path)
     view = StageParams(Params.load("params.yaml"), "pretrain", stage_params("pretrain"))
-    spec = TRAINING_STAGES["pretrain"].resolve(view)
-    assert spec.trajectories == (method != "dfsft") and spec.template == f"stages/pretrain_{method}.yaml"
-    folder = Path("runs/pretrain_trajectories") if spec.trajectories else None
-    raw = fill_run_config(spec, view, "parent", folder)
-    assert raw["method"]["_target_"] == target and raw["models"]["student"]["_target_"] == model
-    assert raw["training"]["data"]["path"] == str(folder or "artifacts/latents/data")
+    makes_data = hasattr(view.recipe(), "prepare")
+    assert makes_data == (method != "dfsft")
+    prepared = PreparedData(Path("runs/pretrain_trajectories"), "trajectories") if makes_data else None
+    config, _ = stage_run_config(view, "parent", prepared)
+    assert config.method.target == target and config.models["student"].target == model
+    assert config.training.data.path == str(prepared.folder if prepared else "artifacts/latents/data")
     if chunks:
-        assert raw["method"]["chunk_size"] == raw["models"]["student"]["chunk_size"] == 2
+        assert config.method.config.chunk_size == config.models["student"].config.chunk_size == 2
     else:
-        assert "chunk_size" not in raw["method"] and "chunk_size" not in raw["models"]["student"]
-    if spec.trajectories:
-        assert raw["method"]["t_list"] == [1000.0, 750.0, 500.0, 0.0]
-    template = yaml.safe_load(Path(spec.template).read_text())
-    for key, _ in stage_overrides(spec, view, "p", folder):
-        node = template
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        assert node is None, f"{spec.template} holds {key}: {node}"
+        assert not hasattr(config.method.config, "chunk_size") or config.method.config.chunk_size is None
+        assert not hasattr(config.models["student"].config, "chunk_size")
+    if makes_data:
+        assert config.method.config.t_list == [1000.0, 750.0, 500.0, 0.0]
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from distillery.common.errors import UserError
-from distillery.pipeline.params.preflight import check_free_space, training_bytes
+from distillery.pipeline.launch.preflight import check_free_space, training_bytes
 from distillery.pipeline.params.reader import Params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def test_export_of_a_student_whose_stage_never_ran_is_one_line(prepared, tmp_pat
 def test_an_ode_init_pretrain_counts_its_trajectory_set_less_what_a_killed_run_left(tmp_path):
     """``pretrain.method: ode_init`` writes the teacher's trajectories in runs/ before it trains: per prompt and seed,
     float32 latents of len(t_list) points with the base's latent channels (its VAE's z_dim; 16 when it cannot be read)."""
-    from distillery.pipeline.params.preflight import latent_shape, trajectory_bytes
+    from distillery.pipeline.launch.preflight import latent_shape, trajectory_bytes
 
     artifacts = _base(tmp_path, 1)
     (artifacts / "latents" / "data").mkdir(parents=True)

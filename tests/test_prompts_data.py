@@ -217,8 +217,8 @@ def test_the_first_stage_checks_a_prompt_trained_stage_s_batch_against_the_promp
     """The batch check before any work counts the prompts for a stage that trains on them (not the videos)."""
     import yaml
 
+    from distillery.pipeline.launch.preflight import check_batch
     from distillery.pipeline.launch.runner import STAGES
-    from distillery.pipeline.params.preflight import check_batch
     from distillery.pipeline.params.reader import Params
 
     (tmp_path / "prompts.txt").write_text("one\n\ntwo\nthree\n", encoding="utf-8")

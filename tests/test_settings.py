@@ -130,10 +130,10 @@ def test_validation_settings_are_shared():
 
 
 def test_distillery_stage_teacher_writes_the_same_run_yaml(tmp_path, monkeypatch):
-    """The run config a training stage writes for the shipped params (what runs/teacher/run.yaml holds), as
-    a golden file: a setting's path from params.yaml to the run config must not change its values."""
-    from distillery.pipeline.launch.run_config import fill_run_config
-    from distillery.pipeline.launch.training_table import TRAINING_STAGES
+    """The run config a training stage writes for the shipped params (what runs/teacher/run.yaml holds: the typed config
+    its recipe built, every field), as a golden file: a setting's path from params.yaml to the run config must not
+    change its values."""
+    from stages.training import stage_run_config
 
     copy_pipeline(tmp_path)
     (tmp_path / "artifacts/latents/data").mkdir(parents=True)
@@ -141,8 +141,8 @@ def test_distillery_stage_teacher_writes_the_same_run_yaml(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     params = Params.load("params.yaml")
     view = StageParams(params, "teacher", stage_params("teacher"))
-    raw = fill_run_config(TRAINING_STAGES["teacher"].resolve(view), view, "parent123")
-    assert yaml.safe_dump(raw, sort_keys=True) == GOLDEN_TEACHER_RUN_YAML
+    config, _ = stage_run_config(view, "parent123")
+    assert yaml.safe_dump(config.to_plain(), sort_keys=True) == GOLDEN_TEACHER_RUN_YAML
 
 
 GOLDEN_TEACHER_RUN_YAML = """\
@@ -150,30 +150,63 @@ callbacks:
   grad_clip:
     _target_: distillery.callbacks.grad_clip.GradClipCallback
     max_grad_norm: 1.0
+    norm_type: 2.0
+    per_role: {}
 method:
   _target_: distillery.methods.sft.SFTMethod
   caption_dropout: 0.1
+  precondition_outputs: false
 models:
   student:
     _target_: distillery.models.wan.WanModel
     init_from: artifacts/base/model
+    logit_mean: 0.0
+    logit_std: 1.0
+    random_init: false
+    shift: null
+    timestep_sampling: uniform
+    trainable: true
 training:
   checkpoint:
     keep_last: 2
     output_dir: runs/teacher
+    resume: latest
     save_every: 40
+    save_final: true
   data:
     batch_size: 16
+    drop_last: true
+    latent_shape: null
     path: artifacts/latents/data
+    split: train
     text_max_length: 24
+    unconditional: empty
+  distributed:
+    backend: auto
+    device: auto
+    mixed_precision: auto
+    replicate_size: 1
+    reshard_after_forward: null
+    shard_single_rank: false
   loop:
+    grad_accum_steps: 1
     log_every: 1
     max_train_steps: 120
+    progress_bar: true
     seed: 0
+    skip_nonfinite_steps: 0
+    stop_at_step: null
   model:
     activation_checkpointing: false
     activation_checkpointing_fraction: 1.0
+    attention_backend: auto
+    compile: null
+    compile_mode: blocks
   optimizer:
+    betas:
+    - 0.9
+    - 0.999
+    eps: 1.0e-08
     learning_rate: 0.0002
     lr_scheduler: cosine
     min_lr_ratio: 0.1
@@ -186,4 +219,5 @@ training:
     run_name: teacher
     tags:
       distillery.stage: teacher
+    tracking_uri: null
 """

@@ -442,14 +442,13 @@ def _older_copy(artifact: Path) -> None:
 def test_resume_keys_on_content(trained, tmp_path, monkeypatch, capsys, data_lost):
     from distillery.components.checkpoint.manager import list_checkpoints
     from distillery.pipeline.launch.resume_key import key_mismatch, read_key, resume_key
-    from distillery.pipeline.launch.training_table import TRAINING_STAGES
-    from stages.training import prepare_run_dir
+    from distillery.pipeline.launch.run_folder import prepare_run_dir
 
     ws = copy_workspace(trained, tmp_path / "ws")
     monkeypatch.chdir(ws)
     run_dir = Path("runs/teacher")
     raw = yaml.safe_load((run_dir / "run.yaml").read_text())
-    inputs = {role: Path("artifacts") / stage for role, stage in TRAINING_STAGES["teacher"].input_artifacts()}
+    inputs = {"student_init": Path("artifacts/base"), "data": Path("artifacts/latents")}  # the teacher's (sft)
     saved = read_key(run_dir)
     assert key_mismatch(saved, resume_key("teacher", raw, inputs)) is None  # the key the stage wrote, recomputed
     checkpoints = [step for step, _ in list_checkpoints(run_dir)]

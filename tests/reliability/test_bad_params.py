@@ -138,15 +138,15 @@ RULES = [  # (edits, the message must contain)
     ({"teacher__save_every": -1}, "teacher.save_every: -1: must be ≥ 0"),
     ({"pretrain__steps": 0}, "pretrain.steps: 0: must be ≥ 1"),
     ({"pretrain__chunk_size": 0}, "pretrain.chunk_size: 0: must be ≥ 1"),
-    ({"pretrain__chunk": 2}, "pretrain.chunk: unknown key; valid keys: steps, batch_size, learning_rate, lr_scheduler, warmup_steps, "
-                             "weight_decay, ema_decay, … (25 in all); did you mean chunk_size?"),
+    ({"pretrain__chunk": 2}, "pretrain.chunk: unknown key; valid keys: method, steps, batch_size, learning_rate, lr_scheduler, "
+                             "warmup_steps, weight_decay, ema_decay, … (25 in all); did you mean chunk_size?"),
     ({"validate__num_prompts": 0}, "validate.num_prompts: 0: must be ≥ 1"),
     ({"validate__teacher_steps": [40, 0]}, "validate.teacher_steps: [40, 0]: step counts must be ≥ 1"),
     ({"validate__teacher_steps": [40, "4"]}, "validate.teacher_steps: [40, '4']: item 1 ('4'): expected an integer"),
     ({"validate__teacher_steps": 40}, "validate.teacher_steps: 40: expected a list"),
     ({"validate__pretrain_steps": 0}, "validate.pretrain_steps: 0: must be ≥ 1"),
     ({"validate__num_seeds": 0}, "validate.num_seeds: 0: must be ≥ 1"),
-    ({"distill__method": "sid"}, "distill.method: 'sid': valid values: self_forcing, dmd2"),
+    ({"distill__method": "sid"}, "distill.method: 'sid': valid values: dmd2, self_forcing (stages/recipes/distill/)"),
     ({"distill__student_steps": 0}, "distill.student_steps: 0: must be ≥ 1"),
     ({"distill__context_noise": 1000.0}, "distill.context_noise: 1000.0: must be in [0, 1000): a timestep"),
     ({"distill__critic_learning_rate": 0}, "distill.critic_learning_rate: 0: must be a finite number > 0"),
@@ -174,20 +174,26 @@ def test_every_rule_names_the_key(tmp_path, data_lost):
 @_mark("shipped params.yaml validates", "none: the params.yaml in the repository",
        "validates unchanged; schema defaults equal it; every key a stage reads is in the schema")
 def test_shipped_params_validate_unchanged(tmp_path, data_lost):
-    from distillery.pipeline.launch.training_table import TRAINING_STAGES as TRAINING
+    from stages.recipes import registry
 
     (tmp_path / "params.yaml").write_text(SHIPPED)
     params = Params.load(tmp_path / "params.yaml")
     shipped = yaml.safe_load(SHIPPED)
     assert params.data == shipped  # nothing added, dropped or converted
-    assert to_plain(ParamsSchema()) == shipped  # the defaults are the shipped values
-    assert set(TRAINING_STAGES) == set(TRAINING)
+    defaults = to_plain(ParamsSchema())  # the sections' defaults (a training section's: its common knobs) ...
+    for stage, methods in registry().items():  # ... and every recipe's: each the shipped value (a knob's default once)
+        assert methods[shipped[stage]["method"]].Params is type(params.get(stage))
+        for recipe in methods.values():
+            defaults[stage].update(dataclasses.asdict(recipe.Params()))
+        defaults[stage]["method"] = getattr(ParamsSchema(), stage).method
+    assert defaults == shipped  # the defaults are the shipped values, the shipped keys all some recipe's
     dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
-    read = {k for spec in TRAINING.values() for k in spec.params_read()} | {k for s in dvc["stages"].values() for k in s.get("params", [])}
-    for key in read:
+    for key in {k for s in dvc["stages"].values() for k in s.get("params", [])}:
         params.get(key)  # raises on a key the schema lacks
     assert params.subset(["seed", "teacher"]) == {"seed": shipped["seed"], "teacher": shipped["teacher"]}
-    assert dataclasses.asdict(params.typed) == shipped
+    assert {k: v for k, v in dataclasses.asdict(params.typed).items()} == {
+        k: {f: v[f] for f in dataclasses.asdict(getattr(params.typed, k))} if k in TRAINING_STAGES else v
+        for k, v in shipped.items()}
     data_lost.record(0, "files (read-only check)")
 
 
@@ -203,8 +209,8 @@ def test_a_bad_path_stops_the_first_stage_before_any_work(tmp_path, monkeypatch,
 
     from distillery.cli.guard import run_guarded
     from distillery.cli.main import build_parser
+    from distillery.pipeline.launch.preflight import check_paths
     from distillery.pipeline.launch.runner import STAGES
-    from distillery.pipeline.params.preflight import check_paths
     from distillery.tinybase.shipped import shipped_tiny_base
 
     not_a_model = tmp_path / "downloads" / "wan"
@@ -232,7 +238,7 @@ def test_a_bad_path_stops_the_first_stage_before_any_work(tmp_path, monkeypatch,
     (ws / "params.yaml").write_text(_edited(base__path=str(not_a_model)))
     check_paths(Params.load(ws / "params.yaml"), "latents", tuple(STAGES))  # base ran already: latents does not read base.path
     from distillery.data.videos import CAPTION_FILES
-    from distillery.pipeline.params import preflight
+    from distillery.pipeline.launch import preflight
 
     assert preflight.CAPTION_FILES == CAPTION_FILES  # the layout check knows the captions files the latents stage reads
     assert data_lost.total == 0

@@ -102,7 +102,7 @@ def test_symlinked_run_folder_is_not_wiped(ws, tmp_path, data_lost):
                                 "named in one warning line")
 def test_restarted_run_keeps_what_it_did_not_write(tmp_path, tiny_base, latent_set, monkeypatch, warnings_logged,
                                                    data_lost):
-    from stages.training import prepare_run_dir
+    from distillery.pipeline.launch.run_folder import prepare_run_dir
 
     monkeypatch.chdir(tmp_path)
     shutil.copytree(latent_set, tmp_path / "artifacts" / "latents")

@@ -192,7 +192,7 @@ def _stage_workspace(root: Path, latent_set: Path, tiny_base: Path) -> tuple[dic
     """A workspace folder (the cwd of a stage) with ``artifacts/latents`` and a run of 2 steps in
     ``runs/teacher`` (checkpoints 1 and 2), prepared by the training stage's own ``prepare_run_dir``.
     Returns the run config and the stage's inputs."""
-    from stages.training import prepare_run_dir
+    from distillery.pipeline.launch.run_folder import prepare_run_dir
 
     shutil.copytree(latent_set, root / "artifacts" / "latents")
     inputs = {"data": Path("artifacts/latents")}
@@ -218,7 +218,7 @@ def test_poisoned_hash_cache_does_not_discard_a_run(hash_cache, tmp_path, tiny_b
     from distillery.common import hashcache
     from distillery.lineage.hashing import hash_tree
     from distillery.pipeline.launch.resume_key import read_key, resume_key
-    from stages.training import prepare_run_dir
+    from distillery.pipeline.launch.run_folder import prepare_run_dir
 
     monkeypatch.chdir(tmp_path)
     raw, inputs = _stage_workspace(tmp_path, latent_set, tiny_base)

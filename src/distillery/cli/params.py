@@ -26,8 +26,8 @@ def _check_params(args: argparse.Namespace) -> int:
     """Bounds (alias bombs, merge chains), a value DVC reads differently, the schema, a folder it names that its
     stage would refuse (``base.path`` not a model folder, ``latents.data`` without captions), a buffer no stage
     here could hold. Run it before ``dvc repro``, which parses the file with DVC's own parser first."""
+    from distillery.pipeline.launch.preflight import check_batch, check_memory, check_paths
     from distillery.pipeline.launch.runner import STAGES
-    from distillery.pipeline.params.preflight import check_batch, check_memory, check_paths
     from distillery.pipeline.params.reader import Params
     from distillery.pipeline.publish.artifacts import ARTIFACTS
 
@@ -38,9 +38,9 @@ def _check_params(args: argparse.Namespace) -> int:
         check_memory(stage, params)
     sys.stdout.write(f"{args.params}: ok: DVC and the stages read the same values, each within its bounds, "
                      f"the folders it names are what their stages read, every training batch fits the data, and every stage's buffers fit this machine\n")
-    from distillery.pipeline.params.schema import chain_notes
+    from distillery.pipeline.params.recipes import chain_notes
 
-    for note in chain_notes(params.typed):  # a chain that runs but is no recipe: said, not refused
+    for note in chain_notes(params.typed, params.recipes):  # a chain that runs but is no recipe: said, not refused
         sys.stdout.write(f"note: {note}\n")
     return 0
 

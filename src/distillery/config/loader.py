@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from distillery.config.limits import (
 )
 from distillery.config.schema import Component, LoraConfig, OptimizerOverride, RoleDistributedOverride, RunConfig, TrainingConfig
 from distillery.config.targets import resolve_target
-from distillery.config.typed import config_error, field_types, from_mapping
+from distillery.config.typed import check_fields, config_error, field_types, from_mapping
 from distillery.config.yaml_versions import Scalar, collector, disagreement_line, disagreements, dvc_load, is_dotless_float
 
 TOP_LEVEL_KEYS = ("models", "method", "training", "callbacks")
@@ -227,14 +228,42 @@ def build_component(entry: Any, where: str, prefixes: tuple[str, ...], kind: str
     optimizer = distributed = lora = None
     if kind == "model" and "lora" in knobs:  # null: no adapter (the role's weights train, or it is frozen)
         given = knobs.pop("lora")
-        lora = None if given is None else from_mapping(LoraConfig, given, f"{where}.lora")
+        lora = None if given is None else _role_section(LoraConfig, given, f"{where}.lora")
     if kind == "model" and "optimizer" in knobs:
-        optimizer = from_mapping(OptimizerOverride, knobs.pop("optimizer") or {}, f"{where}.optimizer")
+        optimizer = _role_section(OptimizerOverride, knobs.pop("optimizer"), f"{where}.optimizer")
     if kind == "model" and "distributed" in knobs:
-        distributed = from_mapping(RoleDistributedOverride, knobs.pop("distributed") or {}, f"{where}.distributed")
+        distributed = _role_section(RoleDistributedOverride, knobs.pop("distributed"), f"{where}.distributed")
     config = from_mapping(config_cls, knobs, where)
     return Component(target=target, cls=cls, config=config, optimizer=optimizer, distributed=distributed, lora=lora,
                      plugins=resolve_plugins(config, where, prefixes))
+
+
+def _role_section(cls: type, given: Any, where: str) -> Any:
+    """A model entry's ``optimizer`` / ``distributed`` / ``lora``: a mapping read into ``cls``, or a ``cls`` a recipe
+    built, held to the same field declarations (:func:`~distillery.config.typed.check_fields`)."""
+    if isinstance(given, cls):
+        check_fields(given, where)
+        return given
+    return from_mapping(cls, given or {}, where)
+
+
+def public_path(cls: type) -> str:
+    """``cls``'s dotted path as its package hands it out: the shortest ``<module>.<name>`` of an imported module holding
+    ``cls`` under its name (``distillery.models.wan.WanModel``, not ``distillery.models.wan.bidirectional.WanModel``)."""
+    parts = cls.__module__.split(".")
+    for end in range(1, len(parts) + 1):
+        module = sys.modules.get(".".join(parts[:end]))
+        if module is not None and getattr(module, cls.__qualname__, None) is cls:
+            return f"{'.'.join(parts[:end])}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def component_of(cls: type, where: str, prefixes: tuple[str, ...] = ("distillery.",), **knobs: Any) -> Component:
+    """The :class:`Component` of the plugin class ``cls`` with ``knobs`` (its config class's fields; for a model also
+    ``optimizer``, ``distributed``, ``lora``) — what a recipe builds its run config from: each value checked against its
+    field's declaration as a file's would be (:func:`build_component`, the kind ``cls`` declares), its ``_target_`` the
+    path its package exports it under (:func:`public_path`)."""
+    return build_component({"_target_": public_path(cls), **knobs}, where, prefixes, getattr(cls, "component_kind", None))
 
 
 def resolve_plugins(config: Any, where: str, prefixes: tuple[str, ...]) -> dict[str, Any]:

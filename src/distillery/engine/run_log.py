@@ -35,6 +35,17 @@ LOG_FILE = "train_log.jsonl"
 SUMMARY_FILE = "run_summary.json"
 
 
+def trainer_outputs(output_dir: str | Path) -> tuple[set[str], set[str]]:
+    """``(file names, folder names)`` of what runs of the trainer wrote in ``output_dir``: the log, the summary and the
+    checkpoint record; the checkpoints that record names and the temporary folders of killed saves
+    (:mod:`distillery.components.checkpoint`) — what may be discarded of a run folder, nothing else."""
+    from distillery.components.checkpoint import record
+    from distillery.components.checkpoint.trust import CHECKPOINT_RE
+
+    temp = {c.name for c in Path(output_dir).glob(".tmp-checkpoint-*") if CHECKPOINT_RE.match(c.name[len(".tmp-"):])}
+    return {LOG_FILE, SUMMARY_FILE, record.RECORD_FILE}, record.written(output_dir) | temp
+
+
 def component_losses(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, float]]]:
     """Each loss a method logs on its own — every ``*_loss`` key but ``total_loss``, in first-logged order
     — as ``{name: [{"step", "loss"}]}`` over the rows that have it (an alternating method logs its

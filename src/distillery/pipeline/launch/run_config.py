@@ -1,44 +1,34 @@
-"""A training stage's run config: its template in ``stages/`` filled in by its table row.
+"""A training stage's run config: the facts a recipe builds it from, and the checks of the built config against them.
 
-:func:`fill_run_config` reads the template and sets dotted keys to the typed params' Python values
-through the config loader (:func:`distillery.config.loader.set_override`: every key must exist in the
-schema; the values are checked when the config is built), in this order:
-
-1. inputs: ``models.<role>.init_from = artifacts/<stage>/model`` per row ``inputs``;
-2. the data: ``training.data.path = artifacts/<data>/data`` (the latents stage's set, or — ``distill.data:
-   prompts`` — the prompts stage's) and ``training.data.text_max_length`` from its ``preprocess.json`` (the text
-   encoder's sequence length); a prompt-only set also gives ``training.data.latent_shape`` (the ``[C, T, H, W]`` its
-   stage derived from the frames, size and the base's VAE: what the rollouts generate);
-3. the knobs: ``<config key> = params.yaml[<knob>]`` for each knob the recipe takes, the config key the knob's
-   own declaration names (:meth:`TrainingStageSpec.config_overrides`); ``models.<role>.lora`` with
-   ``<stage>.lora_rank`` above 0 (:meth:`TrainingStageSpec.lora_overrides`); and
-   ``training.distributed.replicate_size = gpus.replicate_size`` when > 1 (HSDP; every role's mesh);
-4. the EMA: with ``<stage>.ema_decay`` set, a ``callbacks.ema`` entry (:meth:`TrainingStageSpec.ema_callback`:
-   decay, start step, the exported role) beside the template's callbacks; with it null, none;
-5. the run: ``training.checkpoint.output_dir = runs/<stage>`` and MLflow
-   ``training.tracker.{parent_run_id, run_name, tags}`` (``training.loop.progress_bar`` keeps its default,
-   on: under DVC or Prefect, stderr is not a terminal and progress is a log line per 10 % or minute,
-   :mod:`distillery.common.progress`).
-
-The result is the raw mapping written to ``runs/<stage>/run.yaml`` (and hashed into the resume key).
-:func:`check_chain` then builds it, once — the typed :class:`~distillery.config.RunConfig` the stage reads from
-then on — and checks it against its inputs before any training.
+A recipe (``stages/recipes/<stage>/<method>.py``, :class:`distillery.pipeline.params.recipes.Recipe`) builds the typed
+:class:`~distillery.config.RunConfig` from its stage's typed ``params.yaml`` section and the :class:`RunInputs` the stage
+gives it (:func:`run_inputs`): each role's init folder (``artifacts/<stage>/model``), the data it trains on
+(``artifacts/<data>/data``, or the set the recipe made first: :class:`PreparedData`) with what that set's
+``preprocess.json`` says of it (the text encoder's sequence length; for a prompt-only set the ``[C, T, H, W]`` the
+rollouts generate), the seed, ``runs/<stage>`` and the MLflow parent run, HSDP's replicate size, and a typed view of
+the other ``params.yaml`` keys the stage's ``dvc.yaml`` entry lists (a knob of another stage it borrows). The stage
+builds it once; :func:`check_run_config` then checks it against its inputs before anything launches, and the stage
+writes it as ``runs/<stage>/run.yaml`` (:mod:`distillery.pipeline.launch.run_folder`), which the trainer loads once.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distillery.common.errors import UserError
 from distillery.common.fsutil import read_json_file
-from distillery.pipeline.launch.training_table import DATA_ARTIFACT, EMA_CALLBACK, TrainingStageSpec
-from distillery.pipeline.params.reader import StageParams
+from distillery.pipeline.params.reader import ParamsView, StageParams
+from distillery.pipeline.params.schema import DATA_ARTIFACT
 from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS
 
 if TYPE_CHECKING:
     from distillery.config import RunConfig
+
+EXPORT_ROLE = "student"  # the role whose trained weights a training stage's artifact ships (model/transformer)
+EMA_CALLBACK = "ema"  # the run config's callbacks.<name> of the stage's EMA (params.yaml <stage>.ema_decay set)
 
 
 def data_dir(artifact: str = DATA_ARTIFACT) -> Path:
@@ -58,49 +48,44 @@ def latent_manifest(folder: Path | None = None) -> dict[str, Any]:
     return manifest
 
 
-def stage_overrides(spec: TrainingStageSpec, params: StageParams, parent_run_id: str,
-                    data: Path | None = None) -> list[tuple[str, Any]]:
-    """The ``(dotted key, value)`` pairs that turn the template into the stage's run config (module doc);
-    ``data``: the set the stage trains on when it is not the latent set (its trajectories)."""
-    latents = latent_manifest(data if data is not None else data_dir(spec.data))
-    pairs: list[tuple[str, Any]] = [(f"models.{role}.init_from", str(ARTIFACTS / stage / "model"))
-                                    for role, stage in spec.inputs.items()]
-    pairs += [("training.data.path", str(data if data is not None else data_dir(spec.data))),
-              ("training.data.text_max_length", latents["settings"]["max_sequence_length"])]
-    if latents.get("kind") == "prompts":  # no latents to read the shape from: the one the prompts stage derived
-        pairs += [("training.data.latent_shape", [int(v) for v in latents["latent_shape"]])]
-    pairs += spec.config_overrides(params)
-    pairs += spec.lora_overrides(params)  # <stage>.lora_rank > 0: the exported role trains a LoRA adapter
-    if params.get("gpus.replicate_size") > 1:  # HSDP over the launch's ranks (1, the default: the template's FSDP)
-        pairs += [("training.distributed.replicate_size", params.get("gpus.replicate_size"))]
-    pairs += [("training.checkpoint.output_dir", str(RUNS / spec.name)),
-              ("training.tracker.parent_run_id", parent_run_id),
-              ("training.tracker.run_name", spec.name),
-              ("training.tracker.tags", {"distillery.stage": spec.name})]
-    return pairs
+@dataclass(frozen=True)
+class PreparedData:
+    """A data set a recipe makes before training (``pretrain.method: ode_init``: the teacher's ODE trajectories): the
+    ``folder`` the run trains on, the ``name`` it goes by (its resume-key input, its folder in the artifact) and the
+    artifacts it was ``made_from`` (lineage and resume-key inputs)."""
+
+    folder: Path
+    name: str
+    made_from: dict[str, Path] = field(default_factory=dict)
 
 
-def fill_run_config(spec: TrainingStageSpec, params: StageParams, parent_run_id: str,
-                    data: Path | None = None) -> dict[str, Any]:
-    """The stage's run config as a raw mapping: template + :func:`stage_overrides`, each value set as
-    the Python value it is (an override naming a key the schema lacks is a UserError); ``data``: the set it
-    trains on when not the latent set."""
-    from distillery.config import allowed_prefixes
-    from distillery.config.loader import read_yaml, set_override
+@dataclass(frozen=True)
+class RunInputs:
+    """What a training stage hands its recipe beside its typed section (module doc)."""
 
-    if spec.variant_key is not None:
-        raise ValueError(f"stage {spec.name}: fill the resolved spec (TrainingStageSpec.resolve)")
-    raw = read_yaml(spec.template)
-    prefixes = allowed_prefixes()
-    ema = spec.ema_callback(params)
-    if ema is not None:
-        callbacks = raw.setdefault("callbacks", {}) or {}
-        if EMA_CALLBACK in callbacks:  # a template's own EMA would be silently replaced
-            raise ValueError(f"{spec.template}: callbacks.{EMA_CALLBACK} is the stage's (params.yaml {spec.name}.ema_decay)")
-        raw["callbacks"] = {**callbacks, EMA_CALLBACK: ema}
-    for key, value in stage_overrides(spec, params, parent_run_id, data):
-        set_override(raw, key, value, prefixes)
-    return raw
+    stage: str
+    init: dict[str, str]  # role -> the model folder it starts from (artifacts/<stage>/model)
+    data: str  # the folder of latent (or prompt) shards the run trains on
+    text_max_length: int  # the data's prompt-embedding length (its preprocess.json)
+    latent_shape: list[int] | None  # [C, T, H, W] the rollouts generate on a prompt-only set (None: the latents')
+    seed: int
+    output_dir: str  # runs/<stage>: its checkpoints, log and summary
+    parent_run_id: str  # the pipeline's MLflow run
+    replicate_size: int  # HSDP: copies of each trained model (gpus.replicate_size)
+    params: ParamsView  # the other params.yaml keys the stage's dvc.yaml entry lists, typed
+
+
+def run_inputs(stage: str, inputs: dict[str, str], data: Path, params: StageParams, parent_run_id: str) -> RunInputs:
+    """The :class:`RunInputs` of training stage ``stage``: ``inputs`` (role → the stage it starts from, the recipe's),
+    the set it trains on in ``data``."""
+    manifest = latent_manifest(data)
+    typed = params.typed
+    shape = manifest.get("latent_shape") if manifest.get("kind") == "prompts" else None  # the prompts stage derived it
+    return RunInputs(stage=stage, init={role: str(ARTIFACTS / source / "model") for role, source in inputs.items()},
+                     data=str(data), text_max_length=manifest["settings"]["max_sequence_length"],
+                     latent_shape=None if shape is None else [int(v) for v in shape], seed=typed.seed,
+                     output_dir=str(RUNS / stage), parent_run_id=parent_run_id, replicate_size=typed.gpus.replicate_size,
+                     params=typed)
 
 
 def check_image_conditioning(stage: str, tdir: Path, spec: Any, latents: dict[str, Any], data: Path) -> None:
@@ -122,33 +107,30 @@ def check_image_conditioning(stage: str, tdir: Path, spec: Any, latents: dict[st
                         f"in {data} have {'none' if not embedding else embedding[-1]}; preprocess with this model's base")
 
 
-def check_chain(spec: TrainingStageSpec, raw: dict[str, Any]) -> "RunConfig":
-    """Before any training: the config builds, the roles fit the method, and each role's init model fits the data.
-    Returns the built config (the stage's one build of it: what it reads of its run config from then on)."""
-    from distillery.config import allowed_prefixes, load_run_config
+def check_run_config(stage: str, config: "RunConfig", inputs: dict[str, str]) -> None:
+    """Before any training: the roles fit the method, the method fits the data, and each role's init model (``inputs``:
+    role → the stage it starts from) fits the data — one :class:`UserError` line otherwise, nothing launched."""
     from distillery.engine.batches import check_data_kind
     from distillery.engine.builder import check_roles_early
     from distillery.models.registry import family_of
 
-    config = load_run_config(raw=raw, prefixes=allowed_prefixes())
     check_data_kind(config)  # a method that reads video latents on a prompt-only set: one line, nothing launched
     check_roles_early(config)
     latents = latent_manifest(Path(config.training.data.path))
-    for role in spec.inputs:
+    for role in inputs:
         init_from = config.models[role].config.init_from
         loaders = family_of(init_from).loaders()  # a folder of no registered family: one line
         tdir, _ = loaders.locate_transformer(init_from)
         channels, text_dim = loaders.input_widths(json.loads((tdir / "config.json").read_text()))
         if channels != latents["latent_channels"]:
-            raise UserError(f"stage {spec.name}: the model in {tdir} takes {channels} latent channels, "
+            raise UserError(f"stage {stage}: the model in {tdir} takes {channels} latent channels, "
                             f"the latents have {latents['latent_channels']}; preprocess with this model's VAE")
         if text_dim != latents["text_dim"]:
-            raise UserError(f"stage {spec.name}: the model in {tdir} takes text_dim {text_dim}, the latents' "
+            raise UserError(f"stage {stage}: the model in {tdir} takes text_dim {text_dim}, the latents' "
                             f"prompt embeddings have {latents['text_dim']}; preprocess with this model's text encoder")
         image = loaders.image_conditioning(json.loads((tdir / "config.json").read_text()))
-        check_image_conditioning(spec.name, tdir, image, latents, Path(config.training.data.path))
-        check_given_frame_layout(spec.name, image, getattr(config.models[role].config, "chunk_size", None), latents)
-    return config
+        check_image_conditioning(stage, tdir, image, latents, Path(config.training.data.path))
+        check_given_frame_layout(stage, image, getattr(config.models[role].config, "chunk_size", None), latents)
 
 
 def check_given_frame_layout(stage: str, image: Any, chunk_size: int | None, latents: dict[str, Any]) -> None:

@@ -7,22 +7,21 @@ output folders are checked for writability and room before any work; a disk erro
 line; a failure leaves the previous artifact as it was (:mod:`distillery.pipeline.publish.artifacts`).
 
 The stages are a table of dotted paths (:data:`STAGES`): each names its adapter, a module of the
-workspace's top-level ``stages/`` package (beside ``dvc.yaml`` and the run-config templates), imported
-only when its stage runs (:func:`stage_function`): a stage's process imports its own module and nothing
-of the others, so its ``dvc.yaml`` code deps are only what it runs. Nothing else of ``distillery``
-imports ``stages``: the library and this package stay importable without a workspace.
+workspace's top-level ``stages/`` package (beside ``dvc.yaml`` and ``params.yaml``), imported by name
+only when its stage runs (:func:`stage_function`): a stage's process imports its own adapter and nothing
+of the others', so its ``dvc.yaml`` code deps are only what it runs (and the recipes' knob declarations,
+read to check ``params.yaml`` whole: :mod:`distillery.pipeline.params.recipes`). Nothing else of
+``distillery`` imports ``stages``: the library and this package stay importable without a workspace.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import os
 import shutil
 import signal
 import stat
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,8 +29,9 @@ from distillery.common import hashcache
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind
 from distillery.common.log import get_logger
-from distillery.pipeline.launch.training_table import TRAINING_STAGES
 from distillery.pipeline.params.reader import Params, StageParams
+from distillery.pipeline.params.recipes import find_module
+from distillery.pipeline.params.schema import TRAINING_STAGES
 from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS, keep_only
 
 log = get_logger("stage")
@@ -48,7 +48,6 @@ STAGES: dict[str, str] = {
     "validate": "stages.validate:stage_validate",
     "export": "stages.export:stage_export",
 }
-TRAINING_MODULE = "stages.training"
 # stages whose staging folder's ``data/`` holds finished shards a rerun keeps (each written by rename, its record last;
 # :func:`distillery.pipeline.publish.artifacts.resumable_staging`): a killed run's are not encoded again
 KEEPS_SHARDS = ("latents", "prompts")
@@ -56,20 +55,9 @@ KEEPS_SHARDS = ("latents", "prompts")
 
 def find_stage(name: str, workspace: Path = Path(".")) -> str:
     """Put ``workspace`` (the folder holding ``dvc.yaml`` and ``params.yaml``) first on ``sys.path`` and check that its
-    ``stages/`` package has the adapter module of stage ``name`` (found, not run: only the package's ``__init__``
-    executes); return the module's name. None there (run outside a workspace) is one line (:class:`UserError`)."""
-    module = STAGES[name].split(":")[0]
-    root = str(workspace.resolve())
-    if sys.path[:1] != [root]:
-        sys.path.insert(0, root)
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # no package ``stages`` at all
-        found = False
-    if not found:
-        raise UserError(f"stage {name}: no module {module} in {root} (the stages/ package beside dvc.yaml and params.yaml): "
-                        "run it in the pipeline workspace")
-    return module
+    ``stages/`` package has the adapter module of stage ``name`` (found, not run); return the module's name. None there
+    (run outside a workspace) is one line (:class:`UserError`)."""
+    return find_module(STAGES[name].split(":")[0], workspace, f"stage {name}")
 
 
 def stage_function(name: str, workspace: Path = Path(".")) -> Callable[[StageParams], None]:
@@ -83,9 +71,9 @@ def _orphaned(stage: str) -> None:
     """The process that started this stage (dvc, a Prefect task, a shell) is gone: stop now, and
     the launcher and its workers with us (they die with their parent)."""
     log.warning("stage %s: the process that started it is gone: stopping (a rerun resumes)", stage)
-    training = sys.modules.get(TRAINING_MODULE)  # loaded only by a training stage: the one that has a launcher
-    if training is not None:
-        training.kill_launcher()  # its workers die with it (checkpoints are atomic: nothing half-written survives)
+    from distillery.pipeline.launch.launcher import kill_children
+
+    kill_children()  # a training stage's launch: its workers die with it (checkpoints are atomic: nothing half-written)
     os._exit(143)
 
 
@@ -144,7 +132,7 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     working, and on any failure leaves the previous ``artifacts/<name>`` as it was."""
     from distillery.common.procutil import AncestorWatch, Stopped, exclusive_lock, stop_on_sigterm
     from distillery.pipeline.dvcfile import stage_params
-    from distillery.pipeline.params.preflight import (
+    from distillery.pipeline.launch.preflight import (
         check_batch,
         check_free_space,
         check_memory,
@@ -164,9 +152,9 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     check_batch(name, params, ARTIFACTS, stages=tuple(STAGES)[tuple(STAGES).index(name):])  # this and every later training stage
     declared = StageParams(params, name, stage_params(name))
     if name == "distill":  # a chain that runs but is no recipe (DMD2 from the causal DFSFT student): said in one line
-        from distillery.pipeline.params.schema import chain_notes
+        from distillery.pipeline.params.recipes import chain_notes
 
-        for note in chain_notes(params.typed):
+        for note in chain_notes(params.typed, params.recipes):
             log.warning("stage %s: %s", name, note)
     workspace = Path(params_path).parent
     find_stage(name, workspace)  # its adapter is there (a workspace's stages/), before anything is written

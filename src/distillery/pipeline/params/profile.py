@@ -24,6 +24,7 @@ from typing import Any
 from distillery.common.errors import UserError
 from distillery.pipeline.params.file import read_params_file
 from distillery.pipeline.params.reader import Params
+from distillery.pipeline.params.recipes import recipe_params
 from distillery.pipeline.params.schema import validate_params
 
 
@@ -46,7 +47,7 @@ def load_profile(profile: str | Path, params_path: str | Path = "params.yaml") -
             raise UserError(f"{profile}: {key}: not a value of {params_path} (a typo, or a section)")
         node[leaf] = value
     where = f"{params_path} with {profile}"
-    validate_params(merged, where)  # the profile's own scalars were checked above, as DVC and the stages read them
+    validate_params(merged, where, recipe_params(base.recipes))  # the profile's own scalars were checked above, as DVC and the stages read them
     return overrides
 
 

@@ -7,20 +7,25 @@ read differently is refused), then converts every section to the typed schema of
 :mod:`distillery.pipeline.params.schema` before any stage does work. Every problem is a one-line
 :class:`UserError` that names the key as the user wrote it (``params.yaml: teacher.steps: -3: must be ≥ 1``).
 
-A stage reads typed values (``get("distill")`` is a :class:`~distillery.pipeline.params.schema.DistillParams`,
-``get("distill.learning_rate")`` a float); what it records in its lineage is the values as the file
-wrote them (:meth:`Params.subset`), as DVC records them in ``dvc.lock``.
+A training section is read by the recipe its ``method`` names (the workspace's registry,
+:mod:`distillery.pipeline.params.recipes`): ``get("distill")`` is that recipe's ``Params`` (a
+:class:`~distillery.pipeline.params.schema.DistillParams` with the method's own knobs), ``get("distill.learning_rate")`` a
+float; :attr:`StageParams.typed` is the same values by attribute (``typed.distill.learning_rate``), held to the stage's
+``dvc.yaml`` keys. What a stage records in its lineage is the values as the file wrote them (:meth:`Params.subset`), as
+DVC records them in ``dvc.lock``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from distillery.common.errors import UserError
 from distillery.config.limits import show_path
 from distillery.pipeline.params.file import read_params_file
+from distillery.pipeline.params.recipes import Recipe, recipe_params, recipe_registry
 from distillery.pipeline.params.schema import ParamsSchema, as_written, to_plain, validate_params
 
 
@@ -32,21 +37,30 @@ class Params:
     keys at the defaults).
     """
 
-    def __init__(self, data: dict[str, Any], path: Path, typed: ParamsSchema) -> None:
+    def __init__(self, data: dict[str, Any], path: Path, typed: ParamsSchema,
+                 recipes: Mapping[str, Mapping[str, Recipe]]) -> None:
         self.data = data
         self.path = path
         self.typed = typed
+        self.recipes = recipes
 
     @classmethod
-    def load(cls, path: str | Path = "params.yaml") -> "Params":
-        """Read, bound-check and validate the whole file (see the module doc)."""
+    def load(cls, path: str | Path = "params.yaml", recipes: Mapping[str, Mapping[str, Recipe]] | None = None) -> "Params":
+        """Read, bound-check and validate the whole file (see the module doc); ``recipes``: the training stages' (None:
+        the registry of the workspace holding ``path``)."""
         p = Path(path)
         source = show_path(p)
         data = read_params_file(
             p, source, "not found; run stages from the pipeline folder (where params.yaml and dvc.yaml are)"
         )
-        typed = validate_params(data, source)
-        return cls(as_written(data, to_plain(ParamsSchema())), p, typed)
+        if recipes is None:
+            recipes = recipe_registry(p.parent)
+        typed = validate_params(data, source, recipe_params(recipes))
+        return cls(as_written(data, to_plain(typed)), p, typed, recipes)
+
+    def recipe(self, stage: str) -> Recipe:
+        """The recipe training stage ``stage``'s ``method`` names (``stages/recipes/<stage>/<method>.py``)."""
+        return self.recipes[stage][getattr(self.typed, stage).method]
 
     def get(self, key: str) -> Any:
         """The typed value of the dotted ``key``: a section's dataclass, or a value."""
@@ -81,6 +95,11 @@ class UndeclaredParam(LookupError):
     DVC would not rerun the stage when that key changes)."""
 
 
+def undeclared(stage: str, key: str, declared: list[str]) -> UndeclaredParam:
+    return UndeclaredParam(f"stage {stage} read params.yaml key {key!r}, which its dvc.yaml params "
+                           f"({', '.join(declared)}) do not list; add it to dvc.yaml")
+
+
 def covers(declared: list[str], key: str) -> bool:
     """True when ``key`` is one of ``declared`` or lies inside one (``teacher`` covers ``teacher.steps``)."""
     return any(key == d or key.startswith(d + ".") for d in declared)
@@ -106,10 +125,36 @@ class StageParams:
     def get(self, key: str) -> Any:
         """The typed value of ``key`` (:meth:`Params.get`), which the stage's dvc.yaml ``params:`` must cover."""
         if not covers(self.declared, key):
-            raise UndeclaredParam(f"stage {self.stage} read params.yaml key {key!r}, which its dvc.yaml params "
-                                  f"({', '.join(self.declared)}) do not list; add it to dvc.yaml")
+            raise undeclared(self.stage, key, self.declared)
         return self.params.get(key)
+
+    def recipe(self) -> Recipe:
+        """The recipe of this training stage: the module its ``method`` names (:meth:`Params.recipe`)."""
+        return self.params.recipe(self.stage)
+
+    @property
+    def typed(self) -> "ParamsView":
+        """The typed params by attribute (``typed.distill.learning_rate``), each key held to the declared list."""
+        return ParamsView(self.params.typed, self.declared, self.stage)
 
     def recorded(self) -> dict[str, Any]:
         """``{declared key: value}`` in dvc.yaml's order: the ``params`` of the stage's lineage."""
         return self.params.subset(self.declared)
+
+
+class ParamsView:
+    """Typed params read by attribute, a key at a time held to a stage's declared keys (:class:`StageParams`): a
+    section the declared list covers whole is handed out as it is (its dataclass); one it covers in part is a view of
+    it; a key outside the list is :class:`UndeclaredParam`."""
+
+    def __init__(self, node: Any, declared: list[str], stage: str, prefix: str = "") -> None:
+        self._node, self._declared, self._stage, self._prefix = node, declared, stage, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        key = f"{self._prefix}.{name}" if self._prefix else name
+        value = getattr(self._node, name)
+        if covers(self._declared, key):
+            return value
+        if dataclasses.is_dataclass(value) and any(d.startswith(key + ".") for d in self._declared):
+            return ParamsView(value, self._declared, self._stage, key)
+        raise undeclared(self._stage, key, self._declared)

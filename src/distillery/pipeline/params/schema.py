@@ -14,12 +14,11 @@ returning what is wrong with the value as written (4k+1 frames, a host:port, a r
 ``in [0, 1]``), run before the range. The keys each stage reads are its dvc.yaml ``params:`` list
 (:func:`distillery.pipeline.dvcfile.stage_params`).
 
-A training stage's knob declares the run-config key(s) it sets (``rule(..., sets="training.optimizer.learning_rate")``),
-and, for a knob only one recipe of its stage takes, ``when`` (``{"method": ("self_forcing",)}``: the section's
-``method`` is one of these): :func:`run_config_settings` lists them, and the stage's run config takes each
-(:meth:`distillery.pipeline.launch.training_table.TrainingStageSpec.config_overrides`) — a knob is its
-``params.yaml`` line and its field here. A subclass changes a default with
-:func:`~distillery.config.typed.with_default`, keeping the field's rule and keys.
+A training stage's section (:class:`TrainingStageParams`) holds the knobs every recipe of the stage takes and makes
+the run-config sections they set (:meth:`TrainingStageParams.training`: typed values into typed sections, no key
+between them); its ``method`` names the recipe (``stages/recipes/<stage>/<method>.py``, whose ``Params`` subclasses
+the section with the recipe's own knobs: they are read only while it is chosen, and held to their declaration whenever
+the file writes them). A subclass changes a default with :func:`~distillery.config.typed.with_default`, keeping the field's rule.
 """
 
 from __future__ import annotations
@@ -28,17 +27,32 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from distillery.common.errors import UserError
-from distillery.config.limits import path_problem, show
-from distillery.config.schema import MAX_LEARNING_RATE, MAX_LORA_RANK, MAX_SEED, t_list_problem  # the run config's: params feed them
-from distillery.config.typed import Check, FieldError, bounded, from_mapping, positive_finite, with_default
+from distillery.config.limits import path_problem, show, show_key, unknown_key_message
+from distillery.config.schema import (  # the run config's: params feed them
+    MAX_LEARNING_RATE,
+    MAX_LORA_RANK,
+    MAX_SEED,
+    CheckpointConfig,
+    DataConfig,
+    DistributedConfig,
+    LoopConfig,
+    LoraConfig,
+    ModelRuntimeConfig,
+    OptimizerConfig,
+    TrackerConfig,
+    TrainingConfig,
+    t_list_problem,
+)
+from distillery.config.typed import NO_VALUE, Check, FieldError, bounded, field_types, from_mapping, positive_finite, with_default
 from distillery.config.validation import MAX_PROMPTS
 
-TRAINING_STAGES = ("teacher", "pretrain", "distill", "pdd")  # stages that train a model (training_table.TRAINING_STAGES); export picks one
+TRAINING_STAGES = ("teacher", "pretrain", "distill", "pdd")  # the stages that train a model, in DAG order; export picks one
+DATA_ARTIFACT = "latents"  # the stage whose data/ a training stage trains on unless its section says otherwise
 # Upper bounds: far beyond any real run, low enough that what they size (a tensor, a loop) fits a machine.
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 1024
@@ -166,46 +180,16 @@ def prompt_text(v: str) -> str | None:
     return "must be one line" if "\n" in v or "\r" in v else None
 
 
-SETS = "sets"  # field metadata: the run-config keys a training stage's knob sets (a tuple)
-WHEN = "when"  # field metadata: {sibling field: values}: the knob is set only while the section's sibling is one of them
-
-
-def rule(default: Any, low: float | None = None, high: float | None = None, check: Check | None = None, *,
-         sets: str | tuple[str, ...] = (), when: dict[str, tuple[str, ...]] | None = None) -> Any:
-    """A schema field: its default (a list default is copied per instance), its range and its check; for a training
-    stage's knob, the run-config key(s) it ``sets`` and ``when`` its recipe takes it (module doc)."""
-    facts: dict[str, Any] = {}
-    if sets:
-        facts[SETS] = (sets,) if isinstance(sets, str) else tuple(sets)
-    if when:
-        facts[WHEN] = dict(when)
+def rule(default: Any, low: float | None = None, high: float | None = None, check: Check | None = None) -> Any:
+    """A schema field: its default (a list default is copied per instance), its range and its check."""
     if isinstance(default, list):
-        return bounded(low=low, high=high, check=check, default_factory=lambda: list(default), **facts)
-    return bounded(default, low, high, check=check, **facts)
+        return bounded(low=low, high=high, check=check, default_factory=lambda: list(default))
+    return bounded(default, low, high, check=check)
 
 
-@dataclass(frozen=True)
-class Setting:
-    """A knob of ``params.yaml`` that sets run-config keys: its dotted ``key``, the run-config keys it ``sets``,
-    and ``when``: ``{params key: values}`` that must all hold for its stage's recipe to take it (empty: always)."""
-
-    key: str
-    sets: tuple[str, ...]
-    when: dict[str, tuple[str, ...]]
-
-    def taken(self, get: Callable[[str], Any]) -> bool:
-        """Whether the recipe the params (``get``: a key → its typed value) pick takes this knob."""
-        return all(get(key) in values for key, values in self.when.items())
-
-
-def run_config_settings(section: type, prefix: str) -> list[Setting]:
-    """The knobs of the dataclass ``section`` (at the params key ``prefix``; ``""``: the top level) that declare
-    the run-config keys they set (:func:`rule`'s ``sets`` and ``when``), in field order."""
-    def dotted(name: str) -> str:
-        return f"{prefix}.{name}" if prefix else name
-
-    return [Setting(dotted(f.name), f.metadata[SETS], {dotted(k): v for k, v in f.metadata.get(WHEN, {}).items()})
-            for f in dataclasses.fields(section) if f.metadata.get(SETS)]
+def timestep(v: float) -> str | None:
+    """A timestep of the 1000 training timesteps, ``[0, 1000)`` (0: clean)."""
+    return None if 0 <= v < MAX_TIMESTEP else f"must be in [0, {MAX_TIMESTEP:g}): a timestep"
 
 
 def trajectory_points(v: list[float]) -> str | None:
@@ -273,112 +257,158 @@ class PromptsParams:
 
 @dataclass
 class TrainingStageParams:
-    steps: int = rule(120, 1, MAX_STEPS, sets="training.loop.max_train_steps")  # optimizer steps of the stage's run
-    batch_size: int = rule(16, 1, MAX_BATCH, sets="training.data.batch_size")  # samples per rank per step
-    learning_rate: float = rule(2.0e-4, 0, MAX_LEARNING_RATE, positive_finite, sets="training.optimizer.learning_rate")  # peak learning rate
-    # the decay after warmup (to 0.1 of the peak: the template's min_lr_ratio)
-    lr_scheduler: Literal["constant", "cosine", "linear"] = rule("cosine", sets="training.optimizer.lr_scheduler")
-    warmup_steps: int = rule(10, 0, MAX_STEPS, sets="training.optimizer.warmup_steps")  # linear warmup from 0 over this many optimizer steps
-    # AdamW's decoupled weight decay (every trained role)
-    weight_decay: float = rule(0.0, 0.0, MAX_WEIGHT_DECAY, non_negative_finite, sets="training.optimizer.weight_decay")
+    """A training stage's section: the knobs every recipe of the stage takes (a recipe's own knobs are declared with
+    it, on its ``Params``: a subclass of its stage's section in ``stages/recipes/<stage>/<method>.py``), and the run-config
+    sections they make (:meth:`training`, :meth:`student_lora`, :meth:`ema`): a knob's meaning in the run config is
+    written here once, as code."""
+
+    method: str = rule("sft")  # the stage's recipe: a module of stages/recipes/<stage>/ (validate_params checks it is one)
+    steps: int = rule(120, 1, MAX_STEPS)  # optimizer steps of the stage's run
+    batch_size: int = rule(16, 1, MAX_BATCH)  # samples per rank per step
+    learning_rate: float = rule(2.0e-4, 0, MAX_LEARNING_RATE, positive_finite)  # peak learning rate
+    lr_scheduler: Literal["constant", "cosine", "linear"] = rule("cosine")  # the decay after warmup
+    warmup_steps: int = rule(10, 0, MAX_STEPS)  # linear warmup from 0 over this many optimizer steps
+    weight_decay: float = rule(0.0, 0.0, MAX_WEIGHT_DECAY, non_negative_finite)  # AdamW's decoupled weight decay (every trained role)
     ema_decay: float | None = rule(None, 0.0, 1.0, optional(ema_decay_range))  # EMA of the trained model; null: off; on: the artifact ships the EMA weights
     ema_start_step: int = rule(0, 0, MAX_STEPS)  # with EMA on: the shadow copies the weights until this optimizer step, then averages
-    save_every: int = rule(40, 0, MAX_STEPS, sets="training.checkpoint.save_every")  # steps between checkpoints (0: only the final one)
-    # recompute block activations in backward (real-shape causal/distill runs need it on one GPU)
-    activation_checkpointing: bool = rule(False, sets="training.model.activation_checkpointing")
-    # the share of blocks recomputed (evenly spread; 1: all)
-    activation_checkpointing_fraction: float = rule(1.0, 0.0, 1.0, sets="training.model.activation_checkpointing_fraction")
+    save_every: int = rule(40, 0, MAX_STEPS)  # steps between checkpoints (0: only the final one)
+    activation_checkpointing: bool = rule(False)  # recompute block activations in backward (real-shape causal/distill runs need it on one GPU)
+    activation_checkpointing_fraction: float = rule(1.0, 0.0, 1.0)  # the share of blocks recomputed (evenly spread; 1: all)
     lora_rank: int = rule(0, 0, MAX_LORA_RANK)  # 0: the model's full weights train; > 0: a LoRA adapter of this rank on it (docs/training.md)
     lora_alpha: float | None = rule(None, 0.0, 65536.0, optional(positive_finite))  # the LoRA update's scale is alpha / rank; null: alpha = rank
+
+    def training(self, run: Any, *, unconditional: Literal["empty", "negative"] = "empty",
+                 **optimizer: Any) -> TrainingConfig:
+        """The run's ``training`` section: the stage's knobs (steps, batch, the optimizer's, checkpoints, activation
+        checkpointing), ``run``'s facts (a :class:`distillery.pipeline.launch.run_config.RunInputs`: data, seed, output
+        folder, MLflow run, HSDP) and the recipe's own choices —
+        the CFG ``unconditional`` prompt and ``optimizer``: further :class:`~distillery.config.schema.OptimizerConfig`
+        fields (``betas``, ``min_lr_ratio``)."""
+        return TrainingConfig(
+            distributed=DistributedConfig(replicate_size=run.replicate_size),
+            data=DataConfig(path=run.data, batch_size=self.batch_size, text_max_length=run.text_max_length,
+                            unconditional=unconditional, latent_shape=run.latent_shape),
+            optimizer=OptimizerConfig(learning_rate=self.learning_rate, weight_decay=self.weight_decay,
+                                      lr_scheduler=self.lr_scheduler, warmup_steps=self.warmup_steps, **optimizer),
+            loop=LoopConfig(max_train_steps=self.steps, seed=run.seed, log_every=1),
+            checkpoint=CheckpointConfig(output_dir=run.output_dir, save_every=self.save_every, keep_last=2),
+            tracker=TrackerConfig(parent_run_id=run.parent_run_id, run_name=run.stage, tags={"distillery.stage": run.stage}),
+            model=ModelRuntimeConfig(activation_checkpointing=self.activation_checkpointing,
+                                     activation_checkpointing_fraction=self.activation_checkpointing_fraction))
+
+    def student_lora(self) -> LoraConfig | None:
+        """The exported role's LoRA adapter (``lora_rank`` > 0: it trains instead of the full weights, and the artifact
+        ships it beside the merged weights; the run config's default target modules), None at rank 0."""
+        if self.lora_rank <= 0:
+            return None
+        return LoraConfig(rank=self.lora_rank, alpha=float(self.lora_rank if self.lora_alpha is None else self.lora_alpha))
+
+    def ema(self) -> tuple[float, int] | None:
+        """``(decay, start step)`` of the EMA of the trained model the artifact ships, None without one."""
+        return None if self.ema_decay is None else (float(self.ema_decay), int(self.ema_start_step))
+
+    def given(self) -> bool:
+        """Whether the stage publishes a given model untrained (``teacher.source: base``) instead of training one."""
+        return False
+
+    def data_artifact(self) -> str:
+        """The stage whose ``data/`` the run trains on (or whose prompts a recipe's data is made from)."""
+        return DATA_ARTIFACT
+
+    def problem(self, stage: str) -> str | None:
+        """What ties this section's keys together wrongly (one line after ``<file>: ``), or None."""
+        return None
 
 
 @dataclass
 class TeacherParams(TrainingStageParams):
+    method: str = with_default(TrainingStageParams, "method", "sft")  # sft (stages/recipes/teacher/)
     source: Literal["sft", "base"] = rule("sft")  # sft: a fine-tune of the base on the latents; base: a given model (teacher.path, else the base) as is
     # source base: a Wan diffusers folder (e.g. the 14B beside a 1.3B base); the default: the base's
     path: str | None = rule(BASE_MODEL, check=dependency_path(BASE_MODEL))
 
+    def given(self) -> bool:
+        return self.source == "base"
+
+    def problem(self, stage: str) -> str | None:
+        if given_path(self.path, BASE_MODEL) is not None and self.source != "base":
+            return (f"{stage}.path: {self.path}: a given teacher needs {stage}.source: base ({stage}.source: sft "
+                    "fine-tunes base.path)")
+        return None
+
 
 @dataclass
 class PretrainParams(TrainingStageParams):
+    method: str = with_default(TrainingStageParams, "method", "dfsft")  # dfsft | ode_init | ode_init_bidirectional (stages/recipes/pretrain/)
     # latent frames that share one timestep (Diffusion-Forcing); the causal student attends block-causally over them
-    chunk_size: int = rule(1, 1, MAX_LATENT_FRAMES, sets=("method.chunk_size", "models.student.chunk_size"),
-                           when={"method": ("dfsft", "ode_init")})
-    student_init: Literal["teacher", "base"] = rule("teacher")  # the causal student's init: the teacher artifact, or the base (a given, larger teacher)
-    # dfsft: Diffusion-Forcing SFT on the latents; ode_init: KD onto the teacher's ODE trajectories (a causal student;
-    # ode_init_bidirectional: a bidirectional one, distill.method dmd2's init)
-    method: Literal["dfsft", "ode_init", "ode_init_bidirectional"] = rule("dfsft")
-    t_list: list[float] = rule([999.0, 937.0, 833.0, 624.0, 0.0], 0, MAX_TIMESTEP, check=trajectory_points, sets="method.t_list",
-                               when={"method": ("ode_init", "ode_init_bidirectional")})  # ode_init: the trajectory points
-    teacher_steps: int = rule(8, 1, MAX_SAMPLING_STEPS)  # ode_init: the teacher's Euler steps (t_list's points added to its grid)
-    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, guidance_at_least_one)  # ode_init: the teacher's CFG, u + w (c - u)
-    seeds_per_prompt: int = rule(1, 1, MAX_SEEDS)  # ode_init: trajectories (noise draws) per prompt
-    trajectory_batch_size: int = rule(8, 1, MAX_BATCH)  # ode_init: prompts per teacher batch while generating
-    trajectory_rows_per_shard: int = rule(32, 1, MAX_ROWS_PER_SHARD)  # ode_init: trajectories per shard (the unit of resume)
-    data: Literal["latents", "prompts"] = rule("latents")  # ode_init: whose prompts the trajectories start from (dfsft: latents)
+    # (the causal recipes' student; distill's self_forcing student attends over the same chunks)
+    chunk_size: int = rule(1, 1, MAX_LATENT_FRAMES)
+    student_init: Literal["teacher", "base"] = rule("teacher")  # the student's init: the teacher artifact, or the base (a given, larger teacher)
+    data: Literal["latents", "prompts"] = rule("latents")  # the data it trains on, or (ode_init) whose prompts the trajectories start from
     # train: made by pretrain.method; given: pretrain.path published as is — e.g. the Self-Forcing repo's ode_init.pt
     # after `distillery import-weights` (docs/training.md) — the init of distill, nothing trained
     source: Literal["train", "given"] = rule("train")
     path: str | None = rule(BASE_MODEL, check=dependency_path(BASE_MODEL))  # source given: that folder (import-weights' output, or a diffusers folder)
 
+    def given(self) -> bool:
+        return self.source == "given"
 
-def score_ratio(v: float) -> str | None:
-    return None if 0 <= v < MAX_TIMESTEP else f"must be in [0, {MAX_TIMESTEP:g}): a timestep"
+    def data_artifact(self) -> str:
+        return self.data
+
+    def problem(self, stage: str) -> str | None:
+        given = given_path(self.path, BASE_MODEL)
+        if (given is None) == (self.source == "given"):
+            return f"{stage}.path: {self.path}: " + (
+                f"{stage}.source: given needs {stage}.path: the folder to publish as the student (e.g. what `distillery "
+                "import-weights ode_init.pt` wrote)" if given is None else
+                f"a given student needs {stage}.source: given ({stage}.source: train makes it with {stage}.method)")
+        return None
 
 
 @dataclass
 class DistillParams(TrainingStageParams):
+    method: str = with_default(TrainingStageParams, "method", "self_forcing")  # self_forcing | dmd2 (stages/recipes/distill/)
     steps: int = with_default(TrainingStageParams, "steps", 150)
     learning_rate: float = with_default(TrainingStageParams, "learning_rate", 1.0e-4)  # the student's peak learning rate
-    lr_scheduler: Literal["constant", "cosine", "linear"] = with_default(TrainingStageParams, "lr_scheduler", "constant")  # the student's and the critic's
+    lr_scheduler: Literal["constant", "cosine", "linear"] = with_default(TrainingStageParams, "lr_scheduler", "constant")
     warmup_steps: int = with_default(TrainingStageParams, "warmup_steps", 0)
     save_every: int = with_default(TrainingStageParams, "save_every", 50)
-    method: Literal["self_forcing", "dmd2"] = rule("self_forcing")  # self_forcing: causal student rolled out chunk by chunk; dmd2: bidirectional
-    student_steps: int = rule(4, 1, MAX_SAMPLING_STEPS, sets="method.num_student_steps")  # the student's timestep ladder length (its sampling steps)
-    # the critic's (fake score's) peak learning rate
-    critic_learning_rate: float = with_default(TrainingStageParams, "learning_rate", 2.0e-4,
-                                               sets=("models.critic.optimizer.learning_rate",))
-    # the student steps every k-th step; the critic every step
-    generator_update_interval: int = rule(2, 1, 1000, sets="method.generator_update_interval")
-    # the teacher's CFG scale in the real score
-    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, guidance_at_least_one, sets="method.real_score_guidance_scale")
-    # self_forcing: timestep of the KV-cached context chunks (0: clean)
-    context_noise: float = rule(0.0, 0, MAX_TIMESTEP, score_ratio, sets="method.context_noise", when={"method": ("self_forcing",)})
-    critic_init: Literal["teacher", "base"] = rule("teacher")  # the critic's init: the teacher artifact, or the base (the student's; the published recipes')
-    # self_forcing: one exit-step draw for every chunk of a rollout (false: one per chunk)
-    same_step_across_chunks: bool = rule(False, sets="method.same_step_across_chunks", when={"method": ("self_forcing",)})
+    student_steps: int = rule(4, 1, MAX_SAMPLING_STEPS)  # the student's timestep ladder length (its sampling steps)
     # the student's flow shift (warps its ladder); null: its init's
-    student_shift: float | None = rule(None, 0, MAX_SHIFT, optional(positive_finite), sets="models.student.shift")
+    student_shift: float | None = rule(None, 0, MAX_SHIFT, optional(positive_finite))
     data: Literal["latents", "prompts"] = rule("latents")  # what it trains on: the latents stage's set, or the prompts stage's (text embeddings only)
+
+    def data_artifact(self) -> str:
+        return self.data
 
 
 @dataclass
 class PDDParams(TrainingStageParams):
+    method: str = with_default(TrainingStageParams, "method", "pdd")  # pdd | dm_pdd (stages/recipes/pdd/)
     steps: int = with_default(TrainingStageParams, "steps", 120)
     learning_rate: float = with_default(TrainingStageParams, "learning_rate", 1.0e-4)  # the student's (trunk and heads) peak learning rate
     lr_scheduler: Literal["constant", "cosine", "linear"] = with_default(TrainingStageParams, "lr_scheduler", "constant")
     warmup_steps: int = with_default(TrainingStageParams, "warmup_steps", 0)
     save_every: int = with_default(TrainingStageParams, "save_every", 40)
     student_init: Literal["teacher", "distill"] = rule("teacher")  # the student starts from the teacher or the distill student
-    # fine-grid intervals = the student's output heads (its most-NFE sampling)
-    pdd_steps: int = rule(8, 1, MAX_SAMPLING_STEPS, sets="models.student.pdd_steps")
-    block_size_min: int = rule(1, 1, MAX_SAMPLING_STEPS, sets="method.block_size_min")  # block starts are multiples of this (simulate: the carried block)
-    # widest block trained; sampling at N NFE needs ⌈pdd_steps / N⌉ ≤ this
-    block_size_max: int = rule(8, 1, MAX_SAMPLING_STEPS, sets="method.block_size_max")
-    # carried on-policy trajectories, or noised data at the block start
-    rollout: Literal["data_latent", "simulate"] = rule("simulate", sets="method.rollout")
-    integrator: Literal["euler", "midpoint"] = rule("euler", sets="method.integrator")  # the teacher's target over one interval (1 or 2 teacher calls)
-    # the teacher's CFG in the targets (distilled in: sampled without); 1: none
-    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, guidance_at_least_one, sets="method.teacher_guidance_scale")
-    # the NFE the artifact's sampling contract (and export) default to
-    sampling_steps: int = rule(4, 1, MAX_SAMPLING_STEPS, sets="method.sampling_steps")
-    method: Literal["pdd", "dm_pdd"] = rule("pdd")  # pdd: head regression; dm_pdd: + DMD2's distribution matching against a critic
-    # dm_pdd: weight of the distribution-matching term
-    dm_weight: float = rule(1.0, 0, MAX_GUIDANCE, non_negative_finite, sets="method.dm_weight", when={"method": ("dm_pdd",)})
-    # dm_pdd: the critic's (fake score's) peak learning rate
-    critic_learning_rate: float = with_default(TrainingStageParams, "learning_rate", 2.0e-4,
-                                               sets=("models.critic.optimizer.learning_rate",), when={"method": ("dm_pdd",)})
+    pdd_steps: int = rule(8, 1, MAX_SAMPLING_STEPS)  # fine-grid intervals = the student's output heads (its most-NFE sampling)
+    block_size_min: int = rule(1, 1, MAX_SAMPLING_STEPS)  # block starts are multiples of this (simulate: the carried block)
+    block_size_max: int = rule(8, 1, MAX_SAMPLING_STEPS)  # widest block trained; sampling at N NFE needs ⌈pdd_steps / N⌉ ≤ this
+    rollout: Literal["data_latent", "simulate"] = rule("simulate")  # carried on-policy trajectories, or noised data at the block start
+    integrator: Literal["euler", "midpoint"] = rule("euler")  # the teacher's target over one interval (1 or 2 teacher calls)
+    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, guidance_at_least_one)  # the teacher's CFG in the targets (distilled in: sampled without); 1: none
+    sampling_steps: int = rule(4, 1, MAX_SAMPLING_STEPS)  # the NFE the artifact's sampling contract (and export) default to
     data: Literal["latents", "prompts"] = rule("latents")  # the latents stage's set, or the prompts stage's (rollout: simulate only)
+
+    def data_artifact(self) -> str:
+        return self.data
+
+    def problem(self, stage: str) -> str | None:
+        if self.data == "prompts" and self.rollout == "data_latent":
+            return (f"{stage}.data: prompts: {stage}.rollout data_latent noises video latents, which a prompt-only set has "
+                    f"none of; use {stage}.rollout: simulate, or {stage}.data: latents")
+        return None
 
 
 @dataclass
@@ -398,7 +428,7 @@ class ValidateParams:
 
 @dataclass
 class ExportParams:
-    student: Literal["teacher", "pretrain", "distill", "pdd"] = rule("distill")  # which training stage's model is exported
+    student: Literal[TRAINING_STAGES] = rule("distill")  # which training stage's model is exported
     lora: Literal["merged", "adapter"] = rule("merged")  # a student that trained a LoRA (<stage>.lora_rank > 0): merged weights, or the adapter file alone
 
 
@@ -406,7 +436,7 @@ class ExportParams:
 class ParamsSchema:
     """The whole params.yaml."""
 
-    seed: int = rule(0, 0, MAX_SEED, seed_range, sets="training.loop.seed")  # seeds clips, training and validation
+    seed: int = rule(0, 0, MAX_SEED, seed_range)  # seeds clips, training and validation
     gpus: GpusParams = field(default_factory=GpusParams)
     clips: ClipsParams = field(default_factory=ClipsParams)
     base: BaseParams = field(default_factory=BaseParams)
@@ -456,66 +486,77 @@ def _check_ema(params: ParamsSchema, source: str) -> None:
                             f"an EMA that starts averaging at or after the last step is the raw weights")
 
 
-def validate_params(data: Any, source: str = "params.yaml") -> ParamsSchema:
+RecipeParams = Mapping[str, Mapping[str, type[TrainingStageParams]]]  # stage -> method -> its recipe's Params
+
+
+def _training_section(stage: str, given: Any, choices: Mapping[str, type[TrainingStageParams]]) -> TrainingStageParams:
+    """The typed section of training stage ``stage``: its ``method`` one of ``choices`` (the stage's recipes), the rest
+    read by the chosen recipe's ``Params`` (the section's knobs and the recipe's own). A knob only another recipe of
+    the stage declares is not read — it is the chosen recipe's section that the stage sees — but, written in the file,
+    it is held to that recipe's declaration all the same: a bad value is refused whichever method runs."""
+    section = field_types(ParamsSchema)[stage]
+    if given is None:
+        given = {}
+    if not isinstance(given, dict):
+        return from_mapping(section, given, stage)  # the converter's own line (expected a mapping)
+    method = given.get("method", section.__dataclass_fields__["method"].default)
+    if not isinstance(method, str) or method not in choices:
+        raise FieldError(f"{stage}.method", method, f"valid values: {', '.join(choices)} (stages/recipes/{stage}/)")
+    chosen = choices[method]
+    if not issubclass(chosen, section):
+        raise TypeError(f"stages/recipes/{stage}/{method}.py: its Params must subclass {section.__name__}")
+    mine = {f.name for f in dataclasses.fields(chosen)}
+    known = list(dict.fromkeys(f.name for cls in (chosen, *choices.values()) for f in dataclasses.fields(cls)))
+    unknown = [k for k in given if k not in known]
+    if unknown:  # a key no recipe of the stage declares: named with the nearest of all of theirs
+        raise FieldError(f"{stage}.{show_key(unknown[0])}", NO_VALUE, unknown_key_message(unknown[0], known))
+    typed = from_mapping(chosen, {k: v for k, v in given.items() if k in mine}, stage)
+    for other in dict.fromkeys(choices.values()):  # the other recipes' own knobs written here: their rules hold too
+        theirs = {f.name for f in dataclasses.fields(other)} - mine
+        if other is not chosen and theirs & given.keys():
+            from_mapping(other, {k: v for k, v in given.items() if k in theirs}, stage)
+    return typed
+
+
+def validate_params(data: Any, source: str = "params.yaml", recipes: RecipeParams | None = None) -> ParamsSchema:
     """The typed params of the parsed ``params.yaml`` mapping ``data``; a bad key or value is a one-line UserError.
 
-    Messages start with ``source`` (the file as the user named it) and name the key as written.
+    ``recipes``: each training stage's recipes' ``Params`` (None: the current workspace's,
+    :func:`distillery.pipeline.params.recipes.recipe_params`): a training section is its chosen recipe's. Messages start
+    with ``source`` (the file as the user named it) and name the key as written.
     """
+    if recipes is None:
+        from distillery.pipeline.params.recipes import recipe_params
+
+        recipes = recipe_params()
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise UserError(f"{source}: the top level must be a mapping")
     try:
-        params = from_mapping(ParamsSchema, data, "")
+        params = from_mapping(ParamsSchema, {k: v for k, v in data.items() if k not in TRAINING_STAGES}, "")
+        for stage in TRAINING_STAGES:
+            setattr(params, stage, _training_section(stage, data.get(stage), recipes[stage]))
     except FieldError as exc:  # the converter's facts, worded for params.yaml
         raise UserError(exc.worded(source)) from None
     _check_together(params, source)
     _check_pdd_blocks(params, source)
     _check_ema(params, source)
-    if params.pdd.data == "prompts" and params.pdd.rollout == "data_latent":
-        raise UserError(f"{source}: pdd.data: prompts: pdd.rollout data_latent noises video latents, which a prompt-only "
-                        f"set has none of; use pdd.rollout: simulate, or pdd.data: latents")
-    if params.pretrain.data == "prompts" and params.pretrain.method == "dfsft":
-        raise UserError(f"{source}: pretrain.data: prompts: pretrain.method {params.pretrain.method} trains on video "
-                        f"latents, which a prompt-only set has none of; use pretrain.method: ode_init (its trajectories "
-                        f"start from the prompts), or pretrain.data: latents")
-    given_student = given_path(params.pretrain.path, BASE_MODEL)
-    if (given_student is None) == (params.pretrain.source == "given"):
-        raise UserError(f"{source}: pretrain.path: {params.pretrain.path}: " + (
-            "pretrain.source: given needs pretrain.path: the folder to publish as the student (e.g. what `distillery "
-            "import-weights ode_init.pt` wrote)" if given_student is None else
-            "a given student needs pretrain.source: given (pretrain.source: train makes it with pretrain.method)"))
-    if given_path(params.teacher.path, BASE_MODEL) is not None and params.teacher.source != "base":
-        raise UserError(f"{source}: teacher.path: {params.teacher.path}: a given teacher needs teacher.source: base "
-                        f"(teacher.source: sft fine-tunes base.path)")
+    for stage in TRAINING_STAGES:
+        problem = getattr(params, stage).problem(stage)
+        if problem:
+            raise UserError(f"{source}: {problem}")
     return params
-
-
-# the distill recipes' students and the pretrain recipe each starts from (docs/training.md): Self-Forcing streams a causal
-# student (dfsft or ode_init makes one), DMD2 samples a bidirectional one (ode_init_bidirectional makes one)
-CAUSAL_PRETRAIN = ("dfsft", "ode_init")
-DISTILL_INIT = {"self_forcing": CAUSAL_PRETRAIN, "dmd2": ("ode_init_bidirectional",)}
-
-
-def chain_notes(params: ParamsSchema) -> list[str]:
-    """One line per stage chain that runs but is not a recipe the docs describe: a distill method whose student starts
-    from a pretrain student of the other kind (DMD2 from the causal DFSFT student — it then trains that causal student's
-    weights as a bidirectional one; Self-Forcing from a bidirectional one). Empty for the recipes; the given-student
-    path (``pretrain.source: given``) is the user's to say."""
-    wanted = DISTILL_INIT[params.distill.method]
-    if params.pretrain.source != "train" or params.pretrain.method in wanted:
-        return []
-    kind = "causal" if params.pretrain.method in CAUSAL_PRETRAIN else "bidirectional"
-    return [f"distill.method: {params.distill.method} starts from pretrain.method: {params.pretrain.method} (a {kind} "
-            f"student), not its recipe's init: add -S pretrain.method={wanted[0]} (docs/training.md)"]
 
 
 def as_written(data: Any, defaults: Any) -> Any:
     """The params as the file wrote them (what DVC records in ``dvc.lock``) with every absent key at its
-    default: ``data`` (the validated mapping, or a section of it) over ``defaults`` (the plain defaults)."""
+    default: ``data`` (the validated mapping, or a section of it) over ``defaults`` (the plain defaults); a key the
+    file holds that ``defaults`` lack (a knob of a recipe not chosen) as written."""
     if isinstance(defaults, dict):
         given = data if isinstance(data, dict) else {}
-        return {k: as_written(given[k], v) if k in given else v for k, v in defaults.items()}
+        return {**{k: as_written(given[k], v) if k in given else v for k, v in defaults.items()},
+                **{k: v for k, v in given.items() if k not in defaults}}
     return data
 
 

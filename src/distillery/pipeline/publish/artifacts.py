@@ -73,6 +73,20 @@ def publish(stage: str, staging: Path) -> Path:
     return replace_dir(staging, ARTIFACTS / stage)
 
 
+def link_tree(folder: Path, dest: Path) -> None:
+    """``folder`` into ``dest`` (in a staging folder) by hard links, a copy across file systems; hidden entries (a killed
+    run's temp files) are left out."""
+    import os
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(folder, dest, copy_function=link, ignore=shutil.ignore_patterns(".*"))
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     """``json.dumps(data, indent=2)`` written to ``path`` atomically (the byte format every record uses)."""
     write_text_atomic(path, json.dumps(data, indent=2, default=str))

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from distillery.common.errors import UserError
+from distillery.engine.run_log import SUMMARY_FILE
 
-SUMMARY_FILE = "run_summary.json"
 FORMAT = 1
 
 

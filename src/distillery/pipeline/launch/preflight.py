@@ -27,9 +27,8 @@ from pathlib import Path
 from distillery.common.errors import UserError
 from distillery.common.fsutil import file_kind, read_json_file
 from distillery.common.fsutil import human_bytes as human
-from distillery.pipeline.launch.training_table import DATA_ARTIFACT, TRAINING_STAGES
 from distillery.pipeline.params.reader import Params
-from distillery.pipeline.params.schema import CLIPS_VIDEOS, SHIPPED_TINY_BASE, given_path
+from distillery.pipeline.params.schema import CLIPS_VIDEOS, DATA_ARTIFACT, SHIPPED_TINY_BASE, TRAINING_STAGES, given_path
 
 DISK_ERRNOS = {
     errno.ENOSPC: "no space left on the device",
@@ -150,15 +149,13 @@ def training_bytes(stage: str, params: Params, artifacts: Path, runs: Path | Non
     exported model, and in ``runs/`` its checkpoints (one checkpoint when the run writes only its final
     one, ``save_every`` 0 or ≥ ``steps``; else a new one beside the previous) and, for ``pretrain.method:
     ode_init*``, the teacher's trajectory set (:func:`trajectory_bytes`)."""
-    spec = TRAINING_STAGES[stage]
-    weights = _transformer_bytes(artifacts / spec.inputs[spec.export_role] / "model")
+    section = params.get(stage)
+    student = params.recipe(stage).inputs(section)["student"]  # the role the artifact ships
+    weights = _transformer_bytes(artifacts / student / "model")
     fp32 = weights * 2 if weights else 0  # lower bound: the init may be bf16; the master weights are fp32
     checkpoint = 3 * fp32  # weights + AdamW's two moments (of the exported role alone: a lower bound)
     every, steps = params.get(f"{stage}.save_every"), params.get(f"{stage}.steps")
     return fp32, checkpoint * (1 if every == 0 or every >= steps else 2) + trajectory_bytes(stage, params, artifacts, runs)
-
-
-TRAJECTORY_METHODS = ("ode_init", "ode_init_bidirectional")  # pretrain.method values that make a trajectory set first
 
 
 def trajectory_bytes(stage: str, params: Params, artifacts: Path, runs: Path | None = None) -> int:
@@ -166,7 +163,7 @@ def trajectory_bytes(stage: str, params: Params, artifacts: Path, runs: Path | N
     (published into the artifact by hard link: counted once): float32, per training prompt and seed, one latent of
     ``len(t_list)`` points stacked along the channels (``t_list``'s last point is the clean end); less what an earlier,
     killed run already wrote there. 0 for any other stage or method, or when the prompt count cannot be told here."""
-    if stage != "pretrain" or params.get("pretrain.method") not in TRAJECTORY_METHODS:
+    if stage != "pretrain" or getattr(params.recipe(stage), "prepare", None) is None:  # trains on the stage's data
         return 0
     found = prompt_rows(params, artifacts) if params.get("pretrain.data") == "prompts" else training_rows(params, artifacts)
     if not found:
@@ -305,7 +302,7 @@ def check_batch(stage: str, params: Params, artifacts: Path, stages: tuple[str, 
     if not names:
         return
     encoded = stage in TRAINING_STAGES  # before them: the data to be encoded
-    kinds = {n: params.get(TRAINING_STAGES[n].data_key) if TRAINING_STAGES[n].data_key else DATA_ARTIFACT for n in names}
+    kinds = {n: params.get(n).data_artifact() for n in names}
     for kind in dict.fromkeys(kinds.values()):  # the latent set's stages, then the prompt set's (<stage>.data: prompts)
         found = prompt_rows(params, artifacts, encoded) if kind == "prompts" else training_rows(params, artifacts, encoded)
         if found is not None:

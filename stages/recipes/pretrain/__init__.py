@@ -1,0 +1,68 @@
+"""The pretrain stage's recipes (``pretrain.method``): the student distillation starts from — Diffusion-Forcing SFT
+(``dfsft``) or knowledge distillation of the teacher's ODE trajectories (``ode_init``: a causal student;
+``ode_init_bidirectional``: a bidirectional one). The two ODE-init recipes share :class:`TrajectoryParams` and
+:func:`prepare_trajectories`: the trajectories they train on, made first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from distillery.pipeline.params.schema import (
+    MAX_BATCH,
+    MAX_GUIDANCE,
+    MAX_ROWS_PER_SHARD,
+    MAX_SAMPLING_STEPS,
+    MAX_SEEDS,
+    MAX_TIMESTEP,
+    PretrainParams,
+    guidance_at_least_one,
+    rule,
+    trajectory_points,
+)
+
+if TYPE_CHECKING:
+    from distillery.config.schema import Component
+    from distillery.pipeline.launch.run_config import PreparedData, RunInputs
+    from distillery.pipeline.params.reader import StageParams
+
+
+@dataclass
+class TrajectoryParams(PretrainParams):
+    """``pretrain.*`` with the knobs of the teacher's ODE trajectories (``stages/trajectories.py``)."""
+
+    t_list: list[float] = rule([999.0, 937.0, 833.0, 624.0, 0.0], 0, MAX_TIMESTEP, check=trajectory_points)  # the trajectory points
+    teacher_steps: int = rule(8, 1, MAX_SAMPLING_STEPS)  # the teacher's Euler steps (t_list's points added to its grid)
+    guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, guidance_at_least_one)  # the teacher's CFG, u + w (c - u)
+    seeds_per_prompt: int = rule(1, 1, MAX_SEEDS)  # trajectories (noise draws) per prompt
+    trajectory_batch_size: int = rule(8, 1, MAX_BATCH)  # prompts per teacher batch while generating
+    trajectory_rows_per_shard: int = rule(32, 1, MAX_ROWS_PER_SHARD)  # trajectories per shard (the unit of resume)
+
+
+def prepare_trajectories(p: TrajectoryParams, params: StageParams) -> PreparedData:
+    """The teacher's ODE trajectories over the prompts of ``artifacts/<pretrain.data>``, made (or resumed, or kept) in
+    ``runs/pretrain_trajectories`` before training: the set the run trains on, made from the teacher artifact."""
+    from distillery.pipeline.launch.run_config import PreparedData
+    from distillery.pipeline.publish.artifacts import ARTIFACTS
+    from stages.trajectories import ARTIFACT_FOLDER, TEACHER_ARTIFACT, stage_trajectories
+
+    folder = stage_trajectories(params.stage, params, p.data_artifact())
+    return PreparedData(folder, ARTIFACT_FOLDER, {TEACHER_ARTIFACT: ARTIFACTS / TEACHER_ARTIFACT})
+
+
+def pretrain_inputs(p: PretrainParams) -> dict[str, str]:
+    """The student, from the teacher artifact or the base (``pretrain.student_init``)."""
+    return {"student": p.student_init}
+
+
+def causal_student(p: PretrainParams, run: RunInputs) -> Component:
+    """A block-causal Wan student over chunks of ``pretrain.chunk_size`` latent frames."""
+    from distillery.models.wan import CausalWanModel
+    from stages.recipes.parts import student
+
+    return student(p, CausalWanModel, run.init["student"], chunk_size=p.chunk_size)
+
+
+def causal_contract(p: PretrainParams) -> dict[str, Any]:
+    """What a given model standing in for a causal student samples with: its chunks."""
+    return {"chunk_size": p.chunk_size}

@@ -1,0 +1,168 @@
+"""The method conformance kit: every registered (stage, method) — a module ``stages/recipes/<stage>/<method>.py`` —
+passes the same checks, with no test code of its own (a new method joins the kit by joining the registry):
+
+1. **builds**: its recipe builds the run config the stage's own path builds (:func:`stages.training.stage_run_config`
+   over the workspace's typed ``params.yaml``, its ``prepare`` first — ``ode_init``'s trajectories —), checked against
+   its inputs as the stage checks it (:func:`~distillery.pipeline.launch.run_config.check_run_config`);
+2. **steps**: on the tiny Wan (the session's ``prepared`` workspace: its base as every init, its latents), 1 rank,
+   :data:`STEPS` steps, every logged loss finite;
+3. **resumes bitwise**: stopped after step 1 and resumed, it ends where the uninterrupted run ends — every tensor of
+   its last checkpoint (roles, optimizers, callbacks) and every logged loss equal;
+4. **1 rank ≡ 2 ranks**: on 2 gloo ranks (half the per-rank batch: the same global batch; every case in one torchrun
+   launch) it ends within fp32 tolerance of 1 rank;
+5. **its sampling contract loads in validate and in the export**: the model the stage publishes
+   (:func:`stages.training.publish_model`) samples by its ``sampling.json`` through the sampler registry over its
+   family's loader (validate's) and through the export's shipped samplers over the shipped denoiser — the same latents,
+   bit for bit.
+
+Cost on 2 cores: the 1-rank runs in this process (3 per case), the 2-rank runs in one torchrun launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import dcp_tensors, read_log, shipped_denoiser, train_in_process
+from torchrun_each import torchrun_each
+from workspace import copy_workspace, set_params
+
+from stages.recipes import registry
+
+pytestmark = pytest.mark.slow
+STEPS = 2
+CASES = [(stage, method) for stage, methods in registry().items() for method in methods]
+KIT_PARAMS = {  # every training stage small; the ODE-init recipes' trajectories few
+    **{f"{stage}.{key}": value for stage in ("teacher", "pretrain", "distill", "pdd")
+       for key, value in (("steps", STEPS), ("batch_size", 2), ("save_every", 1))},
+    "pretrain.teacher_steps": 2, "pretrain.trajectory_rows_per_shard": 8, "pretrain.trajectory_batch_size": 4}
+
+
+def _build(ws: Path, stage: str, method: str):
+    """The run config ``stage``'s own path builds with ``<stage>.method: method`` in workspace ``ws`` (cwd)."""
+    from distillery.pipeline.dvcfile import stage_params
+    from distillery.pipeline.launch.run_config import check_run_config
+    from distillery.pipeline.params.reader import Params, StageParams
+    from distillery.pipeline.params.recipes import prepared_data
+    from stages.training import stage_run_config
+
+    set_params(ws, {f"{stage}.method": method})
+    view = StageParams(Params.load(ws / "params.yaml"), stage, stage_params(stage))
+    prepared = prepared_data(view.recipe(), getattr(view.typed, stage), view)
+    config, roles = stage_run_config(view, "", prepared)
+    check_run_config(stage, config, roles)
+    return config
+
+
+def _variant(config, output_dir: Path, *, stop_at: int | None = None, ranks: int = 1):
+    """``config`` writing into ``output_dir``, untracked, no progress line; stopped at ``stop_at``; its per-rank batch
+    for ``ranks`` ranks (the same global batch)."""
+    from distillery.config.schema import TrackerConfig
+
+    t = config.training
+    training = dataclasses.replace(
+        t, tracker=TrackerConfig(backend="none"),
+        checkpoint=dataclasses.replace(t.checkpoint, output_dir=str(output_dir), keep_last=0),
+        loop=dataclasses.replace(t.loop, progress_bar=False, stop_at_step=stop_at),
+        data=dataclasses.replace(t.data, batch_size=t.data.batch_size // ranks))
+    return dataclasses.replace(config, training=training)
+
+
+@pytest.fixture(scope="module")
+def kit(prepared, tmp_path_factory, monkeypatch_module):
+    """Every case built and run: ``{case: (config, folder)}`` — ``folder/full`` uninterrupted, ``folder/resumed``
+    stopped after step 1 and resumed, ``folder/two`` on 2 ranks."""
+    root = tmp_path_factory.mktemp("conformance")
+    ws = copy_workspace(prepared, root / "ws")
+    for stage in ("teacher", "pretrain", "distill"):  # every init a stage's artifact names: the tiny base's weights
+        for part in ("transformer", "scheduler"):
+            shutil.copytree(ws / "artifacts" / "base" / "model" / part, ws / "artifacts" / stage / "model" / part)
+    set_params(ws, KIT_PARAMS)
+    monkeypatch_module.chdir(ws)
+    built, launch = {}, []
+    for stage, method in CASES:
+        config = _build(ws, stage, method)
+        folder = root / f"{stage}-{method}"
+        train_in_process(_variant(config, folder / "full").to_plain())
+        train_in_process(_variant(config, folder / "resumed", stop_at=1).to_plain())
+        train_in_process(_variant(config, folder / "resumed").to_plain())
+        launch.append((_variant(config, folder / "two", ranks=2).to_plain(), ws / f"kit-{stage}-{method}.yaml"))  # cwd: ws
+        built[(stage, method)] = (config, folder)
+    torchrun_each(launch)
+    return built
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def _last(folder: Path) -> Path:
+    return folder / f"checkpoint-{STEPS}"
+
+
+def _saved(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return dcp_tensors(checkpoint, ("roles.", "optimizers.", "schedulers.", "callbacks.", "method."))
+
+
+def _samples(model: Path, latent_shape: list[int], text_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latents ``model``'s ``sampling.json`` gives through validate's sampler (the registry, the family's loader)
+    and through the export's shipped sampler and denoiser, from the same noise."""
+    from distillery.evaluation.candidates import Candidate
+    from distillery.export.standalone import distilled_samplers, distilled_wan
+    from distillery.models.base import Conditioning
+    from distillery.models.registry import load_inference_model
+
+    contract = json.loads((model / "sampling.json").read_text())
+    candidate = Candidate.from_artifact("kit", model)  # validate's reading of the contract
+    package = candidate.build_sampler(candidate.shift)
+    steps = 2 if "timesteps" not in contract and "num_steps" not in contract else None  # a many-step contract: 2 of them
+    gen = torch.Generator().manual_seed(11)
+    text, negative = torch.randn(1, text_length, 32, generator=gen), torch.randn(1, text_length, 32, generator=gen)
+    plugin = load_inference_model(model, shift=package.shift, role="validate", **package.model_options())
+    expected = package.sample(plugin, Conditioning(text, negative), tuple(latent_shape), torch.Generator().manual_seed(5),
+                              num_steps=steps, guidance_scale=None)
+    shipped = distilled_samplers.build_sampler(contract)
+    got = shipped.sample(shipped_denoiser(model, shipped.model_kind()), distilled_wan.Conditioning(text, negative),
+                         tuple(latent_shape), torch.Generator().manual_seed(5), num_steps=steps, guidance_scale=None)
+    return expected, got
+
+
+@pytest.mark.parametrize("stage,method", CASES)
+def test_method_conforms(kit, stage, method):
+    from distillery.pipeline.publish.run_summary import read_run_summary
+    from stages.training import publish_model
+
+    config, folder = kit[(stage, method)]
+    full = read_log(folder / "full")  # 2. it steps: finite losses on every step
+    assert [r["step"] for r in full] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(v) for r in full for k, v in r.items() if k.endswith("_loss")), full
+    # 3. stopped and resumed: bitwise the uninterrupted run
+    reference, resumed = _saved(_last(folder / "full")), _saved(_last(folder / "resumed"))
+    assert reference.keys() == resumed.keys() and any(k.startswith("roles.student.") for k in reference)
+    unequal = [k for k in reference if not torch.equal(reference[k], resumed[k])]
+    assert not unequal, f"{stage}/{method}: resumed differs in {unequal[:5]}"
+    assert read_log(folder / "resumed") == full
+    # 4. 1 rank ≡ 2 ranks (the same global batch), within fp32 tolerance
+    two = _saved(_last(folder / "two"))
+    roles = [k for k in reference if k.startswith("roles.")]
+    assert roles and set(roles) <= two.keys()
+    far = [k for k in roles if not torch.allclose(reference[k], two[k], rtol=1e-4, atol=1e-5)]
+    assert not far, f"{stage}/{method}: 2 ranks differ from 1 in {far[:5]}"
+    for one, other in zip(full, read_log(folder / "two")):
+        assert other["step"] == one["step"] and other["total_loss"] == pytest.approx(one["total_loss"], rel=1e-4, abs=1e-6)
+    # 5. the published model's sampling contract: validate's sampler and the export's give the same latents
+    model = folder / "model"
+    run = _variant(config, folder / "full")
+    publish_model(read_run_summary(folder / "full"), run, model)
+    manifest = json.loads(Path("artifacts/latents/data/preprocess.json").read_text())  # what the models generate
+    expected, got = _samples(model, manifest["latent_shape"], int(manifest["settings"]["max_sequence_length"]))
+    assert got.shape == expected.shape and torch.isfinite(got).all()
+    assert torch.equal(got, expected), (stage, method, (got - expected).abs().max())
