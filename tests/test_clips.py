@@ -225,7 +225,7 @@ def test_no_validation_clips_make_a_set_the_latents_stage_reads(tmp_path, tiny_b
     artifact was replaced; issue 46 6b)."""
     from distillery.clips.synthetic import ClipSetConfig, make_clip_set
     from distillery.data.preprocess import PreprocessConfig, preprocess
-    from distillery.data.videos import find_splits
+    from distillery.data.video_folder import find_splits
 
     data = make_clip_set(tmp_path / "clips", ClipSetConfig(num_train=4, num_validation=0, num_frames=9))
     assert not (data / "validation").exists() and set(find_splits(data)) == {"train"}

@@ -17,16 +17,8 @@ import numpy as np
 import pytest
 
 from distillery.common.errors import UserError
-from distillery.data.videos import (
-    REASONS,
-    ClipItem,
-    IngestConfig,
-    SkippedItem,
-    clip_id,
-    find_splits,
-    iter_clips,
-    load_clips,
-)
+from distillery.data.video_folder import REASONS, SkippedItem, clip_id, find_splits
+from distillery.data.videos import ClipItem, IngestConfig, iter_clips, load_clips
 
 RED, BLUE, GREEN = (220, 30, 30), (30, 30, 220), (30, 220, 30)
 

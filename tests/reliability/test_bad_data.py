@@ -26,7 +26,8 @@ from distillery.clips.video_io import write_video
 from distillery.common.errors import UserError
 from distillery.data import LatentDataset
 from distillery.data.preprocess import PreprocessConfig, preprocess
-from distillery.data.videos import IngestConfig, load_entry, read_entries
+from distillery.data.video_folder import read_entries
+from distillery.data.videos import IngestConfig, load_entry
 
 CASE = "8.14"
 CFG = PreprocessConfig(num_frames=9, height=32, width=32, fps=8.0, rows_per_shard=64, batch_size=8,

@@ -237,7 +237,7 @@ def test_a_bad_path_stops_the_first_stage_before_any_work(tmp_path, monkeypatch,
         data_lost.record(len([p for p in ws.rglob("*") if p.name != "params.yaml"]), "files a stage wrote before its params were checked")
     (ws / "params.yaml").write_text(_edited(base__path=str(not_a_model)))
     check_paths(Params.load(ws / "params.yaml"), "latents", tuple(STAGES))  # base ran already: latents does not read base.path
-    from distillery.data.videos import CAPTION_FILES
+    from distillery.data.video_folder import CAPTION_FILES
     from distillery.pipeline.launch import preflight
 
     assert preflight.CAPTION_FILES == CAPTION_FILES  # the layout check knows the captions files the latents stage reads

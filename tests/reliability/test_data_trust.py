@@ -34,7 +34,7 @@ import pytest
 
 from distillery.clips.synthetic import ClipSetConfig, make_clip_set
 from distillery.common.errors import UserError
-from distillery.data import LatentDataset, videos
+from distillery.data import LatentDataset, video_folder
 from distillery.data.latent_format import ColumnError, decode_tensor_column, tensor_from_bytes
 from distillery.data.preprocess import PreprocessConfig, preprocess
 
@@ -229,7 +229,7 @@ def test_shard_with_fewer_rows_than_its_record_is_refused(tmp_path: Path, real_l
 @pytest.mark.reliability(
     case="9.8", title="a 5 MB caption",
     injected="one captions.jsonl entry whose caption is 5,000,013 characters, beside 4 valid ones (limit "
-             "distillery.data.videos.MAX_CAPTION_CHARS = 2048)",
+             "distillery.data.video_folder.MAX_CAPTION_CHARS = 2048)",
     expect="that entry skipped as caption_too_long in skipped.jsonl (naming its length and the limit); the 4 "
            "valid clips kept; no caption in the latent set over the limit")
 def test_huge_caption_is_skipped(tmp_path: Path, tiny_base: Path, clips: Path, data_lost) -> None:
@@ -242,9 +242,9 @@ def test_huge_caption_is_skipped(tmp_path: Path, tiny_base: Path, clips: Path, d
     manifest = preprocess(tiny_base, data, out, SMALL)
     skipped = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     assert [(s["path"], s["reason"]) for s in skipped] == [("videos/huge.mp4", "caption_too_long")]
-    assert "5000013 characters" in skipped[0]["detail"] and str(videos.MAX_CAPTION_CHARS) in skipped[0]["detail"]
+    assert "5000013 characters" in skipped[0]["detail"] and str(video_folder.MAX_CAPTION_CHARS) in skipped[0]["detail"]
     ds = LatentDataset(out, "train", with_latents=False)
-    assert max(len(ds[i]["caption"]) for i in range(len(ds))) <= videos.MAX_CAPTION_CHARS == 2048
+    assert max(len(ds[i]["caption"]) for i in range(len(ds))) <= video_folder.MAX_CAPTION_CHARS == 2048
     lost = data_lost.record(4 - manifest["splits"]["train"]["rows"], "of 4 valid clips missing")
     assert lost == 0
 

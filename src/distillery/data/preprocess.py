@@ -58,7 +58,8 @@ from distillery.common.progress import Progress
 from distillery.components.distributed import barrier, shutdown
 from distillery.data.dataset import EMPTY_PROMPT_FILE, MANIFEST_FILE, NEGATIVE_PROMPT_FILE, shard_record_path, write_empty_prompt_embedding
 from distillery.data.encoders import BaseEncoders
-from distillery.data.videos import ClipItem, IngestConfig, SkippedItem, find_splits, load_entry, read_entries
+from distillery.data.video_folder import SkippedItem, find_splits, read_entries
+from distillery.data.videos import ClipItem, IngestConfig, load_entry
 from distillery.data.writer import LatentRecord, shard_path, write_shard
 
 log = get_logger("preprocess")

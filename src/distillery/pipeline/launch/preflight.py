@@ -245,7 +245,7 @@ def training_rows(params: Params, artifacts: Path, encoded: bool = True) -> tupl
     data = given_path(params.get("latents.data"), CLIPS_VIDEOS)
     if not data:
         return params.get("clips.num_train"), "clips.num_train"
-    from distillery.data.videos import find_captions_file, find_splits
+    from distillery.data.video_folder import find_captions_file, find_splits
 
     try:
         lines = nonblank_lines(find_captions_file(find_splits(Path(data))["train"]))
@@ -341,12 +341,12 @@ def _check_base_path(params: Params) -> None:
                         f"use {SHIPPED_TINY_BASE} (the shipped tiny Wan) or a Wan2.1 diffusers folder")
 
 
-CAPTION_FILES = ("captions.jsonl", "videos2caption.json")  # distillery.data.videos.CAPTION_FILES (a test keeps them equal)
+CAPTION_FILES = ("captions.jsonl", "videos2caption.json")  # distillery.data.video_folder.CAPTION_FILES (a test keeps them equal)
 
 
 def _check_latents_data(params: Params) -> None:
     """``latents.data`` (when one's own: not the clips stage's): a folder with a captions file, or ``train/`` [+
-    ``validation/``] split folders each with one, as the latents stage reads it (:func:`distillery.data.videos.find_splits`
+    ``validation/``] split folders each with one, as the latents stage reads it (:func:`distillery.data.video_folder.find_splits`
     checks the files themselves; this is the folder layout, without importing the data package)."""
     data = given_path(params.get("latents.data"), CLIPS_VIDEOS)
     if not data:
