@@ -101,9 +101,10 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-def cut(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    """``text`` on one line, at most about ``limit`` characters (the cut is marked with …)."""
-    text = one_line(text)
+def cut(text: Any, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` (any value: its ``str``) on one line, at most about ``limit`` characters (the cut marked
+    with …)."""
+    text = one_line(str(text))
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

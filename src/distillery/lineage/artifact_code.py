@@ -57,13 +57,14 @@ def _index_problems(path: Path, own_pipelines: Sequence[Sequence[str]] = ()) -> 
         return ["not a JSON object"]
     problems = []
     if isinstance(index.get("_class_name"), list) and index["_class_name"] not in [list(own) for own in own_pipelines]:
-        problems.append(f"_class_name: {cut(json.dumps(index['_class_name']), 80)}: a [module, class] pair, which "
-                        f"diffusers would import from the folder")
+        shown = cut(json.dumps(index['_class_name']), limit=80)
+        problems.append(f"_class_name: {shown}: a [module, class] pair, which diffusers would import from the folder")
     for key, value in index.items():
         if isinstance(key, str) and not key.startswith("_") and isinstance(value, list) and len(value) == 2 \
                 and value[0] is not None and value[0] not in MODEL_LIBRARIES:
-            problems.append(f"{cut(key, 40)}: {cut(json.dumps(value), 80)} names code from outside "
-                            f"{'/'.join(MODEL_LIBRARIES)}, which diffusers would import from the folder")
+            shown = f"{cut(key, limit=40)}: {cut(json.dumps(value), limit=80)}"
+            problems.append(f"{shown} names code from outside {'/'.join(MODEL_LIBRARIES)}, which diffusers would "
+                            "import from the folder")
     return problems
 
 

@@ -1,12 +1,13 @@
 """The names every lineage module shares: the manifest's file name, its seal's key, and how much of a user
-value a message echoes. The lowest module of :mod:`distillery.lineage`: it imports none of the others.
-
-Stdlib only.
+value a message echoes (:func:`distillery.config.limits.cut` at that length). The lowest module of
+:mod:`distillery.lineage`: it imports none of the others.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+
+from distillery.config.limits import cut
 
 LINEAGE_FILE = "lineage.json"
 
@@ -14,10 +15,5 @@ LINEAGE_FILE = "lineage.json"
 DIGEST_KEY = "manifest_sha256"  # the manifest's seal: manifest_digest() of every other key
 
 
-_SHOWN = 120  # characters of a user value echoed in a message
-
-
-def cut(value: Any, limit: int = _SHOWN) -> str:
-    """``value`` as text, cut to ``limit`` characters for a readable message."""
-    s = str(value)
-    return s if len(s) <= limit else s[: limit - 1] + "…"
+SHOWN = 120  # characters of a user value a lineage message echoes
+cut = functools.partial(cut, limit=SHOWN)  # the one cut (distillery.config.limits), at the lineage messages' length

@@ -76,7 +76,8 @@ def find_dvc_out(lock_path: str | Path, folder: str | Path, recorded_artifact: s
         data = _load_lock_yaml(lock.read_text(encoding="utf-8"), lock)
     except (yaml.YAMLError, UnicodeDecodeError, OSError, ValueError, TypeError, RecursionError) as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"{cut(lock)} is not a readable YAML file ({cut(first, 80)})") from None
+        raise UserError(f"{cut(lock)} is not a readable YAML file ({cut(first, limit=80)})") \
+            from None
     outs: list[tuple[str | None, Mapping[str, Any]]] = []
     if isinstance(data, Mapping) and isinstance(data.get("stages"), Mapping):
         for name, stage in data["stages"].items():
@@ -94,11 +95,13 @@ def find_dvc_out(lock_path: str | Path, folder: str | Path, recorded_artifact: s
         match = next(((s, o) for s, o in outs if posixpath.normpath(o["path"]) == want), None)
     if match is None:
         known = ", ".join(sorted({o["path"] for _, o in outs})) or "none"
-        raise UserError(f"{cut(lock)} records no out for {cut(folder)} (outs: {cut(known, 100)})")
+        raise UserError(f"{cut(lock)} records no out for {cut(folder)} "
+                        f"(outs: {cut(known, limit=100)})")
     stage, out = match
     md5 = out.get("md5")
     if not (isinstance(md5, str) and md5.endswith(".dir")):
-        raise UserError(f"{cut(lock)}: out {cut(out['path'])} is not a folder out (md5 {cut(md5, 40)})")
+        raise UserError(f"{cut(lock)}: out {cut(out['path'])} is not a folder out "
+                        f"(md5 {cut(md5, limit=40)})")
     if out.get("hash") != "md5":
         raise UserError(f"{cut(lock)}: out {cut(out['path'])} carries DVC 2 hashes (md5-dos2unix), which cannot "
                         f"be checked; rerun its stage with DVC 3 to record 'hash: md5'")

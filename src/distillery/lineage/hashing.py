@@ -83,7 +83,7 @@ def scan(folder: Path, exclude: Iterable[str] = (), *, follow_links: bool = Fals
                 except OSError:
                     target = "?"
                 loop = "; a loop" if real is not None and real in ancestors else ""
-                listing.refused.append((rel, f"symlink -> {cut(target, 60)}{loop}"))
+                listing.refused.append((rel, f"symlink -> {cut(target, limit=60)}{loop}"))
             elif e.is_dir(follow_symlinks=False):
                 real = (real_path(e.path),) if follow_links else ()
                 stack.append((rel + "/", Path(e.path), (*ancestors, *real)))

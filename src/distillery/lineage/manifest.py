@@ -193,11 +193,11 @@ def _input_entry(inp: Input) -> dict[str, Any]:
     path = Path(inp.path)
     shown = _display_path(inp.path)
     if not path.is_file() and not path.is_dir():
-        raise UserError(f"input '{cut(inp.role, 40)}' not found: {cut(path)} (run the stage that produces it first)")
+        raise UserError(f"input '{cut(inp.role, limit=40)}' not found: {cut(path)} (run the stage that produces it first)")
     if path.is_file() or not (path / LINEAGE_FILE).is_file():
         files = _external_files(path)
         if inp.pinned is not None and list(inp.pinned) != files:
-            raise UserError(f"input '{cut(inp.role, 40)}' at {cut(path)} changed while the stage read it "
+            raise UserError(f"input '{cut(inp.role, limit=40)}' at {cut(path)} changed while the stage read it "
                             f"({_first_change(list(inp.pinned), files)}): what it made is not what that file holds now; "
                             f"nothing was published; run the stage again (dvc repro)")
         return {"role": inp.role, "path": shown, "sha256": tree_digest(files), "lineage": None, "files": files}
@@ -205,7 +205,8 @@ def _input_entry(inp: Input) -> dict[str, Any]:
     files = hash_tree(path)
     problems = [p for p in [seal_problem(manifest)] if p] + compare_files(manifest.get("outputs") or [], files)
     if problems:
-        raise UserError(f"input '{cut(inp.role, 40)}' at {cut(path)} no longer matches its lineage.json "
+        raise UserError(f"input '{cut(inp.role, limit=40)}' at {cut(path)} no longer matches its "
+                        "lineage.json "
                         f"({len(problems)} problem(s), first: {problems[0]}); "
                         f"check it with `distillery lineage {cut(path)} --verify` and rerun its stage")
     return {"role": inp.role, "path": shown, "sha256": tree_digest(files), "lineage": manifest}
@@ -348,14 +349,19 @@ def _deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
+def _shown(value: Any) -> str:
+    """A manifest value as a shape problem shows it: its JSON, cut short."""
+    return cut(json.dumps(value, default=str), limit=40)
+
+
 def _shape_problem(m: Any, where: str) -> str | None:
     """Why one manifest node (not its embedded inputs) cannot be shown as a tree node, or None."""
     if not isinstance(m, Mapping):
-        return f"{where or 'the manifest'}: expected an object, got {cut(json.dumps(m, default=str), 40)}"
+        return f"{where or 'the manifest'}: expected an object, got {_shown(m)}"
     at = f"{where}." if where else ""
 
     def got(key: str) -> str:
-        return cut(json.dumps(m.get(key), default=str), 40)
+        return _shown(m.get(key))
 
     outputs = m.get("outputs")
     if outputs is not None and not (isinstance(outputs, list) and all(_is_file_entry(e) for e in outputs)):
@@ -366,15 +372,16 @@ def _shape_problem(m: Any, where: str) -> str | None:
     for i, inp in enumerate(inputs or []):
         files = inp.get("files")
         if files is not None and not (isinstance(files, list) and all(_is_file_entry(e) for e in files)):
-            return f"{at}inputs[{i}].files: expected a list of {{path, sha256, bytes}} entries, got {cut(json.dumps(files, default=str), 40)}"
+            return f"{at}inputs[{i}].files: expected a list of {{path, sha256, bytes}} entries, got " \
+                   f"{_shown(files)}"
         if inp.get("lineage") is not None and not isinstance(inp.get("lineage"), Mapping):
-            return f"{at}inputs[{i}].lineage: expected an object or null, got {cut(json.dumps(inp.get('lineage'), default=str), 40)}"
+            return f"{at}inputs[{i}].lineage: expected an object or null, got {_shown(inp.get('lineage'))}"
     for key in ("code", "mlflow"):
         if m.get(key) is not None and not isinstance(m.get(key), Mapping):
             return f"{at}{key}: expected an object or null, got {got(key)}"
     commit = (m.get("code") or {}).get("git_commit")
     if commit is not None and not isinstance(commit, str):
-        return f"{at}code.git_commit: expected a string or null, got {cut(json.dumps(commit, default=str), 40)}"
+        return f"{at}code.git_commit: expected a string or null, got {_shown(commit)}"
     return None
 
 

@@ -65,7 +65,7 @@ def _node_lines(m: Mapping[str, Any]) -> list[str]:
     version = f"   distillery {code['package_version']}" if code.get("package_version") else ""
     exp = code.get("experiment") if isinstance(code.get("experiment"), Mapping) else {}
     baseline = f" from {str(exp['baseline'])[:10]}" if exp.get("baseline") else ""
-    named = f"   dvc experiment {cut(exp['name'], 60)}{baseline}" if exp.get("name") else ""
+    named = f"   dvc experiment {cut(exp['name'], limit=60)}{baseline}" if exp.get("name") else ""
     lines.append(f"code: {commit[:10] if commit else 'no git commit'}{state}{version}{named}")
     ml = m.get("mlflow") or {}
     if ml.get("run_id"):

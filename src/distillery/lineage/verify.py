@@ -75,7 +75,7 @@ def _check_inputs(inputs: Any, chain: str, problems: list[str]) -> None:
             problems.append(f"malformed input #{i}{' of ' + chain if chain else ''}: {cut(repr(inp))}")
             continue
         name = f"{chain}/{inp.get('role')}" if chain else str(inp.get("role"))
-        label = f"input {cut(name, 60)} ({cut(inp.get('path'))})"
+        label = f"input {cut(name, limit=60)} ({cut(inp.get('path'))})"
         sub = inp.get("lineage")
         if isinstance(sub, Mapping):
             entries = sub.get("outputs")
@@ -138,8 +138,9 @@ def _check_folder(folder: Path, *, embedded: bool, with_md5: bool = False) -> _F
 def _parse_expect(expect: str) -> str:
     want = str(expect).strip().lower().removeprefix("sha256:")
     if not re.fullmatch(r"[0-9a-f]{64}", want):
-        raise UserError(f"expected manifest digest '{cut(expect, 80)}' is not a sha256 hex digest (64 hex "
-                        f"characters, as printed after 'manifest digest:' by `distillery lineage PATH --verify`)")
+        raise UserError(f"expected manifest digest '{cut(expect, limit=80)}' is not a sha256 hex digest "
+                        "(64 hex characters, as printed after 'manifest digest:' by `distillery lineage PATH "
+                        "--verify`)")
     return want
 
 
@@ -151,7 +152,7 @@ def _check_dvc(folder: Path, lock: str | Path, check: _FolderCheck, problems: li
     if lineage_file.is_file() and not lineage_file.is_symlink():
         md5s[LINEAGE_FILE] = hashlib.md5(lineage_file.read_bytes(), usedforsecurity=False).hexdigest()
     actual = dvc_dir_hash(md5s)
-    where = f"{cut(lock)}" + (f" (stage {cut(out.stage, 40)})" if out.stage else "")
+    where = f"{cut(lock)}" + (f" (stage {cut(out.stage, limit=40)})" if out.stage else "")
     if actual != out.md5:
         counts = "" if out.nfiles in (None, len(md5s)) else f"; {len(md5s)} files now, {out.nfiles} recorded"
         problems.append(f"dvc: {cut(folder)} hashes to {actual} but {where} records {out.md5} for "
@@ -191,7 +192,7 @@ def _check_present_input(name: str, inp: Mapping[str, Any], problems: list[str],
     read. ``outside`` (``--outside``: asked for): an input without a lineage read from outside the tree — a given
     teacher, one's own videos — is opened there too (a folder or a regular file only, never a FIFO or a device)."""
     path = str(inp.get("path"))
-    label = f"input {cut(name, 60)} ({cut(path)})"
+    label = f"input {cut(name, limit=60)} ({cut(path)})"
     p = Path(path)
     if not p.exists() and not p.is_symlink():
         notes.append(f"{label}: not present, checked from the embedded manifest only")

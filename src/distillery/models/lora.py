@@ -99,12 +99,6 @@ def adapter_names(module: torch.nn.Module) -> set[str]:
     return {name for name, _ in module.named_parameters() if ".lora_A." in name or ".lora_B." in name}
 
 
-def has_lora(module: torch.nn.Module) -> bool:
-    from peft.tuners.lora import LoraLayer
-
-    return any(isinstance(m, LoraLayer) for m in module.modules())
-
-
 @torch.no_grad()
 def merge_lora_(module: torch.nn.Module) -> torch.nn.Module:
     """Fold every LoRA layer of ``module`` into its base weight and replace it by that base layer (in place); the
