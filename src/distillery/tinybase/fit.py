@@ -29,9 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from distillery.common.fsutil import replace_dir
 from distillery.common.log import get_logger
-from distillery.tinybase.tiny import TinyBaseConfig, _check_destination, _make_readable
+from distillery.tinybase.tiny import TinyBaseConfig, _check_destination, write_folder_atomically
 
 log = get_logger("base.fit")
 
@@ -222,9 +221,8 @@ def fit_tiny_base(out: Path, cfg: FitConfig = FitConfig(), *, overwrite: bool = 
     started = time.perf_counter()
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="distillery-fit-"))
     work.mkdir(parents=True, exist_ok=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+
+    def fill(staging: Path) -> None:
         clips = work / "clips"
         if not (clips / "ground_truth.jsonl").is_file():
             make_clip_set(clips, ClipSetConfig(num_train=cfg.num_train_clips, num_validation=cfg.num_validation_clips,
@@ -245,14 +243,12 @@ def fit_tiny_base(out: Path, cfg: FitConfig = FitConfig(), *, overwrite: bool = 
         adherence = measure_adherence(staging, [c.caption for c in val], cfg, seed=cfg.seed + 1000, analyzer=analyzer_cfg)
         report = {"vae": vae_report, "analyzer": analyzer_report, "transformer": dit_report, "adherence": adherence,
                   "total_seconds": round(time.perf_counter() - started, 1)}
-        command = command or f"distillery base make-tiny --fit --out {out} --seed {cfg.seed}"
-        (staging / "README.md").write_text(fitted_model_card(cfg, command, report), encoding="utf-8")
+        line = command or f"distillery base make-tiny --fit --out {out} --seed {cfg.seed}"
+        (staging / "README.md").write_text(fitted_model_card(cfg, line, report), encoding="utf-8")
         (staging / "fit_report.json").write_text(json.dumps({"config": asdict(cfg), **report}, indent=2, default=str))
-        _make_readable(staging)
-        replace_dir(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    try:
+        write_folder_atomically(out, fill)
     finally:
         if work_dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -248,17 +248,12 @@ def make_tiny_base(
         transformer=transformer,
     )
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    def fill(staging: Path) -> None:
         pipe.save_pretrained(str(staging), safe_serialization=True)
         card = _model_card(config, seed, command, captions, len(tokenizer), _parameter_counts(pipe))
         (staging / "README.md").write_text(card, encoding="utf-8")
-        _make_readable(staging)
-        replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    write_folder_atomically(out_dir, fill)
     logger.info("wrote tiny Wan base model (seed %d) to %s", seed, out_dir)
     return out_dir
 

@@ -23,22 +23,19 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distillery.common.errors import UserError
-from distillery.common.fsutil import replace_dir
 from distillery.tinybase.tiny import (
     TinyBaseConfig,
     _check_destination,
-    _make_readable,
     build_scheduler,
     build_text_encoder,
     build_vae,
+    write_folder_atomically,
 )
 
 if TYPE_CHECKING:
@@ -145,16 +142,11 @@ def make_tiny_i2v_base(out_dir: Path, config: TinyI2VConfig = TinyI2VConfig(), s
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=build_scheduler(config.base),
         image_processor=build_image_processor(config), image_encoder=image_encoder, transformer=transformer,
     )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    def fill(staging: Path) -> None:
         pipe.save_pretrained(str(staging), safe_serialization=True)
         (staging / "README.md").write_text(_model_card(config, seed), encoding="utf-8")
-        _make_readable(staging)
-        replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    write_folder_atomically(out_dir, fill)
     logger.info("wrote tiny Wan I2V base model (seed %d) to %s", seed, out_dir)
     return out_dir
 
