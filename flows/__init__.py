@@ -2,7 +2,7 @@
 
 - :mod:`distillery.pipeline.dvcfile` (not here: the stages read it too) — parse ``dvc.yaml`` into
   :class:`~distillery.pipeline.dvcfile.StageSpec` s and dependency levels (no Prefect import).
-- :mod:`flows.pipeline` — the ``distillery-pipeline`` flow: one task per DVC stage, each running
+- :mod:`flows.dag` — the ``distillery-pipeline`` flow: one task per DVC stage, each running
   ``dvc repro --single-item <stage>``, with retries, timeouts and Prefect artifacts.
 - :mod:`flows.deploy` — the cron-scheduled ``nightly`` deployment (local serve or a work pool).
 - :mod:`flows.server` — the Prefect API a schedule needs: ``PREFECT_API_URL``, else this

@@ -1,7 +1,7 @@
 """The ``nightly`` deployment: the pipeline flow on a cron schedule (default ``0 2 * * *``, UTC).
 
-Both forms deploy the module-level flow :func:`flows.pipeline.distillery_pipeline` (entrypoint
-``flows/pipeline.py:distillery_pipeline``) with the DVC repo and the retry/timeout options as
+Both forms deploy the module-level flow :func:`flows.dag.distillery_pipeline` (entrypoint
+``flows/dag.py:distillery_pipeline``) with the DVC repo and the retry/timeout options as
 deployment parameters, so every scheduled run re-reads ``dvc.yaml`` and lets ``dvc repro`` decide
 what to rerun (a night with no changed code, params or data costs a few no-op repros).
 
@@ -54,7 +54,7 @@ from prefect.schedules import Cron, Schedule
 import flows  # noqa: F401  (sets the quiet env before Prefect is imported)
 from distillery.common.errors import UserError
 from distillery.pipeline.dvcfile import load_dvc_stages, stage_order
-from flows.pipeline import (
+from flows.dag import (
     DEFAULT_RETRY_DELAYS,
     DEFAULT_TIMEOUT_SECONDS,
     FLOW_NAME,
@@ -83,7 +83,7 @@ __all__ = [
 DEFAULT_CRON = "0 2 * * *"
 DEPLOYMENT_NAME = "nightly"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent  # the checkout that holds flows/
-ENTRYPOINT = "flows/pipeline.py:distillery_pipeline"  # relative to PROJECT_ROOT
+ENTRYPOINT = "flows/dag.py:distillery_pipeline"  # relative to PROJECT_ROOT
 _TAGS = ["distillery", "nightly"]
 _DESCRIPTION = "Nightly re-distillation: the dvc.yaml DAG via `dvc repro`, one task per stage."
 
@@ -101,7 +101,7 @@ def pipeline_parameters(
     timeout_seconds: float | None = DEFAULT_TIMEOUT_SECONDS,
     training_stages: set[str] | Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Deployment parameters of :func:`flows.pipeline.distillery_pipeline` (JSON-able)."""
+    """Deployment parameters of :func:`flows.dag.distillery_pipeline` (JSON-able)."""
     return {
         "repo": str(repo),
         "retries": retries,

@@ -164,7 +164,7 @@ def test_stage_order_cycle_foreach_wdir_and_params_files(tmp_path: Path) -> None
 
 def test_flatten_and_keys() -> None:
     from distillery.common.treeutil import flatten
-    from flows.pipeline import artifact_key
+    from flows.dag import artifact_key
 
     assert flatten({"a": {"b": 1, "c": [2, 3]}, "d": 4.5}, lists=True) == {
         "a.b": 1, "a.c.0": 2, "a.c.1": 3, "d": 4.5}
@@ -216,7 +216,7 @@ def _task_runs(flow_run_id) -> dict[str, object]:
 
 @pytest.mark.slow
 def test_pipeline_runs_skips_and_reruns_downstream(prefect_api, tmp_path: Path) -> None:
-    from flows.pipeline import build_pipeline_flow
+    from flows.dag import build_pipeline_flow
 
     repo = make_dvc_repo(tmp_path / "repo", PIPELINE_STAGES, PIPELINE_PARAMS)
     pipeline = build_pipeline_flow(repo, retries=1, retry_delay_seconds=0, timeout_seconds=300)
@@ -279,7 +279,7 @@ FAIL_STAGES = {
 
 @pytest.mark.slow
 def test_failing_stage_is_retried_then_fails_the_flow(prefect_api, tmp_path: Path) -> None:
-    from flows.pipeline import PipelineFailedError, build_pipeline_flow
+    from flows.dag import PipelineFailedError, build_pipeline_flow
 
     repo = make_dvc_repo(tmp_path / "repo", FAIL_STAGES, {})
     pipeline = build_pipeline_flow(repo, retries=1, retry_delay_seconds=0, timeout_seconds=300)
@@ -444,7 +444,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_stage_exit_code_from_dvc_output() -> None:
-    from flows.pipeline import stage_exit_code
+    from flows.dag import stage_exit_code
 
     tail = ["Running stage 'train':", "> distillery stage teacher", "error: bad key",
             "ERROR: failed to reproduce 'train': failed to run: distillery stage teacher, exited with 2"]
@@ -461,7 +461,7 @@ def test_nightly_deployment_defaults(tmp_path: Path) -> None:
 
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": HELLO_STAGES}))
     dep = nightly_deployment(tmp_path, retries=0)
-    assert dep.name == "nightly" and dep.entrypoint == "flows/pipeline.py:distillery_pipeline"
+    assert dep.name == "nightly" and dep.entrypoint == "flows/dag.py:distillery_pipeline"
     assert dep.parameters["repo"] == str(tmp_path.resolve()) and dep.parameters["retries"] == 0
     (sched,) = dep.schedules
     assert sched.schedule.cron == "0 2 * * *" and sched.schedule.timezone in (None, "UTC")
@@ -580,7 +580,7 @@ def test_worker_runs_work_pool_deployment(prefect_server: str, tmp_path: Path) -
                                 retries=0)
         with get_client(sync_client=True) as c:
             dep = c.read_deployment(dep_id)
-    assert dep.work_pool_name == "test-pool" and dep.entrypoint == "flows/pipeline.py:distillery_pipeline"
+    assert dep.work_pool_name == "test-pool" and dep.entrypoint == "flows/dag.py:distillery_pipeline"
 
     log = tmp_path / "worker.log"
     worker = _spawn([str(Path(PY).parent / "prefect"), "worker", "start", "--pool", "test-pool"],
@@ -624,7 +624,7 @@ def test_user_error_stage_is_not_retried_but_a_crash_is(prefect_server: str,
 
     def run_cli() -> tuple[int, str, str, int]:
         (repo / "attempts.log").unlink(missing_ok=True)
-        r = subprocess.run([PY, "-m", "flows.pipeline", "--repo", str(repo), "--retries", "2",
+        r = subprocess.run([PY, "-m", "flows.dag", "--repo", str(repo), "--retries", "2",
                             "--retry-delay", "0"], cwd=PROJECT_ROOT, capture_output=True,
                            text=True, timeout=300, env=_env(tmp_path / "home", prefect_server))
         return r.returncode, r.stdout + r.stderr, r.stderr, (repo / "attempts.log").read_text().count("x")
@@ -646,7 +646,7 @@ def test_user_error_stage_is_not_retried_but_a_crash_is(prefect_server: str,
 def test_stage_timeout_stops_the_stage(prefect_api, tmp_path: Path) -> None:
     import time
 
-    from flows.pipeline import PipelineFailedError, build_pipeline_flow
+    from flows.dag import PipelineFailedError, build_pipeline_flow
 
     stages = {"hang": {
         "cmd": py("import os,time;open('pid.txt','w').write(str(os.getpid()));time.sleep(120)"),
@@ -684,7 +684,7 @@ def test_a_workspace_held_by_another_dvc_run_is_one_line_not_a_retried_crash(pre
         (repo / ".dvc" / "tmp").mkdir(parents=True, exist_ok=True)
         rwlock = {"write": {str(repo / "model.txt"): {"pid": holder.pid, "cmd": "dvc repro"}}, "read": {}}
         (repo / ".dvc" / "tmp" / "rwlock").write_text(json.dumps(rwlock))
-        r = subprocess.run([PY, "-m", "flows.pipeline", "--repo", str(repo), "--retries", "2", "--retry-delay", "0"],
+        r = subprocess.run([PY, "-m", "flows.dag", "--repo", str(repo), "--retries", "2", "--retry-delay", "0"],
                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
                            env=_env(tmp_path / "home", prefect_server))
     finally:

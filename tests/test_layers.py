@@ -162,7 +162,7 @@ def _house(tmp: Path, files: dict[str, str]) -> Path:
     "from ..clips import mod\n",  # relative: models/base.py's package is models, .. the house
     "from ...distillery.evaluation.mod import x\n",  # relative, up to the folder above and back in
     "def f():\n    from .. import export\n",  # relative, lazy, a package by name
-    "import flows.pipeline\n",  # the Prefect face outside src/
+    "import flows.dag\n",  # the Prefect face outside src/
 ])
 def test_the_checks_see_a_library_module_importing_the_pipeline_however_written(tmp_path, text):
     root = _house(tmp_path, {"models/base.py": text})
@@ -230,8 +230,8 @@ def test_nothing_in_the_package_imports_the_stage_layer():
 
 
 @pytest.mark.parametrize("text", [
-    "import flows.pipeline\n",
-    "def f():\n    from flows import pipeline\n",
+    "import flows.dag\n",
+    "def f():\n    from flows import dag\n",
     "from distillery.cli import main\n",
     "def f():\n    import distillery.cli.stage\n",
 ])
@@ -335,7 +335,7 @@ def test_the_library_imports_no_pipeline_module_by_name():
 @pytest.mark.parametrize("text", [
     "import importlib\nimportlib.import_module('distillery.pipeline.launch.runner')\n",
     "from importlib import import_module\ndef f():\n    return import_module('stages.training')\n",
-    "def f():\n    return __import__('flows.pipeline')\n",
+    "def f():\n    return __import__('flows.dag')\n",
     "import sys\nsys.modules['distillery.cli.main']\n",
     "import sys\ndef f():\n    return sys.modules.get('stages.training')\n",
     "import importlib\ndef f(name):\n    return importlib.import_module(name)\n",

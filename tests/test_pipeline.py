@@ -55,7 +55,7 @@ def _run_prefect_flow(repo: Path, home: Path) -> dict[str, object]:
         sys.path.insert(0, str(ROOT))
     from test_dvc_deps import recorder_env
 
-    from flows.pipeline import build_pipeline_flow
+    from flows.dag import build_pipeline_flow
 
     saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH", "DISTILLERY_TRACE_IMPORTS")}
     os.environ["OMP_NUM_THREADS"] = _env()["OMP_NUM_THREADS"]  # the stages' CPU rounding equals later `dvc repro`s

@@ -78,8 +78,8 @@ TWO_STAGES = {"zeta": {"cmd": py("open('z.txt','w').write('z')"), "outs": ["z.tx
 
 
 @pytest.mark.slow
-@pytest.mark.reliability(case="11.11", title="Prefect: `python -m flows.pipeline` keeps its record where one is kept",
-                         injected="`python -m flows.pipeline --repo .` without a server; then with this workspace's "
+@pytest.mark.reliability(case="11.11", title="Prefect: `python -m flows.dag` keeps its record where one is kept",
+                         injected="`python -m flows.dag --repo .` without a server; then with this workspace's "
                                   "server up (`python -m flows.deploy server`) and the stages forced to rerun",
                          expect="without: the summary in dvc.yaml's order and one line saying the record went with "
                                 "Prefect's temporary server (and how to keep it); with: the run is in the workspace "
@@ -90,7 +90,7 @@ def test_flows_pipeline_runs_on_the_workspace_server_when_one_is_up(tmp_path, da
 
     repo = make_dvc_repo(tmp_path / "repo", TWO_STAGES, {})
     env = _env(tmp_path / "user-prefect-home", None, PREFECT_SERVER_API_PORT=str(_free_port()))
-    alone = subprocess.run([PY, "-m", "flows.pipeline", "--repo", str(repo), "--retries", "0"], cwd=PROJECT_ROOT, env=env,
+    alone = subprocess.run([PY, "-m", "flows.dag", "--repo", str(repo), "--retries", "0"], cwd=PROJECT_ROOT, env=env,
                            capture_output=True, text=True, timeout=600)
     assert alone.returncode == 0, alone.stdout + alone.stderr[-3000:]
     assert [line.split()[0] for line in alone.stdout.splitlines()] == ["zeta", "alpha"]  # dvc.yaml's order, not a-z
@@ -104,7 +104,7 @@ def test_flows_pipeline_runs_on_the_workspace_server_when_one_is_up(tmp_path, da
                                "the workspace server", server, log)
         for out in ("z.txt", "a.txt"):
             (repo / out).unlink()
-        kept = subprocess.run([PY, "-m", "flows.pipeline", "--repo", str(repo), "--retries", "0"], cwd=PROJECT_ROOT,
+        kept = subprocess.run([PY, "-m", "flows.dag", "--repo", str(repo), "--retries", "0"], cwd=PROJECT_ROOT,
                               env=env, capture_output=True, text=True, timeout=600)
         assert kept.returncode == 0 and "temporary server" not in kept.stderr, kept.stdout + kept.stderr[-3000:]
         assert "this workspace's server, already running" in kept.stderr, kept.stderr[-2000:]

@@ -384,7 +384,7 @@ def _limited() -> None:
 
 @pytest.mark.process
 @_mark("9.14", "billion laughs / merge chain before DVC parses it", "params.yaml with 9^10 aliased strings (billion "
-       "laughs) or a 40-level doubling merge chain; `python -m flows.pipeline` and `distillery params check`",
+       "laughs) or a 40-level doubling merge chain; `python -m flows.dag` and `distillery params check`",
        "exit 2, one line naming params.yaml, before dvc runs (dvc repro alone hangs in its parser)")
 def test_alias_bombs_are_refused_before_dvc_reads_them(tmp_path, data_lost):
     repo = tmp_path / "repo"
@@ -393,7 +393,7 @@ def test_alias_bombs_are_refused_before_dvc_reads_them(tmp_path, data_lost):
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run([str(BIN / "dvc"), "init", "-q"], cwd=repo, check=True)
     seen = []
-    for name, bomb, args in [("merges", MERGES, [sys.executable, "-m", "flows.pipeline", "--repo", str(repo)]),
+    for name, bomb, args in [("merges", MERGES, [sys.executable, "-m", "flows.dag", "--repo", str(repo)]),
                              ("laughs", LAUGHS, [DISTILLERY, "params", "check", "--params", str(repo / "params.yaml")])]:
         (repo / "params.yaml").write_text("seed: 0\n" + bomb)
         before = sorted(p.relative_to(repo) for p in repo.rglob("*") if ".git" not in p.parts)

@@ -2,7 +2,7 @@
 
 No Prefect and no DVC import here: this module parses ``dvc.yaml`` as YAML and links stages the
 way DVC does, by matching each stage's deps against the other stages' outputs. Its readers:
-the Prefect flow (:mod:`flows.pipeline`) builds its tasks from what it returns, so there is no
+the Prefect flow (:mod:`flows.dag`) builds its tasks from what it returns, so there is no
 second DAG; the stages read their ``params:`` lists (:func:`stage_params`, what a stage may read
 and records in its lineage) and their code deps (the resume key) from it, so there is no second
 list of either.

@@ -44,11 +44,11 @@ The flow returns ``{stage: {"status", "seconds", "metrics"}}`` where status is `
 a failed run, ``failed`` / ``not-run``. Any failed stage fails the flow with
 :class:`PipelineFailedError` naming the stages and carrying the dvc output tail of crashed
 stages. A user error's ``error:`` line is shown once, in the stage's streamed log; the errors
-built on it point there instead of repeating it. ``python -m flows.pipeline`` exits 2 with one
+built on it point there instead of repeating it. ``python -m flows.dag`` exits 2 with one
 ``error:`` line when every failed stage failed on a user error, else 1.
 
 Use: ``build_pipeline_flow(repo, ...)()`` or ``run_pipeline(repo, ...)`` or
-``python -m flows.pipeline --repo . [--retries N] [--retry-delay S ...] [--timeout S]``.
+``python -m flows.dag --repo . [--retries N] [--retry-delay S ...] [--timeout S]``.
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def stop_stages_on_sigterm() -> Iterator[None]:
     ``stopped`` and the flow ends ``Cancelled`` (:func:`_run_stages`), quietly — no task traceback, no "Crash detected".
     Prefect's own handler would raise in this thread while the stage tasks' threads kept the process alive until it was
     SIGKILLed, their ``dvc repro`` (in its own session) outliving the run."""
-    _STOPPING.clear()  # a new flow run in this process (tests, `python -m flows.pipeline` twice)
+    _STOPPING.clear()  # a new flow run in this process (tests, `python -m flows.dag` twice)
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -569,7 +569,7 @@ def distillery_pipeline(
     training_stages: list[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Module-level form of the pipeline flow, loadable by entrypoint
-    (``flows/pipeline.py:distillery_pipeline``): what deployments run, with ``repo`` etc. as
+    (``flows/dag.py:distillery_pipeline``): what deployments run, with ``repo`` etc. as
     deployment parameters. Same arguments as :func:`build_pipeline_flow`."""
     return _run_stages(repo, retries, retry_delay_seconds, timeout_seconds, training_stages)
 
@@ -609,7 +609,7 @@ def build_pipeline_flow(
     ) -> dict[str, dict[str, Any]]:
         return _run_stages(repo, retries, retry_delay_seconds, timeout_seconds, training_stages)
 
-    # a deployment made from this flow records `flows/pipeline.py:distillery_pipeline` as its
+    # a deployment made from this flow records `flows/dag.py:distillery_pipeline` as its
     # entrypoint, i.e. the module-level flow above (pass `parameters={"repo": ...}` to it)
     distillery_pipeline.__qualname__ = "distillery_pipeline"
     return flow(
@@ -624,7 +624,7 @@ def run_pipeline(repo: Path, **kw: Any) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m flows.dag", description=__doc__.split("\n")[0])
     p.add_argument("--repo", type=Path, default=Path("."), help="DVC repo root (has dvc.yaml)")
     p.add_argument("--retries", type=int, default=2, help="retries of training stages")
     p.add_argument("--retry-delay", type=float, nargs="+", default=list(DEFAULT_RETRY_DELAYS),
@@ -651,7 +651,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except CancelledRun:  # SIGTERM: the running stages were ended (stop_stages_on_sigterm); a rerun resumes them
-        print("pipeline stopped (SIGTERM): the running stages were ended; `python -m flows.pipeline` again resumes",
+        print("pipeline stopped (SIGTERM): the running stages were ended; `python -m flows.dag` again resumes",
               file=sys.stderr)
         return 128 + signal.SIGTERM
     except PipelineFailedError as e:
