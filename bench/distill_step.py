@@ -22,7 +22,7 @@ each iteration (CUDA events recorded around the trainer's ``train_step``), FLOPs
 runs (see :func:`iteration_flops`; model FLOPs exclude activation-checkpoint recomputation, "executed" FLOPs include it),
 TFLOP/s and its fraction of the bf16 matmul ceiling measured in the same job (:func:`matmul_ceiling`), peak memory.
 The anchor's figures are read from ``$OUT/anchor_dmd2_<T>x<H>x<W>.json`` (run it first in the same job:
-``bench/gpu_distill_job.sh``).
+``bench/gpu_job.sh distill``).
 
 The three Wan transformers' random initial weights are drawn on the training device instead of the CPU (``WanTransformer3DModel.from_config``
 runs under ``torch.device(cuda)``): the same random-init model, the same placement, compute copies and training path,

@@ -21,7 +21,7 @@ quality). Writes ``$OUT/export_latency.json``; ``BENCH_SMOKE=1`` checks the scri
 ``--family wan2.2-ti2v-5b``: the same over a Wan2.2-TI2V-5B-shaped base (5B transformer of one timestep per token, the
 Wan 2.2 VAE of 16× space / 4× time compression, UMT5-XXL), one 121×704×1280 video (its native 720p, 24 fps) per call;
 the teacher kind is its own recipe, Euler 50 steps with CFG 5; results in ``$OUT/export_latency_wan2.2-ti2v-5b.json``.
-Usage (device machine, after ``source bench/gpu_env.sh`` and the FA4 wheels): ``python bench/export_latency.py [--kinds …] [--variants …]``;
+Usage (device machine, under ``bash bench/gpu_job.sh run`` and the FA4 wheels): ``python bench/export_latency.py [--kinds …] [--variants …]``;
 ``fast_vae_fp32`` decodes with the VAE in fp32, ``eager_fa4`` is ``fast`` without compile.
 
 Issue 64 (trained block-sparse attention, the streaming causal export): ``dmd2_sparse`` and ``sf_sparse`` are the same

@@ -1,4 +1,4 @@
-"""Summary of a ``bench/gpu_fa4_job.sh`` run from what it left in ``$OUT`` (any subset: a cut job still summarises).
+"""Summary of a ``bench/gpu_job.sh fa4`` run from what it left in ``$OUT`` (any subset: a cut job still summarises).
 
 Reads ``fa4_checks_*.json`` (kernels, block lists, agreement), the anchors' ``fa4_compiled.json`` and
 ``anchor_dmd2_<latent>.json``, our steps' ``step_<name>.json`` (``bench/sft_step.py --one``) and

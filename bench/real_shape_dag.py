@@ -28,7 +28,7 @@ hashed / reused (the stage's own log line), the trainer's step timing (``run_sum
 the wall time outside the GPU went (start-up to the first busy sample, tail after the last).
 ``$OUT/real_shape_dag.json`` is rewritten after every stage, so a job cut short still reports what ran.
 
-Usage (device machine, after ``source bench/gpu_env.sh``): ``python bench/real_shape_dag.py
+Usage (device machine, under ``bash bench/gpu_job.sh run``): ``python bench/real_shape_dag.py
 [--steps 2] [--budget 560] [--only teacher,pretrain,...]``; ``BENCH_SMOKE=1`` on CPU checks the script
 at tiny shapes.
 """

@@ -14,8 +14,8 @@ then runs what each stage runs, in order, with small step counts:
 DVC, Prefect and MLflow are not installed on the device image, so the stage adapters themselves
 (lineage, tracking) do not run here; every model, data and training path they call does. Per phase:
 wall seconds, GPU busy fraction and peak GPU memory (``nvidia-smi`` sampled every 0.2 s), written to
-``$OUT/real_shape_pipeline.json`` after each phase. Usage (device machine, after ``source
-bench/gpu_env.sh``): ``python bench/real_shape_pipeline.py [--text-encoder xxl|small] [--steps 2]``.
+``$OUT/real_shape_pipeline.json`` after each phase. Usage (device machine):
+``bash bench/gpu_job.sh run python bench/real_shape_pipeline.py [--text-encoder xxl|small] [--steps 2]``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ median of ``--repeats`` after a warm-up:
   mode (e.g. ``max-autotune-no-cudagraphs``), timed after the decodes, with its compile seconds.
 
 ``latency_<sampling>_<variant>_s`` sums one sampling and one decode: what validate's ``latency_s`` reports per video.
-Writes ``$OUT/validate_latency.json``. Usage (device machine, after ``source bench/gpu_env.sh``):
+Writes ``$OUT/validate_latency.json``. Usage (device machine, under ``bash bench/gpu_job.sh run``):
 ``python bench/validate_latency.py [--base /tmp/real_shape_dag/wan-1.3b-shape]`` (a base is built there when
 absent); ``BENCH_SMOKE=1`` on CPU checks the script at tiny shapes.
 """

@@ -219,7 +219,8 @@ def avoid_mix_order_reduction() -> None:
       gradients never writes its result into the table's gradient buffer, so the compiled backward returns
       uninitialised or stale memory as that gradient. The likely cause of ``grad_norm/critic=inf,
       grad_norm/student=inf`` at step 1 of DMD2 on 2 GPUs under FSDP2 (issue 29; Self-Forcing, whose causal student
-      already turned this off, was finite); to confirm on a GPU: ``bench/dmd2_two_gpu_probe.py``.
+      already turned this off, was finite); confirmed on an H200 (BENCHMARKS.md, 2026-12-01; the retired probe:
+      ``git show b3d4e5b:bench/dmd2_two_gpu_probe.py``).
     - pytorch/pytorch#178080 (fix PR #178098): a fused row + column reduction returns a broadcast input's gradient as
       ``[C]`` instead of ``[1, 1, C]`` and backward fails with "CompiledFunctionBackward returned an invalid gradient"
       (Self-Forcing's causal blocks with activation checkpointing at 21×60×104, BENCHMARKS.md, 2026-11-30).
