@@ -54,6 +54,7 @@ def seed_from_previous(previous: Path, staging: Path) -> int:
 
 def stage_prompts(params: StageParams) -> None:
     from distillery.data.prompts import PromptsConfig, encode_prompts_file
+    from distillery.models.registry import latent_shape_for
     from distillery.pipeline.launch.device import stage_device
 
     p = params.get("prompts")
@@ -70,7 +71,9 @@ def stage_prompts(params: StageParams) -> None:
     log.info("prompts: %s for rollouts of %d frames of %dx%d on %s (%d files of the previous set reused where unchanged)",
              source, cfg.num_frames, cfg.height, cfg.width, cfg.device, seeded)
     pinned = {"prompts": pin_input(source)}  # the file as read: a file replaced while it encodes is refused at the end
-    manifest = encode_prompts_file(ARTIFACTS / "base" / "model", source, staging / "data", cfg)
+    base = ARTIFACTS / "base" / "model"
+    shape = latent_shape_for(base, cfg.num_frames, cfg.height, cfg.width, "prompts")  # before anything is loaded
+    manifest = encode_prompts_file(base, source, staging / "data", cfg, shape)
     metrics = {"train": manifest["splits"]["train"]["rows"]}  # the column the clips' and latents' counts share
     finish("prompts", staging, kind="data", params=params, inputs=[("base", ARTIFACTS / "base"), ("prompts", source)],
            metrics=metrics, volatile={"seconds": manifest["seconds_this_run"]}, pinned=pinned)  # how many it encoded: the log's last line

@@ -24,8 +24,9 @@ from helpers import run_config, train_in_process
 from distillery.common.errors import UserError
 from distillery.data import LatentDataset, PromptRecord, read_text_embeddings, write_empty_prompt_embedding, write_prompt_shard
 from distillery.data.dataset import MANIFEST_FILE, read_empty_prompt_embedding
-from distillery.data.prompts import PromptsConfig, encode_prompts_file, latent_shape_for, read_prompts
+from distillery.data.prompts import PromptsConfig, encode_prompts_file, read_prompts
 from distillery.data.writer import shard_path
+from distillery.models.registry import latent_shape_for
 
 CAPTIONS = ["a red circle moving left on a black background", "a blue square moving up on a white background",
             "a green triangle moving right on a gray background", "a yellow circle moving down slowly on a black background",
@@ -79,12 +80,15 @@ def test_hostile_prompts_files_are_one_line_each(tmp_path):
 
 # -- encoding ----------------------------------------------------------------------------------------------
 def test_the_latent_shape_is_the_vae_s_of_the_frames_and_size(tiny_base):
-    assert latent_shape_for(tiny_base, 17, 32, 32) == [8, 5, 8, 8]  # the tiny VAE: z_dim 8, ×4 in time and space
-    assert latent_shape_for(tiny_base, 9, 32, 64) == [8, 3, 8, 16]
-    with pytest.raises(UserError, match="4k\\+1 frames"):
-        latent_shape_for(tiny_base, 16, 32, 32)
+    assert latent_shape_for(tiny_base, 17, 32, 32, "prompts") == [8, 5, 8, 8]  # the tiny VAE: z_dim 8, ×4 in time and space
+    assert latent_shape_for(tiny_base, 9, 32, 64, "prompts") == [8, 3, 8, 16]
+    with pytest.raises(UserError, match="^prompts: 16 frames: .*4k\\+1 frames"):
+        latent_shape_for(tiny_base, 16, 32, 32, "prompts")
     with pytest.raises(UserError, match="multiples of 4"):
-        latent_shape_for(tiny_base, 17, 30, 32)
+        latent_shape_for(tiny_base, 17, 30, 32, "prompts")
+
+
+SHAPE = [8, 5, 8, 8]  # the tiny VAE's latent of PromptsConfig()'s 17 frames of 32x32
 
 
 def _shard_bytes(out: Path) -> dict[str, bytes]:
@@ -96,16 +100,16 @@ def test_a_changed_prompt_re_encodes_its_shard_only(tiny_base, tmp_path):
     prompts.write_text("\n".join(CAPTIONS) + "\n", encoding="utf-8")
     out = tmp_path / "set"
     cfg = PromptsConfig(rows_per_shard=2)
-    first = encode_prompts_file(tiny_base, prompts, out, cfg)
+    first = encode_prompts_file(tiny_base, prompts, out, cfg, SHAPE)
     assert first["prompts_this_run"] == 5 and first["kind"] == "prompts" and first["latent_shape"] == [8, 5, 8, 8]
     data = read_text_embeddings(out)
     assert [data[i]["caption"] for i in range(len(data))] == CAPTIONS and "latents" not in data[0]
     assert data[0]["text_embedding"].shape[1] == first["text_dim"] == 32
     before = _shard_bytes(out)
-    assert encode_prompts_file(tiny_base, prompts, out, cfg)["prompts_this_run"] == 0  # nothing changed: nothing encoded
+    assert encode_prompts_file(tiny_base, prompts, out, cfg, SHAPE)["prompts_this_run"] == 0  # nothing changed: nothing encoded
     changed = CAPTIONS[:2] + ["a red square moving up quickly on a gray background"] + CAPTIONS[3:]
     prompts.write_text("\n".join(changed) + "\n", encoding="utf-8")
-    again = encode_prompts_file(tiny_base, prompts, out, cfg)
+    again = encode_prompts_file(tiny_base, prompts, out, cfg, SHAPE)
     after = _shard_bytes(out)
     assert again["prompts_this_run"] == 2  # shard 1 (prompts 3 and 4) only
     assert after["shard-00000.parquet"] == before["shard-00000.parquet"]
@@ -115,14 +119,14 @@ def test_a_changed_prompt_re_encodes_its_shard_only(tiny_base, tmp_path):
     assert data[2]["caption"] == changed[2] and data[3]["caption"] == changed[3]
     # a removed prompt drops the shard the plan no longer has
     prompts.write_text("\n".join(changed[:4]) + "\n", encoding="utf-8")
-    assert encode_prompts_file(tiny_base, prompts, out, cfg)["prompts_this_run"] == 0
+    assert encode_prompts_file(tiny_base, prompts, out, cfg, SHAPE)["prompts_this_run"] == 0
     assert sorted(_shard_bytes(out)) == ["shard-00000.parquet", "shard-00001.parquet"] and len(read_text_embeddings(out)) == 4
 
 
 def test_a_prompt_set_is_refused_to_a_reader_of_latents(tiny_base, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(CAPTIONS[0] + "\n", encoding="utf-8")
-    encode_prompts_file(tiny_base, prompts, tmp_path / "set", PromptsConfig())
+    encode_prompts_file(tiny_base, prompts, tmp_path / "set", PromptsConfig(), SHAPE)
     with pytest.raises(UserError, match="holds prompt embeddings only \\(no video latents\\)"):
         LatentDataset(tmp_path / "set")
 

@@ -12,7 +12,7 @@ latent set without latents, read by the same reader
     OUT/empty_prompt.safetensors        the "" embedding; negative_prompt.safetensors for a non-empty negative prompt
     OUT/preprocess.json                 manifest: kind "prompts", settings, counts, text_dim, latent_channels and
                                         latent_shape [C, T', H', W'] (what a rollout from noise generates:
-                                        :func:`latent_shape_for` of the frames and size asked for)
+                                        :func:`distillery.models.registry.latent_shape_for`)
     OUT/written_files.json              the ledger of the shard files written here (only those are removed)
 
 **Trust.** The file is checked before the base model is loaded or anything is written (:func:`read_prompts`):
@@ -172,35 +172,6 @@ def read_prompts(path: Path, max_file_bytes: int = 1 << 30, max_prompt_chars: in
     return prompts
 
 
-# -- the latent shape a rollout generates -------------------------------------------------------
-def vae_factors(base: Path) -> tuple[int, int, int]:
-    """``(z_dim, temporal factor, spatial factor)`` of the base's VAE (``vae/config.json``): its
-    ``scale_factor_temporal``/``scale_factor_spatial``, or — a config without them — ``2 ** sum(temperal_downsample)``
-    and ``2 ** len(temperal_downsample)``, as diffusers' ``WanPipeline`` computes them."""
-    path = Path(base) / "vae" / "config.json"
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-        z_dim = int(cfg["z_dim"])
-        down = [bool(d) for d in cfg.get("temperal_downsample", [])]
-        temporal = int(cfg.get("scale_factor_temporal") or 2 ** sum(down))
-        spatial = int(cfg.get("scale_factor_spatial") or 2 ** len(down))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path}: no readable VAE config ({type(e).__name__}); is the base a diffusers Wan folder?") from None
-    return z_dim, temporal, spatial
-
-
-def latent_shape_for(base: Path, num_frames: int, height: int, width: int) -> list[int]:
-    """``[C, T', H', W']`` of the latent the base's VAE makes of ``num_frames`` frames of ``height × width``
-    pixels (what the ``latents`` stage would store): ``T' = (num_frames − 1) / t + 1``, ``H' = height / s``,
-    ``W' = width / s``. Frames or sizes the VAE does not divide are one :class:`UserError` line."""
-    z_dim, t, s = vae_factors(base)
-    if num_frames < 1 or (num_frames - 1) % t:
-        raise UserError(f"prompts: {num_frames} frames: the base's VAE needs {t}k+1 frames")
-    if height < s or width < s or height % s or width % s:
-        raise UserError(f"prompts: {height}x{width} pixels: the base's VAE needs multiples of {s}")
-    return [z_dim, (num_frames - 1) // t + 1, height // s, width // s]
-
-
 # -- encoding -----------------------------------------------------------------------------------
 def text_encoders_digest(base: Path) -> str:
     """sha256 over every file of the base's ``text_encoder/`` and ``tokenizer/`` (relative path and content)."""
@@ -243,16 +214,18 @@ def encode_shard(encoders: Any, prompts: list[Prompt], cfg: PromptsConfig, out: 
     return record
 
 
-def encode_prompts_file(base: Path, prompts_file: Path, out: Path, cfg: PromptsConfig) -> dict[str, Any]:
-    """Check the prompts file and the latent shape, then encode every shard of ``out`` not already done (module
-    doc) and write the manifest; returns it (plus ``seconds_this_run`` and ``prompts_this_run``)."""
+def encode_prompts_file(base: Path, prompts_file: Path, out: Path, cfg: PromptsConfig,
+                        latent_shape: list[int]) -> dict[str, Any]:
+    """Check the prompts file, then encode every shard of ``out`` not already done (module doc) and write the
+    manifest with ``latent_shape`` (``[C, T', H', W']`` the base's VAE makes of ``cfg``'s frames and size:
+    :func:`distillery.models.registry.latent_shape_for`); returns it (plus ``seconds_this_run`` and
+    ``prompts_this_run``)."""
     from distillery.data.encoders import BaseEncoders
     from distillery.data.preprocess import _remove_unplanned, _write_prompt_embeddings, stale_reason
 
     started = time.perf_counter()
     base, prompts_file, out = Path(base), Path(prompts_file), Path(out)
     prompts = read_prompts(prompts_file, cfg.max_file_bytes, cfg.max_prompt_chars)  # before anything is loaded
-    latent_shape = latent_shape_for(base, cfg.num_frames, cfg.height, cfg.width)
     encoders = BaseEncoders(base, cfg.device, cfg.max_sequence_length)
     settings = shard_settings(cfg, encoders.max_sequence_length)
     text_sha = text_encoders_digest(base)

@@ -76,6 +76,7 @@ class SamplingContext:
         from distillery.clips.analyzer import AnalyzerConfig
         from distillery.components.precision import compile_wanted
         from distillery.data.encoders import BaseEncoders
+        from distillery.models.registry import latent_shape_for
 
         self.base_dir = base_dir
         self.cfg = cfg
@@ -96,12 +97,7 @@ class SamplingContext:
                                 f"{self.encoders.text_dim}; rerun the latents stage with this base")
         self.text = [self._pad(e, length).to(self.device) for e in embeds[:-1]]  # each [1, L, D], on the device
         self.negative = self._pad(embeds[-1], length).to(self.device)  # [1, L, D]
-        vae_cfg = self.encoders.vae.config
-        tf, sf = int(vae_cfg.scale_factor_temporal), int(vae_cfg.scale_factor_spatial)
-        if (cfg.num_frames - 1) % tf or cfg.height % sf or cfg.width % sf:
-            raise UserError(f"validate: num_frames − 1 must be a multiple of {tf} and height/width of {sf} for the VAE of "
-                            f"{base_dir}, got {cfg.num_frames}×{cfg.height}×{cfg.width}")
-        self.latent_shape = (self.encoders.z_dim, (cfg.num_frames - 1) // tf + 1, cfg.height // sf, cfg.width // sf)
+        self.latent_shape = tuple(latent_shape_for(base_dir, cfg.num_frames, cfg.height, cfg.width, "validate"))
         self.first_frames, self.image_embeds = self._image_conditioning(embeddings, len(prompts))
         self.encoders.configure_decode(*resolve_vae_decode(cfg.vae_chunk_frames, self.device))
         # what the frames depend on: the resolved chunk and whether the fused blocks apply to this VAE

@@ -300,3 +300,33 @@ def load_inference_model(folder: str | Path, device: Any = "cpu", dtype: Any = N
     loaders = family_of(folder).loaders()
     return loaders.load_inference_model(folder, device, torch.float32 if dtype is None else dtype, shift=shift, role=role,
                                         transformer=transformer, **options)
+
+
+def vae_geometry(folder: str | Path) -> tuple[int, int, int]:
+    """``(latent channels, frames per latent after the first, pixels per latent side)`` of the VAE of model folder
+    ``folder`` (its ``vae/config.json``: ``z_dim``, ``scale_factor_temporal``, ``scale_factor_spatial`` — or, a config
+    without them, ``2 ** sum(temperal_downsample)`` and ``2 ** len(temperal_downsample)``, as diffusers' ``WanPipeline``
+    computes them); one :class:`UserError` line when the folder has no readable VAE config."""
+    path = Path(folder).expanduser() / "vae" / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+        z_dim = int(cfg["z_dim"])
+        down = [bool(d) for d in cfg.get("temperal_downsample", [])]
+        temporal = int(cfg.get("scale_factor_temporal") or 2 ** sum(down))
+        spatial = int(cfg.get("scale_factor_spatial") or 2 ** len(down))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: no readable VAE config ({type(e).__name__}); is it a diffusers Wan folder?") from None
+    return z_dim, temporal, spatial
+
+
+def latent_shape_for(folder: str | Path, num_frames: int, height: int, width: int, what: str) -> list[int]:
+    """``[C, T', H', W']`` of the latent the VAE of model folder ``folder`` makes of ``num_frames`` frames of
+    ``height × width`` pixels (what the ``latents`` stage stores): ``T' = (num_frames − 1) / t + 1``, ``H' = height / s``,
+    ``W' = width / s`` (:func:`vae_geometry`). Frames or sizes the VAE does not divide are one :class:`UserError` line,
+    starting with ``what`` (who asks: ``prompts``, ``validate``)."""
+    z_dim, t, s = vae_geometry(folder)
+    if num_frames < 1 or (num_frames - 1) % t:
+        raise UserError(f"{what}: {num_frames} frames: the base's VAE needs {t}k+1 frames")
+    if height < s or width < s or height % s or width % s:
+        raise UserError(f"{what}: {height}x{width} pixels: the base's VAE needs multiples of {s}")
+    return [z_dim, (num_frames - 1) // t + 1, height // s, width // s]

@@ -168,17 +168,10 @@ def trajectory_bytes(stage: str, params: Params, artifacts: Path, runs: Path | N
     found = prompt_rows(params, artifacts) if params.get("pretrain.data") == "prompts" else training_rows(params, artifacts)
     if not found:
         return 0
-    _, t, h, w = latent_shape(params)
-    try:  # the base's latent channels (the tiny base has 8, Wan 2.1 16)
-        c = int(read_json_file(artifacts / "base" / "model" / "vae" / "config.json", 1 << 20)["z_dim"])
-    except (OSError, ValueError, KeyError, TypeError):
-        c = LATENT_CHANNELS
+    c, t, h, w = latent_shape(params)
     total = found[0] * int(params.get("pretrain.seeds_per_prompt")) * len(params.get("pretrain.t_list")) * c * t * h * w * 4
     done = _tree_bytes(runs / f"{stage}_trajectories") if runs is not None else 0
     return max(0, total - done)
-
-
-LATENT_CHANNELS, VAE_FRAMES, VAE_PIXELS = 16, 4, 8  # the Wan VAE: 16 channels, 4 frames and 8×8 pixels per latent
 
 
 def clip_size(params: Params) -> tuple[int, int, int]:
@@ -188,9 +181,14 @@ def clip_size(params: Params) -> tuple[int, int, int]:
 
 
 def latent_shape(params: Params) -> tuple[int, int, int, int]:
-    """``(C, T, H, W)`` of one latent clip as the params make it."""
+    """``(C, T, H, W)`` of one latent clip as the params make it: the base's VAE geometry (``base.path``'s folder, read
+    through the family registry: :func:`distillery.models.registry.vae_geometry`) over the clips' frames and size."""
+    from distillery.models.registry import latent_shape_for
+    from distillery.pipeline.params.base_path import resolve_base
+
     frames, height, width = clip_size(params)
-    return LATENT_CHANNELS, (frames - 1) // VAE_FRAMES + 1, height // VAE_PIXELS, width // VAE_PIXELS
+    c, t, h, w = latent_shape_for(resolve_base(params.get("base.path")), frames, height, width, "params.yaml")
+    return c, t, h, w
 
 
 def memory_bytes() -> int:
