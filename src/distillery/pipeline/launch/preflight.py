@@ -1,18 +1,20 @@
-"""Before a stage works: can it write its outputs, is there room for them, and can it hold what it computes?
+"""Before a stage works: can it write its outputs, is there room for them, and can it hold what it
+computes?
 
-:func:`check_writable` probes each output folder with a real file (root ignores permission bits,
-so only a write shows a read-only mount); :func:`check_free_space` compares the free bytes of the
-file system with a lower-bound estimate of what the stage writes (:func:`estimate_bytes`), so a
-full disk is found before the work, not after it. Both raise a one-line :class:`UserError`.
-:func:`disk_error` turns the OSError of a write that failed anyway (ENOSPC, EROFS, ...) into one.
-:func:`check_memory` compares the largest buffers the params make a stage allocate (one clip, one
-batch of latents) with the machine's memory, from the params alone, before anything is touched: a
-batch no machine here can hold is one line, not a training run that dies after ``runs/<stage>`` was
-reset; :func:`check_batch` does the same for a global batch larger than the latent set.
-:func:`check_paths` checks every folder and file ``params.yaml`` names (``base.path``, ``latents.data``) the way
-the stage that reads it will, when the file is validated: by every stage up to that one (a ``base.path`` that is
-not a model folder stops ``clips`` before it works, not ``base`` after ``clips`` ran; a ``validate.clip_model`` that is
-not a CLIP folder stops the first stage, not ``validate`` after training) and by ``distillery params check``.
+:func:`check_writable` probes each output folder with a real file (root ignores permission bits, so
+only a write shows a read-only mount); :func:`check_free_space` compares the free bytes of the file
+system with a lower-bound estimate of what the stage writes (:func:`estimate_bytes`), so a full disk
+is found before the work, not after it. Both raise a one-line :class:`UserError`. :func:`disk_error`
+turns the OSError of a write that failed anyway (ENOSPC, EROFS, ...) into one. :func:`check_memory`
+compares the largest buffers the params make a stage allocate (one clip, one batch of latents) with
+the machine's memory, from the params alone, before anything is touched: a batch no machine here can
+hold is one line, not a training run that dies after ``runs/<stage>`` was reset; :func:`check_batch`
+does the same for a global batch larger than the latent set. :func:`check_paths` checks every folder
+and file ``params.yaml`` names (``base.path``, ``latents.data``) the way the stage that reads it
+will, when the file is validated: by every stage up to that one (a ``base.path`` that is not a model
+folder stops ``clips`` before it works, not ``base`` after ``clips`` ran; a ``validate.clip_model``
+that is not a CLIP folder stops the first stage, not ``validate`` after training) and by
+``distillery params check``.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ MAX_SQLITE_PATH = 500  # bytes of the MLflow store's path SQLite still opens (it
 
 
 def check_workspace_path(stage: str) -> None:
-    """The workspace's MLflow store (``mlflow.db`` in the current folder, unless ``MLFLOW_TRACKING_URI`` names
-    another) must have a path SQLite can open: a workspace nested ~500 bytes deep failed every stage after its
-    work, when the store was first opened. One line, exit 2, before anything runs."""
+    """The workspace's MLflow store (``mlflow.db`` in the current folder, unless
+    ``MLFLOW_TRACKING_URI`` names another) must have a path SQLite can open: a workspace nested ~500
+    bytes deep failed every stage after its work, when the store was first opened. One line, exit 2,
+    before anything runs."""
     from distillery.components.tracking import default_tracking_uri
     from distillery.config.schema import TrackerConfig
 
@@ -81,9 +84,10 @@ def check_workspace_path(stage: str) -> None:
 
 def check_own_folders(stage: str, artifacts: Path, runs: Path, training: bool) -> None:
     """The folders the stage writes into and may clean up — ``artifacts/<stage>``, its staging folder
-    ``artifacts/<stage>.tmp``, ``runs/.locks`` and, for a training stage, ``runs/<stage>`` — must each be a real
-    folder or absent: a symbolic link there (or a file) is one line, exit 2, before anything is written or
-    deleted, and neither the link nor what it points at is touched (docs/reliability.md)."""
+    ``artifacts/<stage>.tmp``, ``runs/.locks`` and, for a training stage, ``runs/<stage>`` — must
+    each be a real folder or absent: a symbolic link there (or a file) is one line, exit 2, before
+    anything is written or deleted, and neither the link nor what it points at is touched
+    (docs/reliability.md)."""
     from distillery.common.ownpaths import require_folder_or_absent
 
     places = [(artifacts / stage, "the artifact folder"), (artifacts / f"{stage}.tmp", "the staging folder"),
@@ -146,9 +150,9 @@ def estimate_bytes(stage: str, params: Params, artifacts: Path) -> int:
 
 def training_bytes(stage: str, params: Params, artifacts: Path, runs: Path | None = None) -> tuple[int, int]:
     """Lower bounds of what training stage ``stage`` writes: ``(artifact, checkpoints)`` bytes — the
-    exported model, and in ``runs/`` its checkpoints (one checkpoint when the run writes only its final
-    one, ``save_every`` 0 or ≥ ``steps``; else a new one beside the previous) and, for ``pretrain.method:
-    ode_init*``, the teacher's trajectory set (:func:`trajectory_bytes`)."""
+    exported model, and in ``runs/`` its checkpoints (one checkpoint when the run writes only its
+    final one, ``save_every`` 0 or ≥ ``steps``; else a new one beside the previous) and, for
+    ``pretrain.method: ode_init*``, the teacher's trajectory set (:func:`trajectory_bytes`)."""
     section = params.get(stage)
     student = params.recipe(stage).inputs(section)["student"]  # the role the artifact ships
     weights = _transformer_bytes(artifacts / student / "model")
@@ -159,10 +163,11 @@ def training_bytes(stage: str, params: Params, artifacts: Path, runs: Path | Non
 
 
 def trajectory_bytes(stage: str, params: Params, artifacts: Path, runs: Path | None = None) -> int:
-    """A lower bound of the trajectory set ``pretrain.method: ode_init*`` writes in ``runs/<stage>_trajectories``
-    (published into the artifact by hard link: counted once): float32, per training prompt and seed, one latent of
-    ``len(t_list)`` points stacked along the channels (``t_list``'s last point is the clean end); less what an earlier,
-    killed run already wrote there. 0 for any other stage or method, or when the prompt count cannot be told here."""
+    """A lower bound of the trajectory set ``pretrain.method: ode_init*`` writes in
+    ``runs/<stage>_trajectories`` (published into the artifact by hard link: counted once): float32,
+    per training prompt and seed, one latent of ``len(t_list)`` points stacked along the channels
+    (``t_list``'s last point is the clean end); less what an earlier, killed run already wrote
+    there. 0 for any other stage or method, or when the prompt count cannot be told here."""
     if stage != "pretrain" or getattr(params.recipe(stage), "prepare", None) is None:  # trains on the stage's data
         return 0
     found = prompt_rows(params, artifacts) if params.get("pretrain.data") == "prompts" else training_rows(params, artifacts)
@@ -175,14 +180,16 @@ def trajectory_bytes(stage: str, params: Params, artifacts: Path, runs: Path | N
 
 
 def clip_size(params: Params) -> tuple[int, int, int]:
-    """``(frames, height, width)`` of the clips the latents stage encodes (``latents.*``, else ``clips.*``)."""
+    """``(frames, height, width)`` of the clips the latents stage encodes (``latents.*``, else
+    ``clips.*``)."""
     frames = params.get("latents.num_frames") or params.get("clips.num_frames")
     return frames, params.get("latents.height") or params.get("clips.size"), params.get("latents.width") or params.get("clips.size")
 
 
 def latent_shape(params: Params) -> tuple[int, int, int, int]:
-    """``(C, T, H, W)`` of one latent clip as the params make it: the base's VAE geometry (``base.path``'s folder, read
-    through the family registry: :func:`distillery.models.registry.vae_geometry`) over the clips' frames and size."""
+    """``(C, T, H, W)`` of one latent clip as the params make it: the base's VAE geometry
+    (``base.path``'s folder, read through the family registry:
+    :func:`distillery.models.registry.vae_geometry`) over the clips' frames and size."""
     from distillery.models.registry import latent_shape_for
     from distillery.pipeline.params.base_path import resolve_base
 
@@ -217,7 +224,8 @@ def largest_buffer(stage: str, params: Params) -> tuple[int, str] | None:
 
 
 def check_memory(stage: str, params: Params) -> None:
-    """Refuse, before any work, a stage whose params make it allocate more than the machine's memory."""
+    """Refuse, before any work, a stage whose params make it allocate more than the machine's memory.
+    """
     found = largest_buffer(stage, params)
     if found is None:
         return
@@ -229,11 +237,12 @@ def check_memory(stage: str, params: Params) -> None:
 
 
 def training_rows(params: Params, artifacts: Path, encoded: bool = True) -> tuple[int, str] | None:
-    """How many training samples the training stages will have, and from where, read without encoding anything:
-    with ``encoded``, the latent set's manifest when ``artifacts/latents`` exists (a training stage trains on
-    what was encoded); else — and always before the latents are (re)made — the captions lines of ``latents.data``'s
-    train split (an upper bound: an unusable video is skipped later), or ``clips.num_train`` (the synthetic clips).
-    None when it cannot be told here (the stage that reads the data names the problem)."""
+    """How many training samples the training stages will have, and from where, read without encoding
+    anything: with ``encoded``, the latent set's manifest when ``artifacts/latents`` exists (a
+    training stage trains on what was encoded); else — and always before the latents are (re)made —
+    the captions lines of ``latents.data``'s train split (an upper bound: an unusable video is
+    skipped later), or ``clips.num_train`` (the synthetic clips). None when it cannot be told here
+    (the stage that reads the data names the problem)."""
     if encoded:
         try:
             manifest = read_json_file(artifacts / DATA_ARTIFACT / "data" / "preprocess.json", 64 << 20)  # never blocks on a FIFO
@@ -253,8 +262,9 @@ def training_rows(params: Params, artifacts: Path, encoded: bool = True) -> tupl
 
 
 def nonblank_lines(path: str | Path, refuse_nul: bool = False) -> int | None:
-    """The non-blank lines of ``path``, read only if it is a regular file (opened non-blocking: a FIFO never blocks
-    the check); None when it cannot be read, is not a regular file, or (``refuse_nul``) holds a NUL byte."""
+    """The non-blank lines of ``path``, read only if it is a regular file (opened non-blocking: a FIFO
+    never blocks the check); None when it cannot be read, is not a regular file, or (``refuse_nul``)
+    holds a NUL byte."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
@@ -274,10 +284,10 @@ def nonblank_lines(path: str | Path, refuse_nul: bool = False) -> int | None:
 
 
 def prompt_rows(params: Params, artifacts: Path, encoded: bool = True) -> tuple[int, str] | None:
-    """How many prompts a stage with ``<stage>.data: prompts`` trains on: with ``encoded``, the prompt set's manifest
-    when ``artifacts/prompts`` exists; else the non-blank lines of ``prompts.path`` (a regular file, never opened
-    blocking). None when it cannot be told here — no such file, no line, a NUL byte: the prompts stage names the
-    problem in its own line."""
+    """How many prompts a stage with ``<stage>.data: prompts`` trains on: with ``encoded``, the prompt
+    set's manifest when ``artifacts/prompts`` exists; else the non-blank lines of ``prompts.path``
+    (a regular file, never opened blocking). None when it cannot be told here — no such file, no
+    line, a NUL byte: the prompts stage names the problem in its own line."""
     if encoded:
         try:
             manifest = read_json_file(artifacts / "prompts" / "data" / "preprocess.json", 64 << 20)
@@ -292,10 +302,10 @@ def prompt_rows(params: Params, artifacts: Path, encoded: bool = True) -> tuple[
 def check_batch(stage: str, params: Params, artifacts: Path, stages: tuple[str, ...] | None = None,
                 label: str | None = None) -> None:
     """Refuse, before any work, a training stage whose global batch is larger than its training samples
-    (:func:`training_rows`; the trainer would refuse it only after the latents were encoded and ``runs/<stage>``
-    reset). ``stages``: the training stages to check (default: ``stage`` alone when it is one) — the first stage of
-    a DAG checks every one, so a small folder of one's own videos stops before anything is encoded, with one line
-    naming every key to lower."""
+    (:func:`training_rows`; the trainer would refuse it only after the latents were encoded and
+    ``runs/<stage>`` reset). ``stages``: the training stages to check (default: ``stage`` alone when
+    it is one) — the first stage of a DAG checks every one, so a small folder of one's own videos
+    stops before anything is encoded, with one line naming every key to lower."""
     names = [n for n in (stages if stages is not None else (stage,)) if n in TRAINING_STAGES]
     if not names:
         return
@@ -322,9 +332,11 @@ def _check_batch_rows(names: list[str], found: tuple[int, str], stage: str, para
 
 
 def _check_base_path(params: Params) -> None:
-    """``base.path``: the shipped tiny Wan or a diffusers Wan folder the base stage accepts: a ``model_index.json`` of
-    library classes only (:func:`~distillery.pipeline.publish.base_folder.check_model_index`, the base stage's own check) and a
-    transformer config. Only that module is imported: the stages before ``base`` keep their code deps small."""
+    """``base.path``: the shipped tiny Wan or a diffusers Wan folder the base stage accepts: a
+    ``model_index.json`` of library classes only
+    (:func:`~distillery.pipeline.publish.base_folder.check_model_index`, the base stage's own check)
+    and a transformer config. Only that module is imported: the stages before ``base`` keep their
+    code deps small."""
     path = params.get("base.path")
     if given_path(path, SHIPPED_TINY_BASE) is None:
         return
@@ -343,9 +355,10 @@ CAPTION_FILES = ("captions.jsonl", "videos2caption.json")  # distillery.data.vid
 
 
 def _check_latents_data(params: Params) -> None:
-    """``latents.data`` (when one's own: not the clips stage's): a folder with a captions file, or ``train/`` [+
-    ``validation/``] split folders each with one, as the latents stage reads it (:func:`distillery.data.video_folder.find_splits`
-    checks the files themselves; this is the folder layout, without importing the data package)."""
+    """``latents.data`` (when one's own: not the clips stage's): a folder with a captions file, or
+    ``train/`` [+ ``validation/``] split folders each with one, as the latents stage reads it
+    (:func:`distillery.data.video_folder.find_splits` checks the files themselves; this is the
+    folder layout, without importing the data package)."""
     data = given_path(params.get("latents.data"), CLIPS_VIDEOS)
     if not data:
         return
@@ -364,7 +377,8 @@ def _check_latents_data(params: Params) -> None:
 
 def _check_clip_model(params: Params) -> None:
     """``validate.clip_model`` (when set): a CLIP folder the validate stage loads
-    (:func:`distillery.evaluation.clip_scores.check_clip_folder`, its own check: reads only config.json)."""
+    (:func:`distillery.evaluation.clip_scores.check_clip_folder`, its own check: reads only
+    config.json)."""
     folder = params.get("validate.clip_model")
     if folder:
         from distillery.evaluation.clip_scores import check_clip_folder  # only when set: the default's stages never import it
@@ -378,10 +392,11 @@ PATH_PARAMS = {"base.path": ("base", _check_base_path), "latents.data": ("latent
 
 
 def check_paths(params: Params, stage: str | None = None, order: tuple[str, ...] = ()) -> None:
-    """Refuse (one line) a path ``params.yaml`` names that the stage reading it would refuse — before any work.
-    ``stage``: the stage about to run; it checks the paths of itself and of every stage after it in ``order``
-    (the DAG order of the stage table, :data:`distillery.pipeline.launch.runner.STAGES`; a stage that ran already is not
-    asked again); None: all of them."""
+    """Refuse (one line) a path ``params.yaml`` names that the stage reading it would refuse — before
+    any work. ``stage``: the stage about to run; it checks the paths of itself and of every stage
+    after it in ``order`` (the DAG order of the stage table,
+    :data:`distillery.pipeline.launch.runner.STAGES`; a stage that ran already is not asked again);
+    None: all of them."""
     order = tuple(order)
     at = order.index(stage) if stage in order else 0
     for reader, check in PATH_PARAMS.values():
@@ -390,9 +405,9 @@ def check_paths(params: Params, stage: str | None = None, order: tuple[str, ...]
 
 
 def check_free_space(stage: str, params: Params, artifacts: Path, runs: Path | None = None) -> None:
-    """Refuse a stage whose writes (:func:`estimate_bytes`) do not fit: a training stage's checkpoints are
-    counted on the file system of ``runs`` (which may be another disk: a symlink to scratch space), its
-    exported model on that of ``artifacts``."""
+    """Refuse a stage whose writes (:func:`estimate_bytes`) do not fit: a training stage's checkpoints
+    are counted on the file system of ``runs`` (which may be another disk: a symlink to scratch
+    space), its exported model on that of ``artifacts``."""
     if stage in TRAINING_STAGES and runs is not None:
         artifact, checkpoints = training_bytes(stage, params, artifacts, runs)
         needs = [(artifacts, artifact), (runs, checkpoints)]
@@ -414,7 +429,8 @@ def check_free_space(stage: str, params: Params, artifacts: Path, runs: Path | N
 
 
 def _existing(path: Path) -> Path:
-    """``path``, or its nearest existing parent (``runs/`` before the first training stage made it)."""
+    """``path``, or its nearest existing parent (``runs/`` before the first training stage made it).
+    """
     path = Path(path)
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -423,7 +439,8 @@ def _existing(path: Path) -> Path:
 
 def disk_error(stage: str, exc: BaseException) -> UserError | None:
     """A one-line UserError for a write that failed on the disk's account — also one a library wrapped
-    (:func:`distillery.common.diskerrors.disk_problem`: DCP, copytree, safetensors, SQLite) — else None."""
+    (:func:`distillery.common.diskerrors.disk_problem`: DCP, copytree, safetensors, SQLite) — else
+    None."""
     from distillery.common.diskerrors import DiskProblem, disk_problem
 
     problem = disk_problem(exc)

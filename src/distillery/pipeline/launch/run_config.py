@@ -1,14 +1,18 @@
-"""A training stage's run config: the facts a recipe builds it from, and the checks of the built config against them.
+"""A training stage's run config: the facts a recipe builds it from, and the checks of the built config
+against them.
 
-A recipe (``stages/recipes/<stage>/<method>.py``, :class:`distillery.pipeline.params.recipes.Recipe`) builds the typed
-:class:`~distillery.config.RunConfig` from its stage's typed ``params.yaml`` section and the :class:`RunInputs` the stage
-gives it (:func:`run_inputs`): each role's init folder (``artifacts/<stage>/model``), the data it trains on
-(``artifacts/<data>/data``, or the set the recipe made first: :class:`PreparedData`) with what that set's
-``preprocess.json`` says of it (the text encoder's sequence length; for a prompt-only set the ``[C, T, H, W]`` the
-rollouts generate), the seed, ``runs/<stage>`` and the MLflow parent run, HSDP's replicate size, and a typed view of
-the other ``params.yaml`` keys the stage's ``dvc.yaml`` entry lists (a knob of another stage it borrows). The stage
-builds it once; :func:`check_run_config` then checks it against its inputs before anything launches, and the stage
-writes it as ``runs/<stage>/run.yaml`` (:mod:`distillery.pipeline.launch.run_folder`), which the trainer loads once.
+A recipe (``stages/recipes/<stage>/<method>.py``,
+:class:`distillery.pipeline.params.recipes.Recipe`) builds the typed
+:class:`~distillery.config.RunConfig` from its stage's typed ``params.yaml`` section and the
+:class:`RunInputs` the stage gives it (:func:`run_inputs`): each role's init folder
+(``artifacts/<stage>/model``), the data it trains on (``artifacts/<data>/data``, or the set the
+recipe made first: :class:`PreparedData`) with what that set's ``preprocess.json`` says of it (the
+text encoder's sequence length; for a prompt-only set the ``[C, T, H, W]`` the rollouts generate),
+the seed, ``runs/<stage>`` and the MLflow parent run, HSDP's replicate size, and a typed view of the
+other ``params.yaml`` keys the stage's ``dvc.yaml`` entry lists (a knob of another stage it
+borrows). The stage builds it once; :func:`check_run_config` then checks it against its inputs
+before anything launches, and the stage writes it as ``runs/<stage>/run.yaml``
+(:mod:`distillery.pipeline.launch.run_folder`), which the trainer loads once.
 """
 
 from __future__ import annotations
@@ -50,9 +54,10 @@ def latent_manifest(folder: Path | None = None) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class PreparedData:
-    """A data set a recipe makes before training (``pretrain.method: ode_init``: the teacher's ODE trajectories): the
-    ``folder`` the run trains on, the ``name`` it goes by (its resume-key input, its folder in the artifact) and the
-    artifacts it was ``made_from`` (lineage and resume-key inputs)."""
+    """A data set a recipe makes before training (``pretrain.method: ode_init``: the teacher's ODE
+    trajectories): the ``folder`` the run trains on, the ``name`` it goes by (its resume-key input,
+    its folder in the artifact) and the artifacts it was ``made_from`` (lineage and resume-key
+    inputs)."""
 
     folder: Path
     name: str
@@ -76,8 +81,8 @@ class RunInputs:
 
 
 def run_inputs(stage: str, inputs: dict[str, str], data: Path, params: StageParams, parent_run_id: str) -> RunInputs:
-    """The :class:`RunInputs` of training stage ``stage``: ``inputs`` (role → the stage it starts from, the recipe's),
-    the set it trains on in ``data``."""
+    """The :class:`RunInputs` of training stage ``stage``: ``inputs`` (role → the stage it starts from,
+    the recipe's), the set it trains on in ``data``."""
     manifest = latent_manifest(data)
     typed = params.typed
     shape = manifest.get("latent_shape") if manifest.get("kind") == "prompts" else None  # the prompts stage derived it
@@ -89,9 +94,10 @@ def run_inputs(stage: str, inputs: dict[str, str], data: Path, params: StagePara
 
 
 def check_image_conditioning(stage: str, tdir: Path, spec: Any, latents: dict[str, Any], data: Path) -> None:
-    """An image-to-video model (``spec``: its family's ``image_conditioning``, None for text-to-video) trains only on
-    latents that carry its first frames — the condition's channels and, when it takes them, the image embeddings' width
-    (the manifest's ``image_conditioning``); one :class:`UserError` line otherwise, before anything is launched."""
+    """An image-to-video model (``spec``: its family's ``image_conditioning``, None for text-to-video)
+    trains only on latents that carry its first frames — the condition's channels and, when it takes
+    them, the image embeddings' width (the manifest's ``image_conditioning``); one
+    :class:`UserError` line otherwise, before anything is launched."""
     if spec is None:
         return
     recorded = latents.get("image_conditioning")
@@ -108,8 +114,9 @@ def check_image_conditioning(stage: str, tdir: Path, spec: Any, latents: dict[st
 
 
 def check_run_config(stage: str, config: "RunConfig", inputs: dict[str, str]) -> None:
-    """Before any training: the roles fit the method, the method fits the data, and each role's init model (``inputs``:
-    role → the stage it starts from) fits the data — one :class:`UserError` line otherwise, nothing launched."""
+    """Before any training: the roles fit the method, the method fits the data, and each role's init
+    model (``inputs``: role → the stage it starts from) fits the data — one :class:`UserError` line
+    otherwise, nothing launched."""
     from distillery.engine.batches import check_data_kind
     from distillery.engine.builder import check_roles_early
     from distillery.models.registry import family_of
@@ -134,9 +141,10 @@ def check_run_config(stage: str, config: "RunConfig", inputs: dict[str, str]) ->
 
 
 def check_given_frame_layout(stage: str, image: Any, chunk_size: int | None, latents: dict[str, Any]) -> None:
-    """A causal image-to-video model (``image`` set, ``chunk_size`` not None: its latent frame 0 is the given frame,
-    then chunks of ``chunk_size``) trains only on clips of ``1 + k · chunk_size`` latent frames (the manifest's
-    ``latent_shape``); one :class:`UserError` line otherwise, before anything is launched."""
+    """A causal image-to-video model (``image`` set, ``chunk_size`` not None: its latent frame 0 is the
+    given frame, then chunks of ``chunk_size``) trains only on clips of ``1 + k · chunk_size``
+    latent frames (the manifest's ``latent_shape``); one :class:`UserError` line otherwise, before
+    anything is launched."""
     from distillery.models.base import given_frame_layout_problem
 
     shape = latents.get("latent_shape")

@@ -1,10 +1,11 @@
-"""A training stage's run folder, ``runs/<stage>/``: what it resumes, what it discards, what it writes first.
+"""A training stage's run folder, ``runs/<stage>/``: what it resumes, discards and writes first.
 
-The trainer keeps its DCP checkpoints, log and summary there (not a DVC out), so that a killed stage resumes. Before a
-launch, :func:`prepare_run_dir` writes the run config (``run.yaml``: the one the trainer loads) and its resume key
-(:mod:`distillery.pipeline.launch.resume_key`); checkpoints made from another config, other inputs or other code are
-discarded first (one line says what changed), and only what runs of the stage wrote (:func:`discard_run`: the trainer's
-own outputs, :func:`distillery.engine.run_log.trainer_outputs`, and the two files written here).
+The trainer keeps its DCP checkpoints, log and summary there (not a DVC out), so that a killed stage
+resumes. Before a launch, :func:`prepare_run_dir` writes the run config (``run.yaml``: the one the
+trainer loads) and its resume key (:mod:`distillery.pipeline.launch.resume_key`); checkpoints made
+from another config, other inputs or other code are discarded first (one line says what changed),
+and only what runs of the stage wrote (:func:`discard_run`: the trainer's own outputs,
+:func:`distillery.engine.run_log.trainer_outputs`, and the two files written here).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ LOCK_FILE = ".lock"
 
 
 def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path], world_size: int = 1) -> Path:
-    """``runs/<stage>/run.yaml`` (``raw``: the run config as plain data) + ``resume_key.json``; returns the run.yaml
-    path. Checkpoints made from another config, other inputs or other code are discarded (one line says what changed):
-    a stage resumes only what the same inputs made (docs/reliability.md). An input's digest from the hash cache never
-    discards them alone: it is re-read from the input's bytes first (:func:`rehashed_key`). A previous run's summary is
-    removed, so the summary read after training is the one this launch wrote. Only what runs of the stage wrote is
-    ever deleted (:func:`discard_run`); ``runs/<stage>`` as a symbolic link, or its lock file as a link, folder or
-    FIFO, is one line, nothing touched."""
+    """``runs/<stage>/run.yaml`` (``raw``: the run config as plain data) + ``resume_key.json``; returns
+    the run.yaml path. Checkpoints made from another config, other inputs or other code are
+    discarded (one line says what changed): a stage resumes only what the same inputs made
+    (docs/reliability.md). An input's digest from the hash cache never discards them alone: it is
+    re-read from the input's bytes first (:func:`rehashed_key`). A previous run's summary is
+    removed, so the summary read after training is the one this launch wrote. Only what runs of the
+    stage wrote is ever deleted (:func:`discard_run`); ``runs/<stage>`` as a symbolic link, or its
+    lock file as a link, folder or FIFO, is one line, nothing touched."""
     from distillery.common.procutil import exclusive_lock
     from distillery.components.checkpoint.manager import list_checkpoints
     from distillery.engine.run_log import LOG_FILE, SUMMARY_FILE
@@ -41,7 +43,8 @@ def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path], wo
     key = resume_key(stage, raw, inputs, world_size)
     run_dir = RUNS / stage
     if run_dir.exists():
-        # a writer still alive there (an orphaned worker, another stage) must not lose its folder under it
+        # a writer still alive there (an orphaned worker, another stage) must not lose its folder
+        # under it
         with exclusive_lock(run_dir / LOCK_FILE, f"training output folder {run_dir}"):
             leftovers = list_checkpoints(run_dir) or any(run_dir.glob(".tmp-checkpoint-*")) or (run_dir / LOG_FILE).exists()
             saved = read_key(run_dir)
@@ -61,10 +64,10 @@ def prepare_run_dir(stage: str, raw: dict[str, Any], inputs: dict[str, Path], wo
 
 
 def discard_run(run_dir: Path) -> None:
-    """Delete what runs of this stage wrote in ``run_dir`` — the trainer's outputs (its recorded checkpoints, killed
-    saves' temp folders, its log, summary and checkpoint record), the run config and the resume key — and nothing
-    else: a file or folder it did not write (or a symbolic link, whatever its name) is left alone, said in one
-    warning line."""
+    """Delete what runs of this stage wrote in ``run_dir`` — the trainer's outputs (its recorded
+    checkpoints, killed saves' temp folders, its log, summary and checkpoint record), the run config
+    and the resume key — and nothing else: a file or folder it did not write (or a symbolic link,
+    whatever its name) is left alone, said in one warning line."""
     from distillery.engine.run_log import trainer_outputs
 
     files, folders = trainer_outputs(run_dir)

@@ -1,17 +1,19 @@
 """``distillery stage <name>``: run one pipeline stage = params.yaml → work → ``artifacts/<name>/``.
 
 Around every stage (:func:`run_stage`): ``params.yaml`` is validated whole first; the stage reads
-only the params its ``dvc.yaml`` entry lists (:class:`distillery.pipeline.params.reader.StageParams`); one
-writer per stage (a lock in ``runs/.locks/``); the stage dies with the process that started it; the
-output folders are checked for writability and room before any work; a disk error becomes one
-line; a failure leaves the previous artifact as it was (:mod:`distillery.pipeline.publish.artifacts`).
+only the params its ``dvc.yaml`` entry lists
+(:class:`distillery.pipeline.params.reader.StageParams`); one writer per stage (a lock in
+``runs/.locks/``); the stage dies with the process that started it; the output folders are checked
+for writability and room before any work; a disk error becomes one line; a failure leaves the
+previous artifact as it was (:mod:`distillery.pipeline.publish.artifacts`).
 
 The stages are a table of dotted paths (:data:`STAGES`): each names its adapter, a module of the
-workspace's top-level ``stages/`` package (beside ``dvc.yaml`` and ``params.yaml``), imported by name
-only when its stage runs (:func:`stage_function`): a stage's process imports its own adapter and nothing
-of the others', so its ``dvc.yaml`` code deps are only what it runs (and the recipes' knob declarations,
-read to check ``params.yaml`` whole: :mod:`distillery.pipeline.params.recipes`). Nothing else of
-``distillery`` imports ``stages``: the library and this package stay importable without a workspace.
+workspace's top-level ``stages/`` package (beside ``dvc.yaml`` and ``params.yaml``), imported by
+name only when its stage runs (:func:`stage_function`): a stage's process imports its own adapter
+and nothing of the others', so its ``dvc.yaml`` code deps are only what it runs (and the recipes'
+knob declarations, read to check ``params.yaml`` whole: :mod:`distillery.pipeline.params.recipes`).
+Nothing else of ``distillery`` imports ``stages``: the library and this package stay importable
+without a workspace.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS, keep_only
 log = get_logger("stage")
 HASH_CACHE_FILE = ".hash_cache.json"  # in runs/: the workspace's hash cache (distillery.common.hashcache)
 
-# stage -> "module:function" of the workspace's ``stages/`` package that runs it with the stage's params (a training
+# stage -> "module:function" of the workspace's ``stages/`` package that runs it with the stage's
+# params (a training
 # stage's also takes its table row's name)
 STAGES: dict[str, str] = {
     "clips": "stages.clips:stage_clips",
@@ -54,9 +57,10 @@ KEEPS_SHARDS = ("latents", "prompts")
 
 
 def find_stage(name: str, workspace: Path = Path(".")) -> str:
-    """Put ``workspace`` (the folder holding ``dvc.yaml`` and ``params.yaml``) first on ``sys.path`` and check that its
-    ``stages/`` package has the adapter module of stage ``name`` (found, not run); return the module's name. None there
-    (run outside a workspace) is one line (:class:`UserError`)."""
+    """Put ``workspace`` (the folder holding ``dvc.yaml`` and ``params.yaml``) first on ``sys.path``
+    and check that its ``stages/`` package has the adapter module of stage ``name`` (found, not
+    run); return the module's name. None there (run outside a workspace) is one line
+    (:class:`UserError`)."""
     return find_module(STAGES[name].split(":")[0], workspace, f"stage {name}")
 
 
@@ -159,7 +163,8 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     workspace = Path(params_path).parent
     find_stage(name, workspace)  # its adapter is there (a workspace's stages/), before anything is written
     _use_workspace_hash_cache()
-    # under `nohup` the stage outlives the user's shell, never the program that runs it (dvc, a Prefect worker)
+    # under `nohup` the stage outlives the user's shell, never the program that runs it (dvc, a
+    # Prefect worker)
     watch = AncestorWatch(lambda: _orphaned(name), hangup_ignored=signal.getsignal(signal.SIGHUP) is signal.SIG_IGN)
     watch.start()
     try:

@@ -1,18 +1,21 @@
-"""Reading ``params.yaml`` (the one file a user edits): bounded, parsed, validated whole, handed out typed.
+"""Reading ``params.yaml`` (the one file a user edits): bounded, parsed, validated whole, handed out
+typed.
 
 :meth:`Params.load` reads the file within the input bounds of :mod:`distillery.config.limits` (at
 most 1 MiB, strict UTF-8, bounded nesting, strings and integers, no duplicate keys, no alias bombs)
 and as DVC reads it (:mod:`distillery.pipeline.params.file`: a scalar YAML 1.1 and DVC's YAML 1.2
 read differently is refused), then converts every section to the typed schema of
 :mod:`distillery.pipeline.params.schema` before any stage does work. Every problem is a one-line
-:class:`UserError` that names the key as the user wrote it (``params.yaml: teacher.steps: -3: must be ≥ 1``).
+:class:`UserError` that names the key as the user wrote it (``params.yaml: teacher.steps: -3: must
+be ≥ 1``).
 
 A training section is read by the recipe its ``method`` names (the workspace's registry,
 :mod:`distillery.pipeline.params.recipes`): ``get("distill")`` is that recipe's ``Params`` (a
-:class:`~distillery.pipeline.params.schema.DistillParams` with the method's own knobs), ``get("distill.learning_rate")`` a
-float; :attr:`StageParams.typed` is the same values by attribute (``typed.distill.learning_rate``), held to the stage's
-``dvc.yaml`` keys. What a stage records in its lineage is the values as the file wrote them (:meth:`Params.subset`), as
-DVC records them in ``dvc.lock``.
+:class:`~distillery.pipeline.params.schema.DistillParams` with the method's own knobs),
+``get("distill.learning_rate")`` a float; :attr:`StageParams.typed` is the same values by attribute
+(``typed.distill.learning_rate``), held to the stage's ``dvc.yaml`` keys. What a stage records in
+its lineage is the values as the file wrote them (:meth:`Params.subset`), as DVC records them in
+``dvc.lock``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from distillery.pipeline.params.schema import ParamsSchema, as_written, to_plain
 
 
 class Params:
-    """The validated params.yaml; ``get("pretrain.steps")`` returns its typed value or raises a UserError.
+    """The validated params.yaml; ``get("pretrain.steps")`` returns its typed value or raises a
+    UserError.
 
     ``typed`` is the whole file as :class:`ParamsSchema` (absent keys at the schema's defaults);
     ``data`` the nested mapping of every schema key with the values as written in the file (absent
@@ -46,8 +50,8 @@ class Params:
 
     @classmethod
     def load(cls, path: str | Path = "params.yaml", recipes: Mapping[str, Mapping[str, Recipe]] | None = None) -> "Params":
-        """Read, bound-check and validate the whole file (see the module doc); ``recipes``: the training stages' (None:
-        the registry of the workspace holding ``path``)."""
+        """Read, bound-check and validate the whole file (see the module doc); ``recipes``: the
+        training stages' (None: the registry of the workspace holding ``path``)."""
         p = Path(path)
         source = show_path(p)
         data = read_params_file(
@@ -59,7 +63,8 @@ class Params:
         return cls(as_written(data, to_plain(typed)), p, typed, recipes)
 
     def recipe(self, stage: str) -> Recipe:
-        """The recipe training stage ``stage``'s ``method`` names (``stages/recipes/<stage>/<method>.py``)."""
+        """The recipe training stage ``stage``'s ``method`` names
+        (``stages/recipes/<stage>/<method>.py``)."""
         return self.recipes[stage][getattr(self.typed, stage).method]
 
     def get(self, key: str) -> Any:
@@ -86,7 +91,8 @@ class Params:
         raise UserError(f"{self.path}: {key}: missing (valid keys under {where}: {', '.join(valid) if valid is not None else '(not a section)'})")
 
     def subset(self, keys: list[str]) -> dict[str, Any]:
-        """The named keys and their values as written (what a stage read: recorded in its lineage)."""
+        """The named keys and their values as written (what a stage read: recorded in its lineage).
+        """
         return {k: self.written(k) for k in keys}
 
 
@@ -101,7 +107,8 @@ def undeclared(stage: str, key: str, declared: list[str]) -> UndeclaredParam:
 
 
 def covers(declared: list[str], key: str) -> bool:
-    """True when ``key`` is one of ``declared`` or lies inside one (``teacher`` covers ``teacher.steps``)."""
+    """True when ``key`` is one of ``declared`` or lies inside one (``teacher`` covers
+    ``teacher.steps``)."""
     return any(key == d or key.startswith(d + ".") for d in declared)
 
 
@@ -123,18 +130,21 @@ class StageParams:
         return self.params.path
 
     def get(self, key: str) -> Any:
-        """The typed value of ``key`` (:meth:`Params.get`), which the stage's dvc.yaml ``params:`` must cover."""
+        """The typed value of ``key`` (:meth:`Params.get`), which the stage's dvc.yaml ``params:`` must
+        cover."""
         if not covers(self.declared, key):
             raise undeclared(self.stage, key, self.declared)
         return self.params.get(key)
 
     def recipe(self) -> Recipe:
-        """The recipe of this training stage: the module its ``method`` names (:meth:`Params.recipe`)."""
+        """The recipe of this training stage: the module its ``method`` names (:meth:`Params.recipe`).
+        """
         return self.params.recipe(self.stage)
 
     @property
     def typed(self) -> "ParamsView":
-        """The typed params by attribute (``typed.distill.learning_rate``), each key held to the declared list."""
+        """The typed params by attribute (``typed.distill.learning_rate``), each key held to the
+        declared list."""
         return ParamsView(self.params.typed, self.declared, self.stage)
 
     def recorded(self) -> dict[str, Any]:
@@ -143,9 +153,10 @@ class StageParams:
 
 
 class ParamsView:
-    """Typed params read by attribute, a key at a time held to a stage's declared keys (:class:`StageParams`): a
-    section the declared list covers whole is handed out as it is (its dataclass); one it covers in part is a view of
-    it; a key outside the list is :class:`UndeclaredParam`."""
+    """Typed params read by attribute, a key at a time held to a stage's declared keys
+    (:class:`StageParams`): a section the declared list covers whole is handed out as it is (its
+    dataclass); one it covers in part is a view of it; a key outside the list is
+    :class:`UndeclaredParam`."""
 
     def __init__(self, node: Any, declared: list[str], stage: str, prefix: str = "") -> None:
         self._node, self._declared, self._stage, self._prefix = node, declared, stage, prefix

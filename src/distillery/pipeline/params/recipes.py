@@ -1,18 +1,20 @@
 """The workspace's stage layer, found by name: its stage adapters and its recipe registry.
 
-A pipeline workspace holds ``dvc.yaml``, ``params.yaml`` and the top-level ``stages/`` package: one adapter module per
-``dvc.yaml`` stage and, in ``stages/recipes/``, the training stages' recipes — one module per (stage, method),
-``stages/recipes/<stage>/<method>.py``, listed by the one registry, ``stages/recipes/__init__.py``. Nothing of
-``src/distillery`` imports that package: this module imports it by name from the workspace (:func:`workspace_module`),
-the one way in (``tests/test_layers.py``).
+A pipeline workspace holds ``dvc.yaml``, ``params.yaml`` and the top-level ``stages/`` package: one
+adapter module per ``dvc.yaml`` stage and, in ``stages/recipes/``, the training stages' recipes —
+one module per (stage, method), ``stages/recipes/<stage>/<method>.py``, listed by the one registry,
+``stages/recipes/__init__.py``. Nothing of ``src/distillery`` imports that package: this module
+imports it by name from the workspace (:func:`workspace_module`), the one way in
+(``tests/test_layers.py``).
 
-A recipe module (the :class:`Recipe` protocol) declares ``Params`` — its stage's section of ``params.yaml``
-(:class:`~distillery.pipeline.params.schema.TrainingStageParams`' subclass for the stage) with the method's own knobs —
-``inputs(p)`` (role → the stage whose artifact it starts from) and ``recipe(p, run)``: the typed run config; optionally
-``prepare(p, params)`` (a data set it makes before training, e.g. the teacher's ODE trajectories) and
-``given_contract(p)`` (what a given model standing in for its student samples with). :func:`recipe_params` gives
-:func:`~distillery.pipeline.params.schema.validate_params` each stage's choices of ``method``: the registry's, so a new
-method is its library module, its recipe module and nothing else.
+A recipe module (the :class:`Recipe` protocol) declares ``Params`` — its stage's section of
+``params.yaml`` (:class:`~distillery.pipeline.params.schema.TrainingStageParams`' subclass for the
+stage) with the method's own knobs — ``inputs(p)`` (role → the stage whose artifact it starts from)
+and ``recipe(p, run)``: the typed run config; optionally ``prepare(p, params)`` (a data set it makes
+before training, e.g. the teacher's ODE trajectories) and ``given_contract(p)`` (what a given model
+standing in for its student samples with). :func:`recipe_params` gives
+:func:`~distillery.pipeline.params.schema.validate_params` each stage's choices of ``method``: the
+registry's, so a new method is its library module, its recipe module and nothing else.
 """
 
 from __future__ import annotations
@@ -31,28 +33,32 @@ REGISTRY_MODULE = "stages.recipes"  # the workspace's recipe registry: registry(
 
 
 class Recipe(Protocol):
-    """One (stage, method): a module ``stages/recipes/<stage>/<method>.py`` (module doc; the types it names,
-    ``TrainingStageParams``, ``RunInputs``, ``RunConfig``, live above and below this module: here they are ``Any``)."""
+    """One (stage, method): a module ``stages/recipes/<stage>/<method>.py`` (module doc; the types it
+    names, ``TrainingStageParams``, ``RunInputs``, ``RunConfig``, live above and below this module:
+    here they are ``Any``)."""
 
     Params: type  # its stage's TrainingStageParams subclass, with the method's own knobs
 
     def inputs(self, p: Any) -> dict[str, str]:
-        """Role → the stage whose artifact (``artifacts/<stage>/model``) it starts from, in the run config's order."""
+        """Role → the stage whose artifact (``artifacts/<stage>/model``) it starts from, in the run
+        config's order."""
 
     def recipe(self, p: Any, run: Any) -> Any:
-        """The typed run config (a ``RunConfig``) of the stage for ``p`` (its section, this recipe's ``Params``) and
-        ``run`` (the stage's ``RunInputs``)."""
+        """The typed run config (a ``RunConfig``) of the stage for ``p`` (its section, this recipe's
+        ``Params``) and ``run`` (the stage's ``RunInputs``)."""
 
 
 def prepared_data(recipe: Recipe, p: Any, params: Any) -> Any:
-    """The data set ``recipe`` makes before training (its ``prepare``), None when it trains on the stage's data."""
+    """The data set ``recipe`` makes before training (its ``prepare``), None when it trains on the
+    stage's data."""
     prepare = getattr(recipe, "prepare", None)
     return None if prepare is None else prepare(p, params)
 
 
 def given_contract(recipe: Recipe, p: Any) -> dict[str, Any]:
-    """What a given model standing in for ``recipe``'s student samples with beyond the many-step Euler defaults (its
-    ``given_contract``: a causal student's ``chunk_size``), {} for a recipe without one."""
+    """What a given model standing in for ``recipe``'s student samples with beyond the many-step Euler
+    defaults (its ``given_contract``: a causal student's ``chunk_size``), {} for a recipe without
+    one."""
     contract = getattr(recipe, "given_contract", None)
     return {} if contract is None else dict(contract(p))
 
@@ -65,9 +71,9 @@ def _on_path(workspace: Path) -> str:
 
 
 def find_module(module: str, workspace: Path, what: str) -> str:
-    """Put ``workspace`` first on ``sys.path`` and check that ``module`` of its ``stages/`` package is there (found,
-    not run: only the package's ``__init__`` executes); return its name. None there (run outside a workspace) is one
-    line naming ``what`` needed it (:class:`UserError`)."""
+    """Put ``workspace`` first on ``sys.path`` and check that ``module`` of its ``stages/`` package is
+    there (found, not run: only the package's ``__init__`` executes); return its name. None there
+    (run outside a workspace) is one line naming ``what`` needed it (:class:`UserError`)."""
     root = _on_path(workspace)
     try:
         found = importlib.util.find_spec(module) is not None
@@ -80,13 +86,15 @@ def find_module(module: str, workspace: Path, what: str) -> str:
 
 
 def workspace_module(module: str, workspace: Path, what: str) -> ModuleType:
-    """The module ``module`` of ``workspace``'s ``stages/`` package, imported by name (:func:`find_module`)."""
+    """The module ``module`` of ``workspace``'s ``stages/`` package, imported by name
+    (:func:`find_module`)."""
     return importlib.import_module(find_module(module, workspace, what))
 
 
 def recipe_registry(workspace: Path = Path(".")) -> Mapping[str, Mapping[str, Recipe]]:
-    """Every training stage's recipes, ``{stage: {method: module}}``, from ``workspace``'s registry (each recipe module
-    imported: they import no more than their knobs' declarations until a recipe runs)."""
+    """Every training stage's recipes, ``{stage: {method: module}}``, from ``workspace``'s registry
+    (each recipe module imported: they import no more than their knobs' declarations until a recipe
+    runs)."""
     return workspace_module(REGISTRY_MODULE, workspace, "params.yaml's recipes").registry()
 
 

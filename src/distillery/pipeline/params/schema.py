@@ -10,15 +10,17 @@ Each section is a dataclass converted by the run configs' converter
 (:func:`distillery.config.typed.from_mapping`: one set of type rules, one set of bounds). A field is
 declared with :func:`rule`: its default, its range (``low``/``high``, as
 :func:`distillery.config.typed.bounded`) and, where the range alone does not say it, a ``check``
-returning what is wrong with the value as written (4k+1 frames, a host:port, a range worded as
-``in [0, 1]``), run before the range. The keys each stage reads are its dvc.yaml ``params:`` list
+returning what is wrong with the value as written (4k+1 frames, a host:port, a range worded as ``in
+[0, 1]``), run before the range. The keys each stage reads are its dvc.yaml ``params:`` list
 (:func:`distillery.pipeline.dvcfile.stage_params`).
 
-A training stage's section (:class:`TrainingStageParams`) holds the knobs every recipe of the stage takes and makes
-the run-config sections they set (:meth:`TrainingStageParams.training`: typed values into typed sections, no key
-between them); its ``method`` names the recipe (``stages/recipes/<stage>/<method>.py``, whose ``Params`` subclasses
-the section with the recipe's own knobs: they are read only while it is chosen, and held to their declaration whenever
-the file writes them). A subclass changes a default with :func:`~distillery.config.typed.with_default`, keeping the field's rule.
+A training stage's section (:class:`TrainingStageParams`) holds the knobs every recipe of the stage
+takes and makes the run-config sections they set (:meth:`TrainingStageParams.training`: typed values
+into typed sections, no key between them); its ``method`` names the recipe
+(``stages/recipes/<stage>/<method>.py``, whose ``Params`` subclasses the section with the recipe's
+own knobs: they are read only while it is chosen, and held to their declaration whenever the file
+writes them). A subclass changes a default with :func:`~distillery.config.typed.with_default`,
+keeping the field's rule.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from distillery.config.validation import MAX_PROMPTS
 
 TRAINING_STAGES = ("teacher", "pretrain", "distill", "pdd")  # the stages that train a model, in DAG order; export picks one
 DATA_ARTIFACT = "latents"  # the stage whose data/ a training stage trains on unless its section says otherwise
-# Upper bounds: far beyond any real run, low enough that what they size (a tensor, a loop) fits a machine.
+# Upper bounds: far beyond any real run, low enough that what they size (a tensor, a loop) fits a
+# machine.
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 1024
 MAX_CLIPS = 100_000  # synthetic clips of one set
@@ -81,10 +84,10 @@ def non_negative_finite(v: float) -> str | None:
 
 
 def guidance_at_least_one(v: float) -> str | None:
-    """Every guidance knob's one rule (pretrain's trajectories, distill's real score, pdd's targets, validate's teacher
-    baselines): 1 is the conditional model alone, above 1 CFG ``u + w (c − u)``. A scale below 1 is refused: the
-    samplers (:func:`distillery.sampling.base.guide`) run the conditional model alone for every w ≤ 1, so w = 0.5 would
-    be recorded while w = 1 ran."""
+    """Every guidance knob's one rule (pretrain's trajectories, distill's real score, pdd's targets,
+    validate's teacher baselines): 1 is the conditional model alone, above 1 CFG ``u + w (c − u)``.
+    A scale below 1 is refused: the samplers (:func:`distillery.sampling.base.guide`) run the
+    conditional model alone for every w ≤ 1, so w = 0.5 would be recorded while w = 1 ran."""
     return None if math.isfinite(v) and v >= 1 else "must be a finite number ≥ 1 (1: no guidance)"
 
 
@@ -119,22 +122,26 @@ def optional_path(v: str | None) -> str | None:
     return None if v is None else usable_path(v)
 
 
-# What a path key's default stands for, written as the path it is: dvc.yaml names these keys as dependencies of the
-# stage reading them (``${latents.data}``), so DVC hashes what they name — a caption edited in one's own videos, a given
-# teacher's weights swapped — and reruns the stage; a dependency is never null (DVC cannot name an empty one).
+# What a path key's default stands for, written as the path it is: dvc.yaml names these keys as
+# dependencies of the
+# stage reading them (``${latents.data}``), so DVC hashes what they name — a caption edited in one's
+# own videos, a given
+# teacher's weights swapped — and reruns the stage; a dependency is never null (DVC cannot name an
+# empty one).
 SHIPPED_TINY_BASE = "src/distillery/assets/tiny-wan"  # base.path: the fitted tiny Wan shipped in the package (the clone's)
 CLIPS_VIDEOS = "artifacts/clips/data"  # latents.data: the clips stage's captioned videos
 BASE_MODEL = "artifacts/base/model"  # teacher.path, pretrain.path: the base artifact's model
 
 
 def given_path(value: str, stands_for: str) -> str | None:
-    """``value`` as given, or None when it names ``stands_for`` (the in-tree default of its key: nothing given)."""
+    """``value`` as given, or None when it names ``stands_for`` (the in-tree default of its key:
+    nothing given)."""
     return None if os.path.normpath(value) == os.path.normpath(stands_for) else value
 
 
 def dependency_path(stands_for: str) -> Check:
-    """The rule of a path key dvc.yaml makes a dependency (above): a usable path, never null — which names the
-    default it stands for."""
+    """The rule of a path key dvc.yaml makes a dependency (above): a usable path, never null — which
+    names the default it stands for."""
     def check(v: str | None) -> str | None:
         if v is None or v == "tiny":
             return (f"must name a path: dvc.yaml makes it a dependency of the stage that reads it (DVC reruns the stage "
@@ -181,7 +188,8 @@ def prompt_text(v: str) -> str | None:
 
 
 def rule(default: Any, low: float | None = None, high: float | None = None, check: Check | None = None) -> Any:
-    """A schema field: its default (a list default is copied per instance), its range and its check."""
+    """A schema field: its default (a list default is copied per instance), its range and its check.
+    """
     if isinstance(default, list):
         return bounded(low=low, high=high, check=check, default_factory=lambda: list(default))
     return bounded(default, low, high, check=check)
@@ -193,7 +201,8 @@ def timestep(v: float) -> str | None:
 
 
 def trajectory_points(v: list[float]) -> str | None:
-    """``pretrain.t_list``: the KD method's own rule (:func:`distillery.config.schema.t_list_problem`)."""
+    """``pretrain.t_list``: the KD method's own rule (:func:`distillery.config.schema.t_list_problem`).
+    """
     return t_list_problem(v, MAX_TIMESTEP)
 
 
@@ -257,9 +266,10 @@ class PromptsParams:
 
 @dataclass
 class TrainingStageParams:
-    """A training stage's section: the knobs every recipe of the stage takes (a recipe's own knobs are declared with
-    it, on its ``Params``: a subclass of its stage's section in ``stages/recipes/<stage>/<method>.py``), and the run-config
-    sections they make (:meth:`training`, :meth:`student_lora`, :meth:`ema`): a knob's meaning in the run config is
+    """A training stage's section: the knobs every recipe of the stage takes (a recipe's own knobs are
+    declared with it, on its ``Params``: a subclass of its stage's section in
+    ``stages/recipes/<stage>/<method>.py``), and the run-config sections they make
+    (:meth:`training`, :meth:`student_lora`, :meth:`ema`): a knob's meaning in the run config is
     written here once, as code."""
 
     method: str = rule("sft")  # the stage's recipe: a module of stages/recipes/<stage>/ (validate_params checks it is one)
@@ -279,11 +289,12 @@ class TrainingStageParams:
 
     def training(self, run: Any, *, unconditional: Literal["empty", "negative"] = "empty",
                  **optimizer: Any) -> TrainingConfig:
-        """The run's ``training`` section: the stage's knobs (steps, batch, the optimizer's, checkpoints, activation
-        checkpointing), ``run``'s facts (a :class:`distillery.pipeline.launch.run_config.RunInputs`: data, seed, output
-        folder, MLflow run, HSDP) and the recipe's own choices —
-        the CFG ``unconditional`` prompt and ``optimizer``: further :class:`~distillery.config.schema.OptimizerConfig`
-        fields (``betas``, ``min_lr_ratio``)."""
+        """The run's ``training`` section: the stage's knobs (steps, batch, the optimizer's,
+        checkpoints, activation checkpointing), ``run``'s facts (a
+        :class:`distillery.pipeline.launch.run_config.RunInputs`: data, seed, output folder, MLflow
+        run, HSDP) and the recipe's own choices — the CFG ``unconditional`` prompt and
+        ``optimizer``: further :class:`~distillery.config.schema.OptimizerConfig` fields (``betas``,
+        ``min_lr_ratio``)."""
         return TrainingConfig(
             distributed=DistributedConfig(replicate_size=run.replicate_size),
             data=DataConfig(path=run.data, batch_size=self.batch_size, text_max_length=run.text_max_length,
@@ -297,22 +308,26 @@ class TrainingStageParams:
                                      activation_checkpointing_fraction=self.activation_checkpointing_fraction))
 
     def student_lora(self) -> LoraConfig | None:
-        """The exported role's LoRA adapter (``lora_rank`` > 0: it trains instead of the full weights, and the artifact
-        ships it beside the merged weights; the run config's default target modules), None at rank 0."""
+        """The exported role's LoRA adapter (``lora_rank`` > 0: it trains instead of the full weights,
+        and the artifact ships it beside the merged weights; the run config's default target
+        modules), None at rank 0."""
         if self.lora_rank <= 0:
             return None
         return LoraConfig(rank=self.lora_rank, alpha=float(self.lora_rank if self.lora_alpha is None else self.lora_alpha))
 
     def ema(self) -> tuple[float, int] | None:
-        """``(decay, start step)`` of the EMA of the trained model the artifact ships, None without one."""
+        """``(decay, start step)`` of the EMA of the trained model the artifact ships, None without
+        one."""
         return None if self.ema_decay is None else (float(self.ema_decay), int(self.ema_start_step))
 
     def given(self) -> bool:
-        """Whether the stage publishes a given model untrained (``teacher.source: base``) instead of training one."""
+        """Whether the stage publishes a given model untrained (``teacher.source: base``) instead of
+        training one."""
         return False
 
     def data_artifact(self) -> str:
-        """The stage whose ``data/`` the run trains on (or whose prompts a recipe's data is made from)."""
+        """The stage whose ``data/`` the run trains on (or whose prompts a recipe's data is made from).
+        """
         return DATA_ARTIFACT
 
     def problem(self, stage: str) -> str | None:
@@ -340,12 +355,14 @@ class TeacherParams(TrainingStageParams):
 @dataclass
 class PretrainParams(TrainingStageParams):
     method: str = with_default(TrainingStageParams, "method", "dfsft")  # dfsft | ode_init | ode_init_bidirectional (stages/recipes/pretrain/)
-    # latent frames that share one timestep (Diffusion-Forcing); the causal student attends block-causally over them
+    # latent frames that share one timestep (Diffusion-Forcing); the causal student attends
+    # block-causally over them
     # (the causal recipes' student; distill's self_forcing student attends over the same chunks)
     chunk_size: int = rule(1, 1, MAX_LATENT_FRAMES)
     student_init: Literal["teacher", "base"] = rule("teacher")  # the student's init: the teacher artifact, or the base (a given, larger teacher)
     data: Literal["latents", "prompts"] = rule("latents")  # the data it trains on, or (ode_init) whose prompts the trajectories start from
-    # train: made by pretrain.method; given: pretrain.path published as is — e.g. the Self-Forcing repo's ode_init.pt
+    # train: made by pretrain.method; given: pretrain.path published as is — e.g. the Self-Forcing
+    # repo's ode_init.pt
     # after `distillery import-weights` (docs/training.md) — the init of distill, nothing trained
     source: Literal["train", "given"] = rule("train")
     path: str | None = rule(BASE_MODEL, check=dependency_path(BASE_MODEL))  # source given: that folder (import-weights' output, or a diffusers folder)
@@ -478,7 +495,8 @@ def _check_pdd_blocks(params: ParamsSchema, source: str) -> None:
 
 
 def _check_ema(params: ParamsSchema, source: str) -> None:
-    """An EMA that starts averaging at or after a stage's last step would ship the raw weights under its name."""
+    """An EMA that starts averaging at or after a stage's last step would ship the raw weights under
+    its name."""
     for stage in TRAINING_STAGES:
         p = getattr(params, stage)
         if p.ema_decay is not None and p.ema_start_step >= p.steps:
@@ -490,10 +508,11 @@ RecipeParams = Mapping[str, Mapping[str, type[TrainingStageParams]]]  # stage ->
 
 
 def _training_section(stage: str, given: Any, choices: Mapping[str, type[TrainingStageParams]]) -> TrainingStageParams:
-    """The typed section of training stage ``stage``: its ``method`` one of ``choices`` (the stage's recipes), the rest
-    read by the chosen recipe's ``Params`` (the section's knobs and the recipe's own). A knob only another recipe of
-    the stage declares is not read — it is the chosen recipe's section that the stage sees — but, written in the file,
-    it is held to that recipe's declaration all the same: a bad value is refused whichever method runs."""
+    """The typed section of training stage ``stage``: its ``method`` one of ``choices`` (the stage's
+    recipes), the rest read by the chosen recipe's ``Params`` (the section's knobs and the recipe's
+    own). A knob only another recipe of the stage declares is not read — it is the chosen recipe's
+    section that the stage sees — but, written in the file, it is held to that recipe's declaration
+    all the same: a bad value is refused whichever method runs."""
     section = field_types(ParamsSchema)[stage]
     if given is None:
         given = {}
@@ -519,11 +538,13 @@ def _training_section(stage: str, given: Any, choices: Mapping[str, type[Trainin
 
 
 def validate_params(data: Any, source: str = "params.yaml", recipes: RecipeParams | None = None) -> ParamsSchema:
-    """The typed params of the parsed ``params.yaml`` mapping ``data``; a bad key or value is a one-line UserError.
+    """The typed params of the parsed ``params.yaml`` mapping ``data``; a bad key or value is a
+    one-line UserError.
 
     ``recipes``: each training stage's recipes' ``Params`` (None: the current workspace's,
-    :func:`distillery.pipeline.params.recipes.recipe_params`): a training section is its chosen recipe's. Messages start
-    with ``source`` (the file as the user named it) and name the key as written.
+    :func:`distillery.pipeline.params.recipes.recipe_params`): a training section is its chosen
+    recipe's. Messages start with ``source`` (the file as the user named it) and name the key as
+    written.
     """
     if recipes is None:
         from distillery.pipeline.params.recipes import recipe_params
@@ -550,9 +571,10 @@ def validate_params(data: Any, source: str = "params.yaml", recipes: RecipeParam
 
 
 def as_written(data: Any, defaults: Any) -> Any:
-    """The params as the file wrote them (what DVC records in ``dvc.lock``) with every absent key at its
-    default: ``data`` (the validated mapping, or a section of it) over ``defaults`` (the plain defaults); a key the
-    file holds that ``defaults`` lack (a knob of a recipe not chosen) as written."""
+    """The params as the file wrote them (what DVC records in ``dvc.lock``) with every absent key at
+    its default: ``data`` (the validated mapping, or a section of it) over ``defaults`` (the plain
+    defaults); a key the file holds that ``defaults`` lack (a knob of a recipe not chosen) as
+    written."""
     if isinstance(defaults, dict):
         given = data if isinstance(data, dict) else {}
         return {**{k: as_written(given[k], v) if k in given else v for k, v in defaults.items()},
@@ -561,5 +583,6 @@ def as_written(data: Any, defaults: Any) -> Any:
 
 
 def to_plain(params: ParamsSchema) -> dict[str, Any]:
-    """The typed params as a nested mapping (every key present; numbers as the schema types them)."""
+    """The typed params as a nested mapping (every key present; numbers as the schema types them).
+    """
     return dataclasses.asdict(params)
