@@ -223,12 +223,14 @@ class BaseEncoders:
     (:func:`first_frame_mask_channels`) also its image encoder and processor (when the folder has them)."""
 
     def __init__(self, base: str | Path, device: str | torch.device = "cpu", max_sequence_length: int | None = None,
-                 text_encoder: bool = True, vae_dtype: torch.dtype = torch.float32) -> None:
+                 text_encoder: bool = True, vae_dtype: torch.dtype = torch.float32,
+                 decode: tuple[int | None, bool] = (1, False)) -> None:
         """``text_encoder=False``: leave the tokenizer and text encoder unloaded (a caller that has the
         prompt embeddings already, e.g. from the latent set; :meth:`encode_prompts` then refuses);
         ``text_dim`` comes from ``text_encoder/config.json``. ``vae_dtype``: the VAE's weights and compute
         (float32, as the Wan model card runs it; bfloat16 decodes faster on a GPU); latents stay float32 either way.
-        The decode is diffusers' own until :meth:`configure_decode` says otherwise."""
+        ``decode``: how :meth:`decode_latents` runs, ``(chunk_frames, fused)`` as :meth:`configure_decode` takes them
+        (the default: diffusers' own frame-by-frame decode) — told once, by the caller that decides it."""
         from diffusers import AutoencoderKLWan
 
         quiet_library_progress()
@@ -238,7 +240,7 @@ class BaseEncoders:
                 raise UserError(f"{self.base}: no {part}/ folder; --base must be a diffusers Wan model folder")
         self.device = torch.device(device)
         self.vae = AutoencoderKLWan.from_pretrained(self.base / "vae", torch_dtype=vae_dtype).to(self.device).eval()
-        self.configure_decode(1, False)
+        self.configure_decode(*decode)
         self.max_sequence_length = max_sequence_length or read_max_sequence_length(self.base)
         self.prompt_encoder = PromptEncoder(self.base, self.device, self.max_sequence_length) if text_encoder else None
         self.text_dim = self.prompt_encoder.width if self.prompt_encoder is not None else text_width(self.base)

@@ -84,8 +84,9 @@ class SamplingContext:
         self.dtype = resolve_dtype(cfg.precision, self.device)  # the candidates' (as WanPipeline(torch_dtype=...) runs them)
         self.vae_dtype = resolve_dtype(cfg.vae_precision, self.device)
         self.compile = compile_wanted(cfg.compile, self.device, self.dtype)  # training's rule
+        decode = resolve_vae_decode(cfg.vae_chunk_frames, self.device)  # decided here, told to the encoders once
         self.encoders = BaseEncoders(base_dir, self.device, cfg.max_sequence_length, text_encoder=embeddings is None,
-                                     vae_dtype=self.vae_dtype)
+                                     vae_dtype=self.vae_dtype, decode=decode)
         length = self.encoders.max_sequence_length
         if embeddings is None:
             embeds = self.encoders.encode_prompts(list(prompts) + [""])
@@ -99,7 +100,6 @@ class SamplingContext:
         self.negative = self._pad(embeds[-1], length).to(self.device)  # [1, L, D]
         self.latent_shape = tuple(latent_shape_for(base_dir, cfg.num_frames, cfg.height, cfg.width, "validate"))
         self.first_frames, self.image_embeds = self._image_conditioning(embeddings, len(prompts))
-        self.encoders.configure_decode(*resolve_vae_decode(cfg.vae_chunk_frames, self.device))
         # what the frames depend on: the resolved chunk and whether the fused blocks apply to this VAE
         self.vae_decode = (self.encoders.chunk_frames_for(self.latent_shape), self.encoders.fused_decode)
         analyzer_json = base_dir / "analyzer.json"
