@@ -9,7 +9,8 @@ passes the same checks, with no test code of its own (a new method joins the kit
 3. **resumes bitwise**: stopped after step 1 and resumed, it ends where the uninterrupted run ends — every tensor of
    its last checkpoint (roles, optimizers, callbacks) and every logged loss equal;
 4. **1 rank ≡ 2 ranks**: on 2 gloo ranks (half the per-rank batch: the same global batch; every case in one torchrun
-   launch) it ends within fp32 tolerance of 1 rank;
+   launch) it logs the same values and ends with the same weights, within fp32 tolerance (AdamW's: an element whose
+   gradient is ~0 moves by up to the learning rate either way);
 5. **its sampling contract loads in validate and in the export**: the model the stage publishes
    (:func:`stages.training.publish_model`) samples by its ``sampling.json`` through the sampler registry over its
    family's loader (validate's) and through the export's shipped samplers over the shipped denoiser — the same latents,
@@ -155,14 +156,20 @@ def test_method_conforms(kit, stage, method):
     unequal = [k for k in reference if not torch.equal(reference[k], resumed[k])]
     assert not unequal, f"{stage}/{method}: resumed differs in {unequal[:5]}"
     assert _logged(folder / "resumed") == _logged(folder / "full")
-    # 4. 1 rank ≡ 2 ranks (the same global batch), within fp32 tolerance
+    # 4. 1 rank ≡ 2 ranks (the same global batch), within fp32 tolerance: every logged value (losses, gradient norms,
+    # draws) to 1e-4; every trained weight to 1e-4 relative or the run's peak learning rate absolute — AdamW moves an
+    # element by about the learning rate a step whatever its gradient, so one whose gradient is ~0 moves by ±lr as the
+    # reduction order rounds it
+    for one, other in zip(_logged(folder / "full"), _logged(folder / "two"), strict=True):
+        assert other.keys() == one.keys()
+        assert all(other[k] == pytest.approx(one[k], rel=1e-4, abs=1e-6) for k in one), (stage, method, one, other)
     two = _saved(_last(folder / "two"))
     roles = [k for k in reference if k.startswith("roles.")]
     assert roles and set(roles) <= two.keys()
-    far = [k for k in roles if not torch.allclose(reference[k], two[k], rtol=1e-4, atol=1e-5)]
+    lr = max([config.training.optimizer.learning_rate] + [m.optimizer.learning_rate for m in config.models.values()
+                                                          if m.optimizer is not None and m.optimizer.learning_rate])
+    far = [k for k in roles if not torch.allclose(reference[k], two[k], rtol=1e-4, atol=lr)]
     assert not far, f"{stage}/{method}: 2 ranks differ from 1 in {far[:5]}"
-    for one, other in zip(full, read_log(folder / "two")):
-        assert other["step"] == one["step"] and other["total_loss"] == pytest.approx(one["total_loss"], rel=1e-4, abs=1e-6)
     # 5. the published model's sampling contract: validate's sampler and the export's give the same latents
     model = folder / "model"
     run = _variant(config, folder / "full")
