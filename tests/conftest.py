@@ -115,11 +115,13 @@ def trained(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 # 2026-12-02: pipeline 600, stage_trust 480, stage_faults 330, flows 250, scale 170, dmd2 150, artifact_trust 110,
 # roles 100, preprocess 85, slurm 85, distributed 80, training 75; the files added since, alone on 2 cores
 # (2026-12-03; about 1.5× that in a whole-suite run): prompts_stage 270, ode_init_stage 165, given_teacher 90,
-# lora_dag 90, stage_ema 65, ...; beside other agents on 2 cores (2026-12-03): wan22_dag 420, i2v_dag 500.
+# lora_dag 90, stage_ema 65, ...; beside other agents on 2 cores (2026-12-03): wan22_dag 420, i2v_dag 500; the
+# conformance kit, under heavy (2026-12-07): 350.
 # Files not named here come next if any of their tests is marked slow (they run stages or torchrun: the long kind),
 # then the rest; each group in collection order (see :func:`_file_rank`).
 LONGEST_FIRST = ("tests/test_pipeline.py", "tests/test_sequence_parallel.py", "tests/test_i2v_dag.py",
                  "tests/reliability/test_stage_trust.py", "tests/reliability/test_stage_faults.py",
+                 "tests/test_method_conformance.py",
                  "tests/test_prompts_stage.py", "tests/test_flows.py", "tests/test_ode_init_stage.py", "tests/test_scale.py",
                  "tests/test_dmd2.py", "tests/test_nft_runs.py", "tests/test_given_teacher.py", "tests/test_wan22_dag.py", "tests/test_lora_dag.py",
                  "tests/reliability/test_artifact_trust.py", "tests/test_roles.py", "tests/test_stage_ema.py",
