@@ -1,5 +1,6 @@
-"""The pipeline's stage layer: one adapter module per stage of ``dvc.yaml`` beside the training stages' run-config
-templates (``stages/README.md``), thin over the library and :mod:`distillery.pipeline` (params, launch, publish).
+"""The pipeline's stage layer: one adapter module per stage of ``dvc.yaml`` and the training stages' recipes
+(``stages/recipes/``, ``stages/README.md``), thin over the library and :mod:`distillery.pipeline` (params, launch,
+publish).
 
 ``distillery stage <name>`` (:mod:`distillery.pipeline.launch.runner`) imports the one module its stage names from this
 package, found in the workspace (the folder holding ``dvc.yaml`` and ``params.yaml``), as ``flows/`` is the Prefect face

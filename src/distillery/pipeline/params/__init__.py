@@ -1,2 +1,3 @@
-"""Reading params.yaml: bounded and as DVC reads it (`file`), typed (`schema`, `reader`), profiles (`profile`),
-the base it names (`base_path`), and the checks before a stage works (`preflight`)."""
+"""Reading params.yaml: bounded and as DVC reads it (`file`), typed (`schema`, `reader`; a training section by the
+recipe its `method` names, found in the workspace's registry: `recipes`), profiles (`profile`), the base it names
+(`base_path`)."""
