@@ -188,6 +188,7 @@ training:
     replicate_size: 1
     reshard_after_forward: null
     shard_single_rank: false
+    sp_size: 1
   loop:
     grad_accum_steps: 1
     log_every: 1

@@ -215,7 +215,7 @@ def _input_entry(inp: Input) -> dict[str, Any]:
 def _first_change(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
     """The first file that differs between two ``[{path, sha256, bytes}]`` lists, in words."""
     problems = compare_files(before, after)
-    return cut(problems[0], 120) if problems else "its files changed"
+    return cut(problems[0], limit=120) if problems else "its files changed"
 
 
 def _utc_now() -> str:
