@@ -299,7 +299,7 @@ def test_an_experiment_on_a_pretrain_param_reruns_only_pretrain_and_what_follows
     assert baseline["metrics"]["metrics/pretrain.json"] != experiment["metrics"]["metrics/pretrain.json"]
     table = sh(["dvc", "exp", "show", "--no-pager", "--md", "--only-changed"], repo).stdout
     assert "pretrain.learning_rate" in table and "!" not in table.split("\n", 2)[2], table  # no missing metric in any row
-    assert "distill_4/all" in table or "distill_4/frechet_distance" in table, table
+    assert "distill_4/frechet" in table, table  # distill changed (its adherence share of 4 videos may come out the same)
     assert "teacher_6" not in table and "pdd_1" not in table, table  # reused: bitwise the same numbers, so not "changed"
     steps = [json.loads(line)["step"] for line in (repo / "runs" / "pretrain" / "train_log.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
