@@ -159,11 +159,17 @@ method:
 models:
   student:
     _target_: distillery.models.wan.WanModel
+    attention: auto
     init_from: artifacts/base/model
     logit_mean: 0.0
     logit_std: 1.0
     random_init: false
     shift: null
+    sparse_tile:
+    - 1
+    - 16
+    - 8
+    sparsity: 0.9
     timestep_sampling: uniform
     trainable: true
 training:
