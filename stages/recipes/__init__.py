@@ -5,7 +5,8 @@ A recipe turns its stage's typed ``params.yaml`` section into the typed run conf
 package per training stage, a module per method in it (a module whose name starts with ``_``, and the package's
 ``__init__`` — the knobs its recipes share —, are not methods). ``<stage>.method`` in ``params.yaml`` names one; its
 choices are the modules there, so adding a method is its library module (``src/distillery/methods/``) and its recipe
-module here — ``dvc.yaml`` lists each stage's folder as one dep (a new recipe reruns its stage, and only it).
+module here — ``dvc.yaml`` lists each stage's folder as one dep (a new recipe reruns its stage, and only it) and,
+among the stage's code deps, the library module (one line).
 ``src/distillery`` imports this package only by name, from the workspace it runs in
 (:func:`distillery.pipeline.params.recipes.recipe_registry`).
 """

@@ -14,7 +14,8 @@ and ``recipe(p, run)``: the typed run config; optionally ``prepare(p, params)`` 
 before training, e.g. the teacher's ODE trajectories) and ``given_contract(p)`` (what a given model
 standing in for its student samples with). :func:`recipe_params` gives
 :func:`~distillery.pipeline.params.schema.validate_params` each stage's choices of ``method``: the
-registry's, so a new method is its library module, its recipe module and nothing else.
+registry's, so a new method is its library module, its recipe module and the library module's line
+among its stage's ``dvc.yaml`` code deps.
 """
 
 from __future__ import annotations
