@@ -119,7 +119,7 @@ def trained(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 # conformance kit, under heavy (2026-12-07): 350.
 # Files not named here come next if any of their tests is marked slow (they run stages or torchrun: the long kind),
 # then the rest; each group in collection order (see :func:`_file_rank`).
-LONGEST_FIRST = ("tests/test_pipeline.py", "tests/test_sequence_parallel.py", "tests/test_i2v_dag.py",
+LONGEST_FIRST = ("tests/test_pipeline.py", "tests/test_model_parallel.py", "tests/test_i2v_dag.py",
                  "tests/reliability/test_stage_trust.py", "tests/reliability/test_stage_faults.py",
                  "tests/test_method_conformance.py",
                  "tests/test_prompts_stage.py", "tests/test_flows.py", "tests/test_ode_init_stage.py", "tests/test_scale.py",

@@ -1,13 +1,16 @@
-"""Ulysses sequence parallelism (``training.distributed.sp_size``) on gloo CPU ranks against one process.
+"""Sequence parallelism (``training.distributed.sp_size``, Ulysses) and tensor parallelism (``tp_size``) on gloo CPU
+ranks against one process.
 
 - every method (SFT, DFSFT, KD, DMD2, Self-Forcing and its causal KV-cache rollout, PDD, DM-PDD; activation
   checkpointing on some; SFT and Self-Forcing with a block-sparse student) at world 2 = 1 data rank × sp 2: the losses
-  and gradient norms of each step and the weights at the end are one process's, within fp32 tolerance; Wan 2.2's per-token timesteps (TI2V-5B) and two experts
-  (A14B) too;
+  and gradient norms of each step and the weights at the end are one process's, within fp32 tolerance; Wan 2.2's
+  per-token timesteps (TI2V-5B) and two experts (A14B) too; SFT, DFSFT, DMD2, Self-Forcing and PDD at tp 2 likewise;
 - world 4 = 2 data ranks × sp 2 (FSDP2, and HSDP: ``replicate × shard × sp``) is one process with the global batch;
-- a run stopped at sp 2 resumes at sp 2 bit for bit, at sp 1 (resharded) and the reverse, within tolerance;
-- refusals before any model loads: heads that do not split, an SP group larger than the node or not dividing the
-  world, a method that cannot take SP;
+  sp 2 × tp 2 is one process;
+- a run stopped at sp 2 resumes at sp 2 bit for bit, at sp 1 (resharded) and the reverse, within tolerance; one
+  stopped at tp 2 resumes at tp 1;
+- refusals before any model loads: heads that do not split, a group larger than the node or not dividing the
+  world, a method that cannot take SP, a LoRA under TP;
 - the collectives alone: the Ulysses attention of a padded sequence is plain attention, its gradients too.
 
 All world-2 runs are one torchrun launch (tests/torchrun_each.py), the world-4 ones another.
@@ -74,11 +77,24 @@ def _method(name: str, base: Path, data: Path, trajectories: Path, out: Path, ba
 
 
 METHODS = ("sft", "sft_ac", "dfsft", "kd", "dmd2", "self_forcing", "pdd", "dm_pdd", "sft_sparse", "self_forcing_sparse")
-FOUR = (("sft", "dp2-sp2"), ("self_forcing", "hsdp-sp2"))  # world 4: the plain layout, and HSDP over the 3-D mesh
+TP_METHODS = ("sft", "dfsft", "dmd2", "self_forcing", "pdd")
+# world 4: (method, layout, training.distributed, the one-process run it equals)
+FOUR = (("sft", "dp2-sp2", {"sp_size": 2}, "one-b4"), ("self_forcing", "hsdp-sp2", {"sp_size": 2, "replicate_size": 2}, "one-b4"),
+        ("sft", "sp2-tp2", {"sp_size": 2, "tp_size": 2}, "one"), ("self_forcing", "sp2-tp2", {"sp_size": 2, "tp_size": 2}, "one"))
 
 
 def _sp(cfg: dict, sp: int, **distributed) -> dict:
     cfg["training"]["distributed"] = {"sp_size": sp, **distributed}
+    return cfg
+
+
+def _stopped(cfg: dict) -> dict:
+    cfg["training"]["loop"]["stop_at_step"] = STOP
+    return cfg
+
+
+def _resumed_from(cfg: dict, checkpoint: Path) -> dict:
+    cfg["training"]["checkpoint"]["resume"] = str(checkpoint)
     return cfg
 
 
@@ -110,7 +126,7 @@ def runs(tmp_path_factory, tiny_base, latent_set):
     def wan22_run(layout: str, out: str) -> dict:
         return run_config(wan22[layout], wan22_data[layout], root / out, steps=STEPS, batch_size=2, callbacks=dict(CLIP))
 
-    two: list[tuple[dict, Path]] = []
+    two: list[tuple[dict, Path]] = []  # the sp-2 runs first, then the tp-2 ones (a launch's runs of one layout share meshes)
     for name in METHODS:  # one process, and 1 data rank × sp 2
         train_in_process(method(name, f"{name}/one"))
         two.append((_sp(method(name, f"{name}/sp2"), 2), root / f"{name}-sp2.yaml"))
@@ -118,33 +134,32 @@ def runs(tmp_path_factory, tiny_base, latent_set):
         train_in_process(wan22_run(layout, f"wan22-{layout}/one"))
         two.append((_sp(wan22_run(layout, f"wan22-{layout}/sp2"), 2), root / f"wan22-{layout}-sp2.yaml"))
     for name in ("sft", "self_forcing"):  # stopped at sp 2 and resumed there, in the launch
-        stopped = _sp(method(name, f"{name}/resumed"), 2)
-        stopped["training"]["loop"]["stop_at_step"] = STOP
-        two += [(stopped, root / f"{name}-stopped.yaml"), (_sp(method(name, f"{name}/resumed"), 2), root / f"{name}-resumed.yaml")]
-    up = method("sft", "sft/one-stopped")  # stopped at sp 1 (here), resumed at sp 2 (in the launch)
-    up["training"]["loop"]["stop_at_step"] = STOP
-    train_in_process(up)
-    up_resumed = _sp(method("sft", "sft/up"), 2)
-    up_resumed["training"]["checkpoint"]["resume"] = str(root / "sft" / "one-stopped" / f"checkpoint-{STOP}")
-    two.append((up_resumed, root / "sft-up.yaml"))
+        two += [(_stopped(_sp(method(name, f"{name}/resumed"), 2)), root / f"{name}-stopped.yaml"),
+                (_sp(method(name, f"{name}/resumed"), 2), root / f"{name}-resumed.yaml")]
+    train_in_process(_stopped(method("sft", "sft/one-stopped")))  # stopped at sp 1 (here), resumed at sp 2 (in the launch)
+    two.append((_resumed_from(_sp(method("sft", "sft/up"), 2), root / "sft" / "one-stopped" / f"checkpoint-{STOP}"),
+                root / "sft-up.yaml"))
+    two += [(_sp(method(name, f"{name}/tp2"), 1, tp_size=2), root / f"{name}-tp2.yaml") for name in TP_METHODS]
+    two.append((_stopped(_sp(method("sft", "sft/tp-stopped"), 1, tp_size=2)), root / "sft-tp-stopped.yaml"))
     granted = {**os.environ, "OMP_NUM_THREADS": "1", "DISTILLERY_ALLOWED_CHECKPOINTS": str(root)}
     proc = torchrun_each(two, nproc=2, env=granted)
     (root / "launch-2.log").write_text(proc.stderr)
 
-    for name in ("sft", "self_forcing"):  # the sp-2 checkpoint of STOP resumed at sp 1 (resharded)
-        down = method(name, f"{name}/down")
-        down["training"]["checkpoint"]["resume"] = str(root / name / "resumed" / f"checkpoint-{STOP}")
-        os.environ["DISTILLERY_ALLOWED_CHECKPOINTS"] = str(root)
-        try:
-            train_in_process(down)
-        finally:
-            del os.environ["DISTILLERY_ALLOWED_CHECKPOINTS"]
+    os.environ["DISTILLERY_ALLOWED_CHECKPOINTS"] = str(root)
+    try:  # the sp-2 (tp-2) checkpoints of STOP resumed in one process (resharded)
+        for name, stopped in (("sft", "resumed"), ("self_forcing", "resumed"), ("sft", "tp-stopped")):
+            out = "down" if stopped == "resumed" else "tp-down"
+            train_in_process(_resumed_from(method(name, f"{name}/{out}"), root / name / stopped / f"checkpoint-{STOP}"))
+    finally:
+        del os.environ["DISTILLERY_ALLOWED_CHECKPOINTS"]
 
     four: list[tuple[dict, Path]] = []
-    for name, layout in FOUR:  # 2 data ranks × sp 2 (FSDP2 over 4; HSDP 2 × 2) against one process × 4 samples
-        train_in_process(method(name, f"{name}/one-b4", batch_size=4))
-        distributed = {"replicate_size": 2} if layout == "hsdp-sp2" else {}
-        four.append((_sp(method(name, f"{name}/{layout}"), 2, **distributed), root / f"{name}-{layout}.yaml"))
+    for name, layout, distributed, reference in FOUR:  # 2 data ranks × sp 2 (FSDP2 over 4; HSDP 2 × 2); sp 2 × tp 2
+        if reference == "one-b4" and not (root / name / "one-b4").exists():
+            train_in_process(method(name, f"{name}/one-b4", batch_size=4))
+        cfg = method(name, f"{name}/{layout}")
+        cfg["training"]["distributed"] = dict(distributed)
+        four.append((cfg, root / f"{name}-{layout}.yaml"))
     proc = torchrun_each(four, nproc=4)
     (root / "launch-4.log").write_text(proc.stderr)
     return root
@@ -179,7 +194,10 @@ def test_each_method_at_sp_2_is_one_process(runs, name):
 def test_the_launch_split_the_sequence(runs):
     log = (runs / "launch-2.log").read_text()
     assert "FSDP2 on mesh (shard_sp 2)" in log and "sequence parallel: 2 ranks per sample" in log
-    assert "HSDP on mesh (replicate 2 x shard_sp 2)" in (runs / "launch-4.log").read_text()
+    four = (runs / "launch-4.log").read_text()
+    assert "HSDP on mesh (replicate 2 x shard_sp 2)" in four
+    assert "FSDP2 on mesh (shard_sp 2), blocks split over tp 2" in four  # sp 2 × tp 2: the data dims are the SP ranks
+    assert "FSDP2 on mesh (shard 1), blocks split over tp 2" in log
 
 
 @pytest.mark.slow
@@ -190,12 +208,19 @@ def test_wan22_layouts_at_sp_2_are_one_process(runs, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "layout"), FOUR)
-def test_two_data_ranks_of_two_sequence_ranks_are_one_process_with_the_global_batch(runs, name, layout):
-    """Losses and gradient norms as tight as at world 2; the weights within 1e-4 (a tenth of the learning rate): two
-    data ranks sum their halves of the batch in another order, and Adam's first step (``m / (√v + ε)``) turns the last
-    bits of a near-zero gradient element into a visible part of a step (the same with plain data parallelism)."""
-    _same_trajectory(runs / name / layout, runs / name / "one-b4", atol=1e-4)
+@pytest.mark.parametrize("name", TP_METHODS)
+def test_each_method_at_tp_2_is_one_process(runs, name):
+    _same_trajectory(runs / name / "tp2", runs / name / "one")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "layout", "distributed", "reference"), FOUR, ids=[f"{n}-{lay}" for n, lay, _, _ in FOUR])
+def test_world_4_layouts_are_one_process(runs, name, layout, distributed, reference):
+    """2 data ranks × sp 2 against one process with the global batch, sp 2 × tp 2 against one process. Losses and
+    gradient norms as tight as at world 2; the weights within 1e-4 (a tenth of the learning rate): two data ranks sum
+    their halves of the batch in another order, and Adam's first step (``m / (√v + ε)``) turns the last bits of a
+    near-zero gradient element into a visible part of a step (the same with plain data parallelism)."""
+    _same_trajectory(runs / name / layout, runs / name / reference, atol=1e-4)
 
 
 @pytest.mark.slow
@@ -221,6 +246,15 @@ def test_an_sp_2_checkpoint_resumes_at_sp_1(runs, name):
 @pytest.mark.slow
 def test_an_sp_1_checkpoint_resumes_at_sp_2(runs):
     _same_trajectory_tail(runs / "sft" / "up", runs / "sft" / "one")
+
+
+@pytest.mark.slow
+def test_a_tp_2_checkpoint_resumes_at_tp_1(runs):
+    """The split weights are saved whole (DCP): the norms' scales and the column/row shards put back together."""
+    saved = dcp_tensors(runs / "sft" / "tp-stopped" / f"checkpoint-{STOP}", ("roles.student.transformer.blocks.0.attn1.",))
+    assert saved["roles.student.transformer.blocks.0.attn1.norm_q.weight"].shape == (128,)  # 4 heads × 32, whole
+    assert saved["roles.student.transformer.blocks.0.attn1.to_q.weight"].shape == (128, 128)
+    _same_trajectory_tail(runs / "sft" / "tp-down", runs / "sft" / "one")
 
 
 def _same_trajectory_tail(got: Path, want: Path) -> None:
@@ -265,25 +299,41 @@ def test_a_method_that_cannot_take_sp_is_refused(tiny_base, latent_set, tmp_path
         check_roles_early(load_run_config(raw=raw, prefixes=allowed_prefixes()))
 
 
-def test_a_model_plugin_offers_no_sp_unless_it_says_so():
+def test_a_model_plugin_offers_no_sp_or_tp_unless_it_says_so():
     from distillery.models.base import ModelBase
 
-    assert ModelBase.sequence_parallel_problem(None, 1) is None
+    assert ModelBase.sequence_parallel_problem(None, 1) is None and ModelBase.tensor_parallel_problem(None, 1) is None
     assert ModelBase.sequence_parallel_problem(None, 2) == "ModelBase does not offer sequence parallelism"
+    assert ModelBase.tensor_parallel_problem(None, 2) == "ModelBase does not offer tensor parallelism"
 
 
-@pytest.mark.parametrize(("sp", "world", "local", "why"), [
-    (2, 1, 1, "does not divide the world size 1"),
-    (4, 4, 2, "larger than a node's 2 processes"),
-    (2, 3, 3, "does not divide the world size 3"),
-    (4, 12, 6, "does not divide the 6 processes per node")])
-def test_an_sp_group_must_fit_in_a_node(monkeypatch, sp, world, local, why):
-    from distillery.components.distributed import check_sequence_parallel
+@pytest.mark.parametrize(("sp", "tp", "world", "local", "why"), [
+    (2, 1, 1, 1, "sp_size: 2 does not divide the world size 1"),
+    (4, 1, 4, 2, "sp_size: a group of 4 ranks is larger than a node's 2 processes"),
+    (2, 1, 3, 3, "sp_size: 2 does not divide the world size 3"),
+    (4, 1, 12, 6, "sp_size: 4 does not divide the 6 processes per node"),
+    (1, 2, 3, 3, "tp_size: 2 does not divide the world size 3"),
+    (2, 2, 8, 2, "sp_size × tp_size: a group of 4 ranks is larger than a node's 2 processes")])
+def test_sp_and_tp_groups_must_fit_in_a_node(monkeypatch, sp, tp, world, local, why):
+    from distillery.components.distributed import check_model_parallel
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
     with pytest.raises(UserError, match=why):
-        check_sequence_parallel(sp, world)
-    check_sequence_parallel(1, world)
+        check_model_parallel(sp, tp, world)
+    check_model_parallel(1, 1, world)
+
+
+def test_tp_refuses_heads_that_do_not_split_and_a_lora(tiny_base, latent_set, tmp_path):
+    from distillery.config import allowed_prefixes, load_run_config
+    from distillery.engine.builder import check_roles_early
+
+    raw = _sp(run_config(tiny_base, latent_set, tmp_path / "run"), 2, tp_size=4)
+    with pytest.raises(UserError, match=r"tp_size: 4: models.student: .*4 attention heads do not split over tp_size 4 × sp_size 2"):
+        check_roles_early(load_run_config(raw=raw, prefixes=allowed_prefixes()))
+    raw = _sp(run_config(tiny_base, latent_set, tmp_path / "run"), 1, tp_size=2)
+    raw["models"]["student"]["lora"] = {"rank": 4, "target_modules": ["to_q", "to_v"]}
+    with pytest.raises(UserError, match="models.student trains a LoRA adapter, which tensor parallelism does not split"):
+        check_roles_early(load_run_config(raw=raw, prefixes=allowed_prefixes()))
 
 
 @pytest.mark.process

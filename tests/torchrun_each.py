@@ -40,7 +40,9 @@ def fit_each(paths: list[str]) -> None:
     env = init_distributed(configs[0].training.distributed)
     setup_logging(env.rank)  # as distillery.cli.train: rank 0 logs (each role's mesh)
     try:
-        for config in configs:
+        for i, config in enumerate(configs):
+            if i and config.training.distributed != configs[i - 1].training.distributed:  # its own meshes (sp, tp, ...)
+                env = init_distributed(config.training.distributed)  # (the process group is kept)
             build_trainer(config, env).fit()
     finally:
         shutdown()

@@ -48,13 +48,35 @@ def _shard_group(grads: list[torch.Tensor]) -> dist.ProcessGroup | None:
     return None
 
 
+def _copies(g: torch.Tensor, world: int) -> int:
+    """How many ranks of the ``world`` hold the same local piece of the gradient ``g`` (``world`` over the product of the
+    mesh dims it is sharded on; ``world`` for a plain tensor)."""
+    if not isinstance(g, DTensor):
+        return world
+    pieces = 1
+    for i, placement in enumerate(g.placements):
+        if not (placement.is_replicate() or placement.is_partial()):  # Shard, or FSDP2's strided shard over TP's
+            pieces *= g.device_mesh.size(i)
+    return world // pieces
+
+
 def total_grad_norm(params: list[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
-    """Global p-norm of the gradients of (possibly FSDP-sharded) ``params``: a 0-dim fp32 tensor."""
+    """Global p-norm of the gradients of (possibly FSDP-sharded) ``params``: a 0-dim fp32 tensor.
+
+    Under tensor parallelism the gradients live on two meshes (the split weights on ``(data dims, tp)``, the others on
+    the data dims, alike on every TP rank): each local piece's p-th power is divided by the number of ranks holding it
+    and the sum taken over every rank."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     local = [local_shard(g) for g in grads]
     per_tensor = torch._foreach_norm(local, norm_type)
+    if any(isinstance(g, DTensor) and "tp" in (g.device_mesh.mesh_dim_names or ()) for g in grads):
+        world = dist.get_world_size()
+        weights = torch.tensor([1.0 / _copies(g, world) for g in grads], device=per_tensor[0].device)
+        total = (torch.stack([n.float() for n in per_tensor]).pow(norm_type) * weights).sum()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total.pow(1.0 / norm_type)
     total = torch.stack([n.float() for n in per_tensor]).pow(norm_type).sum()
     group = _shard_group(grads)
     if group is not None:

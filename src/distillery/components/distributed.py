@@ -21,6 +21,11 @@ sp)`` = ``(R, W/(R·S), S)``; FSDP2 shards over the flattened ``(shard, sp)`` di
 shards of the weights too, as torchtitan's context parallelism does) and the ``sp`` dim is the SP group. The data —
 batches and :class:`~distillery.components.rng.BatchRNG` draws — is split over the W/S *data ranks* only
 (:attr:`DistEnv.data_rank`, :attr:`DistEnv.data_world`): the ranks of a group train the same samples.
+
+**Tensor parallelism.** ``training.distributed.tp_size`` T > 1 splits each block's attention heads and FFN width over
+T consecutive ranks (innermost: ``(replicate, shard, [sp,] tp)``), as DTensors on the ``tp`` dim
+(:mod:`distillery.models.wan.tensor_parallel`); FSDP2 shards over the data dims ``(replicate, shard_sp)`` only. The
+ranks of a TP group, like those of an SP group, train the same samples: W/(S·T) data ranks.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ class DistEnv:
     compute_dtype: torch.dtype  # bf16 under mixed precision, else fp32
     meshes: dict[int, DeviceMesh] = field(default_factory=dict)  # replicate size → its mesh (mesh_for)
     sp: SequenceParallel | None = None  # this rank's sequence-parallel group (None: sp_size 1)
+    tp_size: int = 1  # ranks a block's heads and FFN are split over (training.distributed.tp_size)
+    tp_meshes: dict[int, DeviceMesh] = field(default_factory=dict)  # replicate size → the TP dim of its device mesh
 
     @property
     def is_main(self) -> bool:
@@ -61,60 +68,80 @@ class DistEnv:
 
     @property
     def data_rank(self) -> int:
-        """This rank's index among the data-parallel ranks (the ranks of an SP group share one)."""
-        return self.rank // self.sp_size
+        """This rank's index among the data-parallel ranks (the ranks of an SP × TP group share one)."""
+        return self.rank // (self.sp_size * self.tp_size)
 
     @property
     def data_world(self) -> int:
-        """The number of data-parallel ranks: ranks that train different samples (world / sp_size)."""
-        return self.world_size // self.sp_size
+        """The number of data-parallel ranks: ranks that train different samples (world / (sp_size · tp_size))."""
+        return self.world_size // (self.sp_size * self.tp_size)
 
     def mesh_for(self, replicate_size: int, key: str = "training.distributed.replicate_size") -> DeviceMesh:
-        """The ``(replicate_size, world/replicate_size)`` HSDP mesh (1-D ``shard`` when 1), built on first use.
+        """The ``(replicate_size, world/replicate_size)`` HSDP mesh (1-D ``shard`` when 1; without the ``tp`` dim), built
+        on first use.
 
         Collective on first use (it creates process groups). A size that does not divide the world
         is a one-line :class:`UserError` naming ``key``."""
         if replicate_size not in self.meshes:
-            self.meshes[replicate_size] = build_mesh(self.device.type, self.world_size, replicate_size, key, self.sp_size)[0]
+            fsdp, _, tp = build_mesh(self.device.type, self.world_size, replicate_size, key, self.sp_size, self.tp_size)
+            self.meshes[replicate_size] = fsdp
+            if tp is not None:
+                self.tp_meshes[replicate_size] = tp
         return self.meshes[replicate_size]
 
+    def tp_mesh_for(self, replicate_size: int) -> DeviceMesh | None:
+        """The ``tp`` dim of the device mesh whose data dims are :meth:`mesh_for` ``(replicate_size)`` (call that first);
+        None without tensor parallelism."""
+        return self.tp_meshes.get(replicate_size)
 
-def build_mesh(device_type: str, world: int, replicate_size: int, key: str, sp_size: int = 1) -> tuple[DeviceMesh, DeviceMesh]:
-    """``(FSDP2 mesh, device mesh)``: a 1-D ``("shard",)`` mesh over ``world`` ranks, or the ``("replicate", "shard")``
-    HSDP mesh — with ``sp_size`` 1 the device mesh itself. With ``sp_size`` S > 1 FSDP2's mesh is ``(replicate,
-    shard_sp)`` (1-D ``shard_sp`` when R is 1) and the device mesh its ``shard_sp`` dim unflattened: ``(replicate,
-    shard, sp)`` (``(shard, sp)`` when R is 1), whose ``sp`` dim is the SP group (module doc)."""
+
+def build_mesh(device_type: str, world: int, replicate_size: int, key: str, sp_size: int = 1,
+               tp_size: int = 1) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None]:
+    """``(FSDP2 mesh, device mesh, TP mesh)``. Without SP and TP: a 1-D ``("shard",)`` mesh over ``world`` ranks, or the
+    ``("replicate", "shard")`` HSDP mesh — the device mesh itself —, and no TP mesh. With ``sp_size`` S > 1 the data
+    dim is ``shard_sp`` and the device mesh has it unflattened into ``(shard, sp)``, whose ``sp`` dim is the SP group;
+    with ``tp_size`` T > 1 a ``tp`` dim of T consecutive ranks comes last, FSDP2's mesh is the data dims
+    ``(replicate, shard[_sp])`` of the same mesh and the TP mesh its ``tp`` dim (module doc)."""
     if replicate_size < 1 or world % replicate_size:
         raise UserError(f"config error: {key}: {replicate_size} does not divide the world size {world} "
                         f"(nodes x processes per node); use a divisor of {world}")
-    if (world // replicate_size) % sp_size:
-        raise UserError(f"config error: training.distributed.sp_size: {sp_size} does not divide the {world // replicate_size} "
-                        f"ranks of a shard group ({key} {replicate_size} of a world of {world})")
+    if (world // replicate_size) % (sp_size * tp_size):
+        raise UserError(f"config error: training.distributed: sp_size {sp_size} × tp_size {tp_size} does not divide the "
+                        f"{world // replicate_size} ranks of a shard group ({key} {replicate_size} of a world of {world})")
     shard = "shard_sp" if sp_size > 1 else "shard"
+    sizes, names = [world // (replicate_size * tp_size)], [shard]
     if replicate_size > 1:
-        mesh = init_device_mesh(device_type, (replicate_size, world // replicate_size), mesh_dim_names=("replicate", shard))
-    else:
-        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=(shard,))
-    if sp_size == 1:
-        return mesh, mesh
-    return mesh, mesh._unflatten(shard, (world // (replicate_size * sp_size), sp_size), ("shard", "sp"))
+        sizes, names = [replicate_size, *sizes], ["replicate", *names]
+    if tp_size > 1:
+        sizes, names = [*sizes, tp_size], [*names, "tp"]
+    mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+    fsdp = mesh[tuple(n for n in names if n != "tp")] if tp_size > 1 else mesh
+    device = mesh
+    if sp_size > 1:
+        device = mesh._unflatten(shard, (world // (replicate_size * sp_size * tp_size), sp_size), ("shard", "sp"))
+    return fsdp, device, (mesh["tp"] if tp_size > 1 else None)
 
 
-def check_sequence_parallel(sp_size: int, world: int) -> None:
-    """``training.distributed.sp_size`` against the launch, before any process group exists: it must divide the world
-    and the processes per node (an SP group's all-to-alls stay inside a node: ``LOCAL_WORLD_SIZE``, set by torchrun)."""
-    if sp_size == 1:
-        return
+def check_model_parallel(sp_size: int, tp_size: int, world: int) -> None:
+    """``training.distributed.sp_size`` and ``tp_size`` against the launch, before any process group exists: each, and
+    their product, must divide the world and the processes per node (an SP group's all-to-alls and a TP group's
+    all-reduces run in every block and stay inside a node: ``LOCAL_WORLD_SIZE``, set by torchrun)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    where = "config error: training.distributed.sp_size"
-    if world % sp_size:
-        raise UserError(f"{where}: {sp_size} does not divide the world size {world} (nodes x processes per node)")
-    if sp_size > local:
-        raise UserError(f"{where}: an SP group of {sp_size} ranks is larger than a node's {local} processes; an SP group "
-                        "runs an all-to-all in every attention layer and stays inside a node (sp_size <= processes per node)")
-    if local % sp_size:
-        raise UserError(f"{where}: {sp_size} does not divide the {local} processes per node; "
-                        "SP groups are consecutive ranks of one node")
+    checks = [("sp_size", sp_size), ("tp_size", tp_size)]
+    if sp_size > 1 and tp_size > 1:
+        checks.append(("sp_size × tp_size", sp_size * tp_size))
+    for key, size in checks:
+        if size == 1:
+            continue
+        where = f"config error: training.distributed.{key}"
+        if world % size:
+            raise UserError(f"{where}: {size} does not divide the world size {world} (nodes x processes per node)")
+        if size > local:
+            raise UserError(f"{where}: a group of {size} ranks is larger than a node's {local} processes; it runs collectives "
+                            "in every block and stays inside a node (at most the processes per node)")
+        if local % size:
+            raise UserError(f"{where}: {size} does not divide the {local} processes per node; its groups are "
+                            "consecutive ranks of one node")
 
 
 def _resolve_device(cfg: DistributedConfig) -> str:
@@ -148,15 +175,17 @@ def init_distributed(cfg: DistributedConfig) -> DistEnv:
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
-    check_sequence_parallel(cfg.sp_size, world)
-    mesh, device_mesh = build_mesh(device_type, world, cfg.replicate_size, "training.distributed.replicate_size", cfg.sp_size)
+    check_model_parallel(cfg.sp_size, cfg.tp_size, world)
+    mesh, device_mesh, tp = build_mesh(device_type, world, cfg.replicate_size, "training.distributed.replicate_size",
+                                       cfg.sp_size, cfg.tp_size)
     sp = None
     if cfg.sp_size > 1:
         sp = SequenceParallel(device_mesh["sp"].get_group(), cfg.sp_size, device_mesh["sp"].get_local_rank())
     mp = cfg.mixed_precision
     bf16 = mp == "bf16" or (mp == "auto" and device_type == "cuda")
     return DistEnv(rank, world, local_rank, device, backend, mesh, torch.bfloat16 if bf16 else torch.float32,
-                   meshes={cfg.replicate_size: mesh}, sp=sp)
+                   meshes={cfg.replicate_size: mesh}, sp=sp, tp_size=cfg.tp_size,
+                   tp_meshes={cfg.replicate_size: tp} if tp is not None else {})
 
 
 def uses_fsdp(env: DistEnv, cfg: DistributedConfig) -> bool:

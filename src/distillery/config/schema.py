@@ -53,6 +53,7 @@ class DistributedConfig(Checked):
     shard_single_rank: bool = False  # true: FSDP2 even on a world of one; false: a plain module there (bf16 compute copy + fp32 master, faster: BENCHMARKS.md)
     reshard_after_forward: bool | None = None  # FSDP2: free gathered params after forward (ZeRO-3); null: only when the shard group has >1 rank
     sp_size: int = bounded(1, 1, MAX_RANKS)  # Ulysses sequence parallelism: ranks a sample's tokens are split over (1: off; divides node and heads)
+    tp_size: int = bounded(1, 1, MAX_RANKS)  # tensor parallelism: ranks each block's heads and FFN are split over (1: off; divides node and heads)
 
 
 @dataclass

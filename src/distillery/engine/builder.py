@@ -86,7 +86,7 @@ def check_roles_early(config: RunConfig) -> dict[str, OptimizerConfig]:
     for name, callback in config.callbacks.items():  # the roles a callback names, where the method's are checked
         if isinstance(callback.cls, type) and issubclass(callback.cls, Callback):
             callback.cls.check_roles(callback.config, config.models, f"callbacks.{name}")
-    check_sequence_parallel_fit(config)
+    check_model_parallel_fit(config)
     for role, model in config.models.items():  # a LoRA on a frozen role, on no Linear layer, wider than one
         if model.lora is not None:
             trainable = bool(getattr(model.config, "trainable", False))
@@ -94,21 +94,31 @@ def check_roles_early(config: RunConfig) -> dict[str, OptimizerConfig]:
     return role_optimizer_configs(config)
 
 
-def check_sequence_parallel_fit(config: RunConfig) -> None:
-    """``training.distributed.sp_size`` > 1 against the method (a method may declare it cannot take SP:
-    ``TrainingMethod.sequence_parallel``) and every role's model (its plugin's ``sequence_parallel_problem``: e.g.
-    heads that do not split over the group), from the config and the models' ``config.json`` — before any weights load."""
-    sp_size = config.training.distributed.sp_size
-    if sp_size == 1:
-        return
-    where = "config error: training.distributed.sp_size"
+def check_model_parallel_fit(config: RunConfig) -> None:
+    """``training.distributed.sp_size`` / ``tp_size`` > 1 against the method (a method may declare it cannot take them:
+    ``TrainingMethod.sequence_parallel`` / ``tensor_parallel``) and every role's model (its plugin's
+    ``sequence_parallel_problem`` / ``tensor_parallel_problem``: e.g. heads that do not split over the group; a LoRA
+    role is not split by TP), from the config and the models' ``config.json`` — before any weights load."""
+    dist_cfg = config.training.distributed
+    sp_size, tp_size = dist_cfg.sp_size, dist_cfg.tp_size
     method = config.method.cls
-    if not getattr(method, "sequence_parallel", False):
-        raise UserError(f"{where}: {sp_size}, but {method.__name__} does not take sequence parallelism; use sp_size 1")
+    for key, size, flag, what in (("sp_size", sp_size, "sequence_parallel", "sequence"),
+                                  ("tp_size", tp_size, "tensor_parallel", "tensor")):
+        if size > 1 and not getattr(method, flag, False):
+            raise UserError(f"config error: training.distributed.{key}: {size}, but {method.__name__} does not take "
+                            f"{what} parallelism; use {key} 1")
+    if sp_size == 1 and tp_size == 1:
+        return
+    key = "tp_size" if tp_size > 1 else "sp_size"
+    where = f"config error: training.distributed.{key}: {tp_size if tp_size > 1 else sp_size}"
     for role, model in config.models.items():
-        problem = model.cls.sequence_parallel_problem(model.config, sp_size)
+        if tp_size > 1 and model.lora is not None:
+            raise UserError(f"{where}: models.{role} trains a LoRA adapter, which tensor parallelism does not split; "
+                            "use tp_size 1 (sp_size splits the sequence whatever trains)")
+        problem = (model.cls.tensor_parallel_problem(model.config, tp_size, sp_size) if tp_size > 1
+                   else model.cls.sequence_parallel_problem(model.config, sp_size))
         if problem:
-            raise UserError(f"{where}: {sp_size}: models.{role}: {problem}")
+            raise UserError(f"{where}: models.{role}: {problem}")
 
 
 def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
@@ -121,8 +131,9 @@ def build_run(config: RunConfig, env: DistEnv) -> BuiltRun:
     models = build_models(config)
     method = build_method(config, models, env.data_rank, optimizers)
     runtime = config.training.model
-    if env.sp is not None and env.is_main:
-        log.info("sequence parallel: %d ranks per sample (Ulysses), %d data ranks", env.sp_size, env.data_world)
+    if (env.sp is not None or env.tp_size > 1) and env.is_main:
+        log.info("sequence parallel: %d ranks per sample (Ulysses), tensor parallel: %d, %d data ranks", env.sp_size,
+                 env.tp_size, env.data_world)
     for role, model in models.items():  # in config order on every rank (a new mesh is a collective)
         if runtime.activation_checkpointing and runtime.activation_checkpointing_fraction >= 1.0 and hasattr(model, "enable_activation_checkpointing"):
             model.enable_activation_checkpointing()  # every block: diffusers' own (a share of them: place_model)
@@ -174,9 +185,13 @@ def place_model(model: ModelBase, env: DistEnv, dist_cfg: DistributedConfig, run
                 else env.mesh_for(replicate_size, f"models.{model.role}.distributed.replicate_size"))
         if env.is_main:
             dims = " x ".join(f"{name} {mesh.size(i)}" for i, name in enumerate(mesh.mesh_dim_names or ()))
-            log.info("role %s: %s on mesh (%s)", model.role, "HSDP" if mesh.ndim > 1 else "FSDP2", dims)
+            log.info("role %s: %s on mesh (%s)%s", model.role, "HSDP" if mesh.ndim > 1 else "FSDP2", dims,
+                     f", blocks split over tp {env.tp_size}" if env.tp_size > 1 else "")
         if partial_ac:  # before the blocks are compiled and wrapped
             _checkpoint_some_blocks(model, model.shardable_blocks(), runtime.activation_checkpointing_fraction)
+        tp_mesh = env.tp_mesh_for(dist_cfg.replicate_size if replicate_size is None else replicate_size)
+        if tp_mesh is not None:  # the blocks split over the TP dim before FSDP2 shards them over the data dims
+            model.enable_tensor_parallel(tp_mesh)
         shard_transformer(model.transformer, model.shardable_blocks(), env, dist_cfg, compile_blocks, mesh)
         for module in extra.values():  # e.g. a PDD head bank: one FSDP unit of its own
             shard_transformer(module, [], env, dist_cfg, False, mesh)

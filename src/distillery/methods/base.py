@@ -100,6 +100,8 @@ class TrainingMethod(ABC):
     #: reaches models only through :class:`~distillery.models.base.ModelBase` takes it (inputs and outputs stay
     #: whole on every rank of a group, the data and draws are per data rank); one that cannot says False.
     sequence_parallel: ClassVar[bool] = True
+    #: Likewise for tensor parallelism (``training.distributed.tp_size`` > 1): the blocks are split inside the model.
+    tensor_parallel: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -213,6 +213,19 @@ class ModelBase(ABC):
         FSDP2 wraps the transformer). Inputs and outputs stay whole on every rank of the group."""
         raise UserError(f"config error: training.distributed.sp_size: {type(self).__name__} does not offer sequence parallelism")
 
+    @classmethod
+    def tensor_parallel_problem(cls, config: Any, tp_size: int, sp_size: int = 1) -> str | None:
+        """Why this model, built from ``config``, cannot split its blocks over ``tp_size`` ranks
+        (``training.distributed.tp_size``; with ``sp_size`` ranks of sequence parallelism on each rank's share), read
+        without loading weights — None when it can. Default: a model offers no tensor parallelism."""
+        del config, sp_size
+        return f"{cls.__name__} does not offer tensor parallelism" if tp_size > 1 else None
+
+    def enable_tensor_parallel(self, mesh: Any) -> None:
+        """Split the transformer's blocks over the TP ``mesh`` (a 1-D ``DeviceMesh``, the ``tp`` dim of the role's device
+        mesh; placement calls this once, before FSDP2 wraps the transformer)."""
+        raise UserError(f"config error: training.distributed.tp_size: {type(self).__name__} does not offer tensor parallelism")
+
     @abstractmethod
     def shardable_blocks(self, module: torch.nn.Module | None = None) -> list[torch.nn.Module]:
         """The repeated blocks of ``module`` (default: ``self.transformer``) that FSDP2 shards one

@@ -139,6 +139,28 @@ class WanModel(ModelBase):
             for transformer in (module.experts if isinstance(module, WanExperts) else (module,)):
                 install_sequence_parallel(transformer, sp)
 
+    @classmethod
+    def tensor_parallel_problem(cls, config: WanModelConfig, tp_size: int, sp_size: int = 1) -> str | None:
+        """The folder's heads must split over ``tp_size × sp_size``, its FFN width over ``tp_size``
+        (:func:`~distillery.models.wan.tensor_parallel.tensor_parallel_problem`, from its ``config.json``)."""
+        from diffusers import WanTransformer3DModel
+
+        from distillery.models.wan.tensor_parallel import tensor_parallel_problem
+
+        if tp_size == 1:
+            return cls.sequence_parallel_problem(config, sp_size)
+        transformer_dir, _ = locate_transformer(config.init_from)
+        problem = tensor_parallel_problem(dict(WanTransformer3DModel.load_config(transformer_dir)), tp_size, sp_size)
+        return f"{transformer_dir}: {problem}" if problem else None
+
+    def enable_tensor_parallel(self, mesh: Any) -> None:
+        """Split each block's attention and FFN over the TP ``mesh``
+        (:func:`~distillery.models.wan.tensor_parallel.install_tensor_parallel`; each of two experts)."""
+        from distillery.models.wan.tensor_parallel import install_tensor_parallel
+
+        for transformer in (self.transformer.experts if isinstance(self.transformer, WanExperts) else (self.transformer,)):
+            install_tensor_parallel(transformer, mesh)
+
     def shardable_blocks(self, module: torch.nn.Module | None = None) -> list[torch.nn.Module]:
         return list((module if module is not None else self.transformer).blocks)
 
