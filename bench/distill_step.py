@@ -215,10 +215,13 @@ def _exits(method: str, row: dict, size: tuple[int, int, int]) -> list[int]:
 def shard_settings() -> dict:
     """``training.distributed`` for one configuration: ``$BENCH_SHARD_SINGLE_RANK=1`` (a run's OPTS) wraps every role
     in FSDP2 on a world of one with ``reshard_after_forward`` (no resident bf16 compute copy, as FastVideo's loader
-    does); unset: the library's defaults (a plain module on one rank)."""
+    does); unset: the library's defaults (a plain module on one rank). ``$BENCH_SP_SIZE`` / ``$BENCH_TP_SIZE``: ``sp_size`` / ``tp_size`` (under torchrun)."""
+    from sft_step import sp_settings
+
+    sp = sp_settings()  # sp_size / tp_size from $BENCH_SP_SIZE / $BENCH_TP_SIZE (bench/sp_step.py)
     if os.environ.get("BENCH_SHARD_SINGLE_RANK") == "1":
-        return {"shard_single_rank": True, "reshard_after_forward": True}
-    return {}
+        return {"shard_single_rank": True, "reshard_after_forward": True, **sp}
+    return sp
 
 
 def ac_fraction() -> float:

@@ -118,7 +118,7 @@ def bench_run_config(model: Path, data: Path, output_dir: Path, steps: int, comp
         "models": {"student": student},
         "method": method_cfg,
         "training": {
-            "distributed": {"shard_single_rank": shard_single_rank, "reshard_after_forward": reshard},
+            "distributed": {"shard_single_rank": shard_single_rank, "reshard_after_forward": reshard, **sp_settings()},
             "data": {"path": str(data), "batch_size": 1, "text_max_length": TEXT_LEN},
             "optimizer": {"learning_rate": 1e-5},
             "loop": {"max_train_steps": steps, "progress_bar": False},
@@ -129,6 +129,13 @@ def bench_run_config(model: Path, data: Path, output_dir: Path, steps: int, comp
         },
         "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}},
     }
+
+
+def sp_settings() -> dict:
+    """``training.distributed.sp_size`` / ``tp_size`` from ``$BENCH_SP_SIZE`` / ``$BENCH_TP_SIZE`` (a run under torchrun:
+    ``bench/sp_step.py``); unset: none."""
+    return {key: int(os.environ[var]) for key, var in (("sp_size", "BENCH_SP_SIZE"), ("tp_size", "BENCH_TP_SIZE"))
+            if os.environ.get(var)}
 
 
 def run_one(size: tuple[int, int, int], compile_blocks: bool | None, shard_single_rank: bool, attention: str, steps: int,
@@ -229,7 +236,8 @@ def main() -> int:
         out = run_one((int(t), int(h), int(w)), {"0": False, "1": True}.get(comp), shard == "1", attention, args.steps, args.warmup,
                       Path(args.profile) if args.profile else None, args.breakdown,
                       None if args.reshard is None else args.reshard == "1", args.method, args.compile_mode, args.ac)
-        print("RESULT " + json.dumps(out), flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun (bench/sp_step.py): rank 0's figures
+            print("RESULT " + json.dumps(out), flush=True)
         return 0
     anchor = json.loads(Path(args.anchor_json).read_text()) if Path(args.anchor_json).is_file() else {}
     rows = []
