@@ -125,6 +125,7 @@ class DiffusionNFTMethod(TrainingMethod):
     #: Not run under sequence parallelism yet: its decoding and rewards would run on every rank of a group, and no test
     #: holds it to the one-process run there (training.distributed.sp_size > 1 is refused in one line).
     sequence_parallel = False
+    tensor_parallel = False  # (likewise under training.distributed.tp_size > 1)
 
     def __init__(self, config: DiffusionNFTConfig, role_models: dict[str, ModelBase], training: Any, rank: int = 0,
                  plugins: dict[str, Any] | None = None, **kwargs: Any) -> None:
