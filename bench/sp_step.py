@@ -18,6 +18,10 @@ Run spec (``--runs``, comma list): ``METHOD:TxHxW:AC`` — METHOD ``sft`` | ``dm
 compile is the library's default (regional compile on CUDA), attention ``--attention`` (default ``auto``: FA4's
 block-sparse kernels where they run).
 
+Memory: SFT at 21×60×104 without activation checkpointing peaks at 105.8 GiB and DMD2 with it at 134.9 GiB on one GPU
+(BENCHMARKS.md): the default regression runs need an H200 (on an H100, ``sft:21x60x104:on``). At sp 2 the activations
+of a sample split over two GPUs (whether DMD2 at 21×60×104 then fits two H100s is what the ``sp`` part measures).
+
 Usage (device machine, after ``source bench/gpu_env.sh``; results in ``$OUT/sp_step_<part>.json``):
   python bench/sp_step.py regression --base .bench_base [--runs sft:21x60x104:off,dmd2_data:21x60x104:on] [--rounds 2]
   python bench/sp_step.py sp --nproc 2 [--runs sft:21x60x104:off,dmd2_data:21x60x104:on,sf:21x60x104:on]
