@@ -21,7 +21,7 @@ For training stage ``<stage>``, :func:`run_training_stage` publishes the model `
    ``model/`` (the trained student's transformer — its EMA shadow when ``<stage>.ema_decay`` is set,
    :func:`shipped_weights` —, the init's scheduler, ``sampling.json`` from the summary's sampling contract),
    ``loss.json`` and its curve ``loss.png``, metrics and lineage (its ``launch``: launcher, nodes, processes per node,
-   and the Slurm job id under Slurm; its ``weights``: which weights ship).
+   the Slurm job id under Slurm, and the layout: :func:`run_layout`; its ``weights``: which weights ship).
 """
 
 from __future__ import annotations
@@ -103,6 +103,15 @@ def shipped_weights(config: RunConfig) -> dict[str, Any]:
         return {"role": EXPORT_ROLE, "source": "trained"}
     return {"role": EXPORT_ROLE, "source": "ema", "callback": EMA_CALLBACK, "ema_decay": ema.config.decay,
             "ema_start_step": ema.config.start_step}
+
+
+def run_layout(config: RunConfig) -> dict[str, int]:
+    """How the run split its models and samples over the launch's ranks, as its lineage records it under ``launch``:
+    HSDP's copies, the sequence-parallel group (ranks per sample) and the tensor-parallel group. A stage resumed from
+    a checkpoint of another layout (the resume key leaves the layout out: DCP reshards it) records the layout it
+    finished at."""
+    d = config.training.distributed
+    return {"replicate_size": d.replicate_size, "sp_size": d.sp_size, "tp_size": d.tp_size}
 
 
 def stage_run_config(params: StageParams, parent_run_id: str,
@@ -201,7 +210,8 @@ def stage_training(params: StageParams) -> None:
     mlflow = {"tracking_uri": default_tracking_uri(TrackerConfig()), "experiment": tracker.experiment,
               "run_id": summary.mlflow_run_id, "parent_run_id": tracker.parent_run_id}
     finish(stage, staging, kind="checkpoint", params=params, metrics=metrics, method=config.method.target, config=raw,
-           inputs=inputs, mlflow=mlflow, volatile={"seconds": round(time.perf_counter() - started, 1)}, launch=launch.record,
+           inputs=inputs, mlflow=mlflow, volatile={"seconds": round(time.perf_counter() - started, 1)},
+           launch={**launch.record, **run_layout(config)},
            weights=weights,
            mlflow_files=[(staging / "loss.png", "plots")], plots={f"{stage}_loss.json": loss})
 

@@ -297,15 +297,20 @@ def test_launch_plans(monkeypatch):
 def test_resume_key_holds_the_global_batch_not_the_layout():
     from distillery.pipeline.launch.resume_key import config_digest
 
-    def raw(batch: int, replicate: int = 1, teacher_mesh: int | None = None) -> dict:
+    def raw(batch: int, replicate: int = 1, teacher_mesh: int | None = None, sp: int = 1, tp: int = 1) -> dict:
         cfg = {"models": {"student": {"_target_": "x"}, "teacher": {"_target_": "x"}}, "method": {"_target_": "m"},
-               "training": {"data": {"batch_size": batch}, "distributed": {"replicate_size": replicate}}}
+               "training": {"data": {"batch_size": batch},
+                            "distributed": {"replicate_size": replicate, "sp_size": sp, "tp_size": tp}}}
         if teacher_mesh:
             cfg["models"]["teacher"]["distributed"] = {"replicate_size": teacher_mesh}
         return cfg
 
     assert config_digest(raw(16), 1) == config_digest(raw(8), 2) == config_digest(raw(4, 2, 1), 4)
     assert config_digest(raw(16), 2) != config_digest(raw(16), 1)
+    # an SP (TP) group trains one sample on several ranks: the global batch counts data ranks only, and a run moved to
+    # another group resumes (its checkpoint is resharded: tests/test_model_parallel.py)
+    assert config_digest(raw(16), 1) == config_digest(raw(16, sp=2), 2) == config_digest(raw(8, sp=2, tp=2), 8)
+    assert config_digest(raw(16, sp=2), 2) != config_digest(raw(16), 2)
 
 
 def _agents(config: str) -> int:

@@ -145,6 +145,28 @@ def test_distillery_stage_teacher_writes_the_same_run_yaml(tmp_path, monkeypatch
     assert yaml.safe_dump(config.to_plain(), sort_keys=True) == GOLDEN_TEACHER_RUN_YAML
 
 
+def test_a_stage_trains_at_its_own_sp_and_tp_sizes_else_the_gpus_ones(tmp_path, monkeypatch):
+    """``gpus.sp_size`` / ``tp_size`` are every training stage's layout; a stage's own ``sp_size`` / ``tp_size`` win.
+    The run config's ``training.distributed`` holds the sizes the stage trains at."""
+    from stages.training import stage_run_config
+
+    copy_pipeline(tmp_path)
+    (tmp_path / "artifacts/latents/data").mkdir(parents=True)
+    (tmp_path / "artifacts/latents/data/preprocess.json").write_text(json.dumps({"settings": {"max_sequence_length": 24}}))
+    monkeypatch.chdir(tmp_path)
+    raw = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    raw["gpus"].update(nproc_per_node=4, sp_size=2)
+    raw["teacher"]["tp_size"] = 2
+    raw["pretrain"]["sp_size"] = 4
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    params = Params.load("params.yaml")
+    found = {}
+    for stage in ("teacher", "pretrain"):
+        d = stage_run_config(StageParams(params, stage, stage_params(stage)), "parent123")[0].training.distributed
+        found[stage] = (d.sp_size, d.tp_size)
+    assert found == {"teacher": (2, 2), "pretrain": (4, 1)}
+
+
 GOLDEN_TEACHER_RUN_YAML = """\
 callbacks:
   grad_clip:
@@ -195,6 +217,7 @@ training:
     reshard_after_forward: null
     shard_single_rank: false
     sp_size: 1
+    tp_size: 1
   loop:
     grad_accum_steps: 1
     log_every: 1

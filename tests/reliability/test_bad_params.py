@@ -78,6 +78,8 @@ CLI_CASES = [
     _case("HSDP copies not dividing the processes", _edited(gpus__nnodes=2, gpus__replicate_size=3),
           "gpus.nnodes: 2, replicate_size: 3",
           ["params.yaml: gpus.replicate_size: 3: must divide the 2 processes of gpus.nnodes (2) x gpus.nproc_per_node (1)"]),
+    _case("SP group not dividing the GPUs", _edited(gpus__nproc_per_node=2, gpus__sp_size=3), "gpus.nproc_per_node: 2, sp_size: 3",
+          ["params.yaml: gpus.sp_size: 3 does not divide the world size 2"]),
     _case("not UTF-8", SHIPPED.encode() + b"# caf\xe9\n", "a Latin-1 byte 0xe9 in a comment",
           [f"params.yaml: not UTF-8 text: invalid byte 0xe9 at byte offset {len(SHIPPED.encode()) + 5} (line {LAST_LINE})"]),
     _case("deep nesting", SHIPPED + "extra: " + "[" * 10_000 + "]" * 10_000 + "\n", "a 10,000-deep nested list",
@@ -139,7 +141,7 @@ RULES = [  # (edits, the message must contain)
     ({"pretrain__steps": 0}, "pretrain.steps: 0: must be ≥ 1"),
     ({"pretrain__chunk_size": 0}, "pretrain.chunk_size: 0: must be ≥ 1"),
     ({"pretrain__chunk": 2}, "pretrain.chunk: unknown key; valid keys: method, steps, batch_size, learning_rate, lr_scheduler, "
-                             "warmup_steps, weight_decay, ema_decay, … (25 in all); did you mean chunk_size?"),
+                             "warmup_steps, weight_decay, ema_decay, … (27 in all); did you mean chunk_size?"),
     ({"validate__num_prompts": 0}, "validate.num_prompts: 0: must be ≥ 1"),
     ({"validate__teacher_steps": [40, 0]}, "validate.teacher_steps: [40, 0]: step counts must be ≥ 1"),
     ({"validate__teacher_steps": [40, "4"]}, "validate.teacher_steps: [40, '4']: item 1 ('4'): expected an integer"),
@@ -152,6 +154,13 @@ RULES = [  # (edits, the message must contain)
     ({"distill__critic_learning_rate": 0}, "distill.critic_learning_rate: 0: must be a finite number > 0"),
     ({"validate__guidance_scale": -1.0}, "validate.guidance_scale: -1.0: must be a finite number ≥ 1 (1: no guidance)"),
     ({"export__student": "base"}, "export.student: 'base': valid values: teacher, pretrain, distill"),
+    ({"teacher__sp_size": 0}, "teacher.sp_size: 0: must be ≥ 1"),
+    ({"gpus": {"nproc_per_node": 2, "tp_size": 2}, "distill__sp_size": 2},
+     "distill.sp_size × gpus.tp_size: a group of 4 ranks is larger than a node's 2 processes"),
+    ({"gpus": {"nproc_per_node": 4, "replicate_size": 4, "sp_size": 2}},
+     "gpus.replicate_size: 4 copies leave 1 ranks each, which sp_size 2 × tp_size 1 does not divide; stage teacher"),
+    ({"gpus": {"nproc_per_node": 2}, "pdd__tp_size": 2, "pdd__lora_rank": 4},
+     "pdd.lora_rank: 4: tensor parallelism (pdd.tp_size 2) does not split a LoRA adapter"),
     ({"teachr": {}}, "teachr: unknown key; valid keys: seed, gpus, clips, base, latents, prompts, teacher, pretrain, distill, "
                      "pdd, validate, export; did you mean teacher?"),
 ]

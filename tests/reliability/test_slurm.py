@@ -102,7 +102,8 @@ def test_teacher_stage_on_two_slurm_nodes(ws, cluster, monkeypatch, data_lost):
     job = re.search(r"Granted job allocation (\d+)", proc.stderr).group(1)
     lineage = json.loads((ws / "artifacts" / "teacher" / "lineage.json").read_text())
     assert lineage["launch"] == {"launcher": "slurm", "nnodes": 2, "nproc_per_node": 1, "world_size": 2,
-                                 "slurm_job_id": job, "slurm_nodes": "2", "slurm_nodelist": "n[1-2]"}
+                                 "slurm_job_id": job, "slurm_nodes": "2", "slurm_nodelist": "n[1-2]",
+                                 "replicate_size": 1, "sp_size": 1, "tp_size": 1}
     assert f"launch: slurm, 2 node(s) x 1 process(es), rendezvous {socket.gethostname()}:" in proc.stderr
 
     run = yaml.safe_load((ws / "runs" / "teacher" / "run.yaml").read_text())  # the same run on one process

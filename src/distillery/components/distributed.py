@@ -41,7 +41,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from distillery.common.errors import UserError
 from distillery.components.sequence_parallel import SequenceParallel
-from distillery.config.schema import DistributedConfig
+from distillery.config.schema import DistributedConfig, model_parallel_problem
 
 
 @dataclass
@@ -123,25 +123,13 @@ def build_mesh(device_type: str, world: int, replicate_size: int, key: str, sp_s
 
 
 def check_model_parallel(sp_size: int, tp_size: int, world: int) -> None:
-    """``training.distributed.sp_size`` and ``tp_size`` against the launch, before any process group exists: each, and
-    their product, must divide the world and the processes per node (an SP group's all-to-alls and a TP group's
-    all-reduces run in every block and stay inside a node: ``LOCAL_WORLD_SIZE``, set by torchrun)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    checks = [("sp_size", sp_size), ("tp_size", tp_size)]
-    if sp_size > 1 and tp_size > 1:
-        checks.append(("sp_size × tp_size", sp_size * tp_size))
-    for key, size in checks:
-        if size == 1:
-            continue
-        where = f"config error: training.distributed.{key}"
-        if world % size:
-            raise UserError(f"{where}: {size} does not divide the world size {world} (nodes x processes per node)")
-        if size > local:
-            raise UserError(f"{where}: a group of {size} ranks is larger than a node's {local} processes; it runs collectives "
-                            "in every block and stays inside a node (at most the processes per node)")
-        if local % size:
-            raise UserError(f"{where}: {size} does not divide the {local} processes per node; its groups are "
-                            "consecutive ranks of one node")
+    """``training.distributed.sp_size`` and ``tp_size`` against the launch, before any process group exists
+    (:func:`~distillery.config.schema.model_parallel_problem`, with the processes per node torchrun sets in
+    ``LOCAL_WORLD_SIZE``)."""
+    problem = model_parallel_problem(sp_size, tp_size, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if problem:
+        key, why = problem
+        raise UserError(f"config error: training.distributed.{key}: {why}")
 
 
 def _resolve_device(cfg: DistributedConfig) -> str:

@@ -56,6 +56,32 @@ class DistributedConfig(Checked):
     tp_size: int = bounded(1, 1, MAX_RANKS)  # tensor parallelism: ranks each block's heads and FFN are split over (1: off; divides node and heads)
 
 
+def model_parallel_problem(sp_size: int, tp_size: int, world: int, local: int, replicate_size: int = 1) -> tuple[str, str] | None:
+    """What is wrong with an SP group of ``sp_size`` and a TP group of ``tp_size`` ranks on a launch of ``world`` ranks,
+    ``local`` per node (and HSDP's ``replicate_size`` copies), as ``(key, why)`` — the key among ``sp_size``,
+    ``tp_size``, ``sp_size × tp_size``, ``replicate_size`` —, or None. Each group, and their product, divides the world
+    and the processes per node (an SP group's all-to-alls and a TP group's all-reduces run in every block and stay
+    inside a node) and the ranks of one replica. The one rule, read by the trainer
+    (:func:`distillery.components.distributed.check_model_parallel`) and by ``params.yaml``'s check."""
+    checks = [("sp_size", sp_size), ("tp_size", tp_size)]
+    if sp_size > 1 and tp_size > 1:
+        checks.append(("sp_size × tp_size", sp_size * tp_size))
+    for key, size in checks:
+        if size == 1:
+            continue
+        if world % size:
+            return key, f"{size} does not divide the world size {world} (nodes x processes per node)"
+        if size > local:
+            return key, (f"a group of {size} ranks is larger than a node's {local} processes; it runs collectives in every "
+                         "block and stays inside a node (at most the processes per node)")
+        if local % size:
+            return key, f"{size} does not divide the {local} processes per node; its groups are consecutive ranks of one node"
+    if replicate_size > 1 and (world // replicate_size) % (sp_size * tp_size):
+        return "replicate_size", (f"{replicate_size} copies leave {world // replicate_size} ranks each, which sp_size "
+                                  f"{sp_size} × tp_size {tp_size} does not divide")
+    return None
+
+
 @dataclass
 class RoleDistributedOverride:
     """``models.<role>.distributed``: the role's own FSDP2/HSDP mesh (null: ``training.distributed``'s).

@@ -257,7 +257,7 @@ def write_lineage(
     numpy/torch scalars are converted). ``artifact_name`` is the path recorded as ``artifact``
     (default: ``artifact_dir`` as given): a stage that writes into a staging folder and renames it
     afterwards names the final place. ``launch`` (a training stage's: launcher, nodes, processes per
-    node, world size, the Slurm job id) is recorded under ``launch`` when given, and ``weights`` (a
+    node, world size, the Slurm job id, the HSDP / SP / TP layout) is recorded under ``launch`` when given, and ``weights`` (a
     trained model's: its own weights or its EMA's, with decay and start step) under ``weights``. Returns the manifest
     exactly as written (read back).
     """

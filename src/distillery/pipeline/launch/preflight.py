@@ -320,15 +320,21 @@ def check_batch(stage: str, params: Params, artifacts: Path, stages: tuple[str, 
 def _check_batch_rows(names: list[str], found: tuple[int, str], stage: str, params: Params, label: str | None) -> None:
     rows, source = found
     gpus = params.get("gpus")
-    ranks, nodes, world = gpus.nproc_per_node, gpus.nnodes, gpus.world_size
-    over = [(n, params.get(f"{n}.batch_size")) for n in names if params.get(f"{n}.batch_size") * world > rows]
+    ranks, nodes = gpus.nproc_per_node, gpus.nnodes
+
+    def data_ranks(name: str) -> int:  # the ranks that draw their own samples: an SP or TP group shares one
+        layout = params.get(name).layout(gpus)
+        return max(1, gpus.world_size // (layout["sp_size"] * layout["tp_size"]))
+
+    over = [(n, params.get(f"{n}.batch_size"), data_ranks(n)) for n in names
+            if params.get(f"{n}.batch_size") * data_ranks(n) > rows]
     if over:
-        keys = ", ".join(f"{n}.batch_size {b}" for n, b in over)
-        most = max(1, rows // world)
-        fix = " ".join(f"-S {n}.batch_size={most}" for n, _ in over)
-        raise UserError(f"{label or f'stage {stage}'}: one global batch (× gpus.nproc_per_node {ranks} × gpus.nnodes {nodes}) of {keys} "
-                        f"is more than the {rows} training samples ({source}); lower it (dvc exp run {fix}, or "
-                        "docs/profiles/few-videos.yaml) or use more data; nothing was changed")
+        keys = ", ".join(f"{n}.batch_size {b}" for n, b, _ in over)
+        groups = "" if all(d == gpus.world_size for _, _, d in over) else " / the SP × TP group"
+        fix = " ".join(f"-S {n}.batch_size={max(1, rows // d)}" for n, _, d in over)
+        raise UserError(f"{label or f'stage {stage}'}: one global batch (× gpus.nproc_per_node {ranks} × gpus.nnodes {nodes}"
+                        f"{groups}) of {keys} is more than the {rows} training samples ({source}); lower it (dvc exp run "
+                        f"{fix}, or docs/profiles/few-videos.yaml) or use more data; nothing was changed")
 
 
 def _check_base_path(params: Params) -> None:

@@ -10,12 +10,14 @@ part differs in one line.
 Parts of the key (each a sha256 hex digest):
 - ``config``: the run config as YAML-able data, without ``training.tracker`` (MLflow metadata:
   parent run id and tags change with the git commit and do not change the result) and without the
-  mesh layout (``training.distributed.replicate_size``, ``models.<role>.distributed``): like the world
-  size, which the config does not hold either, a layout only places the same state (a checkpoint is
-  resharded on load, docs/gpus.md), so a stage moved to more nodes or to HSDP resumes; and with the
-  *global* batch (``training.data.batch_size`` × the launch's world size) in place of the per-rank one:
-  1 node × batch 16 and 2 nodes × batch 8 are the same run (same draws, same losses) and resume each
-  other, while the same per-rank batch on more ranks is another run;
+  mesh layout (``training.distributed.replicate_size``, ``sp_size``, ``tp_size``,
+  ``models.<role>.distributed``): like the world size, which the config does not hold either, a layout
+  only places the same state (a checkpoint holds whole tensors and is resharded on load, docs/gpus.md),
+  so a stage moved to more nodes, to HSDP, or to another sequence- or tensor-parallel group resumes;
+  and with the *global* batch (``training.data.batch_size`` × the launch's data ranks: its world size
+  over ``sp_size × tp_size``) in place of the per-rank one: 1 node × batch 16 and 2 nodes × batch 8
+  are the same run (same draws, same losses) and resume each other, while the same per-rank batch on
+  more data ranks is another run;
 - ``input:<role>``: the content of each input artifact: :func:`distillery.lineage.hashing.tree_digest` of its
   files without its ``lineage.json`` (the ``sha256`` a consumer's lineage records for that input). The
   manifest is left out because it holds facts of one run (times, MLflow run ids, the code commit): an
@@ -40,16 +42,23 @@ def _sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+LAYOUT_KEYS = ("replicate_size", "sp_size", "tp_size")  # training.distributed's mesh layout: not in the key
+
+
 def config_digest(raw: dict[str, Any], world_size: int = 1) -> str:
     """Digest of a run config without its tracker section and mesh layout, its per-rank batch as the
-    global batch of ``world_size`` ranks (canonical JSON; module doc)."""
+    global batch of the data ranks of ``world_size`` ranks (canonical JSON; module doc)."""
     training = {k: v for k, v in raw.get("training", {}).items() if k != "tracker"}
+    distributed = training.get("distributed") if isinstance(training.get("distributed"), dict) else {}
+    groups = 1
+    for key in ("sp_size", "tp_size"):  # the ranks of one sample (an SP group) and of one model split (a TP group)
+        groups *= distributed.get(key) if isinstance(distributed.get(key), int) and distributed.get(key) > 0 else 1
     data = training.get("data")
     if isinstance(data, dict) and isinstance(data.get("batch_size"), int):
         training["data"] = {**{k: v for k, v in data.items() if k != "batch_size"},
-                            "global_batch_size": data["batch_size"] * world_size}
-    if isinstance(training.get("distributed"), dict):
-        training["distributed"] = {k: v for k, v in training["distributed"].items() if k != "replicate_size"}
+                            "global_batch_size": data["batch_size"] * max(1, world_size // groups)}
+    if distributed:
+        training["distributed"] = {k: v for k, v in distributed.items() if k not in LAYOUT_KEYS}
     models = {role: {k: v for k, v in entry.items() if k != "distributed"} if isinstance(entry, dict) else entry
               for role, entry in (raw.get("models") or {}).items()}
     canon = json.dumps({**raw, "models": models, "training": training}, sort_keys=True, separators=(",", ":"), default=str)

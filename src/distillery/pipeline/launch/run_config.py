@@ -8,9 +8,9 @@ A recipe (``stages/recipes/<stage>/<method>.py``,
 (``artifacts/<stage>/model``), the data it trains on (``artifacts/<data>/data``, or the set the
 recipe made first: :class:`PreparedData`) with what that set's ``preprocess.json`` says of it (the
 text encoder's sequence length; for a prompt-only set the ``[C, T, H, W]`` the rollouts generate),
-the seed, ``runs/<stage>`` and the MLflow parent run, HSDP's replicate size, and a typed view of the
-other ``params.yaml`` keys the stage's ``dvc.yaml`` entry lists (a knob of another stage it
-borrows). The stage builds it once; :func:`check_run_config` then checks it against its inputs
+the seed, ``runs/<stage>`` and the MLflow parent run, the layout (HSDP's replicate size, the SP and TP
+groups), and a typed view of the other ``params.yaml`` keys the stage's ``dvc.yaml`` entry lists (a
+knob of another stage it borrows). The stage builds it once; :func:`check_run_config` then checks it against its inputs
 before anything launches, and the stage writes it as ``runs/<stage>/run.yaml``
 (:mod:`distillery.pipeline.launch.run_folder`), which the trainer loads once.
 """
@@ -77,6 +77,8 @@ class RunInputs:
     output_dir: str  # runs/<stage>: its checkpoints, log and summary
     parent_run_id: str  # the pipeline's MLflow run
     replicate_size: int  # HSDP: copies of each trained model (gpus.replicate_size)
+    sp_size: int  # ranks a sample's tokens split over (<stage>.sp_size, else gpus.sp_size)
+    tp_size: int  # ranks each block splits over (<stage>.tp_size, else gpus.tp_size)
     params: ParamsView  # the other params.yaml keys the stage's dvc.yaml entry lists, typed
 
 
@@ -90,7 +92,7 @@ def run_inputs(stage: str, inputs: dict[str, str], data: Path, params: StagePara
                      data=str(data), text_max_length=manifest["settings"]["max_sequence_length"],
                      latent_shape=None if shape is None else [int(v) for v in shape], seed=typed.seed,
                      output_dir=str(RUNS / stage), parent_run_id=parent_run_id, replicate_size=typed.gpus.replicate_size,
-                     params=typed)
+                     **getattr(typed, stage).layout(typed.gpus), params=typed)
 
 
 def check_image_conditioning(stage: str, tdir: Path, spec: Any, latents: dict[str, Any], data: Path) -> None:

@@ -48,6 +48,7 @@ from distillery.config.schema import (  # the run config's: params feed them
     OptimizerConfig,
     TrackerConfig,
     TrainingConfig,
+    model_parallel_problem,
     t_list_problem,
 )
 from distillery.config.typed import NO_VALUE, Check, FieldError, bounded, field_types, from_mapping, positive_finite, with_default
@@ -214,6 +215,8 @@ class GpusParams:
     launcher: Literal["local", "slurm"] = "local"  # local: the agents on this machine; slurm: srun over the stage's Slurm allocation
     rdzv_endpoint: str | None = rule(None, check=host_port)  # host:port of the c10d rendezvous; null: the stage serves it (a free port here)
     replicate_size: int = rule(1, 1, MAX_NODES * MAX_GPUS_PER_NODE)  # HSDP: copies of each trained model (1: FSDP over every GPU; nnodes: one per node)
+    sp_size: int = rule(1, 1, MAX_GPUS_PER_NODE)  # sequence parallelism (Ulysses): a sample's tokens over this many GPUs of a node (a stage's sp_size wins)
+    tp_size: int = rule(1, 1, MAX_GPUS_PER_NODE)  # tensor parallelism: each block's heads and FFN over this many GPUs of a node (a stage's tp_size wins)
 
     @property
     def world_size(self) -> int:
@@ -286,6 +289,8 @@ class TrainingStageParams:
     activation_checkpointing_fraction: float = rule(1.0, 0.0, 1.0)  # the share of blocks recomputed (evenly spread; 1: all)
     lora_rank: int = rule(0, 0, MAX_LORA_RANK)  # 0: the model's full weights train; > 0: a LoRA adapter of this rank on it (docs/training.md)
     lora_alpha: float | None = rule(None, 0.0, 65536.0, optional(positive_finite))  # the LoRA update's scale is alpha / rank; null: alpha = rank
+    sp_size: int | None = rule(None, 1, MAX_GPUS_PER_NODE)  # this stage's sequence-parallel group (GPUs per sample); null: gpus.sp_size
+    tp_size: int | None = rule(None, 1, MAX_GPUS_PER_NODE)  # this stage's tensor-parallel group; null: gpus.tp_size (not with a LoRA)
 
     def training(self, run: Any, *, unconditional: Literal["empty", "negative"] = "empty",
                  **optimizer: Any) -> TrainingConfig:
@@ -296,7 +301,7 @@ class TrainingStageParams:
         ``optimizer``: further :class:`~distillery.config.schema.OptimizerConfig` fields (``betas``,
         ``min_lr_ratio``)."""
         return TrainingConfig(
-            distributed=DistributedConfig(replicate_size=run.replicate_size),
+            distributed=DistributedConfig(replicate_size=run.replicate_size, sp_size=run.sp_size, tp_size=run.tp_size),
             data=DataConfig(path=run.data, batch_size=self.batch_size, text_max_length=run.text_max_length,
                             unconditional=unconditional, latent_shape=run.latent_shape),
             optimizer=OptimizerConfig(learning_rate=self.learning_rate, weight_decay=self.weight_decay,
@@ -306,6 +311,12 @@ class TrainingStageParams:
             tracker=TrackerConfig(parent_run_id=run.parent_run_id, run_name=run.stage, tags={"distillery.stage": run.stage}),
             model=ModelRuntimeConfig(activation_checkpointing=self.activation_checkpointing,
                                      activation_checkpointing_fraction=self.activation_checkpointing_fraction))
+
+    def layout(self, gpus: GpusParams) -> dict[str, int]:
+        """The run's sequence- and tensor-parallel group sizes, ``{"sp_size": S, "tp_size": T}``: the section's own,
+        else ``gpus``' (every training stage's)."""
+        return {"sp_size": gpus.sp_size if self.sp_size is None else self.sp_size,
+                "tp_size": gpus.tp_size if self.tp_size is None else self.tp_size}
 
     def student_lora(self) -> LoraConfig | None:
         """The exported role's LoRA adapter (``lora_rank`` > 0: it trains instead of the full weights,
@@ -477,6 +488,32 @@ def _check_together(params: ParamsSchema, source: str) -> None:
                         f"({g.nnodes}) x gpus.nproc_per_node ({g.nproc_per_node})")
 
 
+def _check_layouts(params: ParamsSchema, source: str) -> None:
+    """Each training stage's SP and TP groups fit the launch ``gpus`` describes
+    (:func:`distillery.config.schema.model_parallel_problem`, the trainer's own rule) and its trained model: tensor
+    parallelism does not split a LoRA adapter. A stage that publishes a given model trains nothing and is not asked.
+    """
+    g = params.gpus
+    for stage in TRAINING_STAGES:
+        p = getattr(params, stage)
+        if p.given():
+            continue
+        layout = p.layout(g)
+        named = {k: f"{stage if getattr(p, k) is not None else 'gpus'}.{k}" for k in layout}  # the key that set it
+        problem = model_parallel_problem(layout["sp_size"], layout["tp_size"], g.world_size, g.nproc_per_node,
+                                         g.replicate_size)
+        if problem:
+            key, why = problem
+            shown = {**named, "replicate_size": "gpus.replicate_size",
+                     "sp_size × tp_size": f"{named['sp_size']} × {named['tp_size']}"}[key]
+            raise UserError(f"{source}: {shown}: {why}; stage {stage} trains on gpus.nnodes {g.nnodes} × "
+                            f"gpus.nproc_per_node {g.nproc_per_node}")
+        if layout["tp_size"] > 1 and p.lora_rank > 0:
+            raise UserError(f"{source}: {stage}.lora_rank: {p.lora_rank}: tensor parallelism ({named['tp_size']} "
+                            f"{layout['tp_size']}) does not split a LoRA adapter; use {stage}.lora_rank 0 or "
+                            f"{stage}.tp_size 1 (sp_size splits the sequence whatever trains)")
+
+
 def _check_pdd_blocks(params: ParamsSchema, source: str) -> None:
     """The PDD student's block sizes fit its grid, and every NFE it is sampled at (its contract's,
     validate's curve) splits the grid into blocks no wider than it was trained on."""
@@ -561,6 +598,7 @@ def validate_params(data: Any, source: str = "params.yaml", recipes: RecipeParam
     except FieldError as exc:  # the converter's facts, worded for params.yaml
         raise UserError(exc.worded(source)) from None
     _check_together(params, source)
+    _check_layouts(params, source)
     _check_pdd_blocks(params, source)
     _check_ema(params, source)
     for stage in TRAINING_STAGES:
