@@ -155,10 +155,10 @@ RULES = [  # (edits, the message must contain)
     ({"validate__guidance_scale": -1.0}, "validate.guidance_scale: -1.0: must be a finite number ≥ 1 (1: no guidance)"),
     ({"export__student": "base"}, "export.student: 'base': valid values: teacher, pretrain, distill"),
     ({"teacher__sp_size": 0}, "teacher.sp_size: 0: must be ≥ 1"),
-    ({"gpus": {"nproc_per_node": 2, "tp_size": 2}, "distill__sp_size": 2},
+    ({"gpus": {"nproc_per_node": 2, "nnodes": 2, "tp_size": 2}, "distill__sp_size": 2},
      "distill.sp_size × gpus.tp_size: a group of 4 ranks is larger than a node's 2 processes"),
     ({"gpus": {"nproc_per_node": 4, "replicate_size": 4, "sp_size": 2}},
-     "gpus.replicate_size: 4 copies leave 1 ranks each, which sp_size 2 × tp_size 1 does not divide; stage teacher"),
+     "gpus.replicate_size: 4 copies leave 1 ranks each, which sp_size 2 × tp_size 1 does not divide (stage teacher)"),
     ({"gpus": {"nproc_per_node": 2}, "pdd__tp_size": 2, "pdd__lora_rank": 4},
      "pdd.lora_rank: 4: tensor parallelism (pdd.tp_size 2) does not split a LoRA adapter"),
     ({"teachr": {}}, "teachr: unknown key; valid keys: seed, gpus, clips, base, latents, prompts, teacher, pretrain, distill, "

@@ -72,8 +72,7 @@ def model_parallel_problem(sp_size: int, tp_size: int, world: int, local: int, r
         if world % size:
             return key, f"{size} does not divide the world size {world} (nodes x processes per node)"
         if size > local:
-            return key, (f"a group of {size} ranks is larger than a node's {local} processes; it runs collectives in every "
-                         "block and stays inside a node (at most the processes per node)")
+            return key, f"a group of {size} ranks is larger than a node's {local} processes (its collectives stay in a node)"
         if local % size:
             return key, f"{size} does not divide the {local} processes per node; its groups are consecutive ranks of one node"
     if replicate_size > 1 and (world // replicate_size) % (sp_size * tp_size):

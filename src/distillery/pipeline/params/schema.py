@@ -506,8 +506,7 @@ def _check_layouts(params: ParamsSchema, source: str) -> None:
             key, why = problem
             shown = {**named, "replicate_size": "gpus.replicate_size",
                      "sp_size × tp_size": f"{named['sp_size']} × {named['tp_size']}"}[key]
-            raise UserError(f"{source}: {shown}: {why}; stage {stage} trains on gpus.nnodes {g.nnodes} × "
-                            f"gpus.nproc_per_node {g.nproc_per_node}")
+            raise UserError(f"{source}: {shown}: {why} (stage {stage})")
         if layout["tp_size"] > 1 and p.lora_rank > 0:
             raise UserError(f"{source}: {stage}.lora_rank: {p.lora_rank}: tensor parallelism ({named['tp_size']} "
                             f"{layout['tp_size']}) does not split a LoRA adapter; use {stage}.lora_rank 0 or "
