@@ -18,8 +18,12 @@
 #            (sourced here from shared/tools/ when flash_attn.cute does not import).
 #   dag      the real-shape DAG (bench/real_shape_dag.py $DAG_ARGS), after a device-wheels batch put its pieces in
 #            /tmp/parts (PyAV, MLflow, ruamel.yaml: bench/stage_wheels.sh).
+#   sp       sequence / tensor parallelism (issue 62): bench/sp_step.py ARGS — `regression --base .bench_base` (one GPU:
+#            our sp-1 step beside the base commit's code, carried in .bench_base/: git archive <commit> src bench | tar
+#            -x -C .bench_base), `sp --nproc N [--tp]` (N GPUs: sp N and tp N against N data ranks), `activations` (one
+#            GPU: peak memory against tokens); its log in $OUT/sp_step.log, results in $OUT/sp_step_<part>.json.
 #   run      the wheels' environment below, then ARGS as a command (e.g. `run python3 bench/real_shape_pipeline.py --steps 4`).
-# JOB_BUDGET: the seconds the job may take (a device call is at most 600). sft, perf, distill, pdd and run expect the
+# JOB_BUDGET: the seconds the job may take (a device call is at most 600). sft, perf, distill, pdd, sp and run expect the
 # wheels the GPU image lacks in .whl/ (diffusers, importlib_metadata) and the anchors (shared/anchors/) in
 # .bench_anchor/, both carried, not committed.
 set -u
@@ -224,6 +228,14 @@ fa4_part() {
   esac
 }
 
+job_sp() {
+  wheels_env
+  local start; start=$(date +%s)
+  python3 bench/sp_step.py "$@" > "$OUT/sp_step.log" 2>&1
+  echo "sp_step rc=$? wall=$(( $(date +%s) - start )) s"
+  grep -v "^{" "$OUT/sp_step.log" | tail -30
+}
+
 case $job in
   sft) job_sft "$@" ;;
   perf) job_perf ;;
@@ -231,6 +243,7 @@ case $job in
   pdd) job_pdd "$@" ;;
   fa4) job_fa4 ;;
   dag) job_dag ;;
+  sp) job_sp "$@" ;;
   run) wheels_env; "$@" ;;
-  *) echo "unknown job $job: sft, perf, distill, pdd, fa4, dag or run (bench/gpu_job.sh's header)"; exit 2 ;;
+  *) echo "unknown job $job: sft, perf, distill, pdd, fa4, dag, sp or run (bench/gpu_job.sh's header)"; exit 2 ;;
 esac

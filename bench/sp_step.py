@@ -18,15 +18,23 @@ Run spec (``--runs``, comma list): ``METHOD:TxHxW:AC`` — METHOD ``sft`` | ``dm
 compile is the library's default (regional compile on CUDA), attention ``--attention`` (default ``auto``: FA4's
 block-sparse kernels where they run).
 
-Memory: SFT at 21×60×104 without activation checkpointing peaks at 105.8 GiB and DMD2 with it at 134.9 GiB on one GPU
-(BENCHMARKS.md): the default regression runs need an H200 (on an H100, ``sft:21x60x104:on``). At sp 2 the activations
-of a sample split over two GPUs (whether DMD2 at 21×60×104 then fits two H100s is what the ``sp`` part measures).
+Memory: SFT at 21×60×104 without activation checkpointing peaks at 105.8 GiB and DMD2 without it at 134.9 GiB on one
+GPU (BENCHMARKS.md): ``sft:21x60x104:off`` needs an H200; with activation checkpointing on (DMD2: 58.6 GiB) both fit an
+H100. At sp 2 the activations of a sample split over two GPUs (whether DMD2 at 21×60×104 then fits two H100s without
+activation checkpointing is what the ``sp`` part measures).
 
-Usage (device machine, after ``source bench/gpu_env.sh``; results in ``$OUT/sp_step_<part>.json``):
-  python bench/sp_step.py regression --base .bench_base [--runs sft:21x60x104:off,dmd2_data:21x60x104:on] [--rounds 2]
-  python bench/sp_step.py sp --nproc 2 [--runs sft:21x60x104:off,dmd2_data:21x60x104:on,sf:21x60x104:on]
-  python bench/sp_step.py activations
-CPU check of this script: ``BENCH_SMOKE=1 python bench/sp_step.py sp --nproc 2`` (tiny shapes, gloo).
+The one-GPU regression (issue 62: no step slower than the code before sequence parallelism, b3d4e5b), one device call
+of ~6 min on an H100 or H200, one attention kernel on both sides whatever wheels the machine has (``native``: PyTorch
+SDPA; ``auto`` runs FA4 where its wheels are carried, adding its kernels' first compile to every process)::
+
+  rm -rf .bench_base && mkdir .bench_base && git archive b3d4e5b src bench | tar -x -C .bench_base   # here, then carry it
+  bash bench/gpu_job.sh sp regression --base .bench_base --runs sft:21x60x104:on,dmd2_data:21x60x104:on \
+      --rounds 1 --steps 6 --warmup 2 --attention native --timeout 240
+
+Several GPUs of one host: ``bash bench/gpu_job.sh sp sp --nproc 2 --tp``; one GPU: ``bash bench/gpu_job.sh sp
+activations``. Results in ``$OUT/sp_step_<part>.json``, the table at the end of ``$OUT/sp_step.log``.
+CPU check of this script (tiny shapes, gloo): ``BENCH_SMOKE=1 python bench/sp_step.py sp --nproc 2``, and the
+regression against a base copy with ``--runs sft:3x8x8:on,dmd2_data:9x8x8:on``.
 """
 
 from __future__ import annotations
@@ -88,7 +96,7 @@ def parse_runs(spec: str) -> list[tuple[str, tuple[int, ...], bool]]:
 
 def env_with(src: Path, **extra: str) -> dict[str, str]:
     """This process's environment with ``src`` (a tree's ``src/``) on PYTHONPATH in place of this tree's (the wheels
-    gpu_env.sh put there kept)."""
+    bench/gpu_job.sh put there kept)."""
     ours = str(HERE.parent / "src")
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p.rstrip("/") != ours]
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), *rest]), **extra}
