@@ -8,7 +8,7 @@ ranks against one process.
 - world 4 = 2 data ranks × sp 2 (FSDP2, and HSDP: ``replicate × shard × sp``) is one process with the global batch;
   sp 2 × tp 2 is one process;
 - a run stopped at sp 2 resumes at sp 2 bit for bit, at sp 1 (resharded) and the reverse, within tolerance; one
-  stopped at tp 2 resumes at tp 1;
+  stopped at tp 2 resumes at tp 1, and the reverse;
 - refusals before any model loads: heads that do not split, a group larger than the node or not dividing the
   world, a method that cannot take SP, a LoRA under TP;
 - the collectives alone: the Ulysses attention of a padded sequence is plain attention, its gradients too.
@@ -141,6 +141,8 @@ def runs(tmp_path_factory, tiny_base, latent_set):
                 root / "sft-up.yaml"))
     two += [(_sp(method(name, f"{name}/tp2"), 1, tp_size=2), root / f"{name}-tp2.yaml") for name in TP_METHODS]
     two.append((_stopped(_sp(method("sft", "sft/tp-stopped"), 1, tp_size=2)), root / "sft-tp-stopped.yaml"))
+    two.append((_resumed_from(_sp(method("sft", "sft/tp-up"), 1, tp_size=2), root / "sft" / "one-stopped" / f"checkpoint-{STOP}"),
+                root / "sft-tp-up.yaml"))  # stopped at tp 1 (here), resumed at tp 2
     granted = {**os.environ, "OMP_NUM_THREADS": "1", "DISTILLERY_ALLOWED_CHECKPOINTS": str(root)}
     proc = torchrun_each(two, nproc=2, env=granted)
     (root / "launch-2.log").write_text(proc.stderr)
@@ -260,6 +262,12 @@ def test_a_tp_2_checkpoint_resumes_at_tp_1(runs):
     assert saved["roles.student.transformer.blocks.0.attn1.norm_q.weight"].shape == (128,)  # 4 heads × 32, whole
     assert saved["roles.student.transformer.blocks.0.attn1.to_q.weight"].shape == (128, 128)
     _same_trajectory_tail(runs / "sft" / "tp-down", runs / "sft" / "one")
+
+
+@pytest.mark.slow
+def test_a_tp_1_checkpoint_resumes_at_tp_2(runs):
+    """Whole tensors saved by one process are split column/row-wise over the TP group on load."""
+    _same_trajectory_tail(runs / "sft" / "tp-up", runs / "sft" / "one")
 
 
 def _same_trajectory_tail(got: Path, want: Path) -> None:

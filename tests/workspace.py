@@ -215,6 +215,26 @@ def resume_training(pids: list[int]) -> None:
             pass
 
 
+def kill_after_checkpoint_2(args: list[str], repo: Path, stage_name: str) -> None:
+    """``args`` (``dvc repro <stage>``, ``distillery stage <stage>``) in ``repo``: once its ``runs/<stage_name>/checkpoint-2``
+    exists the training is paused (mid-run for sure) and the whole tree is SIGKILLed from the top process down — no
+    process left, no artifact published."""
+    proc = subprocess.Popen(args, cwd=repo, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while not (repo / "runs" / stage_name / "checkpoint-2" / "metadata.json").is_file():
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.01)
+        pause_training(repo)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert wait_no_processes(repo, timeout=30) == []
+    finally:
+        kill_all_in(repo)
+    assert not (repo / "artifacts" / stage_name).exists()
+
+
 def repro_killed_beside_whole(killed: Path, whole: Path, stage_name: str, log: Path) -> subprocess.CompletedProcess:
     """``dvc repro <stage_name>`` in ``whole`` uninterrupted (its output into ``log``) and, side by side, in ``killed``:
     once its ``runs/<stage_name>/checkpoint-2`` exists the training is paused (mid-run for sure) and the whole tree is
@@ -224,20 +244,7 @@ def repro_killed_beside_whole(killed: Path, whole: Path, stage_name: str, log: P
         uninterrupted = subprocess.Popen(["dvc", "repro", stage_name], cwd=whole, env=env(), stdout=printed,
                                          stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        proc = subprocess.Popen(["dvc", "repro", stage_name], cwd=killed, env=env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            deadline = time.time() + 600
-            while not (killed / "runs" / stage_name / "checkpoint-2" / "metadata.json").is_file():
-                assert proc.poll() is None and time.time() < deadline
-                time.sleep(0.01)
-            pause_training(killed)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            assert wait_no_processes(killed, timeout=30) == []
-        finally:
-            kill_all_in(killed)
-        assert not (killed / "artifacts" / stage_name).exists()
+        kill_after_checkpoint_2(["dvc", "repro", stage_name], killed, stage_name)
         out = sh(["dvc", "repro", stage_name], killed)
         assert uninterrupted.wait(timeout=900) == 0, log.read_text()[-3000:]
     finally:
