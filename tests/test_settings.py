@@ -167,6 +167,30 @@ def test_a_stage_trains_at_its_own_sp_and_tp_sizes_else_the_gpus_ones(tmp_path, 
     assert found == {"teacher": (2, 2), "pretrain": (4, 1)}
 
 
+def test_a_stage_whose_heads_do_not_split_over_its_sp_group_is_refused_before_its_run_folder(tmp_path, monkeypatch):
+    """The heads of each role's model are the model plugin's to check (``config.json``): ``gpus.sp_size: 8`` fits the
+    launch (``params.yaml`` passes) but not the tiny Wan's 4 heads — one line when the stage checks its built run
+    config, before ``runs/<stage>`` exists."""
+    import shutil
+
+    from distillery.pipeline.launch.run_config import check_run_config
+    from stages.training import stage_run_config
+
+    copy_pipeline(tmp_path)
+    (tmp_path / "artifacts/latents/data").mkdir(parents=True)
+    (tmp_path / "artifacts/latents/data/preprocess.json").write_text(json.dumps({"settings": {"max_sequence_length": 24}}))
+    shutil.copytree(Path(__file__).resolve().parents[1] / "src/distillery/assets/tiny-wan", tmp_path / "artifacts/base/model")
+    monkeypatch.chdir(tmp_path)
+    raw = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    raw["gpus"].update(nproc_per_node=8, sp_size=8)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    view = StageParams(Params.load("params.yaml"), "teacher", stage_params("teacher"))
+    config, roles = stage_run_config(view, "parent123")
+    with pytest.raises(UserError, match=r"sp_size: 8: models.student: .*4 attention heads do not split over 8"):
+        check_run_config("teacher", config, roles)
+    assert not (tmp_path / "runs").exists()
+
+
 GOLDEN_TEACHER_RUN_YAML = """\
 callbacks:
   grad_clip:
