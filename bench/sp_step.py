@@ -24,12 +24,12 @@ H100. At sp 2 the activations of a sample split over two GPUs (whether DMD2 at 2
 activation checkpointing is what the ``sp`` part measures).
 
 The one-GPU regression (issue 62: no step slower than the code before sequence parallelism, b3d4e5b), one device call
-of ~6 min on an H100 or H200, one attention kernel on both sides whatever wheels the machine has (``native``: PyTorch
+of ~6–7 min on an H100 (~5 on an H200), one attention kernel on both sides whatever wheels the machine has (``native``: PyTorch
 SDPA; ``auto`` runs FA4 where its wheels are carried, adding its kernels' first compile to every process)::
 
   rm -rf .bench_base && mkdir .bench_base && git archive b3d4e5b src bench | tar -x -C .bench_base   # here, then carry it
   bash bench/gpu_job.sh sp regression --base .bench_base --runs sft:21x60x104:on,dmd2_data:21x60x104:on \
-      --rounds 1 --steps 6 --warmup 2 --attention native --timeout 240
+      --rounds 1 --steps 5 --warmup 2 --attention native --timeout 240
 
 Several GPUs of one host: ``bash bench/gpu_job.sh sp sp --nproc 2 --tp``; one GPU: ``bash bench/gpu_job.sh sp
 activations``. Results in ``$OUT/sp_step_<part>.json``, the table at the end of ``$OUT/sp_step.log``.
