@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from workspace import shipped_params_text
+from workspace import copy_stages, shipped_params_text
 
 from distillery.common.errors import UserError
 from distillery.pipeline.params.reader import Params
@@ -45,7 +45,9 @@ def _edited(**updates: Any) -> str:
 
 
 def _workspace(tmp: Path) -> dict[Path, bytes]:
-    """A previous teacher artifact and checkpoint; returns every file's bytes."""
+    """The stage layer (a stage reads its recipes' registry to check params.yaml), a previous teacher artifact and
+    checkpoint; returns every file's bytes."""
+    copy_stages(tmp)
     for rel in ("artifacts/teacher/model/transformer/diffusion_pytorch_model.safetensors", "artifacts/teacher/lineage.json",
                 "runs/teacher/checkpoint-2/metadata.json", "runs/teacher/run.yaml"):
         (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +56,8 @@ def _workspace(tmp: Path) -> dict[Path, bytes]:
 
 
 def _snapshot(tmp: Path) -> dict[Path, bytes]:
-    return {p: p.read_bytes() for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != "params.yaml"}
+    return {p: p.read_bytes() for p in sorted(tmp.rglob("*"))
+            if p.is_file() and p.name != "params.yaml" and "__pycache__" not in p.parts}  # the stage layer's bytecode
 
 
 def _case(name: str, text: str | bytes, injected: str, names: list[str]) -> object:
