@@ -453,6 +453,17 @@ def test_the_points_follow_the_contract_and_a_causal_student_is_refused(grammar_
         make_method(nft_config(grammar_set, tmp_path, knobs={"vae_from": str(tmp_path)}))
 
 
+@pytest.mark.parametrize(("key", "what"), [("sp_size", "sequence"), ("tp_size", "tensor")])
+def test_sequence_and_tensor_parallelism_are_refused_from_the_config(grammar_set, tmp_path, key, what):
+    """Its rollouts decode and score on every rank of a group, untested there: refused before any model loads."""
+    from distillery.engine.builder import check_roles_early
+
+    raw = nft_config(grammar_set, tmp_path)
+    raw["training"]["distributed"] = {key: 2}
+    with pytest.raises(UserError, match=f"{key}: 2, but DiffusionNFTMethod does not take {what} parallelism"):
+        check_roles_early(load_run_config(raw=raw, prefixes=allowed_prefixes()))
+
+
 @pytest.mark.parametrize("student", ["teacher", "pdd"])
 def test_a_teacher_and_a_pdd_student_are_post_trained_on_their_own_schedule(grammar_set, tmp_path, student):
     """The many-step teacher samples its group with Euler and trains at its grid's timesteps; the PDD student samples
