@@ -48,9 +48,9 @@ def _byte_chars() -> list[str]:
     return out
 
 
-def make_clip_folder(where: Path, seed: int) -> Path:
-    """A CLIP folder in transformers' layout: random tiny towers (32-px images, 8-px patches, 8-d projections) saved
-    with ``save_pretrained`` beside a byte-level CLIP tokenizer with no merges (a token per character)."""
+def make_clip_folder(where: Path, seed: int, image_size: int = 32, patch_size: int = 8) -> Path:
+    """A CLIP folder in transformers' layout: random tiny towers (``image_size``-px images, ``patch_size``-px patches,
+    8-d projections) saved with ``save_pretrained`` beside a byte-level CLIP tokenizer with no merges (a token per character)."""
     from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
 
     chars = _byte_chars()
@@ -59,7 +59,7 @@ def make_clip_folder(where: Path, seed: int) -> Path:
     text = dict(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 max_position_embeddings=64, bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
                 pad_token_id=vocab["<|endoftext|>"])
-    vision = dict(image_size=32, patch_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    vision = dict(image_size=image_size, patch_size=patch_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     torch.manual_seed(seed)
     CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).save_pretrained(where)
     tokenizer.save_pretrained(where)

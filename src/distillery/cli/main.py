@@ -10,6 +10,7 @@
     distillery lineage PATH [--json | --verify ...]
     distillery export-weights CHECKPOINT --role student --out DIR [--ema NAME]
     distillery import-weights FILE --like MODEL --out DIR [--key NAME]
+    distillery vbench prompts --config FILE [--out FILE] | vbench score --config FILE --videos DIR --out DIR
 
 ``distillery stage teacher`` imports the stage command's module and no other command's (so a
 stage's ``dvc.yaml`` code deps hold only what it runs: editing ``lineage``'s CLI reruns nothing).
@@ -39,6 +40,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "params": ("distillery.cli.params", "the pipeline's params.yaml (`distillery params check`: before `dvc repro`)"),
     "lineage": ("distillery.cli.lineage", "show or verify which data, models, configs and code made an artifact"),
     "export-weights": ("distillery.cli.export", "write a checkpoint role's transformer as a diffusers folder"),
+    "vbench": ("distillery.cli.vbench", "VBench's quality dimensions and quality score of a folder of videos, as VBench "
+               "computes them (`distillery vbench prompts` lists the videos a protocol needs)"),
     "import-weights": ("distillery.cli.import_weights", "a published Wan checkpoint (original key layout, e.g. "
                        "Self-Forcing's ode_init.pt) as a diffusers model folder"),
 }
