@@ -179,3 +179,13 @@ def test_tokenizer_on_clips_real_vocabulary_was_identical():
     """Recorded in the reference venv (CLIP's vocabulary ships in openai-clip, not here): every suite prompt."""
     got = REFERENCE["tokenizer_real_vocab"]
     assert got["prompts"] == 946 and got["identical"] == 946
+
+
+def test_preprocessing_at_real_shapes_was_identical():
+    """Recorded in the reference venv: vbench's torchvision transforms and ours on random frames of real sizes (480×832,
+    832×480, 224×224, 720×1280: resizes, crops and MUSIQ's downscale the small clips above never reach) — equal."""
+    assert REFERENCE["pixels"] and all(v == 0.0 for shape in REFERENCE["pixels"].values() for v in shape.values())
+    from distillery.evaluation.vbench.frames import middle_indices
+
+    for n, theirs in REFERENCE["middle_indices"].items():
+        assert middle_indices(8, int(n)) == theirs, n

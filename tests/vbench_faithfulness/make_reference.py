@@ -235,6 +235,27 @@ def main() -> None:
         prompts = [e["prompt_en"] for e in suite]
         same = sum(theirs.encode(p) == ours.encode(p) for p in prompts)
         record["tokenizer_real_vocab"] = {"prompts": len(prompts), "identical": same}
+    if want("pixels"):  # the preprocessing at real shapes (the clips above are small): vbench's transforms vs ours
+        sys.path.insert(0, str(HERE.parents[1] / "src"))
+        from vbench.imaging_quality import transform as musiq_transform
+        from vbench.utils import clip_transform, dino_transform
+
+        from distillery.evaluation.vbench import frames as ours
+
+        rng = np.random.default_rng(common.SEED)
+        record["pixels"] = {}
+        for h, w in ((480, 832), (832, 480), (224, 224), (720, 1280)):
+            v = rng.integers(0, 256, size=(2, h, w, 3), dtype=np.uint8)
+            loaded, decord = as_loaded(v), torch.from_numpy(v).permute(0, 3, 1, 2)
+            mine = ours.as_tensor(v)
+            record["pixels"][f"{h}x{w}"] = {
+                "clip": float((clip_transform(224)(loaded) - ours.clip_pixels(mine)).abs().max()),
+                "clip_uint8": float((clip_transform(224)(decord) - ours.clip_pixels(mine, integer=True)).abs().max()),
+                "dino": float((dino_transform(224)(loaded) - ours.dino_pixels(mine)).abs().max()),
+                "musiq": float((musiq_transform(loaded, "longer") - ours.musiq_pixels(mine)).abs().max())}
+        from vbench.utils import get_frame_indices
+
+        record["middle_indices"] = {n: [int(i) for i in get_frame_indices(8, n, sample="middle")] for n in (5, 8, 9, 17, 81)}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: record[k] for k in ("vbench", "pyiqa", "torch", "aggregate", "tokenizer_real_vocab")}, indent=1))
 

@@ -7,7 +7,9 @@
   score is ``(255 − m) / 255``, ``m`` the mean over those pairs of the mean absolute uint8 difference. Needs ``T ≥ 3``.
   VBench shrinks the frames for AMT when a CUDA card's memory is small (its ``anchor_resolution`` formula); at
   480×832 the factor is 1 on any card with more than about 3 GB, and on the CPU it is always 1 — a factor below 1
-  is refused here rather than approximated.
+  is refused here rather than approximated. Frames must keep 113+ pixels a side (AMT) and 121+ (RAFT): their 4-level
+  correlation pyramids at 1/8 resolution would shrink to one pixel, where the bilinear lookup divides by zero
+  (:func:`~distillery.evaluation.vbench.dimensions.check_video`).
 - **dynamic degree** — frames taken every ``max(1, round(fps / 8))`` (every 2nd at 16 fps); RAFT (20 iterations,
   frames replicate-padded to multiples of 8) between consecutive taken frames; each pair's score the mean of the
   largest 5 % (``int(0.05 · h · w)``) of the flow magnitudes; the video *moves* (1.0, else 0.0) once
