@@ -151,15 +151,21 @@ def headline_candidates(candidates: list["Candidate"], table: "Mapping[str, Vali
 
 
 def validation_inputs(table: "Mapping[str, ValidationSpec] | None" = None,
-                      clip_model: str | None = None) -> list[tuple[str, Path]]:
+                      clip_model: str | None = None, vbench_models: "Mapping[str, Path] | None" = None) -> list[tuple[str, Path]]:
     """The validate artifact's lineage inputs: each validated stage's artifact under its row's
-    ``lineage`` name (table order), then the base and the latents, and ``validate.clip_model``'s folder
+    ``lineage`` name (table order), then the base and the latents, ``validate.clip_model``'s folder
     when given (an external input: pinned file by file, so the lineage names the CLIP weights the scores
-    were read with)."""
+    were read with), and the folder of each model ``validate.vbench`` reads, as ``vbench_<key>`` (pinned too)."""
     rows = (VALIDATED if table is None else table).items()
     return ([(how.lineage, ARTIFACTS / name) for name, how in rows]
             + [("base", ARTIFACTS / "base"), ("data", ARTIFACTS / "latents")]
-            + ([("clip_model", Path(clip_model))] if clip_model else []))
+            + ([("clip_model", Path(clip_model))] if clip_model else [])
+            + [(f"vbench_{key}", Path(folder)) for key, folder in (vbench_models or {}).items()])
+
+
+# code the stage runs only while an option is on, which the default DAG's import trace cannot see: a dep of the stage
+# all the same (tests/test_dvc_deps.py), so that an edit to it reruns the stage
+OPTION_MODULES = ("distillery.evaluation.vbench.validation",)  # validate.vbench
 
 
 def stage_validate(params: StageParams) -> None:
@@ -174,7 +180,10 @@ def stage_validate(params: StageParams) -> None:
     :data:`SAMPLE_CACHE` (the log says which). ``metrics.json`` (and DVC's ``metrics/validate.json``) holds the
     headline numbers (:func:`distillery.evaluation.validate.headline_metrics` of :func:`headline_candidates`:
     adherence and Fréchet distance of each validated stage's first candidate); ``report/metrics.json``
-    all of them, ``report/summary.md`` the table a user reads. The grid and the adherence plot go to the stage's MLflow run."""
+    all of them, ``report/summary.md`` the table a user reads. The grid and the adherence plot go to the stage's MLflow run.
+    With ``validate.vbench.dimensions``, the headline candidates' videos are scored on those VBench dimensions too
+    (:mod:`distillery.evaluation.vbench.validation`: checked and loaded before any sampling; ``report/vbench/``,
+    their numbers in both metrics files, each model's folder pinned in the lineage)."""
     from distillery.evaluation.sample_cache import SampleCache
     from distillery.evaluation.validate import ValidationConfig, headline_metrics, run_validation
     from distillery.pipeline.launch.device import stage_device
@@ -190,15 +199,28 @@ def stage_validate(params: StageParams) -> None:
     log.info("validate: on %s", cfg.device)
     # students are sampled as their artifacts' sampling.json says (the sampler registry, no kinds here)
     candidates = table_candidates(params)
+    scorer, vbench_models, pinned = None, {}, {}
+    if v.vbench.dimensions:  # refused before any sampling: a model not given or of another class, videos too small
+        from distillery.evaluation.vbench import validation as vbench
+        from distillery.lineage.manifest import pin_input
+
+        vbench_models = vbench.check(v.vbench.dimensions, v.vbench.models.given(), cfg.num_frames, cfg.height, cfg.width)
+        pinned = {f"vbench_{key}": pin_input(folder) for key, folder in vbench_models.items()}  # as read: changed meanwhile, refused
+        scorer = vbench.load(v.vbench.dimensions, {key: str(folder) for key, folder in vbench_models.items()})
     staging = fresh_staging("validate")
     report = staging / "report"
     prompts, embeddings = validation_prompts(cfg.num_prompts)
     metrics = run_validation(ARTIFACTS / "base" / "model", candidates, prompts, report, cfg, prompt_embeddings=embeddings,
                              cache=SampleCache(SAMPLE_CACHE), prompt_source=PROMPT_SOURCES[validation_split()])
+    headline = headline_candidates(candidates)
+    shown_metrics = headline_metrics(metrics, headline, candidates[0].name)
+    if scorer is not None:  # the headline candidates' videos, as sampled above (or reused from the sample cache)
+        shown_metrics.update(vbench.score_candidates(scorer, report, headline, cfg.device))
     # DVC gets the numbers a user compares; every metric stays in report/metrics.json, the details in report.json
     shown = [(report / name, "grid") for name in ("grid.gif", "grid.mp4")] + [(report / "plots" / "adherence_vs_nfe.png", "plots")]
+    shown += [(report / "vbench" / "vbench.md", "vbench")]
     finish("validate", staging, kind="validation", params=params,
-           metrics=headline_metrics(metrics, headline_candidates(candidates), candidates[0].name),
+           metrics=shown_metrics, pinned=pinned or None,
            mlflow_files=[(path, folder) for path, folder in shown if path.is_file()],
            plots={"validate_adherence.csv": Path("report/plots/adherence.csv")},
-           inputs=validation_inputs(clip_model=cfg.clip_model))
+           inputs=validation_inputs(clip_model=cfg.clip_model, vbench_models=vbench_models))

@@ -286,10 +286,15 @@ def _static_imports(module_file: str) -> set[str]:
 
 
 def option_code(stage: str) -> set[str]:
-    """The code every recipe of ``stage`` imports (``stages/recipes/<stage>/*.py``, lazy imports too), transitively
-    (repo paths): what its non-default methods run — ``pretrain.method: ode_init``'s KD and trajectories,
-    ``pdd.method: dm_pdd`` — which the default DAG's trace cannot see, so that an edit to them reruns the stage too."""
+    """The code every recipe of ``stage`` imports (``stages/recipes/<stage>/*.py``, lazy imports too), and the modules
+    its adapter names in ``OPTION_MODULES`` (``stages/<stage>.py``: what an option runs, e.g. ``validate.vbench``),
+    transitively (repo paths): what its non-default methods and options run — ``pretrain.method: ode_init``'s KD and
+    trajectories, ``pdd.method: dm_pdd``, validate's VBench scorer — which the default DAG's trace cannot see, so that
+    an edit to them reruns the stage too."""
     todo = [f"stages/{p.relative_to(STAGE_LAYER).as_posix()}" for p in sorted((RECIPES / stage).glob("*.py"))]
+    adapter = STAGE_LAYER / f"{stage}.py"
+    if adapter.is_file():
+        todo += [f for f in map(_module_file, importlib.import_module(f"stages.{stage}").__dict__.get("OPTION_MODULES", ())) if f]
     seen: set[str] = set()
     while todo:
         module = todo.pop()

@@ -47,7 +47,9 @@ pdd.critic_learning_rate pdd.data pdd.save_every pdd.activation_checkpointing
 pdd.activation_checkpointing_fraction pdd.lora_rank pdd.lora_alpha pdd.sp_size pdd.tp_size
 validate.num_prompts validate.num_seeds validate.teacher_steps validate.pretrain_steps
 validate.guidance_scale validate.pdd_nfe validate.device validate.vae_precision validate.vae_chunk_frames
-validate.compile validate.clip_model
+validate.compile validate.clip_model validate.vbench.dimensions validate.vbench.models.dino validate.vbench.models.clip_b32
+validate.vbench.models.clip_l14 validate.vbench.models.aesthetic validate.vbench.models.amt validate.vbench.models.raft
+validate.vbench.models.musiq validate.vbench.models.viclip
 export.student export.lora
 """.split()
 

@@ -30,9 +30,11 @@ def tiny_frames(n: int = 5) -> np.ndarray:
     return common.clip_moving_square()[:n]
 
 
-@pytest.fixture(scope="module")
-def model_folders(tmp_path_factory) -> dict[str, str]:
-    """Every model key's folder, as a user lays them out, holding tiny or published-size random weights (``common.fill``:
+MODEL_KEYS = ("dino", "clip_b32", "clip_l14", "aesthetic", "amt", "raft", "musiq", "viclip")
+
+
+def write_model_folders(root: Path, keys: tuple[str, ...] = MODEL_KEYS) -> dict[str, str]:
+    """The folders of ``keys``, as a user lays them out, holding tiny or published-size random weights (``common.fill``:
     scaled like an initialisation, so that the flows and interpolations stay finite)."""
     from transformers import ViTModel
 
@@ -42,25 +44,37 @@ def model_folders(tmp_path_factory) -> dict[str, str]:
     from distillery.evaluation.vbench.raft import RAFT
     from distillery.evaluation.vbench.viclip import ViCLIP
 
-    root = tmp_path_factory.mktemp("vbench-models")
     torch.manual_seed(0)
-    folders = {k: root / k for k in ("dino", "clip_b32", "clip_l14", "aesthetic", "amt", "raft", "musiq", "viclip")}
-    ViTModel(dino_vit_config(hidden_size=64, num_hidden_layers=1, num_attention_heads=1, intermediate_size=128),
-             add_pooling_layer=False).save_pretrained(folders["dino"])
-    make_clip_folder(folders["clip_b32"], 1, image_size=224, patch_size=32)
-    make_clip_folder(folders["clip_l14"], 2, image_size=224, patch_size=32)
-    for key, module, name, wrap in (("aesthetic", torch.nn.Linear(8, 1), "sa_0_4_vit_l_14_linear.pth", None),
-                                    ("amt", AMTS(), "amt-s.pth", "state_dict"),
-                                    ("raft", RAFT(), "raft-things.pth", None),
-                                    ("musiq", MUSIQ(), "musiq_spaq_ckpt-358bb6af.pth", "params"),
-                                    ("viclip", ViCLIP("tiny"), "ViClip-InternVid-10M-FLT.pth", "model")):
+    folders = {k: root / k for k in keys}
+    if "dino" in keys:
+        ViTModel(dino_vit_config(hidden_size=64, num_hidden_layers=1, num_attention_heads=1, intermediate_size=128),
+                 add_pooling_layer=False).save_pretrained(folders["dino"])
+    if "clip_b32" in keys:
+        make_clip_folder(folders["clip_b32"], 1, image_size=224, patch_size=32)
+    if "clip_l14" in keys:
+        make_clip_folder(folders["clip_l14"], 2, image_size=224, patch_size=32)
+    for key, module, name, wrap in (("aesthetic", lambda: torch.nn.Linear(8, 1), "sa_0_4_vit_l_14_linear.pth", None),
+                                    ("amt", AMTS, "amt-s.pth", "state_dict"),
+                                    ("raft", RAFT, "raft-things.pth", None),
+                                    ("musiq", MUSIQ, "musiq_spaq_ckpt-358bb6af.pth", "params"),
+                                    ("viclip", lambda: ViCLIP("tiny"), "ViClip-InternVid-10M-FLT.pth", "model")):
+        if key not in keys:
+            continue
         folders[key].mkdir()
-        state = {k: torch.from_numpy(v) for k, v in common.fill({k: list(v.shape) for k, v in module.state_dict().items()}, 1).items()}
+        shapes = {k: list(v.shape) for k, v in module().state_dict().items()}
+        state = {k: torch.from_numpy(v) for k, v in common.fill(shapes, 1).items()}
         if key == "raft":
             state = {f"module.{k}": v for k, v in state.items()}  # the published file's DataParallel prefix
         torch.save({wrap: state} if wrap else state, folders[key] / name)
-    common.write_bpe(folders["viclip"] / "bpe_simple_vocab_16e6.txt.gz", PROMPTS)
+    if "viclip" in keys:
+        common.write_bpe(folders["viclip"] / "bpe_simple_vocab_16e6.txt.gz", PROMPTS)
     return {k: str(v) for k, v in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def model_folders(tmp_path_factory) -> dict[str, str]:
+    """Every model key's folder (:func:`write_model_folders`)."""
+    return write_model_folders(tmp_path_factory.mktemp("vbench-models"))
 
 
 @pytest.fixture(scope="module")

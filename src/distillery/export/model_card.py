@@ -53,6 +53,20 @@ def _metrics_table(names: list[str], metrics: dict[str, float], columns: tuple) 
     return lines
 
 
+def _vbench_lines(names: list[str], metrics: dict[str, float]) -> list[str]:
+    """The VBench dimensions validate scored ``names`` on (``validate.vbench``: ``<candidate>/vbench_<dimension>``,
+    ×100) as a section of the card, with the protocol they were computed under; none without them."""
+    dims = list(dict.fromkeys(k.split("/", 1)[1] for k in metrics if k.split("/", 1)[0] in names and "/vbench_" in k))
+    shown = [n for n in names if any(f"{n}/{d}" in metrics for d in dims)]
+    if not shown:
+        return []
+    columns = tuple((d, d.removeprefix("vbench_").replace("_", " "), "{:.2f}") for d in dims)
+    return ["", "## VBench dimensions (validate.vbench, ×100)", "", *_metrics_table(shown, metrics, columns), "",
+            "Computed as vbench 0.1.5 computes them (docs/vbench.md) on validate's own prompts and seeds: protocol "
+            "`custom`, not comparable with published rows, which use VBench's prompt suite. The validate artifact's "
+            "`report/vbench/vbench.md` sets them beside the published rows, its `vbench.json` names each model and digest."]
+
+
 def _latency_context(report: dict[str, Any]) -> str | None:
     """The machine and load validate measured its latencies under, as one phrase — or None when its report
     does not say (then the card prints no latency: a number without its machine and load reads as the model's)."""
@@ -233,6 +247,7 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     lines += ["", f"Latencies were measured {latency}." if latency else
               "Latencies are left out: validate's report does not say on what machine and under what load they were "
               "measured (its `report.json` keeps them)."]
+    lines += _vbench_lines(_candidates(student, metrics, reference), metrics)
     prompt, seed = report["prompts"][0], report["seeds"][0]
     size = f"num_frames={cfg['num_frames']}, height={cfg['height']}, width={cfg['width']}"
     call_args = f"num_inference_steps={steps}, guidance_scale={guidance}," if steps else f"guidance_scale={guidance},"

@@ -63,7 +63,7 @@ class VBenchScorer:
     loaded: dict[str, LoadedModel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.torch_device = torch.device(self.device)
+        self.torch_device = torch.device("cpu")
         if not self.loaded:
             from distillery.common.log import quiet_library_progress
 
@@ -72,9 +72,7 @@ class VBenchScorer:
             # the checkpoints of our modules first: their strict key checks refuse a wrong file before the large loads
             for key in sorted(folders, key=lambda k: k in ("dino", "clip_b32", "clip_l14")):
                 self.loaded[key] = load_model(key, Path(folders[key]), self.torch_device, self.where)
-        for key in ("clip_b32", "clip_l14"):
-            if key in self.loaded and self.torch_device.type == "cuda":
-                self.loaded[key].module.half()
+        self.to(self.device)
         if "aesthetic" in self.loaded:
             head, clip = self.loaded["aesthetic"].module, self.loaded["clip_l14"].module
             if head.in_features != clip.config.projection_dim:
@@ -85,6 +83,17 @@ class VBenchScorer:
             from distillery.evaluation.vbench.overall import TextEmbeddings
 
             self._text = TextEmbeddings(self.loaded["viclip"].module, self.loaded["viclip"].extra)
+
+    def to(self, device: str | torch.device) -> "VBenchScorer":
+        """Every model moved to ``device``: float32, the CLIP towers in half precision on a CUDA device (module doc).
+        The validate stage loads the models on the CPU before it samples (a wrong file refused before any work) and
+        moves them to the device once the candidates are sampled."""
+        self.torch_device = torch.device(device)
+        self.device = str(self.torch_device)
+        for key, model in self.loaded.items():
+            half = key in ("clip_b32", "clip_l14") and self.torch_device.type == "cuda"
+            model.module = model.module.to(self.torch_device, torch.float16 if half else torch.float32)
+        return self
 
     @property
     def published(self) -> bool:

@@ -84,15 +84,23 @@ def find_videos(protocol, folder: Path) -> list[tuple[object, Path]]:
     return found
 
 
-def score_videos(cfg: VBenchConfig, protocol, videos: list[tuple[object, Path]], candidate: str) -> tuple[dict, list]:
-    """Score ``videos`` ((spec, mp4 path)) of ``protocol`` under ``cfg``: (the report, the per-video rows)."""
+def check_videos(videos: list[tuple[object, Path]]) -> None:
+    """Every video ((spec, mp4 path)) long and large enough for its dimensions, read from its container: one line
+    for the first that is not (before any model loads)."""
+    from distillery.evaluation.vbench.dimensions import check_video
+
+    for spec, path in videos:
+        check_video(*video_shape(path), spec.entry.dimensions, path.name)
+
+
+def score_videos(scorer, protocol, videos: list[tuple[object, Path]], candidate: str) -> tuple[dict, list]:
+    """Score ``videos`` ((spec, mp4 path)) of ``protocol`` with ``scorer`` (a
+    :class:`~distillery.evaluation.vbench.dimensions.VBenchScorer`), each decoded from its file as
+    ``distillery vbench score`` decodes it: (``candidate``'s report, the per-video rows)."""
     from distillery.clips.video_io import read_video
-    from distillery.evaluation.vbench.dimensions import VBenchScorer, aggregate, check_video
+    from distillery.evaluation.vbench.dimensions import aggregate
     from distillery.evaluation.vbench.report import build_report
 
-    for spec, path in videos:  # lengths and sizes first: a short or small video refused before any model loads
-        check_video(*video_shape(path), spec.entry.dimensions, path.name)
-    scorer = VBenchScorer(cfg.models, tuple(cfg.dimensions), cfg.device)
     rows = []
     for i, (spec, path) in enumerate(videos):
         frames, fps = read_video(path)
@@ -107,25 +115,38 @@ def score_folder(cfg: VBenchConfig, videos_dir: str | Path, out_dir: str | Path,
     """Score the protocol's videos in ``videos_dir`` and write the results into ``out_dir`` (module doc)."""
     from distillery.common.fsutil import replace_dir
     from distillery.evaluation.vbench.models import check_folders
-    from distillery.evaluation.vbench.report import markdown
 
     protocol = cfg.build_protocol()
     check_folders(cfg.models, cfg.dimensions)
     folder = Path(videos_dir).expanduser()
     if not folder.is_dir():
         raise UserError(f"vbench: videos folder {folder} does not exist")
-    report, rows = score_videos(cfg, protocol, find_videos(protocol, folder), candidate)
+    videos = find_videos(protocol, folder)
+    check_videos(videos)  # lengths and sizes first: a short or small video refused before any model loads
+    from distillery.evaluation.vbench.dimensions import VBenchScorer
+
+    report, rows = score_videos(VBenchScorer(cfg.models, tuple(cfg.dimensions), cfg.device), protocol, videos, candidate)
     out = Path(out_dir).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        (staging / "vbench.json").write_text(json.dumps(report, indent=2) + "\n")
-        (staging / "vbench.md").write_text(markdown([report]))
-        with open(staging / "videos.jsonl", "w") as f:
-            for r in rows:
-                f.write(json.dumps({"video": r.name, "dimension": r.dimension, "value": r.value, "weight": r.weight}) + "\n")
+        write_results(staging, [report], rows)
         replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return report
+
+
+def write_results(folder: Path, reports: list[dict], rows: list) -> None:
+    """``vbench.json`` (one candidate's report, or ``{"candidates": [...]}`` of several), ``vbench.md`` (the published
+    rows and every candidate's) and ``videos.jsonl`` (one line per video and dimension) into ``folder``."""
+    from distillery.evaluation.vbench.report import markdown
+
+    folder.mkdir(parents=True, exist_ok=True)
+    data = reports[0] if len(reports) == 1 else {"candidates": reports}
+    (folder / "vbench.json").write_text(json.dumps(data, indent=2) + "\n")
+    (folder / "vbench.md").write_text(markdown(reports))
+    with open(folder / "videos.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps({"video": r.name, "dimension": r.dimension, "value": r.value, "weight": r.weight}) + "\n")

@@ -13,7 +13,8 @@ does the same for a global batch larger than the latent set. :func:`check_paths`
 and file ``params.yaml`` names (``base.path``, ``latents.data``) the way the stage that reads it
 will, when the file is validated: by every stage up to that one (a ``base.path`` that is not a model
 folder stops ``clips`` before it works, not ``base`` after ``clips`` ran; a ``validate.clip_model``
-that is not a CLIP folder stops the first stage, not ``validate`` after training) and by
+that is not a CLIP folder, or a ``validate.vbench.models`` folder missing, stops the first stage, not ``validate``
+after training) and by
 ``distillery params check``.
 """
 
@@ -392,9 +393,21 @@ def _check_clip_model(params: Params) -> None:
         check_clip_folder(folder, "params.yaml: validate.clip_model")
 
 
+def _check_vbench_models(params: Params) -> None:
+    """``validate.vbench.models`` (when ``validate.vbench.dimensions`` is set): the folder of every model the chosen
+    dimensions read, given and holding its file (:func:`distillery.evaluation.vbench.models.check_folders`: reads no
+    weights)."""
+    vbench = params.get("validate.vbench")
+    if vbench.dimensions:
+        from distillery.evaluation.vbench.models import check_folders  # only when set: the default's stages never import it
+
+        check_folders(vbench.models.given(), vbench.dimensions, "params.yaml: validate.vbench.models")
+
+
 # params.yaml keys naming a path -> (the first stage that reads it, its check)
 PATH_PARAMS = {"base.path": ("base", _check_base_path), "latents.data": ("latents", _check_latents_data),
-               "validate.clip_model": ("validate", _check_clip_model)}
+               "validate.clip_model": ("validate", _check_clip_model),
+               "validate.vbench.models": ("validate", _check_vbench_models)}
 
 
 def check_paths(params: Params, stage: str | None = None, order: tuple[str, ...] = ()) -> None:

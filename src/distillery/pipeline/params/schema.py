@@ -439,6 +439,44 @@ class PDDParams(TrainingStageParams):
         return None
 
 
+# VBench's dimensions distillery.evaluation.vbench computes (its score.COMPUTED; tests/test_vbench_validate.py holds
+# them equal): named here so that params.yaml is checked without importing the evaluation package
+VBenchDimension = Literal["subject_consistency", "background_consistency", "temporal_flickering", "motion_smoothness",
+                          "aesthetic_quality", "imaging_quality", "dynamic_degree", "overall_consistency"]
+
+
+def distinct(v: list[Any]) -> str | None:
+    repeated = [x for i, x in enumerate(v) if x in v[:i]]
+    return f"{show(repeated[0])} is listed twice" if repeated else None
+
+
+@dataclass
+class VBenchModelsParams:
+    """The folder of each model VBench's dimensions run (distillery.evaluation.vbench.models: what each holds, where
+    the user gets it); null: not given. Only the models of the chosen dimensions are read."""
+
+    dino: str | None = rule(None, check=optional_path)  # subject consistency: DINO ViT-B/16
+    clip_b32: str | None = rule(None, check=optional_path)  # background consistency: CLIP ViT-B/32 (transformers' layout)
+    clip_l14: str | None = rule(None, check=optional_path)  # aesthetic quality: CLIP ViT-L/14 (transformers' layout)
+    aesthetic: str | None = rule(None, check=optional_path)  # aesthetic quality: LAION's linear head
+    amt: str | None = rule(None, check=optional_path)  # motion smoothness: AMT-S
+    raft: str | None = rule(None, check=optional_path)  # dynamic degree: RAFT (things)
+    musiq: str | None = rule(None, check=optional_path)  # imaging quality: MUSIQ (SPAQ)
+    viclip: str | None = rule(None, check=optional_path)  # overall consistency: ViCLIP + CLIP's BPE vocabulary
+
+    def given(self) -> dict[str, str]:
+        """``{model key: folder}`` of the models given."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v}
+
+
+@dataclass
+class VBenchValidateParams:
+    """VBench's dimensions on the headline candidates' validation videos (docs/vbench.md "In the DAG")."""
+
+    dimensions: list[VBenchDimension] = rule([], check=distinct)  # empty: off
+    models: VBenchModelsParams = field(default_factory=VBenchModelsParams)
+
+
 @dataclass
 class ValidateParams:
     num_prompts: int = rule(8, 1, MAX_PROMPTS)  # validation captions sampled per model (config.validation.ValidationSampling.num_prompts)
@@ -452,6 +490,7 @@ class ValidateParams:
     vae_chunk_frames: int | None = rule(None, 1, MAX_LATENT_FRAMES)  # VAE decoder call's latent frames after the first; null: sized to the GPU, 1 on CPU
     compile: bool | None = rule(None)  # compile each transformer block of the candidates; null: on for bf16 on a GPU
     clip_model: str | None = rule(None, check=optional_path)  # a CLIP folder (transformers' layout): CLIP text/consistency + motion scores; null: off
+    vbench: VBenchValidateParams = field(default_factory=VBenchValidateParams)  # VBench's dimensions; dimensions empty: off
 
 
 @dataclass
