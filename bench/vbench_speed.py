@@ -11,7 +11,9 @@ consistency; and the standard protocol's cost — VBench's 946 prompts × 5 vide
 (:mod:`~distillery.evaluation.vbench.protocol`) — scoring only, sampling not included. ``--small-models`` swaps in
 small models of the same classes for a quick check on the CPU (its times mean nothing).
 
-Usage: ``python bench/vbench_speed.py [--device cuda] [--videos 3] [--out bench/results/x.json]``.
+Usage: ``python bench/vbench_speed.py [--device cuda] [--videos 3] [--out bench/results/x.json]``; on the GPU machine, in
+the project's GPU setup (``bench/gpu_job.sh``'s wheels environment, ``.whl/`` carried): ``bash bench/gpu_job.sh run
+python3 bench/vbench_speed.py --device cuda --videos 3 --out $OUT/vbench-speed.json``.
 """
 
 from __future__ import annotations
