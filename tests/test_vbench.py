@@ -26,15 +26,6 @@ from test_clip_scores import make_clip_folder  # noqa: E402
 PROMPTS = ["a red square moving to the right", "a quiet room with a lamp"]
 
 
-@pytest.fixture(autouse=True)
-def _log_handler_outside_capsys():
-    """``distillery``'s CLI binds its log handler to ``sys.stderr`` at its first call in a process; set it up before
-    ``capsys`` swaps in a stream it closes after the test (a later test's log lines would fail to write there)."""
-    from distillery.common.log import setup_logging
-
-    setup_logging()
-
-
 def tiny_frames(n: int = 5) -> np.ndarray:
     return common.clip_moving_square()[:n]
 
