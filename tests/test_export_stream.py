@@ -102,3 +102,42 @@ def test_stream_refuses_a_student_that_does_not_stream(tmp_path):
     pipe = _pipeline(tmp_path, {"sampler": "few_step_x0", "shift": 3.0, "timesteps": [1000.0, 500.0]})
     with pytest.raises(ValueError, match="stream\\(\\) yields a causal student's chunks; this folder's sampler is 'few_step_x0'"):
         next(pipe.stream(**CALL))
+
+
+def test_a_consumer_that_stops_early_leaves_the_pipeline_as_it_was(tmp_path):
+    """Reading only the first chunk and closing the generator: those frames are the video's first frames, and the
+    pipeline samples the same video again afterwards (no state — the KV cache, the decoder's cache — left behind)."""
+    pipe = _pipeline(tmp_path, {**SF, "chunk_size": 2})
+    whole = pipe(**CALL, generator=torch.Generator().manual_seed(3)).frames
+    stream = pipe.stream(**CALL, generator=torch.Generator().manual_seed(3))
+    first = next(stream)
+    stream.close()  # the consumer is done: GeneratorExit inside the sampling
+    with pytest.raises(StopIteration):
+        next(stream)
+    assert np.array_equal(first, whole[:, :first.shape[1]]) and first.shape[1] == 5  # 1 + 4 (2 − 1) frames
+    again = pipe(**CALL, generator=torch.Generator().manual_seed(3)).frames
+    assert np.array_equal(again, whole)
+    streamed = np.concatenate(list(pipe.stream(**CALL, generator=torch.Generator().manual_seed(3))), axis=1)
+    assert np.array_equal(streamed, whole)
+
+
+def test_each_decoder_carries_its_own_cache(vae):
+    """Two videos decoded piece by piece, their pushes interleaved: each decoder's cache is its own (not the VAE's),
+    so each video is its whole decode; the VAE's own decode afterwards is untouched by them. The cache is what
+    carries: the same frames pushed into a fresh decoder come out otherwise."""
+    a, b = _z(vae, seed=1), _z(vae, seed=2)
+    da, db = StreamingDecoder(vae, 1), StreamingDecoder(vae, 1)
+    assert da.cache is not db.cache and len(da.cache) == vae._cached_conv_counts["decoder"]
+    parts = {"a": [], "b": []}
+    for start, end in ((0, 1), (1, 3), (3, 5)):
+        parts["a"].append(da.push(a[:, :, start:end]))
+        parts["b"].append(db.push(b[:, :, start:end]))
+    assert da.frames == db.frames == 5 and any(c is not None for c in da.cache)
+    for name, z in (("a", a), ("b", b)):
+        assert torch.equal(torch.cat(parts[name], dim=2), vae.decode(z, return_dict=False)[0])
+    fresh = StreamingDecoder(vae, 1)  # a new decoder starts from frame 0 again: a new video, not the last one's tail
+    assert torch.equal(fresh.push(a), vae.decode(a, return_dict=False)[0])
+    other = StreamingDecoder(vae, 1)  # a's frames 1-2 behind b's frame 0: what the cache carried differs
+    other.push(b[:, :, :1])
+    behind_b = other.push(a[:, :, 1:3])
+    assert behind_b.shape == parts["a"][1].shape and (behind_b - parts["a"][1]).abs().max() > 1e-4
