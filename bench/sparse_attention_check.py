@@ -13,8 +13,11 @@ its kernel time against dense FA4 at the real shape.
    with the share of key tiles each query tile reads.
 
 Writes ``$OUT/sparse_attention_check.json``. ``BENCH_SMOKE=1`` runs it on the CPU at a tiny grid (the reference path
-both sides: a check of this script). Usage (device machine, FA4 wheels installed, ``source bench/gpu_env.sh``):
-``python3 bench/sparse_attention_check.py [--grid 21,30,52] [--sparsities 0.8,0.9]``.
+both sides: a check of this script). Usage (device machine, the FA4 wheels installed: ``source device-env.sh`` after a
+``../shared/tools/device-wheels.sh`` batch, as ``bash bench/gpu_job.sh fa4`` sources it; with
+``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`` a later call on the same machine reuses the compiled kernels):
+``python3 bench/sparse_attention_check.py [--grid 21,30,52] [--sparsities 0.8,0.9]``. A failure of the FA4 kernel is a
+result, not a crash: ``fa4_kernel_failure`` (the torch path ran instead) or ``error`` in the JSON.
 """
 
 from __future__ import annotations
