@@ -139,18 +139,18 @@ class VideoScorer:
     function for that folder (``score``: None when there is nothing to score)."""
 
     def __init__(self, folder: Path, device: torch.device, scorer: Callable[[Path], Score | None] | None = None) -> None:
-        from diffusers import AutoencoderKLWan
+        from distillery.data.vae_codecs import vae_kind
 
         folder = Path(folder)
         if not (folder / "vae").is_dir():
-            raise UserError(f"callbacks validation.vae_from: {folder} has no vae/ folder; point it at a diffusers Wan folder")
+            raise UserError(f"callbacks validation.vae_from: {folder} has no vae/ folder; point it at a diffusers model folder")
         self.device = device
-        self.vae = AutoencoderKLWan.from_pretrained(folder / "vae", torch_dtype=torch.float32).to(device).eval()
+        self.vae = vae_kind(folder).load(folder / "vae", torch.float32, device)
         self.score: Score | None = scorer(folder) if scorer is not None else None
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> "np.ndarray":
-        """Normalised latents ``[1, C, T', H', W']`` → ``uint8 [T, H, W, 3]`` frames (as WanPipeline decodes)."""
+        """Normalised latents ``[1, C, T', H', W']`` → ``uint8 [T, H, W, 3]`` frames (as the VAE's pipeline decodes)."""
         from distillery.data.encoders import denormalize_latents
 
         z = denormalize_latents(self.vae, latents.float().to(self.device))

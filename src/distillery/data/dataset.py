@@ -33,7 +33,9 @@ from distillery.data.latent_format import (
     ColumnError,
     TensorColumn,
     decode_tensor_column,
+    format_problem,
     schema_problems,
+    text_streams_of,
 )
 
 __all__ = [
@@ -82,6 +84,11 @@ class _Shard:
             schema = pq.read_schema(path)
         except (pa.ArrowException, OSError) as e:
             raise UserError(f"{path} is not a readable parquet file ({e}); rewrite it with the latents stage") from None
+        too_new = format_problem(schema)
+        if too_new:
+            raise UserError(f"{path}: {too_new}; read it with that distillery or regenerate it with the latents stage")
+        #: the prompt streams a multi-encoder set records (format v2), None for one encoder's (v1)
+        self.text_streams = text_streams_of(schema)
         problems = schema_problems(schema, with_latents)
         if problems and with_latents and not schema_problems(schema, with_latents=False):
             raise UserError(f"{path} holds prompt embeddings only (no video latents): a method that reads video latents "
@@ -219,6 +226,10 @@ class LatentDataset:
             if text_dim is not None and len(shard):
                 _check_column(path, "text embedding width", shard.texts.shapes[:, 1:], [text_dim],
                               f"the latent set's {where} records")
+            streams = (manifest or {}).get("text_streams")
+            if manifest is not None and shard.text_streams != streams:
+                raise UserError(f"{path} holds the prompt streams {shard.text_streams or 'of one text encoder'}, but {where} "
+                                f"records {streams or 'one text encoder'}; regenerate it with the latents stage")
         splits = (manifest or {}).get("splits")
         counts = splits.get(self.split) if isinstance(splits, dict) else None
         expected_rows = counts.get("rows") if isinstance(counts, dict) else None

@@ -1,13 +1,13 @@
-"""The base model's VAE and text encoder, used exactly as the base's diffusers pipeline uses them (WanPipeline's;
-Cosmos Predict 2.5's pipeline has the same VAE, its text encoder is :class:`PromptEncoder`).
+"""The base model's VAE and text encoder(s), used exactly as the base's diffusers pipeline uses them (WanPipeline's;
+Cosmos Predict 2.5's pipeline has the same VAE; HunyuanVideo 1.5's its own; the text encoders are :class:`PromptEncoder`).
 
 Contracts:
 - videos: ``uint8 [B, T, H, W, 3]`` RGB frames ↔ latents ``float32 [B, C, T', H', W']`` with
-  ``T' = (T − 1) / 4 + 1`` and ``H' = H / s``, ``W' = W / s`` (s = the VAE's spatial factor).
-  Latents are the posterior **mean** (no sampling), **normalised** with the VAE config's
-  ``latents_mean``/``latents_std``: ``z_norm = (z − mean) / std``. This is where normalisation
-  happens; WanPipeline undoes it before decoding (``z = z_norm · std + mean``), so training on
-  these latents matches sampling with the stock pipeline.
+  ``T' = (T − 1) / t + 1`` and ``H' = H / s``, ``W' = W / s`` (t, s = the VAE's temporal and spatial factors).
+  Latents are the posterior **mean** (no sampling), **normalised** as the VAE's pipeline normalises them
+  (:mod:`distillery.data.vae_codecs`: Wan's ``(z − latents_mean) / latents_std``, HunyuanVideo 1.5's
+  ``z · scaling_factor``). This is where normalisation happens; the pipeline undoes it before decoding, so training
+  on these latents matches sampling with the stock pipeline.
 - prompts: ``prompt_clean`` → tokenizer (pad to ``max_sequence_length``, truncate, add ``</s>``) →
   encoder with the attention mask → each row trimmed to its real token count: ``[L_i, D]``
   unpadded. Training pads them back with zeros to the same ``max_sequence_length``. (A Cosmos base's rows are
@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -28,9 +28,6 @@ import torch
 from distillery.common.errors import UserError
 from distillery.common.log import quiet_library_progress
 from distillery.data.vae_decode import auto_chunk_frames, decode_video, set_fused_decode
-
-if TYPE_CHECKING:
-    from diffusers import AutoencoderKLWan
 
 
 def read_max_sequence_length(base: Path, default: int = 512) -> int:
@@ -55,23 +52,24 @@ def read_max_sequence_length(base: Path, default: int = 512) -> int:
     return default
 
 
-def _stats_view(vae: AutoencoderKLWan, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (1, vae.config.z_dim) + (1,) * (z.ndim - 2)
-    mean = torch.tensor(vae.config.latents_mean, dtype=z.dtype, device=z.device).view(shape)
-    std = torch.tensor(vae.config.latents_std, dtype=z.dtype, device=z.device).view(shape)
-    return mean, std
+def _vae_kind(vae: Any) -> Any:
+    from distillery.data.vae_codecs import KINDS
+
+    kind = KINDS.get(type(vae).__name__)
+    if kind is None:
+        raise UserError(f"a {type(vae).__name__} VAE; distillery encodes videos with {', '.join(KINDS)}")
+    return kind
 
 
-def normalize_latents(vae: AutoencoderKLWan, z: torch.Tensor) -> torch.Tensor:
-    """Training-space latents ``(z - latents_mean) / latents_std`` for raw latents ``z`` [B, z_dim, ...]."""
-    mean, std = _stats_view(vae, z)
-    return (z - mean) / std
+def normalize_latents(vae: Any, z: torch.Tensor) -> torch.Tensor:
+    """Training-space latents of raw latents ``z`` [B, C, ...], as the VAE's pipeline makes them
+    (:mod:`distillery.data.vae_codecs`: Wan's ``(z − latents_mean) / latents_std``, HunyuanVideo 1.5's ``z · scaling_factor``)."""
+    return _vae_kind(vae).normalize(vae, z)
 
 
-def denormalize_latents(vae: AutoencoderKLWan, x: torch.Tensor) -> torch.Tensor:
-    """Raw latents for ``vae.decode`` from training-space ``x`` [B, z_dim, ...], as WanPipeline does."""
-    mean, std = _stats_view(vae, x)
-    return x / (1.0 / std) + mean
+def denormalize_latents(vae: Any, x: torch.Tensor) -> torch.Tensor:
+    """Raw latents for ``vae.decode`` from training-space ``x`` [B, C, ...], as the VAE's pipeline undoes the normalisation."""
+    return _vae_kind(vae).denormalize(vae, x)
 
 
 def first_frame_mask_channels(base: Path) -> int | None:
@@ -101,6 +99,7 @@ def first_frame_mask(num_frames: int, temporal_factor: int, latent_hw: tuple[int
 # -- the prompt encoder, by the text encoder's class ---------------------------------------------------------
 UMT5 = "UMT5EncoderModel"
 QWEN25_VL = "Qwen2_5_VLForConditionalGeneration"
+QWEN25_VL_TEXT = "Qwen2_5_VLTextModel"  # HunyuanVideo 1.5's first encoder (its second: text_encoder_2, ByT5's T5)
 
 
 def _read(path: Path) -> Any:
@@ -123,24 +122,43 @@ def text_encoder_class(base: Path) -> str:
     raise UserError(f"{base}: neither model_index.json nor text_encoder/config.json names the text encoder's class")
 
 
-def _umt5_width(config: dict[str, Any]) -> int:
-    return int(config["d_model"])
+def _text_config(base: Path, part: str = "text_encoder") -> dict[str, Any]:
+    config = _read(base / part / "config.json")
+    return config.get("text_config") or config  # transformers 5 nests the language model's config
 
 
-def _qwen25_vl_width(config: dict[str, Any]) -> int:
-    text = config.get("text_config") or config  # transformers 5 nests the language model's config
-    return int(text["hidden_size"]) * int(text["num_hidden_layers"])
+def _umt5_streams(base: Path) -> tuple[tuple[str, int, int | None], ...]:
+    return ((UMT5, int(_read(base / "text_encoder" / "config.json")["d_model"]), None),)
+
+
+def _qwen25_vl_streams(base: Path) -> tuple[tuple[str, int, int | None], ...]:
+    text = _text_config(base)
+    return ((QWEN25_VL, int(text["hidden_size"]) * int(text["num_hidden_layers"]), None),)
+
+
+def _hunyuan15_streams(base: Path) -> tuple[tuple[str, int, int | None], ...]:
+    from distillery.components.prompt_streams import hunyuan15_budgets
+
+    qwen, byt5 = hunyuan15_budgets()
+    return ((QWEN25_VL_TEXT, int(_text_config(base)["hidden_size"]), qwen),
+            ("T5EncoderModel", int(_read(base / "text_encoder_2" / "config.json")["d_model"]), byt5))
 
 
 @dataclass(frozen=True)
 class TextEncoderKind:
-    """One text-encoder class and how its embedding width reads from its ``config.json``."""
+    """One text-encoder class (``model_index.json``'s ``text_encoder``) and the prompt streams it makes, read from the
+    base's configs: ``(encoder class, width, token budget or None)`` each, side by side in the stored prompt
+    (:mod:`distillery.components.prompt_streams`; one stream: the width is the embedding's)."""
 
     class_name: str
-    width: Callable[[dict[str, Any]], int]
+    streams: Callable[[Path], tuple[tuple[str, int, int | None], ...]]
+
+    def width(self, base: Path) -> int:
+        return sum(width for _, width, _ in self.streams(base))
 
 
-KINDS = {k.class_name: k for k in (TextEncoderKind(UMT5, _umt5_width), TextEncoderKind(QWEN25_VL, _qwen25_vl_width))}
+KINDS = {k.class_name: k for k in (TextEncoderKind(UMT5, _umt5_streams), TextEncoderKind(QWEN25_VL, _qwen25_vl_streams),
+                                   TextEncoderKind(QWEN25_VL_TEXT, _hunyuan15_streams))}
 
 
 def kind_of(base: Path) -> TextEncoderKind:
@@ -151,13 +169,18 @@ def kind_of(base: Path) -> TextEncoderKind:
     return KINDS[name]
 
 
-def text_width(base: Path) -> int:
-    """The width ``D`` of the prompt embeddings ``base``'s text encoder makes, read from its config (nothing loaded)."""
-    path = base / "text_encoder" / "config.json"
+def text_streams(base: Path) -> tuple[tuple[str, int, int | None], ...]:
+    """The prompt streams of ``base``'s text encoder(s) (:class:`TextEncoderKind`), read from their configs."""
     try:
-        return kind_of(base).width(_read(path))
+        return kind_of(base).streams(base)
     except (KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"{path}: no readable width ({type(exc).__name__}: {exc})") from None
+        raise UserError(f"{base}: a text encoder config with no readable width ({type(exc).__name__}: {exc})") from None
+
+
+def text_width(base: Path) -> int:
+    """The width ``D`` of the prompt embeddings ``base``'s text encoder(s) make, read from their configs (nothing
+    loaded): the streams' widths added (:mod:`distillery.components.prompt_streams`)."""
+    return sum(width for _, width, _ in text_streams(base))
 
 
 class PromptEncoder:
@@ -171,10 +194,16 @@ class PromptEncoder:
       layer after the embeddings normalised over its width and concatenated — ``Cosmos2_5_PredictBasePipeline``'s own
       ``_get_prompt_embeds``, called as it is — untrimmed: ``[max_sequence_length, layers · hidden]`` (the pipeline
       passes the pad tokens' embeddings to the transformer too).
+    - ``Qwen2_5_VLTextModel`` + ``text_encoder_2`` (HunyuanVideo 1.5): ``HunyuanVideo15Pipeline``'s own
+      ``_get_mllm_prompt_embeds`` (its chat template, the third-from-last hidden layer, the template's 108 tokens
+      cropped, a 1000-token budget, with its mask) and ``_get_byt5_prompt_embeds`` (the prompt's quoted text through
+      ByT5, a 256-token budget with its mask; zeros and an empty mask when the prompt quotes nothing), called as they
+      are, the two streams side by side with their real tokens only (:func:`~distillery.components.prompt_streams.pack_streams`):
+      ``[max(L_qwen, L_byt5), hidden + d_model]``.
 
     Which one a folder has: ``model_index.json``'s ``text_encoder`` entry (``["transformers", "<class>"]``), else the
     ``architectures`` of ``text_encoder/config.json``. A class no row knows is one line (:class:`UserError`). It holds
-    the tokenizer and text encoder of ``base``, frozen, float32, on ``device``."""
+    the tokenizer(s) and text encoder(s) of ``base``, frozen, float32, on ``device``."""
 
     def __init__(self, base: Path, device: torch.device, max_sequence_length: int) -> None:
         from transformers import AutoTokenizer
@@ -183,19 +212,28 @@ class PromptEncoder:
         self.device = device
         self.max_sequence_length = int(max_sequence_length)
         self.tokenizer = AutoTokenizer.from_pretrained(base / "tokenizer")
+        self.second = None
         if self.kind.class_name == UMT5:
             from transformers import UMT5EncoderModel as model_class
-        else:
+        elif self.kind.class_name == QWEN25_VL:
             from transformers import Qwen2_5_VLForConditionalGeneration as model_class
+        else:
+            from transformers import ByT5Tokenizer, T5EncoderModel
+            from transformers import Qwen2_5_VLTextModel as model_class
+
+            self.second = (ByT5Tokenizer.from_pretrained(base / "tokenizer_2"),
+                           T5EncoderModel.from_pretrained(base / "text_encoder_2", torch_dtype=torch.float32).to(device).eval())
         self.model = model_class.from_pretrained(base / "text_encoder", torch_dtype=torch.float32).to(device).eval()
-        self.width = self.kind.width(self.model.config.to_dict())
+        self.width = self.kind.width(base)
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> list[torch.Tensor]:
-        """Prompts → embeddings ``[L_i, D]`` (float32, CPU): trimmed to the real tokens (UMT5) or all
-        ``max_sequence_length`` of them (Qwen2.5-VL), module doc."""
+        """Prompts → embeddings ``[L_i, D]`` (float32, CPU): trimmed to the real tokens (UMT5; HunyuanVideo 1.5's two
+        streams side by side) or all ``max_sequence_length`` of them (Qwen2.5-VL), class doc."""
         if self.kind.class_name == UMT5:
             return self._encode_umt5(prompts)
+        if self.second is not None:
+            return self._encode_hunyuan15(prompts)
         from diffusers import Cosmos2_5_PredictBasePipeline
 
         # the pipeline's own encoding, on a stand-in holding only what that method reads
@@ -204,6 +242,18 @@ class PromptEncoder:
                                                                    max_sequence_length=self.max_sequence_length,
                                                                    device=self.device, dtype=torch.float32)
         return [h.float().cpu().clone() for h in hidden]
+
+    def _encode_hunyuan15(self, prompts: list[str]) -> list[torch.Tensor]:
+        from diffusers import HunyuanVideo15Pipeline
+
+        from distillery.components.prompt_streams import pack_streams
+
+        # the pipeline's own static encoders, with their default budgets (hunyuan15_budgets: its __init__'s too)
+        qwen, qwen_mask = HunyuanVideo15Pipeline._get_mllm_prompt_embeds(
+            text_encoder=self.model, tokenizer=self.tokenizer, prompt=list(prompts), device=self.device)
+        byt5, byt5_mask = HunyuanVideo15Pipeline._get_byt5_prompt_embeds(
+            tokenizer=self.second[0], text_encoder=self.second[1], prompt=list(prompts), device=self.device)
+        return [pack_streams([(qwen[i], qwen_mask[i]), (byt5[i], byt5_mask[i])]) for i in range(len(prompts))]
 
     def _encode_umt5(self, prompts: list[str]) -> list[torch.Tensor]:
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
@@ -219,8 +269,9 @@ class PromptEncoder:
 
 
 class BaseEncoders:
-    """VAE + tokenizer + text encoder (:class:`PromptEncoder`) of a diffusers Wan or Cosmos folder, frozen, on ``device``; for an image-to-video base
-    (:func:`first_frame_mask_channels`) also its image encoder and processor (when the folder has them)."""
+    """VAE + tokenizer(s) + text encoder(s) (:class:`PromptEncoder`) of a diffusers base folder (Wan, Cosmos Predict 2.5,
+    HunyuanVideo 1.5), frozen, on ``device``; the VAE by its class (:mod:`distillery.data.vae_codecs`); for an
+    image-to-video base (:func:`first_frame_mask_channels`) also its image encoder and processor (when the folder has them)."""
 
     def __init__(self, base: str | Path, device: str | torch.device = "cpu", max_sequence_length: int | None = None,
                  text_encoder: bool = True, vae_dtype: torch.dtype = torch.float32,
@@ -231,19 +282,22 @@ class BaseEncoders:
         (float32, as the Wan model card runs it; bfloat16 decodes faster on a GPU); latents stay float32 either way.
         ``decode``: how :meth:`decode_latents` runs, ``(chunk_frames, fused)`` as :meth:`configure_decode` takes them
         (the default: diffusers' own frame-by-frame decode) — told once, by the caller that decides it."""
-        from diffusers import AutoencoderKLWan
+        from distillery.data.vae_codecs import vae_kind
 
         quiet_library_progress()
         self.base = Path(base)
         for part in ("vae", "text_encoder", "tokenizer"):
             if not (self.base / part).is_dir():
-                raise UserError(f"{self.base}: no {part}/ folder; --base must be a diffusers Wan model folder")
+                raise UserError(f"{self.base}: no {part}/ folder; --base must be a diffusers model folder")
         self.device = torch.device(device)
-        self.vae = AutoencoderKLWan.from_pretrained(self.base / "vae", torch_dtype=vae_dtype).to(self.device).eval()
+        self.vae_kind = vae_kind(self.base)
+        self.vae = self.vae_kind.load(self.base / "vae", vae_dtype, self.device)
+        self.z_dim, self.temporal_factor, self.spatial_factor = self.vae_kind.geometry(dict(self.vae.config))
         self.configure_decode(*decode)
         self.max_sequence_length = max_sequence_length or read_max_sequence_length(self.base)
         self.prompt_encoder = PromptEncoder(self.base, self.device, self.max_sequence_length) if text_encoder else None
         self.text_dim = self.prompt_encoder.width if self.prompt_encoder is not None else text_width(self.base)
+        self.text_streams = text_streams(self.base)
         self.mask_channels = first_frame_mask_channels(self.base)  # None: a text-to-video base
         self.image_encoder = self.image_processor = None
         if self.mask_channels is not None and (self.base / "image_encoder").is_dir():
@@ -252,13 +306,6 @@ class BaseEncoders:
             self.image_processor = CLIPImageProcessor.from_pretrained(self.base / "image_processor")
             self.image_encoder = CLIPVisionModel.from_pretrained(self.base / "image_encoder", torch_dtype=torch.float32)
             self.image_encoder.to(self.device).eval()
-        cfg = self.vae.config
-        self.z_dim = int(cfg.z_dim)
-        if len(cfg.latents_mean) != self.z_dim or len(cfg.latents_std) != self.z_dim:
-            raise UserError(
-                f"{self.base / 'vae'}: latents_mean/latents_std have {len(cfg.latents_mean)}/{len(cfg.latents_std)} "
-                f"entries, z_dim is {self.z_dim}"
-            )
 
     @torch.no_grad()
     def encode_videos(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -266,7 +313,7 @@ class BaseEncoders:
         x = torch.as_tensor(frames).to(self.device)  # uint8 over the bus, converted on the device
         x = x.permute(0, 4, 1, 2, 3).float().div(127.5).sub(1.0).to(self.vae.dtype)
         z = self.vae.encode(x).latent_dist.mode().float()
-        return normalize_latents(self.vae, z).cpu()
+        return self.vae_kind.normalize(self.vae, z).cpu()
 
     @property
     def image_to_video(self) -> bool:
@@ -319,14 +366,15 @@ class BaseEncoders:
     @torch.no_grad()
     def decode_latents(self, latents: torch.Tensor) -> np.ndarray:
         """Normalised latents ``[B, C, T', H', W']`` → ``uint8 [B, T, H, W, 3]`` frames."""
-        z = denormalize_latents(self.vae, latents.float().to(self.device)).to(self.vae.dtype)
+        z = self.vae_kind.denormalize(self.vae, latents.float().to(self.device)).to(self.vae.dtype)
         video = decode_video(self.vae, z, self.chunk_frames_for(tuple(z.shape))).float().clamp(-1, 1)
         frames = ((video + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
         return frames.permute(0, 2, 3, 4, 1).cpu().numpy()
 
     def encode_prompts(self, prompts: list[str]) -> list[torch.Tensor]:
         """Captions → embeddings ``[L_i, D]`` (float32, CPU), as the base's pipeline computes them
-        (:class:`PromptEncoder`: unpadded for Wan's UMT5, all ``max_sequence_length`` rows for Cosmos)."""
+        (:class:`PromptEncoder`: unpadded for Wan's UMT5 and HunyuanVideo 1.5's two streams, all ``max_sequence_length``
+        rows for Cosmos)."""
         if self.prompt_encoder is None:
             raise RuntimeError("BaseEncoders was built with text_encoder=False: it cannot encode prompts")
         return self.prompt_encoder.encode(prompts)

@@ -14,6 +14,13 @@ One parquet row is one training clip:
   ``WanImageToVideoPipeline`` builds it), and — when the base has an image encoder —
   ``image_embedding_bytes`` / ``_shape`` / ``_dtype``, its embeddings of the first frame ``[N, D_img]``.
 
+Format versions (the schema metadata ``distillery.format``): ``latents/v1`` (``+i2v`` for an image-to-video set) and
+``prompts/v1`` hold one text encoder's embeddings; ``latents/v2`` / ``prompts/v2`` hold the prompt streams of several
+encoders side by side in the same text column (:mod:`distillery.components.prompt_streams`: HunyuanVideo 1.5's
+Qwen2.5-VL and ByT5) and record them as ``distillery.text_streams`` (:func:`with_text_streams`; each stream's
+``encoder``, ``width`` and ``tokens`` budget). A v1 shard reads as one stream, as it always did; a format of a later
+major version than this reader's is refused (:func:`format_problem`).
+
 Supported dtypes are ``float32``, ``float16`` and ``bfloat16``; every codec here round-trips them
 bitwise. Readers honour the dtype column (a row's tensors come back in the dtype they were written
 in).
@@ -47,10 +54,14 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "exact_nbytes",
+    "format_problem",
     "i2v_schema",
     "schema_problems",
+    "stream_records",
     "tensor_from_bytes",
     "tensor_to_record_fields",
+    "text_streams_of",
+    "with_text_streams",
 ]
 
 #: Stored dtype name -> torch dtype. Only these may appear in a ``*_dtype`` column.
@@ -66,8 +77,12 @@ _ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v
 LATENT_NDIM = 4
 TEXT_NDIM = 2
 
-#: Schema-level metadata written into every shard (informational; readers check the columns).
+#: Schema-level metadata written into every shard (readers check the columns, :func:`format_problem` the version).
 FORMAT_METADATA: dict[bytes, bytes] = {b"distillery.format": b"latents/v1"}
+FORMAT_KEY = b"distillery.format"
+STREAMS_KEY = b"distillery.text_streams"
+#: The newest format version this reader knows (of ``latents/`` and ``prompts/`` shards).
+FORMAT_VERSION = 2
 
 SCHEMA: pa.Schema = pa.schema(
     [
@@ -110,6 +125,50 @@ LATENT_COLUMNS = ("latent_bytes", "latent_shape", "latent_dtype", "num_frames", 
 #: embedding and source columns, written the same way, so one reader serves both (``LatentDataset(with_latents=False)``).
 PROMPT_SCHEMA: pa.Schema = pa.schema([f for f in SCHEMA if f.name not in LATENT_COLUMNS],
                                      metadata={b"distillery.format": b"prompts/v1"})
+
+
+def stream_records(streams: Sequence[tuple[str, int, int | None]]) -> list[dict]:
+    """The record of prompt streams ``(encoder class, width, token budget)`` a v2 shard and its set's manifest keep."""
+    return [{"encoder": e, "width": int(w), "tokens": n} for e, w, n in streams]
+
+
+def with_text_streams(schema: pa.Schema, streams: Sequence[tuple[str, int, int | None]] | None) -> pa.Schema:
+    """``schema`` as a shard of several prompt streams records them (module doc: format version 2 and
+    ``distillery.text_streams``); ``schema`` itself for one stream (or None)."""
+    if streams is None or len(streams) < 2:
+        return schema
+    import json
+
+    meta = dict(schema.metadata or {})
+    kind, _, rest = meta.get(FORMAT_KEY, b"latents/v1").decode().partition("/v1")
+    meta[FORMAT_KEY] = f"{kind}/v{FORMAT_VERSION}{rest}".encode()
+    meta[STREAMS_KEY] = json.dumps(stream_records(streams)).encode()
+    return schema.with_metadata(meta)
+
+
+def format_problem(schema: pa.Schema) -> str | None:
+    """Why a reader of :data:`FORMAT_VERSION` cannot read a shard of ``schema``'s format (a later major version),
+    else None (no format recorded: the columns say)."""
+    value = (schema.metadata or {}).get(FORMAT_KEY, b"").decode(errors="replace")
+    kind, slash, rest = value.partition("/v")
+    digits = rest.split("+")[0]
+    if slash and kind in ("latents", "prompts") and digits.isdigit() and int(digits) > FORMAT_VERSION:
+        return f"written as {value}, a later format than this distillery reads ({kind}/v{FORMAT_VERSION})"
+    return None
+
+
+def text_streams_of(schema: pa.Schema) -> list[dict] | None:
+    """The prompt streams a v2 shard records (``[{"encoder", "width", "tokens"}, …]``), None for a one-stream shard."""
+    raw = (schema.metadata or {}).get(STREAMS_KEY)
+    if raw is None:
+        return None
+    import json
+
+    try:
+        streams = json.loads(raw)
+    except ValueError:
+        return None
+    return streams if isinstance(streams, list) else None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

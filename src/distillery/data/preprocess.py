@@ -58,6 +58,7 @@ from distillery.common.progress import Progress
 from distillery.components.distributed import barrier, shutdown
 from distillery.data.dataset import EMPTY_PROMPT_FILE, MANIFEST_FILE, NEGATIVE_PROMPT_FILE, shard_record_path, write_empty_prompt_embedding
 from distillery.data.encoders import BaseEncoders
+from distillery.data.latent_format import stream_records
 from distillery.data.video_folder import SkippedItem, find_splits, read_entries
 from distillery.data.videos import ClipItem, IngestConfig, load_entry
 from distillery.data.writer import LatentRecord, shard_path, write_shard
@@ -92,7 +93,7 @@ LEDGER_FILE = "written_files.json"
 _LEDGER_ENTRY = re.compile(r"^([^/]+/shard-\d{5,}\.(parquet|json)|(empty|negative)_prompt\.safetensors)$")
 #: The parts of a base model folder the latents depend on (an image-to-video base's transformer config says so,
 #: and its image encoder makes the image embeddings; a text-to-video base has neither image folder).
-_ENCODER_PARTS = ("vae", "text_encoder", "tokenizer", "image_encoder", "image_processor")
+_ENCODER_PARTS = ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "image_encoder", "image_processor")
 
 
 def _shard_record_path(out: Path, split: str, index: int) -> Path:
@@ -220,7 +221,7 @@ def process_shard(
                 image_embedding=None if images is None else images[i].contiguous(),
             ))
     if records:
-        write_shard(records, shard_path(out, split, index))
+        write_shard(records, shard_path(out, split, index), encoders.text_streams)
     else:
         shard_path(out, split, index).unlink(missing_ok=True)  # a stale one from another run
     record = {"shard": index, "rows": len(records), "entries": len(entries), "skipped": skipped,
@@ -434,8 +435,9 @@ def _summarise(plan, out: Path, splits, totals, cfg, base, data, encoders, secon
         "latent_channels": encoders.z_dim,
         "latent_shape": list(shapes.pop()),  # [C, T, H, W] of every row
         "text_dim": encoders.text_dim,
+        **({"text_streams": stream_records(encoders.text_streams)} if len(encoders.text_streams) > 1 else {}),
         **({"image_conditioning": _image_conditioning(out, plan)} if encoders.image_to_video else {}),
-        "normalisation": "latents = (posterior_mean - vae.latents_mean) / vae.latents_std",
+        "normalisation": encoders.vae_kind.formula,
     }
     write_text_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=2))  # the same inputs give the same bytes
     manifest.update(seconds_this_run=round(seconds, 3), clips_this_run=clips_this_run)  # facts of this run only

@@ -46,6 +46,7 @@ from distillery.common.hashcache import file_sha256
 from distillery.common.log import get_logger
 from distillery.common.progress import Progress
 from distillery.data.dataset import MANIFEST_FILE, PROMPTS_KIND, shard_record_path
+from distillery.data.latent_format import stream_records
 from distillery.data.writer import PromptRecord, shard_path, write_prompt_shard
 
 log = get_logger("prompts")
@@ -53,7 +54,7 @@ log = get_logger("prompts")
 SPLIT = "train"  # a prompts file is one training split
 MAX_FILE_BYTES = 4 << 30  # the largest prompts file accepted at all (4 GiB: ~10 M LLM-extended prompts)
 MAX_PROMPT_CHARS = 100_000  # the longest prompt accepted at all (the text encoder keeps its first 512 tokens)
-_TEXT_PARTS = ("text_encoder", "tokenizer")  # the parts of a base folder the embeddings depend on
+_TEXT_PARTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")  # the parts of a base folder the embeddings depend on
 
 
 @dataclass
@@ -207,7 +208,7 @@ def encode_shard(encoders: Any, prompts: list[Prompt], cfg: PromptsConfig, out: 
         chunk = prompts[start : start + cfg.batch_size]
         for p, emb in zip(chunk, encoders.encode_prompts([p.text for p in chunk])):
             records.append(PromptRecord(id=p.id, caption=p.text, text_embedding=emb, source=f"{source}:{p.line}"))
-    write_prompt_shard(records, shard_path(out, SPLIT, index))
+    write_prompt_shard(records, shard_path(out, SPLIT, index), encoders.text_streams)
     record = {"shard": index, "rows": len(records), "entries": len(prompts), "skipped": [], "latent_shape": None,
               **provenance}
     write_text_atomic(record_path, json.dumps(record))
@@ -267,6 +268,7 @@ def encode_prompts_file(base: Path, prompts_file: Path, out: Path, cfg: PromptsC
         "latent_channels": encoders.z_dim,
         "latent_shape": latent_shape,  # [C, T', H', W'] a rollout from noise generates (no row stores a latent)
         "text_dim": encoders.text_dim,
+        **({"text_streams": stream_records(encoders.text_streams)} if len(encoders.text_streams) > 1 else {}),
     }
     write_text_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=2))
     manifest.update(seconds_this_run=round(time.perf_counter() - started, 3), prompts_this_run=encoded)

@@ -14,13 +14,21 @@ import uuid
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from distillery.data.latent_format import LATENT_NDIM, PROMPT_SCHEMA, SCHEMA, TEXT_NDIM, i2v_schema, tensor_to_record_fields
+from distillery.data.latent_format import (
+    LATENT_NDIM,
+    PROMPT_SCHEMA,
+    SCHEMA,
+    TEXT_NDIM,
+    i2v_schema,
+    tensor_to_record_fields,
+    with_text_streams,
+)
 
 __all__ = ["LatentRecord", "PromptRecord", "shard_path", "write_latent_shards", "write_prompt_shard", "write_shard"]
 
@@ -93,7 +101,10 @@ def _tensor_columns(name: str, tensors: list) -> dict[str, list]:
             f"{name}_dtype": [d for _, _, d in fields]}
 
 
-def _records_to_table(records: list[LatentRecord]) -> pa.Table:
+Streams = Sequence[tuple[str, int, int | None]] | None  # the prompt streams of a multi-encoder base (latent_format)
+
+
+def _records_to_table(records: list[LatentRecord], streams: Streams = None) -> pa.Table:
     columns = {
         "id": [r.id for r in records],
         "caption": [r.caption for r in records],
@@ -116,17 +127,17 @@ def _records_to_table(records: list[LatentRecord]) -> pa.Table:
         schema = i2v_schema(with_image)
     elif any(r.first_frame is not None for r in records):
         raise ValueError("records of one shard must all carry a first_frame or none")
-    return pa.Table.from_pydict(columns, schema=schema)
+    return pa.Table.from_pydict(columns, schema=with_text_streams(schema, streams))
 
 
-def _prompts_to_table(records: list[PromptRecord]) -> pa.Table:
+def _prompts_to_table(records: list[PromptRecord], streams: Streams = None) -> pa.Table:
     columns = {
         "id": [r.id for r in records],
         "caption": [r.caption for r in records],
         **_tensor_columns("text_embedding", [r.text_embedding for r in records]),
         "source": [r.source for r in records],
     }
-    return pa.Table.from_pydict(columns, schema=PROMPT_SCHEMA)
+    return pa.Table.from_pydict(columns, schema=with_text_streams(PROMPT_SCHEMA, streams))
 
 
 def _write_table(table: pa.Table, path: Path, rows: int) -> Path:
@@ -142,17 +153,18 @@ def _write_table(table: pa.Table, path: Path, rows: int) -> Path:
     return path
 
 
-def write_prompt_shard(records: Iterable[PromptRecord], path: Path) -> Path:
+def write_prompt_shard(records: Iterable[PromptRecord], path: Path, text_streams: Streams = None) -> Path:
     """Write ``records`` as one zstd parquet prompt shard at ``path``, atomically (as :func:`write_shard`)."""
     path = Path(path)
     rows = list(records)
     if not rows:
         raise ValueError(f"no records to write to {path}")
-    return _write_table(_prompts_to_table(rows), path, len(rows))
+    return _write_table(_prompts_to_table(rows, text_streams), path, len(rows))
 
 
-def write_shard(records: Iterable[LatentRecord], path: Path) -> Path:
-    """Write ``records`` as one zstd parquet shard at ``path``, atomically; returns ``path``.
+def write_shard(records: Iterable[LatentRecord], path: Path, text_streams: Streams = None) -> Path:
+    """Write ``records`` as one zstd parquet shard at ``path``, atomically; returns ``path``. ``text_streams``: the
+    base's prompt streams where it has several (recorded, format v2: :func:`~distillery.data.latent_format.with_text_streams`).
 
     The parent folder is created if needed. Data goes to a hidden temp file beside ``path``
     (never matching ``*.parquet``) and is renamed over ``path`` only once complete; on any error
@@ -163,7 +175,7 @@ def write_shard(records: Iterable[LatentRecord], path: Path) -> Path:
     rows = list(records)
     if not rows:
         raise ValueError(f"no records to write to {path}")
-    return _write_table(_records_to_table(rows), path, len(rows))
+    return _write_table(_records_to_table(rows, text_streams), path, len(rows))
 
 
 def _batched(it: Iterable[LatentRecord], n: int) -> Iterator[list[LatentRecord]]:

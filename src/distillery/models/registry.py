@@ -304,19 +304,12 @@ def load_inference_model(folder: str | Path, device: Any = "cpu", dtype: Any = N
 
 def vae_geometry(folder: str | Path) -> tuple[int, int, int]:
     """``(latent channels, frames per latent after the first, pixels per latent side)`` of the VAE of model folder
-    ``folder`` (its ``vae/config.json``: ``z_dim``, ``scale_factor_temporal``, ``scale_factor_spatial`` — or, a config
-    without them, ``2 ** sum(temperal_downsample)`` and ``2 ** len(temperal_downsample)``, as diffusers' ``WanPipeline``
-    computes them); one :class:`UserError` line when the folder has no readable VAE config."""
-    path = Path(folder).expanduser() / "vae" / "config.json"
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-        z_dim = int(cfg["z_dim"])
-        down = [bool(d) for d in cfg.get("temperal_downsample", [])]
-        temporal = int(cfg.get("scale_factor_temporal") or 2 ** sum(down))
-        spatial = int(cfg.get("scale_factor_spatial") or 2 ** len(down))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path}: no readable VAE config ({type(e).__name__}); is it a diffusers Wan folder?") from None
-    return z_dim, temporal, spatial
+    ``folder``, read from its ``vae/config.json`` by the VAE's class as its pipeline reads it
+    (:mod:`distillery.components.vae_geometry`: Wan's ``z_dim`` and scale factors, HunyuanVideo 1.5's ``latent_channels``
+    and compression ratios); one :class:`UserError` line when the folder has no readable VAE config."""
+    from distillery.components.vae_geometry import vae_geometry as read
+
+    return read(folder)
 
 
 def latent_shape_for(folder: str | Path, num_frames: int, height: int, width: int, what: str) -> list[int]:
