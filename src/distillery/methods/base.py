@@ -270,7 +270,7 @@ class TrainingMethod(ABC):
         """How to sample the trained student (the artifact's ``sampling.json``): the sampler's
         registry name and its settings. Default: many-step Euler on the student's schedule."""
         schedule = self.student.schedule
-        return {"sampler": "euler", "shift": schedule.shift, "num_train_timesteps": schedule.num_train_timesteps}
+        return {"sampler": "euler", **schedule.contract()}
 
     def checkpoint_state(self) -> dict[str, Stateful]:
         """DCP state by conventional key (see the module doc); subclasses add their own keys."""

@@ -278,7 +278,7 @@ class DMD2Method(ScoreTimesteps, TrainingMethod):
 
     def sampling_contract(self) -> dict[str, Any]:
         schedule = self.student.schedule
-        return {"sampler": "few_step_x0", "shift": schedule.shift, "num_train_timesteps": schedule.num_train_timesteps,
+        return {"sampler": "few_step_x0", **schedule.contract(),
                 "timesteps": list(self.ladder)}
 
     # -- draws ------------------------------------------------------------------------------

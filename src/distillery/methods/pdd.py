@@ -213,7 +213,7 @@ class PDDMethod(TrainingMethod):
 
     def sampling_contract(self) -> dict[str, Any]:
         schedule = self.student.schedule
-        return {"sampler": "pdd_fused", "shift": schedule.shift, "num_train_timesteps": schedule.num_train_timesteps,
+        return {"sampler": "pdd_fused", **schedule.contract(),
                 "pdd_steps": self.pdd_steps, "block_size_max": self.config.block_size_max,
                 "num_steps": self.config.sampling_steps, "guidance_scale": 1.0}
 

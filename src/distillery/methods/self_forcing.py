@@ -97,7 +97,7 @@ class SelfForcingMethod(DMD2Method):
 
     def sampling_contract(self) -> dict[str, Any]:
         schedule = self.student.schedule
-        return {"sampler": "causal_streaming", "shift": schedule.shift, "num_train_timesteps": schedule.num_train_timesteps,
+        return {"sampler": "causal_streaming", **schedule.contract(),
                 "timesteps": list(self.ladder), **causal_contract(self.causal),
                 "context_noise": self.config.context_noise, "renoise": self.config.rollout_renoise}
 

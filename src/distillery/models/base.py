@@ -89,6 +89,8 @@ class ModelBase(ABC):
     """
 
     component_kind: ClassVar[str] = "model"
+    #: The σ grid's form of the family's pipeline (:data:`~distillery.models.schedule.SIGMA_GRIDS`): its schedule's.
+    sigma_grid: ClassVar[str] = "table"
     config_class: type
     transformer: torch.nn.Module
     schedule: FlowMatchSchedule
@@ -164,12 +166,14 @@ class ModelBase(ABC):
 
     def settle_transformer(self, scheduler_dir: Path | None) -> None:
         """After a plugin set ``self.transformer`` (and ``self.transformer_dir``): freeze it unless the role trains (eval
-        then), and set ``self.schedule`` to the role's shift (``config.shift``, else ``scheduler_dir``'s config)."""
+        then), and set ``self.schedule`` to the role's shift (``config.shift``, else ``scheduler_dir``'s config) and the
+        family's σ-grid form (:attr:`sigma_grid`)."""
         self.transformer.requires_grad_(self.config.trainable)
         if not self.config.trainable:
             self.transformer.eval()
         self.scheduler_dir = scheduler_dir
-        self.schedule = FlowMatchSchedule(shift=scheduler_shift(self.config.shift, scheduler_dir, self.transformer_dir, self.role))
+        self.schedule = FlowMatchSchedule(shift=scheduler_shift(self.config.shift, scheduler_dir, self.transformer_dir, self.role),
+                                          sigma_grid=self.sigma_grid)
 
     @property
     def forward_module(self) -> torch.nn.Module:

@@ -5,9 +5,9 @@ Conventions (docs/architecture.md §3): ``x_t = (1 − σ) x0 + σ ε``, velocit
 after the shift ``σ' = s·σ / (1 + (s − 1)·σ)`` has been applied. One shift per model, read from its
 scheduler config.
 
-- :class:`FlowMatchSchedule` — a model's shift and timestep scale: training σ draws, the training
+- :class:`FlowMatchSchedule` — a model's shift, timestep scale and σ-grid form: training σ draws, the training
   timestep table, and the inference σ grid (:meth:`FlowMatchSchedule.inference_sigmas`, bit-for-bit
-  diffusers' ``FlowMatchEulerDiscreteScheduler.set_timesteps``);
+  diffusers' ``FlowMatchEulerDiscreteScheduler.set_timesteps`` as the family's pipeline calls it: :data:`SIGMA_GRIDS`);
 - :func:`x0_from_velocity`, :func:`velocity_from_x0`, :func:`renoise` — conversions between the
   clean sample, the velocity and a noisy sample at σ (σ a Python float, ``[B]`` or per-frame ``[B, T]``).
 """
@@ -28,10 +28,32 @@ if TYPE_CHECKING:
     from distillery.components.rng import BatchRNG
 
 
+#: How a family's pipeline asks diffusers' ``FlowMatchEulerDiscreteScheduler`` for its n-step σ grid (the form is the
+#: family's: its plugin sets it, a sampling contract records it as ``sigma_grid`` where it is not ``table``):
+#: ``table`` — ``set_timesteps(n)``: the ends of the scheduler's training table, ``linspace(σ_max, σ_min, n)`` shifted
+#: (Wan's and Cosmos' pipelines); ``linspace`` — ``set_timesteps(sigmas=linspace(1, 0, n + 1)[:-1])``: the unshifted
+#: grid ``1, (n−1)/n, …, 1/n`` cast to float32 and shifted in float32 (HunyuanVideo 1.5's pipeline; LTX-2's
+#: ``linspace(1, 1/n, n)`` is the same float32 grid for every n < 500, a test checks).
+SIGMA_GRIDS = ("table", "linspace")
+
+
 @dataclass(frozen=True)
 class FlowMatchSchedule:
     shift: float = 1.0  # σ-shift s (Wan 2.1 T2V: 3.0 at 480p, 5.0 at 720p)
     num_train_timesteps: int = 1000  # timesteps are σ × this
+    sigma_grid: str = "table"  # the inference grid's form (:data:`SIGMA_GRIDS`)
+
+    def __post_init__(self) -> None:
+        if self.sigma_grid not in SIGMA_GRIDS:
+            raise UserError(f"sigma_grid {self.sigma_grid!r}: expected one of {', '.join(SIGMA_GRIDS)}")
+
+    def contract(self) -> dict[str, float | int | str]:
+        """The schedule as a sampling contract records it: ``shift``, ``num_train_timesteps`` and — a grid other than
+        ``table`` — ``sigma_grid``."""
+        own: dict[str, float | int | str] = {"shift": self.shift, "num_train_timesteps": self.num_train_timesteps}
+        if self.sigma_grid != "table":
+            own["sigma_grid"] = self.sigma_grid
+        return own
 
     def shift_sigma(self, sigma: torch.Tensor) -> torch.Tensor:
         """Apply the shift to unshifted σ ∈ [0, 1] (any shape)."""
@@ -72,15 +94,20 @@ class FlowMatchSchedule:
     def inference_sigmas(self, num_steps: int) -> torch.Tensor:
         """Inference σ grid ``float32 [num_steps + 1]``, descending from 1, ending with an appended 0.
 
-        Bit-for-bit ``FlowMatchEulerDiscreteScheduler(shift=s).set_timesteps(num_steps).sigmas``, on the CPU
-        (static shift, no Karras/exponential/beta/terminal options): the scheduler's training table
-        gives σ_max = shift(1) = 1 and σ_min = shift(1/n) (fp32); the inference grid is
-        ``linspace(σ_max, σ_min, num_steps)`` in float64, shifted *again*, then cast to fp32.
+        Bit-for-bit ``FlowMatchEulerDiscreteScheduler(shift=s)``'s ``sigmas`` after the call of :attr:`sigma_grid`, on
+        the CPU (static shift, no Karras/exponential/beta/terminal options). ``table``: ``set_timesteps(num_steps)`` —
+        the scheduler's training table gives σ_max = shift(1) = 1 and σ_min = shift(1/n) (fp32); the inference grid
+        is ``linspace(σ_max, σ_min, num_steps)`` in float64, shifted *again*, then cast to fp32. ``linspace``:
+        ``set_timesteps(sigmas=linspace(1, 0, num_steps + 1)[:-1])`` — that grid cast to float32, shifted in float32.
         """
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         if self.shift <= 0:
             raise ValueError(f"shift must be > 0, got {self.shift}")
+        if self.sigma_grid == "linspace":
+            grid32 = np.linspace(1.0, 0.0, num_steps + 1)[:-1].astype(np.float32)
+            shifted = self.shift * grid32 / (1 + (self.shift - 1) * grid32)  # float32 (a Python float is weak in numpy 2)
+            return torch.cat([torch.from_numpy(shifted.astype(np.float32)), torch.zeros(1, device="cpu")])
         n, s = self.num_train_timesteps, self.shift
         ends = torch.tensor([float(n), 1.0], dtype=torch.float32, device="cpu") / n  # table ends, as the scheduler's __init__
         ends = s * ends / (1 + (s - 1) * ends)

@@ -11,6 +11,7 @@ A sampling contract is the content of an artifact's ``sampling.json``::
     {"sampler": "<registered name>",  # required
      "shift": 3.0,                    # flow shift; absent/null: the model's own schedule
      "num_train_timesteps": 1000,     # timestep scale; absent: the model's
+     "sigma_grid": "linspace",        # the σ grid's form (models.schedule.SIGMA_GRIDS); absent: the model's
      "num_steps": 4,                  # default step count (the sampler's own default when absent)
      "guidance_scale": 1.0,           # default CFG scale (1: no CFG)
      ...}                             # the sampler's own keys (``option_keys``), e.g. "timesteps"
@@ -25,14 +26,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from distillery.common.errors import UserError
-from distillery.models.schedule import FlowMatchSchedule
+from distillery.models.schedule import SIGMA_GRIDS, FlowMatchSchedule
 from distillery.sampling.noise import NoiseLike
 
 if TYPE_CHECKING:
     from distillery.models.base import Conditioning, ModelBase
 
 LatentShape = tuple[int, int, int, int]  # (C, T, H, W) of one sample
-COMMON_KEYS = ("sampler", "shift", "num_train_timesteps", "num_steps", "guidance_scale")
+COMMON_KEYS = ("sampler", "shift", "num_train_timesteps", "sigma_grid", "num_steps", "guidance_scale")
 
 
 def cfg_enabled(guidance_scale: float) -> bool:
@@ -165,6 +166,10 @@ class Sampler(ABC):
         self.shift = None if shift is None else _positive(float(shift), "shift", self.name)
         scale = contract.get("num_train_timesteps")
         self.num_train_timesteps = None if scale is None else int(_positive(int(scale), "num_train_timesteps", self.name))
+        grid = contract.get("sigma_grid")
+        if grid is not None and grid not in SIGMA_GRIDS:
+            raise UserError(f"sampling contract for {self.name!r}: sigma_grid {grid!r}; expected one of {', '.join(SIGMA_GRIDS)}")
+        self.sigma_grid: str | None = grid
         steps = contract.get("num_steps")
         self.num_steps = None if steps is None else int(_positive(int(steps), "num_steps", self.name))
         guidance = contract.get("guidance_scale", 1.0)
@@ -189,11 +194,12 @@ class Sampler(ABC):
         return float(guidance_scale) if guidance_scale is not None else self.guidance_scale
 
     def schedule_for(self, model: "ModelBase") -> FlowMatchSchedule:
-        """The contract's shift and timestep scale, falling back to the model's own schedule."""
+        """The contract's shift, timestep scale and σ-grid form, each falling back to the model's own schedule."""
         own = model.schedule
         return FlowMatchSchedule(
             shift=self.shift if self.shift is not None else own.shift,
             num_train_timesteps=self.num_train_timesteps if self.num_train_timesteps is not None else own.num_train_timesteps,
+            sigma_grid=self.sigma_grid if self.sigma_grid is not None else own.sigma_grid,
         )
 
     def model_options(self) -> dict[str, Any]:

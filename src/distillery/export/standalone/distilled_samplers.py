@@ -4,6 +4,7 @@ A sampling contract (``sampling.json``)::
 
     {"sampler": "euler" | "few_step_x0" | "causal_streaming" | "pdd_fused",
      "shift": 3.0, "num_train_timesteps": 1000,   # absent/null: the scheduler's shift, 1000
+     "sigma_grid": "linspace",                     # the σ grid's form (distilled_schedule); absent: the denoiser's
      "num_steps": 4, "guidance_scale": 1.0,       # defaults of a call (guidance 1: no CFG)
      ...}                                          # the sampler's own keys (below)
 
@@ -35,10 +36,20 @@ from typing import Any, ClassVar
 
 import torch
 
-from .distilled_schedule import block_partition, chunk_bounds, euler_step, inference_sigmas, inference_timesteps, renoise, widest_block, x0_from_velocity
+from .distilled_schedule import (
+    SIGMA_GRIDS,
+    block_partition,
+    chunk_bounds,
+    euler_step,
+    inference_sigmas,
+    inference_timesteps,
+    renoise,
+    widest_block,
+    x0_from_velocity,
+)
 from .distilled_wan import Conditioning
 
-COMMON_KEYS = ("sampler", "shift", "num_train_timesteps", "num_steps", "guidance_scale")
+COMMON_KEYS = ("sampler", "shift", "num_train_timesteps", "sigma_grid", "num_steps", "guidance_scale")
 CACHE_TAGS = ("cond", "uncond")  # the conditional / unconditional passes' KV caches
 
 
@@ -85,6 +96,10 @@ class Sampler:
         self.shift = None if shift is None else float(shift)
         self.num_train_timesteps = None if scale is None else int(scale)
         self.num_steps = None if steps is None else int(steps)
+        self.sigma_grid = contract.get("sigma_grid")
+        if self.sigma_grid is not None and self.sigma_grid not in SIGMA_GRIDS:
+            raise ValueError(f"sampling contract for {self.name!r}: sigma_grid {self.sigma_grid!r}; expected one of "
+                             f"{', '.join(SIGMA_GRIDS)}")
         guidance = contract.get("guidance_scale", 1.0)
         self.guidance_scale = float(guidance if guidance is not None else 1.0)
         for key, value in (("shift", self.shift), ("num_train_timesteps", self.num_train_timesteps),
@@ -109,6 +124,10 @@ class Sampler:
         """``(shift, num_train_timesteps)`` of a call: the contract's, else the model's shift and 1000."""
         return (self.shift if self.shift is not None else float(own_shift),
                 self.num_train_timesteps if self.num_train_timesteps is not None else 1000)
+
+    def grid(self, model: Any) -> str:
+        """The σ grid's form of a call: the contract's, else the denoiser's (``table`` where it names none)."""
+        return self.sigma_grid if self.sigma_grid is not None else str(getattr(model, "sigma_grid", "table"))
 
     def model_kind(self) -> dict[str, Any]:
         """What the denoiser must be: ``{"chunk_size": n}`` (causal), ``{"pdd_steps": p}`` (PDD) or ``{}``."""
@@ -186,7 +205,7 @@ class EulerSampler(Sampler):
         """``(steps, guidance, sigmas [steps + 1] on the model's device, timesteps [steps])`` of one call."""
         steps, guidance = self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale)
         shift, scale = self.schedule(model.shift)
-        sigmas = inference_sigmas(shift, steps, scale).to(model.device)
+        sigmas = inference_sigmas(shift, steps, scale, self.grid(model)).to(model.device)
         return steps, guidance, sigmas, sigmas[:-1] * scale
 
     @torch.no_grad()
@@ -254,11 +273,11 @@ class LadderSampler(Sampler):
             raise ValueError(f"sampler {self.name}: {num_steps} steps asked of a {len(self.timesteps)}-timestep ladder")
         return len(self.timesteps)
 
-    def ladder(self, shift: float, scale: int, num_steps: int | None) -> list[float]:
+    def ladder(self, shift: float, scale: int, num_steps: int | None, grid: str = "table") -> list[float]:
         steps = self.resolve_steps(num_steps)
         if self.timesteps is not None:
             return list(self.timesteps)
-        return [float(t) for t in inference_timesteps(shift, steps, scale)]
+        return [float(t) for t in inference_timesteps(shift, steps, scale, grid)]
 
 
 class FewStepX0Sampler(LadderSampler):
@@ -273,7 +292,7 @@ class FewStepX0Sampler(LadderSampler):
         batch = cond.text_embeds.shape[0]
         guidance = self.resolve_guidance(guidance_scale)
         shift, scale = self.schedule(model.shift)
-        ts = self.ladder(shift, scale, num_steps)
+        ts = self.ladder(shift, scale, num_steps, self.grid(model))
         device = model.device
         shape = (batch, *latent_shape)
         x = draw(generator, shape, device)
@@ -335,7 +354,7 @@ class CausalStreamingSampler(LadderSampler):
         w = self.resolve_guidance(guidance_scale)
         guided = cfg_enabled(w)
         shift, scale = self.schedule(model.shift)
-        ts = self.ladder(shift, scale, num_steps)
+        ts = self.ladder(shift, scale, num_steps, self.grid(model))
         device = model.device
         c, frames, h, wd = latent_shape
         whole = draw(generator, (batch, *latent_shape), device)
@@ -414,7 +433,7 @@ class PDDFusedSampler(Sampler):
         nodes = self.partition(steps)
         device = model.device
         shift, scale = self.schedule(model.shift)
-        sigmas = inference_sigmas(shift, self.pdd_steps, scale).to(device)
+        sigmas = inference_sigmas(shift, self.pdd_steps, scale, self.grid(model)).to(device)
         x = draw(generator, (batch, *latent_shape), device)
         cond = _on(cond, device)
         for a, b in zip(nodes, nodes[1:]):

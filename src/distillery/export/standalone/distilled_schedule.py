@@ -3,7 +3,9 @@
 Conventions: latents ``[B, C, T, H, W]`` in the VAE's normalised space; ``x_t = (1 − σ) x0 + σ ε``;
 velocity ``v = ε − x0``, so ``x0 = x_t − σ v``; timesteps ``t = σ · num_train_timesteps`` after the
 shift ``σ' = s·σ / (1 + (s − 1)·σ)``. :func:`inference_sigmas` is bit for bit the grid diffusers'
-``FlowMatchEulerDiscreteScheduler(shift=s).set_timesteps(n)`` builds.
+``FlowMatchEulerDiscreteScheduler(shift=s)`` builds as the family's pipeline asks for it (``grid``, :data:`SIGMA_GRIDS`):
+``table``, ``set_timesteps(n)`` (Wan, Cosmos); ``linspace``, ``set_timesteps(sigmas=linspace(1, 0, n + 1)[:-1])``
+(HunyuanVideo 1.5).
 """
 
 from __future__ import annotations
@@ -11,13 +13,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+SIGMA_GRIDS = ("table", "linspace")
 
-def inference_sigmas(shift: float, num_steps: int, num_train_timesteps: int = 1000) -> torch.Tensor:
-    """σ grid ``float32 [num_steps + 1]`` on the CPU, descending from 1, ending with an appended 0."""
+
+def inference_sigmas(shift: float, num_steps: int, num_train_timesteps: int = 1000, grid: str = "table") -> torch.Tensor:
+    """σ grid ``float32 [num_steps + 1]`` on the CPU, descending from 1, ending with an appended 0 (module doc)."""
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     if shift <= 0:
         raise ValueError(f"shift must be > 0, got {shift}")
+    if grid not in SIGMA_GRIDS:
+        raise ValueError(f"sigma_grid {grid!r}: expected one of {', '.join(SIGMA_GRIDS)}")
+    if grid == "linspace":
+        grid32 = np.linspace(1.0, 0.0, num_steps + 1)[:-1].astype(np.float32)
+        shifted = shift * grid32 / (1 + (shift - 1) * grid32)
+        return torch.cat([torch.from_numpy(shifted.astype(np.float32)), torch.zeros(1, device="cpu")])
     n, s = num_train_timesteps, shift
     ends = torch.tensor([float(n), 1.0], dtype=torch.float32, device="cpu") / n
     ends = s * ends / (1 + (s - 1) * ends)
@@ -27,9 +37,9 @@ def inference_sigmas(shift: float, num_steps: int, num_train_timesteps: int = 10
     return torch.cat([torch.from_numpy(grid).to(torch.float32), torch.zeros(1, device="cpu")])
 
 
-def inference_timesteps(shift: float, num_steps: int, num_train_timesteps: int = 1000) -> torch.Tensor:
+def inference_timesteps(shift: float, num_steps: int, num_train_timesteps: int = 1000, grid: str = "table") -> torch.Tensor:
     """Timesteps ``float32 [num_steps]`` of :func:`inference_sigmas` (σ × n, the final 0 dropped)."""
-    return inference_sigmas(shift, num_steps, num_train_timesteps)[:-1] * num_train_timesteps
+    return inference_sigmas(shift, num_steps, num_train_timesteps, grid)[:-1] * num_train_timesteps
 
 
 def x0_from_velocity(x_t: torch.Tensor, velocity: torch.Tensor, sigma: float) -> torch.Tensor:

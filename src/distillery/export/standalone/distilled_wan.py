@@ -207,7 +207,12 @@ class HeadBankDenoiser:
         self.pdd_steps = int(pdd_steps)
         self.head_weight = weight.float().to(self.device)  # [P, out, in], fp32 as trained
         self.head_bias = bias.float().to(self.device)  # [P, out]
-        self.fine_sigmas = inference_sigmas(self.shift, self.pdd_steps, self.num_train_timesteps)  # [P + 1], CPU
+
+    @property
+    def fine_sigmas(self) -> torch.Tensor:
+        """The fine grid ``[P + 1]`` (CPU) the heads are intervals of: the ``pdd_steps``-step grid of the shift, in the
+        σ-grid form the sampler runs (``sigma_grid``: the contract's, set by the pipeline; the family's otherwise)."""
+        return inference_sigmas(self.shift, self.pdd_steps, self.num_train_timesteps, getattr(self, "sigma_grid", "table"))
 
     def fused_head(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weight [out, in], bias [out])`` of block ``[start, end)``: ``Σ_k w_k head_k`` summed in float64."""

@@ -266,6 +266,7 @@ class DistilledWanPipeline(ContractSampling, WanPipeline):
                 if layout.second is not None:
                     raise ValueError("a transformer trained with sparse attention on two experts: not supported")
                 install_sparse(self.transformer, spec)
+            self._denoiser.sigma_grid = sampler.grid(self._denoiser)  # the grid its heads and steps run on
         return self._denoiser
 
     def _inputs(self, prompt, negative_prompt, height, width, num_frames, guidance_scale, max_sequence_length, image,

@@ -78,6 +78,7 @@ class DistilledCosmosPipeline(ContractSampling, Cosmos2_5_PredictBasePipeline):
                 self._denoiser = PDDCosmosDenoiser(self.transformer, shift, kind["pdd_steps"], heads, scale)
             else:
                 self._denoiser = CosmosDenoiser(self.transformer, shift, scale)
+            self._denoiser.sigma_grid = sampler.grid(self._denoiser)  # the grid its heads and steps run on
         return self._denoiser
 
     @torch.no_grad()
