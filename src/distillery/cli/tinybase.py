@@ -1,5 +1,6 @@
-"""``distillery base make-tiny --out DIR [--fit | --shipped | --family cosmos] ...``: a tiny Wan 2.1 T2V model in diffusers
-layout (random weights, fitted on synthetic clips, or the fitted one shipped in the package), or a tiny Cosmos Predict 2.5."""
+"""``distillery base make-tiny --out DIR [--fit | --shipped | --family cosmos|hunyuan15] ...``: a tiny Wan 2.1 T2V model in
+diffusers layout (random weights, fitted on synthetic clips, or the fitted one shipped in the package), or a tiny model of
+another family (Cosmos Predict 2.5, HunyuanVideo 1.5: random weights from a seed)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import sys
 
 from distillery.common.errors import UserError
 
+#: ``--family`` → (the maker's module, its function, the family's name in messages): tiny models made from a seed alone
+OTHER_FAMILIES = {"cosmos": ("distillery.tinybase.cosmos", "make_tiny_cosmos", "Cosmos Predict 2.5"),
+                  "hunyuan15": ("distillery.tinybase.hunyuan15", "make_tiny_hunyuan15", "HunyuanVideo 1.5")}
+
 
 def add_command(sub: argparse._SubParsersAction, name: str, help: str) -> None:  # noqa: A002 (argparse's word)
     """``base make-tiny`` on the top-level subparsers."""
@@ -15,8 +20,9 @@ def add_command(sub: argparse._SubParsersAction, name: str, help: str) -> None: 
     base_sub = base.add_subparsers(dest="base_command", required=True, metavar="COMMAND")
     tiny = base_sub.add_parser("make-tiny", help="write a tiny Wan 2.1 T2V model in diffusers layout")
     tiny.add_argument("--out", required=True, help="folder to write the model into")
-    tiny.add_argument("--family", choices=("wan", "cosmos"), default="wan", help="wan: the tiny Wan 2.1 (default); cosmos: "
-                      "a tiny Cosmos Predict 2.5 (random transformer and text encoder, the fitted tiny Wan VAE)")
+    tiny.add_argument("--family", choices=("wan", *OTHER_FAMILIES), default="wan", help="wan: the tiny Wan 2.1 (default); "
+                      "cosmos: a tiny Cosmos Predict 2.5 (random transformer and text encoder, the fitted tiny Wan VAE); "
+                      "hunyuan15: a tiny HunyuanVideo 1.5 (every weight random)")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (and of the fit)")
     tiny.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     tiny.add_argument("--fit", action="store_true", help="fit VAE and transformer to synthetic clips (minutes on a CPU)")
@@ -46,16 +52,18 @@ def _make_tiny(args: argparse.Namespace) -> int:
     command = " ".join(["distillery", *sys.argv[1:]]) if sys.argv[1:2] == ["base"] else None
     if args.fit and args.shipped:
         raise UserError("choose one of --fit and --shipped")
-    if args.family == "cosmos":
-        if args.fit or args.shipped:
-            raise UserError("--family cosmos makes the tiny Cosmos from its seed; --fit and --shipped are the tiny Wan's")
-        from distillery.tinybase.cosmos import make_tiny_cosmos
+    if args.family in OTHER_FAMILIES:
+        import importlib
 
+        module, function, words = OTHER_FAMILIES[args.family]
+        if args.fit or args.shipped:
+            raise UserError(f"--family {args.family} makes the tiny {words} from its seed; --fit and --shipped are the "
+                            "tiny Wan's")
         out = Path(args.out)
         if args.overwrite and out.is_dir():
-            raise UserError(f"{out}: --family cosmos writes into an absent or empty folder (no --overwrite)")
-        make_tiny_cosmos(out, seed=args.seed, command=command)
-        sys.stdout.write(f"wrote tiny Cosmos Predict 2.5 model to {out}\n")
+            raise UserError(f"{out}: --family {args.family} writes into an absent or empty folder (no --overwrite)")
+        getattr(importlib.import_module(module), function)(out, seed=args.seed, command=command)
+        sys.stdout.write(f"wrote tiny {words} model to {out}\n")
         return 0
     if args.shipped:
         from distillery.tinybase.shipped import copy_shipped_tiny_base

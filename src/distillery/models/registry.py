@@ -139,6 +139,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
     # Cosmos Predict 2.5 (text-to-world); Cosmos 1.0 and Predict 2 share the transformer class, not the pipeline
     ModelFamily("cosmos-predict2.5", ("CosmosTransformer3DModel",), "distillery.models.cosmos",
                 pipeline_classes=("Cosmos2_5_PredictBasePipeline",)),
+    # HunyuanVideo 1.5 (text-to-video); its image-to-video pipeline shares the transformer class
+    ModelFamily("hunyuanvideo1.5", ("HunyuanVideo15Transformer3DModel",), "distillery.models.hunyuan15",
+                pipeline_classes=("HunyuanVideo15Pipeline",)),
 )
 
 

@@ -1,7 +1,7 @@
 """What a base model folder may carry into the pipeline (docs/reliability.md: nothing read from an
 artifact executes code).
 
-A base is a diffusers Wan or Cosmos Predict 2.5 folder: ``model_index.json`` and one folder per component. Diffusers
+A base is a diffusers Wan, Cosmos Predict 2.5 or HunyuanVideo 1.5 folder: ``model_index.json`` and one folder per component. Diffusers
 imports code *from the folder* when its index names a library it does not ship: a component
 ``["evil_sched", "EvilScheduler"]`` loads ``scheduler/evil_sched.py``, and a ``_class_name`` given as
 ``[module, class]`` loads ``<module>.py`` — under ``trust_remote_code=True``, which the export's own
@@ -11,7 +11,7 @@ load command passes. So a base is held to this:
   is a parameter of that class's ``__init__`` (what the pipeline takes; a Cosmos base's ``safety_checker`` is
   ``[null, null]`` or NVIDIA's installed guardrail, :data:`SAFETY_CHECKER`); a component is ``[library, class]`` with
   ``library`` ``diffusers`` or ``transformers`` and ``class`` a class of that library that fits the
-  parameter's annotation (a scheduler: any diffusers scheduler; the tokenizer: any concrete
+  parameter's annotation (a scheduler: any diffusers scheduler; a tokenizer: any concrete
   transformers tokenizer, not the ``AutoTokenizer`` factory), or ``[null, null]`` where the
   parameter is optional; a plain parameter (``boundary_ratio``) holds a JSON scalar. No component
   config (``*config.json``) may name remote code (``auto_map``). A violation is a one-line
@@ -47,8 +47,8 @@ INDEX_FILE = "model_index.json"
 PIPELINE_CLASS = "WanPipeline"
 COSMOS_PIPELINE_CLASS = "Cosmos2_5_PredictBasePipeline"
 #: The pipeline classes a base may be: Wan text-to-video, Wan 2.1 image-to-video (a first frame + CLIP image embeddings),
-#: Cosmos Predict 2.5 (text-to-world).
-PIPELINE_CLASSES = (PIPELINE_CLASS, "WanImageToVideoPipeline", COSMOS_PIPELINE_CLASS)
+#: Cosmos Predict 2.5 (text-to-world), HunyuanVideo 1.5 text-to-video.
+PIPELINE_CLASSES = (PIPELINE_CLASS, "WanImageToVideoPipeline", COSMOS_PIPELINE_CLASS, "HunyuanVideo15Pipeline")
 #: NVIDIA's guardrail, the one component of a Cosmos base that is neither diffusers' nor transformers': an installed
 #: package's class (never code of the folder), or none (the caller passes it when loading, as the model card says).
 SAFETY_CHECKER = ("cosmos_guardrail", "CosmosSafetyChecker")
@@ -81,13 +81,14 @@ def _annotation_classes(annotation: Any) -> list[type]:
 def _accepted_bases(expected: type) -> type:
     """What a component annotated ``expected`` may be: any diffusers scheduler for a scheduler (a
     Wan2.1 folder ships UniPC, the pipeline's default annotation is Euler), any concrete tokenizer
-    for ``AutoTokenizer`` (a factory that resolves classes from the folder's config), else a subclass."""
+    for a tokenizer (``AutoTokenizer``, a factory that resolves classes from the folder's config, or a named one such
+    as HunyuanVideo 1.5's ``Qwen2Tokenizer``: a tokenizer class runs no code of the folder), else a subclass."""
     from diffusers import SchedulerMixin
     from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
     if issubclass(expected, SchedulerMixin):
         return SchedulerMixin
-    if expected is AutoTokenizer:
+    if expected is AutoTokenizer or issubclass(expected, PreTrainedTokenizerBase):
         return PreTrainedTokenizerBase
     return expected
 
