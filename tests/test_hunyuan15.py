@@ -254,3 +254,96 @@ def test_the_tiny_hunyuan15_is_a_base_the_pipeline_takes(base):
     from distillery.pipeline.publish.base_folder import check_model_index
 
     check_model_index(base, "base")  # library classes of HunyuanVideo15Pipeline (its guider included)
+
+
+TEACHER = {"sampler": "euler", "shift": 5.0, "num_train_timesteps": 1000, "sigma_grid": "linspace"}
+STUDENT = {"sampler": "few_step_x0", "shift": 5.0, "num_train_timesteps": 1000, "sigma_grid": "linspace",
+           "timesteps": [1000.0, 750.0, 500.0]}
+PDD = {"sampler": "pdd_fused", "shift": 5.0, "num_train_timesteps": 1000, "sigma_grid": "linspace", "pdd_steps": 4,
+       "block_size_max": 4, "num_steps": 2, "guidance_scale": 1.0}
+
+
+def _trained(base, out, contract):
+    """A trained HunyuanVideo 1.5 role's ``model/`` as a training stage writes it: the tiny transformer moved off the
+    base (seeded noise), the scheduler, ``contract`` as ``sampling.json`` (a PDD one: proj_out + seeded noise per head)."""
+    from helpers import nudge_weights
+
+    model = registry.load_inference_model(base)
+    nudge_weights(model.transformer)
+    model.transformer.save_pretrained(out / "transformer", safe_serialization=True)
+    shutil.copytree(base / "scheduler", out / "scheduler")
+    (out / "sampling.json").write_text(json.dumps(contract))
+    if contract["sampler"] == "pdd_fused":
+        from distillery.models.wan.pdd import HEADS_FILE, write_head_bank
+
+        w, b = model.transformer.proj_out.weight.detach().float(), model.transformer.proj_out.bias.detach().float()
+        g = torch.Generator().manual_seed(3)
+        write_head_bank(out / "transformer" / HEADS_FILE, w + 0.02 * torch.randn(4, *w.shape, generator=g),
+                        b + 0.02 * torch.randn(4, *b.shape, generator=g))
+    return out
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("stage,contract,guidance", [("teacher", TEACHER, 4.0), ("distill", STUDENT, None), ("pdd", PDD, None)])
+def test_an_exported_hunyuan15_model_samples_validates_latents_through_diffusers(base, tmp_path, stage, contract, guidance):
+    """Validate samples a trained HunyuanVideo 1.5 role; the export stage's assembly gives a folder that passes
+    ``lineage --verify``; the teacher's loads in stock ``HunyuanVideo15Pipeline`` (its guider at validate's guidance)
+    and returns validate's latents within 1e-5, a student's names its own pipeline, which diffusers loads with
+    ``trust_remote_code`` and which returns them bit for bit; a PDD student's fused transformer is stock's at 1 NFE."""
+    from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+    from safetensors.torch import load_file
+
+    from distillery.evaluation.candidates import Candidate
+    from distillery.evaluation.validate import run_validation
+    from distillery.evaluation.validation_config import ValidationConfig
+    from distillery.export.code import CODE_RECORD_KEY, OWN_PIPELINES, check_own_pipeline_samples
+    from distillery.export.model_card import export_model_card
+    from distillery.lineage.manifest import write_lineage
+    from distillery.lineage.verify import verify_lineage
+    from stages.export import assemble_export
+
+    artifact = tmp_path / "artifacts" / stage
+    _trained(base, artifact / "model", contract)
+    write_lineage(artifact, kind="model", stage=stage, config={}, method={"teacher": "sft", "distill": "dmd2"}.get(stage, "pdd"))
+    cfg = ValidationConfig(num_frames=9, height=64, width=64, num_seeds=1, progress_bar=False, grid_formats=[],
+                           bootstrap_resamples=0)
+    report_dir = tmp_path / "artifacts" / "validate" / "report"
+    name = f"{stage}_s"
+    run_validation(base, [Candidate.from_artifact(name, artifact / "model", num_steps=3 if stage == "teacher" else None,
+                                                  guidance_scale=guidance)], [PROMPT], report_dir, cfg)
+    saved = load_file(str(report_dir / "samples" / name / "latents.safetensors"))["0"]
+    seed = json.loads((report_dir / "report.json").read_text())["seeds"][0]
+
+    check_own_pipeline_samples(stage, artifact / "model")
+    folder = tmp_path / "export"
+    folder.mkdir()
+    code, stock_nfe = assemble_export(base, artifact / "model", folder)
+    assert stock_nfe == (1 if stage == "pdd" else None)
+    card = export_model_card(stage, artifact, tmp_path / "artifacts" / "validate", None, stock_nfe, folder=str(folder))
+    (folder / "README.md").write_text(card)
+    write_lineage(folder, kind="export", stage="export", config={CODE_RECORD_KEY: code})
+    assert verify_lineage(folder).ok, verify_lineage(folder).problems
+    index = json.loads((folder / "model_index.json").read_text())
+    call = {"prompt": PROMPT, "negative_prompt": "", "num_frames": 9, "height": 64, "width": 64, "output_type": "latent",
+            "generator": torch.Generator().manual_seed(seed)}
+    if stage == "teacher":
+        assert index["_class_name"] == "HunyuanVideo15Pipeline" and "guidance_scale=4.0" in card
+        pipe = HunyuanVideo15Pipeline.from_pretrained(str(folder))
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=contract["shift"])
+        pipe.guider = pipe.guider.new(guidance_scale=guidance)
+        torch.testing.assert_close(pipe(**call, num_inference_steps=3).frames[0], saved, rtol=0, atol=1e-5)
+        return
+    assert index["_class_name"] == list(OWN_PIPELINES["HunyuanVideo15Pipeline"])
+    pipe = DiffusionPipeline.from_pretrained(str(folder), trust_remote_code=True)
+    assert type(pipe).__name__ == "DistilledHunyuanVideo15Pipeline" and "trust_remote_code=True" in card
+    got = pipe(**call).frames[0]
+    assert torch.equal(got, saved), (got - saved).abs().max()
+    if stage == "pdd":  # the whole grid fused into proj_out: stock at 1 step, guidance 1, is the fused sampler at 1 NFE
+        fresh = {**call, "generator": torch.Generator().manual_seed(seed)}
+        one = pipe(**fresh, num_inference_steps=1).frames[0]
+        stock = HunyuanVideo15Pipeline(**pipe.components)
+        stock.scheduler = FlowMatchEulerDiscreteScheduler(shift=contract["shift"])
+        stock.guider = stock.guider.new(guidance_scale=1.0)
+        fresh = {**call, "generator": torch.Generator().manual_seed(seed)}
+        torch.testing.assert_close(stock(**fresh, num_inference_steps=1).frames[0], one, rtol=0, atol=1e-5)
+        assert "num_inference_steps=1" in card

@@ -75,11 +75,14 @@ def denormalize_latents(vae: Any, x: torch.Tensor) -> torch.Tensor:
 def first_frame_mask_channels(base: Path) -> int | None:
     """The first-frame mask's channels an image-to-video base's transformer takes — ``in_channels − 2 ·
     out_channels`` of ``transformer/config.json`` (Wan 2.1 I2V: 36 − 2 · 16 = 4) — or None for a text-to-video
-    base (``in_channels == out_channels``, or no transformer config to read). The model side's reading of the
-    same config is ``distillery.models.wan.image_conditioning``."""
+    base (``in_channels == out_channels``, no transformer config to read, or a transformer not Wan's: HunyuanVideo 1.5's
+    ``2 · out_channels + 1`` inputs carry a zero condition for text-to-video, its plugin's business). The model side's
+    reading of the same config is ``distillery.models.wan.image_conditioning``."""
     path = Path(base) / "transformer" / "config.json"
     try:
         config = json.loads(path.read_text())
+        if config.get("_class_name", "WanTransformer3DModel") != "WanTransformer3DModel":
+            return None
         in_ch, out_ch = int(config["in_channels"]), int(config.get("out_channels") or config["in_channels"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

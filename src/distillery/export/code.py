@@ -37,7 +37,8 @@ STANDALONE_PACKAGE = "distillery.export.standalone"
 # the module files copied into every export (pipeline.py imports the others relatively: diffusers copies them with it)
 SHIPPED_MODULES = ("pipeline.py", "distilled_schedule.py", "distilled_samplers.py", "distilled_wan.py", "distilled_causal.py",
                    "distilled_fast.py", "distilled_sparse.py", "distilled_decode.py", "sparse_attention.py", "vae_decode.py",
-                   "vae_kernels.py", "pipeline_cosmos.py", "distilled_cosmos.py")
+                   "vae_kernels.py", "pipeline_cosmos.py", "distilled_cosmos.py", "pipeline_hunyuan15.py",
+                   "distilled_hunyuan15.py")
 # the shipped modules that live outside STANDALONE_PACKAGE: the fused chunked VAE decode validate uses too, and the
 # block-sparse video attention a sparse student trained with
 SHIPPED_ELSEWHERE = {"vae_decode.py": "distillery.data", "vae_kernels.py": "distillery.data",
@@ -46,9 +47,11 @@ CODE_RECORD_KEY = "shipped_code"  # in the export's lineage config: {file name: 
 # what the folder's snippets need installed (the model card names them; the isolated test installs exactly these)
 REQUIREMENTS = ("torch", "diffusers", "transformers", "accelerate")
 OWN_PIPELINE = ("pipeline", "DistilledWanPipeline")  # model_index.json's _class_name where stock WanPipeline is wrong
-#: A base pipeline class → the export's own pipeline in its place (a Cosmos Predict 2.5 export: pipeline_cosmos.py)
+#: A base pipeline class → the export's own pipeline in its place (a Cosmos Predict 2.5 export: pipeline_cosmos.py; a
+#: HunyuanVideo 1.5 export: pipeline_hunyuan15.py)
 OWN_PIPELINES = {"WanPipeline": OWN_PIPELINE, "WanImageToVideoPipeline": OWN_PIPELINE,
-                 "Cosmos2_5_PredictBasePipeline": ("pipeline_cosmos", "DistilledCosmosPipeline")}
+                 "Cosmos2_5_PredictBasePipeline": ("pipeline_cosmos", "DistilledCosmosPipeline"),
+                 "HunyuanVideo15Pipeline": ("pipeline_hunyuan15", "DistilledHunyuanVideo15Pipeline")}
 INDEX_FILE = "model_index.json"
 SPARSE_RECORD_KEY = "_sparse_attention"  # distillery.models.wan.sparse_attention.RECORD_KEY (that module imports torch)
 

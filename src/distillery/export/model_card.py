@@ -165,12 +165,17 @@ def _versions() -> str:
 
 
 COSMOS_FAMILY = "cosmos-predict2.5"  # the registry's name of the family whose card sections are export/cosmos_card.py's
+HUNYUAN15_FAMILY = "hunyuanvideo1.5"  # the family whose card sections are export/hunyuan15_card.py's
+#: a family's tag and stock pipeline as the card names them (the Wan families: ``wan``, ``WanPipeline``)
+FAMILY_STOCK = {COSMOS_FAMILY: ("cosmos", "Cosmos", "Cosmos2_5_PredictBasePipeline"),
+                HUNYUAN15_FAMILY: ("hunyuanvideo1.5", "HunyuanVideo 1.5", "HunyuanVideo15Pipeline")}
 FAMILY_WORDS = {  # a model family (models/registry.py) as the card names it, with its layout
     "wan2.1": "Wan 2.1",
     "wan2.2-ti2v-5b": "Wan 2.2 TI2V-5B (one timestep per token, the 48-channel Wan 2.2 VAE)",
     "wan2.2-a14b": "Wan 2.2 A14B (two experts: `transformer` denoises timesteps >= `boundary_ratio` · 1000 of "
                    "`model_index.json`, `transformer_2` those below; both trained, both in this folder)",
     "cosmos-predict2.5": "Cosmos Predict 2.5 (text-to-world; its VAE is Wan 2.1's, its prompts Qwen2.5-VL's)",
+    "hunyuanvideo1.5": "HunyuanVideo 1.5 (its prompts two streams: Qwen2.5-VL's and ByT5's; its own VAE and σ grid)",
 }
 
 
@@ -210,9 +215,11 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     method = manifest.get("method")
     from distillery.models.registry import family_of
 
-    cosmos = family_of(student_dir / "model").name == COSMOS_FAMILY  # its snippets: export/cosmos_card.py
+    family = family_of(student_dir / "model").name
+    cosmos = family == COSMOS_FAMILY  # its snippets: export/cosmos_card.py
+    tag, kind, stock_class = FAMILY_STOCK.get(family, ("wan", "Wan", "WanPipeline"))
     front = ["---", "library_name: diffusers", "pipeline_tag: text-to-video",
-             f"tags: [{'cosmos' if cosmos else 'wan'}, distillery, {student}]", "distillery:"]
+             f"tags: [{tag}, distillery, {student}]", "distillery:"]
     if max_sequence_length is not None:
         front.append(f"  max_sequence_length: {max_sequence_length}")
     front += [f"  student: {student}", f"  sampler: {sampler}", "---", ""]
@@ -220,7 +227,7 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
         lines = ["# The teacher, exported by distillery", "",
                  f"A {model_words(student_dir / 'model')} text-to-video model in diffusers layout: the transformer the `teacher` stage fine-tuned "
                  f"(`{method}`) on the latents, with the base's VAE, text encoder and tokenizer. It is a stock "
-                 + ("Cosmos model: stock `Cosmos2_5_PredictBasePipeline`" if cosmos else "Wan model: stock `WanPipeline`")
+                 + f"{kind} model: stock `{stock_class}`"
                  + f" samples it (below). Validate scored it with the `{sampler}` sampler"
                  + (f" at {steps} steps" if steps else "") + f", guidance {guidance}"
                  + (f" (candidate `{candidate['name']}`)" if candidate else "") + ".", ""]
@@ -266,6 +273,17 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
             stock = cosmos_card.stock_lines(folder, contract, prompt, size, report["max_sequence_length"], steps, guidance,
                                             candidate["name"] if candidate else None, seed)
         return "\n".join(front + lines + stock)
+    if family == HUNYUAN15_FAMILY:
+        from distillery.export import hunyuan15_card  # imported for a HunyuanVideo 1.5 export only
+
+        own = hunyuan15_card.own_pipeline_lines(folder, contract, prompt, size, call_args, marker, seed)
+        lines += [f"{installs}. {where} {own[0]}", *own[1:]]
+        if teacher and stock_samples(contract) and steps:
+            lines += hunyuan15_card.stock_lines(folder, contract, prompt, size, steps, guidance,
+                                                candidate["name"] if candidate else None, seed)
+        elif stock_nfe is not None:
+            lines += hunyuan15_card.stock_lines(folder, contract, prompt, size, stock_nfe, 1.0, None, seed, fused_nfe=stock_nfe)
+        return "\n".join(front + lines)
     lines += [f"{install_words()} {where} "
               "The folder's own modules "
               "(`pipeline.py` and the `distilled_*.py` it imports) do the sampling; nothing of distillery is imported. "

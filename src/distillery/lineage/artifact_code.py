@@ -27,13 +27,15 @@ CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyd", ".pyw", ".pyx", ".so", ".dylib",
 # each allowed only with the digest recorded under config.shipped_code of the export's manifest
 EXPORT_OWN_CODE = ("pipeline.py", "distilled_schedule.py", "distilled_samplers.py", "distilled_wan.py", "distilled_causal.py",
                    "distilled_fast.py", "distilled_sparse.py", "distilled_decode.py", "sparse_attention.py", "vae_decode.py",
-                   "vae_kernels.py", "pipeline_cosmos.py", "distilled_cosmos.py")
+                   "vae_kernels.py", "pipeline_cosmos.py", "distilled_cosmos.py", "pipeline_hunyuan15.py",
+                   "distilled_hunyuan15.py")
 EXPORT_CODE_RECORD = "shipped_code"
 # the _class_name an export's top-level model_index.json may give as [module, class]: its own recorded pipeline.py
 # (distillery.export.code.OWN_PIPELINE: diffusers then loads that class, never a plain WanPipeline)
 EXPORT_PIPELINE_CLASS = ("pipeline", "DistilledWanPipeline")
-# every family's own pipeline (distillery.export.code.OWN_PIPELINES): Wan's, Cosmos Predict 2.5's
-EXPORT_PIPELINE_CLASSES = (EXPORT_PIPELINE_CLASS, ("pipeline_cosmos", "DistilledCosmosPipeline"))
+# every family's own pipeline (distillery.export.code.OWN_PIPELINES): Wan's, Cosmos Predict 2.5's, HunyuanVideo 1.5's
+EXPORT_PIPELINE_CLASSES = (EXPORT_PIPELINE_CLASS, ("pipeline_cosmos", "DistilledCosmosPipeline"),
+                           ("pipeline_hunyuan15", "DistilledHunyuanVideo15Pipeline"))
 MODEL_LIBRARIES = ("diffusers", "transformers")  # the libraries a model_index.json component may come from
 _INDEX_FILE = "model_index.json"
 

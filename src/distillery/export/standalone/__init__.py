@@ -14,6 +14,10 @@ distilled model samples with nothing of distillery installed:
 - ``pipeline_cosmos.py`` — :class:`DistilledCosmosPipeline`, a Cosmos Predict 2.5 export's own pipeline (its
   ``model_index.json`` names ``["pipeline_cosmos", "DistilledCosmosPipeline"]``), on ``pipeline.py``'s shared parts;
 - ``distilled_cosmos.py`` — the denoiser over the pipeline's ``CosmosTransformer3DModel``;
+- ``pipeline_hunyuan15.py`` — :class:`DistilledHunyuanVideo15Pipeline`, a HunyuanVideo 1.5 export's own pipeline (its
+  ``model_index.json`` names ``["pipeline_hunyuan15", "DistilledHunyuanVideo15Pipeline"]``);
+- ``distilled_hunyuan15.py`` — the denoiser over the pipeline's ``HunyuanVideo15Transformer3DModel`` (its two prompt
+  streams packed side by side, as distillery stores them);
 - ``distilled_fast.py`` — the GPU path: FlashAttention-4, compiled blocks, fused chunked VAE decode, fp8 on request;
 - ``distilled_sparse.py`` — a student trained with block-sparse video attention samples with it;
 - ``distilled_decode.py`` — latents to frames: the whole video's decode with its host copy overlapped, and a causal
