@@ -347,3 +347,55 @@ def test_an_exported_hunyuan15_model_samples_validates_latents_through_diffusers
         fresh = {**call, "generator": torch.Generator().manual_seed(seed)}
         torch.testing.assert_close(stock(**fresh, num_inference_steps=1).frames[0], one, rtol=0, atol=1e-5)
         assert "num_inference_steps=1" in card
+
+
+@pytest.mark.process
+def test_hunyuan15_clips_preprocess_and_train_sft_then_dmd2_through_the_trainer(base, tmp_path):
+    """The tiny HunyuanVideo 1.5 as a base end to end below the stage layer: synthetic clips → latents by its own VAE
+    (scaled) and two-stream prompts (format v2, the streams recorded) → two SFT steps of a teacher through the trainer
+    → two DMD2 steps of a student, critic and frozen teacher (the SFT'd one, exported by ``build_transformer``)."""
+    import pyarrow.parquet as pq
+    from helpers import role_state, train_in_process
+
+    from distillery.clips.synthetic import ClipSetConfig, make_clip_set
+    from distillery.data.preprocess import PreprocessConfig, preprocess
+
+    clips = make_clip_set(tmp_path / "clips", ClipSetConfig(num_train=4, num_validation=2, num_frames=9, height=64, width=64))
+    manifest = preprocess(base, clips, tmp_path / "latents", PreprocessConfig(num_frames=9, height=64, width=64))
+    assert manifest["text_dim"] == TEXT and list(manifest["latent_shape"]) == list(SHAPE)
+    assert manifest["text_streams"] == [{"encoder": "Qwen2_5_VLTextModel", "width": 16, "tokens": 1000},
+                                        {"encoder": "T5EncoderModel", "width": 8, "tokens": 256}]
+    assert manifest["normalisation"] == "latents = posterior_mean * vae.scaling_factor"
+    shard = next((tmp_path / "latents").rglob("*.parquet"))
+    assert pq.read_schema(shard).metadata[b"distillery.format"] == b"latents/v2"
+    hunyuan = "distillery.models.hunyuan15.HunyuanVideo15Model"
+
+    def config(out, models, method):
+        return {"models": models, "method": method,
+                "training": {"data": {"path": str(tmp_path / "latents"), "batch_size": 2, "text_max_length": 64},
+                             "optimizer": {"learning_rate": 1e-3, "weight_decay": 0.0},
+                             "loop": {"max_train_steps": 2, "seed": 0, "progress_bar": False},
+                             "checkpoint": {"output_dir": str(out), "save_every": 2, "keep_last": 0},
+                             "tracker": {"backend": "none"}}, "callbacks": {}}
+
+    sft = train_in_process(config(tmp_path / "teacher", {"student": {"_target_": hunyuan, "init_from": str(base)}},
+                                  {"_target_": "distillery.methods.sft.SFTMethod"}))
+    assert len(sft.history) == 2 and all(torch.isfinite(torch.tensor(r["total_loss"])) for r in sft.history)
+    checkpoint = next(p for p in sorted((tmp_path / "teacher").glob("checkpoint-*")) if p.is_dir())
+    trained = role_state(checkpoint)
+    start = registry.load_inference_model(base).transformer.state_dict()
+    assert any(not torch.equal(trained[k], start[k]) for k in start)  # SFT moved the weights
+
+    teacher = tmp_path / "teacher-model"
+    shutil.copytree(base / "scheduler", teacher / "scheduler")
+    module = registry.family_of(base).loaders().build_transformer(
+        json.loads((base / "transformer" / "config.json").read_text()))
+    module.load_state_dict(trained)
+    module.save_pretrained(teacher / "transformer", safe_serialization=True)
+    dmd2 = train_in_process(config(tmp_path / "distill", {
+        "student": {"_target_": hunyuan, "init_from": str(base)},
+        "critic": {"_target_": hunyuan, "init_from": str(base)},
+        "teacher": {"_target_": hunyuan, "init_from": str(teacher), "trainable": False}},
+        {"_target_": "distillery.methods.dmd2.DMD2Method", "generator_update_interval": 1, "num_student_steps": 2,
+         "real_score_guidance_scale": 2.5}))
+    assert len(dmd2.history) == 2 and all(torch.isfinite(torch.tensor(r["total_loss"])) for r in dmd2.history)

@@ -315,7 +315,7 @@ class BaseEncoders:
         """``uint8 [B, T, H, W, 3]`` → normalised posterior-mean latents ``float32 [B, C, T', H', W']`` (CPU)."""
         x = torch.as_tensor(frames).to(self.device)  # uint8 over the bus, converted on the device
         x = x.permute(0, 4, 1, 2, 3).float().div(127.5).sub(1.0).to(self.vae.dtype)
-        z = self.vae.encode(x).latent_dist.mode().float()
+        z = torch.cat([self.vae.encode(x[rows]).latent_dist.mode().float() for rows in self.vae_kind.calls(x.shape[0])])
         return self.vae_kind.normalize(self.vae, z).cpu()
 
     @property
@@ -370,7 +370,9 @@ class BaseEncoders:
     def decode_latents(self, latents: torch.Tensor) -> np.ndarray:
         """Normalised latents ``[B, C, T', H', W']`` → ``uint8 [B, T, H, W, 3]`` frames."""
         z = self.vae_kind.denormalize(self.vae, latents.float().to(self.device)).to(self.vae.dtype)
-        video = decode_video(self.vae, z, self.chunk_frames_for(tuple(z.shape))).float().clamp(-1, 1)
+        chunk = self.chunk_frames_for(tuple(z.shape))
+        video = torch.cat([decode_video(self.vae, z[rows], chunk) for rows in self.vae_kind.calls(z.shape[0])])
+        video = video.float().clamp(-1, 1)
         frames = ((video + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
         return frames.permute(0, 2, 3, 4, 1).cpu().numpy()
 

@@ -71,6 +71,14 @@ class VaeKind:
     denormalize: Callable[[Any, torch.Tensor], torch.Tensor]
     formula: str  # the normalisation in words (a latent set's manifest records it)
     problem: Callable[[Any], str | None] = lambda vae: None
+    #: encode and decode one clip per VAE call: diffusers 0.42's ``AutoencoderKLHunyuanVideo15`` builds its mid-block
+    #: attention mask ``[B, S, S]``, which SDPA broadcasts against ``[B, 1, S, d]`` into a wrong shape for B > 1 (the
+    #: original code unsqueezes it; diffusers PR #13133, open) — so a batch of its clips goes through one at a time
+    one_clip_per_call: bool = False
+
+    def calls(self, batch: int) -> list[slice]:
+        """The batch rows of each VAE call for ``batch`` clips (all at once, or one by one: :attr:`one_clip_per_call`)."""
+        return [slice(i, i + 1) for i in range(batch)] if self.one_clip_per_call else [slice(0, batch)]
 
     def geometry(self, config: dict[str, Any]) -> tuple[int, int, int]:
         """``(latent channels, temporal factor, spatial factor)`` of a VAE of this class with ``config``."""
@@ -90,7 +98,7 @@ class VaeKind:
 KINDS = {kind.class_name: kind for kind in (
     VaeKind(WAN, _wan_normalize, _wan_denormalize,
             "latents = (posterior_mean - vae.latents_mean) / vae.latents_std", _wan_problem),
-    VaeKind(HUNYUAN15, _scaled, _unscaled, "latents = posterior_mean * vae.scaling_factor"),
+    VaeKind(HUNYUAN15, _scaled, _unscaled, "latents = posterior_mean * vae.scaling_factor", one_clip_per_call=True),
 )}
 
 
