@@ -111,17 +111,57 @@ def build_on_device(model_class, dev):
     model_class.from_config = from_config_on_device
 
 
-def sft(steps: int, warmup: int) -> dict:
+def sft_run(tmp: Path, student: dict, records: list, text_len: int, steps: int, warmup: int, transformer_class) -> dict:
+    """One SFT run of any family through the trainer (module doc: bf16 compute, FSDP2 on one rank, activation
+    checkpointing, fused AdamW, clip 1, batch 1): ``records`` written as the latent set under ``tmp``, ``student`` the
+    role's model config (its folder's weights drawn on the device: ``transformer_class``). The row's common part."""
     import torch
-    from diffusers import CosmosTransformer3DModel
 
     from distillery.components.distributed import init_distributed, shutdown
     from distillery.config import allowed_prefixes, load_run_config
-    from distillery.data import LatentRecord, write_latent_shards
+    from distillery.data import write_latent_shards
     from distillery.engine.assemble import build_trainer
     from distillery.models.registry import family_of
 
     cuda = torch.cuda.is_available()
+    write_latent_shards(records, tmp / "latents", rows_per_shard=len(records))
+    raw = {"models": {"student": student}, "method": {"_target_": "distillery.methods.sft.SFTMethod"},
+           "training": {"distributed": {"shard_single_rank": True},
+                        "data": {"path": str(tmp / "latents"), "batch_size": 1, "text_max_length": text_len},
+                        "optimizer": {"learning_rate": 1e-5}, "loop": {"max_train_steps": steps, "progress_bar": False},
+                        "checkpoint": {"output_dir": str(tmp / "run"), "save_final": False},
+                        "tracker": {"backend": "none"}, "model": {"activation_checkpointing": True}},
+           "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}}}
+    config = load_run_config(raw=raw, prefixes=allowed_prefixes())
+    env = init_distributed(config.training.distributed)
+    try:
+        build_on_device(transformer_class, env.device)
+        t0 = time.perf_counter()
+        trainer = build_trainer(config, env)
+        build_s = time.perf_counter() - t0
+        transformer = trainer.run.models["student"].transformer
+        params = sum(p.numel() for p in transformer.parameters())
+        trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        result = trainer.fit()
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    finally:
+        shutdown()
+    times = [row["step_time_s"] for row in result.history]
+    return {"part": "sft", "family": family_of(student["init_from"]).name, "params": params, "trainable_params": trainable,
+            "steps": steps, "warmup": warmup, "step_s": statistics.median(times[warmup:]) if len(times) > warmup else None,
+            "first_step_s": times[0], "step_times": times, "peak_mem_gib": peak, "build_s": build_s,
+            "activation_checkpointing": True, "wrapper": "fsdp (one rank)"}
+
+
+def sft(steps: int, warmup: int) -> dict:
+    import torch
+    from diffusers import CosmosTransformer3DModel
+
+    from distillery.data import LatentRecord
+
     with tempfile.TemporaryDirectory() as tmp:
         folder = config_only_folder(Path(tmp))
         g = torch.Generator().manual_seed(0)
@@ -129,40 +169,12 @@ def sft(steps: int, warmup: int) -> dict:
         records = [LatentRecord(id=f"s{i}", caption="bench", latent=torch.randn(*latent_shape(), generator=g).bfloat16(),
                                 text_embedding=torch.randn(TEXT_LEN, text_width, generator=g).bfloat16(), num_frames=FRAMES,
                                 height=HEIGHT, width=WIDTH, fps=16.0, source="bench") for i in range(2)]
-        write_latent_shards(records, Path(tmp) / "latents", rows_per_shard=2)
-        raw = {"models": {"student": {"_target_": "distillery.models.cosmos.CosmosModel", "init_from": str(folder),
-                                      "random_init": True}},
-               "method": {"_target_": "distillery.methods.sft.SFTMethod"},
-               "training": {"distributed": {"shard_single_rank": True},
-                            "data": {"path": str(Path(tmp) / "latents"), "batch_size": 1, "text_max_length": TEXT_LEN},
-                            "optimizer": {"learning_rate": 1e-5}, "loop": {"max_train_steps": steps, "progress_bar": False},
-                            "checkpoint": {"output_dir": str(Path(tmp) / "run"), "save_final": False},
-                            "tracker": {"backend": "none"}, "model": {"activation_checkpointing": True}},
-               "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}}}
-        config = load_run_config(raw=raw, prefixes=allowed_prefixes())
-        env = init_distributed(config.training.distributed)
-        try:
-            build_on_device(CosmosTransformer3DModel, env.device)
-            t0 = time.perf_counter()
-            trainer = build_trainer(config, env)
-            build_s = time.perf_counter() - t0
-            params = sum(p.numel() for p in trainer.run.models["student"].transformer.parameters())
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            result = trainer.fit()
-            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-        finally:
-            shutdown()
-        family = family_of(folder).name
-    times = [row["step_time_s"] for row in result.history]
+        student = {"_target_": "distillery.models.cosmos.CosmosModel", "init_from": str(folder), "random_init": True}
+        row = sft_run(Path(tmp), student, records, TEXT_LEN, steps, warmup, CosmosTransformer3DModel)
     c, t, h, w = latent_shape()
-    return {"part": "sft", "model": "Cosmos-Predict2.5-2B shape, random weights", "family": family, "params": params,
-            "video": [FRAMES, HEIGHT, WIDTH], "latent": [c, t, h, w], "tokens": t * (h // 2) * (w // 2),
-            "text": [TEXT_LEN, COSMOS_2B["crossattn_proj_in_channels"]], "concat_padding_mask": PADDING_MASK,
-            "steps": steps, "warmup": warmup, "step_s": statistics.median(times[warmup:]) if len(times) > warmup else None,
-            "first_step_s": times[0], "step_times": times, "peak_mem_gib": peak, "build_s": build_s,
-            "activation_checkpointing": True, "wrapper": "fsdp (one rank)"}
+    return {**row, "model": "Cosmos-Predict2.5-2B shape, random weights", "video": [FRAMES, HEIGHT, WIDTH],
+            "latent": [c, t, h, w], "tokens": t * (h // 2) * (w // 2),
+            "text": [TEXT_LEN, COSMOS_2B["crossattn_proj_in_channels"]], "concat_padding_mask": PADDING_MASK}
 
 
 def export_folder(root: Path) -> Path:
@@ -226,12 +238,13 @@ class PassThroughChecker:
         return True
 
 
-def export(repeats: int) -> dict:
+def time_videos(build, load, call: dict, prompt: str, repeats: int) -> tuple[object, dict]:
+    """The export part's timings, for any family: ``build()`` → the export folder (in a temporary folder it is given),
+    ``load(folder)`` → the pipeline on the device; the first video of ``call`` (compile included), then warm medians of
+    ``repeats`` prompt → frames calls and prompt → latents calls, and one decode. Returns ``(pipeline, row)``."""
     import torch
-    from diffusers import DiffusionPipeline
 
     dev = device()
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
 
     def timed(fn):
         if dev.type == "cuda":
@@ -243,50 +256,72 @@ def export(repeats: int) -> dict:
         return time.perf_counter() - t0, out
 
     with tempfile.TemporaryDirectory() as tmp:
-        build_s, folder = timed(lambda: export_folder(Path(tmp)))
-        load_s, pipe = timed(lambda: DiffusionPipeline.from_pretrained(str(folder), trust_remote_code=True, torch_dtype=dtype,
-                                                                       safety_checker=PassThroughChecker()).to(dev))
+        build_s, folder = timed(lambda: build(Path(tmp)))
+        load_s, pipe = timed(lambda: load(folder))
         pipe.set_progress_bar_config(disable=True)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        call = dict(num_frames=FRAMES, height=HEIGHT, width=WIDTH, max_sequence_length=TEXT_LEN, output_type="np")
-        first_s, _ = timed(lambda: pipe(PROMPT, generator=torch.Generator(dev).manual_seed(0), **call))
+        first_s, _ = timed(lambda: pipe(prompt, generator=torch.Generator(dev).manual_seed(0), **call))
         e2e, denoise = [], []
         for _ in range(repeats):
-            t, _ = timed(lambda: pipe(PROMPT, generator=torch.Generator(dev).manual_seed(0), **call))
+            t, _ = timed(lambda: pipe(prompt, generator=torch.Generator(dev).manual_seed(0), **call))
             e2e.append(t)
-            t, latents = timed(lambda: pipe(PROMPT, generator=torch.Generator(dev).manual_seed(0), **{**call, "output_type": "latent"}))
+            t, latents = timed(lambda: pipe(prompt, generator=torch.Generator(dev).manual_seed(0), **{**call, "output_type": "latent"}))
             denoise.append(t)
         decode_s, _ = timed(lambda: pipe.decode_latents(latents.frames, output_type="np"))
         peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
-        return {"part": "export", "pipeline": type(pipe).__name__, "contract": STUDENT, "nfe": pipe.nfe(FRAMES),
-                "video": [FRAMES, HEIGHT, WIDTH], "plan": pipe.speed_plan.describe(pipe.speed_label), "build_s": round(build_s, 1),
-                "load_s": round(load_s, 1), "first_video_s": round(first_s, 2), "e2e_s": round(statistics.median(e2e), 3),
-                "latents_call_s": round(statistics.median(denoise), 3), "decode_s": round(decode_s, 3),
-                "e2e_times": [round(t, 3) for t in e2e], "peak_gib": peak, "concat_padding_mask": PADDING_MASK}
+        return pipe, {"part": "export", "pipeline": type(pipe).__name__, "nfe": pipe.nfe(call["num_frames"]),
+                      "video": [call["num_frames"], call["height"], call["width"]],
+                      "plan": pipe.speed_plan.describe(pipe.speed_label), "build_s": round(build_s, 1),
+                      "load_s": round(load_s, 1), "first_video_s": round(first_s, 2), "e2e_s": round(statistics.median(e2e), 3),
+                      "latents_call_s": round(statistics.median(denoise), 3), "decode_s": round(decode_s, 3),
+                      "e2e_times": [round(t, 3) for t in e2e], "peak_gib": peak}
 
 
-def main() -> int:
+def export(repeats: int) -> dict:
+    import torch
+    from diffusers import DiffusionPipeline
+
+    dev = device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+    def load(folder: Path):
+        return DiffusionPipeline.from_pretrained(str(folder), trust_remote_code=True, torch_dtype=dtype,
+                                                 safety_checker=PassThroughChecker()).to(dev)
+
+    call = dict(num_frames=FRAMES, height=HEIGHT, width=WIDTH, max_sequence_length=TEXT_LEN, output_type="np")
+    _, row = time_videos(export_folder, load, call, PROMPT, repeats)
+    return {**row, "contract": STUDENT, "concat_padding_mask": PADDING_MASK}
+
+
+def run_parts(parts: dict, chosen: str, out_name: str) -> int:
+    """Run the ``chosen`` parts (comma-separated names of ``parts``: name → a call returning its row), each failure a
+    row too; print ``RESULT {...}`` per part and write them all to ``$OUT/<out_name>`` after each."""
     import torch
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--parts", default="sft,export")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=1)
-    args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
-    for part in args.parts.split(","):
+    for part in chosen.split(","):
         try:
-            row = sft(args.steps, args.warmup) if part == "sft" else export(args.repeats)
+            row = parts[part]()
         except Exception as exc:  # one part's failure is a result too
             import traceback
 
             row = {"part": part, "error": f"{type(exc).__name__}: {str(exc)[:500]}", "traceback": traceback.format_exc()[-3000:]}
         results[part] = row
         print("RESULT " + json.dumps(row), flush=True)
-        (OUT / "cosmos_bench.json").write_text(json.dumps(results, indent=1) + "\n")
+        (OUT / out_name).write_text(json.dumps(results, indent=1) + "\n")
     return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default="sft,export")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    return run_parts({"sft": lambda: sft(args.steps, args.warmup), "export": lambda: export(args.repeats)}, args.parts,
+                     "cosmos_bench.json")
 
 
 if __name__ == "__main__":

@@ -40,13 +40,11 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from cosmos_bench import build_on_device, default_dtype, device  # the same device helpers as the Cosmos benchmark
+from cosmos_bench import default_dtype, device, run_parts, sft_run, time_videos  # the Cosmos benchmark's parts, any family's
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 OUT = Path(os.environ.get("OUT", "/tmp"))
@@ -123,56 +121,21 @@ def sft(steps: int, warmup: int, lora: int) -> dict:
     import torch
     from diffusers import HunyuanVideo15Transformer3DModel
 
-    from distillery.components.distributed import init_distributed, shutdown
-    from distillery.config import allowed_prefixes, load_run_config
-    from distillery.data import LatentRecord, write_latent_shards
-    from distillery.engine.assemble import build_trainer
-    from distillery.models.registry import family_of
+    from distillery.data import LatentRecord
 
-    cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as tmp:
         folder = config_only_folder(Path(tmp))
         g = torch.Generator().manual_seed(0)
         records = [LatentRecord(id=f"s{i}", caption="bench", latent=torch.randn(*latent_shape(), generator=g).bfloat16(),
                                 text_embedding=prompt_rows(g), num_frames=FRAMES, height=HEIGHT, width=WIDTH, fps=24.0,
                                 source="bench") for i in range(2)]
-        write_latent_shards(records, Path(tmp) / "latents", rows_per_shard=2)
         adapter = {"lora": {"rank": lora, "alpha": float(lora), "target_modules": LORA_TARGETS}} if lora else {}
-        raw = {"models": {"student": {"_target_": "distillery.models.hunyuan15.HunyuanVideo15Model", "init_from": str(folder),
-                                      "random_init": True, **adapter}},
-               "method": {"_target_": "distillery.methods.sft.SFTMethod"},
-               "training": {"distributed": {"shard_single_rank": True},
-                            "data": {"path": str(Path(tmp) / "latents"), "batch_size": 1, "text_max_length": QWEN_ROWS},
-                            "optimizer": {"learning_rate": 1e-5}, "loop": {"max_train_steps": steps, "progress_bar": False},
-                            "checkpoint": {"output_dir": str(Path(tmp) / "run"), "save_final": False},
-                            "tracker": {"backend": "none"}, "model": {"activation_checkpointing": True}},
-               "callbacks": {"grad_clip": {"_target_": "distillery.callbacks.grad_clip.GradClipCallback", "max_grad_norm": 1.0}}}
-        config = load_run_config(raw=raw, prefixes=allowed_prefixes())
-        env = init_distributed(config.training.distributed)
-        try:
-            build_on_device(HunyuanVideo15Transformer3DModel, env.device)
-            t0 = time.perf_counter()
-            trainer = build_trainer(config, env)
-            build_s = time.perf_counter() - t0
-            transformer = trainer.run.models["student"].transformer
-            params = sum(p.numel() for p in transformer.parameters())
-            trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            result = trainer.fit()
-            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-        finally:
-            shutdown()
-        family = family_of(folder).name
-    times = [row["step_time_s"] for row in result.history]
+        student = {"_target_": "distillery.models.hunyuan15.HunyuanVideo15Model", "init_from": str(folder),
+                   "random_init": True, **adapter}
+        row = sft_run(Path(tmp), student, records, QWEN_ROWS, steps, warmup, HunyuanVideo15Transformer3DModel)
     c, t, h, w = latent_shape()
-    return {"part": "sft", "model": "HunyuanVideo-1.5 480p T2V shape, random weights", "family": family, "params": params,
-            "trainable_params": trainable, "lora_rank": lora or None, "video": [FRAMES, HEIGHT, WIDTH], "latent": [c, t, h, w],
-            "tokens": t * h * w, "text": [QWEN_ROWS, GLYPH_ROWS], "steps": steps, "warmup": warmup,
-            "step_s": statistics.median(times[warmup:]) if len(times) > warmup else None, "first_step_s": times[0],
-            "step_times": times, "peak_mem_gib": peak, "build_s": build_s, "activation_checkpointing": True,
-            "wrapper": "fsdp (one rank)"}
+    return {**row, "model": "HunyuanVideo-1.5 480p T2V shape, random weights", "lora_rank": lora or None,
+            "video": [FRAMES, HEIGHT, WIDTH], "latent": [c, t, h, w], "tokens": t * h * w, "text": [QWEN_ROWS, GLYPH_ROWS]}
 
 
 def export_folder(root: Path) -> Path:
@@ -223,44 +186,18 @@ def export(repeats: int) -> dict:
     dev = device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
 
-    def timed(fn):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0, out
-
-    with tempfile.TemporaryDirectory() as tmp:
-        build_s, folder = timed(lambda: export_folder(Path(tmp)))
-        load_s, pipe = timed(lambda: DiffusionPipeline.from_pretrained(str(folder), trust_remote_code=True,
-                                                                       torch_dtype=dtype).to(dev))
+    def load(folder: Path):
+        pipe = DiffusionPipeline.from_pretrained(str(folder), trust_remote_code=True, torch_dtype=dtype).to(dev)
         pipe.vae.to(torch.float32)  # the VAE in fp32 (module doc), tiled
         pipe.vae.enable_tiling()
-        pipe.set_progress_bar_config(disable=True)
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        call = dict(num_frames=FRAMES, height=HEIGHT, width=WIDTH, output_type="np")
-        first_s, _ = timed(lambda: pipe(PROMPT, generator=torch.Generator(dev).manual_seed(0), **call))
-        e2e, denoise = [], []
-        for _ in range(repeats):
-            t, _ = timed(lambda: pipe(PROMPT, generator=torch.Generator(dev).manual_seed(0), **call))
-            e2e.append(t)
-            t, latents = timed(lambda: pipe(PROMPT, generator=torch.Generator(dev).manual_seed(0), **{**call, "output_type": "latent"}))
-            denoise.append(t)
-        decode_s, _ = timed(lambda: pipe.decode_latents(latents.frames, output_type="np"))
-        peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
-        return {"part": "export", "pipeline": type(pipe).__name__, "contract": STUDENT, "nfe": pipe.nfe(FRAMES),
-                "video": [FRAMES, HEIGHT, WIDTH], "plan": pipe.speed_plan.describe(pipe.speed_label), "build_s": round(build_s, 1),
-                "load_s": round(load_s, 1), "first_video_s": round(first_s, 2), "e2e_s": round(statistics.median(e2e), 3),
-                "latents_call_s": round(statistics.median(denoise), 3), "decode_s": round(decode_s, 3),
-                "e2e_times": [round(t, 3) for t in e2e], "peak_gib": peak, "vae": "fp32, tiled"}
+        return pipe
+
+    call = dict(num_frames=FRAMES, height=HEIGHT, width=WIDTH, output_type="np")
+    _, row = time_videos(export_folder, load, call, PROMPT, repeats)
+    return {**row, "contract": STUDENT, "vae": "fp32, tiled"}
 
 
 def main() -> int:
-    import torch
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="sft,export")
     parser.add_argument("--steps", type=int, default=5)
@@ -268,19 +205,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--lora", type=int, default=64, help="the SFT step's LoRA rank (0: full weights, module doc)")
     args = parser.parse_args()
-    results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
-    for part in args.parts.split(","):
-        try:
-            lora = min(args.lora, 8) if SMOKE else args.lora  # the tiny layers are 32 wide
-            row = sft(args.steps, args.warmup, lora) if part == "sft" else export(args.repeats)
-        except Exception as exc:  # one part's failure is a result too
-            import traceback
-
-            row = {"part": part, "error": f"{type(exc).__name__}: {str(exc)[:500]}", "traceback": traceback.format_exc()[-3000:]}
-        results[part] = row
-        print("RESULT " + json.dumps(row), flush=True)
-        (OUT / "hunyuan15_bench.json").write_text(json.dumps(results, indent=1) + "\n")
-    return 0
+    lora = min(args.lora, 8) if SMOKE else args.lora  # the tiny layers are 32 wide
+    return run_parts({"sft": lambda: sft(args.steps, args.warmup, lora), "export": lambda: export(args.repeats)}, args.parts,
+                     "hunyuan15_bench.json")
 
 
 if __name__ == "__main__":
