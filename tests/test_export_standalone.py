@@ -56,9 +56,12 @@ def test_the_shipped_modules_import_only_the_libraries_and_each_other():
         assert relative <= stems, (name, relative)
     _, from_pipeline = _imports(STANDALONE / "pipeline.py")
     cosmos = {"pipeline_cosmos", "distilled_cosmos"}  # a Cosmos export's own pipeline and its denoiser
-    assert from_pipeline == stems - {"pipeline"} - cosmos  # diffusers copies only the modules the pipeline imports relatively
+    hunyuan15 = {"pipeline_hunyuan15", "distilled_hunyuan15"}  # a HunyuanVideo 1.5 export's
+    assert from_pipeline == stems - {"pipeline"} - cosmos - hunyuan15  # diffusers copies only the modules the pipeline imports relatively
     _, from_cosmos = _imports(STANDALONE / "pipeline_cosmos.py")
-    assert from_cosmos == stems - {"pipeline_cosmos"}  # a Cosmos export's: every module, directly
+    assert from_cosmos == stems - {"pipeline_cosmos"} - hunyuan15  # a Cosmos export's: every module it runs, directly
+    _, from_hunyuan15 = _imports(STANDALONE / "pipeline_hunyuan15.py")
+    assert from_hunyuan15 == stems - {"pipeline_hunyuan15"} - cosmos  # a HunyuanVideo 1.5 export's, likewise
 
 
 @pytest.fixture(scope="module")
