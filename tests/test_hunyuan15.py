@@ -399,3 +399,38 @@ def test_hunyuan15_clips_preprocess_and_train_sft_then_dmd2_through_the_trainer(
         {"_target_": "distillery.methods.dmd2.DMD2Method", "generator_update_interval": 1, "num_student_steps": 2,
          "real_score_guidance_scale": 2.5}))
     assert len(dmd2.history) == 2 and all(torch.isfinite(torch.tensor(r["total_loss"])) for r in dmd2.history)
+
+
+def test_a_latent_set_of_two_streams_records_them_and_a_reader_refuses_what_it_cannot_read(tmp_path):
+    """A shard of a two-stream base is ``latents/v2`` and records its streams; a shard of a later format, or whose
+    streams are not the ones its set's manifest records, is one line; a stream whose mask is not a prefix cannot be
+    packed."""
+    import pyarrow.parquet as pq
+
+    from distillery.data import LatentDataset, LatentRecord
+    from distillery.data.dataset import MANIFEST_FILE
+    from distillery.data.latent_format import stream_records, text_streams_of
+    from distillery.data.writer import write_shard
+
+    streams = (("Qwen2_5_VLTextModel", 16, 1000), ("T5EncoderModel", 8, 256))
+    g = torch.Generator().manual_seed(0)
+    records = [LatentRecord(id=f"r{i}", caption="c", latent=torch.randn(*SHAPE, generator=g),
+                            text_embedding=torch.randn(5, TEXT, generator=g), num_frames=9, height=64, width=64, fps=8.0,
+                            source="s") for i in range(2)]
+    shard = write_shard(records, tmp_path / "set" / "train" / "shard-00000.parquet", streams)
+    schema = pq.read_schema(shard)
+    assert schema.metadata[b"distillery.format"] == b"latents/v2" and text_streams_of(schema) == stream_records(streams)
+    assert len(LatentDataset(tmp_path / "set")) == 2  # no manifest: the shard's own record
+    manifest = {"latent_shape": list(SHAPE), "text_dim": TEXT, "text_streams": stream_records(streams[:1] + streams[:1])}
+    (tmp_path / "set" / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="prompt streams") as info:
+        LatentDataset(tmp_path / "set")
+    assert "\n" not in str(info.value)
+    (tmp_path / "set" / MANIFEST_FILE).unlink()
+    table = pq.read_table(shard)
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, b"distillery.format": b"latents/v3"}), shard)
+    with pytest.raises(UserError, match="later format") as info:
+        LatentDataset(tmp_path / "set")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="not a prefix"):
+        pack_streams([(torch.ones(3, 2), torch.tensor([1, 0, 1]))])
