@@ -353,9 +353,10 @@ def test_an_exported_hunyuan15_model_samples_validates_latents_through_diffusers
 def test_hunyuan15_clips_preprocess_and_train_sft_then_dmd2_through_the_trainer(base, tmp_path):
     """The tiny HunyuanVideo 1.5 as a base end to end below the stage layer: synthetic clips → latents by its own VAE
     (scaled) and two-stream prompts (format v2, the streams recorded) → two SFT steps of a teacher through the trainer
-    → two DMD2 steps of a student, critic and frozen teacher (the SFT'd one, exported by ``build_transformer``)."""
+    → two DMD2 steps of a student, critic and frozen teacher (the SFT'd one, exported by ``build_transformer``), stopped
+    after one and resumed: bitwise the uninterrupted run."""
     import pyarrow.parquet as pq
-    from helpers import role_state, train_in_process
+    from helpers import dcp_tensors, role_state, train_in_process
 
     from distillery.clips.synthetic import ClipSetConfig, make_clip_set
     from distillery.data.preprocess import PreprocessConfig, preprocess
@@ -370,11 +371,11 @@ def test_hunyuan15_clips_preprocess_and_train_sft_then_dmd2_through_the_trainer(
     assert pq.read_schema(shard).metadata[b"distillery.format"] == b"latents/v2"
     hunyuan = "distillery.models.hunyuan15.HunyuanVideo15Model"
 
-    def config(out, models, method):
+    def config(out, models, method, stop_at=None):
         return {"models": models, "method": method,
                 "training": {"data": {"path": str(tmp_path / "latents"), "batch_size": 2, "text_max_length": 64},
                              "optimizer": {"learning_rate": 1e-3, "weight_decay": 0.0},
-                             "loop": {"max_train_steps": 2, "seed": 0, "progress_bar": False},
+                             "loop": {"max_train_steps": 2, "seed": 0, "progress_bar": False, "stop_at_step": stop_at},
                              "checkpoint": {"output_dir": str(out), "save_every": 2, "keep_last": 0},
                              "tracker": {"backend": "none"}}, "callbacks": {}}
 
@@ -392,13 +393,20 @@ def test_hunyuan15_clips_preprocess_and_train_sft_then_dmd2_through_the_trainer(
         json.loads((base / "transformer" / "config.json").read_text()))
     module.load_state_dict(trained)
     module.save_pretrained(teacher / "transformer", safe_serialization=True)
-    dmd2 = train_in_process(config(tmp_path / "distill", {
-        "student": {"_target_": hunyuan, "init_from": str(base)},
-        "critic": {"_target_": hunyuan, "init_from": str(base)},
-        "teacher": {"_target_": hunyuan, "init_from": str(teacher), "trainable": False}},
-        {"_target_": "distillery.methods.dmd2.DMD2Method", "generator_update_interval": 1, "num_student_steps": 2,
-         "real_score_guidance_scale": 2.5}))
+    roles = {"student": {"_target_": hunyuan, "init_from": str(base)}, "critic": {"_target_": hunyuan, "init_from": str(base)},
+             "teacher": {"_target_": hunyuan, "init_from": str(teacher), "trainable": False}}
+    method = {"_target_": "distillery.methods.dmd2.DMD2Method", "generator_update_interval": 1, "num_student_steps": 2,
+              "real_score_guidance_scale": 2.5}
+    dmd2 = train_in_process(config(tmp_path / "distill", roles, method))
     assert len(dmd2.history) == 2 and all(torch.isfinite(torch.tensor(r["total_loss"])) for r in dmd2.history)
+    # stopped after step 1 and resumed: bitwise the uninterrupted run (every tensor of its last checkpoint, every loss)
+    train_in_process(config(tmp_path / "resumed", roles, method, stop_at=1))
+    resumed = train_in_process(config(tmp_path / "resumed", roles, method))
+    prefixes = ("roles.", "optimizers.", "schedulers.", "method.")
+    full, again = (dcp_tensors(folder / "checkpoint-2", prefixes) for folder in (tmp_path / "distill", tmp_path / "resumed"))
+    assert full.keys() == again.keys() and any(k.startswith("roles.critic.") for k in full)
+    assert not [k for k in full if not torch.equal(full[k], again[k])]
+    assert [r["total_loss"] for r in resumed.history] == [r["total_loss"] for r in dmd2.history][-len(resumed.history):]
 
 
 def test_a_latent_set_of_two_streams_records_them_and_a_reader_refuses_what_it_cannot_read(tmp_path):
