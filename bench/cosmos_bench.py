@@ -20,7 +20,7 @@ mask with torchvision; the result says which ran).
    warm medians of ``--repeats`` prompt → frames calls (``e2e_s``), with the denoise and decode parts.
 
 Prints ``RESULT {...}`` per part and writes ``$OUT/cosmos_bench.json``.
-Usage (device machine, ``source bench/gpu_env.sh`` first): ``python bench/cosmos_bench.py [--parts sft,export]``
+Usage (device machine, the wheels carried): ``bash bench/gpu_job.sh run python3 bench/cosmos_bench.py [--parts sft,export]``
 (estimated on one H100/H200, unmeasured: the SFT part ~3 min — a 2B step at 84,480 tokens with activation
 checkpointing, ~10–15 s, the first with the blocks' compile —, the export part ~4–5 min — 2B + 8B random weights
 drawn in bf16 on the GPU, written and read back (~21 GB), one video with the blocks' compile, one warm —; run the parts
