@@ -4,8 +4,8 @@ CLIP reward — time and peak memory.
 Through the real ``Trainer`` (``build_trainer(config, env).fit()``), one GPU: the student is Wan-1.3B-shaped with random
 weights (the real layout, ``sft_step.WAN_1_3B``), a DMD2-style 4-step ``few_step_x0`` contract, latents 21×60×104 and
 512×4096 prompt embeddings, bf16 compute over fp32 masters (compiled blocks: ``training.model.compile`` null),
-activation checkpointing on, grad clipping at 1.0; the old policy and the reference are fp32 copies of the student
-(``methods/rl/weight_copy.py``). The reward is :class:`~distillery.rewards.clip.ClipTextReward` over a CLIP
+activation checkpointing on, grad clipping at 1.0; the old policy and the reference are shadow weights of the student
+(``components/shadow.py``: frozen twins placed like it, fp32 masters and their bf16 compute copies). The reward is :class:`~distillery.rewards.clip.ClipTextReward` over a CLIP
 ViT-L/14-shaped ``CLIPModel`` with random weights (the layout of ``openai/clip-vit-large-patch14``: 24 × 1024 vision
 layers at 224 px / patch 14, 12 × 768 text layers, 768-d projections; a byte-level tokenizer), every decoded frame; the
 rollouts are decoded by a Wan 2.1-shaped ``AutoencoderKLWan`` with random weights (diffusers' default config, fp32, as

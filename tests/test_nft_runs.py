@@ -75,10 +75,11 @@ def test_a_run_stopped_mid_group_resumes_bit_for_bit(runs):
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["total_loss"] for r in got] == [r["total_loss"] for r in ref]
     assert [r.get("reward") for r in got] == [r.get("reward") for r in ref]
-    prefixes = ("roles.", "optimizers.", "schedulers.", "method.", "callbacks.")
+    prefixes = ("roles.", "optimizers.", "schedulers.", "shadows.", "method.", "callbacks.")
     a = dcp_tensors(runs / "two" / f"checkpoint-{STEPS}", prefixes)
     b = dcp_tensors(runs / "resumed" / f"checkpoint-{STEPS}", prefixes)
-    assert any(k.startswith("method.old_policy.") for k in a) and any(k.startswith("callbacks.ema.") for k in a)
+    assert any(k.startswith("shadows.old.") for k in a) and any(k.startswith("shadows.reference.") for k in a)
+    assert any(k.startswith("callbacks.ema.") for k in a)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
 

@@ -1,10 +1,10 @@
 """DiffusionNFT: reward-driven post-training of a teacher or a distilled student, on its own sampling schedule.
 
 Roles: ``student`` (trainable; any bidirectional model: the teacher, a fine-tuned base, a DMD2 or PDD student).
-Two more policies are fp32 copies of the student's trainable weights (:class:`~distillery.methods.rl.weight_copy.WeightCopy`):
-the **old policy**, which samples the rollouts and anchors the objective, and the **reference**, the student's
-weights when the run started (the KL term's anchor; its folder's digest is recorded as a frozen source, so a
-resume against other initial weights is refused). Rewards are plugins the run config names
+Two more policies are shadow weights of the student (:mod:`distillery.components.shadow`: frozen twins placed like
+the student, their fp32 parameters checkpointed under ``shadows.<name>``): the **old policy** (``old``), which
+samples the rollouts and anchors the objective, and the **reference** (``reference``, with ``kl_beta > 0``), the
+student's weights when the run started (the KL term's anchor). Rewards are plugins the run config names
 (``rewards: {name: {_target_, weight, knobs}}``, :mod:`distillery.methods.rl.rewards`).
 
 **Cadence** (the method plans every optimizer step itself, :meth:`DiffusionNFTMethod.plan_step`; the trainer still
@@ -49,14 +49,12 @@ import torch
 
 from distillery.common.errors import UserError
 from distillery.common.log import get_logger
-from distillery.components.checkpoint.stateful import CallbackState
 from distillery.components.distributed import all_reduce_mean
 from distillery.config.typed import bounded, check_fields
 from distillery.methods.base import StepOutput, StepPlan, TrainingMethod, require_empty_prompt
 from distillery.methods.rl.objective import AdvantageMode, clip_advantages, group_advantages, nft_loss, old_policy_decay
 from distillery.methods.rl.policy import TrainPoint, train_points
 from distillery.methods.rl.rewards import RewardSet
-from distillery.methods.rl.weight_copy import WeightCopy
 from distillery.models.base import Conditioning, ModelBase, batch_latent_shape
 from distillery.models.schedule import renoise
 
@@ -127,6 +125,11 @@ class DiffusionNFTMethod(TrainingMethod):
     sequence_parallel = False
     tensor_parallel = False  # (likewise under training.distributed.tp_size > 1)
 
+    @classmethod
+    def shadow_networks(cls, config: DiffusionNFTConfig) -> dict[str, str]:
+        """The old policy, and the reference when the KL term is on: shadows of the student."""
+        return {"old": "student", **({"reference": "student"} if config.kl_beta > 0 else {})}
+
     def __init__(self, config: DiffusionNFTConfig, role_models: dict[str, ModelBase], training: Any, rank: int = 0,
                  plugins: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(config, role_models, training, rank, **kwargs)
@@ -149,8 +152,6 @@ class DiffusionNFTMethod(TrainingMethod):
         self.vae_from = self._vae_folder()
         self.group: RolloutGroup | None = None
         self.groups = 0  # rollout groups drawn so far (the last one's index)
-        self.old: WeightCopy | None = None
-        self.reference: WeightCopy | None = None
         self.decoder: Any = None
 
     def _vae_folder(self) -> Path:
@@ -169,24 +170,16 @@ class DiffusionNFTMethod(TrainingMethod):
         return self.minibatch * self.training.loop.grad_accum_steps * world_size
 
     def frozen_sources(self) -> dict[str, dict[str, Any]]:
-        """The frozen roles', the reference's (the student's initial weights: its folder) and each reward model's."""
-        return {**super().frozen_sources(), "reference": self.student.source(), **self.rewards.sources()}
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        state = super().checkpoint_state()
-        state["method.old_policy"] = CallbackState(self.old)
-        return state
+        """The frozen roles' and each reward model's."""
+        return {**super().frozen_sources(), **self.rewards.sources()}
 
     # -- set-up ---------------------------------------------------------------------------
     def on_train_start(self, device: torch.device, world_size: int = 1) -> None:
-        """The random stream, the old policy and the reference (both the student's weights now: before a resume
-        loads the checkpoint, these are the initial weights; the old policy's saved state then replaces its
-        copy), the rewards and the decoder, on ``device``."""
+        """The random stream and the shadows (the old policy and the reference: the student's initial weights, until a
+        resume loads theirs), the rewards and the decoder, on ``device``."""
         from distillery.data.encoders import BaseEncoders
 
         super().on_train_start(device, world_size)
-        self.old = WeightCopy(self.student)
-        self.reference = WeightCopy(self.student) if self.config.kl_beta > 0 else None
         self.rewards.load(device)
         self.decoder = BaseEncoders(self.vae_from, device, text_encoder=False)
         if device.type == "cuda":  # the decoder's calls sized to the GPU's memory (the same function, other rounding)
@@ -199,7 +192,7 @@ class DiffusionNFTMethod(TrainingMethod):
         metrics: dict[str, torch.Tensor] = {}
         if self.group is None or self.group.updates >= self.updates_per_group:
             if self.group is not None:  # the old policy follows the student after each group's updates
-                self.old.lerp_toward(old_policy_decay(self.group.index, self.config.old_decay_flat,
+                self.shadows["old"].lerp_(1.0 - old_policy_decay(self.group.index, self.config.old_decay_flat,
                                                       self.config.old_decay_rate, self.config.old_decay_max))
             metrics = self._new_group(next(batches))
         group = self.group
@@ -225,12 +218,9 @@ class DiffusionNFTMethod(TrainingMethod):
             t = torch.full((x0.shape[0],), point.t, dtype=torch.float32, device=x0.device)
             sigma = t / n
             x_t = renoise(x0, self.rng.randn(x0.shape).to(x0.device), sigma)
-            with self.old.swapped_in():
-                v_old = point.velocity(student, x_t, t, cond)
-            v_ref = v_old
-            if self.reference is not None:
-                with self.reference.swapped_in():
-                    v_ref = point.velocity(student, x_t, t, cond)
+            with torch.no_grad():
+                v_old = point.velocity(self.twins["old"], x_t, t, cond)
+                v_ref = point.velocity(self.twins["reference"], x_t, t, cond) if "reference" in self.twins else v_old
             v = point.velocity(student, x_t, t, cond)
             weight = clip_advantages(group.advantages[rows], self.config.adv_clip_max, self.config.adv_mode)
             losses = nft_loss(x0, x_t, sigma, v, v_old, v_ref, weight, self.config.beta, self.config.adv_clip_max,
@@ -254,8 +244,8 @@ class DiffusionNFTMethod(TrainingMethod):
         if sampler.resolve_guidance(guidance) > 1.0:
             require_empty_prompt(cond, f"rollouts with CFG {sampler.resolve_guidance(guidance)}", self.training)
         shape = tuple(batch_latent_shape(batch)[1:])
-        with self.old.swapped_in():  # from the prepared batch's noise (the run's stream, drawn for the global batch)
-            x0 = sampler.sample(self.student, cond, shape, self.rng, num_steps=self.config.rollout_steps,
+        with torch.no_grad():  # from the prepared batch's noise (the run's stream, drawn for the global batch)
+            x0 = sampler.sample(self.twins["old"], cond, shape, self.rng, num_steps=self.config.rollout_steps,
                                 guidance_scale=guidance, initial=prepared.noise).float()
         prompts = [str(batch["captions"][int(i)]) for i in repeat]
         videos = np.concatenate([self.decoder.decode_latents(x0[i:i + 1]) for i in range(x0.shape[0])])
