@@ -5,7 +5,8 @@ Through the real ``Trainer`` (``build_trainer(config, env).fit()``), one GPU: th
 weights (the real layout, ``sft_step.WAN_1_3B``), a DMD2-style 4-step ``few_step_x0`` contract, latents 21×60×104 and
 512×4096 prompt embeddings, bf16 compute over fp32 masters (compiled blocks: ``training.model.compile`` null),
 activation checkpointing on, grad clipping at 1.0; the old policy and the reference are shadow weights of the student
-(``components/shadow.py``: frozen twins placed like it, fp32 masters and their bf16 compute copies). The reward is :class:`~distillery.rewards.clip.ClipTextReward` over a CLIP
+(``components/shadow.py``: frozen twins placed like it, fp32 masters and their bf16 compute copies). The reward is
+:class:`~distillery.rewards.clip.ClipTextReward` over a CLIP
 ViT-L/14-shaped ``CLIPModel`` with random weights (the layout of ``openai/clip-vit-large-patch14``: 24 × 1024 vision
 layers at 224 px / patch 14, 12 × 768 text layers, 768-d projections; a byte-level tokenizer), every decoded frame; the
 rollouts are decoded by a Wan 2.1-shaped ``AutoencoderKLWan`` with random weights (diffusers' default config, fp32, as
@@ -18,7 +19,8 @@ the old policy's and the reference's forwards without gradient, the student's wi
 second is reported: ``rollout_s`` (its first step minus the median update step: sampling, decoding, scoring),
 ``update_s`` (the median of its other steps), ``iteration_s`` (the sum of its steps) and the peak memory of the run.
 
-Usage (device machine, one H100/H200):  python bench/nft_step.py [--k 4] [--prompts 1] [--size 21x60x104]
+Usage (device machine, one H100/H200, the wheels in .whl/ carried):
+``bash bench/gpu_job.sh run python3 bench/nft_step.py --k 4 --prompts 1`` (``[--size 21x60x104]``).
 Writes ``$OUT/nft_step.json``. CPU check of this script: ``BENCH_SMOKE=1 python bench/nft_step.py`` (tiny model,
 tiny CLIP and VAE, 3×8×8 latents).
 """

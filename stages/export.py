@@ -11,7 +11,7 @@ from distillery.common.errors import UserError
 from distillery.common.log import get_logger
 from distillery.pipeline.params.reader import StageParams
 from distillery.pipeline.params.schema import TRAINING_STAGES
-from distillery.pipeline.publish.artifacts import ARTIFACTS, finish, fresh_staging
+from distillery.pipeline.publish.artifacts import ARTIFACTS, finish, fresh_staging, published_off
 
 log = get_logger("stage")
 
@@ -36,6 +36,9 @@ def stage_export(params: StageParams) -> None:
     student = params.get("export.student")
     if student not in TRAINING_STAGES:
         raise UserError(f"params.yaml: export.student: {student!r}; valid: {', '.join(TRAINING_STAGES)}")
+    if published_off(student):
+        raise UserError(f"params.yaml: export.student: {student}: the {student} stage is off ({student}.enabled: false) "
+                        f"and made no model; switch it on (-S {student}.enabled=true) or export another stage's student")
     base = ARTIFACTS / "base" / "model"
     check_model_index(base, f"stage export: {base}")
     if not (ARTIFACTS / student / "model" / "transformer").is_dir():

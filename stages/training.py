@@ -2,7 +2,8 @@
 stage's recipe.
 
 For training stage ``<stage>``, :func:`run_training_stage` publishes the model ``params.yaml`` gives
-(``teacher.source: base``, ``pretrain.source: given``: :func:`publish_given_model`), or :func:`stage_training`:
+(``teacher.source: base``, ``pretrain.source: given``: :func:`publish_given_model`), or the record of a stage switched
+off (``posttrain.enabled: false``: :func:`publish_off`, no model), or :func:`stage_training`:
 
 1. its recipe — the module ``<stage>.method`` names, ``stages/recipes/<stage>/<method>.py`` — builds the typed run
    config once, from the stage's typed section and its :class:`~distillery.pipeline.launch.run_config.RunInputs`
@@ -37,8 +38,16 @@ from distillery.common.errors import UserError
 from distillery.common.log import get_logger
 from distillery.pipeline.launch.run_config import EMA_CALLBACK, EXPORT_ROLE, PreparedData, data_dir, run_inputs
 from distillery.pipeline.params.reader import StageParams
-from distillery.pipeline.params.recipes import given_contract, prepared_data
-from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS, finish, fresh_staging, link_tree, write_json_atomic
+from distillery.pipeline.params.recipes import given_contract, prepared_data, recipe_reads
+from distillery.pipeline.publish.artifacts import (
+    ARTIFACTS,
+    OFF_KIND,
+    RUNS,
+    finish,
+    fresh_staging,
+    link_tree,
+    write_json_atomic,
+)
 
 if TYPE_CHECKING:
     from distillery.config import RunConfig
@@ -162,6 +171,7 @@ def stage_training(params: StageParams) -> None:
     """Train the stage and publish ``artifacts/<stage>`` (module doc)."""
     from distillery.components.tracking import default_tracking_uri
     from distillery.config.schema import TrackerConfig
+    from distillery.lineage.manifest import pin_input
     from distillery.pipeline.launch.launcher import run_launch
     from distillery.pipeline.launch.run_config import check_run_config
     from distillery.pipeline.launch.run_folder import prepare_run_dir
@@ -175,6 +185,9 @@ def stage_training(params: StageParams) -> None:
     raw = config.to_plain()
     inputs = [(f"{role}_init", ARTIFACTS / source) for role, source in roles.items()]
     inputs.append(("data", ARTIFACTS / p.data_artifact()))
+    reads = recipe_reads(params.recipe(), p)  # the base, a reward model's folder: inputs, and parts of the resume key
+    inputs += list(reads.items())
+    pinned = {name: pin_input(path) for name, path in reads.items() if not path.resolve().is_relative_to(ARTIFACTS.resolve())}
     resume_inputs = dict(inputs)
     if prepared is not None:  # what the prepared set was made from (the prompts: the data input), and the set itself
         inputs += list(prepared.made_from.items())
@@ -212,7 +225,7 @@ def stage_training(params: StageParams) -> None:
     finish(stage, staging, kind="checkpoint", params=params, metrics=metrics, method=config.method.target, config=raw,
            inputs=inputs, mlflow=mlflow, volatile={"seconds": round(time.perf_counter() - started, 1)},
            launch={**launch.record, **run_layout(config)},
-           weights=weights,
+           weights=weights, pinned=pinned,
            mlflow_files=[(staging / "loss.png", "plots")], plots={f"{stage}_loss.json": loss})
 
 
@@ -292,10 +305,25 @@ def publish_given_model(params: StageParams) -> None:
            weights={"role": EXPORT_ROLE, "source": "given", "path": str(source)})
 
 
+def publish_off(params: StageParams) -> None:
+    """Publish ``artifacts/<stage>`` of a switched-off stage (``posttrain.enabled: false``): no model, its lineage of
+    kind :data:`OFF_KIND` (the params it read say why), metrics ``steps: 0``; ``runs/<stage>`` is left as it is (a run
+    switched on again resumes from it when nothing it depends on changed)."""
+    stage = params.stage
+    log.info("stage %s: off (%s.enabled: false): no model published", stage, stage)
+    finish(stage, fresh_staging(stage), kind=OFF_KIND, params=params, metrics={"steps": 0}, inputs=[],
+           plots={f"{stage}_loss.json": []})
+
+
 def run_training_stage(name: str, params: StageParams) -> None:
     """The runner's entry for training stage ``name``: trained by its recipe, or — a stage whose model ``params.yaml``
-    gives (``teacher.source: base``, ``pretrain.source: given``) — published as given."""
-    if getattr(params.typed, name).given():
+    gives (``teacher.source: base``, ``pretrain.source: given``) — published as given, or — a stage switched off
+    (``posttrain.enabled: false``) — published as off (:func:`publish_off`)."""
+    section = getattr(params.typed, name)
+    if section.off():
+        publish_off(params)
+        return
+    if section.given():
         publish_given_model(params)
         return
     stage_training(params)

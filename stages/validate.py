@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from distillery.common.log import get_logger
 from distillery.pipeline.params.reader import StageParams
-from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS, finish, fresh_staging
+from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS, finish, fresh_staging, published_off
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -58,6 +58,7 @@ VALIDATED: dict[str, ValidationSpec] = {
     "pretrain": ValidationSpec("pretrain", steps="validate.pretrain_steps", guidance="validate.guidance_scale"),
     "distill": ValidationSpec("student"),  # its ladder as its contract says, no CFG (the guidance is distilled in)
     "pdd": ValidationSpec("pdd", steps="validate.pdd_nfe"),  # its NFE curve: the fused-block sampler at each NFE
+    "posttrain": ValidationSpec("posttrain"),  # as its contract says (the student's it post-trained); left out when off
 }
 
 SAMPLE_CACHE = RUNS / "validate" / "cache"  # each candidate's videos and scores, reused while nothing they depend on
@@ -121,6 +122,9 @@ def table_candidates(params: StageParams, table: "Mapping[str, ValidationSpec] |
 
     candidates: list[Candidate] = []
     for name, how in (VALIDATED if table is None else table).items():
+        if published_off(name):  # switched off (posttrain.enabled: false): no model to score
+            log.info("validate: %s is off: not a candidate", name)
+            continue
         model_dir = ARTIFACTS / name / "model"
         guidance = float(params.get(how.guidance)) if how.guidance is not None else None
         if how.steps is None:

@@ -27,7 +27,7 @@ import distillery
 from distillery.pipeline.dvcfile import load_dvc_stages, stage_params
 from distillery.pipeline.launch.runner import STAGES
 from distillery.pipeline.params.reader import Params, StageParams, UndeclaredParam
-from distillery.pipeline.params.schema import TRAINING_STAGES
+from distillery.pipeline.params.schema import TRAINING_STAGES, ParamsSchema
 from stages.recipes import registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,11 +304,46 @@ def option_code(stage: str) -> set[str]:
     return {m for m in seen if not _in_recipe_folder(m)}
 
 
+TRAINING_ENTRY = f"{PACKAGE_IN_REPO}/cli/train.py"  # what a training stage's workers run (``-m distillery.cli.train``)
+
+
+def _packages_of(module_file: str) -> set[str]:
+    """The ``__init__.py`` of every package above ``module_file`` (a repo path): Python runs them on its import."""
+    parts = Path(module_file).parts
+    found = {Path(*parts[:i], "__init__.py").as_posix() for i in range(2 if parts[0] == "src" else 1, len(parts))}
+    return {f for f in found if (ROOT / f).is_file()} - {module_file}
+
+
+def _closure(module_file: str) -> set[str]:
+    """``module_file`` and the package and stage-layer modules it imports, transitively (lazy imports too), with their
+    packages' ``__init__``."""
+    todo, seen = [module_file], set()
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend((_static_imports(module) | _packages_of(module)) - seen)
+    return seen
+
+
+def off_by_default_code(stage: str) -> set[str]:
+    """The code a training stage that is off in the shipped params (``posttrain.enabled: false``) runs once switched on
+    — its adapter's training path (``stages/training.py``) and its workers' entry (:data:`TRAINING_ENTRY`), with
+    everything they import —, which the default DAG's trace cannot see (the stage publishes its off record without
+    training): empty for any other stage."""
+    section = getattr(ParamsSchema(), stage, None)
+    if stage not in TRAINING_STAGES or not section.off():
+        return set()
+    return {m for m in _closure(TRAINING_ENTRY) | _closure("stages/training.py") if not _in_recipe_folder(m)}
+
+
 def check_stage_imports(imported: dict[str, set[str]], root: Path) -> None:
     """Fail unless each stage's package-code deps in dvc.yaml are exactly what it imported, plus the code its
-    non-default methods run (:func:`option_code`); the recipe folders are deps of their own stage, as folders
+    non-default methods run (:func:`option_code`) and, for a training stage off by default, the code its training runs
+    (:func:`off_by_default_code`); the recipe folders are deps of their own stage, as folders
     (:func:`_in_recipe_folder`, ``test_training_stages_read_only_their_dvc_params``)."""
-    imported = {name: {f for f in files if not _in_recipe_folder(f)} | option_code(name) for name, files in imported.items()}
+    imported = {name: {f for f in files if not _in_recipe_folder(f)} | option_code(name) | off_by_default_code(name)
+                for name, files in imported.items()}
     stages = load_dvc_stages(root)
     assert set(imported) == set(stages), f"traced stages {sorted(imported)} != dvc.yaml stages {sorted(stages)}"
     derived = {name: code_deps(files) for name, files in imported.items()}
@@ -353,13 +388,17 @@ def test_dvc_repro_of_the_default_workspace_prints_no_warning(tmp_path):
 
 
 def test_every_method_is_a_dep_of_a_training_stage():
-    """A method that only a non-default option selects (``pdd.method: dm_pdd``, ``pretrain.method: ode_init``) still
-    reruns its stage when edited: the default DAG's trace cannot see it, its recipe's imports (:func:`option_code`)
-    name it."""
+    """A method that only a non-default option selects (``pdd.method: dm_pdd``, ``pretrain.method: ode_init``, the
+    posttrain stage's DiffusionNFT while the stage is off) still reruns its stage when edited: the default DAG's trace
+    cannot see it, its recipe's imports (:func:`option_code`) name it — the RL family (``methods/rl/``) and the rewards
+    it scores with (``rewards/``) too, and, for the stage off by default, the trainer (:func:`off_by_default_code`)."""
     stages = load_dvc_stages(ROOT)
-    for module in sorted((PACKAGE / "methods").glob("*.py")):
-        rel = f"{PACKAGE_IN_REPO}/methods/{module.name}"
+    for module in sorted([*(PACKAGE / "methods").rglob("*.py"), *(PACKAGE / "rewards").rglob("*.py")]):
+        rel = f"{PACKAGE_IN_REPO}/{module.relative_to(PACKAGE).as_posix()}"
         assert any(_covered(rel, stages[name].deps) for name in TRAINING_STAGES if name in stages), rel
+    assert {f"{PACKAGE_IN_REPO}/methods/rl/nft.py", f"{PACKAGE_IN_REPO}/rewards/clip.py"} <= option_code("posttrain")
+    assert f"{PACKAGE_IN_REPO}/engine/loop.py" in off_by_default_code("posttrain") and not off_by_default_code("pdd")
+    assert _covered(f"{PACKAGE_IN_REPO}/engine/loop.py", stages["posttrain"].deps)
     assert {f"{PACKAGE_IN_REPO}/methods/kd.py", "stages/trajectories.py"} <= option_code("pretrain")
     assert f"{PACKAGE_IN_REPO}/sampling/base.py" in option_code("pretrain")  # what the trajectories import, transitively
     assert f"{PACKAGE_IN_REPO}/methods/dm_pdd.py" in option_code("pdd") and "stages/trajectories.py" not in option_code("pdd")

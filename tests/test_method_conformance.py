@@ -7,7 +7,8 @@ passes the same checks, with no test code of its own (a new method joins the kit
 2. **steps**: on the tiny Wan (the session's ``prepared`` workspace: its base as every init, its latents), 1 rank,
    :data:`STEPS` steps, every logged loss finite;
 3. **resumes bitwise**: stopped after step 1 and resumed, it ends where the uninterrupted run ends — every tensor of
-   its last checkpoint (roles, optimizers, callbacks) and every logged loss equal;
+   its last checkpoint (roles, optimizers, callbacks, shadow weights) and every logged loss equal (DiffusionNFT: stopped
+   in the middle of a rollout group);
 4. **1 rank ≡ 2 ranks**: on 2 gloo ranks (half the per-rank batch: the same global batch; every case in one torchrun
    launch) it logs the same values and ends with the same weights, within fp32 tolerance (AdamW's: an element whose
    gradient is ~0 moves by up to the learning rate either way);
@@ -38,10 +39,11 @@ from stages.recipes import registry
 pytestmark = pytest.mark.slow
 STEPS = 2
 CASES = [(stage, method) for stage, methods in registry().items() for method in methods]
-KIT_PARAMS = {  # every training stage small; the ODE-init recipes' trajectories few
-    **{f"{stage}.{key}": value for stage in ("teacher", "pretrain", "distill", "pdd")
+KIT_PARAMS = {  # every training stage small; the ODE-init recipes' trajectories few; posttrain's rollouts short
+    **{f"{stage}.{key}": value for stage in ("teacher", "pretrain", "distill", "pdd", "posttrain")
        for key, value in (("steps", STEPS), ("batch_size", 2), ("save_every", 1))},
-    "pretrain.teacher_steps": 2, "pretrain.trajectory_rows_per_shard": 8, "pretrain.trajectory_batch_size": 4}
+    "pretrain.teacher_steps": 2, "pretrain.trajectory_rows_per_shard": 8, "pretrain.trajectory_batch_size": 4,
+    "posttrain.samples_per_prompt": 2, "posttrain.rollout_steps": 2}
 
 
 def _build(ws: Path, stage: str, method: str):
@@ -78,11 +80,16 @@ def _variant(config, output_dir: Path, *, stop_at: int | None = None, ranks: int
 def kit(prepared, tmp_path_factory, monkeypatch_module):
     """Every case built and run: ``{case: (config, folder)}`` — ``folder/full`` uninterrupted, ``folder/resumed``
     stopped after step 1 and resumed, ``folder/two`` on 2 ranks."""
+    from distillery.models.schedule import read_scheduler_shift
+
     root = tmp_path_factory.mktemp("conformance")
     ws = copy_workspace(prepared, root / "ws")
     for stage in ("teacher", "pretrain", "distill"):  # every init a stage's artifact names: the tiny base's weights
         for part in ("transformer", "scheduler"):
             shutil.copytree(ws / "artifacts" / "base" / "model" / part, ws / "artifacts" / stage / "model" / part)
+    shift = read_scheduler_shift(ws / "artifacts" / "distill" / "model" / "scheduler")  # posttrain's student samples as
+    (ws / "artifacts" / "distill" / "model" / "sampling.json").write_text(json.dumps(  # a given model: Euler, own schedule
+        {"sampler": "euler", "shift": shift, "num_train_timesteps": 1000}))
     set_params(ws, KIT_PARAMS)
     monkeypatch_module.chdir(ws)
     built, launch = {}, []
@@ -115,7 +122,7 @@ def _last(folder: Path) -> Path:
 
 
 def _saved(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return dcp_tensors(checkpoint, ("roles.", "optimizers.", "schedulers.", "callbacks.", "method."))
+    return dcp_tensors(checkpoint, ("roles.", "optimizers.", "schedulers.", "callbacks.", "shadows.", "method."))
 
 
 def _samples(model: Path, latent_shape: list[int], text_length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,8 @@
 - the method on the tiny Wan: a rollout group is K samples of each prompt sampled by the old policy through the
   student's sampling contract (at the start, the student itself: the same latents as its own sampler from the same
   noise), decoded and scored, its advantages group-normalised; the micro-steps of an update are its minibatches ×
-  the training timesteps the contract's sampler visits; a group's minibatches partition it; the old policy
-  follows the student after each group; the weight copies give the role back bit for bit;
+  the training timesteps the contract's sampler visits; a group's minibatches partition it; the old policy (shadow
+  weights of the student, ``shadows["old"]``) follows the student after each group;
 - the rewards: the synthetic clips' adherence (partial credit per attribute), CLIP text–video similarity (validate's
   ``clip_text``) and an image classifier's preference, each against its definition; their refusals, one line each.
 """

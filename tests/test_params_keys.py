@@ -45,6 +45,13 @@ pdd.weight_decay pdd.ema_decay pdd.ema_start_step pdd.pdd_steps pdd.block_size_m
 pdd.rollout pdd.integrator pdd.guidance_scale pdd.sampling_steps pdd.method pdd.dm_weight
 pdd.critic_learning_rate pdd.data pdd.save_every pdd.activation_checkpointing
 pdd.activation_checkpointing_fraction pdd.lora_rank pdd.lora_alpha pdd.sp_size pdd.tp_size
+posttrain.enabled posttrain.method posttrain.student posttrain.steps posttrain.batch_size
+posttrain.learning_rate posttrain.lr_scheduler posttrain.warmup_steps posttrain.weight_decay posttrain.ema_decay
+posttrain.ema_start_step posttrain.samples_per_prompt posttrain.minibatch_size posttrain.inner_epochs
+posttrain.rollout_steps posttrain.timestep_fraction posttrain.beta posttrain.kl_beta posttrain.reward_adherence
+posttrain.reward_clip posttrain.reward_preference posttrain.clip_model posttrain.preference_model
+posttrain.preference_label posttrain.data posttrain.save_every posttrain.activation_checkpointing
+posttrain.activation_checkpointing_fraction posttrain.lora_rank posttrain.lora_alpha posttrain.sp_size posttrain.tp_size
 validate.num_prompts validate.num_seeds validate.teacher_steps validate.pretrain_steps
 validate.guidance_scale validate.pdd_nfe validate.device validate.vae_precision validate.vae_chunk_frames
 validate.compile validate.clip_model validate.vbench.dimensions validate.vbench.models.dino validate.vbench.models.clip_b32

@@ -174,7 +174,7 @@ def test_a_stage_depends_only_on_the_code_it_runs(repo):
     export; the CLI's lineage command, which no stage runs, makes nothing stale."""
     assert sh(["dvc", "status", "--json"], repo).stdout.strip() in ("{}", "")
     assert _stale_after_editing(repo, "src/distillery/export/model_card.py") == {"export"}
-    assert _stale_after_editing(repo, "src/distillery/engine/loop.py") == {"teacher", "pretrain", "distill", "pdd"}
+    assert _stale_after_editing(repo, "src/distillery/engine/loop.py") == {"teacher", "pretrain", "distill", "pdd", "posttrain"}
     assert _stale_after_editing(repo, "src/distillery/methods/pdd.py") == {"pdd"}
     assert _stale_after_editing(repo, "src/distillery/cli/lineage.py") == set()
 

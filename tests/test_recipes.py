@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ from stages.training import shipped_weights, stage_run_config
 ROOT = Path(__file__).resolve().parents[1]
 
 REGISTERED = {"teacher": ["sft"], "pretrain": ["dfsft", "ode_init", "ode_init_bidirectional"],
-              "distill": ["dmd2", "self_forcing"], "pdd": ["dm_pdd", "pdd"]}
+              "distill": ["dmd2", "self_forcing"], "pdd": ["dm_pdd", "pdd"], "posttrain": ["nft"]}
 RECIPES = [(stage, method) for stage, methods in REGISTERED.items() for method in methods]
 
 
@@ -99,6 +100,7 @@ def test_a_recipe_builds_its_run_config_from_the_typed_params(tmp_path, monkeypa
                f"{stage}.activation_checkpointing": True, f"{stage}.weight_decay": 0.01, f"{stage}.lr_scheduler": "linear",
                f"{stage}.warmup_steps": 3}
     params = _workspace(tmp_path, monkeypatch, updates)
+    _posttrain_inputs()
     config, inputs = _config(params, stage)
     for role, init in inputs.items():
         assert config.models[role].config.init_from == f"artifacts/{init}/model"
@@ -124,7 +126,35 @@ def test_a_recipe_builds_its_run_config_from_the_typed_params(tmp_path, monkeypa
     if stage == "distill":
         assert config.models["critic"].optimizer.learning_rate == params.get("distill.critic_learning_rate")
         assert config.method.config.num_student_steps == params.get("distill.student_steps")
+    if stage == "posttrain":  # the student's own contract; the base decodes; the adherence reward alone by default
+        nft = config.method.config
+        assert nft.sampling == DMD2_CONTRACT and nft.vae_from == "artifacts/base/model"
+        assert [(name, r["_target_"].rpartition(".")[2], r["weight"]) for name, r in nft.rewards.items()] == [
+            ("adherence", "AdherenceReward", 1.0)]
+        assert config.models["student"].config.shift == 3.0
     assert yaml.safe_load(yaml.safe_dump(config.to_plain())) == config.to_plain()  # what run.yaml holds
+
+
+def test_posttrain_rewards_are_typed_params_and_their_folders_inputs(tmp_path, monkeypatch):
+    """posttrain's rewards: a weight per reward (0: off), at least one on, a model reward only with its folder; each
+    folder of a reward that is on is an input of the stage (lineage, resume key) beside the base."""
+    from stages.recipes.posttrain import nft
+
+    with pytest.raises(UserError, match=r"^params.yaml: posttrain.reward_adherence, reward_clip, reward_preference: all 0"):
+        _workspace(tmp_path / "a", monkeypatch, {"posttrain.reward_adherence": 0.0})
+    with pytest.raises(UserError, match=r"^params.yaml: posttrain.reward_clip: 0.5 needs posttrain.clip_model"):
+        _workspace(tmp_path / "b", monkeypatch, {"posttrain.reward_clip": 0.5})
+    with pytest.raises(UserError, match=r"^params.yaml: posttrain.samples_per_prompt: 1"):
+        _workspace(tmp_path / "c", monkeypatch, {"posttrain.samples_per_prompt": 1})
+    params = _workspace(tmp_path / "d", monkeypatch, {"posttrain.reward_clip": 0.5, "posttrain.clip_model": "clip",
+                                                      "posttrain.reward_preference": -1.0, "posttrain.preference_model": "pref",
+                                                      "posttrain.preference_label": "good"})
+    p = params.typed.posttrain
+    assert nft.reads(p) == {"base": Path("artifacts/base"), "reward_clip": Path("clip"), "reward_preference": Path("pref")}
+    rewards = nft.rewards(p)
+    assert {name: r["weight"] for name, r in rewards.items()} == {"adherence": 1.0, "clip": 0.5, "preference": -1.0}
+    assert (rewards["clip"]["model_from"], rewards["preference"]["model_from"], rewards["preference"]["label"]) == (
+        "clip", "pref", "good")
 
 
 @pytest.mark.parametrize("stage", list(TRAINING_STAGES))
@@ -133,6 +163,7 @@ def test_ema_and_lora_reach_the_run_config(tmp_path, monkeypatch, stage):
     ships (and records); ``<stage>.lora_rank`` > 0: the student trains a LoRA adapter (alpha: the rank when null)."""
     params = _workspace(tmp_path, monkeypatch, {f"{stage}.ema_decay": 0.99, f"{stage}.ema_start_step": 5,
                                                 f"{stage}.lora_rank": 4})
+    _posttrain_inputs()
     config, _ = _config(params, stage)
     ema = config.callbacks["ema"]
     assert ema.target == "distillery.callbacks.ema.EMACallback" and list(config.callbacks) == ["grad_clip", "ema"]
@@ -239,6 +270,7 @@ def test_bad_run_summary_is_one_line(tmp_path, edit, message):
 
 # -- validate's candidates: the table's rows with a validation -----------------------------------------------------
 
+DMD2_CONTRACT = {"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000.0, 750.0]}
 CONTRACTS = {  # what the training stages write as model/sampling.json with the default params (a DAG run's)
     "teacher": {"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000},
     "pretrain": {"sampler": "euler", "shift": 3.0, "num_train_timesteps": 1000, "chunk_size": 1},
@@ -253,6 +285,25 @@ def _contracts(stages: dict[str, dict]) -> None:
     for stage, contract in stages.items():
         (Path("artifacts") / stage / "model").mkdir(parents=True, exist_ok=True)
         write_json_atomic(Path("artifacts") / stage / "model" / "sampling.json", contract)
+
+
+def _posttrain_inputs() -> None:
+    """What posttrain's recipe reads of its inputs: the distilled student's sampling.json (a DMD2 ladder) and the base's
+    analyzer.json (the adherence reward's thresholds: the shipped tiny base's)."""
+    from distillery.pipeline.params.schema import SHIPPED_TINY_BASE
+
+    _contracts({"distill": DMD2_CONTRACT})
+    (Path("artifacts") / "base" / "model").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(Path(__file__).resolve().parents[1] / SHIPPED_TINY_BASE / "analyzer.json", "artifacts/base/model/analyzer.json")
+
+
+def _off(stage: str) -> None:
+    """``artifacts/<stage>`` as a switched-off stage leaves it (``stages.training.publish_off``): a lineage of kind off."""
+    from distillery.pipeline.publish.artifacts import OFF_KIND
+
+    (Path("artifacts") / stage).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(Path("artifacts") / stage / "lineage.json", {"artifact": f"artifacts/{stage}", "kind": OFF_KIND,
+                                                                   "stage": stage, "inputs": [], "outputs": {}})
 
 
 def _hand_written_candidates(params: StageParams) -> list:
@@ -283,6 +334,7 @@ def test_validate_candidates_from_the_table_are_the_hand_written_list(tmp_path, 
 
     params = _workspace(tmp_path, monkeypatch)
     _contracts(CONTRACTS)
+    _off("posttrain")  # off by default: no candidate
     view = StageParams(params, "validate", stage_params("validate"))
     candidates = table_candidates(view)
     assert _same(candidates, _hand_written_candidates(view))
@@ -291,16 +343,38 @@ def test_validate_candidates_from_the_table_are_the_hand_written_list(tmp_path, 
     # DVC's few columns: each validated stage's first candidate (the curves stay in the report)
     assert headline_candidates(candidates) == ["teacher_40", "pretrain_40", "distill_4", "pdd_1"]
     assert validation_inputs() == [(name, Path("artifacts") / stage) for name, stage in (
-        ("teacher", "teacher"), ("pretrain", "pretrain"), ("student", "distill"), ("pdd", "pdd"), ("base", "base"),
-        ("data", "latents"))]
+        ("teacher", "teacher"), ("pretrain", "pretrain"), ("student", "distill"), ("pdd", "pdd"),
+        ("posttrain", "posttrain"), ("base", "base"), ("data", "latents"))]
     # other params move the same candidates the same way (steps, guidance, the NFE curve)
     (tmp_path / "other").mkdir()
     params = _workspace(tmp_path / "other", monkeypatch, {"validate.teacher_steps": [12, 3], "validate.pretrain_steps": 6,
                                                           "validate.guidance_scale": 2.5, "validate.pdd_nfe": [2, 8]})
     _contracts(CONTRACTS)
+    _off("posttrain")
     view = StageParams(params, "validate", stage_params("validate"))
     assert _same(table_candidates(view), _hand_written_candidates(view))
     assert [c.name for c in table_candidates(view)][:3] == ["teacher_12", "teacher_3", "pretrain_6"]
+
+
+def test_validate_scores_the_posttrain_student_when_it_is_on(tmp_path, monkeypatch):
+    """posttrain on: its student is a candidate after the others, sampled as its contract says (the post-trained
+    student's ladder, no CFG), and a headline column; off: neither (and export refuses it, one line)."""
+    from stages.export import stage_export
+    from stages.validate import headline_candidates, table_candidates
+
+    params = _workspace(tmp_path, monkeypatch, {"posttrain.enabled": True, "export.student": "posttrain"})
+    _contracts({**CONTRACTS, "posttrain": DMD2_CONTRACT})
+    view = StageParams(params, "validate", stage_params("validate"))
+    candidates = table_candidates(view)
+    assert _same(candidates[:-1], _hand_written_candidates(view))
+    assert candidates[-1].name == "posttrain_2" and candidates[-1].model_dir == Path("artifacts/posttrain/model")
+    assert (candidates[-1].sampler, candidates[-1].guidance_scale) == ("few_step_x0", 1.0)
+    assert headline_candidates(candidates)[-1] == "posttrain_2"
+    shutil.rmtree("artifacts/posttrain")
+    _off("posttrain")
+    assert "posttrain_2" not in [c.name for c in table_candidates(view)]
+    with pytest.raises(UserError, match=r"^params.yaml: export.student: posttrain: the posttrain stage is off"):
+        stage_export(StageParams(params, "export", stage_params("export")))
 
 
 def test_validate_candidates_follow_a_row_added_to_the_table(tmp_path, monkeypatch):
@@ -309,6 +383,7 @@ def test_validate_candidates_follow_a_row_added_to_the_table(tmp_path, monkeypat
     params = _workspace(tmp_path, monkeypatch)
     _contracts({**CONTRACTS, "wan22": {"sampler": "few_step_x0", "shift": 5.0, "num_train_timesteps": 1000,
                                        "timesteps": [1000.0, 750.0, 500.0]}})
+    _off("posttrain")
     table = {**VALIDATED,
              "wan22": ValidationSpec("wan22"),  # its contract's ladder: 3 steps
              "wide": ValidationSpec("wide", steps="validate.teacher_steps", guidance="validate.guidance_scale", sampler="euler")}
@@ -320,8 +395,8 @@ def test_validate_candidates_follow_a_row_added_to_the_table(tmp_path, monkeypat
     assert added[0].sampler == "few_step_x0" and added[0].shift == 5.0 and added[0].guidance_scale == 1.0
     assert added[0].model_dir == Path("artifacts/wan22/model")
     assert all(c.sampler == "euler" and c.guidance_scale == 4.0 and c.shift is None for c in added[1:])
-    assert [name for name, _ in validation_inputs(table)] == ["teacher", "pretrain", "student", "pdd", "wan22", "wide",
-                                                              "base", "data"]
+    assert [name for name, _ in validation_inputs(table)] == ["teacher", "pretrain", "student", "pdd", "posttrain", "wan22",
+                                                              "wide", "base", "data"]
     with pytest.raises(ValueError, match="needs a steps key"):
         ValidationSpec("x", sampler="euler")
 
@@ -334,7 +409,7 @@ def test_validate_reads_what_its_dvc_stage_declares_of_every_validated_stage():
     from stages.validate import VALIDATED
 
     declared, deps = stage_params("validate", ROOT), stage_spec("validate", ROOT).deps
-    assert list(VALIDATED) == ["teacher", "pretrain", "distill", "pdd"]
+    assert list(VALIDATED) == ["teacher", "pretrain", "distill", "pdd", "posttrain"]
     for name, how in VALIDATED.items():
         assert f"artifacts/{name}" in deps
         assert all(covers(declared, key) for key in how.params_read()), (name, how.params_read(), declared)

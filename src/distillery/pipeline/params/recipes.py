@@ -11,8 +11,9 @@ A recipe module (the :class:`Recipe` protocol) declares ``Params`` — its stage
 ``params.yaml`` (:class:`~distillery.pipeline.params.schema.TrainingStageParams`' subclass for the
 stage) with the method's own knobs — ``inputs(p)`` (role → the stage whose artifact it starts from)
 and ``recipe(p, run)``: the typed run config; optionally ``prepare(p, params)`` (a data set it makes
-before training, e.g. the teacher's ODE trajectories) and ``given_contract(p)`` (what a given model
-standing in for its student samples with). :func:`recipe_params` gives
+before training, e.g. the teacher's ODE trajectories), ``given_contract(p)`` (what a given model
+standing in for its student samples with) and ``reads(p)`` (what else the run reads: the base, a
+reward model's folder — lineage inputs and parts of the resume key). :func:`recipe_params` gives
 :func:`~distillery.pipeline.params.schema.validate_params` each stage's choices of ``method``: the
 registry's, so a new method is its library module, its recipe module and the library module's line
 among its stage's ``dvc.yaml`` code deps.
@@ -62,6 +63,13 @@ def given_contract(recipe: Recipe, p: Any) -> dict[str, Any]:
     one."""
     contract = getattr(recipe, "given_contract", None)
     return {} if contract is None else dict(contract(p))
+
+
+def recipe_reads(recipe: Recipe, p: Any) -> dict[str, Path]:
+    """What ``recipe``'s run reads beside its roles' inits and its data (its ``reads``: lineage name → an artifact
+    folder, or a folder outside ``artifacts/`` such as a reward model's), {} for a recipe without one."""
+    reads = getattr(recipe, "reads", None)
+    return {} if reads is None else {name: Path(path) for name, path in reads(p).items()}
 
 
 def _on_path(workspace: Path) -> str:

@@ -54,7 +54,7 @@ from distillery.config.schema import (  # the run config's: params feed them
 from distillery.config.typed import NO_VALUE, Check, FieldError, bounded, field_types, from_mapping, positive_finite, with_default
 from distillery.config.validation import MAX_PROMPTS
 
-TRAINING_STAGES = ("teacher", "pretrain", "distill", "pdd")  # the stages that train a model, in DAG order; export picks one
+TRAINING_STAGES = ("teacher", "pretrain", "distill", "pdd", "posttrain")  # the stages that train a model, in DAG order; export picks one
 DATA_ARTIFACT = "latents"  # the stage whose data/ a training stage trains on unless its section says otherwise
 # Upper bounds: far beyond any real run, low enough that what they size (a tensor, a loop) fits a
 # machine.
@@ -336,6 +336,11 @@ class TrainingStageParams:
         training one."""
         return False
 
+    def off(self) -> bool:
+        """Whether the stage is switched off (``posttrain.enabled: false``): it publishes no model, only a
+        record that it was off (validate leaves it out, export refuses it)."""
+        return False
+
     def data_artifact(self) -> str:
         """The stage whose ``data/`` the run trains on (or whose prompts a recipe's data is made from).
         """
@@ -478,6 +483,30 @@ class VBenchValidateParams:
 
 
 @dataclass
+class PosttrainParams(TrainingStageParams):
+    """Reward-driven post-training of a few-step student (``posttrain.method``: ``stages/recipes/posttrain/``), off
+    unless ``enabled``: the student of ``posttrain.student``'s artifact trained on rollouts of its own, scored by the
+    recipe's rewards; the artifact samples as that student did."""
+
+    method: str = with_default(TrainingStageParams, "method", "nft")  # nft (stages/recipes/posttrain/)
+    enabled: bool = rule(False)  # off: the stage publishes no model (validate skips it; export.student posttrain refused)
+    student: Literal["distill", "pdd"] = rule("distill")  # whose student is post-trained (its weights and sampling.json)
+    steps: int = with_default(TrainingStageParams, "steps", 40)
+    batch_size: int = with_default(TrainingStageParams, "batch_size", 2)  # prompts per rank in one rollout group
+    learning_rate: float = with_default(TrainingStageParams, "learning_rate", 1.0e-5)
+    lr_scheduler: Literal["constant", "cosine", "linear"] = with_default(TrainingStageParams, "lr_scheduler", "constant")
+    warmup_steps: int = with_default(TrainingStageParams, "warmup_steps", 0)
+    save_every: int = with_default(TrainingStageParams, "save_every", 10)
+    data: Literal["latents", "prompts"] = rule("latents")  # whose prompts the rollouts start from: the latents' or the prompts stage's
+
+    def off(self) -> bool:
+        return not self.enabled
+
+    def data_artifact(self) -> str:
+        return self.data
+
+
+@dataclass
 class ValidateParams:
     num_prompts: int = rule(8, 1, MAX_PROMPTS)  # validation captions sampled per model (config.validation.ValidationSampling.num_prompts)
     num_seeds: int = rule(2, 1, MAX_SEEDS)  # noise draws per prompt (spreads are over them)
@@ -513,6 +542,7 @@ class ParamsSchema:
     pretrain: PretrainParams = field(default_factory=PretrainParams)
     distill: DistillParams = field(default_factory=DistillParams)
     pdd: PDDParams = field(default_factory=PDDParams)
+    posttrain: PosttrainParams = field(default_factory=PosttrainParams)
     validate: ValidateParams = field(default_factory=ValidateParams)
     export: ExportParams = field(default_factory=ExportParams)
 

@@ -24,6 +24,18 @@ log = get_logger("stage")
 ARTIFACTS = Path("artifacts")  # DVC outs, relative to the pipeline folder (the stage's cwd)
 RUNS = Path("runs")  # training stages' checkpoints (not DVC outs)
 
+OFF_KIND = "off"  # the lineage kind of a switched-off stage's artifact (posttrain.enabled: false): no model/ in it
+
+
+def published_off(stage: str) -> bool:
+    """Whether ``artifacts/<stage>`` records a stage that was switched off (lineage kind :data:`OFF_KIND`: no model to
+    validate or export). False when it holds a model, or no artifact is there yet."""
+    from distillery.lineage.manifest import read_lineage
+
+    folder = ARTIFACTS / stage
+    return (folder / "lineage.json").is_file() and read_lineage(folder).get("kind") == OFF_KIND
+
+
 VOLATILE_KEYS = ("created", "code", "mlflow", "manifest_sha256")  # facts of one run, not of the artifact's content
 
 
