@@ -81,7 +81,8 @@ def make_reward_assets(root: Path) -> tuple[Path, Path]:
     base = root / "vae-base"
     AutoencoderKLWan(**VAE).save_pretrained(base / "vae")
     (base / "text_encoder").mkdir(parents=True)
-    (base / "text_encoder" / "config.json").write_text(json.dumps({"d_model": TEXT_DIM}))
+    (base / "text_encoder" / "config.json").write_text(json.dumps({"architectures": ["UMT5EncoderModel"],
+                                                                   "d_model": TEXT_DIM}))  # the class names its width
     (base / "tokenizer").mkdir()
     return clip, base
 

@@ -181,9 +181,9 @@ class DiffusionNFTMethod(TrainingMethod):
 
         super().on_train_start(device, world_size)
         self.rewards.load(device)
-        self.decoder = BaseEncoders(self.vae_from, device, text_encoder=False)
-        if device.type == "cuda":  # the decoder's calls sized to the GPU's memory (the same function, other rounding)
-            self.decoder.configure_decode(None)
+        # on a GPU the decoder's calls are sized to its memory (the same function, other rounding); on CPU frame by frame
+        self.decoder = BaseEncoders(self.vae_from, device, text_encoder=False,
+                                    decode=(None if device.type == "cuda" else 1, False))
 
     # -- the cadence ----------------------------------------------------------------------
     def plan_step(self, batches: Any, step: int) -> StepPlan:

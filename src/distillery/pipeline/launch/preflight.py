@@ -155,6 +155,8 @@ def training_bytes(stage: str, params: Params, artifacts: Path, runs: Path | Non
     final one, ``save_every`` 0 or ≥ ``steps``; else a new one beside the previous) and, for
     ``pretrain.method: ode_init*``, the teacher's trajectory set (:func:`trajectory_bytes`)."""
     section = params.get(stage)
+    if section.off():  # switched off (posttrain.enabled: false): an off record, nothing trained
+        return 0, 0
     student = params.recipe(stage).inputs(section)["student"]  # the role the artifact ships
     weights = _transformer_bytes(artifacts / student / "model")
     fp32 = weights * 2 if weights else 0  # lower bound: the init may be bf16; the master weights are fp32
@@ -215,7 +217,7 @@ def largest_buffer(stage: str, params: Params) -> tuple[int, str] | None:
         frames, height, width = clip_size(params)
         return frames * height * width * 3 * 4, f"one clip of {frames}×{height}×{width} float32 RGB frames for the VAE " \
                                                   "(latents.num_frames, height, width)"
-    if stage in TRAINING_STAGES:
+    if stage in TRAINING_STAGES and not params.get(stage).off():
         batch, ranks = params.get(f"{stage}.batch_size"), params.get("gpus.nproc_per_node")
         shape = latent_shape(params)
         count = batch * ranks * shape[0] * shape[1] * shape[2] * shape[3]
@@ -305,9 +307,9 @@ def check_batch(stage: str, params: Params, artifacts: Path, stages: tuple[str, 
     """Refuse, before any work, a training stage whose global batch is larger than its training samples
     (:func:`training_rows`; the trainer would refuse it only after the latents were encoded and
     ``runs/<stage>`` reset). ``stages``: the training stages to check (default: ``stage`` alone when
-    it is one) — the first stage of a DAG checks every one, so a small folder of one's own videos
+    it is one) — the first stage of a DAG checks every one that is on, so a small folder of one's own videos
     stops before anything is encoded, with one line naming every key to lower."""
-    names = [n for n in (stages if stages is not None else (stage,)) if n in TRAINING_STAGES]
+    names = [n for n in (stages if stages is not None else (stage,)) if n in TRAINING_STAGES and not params.get(n).off()]
     if not names:
         return
     encoded = stage in TRAINING_STAGES  # before them: the data to be encoded
