@@ -5,9 +5,10 @@ student it started from, the base whose VAE and analyzer it read and the reward;
 record of that and no model, and ``export.student: posttrain`` is one line; a reward folder that does not load is
 one line, exit 2, the artifact untouched.
 
-The chain that makes its student — ``pretrain.method: ode_init_bidirectional`` (the bidirectional ODE init), then
-``distill.method: dmd2`` — runs once in a copy of the session's ``trained`` workspace, small; the uninterrupted and
-the killed posttrain run in two copies of that (``workspace.repro_killed_beside_whole``)."""
+The chain that makes its student — a bidirectional pretrain student given as is (the shipped tiny base's weights,
+``pretrain.source: given``), then ``distill.method: dmd2`` for 2 steps — runs once in a copy of the session's
+``trained`` workspace; the uninterrupted and the killed posttrain run in two copies of that
+(``workspace.repro_killed_beside_whole``)."""
 
 from __future__ import annotations
 
@@ -19,21 +20,30 @@ from helpers import dcp_tensors
 from safetensors.torch import load_file
 from workspace import copy_workspace, read_log_steps, repro_killed_beside_whole, set_params, sh
 
-pytestmark = pytest.mark.slow
-CHAIN = {"pretrain.method": "ode_init_bidirectional", "pretrain.teacher_steps": 2, "pretrain.trajectory_rows_per_shard": 8,
-         "pretrain.trajectory_batch_size": 4, "pretrain.steps": 2, "pretrain.save_every": 0,
+# a chain of stages, then two posttrain runs side by side: beyond the default 600 s on 2 shared cores when this file
+# builds the session's `trained` workspace itself
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+CHAIN = {"pretrain.method": "ode_init_bidirectional", "pretrain.source": "given", "pretrain.path": "src/distillery/assets/tiny-wan",
          "distill.method": "dmd2", "distill.steps": 2, "distill.save_every": 0, "distill.student_steps": 2,
          "posttrain.enabled": True, "posttrain.steps": 4, "posttrain.save_every": 2, "posttrain.batch_size": 2,
          "posttrain.samples_per_prompt": 2, "posttrain.learning_rate": 1.0e-3}
 WEIGHTS = "model/transformer/diffusion_pytorch_model.safetensors"
 
 
-def test_posttrain_resumes_after_a_kill_bitwise_and_records_its_reward(trained, tmp_path):
-    chain = copy_workspace(trained, tmp_path / "chain")
+@pytest.fixture(scope="module")
+def posttrained(trained, tmp_path_factory):
+    """``(whole, killed, rerun)``: the posttrain stage run uninterrupted in ``whole`` and killed mid-run then rerun in
+    ``killed`` (what that rerun printed), both after the chain (:data:`CHAIN`) in a copy of ``trained``."""
+    root = tmp_path_factory.mktemp("posttrain")
+    chain = copy_workspace(trained, root / "chain")
     set_params(chain, CHAIN)
     sh(["dvc", "repro", "distill"], chain)
-    whole, killed = copy_workspace(chain, tmp_path / "whole"), copy_workspace(chain, tmp_path / "killed")
-    out = repro_killed_beside_whole(killed, whole, "posttrain", tmp_path / "whole.log")
+    whole, killed = copy_workspace(chain, root / "whole"), copy_workspace(chain, root / "killed")
+    return whole, killed, repro_killed_beside_whole(killed, whole, "posttrain", root / "whole.log")
+
+
+def test_posttrain_resumes_after_a_kill_bitwise_and_records_its_reward(posttrained):
+    whole, killed, out = posttrained
     assert "resumed from runs/posttrain/checkpoint-" in out.stderr
     assert read_log_steps(killed / "runs" / "posttrain")[-1] == 4
 
@@ -60,6 +70,12 @@ def test_posttrain_resumes_after_a_kill_bitwise_and_records_its_reward(trained, 
     metadata = json.loads((whole / "runs" / "posttrain" / "checkpoint-4" / "metadata.json").read_text())
     assert metadata["frozen_roles"]["reward.adherence"]["path"] == "artifacts/base/model"  # a resume checks its digest
 
+
+
+def test_a_bad_reward_folder_is_one_line_and_switched_off_the_stage_publishes_no_model(posttrained, tmp_path):
+    whole = copy_workspace(posttrained[0], tmp_path / "ws")
+    art = whole / "artifacts" / "posttrain"
+    weights = load_file(art / WEIGHTS).keys()
     # a reward model folder that does not load: one line, exit 2, the artifact as it was
     set_params(whole, {"posttrain.reward_clip": 0.5, "posttrain.clip_model": str(tmp_path / "no-clip")})
     (tmp_path / "no-clip").mkdir()
@@ -67,7 +83,7 @@ def test_posttrain_resumes_after_a_kill_bitwise_and_records_its_reward(trained, 
     failed = sh(["distillery", "stage", "posttrain"], whole, check=False)
     assert failed.returncode == 2, failed.stderr[-2000:]
     assert "method.rewards.clip" in failed.stderr.strip().splitlines()[-1]
-    assert (art / "lineage.json").read_bytes() == published and load_file(art / WEIGHTS).keys() == wa.keys()
+    assert (art / "lineage.json").read_bytes() == published and load_file(art / WEIGHTS).keys() == weights
 
     # switched off: a record of that, no model; export.student: posttrain is one line before any work
     set_params(whole, {"posttrain.enabled": False, "posttrain.reward_clip": 0.0, "posttrain.clip_model": None,
