@@ -305,6 +305,7 @@ def option_code(stage: str) -> set[str]:
 
 
 TRAINING_ENTRY = f"{PACKAGE_IN_REPO}/cli/train.py"  # what a training stage's workers run (``-m distillery.cli.train``)
+STAGE_RUNNER = f"{PACKAGE_IN_REPO}/pipeline/launch/runner.py"  # what runs a stage in its process (its checks, preflight)
 
 
 def _packages_of(module_file: str) -> set[str]:
@@ -328,13 +329,15 @@ def _closure(module_file: str) -> set[str]:
 
 def off_by_default_code(stage: str) -> set[str]:
     """The code a training stage that is off in the shipped params (``posttrain.enabled: false``) runs once switched on
-    — its adapter's training path (``stages/training.py``) and its workers' entry (:data:`TRAINING_ENTRY`), with
-    everything they import —, which the default DAG's trace cannot see (the stage publishes its off record without
-    training): empty for any other stage."""
+    — the stage process's runner (:data:`STAGE_RUNNER`: the preflight that sizes a training run) and its adapter's
+    training path (``stages/training.py``), its workers' entry (:data:`TRAINING_ENTRY`), with everything they import
+    —, which the default DAG's trace cannot see (the stage publishes its off record without training): empty for any
+    other stage."""
     section = getattr(ParamsSchema(), stage, None)
     if stage not in TRAINING_STAGES or not section.off():
         return set()
-    return {m for m in _closure(TRAINING_ENTRY) | _closure("stages/training.py") if not _in_recipe_folder(m)}
+    code = _closure(STAGE_RUNNER) | _closure("stages/training.py") | _closure(TRAINING_ENTRY)
+    return {m for m in code if not _in_recipe_folder(m)}
 
 
 def check_stage_imports(imported: dict[str, set[str]], root: Path) -> None:
