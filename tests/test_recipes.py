@@ -135,6 +135,18 @@ def test_a_recipe_builds_its_run_config_from_the_typed_params(tmp_path, monkeypa
     assert yaml.safe_load(yaml.safe_dump(config.to_plain())) == config.to_plain()  # what run.yaml holds
 
 
+def test_posttrain_of_the_pdd_student_trains_its_head_bank_on_its_contract(tmp_path, monkeypatch):
+    """posttrain.student: pdd — the student is the PDD model with as many heads as its contract's grid, sampled (and so
+    trained) as its sampling.json says."""
+    params = _workspace(tmp_path, monkeypatch, {"posttrain.student": "pdd"})
+    _posttrain_inputs()
+    _contracts({"pdd": CONTRACTS["pdd"]})
+    config, inputs = _config(params, "posttrain")
+    assert inputs == {"student": "pdd"} and config.models["student"].config.init_from == "artifacts/pdd/model"
+    assert config.models["student"].target.endswith("PDDWanModel") and config.models["student"].config.pdd_steps == 8
+    assert config.method.config.sampling == CONTRACTS["pdd"]
+
+
 def test_posttrain_rewards_are_typed_params_and_their_folders_inputs(tmp_path, monkeypatch):
     """posttrain's rewards: a weight per reward (0: off), at least one on, a model reward only with its folder; each
     folder of a reward that is on is an input of the stage (lineage, resume key) beside the base."""
