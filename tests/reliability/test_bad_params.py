@@ -165,7 +165,7 @@ RULES = [  # (edits, the message must contain)
     ({"gpus": {"nproc_per_node": 2}, "pdd__tp_size": 2, "pdd__lora_rank": 4},
      "pdd.lora_rank: 4: tensor parallelism (pdd.tp_size 2) does not split a LoRA adapter"),
     ({"teachr": {}}, "teachr: unknown key; valid keys: seed, gpus, clips, base, latents, prompts, teacher, pretrain, distill, "
-                     "pdd, validate, export; did you mean teacher?"),
+                     "pdd, posttrain, validate, … (13 in all); did you mean teacher?"),
 ]
 
 
