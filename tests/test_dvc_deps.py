@@ -337,6 +337,7 @@ def off_by_default_code(stage: str) -> set[str]:
     if stage not in TRAINING_STAGES or not section.off():
         return set()
     code = _closure(STAGE_RUNNER) | _closure("stages/training.py") | _closure(TRAINING_ENTRY)
+    code |= set().union(*map(_packages_of, option_code(stage)))  # its method's packages run when it imports it
     return {m for m in code if not _in_recipe_folder(m)}
 
 
