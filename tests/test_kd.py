@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from workspace import shipped_params_text
+from workspace import copy_stages, shipped_params_text
 
 from distillery.common.errors import UserError
 from distillery.components.rng import BatchRNG
@@ -136,6 +136,7 @@ def test_the_student_s_chunks_and_the_method_s_must_agree(tiny_base, training):
 @pytest.mark.parametrize("t_list, why", [("[999, 624, 833, 0]", "strictly descending"), ("[999, 937, 833, 624]", "must end at 0"),
                                          ("[1500, 937, 0]", "in [0, 1000]")])
 def test_params_check_refuses_a_bad_t_list_in_one_line(tmp_path, t_list, why):
+    copy_stages(tmp_path)  # the stage layer: params check reads the recipes' registry beside params.yaml
     params = yaml.safe_load(shipped_params_text())
     params["pretrain"]["t_list"] = yaml.safe_load(t_list)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

@@ -79,7 +79,7 @@ def _write_validate_artifact(repo: Path) -> None:
                "teacher_2/nfe": 4.0}
     (report / "metrics.json").write_text(json.dumps(metrics, indent=2))
     (report / "report.json").write_text(json.dumps({
-        "config": {"num_frames": 17, "height": 32, "width": 32}, "reference": "teacher_6",
+        "config": {"num_frames": 17, "height": 32, "width": 32, "fps": 8.0}, "reference": "teacher_6",
         "prompts": ["a red circle moving left on a black background"], "seeds": [0], "num_seeds": 1,
         "max_sequence_length": 32}, indent=2))
     (folder / "metrics.json").write_text(json.dumps({"teacher_6/all": 0.5}, indent=2))

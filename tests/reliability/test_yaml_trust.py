@@ -30,7 +30,7 @@ from typing import Any, Union
 
 import pytest
 import yaml
-from workspace import shipped_params_text
+from workspace import copy_stages, shipped_params_text
 
 from distillery.common.errors import UserError
 from distillery.pipeline.params.reader import Params
@@ -94,7 +94,8 @@ def _workspace(tmp: Path) -> dict[Path, bytes]:
 
 def _snapshot(tmp: Path) -> dict[Path, bytes]:
     written = {tmp / name for name in ("params.yaml", "dvc.yaml", "run.yaml")}  # what the test itself wrote
-    return {p: p.read_bytes() for p in sorted(tmp.rglob("*")) if p.is_file() and p not in written}
+    return {p: p.read_bytes() for p in sorted(tmp.rglob("*"))
+            if p.is_file() and p not in written and "__pycache__" not in p.parts}  # the stage layer's bytecode
 
 
 def _refused_before_work(tmp: Path, args: list[str], data_lost: Any, timeout: float = 120) -> str:
@@ -363,6 +364,7 @@ def test_values_the_code_cannot_take_are_refused_before_work(tmp_path, data_lost
             _set(data, key, value)
         (tmp_path / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
         (tmp_path / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
+        copy_stages(tmp_path)  # the stage layer: a stage reads its recipes' registry beside params.yaml
         manifest = tmp_path / "artifacts" / "latents" / "data" / "preprocess.json"  # the latent set's counts
         manifest.parent.mkdir(parents=True)
         manifest.write_text(json.dumps({"settings": {}, "splits": {"train": {"rows": 96}, "validation": {"rows": 24}}}))
@@ -405,7 +407,8 @@ def test_alias_bombs_are_refused_before_dvc_reads_them(tmp_path, data_lost):
         data_lost.record(len(set(before) ^ set(after)), f"files added or removed in the repo ({name})")
         seen.append(name)
     (tmp_path / "shipped.yaml").write_text(SHIPPED)
+    copy_stages(tmp_path)  # the recipes' registry beside the params file, as in a workspace
     proc = subprocess.run([DISTILLERY, "params", "check", "--params", str(tmp_path / "shipped.yaml")], capture_output=True,
                           text=True, timeout=90)
-    assert proc.returncode == 0 and "params.yaml" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and ": ok:" in proc.stdout, proc.stderr[-3000:]
     assert seen == ["merges", "laughs"] and data_lost.total == 0
