@@ -589,3 +589,49 @@ def test_one_s_own_captions_say_where_the_prompts_came_from_and_mark_adherence_n
     assert any(m.startswith(f"validate: 2 prompts from {source}: #0 'a dog runs across a sunny park'") for m in logged), logged
     assert any(m.startswith("validate: prompt adherence n/a: 0 of 2 prompts") for m in logged), logged
     assert any(m.startswith("validate student: 2 NFE, adherence n/a, ") for m in logged), logged
+
+
+def test_the_log_reads_in_order_a_candidates_line_after_its_videos_and_before_the_next_ones(base, tmp_path, monkeypatch):
+    """Issue 58 item 14: candidate k's CPU half is scored while k + 1 samples, so its progress and its line used to come
+    after k + 1's progress lines, which named k + 1 while counting k's videos. Each progress line names the candidate
+    whose video it counted, and no line of a candidate comes before the line of the one before it — even when k is
+    finished only after k + 1 sampled every video (the between-batches finish switched off: the worst case)."""
+    import logging
+    import re
+
+    import distillery.evaluation.validate as validate_module
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    monkeypatch.setenv("DISTILLERY_PROGRESS", "lines")
+    monkeypatch.setenv("DISTILLERY_PROGRESS_INTERVAL_S", "0")  # a line per video
+    monkeypatch.setattr(validate_module, "scoring_workers", lambda video_bytes: 2)
+    monkeypatch.setattr(validate_module._Run, "finish_if_scored", lambda self, item: 0.0)
+    keep, logger = Keep(), logging.getLogger("distillery")
+    level = logger.level
+    logger.addHandler(keep)
+    logger.setLevel(logging.INFO)
+    try:
+        cfg = ValidationConfig(num_seeds=NUM_SEEDS, progress_bar=True, grid_formats=[])
+        candidates = teacher_candidates(base, [2], 4.0) + [Candidate("student", base, 2, 1.0, "few_step_x0"),
+                                                            Candidate("student_1", base, 1, 1.0, "few_step_x0")]
+        run_validation(base, candidates, PROMPTS, tmp_path / "ordered", cfg)
+    finally:
+        logger.removeHandler(keep)
+        logger.setLevel(level)
+    said = []  # (candidate, "video" | "line") in log order
+    for line in lines:
+        if (m := re.match(r"validate \d+/\d+ \(\d+%\) candidate (\S+) \(", line)):
+            said.append((m.group(1), "video"))
+        elif (m := re.match(r"validate (\S+): \d+ NFE", line)):
+            said.append((m.group(1), "line"))
+    names = [c.name for c in candidates]
+    assert [name for name, what in said if what == "line"] == names, said
+    order = [names.index(name) + (0.5 if what == "line" else 0) for name, what in said]
+    assert order == sorted(order), said  # k's videos, k's line, then k + 1's videos
+    counts = [int(re.match(r"validate (\d+)/", line).group(1)) for line in lines if re.match(r"validate \d+/", line)]
+    assert counts == sorted(counts) and counts[-1] == len(candidates) * len(VIDEO_KEYS)

@@ -33,8 +33,10 @@ log and report.json ``cache`` say which were reused). Per candidate it reports (
   report.json ``latency`` has min, max, the warm-up times and ``sample_batch``, and ``timeline`` per sampled
   candidate where its wall time went: ``load_s`` (load + warm-up), ``sampling_unix`` (the window from the first video's
   start to the last one's decode, unix seconds: a profiler's GPU-busy samples can be cut to it),
-  ``sampling_s`` and ``scoring_wait_s`` (the wait for the candidate's scoring threads; they run on while the next
-  candidate loads and samples, so only the last candidate's wait is all idle device time);
+  ``sampling_s``, ``finishing_previous_s`` (the part of that window spent between two of its batches finishing the
+  candidate before it, whose line is logged as soon as its scoring is done: the log reads in order; no video's
+  time includes it) and ``scoring_wait_s`` (the wait for the candidate's scoring threads; they run on while the
+  next candidate loads and samples, so only the last candidate's wait is all idle device time);
 - ``distance_to_teacher`` — mean over videos of the mean squared difference of the decoded frames
   (RGB in [0, 1]) from the reference candidate's video with the same prompt and noise (the
   reference is by default the first candidate: put the teacher first), so the reference scores 0;
@@ -317,33 +319,48 @@ class _Run:
         self.bar = Progress(len(self.to_sample) * len(self.video_order), "validate", "video",
                             enabled=self.cfg.progress_bar and bool(self.to_sample))
         self.bar_lock = threading.Lock()
+        self.held: list[str] = []  # videos scored before the candidate before theirs said its line (_score_and_write)
 
-    def start(self, cand: Candidate) -> dict[str, Any]:
+    def start(self, cand: Candidate, previous: dict[str, Any] | None = None) -> dict[str, Any]:
         """The candidate's videos: from the cache, or sampled on the device with their CPU half (scoring, mp4)
-        submitted to the scoring threads. Returns what :meth:`finish` needs; ``pending`` futures when sampled."""
+        submitted to the scoring threads. Returns what :meth:`finish` needs; ``pending`` futures when sampled.
+        ``previous`` (the candidate started before, not finished yet) is finished before this one loads and between
+        its batches as soon as its scoring threads are done (:meth:`finish_if_scored`), so its line comes before
+        this candidate's progress lines; the caller finishes it after, if it was not."""
         folder = self.stage / "samples" / cand.name
         folder.mkdir(parents=True)
+        self.finish_if_scored(previous)
         hit = self.hits.get(cand.name)
         if hit is not None:
             return self._reuse(cand, hit, folder)
-        return self._sample(cand, folder)
+        return self._sample(cand, folder, previous)
+
+    def finish_if_scored(self, item: dict[str, Any] | None) -> float:
+        """Finish ``item`` (:meth:`finish`) if it is not finished and none of its videos is still being scored,
+        without waiting; returns the seconds it took (0 when it did not run)."""
+        if item is None or item["finished"] or not all(f.done() for f in item.get("pending", ())):
+            return 0.0
+        started = time.time()
+        self.finish(item)
+        return time.time() - started
 
     def _reuse(self, cand: Candidate, hit: Any, folder: Path) -> dict[str, Any]:
         """A reused candidate: the cache entry's files as they were written, its records as they were measured."""
         shutil.copyfile(hit.folder / "latents.safetensors", folder / "latents.safetensors")
         for i, j in self.video_order:
             shutil.copyfile(hit.folder / f"{sample_key(i, j)}.mp4", folder / f"{sample_key(i, j)}.mp4")
-        return {"cand": cand, "hit": hit, "records": hit.videos, "frames": hit.frames,
+        return {"cand": cand, "hit": hit, "records": hit.videos, "frames": hit.frames, "finished": False, "said": False,
                 "measured": {"reused": True, "at": hit.stored, **(hit.load or {"load_1min": None, "cpus": None})}}
 
-    def _sample(self, cand: Candidate, folder: Path) -> dict[str, Any]:
+    def _sample(self, cand: Candidate, folder: Path, previous: dict[str, Any] | None) -> dict[str, Any]:
         """Load, warm up and sample the candidate batch by batch, timing each batch; each video's CPU half goes to
-        the scoring threads (:meth:`_score_and_write`) while the device samples the next."""
+        the scoring threads (:meth:`_score_and_write`) while the device samples the next; ``previous`` is finished
+        between two batches once its scoring is done (timeline ``finishing_previous_s``; no batch's time holds it)."""
         from distillery.evaluation.sample_cache import machine_load
 
         ctx, cfg = self.ctx, self.cfg
         number = self.to_sample.index(cand) + 1
-        self.bar.set(candidate=f"{cand.name} ({number}/{len(self.to_sample)})")
+        label = f"{cand.name} ({number}/{len(self.to_sample)})"  # a progress line names the candidate it counted
         load_started = time.time()
         measured = {"reused": False, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **machine_load()}
         loaded = ctx.load(cand, self.resolved[cand.name])
@@ -352,6 +369,7 @@ class _Run:
         frames: dict[str, np.ndarray] = {}
         sampled: dict[str, torch.Tensor] = {}
         pending = []
+        finishing_s = 0.0  # finishing the previous candidate, between two batches
         for first in range(0, len(self.video_order), cfg.sample_batch):
             batch = self.video_order[first:first + cfg.sample_batch]
             t0 = time.perf_counter()
@@ -363,18 +381,24 @@ class _Run:
                 key = sample_key(i, j)
                 sampled[key] = latents[b].detach().to("cpu", torch.float32).contiguous()
                 frames[key] = batch_videos[b]
-                pending.append(self.scoring.submit(self._score_and_write, folder, i, j, batch_videos[b], seconds, key))
+                pending.append(self.scoring.submit(self._score_and_write, folder, i, j, batch_videos[b], seconds, key,
+                                                   label, previous))
+            finishing_s += self.finish_if_scored(previous)
         del loaded  # the next candidate loads into the device memory this one held
         sampling_ended = time.time()
         self.timeline[cand.name] = {"load_s": round(sampling_started - load_started, 3),
                                     "sampling_unix": [round(sampling_started, 3), round(sampling_ended, 3)],
-                                    "sampling_s": round(sampling_ended - sampling_started, 3)}
+                                    "sampling_s": round(sampling_ended - sampling_started, 3),
+                                    "finishing_previous_s": round(finishing_s, 3)}
         return {"cand": cand, "hit": None, "pending": pending, "frames": frames, "sampled": sampled, "folder": folder,
-                "measured": measured}
+                "measured": measured, "finished": False, "said": False}
 
-    def _score_and_write(self, folder: Path, i: int, j: int, video: np.ndarray, seconds: float, key: str) -> Any:
+    def _score_and_write(self, folder: Path, i: int, j: int, video: np.ndarray, seconds: float, key: str,
+                         label: str, previous: dict[str, Any] | None) -> Any:
         """The CPU half of one video — adherence, sharpness, features, its mp4 — on a scoring thread
-        while the device samples the next video (numpy and the encoder release the GIL)."""
+        while the device samples the next video (numpy and the encoder release the GIL); counted in the progress
+        under ``label``, its own candidate's — held back while ``previous`` (the candidate before it) has not said its
+        line, so that no progress line of a candidate comes before the line of the one before it."""
         from distillery.clips.video_io import write_video
         from distillery.evaluation.sample_cache import CachedVideo
 
@@ -382,12 +406,16 @@ class _Run:
         record = CachedVideo(i, j, self.seed_grid[i][j], scores, seconds, sharp, features)
         write_video(folder / f"{key}.mp4", video, self.cfg.fps, preset=MP4_PRESET)
         with self.bar_lock:
-            self.bar.update()
+            if previous is not None and not previous["said"]:
+                self.held.append(label)  # counted when previous says its line (finish)
+            else:
+                self.bar.update(candidate=label)
         return record
 
     def finish(self, item: dict[str, Any]) -> None:
         """Wait for the candidate's scoring threads (they ran while the next candidate loaded and sampled),
-        keep its samples in the cache, and measure it against the reference."""
+        keep its samples in the cache, and measure it against the reference; its line is logged."""
+        item["finished"] = True
         cand, frames = item["cand"], item["frames"]
         records = self._collect(item) if item["hit"] is None else item["records"]
         videos = self._videos(cand, records, frames)
@@ -401,6 +429,11 @@ class _Run:
         self._keep_metrics(cand, values)
         self._keep_tables(cand, values, videos, seed_means, clip_rows)
         self._log_candidate(cand, values, item["hit"], clip_rows is not None)
+        with self.bar_lock:  # the next candidate's videos scored meanwhile are counted now, after this line
+            item["said"] = True
+            if self.held:
+                self.bar.update(len(self.held), candidate=self.held[-1])
+                self.held.clear()
 
     def _collect(self, item: dict[str, Any]) -> list[Any]:
         """A sampled candidate's records, in sampling order (whatever order the threads finished in), its latents
@@ -629,10 +662,11 @@ def run_validation(
         run.begin(stage, scoring, grid)
         # one candidate of overlap: candidate k's CPU half finishes on the scoring threads while candidate k + 1
         # loads and samples on the device (two candidates' frames in memory at most, besides the reference's)
+        # candidate k's line is said once its scoring is done, between k + 1's batches: the log reads in order
         previous = None
         for cand in run.order:
-            current = run.start(cand)
-            if previous is not None:
+            current = run.start(cand, previous)
+            if previous is not None and not previous["finished"]:
                 run.finish(previous)
             previous = current
         if previous is not None:
