@@ -105,10 +105,26 @@ def say_where_results_are(student: str, i2v: bool = False) -> None:
              f"  report: {report_dir / 'summary.md'} (every candidate's scores; the videos: {report_dir / 'grid.gif'})",
              f"  export: {folder}/ ({student}; its card {folder / 'README.md'} has the code to sample and save a video)",
              f"  load it: {load}" + (" (an image-to-video model: the card says how to pass the first frame)" if i2v else "")]
+    plots = offline_plots(ARTIFACTS)
+    if plots:
+        lines.append(f"  plots (PNG, open offline; `dvc plots show` needs the network): {plots}")
     if candidate is not None and candidate["name"] != report.get("reference"):
         lines.append("  " + versus_line(metrics, report, candidate["name"]))
     for line in lines:
         log.info("%s", line)
+
+
+def offline_plots(artifacts: Path) -> str:
+    """The run's plots as PNG images, which open without the network (``dvc plots show``'s HTML loads Vega-Lite
+    from a CDN), in one short phrase: validate's adherence against NFE, then the training stages' loss curves in
+    DAG order as one shell brace pattern (``artifacts/{teacher,pretrain}/loss.png``); only the files that exist (a
+    stage off, or adherence n/a on one's own prompts, has none); empty when there are none."""
+    adherence = artifacts / "validate" / "report" / "plots" / "adherence_vs_nfe.png"
+    losses = [stage for stage in TRAINING_STAGES if (artifacts / stage / "loss.png").is_file()]
+    said = [str(adherence)] if adherence.is_file() else []
+    if losses:
+        said.append(str(artifacts / (losses[0] if len(losses) == 1 else "{" + ",".join(losses) + "}") / "loss.png"))
+    return ", ".join(said)
 
 
 def export_adapter(student: str, staging: Path, params: StageParams) -> None:

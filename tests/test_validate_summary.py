@@ -50,6 +50,9 @@ def test_the_summary_says_why_24_nfe_and_which_readings_discriminate():
     assert "do not discriminate**: colour (1.00 for every candidate), direction (1.00 for every candidate)" in text
     assert "shape (0.50–0.75)" in text and "steps of 1/16" in text and "noise floor" in text
     assert "1 of 2 candidates reused (teacher_40)" in text
+    # the plots a reader opens offline (issue 58 item 9: `dvc plots show`'s page loads its scripts from a CDN)
+    assert "\n![adherence against NFE, per candidate family](plots/adherence_vs_nfe.png)\n" in text
+    assert "`artifacts/<stage>/loss.png`" in text and "blank offline" in text
     assert "Latency measured" not in text  # a report without the times (an older run) says nothing of them
     report["latency"] = {"teacher_40": {"measured": {"reused": True, "at": "2026-12-01T10:00:00Z", "load_1min": 7.5, "cpus": 2}},
                          "distill_4": {"measured": {"reused": False, "at": "2026-12-03T12:00:00Z", "load_1min": 0.4, "cpus": 2}}}
@@ -73,4 +76,5 @@ def test_adherence_off_the_clips_grammar_reads_n_a_and_the_prompts_are_named():
     assert "| n/a | n/a | n/a | n/a | 3.50 ± 0.00 |" in row
     assert "**Adherence is n/a here**: 0 of 2 prompts are captions of the grammar." in text
     assert "discriminate" not in text and "steps of 1/" not in text
+    assert "adherence_vs_nfe.png" not in text and "`artifacts/<stage>/loss.png`" in text  # no adherence, no plot of it
     assert text.endswith("## Prompts (2, from the latent set's TRAIN split)\n\n- #0 a dog in a park\n- #1 waves on a beach\n")

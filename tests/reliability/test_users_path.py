@@ -95,3 +95,26 @@ def test_the_eta_follows_the_recent_rate(data_lost):
     assert bar.line() == "train 40/120 (33%), 1.0 s/step, ETA 1m20s", bar.line()
     assert lines[0].startswith("train 1/120 (1%), 36.0 s/step, ETA ?")
     data_lost.record(0, "lines with a stale ETA")
+
+
+@pytest.mark.reliability(case="11.9", title="the run's plots open offline, and the end of the run names them",
+                         injected="a finished run's artifacts (validate's adherence plot, the teacher's, pretrain's and "
+                                  "distill's loss curves; pdd off), read with no network",
+                         expect="one phrase naming the PNG images (`dvc plots show`'s page loads Vega-Lite from a CDN): "
+                                "the adherence plot, then the loss curves as one brace pattern in DAG order")
+def test_the_end_of_a_run_names_plots_that_open_offline(tmp_path, data_lost):
+    from stages.export import offline_plots
+
+    artifacts = tmp_path / "artifacts"
+    assert offline_plots(artifacts) == ""  # nothing plotted: nothing named
+    png = b"\x89PNG\r\n\x1a\n"
+    for stage in ("distill", "teacher", "pretrain"):
+        (artifacts / stage).mkdir(parents=True)
+        (artifacts / stage / "loss.png").write_bytes(png)
+    (artifacts / "pdd").mkdir()  # a stage off: its artifact holds no curve
+    said = offline_plots(artifacts)
+    assert said == f"{artifacts}/{{teacher,pretrain,distill}}/loss.png", said
+    (artifacts / "validate" / "report" / "plots").mkdir(parents=True)
+    (artifacts / "validate" / "report" / "plots" / "adherence_vs_nfe.png").write_bytes(png)
+    assert offline_plots(artifacts) == f"{artifacts}/validate/report/plots/adherence_vs_nfe.png, {said}"
+    data_lost.record(0, "plots only a networked browser draws")

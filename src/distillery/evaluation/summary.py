@@ -12,6 +12,8 @@ and the notes a reader needs to decode it:
   value for every candidate separates none of them on this prompt set, and adherence moves in steps
   of 1 / (prompts × seeds);
 - the reference and its seed-to-seed Fréchet noise floor;
+- where the plots are as PNG images, which open offline (:func:`plots_section`: ``dvc plots show``'s HTML
+  loads its scripts from a CDN);
 - which prompts were used and where they came from (report.json ``prompt_source``: the latent set's
   validation split, its train split where the data has no ``validation/`` folder, or ``validate.prompts``),
   and — where the prompts are not the synthetic clips' captions (report.json ``adherence``) — that
@@ -133,6 +135,19 @@ def versus_line(metrics: Mapping[str, float], report: Mapping[str, Any], student
     return f"student vs teacher ({v['student']} vs {v['teacher']}): {nfe}, {quality}, {latency}"
 
 
+def plots_section(adherence_plotted: bool) -> list[str]:
+    """The report's plots as images a reader opens offline: the adherence-vs-NFE PNG beside this page (written only
+    where adherence applies) and where each training stage's loss curve is; ``dvc plots show`` draws the same data
+    through Vega-Lite fetched from a CDN, a page that stays blank without the network."""
+    lines = ["", "## Plots (PNG images: no network needed)", ""]
+    if adherence_plotted:
+        lines += ["![adherence against NFE, per candidate family](plots/adherence_vs_nfe.png)", ""]
+    lines.append("- Each training stage's loss per step and its moving mean: `artifacts/<stage>/loss.png` (e.g. "
+                 "`artifacts/distill/loss.png`). `dvc plots show` draws the same curves as HTML whose scripts "
+                 "load from a CDN: blank offline.")
+    return lines
+
+
 def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) -> str:
     """The Markdown of ``report/summary.md`` (module doc) from the flat metrics and report.json's content."""
     cands = report["candidates"]
@@ -163,6 +178,7 @@ def summary_markdown(metrics: Mapping[str, float], report: Mapping[str, Any]) ->
     students = [n for n in _first_of_each_stage(names) if n.rpartition("_")[0] != str(report["reference"]).rpartition("_")[0]]
     if students:
         lines += ["", "## Student vs teacher", "", *[f"- {versus_line(metrics, report, n)}" for n in students]]
+    lines += plots_section(applies)
     lines += ["", "## Reading it", ""]
     streamed = [c for c in cands if c["forwards"]["chunks"] > 1]
     for c in streamed:
