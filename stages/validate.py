@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from distillery.common.errors import UserError
 from distillery.common.log import get_logger
 from distillery.pipeline.params.reader import StageParams
 from distillery.pipeline.publish.artifacts import ARTIFACTS, RUNS, finish, fresh_staging, published_off
@@ -125,6 +126,9 @@ def table_candidates(params: StageParams, table: "Mapping[str, ValidationSpec] |
         if published_off(name):  # switched off (posttrain.enabled: false): no model to score
             log.info("validate: %s is off: not a candidate", name)
             continue
+        if not (ARTIFACTS / name).is_dir():  # its stage never ran here: say which, not a missing file inside it
+            raise UserError(f"validate: candidate {name}: artifacts/{name} does not exist: the {name} stage has not run "
+                            f"here; run it first (`distillery stage {name}`, or `dvc repro` for the whole DAG)")
         model_dir = ARTIFACTS / name / "model"
         guidance = float(params.get(how.guidance)) if how.guidance is not None else None
         if how.steps is None:

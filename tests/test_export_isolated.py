@@ -118,6 +118,13 @@ def card_packages(card: str) -> list[str]:
     return [name.strip(" `.") for name in re.split(r",| and ", found.group(1)) if name.strip(" `.")]
 
 
+def card_video_packages(card: str) -> list[str]:
+    """The packages a model card says saving the video as an mp4 takes: its "`pip install a b` to save the video"."""
+    found = re.search(r"`pip install ([^`]+)` to save the video", card)
+    assert found, "the card does not say what saving the video needs"
+    return found.group(1).split()
+
+
 def card_venv(packages: list[str]) -> Path:
     """The python of a venv holding exactly ``packages`` (and what they depend on), each pinned to the version this
     venv has; built once per set of pins (under a lock: two test processes build it once) and reused."""
@@ -195,7 +202,7 @@ def test_every_export_kind_samples_validate_s_latents_without_distillery(exports
     packages = card_packages((exports["exports"]["teacher"] / "README.md").read_text())
     for folder in exports["exports"].values():  # every card names the same packages
         assert card_packages((folder / "README.md").read_text()) == packages, folder
-    python = card_venv(packages)
+    python = card_venv(packages + card_video_packages((exports["exports"]["teacher"] / "README.md").read_text()))
     code = f"import re\nREPORT = {str(exports['validate'])!r}\n" \
            f"EXPORTS = {json.dumps({k: str(v) for k, v in exports['exports'].items()})}\n" + ISOLATED
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",

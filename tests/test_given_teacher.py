@@ -49,7 +49,7 @@ def test_the_published_recipe_given_wider_teacher_prompts_ode_init_to_export(pre
                                                   **RECIPE})
     prompts = (ROOT / "src" / "distillery" / "assets" / "prompts" / "tiny.txt").read_text().splitlines()[:12]
     (repo / "prompts.txt").write_text("\n".join(prompts) + "\n", encoding="utf-8")
-    for name in ("prompts", "teacher", "pretrain", "distill", "pdd", "validate", "export"):
+    for name in ("prompts", "teacher", "pretrain", "distill", "pdd", "posttrain", "validate", "export"):
         stage(repo, name, check=True)
     teacher = repo / "artifacts" / "teacher"
     # published as given: the folder's transformer and scheduler, byte for byte, its Euler contract; nothing trained

@@ -385,6 +385,11 @@ def test_validate_scores_the_posttrain_student_when_it_is_on(tmp_path, monkeypat
     shutil.rmtree("artifacts/posttrain")
     _off("posttrain")
     assert "posttrain_2" not in [c.name for c in table_candidates(view)]
+    shutil.rmtree("artifacts/posttrain")  # its stage never ran here (stages run by hand): named, not a missing file
+    with pytest.raises(UserError, match=r"candidate posttrain: artifacts/posttrain does not exist: the posttrain stage "
+                                        r"has not run here; run it first \(`distillery stage posttrain`"):
+        table_candidates(view)
+    _off("posttrain")
     with pytest.raises(UserError, match=r"^params.yaml: export.student: posttrain: the posttrain stage is off"):
         stage_export(StageParams(params, "export", stage_params("export")))
 
@@ -399,6 +404,7 @@ def test_validate_candidates_follow_a_row_added_to_the_table(tmp_path, monkeypat
     table = {**VALIDATED,
              "wan22": ValidationSpec("wan22"),  # its contract's ladder: 3 steps
              "wide": ValidationSpec("wide", steps="validate.teacher_steps", guidance="validate.guidance_scale", sampler="euler")}
+    (Path("artifacts") / "wide" / "model").mkdir(parents=True)  # its stage ran (its own sampler: no contract read)
     view = StageParams(params, "validate", stage_params("validate"))
     candidates = table_candidates(view, table)
     assert _same(candidates[:11], _hand_written_candidates(view))  # the default rows' first, the reference still teacher_40
