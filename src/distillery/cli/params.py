@@ -20,6 +20,16 @@ def add_command(sub: argparse._SubParsersAction, name: str, help: str) -> None: 
     profile.add_argument("file", help="the profile: a YAML file with an `overrides:` mapping of dotted params.yaml keys")
     profile.add_argument("--params", default="params.yaml", help="the params file the overrides apply to")
     profile.set_defaults(func=_print_profile)
+    from distillery.components.memory_plan import SHAPES
+
+    memory = params_sub.add_parser("memory", help="each training stage's memory per GPU, estimated from the one-GPU peaks "
+                                   "measured (docs/gpus.md), for params.yaml or a profile over it")
+    memory.add_argument("profile", nargs="?", help="a profile (docs/profiles/*.yaml) applied over --params first")
+    memory.add_argument("--model", required=True, choices=sorted(SHAPES), help="the shape of every role")
+    memory.add_argument("--teacher-model", choices=sorted(SHAPES), help="the frozen teacher's shape, where it is another "
+                        "(teacher.source base with teacher.path); default: --model")
+    memory.add_argument("--params", default="params.yaml", help="the params file")
+    memory.set_defaults(func=_print_memory)
 
 
 def _check_params(args: argparse.Namespace) -> int:
@@ -50,4 +60,22 @@ def _print_profile(args: argparse.Namespace) -> int:
     from distillery.pipeline.params.profile import dvc_set_args, load_profile
 
     sys.stdout.write(" ".join(dvc_set_args(load_profile(args.file, args.params))) + "\n")
+    return 0
+
+
+def _print_memory(args: argparse.Namespace) -> int:
+    """One line per training stage: GiB per GPU and what they are made of (``pipeline/params/memory.py``)."""
+    from distillery.components.memory_plan import SHAPES
+    from distillery.pipeline.params.memory import format_rows, stage_memory
+
+    if args.profile:
+        from distillery.pipeline.params.profile import profiled_params
+
+        typed = profiled_params(args.profile, args.params)[1]
+    else:
+        from distillery.pipeline.params.reader import Params
+
+        typed = Params.load(args.params).typed
+    shape, teacher = SHAPES[args.model], SHAPES[args.teacher_model] if args.teacher_model else None
+    sys.stdout.write("\n".join(format_rows(stage_memory(typed, shape, teacher), shape, teacher)) + "\n")
     return 0

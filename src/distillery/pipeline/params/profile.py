@@ -25,11 +25,16 @@ from distillery.common.errors import UserError
 from distillery.pipeline.params.file import read_params_file
 from distillery.pipeline.params.reader import Params
 from distillery.pipeline.params.recipes import recipe_params
-from distillery.pipeline.params.schema import validate_params
+from distillery.pipeline.params.schema import ParamsSchema, validate_params
 
 
 def load_profile(profile: str | Path, params_path: str | Path = "params.yaml") -> dict[str, Any]:
     """The profile's ``{dotted key: value}``, checked against ``params_path`` (module doc)."""
+    return profiled_params(profile, params_path)[0]
+
+
+def profiled_params(profile: str | Path, params_path: str | Path = "params.yaml") -> tuple[dict[str, Any], ParamsSchema]:
+    """The profile's overrides and the typed params of ``params_path`` with them applied, checked (module doc)."""
     data = read_params_file(profile, str(profile), "not found (a profile is a YAML file with an `overrides:` mapping)")
     if not isinstance(data, dict) or set(data) != {"overrides"} or not isinstance(data["overrides"], dict) or not data["overrides"]:
         raise UserError(f"{profile}: expected one key, `overrides:`, mapping dotted params.yaml keys to values")
@@ -47,8 +52,8 @@ def load_profile(profile: str | Path, params_path: str | Path = "params.yaml") -
             raise UserError(f"{profile}: {key}: not a value of {params_path} (a typo, or a section)")
         node[leaf] = value
     where = f"{params_path} with {profile}"
-    validate_params(merged, where, recipe_params(base.recipes))  # the profile's own scalars were checked above, as DVC and the stages read them
-    return overrides
+    typed = validate_params(merged, where, recipe_params(base.recipes))  # the profile's own scalars were checked above, as DVC and the stages read them
+    return overrides, typed
 
 
 def _spell(value: Any) -> str:
