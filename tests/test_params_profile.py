@@ -18,8 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 PROFILES = sorted((REPO / "docs" / "profiles").glob("*.yaml"))
 
 
-def test_there_are_profiles_for_one_and_eight_gpus():
-    assert {p.name for p in PROFILES} >= {"wan-1.3b-1gpu.yaml", "wan-1.3b-8gpu.yaml"}
+def test_there_are_profiles_for_one_and_eight_gpus_and_a_14b_student_on_8_and_64():
+    assert {p.name for p in PROFILES} >= {"wan-1.3b-1gpu.yaml", "wan-1.3b-8gpu.yaml", "wan-14b-720p-8gpu.yaml",
+                                          "wan-14b-720p-64gpu.yaml"}
 
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
