@@ -56,10 +56,10 @@ retrained student is compared with the others' samples as they were (``settings.
 evaluates.
 
 Sparse against dense (issue 64): ``--sparse 0.9:1,1,2`` trains each chosen student a second time with block-sparse
-attention (``models.student.attention: sparse`` at that sparsity and tile, put into the stage's run config through a
-``model_overrides.json`` in its workspace: the params do not reach the model plugin's settings yet), sampled with it
-(its artifact records it); ``--train-seeds N`` trains every student with params ``seed`` 0 … N − 1; ``settings.
-sparse_vs_dense`` lists, per student and metric, each seed's value and their mean and spread both ways.
+attention (its stage's params ``<stage>.attention: sparse``, ``sparsity``, ``sparse_tile``: the recipe gives them to
+the student's model), sampled with it (its artifact records it); ``--train-seeds N`` trains every student with params
+``seed`` 0 … N − 1; ``settings.sparse_vs_dense`` lists, per student and metric, each seed's value and their mean and
+spread both ways.
 ``--teacher-steps 40,4`` limits the teacher's candidates (40 is the reference)::
 
     python bench/quality.py --device cpu --scale small --students dmd2_4,self_forcing --train-seeds 3 \
@@ -119,14 +119,14 @@ SCALES = {
 
 @dataclass(frozen=True)
 class Student:
-    """A student trained in its own workspace: the stage and the params that pick its recipe; ``model`` — settings of
-    the trained role's model plugin put into the stage's run config (``--sparse``: ``attention: sparse``)."""
+    """A student trained in its own workspace: the stage and the params that pick its recipe (and, ``--sparse``, its
+    attention); ``twin_of``: the dense student a sparse one is the twin of (None: not a sparse twin)."""
 
     name: str
     stage: str  # distill | pdd
-    method: str  # dmd2 | self_forcing | pdd | dm_pdd
+    method: str  # dmd2 | self_forcing | pdd | dm_pdd (a sparse twin: + _sparse)
     params: dict[str, Any] = field(default_factory=dict)
-    model: dict[str, Any] = field(default_factory=dict)
+    twin_of: str | None = None
 
 
 STUDENTS = (
@@ -149,22 +149,37 @@ class CandidateSpec:
     steps: int | None  # Euler steps (teacher), the PDD NFE, or None: the artifact's contract
 
 
-MODEL_OVERRIDES = "model_overrides.json"  # in a student's workspace: {role: {knob: value}} for its run config
-
-
 def expand_students(chosen: list[Student], train_seeds: int, sparse: dict[str, Any] | None) -> list[Student]:
     """Each chosen student trained with ``train_seeds`` seeds (params ``seed`` 0 … N − 1; ``<name>`` then
     ``<name>_seed<k>``), and with ``sparse`` (``{"sparsity", "sparse_tile"}``) each also as a twin whose student
-    trains and samples with block-sparse attention (``<name>_sparse…``, the same seeds)."""
+    trains and samples with block-sparse attention (``<stage>.attention: sparse`` …; ``<name>_sparse…``, the same
+    seeds)."""
     out = []
     for student in chosen:
         for twin in ([False, True] if sparse else [False]):
             for k in range(train_seeds):
                 name = student.name + ("_sparse" if twin else "") + (f"_seed{k}" if k else "")
                 params = {**student.params, **({"seed": k} if k else {})}
-                model = {"attention": "sparse", **sparse} if twin else {}
-                out.append(Student(name, student.stage, student.method + ("_sparse" if twin else ""), params, model))
+                if twin:
+                    params.update({f"{student.stage}.attention": "sparse", **{f"{student.stage}.{key}": value
+                                                                               for key, value in sparse.items()}})
+                out.append(Student(name, student.stage, student.method + ("_sparse" if twin else ""), params,
+                                   student.name if twin else None))
     return out
+
+
+def sparse_twins(students: list[Student]) -> dict[str, dict[str, list[str]]]:
+    """Per student trained both ways, its candidates' names, one per training seed: ``{student: {"dense": [...],
+    "sparse": [...]}}`` (:func:`quality_scores.sparse_vs_dense`)."""
+    twins: dict[str, dict[str, list[str]]] = {}
+    for s in students:
+        if s.twin_of is not None:
+            twins.setdefault(s.twin_of, {"dense": [], "sparse": []})["sparse"].append(s.name)
+    for s in students:
+        base = s.name.split("_seed")[0]
+        if s.twin_of is None and base in twins:
+            twins[base]["dense"].append(s.name)
+    return twins
 
 
 def candidate_specs(work: Path, trained: dict[str, Path], students: list[Student] | None = None,
@@ -265,20 +280,17 @@ def run_one_stage(folder: Path, name: str, device: str) -> None:
         return
     import yaml
 
-    from distillery.config.loader import build_component
     from distillery.config.schema import TrackerConfig
     from distillery.export.weights import export_weights
     from distillery.models.registry import locate_transformer
     from distillery.pipeline.launch.run_config import EXPORT_ROLE, check_run_config
+    from distillery.pipeline.launch.sparse_preflight import check_stage_attention
     from distillery.pipeline.publish.run_summary import read_run_summary
     from stages.training import stage_run_config
 
+    check_stage_attention(name, params)  # a sparse student that cannot train so: one line, as the stage's preflight
     config, roles = stage_run_config(view, "")
     config.training.tracker = TrackerConfig(backend="none")
-    if Path(MODEL_OVERRIDES).is_file():  # a student's model settings the params do not reach (--sparse)
-        for role, knobs in json.loads(Path(MODEL_OVERRIDES).read_text()).items():
-            config.models[role] = build_component({**config.models[role].to_plain(), **knobs}, f"models.{role}",
-                                                  ("distillery.",), "model")
     check_run_config(name, config, roles)
     run_dir = RUNS / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -409,9 +421,6 @@ def train(args: argparse.Namespace, scale: Scale, work: Path, deadline: float, s
                 settings["skipped"].append(f"train {student.name} (budget)")
                 continue
             folder = make_workspace(work / student.name, {**scale.params, **student.params}, artifacts_from=base)
-            (folder / MODEL_OVERRIDES).unlink(missing_ok=True)
-            if student.model:
-                (folder / MODEL_OVERRIDES).write_text(json.dumps({"student": student.model}))
             log = (logs / f"{student.name}-{student.stage}.log").open("w")
             proc = subprocess.Popen(stage_command(folder, student.stage, args.device), cwd=folder, env=_env(args.device),
                                     stdout=log, stderr=subprocess.STDOUT)
@@ -566,8 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-seeds", type=int, default=1,
                         help="train each student with this many seeds (params seed 0 … N − 1): <name>, <name>_seed1, …")
     parser.add_argument("--sparse", default=None, metavar="SPARSITY:F,H,W",
-                        help="also train each student with block-sparse attention (models.student.attention: sparse; e.g. "
-                             "0.9:1,1,2): <name>_sparse…, sampled with it; the results add sparse_vs_dense")
+                        help="also train each student with block-sparse attention (<stage>.attention: sparse at this sparsity "
+                             "and sparse_tile, e.g. 0.9:1,1,2): <name>_sparse…, sampled with it; the results add sparse_vs_dense")
     parser.add_argument("--teacher-steps", default=",".join(map(str, TEACHER_STEPS)),
                         help="the teacher's candidates (the first must be 40: the reference)")
     parser.add_argument("--reuse", action="store_true", help="keep the work folder's trained models; evaluate only what is missing")
@@ -654,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, floor = evaluate(args, scale, work, trained, deadline, settings, args.out)
     settings["total_s"] = round(time.monotonic() - started, 1)
     if sparse:
-        settings["sparse_vs_dense"] = sparse_vs_dense(rows, args.expanded)
+        settings["sparse_vs_dense"] = sparse_vs_dense(rows, sparse_twins(args.expanded))
         print(json.dumps(settings["sparse_vs_dense"], indent=1))
     write_results(args.out, settings, rows, floor)
     goals = check_goals({r["name"]: r for r in rows}, floor or {"kid": 0.0, "frechet": 0.0})

@@ -167,17 +167,16 @@ def check_goals(cands: dict[str, dict[str, Any]], floor: dict[str, Any]) -> dict
     return goals
 
 
-def sparse_vs_dense(rows: list[dict[str, Any]], students: list[Any]) -> dict[str, Any]:
-    """Per student trained both ways (``students``: quality.Student — ``name``, ``model``), per metric: each training
-    seed's value (its 95% interval in the candidate's row), their mean and spread (min, max over seeds) dense and
-    sparse, and the sparse mean minus the dense mean."""
+def sparse_vs_dense(rows: list[dict[str, Any]], twins: dict[str, dict[str, list[str]]]) -> dict[str, Any]:
+    """Per student trained both ways (``twins``: student -> {"dense": [candidate names, one per training seed],
+    "sparse": [...]}, ``quality.sparse_twins``), per metric: each seed's value (its 95% interval in the candidate's
+    row), their mean and spread (min, max over seeds) dense and sparse, and the sparse mean minus the dense mean. A
+    student missing either kind is left out."""
     by_name = {r["name"]: r for r in rows}
     out: dict[str, Any] = {}
-    for dense in [s for s in students if not s.model and "_seed" not in s.name]:  # each student's dense seed-0 run
-        groups = {kind: [by_name[s.name] for s in students if s.name in by_name
-                         and s.name.split("_seed")[0] == dense.name + ("_sparse" if kind == "sparse" else "")]
-                  for kind in ("dense", "sparse")}
-        if not groups["dense"] or not groups["sparse"]:
+    for student, kinds in twins.items():
+        groups = {kind: [by_name[n] for n in names if n in by_name] for kind, names in kinds.items()}
+        if not groups.get("dense") or not groups.get("sparse"):
             continue
         entry: dict[str, Any] = {}
         for metric in METRICS:
@@ -186,7 +185,7 @@ def sparse_vs_dense(rows: list[dict[str, Any]], students: list[Any]) -> dict[str
                                     "min": round(float(np.min(vals)), 6), "max": round(float(np.max(vals)), 6)}
                              for kind, vals in per.items()}
             entry[metric]["sparse_minus_dense"] = round(entry[metric]["sparse"]["mean"] - entry[metric]["dense"]["mean"], 6)
-        out[dense.name] = entry
+        out[student] = entry
     return out
 
 

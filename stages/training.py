@@ -123,6 +123,17 @@ def run_layout(config: RunConfig) -> dict[str, int]:
     return {"replicate_size": d.replicate_size, "sp_size": d.sp_size, "tp_size": d.tp_size}
 
 
+def shipped_attention(model: Path) -> dict[str, Any]:
+    """How the transformer of the published ``model`` folder attends, as its ``config.json`` records it trained
+    (:data:`distillery.models.wan.sparse_attention.RECORD_KEY`): ``{"kind": "sparse", "sparsity", "tile"}`` or
+    ``{"kind": "dense"}`` — in the lineage beside which weights ship, so the record says what validate and the export
+    sample (``<stage>.attention: auto`` resolved)."""
+    from distillery.models.wan.sparse_attention import read_record
+
+    spec = read_record(json.loads((model / "transformer" / "config.json").read_text()))
+    return {"kind": "dense"} if spec is None else {"kind": "sparse", **spec.record()}
+
+
 def stage_run_config(params: StageParams, parent_run_id: str,
                      prepared: PreparedData | None = None) -> tuple[RunConfig, dict[str, str]]:
     """The stage's typed run config, built once by its recipe from its typed section (:meth:`StageParams.typed`) and
@@ -207,8 +218,8 @@ def stage_training(params: StageParams) -> None:
 
     summary = finished_run(stage, config)
     staging = fresh_staging(stage)
-    weights = shipped_weights(config)
     publish_model(summary, config, staging / "model")
+    weights = {**shipped_weights(config), "attention": shipped_attention(staging / "model")}
     loss = summary.loss_rows()
     (staging / "loss.json").write_text(json.dumps(loss))
     write_loss_plot(loss, staging / "loss.png", f"{stage}: loss per step",  # the curves offline, beside the data

@@ -246,3 +246,11 @@ def test_a_tile_that_straddles_chunks_and_bad_settings_are_one_line_errors():
         _wan(CausalWanModel, CausalWanModelConfig, attention="sparse", sparse_tile=[2, 2, 2], chunk_size=3)
     with pytest.raises(UserError, match=r"models.student: the tile must be 3 integers"):
         _wan(attention="sparse", sparse_tile=[2, 2])
+
+
+def test_the_shipped_module_s_default_tile_is_the_configs():
+    """The export ships sparse_attention.py importing nothing of distillery: its default tile is its own, held equal
+    to the one the run config and params.yaml declare."""
+    from distillery.config.attention import DEFAULT_TILE
+
+    assert sa.DEFAULT_TILE == DEFAULT_TILE

@@ -34,7 +34,8 @@ def test_a_stage_with_ema_ships_the_ema_weights(prepared, tmp_path):
     assert torch.equal(read_empty_prompt_embedding(data, "negative"), encoded)
 
     lineage = json.loads((repo / "artifacts" / "teacher" / "lineage.json").read_text())
-    assert lineage["weights"] == {"role": "student", "source": "ema", "callback": "ema", "ema_decay": 0.5, "ema_start_step": 2}
+    assert lineage["weights"] == {"role": "student", "source": "ema", "callback": "ema", "ema_decay": 0.5, "ema_start_step": 2,
+                                  "attention": {"kind": "dense"}}
     assert lineage["config"]["training"]["optimizer"]["weight_decay"] == 0.01
     checkpoint = repo / "runs" / "teacher" / "checkpoint-6"
     shadow, trained = role_state(checkpoint, ema="ema"), role_state(checkpoint)

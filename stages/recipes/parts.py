@@ -19,9 +19,11 @@ CRITIC_BETAS = (0.0, 0.999)  # a DMD critic's AdamW betas (the published recipes
 
 
 def student(p: TrainingStageParams, cls: type, init_from: str, **knobs: Any) -> Component:
-    """The role the artifact ships: a ``cls`` model from ``init_from`` with ``knobs`` and the stage's LoRA
-    (``<stage>.lora_rank`` > 0: an adapter trains instead of its weights)."""
-    return component_of(cls, "models.student", init_from=init_from, lora=p.student_lora(), **knobs)
+    """The role the artifact ships: a ``cls`` model (a Wan plugin) from ``init_from`` with ``knobs``, the stage's LoRA
+    (``<stage>.lora_rank`` > 0: an adapter trains instead of its weights) and its attention (``<stage>.attention``:
+    sparse, dense, or auto — as its init trained)."""
+    return component_of(cls, "models.student", init_from=init_from, lora=p.student_lora(), **p.student_attention(),
+                        **knobs)
 
 
 def frozen(cls: type, init_from: str, role: str = "teacher") -> Component:

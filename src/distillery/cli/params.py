@@ -38,6 +38,7 @@ def _check_params(args: argparse.Namespace) -> int:
     here could hold. Run it before ``dvc repro``, which parses the file with DVC's own parser first."""
     from distillery.pipeline.launch.preflight import check_batch, check_memory, check_paths
     from distillery.pipeline.launch.runner import STAGES
+    from distillery.pipeline.launch.sparse_preflight import check_attention
     from distillery.pipeline.params.reader import Params
     from distillery.pipeline.publish.artifacts import ARTIFACTS
 
@@ -46,8 +47,10 @@ def _check_params(args: argparse.Namespace) -> int:
     check_batch("", params, ARTIFACTS, stages=tuple(STAGES), label=args.params)  # before any video is encoded
     for stage in STAGES:
         check_memory(stage, params)
+    check_attention(params)  # every training stage's sparse student, on the video it trains on
     sys.stdout.write(f"{args.params}: ok: DVC and the stages read the same values, each within its bounds, "
-                     f"the folders it names are what their stages read, every training batch fits the data, and every stage's buffers fit this machine\n")
+                     f"the folders it names are what their stages read, every training batch fits the data, every "
+                     f"stage's buffers fit this machine, and every sparse student can train so\n")
     from distillery.pipeline.params.recipes import chain_notes
 
     for note in chain_notes(params.typed, params.recipes):  # a chain that runs but is no recipe: said, not refused

@@ -74,11 +74,16 @@ def stock_samples(contract: Mapping[str, Any], sparse: bool = False) -> bool:
     return contract.get("sampler") == "euler" and contract.get("chunk_size") is None and not sparse
 
 
-def records_sparse(transformer_dir: Path) -> bool:
-    """Whether the transformer in ``transformer_dir`` trained with block-sparse attention (its ``config.json`` records
-    it: :data:`distillery.models.wan.sparse_attention.RECORD_KEY`, not null)."""
+def sparse_record(transformer_dir: Path) -> dict[str, Any] | None:
+    """The block-sparse attention the transformer in ``transformer_dir`` trained with, as its ``config.json`` records
+    it (:data:`distillery.models.wan.sparse_attention.RECORD_KEY`: ``{"sparsity", "tile"}``), None: dense."""
     config = Path(transformer_dir) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get(SPARSE_RECORD_KEY) is not None
+    return json.loads(config.read_text()).get(SPARSE_RECORD_KEY) if config.is_file() else None
+
+
+def records_sparse(transformer_dir: Path) -> bool:
+    """Whether the transformer in ``transformer_dir`` trained with block-sparse attention (:func:`sparse_record`)."""
+    return sparse_record(transformer_dir) is not None
 
 
 def check_own_pipeline_samples(student: str, model: Path) -> None:

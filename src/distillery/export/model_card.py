@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from distillery.export.code import REQUIREMENTS, records_sparse, stock_samples
+from distillery.export.code import REQUIREMENTS, sparse_record, stock_samples
 from distillery.lineage.render import artifacts_once
 
 # metrics of a validation candidate shown in the card: (metrics.json key, column title, format); latency only where
@@ -199,7 +199,7 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     and stock ``WanPipeline``'s where a plain transformer is the model (the teacher; a fused PDD student at
     ``stock_nfe``)."""
     contract = json.loads((student_dir / "model" / "sampling.json").read_text())
-    sparse = records_sparse(student_dir / "model" / "transformer")  # trained sparse: only its own pipeline samples it
+    sparse = sparse_record(student_dir / "model" / "transformer")  # trained sparse: only its own pipeline samples it
     manifest = json.loads((student_dir / "lineage.json").read_text())
     metrics = json.loads((validate_dir / "report" / "metrics.json").read_text())  # every metric (the stage's own: headline)
     report = json.loads((validate_dir / "report" / "report.json").read_text())
@@ -288,7 +288,7 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
               "The folder's own modules "
               "(`pipeline.py` and the `distilled_*.py` it imports) do the sampling; nothing of distillery is imported. "
               "For this prompt and seed, at these steps and guidance, it returns the video validate scored."
-              + ("" if stock_samples(contract, sparse) else
+              + ("" if stock_samples(contract, sparse is not None) else
                  " Its `model_index.json` names this pipeline (`_class_name`): stock `WanPipeline` would sample it "
                  "with the teacher's many-step loop, so diffusers loads it only with `trust_remote_code=True`, and "
                  "then as this pipeline.")]
@@ -305,13 +305,14 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
               f"            generator=torch.Generator().manual_seed({seed})).frames[0]",
               *save_lines(float(cfg["fps"])), "```", ""]
     lines += latents_note(candidate)
-    if not stock_samples(contract, sparse):
+    if not stock_samples(contract, sparse is not None):
         lines += _gpu_lines()
     if sparse:
-        lines += ["It trained with block-sparse attention (its `transformer/config.json`: `_sparse_attention`, the share of "
-                  "key tiles each query tile skips and the tile's frames × rows × columns of tokens): this pipeline samples "
-                  "it with that attention (`sparse_attention.py`, FlashAttention-4's block-sparse kernel on a GPU where "
-                  "FA4 runs); stock diffusers would run it dense.", ""]
+        lines += [f"It trained with block-sparse attention: each query tile of {' × '.join(map(str, sparse['tile']))} "
+                  f"tokens (frames × rows × columns) attends only the {1 - float(sparse['sparsity']):.0%} of the key tiles "
+                  f"it scores highest (sparsity {float(sparse['sparsity']):g}; its `transformer/config.json`: "
+                  "`_sparse_attention`). This pipeline samples it with that attention (`sparse_attention.py`, "
+                  "FlashAttention-4's block-sparse kernel on a GPU where FA4 runs); stock diffusers would run it dense.", ""]
     if sampler == "causal_streaming":
         lines += ["### Frames as they come", "",
                   "It generates chunk by chunk: `for frames in pipe.stream(<the same arguments>): ...` yields each "

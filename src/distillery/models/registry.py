@@ -105,7 +105,8 @@ class ModelFamily:
     (``_class_name``) its plugins load, and ``package``: the dotted module exporting its
     :class:`FamilyLoaders`; ``experts``, ``expand_timesteps``, ``vae_z_dim`` (None: any), ``refused_vae_z_dims`` and
     ``pipeline_classes`` (the ``model_index.json`` pipelines it loads; empty: any): the :class:`FolderLayout` it claims
-    (families sharing a class differ there)."""
+    (families sharing a class differ there); ``sparse_attention``: its plugins train and sample block-sparse
+    self-attention (``models.<role>.attention: sparse``, ``<stage>.attention: sparse``)."""
 
     name: str
     transformer_classes: tuple[str, ...]
@@ -115,6 +116,7 @@ class ModelFamily:
     vae_z_dim: int | None = None
     refused_vae_z_dims: tuple[int, ...] = ()
     pipeline_classes: tuple[str, ...] = ()
+    sparse_attention: bool = False
 
     def loaders(self) -> FamilyLoaders:
         """The family's package (imported now), typed as its loaders."""
@@ -131,11 +133,12 @@ class ModelFamily:
 WAN22_VAE_Z_DIM = 48  # Wan 2.2's VAE (TI2V-5B's): 48 latent channels, 16x spatial (a patchify 2 in it)
 
 FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily("wan2.1", ("WanTransformer3DModel",), "distillery.models.wan", refused_vae_z_dims=(WAN22_VAE_Z_DIM,)),
+    ModelFamily("wan2.1", ("WanTransformer3DModel",), "distillery.models.wan", refused_vae_z_dims=(WAN22_VAE_Z_DIM,),
+                sparse_attention=True),
     ModelFamily("wan2.2-ti2v-5b", ("WanTransformer3DModel",), "distillery.models.wan", expand_timesteps=True,
-                vae_z_dim=WAN22_VAE_Z_DIM),
+                vae_z_dim=WAN22_VAE_Z_DIM, sparse_attention=True),
     ModelFamily("wan2.2-a14b", ("WanTransformer3DModel",), "distillery.models.wan", experts=2,
-                refused_vae_z_dims=(WAN22_VAE_Z_DIM,)),  # A14B's VAE is Wan 2.1's
+                refused_vae_z_dims=(WAN22_VAE_Z_DIM,)),  # A14B's VAE is Wan 2.1's; no sparse attention on two experts
     # Cosmos Predict 2.5 (text-to-world); Cosmos 1.0 and Predict 2 share the transformer class, not the pipeline
     ModelFamily("cosmos-predict2.5", ("CosmosTransformer3DModel",), "distillery.models.cosmos",
                 pipeline_classes=("Cosmos2_5_PredictBasePipeline",)),

@@ -16,6 +16,7 @@ Params = DMDParams  # distill.* with the DMD knobs: none of its own
 
 inputs = dmd_inputs
 PRETRAIN_STUDENT = "bidirectional"  # the kind of pretrain student its recipe starts from (ode_init_bidirectional)
+STUDENT = "bidirectional"  # the kind of student it trains
 
 
 def recipe(p: Params, run: RunInputs) -> RunConfig:

@@ -24,6 +24,7 @@ class Params(DMDParams):
 
 
 PRETRAIN_STUDENT = "causal"  # the kind of pretrain student its recipe starts from (pretrain.method dfsft, ode_init)
+STUDENT = "causal"  # the kind of student it trains (its sparse attention is refused where its tiles straddle chunks)
 inputs = dmd_inputs
 
 

@@ -11,19 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from distillery.common.errors import UserError
+from distillery.config.attention import DEFAULT_SPARSITY, DEFAULT_TILE, MAX_SPARSITY, MAX_TILE_SIDE, Attention, three_sizes
 from distillery.config.typed import bounded
 from distillery.models.base import TransformerModelConfig, locate_transformer_folder
-from distillery.models.wan.sparse_attention import DEFAULT_TILE
 from distillery.models.wan.sparse_attention import RECORD_KEY as SPARSE_RECORD_KEY
 
 TRANSFORMER_CLASS = "WanTransformer3DModel"
-
-
-def _three_sizes(value: list[int]) -> str | None:
-    return None if len(value) == 3 else "must be 3 integers (frames, rows, columns)"
 
 
 @dataclass
@@ -32,10 +28,10 @@ class WanModelConfig(TransformerModelConfig):
 
     # self-attention: sparse (trained block-sparse video attention, models/wan/sparse.py) | dense | auto (as the folder's
     # transformer trained: its config.json's record, dense without one)
-    attention: Literal["auto", "dense", "sparse"] = "auto"
-    sparsity: float = bounded(0.9, 0.0, 0.999)  # sparse: the share of the key tiles a query tile may attend that it skips
-    sparse_tile: list[int] = bounded(default_factory=lambda: list(DEFAULT_TILE), low=1, high=4096,
-                                     check=_three_sizes)  # sparse: a tile's tokens in frames, rows, columns
+    attention: Attention = "auto"
+    sparsity: float = bounded(DEFAULT_SPARSITY, 0.0, MAX_SPARSITY)  # sparse: the share of the key tiles a query tile may attend that it skips
+    sparse_tile: list[int] = bounded(default_factory=lambda: list(DEFAULT_TILE), low=1, high=MAX_TILE_SIDE,
+                                     check=three_sizes)  # sparse: a tile's tokens in frames, rows, columns
 
 
 def locate_transformer(init_from: str | Path) -> tuple[Path, Path | None]:

@@ -146,6 +146,7 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
         check_writable,
         disk_error,
     )
+    from distillery.pipeline.launch.sparse_preflight import check_attention
 
     if name not in STAGES:
         raise UserError(f"unknown stage {name!r}; valid: {', '.join(STAGES)}")
@@ -154,6 +155,7 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     check_paths(params, name, tuple(STAGES))  # the folders params.yaml names, as the stages reading them will (this one and later)
     check_memory(name, params)  # from the params (and the latent set's counts) alone: before anything is touched
     check_batch(name, params, ARTIFACTS, stages=tuple(STAGES)[tuple(STAGES).index(name):])  # this and every later training stage
+    check_attention(params, name, tuple(STAGES))  # a sparse student this or a later stage cannot train: one line now
     declared = StageParams(params, name, stage_params(name))
     if name == "distill":  # a chain that runs but is no recipe (DMD2 from the causal DFSFT student): said in one line
         from distillery.pipeline.params.recipes import chain_notes

@@ -12,8 +12,10 @@ A recipe module (the :class:`Recipe` protocol) declares ``Params`` — its stage
 stage) with the method's own knobs — ``inputs(p)`` (role → the stage whose artifact it starts from)
 and ``recipe(p, run)``: the typed run config; optionally ``prepare(p, params)`` (a data set it makes
 before training, e.g. the teacher's ODE trajectories), ``given_contract(p)`` (what a given model
-standing in for its student samples with) and ``reads(p)`` (what else the run reads: the base, a
-reward model's folder — lineage inputs and parts of the resume key). :func:`recipe_params` gives
+standing in for its student samples with), ``reads(p)`` (what else the run reads: the base, a
+reward model's folder — lineage inputs and parts of the resume key) and ``STUDENT``, the kind of
+student it trains: ``causal`` or ``bidirectional`` (absent: bidirectional; what preflight holds a
+sparse student's tiles to, :mod:`~distillery.pipeline.launch.sparse_preflight`). :func:`recipe_params` gives
 :func:`~distillery.pipeline.params.schema.validate_params` each stage's choices of ``method``: the
 registry's, so a new method is its library module, its recipe module and the library module's line
 among its stage's ``dvc.yaml`` code deps.

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from distillery.common.errors import UserError
+from distillery.config.attention import DEFAULT_SPARSITY, DEFAULT_TILE, MAX_SPARSITY, MAX_TILE_SIDE, Attention, three_sizes
 from distillery.config.limits import path_problem, show, show_key, unknown_key_message
 from distillery.config.schema import (  # the run config's: params feed them
     MAX_LEARNING_RATE,
@@ -291,6 +292,11 @@ class TrainingStageParams:
     lora_alpha: float | None = rule(None, 0.0, 65536.0, optional(positive_finite))  # the LoRA update's scale is alpha / rank; null: alpha = rank
     sp_size: int | None = rule(None, 1, MAX_GPUS_PER_NODE)  # this stage's sequence-parallel group (GPUs per sample); null: gpus.sp_size
     tp_size: int | None = rule(None, 1, MAX_GPUS_PER_NODE)  # this stage's tensor-parallel group; null: gpus.tp_size (not with a LoRA)
+    # the trained student's self-attention: sparse (trained block-sparse video attention, docs/training.md) | dense |
+    # auto (as its init trained: its config.json's record, dense without one)
+    attention: Attention = rule("auto")
+    sparsity: float = rule(DEFAULT_SPARSITY, 0.0, MAX_SPARSITY)  # attention sparse: the share of the key tiles each query tile skips
+    sparse_tile: list[int] = rule(list(DEFAULT_TILE), 1, MAX_TILE_SIDE, three_sizes)  # attention sparse: a tile's tokens (frames, rows, columns)
 
     def training(self, run: Any, *, unconditional: Literal["empty", "negative"] = "empty",
                  **optimizer: Any) -> TrainingConfig:
@@ -325,6 +331,16 @@ class TrainingStageParams:
         if self.lora_rank <= 0:
             return None
         return LoraConfig(rank=self.lora_rank, alpha=float(self.lora_rank if self.lora_alpha is None else self.lora_alpha))
+
+    def student_attention(self) -> dict[str, Any]:
+        """The trained student's attention knobs as its Wan plugin's config fields: none for ``auto`` (the plugin's
+        default: as its init trained), ``attention: dense``, or ``attention: sparse`` with ``sparsity`` and
+        ``sparse_tile`` (read only then)."""
+        if self.attention == "auto":
+            return {}
+        if self.attention == "dense":
+            return {"attention": "dense"}
+        return {"attention": "sparse", "sparsity": float(self.sparsity), "sparse_tile": [int(v) for v in self.sparse_tile]}
 
     def ema(self) -> tuple[float, int] | None:
         """``(decay, start step)`` of the EMA of the trained model the artifact ships, None without
