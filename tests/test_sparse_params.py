@@ -31,7 +31,7 @@ from distillery.tinybase.shipped import shipped_tiny_base, shipped_tiny_cosmos
 from stages.training import shipped_attention, stage_run_config
 
 RECIPES = [("teacher", "sft"), ("pretrain", "dfsft"), ("pretrain", "ode_init"), ("pretrain", "ode_init_bidirectional"),
-           ("distill", "dmd2"), ("distill", "self_forcing"), ("pdd", "pdd"), ("pdd", "dm_pdd")]
+           ("distill", "dmd2"), ("distill", "self_forcing"), ("pdd", "pdd"), ("pdd", "dm_pdd"), ("posttrain", "nft")]
 SPARSE = {"attention": "sparse", "sparsity": 0.75, "sparse_tile": [1, 2, 2]}
 
 
@@ -46,6 +46,11 @@ def _workspace(tmp_path: Path, monkeypatch, updates: dict[str, object]) -> Param
     (tmp_path / "artifacts" / "latents" / "data").mkdir(parents=True)
     (tmp_path / "artifacts" / "latents" / "data" / "preprocess.json").write_text(
         json.dumps({"settings": {"max_sequence_length": 24}, "kind": "latents"}))
+    (tmp_path / "artifacts" / "distill" / "model").mkdir(parents=True)  # what posttrain's recipe reads of its student
+    (tmp_path / "artifacts" / "distill" / "model" / "sampling.json").write_text(json.dumps(
+        {"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000.0, 750.0]}))
+    (tmp_path / "artifacts" / "base" / "model").mkdir(parents=True)  # its adherence reward's thresholds
+    shutil.copy2(shipped_tiny_base() / "analyzer.json", tmp_path / "artifacts" / "base" / "model" / "analyzer.json")
     monkeypatch.chdir(tmp_path)
     return Params.load("params.yaml")
 
@@ -127,6 +132,22 @@ def test_what_can_train_passes_and_a_stage_that_ran_is_not_asked_again(tmp_path,
     with pytest.raises(UserError, match="teacher.sparsity: 0.1"):
         check_attention(params, "teacher", tuple(STAGES))
     check_attention(params, "pretrain", tuple(STAGES))  # the teacher stage is behind: its params are not its to judge
+
+
+def test_a_stage_that_trains_nothing_is_asked_only_what_it_can_do(tmp_path, monkeypatch):
+    """posttrain switched off trains nothing: its sparse knobs are not judged (its default is off) until it is on; a
+    stage that publishes a given model untrained cannot train it sparse: one line."""
+    params = _workspace(tmp_path / "off", monkeypatch, {"posttrain.attention": "sparse", "posttrain.sparsity": 0.1})
+    check_attention(params)
+    params = _workspace(tmp_path / "on", monkeypatch, {"posttrain.attention": "sparse", "posttrain.sparsity": 0.1,
+                                                       "posttrain.enabled": True})
+    with pytest.raises(UserError, match=r"^params.yaml: posttrain.sparsity: 0.1: drops none"):
+        check_attention(params)
+    params = _workspace(tmp_path / "given", monkeypatch, {"teacher.attention": "sparse", "teacher.source": "base"})
+    with pytest.raises(UserError) as err:
+        check_attention(params)
+    assert str(err.value) == ("params.yaml: teacher.attention: sparse: teacher publishes a given model as is (nothing "
+                              "trains it sparse); use teacher.attention: auto, or train the stage")
 
 
 @pytest.mark.process
