@@ -64,31 +64,25 @@ OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 INTERVAL = (2.5, 97.5)  # percentiles of the bootstrap means: a 95% interval (kid.INTERVAL)
 FRAME_BATCH = 64  # frames per image-tower forward
 TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))  # a fast tokenizer, or a BPE's vocabulary + merges
-_CONFIG_BYTES = 1 << 20
 
 
 def check_clip_folder(path: str | Path, where: str = "validate.clip_model") -> Path:
     """``path`` as a CLIP model folder (module doc), or a one-line :class:`UserError` naming ``where``: it must be a
     folder holding a ``config.json`` of ``model_type`` ``clip``, ``*.safetensors`` weights and a tokenizer
     (``tokenizer.json``, or ``vocab.json`` + ``merges.txt``). Reads only ``config.json``."""
-    from distillery.common.fsutil import read_json_file
+    from distillery.common.model_folders import read_model_config, require_safetensors
 
     folder = Path(path).expanduser()
     hint = "point it at a CLIP model folder in transformers' layout (e.g. a download of openai/clip-vit-base-patch32)"
-    if not folder.is_dir():
-        raise UserError(f"{where}: {folder} does not exist or is not a folder; {hint}")
-    try:
-        config = read_json_file(folder / "config.json", _CONFIG_BYTES)
-    except FileNotFoundError:
-        raise UserError(f"{where}: {folder} has no config.json: not a transformers model folder; {hint}") from None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{where}: {folder}/config.json is not readable JSON ({str(exc)[:80]}); {hint}") from None
+
+    def fail(message: str) -> UserError:
+        return UserError(f"{where}: {message}")
+
+    config = read_model_config(folder, hint, fail)
     kind = config.get("model_type") if isinstance(config, dict) else None
     if kind != "clip":
-        raise UserError(f"{where}: {folder} is not a CLIPModel folder (config.json model_type {kind!r}, expected 'clip'); {hint}")
-    if not any(folder.glob("*.safetensors")):
-        raise UserError(f"{where}: {folder} has no .safetensors weights (pickled .bin weights are not loaded: a pickle can run "
-                        "code); save a copy with CLIPModel.from_pretrained(...).save_pretrained(folder), docs/pipeline.md")
+        raise fail(f"{folder} is not a CLIPModel folder (config.json model_type {kind!r}, expected 'clip'); {hint}")
+    require_safetensors(folder, fail, "save a copy with CLIPModel.from_pretrained(...).save_pretrained(folder), docs/pipeline.md")
     if not any(all((folder / f).is_file() for f in files) for files in TOKENIZER_FILES):
         raise UserError(f"{where}: {folder} has no tokenizer (tokenizer.json, or vocab.json + merges.txt); {hint}")
     return folder
@@ -144,8 +138,9 @@ class ClipScorer:
         processor = self.folder / "preprocessor_config.json"
         if processor.is_file():
             from distillery.common.fsutil import read_json_file
+            from distillery.common.model_folders import CONFIG_BYTES
 
-            pre = read_json_file(processor, _CONFIG_BYTES)
+            pre = read_json_file(processor, CONFIG_BYTES)
             edge, crop = pre.get("size"), pre.get("crop_size")
             self.shortest_edge = int(edge.get("shortest_edge", size) if isinstance(edge, dict) else edge or size)
             if isinstance(crop, dict):

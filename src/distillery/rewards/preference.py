@@ -23,8 +23,6 @@ from distillery.config.typed import with_default
 from distillery.methods.rl.rewards import Reward, RewardConfig
 from distillery.rewards.clip import load_problem
 
-_CONFIG_BYTES = 1 << 20
-
 
 @dataclass
 class ImagePreferenceRewardConfig(RewardConfig):
@@ -41,23 +39,15 @@ class ImagePreferenceRewardConfig(RewardConfig):
 def check_classifier_folder(folder: Path, label: str | None) -> None:
     """A ValueError (one line) unless ``folder`` holds an image classifier ``label`` can be read from (module doc);
     reads only its JSON files."""
-    from distillery.common.fsutil import read_json_file
+    from distillery.common.model_folders import read_model_config, require_safetensors
 
     hint = "point it at an image-classification model folder in transformers' layout"
-    if not folder.is_dir():
-        raise ValueError(f"{folder} does not exist or is not a folder; {hint}")
-    try:
-        config = read_json_file(folder / "config.json", _CONFIG_BYTES)
-    except FileNotFoundError:
-        raise ValueError(f"{folder} has no config.json: not a transformers model folder; {hint}") from None
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{folder}/config.json is not readable JSON ({str(exc)[:80]})") from None
+    config = read_model_config(folder, hint, ValueError)
     archs = config.get("architectures") if isinstance(config, dict) else None
     if not isinstance(archs, list) or not any(isinstance(a, str) and a.endswith("ForImageClassification") for a in archs):
         raise ValueError(f"{folder} is not an image classifier (config.json architectures {archs!r}, expected a "
                          f"*ForImageClassification); {hint}")
-    if not any(folder.glob("*.safetensors")):
-        raise ValueError(f"{folder} has no .safetensors weights (pickled .bin weights are not loaded: a pickle can run code)")
+    require_safetensors(folder, ValueError)
     if not (folder / "preprocessor_config.json").is_file():
         raise ValueError(f"{folder} has no preprocessor_config.json (the image processor's settings)")
     labels = {str(v) for v in (config.get("id2label") or {}).values()}
