@@ -28,10 +28,8 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-
-from distillery.common.errors import UserError
 
 #: What ``Cosmos2_5_PredictBasePipeline._get_prompt_embeds`` puts around a prompt (its system turn's words join the
 #: tokenizer's vocabulary, so the tiny tokenizer gives them ids of their own).
@@ -66,12 +64,10 @@ def build_text_encoder(config: TinyCosmosConfig, vocab_size: int, pad_id: int, e
     """A random tiny ``Qwen2_5_VLForConditionalGeneration`` (its vision tower as small as its config allows; text only)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    heads = 2
-    text = dict(vocab_size=vocab_size, hidden_size=config.text_hidden, intermediate_size=2 * config.text_hidden,
-                num_hidden_layers=config.text_layers, num_attention_heads=heads, num_key_value_heads=1,
-                max_position_embeddings=4 * config.max_sequence_length, rope_theta=10000.0,
-                rope_scaling={"type": "mrope", "mrope_section": [1, 1, config.text_hidden // heads // 2 - 2]},
-                bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    from distillery.tinybase.family_parts import qwen_text_config
+
+    text = qwen_text_config(config.text_hidden, config.text_layers, vocab_size, 4 * config.max_sequence_length, pad_id,
+                            eos_id)
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=config.text_hidden,
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0])
     cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=eos_id, eos_token_id=eos_id,
@@ -100,16 +96,15 @@ def make_tiny_cosmos(out_dir: Path, seed: int = 0, captions: Sequence[str] | Non
     import torch
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 
+    from distillery.tinybase.family_parts import check_empty_destination, clip_words
     from distillery.tinybase.shipped import shipped_tiny_base
     from distillery.tinybase.tiny import write_folder_atomically
-    from distillery.tinybase.tokenizer import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, build_tokenizer
+    from distillery.tinybase.tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise UserError(f"{out_dir} exists and is not an empty folder")
+    check_empty_destination(out_dir)
     shipped = shipped_tiny_base()
-    words = json.loads((shipped / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]  # the synthetic clips' words
-    tokenizer = build_tokenizer([*sorted(set(words) - set(SPECIAL_TOKENS)), *(captions or []), SYSTEM_PROMPT, "system user"],
+    tokenizer = build_tokenizer([*clip_words(), *(captions or []), SYSTEM_PROMPT, "system user"],
                                 model_max_length=config.max_sequence_length)
     tokenizer.chat_template = CHAT_TEMPLATE
     vae = AutoencoderKLWan.from_pretrained(shipped / "vae")
@@ -147,6 +142,8 @@ def model_index() -> dict:
 
 
 def _card(config: TinyCosmosConfig, seed: int, command: str) -> str:
+    from distillery.tinybase.family_parts import made_with
+
     return f"""---
 library_name: diffusers
 pipeline_tag: text-to-video
@@ -176,13 +173,4 @@ object with `to(device)` and `check_text_safety(prompt)`: the pipeline does not 
 from the released model: `concat_padding_mask` is false (diffusers needs torchvision for that mask) and the scheduler
 is flow-matching Euler with the same shift ({config.shift}).
 
-Made with:
-
-```
-{command}
-```
-
-```json
-{json.dumps(asdict(config), indent=2)}
-```
-"""
+{made_with(command, config)}"""

@@ -26,11 +26,8 @@ in seconds (``distillery base make-tiny --family hunyuan15 --out DIR``), byte-id
 from __future__ import annotations
 
 import inspect
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-
-from distillery.common.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -76,30 +73,23 @@ def make_tiny_hunyuan15(out_dir: Path, seed: int = 0, config: TinyHunyuan15Confi
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
 
-    from distillery.tinybase.shipped import shipped_tiny_base
+    from distillery.tinybase.family_parts import check_empty_destination, clip_words, qwen_text_config
     from distillery.tinybase.tiny import write_folder_atomically
-    from distillery.tinybase.tokenizer import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, build_tokenizer
+    from distillery.tinybase.tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise UserError(f"{out_dir} exists and is not an empty folder")
+    check_empty_destination(out_dir)
     encode = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters
     system, crop = encode["system_message"].default, int(encode["crop_start"].default)
-    words = json.loads((shipped_tiny_base() / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
-    tokenizer = build_tokenizer([*sorted(set(words) - set(SPECIAL_TOKENS)), system, "turn"],
+    tokenizer = build_tokenizer([*clip_words(), system, "turn"],
                                 model_max_length=int(encode["tokenizer_max_length"].default))
     tokenizer.chat_template = _chat_template(crop, len(tokenizer(system, add_special_tokens=False).input_ids))
     glyph_tokenizer = ByT5Tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        heads = 2
-        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
-            vocab_size=len(tokenizer), hidden_size=config.text_hidden, intermediate_size=2 * config.text_hidden,
-            num_hidden_layers=config.text_layers, num_attention_heads=heads, num_key_value_heads=1,
-            max_position_embeddings=2048, rope_theta=10000.0,
-            rope_scaling={"type": "mrope", "mrope_section": [1, 1, config.text_hidden // heads // 2 - 2]},
-            bos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN), eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
-            pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN))).eval()
+        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**qwen_text_config(
+            config.text_hidden, config.text_layers, len(tokenizer), 2048, tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+            tokenizer.convert_tokens_to_ids(EOS_TOKEN)))).eval()
         torch.manual_seed(seed + 1)
         glyph_encoder = T5EncoderModel(T5Config(vocab_size=len(glyph_tokenizer), d_model=config.glyph_width, d_kv=4,
                                                 d_ff=2 * config.glyph_width, num_layers=1, num_heads=2,
@@ -129,6 +119,8 @@ def make_tiny_hunyuan15(out_dir: Path, seed: int = 0, config: TinyHunyuan15Confi
 
 
 def _card(config: TinyHunyuan15Config, seed: int, command: str) -> str:
+    from distillery.tinybase.family_parts import made_with
+
     return f"""---
 library_name: diffusers
 pipeline_tag: text-to-video
@@ -154,13 +146,4 @@ video = pipe(prompt="a red circle moving left", num_frames=9, height=64, width=6
 The guidance scale of a stock call is the guider's (`guider/`, {config.guidance_scale}); set another with
 `pipe.guider = pipe.guider.new(guidance_scale=w)`.
 
-Made with:
-
-```
-{command}
-```
-
-```json
-{json.dumps(asdict(config), indent=2)}
-```
-"""
+{made_with(command, config)}"""

@@ -27,10 +27,7 @@ from typing import Any
 
 import torch
 
-from distillery.common.errors import UserError
-from distillery.common.log import get_logger
-from distillery.components.rng import BatchRNG
-from distillery.models.base import Conditioning, ModelBase, TrainingBatch, load_transformer
+from distillery.models.base import Conditioning, TrainingBatch
 from distillery.models.cosmos.common import (
     TRANSFORMER_CLASS,
     CosmosModelConfig,
@@ -39,8 +36,7 @@ from distillery.models.cosmos.common import (
     locate_transformer,
     text_width,
 )
-
-log = get_logger("models.cosmos")
+from distillery.models.diffusers_family import DiffusersFamilyModel
 
 
 def padding_mask_problem(config: Any) -> str | None:
@@ -52,51 +48,24 @@ def padding_mask_problem(config: Any) -> str | None:
     return None
 
 
-class CosmosModel(ModelBase):
-    """One role backed by a diffusers ``CosmosTransformer3DModel`` (fp32 master weights on CPU at build)."""
+class CosmosModel(DiffusersFamilyModel):
+    """One role backed by a diffusers ``CosmosTransformer3DModel`` (:class:`DiffusersFamilyModel`: fp32 master weights on
+    CPU at build; ``transformer``: an already loaded one of ``config.init_from`` to wrap)."""
 
     config_class = CosmosModelConfig
+    TRANSFORMER_CLASS = TRANSFORMER_CLASS
+    FAMILY_LOG = "models.cosmos"
+    locate_transformer = staticmethod(locate_transformer)
 
-    def __init__(self, config: CosmosModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
-        """``transformer``: an already loaded ``CosmosTransformer3DModel`` of ``config.init_from`` to wrap instead of
-        loading it again (a diffusers pipeline's own component)."""
-        super().__init__(config, role)
-        from diffusers import CosmosTransformer3DModel
+    def config_problem(self, config: dict[str, Any]) -> str | None:
+        return padding_mask_problem(config)
 
-        transformer_dir, scheduler_dir = locate_transformer(config.init_from)
-        self.transformer_dir = transformer_dir
-        problem = padding_mask_problem(dict(transformer.config) if transformer is not None
-                                       else CosmosTransformer3DModel.load_config(transformer_dir))
-        if problem:  # before any weight is read
-            raise UserError(f"models.{role}: {transformer_dir}: {problem}")
-        self.transformer = transformer if transformer is not None else load_transformer(
-            CosmosTransformer3DModel, transformer_dir, config.random_init)
-        cfg = dict(self.transformer.config)
-        image_conditioning(cfg)  # a config of another layout: one line
-        self.settle_transformer(scheduler_dir)
-        shift = self.schedule.shift
-        self.patch_size = tuple(cfg["patch_size"])
-        self.in_channels = latent_channels(cfg)
-        self.text_dim = text_width(cfg)
-        self.concat_padding_mask = bool(cfg.get("concat_padding_mask"))
-        self.attention_backend = "native"
-        log.info("role %s: %s from %s (%.1f M params, shift %.2f)", role, TRANSFORMER_CLASS, transformer_dir,
-                 sum(p.numel() for p in self.transformer.parameters()) / 1e6, shift)
-
-    def shardable_blocks(self, module: torch.nn.Module | None = None) -> list[torch.nn.Module]:
-        return list((module if module is not None else self.transformer).transformer_blocks)
-
-    def transformer_config(self) -> dict[str, Any]:
-        return dict(self.transformer.config)
-
-    def enable_activation_checkpointing(self) -> None:
-        """Recompute each block's activations in backward (diffusers' gradient checkpointing)."""
-        self.transformer.enable_gradient_checkpointing()
-
-    def sample_timesteps(self, batch_size: int, rng: BatchRNG) -> torch.Tensor:
-        sigmas = self.schedule.sample_sigmas(batch_size, rng, self.config.timestep_sampling, self.config.logit_mean,
-                                             self.config.logit_std)
-        return sigmas * self.schedule.num_train_timesteps
+    def read_config(self, config: dict[str, Any]) -> None:
+        image_conditioning(config)  # a config of another layout: one line
+        self.patch_size = tuple(config["patch_size"])
+        self.in_channels = latent_channels(config)
+        self.text_dim = text_width(config)
+        self.concat_padding_mask = bool(config.get("concat_padding_mask"))
 
     def model_timestep(self, timesteps: torch.Tensor, num_frames: int) -> torch.Tensor:
         """Our timesteps ``[B]`` or per-frame ``[B, T]`` in [0, 1000] → the transformer's: σ per latent frame
@@ -128,8 +97,3 @@ class CosmosModel(ModelBase):
         if self.concat_padding_mask:
             inputs["padding_mask"] = hidden.new_zeros(1, 1, h, w)
         return inputs
-
-    def predict_noise(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, batch: Conditioning | TrainingBatch,
-                      conditional: bool = True) -> torch.Tensor:
-        """Velocity ``v = ε − x0`` ``[B, C, T, H, W]`` (float32): the transformer's output as it is (module doc)."""
-        return self.forward_module(**self.transformer_inputs(noisy_latents, timesteps, batch, conditional))[0].float()

@@ -32,10 +32,9 @@ from typing import Any, ClassVar
 import torch
 
 from distillery.common.errors import UserError
-from distillery.common.log import get_logger
 from distillery.components.prompt_streams import hunyuan15_budgets, split_streams
-from distillery.components.rng import BatchRNG
-from distillery.models.base import Conditioning, ModelBase, TrainingBatch, load_transformer
+from distillery.models.base import Conditioning, TrainingBatch
+from distillery.models.diffusers_family import DiffusersFamilyModel
 from distillery.models.hunyuan15.common import (
     IMAGE_TOKENS,
     TRANSFORMER_CLASS,
@@ -45,8 +44,6 @@ from distillery.models.hunyuan15.common import (
     locate_transformer,
     stream_widths,
 )
-
-log = get_logger("models.hunyuan15")
 
 
 def layout_problem(config: dict[str, Any]) -> str | None:
@@ -58,52 +55,26 @@ def layout_problem(config: dict[str, Any]) -> str | None:
     return None
 
 
-class HunyuanVideo15Model(ModelBase):
-    """One role backed by a diffusers ``HunyuanVideo15Transformer3DModel`` (fp32 master weights on CPU at build)."""
+class HunyuanVideo15Model(DiffusersFamilyModel):
+    """One role backed by a diffusers ``HunyuanVideo15Transformer3DModel`` (:class:`DiffusersFamilyModel`: fp32 master
+    weights on CPU at build; ``transformer``: an already loaded one of ``config.init_from`` to wrap)."""
 
     config_class = HunyuanVideo15ModelConfig
     sigma_grid: ClassVar[str] = "linspace"  # HunyuanVideo15Pipeline's grid (module doc)
+    TRANSFORMER_CLASS = TRANSFORMER_CLASS
+    FAMILY_LOG = "models.hunyuan15"
+    locate_transformer = staticmethod(locate_transformer)
 
-    def __init__(self, config: HunyuanVideo15ModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
-        """``transformer``: an already loaded ``HunyuanVideo15Transformer3DModel`` of ``config.init_from`` to wrap
-        instead of loading it again (a diffusers pipeline's own component)."""
-        super().__init__(config, role)
-        from diffusers import HunyuanVideo15Transformer3DModel
+    def config_problem(self, config: dict[str, Any]) -> str | None:
+        return layout_problem(config)
 
-        transformer_dir, scheduler_dir = locate_transformer(config.init_from)
-        self.transformer_dir = transformer_dir
-        problem = layout_problem(dict(transformer.config) if transformer is not None
-                                 else HunyuanVideo15Transformer3DModel.load_config(transformer_dir))
-        if problem:  # before any weight is read
-            raise UserError(f"models.{role}: {transformer_dir}: {problem}")
-        self.transformer = transformer if transformer is not None else load_transformer(
-            HunyuanVideo15Transformer3DModel, transformer_dir, config.random_init)
-        cfg = dict(self.transformer.config)
-        image_conditioning(cfg)  # a config of another layout: one line
-        self.settle_transformer(scheduler_dir)
-        self.patch_size = (int(cfg["patch_size_t"]), int(cfg["patch_size"]), int(cfg["patch_size"]))
-        self.in_channels = latent_channels(cfg)
-        self.stream_widths = stream_widths(cfg)
+    def read_config(self, config: dict[str, Any]) -> None:
+        image_conditioning(config)  # a config of another layout: one line
+        self.patch_size = (int(config["patch_size_t"]), int(config["patch_size"]), int(config["patch_size"]))
+        self.in_channels = latent_channels(config)
+        self.stream_widths = stream_widths(config)
         self.stream_tokens = hunyuan15_budgets()
-        self.image_dim = int(cfg["image_embed_dim"])
-        self.attention_backend = "native"
-        log.info("role %s: %s from %s (%.1f M params, shift %.2f)", role, TRANSFORMER_CLASS, transformer_dir,
-                 sum(p.numel() for p in self.transformer.parameters()) / 1e6, self.schedule.shift)
-
-    def shardable_blocks(self, module: torch.nn.Module | None = None) -> list[torch.nn.Module]:
-        return list((module if module is not None else self.transformer).transformer_blocks)
-
-    def transformer_config(self) -> dict[str, Any]:
-        return dict(self.transformer.config)
-
-    def enable_activation_checkpointing(self) -> None:
-        """Recompute each block's activations in backward (diffusers' gradient checkpointing)."""
-        self.transformer.enable_gradient_checkpointing()
-
-    def sample_timesteps(self, batch_size: int, rng: BatchRNG) -> torch.Tensor:
-        sigmas = self.schedule.sample_sigmas(batch_size, rng, self.config.timestep_sampling, self.config.logit_mean,
-                                             self.config.logit_std)
-        return sigmas * self.schedule.num_train_timesteps
+        self.image_dim = int(config["image_embed_dim"])
 
     @staticmethod
     def sample_timestep(timesteps: torch.Tensor) -> torch.Tensor:
@@ -141,8 +112,3 @@ class HunyuanVideo15Model(ModelBase):
             "image_embeds": hidden.new_zeros(b, IMAGE_TOKENS, self.image_dim),
             "return_dict": False,
         }
-
-    def predict_noise(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, batch: Conditioning | TrainingBatch,
-                      conditional: bool = True) -> torch.Tensor:
-        """Velocity ``v = ε − x0`` ``[B, C, T, H, W]`` (float32): the transformer's output as it is (module doc)."""
-        return self.forward_module(**self.transformer_inputs(noisy_latents, timesteps, batch, conditional))[0].float()
