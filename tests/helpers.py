@@ -174,3 +174,17 @@ def shipped_denoiser(folder: Path, model_kind: dict[str, Any], shift: float = 3.
     if spec is not None:
         distilled_sparse.install_sparse(transformer, spec)
     return denoiser
+
+
+def model_folders_of_the_tiny_base(root: Path, stages: tuple[str, ...] = ("base", "teacher", "pretrain", "distill", "pdd")) -> None:
+    """``root/artifacts/<stage>/model/transformer/config.json`` for each of ``stages``: the shipped tiny Wan's, all a
+    recipe reads of the folder a role starts from (its family: ``stages/recipes/parts.py``) when a test builds a run
+    config without running the stages before it."""
+    import shutil
+
+    from distillery.tinybase.shipped import shipped_tiny_base
+
+    for stage in stages:
+        folder = root / "artifacts" / stage / "model" / "transformer"
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(shipped_tiny_base() / "transformer" / "config.json", folder / "config.json")

@@ -149,6 +149,27 @@ def test_every_family_exports_its_loaders_and_claims_its_own_classes():
         assert not missing, f"{family.package} lacks {missing}"
 
 
+def test_every_family_builds_each_student_kind_it_does_not_refuse_and_refuses_the_rest_in_one_line():
+    """What the recipes build a role from (``stages/recipes/parts.py``): a family's plugin class of each kind, or the
+    one line the stages' preflight refuses the recipe with (a causal HunyuanVideo 1.5)."""
+    from distillery.models.base import ModelBase
+
+    expected = {"bidirectional": ModelBase, "causal": CausalModelBase, "pdd": PDDModelBase}
+    assert set(expected) == set(registry.STUDENT_KINDS)
+    for family in registry.FAMILIES:
+        classes = family.loaders().MODEL_CLASSES
+        for kind in registry.STUDENT_KINDS:
+            if family.refusal(kind) is None:
+                assert issubclass(family.model_class(kind), expected[kind]) and kind in classes
+            else:
+                assert kind not in classes
+                with pytest.raises(UserError, match=f"a {family.name} model: ") as info:
+                    family.model_class(kind)
+                assert "\n" not in str(info.value)
+    hunyuan = next(f for f in registry.FAMILIES if f.name == "hunyuanvideo1.5")
+    assert hunyuan.refusal("causal") == registry.HUNYUAN15_CAUSAL_REFUSAL
+
+
 def test_export_weights_refuses_a_checkpoint_of_an_unknown_family_in_one_line():
     """What export_weights asks of a checkpoint role's config.json: the family of its class (one line when none is
     registered), whose loaders build the transformer."""

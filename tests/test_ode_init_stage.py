@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import model_folders_of_the_tiny_base
 from workspace import copy_pipeline, copy_workspace, set_params, sh, tree_sha
 
 from distillery.pipeline.dvcfile import stage_params
@@ -59,6 +60,7 @@ def test_pretrain_method_picks_its_recipe(tmp_path, monkeypatch, method, target,
     from stages.training import stage_run_config
 
     copy_pipeline(tmp_path)
+    model_folders_of_the_tiny_base(tmp_path)  # the folders the roles start from, read for their family
     data = yaml.safe_load((tmp_path / "params.yaml").read_text())
     data["pretrain"].update(method=method, chunk_size=2, t_list=[1000, 750, 500, 0])
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))

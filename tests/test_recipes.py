@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import model_folders_of_the_tiny_base
 from workspace import copy_pipeline
 
 from distillery.common.errors import UserError
@@ -47,6 +48,7 @@ def _workspace(tmp_path: Path, monkeypatch, updates: dict[str, object] | None = 
         (tmp_path / "artifacts" / kind / "data").mkdir(parents=True)
         manifest = {"settings": {"max_sequence_length": 24}, "kind": kind, **({"latent_shape": [8, 5, 4, 4]} if kind == "prompts" else {})}
         (tmp_path / "artifacts" / kind / "data" / "preprocess.json").write_text(json.dumps(manifest))
+    model_folders_of_the_tiny_base(tmp_path)  # the folders the roles start from, read for their family
     monkeypatch.chdir(tmp_path)
     return Params.load("params.yaml")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import run_config
+from helpers import model_folders_of_the_tiny_base, run_config
 from workspace import copy_pipeline, shipped_params_text
 
 from distillery.common.errors import UserError
@@ -136,6 +136,7 @@ def test_distillery_stage_teacher_writes_the_same_run_yaml(tmp_path, monkeypatch
     from stages.training import stage_run_config
 
     copy_pipeline(tmp_path)
+    model_folders_of_the_tiny_base(tmp_path)  # the folders the roles start from, read for their family
     (tmp_path / "artifacts/latents/data").mkdir(parents=True)
     (tmp_path / "artifacts/latents/data/preprocess.json").write_text(json.dumps({"settings": {"max_sequence_length": 24}}))
     monkeypatch.chdir(tmp_path)
@@ -151,6 +152,7 @@ def test_a_stage_trains_at_its_own_sp_and_tp_sizes_else_the_gpus_ones(tmp_path, 
     from stages.training import stage_run_config
 
     copy_pipeline(tmp_path)
+    model_folders_of_the_tiny_base(tmp_path)  # the folders the roles start from, read for their family
     (tmp_path / "artifacts/latents/data").mkdir(parents=True)
     (tmp_path / "artifacts/latents/data/preprocess.json").write_text(json.dumps({"settings": {"max_sequence_length": 24}}))
     monkeypatch.chdir(tmp_path)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import model_folders_of_the_tiny_base
 from workspace import copy_pipeline, shipped_params_text
 
 from distillery.common.errors import UserError
@@ -46,10 +47,11 @@ def _workspace(tmp_path: Path, monkeypatch, updates: dict[str, object]) -> Param
     (tmp_path / "artifacts" / "latents" / "data").mkdir(parents=True)
     (tmp_path / "artifacts" / "latents" / "data" / "preprocess.json").write_text(
         json.dumps({"settings": {"max_sequence_length": 24}, "kind": "latents"}))
-    (tmp_path / "artifacts" / "distill" / "model").mkdir(parents=True)  # what posttrain's recipe reads of its student
+    model_folders_of_the_tiny_base(tmp_path)  # the folders the roles start from, read for their family
+    (tmp_path / "artifacts" / "distill" / "model").mkdir(parents=True, exist_ok=True)  # what posttrain's recipe reads of its student
     (tmp_path / "artifacts" / "distill" / "model" / "sampling.json").write_text(json.dumps(
         {"sampler": "few_step_x0", "shift": 3.0, "num_train_timesteps": 1000, "timesteps": [1000.0, 750.0]}))
-    (tmp_path / "artifacts" / "base" / "model").mkdir(parents=True)  # its adherence reward's thresholds
+    (tmp_path / "artifacts" / "base" / "model").mkdir(parents=True, exist_ok=True)  # its adherence reward's thresholds
     shutil.copy2(shipped_tiny_base() / "analyzer.json", tmp_path / "artifacts" / "base" / "model" / "analyzer.json")
     monkeypatch.chdir(tmp_path)
     return Params.load("params.yaml")

@@ -36,7 +36,7 @@ def _check_params(args: argparse.Namespace) -> int:
     """Bounds (alias bombs, merge chains), a value DVC reads differently, the schema, a folder it names that its
     stage would refuse (``base.path`` not a model folder, ``latents.data`` without captions), a buffer no stage
     here could hold. Run it before ``dvc repro``, which parses the file with DVC's own parser first."""
-    from distillery.pipeline.launch.preflight import check_batch, check_memory, check_paths
+    from distillery.pipeline.launch.preflight import check_batch, check_memory, check_paths, check_recipe_families
     from distillery.pipeline.launch.runner import STAGES
     from distillery.pipeline.launch.sparse_preflight import check_attention
     from distillery.pipeline.params.reader import Params
@@ -44,6 +44,7 @@ def _check_params(args: argparse.Namespace) -> int:
 
     params = Params.load(args.params)
     check_paths(params)
+    check_recipe_families(params)  # a recipe the base's model family builds no student for
     check_batch("", params, ARTIFACTS, stages=tuple(STAGES), label=args.params)  # before any video is encoded
     for stage in STAGES:
         check_memory(stage, params)

@@ -45,6 +45,8 @@ class FamilyLoaders(Protocol):
     """What a family's package exports (its ``__init__``), by these names (a test checks every family)."""
 
     HEAD_BANK_FILE: str  # the PDD head bank's file name beside a transformer's weights (export, load_inference_model)
+    MODEL_CLASSES: dict[str, type]  # student kind (STUDENT_KINDS) -> the family's plugin class the recipes build; a kind
+    # the family refuses (ModelFamily.refused_kinds) is absent
 
     def locate_transformer(self, folder: str | Path) -> tuple[Path, Path | None]:
         """``(transformer folder, scheduler folder or None)`` of a model or transformer folder (:class:`UserError`
@@ -78,8 +80,21 @@ class FamilyLoaders(Protocol):
         copies one folder."""
 
 
-LOADER_NAMES = ("HEAD_BANK_FILE", "locate_transformer", "load_inference_model", "build_transformer", "input_widths",
+LOADER_NAMES = ("HEAD_BANK_FILE", "MODEL_CLASSES", "locate_transformer", "load_inference_model", "build_transformer", "input_widths",
                 "image_conditioning", "empty_head_bank", "save_head_bank", "lay_out_given_model")  # FamilyLoaders' members
+
+
+#: The kinds of model plugin a recipe builds (a family's ``MODEL_CLASSES`` keys): full attention (a teacher, a critic,
+#: an SFT'd or DMD2 student), block-causal over frame chunks with a KV cache (DFSFT, ODE init, Self-Forcing), a trunk
+#: with a PDD head bank.
+STUDENT_KINDS = ("bidirectional", "causal", "pdd")
+#: Why no causal (block-causal, KV-cached) HunyuanVideo 1.5 student is built: its blocks are dual-stream — the prompt's
+#: tokens attend to every video token and are modulated by the sample's one timestep — so a chunk's prompt states would
+#: depend on later frames, and frames at other noise levels (a causal student's chunks) get one modulation.
+HUNYUAN15_CAUSAL_REFUSAL = (
+    "a causal HunyuanVideo 1.5 student is not built: its dual-stream blocks let the prompt's tokens attend to every "
+    "video token (a chunk would depend on later frames) and modulate a sample with one timestep (a causal student's "
+    "chunks sit at different noise levels); train a bidirectional student (DMD2, PDD)")
 
 
 @dataclass(frozen=True)
@@ -106,7 +121,9 @@ class ModelFamily:
     :class:`FamilyLoaders`; ``experts``, ``expand_timesteps``, ``vae_z_dim`` (None: any), ``refused_vae_z_dims`` and
     ``pipeline_classes`` (the ``model_index.json`` pipelines it loads; empty: any): the :class:`FolderLayout` it claims
     (families sharing a class differ there); ``sparse_attention``: its plugins train and sample block-sparse
-    self-attention (``models.<role>.attention: sparse``, ``<stage>.attention: sparse``)."""
+    self-attention (``models.<role>.attention: sparse``, ``<stage>.attention: sparse``); ``refused_kinds``: ``(kind, why)``
+    of each :data:`STUDENT_KINDS` kind it builds no plugin of (read without importing the family: what a stage's preflight
+    refuses a recipe with)."""
 
     name: str
     transformer_classes: tuple[str, ...]
@@ -117,10 +134,25 @@ class ModelFamily:
     refused_vae_z_dims: tuple[int, ...] = ()
     pipeline_classes: tuple[str, ...] = ()
     sparse_attention: bool = False
+    refused_kinds: tuple[tuple[str, str], ...] = ()
 
     def loaders(self) -> FamilyLoaders:
         """The family's package (imported now), typed as its loaders."""
         return cast(FamilyLoaders, importlib.import_module(self.package))
+
+    def refusal(self, kind: str) -> str | None:
+        """Why the family builds no ``kind`` model (one line, for a :class:`UserError`), None when it builds one."""
+        return dict(self.refused_kinds).get(kind)
+
+    def model_class(self, kind: str) -> type:
+        """The family's plugin class of ``kind`` (:data:`STUDENT_KINDS`: its package's ``MODEL_CLASSES``); a
+        :class:`UserError` line for a kind it refuses (:meth:`refusal`)."""
+        if kind not in STUDENT_KINDS:
+            raise ValueError(f"model kind {kind!r}; expected one of {', '.join(STUDENT_KINDS)}")
+        why = self.refusal(kind)
+        if why is not None:
+            raise UserError(f"a {self.name} model: {why}")
+        return self.loaders().MODEL_CLASSES[kind]
 
     def claims(self, layout: FolderLayout) -> bool:
         """Whether a folder of this ``layout`` is this family's (a layout without a VAE: any ``vae_z_dim``)."""
@@ -144,7 +176,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 pipeline_classes=("Cosmos2_5_PredictBasePipeline",)),
     # HunyuanVideo 1.5 (text-to-video); its image-to-video pipeline shares the transformer class
     ModelFamily("hunyuanvideo1.5", ("HunyuanVideo15Transformer3DModel",), "distillery.models.hunyuan15",
-                pipeline_classes=("HunyuanVideo15Pipeline",)),
+                pipeline_classes=("HunyuanVideo15Pipeline",), refused_kinds=(("causal", HUNYUAN15_CAUSAL_REFUSAL),)),
 )
 
 

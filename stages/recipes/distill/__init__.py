@@ -33,10 +33,9 @@ def dmd_inputs(p: DMDParams) -> dict[str, str]:
 
 def dmd_roles(p: DMDParams, run: RunInputs, student: Component) -> dict[str, Component]:
     """``student`` beside the frozen teacher and the critic a DMD recipe matches it with."""
-    from distillery.models.wan import WanModel
     from stages.recipes.parts import critic, frozen
 
-    return {"student": student, "teacher": frozen(WanModel, run.init["teacher"]),
+    return {"student": student, "teacher": frozen(run.init["teacher"]),
             "critic": critic(run.init["critic"], p.critic_learning_rate)}
 
 

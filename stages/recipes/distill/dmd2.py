@@ -22,9 +22,8 @@ STUDENT = "bidirectional"  # the kind of student it trains
 def recipe(p: Params, run: RunInputs) -> RunConfig:
     from distillery.config import RunConfig
     from distillery.methods.dmd2 import DMD2Method
-    from distillery.models.wan import WanModel
     from stages.recipes.parts import callbacks, method, student
 
-    return RunConfig(models=dmd_roles(p, run, student(p, WanModel, run.init["student"], shift=p.student_shift)),
+    return RunConfig(models=dmd_roles(p, run, student(p, PRETRAIN_STUDENT, run.init["student"], shift=p.student_shift)),
                      method=method(DMD2Method, **dmd_knobs(p), rollout="simulate"),
                      training=p.training(run, unconditional="negative", betas=(0.0, 0.999)), callbacks=callbacks(p))

@@ -31,10 +31,9 @@ inputs = dmd_inputs
 def recipe(p: Params, run: RunInputs) -> RunConfig:
     from distillery.config import RunConfig
     from distillery.methods.self_forcing import SelfForcingMethod
-    from distillery.models.wan import CausalWanModel
     from stages.recipes.parts import callbacks, method, student
 
-    causal = student(p, CausalWanModel, run.init["student"], shift=p.student_shift,
+    causal = student(p, PRETRAIN_STUDENT, run.init["student"], shift=p.student_shift,
                      chunk_size=run.params.pretrain.chunk_size)  # the chunks it was pretrained on
     return RunConfig(models=dmd_roles(p, run, causal),
                      method=method(SelfForcingMethod, **dmd_knobs(p), context_noise=p.context_noise,

@@ -1,6 +1,6 @@
 """The pdd stage's recipes (``pdd.method``): parallel decoding distillation — one forward of the student samples a
-block of the teacher's fine grid (a trunk + a head bank, ``PDDWanModel``). ``pdd`` regresses the heads alone;
-``dm_pdd`` adds DMD2's distribution matching against a critic. Both start the student from ``pdd.student_init`` and
+block of the teacher's fine grid (a trunk + a head bank: the base family's ``pdd`` plugin, e.g. ``PDDWanModel``).
+``pdd`` regresses the heads alone; ``dm_pdd`` adds DMD2's distribution matching against a critic. Both start the student from ``pdd.student_init`` and
 share :func:`pdd_roles` and :func:`pdd_knobs`."""
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ def pdd_inputs(p: PDDParams) -> dict[str, str]:
 
 def pdd_roles(p: PDDParams, run: RunInputs) -> dict[str, Component]:
     """The PDD student (its head bank of ``pdd_steps`` heads) and the frozen teacher whose grid it learns."""
-    from distillery.models.wan import PDDWanModel, WanModel
     from stages.recipes.parts import frozen, student
 
-    return {"student": student(p, PDDWanModel, run.init["student"], pdd_steps=p.pdd_steps),
-            "teacher": frozen(WanModel, run.init["teacher"])}
+    return {"student": student(p, "pdd", run.init["student"], pdd_steps=p.pdd_steps),
+            "teacher": frozen(run.init["teacher"])}
 
 
 def pdd_knobs(p: PDDParams) -> dict[str, float | int | str]:

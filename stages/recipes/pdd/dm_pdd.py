@@ -24,6 +24,8 @@ class Params(PDDParams):
     critic_learning_rate: float = with_default(TrainingStageParams, "learning_rate", 2.0e-4)  # the critic's peak learning rate
 
 
+STUDENT = "pdd"  # the kind of student it makes (a PDD trunk + head bank; the base family must build one)
+
 def inputs(p: Params) -> dict[str, str]:
     return {**pdd_inputs(p), "critic": "teacher"}  # the fake score starts as the real one
 

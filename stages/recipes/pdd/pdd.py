@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 Params = PDDParams  # pdd.*: no knob of its own
 
 inputs = pdd_inputs
+STUDENT = "pdd"  # the kind of student it makes (a PDD trunk + head bank; the base family must build one)
 
 
 def recipe(p: Params, run: RunInputs) -> RunConfig:

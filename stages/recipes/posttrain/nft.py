@@ -117,14 +117,13 @@ def student_contract(folder: str) -> dict[str, Any]:
 def recipe(p: Params, run: RunInputs) -> RunConfig:
     from distillery.config import RunConfig
     from distillery.methods.rl.nft import DiffusionNFTMethod
-    from distillery.models.wan import PDDWanModel, WanModel
     from stages.recipes.parts import callbacks, method, student
 
     contract = student_contract(run.init["student"])
     if contract["sampler"] == "pdd_fused":  # a PDD student: its head bank, as many heads as its grid has intervals
-        model = student(p, PDDWanModel, run.init["student"], pdd_steps=int(contract["pdd_steps"]))
+        model = student(p, "pdd", run.init["student"], pdd_steps=int(contract["pdd_steps"]))
     else:
-        model = student(p, WanModel, run.init["student"], shift=contract.get("shift"))
+        model = student(p, "bidirectional", run.init["student"], shift=contract.get("shift"))
     nft = method(DiffusionNFTMethod, rewards=rewards(p), samples_per_prompt=p.samples_per_prompt,
                  minibatch_size=p.minibatch_size, inner_epochs=p.inner_epochs, sampling=contract,
                  rollout_steps=p.rollout_steps, timestep_fraction=p.timestep_fraction, beta=p.beta, kl_beta=p.kl_beta,

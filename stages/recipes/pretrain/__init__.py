@@ -56,11 +56,10 @@ def pretrain_inputs(p: PretrainParams) -> dict[str, str]:
 
 
 def causal_student(p: PretrainParams, run: RunInputs) -> Component:
-    """A block-causal Wan student over chunks of ``pretrain.chunk_size`` latent frames."""
-    from distillery.models.wan import CausalWanModel
+    """A block-causal student (its base family's) over chunks of ``pretrain.chunk_size`` latent frames."""
     from stages.recipes.parts import student
 
-    return student(p, CausalWanModel, run.init["student"], chunk_size=p.chunk_size)
+    return student(p, "causal", run.init["student"], chunk_size=p.chunk_size)
 
 
 def causal_contract(p: PretrainParams) -> dict[str, Any]:

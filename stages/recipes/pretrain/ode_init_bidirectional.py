@@ -1,5 +1,5 @@
 """``pretrain.method: ode_init_bidirectional``: knowledge distillation of the teacher's ODE trajectories into a
-bidirectional Wan student, the init of ``distill.method: dmd2`` (FastVideo's KDMethod; ``ode_init`` is the causal one,
+bidirectional student, the init of ``distill.method: dmd2`` (FastVideo's KDMethod; ``ode_init`` is the causal one,
 for Self-Forcing): one trajectory point per sample, no chunks (:mod:`distillery.methods.kd`)."""
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ STUDENT = "bidirectional"  # the kind of student it makes (distill.method: dmd2 
 def recipe(p: Params, run: RunInputs) -> RunConfig:
     from distillery.config import RunConfig
     from distillery.methods.kd import KDMethod
-    from distillery.models.wan import WanModel
     from stages.recipes.parts import callbacks, method, student
 
-    return RunConfig(models={"student": student(p, WanModel, run.init["student"])},
+    return RunConfig(models={"student": student(p, STUDENT, run.init["student"])},
                      method=method(KDMethod, t_list=p.t_list),
                      training=p.training(run, min_lr_ratio=0.1), callbacks=callbacks(p))

@@ -23,9 +23,8 @@ def inputs(p: Params) -> dict[str, str]:
 def recipe(p: Params, run: RunInputs) -> RunConfig:
     from distillery.config import RunConfig
     from distillery.methods.sft import SFTMethod
-    from distillery.models.wan import WanModel
     from stages.recipes.parts import callbacks, method, student
 
-    return RunConfig(models={"student": student(p, WanModel, run.init["student"])},
+    return RunConfig(models={"student": student(p, "bidirectional", run.init["student"])},
                      method=method(SFTMethod, caption_dropout=0.1),
                      training=p.training(run, min_lr_ratio=0.1), callbacks=callbacks(p))

@@ -32,7 +32,9 @@ from distillery.models.wan.experts import lay_out_given_model  # a given folder'
 from distillery.models.wan.pdd import HEADS_FILE as HEAD_BANK_FILE
 from distillery.models.wan.pdd import empty_head_bank, save_head_bank  # the head bank is every family's (its module doc)
 
-__all__ = ["HEAD_BANK_FILE", "TRANSFORMER_CLASS", "CausalCosmosModel", "CausalCosmosModelConfig", "CosmosModel",
+MODEL_CLASSES: dict[str, type] = {"bidirectional": CosmosModel, "causal": CausalCosmosModel, "pdd": PDDCosmosModel}  # by kind (registry.STUDENT_KINDS)
+
+__all__ = ["HEAD_BANK_FILE", "MODEL_CLASSES", "TRANSFORMER_CLASS", "CausalCosmosModel", "CausalCosmosModelConfig", "CosmosModel",
            "CosmosModelConfig", "PDDCosmosModel",
            "PDDCosmosModelConfig", "build_transformer", "empty_head_bank", "image_conditioning", "input_widths",
            "lay_out_given_model", "load_inference_model", "locate_transformer", "save_head_bank"]

@@ -31,7 +31,9 @@ from distillery.models.wan.experts import lay_out_given_model  # a given folder'
 from distillery.models.wan.pdd import HEADS_FILE as HEAD_BANK_FILE
 from distillery.models.wan.pdd import empty_head_bank, save_head_bank  # the head bank is every family's (its module doc)
 
-__all__ = ["CAUSAL_REFUSAL", "HEAD_BANK_FILE", "TRANSFORMER_CLASS", "HunyuanVideo15Model", "HunyuanVideo15ModelConfig",
+MODEL_CLASSES: dict[str, type] = {"bidirectional": HunyuanVideo15Model, "pdd": PDDHunyuanVideo15Model}  # no causal student (registry: its refusal)
+
+__all__ = ["CAUSAL_REFUSAL", "HEAD_BANK_FILE", "MODEL_CLASSES", "TRANSFORMER_CLASS", "HunyuanVideo15Model", "HunyuanVideo15ModelConfig",
            "PDDHunyuanVideo15Model", "PDDHunyuanVideo15ModelConfig", "build_transformer", "empty_head_bank",
            "image_conditioning", "input_widths", "lay_out_given_model", "load_inference_model", "locate_transformer",
            "save_head_bank"]

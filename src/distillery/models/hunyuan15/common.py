@@ -16,6 +16,7 @@ from typing import Any
 
 from distillery.common.errors import UserError
 from distillery.models.base import TransformerModelConfig, locate_transformer_folder
+from distillery.models.registry import HUNYUAN15_CAUSAL_REFUSAL
 
 TRANSFORMER_CLASS = "HunyuanVideo15Transformer3DModel"
 #: Channels the transformer's input carries besides the noisy latent: the condition latent (a given first frame's,
@@ -24,12 +25,7 @@ MASK_CHANNELS = 1
 #: Image tokens ``HunyuanVideo15Pipeline`` feeds the transformer (zeros for text-to-video: its
 #: ``vision_num_semantic_tokens``, SigLIP's 27 × 27; a test reads it from a stock pipeline).
 IMAGE_TOKENS = 729
-#: Why no causal (block-causal, KV-cached) HunyuanVideo 1.5 student is built: its blocks are dual-stream — the prompt's
-#: tokens attend to every video token and are modulated by the sample's one timestep — so a chunk's prompt states would
-#: depend on later frames, and frames at other noise levels (a causal student's chunks) get one modulation.
-CAUSAL_REFUSAL = ("a causal HunyuanVideo 1.5 student is not built: its dual-stream blocks let the prompt's tokens attend "
-                  "to every video token (a chunk would depend on later frames) and modulate a sample with one timestep "
-                  "(a causal student's chunks sit at different noise levels); train a bidirectional student (DMD2, PDD)")
+CAUSAL_REFUSAL = HUNYUAN15_CAUSAL_REFUSAL  # why no causal student is built (the family's row in the registry says it)
 
 
 @dataclass

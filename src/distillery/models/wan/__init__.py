@@ -39,7 +39,9 @@ from distillery.models.wan.inference import load_inference_model
 from distillery.models.wan.pdd import HEADS_FILE as HEAD_BANK_FILE
 from distillery.models.wan.pdd import PDDWanModel, PDDWanModelConfig, empty_head_bank, save_head_bank
 
-__all__ = ["HEAD_BANK_FILE", "TRANSFORMER_CLASS", "CausalWanModel", "CausalWanModelConfig", "ImageConditioning", "PDDWanModel",
+MODEL_CLASSES: dict[str, type] = {"bidirectional": WanModel, "causal": CausalWanModel, "pdd": PDDWanModel}  # by kind (registry.STUDENT_KINDS)
+
+__all__ = ["HEAD_BANK_FILE", "MODEL_CLASSES", "TRANSFORMER_CLASS", "CausalWanModel", "CausalWanModelConfig", "ImageConditioning", "PDDWanModel",
            "PDDWanModelConfig", "WanModel", "WanModelConfig", "build_transformer", "empty_head_bank", "image_conditioning",
            "input_widths", "lay_out_given_model", "load_inference_model",
            "locate_transformer", "save_head_bank"]

@@ -341,7 +341,7 @@ def _check_batch_rows(names: list[str], found: tuple[int, str], stage: str, para
 
 
 def _check_base_path(params: Params) -> None:
-    """``base.path``: the shipped tiny Wan or a diffusers Wan folder the base stage accepts: a
+    """``base.path``: the shipped tiny Wan or a diffusers folder of a registered family the base stage accepts: a
     ``model_index.json`` of library classes only
     (:func:`~distillery.pipeline.publish.base_folder.check_model_index`, the base stage's own check)
     and a transformer config. Only that module is imported: the stages before ``base`` keep their
@@ -356,8 +356,9 @@ def _check_base_path(params: Params) -> None:
                         "'tiny' or a Wan2.1 folder")
     check_model_index(source, f"params.yaml: base.path: {source}")
     if not (source / "transformer" / "config.json").is_file():
-        raise UserError(f"params.yaml: base.path: {source} has no transformer/config.json: not a Wan model folder; "
-                        f"use {SHIPPED_TINY_BASE} (the shipped tiny Wan) or a Wan2.1 diffusers folder")
+        raise UserError(f"params.yaml: base.path: {source} has no transformer/config.json: not a video model folder; "
+                        f"use {SHIPPED_TINY_BASE} (the shipped tiny Wan) or a diffusers Wan, Cosmos Predict 2.5 or "
+                        "HunyuanVideo 1.5 folder")
 
 
 CAPTION_FILES = ("captions.jsonl", "videos2caption.json")  # distillery.data.video_folder.CAPTION_FILES (a test keeps them equal)
@@ -423,6 +424,42 @@ def check_paths(params: Params, stage: str | None = None, order: tuple[str, ...]
     for reader, check in PATH_PARAMS.values():
         if stage is None or reader not in order or order.index(reader) >= at:
             check(params)
+
+
+#: The stages that check the recipes against the base's model family: the base stage (it reads the base folder; before
+#: the latents are encoded) and the training stages (they build the models); the stages before the base's import none
+#: of the model registry (their code deps stay free of it).
+FAMILY_CHECKING_STAGES = ("base", *TRAINING_STAGES)
+
+
+def check_recipe_families(params: Params, stage: str | None = None, order: tuple[str, ...] = ()) -> None:
+    """Refuse (one line) a training stage's recipe that ``base.path``'s model family builds no student for — a
+    HunyuanVideo 1.5 base with a causal recipe (``pretrain.method: dfsft``, ``distill.method: self_forcing``) — before
+    its work: ``stage`` (one of :data:`FAMILY_CHECKING_STAGES`; another checks nothing) checks every training stage at
+    or after it in ``order`` that trains (not given, not off), as :func:`check_paths` does (None: all of them, as
+    ``distillery params check`` does). The family is read from the base folder
+    (:func:`distillery.models.registry.family_of`: its transformer's class and layout; the table imports no family);
+    the kind a recipe trains is its module's (:func:`~distillery.pipeline.params.recipes.student_kind`)."""
+    if stage is not None and stage not in FAMILY_CHECKING_STAGES:
+        return
+    order = tuple(order)
+    at = order.index(stage) if stage in order else 0
+    later = [n for n in TRAINING_STAGES if stage is None or n not in order or order.index(n) >= at]
+    running = [n for n in later if not params.get(n).given() and not params.get(n).off()]
+    if not running:
+        return
+    from distillery.models.registry import family_of
+    from distillery.pipeline.params.base_path import resolve_base
+    from distillery.pipeline.params.recipes import student_kind
+
+    base = resolve_base(params.get("base.path"))
+    family = family_of(base)
+    for name in running:
+        kind = student_kind(params.recipe(name))
+        why = family.refusal(kind)
+        if why is not None:
+            raise UserError(f"params.yaml: {name}.method: {params.get(name).method} trains a {kind} student; base.path is a "
+                            f"{family.name} model ({base}): {why}; nothing was run")
 
 
 def check_free_space(stage: str, params: Params, artifacts: Path, runs: Path | None = None) -> None:

@@ -142,6 +142,7 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
         check_memory,
         check_own_folders,
         check_paths,
+        check_recipe_families,
         check_workspace_path,
         check_writable,
         disk_error,
@@ -153,6 +154,7 @@ def run_stage(name: str, params_path: str = "params.yaml") -> int:
     params = Params.load(params_path)
     check_workspace_path(name)  # SQLite (MLflow's store) cannot open a path past ~500 bytes
     check_paths(params, name, tuple(STAGES))  # the folders params.yaml names, as the stages reading them will (this one and later)
+    check_recipe_families(params, name, tuple(STAGES))  # a recipe the base's family builds no student for (this one and later)
     check_memory(name, params)  # from the params (and the latent set's counts) alone: before anything is touched
     check_batch(name, params, ARTIFACTS, stages=tuple(STAGES)[tuple(STAGES).index(name):])  # this and every later training stage
     check_attention(params, name, tuple(STAGES))  # a sparse student this or a later stage cannot train: one line now

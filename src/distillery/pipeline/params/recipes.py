@@ -74,6 +74,13 @@ def recipe_reads(recipe: Recipe, p: Any) -> dict[str, Path]:
     return {} if reads is None else {name: Path(path) for name, path in reads(p).items()}
 
 
+def student_kind(recipe: Recipe) -> str:
+    """The kind of model ``recipe`` trains (:data:`distillery.models.registry.STUDENT_KINDS`): its ``STUDENT`` (a
+    pretrain or PDD recipe's), else its ``PRETRAIN_STUDENT`` (a distill recipe trains the kind it starts from), else
+    ``bidirectional``. Its frozen teacher and critic are bidirectional: every family builds those."""
+    return getattr(recipe, "STUDENT", None) or getattr(recipe, "PRETRAIN_STUDENT", None) or "bidirectional"
+
+
 def _on_path(workspace: Path) -> str:
     root = str(Path(workspace).resolve())
     if sys.path[:1] != [root]:
