@@ -46,6 +46,7 @@ Noise: one ``torch.Generator`` draws everything (the initial latents ``[1, C, T'
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from collections.abc import Iterator
@@ -120,6 +121,22 @@ class ContractSampling:
             if cfg.get(key) is not None:
                 return float(cfg[key])
         return 1.0
+
+    def begin_call(self, prompt: str | list[str] | None, given: Any, given_as: str) -> tuple[Sampler, Any, list[str] | None]:
+        """What every family's call starts with: ``(sampler, denoiser, prompts)`` — the folder's sampler, the denoiser it
+        needs (the speed plan made on the first call) and ``prompt`` as a list (None: none given). A ``ValueError`` when
+        neither ``prompt`` nor ``given`` (the precomputed prompt, passed as ``given_as``) is there."""
+        if prompt is None and given is None:
+            raise ValueError(f"pass prompt= (text) or {given_as}")
+        sampler = build_sampler(self.sampling_contract())
+        model = self.denoiser(sampler)
+        self.prepare_speed(model)
+        return sampler, model, None if prompt is None else [prompt] if isinstance(prompt, str) else list(prompt)
+
+    def end_call(self, video: Any, return_dict: bool, output_class: type) -> Any:
+        """What every family's call ends with: the model hooks freed, ``video`` in the family's output (or a tuple)."""
+        self.maybe_free_model_hooks()
+        return output_class(frames=video) if return_dict else (video,)
 
     def nfe(self, num_frames: int = 81, num_inference_steps: int | None = None, guidance_scale: float | None = None) -> int:
         """Transformer forwards per video of ``num_frames`` frames for a call with these arguments."""
@@ -269,18 +286,15 @@ class DistilledWanPipeline(ContractSampling, WanPipeline):
             self._denoiser.sigma_grid = sampler.grid(self._denoiser)  # the grid its heads and steps run on
         return self._denoiser
 
-    def _inputs(self, prompt, negative_prompt, height, width, num_frames, guidance_scale, max_sequence_length, image,
-                first_frame, image_embeds, prompt_embeds, negative_prompt_embeds) -> tuple[Sampler, WanDenoiser, Conditioning, tuple]:
-        """``(sampler, denoiser, conditioning, latent shape [C, T', H', W'])`` of a call (the speed plan made on the
-        first): the prompt encoded, an image-to-video model's first frame taken (:meth:`__call__`'s arguments)."""
-        if prompt is None and prompt_embeds is None:
-            raise ValueError("pass prompt= (text) or prompt_embeds= [B, L, D]")
-        sampler = build_sampler(self.sampling_contract())
-        model = self.denoiser(sampler)
-        self.prepare_speed(model)
-        prompts = None if prompt is None else [prompt] if isinstance(prompt, str) else list(prompt)
-        text, negative = self.prompt_pair(sampler, model, prompts, negative_prompt, guidance_scale, prompt_embeds,
-                                          negative_prompt_embeds, max_sequence_length)
+    def _inputs(self, a: dict[str, Any]) -> tuple[Sampler, WanDenoiser, Conditioning, tuple]:
+        """``(sampler, denoiser, conditioning, latent shape [C, T', H', W'])`` of a call whose arguments are ``a`` (by
+        name, :meth:`__call__`'s; the speed plan made on the first): the prompt encoded, an image-to-video model's first
+        frame taken."""
+        sampler, model, prompts = self.begin_call(a["prompt"], a["prompt_embeds"], "prompt_embeds= [B, L, D]")
+        text, negative = self.prompt_pair(sampler, model, prompts, a["negative_prompt"], a["guidance_scale"],
+                                          a["prompt_embeds"], a["negative_prompt_embeds"], a["max_sequence_length"])
+        image, first_frame, image_embeds = a["image"], a["first_frame"], a["image_embeds"]
+        num_frames, height, width = a["num_frames"], a["height"], a["width"]
         shape = self.latent_shape(num_frames, height, width)
         if image is not None and first_frame is None:
             first_frame = self.encode_first_frame(image, num_frames, height, width)
@@ -294,37 +308,23 @@ class DistilledWanPipeline(ContractSampling, WanPipeline):
         return sampler, model, cond, shape
 
     @torch.no_grad()
-    def stream(
-        self,
-        prompt: str | list[str] | None = None,
-        negative_prompt: str | list[str] | None = "",
-        height: int = 480,
-        width: int = 832,
-        num_frames: int = 81,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        generator: torch.Generator | None = None,
-        output_type: str = "np",
-        max_sequence_length: int = 512,
-        image: Any = None,
-        first_frame: torch.Tensor | None = None,
-        image_embeds: torch.Tensor | None = None,
-        prompt_embeds: torch.Tensor | None = None,
-        negative_prompt_embeds: torch.Tensor | None = None,
-    ) -> Iterator[Any]:
-        """A causal (``causal_streaming``) student's video chunk by chunk, beside :meth:`__call__` with its arguments:
-        yields each finished chunk's frames (``np``: float32 ``[B, f, H, W, 3]``; ``pt``: ``[B, f, 3, H, W]``; ``pil``:
-        per video a list of images; ``latent``: the chunk's normalised latents ``[B, C, f', H', W']``) — the first
-        chunk's 1 + 4 (f' − 1) frames, then 4 f' a chunk. Concatenated in time they are the frames ``__call__`` returns
-        for the same arguments (bit for bit on the CPU, where both decode with diffusers' loop; on a GPU the fused
-        decode's calls are the chunks, so the sums differ by rounding). Each finished chunk is decoded through the
-        VAE's causal cache on a CUDA stream of higher priority while the next chunk denoises
-        (:class:`distilled_decode.ChunkDecoder`); a ``ValueError`` for another sampler."""
-        sampler, model, cond, shape = self._inputs(prompt, negative_prompt, height, width, num_frames, guidance_scale,
-                                                   max_sequence_length, image, first_frame, image_embeds, prompt_embeds,
-                                                   negative_prompt_embeds)
-        yield from self.stream_frames(sampler, model, cond, shape, generator, num_inference_steps, guidance_scale,
-                                      output_type)
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """A causal (``causal_streaming``) student's video chunk by chunk, for :meth:`__call__`'s arguments (bound to its
+        signature, written once; ``return_dict`` aside): yields each finished chunk's frames (``np``: float32
+        ``[B, f, H, W, 3]``; ``pt``: ``[B, f, 3, H, W]``; ``pil``: per video a list of images; ``latent``: the chunk's
+        normalised latents ``[B, C, f', H', W']``) — the first chunk's 1 + 4 (f' − 1) frames, then 4 f' a chunk.
+        Concatenated in time they are the frames ``__call__`` returns for the same arguments (bit for bit on the CPU,
+        where both decode with diffusers' loop; on a GPU the fused decode's calls are the chunks, so the sums differ by
+        rounding). Each finished chunk is decoded through the VAE's causal cache on a CUDA stream of higher priority
+        while the next chunk denoises (:class:`distilled_decode.ChunkDecoder`); a ``ValueError`` for another sampler."""
+        if "return_dict" in kwargs:
+            raise TypeError("stream() yields frames: it takes __call__'s arguments but return_dict")
+        call = inspect.signature(type(self).__call__).bind(self, *args, **kwargs)
+        call.apply_defaults()
+        a = call.arguments
+        sampler, model, cond, shape = self._inputs(a)
+        yield from self.stream_frames(sampler, model, cond, shape, a["generator"], a["num_inference_steps"],
+                                      a["guidance_scale"], a["output_type"])
         self.maybe_free_model_hooks()
 
     @torch.no_grad()
@@ -352,10 +352,7 @@ class DistilledWanPipeline(ContractSampling, WanPipeline):
         the normalised latents ``[B, C, T', H', W']`` (float32); else decoded as ``WanPipeline`` does. An
         image-to-video model needs ``image`` or ``first_frame`` (+ ``image_embeds`` where it takes them; module doc).
         A causal student's chunks, as they finish: :meth:`stream`."""
-        sampler, model, cond, shape = self._inputs(prompt, negative_prompt, height, width, num_frames, guidance_scale,
-                                                   max_sequence_length, image, first_frame, image_embeds, prompt_embeds,
-                                                   negative_prompt_embeds)
+        sampler, model, cond, shape = self._inputs(locals())  # every argument, by name
         latents = sampler.sample(model, cond, shape, generator, num_steps=num_inference_steps, guidance_scale=guidance_scale)
         video: Any = latents if output_type == "latent" else self.decode_latents(latents, output_type)
-        self.maybe_free_model_hooks()
-        return WanPipelineOutput(frames=video) if return_dict else (video,)
+        return self.end_call(video, return_dict, WanPipelineOutput)

@@ -37,7 +37,7 @@ from .distilled_causal import CausalWanDenoiser  # noqa: F401  (diffusers copies
 from .distilled_cosmos import CausalCosmosDenoiser, CosmosDenoiser, PDDCosmosDenoiser
 from .distilled_decode import ChunkDecoder  # noqa: F401  (as above: what ContractSampling's decode imports)
 from .distilled_fast import SpeedSettings
-from .distilled_samplers import Sampler, build_sampler
+from .distilled_samplers import Sampler
 from .distilled_schedule import inference_sigmas  # noqa: F401  (as above)
 from .distilled_sparse import install_sparse  # noqa: F401  (as above)
 from .distilled_wan import HEADS_FILE, Conditioning
@@ -103,12 +103,7 @@ class DistilledCosmosPipeline(ContractSampling, Cosmos2_5_PredictBasePipeline):
         module doc). ``output_type="latent"``: the normalised latents ``[B, C, T', H', W']`` (float32)."""
         if self.safety_checker is None:
             raise ValueError("no safety checker: the Cosmos license asks for one (module doc)")
-        if prompt is None and prompt_embeds is None:
-            raise ValueError("pass prompt= (text) or prompt_embeds= [B, L, D]")
-        sampler = build_sampler(self.sampling_contract())
-        model = self.denoiser(sampler)
-        self.prepare_speed(model)
-        prompts = None if prompt is None else [prompt] if isinstance(prompt, str) else list(prompt)
+        sampler, model, prompts = self.begin_call(prompt, prompt_embeds, "prompt_embeds= [B, L, D]")
         self.safety_checker.to(model.device)
         for text_prompt in prompts or []:
             if not self.safety_checker.check_text_safety(text_prompt):
@@ -123,5 +118,4 @@ class DistilledCosmosPipeline(ContractSampling, Cosmos2_5_PredictBasePipeline):
             video = np.stack(checked).astype(np.float32) / 255.0
         if output_type == "pil":
             video = [self.video_processor.numpy_to_pil(v) for v in video]
-        self.maybe_free_model_hooks()
-        return CosmosPipelineOutput(frames=video) if return_dict else (video,)
+        return self.end_call(video, return_dict, CosmosPipelineOutput)

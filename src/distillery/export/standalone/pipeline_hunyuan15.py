@@ -36,7 +36,7 @@ from .distilled_causal import CausalWanDenoiser  # noqa: F401  (diffusers copies
 from .distilled_decode import ChunkDecoder  # noqa: F401  (as above: what ContractSampling's decode imports)
 from .distilled_fast import SpeedSettings
 from .distilled_hunyuan15 import HunyuanVideo15Denoiser, PDDHunyuanVideo15Denoiser, pack_streams
-from .distilled_samplers import Sampler, build_sampler, cfg_enabled
+from .distilled_samplers import Sampler, cfg_enabled
 from .distilled_schedule import inference_sigmas  # noqa: F401  (as above)
 from .distilled_sparse import install_sparse  # noqa: F401  (as above)
 from .distilled_wan import HEADS_FILE, Conditioning
@@ -121,12 +121,7 @@ class DistilledHunyuanVideo15Pipeline(ContractSampling, HunyuanVideo15Pipeline):
         ``(embeds, mask, embeds_2, mask_2)``). ``num_inference_steps`` / ``guidance_scale``: None → the contract's (a
         distilled student: its ladder, no CFG; guidance ``u + w (c − u)``, module doc). ``output_type="latent"``: the
         normalised latents ``[B, C, T', H', W']`` (float32)."""
-        if prompt is None and prompt_streams is None:
-            raise ValueError("pass prompt= (text) or prompt_streams= (embeds, mask, embeds_2, mask_2)")
-        sampler = build_sampler(self.sampling_contract())
-        model = self.denoiser(sampler)
-        self.prepare_speed(model)
-        prompts = None if prompt is None else [prompt] if isinstance(prompt, str) else list(prompt)
+        sampler, model, prompts = self.begin_call(prompt, prompt_streams, "prompt_streams= (embeds, mask, embeds_2, mask_2)")
         batch = len(prompts) if prompts is not None else int(prompt_streams[0].shape[0])
         text = self.packed_prompts(prompts, prompt_streams, batch, model.device)
         negative = None
@@ -138,5 +133,4 @@ class DistilledHunyuanVideo15Pipeline(ContractSampling, HunyuanVideo15Pipeline):
         latents = sampler.sample(model, Conditioning(text, negative), self.latent_shape(num_frames, height, width), generator,
                                  num_steps=num_inference_steps, guidance_scale=guidance_scale)
         video: Any = latents if output_type == "latent" else self.decode_latents(latents, output_type)
-        self.maybe_free_model_hooks()
-        return HunyuanVideo15PipelineOutput(frames=video) if return_dict else (video,)
+        return self.end_call(video, return_dict, HunyuanVideo15PipelineOutput)
