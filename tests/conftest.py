@@ -124,6 +124,7 @@ LONGEST_FIRST = ("tests/test_pipeline.py", "tests/test_model_parallel.py", "test
                  "tests/test_method_conformance.py",
                  "tests/test_prompts_stage.py", "tests/test_flows.py", "tests/test_ode_init_stage.py", "tests/test_scale.py",
                  "tests/test_dmd2.py", "tests/test_nft_runs.py", "tests/test_posttrain_dag.py", "tests/test_given_teacher.py", "tests/test_wan22_dag.py",
+                 "tests/test_family_dag.py",
                  "tests/test_lora_dag.py", "tests/test_sp_stage.py",
                  "tests/reliability/test_artifact_trust.py", "tests/test_roles.py", "tests/test_stage_ema.py",
                  "tests/test_preprocess.py", "tests/reliability/test_slurm.py", "tests/test_distributed.py", "tests/test_training.py",
