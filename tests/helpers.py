@@ -188,3 +188,23 @@ def model_folders_of_the_tiny_base(root: Path, stages: tuple[str, ...] = ("base"
         folder = root / "artifacts" / stage / "model" / "transformer"
         folder.mkdir(parents=True, exist_ok=True)
         shutil.copy2(shipped_tiny_base() / "transformer" / "config.json", folder / "config.json")
+
+
+def prompt_twin(latent_set: Path, out: Path) -> Path:
+    """A prompt-only set with the latent set's rows' ids, captions and text embeddings (and its empty prompt), its
+    latent shape in the manifest: what the prompts stage writes, without encoding."""
+    import json
+
+    from distillery.data import LatentDataset, PromptRecord, read_text_embeddings, write_empty_prompt_embedding, write_prompt_shard
+    from distillery.data.dataset import MANIFEST_FILE, read_empty_prompt_embedding
+    from distillery.data.writer import shard_path
+
+    rows = read_text_embeddings(latent_set)
+    records = [PromptRecord(id=rows[i]["id"], caption=rows[i]["caption"], text_embedding=rows[i]["text_embedding"].clone(),
+                            source="twin") for i in range(len(rows))]
+    write_prompt_shard(records, shard_path(out, "train", 0))
+    write_empty_prompt_embedding(out, read_empty_prompt_embedding(latent_set))
+    shape = list(LatentDataset(latent_set)[0]["latents"].shape)
+    (out / MANIFEST_FILE).write_text(json.dumps({"kind": "prompts", "latent_shape": shape, "text_dim": 32,
+                                                 "splits": {"train": {"rows": len(records)}}}))
+    return out

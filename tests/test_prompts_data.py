@@ -13,19 +13,16 @@ no videos — with the latents' trust checks and incremental redo.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_config, train_in_process
+from helpers import prompt_twin, run_config, train_in_process
 
 from distillery.common.errors import UserError
-from distillery.data import LatentDataset, PromptRecord, read_text_embeddings, write_empty_prompt_embedding, write_prompt_shard
-from distillery.data.dataset import MANIFEST_FILE, read_empty_prompt_embedding
+from distillery.data import LatentDataset, read_text_embeddings
 from distillery.data.prompts import PromptsConfig, encode_prompts_file, read_prompts
-from distillery.data.writer import shard_path
 from distillery.models.registry import latent_shape_for
 
 CAPTIONS = ["a red circle moving left on a black background", "a blue square moving up on a white background",
@@ -132,20 +129,6 @@ def test_a_prompt_set_is_refused_to_a_reader_of_latents(tiny_base, tmp_path):
 
 
 # -- training from prompts only --------------------------------------------------------------------------
-def _prompt_twin(latent_set: Path, out: Path) -> Path:
-    """A prompt-only set with the latent set's rows' ids, captions and text embeddings (and its empty prompt), its
-    latent shape in the manifest: what the prompts stage writes, without encoding."""
-    rows = read_text_embeddings(latent_set)
-    records = [PromptRecord(id=rows[i]["id"], caption=rows[i]["caption"], text_embedding=rows[i]["text_embedding"].clone(),
-                            source="twin") for i in range(len(rows))]
-    write_prompt_shard(records, shard_path(out, "train", 0))
-    write_empty_prompt_embedding(out, read_empty_prompt_embedding(latent_set))
-    shape = list(LatentDataset(latent_set)[0]["latents"].shape)
-    (out / MANIFEST_FILE).write_text(json.dumps({"kind": "prompts", "latent_shape": shape, "text_dim": 32,
-                                                 "splits": {"train": {"rows": len(records)}}}))
-    return out
-
-
 def _distill(base: Path, data: Path, out: Path, method: str, **knobs) -> dict:
     targets = {"dmd2": "distillery.methods.dmd2.DMD2Method", "self_forcing": "distillery.methods.self_forcing.SelfForcingMethod",
                "pdd": "distillery.methods.pdd.PDDMethod"}
@@ -169,7 +152,7 @@ def _distill(base: Path, data: Path, out: Path, method: str, **knobs) -> dict:
 def test_simulate_trains_on_prompts_only_as_on_the_latent_set(tiny_base, latent_set, tmp_path, method):
     """The same prompt embeddings with and without video latents: the same losses bit for bit (``simulate`` reads
     the batch's shape and prompts only), and the prompt-only run's batches never held a latent."""
-    twin = _prompt_twin(latent_set, tmp_path / "twin")
+    twin = prompt_twin(latent_set, tmp_path / "twin")
     timing = ("step_time_s", "samples_per_s")
     on_latents, on_prompts = ([{k: v for k, v in row.items() if k not in timing} for row in train_in_process(cfg).history]
                               for cfg in (_distill(tiny_base, latent_set, tmp_path / "a", method),
@@ -198,7 +181,7 @@ def test_a_method_that_reads_video_latents_is_refused_a_prompt_set_before_any_mo
                                                                                          monkeypatch):
     from distillery.models.wan import WanModel
 
-    twin = _prompt_twin(latent_set, tmp_path / "twin")
+    twin = prompt_twin(latent_set, tmp_path / "twin")
     monkeypatch.setattr(WanModel, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError("a model was loaded")))
     for method, knobs in (("dmd2", {"rollout": "data_latent"}), ("pdd", {"rollout": "data_latent"})):
         with pytest.raises(UserError, match="holds prompt embeddings only .*rollout: data_latent trains on video latents") as info:
@@ -210,7 +193,7 @@ def test_a_method_that_reads_video_latents_is_refused_a_prompt_set_before_any_mo
 
 
 def test_a_latent_shape_that_is_not_the_set_s_is_one_line(tiny_base, latent_set, tmp_path):
-    twin = _prompt_twin(latent_set, tmp_path / "twin")
+    twin = prompt_twin(latent_set, tmp_path / "twin")
     cfg = _distill(tiny_base, twin, tmp_path / "run", "dmd2")
     cfg["training"]["data"]["latent_shape"] = [8, 5, 8, 8]
     with pytest.raises(UserError, match=r"training.data.latent_shape: \[8, 5, 8, 8\] differs from the \[8, 3, 8, 8\]"):
@@ -244,7 +227,7 @@ def test_the_first_stage_checks_a_prompt_trained_stage_s_batch_against_the_promp
 def test_in_training_validation_reads_a_prompt_set_s_prompts_and_shape(latent_set, tmp_path):
     from distillery.callbacks.validation import ValidationPrompts
 
-    twin = _prompt_twin(latent_set, tmp_path / "twin")
+    twin = prompt_twin(latent_set, tmp_path / "twin")
     on_latents, on_prompts = (ValidationPrompts.read(root, None, 3, 8) for root in (latent_set, twin))
     assert on_prompts.latent_shape == on_latents.latent_shape == (8, 3, 8, 8)
     assert on_prompts.captions == on_latents.captions and torch.equal(on_prompts.text_embeds, on_latents.text_embeds)

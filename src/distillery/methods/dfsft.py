@@ -27,7 +27,7 @@ import torch
 from distillery.common.errors import UserError
 from distillery.config.typed import bounded, check_fields
 from distillery.methods.base import StepOutput, TrainingMethod, apply_caption_dropout, causal_contract, flow_matching_loss
-from distillery.models.base import CausalModelBase, chunk_bounds, given_first_latent
+from distillery.models.base import CausalModelBase, TrainingBatch, chunk_bounds, given_first_latent
 from distillery.models.schedule import FlowMatchSchedule
 
 
@@ -106,12 +106,21 @@ class DFSFTMethod(TrainingMethod):
         if given:
             tb.noisy_latents = torch.cat([given_first_latent(tb, int(c)), tb.noisy_latents[:, :, 1:]], dim=2)
         apply_caption_dropout(tb, self.config.caption_dropout, self.rng)
-        pred = self.student.predict_noise(tb.noisy_latents, tb.timesteps, tb, conditional=True)
+        return self.loss(tb, idx, skip)
+
+    def loss(self, tb: TrainingBatch, idx: torch.Tensor, skip: int = 0) -> StepOutput:
+        """The weighted loss of a prepared batch ``tb`` (its noise, per-frame timesteps and noisy latents drawn) whose
+        frames after the first ``skip`` (given, not generated) were drawn at table indices ``idx`` ``[B, T − skip]``."""
+        pred = self.predict(tb)
         per_frame = flow_matching_loss(pred, tb, self.config.precondition_outputs).mean(dim=(1, 3, 4))[:, skip:]  # [B, T − skip]
-        timesteps = timesteps[:, skip:]
         weights = self.weights.to(per_frame.device)[idx]
         loss = (weights * per_frame).mean()
         return StepOutput(
             losses={"total_loss": loss, "flow_loss": per_frame.detach().mean()},
-            metrics={"mean_timestep": timesteps.float().mean().detach()},
+            metrics={"mean_timestep": tb.timesteps[:, skip:].float().mean().detach()},
         )
+
+    def predict(self, tb: TrainingBatch) -> torch.Tensor:
+        """The student's velocity of the batch's noisy latents ``[B, C, T, H, W]``: every frame at its own timestep
+        under the student's attention (block-causal for a causal student)."""
+        return self.student.predict_noise(tb.noisy_latents, tb.timesteps, tb, conditional=True)

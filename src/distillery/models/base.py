@@ -406,6 +406,23 @@ class CausalModelBase(ModelBase):
         ``timesteps``: ``[B]`` or per-frame ``[B, chunk_frames]`` in [0, 1000].
         """
 
+    def predict_noise_teacher_forcing(
+        self,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        batch: Conditioning | TrainingBatch,
+        clean_latents: torch.Tensor,
+        conditional: bool = True,
+    ) -> torch.Tensor:
+        """Velocity ``[B, C, T, H, W]`` (float32) of the noisy video ``noisy_latents`` under **teacher forcing**: each
+        chunk attends to its own noisy frames and to the *clean* frames ``clean_latents`` (same shape, at t = 0) of
+        every earlier chunk — the context a chunk-by-chunk sampler holds had it generated the clean video — in one
+        forward, with gradients through the clean context too (Teacher-Forcing SFT, causal consistency distillation).
+        For each chunk it equals :meth:`predict_noise_streaming` against a cache of the clean earlier chunks stored at
+        t = 0 (a test checks it). ``timesteps``: ``[B]`` or per-frame ``[B, T]``. A model without it: one line."""
+        del noisy_latents, timesteps, batch, clean_latents, conditional
+        raise UserError(f"models.{self.role}: {type(self).__name__} has no teacher-forcing forward")
+
     def predict_x0_streaming(
         self,
         noisy_latents: torch.Tensor,

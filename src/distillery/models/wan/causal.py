@@ -82,12 +82,13 @@ class _AttentionPlan:
     dict the blocks write to stays the one the model reads.
     """
 
-    __slots__ = ("chunk_size", "tokens_per_frame", "start_frame", "frames", "past", "store", "lead", "frame_grid")
+    __slots__ = ("chunk_size", "tokens_per_frame", "start_frame", "frames", "past", "store", "lead", "frame_grid",
+                 "context")
 
     def __init__(self, chunk_size: int, tokens_per_frame: int, start_frame: int, frames: int,
                  past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  store: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None, lead: int = 0,
-                 frame_grid: tuple[int, int] | None = None) -> None:
+                 frame_grid: tuple[int, int] | None = None, context: int = 0) -> None:
         self.chunk_size = chunk_size
         self.frame_grid = frame_grid  # a frame's (rows, columns) of tokens: what sparse attention tiles
         self.tokens_per_frame = tokens_per_frame
@@ -96,6 +97,9 @@ class _AttentionPlan:
         self.past = past
         self.store = store
         self.lead = lead  # 1: frame 0 is a block of its own (the given first frame), chunks start at frame 1
+        # teacher forcing: the call is [clean context of `context` frames | the same frames noisy] (frames = 2·context);
+        # a noisy chunk attends to the clean frames before it and to itself, the clean frames block-causally
+        self.context = context
 
     def chunk_end(self, frame: int) -> int:
         """The first frame after the chunk that holds ``frame``."""
@@ -114,6 +118,21 @@ class _AttentionPlan:
             n = self.tokens_per_frame
             groups.append(((frame - self.start_frame) * n, (chunk_end - self.start_frame) * n, chunk_end * n))
             frame = chunk_end
+        return groups
+
+    def key_groups(self) -> list[tuple[int, int, tuple[tuple[int, int], ...]]]:
+        """``(query token begin, query token end, key token ranges)`` per group of queries that see the same keys:
+        the :meth:`query_groups` (one range, the key prefix) — or, teacher forcing (``context`` T), the clean
+        frames' groups over the clean keys, then per chunk ``[s, e)`` its noisy queries over the clean keys of
+        frames ``[0, s)`` and its own noisy keys."""
+        if not self.context:
+            return [(q0, q1, ((0, k1),)) for q0, q1, k1 in self.query_groups()]
+        t, n = self.context, self.tokens_per_frame
+        clean = _AttentionPlan(self.chunk_size, n, 0, t, lead=self.lead)
+        groups = [(q0, q1, ((0, k1),)) for q0, q1, k1 in clean.query_groups()]
+        for q0, q1, _ in clean.query_groups():  # the noisy copy of each chunk: clean past ⊕ its own noisy frames
+            past = ((0, q0),) if q0 else ()
+            groups.append((t * n + q0, t * n + q1, (*past, (t * n + q0, t * n + q1))))
         return groups
 
 
@@ -135,14 +154,20 @@ def planned_rotary(rope: torch.nn.Module, args: tuple, output: Any, device: Any 
     """What a forward hook of a family's ``transformer.rope`` returns inside a planned call (None outside one): its
     ``(cos, sin)`` as a :class:`_PlannedRotary` carrying the plan, the rotary positions shifted so the call's first frame
     sits at ``start_frame`` (computed for the whole ``start_frame + frames`` and sliced: the exact values the rope gives
-    those frames). ``device``: where that whole-video shape is made (``meta`` for a rope that reads only the shape and
+    those frames; under teacher forcing the ``context`` frames' positions twice: clean frame i and noisy frame i sit at
+    position i). ``device``: where that whole-video shape is made (``meta`` for a rope that reads only the shape and
     computes on its own buffers, Wan's; None: the input's own device, for one that computes on it, Cosmos');
     ``token_dim``: the axis of ``cos``/``sin`` that runs over tokens (Wan's ``[1, tokens, 1, head_dim]``: 1)."""
     plan = _PLAN.get()
     if plan is None:
         return None
     cos, sin = output
-    if plan.start_frame:
+    if plan.context:
+        b, c, f, h, w = args[0].shape
+        half = torch.empty((b, c, plan.context, h, w), device=args[0].device if device is None else device)
+        cos, sin = rope.forward(half)
+        cos, sin = torch.cat([cos, cos], dim=token_dim), torch.cat([sin, sin], dim=token_dim)
+    elif plan.start_frame:
         b, c, f, h, w = args[0].shape
         whole = torch.empty((b, c, plan.start_frame + f, h, w), device=args[0].device if device is None else device)
         cos_all, sin_all = rope.forward(whole)
@@ -208,6 +233,9 @@ def _block_causal_attention(processor: CausalWanAttnProcessor, query: torch.Tens
         key = torch.cat([past_k.to(key.dtype), key], dim=1)
         value = torch.cat([past_v.to(value.dtype), value], dim=1)
     if getattr(processor, "sparse", None) is not None:
+        if plan.context:  # its tiles know the block-causal chunks, not the [clean | noisy] halves
+            raise UserError("teacher forcing (pretrain.method tfsft, causal_cd) does not take trained sparse attention "
+                            "yet; train the student dense")
         rows, cols = plan.frame_grid
         return video_sparse_attention(query, key, value, processor.sparse, (key.shape[1] // (rows * cols), rows, cols),
                                       q_start=plan.start_frame, causal=Causal(plan.chunk_size, plan.lead),
@@ -215,10 +243,19 @@ def _block_causal_attention(processor: CausalWanAttnProcessor, query: torch.Tens
     if processor.fa4_mode is not None and fa4_can_run(query):
         return fa4_block_causal(query, key, value, plan, processor.fa4_mode)
     outs = []
-    for q_begin, q_end, k_end in plan.query_groups():
-        outs.append(dispatch_attention_fn(query[:, q_begin:q_end], key[:, :k_end], value[:, :k_end], attn_mask=None,
+    for q_begin, q_end, ranges in plan.key_groups():
+        k, v = _key_ranges(key, ranges), _key_ranges(value, ranges)
+        outs.append(dispatch_attention_fn(query[:, q_begin:q_end], k, v, attn_mask=None,
                                           dropout_p=0.0, is_causal=False, backend=processor._attention_backend))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _key_ranges(keys: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The token ranges ``ranges`` of ``keys`` ``[B, L, heads, head_dim]`` in order (one range: a view)."""
+    if len(ranges) == 1:
+        begin, end = ranges[0]
+        return keys[:, begin:end]
+    return torch.cat([keys[:, begin:end] for begin, end in ranges], dim=1)
 
 
 def block_causal_attention(processor: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -237,13 +274,16 @@ def fa4_block_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """The FA4 op's block-causal attention of ``plan``'s queries over ``key``/``value`` (the cached frames ⊕ the
     call's own, from frame 0): ``prefix``: one plain call per chunk over its key prefix; ``sparse``: one
     block-sparse call with the chunk layout (``chunk_size · tokens_per_frame`` tokens per chunk, the queries
-    starting at token ``start_frame · tokens_per_frame``), or one plain call when the call is one chunk."""
-    groups = plan.query_groups()
-    uniform = not plan.lead or plan.chunk_size == 1  # the block-sparse layout: equal chunks from frame 0 (a given frame 0
-    if mode == "sparse" and len(groups) > 1 and uniform:  # then chunks of 1 is one; of more, per-chunk prefix calls)
+    starting at token ``start_frame · tokens_per_frame``), or one plain call when the call is one chunk. A
+    teacher-forcing call (:attr:`_AttentionPlan.context`) runs one plain call per group of its key groups."""
+    groups = plan.key_groups()
+    # the block-sparse layout: equal chunks from frame 0 (a given frame 0 then chunks of 1 is one; of more, per-chunk calls)
+    uniform = (not plan.lead or plan.chunk_size == 1) and not plan.context
+    if mode == "sparse" and len(groups) > 1 and uniform:
         return fa4_attention(query, key, value, chunk_tokens=plan.chunk_size * plan.tokens_per_frame,
                              q_offset=plan.start_frame * plan.tokens_per_frame)
-    outs = [fa4_attention(query[:, q_begin:q_end], key[:, :k_end], value[:, :k_end]) for q_begin, q_end, k_end in groups]
+    outs = [fa4_attention(query[:, q_begin:q_end], _key_ranges(key, ranges), _key_ranges(value, ranges))
+            for q_begin, q_end, ranges in groups]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
@@ -345,6 +385,29 @@ class BlockCausalModel(CausalModelBase):
         plan = _AttentionPlan(self.chunk_size, self._tokens_per_frame(noisy_latents), 0, noisy_latents.shape[2],
                               lead=self._lead, frame_grid=self._frame_grid(noisy_latents))
         return self._forward(plan, noisy_latents, timesteps, batch, conditional)
+
+    def predict_noise_teacher_forcing(
+        self,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        batch: Conditioning | TrainingBatch,
+        clean_latents: torch.Tensor,
+        conditional: bool = True,
+    ) -> torch.Tensor:
+        """Velocity ``[B, C, T, H, W]`` (float32) of the noisy video under teacher forcing (the
+        :class:`~distillery.models.base.CausalModelBase` contract): one call over ``[clean | noisy]`` (2T frames; the
+        clean copy at t = 0, frame i of both at rotary position i), the plan's :meth:`_AttentionPlan.key_groups`
+        masking it; the noisy half's output is returned. Gradients reach the weights through both halves."""
+        if self.given_first_frame:
+            raise UserError(f"models.{self.role}: teacher forcing of an image-to-video student is not supported")
+        if clean_latents.shape != noisy_latents.shape:
+            raise ValueError(f"clean context {tuple(clean_latents.shape)} does not match {tuple(noisy_latents.shape)}")
+        frames = noisy_latents.shape[2]
+        per_frame = timesteps if timesteps.ndim == 2 else timesteps[:, None].expand(-1, frames)
+        both = torch.cat([torch.zeros_like(per_frame), per_frame], dim=1)
+        hidden = torch.cat([clean_latents.to(noisy_latents.dtype), noisy_latents], dim=2)
+        plan = _AttentionPlan(self.chunk_size, self._tokens_per_frame(noisy_latents), 0, 2 * frames, context=frames)
+        return self._forward(plan, hidden, both, batch, conditional)[:, :, frames:]
 
     def predict_noise_streaming(
         self,
