@@ -99,6 +99,12 @@ def check_data_kind(config: RunConfig) -> None:
         return
     if data_kind(path) == PROMPTS_KIND and method.reads_latents(config.method.config):
         rollout = getattr(config.method.config, "rollout", None)
+        gan = float(getattr(config.method.config, "gan_weight", 0.0) or 0.0)
+        if gan > 0 and rollout != "data_latent":  # a GAN term: the discriminator's real samples are the set's latents
+            raise UserError(f"config error: training.data.path: {path} holds prompt embeddings only (no video latents), "
+                            f"but {method.__name__}'s GAN term (gan_weight {gan:g}) needs real latents for its "
+                            "discriminator; give it a latent set (the latents stage's, or one of the teacher's samples) "
+                            "or set gan_weight 0")
         how = f" with rollout: {rollout}" if rollout else ""
         raise UserError(f"config error: training.data.path: {path} holds prompt embeddings only (no video latents), but "
                         f"{method.__name__}{how} trains on video latents; give it a latent set (the latents stage's)"

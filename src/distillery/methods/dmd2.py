@@ -74,6 +74,11 @@ states (without it, a mismatch under FSDP2 would hang in a collective rather tha
 
 ``simulate`` reads only the prompt embeddings and the batch's latent shape (``data_kind`` prompts: it trains on a
 prompt-only set, and on a latent set without reading its latent columns); ``data_latent`` reads the video latents.
+
+**A discriminator term** (``gan_weight`` > 0; off by default): a head on the critic's hidden states tells noised real
+latents from noised student samples, trained in the critic's step (``gan_discriminator_weight``), and the student's
+loss gets its non-saturating generator term (:mod:`distillery.methods.gan`: the head, the draws — τ', ε' after the
+generator's, ε_r after the critic's — and the losses). The batch's latents are its real samples: it reads a latent set.
 """
 
 from __future__ import annotations
@@ -110,6 +115,9 @@ class DMD2Config:
     min_score_timestep_ratio: float = 0.02  # lowest score timestep τ, as a fraction of 1000
     max_score_timestep_ratio: float = 0.98  # highest score timestep τ, as a fraction of 1000
     check_rank_agreement: bool = False  # debug: all-reduce the shared draws each step, raise if ranks differ
+    gan_weight: float = 0.0  # the student's GAN term's weight (0: no discriminator); methods/gan.py
+    gan_discriminator_weight: float = 0.01  # with it: the discriminator's loss's weight in the critic's step
+    gan_feature_blocks: list[int] | None = None  # the critic's blocks the discriminator reads; null: 3 (methods/gan.py)
 
     def __post_init__(self) -> None:
         check_fields(self, "method")  # the declared ranges, for a config built in Python
@@ -127,6 +135,8 @@ class DMD2Config:
         if not self.real_score_guidance_scale >= 0.0:
             raise ValueError("real_score_guidance_scale must be >= 0")
         check_score_timestep_range(self.min_score_timestep_ratio, self.max_score_timestep_ratio)
+        if not (self.gan_weight >= 0.0 and self.gan_discriminator_weight >= 0.0):
+            raise ValueError("gan_weight and gan_discriminator_weight must be >= 0")
 
 
 def warped_ladder(schedule: FlowMatchSchedule, num_steps: int) -> list[float]:
@@ -221,19 +231,42 @@ def distribution_matching_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels,
     return loss, metrics
 
 
-def fake_score_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels,
-                    skip_frames: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The critic's flow-matching loss on the detached student sample ``x0`` (module doc, step 3:
-    draws t ``[B]``, then ε); ``skip_frames``: given leading frames, in the critic's input, not in its loss."""
+@dataclass
+class CriticPass:
+    """The critic's flow-matching forward on a detached student sample: its loss and metrics, the per-sample
+    timesteps ``t [B]`` it drew and (when asked) the hidden states of the blocks asked for (a discriminator's input)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+    t: torch.Tensor
+    features: list[torch.Tensor]
+
+
+def critic_flow_matching(x0: torch.Tensor, cond: Any, scores: ScoreModels, skip_frames: int = 0,
+                         feature_blocks: list[int] | None = None) -> CriticPass:
+    """The critic's flow-matching loss on the detached student sample ``x0`` (module doc, step 3: draws t ``[B]``,
+    then ε); ``skip_frames``: given leading frames, in the critic's input, not in its loss; ``feature_blocks``: also
+    keep those blocks' hidden states of the same forward
+    (:meth:`~distillery.models.base.ModelBase.predict_noise_with_features`, a discriminator's input)."""
     x0 = x0.detach().float()
     t = scores.draw_timesteps(x0.shape[0])
     noise = scores.rng.randn(x0.shape).to(x0.device)
     x_t = renoise(x0, noise, scores.critic.schedule.sigma(t))
-    v = scores.critic.predict_noise(x_t, t, cond, conditional=True)
+    features: list[torch.Tensor] = []
+    if feature_blocks:
+        v, features = scores.critic.predict_noise_with_features(x_t, t, cond, feature_blocks, conditional=True)
+    else:
+        v = scores.critic.predict_noise(x_t, t, cond, conditional=True)
     if skip_frames:
         v, noise, x0 = v[:, :, skip_frames:], noise[:, :, skip_frames:], x0[:, :, skip_frames:]
-    loss = F.mse_loss(v, noise - x0)
-    return loss, {"critic_timestep": t.mean()}
+    return CriticPass(F.mse_loss(v, noise - x0), {"critic_timestep": t.mean()}, t, features)
+
+
+def fake_score_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels,
+                    skip_frames: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's flow-matching loss and metrics (:func:`critic_flow_matching`)."""
+    critic = critic_flow_matching(x0, cond, scores, skip_frames)
+    return critic.loss, critic.metrics
 
 
 class DMD2Method(ScoreTimesteps, TrainingMethod):
@@ -247,8 +280,9 @@ class DMD2Method(ScoreTimesteps, TrainingMethod):
 
     @classmethod
     def reads_latents(cls, config: DMD2Config) -> bool:
-        """Only ``data_latent`` starts from the data's latents; ``simulate`` starts from noise of the batch's shape."""
-        return config.rollout == "data_latent"
+        """``data_latent`` starts from the data's latents, a GAN term (``gan_weight`` > 0) reads them as its real
+        samples; ``simulate`` alone starts from noise of the batch's shape."""
+        return config.rollout == "data_latent" or config.gan_weight > 0
 
     def __init__(self, config: DMD2Config, role_models: dict[str, ModelBase], training: Any, rank: int = 0, **kwargs: Any) -> None:
         super().__init__(config, role_models, training, rank, **kwargs)
@@ -262,6 +296,16 @@ class DMD2Method(ScoreTimesteps, TrainingMethod):
         for role in ("teacher", "critic"):
             if role_models[role].schedule.num_train_timesteps != n:
                 raise UserError(f"config error: models.{role}: its timestep scale differs from the student's ({n})")
+        self.gan_blocks: list[int] | None = None  # the critic's blocks the discriminator reads; None: no GAN term
+        if config.gan_weight > 0:
+            from distillery.methods.gan import attach_discriminator
+
+            self.gan_blocks = attach_discriminator(self.critic, config.gan_feature_blocks)
+
+    @property
+    def given_frames(self) -> int:
+        """Leading latent frames that are given, not generated (0; a causal image-to-video student's 1: Self-Forcing)."""
+        return 0
 
     # -- schedule ---------------------------------------------------------------------------
     def is_update_step(self, step: int) -> bool:
@@ -349,11 +393,19 @@ class DMD2Method(ScoreTimesteps, TrainingMethod):
         losses: dict[str, torch.Tensor] = {}
         metrics: dict[str, torch.Tensor] = self.exit_metrics(exit_step)
         gen_loss = None
+        total = torch.zeros((), device=x0.device)
         if update:
             gen_loss, gen_metrics = self.generator_loss(x0, cond)
             losses["generator_loss"] = gen_loss.detach()
+            total = gen_loss
+            if self.gan_blocks is not None:  # the GAN term: its gradient into the student, its value logged
+                from distillery.methods.gan import generator_gan_term
+
+                term, gan_metrics = generator_gan_term(x0, cond, self.score_models(), self.gan_blocks)
+                gen_loss = gen_loss + self.config.gan_weight * term
+                total = losses["generator_loss"] + self.config.gan_weight * gan_metrics["gan_generator_loss"]
+                gen_metrics.update(gan_metrics)
             metrics.update(gen_metrics)
-        total = gen_loss if gen_loss is not None else torch.zeros((), device=x0.device)
         ctx = {"update": update, "generator_loss": gen_loss, "sample": x0.detach(), "cond": cond}
         return StepOutput(losses={"total_loss": total, **losses}, backward_ctx=ctx, metrics=metrics)
 
@@ -366,8 +418,17 @@ class DMD2Method(ScoreTimesteps, TrainingMethod):
         gen_loss = ctx.pop("generator_loss")
         if gen_loss is not None and gen_loss.requires_grad:
             self.student.backward(gen_loss, None, grad_accum_rounds)
-        crit_loss, crit_metrics = self.critic_loss(ctx.pop("sample"), ctx.pop("cond"))
-        self.critic.backward(crit_loss, None, grad_accum_rounds)
+        sample, cond = ctx.pop("sample"), ctx.pop("cond")
+        if self.gan_blocks is None:
+            crit_loss, crit_metrics = self.critic_loss(sample, cond)
+            self.critic.backward(crit_loss, None, grad_accum_rounds)
+        else:  # the fake-score pass keeps the discriminator's features; the real pass follows it (methods/gan.py)
+            from distillery.methods.gan import critic_step_with_discriminator
+
+            fake = critic_flow_matching(sample, cond, self.score_models(), self.given_frames, self.gan_blocks)
+            crit_loss, crit_metrics = critic_step_with_discriminator(fake, cond.latents, cond, self.score_models(),
+                                                                     self.gan_blocks, self.config.gan_discriminator_weight,
+                                                                     grad_accum_rounds)
         output.losses["critic_loss"] = crit_loss.detach()
         output.losses["total_loss"] = output.losses["total_loss"].detach() + output.losses["critic_loss"]
         output.metrics.update(crit_metrics)

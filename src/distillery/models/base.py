@@ -102,6 +102,7 @@ class ModelBase(ABC):
         self.compute_dtype = torch.float32
         self.compute_copy: ComputeCopy | None = None
         self.lora: Any = None  # the LoraConfig of the adapter that trains on the transformer (apply_lora); None: none
+        self.attached: dict[str, torch.nn.Module] = {}  # modules a method trains with this role (attach_trainable)
 
     @property
     def trainable(self) -> bool:
@@ -125,9 +126,49 @@ class ModelBase(ABC):
 
     def trainable_modules(self) -> dict[str, torch.nn.Module]:
         """The modules of this role that train, by name (``{"transformer": ...}``; a PDD model adds
-        its head bank). Placement and sharding, optimizers, checkpoints (``roles.<role>.<name>``),
-        EMA and export all go through this; nothing else decides what trains."""
-        return {"transformer": self.transformer}
+        its head bank; a method may attach its own, :meth:`attach_trainable`). Placement and sharding, optimizers,
+        checkpoints (``roles.<role>.<name>``), EMA and export all go through this; nothing else decides what trains."""
+        return {"transformer": self.transformer, **self.attached}
+
+    def attach_trainable(self, name: str, module: torch.nn.Module) -> None:
+        """Train ``module`` with this role (e.g. a discriminator head on a critic's hidden states): one of its
+        :meth:`trainable_modules` from now on, so placed (its own FSDP2 unit), optimized, clipped and checkpointed
+        (``roles.<role>.<name>``) with it. Call it before placement (a method's ``__init__``)."""
+        if name in self.trainable_modules():
+            raise ValueError(f"models.{self.role} already trains a module named {name!r}")
+        self.attached[name] = module.requires_grad_(True)
+
+    def hidden_width(self) -> int:
+        """The width of the hidden states its blocks return (:meth:`predict_noise_with_features`); a model that does
+        not say: one line."""
+        raise UserError(f"models.{self.role}: {type(self).__name__} does not expose its hidden states")
+
+    def predict_noise_with_features(
+        self,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        batch: Conditioning | TrainingBatch,
+        blocks: list[int],
+        conditional: bool = True,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`predict_noise`, and the hidden states ``[B, L, D]`` (the compute dtype, with graph) that the
+        repeated blocks ``blocks`` (indices into :meth:`shardable_blocks` of the module that computes) returned in that
+        forward — read by forward hooks that live for this call only."""
+        modules = self.shardable_blocks(self.forward_module)
+        captured: dict[int, torch.Tensor] = {}
+
+        def keep(index: int) -> Any:
+            def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+                captured.setdefault(index, output if isinstance(output, torch.Tensor) else output[0])
+            return hook
+
+        handles = [modules[i].register_forward_hook(keep(i)) for i in sorted(set(blocks))]
+        try:
+            velocity = self.predict_noise(noisy_latents, timesteps, batch, conditional)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return velocity, [captured[i] for i in blocks]
 
     def twin(self, name: str) -> "ModelBase":
         """A frozen twin of this role for shadow weights (:mod:`distillery.components.shadow`): a deep copy, made

@@ -161,6 +161,11 @@ class WanModel(ModelBase):
         for transformer in (self.transformer.experts if isinstance(self.transformer, WanExperts) else (self.transformer,)):
             install_tensor_parallel(transformer, mesh)
 
+    def hidden_width(self) -> int:
+        """``num_attention_heads · attention_head_dim``: the width of the hidden states every block returns."""
+        config = self.transformer_config()
+        return int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+
     def shardable_blocks(self, module: torch.nn.Module | None = None) -> list[torch.nn.Module]:
         return list((module if module is not None else self.transformer).blocks)
 

@@ -196,7 +196,7 @@ class HeadBankModel(PDDModelBase):
 
     # -- what trains, what is saved ------------------------------------------------------------
     def trainable_modules(self) -> dict[str, torch.nn.Module]:
-        return {"transformer": self.transformer, "heads": self.head_bank}
+        return {"transformer": self.transformer, "heads": self.head_bank, **self.attached}
 
     def transformer_config(self) -> dict[str, Any]:
         return {**super().transformer_config(), "_pdd_steps": self.pdd_steps}
