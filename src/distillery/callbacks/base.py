@@ -24,6 +24,24 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class RunControl:
+    """What callbacks may ask of the training loop; the trainer reads it after each step's callbacks.
+
+    - ``save``: write a checkpoint at this step (besides ``save_every``); the trainer clears it after saving;
+    - ``stop``: a reason (one line): the trainer writes a checkpoint at this step, logs the reason and ends the run
+      (set at loop start — a resumed run that had stopped — it ends before any step);
+    - ``keep``: steps whose checkpoints ``keep_last`` never prunes;
+    - ``selection``: the checkpoint the run recommends publishing and why (``{"step", "checkpoint", "reason", ...}``;
+      ``checkpoint`` null: none is fit to publish): ``run_summary.json`` names it as the run's checkpoint and records
+      it under ``selection``."""
+
+    save: bool = False
+    stop: str | None = None
+    keep: set[int] = field(default_factory=set)
+    selection: dict[str, Any] | None = None
+
+
+@dataclass
 class CallbackContext:
     """What callbacks may see — a narrow view, never the method object:
 
@@ -32,7 +50,9 @@ class CallbackContext:
     - ``sampling``: the method's sampling contract (``sampling.json`` content: the sampler to
       build from :mod:`distillery.sampling` for the student), or None;
     - ``tracker``: the run's tracker (``log_metrics``, ``log_artifact``; rank 0 does the writing);
-    - ``rank``, ``world_size``, ``max_train_steps``.
+    - ``rank``, ``world_size``, ``max_train_steps``;
+    - ``control``: what a callback may ask of the loop (:class:`RunControl`: a checkpoint now, a stop, a checkpoint
+      kept from pruning, the checkpoint to publish).
     """
 
     roles: dict[str, "ModelBase"]
@@ -42,6 +62,7 @@ class CallbackContext:
     roles_to_step: Callable[[int], list[str]] = field(default=lambda step: [])
     sampling: dict[str, Any] | None = None
     tracker: Any = None
+    control: RunControl = field(default_factory=RunControl)
 
 
 class Callback:
@@ -62,7 +83,7 @@ class Callback:
         valid = sorted(roles)
         for field_name in getattr(cls, "role_fields", ()):
             value = getattr(config, field_name)
-            for role in [value] if isinstance(value, str) else value:
+            for role in [value] if isinstance(value, str) else (value or []):  # None: no role named
                 if role not in valid:
                     raise UserError(f"config error: {where}.{field_name}: {role!r} is not a role of this run; "
                                     f"valid: {', '.join(valid)}")

@@ -149,12 +149,17 @@ class VideoScorer:
         self.score: Score | None = scorer(folder) if scorer is not None else None
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> "np.ndarray":
-        """Normalised latents ``[1, C, T', H', W']`` → ``uint8 [T, H, W, 3]`` frames (as the VAE's pipeline decodes)."""
+    def decode_raw(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents ``[1, C, T', H', W']`` → the VAE's video ``float32 [1, 3, T, H, W]`` as decoded, before
+        the clamp to ``[-1, 1]`` (a value at or beyond ±1 is a clipped pixel)."""
         from distillery.data.encoders import denormalize_latents
 
         z = denormalize_latents(self.vae, latents.float().to(self.device))
-        video = self.vae.decode(z, return_dict=False)[0].clamp(-1, 1)
+        return self.vae.decode(z, return_dict=False)[0].float()
+
+    def decode(self, latents: torch.Tensor) -> "np.ndarray":
+        """Normalised latents ``[1, C, T', H', W']`` → ``uint8 [T, H, W, 3]`` frames (as the VAE's pipeline decodes)."""
+        video = self.decode_raw(latents).clamp(-1, 1)
         return ((video + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 3, 0).cpu().numpy()
 
 
@@ -202,7 +207,7 @@ class ValidationCallback(Callback):
         prompts = self._prompts
         generators = [torch.Generator().manual_seed(cfg.generator_seed(i)) for i in range(len(prompts.captions))]
         started = time.perf_counter()
-        with _eval_mode(model), torch.no_grad():
+        with eval_mode(model), torch.no_grad():
             latents = sampler.sample(model, prompts.conditioning(), prompts.latent_shape, generators,
                                      num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale)
         _synchronize(model.device)
@@ -248,7 +253,7 @@ class ValidationCallback(Callback):
         return metrics
 
 
-class _eval_mode:
+class eval_mode:
     """Put a role's modules in eval mode for sampling and restore their training flags after."""
 
     def __init__(self, model: "ModelBase") -> None:

@@ -74,14 +74,22 @@ class Trainer:
             with self.logger.session(start, run_id, self.config) as tracker:
                 self.ctx.tracker = tracker
                 self.callbacks.on_loop_start(self.ctx, start)
-                for step in range(start + 1, self.loop.max_train_steps + 1):
+                control = self.ctx.control
+                last = self.loop.max_train_steps
+                if control.stop:  # a run a callback stopped, resumed: it stays stopped
+                    log.warning("not training past step %d: %s", start, control.stop)
+                    last = start
+                for step in range(start + 1, last + 1):
                     clock = self.metrics.clock()
                     tensors = self.train_step(step)
                     self.step = step
-                    saving = self._checkpoint_due(step)
+                    saving = self._checkpoint_due(step) or control.save or control.stop is not None
                     self._log(step, tensors, clock, now=saving or step == self.loop.max_train_steps)
                     if saving:
                         self._save_checkpoint(step)
+                    if control.stop:
+                        log.warning("stopping at step %d: %s", step, control.stop)
+                        break
                     if step == self.loop.stop_at_step:
                         log.info("stopping at step %d as asked (training.loop.stop_at_step); rerun to continue", step)
                         break
@@ -190,8 +198,11 @@ class Trainer:
             raise UserError(problem)
 
     def _save_checkpoint(self, step: int) -> None:
-        """Save step ``step`` (collective), then hand MLflow the steps it now covers."""
+        """Save step ``step`` (collective; the checkpoints the callbacks keep are not pruned), then hand MLflow the
+        steps it now covers."""
+        self.ckpt.keep = set(self.ctx.control.keep)
         self.saved = self.ckpt.save(step, self._payload())
+        self.ctx.control.save = False
         self.logger.flush()
 
     def _position(self) -> dict[str, int]:
@@ -236,12 +247,19 @@ class Trainer:
 
     def _result(self, start: int) -> TrainResult:
         """What this invocation trained; also written as ``run_summary.json``. A rerun of a
-        finished run trains nothing and returns its newest checkpoint."""
+        finished (or callback-stopped) run trains nothing and returns its newest checkpoint. A checkpoint a callback
+        selected (:class:`~distillery.callbacks.base.RunControl`) is the run's checkpoint instead, said once."""
         checkpoint = self.saved
-        if checkpoint is None and start == self.loop.max_train_steps:
+        if checkpoint is None and (start == self.loop.max_train_steps or self.ctx.control.stop):
             checkpoint = self.ckpt.resume_path("latest")
+        selection = self.ctx.control.selection
+        if selection is not None:
+            chosen = selection.get("checkpoint")
+            checkpoint = Path(self.config.training.checkpoint.output_dir) / chosen if chosen else None
+            log.info("the run's checkpoint: %s (%s)", chosen or "none", selection.get("reason", ""))
         result = TrainResult(self.step, checkpoint, self.logger.history, self.logger.run_id)
-        self.logger.write_summary(self.step, checkpoint, self.config.method.target, self.method.sampling_contract())
+        self.logger.write_summary(self.step, checkpoint, self.config.method.target, self.method.sampling_contract(),
+                                  selection)
         return result
 
     @contextlib.contextmanager

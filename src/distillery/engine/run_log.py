@@ -155,13 +155,16 @@ class RunLogger:
                 self.tracker.log_metrics({k: v for k, v in r.items() if k != "step"}, int(r["step"]))
 
     # -- run_summary.json ----------------------------------------------------------------------------
-    def write_summary(self, final_step: int, checkpoint: Path | None, method: str, sampling: dict[str, Any] | None) -> None:
+    def write_summary(self, final_step: int, checkpoint: Path | None, method: str, sampling: dict[str, Any] | None,
+                      selection: dict[str, Any] | None = None) -> None:
         """Rank 0: what a pipeline stage needs from a finished invocation, so it never parses logs or
         checkpoint internals: ``format``, ``final_step``, ``checkpoint`` (folder name in the output
         dir, or null), ``mlflow_run_id``, ``method`` (its ``_target_``), ``last_metrics`` (the last
         logged row), ``loss`` (``[{"step", "loss"}]``: total_loss of every logged step of the run,
-        resumed parts included), ``losses`` (:func:`component_losses`: each loss on its own), ``sampling`` (the method's sampling contract) and ``timing`` (this
-        invocation's step times without its warm-up steps: :func:`summarize_step_times`, or null)."""
+        resumed parts included), ``losses`` (:func:`component_losses`: each loss on its own), ``sampling`` (the method's
+        sampling contract), ``timing`` (this invocation's step times without its warm-up steps:
+        :func:`summarize_step_times`, or null) and, when a callback selected the run's checkpoint (the collapse
+        watch), ``selection``: which and why (``checkpoint`` is then that one)."""
         if not self.is_main:
             return
         rows = self._rows()
@@ -177,4 +180,6 @@ class RunLogger:
             "sampling": sampling,
             "timing": summarize_step_times(self.history),  # this invocation's steady steps, warm-up dropped
         }
+        if selection is not None:
+            summary["selection"] = selection
         write_text_atomic(self.output_dir / SUMMARY_FILE, json.dumps(summary, indent=2))

@@ -196,6 +196,7 @@ class CheckpointManager:
     def __init__(self, output_dir: str | Path, keep_last: int, rank: int, world_size: int) -> None:
         self.output_dir = Path(output_dir)
         self.keep_last = keep_last
+        self.keep: set[int] = set()  # steps whose checkpoints keep_last never prunes (e.g. the one a run selects)
         self.rank = rank
         self.world_size = world_size
         self._verified: dict[Path, Damage | None] = {}  # rank 0: verification results of this process
@@ -281,12 +282,12 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         """Delete killed saves' temp folders and, beyond ``keep_last``, this folder's oldest recorded
-        checkpoints — never a folder the record does not name, never through a link."""
+        checkpoints (those of :attr:`keep` aside) — never a folder the record does not name, never through a link."""
         for child in self.output_dir.glob(".tmp-checkpoint-*"):
             if CHECKPOINT_RE.match(child.name[len(".tmp-"):]) and child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child, ignore_errors=True)
         if self.keep_last:
-            old = list_checkpoints(self.output_dir)[: -self.keep_last]
+            old = [(step, path) for step, path in list_checkpoints(self.output_dir)[: -self.keep_last] if step not in self.keep]
             for _, path in old:
                 shutil.rmtree(path, ignore_errors=True)
             checkpoint_record.forget(self.output_dir, {path.name for _, path in old if not path.exists()})
