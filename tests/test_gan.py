@@ -128,3 +128,18 @@ def test_the_critics_step_adds_the_discriminators_loss_at_the_same_timesteps(tin
     d_loss = F.softplus(-d_real).mean() + F.softplus(d_fake).mean()
     assert float(metrics["gan_discriminator_loss"]) == pytest.approx(float(d_loss), rel=1e-5)
     assert float(total) == pytest.approx(float(fake.loss.detach()) + weight * float(d_loss), rel=1e-5)
+
+
+def test_sequence_parallelism_is_refused_with_the_gan_term_before_any_model_loads(tiny_base, latent_set, tmp_path):
+    from distillery.engine.builder import check_roles_early
+
+    cfg = run_config(tiny_base, latent_set, tmp_path / "run", method="distillery.methods.dmd2.DMD2Method",
+                     method_knobs={"gan_weight": 0.05})
+    wan = "distillery.models.wan.WanModel"
+    cfg["models"].update(teacher={"_target_": wan, "init_from": str(tiny_base), "trainable": False},
+                         critic={"_target_": wan, "init_from": str(tiny_base)})
+    cfg["training"]["distributed"] = {"sp_size": 2}
+    with pytest.raises(UserError, match=r"sp_size: 2, but DMD2Method's GAN term \(gan_weight 0.05\) does not take sequence"):
+        check_roles_early(load_run_config(raw=cfg, prefixes=allowed_prefixes()))
+    cfg["method"]["gan_weight"] = 0.0
+    check_roles_early(load_run_config(raw=cfg, prefixes=allowed_prefixes()))  # DMD2 alone takes it

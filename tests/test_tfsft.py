@@ -1,8 +1,8 @@
 """Teacher-Forcing SFT (src/distillery/methods/tfsft.py) and the causal Wan's teacher-forcing forward on the tiny Wan.
 
 - the teacher-forcing forward gives each chunk what streaming gives it against a cache of the clean earlier chunks
-  stored at t = 0, bit for bit (for chunks of 1 and 2, a short last chunk included), and its gradient reaches the
-  weights through the clean context too;
+  stored at t = 0, bit for bit (for chunks of 1 and 2, a short last chunk included; a causal Cosmos within fp32
+  rounding), and its gradient reaches the weights through the clean context too;
 - TFSFT is DFSFT's draws and loss through that forward: the same draws, another forward (the context is clean);
 - refusals: a bidirectional student (from the config), an image-to-video student.
 
@@ -52,6 +52,28 @@ def test_teacher_forcing_is_streaming_over_a_clean_cache(tiny_base, chunk):
         model.predict_noise_streaming(clean[:, :, start:end], torch.zeros(b, end - start), cond, cache_tag="tf",
                                       store_kv=True, cur_start_frame=start)
     assert torch.equal(forced, torch.cat(streamed, dim=2))
+
+
+def test_teacher_forcing_is_the_block_causal_half_of_every_family(tmp_path):
+    """The teacher-forcing forward belongs to the block-causal half every family's causal student shares: a causal
+    Cosmos gives each chunk what streaming over a clean cache gives it too (fp32 rounding)."""
+    from distillery.models.cosmos.causal import CausalCosmosModel, CausalCosmosModelConfig
+    from distillery.tinybase.cosmos import make_tiny_cosmos
+
+    model = CausalCosmosModel(CausalCosmosModelConfig(init_from=str(make_tiny_cosmos(tmp_path / "cosmos", seed=0)),
+                                                      chunk_size=1), "student")
+    g = torch.Generator().manual_seed(0)
+    clean, noisy = (torch.randn(1, model.in_channels, 3, 8, 8, generator=g) for _ in range(2))
+    t = torch.rand(1, 3, generator=g) * 1000
+    cond = Conditioning(torch.randn(1, 8, model.text_dim, generator=g))
+    forced = model.predict_noise_teacher_forcing(noisy, t, cond, clean)
+    streamed = []
+    for start in range(3):
+        streamed.append(model.predict_noise_streaming(noisy[:, :, start:start + 1], t[:, start:start + 1], cond,
+                                                      cache_tag="tf", store_kv=False, cur_start_frame=start))
+        model.predict_noise_streaming(clean[:, :, start:start + 1], torch.zeros(1, 1), cond, cache_tag="tf", store_kv=True,
+                                      cur_start_frame=start)
+    torch.testing.assert_close(forced, torch.cat(streamed, dim=2), rtol=1e-5, atol=1e-5)
 
 
 def test_the_gradient_reaches_the_weights_through_the_clean_context(tiny_base):

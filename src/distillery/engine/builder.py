@@ -102,11 +102,11 @@ def check_model_parallel_fit(config: RunConfig) -> None:
     dist_cfg = config.training.distributed
     sp_size, tp_size = dist_cfg.sp_size, dist_cfg.tp_size
     method = config.method.cls
-    for key, size, flag, what in (("sp_size", sp_size, "sequence_parallel", "sequence"),
-                                  ("tp_size", tp_size, "tensor_parallel", "tensor")):
-        if size > 1 and not getattr(method, flag, False):
-            raise UserError(f"config error: training.distributed.{key}: {size}, but {method.__name__} does not take "
-                            f"{what} parallelism; use {key} 1")
+    for key, size, what in (("sp_size", sp_size, "sequence"), ("tp_size", tp_size, "tensor")):
+        problem = method.parallel_problem(config.method.config, what) if hasattr(method, "parallel_problem") else \
+            None if getattr(method, f"{what}_parallel", False) else f"{method.__name__} does not take {what} parallelism"
+        if size > 1 and problem:
+            raise UserError(f"config error: training.distributed.{key}: {size}, but {problem}; use {key} 1")
     if sp_size == 1 and tp_size == 1:
         return
     key = "tp_size" if tp_size > 1 else "sp_size"

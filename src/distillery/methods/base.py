@@ -140,6 +140,13 @@ class TrainingMethod(ABC):
         self.shadows: dict[str, ShadowWeights] = {}
 
     @classmethod
+    def parallel_problem(cls, config: Any, kind: str) -> str | None:
+        """Why the method with ``config`` cannot run under ``kind`` (``sequence`` | ``tensor``) parallelism (one
+        phrase), or None: by default :attr:`sequence_parallel` / :attr:`tensor_parallel` decides."""
+        del config
+        return None if getattr(cls, f"{kind}_parallel") else f"{cls.__name__} does not take {kind} parallelism"
+
+    @classmethod
     def shadow_networks(cls, config: Any) -> dict[str, str]:
         """The target networks this method reads with ``config``: name → the trainable role whose shadow weights
         they compute with (module doc). Default: none."""

@@ -86,6 +86,8 @@ class CausalCDMethod(TrainingMethod):
     frozen_roles = ("teacher",)
     role_kinds = {"student": CausalModelBase}
     data_kind = "latents"
+    sequence_parallel = False  # its teacher-forcing forward is not checked under sequence parallelism yet
+    tensor_parallel = False  # nor under tensor parallelism
 
     @classmethod
     def shadow_networks(cls, config: CausalCDConfig) -> dict[str, str]:

@@ -279,6 +279,14 @@ class DMD2Method(ScoreTimesteps, TrainingMethod):
     data_kind = "latents"
 
     @classmethod
+    def parallel_problem(cls, config: DMD2Config, kind: str) -> str | None:
+        """The GAN term takes neither (under SP its head would pool one rank's share of the tokens; under TP it is not
+        checked yet)."""
+        if config.gan_weight > 0:
+            return f"{cls.__name__}'s GAN term (gan_weight {config.gan_weight:g}) does not take {kind} parallelism"
+        return super().parallel_problem(config, kind)
+
+    @classmethod
     def reads_latents(cls, config: DMD2Config) -> bool:
         """``data_latent`` starts from the data's latents, a GAN term (``gan_weight`` > 0) reads them as its real
         samples; ``simulate`` alone starts from noise of the batch's shape."""

@@ -38,6 +38,8 @@ class TFSFTMethod(DFSFTMethod):
 
     config_class = TFSFTConfig
     role_kinds = {"student": CausalModelBase}
+    sequence_parallel = False  # its teacher-forcing forward is not checked under sequence parallelism yet
+    tensor_parallel = False  # nor under tensor parallelism
 
     def __init__(self, config: TFSFTConfig, role_models: dict, training: Any, rank: int = 0, **kwargs: Any) -> None:
         super().__init__(config, role_models, training, rank, **kwargs)
