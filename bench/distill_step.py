@@ -12,6 +12,10 @@ clipping at 1.0, one host sync per step), all three roles Wan-1.3B-shaped with r
   - ``pdd_euler`` / ``pdd_mid`` — ``PDDMethod`` (``data_latent``): a ``PDDWanModel`` student (the trunk + an 8-head bank,
                      ``pdd_steps`` 8, blocks up to 8) and the frozen teacher, Euler (1 teacher call) or midpoint (2 calls)
                      targets; no critic;
+  - ``causal_cd``  — ``CausalCDMethod``: causal student (``chunk_size`` 3) on the data latents, a frozen causal teacher
+                     (a Teacher-Forcing SFT student's shape: ``CausalWanModel``), the target network (the student's
+                     frozen twin on shadow weights, its EMA step every iteration); every forward teacher-forced over
+                     ``[clean | noisy]``; no critic;
 
 with ``generator_update_interval: 1`` (every iteration is a generator + critic update, as in the anchor) and
 ``real_score_guidance_scale: 4`` (the teacher runs conditional + unconditional, as in the anchor). Student and critic
@@ -122,6 +126,9 @@ def iteration_flops(method: str, size: tuple[int, int, int], exits: list[int], a
       ``start_gradient_frame`` is 0) + 1 no-grad forward writing the chunk's keys/values to the cache (all but the last
       chunk). Critic and teacher as DMD2, bidirectional over the whole video.
 
+    - Causal CD: every forward is teacher-forced (:func:`teacher_forcing_flops`): the teacher's conditional and
+      unconditional (no grad), the target's (no grad), the student's with graph + its backward: 6 such forwards.
+
     ``exits``: the exit step per iteration (DMD2) or per chunk (Self-Forcing), as the trainer logged them.
     Returns ``{"model": total, "executed": total incl. recompute, "roles": {role: model FLOPs}}``.
     """
@@ -136,6 +143,11 @@ def iteration_flops(method: str, size: tuple[int, int, int], exits: list[int], a
         roles["teacher"] = (2 if method == "pdd_mid" else 1) * 2 * forward_flops(n, shape=teacher_shape())
         model = sum(roles.values())
         return {"model": model, "executed": model + (full if ac else 0.0), "roles": roles}
+    if method == "causal_cd":
+        tf = teacher_forcing_flops(size)
+        roles["student"], roles["target"], roles["teacher"] = 3 * tf, tf, 2 * tf
+        model = sum(roles.values())
+        return {"model": model, "executed": model + (tf if ac else 0.0), "roles": roles}
     if method in ("dmd2_data", "dmd2_sim"):
         k = exits[0] if method == "dmd2_sim" else 0
         roles["student"] = k * full + 3 * full
@@ -159,6 +171,20 @@ def iteration_flops(method: str, size: tuple[int, int, int], exits: list[int], a
     return {"model": model, "executed": model + (recompute if ac else 0.0), "roles": roles}
 
 
+def teacher_forcing_flops(size: tuple[int, int, int], shape: dict | None = None) -> float:
+    """One teacher-forcing forward over ``[clean | noisy]`` (2 × the video's tokens, one call): per chunk c of n_c
+    tokens after P_c earlier ones, its clean queries read the P_c + n_c clean keys and its noisy queries the P_c clean
+    keys + their own n_c: :func:`forward_flops` of each such group, the text's cross-attention keys and values counted
+    once for the call."""
+    shape = WAN_1_3B if shape is None else shape
+    d = shape["num_attention_heads"] * shape["attention_head_dim"]
+    t, h, w = size
+    per_frame = (h // 2) * (w // 2)
+    groups = [(min(CHUNK_SIZE, t - s) * per_frame, (s + min(CHUNK_SIZE, t - s)) * per_frame) for s in range(0, t, CHUNK_SIZE)]
+    text_kv = TEXT_LEN * shape["num_layers"] * 2 * (2 * d * d)
+    return 2 * sum(forward_flops(q, k, shape=shape) for q, k in groups) - (2 * len(groups) - 1) * text_kv
+
+
 # -- the run config -----------------------------------------------------------------------------------
 def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, steps: int, compile_blocks: bool | None,
                        ac: bool, attention: str = "auto", compile_mode: str = "blocks", teacher: Path | None = None) -> dict:
@@ -173,17 +199,22 @@ def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, s
         target = "distillery.methods.pdd.PDDMethod"
         knobs = {"rollout": "data_latent", "integrator": "midpoint" if method == "pdd_mid" else "euler",
                  "teacher_guidance_scale": GUIDANCE, "block_size_max": PDD_STEPS}
-    elif method == "sf":
+    elif method in ("sf", "causal_cd"):
         student = {"_target_": "distillery.models.wan.CausalWanModel", "init_from": str(model), "random_init": True,
                    "chunk_size": CHUNK_SIZE}
         target = "distillery.methods.self_forcing.SelfForcingMethod"
         knobs["rollout"] = "simulate"
+        if method == "causal_cd":  # the grid of the published recipe (48), the EMA target updated every iteration
+            target = "distillery.methods.causal_cd.CausalCDMethod"
+            knobs = {"num_discrete_steps": 48, "guidance_scale": GUIDANCE, "target_decay": 0.99, "target_start_step": 0}
     else:
         target = "distillery.methods.dmd2.DMD2Method"
         knobs["rollout"] = {"dmd2_data": "data_latent", "dmd2_sim": "simulate"}[method]
     models = {"student": student, "teacher": {"_target_": wan, "init_from": str(teacher or model), "random_init": True,
                                               "trainable": False}}
-    if not method.startswith("pdd"):
+    if method == "causal_cd":  # a causal teacher (a Teacher-Forcing SFT student), teacher-forced as the student
+        models["teacher"].update({"_target_": "distillery.models.wan.CausalWanModel", "chunk_size": CHUNK_SIZE})
+    if not method.startswith("pdd") and method != "causal_cd":
         models["critic"] = {"_target_": wan, "init_from": str(model), "random_init": True,
                             "optimizer": {"learning_rate": 1e-5, "betas": [0.0, 0.999]}}
     return {
@@ -204,6 +235,8 @@ def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, s
 
 
 def _exits(method: str, row: dict, size: tuple[int, int, int]) -> list[int]:
+    if method == "causal_cd":  # the grid point drawn
+        return [int(round(row.get("cd_step", 0.0)))]
     if method.startswith("pdd"):  # the supervised head
         return [int(round(row.get("pdd_head", 0.0)))]
     if method != "sf":
@@ -348,7 +381,8 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
         "exits": [_exits(method, row, size) for row in hist], "peak_mem_gib": peak, "peak_reserved_gib": peak_reserved,
         "static_mem_gib": static_gib, "build_s": build_s, "fit_s": fit_s, "iteration_times": times, "gpu_times": gpu,
         "teacher": os.environ.get("BENCH_TEACHER", "1.3b"),
-        "final_losses": {k: hist[-1][k] for k in ("generator_loss", "critic_loss", "pdd_loss") if k in hist[-1]},
+        "final_losses": {k: hist[-1][k] for k in ("generator_loss", "critic_loss", "pdd_loss", "consistency_loss")
+                         if k in hist[-1]},
     }
 
 
