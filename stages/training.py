@@ -152,15 +152,32 @@ def stage_run_config(params: StageParams, parent_run_id: str,
 
 def finished_run(stage: str, config: RunConfig) -> RunSummary:
     """The summary of the run of ``config`` (in ``runs/<stage>``), which must have reached its last step and saved
-    its final checkpoint (one line otherwise)."""
+    its final checkpoint — or been stopped by its collapse watch (``<stage>.stop_on_collapse``) with a pre-collapse
+    checkpoint selected (one line otherwise: a run that collapsed before any healthy check has nothing to publish)."""
     from distillery.pipeline.publish.run_summary import read_run_summary
 
     run_dir = Path(config.training.checkpoint.output_dir)
     summary = read_run_summary(run_dir)
     checkpoint = summary.checkpoint_dir(run_dir)
-    if summary.final_step != config.training.loop.max_train_steps or checkpoint is None or not checkpoint.is_dir():
+    stopped = summary.stopped_early
+    if stopped is not None and checkpoint is None:
+        raise UserError(f"stage {stage}: the collapse watch stopped training at step {summary.final_step} with no "
+                        f"checkpoint fit to publish ({stopped}); lower {stage}.learning_rate or {stage}.steps and rerun")
+    ended = summary.final_step == config.training.loop.max_train_steps or stopped is not None
+    if not ended or checkpoint is None or not checkpoint.is_dir():
         raise UserError(f"stage {stage}: training ended without its final checkpoint in {run_dir}")
     return summary
+
+
+def selected_weights(config: RunConfig, summary: RunSummary) -> dict[str, Any]:
+    """:func:`shipped_weights` and, when a callback chose the run's checkpoint (the collapse watch), ``selected``: which
+    step, why, and where (and whether) the run collapsed — what the artifact's lineage records."""
+    weights = shipped_weights(config)
+    if summary.selection is not None:
+        keys = ("step", "checkpoint", "reason", "by", "collapse_step", "metrics")
+        weights["selected"] = {k: summary.selection.get(k) for k in keys}
+        weights["selected"]["stopped"] = summary.stopped_early is not None
+    return weights
 
 
 def publish_model(summary: RunSummary, config: RunConfig, model: Path) -> None:
@@ -219,7 +236,7 @@ def stage_training(params: StageParams) -> None:
     summary = finished_run(stage, config)
     staging = fresh_staging(stage)
     publish_model(summary, config, staging / "model")
-    weights = {**shipped_weights(config), "attention": shipped_attention(staging / "model")}
+    weights = {**selected_weights(config, summary), "attention": shipped_attention(staging / "model")}
     loss = summary.loss_rows()
     (staging / "loss.json").write_text(json.dumps(loss))
     write_loss_plot(loss, staging / "loss.png", f"{stage}: loss per step",  # the curves offline, beside the data
@@ -230,6 +247,9 @@ def stage_training(params: StageParams) -> None:
     # named for what it is: the mean over the last 10 logged steps (the last step's own loss is noisy; loss.json has it)
     metrics = {"loss_last10_mean": round(sum(r["loss"] for r in last) / len(last), 5), "last_loss": round(last[-1]["loss"], 5),
                "steps": summary.final_step}
+    if summary.selection is not None:  # the checkpoint that ships is the collapse watch's choice
+        metrics["selected_step"] = summary.selection.get("step")
+        log.warning("stage %s: publishing %s: %s", stage, summary.checkpoint, summary.selection.get("reason", ""))
     tracker = config.training.tracker
     mlflow = {"tracking_uri": default_tracking_uri(TrackerConfig()), "experiment": tracker.experiment,
               "run_id": summary.mlflow_run_id, "parent_run_id": tracker.parent_run_id}

@@ -28,11 +28,11 @@ from distillery.pipeline.params.schema import TRAINING_STAGES, ParamsSchema
 from distillery.pipeline.publish.artifacts import write_json_atomic
 from distillery.pipeline.publish.run_summary import SUMMARY_FILE, read_run_summary
 from stages.recipes import registry
-from stages.training import shipped_weights, stage_run_config
+from stages.training import finished_run, selected_weights, shipped_weights, stage_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
-REGISTERED = {"teacher": ["sft"], "pretrain": ["dfsft", "ode_init", "ode_init_bidirectional"],
+REGISTERED = {"teacher": ["sft"], "pretrain": ["causal_cd", "dfsft", "ode_init", "ode_init_bidirectional", "tfsft"],
               "distill": ["dmd2", "self_forcing"], "pdd": ["dm_pdd", "pdd"], "posttrain": ["nft"]}
 RECIPES = [(stage, method) for stage, methods in REGISTERED.items() for method in methods]
 
@@ -121,8 +121,10 @@ def test_a_recipe_builds_its_run_config_from_the_typed_params(tmp_path, monkeypa
     assert config.method.target.startswith("distillery.methods.") and config.models["student"].target.startswith(
         "distillery.models.wan.")
     assert shipped_weights(config) == {"role": "student", "source": "trained"}
-    if method in ("dfsft", "ode_init"):  # one params key, two config fields: the DF noise chunks are the attention chunks
+    if method in ("dfsft", "tfsft", "ode_init"):  # one params key, two config fields: the noise chunks are the attention chunks
         assert config.method.config.chunk_size == config.models["student"].config.chunk_size == 2
+    if method == "causal_cd":  # the block-causal student over pretrain.chunk_size frames
+        assert config.models["student"].config.chunk_size == 2
     if method == "self_forcing":  # the causal student attends over the chunks it was pretrained on
         assert config.models["student"].config.chunk_size == 2
     if stage == "distill":
@@ -220,6 +222,62 @@ def test_distill_critic_init_picks_the_critics_start(tmp_path, monkeypatch, meth
     assert f"artifacts/{critic_init}" in load_dvc_stages(tmp_path)["distill"].deps
 
 
+def test_causal_cd_follows_the_teacher_artifacts_ode_with_its_knobs(tmp_path, monkeypatch):
+    """``pretrain.method: causal_cd``: the causal student beside the frozen teacher artifact (an input of the stage, in
+    its lineage), the teacher's CFG from ``pretrain.guidance_scale`` (ode_init's key: the same meaning), its own knobs;
+    a bidirectional teacher, no trajectories made first."""
+    params = _workspace(tmp_path, monkeypatch, {"pretrain.method": "causal_cd", "pretrain.guidance_scale": 2.5,
+                                                "pretrain.cd_steps": 12, "pretrain.target_decay": 0.9,
+                                                "pretrain.target_start_step": 3})
+    config, inputs = _config(params, "pretrain")
+    assert inputs == {"student": "teacher", "teacher": "teacher"}
+    assert config.models["student"].target == "distillery.models.wan.CausalWanModel"
+    assert config.models["teacher"].target == "distillery.models.wan.WanModel" and not config.models["teacher"].config.trainable
+    m = config.method.config
+    assert config.method.target == "distillery.methods.causal_cd.CausalCDMethod"
+    assert (m.num_discrete_steps, m.guidance_scale, m.target_decay, m.target_start_step) == (12, 2.5, 0.9, 3)
+    with pytest.raises(UserError, match=r"^params.yaml: pretrain.cd_steps: 1: must be ≥ 2"):
+        _workspace(tmp_path / "b", monkeypatch, {"pretrain.method": "causal_cd", "pretrain.cd_steps": 1})
+
+
+@pytest.mark.parametrize("method", ["tfsft", "causal_cd"])
+def test_a_latents_recipe_refuses_a_prompt_only_set(tmp_path, monkeypatch, method):
+    with pytest.raises(UserError, match=rf"^params.yaml: pretrain.data: prompts: pretrain.method {method} trains on video "
+                                        "latents"):
+        _workspace(tmp_path, monkeypatch, {"pretrain.method": method, "pretrain.data": "prompts"})
+
+
+@pytest.mark.parametrize("method", ["self_forcing", "dmd2"])
+def test_distill_gan_weight_and_the_collapse_watch_reach_the_run_config(tmp_path, monkeypatch, method):
+    """``distill.gan_weight`` is the method's discriminator term (0 by default: no head); ``distill.collapse_every``
+    adds the collapse watch over the student — the data it trains on, the base's VAE, the teacher's samples with the
+    real score's CFG — that stops the run with ``distill.stop_on_collapse``."""
+    config, _ = _config(_workspace(tmp_path / "off", monkeypatch, {"distill.method": method}), "distill")
+    assert config.method.config.gan_weight == 0.0 and "collapse" not in config.callbacks
+    params = _workspace(tmp_path / "on", monkeypatch, {"distill.method": method, "distill.gan_weight": 0.05,
+                                                       "distill.collapse_every": 10, "distill.stop_on_collapse": True})
+    config, _ = _config(params, "distill")
+    assert config.method.config.gan_weight == 0.05
+    watch = config.callbacks["collapse"]
+    assert watch.target == "distillery.callbacks.collapse.CollapseWatchCallback" and list(config.callbacks) == [
+        "grad_clip", "collapse"]
+    w = watch.config
+    assert (w.every_steps, w.stop, w.teacher, w.teacher_guidance_scale) == (10, True, "teacher", 4.0)
+    assert (w.data_path, w.vae_from, w.text_max_length) == ("artifacts/latents/data", "artifacts/base/model", 24)
+    assert yaml.safe_load(yaml.safe_dump(config.to_plain())) == config.to_plain()
+
+
+@pytest.mark.parametrize("updates, message", [
+    ({"distill.stop_on_collapse": True}, "distill.stop_on_collapse: true needs the collapse watch on"),
+    ({"distill.gan_weight": 0.1, "distill.data": "prompts"}, "distill.gan_weight: 0.1: the discriminator's real samples"),
+    ({"distill.gan_weight": -0.1}, r"distill.gan_weight: -0.1: must be"),
+])
+def test_distill_refuses_a_watch_or_gan_that_cannot_run(tmp_path, monkeypatch, updates, message):
+    with pytest.raises(UserError, match=rf"^params.yaml: {message}") as info:
+        _workspace(tmp_path, monkeypatch, updates)
+    assert "\n" not in str(info.value)
+
+
 def test_a_prompt_only_set_gives_the_rollouts_shape(tmp_path, monkeypatch):
     params = _workspace(tmp_path, monkeypatch, {"distill.data": "prompts"})
     config, _ = _config(params, "distill")
@@ -264,8 +322,40 @@ def test_run_summary_gives_each_loss_on_its_own(tmp_path):
     assert read_run_summary(tmp_path).component_rows() == {}
 
 
+SELECTION = {"step": 4, "checkpoint": "checkpoint-4", "reason": "the healthy check nearest the teacher's samples",
+             "by": "collapse", "metrics": {"teacher_distance": 0.1}, "collapse_step": 8}
+
+
+def test_a_run_the_collapse_watch_stopped_publishes_its_selection(tmp_path, monkeypatch):
+    """A run the collapse watch stopped at step 8 of 7+ (its summary's ``selection``): the stage takes it as finished,
+    publishes the selected pre-collapse checkpoint and records which, why and where the run collapsed
+    (:func:`stages.training.selected_weights`, the lineage's ``weights``); stopped with nothing healthy to select, the
+    stage says so in one line."""
+    params = _workspace(tmp_path, monkeypatch, {"distill.steps": 20, "distill.collapse_every": 2,
+                                                "distill.stop_on_collapse": True})
+    config, _ = _config(params, "distill")
+    run = Path("runs/distill")
+    (run / "checkpoint-4").mkdir(parents=True)
+    (run / SUMMARY_FILE).write_text(json.dumps({**SUMMARY, "final_step": 8, "checkpoint": "checkpoint-4",
+                                                "selection": SELECTION}))
+    summary = finished_run("distill", config)
+    assert summary.checkpoint_dir(run) == run / "checkpoint-4" and summary.stopped_early.startswith("the healthy")
+    weights = selected_weights(config, summary)
+    assert weights == {"role": "student", "source": "trained", "selected": {**SELECTION, "stopped": True}}
+    none = {**SELECTION, "step": None, "checkpoint": None, "reason": "collapse at step 2: diversity fell"}
+    (run / SUMMARY_FILE).write_text(json.dumps({**SUMMARY, "final_step": 2, "checkpoint": None, "selection": none}))
+    with pytest.raises(UserError, match=r"^stage distill: the collapse watch stopped training at step 2 with no checkpoint "
+                                        r"fit to publish \(collapse at step 2: diversity fell\)") as info:
+        finished_run("distill", config)
+    assert "\n" not in str(info.value)
+    (run / SUMMARY_FILE).write_text(json.dumps({**SUMMARY, "final_step": 8, "checkpoint": "checkpoint-4"}))
+    with pytest.raises(UserError, match="training ended without its final checkpoint"):  # stopped, but not by the watch
+        finished_run("distill", config)
+
+
 @pytest.mark.parametrize("edit, message", [
     (None, "not found"),
+    ({"selection": [1]}, "selection: expected dict"),
     ({"losses": {"critic_loss": [{"step": "1", "loss": 0.5}]}}, "losses.critic_loss[0]: step: expected int"),
     ({"format": 2}, "format 2"),
     ({"final_step": "6"}, "final_step: expected int"),

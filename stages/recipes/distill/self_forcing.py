@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from distillery.pipeline.params.schema import MAX_TIMESTEP, rule, timestep
-from stages.recipes.distill import DMDParams, dmd_inputs, dmd_knobs, dmd_roles
+from stages.recipes.distill import DMDParams, dmd_callbacks, dmd_inputs, dmd_knobs, dmd_reads, dmd_roles
 
 if TYPE_CHECKING:
     from distillery.config import RunConfig
@@ -26,16 +26,17 @@ class Params(DMDParams):
 PRETRAIN_STUDENT = "causal"  # the kind of pretrain student its recipe starts from (pretrain.method dfsft, ode_init)
 STUDENT = "causal"  # the kind of student it trains (its sparse attention is refused where its tiles straddle chunks)
 inputs = dmd_inputs
+reads = dmd_reads  # the base with the collapse watch on (its VAE)
 
 
 def recipe(p: Params, run: RunInputs) -> RunConfig:
     from distillery.config import RunConfig
     from distillery.methods.self_forcing import SelfForcingMethod
-    from stages.recipes.parts import callbacks, method, student
+    from stages.recipes.parts import method, student
 
     causal = student(p, PRETRAIN_STUDENT, run.init["student"], shift=p.student_shift,
                      chunk_size=run.params.pretrain.chunk_size)  # the chunks it was pretrained on
     return RunConfig(models=dmd_roles(p, run, causal),
                      method=method(SelfForcingMethod, **dmd_knobs(p), context_noise=p.context_noise,
                                    same_step_across_chunks=p.same_step_across_chunks),
-                     training=p.training(run, unconditional="negative", betas=(0.0, 0.999)), callbacks=callbacks(p))
+                     training=p.training(run, unconditional="negative", betas=(0.0, 0.999)), callbacks=dmd_callbacks(p, run))

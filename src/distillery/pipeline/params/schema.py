@@ -427,9 +427,19 @@ class DistillParams(TrainingStageParams):
     # the student's flow shift (warps its ladder); null: its init's
     student_shift: float | None = rule(None, 0, MAX_SHIFT, optional(positive_finite))
     data: Literal["latents", "prompts"] = rule("latents")  # what it trains on: the latents stage's set, or the prompts stage's (text embeddings only)
+    # the collapse watch (callbacks/collapse.py): sample the student every this many steps, track saturation,
+    # diversity, motion and distance to the teacher's samples against step 0's (0: off)
+    collapse_every: int = rule(0, 0, MAX_STEPS)
+    stop_on_collapse: bool = rule(False)  # with the watch: a collapse ends the run; the best pre-collapse checkpoint ships
 
     def data_artifact(self) -> str:
         return self.data
+
+    def problem(self, stage: str) -> str | None:
+        if self.stop_on_collapse and not self.collapse_every:
+            return (f"{stage}.stop_on_collapse: true needs the collapse watch on: set {stage}.collapse_every (e.g. 50: "
+                    "the student sampled every 50 steps)")
+        return super().problem(stage)
 
 
 @dataclass

@@ -7,9 +7,12 @@ it instead of the trainer's log and checkpoint internals. Format 1::
      "mlflow_run_id": "..." | null, "method": "<method _target_>", "last_metrics": {...},
      "loss": [{"step": 1, "loss": 0.41}, ...],   # total_loss per logged step, resumed parts included
      "losses": {"critic_loss": [{"step": 1, "loss": 0.47}, ...], ...},  # each loss on its own (optional)
-     "sampling": {...}}                           # the method's sampling contract (sampling.json)
+     "sampling": {...},                           # the method's sampling contract (sampling.json)
+     "selection": {"step": 40 | null, "checkpoint": "checkpoint-40" | null, "reason": "...", "by": "collapse",
+                   "collapse_step": 60 | null, "metrics": {...}}}  # optional: a callback chose the run's checkpoint
 
-``checkpoint`` is a folder name inside ``output_dir``. Anything missing or of the wrong type is a
+``checkpoint`` is a folder name inside ``output_dir`` (with a ``selection``: the selected one, or null when the run
+collapsed before any healthy check). Anything missing or of the wrong type is a
 one-line :class:`UserError` naming the file and the key.
 """
 
@@ -44,6 +47,14 @@ class RunSummary:
     loss: list[LossPoint]
     sampling: dict[str, Any]
     losses: dict[str, list[LossPoint]] = field(default_factory=dict)  # each *_loss on its own; {} in older summaries
+    selection: dict[str, Any] | None = None  # a callback's choice of the run's checkpoint and why (the collapse watch)
+
+    @property
+    def stopped_early(self) -> str | None:
+        """Why a callback ended the run before its last step (its collapse, one line), or None."""
+        if self.selection is None or self.selection.get("collapse_step") is None:
+            return None
+        return str(self.selection.get("reason", "a collapse"))
 
     def checkpoint_dir(self, output_dir: Path) -> Path | None:
         return None if self.checkpoint is None else Path(output_dir) / self.checkpoint
@@ -85,6 +96,9 @@ def read_run_summary(output_dir: Path) -> RunSummary:
         raise UserError(f"{path}: losses: expected dict, got {json.dumps(losses)[:80]}; rerun the stage")
     losses = {str(name): _points(rows if isinstance(rows, list) else [rows], f"{path}: losses.{name}")
               for name, rows in losses.items()}
+    selection = data.get("selection")
+    if selection is not None and not isinstance(selection, dict):
+        raise UserError(f"{path}: selection: expected dict, got {json.dumps(selection)[:80]}; rerun the stage")
     checkpoint = _need(data, "checkpoint", (str, type(None)), str(path))
     if checkpoint is not None and (Path(checkpoint).name != checkpoint or checkpoint in (".", "..")):
         raise UserError(f"{path}: checkpoint: {checkpoint!r} is not a folder name inside {output_dir}")
@@ -97,6 +111,7 @@ def read_run_summary(output_dir: Path) -> RunSummary:
         loss=loss,
         sampling=_need(data, "sampling", (dict,), str(path)),
         losses=losses,
+        selection=selection,
     )
 
 
