@@ -55,6 +55,14 @@ retrained student is compared with the others' samples as they were (``settings.
 ``--train-only`` stops after training: with ``--reuse`` a later call (a later device call on the same machine)
 evaluates.
 
+Consistency and GAN (issue 60): ``cd_self_forcing`` and ``ode_self_forcing`` each train their own pretrain first
+(``pretrain.method: causal_cd`` / ``ode_init``: the student's workspace makes it, then Self-Forcing from it), the same
+Self-Forcing as ``self_forcing`` (whose pretrain is the shared DFSFT one); ``dmd2_4_gan`` is ``dmd2_4`` with
+``distill.gan_weight: 0.1``. They run only when named::
+
+    python bench/quality.py --device cpu --scale small --students cd_self_forcing,ode_self_forcing,dmd2_4,dmd2_4_gan \
+        --train-seeds 2 --prompts 32 --teacher-steps 40
+
 Sparse against dense (issue 64): ``--sparse 0.9:1,1,2`` trains each chosen student a second time with block-sparse
 attention (its stage's params ``<stage>.attention: sparse``, ``sparsity``, ``sparse_tile``: the recipe gives them to
 the student's model), sampled with it (its artifact records it); ``--train-seeds N`` trains every student with params
@@ -127,6 +135,12 @@ class Student:
     method: str  # dmd2 | self_forcing | pdd | dm_pdd (a sparse twin: + _sparse)
     params: dict[str, Any] = field(default_factory=dict)
     twin_of: str | None = None
+    own_pretrain: bool = False  # its params pick its own pretrain (pretrain.method): trained in its workspace first
+
+    @property
+    def stages(self) -> str:
+        """The stages its workspace runs, ``+``-joined: its own pretrain first when it has one."""
+        return f"pretrain+{self.stage}" if self.own_pretrain else self.stage
 
 
 STUDENTS = (
@@ -136,7 +150,14 @@ STUDENTS = (
     Student("self_forcing", "distill", "self_forcing", {"distill.method": "self_forcing"}),
     Student("pdd", "pdd", "pdd", {"pdd.method": "pdd"}),
     Student("dm_pdd", "pdd", "dm_pdd", {"pdd.method": "dm_pdd"}),
+    # issue 60: the same Self-Forcing from a causal-CD and from an ODE-init pretrain; DMD2 (4 steps) with its GAN term
+    Student("cd_self_forcing", "distill", "self_forcing", {"distill.method": "self_forcing", "pretrain.method": "causal_cd"},
+            own_pretrain=True),
+    Student("ode_self_forcing", "distill", "self_forcing", {"distill.method": "self_forcing", "pretrain.method": "ode_init"},
+            own_pretrain=True),
+    Student("dmd2_4_gan", "distill", "dmd2", {"distill.method": "dmd2", "distill.student_steps": 4, "distill.gan_weight": 0.1}),
 )
+DEFAULT_STUDENTS = ("dmd2_1", "dmd2_2", "dmd2_4", "self_forcing", "pdd", "dm_pdd")  # without --students
 
 
 @dataclass(frozen=True)
@@ -164,7 +185,7 @@ def expand_students(chosen: list[Student], train_seeds: int, sparse: dict[str, A
                     params.update({f"{student.stage}.attention": "sparse", **{f"{student.stage}.{key}": value
                                                                                for key, value in sparse.items()}})
                 out.append(Student(name, student.stage, student.method + ("_sparse" if twin else ""), params,
-                                   student.name if twin else None))
+                                   student.name if twin else None, student.own_pretrain))
     return out
 
 
@@ -223,9 +244,11 @@ def set_params(path: Path, updates: dict[str, Any]) -> None:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def make_workspace(folder: Path, updates: dict[str, Any], artifacts_from: Path | None = None) -> Path:
+def make_workspace(folder: Path, updates: dict[str, Any], artifacts_from: Path | None = None,
+                   own: tuple[str, ...] = ()) -> Path:
     """A pipeline folder (dvc.yaml, params.yaml, stages) with ``updates`` set; with ``artifacts_from``,
-    links to that workspace's artifacts (a student's inputs: base, latents, teacher, pretrain)."""
+    links to that workspace's artifacts (a student's inputs: base, latents, teacher, pretrain — but those in ``own``,
+    which it makes itself)."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("dvc.yaml", "params.yaml", "stages"):
         dst = folder / name
@@ -236,7 +259,7 @@ def make_workspace(folder: Path, updates: dict[str, Any], artifacts_from: Path |
     if artifacts_from is not None:
         shutil.rmtree(folder / "artifacts", ignore_errors=True)
         (folder / "artifacts").mkdir()
-        for name in ("base", "latents", "teacher", "pretrain"):
+        for name in sorted({"base", "latents", "teacher", "pretrain"} - set(own)):
             (folder / "artifacts" / name).symlink_to(artifacts_from / "artifacts" / name, target_is_directory=True)
     return folder
 
@@ -285,11 +308,13 @@ def run_one_stage(folder: Path, name: str, device: str) -> None:
     from distillery.models.registry import locate_transformer
     from distillery.pipeline.launch.run_config import EXPORT_ROLE, check_run_config
     from distillery.pipeline.launch.sparse_preflight import check_stage_attention
+    from distillery.pipeline.params.recipes import prepared_data
     from distillery.pipeline.publish.run_summary import read_run_summary
     from stages.training import stage_run_config
 
     check_stage_attention(name, params)  # a sparse student that cannot train so: one line, as the stage's preflight
-    config, roles = stage_run_config(view, "")
+    prepared = prepared_data(view.recipe(), getattr(view.typed, name), view)  # ode_init: the teacher's trajectories first
+    config, roles = stage_run_config(view, "", prepared)
     config.training.tracker = TrackerConfig(backend="none")
     check_run_config(name, config, roles)
     run_dir = RUNS / name
@@ -420,9 +445,10 @@ def train(args: argparse.Namespace, scale: Scale, work: Path, deadline: float, s
             if time.monotonic() > deadline - args.eval_reserve_s:
                 settings["skipped"].append(f"train {student.name} (budget)")
                 continue
-            folder = make_workspace(work / student.name, {**scale.params, **student.params}, artifacts_from=base)
+            folder = make_workspace(work / student.name, {**scale.params, **student.params}, artifacts_from=base,
+                                    own=("pretrain",) if student.own_pretrain else ())
             log = (logs / f"{student.name}-{student.stage}.log").open("w")
-            proc = subprocess.Popen(stage_command(folder, student.stage, args.device), cwd=folder, env=_env(args.device),
+            proc = subprocess.Popen(stage_command(folder, student.stages, args.device), cwd=folder, env=_env(args.device),
                                     stdout=log, stderr=subprocess.STDOUT)
             running[student.name] = (proc, time.perf_counter(), student, log)
         for name, (proc, t0, student, log) in list(running.items()):
@@ -570,8 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, help="override the scale's seed count")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a params.yaml value for every workspace (YAML), e.g. --set pdd.dm_weight=0.5")
-    parser.add_argument("--students", default=",".join(s.name for s in STUDENTS),
-                        help="the students to train and evaluate, comma-separated (default: all); the teacher's candidates always")
+    parser.add_argument("--students", default=",".join(DEFAULT_STUDENTS),
+                        help="the students to train and evaluate, comma-separated (default: DEFAULT_STUDENTS); the teacher's candidates always")
     parser.add_argument("--train-seeds", type=int, default=1,
                         help="train each student with this many seeds (params seed 0 … N − 1): <name>, <name>_seed1, …")
     parser.add_argument("--sparse", default=None, metavar="SPARSITY:F,H,W",
@@ -590,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage-one", nargs=2, metavar=("FOLDER", "STAGE"), help=argparse.SUPPRESS)  # a worker: one stage
     args = parser.parse_args(argv)
     if args.stage_one:
-        run_one_stage(Path(args.stage_one[0]), args.stage_one[1], args.device or "cpu")
+        for stage in args.stage_one[1].split("+"):  # a student with its own pretrain: pretrain+distill
+            run_one_stage(Path(args.stage_one[0]), stage, args.device or "cpu")
         return 0
     import torch
     import yaml

@@ -22,7 +22,9 @@ off (``posttrain.enabled: false``: :func:`publish_off`, no model), or :func:`sta
    ``model/`` (the trained student's transformer — its EMA shadow when ``<stage>.ema_decay`` is set,
    :func:`shipped_weights` —, the init's scheduler, ``sampling.json`` from the summary's sampling contract),
    ``loss.json`` and its curve ``loss.png``, metrics and lineage (its ``launch``: launcher, nodes, processes per node,
-   the Slurm job id under Slurm, and the layout: :func:`run_layout`; its ``weights``: which weights ship).
+   the Slurm job id under Slurm, and the layout: :func:`run_layout`; its ``weights``: which weights ship). A run whose
+   collapse watch chose its checkpoint (``distill.collapse_every``) ships that one, and ``weights.selected`` says which
+   and why — a run the watch stopped at a collapse too (:func:`finished_run`, :func:`selected_weights`).
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ passes the same checks, with no test code of its own (a new method joins the kit
    family's loader (validate's) and through the export's shipped samplers over the shipped denoiser — the same latents,
    bit for bit.
 
+Besides each registered method, :data:`VARIANTS` runs a method with knobs that add trained state of their own (the
+discriminator head of ``distill.gan_weight``, the collapse watch's baseline and best) through the same checks.
+
 Cost on 2 cores: the 1-rank runs in this process (3 per case), the 2-rank runs in one torchrun launch.
 """
 
@@ -38,7 +41,11 @@ from stages.recipes import registry
 
 pytestmark = pytest.mark.slow
 STEPS = 2
-CASES = [(stage, method) for stage, methods in registry().items() for method in methods]
+VARIANTS = {  # (stage, method, variant) -> the params it sets beside <stage>.method: knobs that add trained state
+    ("distill", "dmd2", "gan"): {"distill.gan_weight": 0.1},  # the discriminator head, trained in the critic's step
+    ("distill", "self_forcing", "gan+collapse"): {"distill.gan_weight": 0.1, "distill.collapse_every": 1},  # + the watch's state
+}
+CASES = [(stage, method, "") for stage, methods in registry().items() for method in methods] + list(VARIANTS)
 KIT_PARAMS = {  # every training stage small; the ODE-init recipes' trajectories few; posttrain's rollouts short
     **{f"{stage}.{key}": value for stage in ("teacher", "pretrain", "distill", "pdd", "posttrain")
        for key, value in (("steps", STEPS), ("batch_size", 2), ("save_every", 1))},
@@ -46,19 +53,22 @@ KIT_PARAMS = {  # every training stage small; the ODE-init recipes' trajectories
     "posttrain.samples_per_prompt": 2, "posttrain.rollout_steps": 2}
 
 
-def _build(ws: Path, stage: str, method: str):
-    """The run config ``stage``'s own path builds with ``<stage>.method: method`` in workspace ``ws`` (cwd)."""
+def _build(ws: Path, stage: str, method: str, variant: str = ""):
+    """The run config ``stage``'s own path builds with ``<stage>.method: method`` (and the ``variant``'s params,
+    :data:`VARIANTS`) in workspace ``ws`` (cwd); the workspace's params as they were afterwards."""
     from distillery.pipeline.dvcfile import stage_params
     from distillery.pipeline.launch.run_config import check_run_config
     from distillery.pipeline.params.reader import Params, StageParams
     from distillery.pipeline.params.recipes import prepared_data
     from stages.training import stage_run_config
 
-    set_params(ws, {f"{stage}.method": method})
+    before = (ws / "params.yaml").read_text()
+    set_params(ws, {f"{stage}.method": method, **VARIANTS.get((stage, method, variant), {})})
     view = StageParams(Params.load(ws / "params.yaml"), stage, stage_params(stage))
     prepared = prepared_data(view.recipe(), getattr(view.typed, stage), view)
     config, roles = stage_run_config(view, "", prepared)
     check_run_config(stage, config, roles)
+    (ws / "params.yaml").write_text(before)
     return config
 
 
@@ -93,14 +103,14 @@ def kit(prepared, tmp_path_factory, monkeypatch_module):
     set_params(ws, KIT_PARAMS)
     monkeypatch_module.chdir(ws)
     built, launch = {}, []
-    for stage, method in CASES:
-        config = _build(ws, stage, method)
-        folder = root / f"{stage}-{method}"
+    for stage, method, variant in CASES:
+        config = _build(ws, stage, method, variant)
+        folder = root / f"{stage}-{method}{'-' + variant if variant else ''}"
         train_in_process(_variant(config, folder / "full").to_plain())
         train_in_process(_variant(config, folder / "resumed", stop_at=1).to_plain())
         train_in_process(_variant(config, folder / "resumed").to_plain())
-        launch.append((_variant(config, folder / "two", ranks=2).to_plain(), ws / f"kit-{stage}-{method}.yaml"))  # cwd: ws
-        built[(stage, method)] = (config, folder)
+        launch.append((_variant(config, folder / "two", ranks=2).to_plain(), ws / f"kit-{folder.name}.yaml"))  # cwd: ws
+        built[(stage, method, variant)] = (config, folder)
     torchrun_each(launch)
     return built
 
@@ -148,12 +158,12 @@ def _samples(model: Path, latent_shape: list[int], text_length: int) -> tuple[to
     return expected, got
 
 
-@pytest.mark.parametrize("stage,method", CASES)
-def test_method_conforms(kit, stage, method):
+@pytest.mark.parametrize("stage,method,variant", CASES)
+def test_method_conforms(kit, stage, method, variant):
     from distillery.pipeline.publish.run_summary import read_run_summary
     from stages.training import publish_model
 
-    config, folder = kit[(stage, method)]
+    config, folder = kit[(stage, method, variant)]
     full = read_log(folder / "full")  # 2. it steps: finite losses on every step
     assert [r["step"] for r in full] == list(range(1, STEPS + 1))
     assert all(math.isfinite(v) for r in full for k, v in r.items() if k.endswith("_loss")), full
