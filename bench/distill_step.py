@@ -12,9 +12,11 @@ clipping at 1.0, one host sync per step), all three roles Wan-1.3B-shaped with r
   - ``pdd_euler`` / ``pdd_mid`` — ``PDDMethod`` (``data_latent``): a ``PDDWanModel`` student (the trunk + an 8-head bank,
                      ``pdd_steps`` 8, blocks up to 8) and the frozen teacher, Euler (1 teacher call) or midpoint (2 calls)
                      targets; no critic;
-  - ``causal_cd``  — ``CausalCDMethod``: causal student (``chunk_size`` 3) on the data latents, a frozen causal teacher
-                     (a Teacher-Forcing SFT student's shape: ``CausalWanModel``), the target network (the student's
-                     frozen twin on shadow weights, its EMA step every iteration); every forward teacher-forced over
+  - ``causal_cd``  — ``CausalCDMethod``: causal student (``chunk_size`` 3) on the data latents, the frozen teacher as
+                     ``pretrain.method: causal_cd`` runs it (the bidirectional teacher artifact, over the noisy video;
+                     ``BENCH_CD_TEACHER=causal``: a causal one, a Teacher-Forcing SFT student's shape, teacher-forced as
+                     FastVideo's recipe runs it), the target network (the student's frozen twin on shadow weights, its
+                     EMA step every iteration); the student's and the target's forwards teacher-forced over
                      ``[clean | noisy]``; no critic;
 
 with ``generator_update_interval: 1`` (every iteration is a generator + critic update, as in the anchor) and
@@ -126,8 +128,9 @@ def iteration_flops(method: str, size: tuple[int, int, int], exits: list[int], a
       ``start_gradient_frame`` is 0) + 1 no-grad forward writing the chunk's keys/values to the cache (all but the last
       chunk). Critic and teacher as DMD2, bidirectional over the whole video.
 
-    - Causal CD: every forward is teacher-forced (:func:`teacher_forcing_flops`): the teacher's conditional and
-      unconditional (no grad), the target's (no grad), the student's with graph + its backward: 6 such forwards.
+    - Causal CD: the student's forward with graph + its backward and the target's (no grad) are teacher-forced
+      (:func:`teacher_forcing_flops`); the teacher's conditional and unconditional (no grad) are plain forwards over
+      the video (a causal teacher, ``BENCH_CD_TEACHER=causal``: teacher-forced too).
 
     ``exits``: the exit step per iteration (DMD2) or per chunk (Self-Forcing), as the trainer logged them.
     Returns ``{"model": total, "executed": total incl. recompute, "roles": {role: model FLOPs}}``.
@@ -145,7 +148,8 @@ def iteration_flops(method: str, size: tuple[int, int, int], exits: list[int], a
         return {"model": model, "executed": model + (full if ac else 0.0), "roles": roles}
     if method == "causal_cd":
         tf = teacher_forcing_flops(size)
-        roles["student"], roles["target"], roles["teacher"] = 3 * tf, tf, 2 * tf
+        causal_teacher = os.environ.get("BENCH_CD_TEACHER", "bidirectional") == "causal"
+        roles["student"], roles["target"], roles["teacher"] = 3 * tf, tf, 2 * (tf if causal_teacher else full)
         model = sum(roles.values())
         return {"model": model, "executed": model + (tf if ac else 0.0), "roles": roles}
     if method in ("dmd2_data", "dmd2_sim"):
@@ -212,7 +216,7 @@ def distill_run_config(model: Path, data: Path, output_dir: Path, method: str, s
         knobs["rollout"] = {"dmd2_data": "data_latent", "dmd2_sim": "simulate"}[method]
     models = {"student": student, "teacher": {"_target_": wan, "init_from": str(teacher or model), "random_init": True,
                                               "trainable": False}}
-    if method == "causal_cd":  # a causal teacher (a Teacher-Forcing SFT student), teacher-forced as the student
+    if method == "causal_cd" and os.environ.get("BENCH_CD_TEACHER", "bidirectional") == "causal":  # a TF-SFT teacher
         models["teacher"].update({"_target_": "distillery.models.wan.CausalWanModel", "chunk_size": CHUNK_SIZE})
     if not method.startswith("pdd") and method != "causal_cd":
         models["critic"] = {"_target_": wan, "init_from": str(model), "random_init": True,
@@ -381,6 +385,7 @@ def run_one(method: str, size: tuple[int, int, int], compile_blocks: bool | None
         "exits": [_exits(method, row, size) for row in hist], "peak_mem_gib": peak, "peak_reserved_gib": peak_reserved,
         "static_mem_gib": static_gib, "build_s": build_s, "fit_s": fit_s, "iteration_times": times, "gpu_times": gpu,
         "teacher": os.environ.get("BENCH_TEACHER", "1.3b"),
+        **({"cd_teacher": os.environ.get("BENCH_CD_TEACHER", "bidirectional")} if method == "causal_cd" else {}),
         "final_losses": {k: hist[-1][k] for k in ("generator_loss", "critic_loss", "pdd_loss", "consistency_loss")
                          if k in hist[-1]},
     }
