@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from workspace import copy_workspace, set_params, sh, tree_sha
+from workspace import committed_copy, copy_workspace, set_params, sh, tree_sha
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +29,7 @@ FEW = {"pretrain.method": "causal_cd", "pretrain.steps": 6, "pretrain.save_every
 
 def _workspace(source: Path, repo: Path, params: dict[str, object]) -> Path:
     """A copy of the session workspace ``source`` with ``params`` set in params.yaml, committed."""
-    copy_workspace(source, repo)
-    set_params(repo, params)
-    sh(["git", "commit", "-qam", "causal-cd params"], repo)
-    return repo
+    return committed_copy(source, repo, params, "causal-cd params")
 
 
 @pytest.fixture(scope="module")

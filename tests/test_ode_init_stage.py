@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import model_folders_of_the_tiny_base
-from workspace import copy_pipeline, copy_workspace, set_params, sh, tree_sha
+from workspace import committed_copy, copy_pipeline, copy_workspace, set_params, sh, tree_sha
 
 from distillery.pipeline.dvcfile import stage_params
 from distillery.pipeline.params.reader import Params, StageParams
@@ -35,10 +35,7 @@ FEW = {"pretrain.method": "ode_init", "pretrain.teacher_steps": 2, "pretrain.tra
 
 def _workspace(source: Path, repo: Path, params: dict[str, object]) -> Path:
     """A copy of the session workspace ``source`` with ``params`` set in params.yaml, committed."""
-    copy_workspace(source, repo)
-    set_params(repo, params)
-    sh(["git", "commit", "-qam", "ode-init params"], repo)
-    return repo
+    return committed_copy(source, repo, params, "ode-init params")
 
 
 @pytest.fixture(scope="module")

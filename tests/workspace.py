@@ -110,6 +110,14 @@ def copy_workspace(src: Path, dst: Path) -> Path:
     return dst
 
 
+def committed_copy(src: Path, dst: Path, params: dict[str, object], message: str = "params") -> Path:
+    """A copy of the workspace ``src`` (:func:`copy_workspace`) with ``params`` set in params.yaml, committed."""
+    copy_workspace(src, dst)
+    set_params(dst, params)
+    sh(["git", "commit", "-qam", message], dst)
+    return dst
+
+
 def stage(repo: Path, name: str, check: bool = False, timeout: float = 900) -> subprocess.CompletedProcess:
     """``distillery stage <name>`` in ``repo``, as dvc.yaml's cmd runs it."""
     return sh(["distillery", "stage", name], repo, check=check, timeout=timeout)
