@@ -39,7 +39,7 @@ from workspace import copy_workspace, set_params
 
 from stages.recipes import registry
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # the first test builds every case (the module's kit)
 STEPS = 2
 VARIANTS = {  # (stage, method, variant) -> the params it sets beside <stage>.method: knobs that add trained state
     ("distill", "dmd2", "gan"): {"distill.gan_weight": 0.1},  # the discriminator head, trained in the critic's step

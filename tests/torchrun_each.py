@@ -19,12 +19,13 @@ from helpers import torchrun_command, write_config
 def torchrun_each(configs: list[tuple[dict, Path]], nproc: int = 2, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``configs`` (each written to its path) one after the other on ``nproc`` gloo ranks; assert the launch
     succeeded and return it (its stderr holds the workers' logs). ``env``: the workers' environment (default: this
-    process's with one OpenMP thread)."""
+    process's with one OpenMP thread). The launch may take 5 minutes and 2 more per config (the conformance kit's
+    dozen cases on a loaded 2-core machine)."""
     for cfg, path in configs:
         write_config(path, cfg)
     cmd = torchrun_command(nproc, configs[0][1].parent, __file__, *[str(path) for _, path in configs])
     proc = subprocess.run(cmd, cwd=configs[0][1].parent, env=env or {**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=300 + 120 * len(configs))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

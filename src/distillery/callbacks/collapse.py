@@ -129,7 +129,8 @@ class CollapseWatchCallback(Callback):
         self.counts = torch.zeros(2, dtype=torch.int64)  # [alarming checks in a row, healthy checks after step 0]
         self._prompts: ValidationPrompts | None = None
         self._scorer: VideoScorer | None = None
-        self._teacher_videos: torch.Tensor | None = None
+        self._teacher_videos: torch.Tensor | None = None  # rank 0: the teacher's decoded samples
+        self._teacher_sampled = False  # every rank: the teacher sampled once (collectively) in this process
 
     # -- hooks ----------------------------------------------------------------------------------
     def on_loop_start(self, ctx: CallbackContext, step: int) -> None:
@@ -216,7 +217,8 @@ class CollapseWatchCallback(Callback):
             self._prompts = ValidationPrompts.read(Path(cfg.data_path), cfg.split, cfg.num_prompts, cfg.text_max_length)
         contract = ctx.sampling if ctx.sampling is not None else {"sampler": "euler"}
         videos = self._sample(ctx, self._role(ctx, cfg.role), contract, cfg.num_steps, cfg.guidance_scale)
-        if cfg.teacher is not None and self._teacher_videos is None:
+        if cfg.teacher is not None and not self._teacher_sampled:  # once, on every rank alike (its forwards are collective)
+            self._teacher_sampled = True
             teacher = self._role(ctx, cfg.teacher)
             euler = {"sampler": "euler", "shift": teacher.schedule.shift, "num_train_timesteps": teacher.schedule.num_train_timesteps}
             decoded = self._sample(ctx, teacher, euler, cfg.teacher_steps, cfg.teacher_guidance_scale)
