@@ -57,7 +57,7 @@ def test_causal_cd_then_self_forcing_with_the_collapse_watch_through_dvc_repro(c
     assert "Running stage 'distill'" in out.stdout and "Running stage 'pretrain'" not in out.stdout
     distill = json.loads((repo / "artifacts" / "distill" / "lineage.json").read_text())
     assert distill["method"] == "distillery.methods.self_forcing.SelfForcingMethod"
-    assert _inputs(distill)["student_init"] == "artifacts/pretrain" and _inputs(distill)["collapse_vae"] == "artifacts/base"
+    assert _inputs(distill)["student_init"] == "artifacts/pretrain" and _inputs(distill)["base"] == "artifacts/base"
     # the watch checked steps 0, 1, 2; the checkpoint that ships is the one it selected, and the lineage says why
     selected = distill["weights"]["selected"]
     assert selected["by"] == "collapse" and selected["checkpoint"] == f"checkpoint-{selected['step']}"
@@ -75,31 +75,18 @@ def test_causal_cd_then_self_forcing_with_the_collapse_watch_through_dvc_repro(c
     lineage = json.loads((repo / "artifacts" / "pretrain" / "lineage.json").read_text())
     assert lineage["method"] == "distillery.methods.tfsft.TFSFTMethod" and "teacher_init" not in _inputs(lineage)
     distill = json.loads((repo / "artifacts" / "distill" / "lineage.json").read_text())
-    assert "selected" not in distill["weights"] and "collapse_vae" not in _inputs(distill)
+    assert "selected" not in distill["weights"] and "base" not in _inputs(distill)  # the watch off: no VAE read
 
 
 def test_a_causal_cd_pretrain_killed_mid_run_resumes_to_the_same_student(trained, cd_pretrained, tmp_path):
     """``distillery stage pretrain`` SIGKILLed after its step-3 checkpoint (steps 4–6 to go; the target network
     already following the student), then ``dvc repro pretrain``: it resumes, and the published student is byte for byte
     that of the run never killed (:func:`cd_pretrained`)."""
-    import os
-    import signal
-    import subprocess
-    import time
-
-    from workspace import env, wait_no_processes
+    from workspace import kill_after_checkpoint
 
     repo = _workspace(trained, tmp_path / "ws", FEW)
-    proc = subprocess.Popen(["distillery", "stage", "pretrain"], cwd=repo, env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
     runs = repo / "runs" / "pretrain"
-    deadline = time.time() + 900
-    while not (runs / "checkpoint-3").is_dir():
-        assert proc.poll() is None and time.time() < deadline, "the stage ended before its step-3 checkpoint"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not wait_no_processes(repo)
+    kill_after_checkpoint(["distillery", "stage", "pretrain"], repo, "pretrain", step=3)
     assert not (runs / "checkpoint-6").exists() and not (repo / "artifacts" / "pretrain").exists()
     out = sh(["dvc", "repro", "pretrain"], repo)
     assert "resumed from" in out.stdout + out.stderr

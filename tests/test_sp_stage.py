@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from workspace import copy_workspace, kill_after_checkpoint_2, read_log_steps, set_params, stage
+from workspace import copy_workspace, kill_after_checkpoint, read_log_steps, set_params, stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # four stage runs, two of them on two processes
 STAGE = "pretrain"
@@ -66,7 +66,7 @@ def test_an_sp_2_stage_publishes_its_sp_1_twin_and_resumes_at_sp_1(trained, tmp_
     assert all(abs(x - y) <= 1e-6 + 2e-4 * abs(y) for x, y in zip(_losses(two), _losses(one), strict=True))
     _same_student(two, one)
 
-    kill_after_checkpoint_2(["distillery", "stage", STAGE], moved, STAGE)  # at sp 2 on two processes ...
+    kill_after_checkpoint(["distillery", "stage", STAGE], moved, STAGE)  # at sp 2 on two processes ...
     set_params(moved, SP1)  # ... then moved to one process
     out = stage(moved, STAGE, check=True)
     assert "resumed from runs/pretrain/checkpoint-" in out.stderr, out.stderr[-3000:]

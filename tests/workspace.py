@@ -223,16 +223,16 @@ def resume_training(pids: list[int]) -> None:
             pass
 
 
-def kill_after_checkpoint_2(args: list[str], repo: Path, stage_name: str) -> None:
-    """``args`` (``dvc repro <stage>``, ``distillery stage <stage>``) in ``repo``: once its ``runs/<stage_name>/checkpoint-2``
+def kill_after_checkpoint(args: list[str], repo: Path, stage_name: str, step: int = 2) -> None:
+    """``args`` (``dvc repro <stage>``, ``distillery stage <stage>``) in ``repo``: once its ``runs/<stage_name>/checkpoint-<step>``
     exists the training is paused (mid-run for sure) and the whole tree is SIGKILLed from the top process down — no
     process left, no artifact published."""
     proc = subprocess.Popen(args, cwd=repo, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
         deadline = time.time() + 600
-        while not (repo / "runs" / stage_name / "checkpoint-2" / "metadata.json").is_file():
-            assert proc.poll() is None and time.time() < deadline
+        while not (repo / "runs" / stage_name / f"checkpoint-{step}" / "metadata.json").is_file():
+            assert proc.poll() is None and time.time() < deadline, f"the stage ended before its step-{step} checkpoint"
             time.sleep(0.01)
         pause_training(repo)
         os.kill(proc.pid, signal.SIGKILL)
@@ -252,7 +252,7 @@ def repro_killed_beside_whole(killed: Path, whole: Path, stage_name: str, log: P
         uninterrupted = subprocess.Popen(["dvc", "repro", stage_name], cwd=whole, env=env(), stdout=printed,
                                          stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        kill_after_checkpoint_2(["dvc", "repro", stage_name], killed, stage_name)
+        kill_after_checkpoint(["dvc", "repro", stage_name], killed, stage_name)
         out = sh(["dvc", "repro", stage_name], killed)
         assert uninterrupted.wait(timeout=900) == 0, log.read_text()[-3000:]
     finally:
