@@ -144,7 +144,7 @@ RULES = [  # (edits, the message must contain)
     ({"pretrain__steps": 0}, "pretrain.steps: 0: must be ≥ 1"),
     ({"pretrain__chunk_size": 0}, "pretrain.chunk_size: 0: must be ≥ 1"),
     ({"pretrain__chunk": 2}, "pretrain.chunk: unknown key; valid keys: method, steps, batch_size, learning_rate, lr_scheduler, "
-                             "warmup_steps, weight_decay, ema_decay, … (30 in all); did you mean chunk_size?"),
+                             "warmup_steps, weight_decay, ema_decay, … (33 in all); did you mean chunk_size?"),
     ({"validate__num_prompts": 0}, "validate.num_prompts: 0: must be ≥ 1"),
     ({"validate__teacher_steps": [40, 0]}, "validate.teacher_steps: [40, 0]: step counts must be ≥ 1"),
     ({"validate__teacher_steps": [40, "4"]}, "validate.teacher_steps: [40, '4']: item 1 ('4'): expected an integer"),
