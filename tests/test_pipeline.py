@@ -401,3 +401,34 @@ def test_a_pdd_export_samples_its_nfe_curve_and_runs_in_stock_wan_pipeline_at_on
     for kind in ("custom", "stock"):
         diffs = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith(kind)]
         assert len(diffs) == 2 and max(diffs) <= 1e-5, out.stdout
+
+
+def test_vbench_on_reruns_validate_scoring_its_cached_videos(repo, tmp_path):
+    """Issue 65 item 3: ``validate.vbench`` turned on reruns validate (and the export after it) and nothing before;
+    every candidate's videos are reused from the sample cache, the headline candidates' scored on the chosen VBench
+    dimensions (tiny models of the real classes; the two optical-flow dimensions need larger videos than the tiny
+    DAG's): their numbers in DVC's metrics, the report, the export's card, and each model's folder in the lineage."""
+    from test_vbench import write_model_folders
+
+    dims = ["subject_consistency", "background_consistency", "temporal_flickering", "aesthetic_quality", "overall_consistency"]
+    models = write_model_folders(tmp_path / "models", ("dino", "clip_b32", "clip_l14", "aesthetic", "viclip"))
+    set_params(repo, {"validate.vbench.dimensions": dims, "validate.vbench.models": models})
+    proc = sh(["dvc", "repro"], repo)
+    ran = [line.split("'")[1] for line in proc.stdout.splitlines() if line.startswith("Running stage")]
+    assert ran == ["validate", "export"], proc.stdout
+    assert "validate: reusing 6 of 6 candidates' samples" in proc.stderr
+    headline = json.loads((repo / "metrics" / "validate.json").read_text())
+    names = ("teacher_6", "pretrain_4", "distill_4", "pdd_1")  # the reference teacher and each student's first
+    assert {f"{n}/vbench_{d}" for n in names for d in dims} <= set(headline)
+    assert not any(k.startswith(("teacher_2/vbench", "pdd_4/vbench")) for k in headline)  # the curves' other points: not scored
+    report = repo / "artifacts" / "validate" / "report"
+    results = json.loads((report / "vbench" / "vbench.json").read_text())["candidates"]
+    assert [r["candidate"] for r in results] == list(names) and all(r["protocol"]["name"] == "custom" for r in results)
+    scores = json.loads((report / "metrics.json").read_text())  # every metric: the VBench numbers DVC shows too
+    assert {k: v for k, v in scores.items() if "/vbench_" in k} == {k: v for k, v in headline.items() if "/vbench_" in k}
+    lineage = json.loads((repo / "artifacts" / "validate" / "lineage.json").read_text())
+    roles = {i["role"] for i in lineage["inputs"]}
+    assert {f"vbench_{k}" for k in models} <= roles
+    card = (repo / "artifacts" / "export" / "README.md").read_text()
+    assert "## VBench dimensions (validate.vbench, ×100)" in card and "| teacher_6 |" in card.split("## VBench")[1]
+    assert "up to date" in sh(["dvc", "status"], repo).stdout

@@ -1,7 +1,7 @@
 """Issue 65 item 3: VBench's dimensions in the validate stage (``validate.vbench``): typed params, off by default, what
 can be known refused in one line before any work, and the headline candidates' validation videos — sampled, or
 reused from the sample cache — scored as ``distillery vbench score`` scores a folder, their numbers in the report and
-the metrics."""
+the metrics. (The stage in the DAG, rerun with VBench on: ``tests/test_pipeline.py``.)"""
 
 from __future__ import annotations
 
