@@ -64,6 +64,8 @@ VALIDATED: dict[str, ValidationSpec] = {
 
 SAMPLE_CACHE = RUNS / "validate" / "cache"  # each candidate's videos and scores, reused while nothing they depend on
 # changes (distillery.evaluation.sample_cache); not a DVC out: `dvc repro` leaves it, `rm -rf` it to sample all again
+VBENCH_CACHE = RUNS / "validate" / "vbench_cache"  # the headline candidates' VBench scores, reused while their videos,
+# the models and the code are the same (distillery.evaluation.vbench.score_cache); not a DVC out either
 
 
 def latent_settings() -> dict:
@@ -191,7 +193,8 @@ def stage_validate(params: StageParams) -> None:
     all of them, ``report/summary.md`` the table a user reads. The grid and the adherence plot go to the stage's MLflow run.
     With ``validate.vbench.dimensions``, the headline candidates' videos are scored on those VBench dimensions too
     (:mod:`distillery.evaluation.vbench.validation`: checked and loaded before any sampling; ``report/vbench/``,
-    their numbers in both metrics files, each model's folder pinned in the lineage)."""
+    their numbers in both metrics files, each model's folder pinned in the lineage; a candidate whose videos, models and
+    code are those it was scored with is not scored again: :data:`VBENCH_CACHE`)."""
     from distillery.evaluation.sample_cache import SampleCache
     from distillery.evaluation.validate import ValidationConfig, headline_metrics, run_validation
     from distillery.pipeline.launch.device import stage_device
@@ -207,13 +210,15 @@ def stage_validate(params: StageParams) -> None:
     log.info("validate: on %s", cfg.device)
     # students are sampled as their artifacts' sampling.json says (the sampler registry, no kinds here)
     candidates = table_candidates(params)
-    scorer, vbench_models, pinned = None, {}, {}
+    scorer, vbench_models, pinned, model_files = None, {}, {}, {}
     if v.vbench.dimensions:  # refused before any sampling: a model not given or of another class, videos too small
         from distillery.evaluation.vbench import validation as vbench
+        from distillery.evaluation.vbench.score_cache import ScoreCache
         from distillery.lineage.manifest import pin_input
 
         vbench_models = vbench.check(v.vbench.dimensions, v.vbench.models.given(), cfg.num_frames, cfg.height, cfg.width)
-        pinned = {f"vbench_{key}": pin_input(folder) for key, folder in vbench_models.items()}  # as read: changed meanwhile, refused
+        model_files = {key: pin_input(folder) for key, folder in vbench_models.items()}
+        pinned = {f"vbench_{key}": files for key, files in model_files.items()}  # as read: changed meanwhile, refused
         scorer = vbench.load(v.vbench.dimensions, {key: str(folder) for key, folder in vbench_models.items()})
     staging = fresh_staging("validate")
     report = staging / "report"
@@ -223,7 +228,8 @@ def stage_validate(params: StageParams) -> None:
     headline = headline_candidates(candidates)
     shown_metrics = headline_metrics(metrics, headline, candidates[0].name)
     if scorer is not None:  # the headline candidates' videos, as sampled above (or reused from the sample cache)
-        shown_metrics.update(vbench.score_candidates(scorer, report, headline, cfg.device))
+        shown_metrics.update(vbench.score_candidates(scorer, report, headline, cfg.device,
+                                                     cache=ScoreCache(VBENCH_CACHE), models=model_files))
     # DVC gets the numbers a user compares; every metric stays in report/metrics.json, the details in report.json
     shown = [(report / name, "grid") for name in ("grid.gif", "grid.mp4")] + [(report / "plots" / "adherence_vs_nfe.png", "plots")]
     shown += [(report / "vbench" / "vbench.md", "vbench")]

@@ -407,7 +407,8 @@ def test_vbench_on_reruns_validate_scoring_its_cached_videos(repo, tmp_path):
     """Issue 65 item 3: ``validate.vbench`` turned on reruns validate (and the export after it) and nothing before;
     every candidate's videos are reused from the sample cache, the headline candidates' scored on the chosen VBench
     dimensions (tiny models of the real classes; the two optical-flow dimensions need larger videos than the tiny
-    DAG's): their numbers in DVC's metrics, the report, the export's card, and each model's folder in the lineage."""
+    DAG's): their numbers in DVC's metrics, the report, the export's card, and each model's folder in the lineage. A
+    validate rerun that leaves their videos as they were (a teacher step count fewer) scores none of them again."""
     from test_vbench import write_model_folders
 
     dims = ["subject_consistency", "background_consistency", "temporal_flickering", "aesthetic_quality", "overall_consistency"]
@@ -431,4 +432,12 @@ def test_vbench_on_reruns_validate_scoring_its_cached_videos(repo, tmp_path):
     assert {f"vbench_{k}" for k in models} <= roles
     card = (repo / "artifacts" / "export" / "README.md").read_text()
     assert "## VBench dimensions (validate.vbench, ×100)" in card and "| teacher_6 |" in card.split("## VBench")[1]
+    assert "VBench scores of 0 of 4 candidates reused" in proc.stderr
+    # a validate-only change that leaves the headline candidates' videos as they were: nothing scored again
+    set_params(repo, {"validate.teacher_steps": [6]})
+    proc = sh(["dvc", "repro"], repo)
+    assert "validate: reusing 5 of 5 candidates' samples" in proc.stderr
+    assert "VBench scores of 4 of 4 candidates reused" in proc.stderr and "videos scored" not in proc.stderr, proc.stderr
+    again = json.loads((repo / "metrics" / "validate.json").read_text())
+    assert {k: v for k, v in again.items() if "/vbench_" in k} == {k: v for k, v in headline.items() if "/vbench_" in k}
     assert "up to date" in sh(["dvc", "status"], repo).stdout

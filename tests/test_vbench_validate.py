@@ -5,8 +5,11 @@ the metrics. (The stage in the DAG, rerun with VBench on: ``tests/test_pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
+import shutil
 import typing
 from pathlib import Path
 
@@ -166,3 +169,84 @@ def test_the_validate_artifacts_lineage_pins_the_vbench_models():
     plain = validation_inputs()
     assert validation_inputs(vbench_models={"dino": Path("/models/dino"), "raft": Path("/models/raft")}) == [
         *plain, ("vbench_dino", Path("/models/dino")), ("vbench_raft", Path("/models/raft"))]
+
+
+@contextlib.contextmanager
+def _project_log():
+    """The project logger's INFO messages while the block runs (its own handler: a CLI test earlier in the worker may
+    have stopped it propagating to pytest's capture)."""
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger, handler = logging.getLogger("distillery"), Lines()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_a_candidate_whose_videos_are_as_they_were_is_not_scored_again(scored, tmp_path):
+    """Issue 65 item 3, "cached per candidate like validate's": validate rerun (a change of its own params that leaves
+    a headline candidate's videos as they were) keeps that candidate's VBench scores — bitwise its files' — and scores
+    nothing again; a candidate with another video is scored again, the other kept; an entry edited without its seal,
+    and the same videos on other model files, are scored again."""
+    from distillery.evaluation.sample_cache import entry_key
+    from distillery.evaluation.vbench.score_cache import ScoreCache, material
+    from distillery.lineage.manifest import pin_input
+
+    runs, models, scorer = scored
+    _, first, out, report = runs[0]
+    work, names = tmp_path / "report", ["teacher_2", "student_1"]
+    shutil.copytree(out, work)
+    files = {k: pin_input(v) for k, v in models.items()}
+    cache = ScoreCache(tmp_path / "vbench_cache")
+
+    def score() -> tuple[dict, str]:
+        with _project_log() as lines:
+            shown = vbench.score_candidates(scorer, work, names, "cpu", cache=cache, models=files)
+        return shown, "\n".join(lines)
+
+    shown, said = score()
+    assert shown == first and "VBench scores of 0 of 2 candidates reused" in said and "videos scored" in said
+    assert len(list(cache.root.glob("*.json"))) == 2
+    written = (work / "vbench" / "videos.jsonl").read_text()
+    shown, said = score()  # validate rerun: the same videos
+    assert shown == first and "VBench scores of 2 of 2 candidates reused" in said and "videos scored" not in said, said
+    assert (work / "vbench" / "videos.jsonl").read_text() == written  # every video's score as it was read from its file
+
+    key = report["sample_keys"][0][0]  # student_1 sampled again into other frames: its first video is teacher_2's now
+    shutil.copy2(work / "samples" / "teacher_2" / f"{key}.mp4", work / "samples" / "student_1" / f"{key}.mp4")
+    shown, said = score()
+    assert "VBench scores of 1 of 2 candidates reused from" in said and "(teacher_2)" in said, said
+    fresh = vbench.score_candidates(scorer, work, names, "cpu")  # no cache: every video read from its file
+    assert shown == fresh and shown != first
+
+    entry = next(p for p in cache.root.glob("*.json") if json.loads(p.read_text())["candidate"] == "teacher_2")
+    data = json.loads(entry.read_text())
+    data["rows"][0][2] += 0.5  # a score edited, its seal left
+    entry.write_text(json.dumps(data))
+    shown, said = score()
+    assert shown == fresh and "teacher_2: VBench score cache entry" in said and "its seal does not match" in said, said
+    assert "VBench scores of 1 of 2 candidates reused" in said  # student_1's kept
+
+    videos = vbench_videos(work, "teacher_2", report)
+    other = {**files, "dino": tuple({**f, "sha256": "0" * 64} for f in files["dino"])}
+    assert entry_key(material(videos, other, "cpu")) != entry_key(material(videos, files, "cpu"))  # another model: another key
+    with pytest.raises(ValueError, match="needs the files of every model scored"):
+        vbench.score_candidates(scorer, work, names, "cpu", cache=cache, models={"dino": files["dino"]})
+
+
+def vbench_videos(report_dir: Path, name: str, report: dict) -> list:
+    """(video spec, mp4) of ``name``'s videos in ``report_dir`` as the validate stage scores them."""
+    from distillery.evaluation.vbench.protocol import Protocol, VideoSpec
+
+    protocol = Protocol("custom", tuple(SMALL), report["num_seeds"], custom_prompts=list(report["prompts"]))
+    return [(VideoSpec(entry, j), report_dir / "samples" / name / f"{report['sample_keys'][entry.index][j]}.mp4")
+            for entry in protocol.entries for j in range(protocol.seeds_per_prompt)]

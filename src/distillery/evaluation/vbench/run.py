@@ -98,8 +98,6 @@ def score_videos(scorer, protocol, videos: list[tuple[object, Path]], candidate:
     :class:`~distillery.evaluation.vbench.dimensions.VBenchScorer`), each decoded from its file as
     ``distillery vbench score`` decodes it: (``candidate``'s report, the per-video rows)."""
     from distillery.clips.video_io import read_video
-    from distillery.evaluation.vbench.dimensions import aggregate
-    from distillery.evaluation.vbench.report import build_report
 
     rows = []
     for i, (spec, path) in enumerate(videos):
@@ -107,8 +105,15 @@ def score_videos(scorer, protocol, videos: list[tuple[object, Path]], candidate:
         rows += scorer.score(frames, fps, spec.entry.prompt, spec.entry.dimensions, spec.name)
         if (i + 1) % 50 == 0 or i + 1 == len(videos):
             log.info("vbench %s: %d/%d videos scored", candidate, i + 1, len(videos))
-    report = build_report(candidate, protocol.describe(), scorer.describe(), scorer.published, aggregate(rows), len(videos))
-    return report, rows
+    return videos_report(scorer, protocol, rows, len(videos), candidate), rows
+
+
+def videos_report(scorer, protocol, rows: list, videos: int, candidate: str) -> dict:
+    """``candidate``'s report from its ``videos`` videos' scores ``rows`` (each dimension aggregated as VBench does)."""
+    from distillery.evaluation.vbench.dimensions import aggregate
+    from distillery.evaluation.vbench.report import build_report
+
+    return build_report(candidate, protocol.describe(), scorer.describe(), scorer.published, aggregate(rows), videos)
 
 
 def score_folder(cfg: VBenchConfig, videos_dir: str | Path, out_dir: str | Path, candidate: str = "candidate") -> dict:
