@@ -5,10 +5,8 @@ the metrics. (The stage in the DAG, rerun with VBench on: ``tests/test_pipeline.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import logging
 import shutil
 import typing
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_vbench import write_model_folders
+from workspace import project_log
 
 from distillery.common.errors import UserError
 from distillery.evaluation.candidates import Candidate
@@ -171,26 +170,6 @@ def test_the_validate_artifacts_lineage_pins_the_vbench_models():
         *plain, ("vbench_dino", Path("/models/dino")), ("vbench_raft", Path("/models/raft"))]
 
 
-@contextlib.contextmanager
-def _project_log():
-    """The project logger's INFO messages while the block runs (its own handler: a CLI test earlier in the worker may
-    have stopped it propagating to pytest's capture)."""
-    lines: list[str] = []
-
-    class Lines(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logger, handler = logging.getLogger("distillery"), Lines()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
 
 def test_a_candidate_whose_videos_are_as_they_were_is_not_scored_again(scored, tmp_path):
     """Issue 65 item 3, "cached per candidate like validate's": validate rerun (a change of its own params that leaves
@@ -209,7 +188,7 @@ def test_a_candidate_whose_videos_are_as_they_were_is_not_scored_again(scored, t
     cache = ScoreCache(tmp_path / "vbench_cache")
 
     def score() -> tuple[dict, str]:
-        with _project_log() as lines:
+        with project_log() as lines:
             shown = vbench.score_candidates(scorer, work, names, "cpu", cache=cache, models=files)
         return shown, "\n".join(lines)
 

@@ -3,15 +3,18 @@ dvc.yaml/params.yaml/stages, small params; and the process helpers those tests n
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -261,3 +264,24 @@ def repro_killed_beside_whole(killed: Path, whole: Path, stage_name: str, log: P
             uninterrupted.wait()
         kill_all_in(whole)
     return out
+
+
+@contextlib.contextmanager
+def project_log(level: int = logging.INFO) -> Iterator[list[str]]:
+    """The project logger's messages at ``level`` and above while the block runs, by a handler of its own (a CLI call
+    earlier in the process may have stopped the logger propagating to pytest's capture)."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger, handler = logging.getLogger("distillery"), Keep(level)
+    was = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(was)

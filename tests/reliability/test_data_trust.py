@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -31,6 +30,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from workspace import project_log
 
 from distillery.clips.synthetic import ClipSetConfig, make_clip_set
 from distillery.common.errors import UserError
@@ -62,26 +62,6 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-@contextmanager
-def _captured_log() -> Iterator[list[str]]:
-    """The project logger's records (INFO and above) while the block runs."""
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logger = logging.getLogger("distillery")
-    handler, level = Keep(logging.INFO), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def _shard_files(out: Path) -> list[str]:
     return sorted(str(p.relative_to(out)) for p in out.rglob("shard-*"))
 
@@ -101,7 +81,7 @@ def test_rerun_with_other_settings_redoes_stale_shards(tmp_path: Path, tiny_base
     preprocess(tiny_base, clips, out, SMALL)
     assert _shard_files(out) == [f"train/shard-0000{k}.{ext}" for k in (0, 1) for ext in ("json", "parquet")]
     other = PreprocessConfig(num_frames=9, height=64, width=64, fps=8.0, rows_per_shard=4, batch_size=2)
-    with _captured_log() as lines:
+    with project_log() as lines:
         preprocess(tiny_base, clips, out, other)
     assert any("(0 already done)" in line for line in lines), lines
     redone = [line for line in lines if "shard-00000" in line and "redone" in line]
@@ -131,7 +111,7 @@ def test_rerun_with_a_changed_video_redoes_its_shard(tmp_path: Path, tiny_base: 
     before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / "train").glob("shard-*")}
     old_row = LatentDataset(out, "train")[2]["latents"].clone()
     (data / entries[2]["path"]).write_bytes((data / entries[0]["path"]).read_bytes())  # shard 1's first video
-    with _captured_log() as lines:
+    with project_log() as lines:
         preprocess(tiny_base, data, out, SMALL)
     assert any("shard-00001" in line and "redone" in line and "inputs differ" in line for line in lines), lines
     after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / "train").glob("shard-*")}
