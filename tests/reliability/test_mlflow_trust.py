@@ -6,6 +6,8 @@
   temporary copy the queue runs them in (deleted afterwards).
 - A training stage stopped by SIGTERM ends its trainer's MLflow run ``KILLED``, never leaves it ``RUNNING`` under a
   parent marked ``FINISHED``; its rerun resumes and finishes the same run.
+- A fresh store is made without a word: MLflow's table creation and migration (``Creating initial MLflow database
+  tables...``, ``Updating database tables``) are not the user's business.
 """
 
 from __future__ import annotations
@@ -68,6 +70,24 @@ def test_a_full_store_costs_one_warning_line(tmp_path, capfd, data_lost):
     finally:
         subprocess.run(["umount", "-l", str(store)], check=False)
     data_lost.record(0, "files lost (the store only)")
+
+
+@pytest.mark.reliability(case="11.7", title="a fresh MLflow store is made without a word",
+                         injected="no mlflow.db yet: a client opened on it and an experiment found or made (what every "
+                                  "stage's tracker does first), MLFLOW_LOGGING_LEVEL unset",
+                         expect="nothing on stdout or stderr: no INFO line of MLflow's or alembic's store creation")
+def test_a_fresh_store_is_made_without_a_word(tmp_path, capfd, monkeypatch, data_lost):
+    from distillery.components.tracking import ensure_experiment, mlflow_client, store_lock
+
+    monkeypatch.delenv("MLFLOW_LOGGING_LEVEL", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    capfd.readouterr()
+    with store_lock(uri):
+        ensure_experiment(mlflow_client(uri), "fresh", uri)
+    out, err = capfd.readouterr()
+    assert (tmp_path / "mlflow.db").is_file()
+    assert out + err == "", out + err
+    data_lost.record(0, "files lost (none written but the store)")
 
 
 @pytest.mark.slow

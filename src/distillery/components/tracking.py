@@ -187,11 +187,15 @@ class _OneWarning(logging.Filter):
 
 
 def mlflow_client(tracking_uri: str) -> Any:
-    """An ``MlflowClient`` of ``tracking_uri`` (telemetry off; MLflow's error logs quieted to one warning line,
-    :class:`_OneWarning`): the one way distillery opens an MLflow store."""
+    """An ``MlflowClient`` of ``tracking_uri`` (telemetry off; MLflow's and alembic's INFO lines — a fresh store's
+    ``Creating initial MLflow database tables...`` — not shown unless ``MLFLOW_LOGGING_LEVEL`` asks for them; MLflow's
+    error logs quieted to one warning line, :class:`_OneWarning`): the one way distillery opens an MLflow store."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow.tracking import MlflowClient
 
+    if not os.environ.get("MLFLOW_LOGGING_LEVEL"):  # a user who sets it sees what they asked for
+        for name in ("mlflow", "alembic"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     for handler in logging.getLogger("mlflow").handlers:  # MLflow's own, set up when it is imported
         if not any(isinstance(f, _OneWarning) for f in handler.filters):
             handler.addFilter(_OneWarning())
