@@ -4,8 +4,10 @@ NaN, with and without a skip budget, and a finished run resumed again."""
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -86,10 +88,20 @@ def test_nan_sample_is_skipped_within_budget(tmp_path, tiny_base, latent_set):
 
 @pytest.mark.reliability(case="8.10", title="a finished run resumed again",
                          injected="rerun `distillery train` on a run that already reached max_train_steps",
-                         expect="'already complete at step N', exit 0, no 'loss nan'")
+                         expect="'already complete at step N; checkpoint … (saved <when, ISO UTC>)', the time the first "
+                                "run's line gave (a stale run shows), exit 0, no 'loss nan'")
 def test_finished_run_says_complete(tmp_path, tiny_base, latent_set):
     cfg = run_config(tiny_base, latent_set, tmp_path / "run", steps=2, batch_size=4)
     path = write_config(tmp_path / "c.yaml", cfg)
-    assert train_in_process(cfg).final_step == 2  # the finished run (in this process: the same trainer) ...
+    before = datetime.now(timezone.utc).replace(microsecond=0)
+    first = _train(path)  # the finished run ...
+    after = datetime.now(timezone.utc)
+    assert first.returncode == 0, first.stderr[-2000:]
+    trained = re.search(r"^trained to step 2; checkpoint (\S+) \(saved (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)\); loss ",
+                        first.stdout, re.M)
+    assert trained, first.stdout
+    saved = datetime.strptime(trained[2], "%Y-%m-%dT%H:%M:%S%z")
+    assert before <= saved <= after, (before, saved, after)  # when the checkpoint was written, in UTC
     again = _train(path)  # ... that `distillery train` is asked to run again
-    assert again.returncode == 0 and "already complete at step 2" in again.stdout and "nan" not in again.stdout
+    assert again.returncode == 0 and "nan" not in again.stdout
+    assert f"already complete at step 2; checkpoint {trained[1]} (saved {trained[2]})" in again.stdout, again.stdout

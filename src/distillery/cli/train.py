@@ -76,12 +76,16 @@ def run_training(argv: list[str]) -> int:
 
         result = build_trainer(config, env).fit()
         if env.is_main:
+            from distillery.components.checkpoint.checksums import saved_at
+
+            when = saved_at(result.checkpoint) if result.checkpoint is not None else None
+            checkpoint = f"checkpoint {result.checkpoint}" + (f" (saved {when})" if when else "")  # a stale run shows
             if result.history:
                 loss = result.history[-1].get("total_loss")
                 shown = f"; loss {loss:.5f}" if loss is not None else ""
-                sys.stdout.write(f"trained to step {result.final_step}; checkpoint {result.checkpoint}{shown}\n")
+                sys.stdout.write(f"trained to step {result.final_step}; {checkpoint}{shown}\n")
             else:  # resumed a finished run: nothing trained, no loss to show
-                sys.stdout.write(f"already complete at step {result.final_step}; checkpoint {result.checkpoint}\n")
+                sys.stdout.write(f"already complete at step {result.final_step}; {checkpoint}\n")
         return 0
     finally:
         shutdown()

@@ -206,6 +206,20 @@ def read_metadata(folder: Path) -> tuple[dict[str, Any] | None, Damage | None]:
     return meta, None
 
 
+def saved_at(folder: Path) -> str | None:
+    """When checkpoint ``folder`` was saved, ISO 8601 in UTC (``2026-12-07T23:31:05Z``), from its ``metadata.json``'s
+    ``created`` (written in local time with its offset); ``None`` when the metadata is unusable or says no time."""
+    from datetime import datetime, timezone
+
+    meta, _ = read_metadata(folder)
+    created = meta.get("created") if meta else None
+    try:
+        when = datetime.strptime(created, "%Y-%m-%dT%H:%M:%S%z") if isinstance(created, str) else None
+    except ValueError:
+        return None
+    return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if when else None
+
+
 def verify_checkpoint(folder: Path) -> Damage | None:
     """``None`` when every file of ``folder`` matches its recorded size and sha256, else the first
     damage found: metadata.json or checksums.json missing/invalid, a listed file missing or
