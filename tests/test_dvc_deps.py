@@ -78,8 +78,8 @@ def _shipped_params() -> Params:
     """The shipped params.yaml (:func:`workspace.shipped_params_text`), validated."""
     import yaml
 
+    from distillery.pipeline.params.loading import as_written, to_plain, validate_params
     from distillery.pipeline.params.recipes import recipe_params
-    from distillery.pipeline.params.schema import as_written, to_plain, validate_params
 
     data = yaml.safe_load(shipped_params_text())
     typed = validate_params(data, "params.yaml", recipe_params(registry()))

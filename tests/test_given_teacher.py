@@ -16,7 +16,7 @@ import pytest
 import yaml
 from workspace import copy_workspace, set_params, sh, shipped_params_text, stage
 
-from distillery.pipeline.params.schema import validate_params
+from distillery.pipeline.params.loading import validate_params
 from distillery.tinybase.tiny import TinyBaseConfig, TinyTransformerConfig, make_tiny_base
 
 ROOT = Path(__file__).resolve().parents[1]

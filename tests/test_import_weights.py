@@ -149,7 +149,7 @@ def test_a_given_pretrain_without_its_folder_or_a_folder_without_given_is_one_li
     import yaml
 
     from distillery.common.errors import UserError
-    from distillery.pipeline.params.schema import validate_params
+    from distillery.pipeline.params.loading import validate_params
 
     params = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
     for dotted, value in given.items():

@@ -233,7 +233,7 @@ def test_a_generation_killed_mid_shard_resumes_to_the_same_bytes(tmp_path, tiny_
 
 
 def test_dfsft_on_a_prompt_only_set_is_refused_at_the_params_check():
-    from distillery.pipeline.params.schema import validate_params
+    from distillery.pipeline.params.loading import validate_params
 
     params = yaml.safe_load(shipped_params_text())
     params["pretrain"]["data"] = "prompts"

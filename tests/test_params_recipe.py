@@ -24,7 +24,7 @@ from helpers import nudge_weights, run_config
 from workspace import shipped_params_text
 
 from distillery.common.errors import UserError
-from distillery.pipeline.params.schema import validate_params
+from distillery.pipeline.params.loading import validate_params
 
 ROOT = Path(__file__).resolve().parents[1]
 WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，丑陋的，"

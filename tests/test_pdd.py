@@ -384,7 +384,7 @@ def test_params_yaml_refuses_pdd_blocks_its_sampling_would_need_wider():
     """Before any stage runs: the grid, the trained block sizes, the contract's NFE and validate's NFE curve agree."""
     import yaml
 
-    from distillery.pipeline.params.schema import validate_params
+    from distillery.pipeline.params.loading import validate_params
 
     params = yaml.safe_load((Path(__file__).resolve().parent.parent / "params.yaml").read_text())
     validate_params(params)  # the shipped defaults fit

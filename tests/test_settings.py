@@ -22,8 +22,9 @@ from distillery.common.errors import UserError
 from distillery.config import allowed_prefixes, load_run_config
 from distillery.config.loader import parse_override_args
 from distillery.pipeline.dvcfile import stage_params
+from distillery.pipeline.params.loading import validate_params
 from distillery.pipeline.params.reader import Params, StageParams
-from distillery.pipeline.params.schema import ClipsParams, ValidateParams, validate_params
+from distillery.pipeline.params.schema import ClipsParams, ValidateParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

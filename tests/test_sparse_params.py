@@ -26,8 +26,8 @@ from workspace import copy_pipeline, shipped_params_text
 from distillery.common.errors import UserError
 from distillery.pipeline.dvcfile import stage_params
 from distillery.pipeline.launch.sparse_preflight import check_attention, check_stage_attention, token_grid
+from distillery.pipeline.params.loading import validate_params
 from distillery.pipeline.params.reader import Params, StageParams
-from distillery.pipeline.params.schema import validate_params
 from distillery.tinybase.shipped import shipped_tiny_base, shipped_tiny_cosmos
 from stages.training import shipped_attention, stage_run_config
 

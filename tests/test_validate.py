@@ -431,7 +431,7 @@ def test_validation_device_choice():
     """validate.device: auto is the GPU only when the pipeline has one and CUDA is there; an absent
     CUDA device asked for by name is a one-line error; params.yaml refuses other spellings."""
     from distillery.pipeline.launch.device import stage_device
-    from distillery.pipeline.params.schema import validate_params
+    from distillery.pipeline.params.loading import validate_params
 
     def validation_device(setting, nproc):
         return stage_device(setting, nproc, "validate.device")

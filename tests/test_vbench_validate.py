@@ -24,7 +24,8 @@ from distillery.evaluation.validation_config import ValidationConfig
 from distillery.evaluation.vbench import validation as vbench
 from distillery.evaluation.vbench.models import WHERE
 from distillery.evaluation.vbench.score import COMPUTED
-from distillery.pipeline.params.schema import VBenchDimension, VBenchModelsParams, validate_params
+from distillery.pipeline.params.loading import validate_params
+from distillery.pipeline.params.schema import VBenchDimension, VBenchModelsParams
 from distillery.tinybase.shipped import shipped_tiny_base
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,8 +21,9 @@ import yaml
 from workspace import copy_stages, shipped_params_text
 
 from distillery.common.errors import UserError
+from distillery.pipeline.params.loading import to_plain
 from distillery.pipeline.params.reader import Params
-from distillery.pipeline.params.schema import TRAINING_STAGES, ParamsSchema, to_plain
+from distillery.pipeline.params.schema import TRAINING_STAGES, ParamsSchema
 
 CASE = "8.12"
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,9 +23,10 @@ from typing import Any
 
 from distillery.common.errors import UserError
 from distillery.pipeline.params.file import read_params_file
+from distillery.pipeline.params.loading import validate_params
 from distillery.pipeline.params.reader import Params
 from distillery.pipeline.params.recipes import recipe_params
-from distillery.pipeline.params.schema import ParamsSchema, validate_params
+from distillery.pipeline.params.schema import ParamsSchema
 
 
 def load_profile(profile: str | Path, params_path: str | Path = "params.yaml") -> dict[str, Any]:

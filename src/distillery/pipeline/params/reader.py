@@ -5,7 +5,8 @@ typed.
 most 1 MiB, strict UTF-8, bounded nesting, strings and integers, no duplicate keys, no alias bombs)
 and as DVC reads it (:mod:`distillery.pipeline.params.file`: a scalar YAML 1.1 and DVC's YAML 1.2
 read differently is refused), then converts every section to the typed schema of
-:mod:`distillery.pipeline.params.schema` before any stage does work. Every problem is a one-line
+:mod:`distillery.pipeline.params.schema` (:func:`distillery.pipeline.params.loading.validate_params`) before any
+stage does work. Every problem is a one-line
 :class:`UserError` that names the key as the user wrote it (``params.yaml: teacher.steps: -3: must
 be ≥ 1``).
 
@@ -28,8 +29,9 @@ from typing import Any
 from distillery.common.errors import UserError
 from distillery.config.limits import show_path
 from distillery.pipeline.params.file import read_params_file
+from distillery.pipeline.params.loading import as_written, to_plain, validate_params
 from distillery.pipeline.params.recipes import Recipe, recipe_params, recipe_registry
-from distillery.pipeline.params.schema import ParamsSchema, as_written, to_plain, validate_params
+from distillery.pipeline.params.schema import ParamsSchema
 
 
 class Params:

@@ -16,7 +16,7 @@ standing in for its student samples with), ``reads(p)`` (what else the run reads
 reward model's folder — lineage inputs and parts of the resume key) and ``STUDENT``, the kind of
 student it trains: ``causal`` or ``bidirectional`` (absent: bidirectional; what preflight holds a
 sparse student's tiles to, :mod:`~distillery.pipeline.launch.sparse_preflight`). :func:`recipe_params` gives
-:func:`~distillery.pipeline.params.schema.validate_params` each stage's choices of ``method``: the
+:func:`~distillery.pipeline.params.loading.validate_params` each stage's choices of ``method``: the
 registry's, so a new method is its library module, its recipe module and the library module's line
 among its stage's ``dvc.yaml`` code deps.
 """
@@ -118,7 +118,7 @@ def recipe_registry(workspace: Path = Path(".")) -> Mapping[str, Mapping[str, Re
 
 def recipe_params(registry: Mapping[str, Mapping[str, Recipe]] | None = None) -> dict[str, dict[str, type]]:
     """``{stage: {method: Params}}`` of ``registry`` (None: the current workspace's): what
-    :func:`~distillery.pipeline.params.schema.validate_params` reads a training section with."""
+    :func:`~distillery.pipeline.params.loading.validate_params` reads a training section with."""
     found = recipe_registry() if registry is None else registry
     return {stage: {method: module.Params for method, module in methods.items()} for stage, methods in found.items()}
 
