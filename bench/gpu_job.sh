@@ -22,6 +22,11 @@
 #            our sp-1 step beside the base commit's code, carried in .bench_base/: git archive <commit> src bench | tar
 #            -x -C .bench_base), `sp --nproc N [--tp]` (N GPUs: sp N and tp N against N data ranks), `activations` (one
 #            GPU: peak memory against tokens); its log in $OUT/sp_step.log, results in $OUT/sp_step_<part>.json.
+#   batch    `batch BUDGET_S PART...`: several one-GPU benchmarks in one device call, each PART in its own process
+#            under `timeout` (its cap in job_batch, or what is left of BUDGET_S), its log and files in /tmp/res/PART; all
+#            of /tmp/res tarred into $OUT/results.tgz after each part, so a call cut short returns what finished (a device
+#            call returns at most 8 files). PART: nft vbench sparse latency cd sp cosmos hunyuan (BENCHMARKS.md "The
+#            issues' one-GPU numbers", 2026-12-08). Without `source device-env.sh` the FA4 paths fall back and say so.
 #   run      the wheels' environment below, then ARGS as a command (e.g. `run python3 bench/real_shape_pipeline.py --steps 4`).
 # JOB_BUDGET: the seconds the job may take (a device call is at most 600). sft, perf, distill, pdd, sp and run expect the
 # wheels the GPU image lacks in .whl/ (diffusers, importlib_metadata) and the anchors (shared/anchors/) in
@@ -236,6 +241,36 @@ job_sp() {
   grep -v "^{" "$OUT/sp_step.log" | tail -30
 }
 
+job_batch() {
+  local budget=${1:?batch BUDGET_S PART...}; shift
+  local final=$OUT; mkdir -p /tmp/res
+  wheels_env
+  part() {  # part NAME CAP_S COMMAND...
+    local name=$1 cap=$2; shift 2
+    local left=$(( budget - ($(date +%s) - JOB_START) - 12 )); local t=$(( cap < left ? cap : left ))
+    if [ "$t" -lt 40 ]; then echo "== $name skipped: $left s left"; return; fi
+    mkdir -p "/tmp/res/$name"; local s; s=$(date +%s)
+    OUT=/tmp/res/$name JOB_BUDGET=$((t - 5)) timeout "$t" "$@" > "/tmp/res/$name/log.txt" 2>&1
+    echo "== $name rc=$? wall=$(( $(date +%s) - s )) s (cap $t)"; grep -v "^\s*$" "/tmp/res/$name/log.txt" | tail -"${TAIL:-6}" | cut -c1-400
+    (cd /tmp && tar czf "$final/results.tgz" res)
+  }
+  local p
+  for p in "$@"; do
+    case $p in
+      nft) part nft 300 python3 bench/nft_step.py --k 4 --prompts 1 ;;
+      vbench) part vbench 130 bash -c 'python3 bench/vbench_speed.py --device cuda --videos 3 --out $OUT/vbench-speed.json' ;;
+      sparse) part sparse 110 python3 bench/sparse_attention_check.py ;;
+      latency) part latency 180 python3 bench/export_latency.py --kinds dmd2_sparse,dmd2 --variants fast --repeats 2 --budget-s 150 --skip-kernel-check ;;
+      cd) part cd 330 env ANCHOR_LATENTS= bash bench/gpu_job.sh distill --runs "causal_cd:21x60x104:default:on,sf:21x60x104:default:on" --steps 5 --warmup 2 --tag _cd ;;
+      sp) part sp 240 bash bench/gpu_job.sh sp regression --base .bench_base --runs sft:21x60x104:on,dmd2_data:21x60x104:on --rounds 1 --steps 5 --warmup 2 --attention native --timeout 220 ;;
+      cosmos) part cosmos 280 python3 bench/cosmos_bench.py --parts sft ;;
+      hunyuan) part hunyuan 290 python3 bench/hunyuan15_bench.py --parts sft ;;
+      *) echo "unknown part $p (nft vbench sparse latency cd sp cosmos hunyuan)" ;;
+    esac
+  done
+  echo "batch done in $(( $(date +%s) - JOB_START )) s"
+}
+
 case $job in
   sft) job_sft "$@" ;;
   perf) job_perf ;;
@@ -244,6 +279,7 @@ case $job in
   fa4) job_fa4 ;;
   dag) job_dag ;;
   sp) job_sp "$@" ;;
+  batch) job_batch "$@" ;;
   run) wheels_env; "$@" ;;
-  *) echo "unknown job $job: sft, perf, distill, pdd, fa4, dag, sp or run (bench/gpu_job.sh's header)"; exit 2 ;;
+  *) echo "unknown job $job: sft, perf, distill, pdd, fa4, dag, sp, batch or run (bench/gpu_job.sh's header)"; exit 2 ;;
 esac
