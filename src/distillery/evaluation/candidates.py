@@ -94,9 +94,14 @@ class Candidate:
         return self.build_sampler(self.shift).nfe(self.num_steps, self.guidance_scale, num_frames=num_frames)
 
 
-def teacher_candidates(teacher_dir: Path, steps: list[int], guidance_scale: float) -> list[Candidate]:
-    """The teacher as one Euler candidate per entry of ``steps`` at CFG ``guidance_scale``, named ``teacher_<steps>``."""
-    return [Candidate(f"teacher_{int(n)}", Path(teacher_dir), int(n), float(guidance_scale), "euler") for n in steps]
+def teacher_candidates(teacher_dir: Path, steps: list[int], guidance_scale: float,
+                       guidance_scale_2: float | None = None) -> list[Candidate]:
+    """The teacher as one Euler candidate per entry of ``steps`` at CFG ``guidance_scale``, named ``teacher_<steps>``;
+    ``guidance_scale_2``: a two-expert teacher's low-noise expert's scale (its contract's ``guidance_scale_2``, as
+    diffusers' ``WanPipeline`` takes it; None: ``guidance_scale`` for both)."""
+    options = {} if guidance_scale_2 is None else {"guidance_scale_2": float(guidance_scale_2)}
+    return [Candidate(f"teacher_{int(n)}", Path(teacher_dir), int(n), float(guidance_scale), "euler", options=dict(options))
+            for n in steps]
 
 
 def forwards(cand: Candidate, latent_frames: int) -> dict[str, int]:

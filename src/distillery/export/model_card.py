@@ -210,8 +210,11 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     candidate = validated_candidate(student, contract, report)
     steps = contract.get("num_steps") or len(contract.get("timesteps") or []) or None
     guidance = float(contract.get("guidance_scale", 1.0) or 1.0)
+    guidance_2 = contract.get("guidance_scale_2")  # two experts: the low-noise expert's scale, as WanPipeline takes it
     if candidate is not None:
         steps, guidance = int(candidate["num_steps"]), float(candidate["guidance_scale"])
+        guidance_2 = (candidate.get("options") or {}).get("guidance_scale_2", guidance_2)
+    second = "" if guidance_2 is None else f" guidance_scale_2={float(guidance_2)},"
     method = manifest.get("method")
     from distillery.models.registry import family_of
 
@@ -257,7 +260,8 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
     lines += _vbench_lines(_candidates(student, metrics, reference), metrics)
     prompt, seed = report["prompts"][0], report["seeds"][0]
     size = f"num_frames={cfg['num_frames']}, height={cfg['height']}, width={cfg['width']}"
-    call_args = f"num_inference_steps={steps}, guidance_scale={guidance}," if steps else f"guidance_scale={guidance},"
+    call_args = (f"num_inference_steps={steps}, guidance_scale={guidance},{second}" if steps
+                 else f"guidance_scale={guidance},{second}")
     marker = f"  # validate's {candidate['name']}" if candidate else ""
     installs = f"Install them (`pip install {' '.join(REQUIREMENTS)}`; this folder was made with {_versions()})"
     where = f"Run from the workspace root (or replace `{folder}` by where this folder is)."
@@ -319,7 +323,7 @@ def export_model_card(student: str, student_dir: Path, validate_dir: Path, max_s
                   "finished chunk's frames (numpy `[1, f, H, W, 3]`) while the next chunk denoises; together they are the "
                   "frames the call above returns.", ""]
     stock = [] if sparse else _stock_snippet(teacher, contract, stock_nfe, report, folder, prompt, seed, size, steps,
-                                             guidance, candidate)  # stock diffusers would run its attention dense
+                                             guidance, candidate, second)  # stock diffusers would run its attention dense
     return "\n".join(front + lines + stock)
 
 
@@ -342,9 +346,10 @@ def _gpu_lines() -> list[str]:
 
 def _stock_snippet(teacher: bool, contract: dict[str, Any], stock_nfe: int | None, report: dict[str, Any], folder: str,
                    prompt: str, seed: int, size: str, steps: int | None, guidance: float,
-                   candidate: dict[str, Any] | None) -> list[str]:
+                   candidate: dict[str, Any] | None, second: str = "") -> list[str]:
     """Stock ``WanPipeline`` on the folder, where a plain transformer is the model: the teacher (at the validated
-    steps and guidance) and a fused PDD student (at ``stock_nfe``, no CFG)."""
+    steps and guidance; ``second``: its `` guidance_scale_2=…,`` argument of two experts, or empty) and a fused PDD
+    student (at ``stock_nfe``, no CFG)."""
     if teacher and contract.get("sampler") == "euler" and contract.get("chunk_size") is None and steps:
         intro = ("It is a stock Wan model: stock `WanPipeline` samples it with no code of the folder. With the Euler "
                  "scheduler of its shift (the base may ship another, e.g. UniPC) it returns validate's video:")
@@ -353,7 +358,7 @@ def _stock_snippet(teacher: bool, contract: dict[str, Any], stock_nfe: int | Non
         intro = (f"`transformer/` alone is the student at {stock_nfe} NFE fused into a plain transformer: stock "
                  "`WanPipeline` samples it with its shift's Euler scheduler (the folder's parts, loaded through its "
                  "own pipeline; stock code samples):")
-        nfe, scale = stock_nfe, 1.0
+        nfe, scale, second = stock_nfe, 1.0, ""
         names = [c["name"] for c in report.get("candidates", []) if c.get("sampler") == contract.get("sampler")
                  and int(c.get("num_steps", -1)) == stock_nfe]
         name = names[0] if names else None
@@ -371,6 +376,6 @@ def _stock_snippet(teacher: bool, contract: dict[str, Any], stock_nfe: int | Non
             "", *load,
             f"pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift={contract.get('shift')})",
             f"video = pipe({json.dumps(prompt)}, {size}, max_sequence_length={report['max_sequence_length']},",
-            f"            num_inference_steps={nfe}, guidance_scale={scale},{marker}",
+            f"            num_inference_steps={nfe}, guidance_scale={scale},{second}{marker}",
             f"            generator=torch.Generator().manual_seed({seed})).frames[0]",
             *save_lines(float(report["config"]["fps"])), "```", ""]

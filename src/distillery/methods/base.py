@@ -346,6 +346,38 @@ def flow_matching_loss(
     return (pred_velocity - target) ** 2
 
 
+def teacher_scales(model: ModelBase, timesteps: torch.Tensor, scale: float, scale_2: float | None) -> float | torch.Tensor:
+    """The CFG scale of each sample of a teacher's guided prediction at ``timesteps`` ``[B]``: ``scale`` — or, where
+    ``model`` is two experts and ``scale_2`` is set, ``scale_2`` for the samples below its ``boundary_timestep`` (the
+    low-noise expert's, as diffusers' ``WanPipeline`` gives ``guidance_scale_2`` to ``transformer_2``): a float when
+    every sample shares one, else float32 ``[B]``."""
+    boundary = model.boundary_timestep
+    if scale_2 is None or boundary is None:
+        return float(scale)
+    low = timesteps.reshape(timesteps.shape[0], -1)[:, 0] < boundary
+    return torch.where(low, torch.tensor(float(scale_2), device=timesteps.device),
+                       torch.tensor(float(scale), device=timesteps.device)).float()
+
+
+def guided_by_scales(predict: Callable[[bool], torch.Tensor], scales: float | torch.Tensor) -> torch.Tensor:
+    """``u + w (c − u)`` of ``predict(conditional)`` with per-sample ``w`` (:func:`teacher_scales`; ``[B]`` broadcast
+    over ``[B, C, T, H, W]``): the conditional call alone when every ``w`` is 1, else the conditional then the
+    unconditional call (a training target's rule: 1 is the conditional teacher)."""
+    c = predict(True)
+    if bool((torch.as_tensor(scales) == 1.0).all()):
+        return c
+    u = predict(False)
+    w = scales if isinstance(scales, float) else scales.view(-1, *([1] * (c.ndim - 1)))
+    return u + w * (c - u)
+
+
+def check_second_scale(model: ModelBase, role: str, key: str, scale_2: float | None) -> None:
+    """A second (low-noise expert's) guidance scale needs a two-expert ``role``: a one-line :class:`UserError` otherwise."""
+    if scale_2 is not None and model.boundary_timestep is None:
+        raise UserError(f"config error: method.{key}: the low-noise expert's guidance scale; models.{role} is a model of "
+                        f"one expert (Wan 2.2 A14B has two): remove it")
+
+
 def require_empty_prompt(cond: Any, needed_by: str, training: TrainingConfig | None = None) -> None:
     """A :class:`UserError` (one line) unless ``cond`` (a batch or :class:`~distillery.models.base.Conditioning`)
     carries the empty prompt's embedding, which a latent set holds as ``empty_prompt.safetensors``

@@ -116,7 +116,8 @@ class DMPDDMethod(ScoreTimesteps, PDDMethod):
         total = out.loss
         if dm:
             gen_loss, gen_metrics = distribution_matching_loss(x0, out.cond, self.score_models(),
-                                                               self.config.teacher_guidance_scale)
+                                                               self.config.teacher_guidance_scale,
+                                                               guidance_2=self.config.teacher_guidance_scale_2)
             losses["generator_loss"] = gen_loss.detach()
             metrics.update(gen_metrics)
             total = total + self.config.dm_weight * gen_loss

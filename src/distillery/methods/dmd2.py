@@ -92,7 +92,14 @@ import torch.nn.functional as F
 
 from distillery.common.errors import UserError
 from distillery.config.typed import bounded, check_fields
-from distillery.methods.base import StepOutput, TrainingMethod, require_empty_prompt
+from distillery.methods.base import (
+    StepOutput,
+    TrainingMethod,
+    check_second_scale,
+    guided_by_scales,
+    require_empty_prompt,
+    teacher_scales,
+)
 from distillery.models.base import ModelBase, TrainingBatch, batch_latent_shape
 from distillery.models.schedule import FlowMatchSchedule, euler_step, renoise, x0_from_velocity
 
@@ -111,7 +118,8 @@ class DMD2Config:
     rollout: Literal["simulate", "data_latent"] = "simulate"  # where the student's sample starts (module doc)
     rollout_renoise: Literal["sde", "ode"] = "sde"  # simulate: fresh noise between steps (sde) or the Euler step (ode)
     generator_update_interval: int = 5  # the student steps at every k-th optimizer step; the critic every step
-    real_score_guidance_scale: float = 3.5  # teacher CFG w in r = u + w (c − u); 1: conditional only
+    real_score_guidance_scale: float = 3.5  # teacher CFG w in r = u + w (c − u); 1: conditional only; of two experts the high-noise one's
+    real_score_guidance_scale_2: float | None = None  # a two-expert teacher's low-noise expert's w (τ < its boundary); null: the same
     min_score_timestep_ratio: float = 0.02  # lowest score timestep τ, as a fraction of 1000
     max_score_timestep_ratio: float = 0.98  # highest score timestep τ, as a fraction of 1000
     check_rank_agreement: bool = False  # debug: all-reduce the shared draws each step, raise if ranks differ
@@ -134,6 +142,9 @@ class DMD2Config:
             raise ValueError("generator_update_interval must be >= 1")
         if not self.real_score_guidance_scale >= 0.0:
             raise ValueError("real_score_guidance_scale must be >= 0")
+        if self.real_score_guidance_scale_2 is not None and not self.real_score_guidance_scale_2 >= 1.0:
+            raise ValueError(f"real_score_guidance_scale_2 must be >= 1 (1: the conditional teacher), got "
+                             f"{self.real_score_guidance_scale_2}")
         check_score_timestep_range(self.min_score_timestep_ratio, self.max_score_timestep_ratio)
         if not (self.gan_weight >= 0.0 and self.gan_discriminator_weight >= 0.0):
             raise ValueError("gan_weight and gan_discriminator_weight must be >= 0")
@@ -201,13 +212,15 @@ class ScoreTimesteps:
         return ScoreModels(self.teacher, self.critic, self.draw_score_timesteps, self.rng, self.training)
 
 
-def distribution_matching_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels,
-                               guidance: float, skip_frames: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def distribution_matching_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels, guidance: float, skip_frames: int = 0,
+                               guidance_2: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DMD generator loss of a student sample ``x0 [B, C, T, H, W]`` (with graph) and its metrics
-    (module doc, step 2: draws τ ``[B]``, then ε_τ; ``guidance`` is the teacher's CFG w). ``skip_frames``: latent
-    frames at the start that are given, not generated (a causal image-to-video student's frame 0): the scores see the
-    whole video, the gradient, its normaliser and the loss only the frames after them."""
-    if guidance != 1.0:
+    (module doc, step 2: draws τ ``[B]``, then ε_τ; ``guidance`` is the teacher's CFG w — of a two-expert teacher the
+    high-noise expert's, ``guidance_2`` the low-noise one's for the samples whose τ is below its boundary,
+    :func:`~distillery.methods.base.teacher_scales`). ``skip_frames``: latent frames at the start that are given, not
+    generated (a causal image-to-video student's frame 0): the scores see the whole video, the gradient, its
+    normaliser and the loss only the frames after them."""
+    if guidance != 1.0 or (guidance_2 is not None and guidance_2 != 1.0):
         require_empty_prompt(cond, f"a real-score guidance of {guidance}", scores.training)
     b = x0.shape[0]
     tau = scores.draw_timesteps(b)
@@ -216,12 +229,8 @@ def distribution_matching_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels,
         noise = scores.rng.randn(x0.shape).to(x0.device)
         x_tau = renoise(x0.detach(), noise, scores.teacher.schedule.sigma(tau))
         fake = scores.critic.predict_x0(x_tau, tau, cond, conditional=True)
-        cond_x0 = scores.teacher.predict_x0(x_tau, tau, cond, conditional=True)
-        if guidance == 1.0:
-            real = cond_x0
-        else:
-            uncond_x0 = scores.teacher.predict_x0(x_tau, tau, cond, conditional=False)
-            real = uncond_x0 + guidance * (cond_x0 - uncond_x0)
+        real = guided_by_scales(lambda conditional: scores.teacher.predict_x0(x_tau, tau, cond, conditional=conditional),
+                                teacher_scales(scores.teacher, tau, guidance, guidance_2))
         if skip_frames:  # the generated frames only
             fake, real = fake[:, :, skip_frames:], real[:, :, skip_frames:]
         g = dmd_gradient(generated, fake, real)
@@ -304,6 +313,7 @@ class DMD2Method(ScoreTimesteps, TrainingMethod):
         for role in ("teacher", "critic"):
             if role_models[role].schedule.num_train_timesteps != n:
                 raise UserError(f"config error: models.{role}: its timestep scale differs from the student's ({n})")
+        check_second_scale(self.teacher, "teacher", "real_score_guidance_scale_2", config.real_score_guidance_scale_2)
         self.gan_blocks: list[int] | None = None  # the critic's blocks the discriminator reads; None: no GAN term
         if config.gan_weight > 0:
             from distillery.methods.gan import attach_discriminator
@@ -382,7 +392,8 @@ class DMD2Method(ScoreTimesteps, TrainingMethod):
     # -- losses -----------------------------------------------------------------------------
     def generator_loss(self, x0: torch.Tensor, cond: TrainingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """DMD loss of the generator output ``x0`` (with graph) and its metrics (module doc, step 2)."""
-        return distribution_matching_loss(x0, cond, self.score_models(), self.config.real_score_guidance_scale)
+        return distribution_matching_loss(x0, cond, self.score_models(), self.config.real_score_guidance_scale,
+                                          guidance_2=self.config.real_score_guidance_scale_2)
 
     def critic_loss(self, x0: torch.Tensor, cond: TrainingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Flow-matching loss of the critic on the student sample ``x0`` (detached), module doc step 3."""

@@ -78,7 +78,14 @@ import torch.nn.functional as F
 from distillery.common.errors import UserError
 from distillery.common.log import get_logger
 from distillery.config.typed import bounded, check_fields
-from distillery.methods.base import StepOutput, TrainingMethod, require_empty_prompt
+from distillery.methods.base import (
+    StepOutput,
+    TrainingMethod,
+    check_second_scale,
+    guided_by_scales,
+    require_empty_prompt,
+    teacher_scales,
+)
 from distillery.models.base import Conditioning, HeadGroup, ModelBase, PDDModelBase, batch_latent_shape
 from distillery.sampling.base import cfg_enabled, guided_velocity
 from distillery.sampling.pdd import PDDFusedSampler
@@ -93,6 +100,7 @@ class PDDConfig:
     rollout: Literal["data_latent", "simulate"] = "data_latent"  # noised data at x_n, or carried on-policy trajectories
     integrator: Literal["euler", "midpoint"] = "euler"  # the teacher's target over one interval: 1 or 2 teacher calls
     teacher_guidance_scale: float = 1.0  # CFG w of the teacher's target velocity: 1 conditional only, > 1 u + w(c − u); < 1 refused
+    teacher_guidance_scale_2: float | None = None  # a two-expert teacher's low-noise expert's w (t below its boundary); null: the same
     sampling_steps: int = bounded(4, 1, 1000)  # the NFE of the artifact's sampling contract (its default)
     validation_steps: list[int] = bounded(low=1, high=1000, default_factory=list)  # NFEs the student will be sampled at (checked now)
 
@@ -107,6 +115,9 @@ class PDDConfig:
         if not self.teacher_guidance_scale >= 1.0:  # module doc, step 3: one rule for the target and DM-PDD's real score
             raise ValueError(f"teacher_guidance_scale must be >= 1 (1: the conditional teacher; > 1: CFG u + w(c − u)), got "
                              f"{self.teacher_guidance_scale}; the samplers read w <= 1 as no guidance")
+        if self.teacher_guidance_scale_2 is not None and not self.teacher_guidance_scale_2 >= 1.0:
+            raise ValueError(f"teacher_guidance_scale_2 must be >= 1 (1: the conditional teacher), got "
+                             f"{self.teacher_guidance_scale_2}")
         self.validation_steps = [int(n) for n in self.validation_steps]
 
 
@@ -198,6 +209,7 @@ class PDDMethod(TrainingMethod):
                     sampler.partition(n)
                 except UserError as exc:
                     raise UserError(f"config error: method.{key}: {n}: {exc}") from None
+        check_second_scale(self.teacher, "teacher", "teacher_guidance_scale_2", config.teacher_guidance_scale_2)
         if self.teacher.schedule != student.schedule:
             raise UserError(f"config error: models.teacher: its schedule {self.teacher.schedule} differs from the student's "
                             f"{student.schedule}; the fine grid is one for both")
@@ -235,11 +247,16 @@ class PDDMethod(TrainingMethod):
 
     # -- the teacher's target ---------------------------------------------------------------
     def teacher_velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Any) -> torch.Tensor:
-        """The (guided) teacher velocity at ``x`` and σ (a scalar or one per row, ``[B]``), float32, no gradients."""
-        if cfg_enabled(self.config.teacher_guidance_scale):
-            require_empty_prompt(cond, f"method.teacher_guidance_scale {self.config.teacher_guidance_scale}", self.training)
+        """The (guided) teacher velocity at ``x`` and σ (a scalar or one per row, ``[B]``), float32, no gradients; of a
+        two-expert teacher, each row guided by its expert's scale (``teacher_guidance_scale_2`` below the boundary)."""
+        cfg = self.config
+        if cfg_enabled(cfg.teacher_guidance_scale) or (cfg.teacher_guidance_scale_2 or 1.0) > 1.0:
+            require_empty_prompt(cond, f"method.teacher_guidance_scale {cfg.teacher_guidance_scale}", self.training)
         t = (sigma * self.teacher.schedule.num_train_timesteps).expand(x.shape[0]).float()
-        return guided_velocity(self.teacher, x, t, cond, self.config.teacher_guidance_scale)
+        if cfg.teacher_guidance_scale_2 is None:
+            return guided_velocity(self.teacher, x, t, cond, cfg.teacher_guidance_scale)
+        return guided_by_scales(lambda conditional: self.teacher.predict_noise(x, t, cond, conditional=conditional),
+                                teacher_scales(self.teacher, t, cfg.teacher_guidance_scale, cfg.teacher_guidance_scale_2))
 
     @torch.no_grad()
     def target_velocity(self, x_k: torch.Tensor, k: torch.Tensor, sigmas: torch.Tensor, cond: Any) -> torch.Tensor:

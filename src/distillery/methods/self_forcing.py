@@ -109,7 +109,7 @@ class SelfForcingMethod(DMD2Method):
     def generator_loss(self, x0: torch.Tensor, cond: TrainingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """DMD2's, on the generated frames (module doc)."""
         return distribution_matching_loss(x0, cond, self.score_models(), self.config.real_score_guidance_scale,
-                                          skip_frames=self.given_frames)
+                                          skip_frames=self.given_frames, guidance_2=self.config.real_score_guidance_scale_2)
 
     def critic_loss(self, x0: torch.Tensor, cond: TrainingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """DMD2's, on the generated frames (module doc)."""

@@ -94,6 +94,9 @@ class ModelBase(ABC):
     config_class: type
     transformer: torch.nn.Module
     schedule: FlowMatchSchedule
+    #: Two experts split by timestep (Wan 2.2 A14B): the first timestep of the high-noise expert (``t >= this`` goes to
+    #: it, below to the low-noise one; diffusers' ``boundary_ratio · num_train_timesteps``). None: one transformer.
+    boundary_timestep: float | None = None
 
     def __init__(self, config: Any, role: str) -> None:
         self.config = config

@@ -13,14 +13,21 @@ A sampling contract is the content of an artifact's ``sampling.json``::
      "num_train_timesteps": 1000,     # timestep scale; absent: the model's
      "sigma_grid": "linspace",        # the σ grid's form (models.schedule.SIGMA_GRIDS); absent: the model's
      "num_steps": 4,                  # default step count (the sampler's own default when absent)
-     "guidance_scale": 1.0,           # default CFG scale (1: no CFG)
+     "guidance_scale": 1.0,           # default CFG scale (1: no CFG); of two experts, the high-noise one's
+     "guidance_scale_2": 3.0,         # two experts only: the low-noise expert's CFG scale (absent: guidance_scale's)
      ...}                             # the sampler's own keys (``option_keys``), e.g. "timesteps"
+
+Two experts (Wan 2.2 A14B: the model's ``boundary_timestep``) take two CFG scales as diffusers' ``WanPipeline`` does
+(:class:`ExpertGuidance`): ``guidance_scale`` for the steps at ``t >= boundary`` (the high-noise expert, ``transformer``),
+``guidance_scale_2`` for the steps below (the low-noise expert, ``transformer_2``); CFG runs at every step when
+``guidance_scale > 1`` (the pipeline's ``do_classifier_free_guidance``), whatever ``guidance_scale_2`` is.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -33,7 +40,7 @@ if TYPE_CHECKING:
     from distillery.models.base import Conditioning, ModelBase
 
 LatentShape = tuple[int, int, int, int]  # (C, T, H, W) of one sample
-COMMON_KEYS = ("sampler", "shift", "num_train_timesteps", "sigma_grid", "num_steps", "guidance_scale")
+COMMON_KEYS = ("sampler", "shift", "num_train_timesteps", "sigma_grid", "num_steps", "guidance_scale", "guidance_scale_2")
 
 
 def cfg_enabled(guidance_scale: float) -> bool:
@@ -97,25 +104,71 @@ def causal_model_options(chunk_size: int | None, sampler: str) -> dict[str, Any]
     return {"chunk_size": chunk_size}
 
 
-def guide(predict: Callable[[bool], torch.Tensor], guidance_scale: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class ExpertGuidance:
+    """The CFG scales of a call, as diffusers' ``WanPipeline`` applies them (module doc): ``scale`` at every step of a
+    one-expert model and at the high-noise expert's steps (``t >= boundary``) of two; ``scale_2`` at the low-noise
+    expert's (``t < boundary``; None: ``scale``). ``boundary``: the model's ``boundary_timestep`` (None: one expert).
+    CFG runs when ``scale > 1``."""
+
+    scale: float
+    scale_2: float | None = None
+    boundary: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the unconditional forward runs (at every step): ``scale > 1``."""
+        return cfg_enabled(self.scale)
+
+    def scale_at(self, timestep: float) -> float:
+        """The scale of a step at ``timestep`` (every sample of a sampler's step shares it)."""
+        if self.scale_2 is not None and self.boundary is not None and float(timestep) < self.boundary:
+            return float(self.scale_2)
+        return float(self.scale)
+
+
+def expert_guidance(model: "ModelBase", guidance_scale: float, guidance_scale_2: float | None, sampler: str) -> ExpertGuidance:
+    """The :class:`ExpertGuidance` of a call on ``model``; a one-line :class:`UserError` for a ``guidance_scale_2`` on a
+    model of one expert (diffusers' ``WanPipeline`` refuses it there too), or above 1 while ``guidance_scale`` is not
+    (the pipeline would run no CFG at all: that call is refused rather than sampled unguided)."""
+    boundary = getattr(model, "boundary_timestep", None)
+    if guidance_scale_2 is not None:
+        if boundary is None:
+            raise UserError(f"sampler {sampler}: guidance_scale_2 is the low-noise expert's CFG scale; "
+                            f"{type(model).__name__} is a model of one expert (only guidance_scale applies)")
+        if cfg_enabled(guidance_scale_2) and not cfg_enabled(guidance_scale):
+            raise UserError(f"sampler {sampler}: guidance_scale_2 {guidance_scale_2:g} with guidance_scale "
+                            f"{guidance_scale:g}: CFG runs only when guidance_scale > 1 (diffusers' WanPipeline), so the "
+                            "low-noise expert would be unguided; set guidance_scale above 1 too")
+    return ExpertGuidance(float(guidance_scale), None if guidance_scale_2 is None else float(guidance_scale_2), boundary)
+
+
+def guide(predict: Callable[[bool], torch.Tensor], guidance_scale: float, weight: float | None = None) -> torch.Tensor:
     """Classifier-free guidance ``u + w (c − u)`` of ``predict(conditional)``: the conditional call
-    alone when ``w ≤ 1``, else the conditional then the unconditional call (as WanPipeline)."""
+    alone when ``guidance_scale ≤ 1``, else the conditional then the unconditional call (as WanPipeline), combined with
+    ``w`` = ``weight`` (the step's expert's scale, :class:`ExpertGuidance`) or, None, ``guidance_scale``."""
     c = predict(True)
     if not cfg_enabled(guidance_scale):
         return c
     u = predict(False)
-    return u + guidance_scale * (c - u)
+    return u + (guidance_scale if weight is None else weight) * (c - u)
 
 
 def guided_velocity(model: "ModelBase", latents: torch.Tensor, timesteps: torch.Tensor, cond: "Conditioning",
-                    guidance_scale: float) -> torch.Tensor:
+                    guidance_scale: "float | ExpertGuidance") -> torch.Tensor:
     """CFG velocity ``u + w (c − u)`` (float32 ``[B, C, T, H, W]``) from the model plugin.
 
-    ``timesteps``: ``[B]`` (or per-frame ``[B, T]``) in ``[0, 1000]``. One forward without CFG; with
-    it, the conditional then the unconditional forward (negative embeds, zeros when None), separately
-    as WanPipeline does. Runs under the caller's grad mode.
+    ``timesteps``: ``[B]`` (or per-frame ``[B, T]``) in ``[0, 1000]``, one value for the batch when ``guidance_scale``
+    is an :class:`ExpertGuidance` (its scale is the step's expert's). One forward without CFG; with it, the
+    conditional then the unconditional forward (negative embeds, zeros when None), separately as WanPipeline does.
+    Runs under the caller's grad mode.
     """
-    return guide(lambda conditional: model.predict_noise(latents, timesteps, cond, conditional=conditional), guidance_scale)
+    def predict(conditional: bool) -> torch.Tensor:
+        return model.predict_noise(latents, timesteps, cond, conditional=conditional)
+
+    if isinstance(guidance_scale, ExpertGuidance):
+        return guide(predict, guidance_scale.scale, guidance_scale.scale_at(float(timesteps.reshape(-1)[0])))
+    return guide(predict, guidance_scale)
 
 
 def conditioning_on(cond: "Conditioning", device: torch.device) -> "Conditioning":
@@ -176,6 +229,10 @@ class Sampler(ABC):
         self.guidance_scale = float(guidance if guidance is not None else 1.0)
         if self.guidance_scale < 0:
             raise UserError(f"sampling contract for {self.name!r}: guidance_scale must be >= 0, got {self.guidance_scale}")
+        second = contract.get("guidance_scale_2")
+        self.guidance_scale_2 = None if second is None else float(second)
+        if self.guidance_scale_2 is not None and not self.guidance_scale_2 >= 0:
+            raise UserError(f"sampling contract for {self.name!r}: guidance_scale_2 must be >= 0, got {self.guidance_scale_2}")
         self.configure({k: contract[k] for k in self.option_keys if k in contract})
 
     def configure(self, options: dict[str, Any]) -> None:
@@ -192,6 +249,16 @@ class Sampler(ABC):
     def resolve_guidance(self, guidance_scale: float | None) -> float:
         """The CFG scale for a call: the call's, else the contract's (default 1: no CFG)."""
         return float(guidance_scale) if guidance_scale is not None else self.guidance_scale
+
+    def resolve_guidance_2(self, guidance_scale_2: float | None) -> float | None:
+        """The low-noise expert's CFG scale for a call: the call's, else the contract's (None: ``guidance_scale``'s)."""
+        return float(guidance_scale_2) if guidance_scale_2 is not None else self.guidance_scale_2
+
+    def expert_guidance(self, model: "ModelBase", guidance_scale: float | None,
+                        guidance_scale_2: float | None) -> ExpertGuidance:
+        """The call's :class:`ExpertGuidance` on ``model`` (:func:`expert_guidance`: refusals in one line)."""
+        return expert_guidance(model, self.resolve_guidance(guidance_scale), self.resolve_guidance_2(guidance_scale_2),
+                               self.name)
 
     def schedule_for(self, model: "ModelBase") -> FlowMatchSchedule:
         """The contract's shift, timestep scale and σ-grid form, each falling back to the model's own schedule."""
@@ -225,6 +292,7 @@ class Sampler(ABC):
         num_steps: int | None = None,
         guidance_scale: float | None = None,
         initial: torch.Tensor | None = None,
+        guidance_scale_2: float | None = None,
     ) -> torch.Tensor:
         """Sample ``B`` videos; returns normalised latents ``float32 [B, C, T, H, W]`` on ``model.device``.
 
@@ -233,7 +301,8 @@ class Sampler(ABC):
         ``noise``: a :mod:`~distillery.sampling.noise` source (``torch.Generator``, one generator per
         sample, or a ``BatchRNG``) for the initial noise and any later draws. ``initial``: optional
         initial noise ``[B, C, T, H, W]`` (then nothing is drawn for it). ``num_steps`` /
-        ``guidance_scale``: None → the contract's defaults. NFE per video: :meth:`nfe`.
+        ``guidance_scale`` / ``guidance_scale_2`` (two experts: the low-noise expert's, module doc): None → the
+        contract's defaults. NFE per video: :meth:`nfe`.
         """
 
 

@@ -120,12 +120,13 @@ class CausalStreamingSampler(LadderSampler):
         num_steps: int | None = None,
         guidance_scale: float | None = None,
         initial: torch.Tensor | None = None,
+        guidance_scale_2: float | None = None,
     ) -> torch.Tensor:
         chunk_size = self.chunk_size_for(model)
         causal: CausalModelBase = model  # type: ignore[assignment]
         batch = check_inputs(cond, latent_shape, initial)
-        guided = cfg_enabled(self.resolve_guidance(guidance_scale))
-        w = self.resolve_guidance(guidance_scale)
+        guidance = self.expert_guidance(model, guidance_scale, guidance_scale_2)
+        guided = guidance.enabled
         schedule = self.schedule_for(model)
         ts = self.ladder(schedule, num_steps)
         scale = schedule.num_train_timesteps
@@ -148,7 +149,7 @@ class CausalStreamingSampler(LadderSampler):
                 return v
             u = causal.predict_noise_streaming(x, step, cond, cache_tag=tags[1], store_kv=store,
                                                cur_start_frame=start, conditional=False)
-            return u + w * (v - u)
+            return u + guidance.scale_at(t) * (v - u)
 
         bounds = chunk_bounds(frames, chunk_size, self.given_first_frame)  # a length that does not fit: one line
         chunks = []

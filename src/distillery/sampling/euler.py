@@ -17,6 +17,7 @@ from distillery.common.errors import UserError
 from distillery.models.base import chunk_bounds, given_first_latent
 from distillery.models.schedule import euler_step
 from distillery.sampling.base import (
+    ExpertGuidance,
     LatentShape,
     Sampler,
     causal_model_options,
@@ -88,13 +89,15 @@ class EulerSampler(Sampler):
         num_steps: int | None = None,
         guidance_scale: float | None = None,
         initial: torch.Tensor | None = None,
+        guidance_scale_2: float | None = None,
     ) -> torch.Tensor:
         batch = check_inputs(cond, latent_shape, initial)
         if self.chunk_size is not None:
             require_causal(model, self.chunk_size, self.name, self.given_first_frame)
+        guidance = self.expert_guidance(model, guidance_scale, guidance_scale_2)
         if self.given_first_frame:
-            return self._sample_given_first_frame(model, cond, latent_shape, noise, num_steps, guidance_scale, initial)
-        steps, guidance = self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale)
+            return self._sample_given_first_frame(model, cond, latent_shape, noise, num_steps, guidance, initial)
+        steps = self.resolve_steps(num_steps)
         device = model.device
         schedule = self.schedule_for(model)
         sigmas = schedule.inference_sigmas(steps).to(device)  # [steps + 1], ends with 0
@@ -108,14 +111,14 @@ class EulerSampler(Sampler):
         return x
 
     def _sample_given_first_frame(self, model: "ModelBase", cond: "Conditioning", latent_shape: LatentShape,
-                                  noise: NoiseLike, num_steps: int | None, guidance_scale: float | None,
+                                  noise: NoiseLike, num_steps: int | None, guidance: ExpertGuidance,
                                   initial: torch.Tensor | None) -> torch.Tensor:
         """The class doc's ``given_first_frame`` path (runs under :meth:`sample`'s no_grad)."""
         causal: CausalModelBase = model  # type: ignore[assignment]
         batch = check_inputs(cond, latent_shape, initial)
         c, frames = int(latent_shape[0]), int(latent_shape[1])
         chunk_bounds(frames, int(causal.chunk_size), True)  # a length that does not fit: one line, before any forward
-        steps, guidance = self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale)
+        steps = self.resolve_steps(num_steps)
         device = model.device
         schedule = self.schedule_for(model)
         sigmas = schedule.inference_sigmas(steps).to(device)
@@ -123,13 +126,13 @@ class EulerSampler(Sampler):
         source = as_noise_source(noise)
         whole = initial.to(device, torch.float32) if initial is not None else source.randn((batch, *latent_shape), device)
         cond = conditioning_on(cond, device)
-        tags = CACHE_TAGS if cfg_enabled(guidance) else CACHE_TAGS[:1]
+        tags = CACHE_TAGS if guidance.enabled else CACHE_TAGS[:1]
         first = given_first_latent(cond, c).expand(batch, -1, -1, -1, -1)
 
         def streamed(x: torch.Tensor, t: torch.Tensor, start: int, store: bool) -> torch.Tensor:
             return guide(lambda conditional: causal.predict_noise_streaming(
                 x, t, cond, cache_tag=tags[0 if conditional else 1], store_kv=store, cur_start_frame=start,
-                conditional=conditional), guidance)
+                conditional=conditional), guidance.scale, guidance.scale_at(float(t[0])))
 
         for tag in tags:
             causal.clear_caches(tag)

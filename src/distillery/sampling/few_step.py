@@ -3,8 +3,9 @@
 At each of K timesteps ``t_0 > t_1 > … > t_{K−1}`` (in ``[0, num_train_timesteps]``, already
 shifted: σ_k = t_k / num_train_timesteps) the model's guided velocity gives
 ``x0 = x_t − σ_k v(x_t, t_k)``; except after the last step, ``x0`` is re-noised to
-``x_{t_{k+1}} = (1 − σ_{k+1}) x0 + σ_{k+1} ε`` with fresh ε from the noise source. The initial
-``x_{t_0}`` is the initial noise, used as is whatever ``t_0`` is (normally 1000). Returns the last x0.
+``x_{t_{k+1}} = (1 − σ_{k+1}) x0 + σ_{k+1} ε`` with fresh ε from the noise source (``renoise: sde``, the default) —
+or, ``renoise: ode``, the Euler step ``x_{t_{k+1}} = x_t + (σ_{k+1} − σ_k) v`` (no draw: Phased DMD's students). The
+initial ``x_{t_0}`` is the initial noise, used as is whatever ``t_0`` is (normally 1000). Returns the last x0.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distillery.common.errors import UserError
-from distillery.models.schedule import FlowMatchSchedule, renoise, x0_from_velocity
+from distillery.models.schedule import FlowMatchSchedule, euler_step, renoise, x0_from_velocity
 from distillery.sampling.base import LatentShape, Sampler, check_inputs, conditioning_on, guided_velocity
 from distillery.sampling.noise import NoiseLike, as_noise_source
 from distillery.sampling.registry import register_sampler
@@ -63,17 +64,22 @@ class LadderSampler(Sampler):
 @register_sampler("few_step_x0")
 class FewStepX0Sampler(LadderSampler):
     """Contract: ``{"sampler": "few_step_x0", "shift", "num_train_timesteps"[, "timesteps": [t_0, …],
-    "num_steps", "guidance_scale"]}``; without ``timesteps`` the ladder is :func:`default_ladder`.
+    "num_steps", "guidance_scale", "guidance_scale_2", "renoise"]}``; without ``timesteps`` the ladder is
+    :func:`default_ladder`; ``renoise``: ``sde`` (default) or ``ode`` (module doc).
 
     NFE per video: K × (2 with CFG, else 1). Runs under the caller's grad mode (training rollouts
     backpropagate through it; wrap inference in ``torch.no_grad()``).
     """
 
-    option_keys = ("timesteps",)
+    option_keys = ("timesteps", "renoise")
     default_num_steps = 4
 
     def configure(self, options: dict[str, Any]) -> None:
         self.configure_ladder(options)
+        mode = options.get("renoise", "sde")
+        if mode not in ("sde", "ode"):
+            raise UserError(f"sampler few_step_x0: renoise must be 'sde' or 'ode', got {mode!r}")
+        self.renoise_mode = mode
 
     def sample(
         self,
@@ -85,9 +91,10 @@ class FewStepX0Sampler(LadderSampler):
         num_steps: int | None = None,
         guidance_scale: float | None = None,
         initial: torch.Tensor | None = None,
+        guidance_scale_2: float | None = None,
     ) -> torch.Tensor:
         batch = check_inputs(cond, latent_shape, initial)
-        guidance = self.resolve_guidance(guidance_scale)
+        guidance = self.expert_guidance(model, guidance_scale, guidance_scale_2)
         schedule = self.schedule_for(model)
         ts = self.ladder(schedule, num_steps)
         scale = schedule.num_train_timesteps
@@ -104,5 +111,8 @@ class FewStepX0Sampler(LadderSampler):
             v = guided_velocity(model, x, step, cond, guidance)
             x0 = x0_from_velocity(x, v, t / scale)
             if k + 1 < len(ts):
-                x = renoise(x0, source.randn(shape, device), ts[k + 1] / scale)
+                if self.renoise_mode == "ode":
+                    x = euler_step(x, v, t / scale, ts[k + 1] / scale)
+                else:
+                    x = renoise(x0, source.randn(shape, device), ts[k + 1] / scale)
         return x0

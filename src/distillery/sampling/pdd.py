@@ -86,6 +86,7 @@ class PDDFusedSampler(Sampler):
         num_steps: int | None = None,
         guidance_scale: float | None = None,
         initial: torch.Tensor | None = None,
+        guidance_scale_2: float | None = None,
     ) -> torch.Tensor:
         batch = check_inputs(cond, latent_shape, initial)
         from distillery.models.base import PDDModelBase
@@ -95,7 +96,7 @@ class PDDFusedSampler(Sampler):
         if int(model.pdd_steps) != self.pdd_steps:
             raise UserError(f"sampler pdd_fused: the contract's pdd_steps {self.pdd_steps} differs from the model's "
                             f"{model.pdd_steps}")
-        steps, guidance = self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale)
+        steps, guidance = self.resolve_steps(num_steps), self.expert_guidance(model, guidance_scale, guidance_scale_2)
         nodes = self.partition(steps)
         device = model.device
         schedule = self.schedule_for(model)
@@ -105,6 +106,7 @@ class PDDFusedSampler(Sampler):
         cond = conditioning_on(cond, device)
         for a, b in zip(nodes, nodes[1:]):
             t = (sigmas[a] * schedule.num_train_timesteps).expand(batch)
-            v = guide(lambda conditional: model.predict_pdd_fused(x, t, cond, a, b, conditional=conditional), guidance)
+            v = guide(lambda conditional: model.predict_pdd_fused(x, t, cond, a, b, conditional=conditional), guidance.scale,
+                      guidance.scale_at(float(t[0])))
             x = x + (sigmas[b] - sigmas[a]) * v
         return x

@@ -87,6 +87,7 @@ class TrajectorySettings:
     teacher_shift: float  # the teacher's flow shift (its grid)
     latent_shape: tuple[int, ...]  # [C, T, H, W] of one point
     text_max_length: int  # prompt embeddings padded/truncated to this for the teacher
+    guidance_scale_2: float | None = None  # a two-expert teacher's low-noise expert's w (guidance_scale_2); None: the same
 
     def __post_init__(self) -> None:
         ts = [float(t) for t in self.t_list]
@@ -99,6 +100,8 @@ class TrajectorySettings:
     def record(self) -> dict[str, Any]:
         out = asdict(self)
         out["t_list"], out["latent_shape"] = list(self.t_list), list(self.latent_shape)
+        if self.guidance_scale_2 is None:  # the record of a set made before the key existed, unchanged
+            del out["guidance_scale_2"]
         return out
 
 
@@ -126,14 +129,19 @@ def ode_grid(inference_sigmas: torch.Tensor, t_list: tuple[float, ...], num_trai
 @torch.no_grad()
 def teacher_trajectory(teacher: Any, text: torch.Tensor, negative: torch.Tensor | None, noise: torch.Tensor,
                        grid: list[float], record: list[int], guidance_scale: float,
-                       first_frame: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                       first_frame: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None,
+                       guidance_scale_2: float | None = None) -> torch.Tensor:
     """The ODE states ``[B, K + 1, C, T, H, W]`` (float32) at the grid indices ``record`` (module doc).
 
     ``teacher``: a :class:`~distillery.models.base.ModelBase`; ``text`` / ``negative`` ``[B, L, D]`` on its
     device; ``noise [B, C, T, H, W]`` the state at σ = ``grid[0]`` = 1; an image-to-video teacher's
-    ``first_frame [B, M + C, T, H, W]`` and ``image_embeds [B, N, D_img]`` (None for text-to-video)."""
+    ``first_frame [B, M + C, T, H, W]`` and ``image_embeds [B, N, D_img]`` (None for text-to-video);
+    ``guidance_scale_2``: a two-expert teacher's low-noise expert's scale (diffusers' ``WanPipeline`` rule,
+    :class:`~distillery.sampling.base.ExpertGuidance`)."""
     from distillery.models.base import Conditioning
-    from distillery.sampling.base import guided_velocity
+    from distillery.sampling.base import expert_guidance, guided_velocity
+
+    guidance = expert_guidance(teacher, guidance_scale, guidance_scale_2, "trajectories")
 
     n = teacher.schedule.num_train_timesteps
     cond = Conditioning(text, negative, first_frame, image_embeds)
@@ -146,7 +154,7 @@ def teacher_trajectory(teacher: Any, text: torch.Tensor, negative: torch.Tensor 
         if i == len(grid) - 1:
             break
         t = torch.full((b,), grid[i] * n, dtype=torch.float32, device=x.device)
-        v = guided_velocity(teacher, x, t, cond, guidance_scale)
+        v = guided_velocity(teacher, x, t, cond, guidance)
         x = x + (grid[i + 1] - grid[i]) * v  # the Euler step (models.schedule.euler_step)
     return torch.stack([keep[i] for i in record], dim=1)
 
@@ -218,7 +226,7 @@ def generate_trajectories(teacher: Any, source: Path, out: Path, settings: Traje
     started = time.perf_counter()
     dataset = read_text_embeddings(source, SPLIT)
     uncond = read_empty_prompt_embedding(source, "negative")
-    if uncond is None and settings.guidance_scale != 1.0:
+    if uncond is None and (settings.guidance_scale != 1.0 or settings.guidance_scale_2 not in (None, 1.0)):
         raise UserError(f"{source}: no {EMPTY_PROMPT_FILE} (nor {NEGATIVE_PROMPT_FILE}): the unconditional prompt of the "
                         f"teacher's CFG ({settings.guidance_scale}); rerun the stage that made {source}")
     n = teacher.schedule.num_train_timesteps
@@ -286,7 +294,7 @@ def _batch_records(teacher: Any, items: dict[int, dict[str, Any]], part: list[tu
         if items[part[0][0]].get("image_embedding") is not None:
             images = torch.stack([items[i]["image_embedding"].float() for i, _ in part]).to(device)
     points = teacher_trajectory(teacher, text, negative, noise, grid, record, settings.guidance_scale,
-                                first_frame=first, image_embeds=images).cpu()
+                                first_frame=first, image_embeds=images, guidance_scale_2=settings.guidance_scale_2).cpu()
     c, t, h, w = shape
     out = []
     for row, (i, s) in enumerate(part):

@@ -6,14 +6,20 @@ A sampling contract (``sampling.json``)::
      "shift": 3.0, "num_train_timesteps": 1000,   # absent/null: the scheduler's shift, 1000
      "sigma_grid": "linspace",                     # the σ grid's form (distilled_schedule); absent: the denoiser's
      "num_steps": 4, "guidance_scale": 1.0,       # defaults of a call (guidance 1: no CFG)
+     "guidance_scale_2": 3.0,                      # two experts only: the low-noise expert's scale (absent: guidance_scale)
      ...}                                          # the sampler's own keys (below)
+
+Two experts (Wan 2.2 A14B): as diffusers' ``WanPipeline``, ``guidance_scale`` guides the steps at ``t >= boundary_ratio ·
+num_train_timesteps`` (the high-noise ``transformer``) and ``guidance_scale_2`` the steps below (``transformer_2``); CFG
+runs when ``guidance_scale > 1`` (:func:`step_scale`).
 
 - ``euler`` (``chunk_size``): Euler on diffusers' σ grid with CFG ``u + w (c − u)`` when ``w > 1``;
   with ``chunk_size`` every frame is denoised in step under the block-causal mask. NFE/video: steps × branches.
   With ``given_first_frame`` (a causal image-to-video student): frame 0 is the given frame's clean latent, written
   once to a KV cache at t = 0 (+ branches forwards), frames 1 … T − 1 denoised in step against it.
-- ``few_step_x0`` (``timesteps``): at each ladder timestep predict ``x0 = x_t − σ v``, re-noise it to
-  the next one with fresh noise; returns the last x0. NFE/video: steps × branches.
+- ``few_step_x0`` (``timesteps``, ``renoise``): at each ladder timestep predict ``x0 = x_t − σ v``, re-noise it to
+  the next one with fresh noise (``sde``, default) or take the Euler step there (``ode``); returns the last x0.
+  NFE/video: steps × branches.
 - ``causal_streaming`` (``timesteps``, ``chunk_size``, ``context_noise``, ``renoise``): the ladder of
   ``few_step_x0`` chunk by chunk, each chunk attending to the earlier ones through the KV cache; a
   finished chunk is written to the cache by one more forward (at ``context_noise``, fresh noise when
@@ -49,7 +55,7 @@ from .distilled_schedule import (
 )
 from .distilled_wan import Conditioning
 
-COMMON_KEYS = ("sampler", "shift", "num_train_timesteps", "sigma_grid", "num_steps", "guidance_scale")
+COMMON_KEYS = ("sampler", "shift", "num_train_timesteps", "sigma_grid", "num_steps", "guidance_scale", "guidance_scale_2")
 CACHE_TAGS = ("cond", "uncond")  # the conditional / unconditional passes' KV caches
 
 
@@ -58,13 +64,35 @@ def cfg_enabled(guidance_scale: float) -> bool:
     return guidance_scale > 1.0
 
 
-def guide(predict, guidance_scale: float) -> torch.Tensor:
-    """``u + w (c − u)`` of ``predict(conditional)``: the conditional call alone when ``w ≤ 1``."""
+def guide(predict, guidance_scale: float, weight: float | None = None) -> torch.Tensor:
+    """``u + w (c − u)`` of ``predict(conditional)``: the conditional call alone when ``guidance_scale ≤ 1``; ``w`` is
+    ``weight`` (the step's expert's scale, :func:`step_scale`) or, None, ``guidance_scale``."""
     c = predict(True)
     if not cfg_enabled(guidance_scale):
         return c
     u = predict(False)
-    return u + guidance_scale * (c - u)
+    return u + (guidance_scale if weight is None else weight) * (c - u)
+
+
+def step_scale(model: Any, timestep: float, guidance_scale: float, guidance_scale_2: float | None) -> float:
+    """The CFG scale of a step at ``timestep``: ``guidance_scale_2`` where ``model`` has two experts and the step is
+    the low-noise one's (below its ``boundary_timestep``), else ``guidance_scale`` (module doc)."""
+    boundary = getattr(model, "boundary_timestep", None)
+    if guidance_scale_2 is not None and boundary is not None and float(timestep) < boundary:
+        return float(guidance_scale_2)
+    return float(guidance_scale)
+
+
+def check_guidance_2(model: Any, guidance_scale: float, guidance_scale_2: float | None, name: str) -> None:
+    """A ``guidance_scale_2`` needs two experts, and ``guidance_scale > 1`` when it is above 1 (diffusers runs CFG only
+    then): ``ValueError`` otherwise."""
+    if guidance_scale_2 is None:
+        return
+    if getattr(model, "boundary_timestep", None) is None:
+        raise ValueError(f"sampler {name}: guidance_scale_2 is the low-noise expert's CFG scale; this model has one expert")
+    if cfg_enabled(guidance_scale_2) and not cfg_enabled(guidance_scale):
+        raise ValueError(f"sampler {name}: guidance_scale_2 {guidance_scale_2:g} with guidance_scale {guidance_scale:g}: "
+                         "CFG runs only when guidance_scale > 1; set guidance_scale above 1 too")
 
 
 def draw(generator: torch.Generator | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -102,6 +130,8 @@ class Sampler:
                              f"{', '.join(SIGMA_GRIDS)}")
         guidance = contract.get("guidance_scale", 1.0)
         self.guidance_scale = float(guidance if guidance is not None else 1.0)
+        second = contract.get("guidance_scale_2")
+        self.guidance_scale_2 = None if second is None else float(second)
         for key, value in (("shift", self.shift), ("num_train_timesteps", self.num_train_timesteps),
                            ("num_steps", self.num_steps)):
             if value is not None and value <= 0:
@@ -119,6 +149,13 @@ class Sampler:
 
     def resolve_guidance(self, guidance_scale: float | None) -> float:
         return float(guidance_scale) if guidance_scale is not None else self.guidance_scale
+
+    def resolve_guidance_2(self, model: Any, guidance_scale: float, guidance_scale_2: float | None) -> float | None:
+        """The low-noise expert's scale of a call (the call's, else the contract's; None: ``guidance_scale``'s),
+        checked against ``model`` (:func:`check_guidance_2`)."""
+        second = float(guidance_scale_2) if guidance_scale_2 is not None else self.guidance_scale_2
+        check_guidance_2(model, guidance_scale, second, self.name)
+        return second
 
     def schedule(self, own_shift: float) -> tuple[float, int]:
         """``(shift, num_train_timesteps)`` of a call: the contract's, else the model's shift and 1000."""
@@ -140,7 +177,7 @@ class Sampler:
 
     def sample(self, model: Any, cond: Conditioning, latent_shape: tuple[int, int, int, int],
                generator: torch.Generator | None, *, num_steps: int | None = None,
-               guidance_scale: float | None = None) -> torch.Tensor:
+               guidance_scale: float | None = None, guidance_scale_2: float | None = None) -> torch.Tensor:
         """Normalised latents ``float32 [B, C, T, H, W]`` on the model's device."""
         raise NotImplementedError
 
@@ -209,27 +246,31 @@ class EulerSampler(Sampler):
         return steps, guidance, sigmas, sigmas[:-1] * scale
 
     @torch.no_grad()
-    def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
+    def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None, guidance_scale_2=None):
         if self.given_first_frame:
-            return self._sample_given_first_frame(model, cond, latent_shape, generator, num_steps, guidance_scale)
+            return self._sample_given_first_frame(model, cond, latent_shape, generator, num_steps, guidance_scale,
+                                                  guidance_scale_2)
         batch = cond.text_embeds.shape[0]
         steps, guidance, sigmas, timesteps = self._ladder(model, num_steps, guidance_scale)
+        second = self.resolve_guidance_2(model, guidance, guidance_scale_2)
         device = model.device
         x = draw(generator, (batch, *latent_shape), device)
         cond = _on(cond, device)
         for i in range(steps):
             t = timesteps[i].expand(batch)
-            v = guide(lambda conditional: model.velocity(x, t, cond, conditional), guidance)
+            v = guide(lambda conditional: model.velocity(x, t, cond, conditional), guidance,
+                      step_scale(model, float(timesteps[i]), guidance, second))
             x = euler_step(x, v, sigmas[i], sigmas[i + 1])
         return x
 
-    def _sample_given_first_frame(self, model, cond, latent_shape, generator, num_steps, guidance_scale):
+    def _sample_given_first_frame(self, model, cond, latent_shape, generator, num_steps, guidance_scale, guidance_scale_2):
         """Frame 0 cached clean at t = 0 once, frames 1 … T − 1 denoised in step against it (module doc)."""
         _check_causal(model, self.chunk_size, True, self.name)
         batch = cond.text_embeds.shape[0]
         c, frames = int(latent_shape[0]), int(latent_shape[1])
         chunk_bounds(frames, self.chunk_size, True)  # a length that does not fit: before any forward
         steps, guidance, sigmas, timesteps = self._ladder(model, num_steps, guidance_scale)
+        second = self.resolve_guidance_2(model, guidance, guidance_scale_2)
         device = model.device
         whole = draw(generator, (batch, *latent_shape), device)
         cond = _on(cond, device)
@@ -238,7 +279,7 @@ class EulerSampler(Sampler):
         def streamed(x: torch.Tensor, t: torch.Tensor, start: int, store: bool) -> torch.Tensor:
             return guide(lambda conditional: model.velocity_streaming(
                 x, t, cond, tag=CACHE_TAGS[0 if conditional else 1], store_kv=store, start_frame=start,
-                conditional=conditional), guidance)
+                conditional=conditional), guidance, step_scale(model, float(t[0]), guidance, second))
 
         model.clear_caches()
         try:
@@ -282,15 +323,19 @@ class LadderSampler(Sampler):
 
 class FewStepX0Sampler(LadderSampler):
     name = "few_step_x0"
-    option_keys = ("timesteps",)
+    option_keys = ("timesteps", "renoise")
 
     def configure(self, options: dict[str, Any]) -> None:
         self.configure_ladder(options)
+        self.renoise_mode = options.get("renoise", "sde")
+        if self.renoise_mode not in ("sde", "ode"):
+            raise ValueError(f"sampler few_step_x0: renoise must be 'sde' or 'ode', got {self.renoise_mode!r}")
 
     @torch.no_grad()
-    def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
+    def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None, guidance_scale_2=None):
         batch = cond.text_embeds.shape[0]
         guidance = self.resolve_guidance(guidance_scale)
+        second = self.resolve_guidance_2(model, guidance, guidance_scale_2)
         shift, scale = self.schedule(model.shift)
         ts = self.ladder(shift, scale, num_steps, self.grid(model))
         device = model.device
@@ -300,10 +345,14 @@ class FewStepX0Sampler(LadderSampler):
         x0 = x
         for k, t in enumerate(ts):
             step = torch.full((batch,), t, dtype=torch.float32, device=device)
-            v = guide(lambda conditional: model.velocity(x, step, cond, conditional), guidance)
+            v = guide(lambda conditional: model.velocity(x, step, cond, conditional), guidance,
+                      step_scale(model, t, guidance, second))
             x0 = x0_from_velocity(x, v, t / scale)
             if k + 1 < len(ts):
-                x = renoise(x0, draw(generator, shape, device), ts[k + 1] / scale)
+                if self.renoise_mode == "ode":
+                    x = euler_step(x, v, t / scale, ts[k + 1] / scale)
+                else:
+                    x = renoise(x0, draw(generator, shape, device), ts[k + 1] / scale)
         return x0
 
 
@@ -340,18 +389,20 @@ class CausalStreamingSampler(LadderSampler):
         return branches * (chunks * steps + chunks - 1 + int(self.given_first_frame))
 
     @torch.no_grad()
-    def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
+    def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None, guidance_scale_2=None):
         return torch.cat([x0 for _, x0 in self.stream(model, cond, latent_shape, generator, num_steps=num_steps,
-                                                       guidance_scale=guidance_scale)], dim=2)
+                                                       guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2)],
+                         dim=2)
 
     @torch.no_grad()
-    def stream(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
+    def stream(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None, guidance_scale_2=None):
         """:meth:`sample` chunk by chunk: yields ``(start frame, latents float32 [B, C, f, H, W])`` as each chunk is
         finished (a given first frame first), before its keys and values are written to the cache for the next; the
         chunks, concatenated in time, are :meth:`sample`'s latents (the same draws in the same order)."""
         _check_causal(model, self.chunk_size, self.given_first_frame, self.name)
         batch = cond.text_embeds.shape[0]
         w = self.resolve_guidance(guidance_scale)
+        second = self.resolve_guidance_2(model, w, guidance_scale_2)
         guided = cfg_enabled(w)
         shift, scale = self.schedule(model.shift)
         ts = self.ladder(shift, scale, num_steps, self.grid(model))
@@ -368,7 +419,7 @@ class CausalStreamingSampler(LadderSampler):
             if not guided:
                 return v
             u = model.velocity_streaming(x, step, cond, tag=tags[1], store_kv=store, start_frame=start, conditional=False)
-            return u + w * (v - u)
+            return u + step_scale(model, t, w, second) * (v - u)
 
         bounds = chunk_bounds(frames, self.chunk_size, self.given_first_frame)  # a length that does not fit: ValueError
         try:
@@ -425,11 +476,12 @@ class PDDFusedSampler(Sampler):
         return steps
 
     @torch.no_grad()
-    def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None):
+    def sample(self, model, cond, latent_shape, generator, *, num_steps=None, guidance_scale=None, guidance_scale_2=None):
         if int(getattr(model, "pdd_steps", -1)) != self.pdd_steps:
             raise ValueError(f"sampler pdd_fused needs a PDD model of {self.pdd_steps} heads")
         batch = cond.text_embeds.shape[0]
         steps, guidance = self.resolve_steps(num_steps), self.resolve_guidance(guidance_scale)
+        second = self.resolve_guidance_2(model, guidance, guidance_scale_2)
         nodes = self.partition(steps)
         device = model.device
         shift, scale = self.schedule(model.shift)
@@ -438,7 +490,8 @@ class PDDFusedSampler(Sampler):
         cond = _on(cond, device)
         for a, b in zip(nodes, nodes[1:]):
             t = (sigmas[a] * scale).expand(batch)
-            v = guide(lambda conditional: model.velocity_fused(x, t, cond, a, b, conditional), guidance)
+            v = guide(lambda conditional: model.velocity_fused(x, t, cond, a, b, conditional), guidance,
+                      step_scale(model, float(t[0]), guidance, second))
             x = x + (sigmas[b] - sigmas[a]) * v
         return x
 

@@ -53,9 +53,11 @@ def renoise(x0: torch.Tensor, noise: torch.Tensor, sigma: float) -> torch.Tensor
     return (1.0 - sigma) * x0.float() + sigma * noise.float()
 
 
-def euler_step(x_t: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
-    """One Euler step of the flow ODE: ``x + (σ_next − σ) v`` (σ, σ_next: 0-d tensors)."""
-    as_factor = lambda s: s.to(x_t.device, torch.float32)  # noqa: E731
+def euler_step(x_t: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor | float,
+               sigma_next: torch.Tensor | float) -> torch.Tensor:
+    """One Euler step of the flow ODE: ``x + (σ_next − σ) v`` (σ, σ_next: 0-d tensors, or Python floats: exact scalar
+    maths, as distillery's own)."""
+    as_factor = lambda s: s.to(x_t.device, torch.float32) if isinstance(s, torch.Tensor) else float(s)  # noqa: E731
     return x_t + (as_factor(sigma_next) - as_factor(sigma)) * velocity
 
 

@@ -172,14 +172,16 @@ class ContractSampling:
         return decode_frames(self.vae, latents, chunk, output_type, self.video_processor)
 
     def stream_frames(self, sampler: Sampler, model: Any, cond: Any, shape: tuple, generator: torch.Generator | None,
-                      num_steps: int | None, guidance_scale: float | None, output_type: str) -> Iterator[Any]:
+                      num_steps: int | None, guidance_scale: float | None, output_type: str,
+                      guidance_scale_2: float | None = None) -> Iterator[Any]:
         """A causal student's chunks as they finish (``sampler.stream``), each decoded through the VAE's causal cache
         on a CUDA stream of higher priority while the next chunk denoises (:class:`distilled_decode.ChunkDecoder`);
         ``latent``: the chunks' normalised latents. A ``ValueError`` for a sampler that does not stream."""
         if not hasattr(sampler, "stream"):
             raise ValueError(f"stream() yields a causal student's chunks; this folder's sampler is {sampler.name!r}: "
                              "call the pipeline")
-        chunks = sampler.stream(model, cond, shape, generator, num_steps=num_steps, guidance_scale=guidance_scale)
+        chunks = sampler.stream(model, cond, shape, generator, num_steps=num_steps, guidance_scale=guidance_scale,
+                                guidance_scale_2=guidance_scale_2)
         if output_type == "latent":
             yield from (x0 for _, x0 in chunks)
             return
@@ -324,7 +326,7 @@ class DistilledWanPipeline(ContractSampling, WanPipeline):
         a = call.arguments
         sampler, model, cond, shape = self._inputs(a)
         yield from self.stream_frames(sampler, model, cond, shape, a["generator"], a["num_inference_steps"],
-                                      a["guidance_scale"], a["output_type"])
+                                      a["guidance_scale"], a["output_type"], a["guidance_scale_2"])
         self.maybe_free_model_hooks()
 
     @torch.no_grad()
@@ -339,6 +341,7 @@ class DistilledWanPipeline(ContractSampling, WanPipeline):
         guidance_scale: float | None = None,
         generator: torch.Generator | None = None,
         output_type: str = "np",
+        guidance_scale_2: float | None = None,
         return_dict: bool = True,
         max_sequence_length: int = 512,
         image: Any = None,
@@ -348,11 +351,14 @@ class DistilledWanPipeline(ContractSampling, WanPipeline):
         negative_prompt_embeds: torch.Tensor | None = None,
     ) -> WanPipelineOutput | tuple:
         """Videos for ``prompt`` (one per prompt; or per row of ``prompt_embeds`` ``[B, L, D]``). ``num_inference_steps``
-        / ``guidance_scale``: None → the contract's (a distilled student: its ladder, no CFG). ``output_type="latent"``:
+        / ``guidance_scale`` / ``guidance_scale_2``: None → the contract's (a distilled student: its ladder, no CFG); of
+        two experts, ``guidance_scale`` is the high-noise expert's and ``guidance_scale_2`` the low-noise one's, as
+        ``WanPipeline``'s. ``output_type="latent"``:
         the normalised latents ``[B, C, T', H', W']`` (float32); else decoded as ``WanPipeline`` does. An
         image-to-video model needs ``image`` or ``first_frame`` (+ ``image_embeds`` where it takes them; module doc).
         A causal student's chunks, as they finish: :meth:`stream`."""
         sampler, model, cond, shape = self._inputs(locals())  # every argument, by name
-        latents = sampler.sample(model, cond, shape, generator, num_steps=num_inference_steps, guidance_scale=guidance_scale)
+        latents = sampler.sample(model, cond, shape, generator, num_steps=num_inference_steps, guidance_scale=guidance_scale,
+                                 guidance_scale_2=guidance_scale_2)
         video: Any = latents if output_type == "latent" else self.decode_latents(latents, output_type)
         return self.end_call(video, return_dict, WanPipelineOutput)
