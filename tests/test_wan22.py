@@ -94,13 +94,6 @@ def test_a_broken_or_unknown_wan22_folder_is_one_line_exit_2(folders, tiny_base,
     assert err.count("\n") == 1 and err.startswith("error: ")
 
 
-def test_a_causal_or_pdd_plugin_refuses_two_experts(folders):
-    from distillery.models.wan import CausalWanModel, CausalWanModelConfig
-
-    with pytest.raises(UserError, match=r"two-expert Wan 2\.2 A14B model; CausalWanModel runs one transformer"):
-        CausalWanModel(CausalWanModelConfig(init_from=str(folders["a14b"]), chunk_size=1), "student")
-
-
 def test_each_sample_goes_to_the_expert_of_its_timestep(folders):
     model = registry.load_inference_model(folders["a14b"])
     high, low = model.transformer.transformer, model.transformer.transformer_2
@@ -175,9 +168,9 @@ def test_sft_and_dmd2_train_a_wan22_model_and_export_it(folders, latents, tmp_pa
     shutil.copytree(base / "scheduler", tmp_path / "model" / "scheduler")
     family = {"ti2v": "wan2.2-ti2v-5b", "a14b": "wan2.2-a14b"}[layout]
     assert registry.family_of(tmp_path / "model").name == family  # the artifact tells its layout alone
-    # the export stage's check: a teacher-form (Euler) contract is stock WanPipeline's, which samples both layouts; a
-    # few-step student's is the folder's own pipeline.py's, which runs both layouts too; a causal or PDD student of two
-    # experts (training makes none) is one line, before any work
+    # the export stage's check: a teacher-form (Euler) contract is stock WanPipeline's, which samples both layouts; every
+    # other student's is the folder's own pipeline.py's, which runs both layouts too (a causal student of two experts:
+    # a cache per expert; a PDD one: a head bank per expert)
     contract = {"sampler": "euler", "shift": 5.0, "num_train_timesteps": 1000}
     if method == "dmd2":
         contract = {"sampler": "few_step_x0", "shift": 5.0, "num_train_timesteps": 1000, "timesteps": [1000, 750, 500, 250]}
@@ -187,13 +180,7 @@ def test_sft_and_dmd2_train_a_wan22_model_and_export_it(folders, latents, tmp_pa
         for other in ({"sampler": "causal_streaming", "chunk_size": 1}, {"sampler": "pdd_fused", "pdd_steps": 4},
                       {"sampler": "euler", "chunk_size": 1}):
             (tmp_path / "model" / "sampling.json").write_text(json.dumps(other))
-            if layout == "ti2v":
-                check_own_pipeline_samples("distill", tmp_path / "model")
-                continue
-            with pytest.raises(UserError, match=f"the distill student is a {family} model \\(two experts\\) with the "
-                                                f"'{other['sampler']}' sampling contract; the exported pipeline.py does not "
-                                                "sample a (causal|PDD) student of two experts"):
-                check_own_pipeline_samples("distill", tmp_path / "model")
+            check_own_pipeline_samples("distill", tmp_path / "model")
     trained, before = registry.load_inference_model(tmp_path / "model"), registry.load_inference_model(base)
     assert trained.layout.expand_timesteps == (layout == "ti2v")
     if layout == "ti2v":
@@ -283,7 +270,6 @@ WAN22_CONTRACTS = {  # (contract, call steps, call guidance): every kind of stud
     "pdd_fused": ({"sampler": "pdd_fused", "shift": 3.0, "num_train_timesteps": 1000, "pdd_steps": 4,
                    "block_size_max": 4, "num_steps": 2, "guidance_scale": 1.0}, None, None),
 }
-TWO_EXPERT_KINDS = ("dmd2_few_step", "teacher_euler_cfg")  # training makes no causal or PDD student of two experts
 
 
 def _student(base: Path, out: Path, contract: dict) -> Path:
@@ -298,21 +284,23 @@ def _student(base: Path, out: Path, contract: dict) -> Path:
     model.transformer.save_pretrained(out / "transformer", safe_serialization=True)
     shutil.copytree(base / "scheduler", out / "scheduler")
     (out / "sampling.json").write_text(json.dumps(contract))
-    if contract["sampler"] == "pdd_fused":
-        proj, gen = model.transformer.proj_out, torch.Generator().manual_seed(3)
-        w, b = proj.weight.detach().float(), proj.bias.detach().float()
-        steps = contract["pdd_steps"]
-        save_file({"weight": torch.stack([w + 0.05 * torch.randn(w.shape, generator=gen) for _ in range(steps)]),
-                   "bias": torch.stack([b + 0.05 * torch.randn(b.shape, generator=gen) for _ in range(steps)])},
-                  str(out / "transformer" / "pdd_heads.safetensors"))
+    if contract["sampler"] == "pdd_fused":  # two experts: the low-noise expert's heads too (weight_2, bias_2)
+        gen, steps, tensors = torch.Generator().manual_seed(3), contract["pdd_steps"], {}
+        experts = getattr(model.transformer, "experts", (model.transformer,))
+        for suffix, expert in zip(("", "_2"), experts):
+            w, b = expert.proj_out.weight.detach().float(), expert.proj_out.bias.detach().float()
+            tensors[f"weight{suffix}"] = torch.stack([w + 0.05 * torch.randn(w.shape, generator=gen) for _ in range(steps)])
+            tensors[f"bias{suffix}"] = torch.stack([b + 0.05 * torch.randn(b.shape, generator=gen) for _ in range(steps)])
+        save_file(tensors, str(out / "transformer" / "pdd_heads.safetensors"))
     return out
 
 
-@pytest.mark.parametrize("layout,kind", [("ti2v", k) for k in WAN22_CONTRACTS] + [("a14b", k) for k in TWO_EXPERT_KINDS])
+@pytest.mark.parametrize("layout,kind", [(layout, k) for layout in ("ti2v", "a14b") for k in WAN22_CONTRACTS])
 def test_the_shipped_samplers_sample_a_wan22_student_as_the_package_does(folders, tmp_path, layout, kind):
     """The export's denoiser over a trained Wan 2.2 student (its layout read from the artifact, as the export's
     ``model_index.json`` gives it to the pipeline) and its samplers give the package's latents bit for bit: TI2V's
-    per-token timesteps for every kind of student, A14B's two experts each step by its timestep."""
+    per-token timesteps and A14B's two experts (each step by its timestep; a cache, a head bank per expert) for every
+    kind of student."""
     from helpers import shipped_denoiser
 
     from distillery.export.standalone import distilled_samplers, distilled_wan
@@ -367,7 +355,8 @@ def test_the_shipped_denoiser_routes_each_sample_to_its_expert_as_the_plugin_doe
 
 
 @pytest.mark.parametrize("layout,kind", [("ti2v", "dmd2_few_step"), ("ti2v", "self_forcing_streaming"),
-                                         ("ti2v", "pdd_fused"), ("a14b", "dmd2_few_step")])
+                                         ("ti2v", "pdd_fused"), ("a14b", "dmd2_few_step"),
+                                         ("a14b", "self_forcing_streaming"), ("a14b", "pdd_fused")])
 def test_an_exported_wan22_student_samples_validates_latents_through_diffusers(folders, tmp_path, layout, kind):
     """The export stage's check and assembly of a Wan 2.2 student (the base's ``model_index.json``: TI2V's
     ``expand_timesteps``, A14B's ``transformer_2`` and ``boundary_ratio``) give a folder that names its own pipeline and

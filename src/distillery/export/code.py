@@ -90,13 +90,12 @@ def check_own_pipeline_samples(student: str, model: Path) -> None:
     """Refuse, in one line (:class:`UserError`) before any work, the export of a student in ``model`` (an artifact's
     ``model/``) that only the folder's own pipeline would sample (:func:`stock_samples` false) when its transformer is
     of a layout that pipeline does not run as distillery sampled it. It runs Wan 2.1's one transformer, Wan 2.2
-    TI2V-5B's one timestep per token (every contract) and A14B's two experts routed by timestep for the bidirectional
-    contracts (``few_step_x0``; ``euler`` without ``chunk_size`` is stock's) — not a causal or PDD student on two
-    experts, which training refuses too, nor an image-to-video one on two experts (Wan 2.2 I2V-A14B: no test shows
-    it sampled as validate samples it) (the layout a trained transformer records,
-    :func:`distillery.models.registry.family_of`). Sampled by it, such a student's videos would be silently wrong.
-    A causal image-to-video student whose contract lacks ``given_first_frame`` (trained when it generated its latent
-    frame 0) is refused too: retrain it."""
+    TI2V-5B's one timestep per token and A14B's two experts routed by timestep — every contract: few-step, a causal
+    student's streaming (a KV cache per expert) and block-causal Euler, PDD's fused heads (a head bank per expert) —
+    but not an image-to-video student of two experts (Wan 2.2 I2V-A14B: no test shows it sampled as validate samples
+    it) (the layout a trained transformer records, :func:`distillery.models.registry.family_of`). Sampled by it, such
+    a student's videos would be silently wrong. A causal image-to-video student whose contract lacks
+    ``given_first_frame`` (trained when it generated its latent frame 0) is refused too: retrain it."""
     from distillery.common.errors import UserError
     from distillery.models.registry import family_of, image_conditioning
 
@@ -111,18 +110,12 @@ def check_own_pipeline_samples(student: str, model: Path) -> None:
     if stock_samples(contract, records_sparse(model / "transformer")):
         return
     family = family_of(model)
-    if family.experts == 1:
-        return
-    kind = ("causal" if contract.get("chunk_size") is not None or contract.get("sampler") == "causal_streaming"
-            else "PDD" if contract.get("sampler") == "pdd_fused"
-            else "image-to-video" if image_conditioning(model) is not None else None)
-    if kind is None:
+    if family.experts == 1 or image_conditioning(model) is None:
         return
     raise UserError(f"stage export: the {student} student is a {family.name} model (two experts) with the "
-                    f"{contract.get('sampler')!r} sampling contract; the exported pipeline.py does not sample "
-                    f"{'an' if kind[0] == 'i' else 'a'} {kind} "
-                    "student of two experts (not supported yet): export a stage whose contract stock WanPipeline "
-                    "samples (export.student: teacher)")
+                    f"{contract.get('sampler')!r} sampling contract; the exported pipeline.py does not sample an "
+                    "image-to-video student of two experts (not supported yet): export a stage whose contract stock "
+                    "WanPipeline samples (export.student: teacher)")
 
 
 def name_own_pipeline(folder: Path) -> bool:

@@ -73,6 +73,10 @@ class DFSFTMethod(TrainingMethod):
         self.table = schedule.timestep_table()
         self.weights = dfsft_index_weights(len(self.table))
         self.index_lo, self.index_hi = index_range(len(self.table), config.min_timestep_ratio, config.max_timestep_ratio)
+        if self.student.boundary_timestep is not None:  # one forward per video: its chunks would fall to both experts
+            raise UserError("config error: models.student: a model of two experts (Wan 2.2 A14B); DFSFT draws one timestep "
+                            "per chunk and a video's chunks would span both experts in one forward: not supported (train "
+                            "its causal student by Self-Forcing, whose every call is one expert's)")
         chunk = getattr(self.student, "chunk_size", None) if isinstance(self.student, CausalModelBase) else None
         if chunk is not None and int(chunk) != config.chunk_size:
             raise UserError(f"config error: method.chunk_size {config.chunk_size} differs from models.student.chunk_size "

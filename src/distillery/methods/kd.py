@@ -94,6 +94,10 @@ class KDMethod(TrainingMethod):
         n = self.student.schedule.num_train_timesteps
         if max(config.t_list) > n:
             raise UserError(f"config error: method.t_list: {config.t_list} exceeds the student's {n} train timesteps")
+        if causal and self.student.boundary_timestep is not None:
+            raise UserError("config error: models.student: a causal model of two experts (Wan 2.2 A14B); KD gives each "
+                            "chunk its own trajectory point and a video's chunks would span both experts in one forward: "
+                            "not supported (a bidirectional student of two experts takes KD)")
         if causal and config.chunk_size is None:
             raise UserError("config error: method.chunk_size: the student is causal; set it to the student's chunk_size "
                             f"({self.student.chunk_size})")

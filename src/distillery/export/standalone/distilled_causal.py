@@ -15,7 +15,10 @@ Outside a planned call the processor is diffusers' ``WanAttnProcessor`` unchange
 
 KV cache (per tag; the conditional and unconditional passes keep their own): per block the keys and
 values (after ``norm_k`` and RoPE) ``[B, frames · tokens_per_frame, heads, head_dim]`` of the frames
-written so far. Streaming calls start at a chunk boundary equal to the cached frame count.
+written so far. Streaming calls start at a chunk boundary equal to the cached frame count. Two experts (Wan 2.2
+A14B): each expert keeps its own cache (tags ``<tag>@0`` / ``<tag>@1``); a call denoises with the expert of its
+timestep against that expert's cache, and a call that stores writes the frames into both experts' caches — as
+distillery's ``CausalWanModel`` does.
 """
 
 from __future__ import annotations
@@ -254,10 +257,35 @@ class CausalWanDenoiser(BlockCausalDenoiser, WanDenoiser):
     def __init__(self, transformer: torch.nn.Module, shift: float, chunk_size: int, num_train_timesteps: int = 1000,
                  given_first_frame: bool = False, *, layout: WanLayout | None = None) -> None:
         WanDenoiser.__init__(self, transformer, shift, num_train_timesteps, layout=layout)
-        if self.layout.second is not None:
-            raise ValueError("a causal student of two experts (Wan 2.2 A14B): one KV cache per transformer; not supported")
         self.attach_block_causal(chunk_size, given_first_frame)
         install_causal_attention(transformer)
+        if self.layout.second is not None:  # two experts: each its own processors, plan hook and caches (module doc)
+            install_causal_attention(self.layout.second)
 
     def plain_velocity(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, conditional: bool) -> torch.Tensor:
         return WanDenoiser.velocity(self, x, timesteps, cond, conditional)
+
+    def velocity_streaming(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, *, tag: str,
+                           store_kv: bool, start_frame: int, conditional: bool = True) -> torch.Tensor:
+        """:meth:`BlockCausalDenoiser.velocity_streaming`; of two experts, through the expert of ``timesteps`` (one for
+        the call) against its own cache, the frames of a storing call written to both experts' caches (module doc)."""
+        if self.layout.second is None:
+            return BlockCausalDenoiser.velocity_streaming(self, x, timesteps, cond, tag=tag, store_kv=store_kv,
+                                                          start_frame=start_frame, conditional=conditional)
+        low = timesteps < self.boundary_timestep
+        if bool((low != low[0]).any()):
+            raise ValueError("a streaming call's samples fall to both experts; each call is one expert's")
+        expert = int(bool(low[0]))
+        out = None
+        for e in (0, 1):
+            if e != expert and not store_kv:
+                continue
+            self.routed_expert = e
+            try:
+                v = BlockCausalDenoiser.velocity_streaming(self, x, timesteps, cond, tag=f"{tag}@{e}", store_kv=store_kv,
+                                                           start_frame=start_frame, conditional=conditional)
+            finally:
+                self.routed_expert = None
+            if e == expert:
+                out = v
+        return out

@@ -17,7 +17,8 @@
   ``pdd_steps`` intervals (``transformer/pdd_heads.safetensors``: ``weight [P, out, inner]``,
   ``bias [P, out]``); a block ``[a, b)`` of the grid is one forward through the heads fused into one
   projection (weights :func:`~distilled_schedule.block_weights`), put in place of ``proj_out``'s
-  output for that forward only.
+  output for that forward only. Two experts: each has its own heads (the file's ``weight_2``/``bias_2`` are the
+  low-noise expert's), and a block goes to the expert of its start, projected by that expert's heads.
 
 The causal (block-causal, KV-cached) denoiser is :mod:`distilled_causal`.
 """
@@ -149,15 +150,20 @@ class WanDenoiser:
                       encoder_hidden_states=text.to(self.dtype),
                       encoder_hidden_states_image=None if image is None else image.to(self.dtype), return_dict=False)[0]
 
+    routed_expert: int | None = None  # set: every sample goes to this expert (0 or 1; a causal student's cache write)
+
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, conditional: bool) -> torch.Tensor:
         """The transformer's output for ``x`` at ``timesteps`` ``[B]`` (its dtype); of two experts, each sample's
-        through the expert of its timestep (module doc), the rows put back in order (float32)."""
+        through the expert of its timestep (module doc; every sample through ``routed_expert`` when it is set), the
+        rows put back in order (float32)."""
         hidden, text, image = self.image_inputs(x.to(self.dtype), self.text_for(cond, conditional), cond)
         if self.layout.second is None:
             return self.run(self.transformer, hidden, timesteps, text, image)
         if timesteps.ndim != 1:
             raise ValueError(f"two experts take one timestep per sample, got timesteps {tuple(timesteps.shape)}")
         low = timesteps < self.boundary_timestep  # the boundary itself is the high-noise expert's
+        if self.routed_expert is not None:
+            low = torch.full_like(low, bool(self.routed_expert))
         out: torch.Tensor | None = None
         for module, rows in ((self.transformer, (~low).nonzero().squeeze(1)), (self.layout.second, low.nonzero().squeeze(1))):
             if rows.numel() == 0:
@@ -175,12 +181,16 @@ class WanDenoiser:
         return self.forward(x, timesteps, cond, conditional).float()
 
 
-def read_head_bank(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weight [P, out, in], bias [P, out])`` of a head-bank file (tensors only, nothing unpickled)."""
+def read_head_bank(path: Path, expert: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight [P, out, in], bias [P, out])`` of a head-bank file (tensors only, nothing unpickled); ``expert`` 1:
+    the low-noise expert's (``weight_2``, ``bias_2``; ``ValueError`` when the file holds one expert's)."""
     from safetensors import safe_open
 
+    names = ("weight", "bias") if not expert else ("weight_2", "bias_2")
     with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor("weight"), f.get_tensor("bias")
+        if names[0] not in f.keys():
+            raise ValueError(f"{path}: holds one expert's heads; this model has two experts")
+        return f.get_tensor(names[0]), f.get_tensor(names[1])
 
 
 class HeadBankDenoiser:
@@ -194,19 +204,28 @@ class HeadBankDenoiser:
     shift: float
     num_train_timesteps: int
 
+    def head_transformers(self) -> list[torch.nn.Module]:
+        """The transformers whose ``proj_out`` the heads replace: ``[transformer]``, and a second expert's
+        (``layout.second`` of a family that has one: Wan 2.2 A14B)."""
+        second = getattr(getattr(self, "layout", None), "second", None)
+        return [self.transformer] + ([second] if second is not None else [])
+
     def load_head_bank(self, pdd_steps: int, heads_file: Path) -> None:
-        """Read ``heads_file`` (``pdd_steps`` heads of ``proj_out``'s shape); ``ValueError`` / ``FileNotFoundError``."""
+        """Read ``heads_file`` (``pdd_steps`` heads of ``proj_out``'s shape per expert); ``ValueError`` /
+        ``FileNotFoundError``."""
         if not Path(heads_file).is_file():
             raise FileNotFoundError(f"{heads_file}: no PDD head bank beside the transformer weights; a pdd_fused "
                                     "sampling contract needs the PDD stage's heads")
-        weight, bias = read_head_bank(Path(heads_file))
-        proj = self.transformer.proj_out
-        if tuple(weight.shape) != (pdd_steps, *proj.weight.shape) or tuple(bias.shape) != (pdd_steps, proj.weight.shape[0]):
-            raise ValueError(f"{heads_file}: holds {weight.shape[0]} heads of shape {tuple(weight.shape[1:])}; the "
-                             f"contract asks for pdd_steps={pdd_steps} heads of {tuple(proj.weight.shape)}")
+        self.heads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for expert, module in enumerate(self.head_transformers()):
+            weight, bias = read_head_bank(Path(heads_file), expert)
+            proj = module.proj_out
+            if tuple(weight.shape) != (pdd_steps, *proj.weight.shape) or tuple(bias.shape) != (pdd_steps, proj.weight.shape[0]):
+                raise ValueError(f"{heads_file}: holds {weight.shape[0]} heads of shape {tuple(weight.shape[1:])}; the "
+                                 f"contract asks for pdd_steps={pdd_steps} heads of {tuple(proj.weight.shape)}")
+            self.heads.append((weight.float().to(self.device), bias.float().to(self.device)))  # fp32 as trained
         self.pdd_steps = int(pdd_steps)
-        self.head_weight = weight.float().to(self.device)  # [P, out, in], fp32 as trained
-        self.head_bias = bias.float().to(self.device)  # [P, out]
+        self.head_weight, self.head_bias = self.heads[0]  # [P, out, in], [P, out]
 
     @property
     def fine_sigmas(self) -> torch.Tensor:
@@ -214,28 +233,33 @@ class HeadBankDenoiser:
         σ-grid form the sampler runs (``sigma_grid``: the contract's, set by the pipeline; the family's otherwise)."""
         return inference_sigmas(self.shift, self.pdd_steps, self.num_train_timesteps, getattr(self, "sigma_grid", "table"))
 
-    def fused_head(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weight [out, in], bias [out])`` of block ``[start, end)``: ``Σ_k w_k head_k`` summed in float64."""
+    def fused_head(self, start: int, end: int, expert: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weight [out, in], bias [out])`` of block ``[start, end)`` (``expert``'s heads): ``Σ_k w_k head_k`` summed
+        in float64."""
         if not 0 <= start < end <= self.pdd_steps:
             raise ValueError(f"block [{start}, {end}) outside the {self.pdd_steps}-interval grid")
-        w, b = self.head_weight[start:end], self.head_bias[start:end]
+        w, b = self.heads[expert][0][start:end], self.heads[expert][1][start:end]
         c = block_weights(self.fine_sigmas, start, end).to(w.device, torch.float64)
         return (c[:, None, None] * w.double()).sum(0).float(), (c[:, None] * b.double()).sum(0).float()
 
     def velocity_fused(self, x: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, start: int, end: int,
                        conditional: bool = True) -> torch.Tensor:
-        """Block ``[start, end)``'s mean velocity (float32) from one forward: ``x_end = x_start + (σ_end − σ_start) ·`` this."""
-        weight, bias = self.fused_head(start, end)
+        """Block ``[start, end)``'s mean velocity (float32) from one forward: ``x_end = x_start + (σ_end − σ_start) ·`` this
+        (each expert's ``proj_out`` replaced by its own fused heads: the forward runs the expert of ``timesteps``)."""
+        handles = []
+        for expert, module in enumerate(self.head_transformers()):
+            weight, bias = self.fused_head(start, end, expert)
 
-        def project(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-            hidden = args[0]
-            return F.linear(hidden, weight.to(hidden.dtype), bias.to(hidden.dtype))
+            def project(m: torch.nn.Module, args: tuple, output: torch.Tensor, weight=weight, bias=bias) -> torch.Tensor:
+                hidden = args[0]
+                return F.linear(hidden, weight.to(hidden.dtype), bias.to(hidden.dtype))
 
-        handle = self.transformer.proj_out.register_forward_hook(project)
+            handles.append(module.proj_out.register_forward_hook(project))
         try:
             return self.forward(x, timesteps, cond, conditional).float()  # type: ignore[attr-defined]  (the family's)
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
 
 
 class PDDWanDenoiser(HeadBankDenoiser, WanDenoiser):
@@ -245,7 +269,4 @@ class PDDWanDenoiser(HeadBankDenoiser, WanDenoiser):
     def __init__(self, transformer: torch.nn.Module, shift: float, pdd_steps: int, heads_file: Path,
                  num_train_timesteps: int = 1000, *, layout: WanLayout | None = None) -> None:
         WanDenoiser.__init__(self, transformer, shift, num_train_timesteps, layout=layout)
-        if self.layout.second is not None:
-            raise ValueError("a PDD student of two experts (Wan 2.2 A14B): its head bank replaces one transformer's "
-                             "output; not supported")
-        self.load_head_bank(pdd_steps, heads_file)
+        self.load_head_bank(pdd_steps, heads_file)  # two experts: each its own heads (module doc)

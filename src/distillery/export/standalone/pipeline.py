@@ -37,8 +37,9 @@ encoder's penultimate hidden states where the folder has an image encoder — or
 Wan 2.2 (an export of a Wan 2.2 base: its ``model_index.json`` as diffusers lays it out, :meth:`DistilledWanPipeline.layout`):
 TI2V-5B's ``expand_timesteps`` feeds the transformer one timestep per token; A14B's two experts are both loaded
 (``transformer``, ``transformer_2``) and each step goes through the expert of its timestep (``transformer`` at
-``t >= boundary_ratio · 1000``, ``transformer_2`` below), as distillery's validate samples them. A causal or PDD
-contract on two experts is refused (distillery trains no such student).
+``t >= boundary_ratio · 1000``, ``transformer_2`` below), as distillery's validate samples them: a causal student
+keeps a KV cache per expert, a PDD student a head bank per expert; ``guidance_scale_2`` is the low-noise expert's
+CFG scale, as ``WanPipeline``'s.
 
 Noise: one ``torch.Generator`` draws everything (the initial latents ``[1, C, T', H', W']`` first, as
 ``WanPipeline`` draws them, then any re-noise draws), on the generator's device.
@@ -266,7 +267,7 @@ class DistilledWanPipeline(ContractSampling, WanPipeline):
 
     def denoiser(self, sampler: Sampler) -> WanDenoiser:
         """The denoiser around ``self.transformer`` (and ``self.transformer_2``, two experts) that ``sampler`` needs
-        (built once); a causal or PDD contract on two experts is a ``ValueError`` (no such student is trained)."""
+        (built once)."""
         if self._denoiser is None:
             self.transformer.eval().requires_grad_(False)
             shift, scale = sampler.schedule(self.scheduler_shift())

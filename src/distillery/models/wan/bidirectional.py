@@ -37,6 +37,7 @@ class WanModel(ModelBase):
 
     config_class = WanModelConfig
     two_experts: bool = True  # whether this plugin runs a two-expert (Wan 2.2 A14B) folder
+    _routed_expert: int | None = None  # set: every sample of the next forward goes to this expert (a causal cache write)
 
     def __init__(self, config: WanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
         """``transformer``: an already loaded ``WanTransformer3DModel`` of ``config.init_from`` to wrap
@@ -208,6 +209,13 @@ class WanModel(ModelBase):
         batch: Conditioning | TrainingBatch,
         conditional: bool = True,
     ) -> torch.Tensor:
+        return self.transformer_output(noisy_latents, timesteps, batch, conditional).float()
+
+    def transformer_output(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, batch: Conditioning | TrainingBatch,
+                           conditional: bool = True) -> torch.Tensor:
+        """The transformer's raw output at ``noisy_latents`` (its compute dtype; float32 of two experts, each row through
+        the expert of its timestep): the text of the branch, an image-to-video model's first-frame condition, the
+        layout's timesteps."""
         text = batch.text_embeds if conditional else batch.negative_text_embeds
         if text is None:
             text = torch.zeros_like(batch.text_embeds)
@@ -217,14 +225,13 @@ class WanModel(ModelBase):
             hidden, text, image = self._image_inputs(hidden, text, batch)
         if self.experts:  # Wan 2.2 A14B: its I2V form conditions by the latent channels only (no image encoder)
             return self._predict_by_expert(hidden, timesteps, text.to(dtype))
-        out = self.forward_module(
+        return self.forward_module(
             hidden_states=hidden,
             timestep=self._model_timesteps(timesteps, noisy_latents).float(),
             encoder_hidden_states=text.to(dtype),
             encoder_hidden_states_image=None if image is None else image.to(dtype),
             return_dict=False,
         )[0]
-        return out.float()
 
     def _image_inputs(self, hidden: torch.Tensor, text: torch.Tensor, batch: Conditioning | TrainingBatch,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -260,7 +267,10 @@ class WanModel(ModelBase):
         expert's FSDP2 gathers are collectives): a rank with no sample for it runs its first sample and adds the
         result times zero (so a backward reaches the expert's blocks on every rank too)."""
         assert self.boundary_timestep is not None
-        which = expert_index(timesteps, self.boundary_timestep)
+        if self._routed_expert is not None:  # one expert for every sample (a causal model's write into its own cache)
+            which = torch.full((latents.shape[0],), int(self._routed_expert), dtype=torch.long, device=latents.device)
+        else:
+            which = expert_index(timesteps, self.boundary_timestep)
         needed = torch.stack([(which == e).any() for e in (0, 1)]).to(torch.int32)
         if _sharded_over_ranks(self.forward_module):
             import torch.distributed as dist

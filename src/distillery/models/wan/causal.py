@@ -32,6 +32,14 @@ KV cache (per ``cache_tag``): for every block, the keys and values (after ``norm
 ``[B, frames · tokens_per_frame, heads, head_dim]`` of the frames stored so far, in the compute
 dtype, detached (Self-Forcing writes context without gradient; the current chunk's own computation
 keeps its graph).
+
+Two experts (a Wan 2.2 A14B folder, :class:`~distillery.models.wan.experts.WanExperts`): each expert attends through
+its own keys and values, so **each keeps its own cache** (tag ``<cache_tag>@0`` for ``transformer``, ``@1`` for
+``transformer_2``). A streaming call denoises with the expert of its timestep (every sample of a call must fall to one
+expert) against that expert's cache; a call that stores (``store_kv``) writes the frames into both experts' caches —
+one forward of each on the same latents at the same timesteps (the context a later step of either expert attends to),
+the velocity returned being the call's expert's. The full-sequence forward routes each sample to the expert of its
+timesteps (a sample's per-frame timesteps must fall to one expert).
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from distillery.models.wan.attention import (
 )
 from distillery.models.wan.bidirectional import WanModel
 from distillery.models.wan.common import WanModelConfig
+from distillery.models.wan.experts import WanExperts, expert_index
 from distillery.models.wan.sparse_attention import Causal, causal_problem, video_sparse_attention
 
 
@@ -460,6 +469,12 @@ class BlockCausalModel(CausalModelBase):
         return v
 
 
+def install_causal_attention_in(module: torch.nn.Module) -> None:
+    """:func:`install_causal_attention` in ``module``, each of two experts' transformers (:class:`WanExperts`)."""
+    for transformer in (module.experts if isinstance(module, WanExperts) else (module,)):
+        install_causal_attention(transformer)
+
+
 class CausalWanModel(BlockCausalModel, WanModel):
     """Wan 2.1 with block-causal attention over ``chunk_size``-frame chunks and a per-tag KV cache.
 
@@ -476,12 +491,12 @@ class CausalWanModel(BlockCausalModel, WanModel):
     """
 
     config_class = CausalWanModelConfig
-    two_experts = False  # one transformer (a Wan 2.2 A14B folder: one line)
+    two_experts = True  # a Wan 2.2 A14B folder: one cache per expert (module doc)
 
     def __init__(self, config: CausalWanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
         WanModel.__init__(self, config, role, transformer)
         self.attach_block_causal(config.chunk_size, self.image_conditioning is not None)  # an I2V student: frame 0 given
-        install_causal_attention(self.transformer)
+        install_causal_attention_in(self.transformer)
         if self.sparse is not None:
             problem = causal_problem(self.sparse.tile, self.chunk_size, self._lead)
             if problem:
@@ -489,18 +504,74 @@ class CausalWanModel(BlockCausalModel, WanModel):
         self._set_sparse(self.transformer)
 
     def _set_sparse(self, module: torch.nn.Module) -> None:
-        """Give ``module``'s causal processors this plugin's sparse attention (None: dense), where they lack it."""
-        if module.blocks and module.blocks[0].attn1.processor.sparse != self.sparse:
-            for block in module.blocks:
-                block.attn1.processor.sparse = self.sparse
+        """Give ``module``'s causal processors (each expert's, of two) this plugin's sparse attention (None: dense),
+        where they lack it."""
+        for transformer in (module.experts if isinstance(module, WanExperts) else (module,)):
+            if transformer.blocks and transformer.blocks[0].attn1.processor.sparse != self.sparse:
+                for block in transformer.blocks:
+                    block.attn1.processor.sparse = self.sparse
 
     def _forward(self, plan: _AttentionPlan, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
                  batch: Conditioning | TrainingBatch, conditional: bool) -> torch.Tensor:
         module = self.forward_module
-        install_causal_attention(module)  # a compute copy made before this plugin existed
+        install_causal_attention_in(module)  # a compute copy made before this plugin existed
         self._set_sparse(module)
         token = _PLAN.set(plan)
         try:
             return WanModel.predict_noise(self, noisy_latents, timesteps, batch, conditional)
         finally:
             _PLAN.reset(token)
+
+    # --- two experts: a cache per expert (module doc) -------------------------------------------
+    def _expert_tags(self, cache_tag: str) -> list[str]:
+        return [f"{cache_tag}@{e}" for e in (0, 1)] if self.experts else [cache_tag]
+
+    def clear_caches(self, cache_tag: str | None = None) -> None:
+        if cache_tag is None:
+            BlockCausalModel.clear_caches(self)
+            return
+        for tag in self._expert_tags(cache_tag):
+            BlockCausalModel.clear_caches(self, tag)
+
+    def cached_frames(self, cache_tag: str) -> int:
+        return BlockCausalModel.cached_frames(self, self._expert_tags(cache_tag)[0])
+
+    def predict_noise_streaming(
+        self,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        batch: Conditioning | TrainingBatch,
+        *,
+        cache_tag: str,
+        store_kv: bool,
+        cur_start_frame: int,
+        conditional: bool = True,
+    ) -> torch.Tensor:
+        """:meth:`BlockCausalModel.predict_noise_streaming`; of two experts, through the expert of ``timesteps`` against
+        its own cache, and — ``store_kv`` — the frames written to both experts' caches (module doc). A call whose
+        samples fall to both experts is a ``ValueError``."""
+        if not self.experts:
+            return BlockCausalModel.predict_noise_streaming(
+                self, noisy_latents, timesteps, batch, cache_tag=cache_tag, store_kv=store_kv,
+                cur_start_frame=cur_start_frame, conditional=conditional)
+        assert self.boundary_timestep is not None
+        which = expert_index(timesteps, self.boundary_timestep)
+        if bool((which != which[0]).any()):
+            raise ValueError(f"a streaming call's samples fall to both experts (timesteps {timesteps.tolist()}, boundary "
+                             f"{self.boundary_timestep:g}); each call is one expert's")
+        expert = int(which[0])
+        out: torch.Tensor | None = None
+        for e, tag in enumerate(self._expert_tags(cache_tag)):
+            if e != expert and not store_kv:
+                continue
+            self._routed_expert = e
+            try:
+                v = BlockCausalModel.predict_noise_streaming(self, noisy_latents, timesteps, batch, cache_tag=tag,
+                                                             store_kv=store_kv, cur_start_frame=cur_start_frame,
+                                                             conditional=conditional)
+            finally:
+                self._routed_expert = None
+            if e == expert:
+                out = v
+        assert out is not None
+        return out

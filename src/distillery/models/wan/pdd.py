@@ -27,6 +27,12 @@ one forward whatever its width (:meth:`PDDWanModel.predict_pdd_fused`).
 On disk the bank is ``transformer/pdd_heads.safetensors`` beside the trunk's weights: ``weight``
 ``[pdd_steps, out, inner_dim]``, ``bias`` ``[pdd_steps, out]``, metadata ``pdd_steps`` (tensors
 only; nothing is unpickled). A folder without it starts every head from ``proj_out``.
+
+Two experts (Wan 2.2 A14B, :class:`~distillery.models.wan.experts.WanExperts`): each expert's trunk has its own bank
+(:class:`ExpertHeadBanks`: the high-noise expert's heads as a one-expert bank's, ``second``: the low-noise one's), each
+``proj_out`` hooked to its own; a forward at a block start ``t_n`` goes to the expert of ``t_n`` (each row to its own,
+``WanModel``'s routing) and every head of that block is that expert's. The file holds both: ``weight``/``bias`` (the
+high-noise expert's) and ``weight_2``/``bias_2`` (the low-noise one's), metadata ``experts`` 2.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import contextvars
 from abc import abstractmethod
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +56,8 @@ from distillery.models.wan.common import WanModelConfig
 
 HEADS_FILE = "pdd_heads.safetensors"  # the head bank beside the trunk's weights (module doc)
 
-__all__ = ["HEADS_FILE", "HeadBankModel", "HeadGroup", "PDDHeadBank", "PDDWanModel", "PDDWanModelConfig", "empty_head_bank", "read_head_bank",
-           "save_head_bank", "write_head_bank"]
+__all__ = ["HEADS_FILE", "ExpertHeadBanks", "HeadBankModel", "HeadGroup", "PDDHeadBank", "PDDWanModel", "PDDWanModelConfig",
+           "empty_head_bank", "read_head_bank", "save_head_bank", "write_head_bank"]
 
 @dataclass
 class _Request:
@@ -63,21 +70,24 @@ class _Request:
 _REQUEST: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("distillery_pdd_request", default=None)
 
 
-def _project_with_head_bank(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+def _project_with_head_bank(module: torch.nn.Module, args: tuple, output: torch.Tensor,
+                            expert: int | None = None) -> torch.Tensor | None:
     """Forward hook of ``proj_out``: the requested head groups' projections of its input, laid out
-    per token as ``(p_t, p_h, p_w, M·C)`` (module doc); outside a request, the output unchanged."""
+    per token as ``(p_t, p_h, p_w, M·C)`` (module doc); outside a request, the output unchanged. ``expert``: the
+    hook of that expert's ``proj_out`` (two experts, :class:`ExpertHeadBanks`), projecting by its own heads."""
     del module, output
     req = _REQUEST.get()
     if req is None:
         return None
     hidden = args[0]
+    which = {} if expert is None else {"expert": expert}
     parts = []
     for group in req.groups:
         if group.detached:
             with torch.no_grad():
-                parts.append(req.bank(hidden.detach(), group.heads, group.coeffs))
+                parts.append(req.bank(hidden.detach(), group.heads, group.coeffs, **which))
         else:
-            parts.append(req.bank(hidden, group.heads, group.coeffs))
+            parts.append(req.bank(hidden, group.heads, group.coeffs, **which))
     y = torch.cat(parts, dim=2)  # [B, S, M, p·C]
     b, s, m, out = y.shape
     return y.reshape(b, s, m, req.patch_volume, out // req.patch_volume).transpose(2, 3).reshape(b, s, -1)
@@ -125,35 +135,80 @@ class PDDHeadBank(torch.nn.Module):
         return y.unflatten(-1, (m, out))
 
 
-def read_head_bank(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weight [H, out, in], bias [H, out])`` from a heads file (:class:`UserError` when unreadable)."""
+class ExpertHeadBanks(PDDHeadBank):
+    """The head banks of two experts (module doc): itself the high-noise expert's (``weight.<k>``, ``bias.<k>``: a
+    one-expert bank's keys), ``second`` the low-noise one's. ``forward`` / ``weights`` take the ``expert`` (0, 1) whose
+    heads project — through this module's own ``forward``, so FSDP2 gathers both banks as one unit."""
+
+    def __init__(self, high: torch.nn.Linear, low: torch.nn.Linear, num_heads: int) -> None:
+        super().__init__(high, num_heads)
+        self.second = PDDHeadBank(low, num_heads)
+
+    def weights(self, heads: list[int], coeffs: torch.Tensor | None = None, expert: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        if expert:
+            return self.second.weights(heads, coeffs)
+        return PDDHeadBank.weights(self, heads, coeffs)
+
+    def forward(self, hidden: torch.Tensor, heads: list[int], coeffs: torch.Tensor | None = None,
+                expert: int = 0) -> torch.Tensor:
+        if expert:
+            return self.second.forward(hidden, heads, coeffs)
+        return PDDHeadBank.forward(self, hidden, heads, coeffs)
+
+
+def read_head_bank(path: Path, expert: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight [H, out, in], bias [H, out])`` from a heads file — of ``expert`` 1, the low-noise expert's
+    (``weight_2``/``bias_2``) — (:class:`UserError` when unreadable, or without that expert's heads)."""
     from safetensors import safe_open
 
+    names = ("weight", "bias") if not expert else ("weight_2", "bias_2")
     try:
         with safe_open(str(path), framework="pt") as f:
-            return f.get_tensor("weight"), f.get_tensor("bias")
+            if names[0] not in f.keys():
+                raise UserError(f"{path}: holds the heads of one expert; a model of two experts needs both "
+                                "(weight_2, bias_2: the low-noise expert's)")
+            return f.get_tensor(names[0]), f.get_tensor(names[1])
+    except UserError:
+        raise
     except Exception as exc:  # a corrupt or foreign file: one line, no traceback
         raise UserError(f"{path}: not a PDD head bank ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
-def write_head_bank(path: Path, weight: torch.Tensor, bias: torch.Tensor) -> None:
-    """Write a heads file (``weight [H, out, in]``, ``bias [H, out]``, float32)."""
+def write_head_bank(path: Path, weight: torch.Tensor, bias: torch.Tensor,
+                    second: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Write a heads file (``weight [H, out, in]``, ``bias [H, out]``, float32; ``second``: a low-noise expert's
+    ``(weight, bias)`` too, as ``weight_2``/``bias_2``)."""
     from safetensors.torch import save_file
 
-    save_file({"weight": weight.detach().float().contiguous().cpu(), "bias": bias.detach().float().contiguous().cpu()},
-              str(path), metadata={"pdd_steps": str(int(weight.shape[0]))})
+    def plain(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().float().contiguous().cpu()
+
+    tensors = {"weight": plain(weight), "bias": plain(bias)}
+    meta = {"pdd_steps": str(int(weight.shape[0]))}
+    if second is not None:
+        tensors.update(weight_2=plain(second[0]), bias_2=plain(second[1]))
+        meta["experts"] = "2"
+    save_file(tensors, str(path), metadata=meta)
 
 
 def empty_head_bank(transformer: torch.nn.Module, num_heads: int) -> PDDHeadBank:
-    """A bank of ``num_heads`` heads shaped for ``transformer`` (a ``WanTransformer3DModel``), each
-    initialised from its ``proj_out``: what a checkpoint's ``heads`` are loaded into (export)."""
+    """A bank of ``num_heads`` heads shaped for ``transformer`` (a ``WanTransformer3DModel``; of two experts,
+    :class:`ExpertHeadBanks`), each initialised from its ``proj_out``: what a checkpoint's ``heads`` are loaded into
+    (export)."""
+    from distillery.models.wan.experts import WanExperts
+
+    if isinstance(transformer, WanExperts):
+        return ExpertHeadBanks(transformer.transformer.proj_out, transformer.transformer_2.proj_out, num_heads)
     return PDDHeadBank(transformer.proj_out, num_heads)
 
 
 def save_head_bank(path: Path, bank: PDDHeadBank) -> None:
-    """Write ``bank`` as a heads file (:func:`write_head_bank`; a bias-less bank's ``bias`` is zeros)."""
-    weight, bias = bank.weights(list(range(len(bank.weight))))
-    write_head_bank(path, weight, bias)
+    """Write ``bank`` as a heads file (:func:`write_head_bank`; a bias-less bank's ``bias`` is zeros; both experts'
+    heads of an :class:`ExpertHeadBanks`)."""
+    heads = list(range(len(bank.weight)))
+    weight, bias = PDDHeadBank.weights(bank, heads)
+    second = bank.second.weights(heads) if isinstance(bank, ExpertHeadBanks) else None
+    write_head_bank(path, weight, bias, second)
 
 
 class HeadBankModel(PDDModelBase):
@@ -163,30 +218,44 @@ class HeadBankModel(PDDModelBase):
     heads' forwards, the fused projection — is here. ``self.transformer.proj_out`` is the projection the bank
     replaces (``Linear(inner, out · prod(patch))``, its output channel-last per token, as Wan's and Cosmos' are)."""
 
+    def head_projections(self) -> list[torch.nn.Linear]:
+        """The projections the bank replaces: ``[self.transformer.proj_out]``; a family's model of two experts gives
+        each expert's (the high-noise one's first)."""
+        return [self.transformer.proj_out]
+
     def attach_head_bank(self, config: Any, role: str) -> None:
         """Freeze ``proj_out``, build the bank from it (``config.pdd_steps`` heads), load the folder's stored bank
-        (``HEADS_FILE`` beside the weights) when there is one, hook ``proj_out``."""
+        (``HEADS_FILE`` beside the weights) when there is one, hook ``proj_out`` — of two experts (two
+        :meth:`head_projections`), an :class:`ExpertHeadBanks`, each expert's ``proj_out`` hooked to its own heads."""
         self.pdd_steps = int(config.pdd_steps)
         self._fine_sigmas = self.schedule.inference_sigmas(self.pdd_steps)  # derived once: [pdd_steps + 1], CPU
-        proj = self.transformer.proj_out
-        proj.requires_grad_(False)
-        self.head_bank = PDDHeadBank(proj, self.pdd_steps)
+        projs = self.head_projections()
+        for proj in projs:
+            proj.requires_grad_(False)
+        self.head_bank = (PDDHeadBank(projs[0], self.pdd_steps) if len(projs) == 1
+                          else ExpertHeadBanks(projs[0], projs[1], self.pdd_steps))
+        banks = [self.head_bank] + ([self.head_bank.second] if isinstance(self.head_bank, ExpertHeadBanks) else [])
         stored = Path(self.transformer_dir) / HEADS_FILE
         if stored.is_file():
-            weight, bias = read_head_bank(stored)
-            out = proj.weight.shape[0]
-            if tuple(weight.shape) != (self.pdd_steps, *proj.weight.shape) or tuple(bias.shape) != (self.pdd_steps, out):
-                raise UserError(f"{stored}: holds {weight.shape[0]} heads of shape {tuple(weight.shape[1:])}; models.{role} "
-                                f"asks for pdd_steps={self.pdd_steps} heads of {tuple(proj.weight.shape)}")
-            if not self.head_bank.has_bias and bool(bias.ne(0).any()):
-                raise UserError(f"{stored}: its heads have a bias; the transformer's proj_out has none")
-            with torch.no_grad():
-                for k in range(self.pdd_steps):
-                    self.head_bank.weight[k].copy_(weight[k])
-                    if self.head_bank.has_bias:
-                        self.head_bank.bias[k].copy_(bias[k])
+            for expert, (bank, proj) in enumerate(zip(banks, projs)):
+                weight, bias = read_head_bank(stored, expert)
+                out = proj.weight.shape[0]
+                if tuple(weight.shape) != (self.pdd_steps, *proj.weight.shape) or tuple(bias.shape) != (self.pdd_steps, out):
+                    raise UserError(f"{stored}: holds {weight.shape[0]} heads of shape {tuple(weight.shape[1:])}; models.{role} "
+                                    f"asks for pdd_steps={self.pdd_steps} heads of {tuple(proj.weight.shape)}")
+                if not bank.has_bias and bool(bias.ne(0).any()):
+                    raise UserError(f"{stored}: its heads have a bias; the transformer's proj_out has none")
+                with torch.no_grad():
+                    for k in range(self.pdd_steps):
+                        bank.weight[k].copy_(weight[k])
+                        if bank.has_bias:
+                            bank.bias[k].copy_(bias[k])
         self.head_bank.requires_grad_(config.trainable)
-        proj.register_forward_hook(_project_with_head_bank)
+        if len(projs) == 1:
+            projs[0].register_forward_hook(_project_with_head_bank)
+        else:
+            for expert, proj in enumerate(projs):
+                proj.register_forward_hook(partial(_project_with_head_bank, expert=expert))
 
     @abstractmethod
     def trunk_output(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, batch: Conditioning | TrainingBatch,
@@ -265,9 +334,18 @@ class HeadBankModel(PDDModelBase):
         """Write block ``[start, end)``'s fused projection into ``module.proj_out`` (a plain
         transformer of this trunk): that transformer's velocity is the block's mean
         velocity, so stock Euler with the block as one step reproduces the fused sampler (a bias-less projection's
-        heads have none to write)."""
+        heads have none to write). Of two experts (``module`` their :class:`WanExperts`): into the ``proj_out`` of the
+        expert of the block's start, whose heads those are."""
+        expert = 0
+        if isinstance(self.head_bank, ExpertHeadBanks):
+            boundary = float(self.boundary_timestep) if self.boundary_timestep is not None else 0.0
+            expert = int(float(self.fine_sigmas()[start]) * self.schedule.num_train_timesteps < boundary)
+            module = module.experts[expert]
+        coeffs = block_weights(self.fine_sigmas(), start, end)
         with torch.no_grad():
-            weight, bias = self.head_bank.weights(list(range(start, end)), block_weights(self.fine_sigmas(), start, end))
+            heads = list(range(start, end))
+            weight, bias = (self.head_bank.weights(heads, coeffs, expert=expert)
+                            if isinstance(self.head_bank, ExpertHeadBanks) else self.head_bank.weights(heads, coeffs))
             module.proj_out.weight.copy_(weight[0].to(module.proj_out.weight.dtype))
             if module.proj_out.bias is not None:
                 module.proj_out.bias.copy_(bias[0].to(module.proj_out.bias.dtype))
@@ -278,23 +356,21 @@ class PDDWanModel(HeadBankModel, WanModel):
     family's :class:`~distillery.models.base.PDDModelBase`."""
 
     config_class = PDDWanModelConfig
-    two_experts = False  # one transformer (a Wan 2.2 A14B folder: one line)
+    two_experts = True  # a Wan 2.2 A14B folder: a head bank per expert (module doc)
 
     def __init__(self, config: PDDWanModelConfig, role: str, transformer: torch.nn.Module | None = None) -> None:
         WanModel.__init__(self, config, role, transformer)
         self.attach_head_bank(config, role)
 
+    def head_projections(self) -> list[torch.nn.Linear]:
+        from distillery.models.wan.experts import WanExperts
+
+        if isinstance(self.transformer, WanExperts):
+            return [expert.proj_out for expert in self.transformer.experts]
+        return [self.transformer.proj_out]
+
     def trunk_output(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, batch: Conditioning | TrainingBatch,
                      conditional: bool) -> torch.Tensor:
-        """The Wan transformer's output at ``noisy_latents`` (image-to-video: with the first frame's condition)."""
-        text = batch.text_embeds if conditional else batch.negative_text_embeds
-        if text is None:
-            text = torch.zeros_like(batch.text_embeds)
-        dtype = self.input_dtype()
-        hidden, image = noisy_latents.to(dtype), None
-        if self.image_conditioning is not None:  # image-to-video: the first frame's condition and embeddings
-            hidden, text, image = self._image_inputs(hidden, text, batch)
-        return self.forward_module(hidden_states=hidden, timestep=self._model_timesteps(timesteps, noisy_latents).float(),
-                                   encoder_hidden_states=text.to(dtype),
-                                   encoder_hidden_states_image=None if image is None else image.to(dtype),
-                                   return_dict=False)[0]
+        """The Wan transformer's output at ``noisy_latents`` (image-to-video: with the first frame's condition; two
+        experts: each row through the expert of its timestep)."""
+        return self.transformer_output(noisy_latents, timesteps, batch, conditional)
