@@ -247,14 +247,6 @@ def test_two_experts_on_two_ranks_train_as_on_one(folders, latents, tmp_path):
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_a_lora_on_a_two_expert_role_is_one_line_before_any_weight_loads(folders, latents, tmp_path):
-    cfg = run_config(folders["a14b"], latents["a14b"], tmp_path / "run", steps=1)
-    cfg["models"]["student"]["lora"] = {"rank": 4, "alpha": 4.0, "target_modules": ["to_q"]}
-    with pytest.raises(UserError, match=r"a LoRA on .*a two-expert Wan 2\.2 A14B model: not supported yet"):
-        train_in_process(cfg)
-    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("checkpoint-*"))
-
-
 # -- the export's own pipeline on Wan 2.2 (issue 45): per-token timesteps and two experts, as validate samples them --
 
 WAN22_CONTRACTS = {  # (contract, call steps, call guidance): every kind of student trained on the layout

@@ -165,16 +165,18 @@ def _export_direct(ckpt: Path, role: str, config: dict[str, Any], out_dir: Path,
 
 
 def export_lora_folder(module: torch.nn.Module, record: dict, out_dir: Path) -> Path:
-    """``<out_dir>/lora/``, atomically: ``pytorch_lora_weights.safetensors`` (``module``'s adapter in diffusers' layout)
-    and ``base.json`` (:data:`distillery.models.lora.BASE_FILE`: the adapter's spec and the base it needs, path and
-    sha256). Returns the folder."""
-    from distillery.models.lora import BASE_FILE, LORA_WEIGHTS_FILE, save_diffusers_lora, spec_from_record
+    """``<out_dir>/lora/``, atomically: ``pytorch_lora_weights.safetensors`` (``module``'s adapter in diffusers' layout;
+    of two experts, the second's in ``pytorch_lora_weights_2.safetensors``) and ``base.json``
+    (:data:`distillery.models.lora.BASE_FILE`: the adapter's spec and the base it needs, path and sha256, the second
+    expert's under ``base.second``). Returns the folder."""
+    from distillery.models.lora import BASE_FILE, LORA_WEIGHTS_FILE, LORA_WEIGHTS_FILE_2, save_diffusers_lora, spec_from_record
 
     tmp, final = out_dir / ".tmp-lora", out_dir / "lora"
     if tmp.exists():
         shutil.rmtree(tmp)
     save_diffusers_lora(module, spec_from_record(record, "lora"), tmp)
-    (tmp / BASE_FILE).write_text(json.dumps({**record, "weights": LORA_WEIGHTS_FILE}, indent=2, sort_keys=True) + "\n")
+    files = {"weights": LORA_WEIGHTS_FILE, **({"weights_2": LORA_WEIGHTS_FILE_2} if hasattr(module, "experts") else {})}
+    (tmp / BASE_FILE).write_text(json.dumps({**record, **files}, indent=2, sort_keys=True) + "\n")
     follow_umask(tmp)
     return replace_dir(tmp, final)
 
@@ -197,18 +199,11 @@ def export_head_bank(checkpoint: Path, role: str, transformer: torch.nn.Module, 
     return True
 
 
-def load_base_with_adapter(record: dict[str, Any], config: dict[str, Any], where: str) -> torch.nn.Module:
-    """The transformer a LoRA checkpoint's ``record`` (:func:`distillery.models.lora.lora_record`) trained on — its base folder, checked
-    against the recorded sha256 — with the (untrained) adapter injected, fp32 on CPU: load the checkpoint's adapter
-    into it. ``config``: the role's architecture (``roles/<role>/config.json``); it must be the base's."""
-    import diffusers
-
+def _base_folder(base: dict[str, Any], where: str) -> Path:
+    """The base folder a LoRA record names (``path``), checked against its recorded ``sha256`` (a :class:`UserError`
+    line when it is not here or holds other weights)."""
     from distillery.common.hashcache import folder_sha256
-    from distillery.models.lora import inject_lora, spec_from_record
-    from distillery.models.registry import family_of_class
 
-    spec = spec_from_record(record, where)
-    base = record.get("base") if isinstance(record.get("base"), dict) else {}
     folder = Path(str(base.get("path") or ""))
     if not folder.is_dir() or not (folder / "config.json").is_file():
         raise UserError(f"{where} was trained on the base {folder}, which is not here (sha256 "
@@ -216,8 +211,35 @@ def load_base_with_adapter(record: dict[str, Any], config: dict[str, Any], where
     if folder_sha256(folder) != base.get("sha256"):
         raise UserError(f"{where} was trained on {folder} with sha256 {str(base.get('sha256'))[:12]}…; the folder there "
                         "now holds other weights: restore that base")
+    return folder
+
+
+def load_base_with_adapter(record: dict[str, Any], config: dict[str, Any], where: str) -> torch.nn.Module:
+    """The transformer a LoRA checkpoint's ``record`` (:func:`distillery.models.lora.lora_record`) trained on — its base folder, checked
+    against the recorded sha256 — with the (untrained) adapter injected, fp32 on CPU: load the checkpoint's adapter
+    into it. ``config``: the role's architecture (``roles/<role>/config.json``); it must be the base's. A base of two
+    experts (its record's ``base.second``: Wan 2.2 A14B's ``transformer_2``) gives the family's module of both, each
+    expert's weights from its folder, both adapted."""
+    import diffusers
+
+    from distillery.models.lora import inject_lora, spec_from_record
+    from distillery.models.registry import family_of_class
+
+    spec = spec_from_record(record, where)
+    base = record.get("base") if isinstance(record.get("base"), dict) else {}
+    folders = [_base_folder(base, where)]
+    if isinstance(base.get("second"), dict):
+        folders.append(_base_folder(base["second"], f"{where} (its second expert)"))
     class_name = config.get("_class_name")
-    family_of_class(class_name, where)  # a class of a registered family: the one diffusers names so
-    module = getattr(diffusers, str(class_name)).from_pretrained(folder, torch_dtype=torch.float32)
+    loaders = family_of_class(class_name, where).loaders()  # a class of a registered family: the one diffusers names so
+    experts = [getattr(diffusers, str(class_name)).from_pretrained(folder, torch_dtype=torch.float32) for folder in folders]
+    module = experts[0]
+    if len(experts) > 1:  # the family's two-expert module of the role's config, each expert's base weights loaded
+        module = loaders.build_transformer(config)
+        targets = getattr(module, "experts", None)
+        if targets is None or len(targets) != len(experts):
+            raise UserError(f"{where}: its record names two base experts; the role's config.json is of one transformer")
+        for target, expert in zip(targets, experts):
+            target.load_state_dict(expert.state_dict())
     inject_lora(module, spec, where)
     return module

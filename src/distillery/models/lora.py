@@ -15,7 +15,10 @@ Linear layers ``target_modules`` names, its base weights frozen. The contract, f
   back: the transformer is then the stock class with stock parameter names (what ``save_pretrained`` writes).
 - :func:`save_diffusers_lora` — the adapter as ``pytorch_lora_weights.safetensors`` in diffusers' layout
   (``transformer.<path>.lora_{A,B}.weight``, the PEFT config in its metadata: rank, alpha, targets), which a
-  stock ``WanPipeline.load_lora_weights(folder)`` loads onto the base.
+  stock ``WanPipeline.load_lora_weights(folder)`` loads onto the base. A role of two experts (Wan 2.2 A14B) adapts
+  both: the high-noise expert's adapter is that file, the low-noise one's ``pytorch_lora_weights_2.safetensors``
+  (:data:`LORA_WEIGHTS_FILE_2`, the same layout), which ``load_lora_weights(folder, weight_name=...,
+  load_into_transformer_2=True)`` loads onto ``transformer_2``.
 - :func:`lora_record` / :func:`spec_from_record` — the spec as the checkpoint's ``metadata.json`` keeps it.
 """
 
@@ -32,6 +35,7 @@ from distillery.config.schema import LoraConfig
 
 ADAPTER_NAME = "default"  # PEFT's adapter name inside our modules (one adapter per role)
 LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"  # diffusers' file name (load_lora_weights reads it by default)
+LORA_WEIGHTS_FILE_2 = "pytorch_lora_weights_2.safetensors"  # a two-expert role's low-noise expert's adapter (module doc)
 
 
 def matches(path: str, target: str) -> bool:
@@ -123,13 +127,19 @@ def adapter_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_diffusers_lora(module: torch.nn.Module, spec: LoraConfig, folder: Path) -> Path:
-    """Write ``module``'s adapter as ``folder/pytorch_lora_weights.safetensors`` (module doc); returns the file."""
+    """Write ``module``'s adapter as ``folder/pytorch_lora_weights.safetensors`` (module doc) — of two experts (a module
+    with ``experts``), each expert's in its own file, the second's :data:`LORA_WEIGHTS_FILE_2`; returns the first file."""
     from diffusers.loaders.lora_pipeline import WanLoraLoaderMixin
 
     folder.mkdir(parents=True, exist_ok=True)
-    WanLoraLoaderMixin.save_lora_weights(folder, transformer_lora_layers=adapter_state_dict(module),
-                                         transformer_lora_adapter_metadata=peft_config(spec).to_dict(),
-                                         weight_name=LORA_WEIGHTS_FILE)
+    state = adapter_state_dict(module)
+    parts = [state]
+    if hasattr(module, "experts"):  # the module's children transformer / transformer_2: each expert's own file
+        parts = [{k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
+                 for name in ("transformer", "transformer_2")]
+    for part, name in zip(parts, (LORA_WEIGHTS_FILE, LORA_WEIGHTS_FILE_2)):
+        WanLoraLoaderMixin.save_lora_weights(folder, transformer_lora_layers=part,
+                                             transformer_lora_adapter_metadata=peft_config(spec).to_dict(), weight_name=name)
     return folder / LORA_WEIGHTS_FILE
 
 

@@ -102,11 +102,18 @@ def check_resume_lora(path: Path, saved: dict[str, Any], current: dict[str, Any]
                 raise UserError(f"{path}: the {role}'s LoRA {key} was {was.get(key)!r}, this run's is {now.get(key)!r}; "
                                 "start from step 0 (resume: none) or set it back")
         base_was, base_now = was.get("base") or {}, now.get("base") or {}
-        if base_was.get("sha256") != base_now.get("sha256"):
+        if base_was.get("sha256") != base_now.get("sha256") or _second_changed(base_was, base_now):
             raise UserError(f"{path}: the {role}'s LoRA base changed since this checkpoint was saved ({base_was.get('path')} "
                             f"sha256 {str(base_was.get('sha256'))[:12]}…, now {base_now.get('path')} "
                             f"{str(base_now.get('sha256'))[:12]}…); an adapter fits only its base: start from step 0 "
                             "(resume: none) or restore it")
+
+
+def _second_changed(was: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a two-expert source's second expert (``second``: its folder and sha256, Wan 2.2 A14B's ``transformer_2``
+    beside ``transformer``) differs; a source of one expert, or recorded before the key existed, has none to compare."""
+    a, b = was.get("second"), now.get("second")
+    return isinstance(a, dict) and isinstance(b, dict) and a.get("sha256") != b.get("sha256")
 
 
 def check_frozen_roles(path: Path, saved: dict[str, Any], current: dict[str, dict[str, Any]]) -> None:
@@ -116,7 +123,7 @@ def check_frozen_roles(path: Path, saved: dict[str, Any], current: dict[str, dic
         if was is None or now is None:
             raise UserError(f"{path}: checkpoint trained with frozen roles {sorted(saved)}, this run has {sorted(current)}; "
                             "start from step 0 (resume: none) or restore the roles")
-        if was.get("sha256") != now.get("sha256"):
+        if was.get("sha256") != now.get("sha256") or _second_changed(was, now):
             raise UserError(f"{path}: the frozen {role} changed since this checkpoint was saved ({was.get('path')} "
                             f"sha256 {str(was.get('sha256'))[:12]}…, now {now.get('path')} {str(now.get('sha256'))[:12]}…); "
                             "not resuming against another model: start from step 0 (resume: none) or restore it")

@@ -91,18 +91,31 @@ class WanModel(ModelBase):
 
     @classmethod
     def linear_layers(cls, config: WanModelConfig) -> dict[str, tuple[int, int]]:
-        """The Linear layers of ``config.init_from``'s transformer, built on the meta device from its ``config.json``."""
+        """The Linear layers of ``config.init_from``'s transformer, built on the meta device from its ``config.json``; of
+        two experts, both experts' (``transformer.<path>``, ``transformer_2.<path>``: a LoRA's targets adapt both)."""
         from diffusers import WanTransformer3DModel
 
         from distillery.models.lora import linear_layers
 
         transformer_dir, _ = locate_transformer(config.init_from)
-        if read_wan_layout(transformer_dir).second_dir is not None:  # its export (base + adapter) rebuilds one transformer
-            raise UserError(f"config error: a LoRA on {config.init_from}, a two-expert Wan 2.2 A14B model: not supported "
-                            "yet; train its full weights")
+        layout = read_wan_layout(transformer_dir)
         with torch.device("meta"):
-            module = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(transformer_dir))
-        return linear_layers(module)
+            modules = [WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(folder))
+                       for folder in (transformer_dir, layout.second_dir) if folder is not None]
+        if len(modules) == 1:
+            return linear_layers(modules[0])
+        return {f"{name}.{path}": shape for name, module in zip(("transformer", "transformer_2"), modules)
+                for path, shape in linear_layers(module).items()}
+
+    def source(self) -> dict[str, Any]:
+        """:meth:`ModelBase.source`; of two experts, with the second expert's folder and sha256 under ``second`` (a
+        diffusers folder keeps it beside ``transformer/``, outside the first's digest)."""
+        out = super().source()
+        if self.layout.second_dir is not None:
+            from distillery.common.hashcache import folder_sha256
+
+            out["second"] = {"path": str(self.layout.second_dir), "sha256": folder_sha256(self.layout.second_dir)}
+        return out
 
     def set_attention_backend(self, backend: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         """Route the transformer's attention to ``backend`` (:mod:`.attention`: ``auto`` resolves for ``device`` and
