@@ -194,6 +194,10 @@ class ScoreModels:
     draw_timesteps: Callable[[int], torch.Tensor]
     rng: Any
     training: Any = None  # the run's TrainingConfig, to name its latent set when the empty prompt is missing
+    # where the scores are queried (noise ε, σ [B]) → x_σ; None: the sample re-noised, (1 − σ) x̂0 + σ ε (Phased DMD: from its anchor)
+    noised: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # the critic's velocity target (ε, σ) → [B, C, T, H, W]; None: ε − x̂0 (Phased DMD: its subinterval's)
+    target: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 class ScoreTimesteps:
@@ -227,7 +231,8 @@ def distribution_matching_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels,
     generated = x0[:, :, skip_frames:] if skip_frames else x0  # with graph
     with torch.no_grad():
         noise = scores.rng.randn(x0.shape).to(x0.device)
-        x_tau = renoise(x0.detach(), noise, scores.teacher.schedule.sigma(tau))
+        sigma = scores.teacher.schedule.sigma(tau)
+        x_tau = scores.noised(noise, sigma) if scores.noised is not None else renoise(x0.detach(), noise, sigma)
         fake = scores.critic.predict_x0(x_tau, tau, cond, conditional=True)
         real = guided_by_scales(lambda conditional: scores.teacher.predict_x0(x_tau, tau, cond, conditional=conditional),
                                 teacher_scales(scores.teacher, tau, guidance, guidance_2))
@@ -256,19 +261,22 @@ def critic_flow_matching(x0: torch.Tensor, cond: Any, scores: ScoreModels, skip_
     """The critic's flow-matching loss on the detached student sample ``x0`` (module doc, step 3: draws t ``[B]``,
     then ε); ``skip_frames``: given leading frames, in the critic's input, not in its loss; ``feature_blocks``: also
     keep those blocks' hidden states of the same forward
-    (:meth:`~distillery.models.base.ModelBase.predict_noise_with_features`, a discriminator's input)."""
+    (:meth:`~distillery.models.base.ModelBase.predict_noise_with_features`, a discriminator's input); ``scores``'
+    ``noised`` / ``target``, where set, replace the re-noise of ``x0`` and ``ε − x0`` (Phased DMD)."""
     x0 = x0.detach().float()
     t = scores.draw_timesteps(x0.shape[0])
     noise = scores.rng.randn(x0.shape).to(x0.device)
-    x_t = renoise(x0, noise, scores.critic.schedule.sigma(t))
+    sigma = scores.critic.schedule.sigma(t)
+    x_t = scores.noised(noise, sigma) if scores.noised is not None else renoise(x0, noise, sigma)
     features: list[torch.Tensor] = []
     if feature_blocks:
         v, features = scores.critic.predict_noise_with_features(x_t, t, cond, feature_blocks, conditional=True)
     else:
         v = scores.critic.predict_noise(x_t, t, cond, conditional=True)
+    target = scores.target(noise, sigma) if scores.target is not None else noise - x0
     if skip_frames:
-        v, noise, x0 = v[:, :, skip_frames:], noise[:, :, skip_frames:], x0[:, :, skip_frames:]
-    return CriticPass(F.mse_loss(v, noise - x0), {"critic_timestep": t.mean()}, t, features)
+        v, target = v[:, :, skip_frames:], target[:, :, skip_frames:]
+    return CriticPass(F.mse_loss(v, target), {"critic_timestep": t.mean()}, t, features)
 
 
 def fake_score_loss(x0: torch.Tensor, cond: Any, scores: ScoreModels,
@@ -363,6 +371,16 @@ class DMD2Method(ScoreTimesteps, TrainingMethod):
     def rollout(self, batch: dict[str, Any], exit_step: int, with_grad: bool) -> tuple[torch.Tensor, TrainingBatch]:
         """The student's sample ``x̂0 [B, C, T, H, W]`` (float32) at ladder index ``exit_step``; it
         keeps its graph only when ``with_grad``. Returns it with the prepared batch (conditioning)."""
+        x, tb = self.state_at_exit(batch, exit_step)
+        t = torch.full((x.shape[0],), self.ladder[exit_step], dtype=torch.float32, device=self.student.device)
+        with torch.set_grad_enabled(with_grad):
+            x0 = self.student.predict_x0(x, t, tb, conditional=True)
+        return x0, tb
+
+    def state_at_exit(self, batch: dict[str, Any], exit_step: int) -> tuple[torch.Tensor, TrainingBatch]:
+        """``(x_{t_k}, the prepared batch)``: the state the exit forward at ladder index ``k = exit_step`` takes
+        (module doc, step 1) — ``simulate``: pure noise run down the ladder to ``t_k`` without gradients; ``data_latent``:
+        the data noised to ``t_k``."""
         student, ladder = self.student, self.ladder
         n = student.schedule.num_train_timesteps
         device = student.device
@@ -373,21 +391,18 @@ class DMD2Method(ScoreTimesteps, TrainingMethod):
 
         if self.config.rollout == "data_latent":
             tb = student.prepare_batch(batch, self.rng, timesteps=full(ladder[exit_step]))
-            x = tb.noisy_latents
-        else:
-            tb = student.prepare_batch(batch, self.rng, timesteps=full(float(n)))
-            x = tb.noise  # x_{t_0}: pure noise
-            with torch.no_grad():
-                for j in range(exit_step):
-                    v = student.predict_noise(x, full(ladder[j]), tb, conditional=True)
-                    sigma, sigma_next = ladder[j] / n, ladder[j + 1] / n
-                    if self.config.rollout_renoise == "sde":
-                        x = renoise(x0_from_velocity(x, v, sigma), self.rng.randn(x.shape).to(device), sigma_next)
-                    else:
-                        x = euler_step(x, v, sigma, sigma_next)
-        with torch.set_grad_enabled(with_grad):
-            x0 = student.predict_x0(x, full(ladder[exit_step]), tb, conditional=True)
-        return x0, tb
+            return tb.noisy_latents, tb
+        tb = student.prepare_batch(batch, self.rng, timesteps=full(float(n)))
+        x = tb.noise  # x_{t_0}: pure noise
+        with torch.no_grad():
+            for j in range(exit_step):
+                v = student.predict_noise(x, full(ladder[j]), tb, conditional=True)
+                sigma, sigma_next = ladder[j] / n, ladder[j + 1] / n
+                if self.config.rollout_renoise == "sde":
+                    x = renoise(x0_from_velocity(x, v, sigma), self.rng.randn(x.shape).to(device), sigma_next)
+                else:
+                    x = euler_step(x, v, sigma, sigma_next)
+        return x, tb
 
     # -- losses -----------------------------------------------------------------------------
     def generator_loss(self, x0: torch.Tensor, cond: TrainingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
