@@ -20,7 +20,11 @@ passes the same checks, with no test code of its own (a new method joins the kit
 Besides each registered method, :data:`VARIANTS` runs a method with knobs that add trained state of their own (the
 discriminator head of ``distill.gan_weight``, the collapse watch's baseline and best) through the same checks.
 
-Cost on 2 cores: the 1-rank runs in this process (3 per case), the 2-rank runs in one torchrun launch.
+A recipe whose base must have two experts (its module's ``EXPERTS = 2``: ``distill.method: phased_dmd``) runs on the tiny
+Wan 2.2 A14B instead: a copy of the workspace whose stage artifacts hold its two experts and boundary (a given folder
+laid out as the stages lay it out), the same latents.
+
+Cost on 2 cores: the 1-rank runs in this process (3 per case), the 2-rank runs in one torchrun launch per workspace.
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ STEPS = 2
 VARIANTS = {  # (stage, method, variant) -> the params it sets beside <stage>.method: knobs that add trained state
     ("distill", "dmd2", "gan"): {"distill.gan_weight": 0.1},  # the discriminator head, trained in the critic's step
     ("distill", "self_forcing", "gan+collapse"): {"distill.gan_weight": 0.1, "distill.collapse_every": 1},  # + the watch's state
+    ("distill", "phased_dmd", "collapse"): {"distill.collapse_every": 1, "distill.guidance_scale_2": 3.0},  # the watch over two experts, both teacher scales
 }
 CASES = [(stage, method, "") for stage, methods in registry().items() for method in methods] + list(VARIANTS)
+INITS = ("teacher", "pretrain", "distill")  # every init a stage's artifact names: the tiny base's weights (or the A14B's)
 KIT_PARAMS = {  # every training stage small; the ODE-init recipes' trajectories few; posttrain's rollouts short
     **{f"{stage}.{key}": value for stage in ("teacher", "pretrain", "distill", "pdd", "posttrain")
        for key, value in (("steps", STEPS), ("batch_size", 2), ("save_every", 1))},
@@ -86,32 +92,56 @@ def _variant(config, output_dir: Path, *, stop_at: int | None = None, ranks: int
     return dataclasses.replace(config, training=training)
 
 
+def _experts(stage: str, method: str) -> int:
+    """The experts the recipe's base must have (its ``EXPERTS``; 1 unless it says)."""
+    return getattr(registry()[stage][method], "EXPERTS", 1)
+
+
+def _workspace(prepared: Path, ws: Path, experts: int, root: Path) -> Path:
+    """A copy of ``prepared`` whose stage artifacts (:data:`INITS`) hold the tiny base's transformer and scheduler — or,
+    for ``experts`` 2, the tiny Wan 2.2 A14B's two experts and boundary, laid out as a given folder is
+    (:func:`~distillery.models.wan.experts.lay_out_given_model`) —, with the kit's params."""
+    from distillery.models.schedule import read_scheduler_shift
+    from distillery.models.wan import lay_out_given_model
+    from distillery.tinybase.wan22 import make_tiny_wan22
+
+    copy_workspace(prepared, ws)
+    source = ws / "artifacts" / "base" / "model" if experts == 1 else make_tiny_wan22(root / "a14b", "a14b")
+    for stage in INITS:
+        model = ws / "artifacts" / stage / "model"
+        if experts == 1:
+            shutil.copytree(source / "transformer", model / "transformer")
+        else:
+            lay_out_given_model(source, model, shutil.copytree)
+        shutil.copytree(source / "scheduler", model / "scheduler")
+    student = ws / "artifacts" / "distill" / "model"  # posttrain's student samples as a given model: Euler, own schedule
+    (student / "sampling.json").write_text(json.dumps(
+        {"sampler": "euler", "shift": read_scheduler_shift(student / "scheduler"), "num_train_timesteps": 1000}))
+    set_params(ws, KIT_PARAMS)
+    return ws
+
+
 @pytest.fixture(scope="module")
 def kit(prepared, tmp_path_factory, monkeypatch_module):
-    """Every case built and run: ``{case: (config, folder)}`` — ``folder/full`` uninterrupted, ``folder/resumed``
-    stopped after step 1 and resumed, ``folder/two`` on 2 ranks."""
-    from distillery.models.schedule import read_scheduler_shift
-
+    """Every case built and run: ``{case: (config, folder, workspace)}`` — ``folder/full`` uninterrupted,
+    ``folder/resumed`` stopped after step 1 and resumed, ``folder/two`` on 2 ranks."""
     root = tmp_path_factory.mktemp("conformance")
-    ws = copy_workspace(prepared, root / "ws")
-    for stage in ("teacher", "pretrain", "distill"):  # every init a stage's artifact names: the tiny base's weights
-        for part in ("transformer", "scheduler"):
-            shutil.copytree(ws / "artifacts" / "base" / "model" / part, ws / "artifacts" / stage / "model" / part)
-    shift = read_scheduler_shift(ws / "artifacts" / "distill" / "model" / "scheduler")  # posttrain's student samples as
-    (ws / "artifacts" / "distill" / "model" / "sampling.json").write_text(json.dumps(  # a given model: Euler, own schedule
-        {"sampler": "euler", "shift": shift, "num_train_timesteps": 1000}))
-    set_params(ws, KIT_PARAMS)
-    monkeypatch_module.chdir(ws)
-    built, launch = {}, []
+    spaces = {n: _workspace(prepared, root / ("ws" if n == 1 else f"ws-{n}-experts"), n, root)
+              for n in sorted({_experts(stage, method) for stage, method, _ in CASES})}
+    built, launches = {}, {n: [] for n in spaces}
     for stage, method, variant in CASES:
+        n = _experts(stage, method)
+        ws = spaces[n]
+        monkeypatch_module.chdir(ws)
         config = _build(ws, stage, method, variant)
         folder = root / f"{stage}-{method}{'-' + variant if variant else ''}"
         train_in_process(_variant(config, folder / "full").to_plain())
         train_in_process(_variant(config, folder / "resumed", stop_at=1).to_plain())
         train_in_process(_variant(config, folder / "resumed").to_plain())
-        launch.append((_variant(config, folder / "two", ranks=2).to_plain(), ws / f"kit-{folder.name}.yaml"))  # cwd: ws
-        built[(stage, method, variant)] = (config, folder)
-    torchrun_each(launch)
+        launches[n].append((_variant(config, folder / "two", ranks=2).to_plain(), ws / f"kit-{folder.name}.yaml"))
+        built[(stage, method, variant)] = (config, folder, ws)
+    for launch in launches.values():  # each in its workspace (its config's paths are the workspace's)
+        torchrun_each(launch)
     return built
 
 
@@ -165,11 +195,12 @@ def _samples(model: Path, latent_shape: list[int], text_length: int) -> tuple[to
 
 
 @pytest.mark.parametrize("stage,method,variant", CASES)
-def test_method_conforms(kit, stage, method, variant):
+def test_method_conforms(kit, stage, method, variant, monkeypatch):
     from distillery.pipeline.publish.run_summary import read_run_summary
     from stages.training import publish_model
 
-    config, folder = kit[(stage, method, variant)]
+    config, folder, ws = kit[(stage, method, variant)]
+    monkeypatch.chdir(ws)  # its workspace: the artifacts its config names
     full = read_log(folder / "full")  # 2. it steps: finite losses on every step
     assert [r["step"] for r in full] == list(range(1, STEPS + 1))
     assert all(math.isfinite(v) for r in full for k, v in r.items() if k.endswith("_loss")), full

@@ -37,7 +37,7 @@ pretrain.lora_rank pretrain.lora_alpha pretrain.sp_size pretrain.tp_size pretrai
 distill.method distill.steps distill.batch_size distill.learning_rate distill.lr_scheduler
 distill.warmup_steps distill.weight_decay distill.ema_decay distill.ema_start_step
 distill.critic_learning_rate distill.critic_init distill.student_steps distill.generator_update_interval
-distill.guidance_scale distill.context_noise distill.same_step_across_chunks distill.student_shift
+distill.guidance_scale distill.guidance_scale_2 distill.context_noise distill.same_step_across_chunks distill.student_shift
 distill.data distill.save_every distill.gan_weight distill.collapse_every distill.stop_on_collapse
 distill.activation_checkpointing distill.activation_checkpointing_fraction
 distill.lora_rank distill.lora_alpha distill.sp_size distill.tp_size distill.attention distill.sparsity distill.sparse_tile

@@ -286,6 +286,10 @@ def test_bad_configurations_are_one_line(a14b, tiny_base, training):
                                             trainable=role != "teacher"), role) for role in ("student", "teacher", "critic")}
     with pytest.raises(UserError, match="models.critic: Phased DMD distils each expert on its own phase; .* one expert"):
         PhasedDMDMethod(PhasedDMDConfig(student_timesteps=LADDER), models, training)
+    configs = {role: WanModelConfig(init_from=str(tiny_base if role == "teacher" else a14b), trainable=role != "teacher")
+               for role in ("student", "teacher", "critic")}  # from the run config, before any weights load
+    with pytest.raises(UserError, match="models.teacher: Phased DMD distils each expert on its own phase; .* one expert"):
+        PhasedDMDMethod.check_roles(configs)
 
 
 def test_phased_dmd_trains_both_experts_through_the_trainer_and_exports(a14b, latents, tmp_path):

@@ -33,7 +33,7 @@ from stages.training import finished_run, selected_weights, shipped_weights, sta
 ROOT = Path(__file__).resolve().parents[1]
 
 REGISTERED = {"teacher": ["sft"], "pretrain": ["causal_cd", "dfsft", "ode_init", "ode_init_bidirectional", "tfsft"],
-              "distill": ["dmd2", "self_forcing"], "pdd": ["dm_pdd", "pdd"], "posttrain": ["nft"]}
+              "distill": ["dmd2", "phased_dmd", "self_forcing"], "pdd": ["dm_pdd", "pdd"], "posttrain": ["nft"]}
 RECIPES = [(stage, method) for stage, methods in REGISTERED.items() for method in methods]
 
 
@@ -74,7 +74,7 @@ def test_the_registry_is_every_training_stage_and_its_methods():
 
 @pytest.mark.parametrize("value", ["consistency", 3, None])
 def test_a_method_is_one_the_registry_lists(tmp_path, monkeypatch, value):
-    with pytest.raises(UserError, match=r"^params.yaml: distill.method: .*valid values: dmd2, self_forcing "
+    with pytest.raises(UserError, match=r"^params.yaml: distill.method: .*valid values: dmd2, phased_dmd, self_forcing "
                                         r"\(stages/recipes/distill/\)$"):
         _workspace(tmp_path, monkeypatch, {"distill.method": value})
 
@@ -206,7 +206,7 @@ def test_pdd_method_picks_the_dm_pdd_recipe_beside_the_students_init(tmp_path, m
     assert not hasattr(plain.method.config, "dm_weight")
 
 
-@pytest.mark.parametrize("method", ["self_forcing", "dmd2"])
+@pytest.mark.parametrize("method", ["self_forcing", "dmd2", "phased_dmd"])
 @pytest.mark.parametrize("critic_init", ["teacher", "base"])
 def test_distill_critic_init_picks_the_critics_start(tmp_path, monkeypatch, method, critic_init):
     """``distill.critic_init``: the critic (fake score) starts from the teacher artifact (the default) or from the
@@ -271,11 +271,37 @@ def test_distill_gan_weight_and_the_collapse_watch_reach_the_run_config(tmp_path
     ({"distill.stop_on_collapse": True}, "distill.stop_on_collapse: true needs the collapse watch on"),
     ({"distill.gan_weight": 0.1, "distill.data": "prompts"}, "distill.gan_weight: 0.1: the discriminator's real samples"),
     ({"distill.gan_weight": -0.1}, r"distill.gan_weight: -0.1: must be"),
+    ({"distill.method": "phased_dmd", "distill.gan_weight": 0.1},
+     "distill.gan_weight: 0.1: distill.method phased_dmd has no discriminator term"),
 ])
 def test_distill_refuses_a_watch_or_gan_that_cannot_run(tmp_path, monkeypatch, updates, message):
     with pytest.raises(UserError, match=rf"^params.yaml: {message}") as info:
         _workspace(tmp_path, monkeypatch, updates)
     assert "\n" not in str(info.value)
+
+
+def test_phased_dmd_is_a_bidirectional_two_expert_recipe_with_a_second_guidance_scale(tmp_path, monkeypatch):
+    """``distill.method: phased_dmd``: the bidirectional student from the pretrain artifact, Phased DMD's method with
+    simulated rollouts that step by Euler (``ode``), a base of two experts declared; ``distill.guidance_scale_2`` — every
+    DMD recipe's — the low-noise expert's real-score CFG (unset: the high-noise one's for both; below 1 refused), the
+    collapse watch's teacher samples with both scales."""
+    params = _workspace(tmp_path, monkeypatch, {"distill.method": "phased_dmd", "distill.guidance_scale": 4.0,
+                                                "distill.guidance_scale_2": 3.0, "distill.collapse_every": 10})
+    config, inputs = _config(params, "distill")
+    assert inputs == {"student": "pretrain", "teacher": "teacher", "critic": "teacher"}
+    assert config.method.target == "distillery.methods.phased_dmd.PhasedDMDMethod"
+    knobs = config.method.config
+    assert (knobs.rollout, knobs.rollout_renoise, knobs.num_student_steps) == ("simulate", "ode", 4)
+    assert (knobs.real_score_guidance_scale, knobs.real_score_guidance_scale_2) == (4.0, 3.0)
+    assert config.models["student"].target == "distillery.models.wan.WanModel"
+    assert registry()["distill"]["phased_dmd"].EXPERTS == 2
+    watch = config.callbacks["collapse"].config
+    assert (watch.teacher_guidance_scale, watch.teacher_guidance_scale_2) == (4.0, 3.0)
+    for method in ("dmd2", "self_forcing"):  # unset: the method's default (one scale for both experts)
+        plain, _ = _config(_workspace(tmp_path / method, monkeypatch, {"distill.method": method}), "distill")
+        assert plain.method.config.real_score_guidance_scale_2 is None
+    with pytest.raises(UserError, match="distill.guidance_scale_2"):
+        _workspace(tmp_path / "low", monkeypatch, {"distill.method": "dmd2", "distill.guidance_scale_2": 0.5})
 
 
 def test_a_prompt_only_set_gives_the_rollouts_shape(tmp_path, monkeypatch):

@@ -71,7 +71,8 @@ class CollapseWatchConfig(ValidationSampling):
     guidance_scale: float | None = None  # its CFG; null: the contract's
     teacher: str | None = None  # a frozen role whose samples the distance is measured to; null: no distance
     teacher_steps: int = bounded(20, 1, 1000)  # the teacher's Euler steps
-    teacher_guidance_scale: float = 1.0  # the teacher's CFG (1: none)
+    teacher_guidance_scale: float = 1.0  # the teacher's CFG (1: none); of two experts the high-noise expert's
+    teacher_guidance_scale_2: float | None = None  # a two-expert teacher's low-noise expert's CFG; null: the same
     vae_from: str = ""  # diffusers folder whose vae/ decodes the samples (required: the metrics are on pixels)
     max_saturation_rise: float = 0.05  # alarm: saturation above the baseline's + this
     min_diversity_ratio: float = 0.5  # alarm: diversity below this share of the baseline's
@@ -216,19 +217,21 @@ class CollapseWatchCallback(Callback):
         if self._prompts is None:
             self._prompts = ValidationPrompts.read(Path(cfg.data_path), cfg.split, cfg.num_prompts, cfg.text_max_length)
         contract = ctx.sampling if ctx.sampling is not None else {"sampler": "euler"}
-        videos = self._sample(ctx, self._role(ctx, cfg.role), contract, cfg.num_steps, cfg.guidance_scale)
+        videos = self._sample(ctx, self._role(ctx, cfg.role), contract, cfg.num_steps, cfg.guidance_scale, None)
         if cfg.teacher is not None and not self._teacher_sampled:  # once, on every rank alike (its forwards are collective)
             self._teacher_sampled = True
             teacher = self._role(ctx, cfg.teacher)
             euler = {"sampler": "euler", "shift": teacher.schedule.shift, "num_train_timesteps": teacher.schedule.num_train_timesteps}
-            decoded = self._sample(ctx, teacher, euler, cfg.teacher_steps, cfg.teacher_guidance_scale)
+            decoded = self._sample(ctx, teacher, euler, cfg.teacher_steps, cfg.teacher_guidance_scale,
+                                   cfg.teacher_guidance_scale_2)
             self._teacher_videos = decoded.clamp(-1, 1) if decoded is not None else None
         metrics = video_metrics(videos, cfg.seeds_per_prompt, self._teacher_videos) if ctx.rank == 0 else None
         return broadcast_object(metrics)  # type: ignore[return-value]
 
     def _sample(self, ctx: CallbackContext, model: "ModelBase", contract: dict[str, Any], steps: int | None,
-                guidance: float | None) -> torch.Tensor | None:
-        """P prompts × S seeds through ``contract``'s sampler (every rank), decoded on rank 0 (``float32 [S·P, 3, T, H, W]``
+                guidance: float | None, guidance_2: float | None) -> torch.Tensor | None:
+        """P prompts × S seeds through ``contract``'s sampler (every rank; ``guidance`` / ``guidance_2``: the CFG scales of
+        the high- and low-noise experts, as the samplers take them), decoded on rank 0 (``float32 [S·P, 3, T, H, W]``
         on the CPU); None on the other ranks."""
         from distillery.sampling import build_sampler
 
@@ -238,7 +241,7 @@ class CollapseWatchCallback(Callback):
         generators = [torch.Generator().manual_seed(cfg.generator_seed(i, j)) for j in range(seeds) for i in range(count)]
         with eval_mode(model), torch.no_grad():
             latents = sampler.sample(model, _repeated(prompts.conditioning(), seeds), prompts.latent_shape, generators,
-                                     num_steps=steps, guidance_scale=guidance)
+                                     num_steps=steps, guidance_scale=guidance, guidance_scale_2=guidance_2)
         if ctx.rank != 0:
             return None
         if self._scorer is None:

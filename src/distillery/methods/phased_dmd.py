@@ -58,6 +58,7 @@ LightX2V's Euler rollouts): the student's experts route each step by ``B`` — t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -86,6 +87,9 @@ class PhasedDMDConfig(DMD2Config):
         super().__post_init__()
         if self.rollout != "simulate":
             raise ValueError("Phased DMD rolls its phases out from noise: rollout must be simulate (data_latent is DMD2's)")
+        if self.gan_weight > 0:
+            raise ValueError("Phased DMD has no discriminator term (its critic trains on each phase's anchor): gan_weight "
+                             "must be 0")
 
 
 @dataclass
@@ -124,10 +128,29 @@ def phase_velocity_target(anchor: torch.Tensor, noise: torch.Tensor, sigma_s: fl
     return -anchor.float() / (1.0 - s) + c * noise.float()
 
 
+def one_expert(role: str, init_from: Any) -> str:
+    """The line that refuses a role of one expert."""
+    return (f"config error: models.{role}: Phased DMD distils each expert on its own phase; {init_from} is a model of "
+            "one expert (a Wan 2.2 A14B folder has two)")
+
+
 class PhasedDMDMethod(DMD2Method):
     """Phased DMD over two experts (module doc)."""
 
     config_class = PhasedDMDConfig
+
+    @classmethod
+    def check_roles(cls, role_models: dict[str, Any]) -> None:
+        """DMD2's roles, and each of them two experts: a role whose ``init_from`` folder is of one expert is refused
+        here, from the run config before any weights load (a stage refuses it before launching)."""
+        super().check_roles(role_models)
+        from distillery.models.registry import family_of
+
+        for role in ("student", "teacher", "critic"):
+            spec = role_models.get(role)
+            init = getattr(getattr(spec, "config", spec), "init_from", None)
+            if init and Path(init).is_dir() and family_of(init).experts != 2:
+                raise UserError(one_expert(role, init))
 
     def __init__(self, config: PhasedDMDConfig, role_models: dict[str, ModelBase], training: Any, rank: int = 0,
                  **kwargs: Any) -> None:
@@ -135,8 +158,7 @@ class PhasedDMDMethod(DMD2Method):
         boundary = self.student.boundary_timestep
         for role, model in (("student", self.student), ("teacher", self.teacher), ("critic", self.critic)):
             if model.boundary_timestep is None:
-                raise UserError(f"config error: models.{role}: Phased DMD distils each expert on its own phase; "
-                                f"{model.config.init_from} is a model of one expert (a Wan 2.2 A14B folder has two)")
+                raise UserError(one_expert(role, model.config.init_from))
             if model.boundary_timestep != boundary:
                 raise UserError(f"config error: models.{role}: its experts' boundary t = {model.boundary_timestep:g} "
                                 f"differs from the student's {boundary:g}; the phases are one split for every role")

@@ -1,6 +1,6 @@
 """The distill stage's recipes (``distill.method``): a few-step student distilled from the pretrain student against
-the teacher. ``self_forcing`` and ``dmd2`` both match the teacher's distribution with a critic (DMD2's losses) and
-share :class:`DMDParams`: the critic's knobs and the real score's guidance."""
+the teacher. ``self_forcing``, ``dmd2`` and ``phased_dmd`` (a base of two experts) all match the teacher's distribution
+with a critic (DMD2's losses) and share :class:`DMDParams`: the critic's knobs and the real score's guidance."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from distillery.pipeline.params.schema import (
     TrainingStageParams,
     guidance_at_least_one,
     non_negative_finite,
+    optional,
     rule,
 )
 
@@ -35,6 +36,9 @@ class DMDParams(DistillParams):
     critic_init: Literal["teacher", "base"] = rule("teacher")  # the critic's init: the teacher artifact, or the base (the published recipes')
     generator_update_interval: int = rule(2, 1, 1000)  # the student steps every k-th step; the critic every step
     guidance_scale: float = rule(4.0, 0, MAX_GUIDANCE, guidance_at_least_one)  # the teacher's CFG scale in the real score
+    # a two-expert teacher's (Wan 2.2 A14B) low-noise expert's CFG scale (diffusers' guidance_scale_2; Wan's A14B: 3.0
+    # low / 4.0 high); null: guidance_scale for both
+    guidance_scale_2: float | None = rule(None, 0, MAX_GUIDANCE, optional(guidance_at_least_one))
     # the discriminator term (methods/gan.py): a head on the critic's features tells the data's latents from the
     # student's samples; its generator term's weight in the student's loss (0: off; the published GAN variants: ~0.01)
     gan_weight: float = rule(0.0, 0, MAX_GAN_WEIGHT, non_negative_finite)
@@ -66,11 +70,13 @@ def dmd_roles(p: DMDParams, run: RunInputs, student: Component) -> dict[str, Com
             "critic": critic(run.init["critic"], p.critic_learning_rate)}
 
 
-def dmd_knobs(p: DMDParams) -> dict[str, float | int | str]:
-    """The method knobs both DMD recipes take (their config classes' fields)."""
+def dmd_knobs(p: DMDParams) -> dict[str, float | int | str | None]:
+    """The method knobs every DMD recipe takes (their config classes' fields); ``real_score_guidance_scale_2`` the
+    low-noise expert's (None: ``real_score_guidance_scale`` for both; a teacher of one expert refuses a value)."""
     return {"num_student_steps": p.student_steps, "rollout_renoise": "sde",
             "generator_update_interval": p.generator_update_interval, "real_score_guidance_scale": p.guidance_scale,
-            "min_score_timestep_ratio": 0.02, "max_score_timestep_ratio": 0.98, "gan_weight": p.gan_weight}
+            "real_score_guidance_scale_2": p.guidance_scale_2, "min_score_timestep_ratio": 0.02,
+            "max_score_timestep_ratio": 0.98, "gan_weight": p.gan_weight}
 
 
 def dmd_callbacks(p: DMDParams, run: RunInputs) -> dict[str, Component]:
@@ -81,17 +87,19 @@ def dmd_callbacks(p: DMDParams, run: RunInputs) -> dict[str, Component]:
     found = callbacks(p)
     if p.collapse_every:
         found.update(collapse_watch(run, every=p.collapse_every, stop=p.stop_on_collapse,
-                                    teacher_guidance_scale=p.guidance_scale))
+                                    teacher_guidance_scale=p.guidance_scale, teacher_guidance_scale_2=p.guidance_scale_2))
     return found
 
 
 COLLAPSE_CALLBACK = "collapse"  # the collapse watch's name among the callbacks (its state: callbacks.collapse)
 
 
-def collapse_watch(run: RunInputs, *, every: int, stop: bool, teacher_guidance_scale: float) -> dict[str, Component]:
+def collapse_watch(run: RunInputs, *, every: int, stop: bool, teacher_guidance_scale: float,
+                   teacher_guidance_scale_2: float | None = None) -> dict[str, Component]:
     """The collapse watch (:mod:`distillery.callbacks.collapse`): every ``every`` steps the student samples the first
     prompts of the data it trains on (2 prompts × 2 seeds), decoded with the base's VAE, measured against step 0's and
-    against the frozen teacher's many-step samples (CFG ``teacher_guidance_scale``); ``stop``: a collapse ends the run,
+    against the frozen teacher's many-step samples (CFG ``teacher_guidance_scale``; of two experts
+    ``teacher_guidance_scale_2`` the low-noise one's); ``stop``: a collapse ends the run,
     the best pre-collapse checkpoint is the run's (``run_summary.json``'s ``selection``, the artifact's lineage)."""
     from distillery.callbacks.collapse import CollapseWatchCallback
     from distillery.config.loader import component_of
@@ -99,4 +107,5 @@ def collapse_watch(run: RunInputs, *, every: int, stop: bool, teacher_guidance_s
     return {COLLAPSE_CALLBACK: component_of(
         CollapseWatchCallback, f"callbacks.{COLLAPSE_CALLBACK}", data_path=run.data, text_max_length=run.text_max_length,
         every_steps=every, stop=stop, teacher="teacher", teacher_guidance_scale=teacher_guidance_scale,
+        teacher_guidance_scale_2=teacher_guidance_scale_2,
         vae_from=str(COLLAPSE_VAE_FROM), seed=run.seed)}

@@ -412,7 +412,7 @@ class PretrainParams(TrainingStageParams):
 
 @dataclass
 class DistillParams(TrainingStageParams):
-    method: str = with_default(TrainingStageParams, "method", "self_forcing")  # self_forcing | dmd2 (stages/recipes/distill/)
+    method: str = with_default(TrainingStageParams, "method", "self_forcing")  # self_forcing | dmd2 | phased_dmd (stages/recipes/distill/)
     steps: int = with_default(TrainingStageParams, "steps", 150)
     learning_rate: float = with_default(TrainingStageParams, "learning_rate", 1.0e-4)  # the student's peak learning rate
     lr_scheduler: Literal["constant", "cosine", "linear"] = with_default(TrainingStageParams, "lr_scheduler", "constant")
