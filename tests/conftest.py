@@ -128,7 +128,7 @@ LONGEST_FIRST = ("tests/test_pipeline.py", "tests/test_model_parallel.py", "test
                  "tests/test_lora_dag.py", "tests/test_sp_stage.py",
                  "tests/reliability/test_artifact_trust.py", "tests/test_roles.py", "tests/test_stage_ema.py",
                  "tests/test_preprocess.py", "tests/reliability/test_slurm.py", "tests/test_distributed.py", "tests/test_training.py",
-                 "tests/test_sparse_methods.py")
+                 "tests/test_sparse_methods.py", "tests/test_a14b_dag.py", "tests/test_a14b_ranks.py")
 
 def pytest_configure(config):
     """xdist (3.x) hands out the files of ``--dist loadfile`` sorted by their number of tests unless told not to,
