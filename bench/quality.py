@@ -72,6 +72,10 @@ spread both ways.
 
     python bench/quality.py --device cpu --scale small --students dmd2_4,self_forcing --train-seeds 3 \
         --sparse 0.9:1,1,2 --teacher-steps 40,4
+
+Two experts (issue 63): ``--base a14b`` runs every stage on a tiny Wan 2.2 A14B folder (made in the work folder) with
+``pretrain.method: ode_init_bidirectional`` (DFSFT refuses two experts); ``phased_dmd`` (4 steps) joins, ``dmd2_4``
+is its baseline: ``--base a14b --students dmd2_4,phased_dmd --train-seeds 2 --teacher-steps 40,4``.
 """
 
 from __future__ import annotations
@@ -132,10 +136,11 @@ class Student:
 
     name: str
     stage: str  # distill | pdd
-    method: str  # dmd2 | self_forcing | pdd | dm_pdd (a sparse twin: + _sparse)
+    method: str  # dmd2 | self_forcing | pdd | dm_pdd | phased_dmd (a sparse twin: + _sparse)
     params: dict[str, Any] = field(default_factory=dict)
     twin_of: str | None = None
     own_pretrain: bool = False  # its params pick its own pretrain (pretrain.method): trained in its workspace first
+    experts: int = 1  # 2: only on a base of two experts (--base a14b)
 
     @property
     def stages(self) -> str:
@@ -156,8 +161,10 @@ STUDENTS = (
     Student("ode_self_forcing", "distill", "self_forcing", {"distill.method": "self_forcing", "pretrain.method": "ode_init"},
             own_pretrain=True),
     Student("dmd2_4_gan", "distill", "dmd2", {"distill.method": "dmd2", "distill.student_steps": 4, "distill.gan_weight": 0.1}),
+    Student("phased_dmd", "distill", "phased_dmd", {"distill.method": "phased_dmd", "distill.student_steps": 4}, experts=2),
 )
 DEFAULT_STUDENTS = ("dmd2_1", "dmd2_2", "dmd2_4", "self_forcing", "pdd", "dm_pdd")  # without --students
+ON_A14B = ("dmd2_1", "dmd2_2", "dmd2_4", "phased_dmd")  # the students --base a14b takes (bidirectional ones), its default
 
 
 @dataclass(frozen=True)
@@ -185,7 +192,7 @@ def expand_students(chosen: list[Student], train_seeds: int, sparse: dict[str, A
                     params.update({f"{student.stage}.attention": "sparse", **{f"{student.stage}.{key}": value
                                                                                for key, value in sparse.items()}})
                 out.append(Student(name, student.stage, student.method + ("_sparse" if twin else ""), params,
-                                   student.name if twin else None, student.own_pretrain))
+                                   student.name if twin else None, student.own_pretrain, student.experts))
     return out
 
 
@@ -596,8 +603,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, help="override the scale's seed count")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a params.yaml value for every workspace (YAML), e.g. --set pdd.dm_weight=0.5")
-    parser.add_argument("--students", default=",".join(DEFAULT_STUDENTS),
-                        help="the students to train and evaluate, comma-separated (default: DEFAULT_STUDENTS); the teacher's candidates always")
+    parser.add_argument("--students", default=None,
+                        help="the students to train and evaluate, comma-separated (default: DEFAULT_STUDENTS; --base a14b: "
+                             "ON_A14B); the teacher's candidates always")
+    parser.add_argument("--base", choices=("wan2.1", "a14b"), default="wan2.1", help="a14b: a tiny Wan 2.2 A14B (module doc)")
     parser.add_argument("--train-seeds", type=int, default=1,
                         help="train each student with this many seeds (params seed 0 … N − 1): <name>, <name>_seed1, …")
     parser.add_argument("--sparse", default=None, metavar="SPARSITY:F,H,W",
@@ -623,10 +632,12 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     args.reuse = args.reuse or args.rescore or args.keep_sampled
-    args.students = [n for n in args.students.split(",") if n]
-    unknown = sorted(set(args.students) - {s.name for s in STUDENTS})
+    takes = [s.name for s in STUDENTS if (s.name in ON_A14B if args.base == "a14b" else s.experts == 1)]
+    args.students = [n for n in (args.students or ",".join(ON_A14B if args.base == "a14b" else DEFAULT_STUDENTS)).split(",")
+                     if n]
+    unknown = sorted(set(args.students) - set(takes))
     if unknown:
-        print(f"error: --students: unknown {', '.join(unknown)}; valid: {', '.join(s.name for s in STUDENTS)}", file=sys.stderr)
+        print(f"error: --students: {', '.join(unknown)} not on --base {args.base}; valid: {', '.join(takes)}", file=sys.stderr)
         return 2
     args.teacher_steps = tuple(int(v) for v in args.teacher_steps.split(","))
     if args.teacher_steps[0] != 40 or args.train_seeds < 1:
@@ -656,6 +667,15 @@ def main(argv: list[str] | None = None) -> int:
         args.eval_reserve_s = 0.45 * args.budget_s if args.budget_s != float("inf") else 0.0
     base_scale = SCALES[args.scale]
     extra = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    if args.base == "a14b":  # the tiny two-expert folder, made once in the work folder
+        from distillery.tinybase.wan22 import make_tiny_wan22
+
+        folder = args.work.resolve() / "tiny-a14b"
+        if not (folder / "model_index.json").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            make_tiny_wan22(folder, "a14b")
+        extra = {"pretrain.method": "ode_init_bidirectional", "base.path": str(folder), **extra}
     scale = Scale({**base_scale.params, **extra}, args.prompts or base_scale.prompts, args.seeds or base_scale.seeds,
                   base_scale.bootstrap)
     if not 1 <= scale.prompts <= len(PROMPTS_FILE.read_text().splitlines()):
