@@ -43,6 +43,14 @@ def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def a14b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Wan 2.2 A14B folder: two experts (``transformer``, ``transformer_2``), boundary_ratio 0.875."""
+    from distillery.tinybase.wan22 import make_tiny_wan22
+
+    return make_tiny_wan22(tmp_path_factory.mktemp("a14b") / "a14b", "a14b")
+
+
+@pytest.fixture(scope="session")
 def latent_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from distillery.data.demo import make_demo_latents
 

@@ -82,8 +82,9 @@ def write_config(path: Path, cfg: dict[str, Any]) -> Path:
     return path
 
 
-def train_in_process(raw: dict[str, Any]):
-    """Train one process in this interpreter (a world of one); returns the TrainResult."""
+def fit_in_process(raw: dict[str, Any]):
+    """Build and fit one process in this interpreter (a world of one); returns ``(TrainResult, the trainer)`` — its
+    models stay in memory."""
     from distillery.components.distributed import init_distributed, shutdown
     from distillery.config import allowed_prefixes, load_run_config
     from distillery.engine.assemble import build_trainer
@@ -91,9 +92,15 @@ def train_in_process(raw: dict[str, Any]):
     config = load_run_config(raw=raw, prefixes=allowed_prefixes())
     env = init_distributed(config.training.distributed)
     try:
-        return build_trainer(config, env).fit()
+        trainer = build_trainer(config, env)
+        return trainer.fit(), trainer
     finally:
         shutdown()
+
+
+def train_in_process(raw: dict[str, Any]):
+    """Train one process in this interpreter (a world of one); returns the TrainResult."""
+    return fit_in_process(raw)[0]
 
 
 def role_state(checkpoint: Path, role: str = "student", ema: str | None = None) -> dict[str, torch.Tensor]:

@@ -19,22 +19,10 @@ from distillery.models.base import Conditioning
 from distillery.models.wan import CausalWanModel, CausalWanModelConfig, WanModel, WanModelConfig
 from distillery.sampling import build_sampler
 from distillery.sampling.noise import RNGNoise
-from distillery.tinybase.wan22 import A14B_BOUNDARY_RATIO, make_tiny_wan22
+from distillery.tinybase.wan22 import A14B_BOUNDARY_RATIO
 
 BOUNDARY = A14B_BOUNDARY_RATIO * 1000
 LADDER = [1000.0, 900.0, 500.0]  # two steps of the high-noise expert, one of the low-noise one
-
-
-@pytest.fixture(scope="module")
-def a14b(tmp_path_factory) -> Path:
-    return make_tiny_wan22(tmp_path_factory.mktemp("a14b") / "a14b", "a14b")
-
-
-@pytest.fixture(scope="module")
-def latents(tmp_path_factory) -> Path:
-    from distillery.data.demo import make_demo_latents
-
-    return make_demo_latents(tmp_path_factory.mktemp("a14b-latents") / "latents")
 
 
 def causal(folder: Path, chunk_size: int = 1, trainable: bool = False) -> CausalWanModel:
@@ -101,8 +89,8 @@ def test_the_caches_are_the_experts_own(a14b):
 
 
 @pytest.fixture(scope="module")
-def training(a14b, latents):
-    return load_run_config(raw=run_config(a14b, latents, Path("unused")), prefixes=allowed_prefixes()).training
+def training(a14b, latent_set):
+    return load_run_config(raw=run_config(a14b, latent_set, Path("unused")), prefixes=allowed_prefixes()).training
 
 
 def make(a14b: Path, training, **knobs) -> SelfForcingMethod:
@@ -192,11 +180,11 @@ def test_the_shipped_samplers_stream_a_two_expert_student_as_the_package_does(a1
     ("distillery.methods.dfsft.DFSFTMethod", "distillery.models.wan.CausalWanModel"),
     ("distillery.methods.dfsft.DFSFTMethod", "distillery.models.wan.WanModel"),
     ("distillery.methods.kd.KDMethod", "distillery.models.wan.CausalWanModel")])
-def test_methods_whose_one_forward_spans_both_experts_are_one_line(a14b, latents, tmp_path, method, student):
+def test_methods_whose_one_forward_spans_both_experts_are_one_line(a14b, latent_set, tmp_path, method, student):
     from helpers import train_in_process
 
     knobs = {"chunk_size": 1} if "dfsft" in method else {"chunk_size": 1, "t_list": [999.0, 500.0, 0.0]}
-    cfg = run_config(a14b, latents, tmp_path / "run", method=method, method_knobs=knobs, steps=1)
+    cfg = run_config(a14b, latent_set, tmp_path / "run", method=method, method_knobs=knobs, steps=1)
     cfg["models"]["student"] = {"_target_": student, "init_from": str(a14b),
                                 **({"chunk_size": 1} if student.endswith("CausalWanModel") else {})}
     with pytest.raises(UserError, match="two experts .*span both experts in one forward"):

@@ -15,14 +15,9 @@ import torch
 from distillery.common.errors import UserError
 from distillery.models import registry
 from distillery.models.base import Conditioning
-from distillery.tinybase.wan22 import A14B_BOUNDARY_RATIO, make_tiny_wan22
+from distillery.tinybase.wan22 import A14B_BOUNDARY_RATIO
 
 BOUNDARY = A14B_BOUNDARY_RATIO * 1000
-
-
-@pytest.fixture(scope="module")
-def a14b(tmp_path_factory) -> Path:
-    return make_tiny_wan22(tmp_path_factory.mktemp("a14b") / "a14b", "a14b")
 
 
 def _stock_and_ours(folder: Path, guidance: float, guidance_2: float | None, steps: int = 10):

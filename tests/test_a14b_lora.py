@@ -11,38 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_config, tiny_raw_batch
+from helpers import fit_in_process, run_config, tiny_raw_batch
 
 from distillery.common.errors import UserError
-from distillery.tinybase.wan22 import A14B_BOUNDARY_RATIO, make_tiny_wan22
+from distillery.tinybase.wan22 import A14B_BOUNDARY_RATIO
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj"]}
-
-
-@pytest.fixture(scope="module")
-def a14b(tmp_path_factory) -> Path:
-    return make_tiny_wan22(tmp_path_factory.mktemp("a14b") / "a14b", "a14b")
-
-
-@pytest.fixture(scope="module")
-def latents(tmp_path_factory) -> Path:
-    from distillery.data.demo import make_demo_latents
-
-    return make_demo_latents(tmp_path_factory.mktemp("a14b-latents") / "latents")
-
-
-def _fit(raw: dict):
-    from distillery.components.distributed import init_distributed, shutdown
-    from distillery.config import allowed_prefixes, load_run_config
-    from distillery.engine.assemble import build_trainer
-
-    config = load_run_config(raw=raw, prefixes=allowed_prefixes())
-    env = init_distributed(config.training.distributed)
-    try:
-        trainer = build_trainer(config, env)
-        return trainer.fit(), trainer
-    finally:
-        shutdown()
 
 
 def lora_config(base: Path, data: Path, out: Path, steps: int = 3) -> dict:
@@ -52,9 +26,9 @@ def lora_config(base: Path, data: Path, out: Path, steps: int = 3) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, a14b, latents):
+def trained(tmp_path_factory, a14b, latent_set):
     root = tmp_path_factory.mktemp("a14b-lora")
-    result, trainer = _fit(lora_config(a14b, latents, root / "run"))
+    result, trainer = fit_in_process(lora_config(a14b, latent_set, root / "run"))
     return {"root": root, "result": result, "model": trainer.run.models["student"]}
 
 
@@ -113,11 +87,11 @@ def test_merged_and_adapter_exports_are_the_trained_model_in_stock_diffusers(tra
         assert (_forward(plain, t) - _forward(ours, t)).abs().max() > 1e-3  # the adapter moved it
 
 
-def test_a_changed_second_expert_is_refused_at_export_and_resume(trained, a14b, latents, tmp_path):
+def test_a_changed_second_expert_is_refused_at_export_and_resume(trained, a14b, latent_set, tmp_path):
     from distillery.export.weights import export_weights
 
     base = Path(shutil.copytree(a14b, tmp_path / "base"))
-    result, _ = _fit(lora_config(base, latents, tmp_path / "run", steps=1))
+    result, _ = fit_in_process(lora_config(base, latent_set, tmp_path / "run", steps=1))
     with torch.no_grad():  # the second expert's weights change on disk
         from diffusers import WanTransformer3DModel
 
@@ -126,9 +100,9 @@ def test_a_changed_second_expert_is_refused_at_export_and_resume(trained, a14b, 
         low.save_pretrained(base / "transformer_2", safe_serialization=True)
     with pytest.raises(UserError, match=r"its second expert\) was trained on .*transformer_2 with sha256"):
         export_weights(result.checkpoint, "student", tmp_path / "x", lora="merged")
-    again = lora_config(base, latents, tmp_path / "run", steps=2)
+    again = lora_config(base, latent_set, tmp_path / "run", steps=2)
     with pytest.raises(UserError, match="LoRA base changed since this checkpoint was saved"):
-        _fit(again)
+        fit_in_process(again)
 
 
 def test_the_adapter_card_loads_both_experts(trained, a14b, tmp_path):

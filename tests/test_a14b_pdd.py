@@ -20,22 +20,10 @@ from distillery.models.base import Conditioning, HeadGroup
 from distillery.models.wan import WanModel, WanModelConfig
 from distillery.models.wan.pdd import HEADS_FILE, ExpertHeadBanks, PDDWanModel, PDDWanModelConfig, read_head_bank
 from distillery.sampling import build_sampler
-from distillery.tinybase.wan22 import A14B_BOUNDARY_RATIO, make_tiny_wan22
+from distillery.tinybase.wan22 import A14B_BOUNDARY_RATIO
 
 BOUNDARY = A14B_BOUNDARY_RATIO * 1000
 P = 4  # fine-grid intervals: at shift 3 the nodes are 1000, 900, 750, 500, 0 — two above the boundary, two below
-
-
-@pytest.fixture(scope="module")
-def a14b(tmp_path_factory) -> Path:
-    return make_tiny_wan22(tmp_path_factory.mktemp("a14b") / "a14b", "a14b")
-
-
-@pytest.fixture(scope="module")
-def latents(tmp_path_factory) -> Path:
-    from distillery.data.demo import make_demo_latents
-
-    return make_demo_latents(tmp_path_factory.mktemp("a14b-latents") / "latents")
 
 
 def student(folder: Path, trainable: bool = True) -> PDDWanModel:
@@ -68,8 +56,8 @@ def test_each_row_is_projected_by_its_experts_heads(a14b):
 
 
 @pytest.fixture(scope="module")
-def training(a14b, latents):
-    return load_run_config(raw=run_config(a14b, latents, Path("unused")), prefixes=allowed_prefixes()).training
+def training(a14b, latent_set):
+    return load_run_config(raw=run_config(a14b, latent_set, Path("unused")), prefixes=allowed_prefixes()).training
 
 
 def test_a_pdd_step_trains_both_experts_and_their_heads(a14b, training):
@@ -145,10 +133,10 @@ def test_the_one_nfe_fused_transformer_is_the_high_noise_experts(a14b):
     torch.testing.assert_close(euler, fused, rtol=0, atol=1e-5)
 
 
-def test_pdd_trains_two_experts_through_the_trainer_and_exports_both_banks(a14b, latents, tmp_path):
+def test_pdd_trains_two_experts_through_the_trainer_and_exports_both_banks(a14b, latent_set, tmp_path):
     from distillery.export.weights import export_weights
 
-    cfg = run_config(a14b, latents, tmp_path / "run", method="distillery.methods.pdd.PDDMethod", steps=2, batch_size=4,
+    cfg = run_config(a14b, latent_set, tmp_path / "run", method="distillery.methods.pdd.PDDMethod", steps=2, batch_size=4,
                      save_every=2, method_knobs={"rollout": "simulate", "block_size_max": 2, "sampling_steps": 2})
     cfg["models"]["student"] = {"_target_": "distillery.models.wan.PDDWanModel", "init_from": str(a14b), "pdd_steps": P}
     cfg["models"]["teacher"] = {"_target_": "distillery.models.wan.WanModel", "init_from": str(a14b), "trainable": False}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import dcp_tensors, run_config, tiny_raw_batch, train_in_process, write_config
+from helpers import dcp_tensors, fit_in_process, run_config, tiny_raw_batch, train_in_process, write_config
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj"]}
 
@@ -22,25 +22,10 @@ def _lora_config(base: Path, data: Path, out: Path, steps: int = 3, **lora) -> d
     return cfg
 
 
-def _fit(raw: dict):
-    """Build and fit in this process; returns (result, the trainer: its models stay in memory)."""
-    from distillery.components.distributed import init_distributed, shutdown
-    from distillery.config import allowed_prefixes, load_run_config
-    from distillery.engine.assemble import build_trainer
-
-    config = load_run_config(raw=raw, prefixes=allowed_prefixes())
-    env = init_distributed(config.training.distributed)
-    try:
-        trainer = build_trainer(config, env)
-        return trainer.fit(), trainer
-    finally:
-        shutdown()
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_base, latent_set):
     root = tmp_path_factory.mktemp("lora")
-    result, trainer = _fit(_lora_config(tiny_base, latent_set, root / "run"))
+    result, trainer = fit_in_process(_lora_config(tiny_base, latent_set, root / "run"))
     return {"root": root, "result": result, "model": trainer.run.models["student"], "base": tiny_base}
 
 
@@ -139,7 +124,7 @@ def test_export_refuses_a_changed_base_and_adapter_of_full_weights(trained, tmp_
     # an adapter whose base moved: one line naming it, nothing written
     base_copy = tmp_path / "base"
     shutil.copytree(trained["base"], base_copy)
-    moved = _fit(_lora_config(base_copy, latent_set, tmp_path / "moved", steps=1))[0]
+    moved = fit_in_process(_lora_config(base_copy, latent_set, tmp_path / "moved", steps=1))[0]
     shutil.rmtree(base_copy)
     with pytest.raises(UserError, match="which is not here") as info:
         export_weights(moved.checkpoint, "student", tmp_path / "y")
@@ -187,10 +172,10 @@ def test_lora_config_round_trips_and_overrides(tiny_base, latent_set, tmp_path):
 def test_lora_under_compile_and_activation_checkpointing_matches_eager(tmp_path, tiny_base, latent_set):
     """The engine's compile (regional, per block) and activation checkpointing (a share of the blocks) over the
     PEFT layers: the adapter trains as it does eagerly (CPU fp32; Inductor's kernels differ in the last bits)."""
-    eager = _fit(_lora_config(tiny_base, latent_set, tmp_path / "eager", steps=2))[0]
+    eager = fit_in_process(_lora_config(tiny_base, latent_set, tmp_path / "eager", steps=2))[0]
     cfg = _lora_config(tiny_base, latent_set, tmp_path / "compiled", steps=2)
     cfg["training"]["model"] = {"compile": True, "activation_checkpointing": True, "activation_checkpointing_fraction": 0.5}
-    compiled = _fit(cfg)[0]
+    compiled = fit_in_process(cfg)[0]
     a = dcp_tensors(eager.checkpoint, ("roles.student.",))
     b = dcp_tensors(compiled.checkpoint, ("roles.student.",))
     assert a.keys() == b.keys() and a
@@ -239,7 +224,7 @@ def test_lora_under_the_bf16_compute_copy(tmp_path, tiny_base, latent_set):
 
     cfg = _lora_config(tiny_base, latent_set, tmp_path / "run", steps=2)
     cfg["training"]["distributed"] = {"mixed_precision": "bf16"}
-    model = _fit(cfg)[1].run.models["student"]
+    model = fit_in_process(cfg)[1].run.models["student"]
     assert model.compute_copy is not None and model.compute_dtype == torch.bfloat16
     master, copy = dict(model.transformer.named_parameters()), dict(model.forward_module.named_parameters())
     base = WanTransformer3DModel.from_pretrained(tiny_base / "transformer").state_dict()

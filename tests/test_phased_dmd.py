@@ -41,24 +41,12 @@ from distillery.models.schedule import x0_from_velocity
 from distillery.models.wan import WanModel, WanModelConfig
 from distillery.sampling import build_sampler
 from distillery.sampling.noise import RNGNoise
-from distillery.tinybase.wan22 import A14B_BOUNDARY_RATIO, make_tiny_wan22
+from distillery.tinybase.wan22 import A14B_BOUNDARY_RATIO
 
 BOUNDARY = A14B_BOUNDARY_RATIO * 1000
 LADDER = [1000.0, 900.0, 500.0, 250.0]  # high: 1000, 900; low: 500, 250 (σ_b = 0.5)
 LIGHTX2V = Path(os.environ.get("DISTILLERY_LIGHTX2V_SRC", "/work/.mirror/ModelTC+LightX2V/repo"))
 TRAINERS = "lightx2v_train/lightx2v_train/trainers"
-
-
-@pytest.fixture(scope="module")
-def a14b(tmp_path_factory) -> Path:
-    return make_tiny_wan22(tmp_path_factory.mktemp("a14b") / "a14b", "a14b")
-
-
-@pytest.fixture(scope="module")
-def latents(tmp_path_factory) -> Path:
-    from distillery.data.demo import make_demo_latents
-
-    return make_demo_latents(tmp_path_factory.mktemp("a14b-latents") / "latents")
 
 
 # -- LightX2V's own functions ---------------------------------------------------------------------
@@ -198,8 +186,8 @@ def test_the_phase_losses_and_gradients_are_lightx2vs_on_the_same_tensors(phase,
 
 # -- the method on the tiny two-expert Wan ---------------------------------------------------------
 @pytest.fixture(scope="module")
-def training(a14b, latents):
-    return load_run_config(raw=run_config(a14b, latents, Path("unused")), prefixes=allowed_prefixes()).training
+def training(a14b, latent_set):
+    return load_run_config(raw=run_config(a14b, latent_set, Path("unused")), prefixes=allowed_prefixes()).training
 
 
 def make(a14b: Path, training, **knobs) -> PhasedDMDMethod:
@@ -292,7 +280,7 @@ def test_bad_configurations_are_one_line(a14b, tiny_base, training):
         PhasedDMDMethod.check_roles(configs)
 
 
-def test_phased_dmd_trains_both_experts_through_the_trainer_and_exports(a14b, latents, tmp_path):
+def test_phased_dmd_trains_both_experts_through_the_trainer_and_exports(a14b, latent_set, tmp_path):
     import json
     import shutil
 
@@ -301,7 +289,7 @@ def test_phased_dmd_trains_both_experts_through_the_trainer_and_exports(a14b, la
     from distillery.export.weights import export_weights
     from distillery.models import registry
 
-    cfg = run_config(a14b, latents, tmp_path / "run", method="distillery.methods.phased_dmd.PhasedDMDMethod", steps=4,
+    cfg = run_config(a14b, latent_set, tmp_path / "run", method="distillery.methods.phased_dmd.PhasedDMDMethod", steps=4,
                      batch_size=2, save_every=4, method_knobs={"generator_update_interval": 1, "student_timesteps": LADDER,
                                                               "real_score_guidance_scale": 3.0})
     wan = "distillery.models.wan.WanModel"
