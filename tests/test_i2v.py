@@ -265,9 +265,9 @@ def test_a_causal_i2v_model_streams_each_chunk_with_its_frames_condition(i2v_bas
 
 def test_export_of_an_i2v_base_is_stock_or_its_own_pipeline(i2v_base, tmp_path):
     """A model of an I2V base exports as a stock WanImageToVideoPipeline folder where stock code samples its contract
-    (the teacher's Euler), else with distillery's own pipeline, which takes the first frame; a two-expert (Wan 2.2
-    A14B) student, whose experts the own pipeline does not route, is one line before any work (the export's one check
-    of what its own pipeline samples, for every base)."""
+    (the teacher's Euler), else with distillery's own pipeline, which takes the first frame; the own pipeline routes a
+    text-to-video two-expert (Wan 2.2 A14B) student of every contract, while an image-to-video one of two experts is
+    one line before any work (the export's one check of what its own pipeline samples, for every base)."""
     import shutil
 
     from distillery.export.code import check_own_pipeline_samples
@@ -287,24 +287,24 @@ def test_export_of_an_i2v_base_is_stock_or_its_own_pipeline(i2v_base, tmp_path):
     for causal in ({"sampler": "causal_streaming", "chunk_size": 1}, {"sampler": "euler", "chunk_size": 1}):
         with pytest.raises(UserError, match="causal image-to-video model whose sampling.json lacks given_first_frame"):
             check(one, "distill", causal)  # a causal I2V student trained before its frame 0 was the given frame
-    for contract in ({"sampler": "few_step_x0", "timesteps": [1000.0, 500.0]},
-                     {"sampler": "causal_streaming", "chunk_size": 1, "given_first_frame": True},
-                     {"sampler": "pdd_fused", "pdd_steps": 4}, {"sampler": "euler", "chunk_size": 1, "given_first_frame": True}):
+    contracts = ({"sampler": "few_step_x0", "timesteps": [1000.0, 500.0]},
+                 {"sampler": "causal_streaming", "chunk_size": 1, "given_first_frame": True},
+                 {"sampler": "pdd_fused", "pdd_steps": 4}, {"sampler": "euler", "chunk_size": 1, "given_first_frame": True})
+    for contract in contracts:
         check(one, "distill", contract)
-        if contract["sampler"] == "few_step_x0":  # the own pipeline routes two text-to-video experts (tests/test_wan22.py)
-            check(two, "distill", contract)
-            continue
-        with pytest.raises(UserError, match=f"two experts\\) with the '{contract['sampler']}' sampling contract.*"
-                                            "export.student: teacher"):
-            check(two, "distill", contract)
+        # the own pipeline routes two text-to-video experts, every contract (tests/test_wan22.py: few-step;
+        # tests/test_a14b_causal.py: a cache per expert; tests/test_a14b_pdd.py: a head bank per expert)
+        check(two, "distill", contract)
     # a two-expert image-to-video student (Wan 2.2 I2V-A14B): its first frame through two experts is not shown sampled
     # as validate samples it — refused, every own-pipeline contract
     config = json.loads((two / "transformer" / "config.json").read_text())
     config["in_channels"] = 2 * config["out_channels"] + 4
     (two / "transformer" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match="few_step_x0' sampling contract; the exported pipeline.py does not sample an "
-                                        "image-to-video student of two experts"):
-        check(two, "distill", {"sampler": "few_step_x0", "timesteps": [1000.0, 500.0]})
+    for contract in contracts:
+        with pytest.raises(UserError, match=f"two experts\\) with the '{contract['sampler']}' sampling contract; the "
+                                            "exported pipeline.py does not sample an image-to-video student of two "
+                                            "experts.*export.student: teacher"):
+            check(two, "distill", contract)
 
 
 I2V_CONTRACTS = {  # (contract, call steps, call guidance): every kind of student the own pipeline samples
