@@ -152,7 +152,7 @@ RULES = [  # (edits, the message must contain)
     ({"validate__teacher_steps": 40}, "validate.teacher_steps: 40: expected a list"),
     ({"validate__pretrain_steps": 0}, "validate.pretrain_steps: 0: must be ≥ 1"),
     ({"validate__num_seeds": 0}, "validate.num_seeds: 0: must be ≥ 1"),
-    ({"distill__method": "sid"}, "distill.method: 'sid': valid values: dmd2, self_forcing (stages/recipes/distill/)"),
+    ({"distill__method": "sid"}, "distill.method: 'sid': valid values: dmd2, phased_dmd, self_forcing (stages/recipes/distill/)"),
     ({"distill__student_steps": 0}, "distill.student_steps: 0: must be ≥ 1"),
     ({"distill__context_noise": 1000.0}, "distill.context_noise: 1000.0: must be in [0, 1000): a timestep"),
     ({"distill__critic_learning_rate": 0}, "distill.critic_learning_rate: 0: must be a finite number > 0"),
