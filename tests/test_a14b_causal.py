@@ -1,7 +1,8 @@
 """Causal students of two experts (Wan 2.2 A14B, issue 63 item 2): each expert keeps its own KV cache, each streaming
 call goes to the expert of its timestep, a cache write goes into both; Self-Forcing trains such a student (its rollout
 the deployed ``causal_streaming`` sampler, both experts trained, its teacher's real score by expert); the export's
-shipped samplers sample it as the package does; DFSFT and causal KD, whose one forward spans both experts, are one line."""
+shipped samplers sample it as the package does; DFSFT (TFSFT too), causal KD and causal CD, whose one forward spans both
+experts, are one line."""
 
 from __future__ import annotations
 
@@ -179,13 +180,18 @@ def test_the_shipped_samplers_stream_a_two_expert_student_as_the_package_does(a1
 @pytest.mark.parametrize("method,student", [
     ("distillery.methods.dfsft.DFSFTMethod", "distillery.models.wan.CausalWanModel"),
     ("distillery.methods.dfsft.DFSFTMethod", "distillery.models.wan.WanModel"),
-    ("distillery.methods.kd.KDMethod", "distillery.models.wan.CausalWanModel")])
+    ("distillery.methods.tfsft.TFSFTMethod", "distillery.models.wan.CausalWanModel"),
+    ("distillery.methods.kd.KDMethod", "distillery.models.wan.CausalWanModel"),
+    ("distillery.methods.causal_cd.CausalCDMethod", "distillery.models.wan.CausalWanModel")])
 def test_methods_whose_one_forward_spans_both_experts_are_one_line(a14b, latent_set, tmp_path, method, student):
     from helpers import train_in_process
 
-    knobs = {"chunk_size": 1} if "dfsft" in method else {"chunk_size": 1, "t_list": [999.0, 500.0, 0.0]}
-    cfg = run_config(a14b, latent_set, tmp_path / "run", method=method, method_knobs=knobs, steps=1)
+    knobs = {"methods.kd.": {"chunk_size": 1, "t_list": [999.0, 500.0, 0.0]}, "methods.causal_cd.": {}}
+    cfg = run_config(a14b, latent_set, tmp_path / "run", method=method,
+                     method_knobs=next((v for k, v in knobs.items() if k in method), {"chunk_size": 1}), steps=1)
     cfg["models"]["student"] = {"_target_": student, "init_from": str(a14b),
                                 **({"chunk_size": 1} if student.endswith("CausalWanModel") else {})}
+    if "causal_cd" in method:  # its frozen teacher: the same two experts, bidirectional
+        cfg["models"]["teacher"] = {"_target_": "distillery.models.wan.WanModel", "init_from": str(a14b), "trainable": False}
     with pytest.raises(UserError, match="two experts .*span both experts in one forward"):
         train_in_process(cfg)

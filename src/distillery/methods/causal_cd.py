@@ -101,6 +101,11 @@ class CausalCDMethod(TrainingMethod):
         if self.causal.given_first_frame:
             raise UserError("config error: method: causal consistency distillation of an image-to-video student is not "
                             "supported")
+        if self.student.boundary_timestep is not None:  # teacher forcing: the clean context (t = 0) beside the noisy frames
+            raise UserError("config error: models.student: a model of two experts (Wan 2.2 A14B); causal consistency "
+                            "distillation's teacher-forcing forward holds the clean context at t = 0 beside the noisy "
+                            "frames and would span both experts in one forward: not supported (train its causal student "
+                            "by Self-Forcing, whose every call is one expert's)")
         n = self.student.schedule.num_train_timesteps
         if self.teacher.schedule.num_train_timesteps != n:
             raise UserError(f"config error: models.teacher: its timestep scale differs from the student's ({n})")
