@@ -10,21 +10,28 @@
   a package folder where every module of it was imported, else the files) — nothing missing, so editing a module a stage runs
   reruns it, and nothing extra, so editing a module it does not run (another stage's, a help text)
   reruns nothing. ``DISTILLERY_WRITE_DVC_DEPS=1`` rewrites dvc.yaml's code deps from the trace.
+- What the default DAG cannot run is a dep all the same: a stage's other methods and options (:func:`option_code`), a
+  training stage off by default (:func:`off_by_default_code`), a training stage at more than one process, sequence or
+  tensor parallelism (:func:`layout_code`).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import os
 import re
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
 from workspace import shipped_params_text
 
 import distillery
+from distillery.models.base import ModelBase
 from distillery.pipeline.dvcfile import load_dvc_stages, stage_params
+from distillery.pipeline.launch.launcher import AGENT_MODULE, WORKER_MODULE
 from distillery.pipeline.launch.runner import STAGES
 from distillery.pipeline.params.reader import Params, StageParams, UndeclaredParam
 from distillery.pipeline.params.schema import TRAINING_STAGES, ParamsSchema
@@ -263,16 +270,36 @@ def _in_recipe_folder(module_file: str) -> bool:
     return len(parts) > 3 and parts[:2] == ("stages", "recipes")
 
 
-def _static_imports(module_file: str) -> set[str]:
-    """Repo paths of the package and stage-layer modules ``module_file`` (a repo path) imports anywhere in it (lazy
-    imports too)."""
-    import ast
+def _import_nodes(tree: ast.AST, within: tuple[str, ...] | None) -> Iterator[ast.AST]:
+    """The nodes of ``tree``: all of them (``within`` None); those of its functions (methods) named in ``within``; with
+    ``within`` empty, those Python runs on importing the module (outside every function and ``if TYPE_CHECKING:``)."""
+    if within is None:
+        yield from ast.walk(tree)
+    elif within:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in within:
+                yield from ast.walk(node)
+    else:
+        todo = [tree]
+        while todo:
+            node = todo.pop()
+            yield node
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                todo.extend(node.orelse)
+                continue
+            todo.extend(ast.iter_child_nodes(node))
 
+
+def _static_imports(module_file: str, within: tuple[str, ...] | None = None) -> set[str]:
+    """Repo paths of the package and stage-layer modules ``module_file`` (a repo path) imports anywhere in it (lazy
+    imports too), or only where :func:`_import_nodes` looks with ``within``."""
     path = ROOT / module_file
     inside = Path(module_file).relative_to("stages" if _is_stage_module(module_file) else PACKAGE_IN_REPO)
     package = ".".join(["stages" if _is_stage_module(module_file) else "distillery", *inside.with_suffix("").parts[:-1]])
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _import_nodes(ast.parse(path.read_text(), str(path)), within):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -295,16 +322,11 @@ def option_code(stage: str) -> set[str]:
     adapter = STAGE_LAYER / f"{stage}.py"
     if adapter.is_file():
         todo += [f for f in map(_module_file, importlib.import_module(f"stages.{stage}").__dict__.get("OPTION_MODULES", ())) if f]
-    seen: set[str] = set()
-    while todo:
-        module = todo.pop()
-        if module not in seen:
-            seen.add(module)
-            todo.extend(_static_imports(module) - seen)
-    return {m for m in seen if not _in_recipe_folder(m)}
+    return {m for m in _transitive(todo, _static_imports) if not _in_recipe_folder(m)}
 
 
-TRAINING_ENTRY = f"{PACKAGE_IN_REPO}/cli/train.py"  # what a training stage's workers run (``-m distillery.cli.train``)
+TRAINING_ENTRY = _module_file(WORKER_MODULE)  # what a training stage's workers run (``python -m``)
+LAUNCH_AGENT = _module_file(AGENT_MODULE)  # what runs them at more than one process (``gpus.nproc_per_node``, ``nnodes``)
 STAGE_RUNNER = f"{PACKAGE_IN_REPO}/pipeline/launch/runner.py"  # what runs a stage in its process (its checks, preflight)
 
 
@@ -315,16 +337,50 @@ def _packages_of(module_file: str) -> set[str]:
     return {f for f in found if (ROOT / f).is_file()} - {module_file}
 
 
-def _closure(module_file: str) -> set[str]:
-    """``module_file`` and the package and stage-layer modules it imports, transitively (lazy imports too), with their
-    packages' ``__init__``."""
-    todo, seen = [module_file], set()
+def _transitive(start: Iterable[str], imports: Callable[[str], set[str]]) -> set[str]:
+    """``start`` (repo paths of modules) and what ``imports`` says each of them imports, transitively."""
+    todo, seen = list(start), set()
     while todo:
         module = todo.pop()
         if module not in seen:
             seen.add(module)
-            todo.extend((_static_imports(module) | _packages_of(module)) - seen)
+            todo.extend(imports(module) - seen)
     return seen
+
+
+def _closure(module_file: str) -> set[str]:
+    """``module_file`` and the package and stage-layer modules it imports, transitively (lazy imports too), with their
+    packages' ``__init__``."""
+    return _transitive([module_file], lambda m: _static_imports(m) | _packages_of(m))
+
+
+def _imported_by_calling(module_file: str, functions: tuple[str, ...]) -> set[str]:
+    """The package modules that calling ``functions`` of ``module_file`` (a repo path, imported already) imports: what
+    they import, and what importing those runs (their module-level imports, their packages' ``__init__``),
+    transitively."""
+    return _transitive(_static_imports(module_file, functions), lambda m: _static_imports(m, ()) | _packages_of(m)) \
+        - {module_file}
+
+
+# The model plugin's hooks a training run calls only under sequence or tensor parallelism (``gpus.sp_size`` /
+# ``gpus.tp_size``, or the stage's own, > 1), named by the attributes of the base class every plugin overrides
+PARALLEL_HOOKS = tuple(hook.__name__ for hook in (ModelBase.sequence_parallel_problem, ModelBase.enable_sequence_parallel,
+                                                   ModelBase.tensor_parallel_problem, ModelBase.enable_tensor_parallel))
+MODELS = f"{PACKAGE_IN_REPO}/models/"
+
+
+def layout_code(stage: str, files: set[str]) -> set[str]:
+    """The code a training stage runs only at a launch layout the default DAG (one process, sp 1, tp 1) does not have,
+    which its trace cannot see: what the :data:`PARALLEL_HOOKS` of the model plugins among ``files`` (repo paths: the
+    modules the stage imports) import, transitively — the Wan family's Ulysses all-to-all
+    (``models/wan/sequence_parallel.py``) and DTensor plan (``models/wan/tensor_parallel.py``) —, and the torchrun
+    agent of a launch of more than one process (:data:`LAUNCH_AGENT`) with what it imports. A user whose
+    ``params.yaml`` sets ``gpus.nproc_per_node: 2, gpus.sp_size: 2`` runs it in every training stage, so an edit to it
+    reruns them. Empty for a stage that trains nothing (its model is never split)."""
+    if stage not in TRAINING_STAGES:
+        return set()
+    hooks = set().union(*(_imported_by_calling(f, PARALLEL_HOOKS) for f in files if f.startswith(MODELS)))
+    return hooks | _closure(LAUNCH_AGENT)
 
 
 def off_by_default_code(stage: str) -> set[str]:
@@ -341,20 +397,28 @@ def off_by_default_code(stage: str) -> set[str]:
     return {m for m in code if not _in_recipe_folder(m)}
 
 
+def uncovered(files: set[str], deps: list[str]) -> list[str]:
+    """The modules of ``files`` (repo paths a stage imported) that ``deps`` (its dvc.yaml deps) do not cover, its recipe
+    folder's aside (:func:`_in_recipe_folder`: the folder is the dep)."""
+    return sorted(f for f in files if not _covered(f, deps) and not _in_recipe_folder(f))
+
+
 def check_stage_imports(imported: dict[str, set[str]], root: Path) -> None:
     """Fail unless each stage's package-code deps in dvc.yaml are exactly what it imported, plus the code its
-    non-default methods run (:func:`option_code`) and, for a training stage off by default, the code its training runs
-    (:func:`off_by_default_code`); the recipe folders are deps of their own stage, as folders
+    non-default methods run (:func:`option_code`), for a training stage off by default the code its training runs
+    (:func:`off_by_default_code`), and what a training stage runs only at a launch layout the default DAG does not have
+    (:func:`layout_code`: several processes, sequence or tensor parallelism); the recipe folders are deps of their own stage, as folders
     (:func:`_in_recipe_folder`, ``test_training_stages_read_only_their_dvc_params``)."""
     imported = {name: {f for f in files if not _in_recipe_folder(f)} | option_code(name) | off_by_default_code(name)
                 for name, files in imported.items()}
+    imported = {name: files | layout_code(name, files) for name, files in imported.items()}
     stages = load_dvc_stages(root)
     assert set(imported) == set(stages), f"traced stages {sorted(imported)} != dvc.yaml stages {sorted(stages)}"
     derived = {name: code_deps(files) for name, files in imported.items()}
     if os.environ.get("DISTILLERY_WRITE_DVC_DEPS"):
         write_code_deps(root, derived)
         stages = load_dvc_stages(root)
-    missing = {name: sorted(f for f in files if not _covered(f, stages[name].deps)) for name, files in imported.items()}
+    missing = {name: uncovered(files, stages[name].deps) for name, files in imported.items()}
     missing = {k: v for k, v in missing.items() if v}
     assert not missing, "dvc.yaml: stages import code their deps do not list (add it to the stage's deps):\n" + "\n".join(
         f"  {name}: {', '.join(files)}" for name, files in missing.items())
@@ -407,3 +471,31 @@ def test_every_method_is_a_dep_of_a_training_stage():
     assert f"{PACKAGE_IN_REPO}/sampling/base.py" in option_code("pretrain")  # what the trajectories import, transitively
     assert f"{PACKAGE_IN_REPO}/methods/dm_pdd.py" in option_code("pdd") and "stages/trajectories.py" not in option_code("pdd")
     assert not any(_in_recipe_folder(m) for m in option_code("distill"))
+
+
+def _listed_modules(deps: list[str]) -> set[str]:
+    """The package modules ``deps`` (a stage's dvc.yaml deps) name: its module deps and every module of its folder
+    deps."""
+    found: set[str] = set()
+    for dep in _listed_code(deps):
+        if dep.endswith(".py"):
+            found.add(dep)
+        elif dep.startswith(PACKAGE_IN_REPO):
+            found |= _package_modules(PACKAGE / Path(dep).relative_to(PACKAGE_IN_REPO))
+    return found
+
+
+def test_code_a_training_stage_runs_only_at_another_launch_layout_is_its_dep():
+    """A user's ``gpus.sp_size: 2`` (``tp_size``, or a stage's own) makes every training stage call its model plugin's
+    parallelism hooks (:data:`PARALLEL_HOOKS`), and ``gpus.nproc_per_node: 2`` start its workers through the torchrun
+    agent (:data:`LAUNCH_AGENT`), code the default DAG (one process, sp 1, tp 1) never imports — the Wan family's
+    Ulysses all-to-all and DTensor plan: each training stage lists it all the same (:func:`layout_code`), so that
+    editing it reruns them instead of leaving their artifacts stale (issue 62); a stage that trains nothing does not.
+    ``tests/test_sp_stage.py`` traces a stage run at 2 processes, sp 2, and holds its imports to its deps."""
+    stages = load_dvc_stages(ROOT)
+    unseen = {f"{PACKAGE_IN_REPO}/models/wan/{name}.py" for name in ("sequence_parallel", "tensor_parallel")} | {LAUNCH_AGENT}
+    for name in TRAINING_STAGES:
+        code = layout_code(name, _listed_modules(stages[name].deps))
+        assert unseen <= code, (name, sorted(code))
+        assert not uncovered(code, stages[name].deps), (name, uncovered(code, stages[name].deps))
+    assert not layout_code("validate", _listed_modules(stages["validate"].deps))

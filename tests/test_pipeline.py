@@ -171,12 +171,17 @@ def _stale_after_editing(repo: Path, module: str) -> set[str]:
 def test_a_stage_depends_only_on_the_code_it_runs(repo):
     """Editing a module only the export uses (its model card) makes only `export` stale; a module only
     training uses (the trainer loop) makes the training stages stale, not the data stages, validate or
-    export; the CLI's lineage command, which no stage runs, makes nothing stale."""
+    export; the CLI's lineage command, which no stage runs, makes nothing stale. Sequence parallelism's Wan code and the
+    torchrun agent, which this one-process sp-1 DAG never imports, make the training stages stale all the same: a user
+    at ``gpus.nproc_per_node: 2, gpus.sp_size: 2`` runs them in each (issue 62)."""
     assert sh(["dvc", "status", "--json"], repo).stdout.strip() in ("{}", "")
     assert _stale_after_editing(repo, "src/distillery/export/model_card.py") == {"export"}
-    assert _stale_after_editing(repo, "src/distillery/engine/loop.py") == {"teacher", "pretrain", "distill", "pdd", "posttrain"}
+    training = {"teacher", "pretrain", "distill", "pdd", "posttrain"}
+    assert _stale_after_editing(repo, "src/distillery/engine/loop.py") == training
     assert _stale_after_editing(repo, "src/distillery/methods/pdd.py") == {"pdd"}
     assert _stale_after_editing(repo, "src/distillery/cli/lineage.py") == set()
+    for unseen in ("models/wan/sequence_parallel.py", "cli/launch.py"):  # run at sp 2, at 2 processes
+        assert _stale_after_editing(repo, f"src/distillery/{unseen}") == training, unseen
 
 
 def test_lineage_of_a_copied_export_verifies_and_names_an_altered_file(repo, tmp_path):

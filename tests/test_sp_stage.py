@@ -52,12 +52,24 @@ def _layout(repo: Path) -> dict:
     return {k: launch[k] for k in ("world_size", "replicate_size", "sp_size", "tp_size")}
 
 
-def test_an_sp_2_stage_publishes_its_sp_1_twin_and_resumes_at_sp_1(trained, tmp_path):
+def test_an_sp_2_stage_publishes_its_sp_1_twin_and_resumes_at_sp_1(trained, tmp_path, monkeypatch):
+    """... and every module the sp-2 run imports (its stage process, launcher and workers: sequence parallelism's
+    code, which the default DAG's trace never sees) is one of the stage's dvc.yaml deps."""
+    from test_dvc_deps import ROOT, imports_by_stage, recorder_env, uncovered
+
+    from distillery.pipeline.dvcfile import load_dvc_stages
+
     one, two, moved = (copy_workspace(trained, tmp_path / name) for name in ("one", "two", "moved"))
     set_params(two, SP2)
     set_params(moved, SP2)
     stage(one, STAGE, check=True)
-    out = stage(two, STAGE, check=True)
+    with monkeypatch.context() as traced:
+        for key, value in recorder_env(tmp_path / "recorder", tmp_path / "imports").items():
+            traced.setenv(key, value)
+        out = stage(two, STAGE, check=True)
+    imported = imports_by_stage(tmp_path / "imports")[STAGE]
+    assert "src/distillery/models/wan/sequence_parallel.py" in imported
+    assert not uncovered(imported, load_dvc_stages(ROOT)[STAGE].deps), uncovered(imported, load_dvc_stages(ROOT)[STAGE].deps)
     assert "sequence parallel: 2 ranks per sample" in out.stderr + out.stdout
     assert _layout(one) == {"world_size": 1, "replicate_size": 1, "sp_size": 1, "tp_size": 1}
     assert _layout(two) == {"world_size": 2, "replicate_size": 1, "sp_size": 2, "tp_size": 1}

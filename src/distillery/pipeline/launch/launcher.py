@@ -48,6 +48,8 @@ from distillery.common.log import get_logger
 
 log = get_logger("stage")
 GRACE_S = 10.0  # seconds a stopped agent gets to stop its workers before SIGKILL
+WORKER_MODULE = "distillery.cli.train"  # what every process of a launch runs (``python -m``): one training rank
+AGENT_MODULE = "distillery.cli.launch"  # what runs the workers of a launch of more than one process: torchrun, contained
 
 
 @dataclass
@@ -90,7 +92,7 @@ def slurm_allocation(nnodes: int) -> dict[str, str]:
 def agent_command(nnodes: int, nproc: int, endpoint: str | None, run_id: str, train_args: list[str],
                   is_host: bool | None = None, local_addr: str | None = None) -> list[str]:
     """``python -m distillery.cli.launch ... -m distillery.cli.train <train_args>``: one torchrun agent."""
-    cmd = [sys.executable, "-m", "distillery.cli.launch", "--nproc_per_node", str(nproc)]
+    cmd = [sys.executable, "-m", AGENT_MODULE, "--nproc_per_node", str(nproc)]
     if endpoint is None:
         cmd += ["--standalone"]
     else:
@@ -100,7 +102,7 @@ def agent_command(nnodes: int, nproc: int, endpoint: str | None, run_id: str, tr
             cmd += ["--rdzv_conf", f"is_host={str(is_host).lower()}"]
         if local_addr is not None:
             cmd += ["--local_addr", local_addr]
-    return cmd + ["-m", "distillery.cli.train", *train_args]
+    return cmd + ["-m", WORKER_MODULE, *train_args]
 
 
 def plan_launch(gpus: Any, train_args: list[str]) -> Launch:
@@ -121,7 +123,7 @@ def plan_launch(gpus: Any, train_args: list[str]) -> Launch:
                 "--export=ALL", f"--job-name=distillery-{Path(train_args[-1]).parent.name}"]
         return Launch([srun + agent], launcher, nnodes, nproc, endpoint, record, hosted)
     if nnodes == 1 and nproc == 1:  # the worker alone (module doc): it dies with this process as an agent would
-        return Launch([[sys.executable, "-m", "distillery.cli.train", *train_args]], launcher, 1, 1, None, record)
+        return Launch([[sys.executable, "-m", WORKER_MODULE, *train_args]], launcher, 1, 1, None, record)
     if nnodes == 1:
         return Launch([agent_command(1, nproc, None, run_id, train_args)], launcher, 1, nproc, None, record)
     hosted = not gpus.rdzv_endpoint
