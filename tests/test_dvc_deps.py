@@ -30,6 +30,7 @@ from workspace import shipped_params_text
 
 import distillery
 from distillery.models.base import ModelBase
+from distillery.models.registry import FAMILIES
 from distillery.pipeline.dvcfile import load_dvc_stages, stage_params
 from distillery.pipeline.launch.launcher import AGENT_MODULE, WORKER_MODULE
 from distillery.pipeline.launch.runner import STAGES
@@ -383,6 +384,30 @@ def layout_code(stage: str, files: set[str]) -> set[str]:
     return hooks | _closure(LAUNCH_AGENT)
 
 
+REGISTRY = f"{PACKAGE_IN_REPO}/models/registry.py"
+WAN = f"{PACKAGE_IN_REPO}/models/wan/"  # the default DAG's base family: the trace lists the Wan modules each stage runs
+
+
+def family_packages() -> dict[str, set[str]]:
+    """Each registered model family's name and the repo paths of every module of its package (``FAMILIES``)."""
+    return {family.name: _package_modules(PACKAGE.joinpath(*family.package.split(".")[1:])) for family in FAMILIES}
+
+
+def family_code(files: set[str]) -> set[str]:
+    """The code of the model families a stage that imports the family registry (:data:`REGISTRY`, among ``files``: repo
+    paths) loads by name when ``base.path`` (or a given model) is of that family — the default DAG's tiny Wan loads
+    only Wan's, so its trace cannot see Cosmos' or HunyuanVideo 1.5's: every module of each family package the trace
+    did not enter, with what it imports outside Wan's package (the families share some of Wan's modules — its head
+    bank, its causal attention —; which of those a stage runs, the Wan base's trace says). A user whose base is a
+    Cosmos folder runs them in every such stage, so an edit to them reruns it. Empty for a stage that does not import
+    the registry."""
+    if REGISTRY not in files:
+        return set()
+    unseen = [modules for modules in family_packages().values() if not modules & files]
+    code = set().union(*(_closure(m) for modules in unseen for m in modules))
+    return {m for m in code if m in files or not m.startswith(WAN)}  # Wan's modules: the trace of its own base decides
+
+
 def off_by_default_code(stage: str) -> set[str]:
     """The code a training stage that is off in the shipped params (``posttrain.enabled: false``) runs once switched on
     — the stage process's runner (:data:`STAGE_RUNNER`: the preflight that sizes a training run) and its adapter's
@@ -407,11 +432,12 @@ def check_stage_imports(imported: dict[str, set[str]], root: Path) -> None:
     """Fail unless each stage's package-code deps in dvc.yaml are exactly what it imported, plus the code its
     non-default methods run (:func:`option_code`), for a training stage off by default the code its training runs
     (:func:`off_by_default_code`), and what a training stage runs only at a launch layout the default DAG does not have
-    (:func:`layout_code`: several processes, sequence or tensor parallelism); the recipe folders are deps of their own stage, as folders
+    (:func:`layout_code`: several processes, sequence or tensor parallelism), and the model families a stage that
+    imports the registry loads for a base of that family (:func:`family_code`); the recipe folders are deps of their own stage, as folders
     (:func:`_in_recipe_folder`, ``test_training_stages_read_only_their_dvc_params``)."""
     imported = {name: {f for f in files if not _in_recipe_folder(f)} | option_code(name) | off_by_default_code(name)
                 for name, files in imported.items()}
-    imported = {name: files | layout_code(name, files) for name, files in imported.items()}
+    imported = {name: files | layout_code(name, files) | family_code(files) for name, files in imported.items()}
     stages = load_dvc_stages(root)
     assert set(imported) == set(stages), f"traced stages {sorted(imported)} != dvc.yaml stages {sorted(stages)}"
     derived = {name: code_deps(files) for name, files in imported.items()}
@@ -499,3 +525,18 @@ def test_code_a_training_stage_runs_only_at_another_launch_layout_is_its_dep():
         assert unseen <= code, (name, sorted(code))
         assert not uncovered(code, stages[name].deps), (name, uncovered(code, stages[name].deps))
     assert not layout_code("validate", _listed_modules(stages["validate"].deps))
+
+
+def test_every_registered_family_is_a_dep_of_each_stage_that_loads_families():
+    """A stage whose deps cover the family registry lists every registered family's whole package (``family_code``):
+    an edit to ``models/cosmos/`` reruns the stages of a user whose base is a Cosmos folder, though the default DAG
+    (the tiny Wan) never imports it."""
+    stages = load_dvc_stages(ROOT)
+    loading = {name: stage for name, stage in stages.items() if _covered(REGISTRY, stage.deps)}
+    assert {"teacher", "distill", "validate", "export"} <= set(loading), sorted(loading)
+    others = [modules for family, modules in family_packages().items()
+              if not family.startswith("wan")]  # the default DAG's base is a tiny Wan 2.1: its trace lists Wan's modules
+    assert len(others) >= 2, sorted(family_packages())
+    missing = {name: sorted(f for modules in others for f in modules if not _covered(f, stage.deps))
+               for name, stage in loading.items()}
+    assert not {k: v for k, v in missing.items() if v}, missing
